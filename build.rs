@@ -1,0 +1,345 @@
+//! Builds the CUDA kernels when the `cuda` feature is on:
+//! 1. find nvcc (CUDA_HOME, CUDA_PATH, or nvcc on PATH), else provision the pinned CUDA 13.0
+//!    compiler from PyPI into a cache outside the repository;
+//! 2. unpack the pinned CUTLASS headers (cutlass/fetch.py, sha256-verified);
+//! 3. compile every csrc/**/*.cu with nvcc (flags from the `cc` crate plus ours), two at a time,
+//!    caching each object under a hash of its source, the headers, the flags and the compiler;
+//! 4. archive the objects, link cudart statically, and generate the FFI with bindgen.
+//!
+//! Knobs: FLASHATTN_CACHE_DIR (default ~/.cache/flashattn), FLASHATTN_NVCC_JOBS (default 2),
+//! FLASHATTN_PTXAS_VERBOSE=1 (print ptxas resource reports), LIBCLANG_PATH.
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    #[cfg(feature = "cuda")]
+    cuda::build();
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use sha2::{Digest, Sha256};
+    use std::env;
+    use std::fs;
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+    use std::sync::{Arc, Mutex};
+
+    /// The CUDA 13.0 compiler packages verified to install together and to build sm_90a code
+    /// that runs on the H200's driver (DESIGN.md §2). nvvm is pinned: pip otherwise takes 13.5.
+    const CUDA_PACKAGES: &[&str] = &[
+        "nvidia-cuda-nvcc==13.0.88",
+        "nvidia-cuda-runtime==13.0.96",
+        "nvidia-cuda-cccl==13.0.85",
+        "nvidia-cuda-crt==13.0.88",
+        "nvidia-nvvm==13.0.88",
+    ];
+    const LIBCLANG_PACKAGE: &str = "libclang==18.1.1";
+
+    const BASE_FLAGS: &[&str] = &[
+        "-std=c++17",
+        "--expt-relaxed-constexpr",
+        "-O3",
+        "-DNDEBUG",
+        "-Xcompiler=-fPIC",
+    ];
+    const SM90_GENCODE: &[&str] = &["-gencode=arch=compute_90a,code=sm_90a"];
+    // sm_80 machine code for Ampere/Ada, sm_90 machine code so the fallback runs (and is tested)
+    // on Hopper too.
+    const SM80_GENCODE: &[&str] = &[
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90,code=sm_90",
+    ];
+
+    pub fn build() {
+        for var in [
+            "CUDA_HOME",
+            "CUDA_PATH",
+            "FLASHATTN_CACHE_DIR",
+            "FLASHATTN_NVCC_JOBS",
+            "FLASHATTN_PTXAS_VERBOSE",
+            "LIBCLANG_PATH",
+        ] {
+            println!("cargo:rerun-if-env-changed={var}");
+        }
+        let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+        let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
+        let cache = cache_dir();
+        fs::create_dir_all(&cache).expect("create the flashattn cache directory");
+
+        let cuda_root = find_or_provision_cuda(&cache);
+        let nvcc = cuda_root.join("bin").join("nvcc");
+        let cutlass_include = manifest.join("cutlass").join("include");
+        run(Command::new(python())
+            .arg(manifest.join("cutlass").join("fetch.py"))
+            .arg(&cutlass_include)
+            .arg(cache.join("cutlass-wheel")));
+        println!("cargo:rerun-if-changed=cutlass/fetch.py");
+
+        let csrc = manifest.join("csrc");
+        println!("cargo:rerun-if-changed=csrc");
+        let mut sources = Vec::new();
+        let mut headers = Vec::new();
+        walk(&csrc, &mut sources, &mut headers);
+        sources.sort();
+        headers.sort();
+
+        let objects = compile_all(&nvcc, &csrc, &cutlass_include, &sources, &headers, &cache);
+
+        let mut archive = cc::Build::new();
+        archive.cargo_warnings(false);
+        for obj in &objects {
+            archive.object(obj);
+        }
+        archive.compile("flashattn_kernels");
+
+        let lib_dir = ["lib64", "lib"]
+            .iter()
+            .map(|d| cuda_root.join(d))
+            .find(|d| d.join("libcudart_static.a").exists())
+            .unwrap_or_else(|| panic!("no libcudart_static.a under {}", cuda_root.display()));
+        println!("cargo:rustc-link-search=native={}", lib_dir.display());
+        println!("cargo:rustc-link-lib=static=cudart_static");
+        for lib in ["stdc++", "dl", "rt", "pthread"] {
+            println!("cargo:rustc-link-lib=dylib={lib}");
+        }
+
+        generate_bindings(&csrc.join("flash_api.h"), &out_dir, &cache);
+    }
+
+    fn python() -> String {
+        env::var("PYTHON").unwrap_or_else(|_| "python3".into())
+    }
+
+    fn cache_dir() -> PathBuf {
+        if let Ok(dir) = env::var("FLASHATTN_CACHE_DIR") {
+            return PathBuf::from(dir);
+        }
+        let home = env::var("HOME").unwrap_or_else(|_| ".".into());
+        PathBuf::from(home).join(".cache").join("flashattn")
+    }
+
+    fn run(cmd: &mut Command) {
+        let status = cmd
+            .status()
+            .unwrap_or_else(|e| panic!("flashattn: cannot run {cmd:?}: {e}"));
+        assert!(status.success(), "flashattn: {cmd:?} failed with {status}");
+    }
+
+    fn find_or_provision_cuda(cache: &Path) -> PathBuf {
+        for var in ["CUDA_HOME", "CUDA_PATH"] {
+            if let Ok(root) = env::var(var) {
+                let root = PathBuf::from(root);
+                if root.join("bin").join("nvcc").exists() {
+                    return root;
+                }
+            }
+        }
+        if let Some(path) = env::var_os("PATH") {
+            for dir in env::split_paths(&path) {
+                if dir.join("nvcc").exists() {
+                    return dir.parent().expect("nvcc has a parent directory").to_path_buf();
+                }
+            }
+        }
+        let target = cache.join("cuda-13.0.88");
+        let root = target.join("nvidia").join("cu13");
+        let stamp = target.join(".complete");
+        if !stamp.exists() {
+            println!(
+                "cargo:warning=flashattn: no nvcc found (CUDA_HOME, PATH); installing the pinned \
+                 CUDA 13.0 compiler from PyPI into {}",
+                target.display()
+            );
+            run(Command::new(python())
+                .args(["-m", "pip", "install", "-q", "--disable-pip-version-check", "--target"])
+                .arg(&target)
+                .args(CUDA_PACKAGES));
+            fs::write(&stamp, CUDA_PACKAGES.join("\n")).unwrap();
+        }
+        root
+    }
+
+    fn walk(dir: &Path, sources: &mut Vec<PathBuf>, headers: &mut Vec<PathBuf>) {
+        for entry in fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, sources, headers);
+            } else {
+                match path.extension().and_then(|e| e.to_str()) {
+                    Some("cu") => sources.push(path),
+                    Some("h" | "hpp" | "cuh") => headers.push(path),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// The nvcc command for one translation unit. The `cc` crate names the host C++ compiler
+    /// (CXX, or the platform default) so nvcc uses the one cargo would; the flags are ours, so no
+    /// -G or relocatable device code sneaks in whatever the cargo profile.
+    fn nvcc_command(nvcc: &Path, cutlass_include: &Path, csrc: &Path, gencode: &[&str]) -> Command {
+        let host = cc::Build::new()
+            .cpp(true)
+            .cargo_metadata(false)
+            .cargo_warnings(false)
+            .get_compiler();
+        let mut cmd = Command::new(nvcc);
+        cmd.arg("-ccbin")
+            .arg(host.path())
+            .args(BASE_FLAGS)
+            .args(gencode)
+            .arg("-I")
+            .arg(cutlass_include)
+            .arg("-I")
+            .arg(csrc);
+        cmd
+    }
+
+    fn compile_all(
+        nvcc: &Path,
+        csrc: &Path,
+        cutlass_include: &Path,
+        sources: &[PathBuf],
+        headers: &[PathBuf],
+        cache: &Path,
+    ) -> Vec<PathBuf> {
+        let obj_dir = cache.join("obj");
+        fs::create_dir_all(&obj_dir).unwrap();
+        let verbose = env::var("FLASHATTN_PTXAS_VERBOSE").is_ok_and(|v| v == "1");
+        let compiler_id = String::from_utf8_lossy(
+            &Command::new(nvcc)
+                .arg("--version")
+                .output()
+                .expect("nvcc --version")
+                .stdout,
+        )
+        .into_owned();
+        let mut shared = Sha256::new();
+        shared.update(compiler_id.as_bytes());
+        shared.update(fs::read(cutlass_include.join(".pin")).unwrap_or_default());
+        for h in headers {
+            shared.update(h.to_string_lossy().as_bytes());
+            shared.update(fs::read(h).unwrap());
+        }
+
+        // One job per translation unit: (source, command without its file arguments, object, log).
+        let mut jobs = Vec::new();
+        for src in sources {
+            let rel = src.strip_prefix(csrc).unwrap();
+            let gencode = if rel.starts_with("sm90") { SM90_GENCODE } else { SM80_GENCODE };
+            let mut cmd = nvcc_command(nvcc, cutlass_include, csrc, gencode);
+            if verbose {
+                cmd.arg("-Xptxas=-v");
+            }
+            let mut hasher = shared.clone();
+            hasher.update(format!("{cmd:?}").as_bytes());
+            hasher.update(fs::read(src).unwrap());
+            let hash: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+            let stem = rel.to_string_lossy().replace(['/', '\\'], "_");
+            let obj = obj_dir.join(format!("{stem}-{}.o", &hash[..16]));
+            let log = obj.with_extension("log");
+            jobs.push((src.clone(), cmd, obj, log));
+        }
+
+        let jobs_n: usize = env::var("FLASHATTN_NVCC_JOBS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2)
+            .max(1);
+        let objects: Vec<PathBuf> = jobs.iter().map(|j| j.2.clone()).collect();
+        let queue = Arc::new(Mutex::new(jobs));
+        let failures = Arc::new(Mutex::new(Vec::new()));
+        let workers: Vec<_> = (0..jobs_n)
+            .map(|_| {
+                let queue = Arc::clone(&queue);
+                let failures = Arc::clone(&failures);
+                std::thread::spawn(move || loop {
+                    let Some((src, mut cmd, obj, log)) = queue.lock().unwrap().pop() else {
+                        return;
+                    };
+                    if obj.exists() {
+                        if verbose {
+                            print_log(&log);
+                        }
+                        continue;
+                    }
+                    // Write beside the cache entry and rename, so an interrupted build leaves
+                    // no truncated object under the final name.
+                    let tmp = obj.with_extension(format!("tmp{}", std::process::id()));
+                    cmd.arg("-c").arg(&src).arg("-o").arg(&tmp);
+                    let out = cmd.output().expect("run nvcc");
+                    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+                    text.push_str(&String::from_utf8_lossy(&out.stderr));
+                    fs::write(&log, &text).unwrap();
+                    if out.status.success() {
+                        fs::rename(&tmp, &obj).unwrap();
+                        if verbose {
+                            print_log(&log);
+                        }
+                    } else {
+                        failures
+                            .lock()
+                            .unwrap()
+                            .push(format!("{}:\n{cmd:?}\n{text}", src.display()));
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().unwrap();
+        }
+        let failures = failures.lock().unwrap();
+        if !failures.is_empty() {
+            panic!("flashattn: nvcc failed\n{}", failures.join("\n\n"));
+        }
+        objects
+    }
+
+    fn print_log(log: &Path) {
+        for line in fs::read_to_string(log).unwrap_or_default().lines() {
+            println!("cargo:warning={line}");
+        }
+    }
+
+    /// bindgen needs libclang: use LIBCLANG_PATH or a system one, else the pinned PyPI wheel.
+    fn ensure_libclang(cache: &Path) {
+        if env::var_os("LIBCLANG_PATH").is_some() {
+            return;
+        }
+        let system = ["/usr/lib/llvm-18/lib", "/usr/lib/llvm-16/lib", "/usr/lib/llvm-14/lib"]
+            .iter()
+            .any(|d| Path::new(d).join("libclang.so").exists() || Path::new(d).join("libclang.so.1").exists());
+        if system {
+            return;
+        }
+        let target = cache.join("libclang-18.1.1");
+        let dir = target.join("clang").join("native");
+        if !dir.join("libclang.so").exists() {
+            println!(
+                "cargo:warning=flashattn: no libclang found; installing {LIBCLANG_PACKAGE} from \
+                 PyPI into {}",
+                target.display()
+            );
+            run(Command::new(python())
+                .args(["-m", "pip", "install", "-q", "--disable-pip-version-check", "--target"])
+                .arg(&target)
+                .arg(LIBCLANG_PACKAGE));
+        }
+        env::set_var("LIBCLANG_PATH", &dir);
+    }
+
+    fn generate_bindings(header: &Path, out_dir: &Path, cache: &Path) {
+        ensure_libclang(cache);
+        bindgen::Builder::default()
+            .header(header.to_string_lossy())
+            .allowlist_function("flashattn_.*")
+            .allowlist_type("flashattn_.*")
+            .prepend_enum_name(false)
+            .derive_default(true)
+            .layout_tests(false)
+            .generate()
+            .expect("bindgen on csrc/flash_api.h")
+            .write_to_file(out_dir.join("bindings.rs"))
+            .expect("write bindings.rs");
+    }
+}

@@ -1,0 +1,98 @@
+// Entry points of the C ABI: validate the parameters, pick the instantiation by arch, dtype and
+// head dim, launch on the caller's stream. The Rust side validates first; these checks are the
+// second line so that a wrong call from C is refused rather than faulting.
+#include <cuda_runtime.h>
+
+#include <cstring>
+
+#include "common/status.h"
+#include "flash_api.h"
+
+namespace {
+
+using flashattn::status;
+
+bool valid_tensor(const flashattn_tensor_t& t) { return t.ptr != nullptr; }
+
+// Checks every launcher shares: sizes, GQA ratio, element type, head dim.
+flashattn_result_t validate_common(const flashattn_params_t* p) {
+  if (p == nullptr) return status(FLASHATTN_INVALID_ARGUMENT);
+  if (p->batch <= 0 || p->seqlen_q <= 0 || p->seqlen_k <= 0 || p->heads_q <= 0 ||
+      p->heads_kv <= 0 || p->head_dim <= 0)
+    return status(FLASHATTN_INVALID_ARGUMENT);
+  if (p->heads_q % p->heads_kv != 0) return status(FLASHATTN_INVALID_ARGUMENT);
+  if (!(p->softmax_scale > 0.f)) return status(FLASHATTN_INVALID_ARGUMENT);
+  if (p->dtype != FLASHATTN_F16 && p->dtype != FLASHATTN_BF16) return status(FLASHATTN_UNSUPPORTED);
+  if (p->head_dim != 64 && p->head_dim != 128 && p->head_dim != 256)
+    return status(FLASHATTN_UNSUPPORTED);
+  return flashattn::ok();
+}
+
+flashattn_result_t validate_fwd(const flashattn_params_t* p) {
+  flashattn_result_t r = validate_common(p);
+  if (r.status != FLASHATTN_OK) return r;
+  if (!valid_tensor(p->q) || !valid_tensor(p->k) || !valid_tensor(p->v) || !valid_tensor(p->o) ||
+      p->lse == nullptr)
+    return status(FLASHATTN_INVALID_ARGUMENT);
+  return flashattn::ok();
+}
+
+flashattn_result_t validate_bwd(const flashattn_params_t* p) {
+  flashattn_result_t r = validate_fwd(p);
+  if (r.status != FLASHATTN_OK) return r;
+  if (!valid_tensor(p->dout) || !valid_tensor(p->dq) || !valid_tensor(p->dk) ||
+      !valid_tensor(p->dv))
+    return status(FLASHATTN_INVALID_ARGUMENT);
+  return flashattn::ok();
+}
+
+}  // namespace
+
+extern "C" uint32_t flashattn_built_kernels(void) {
+  // Kernel families land here as they are written (csrc/sm90, csrc/sm80).
+  return FLASHATTN_KERNEL_SM90_SELFTEST;
+}
+
+extern "C" flashattn_result_t flashattn_device_query(int32_t ordinal,
+                                                     flashattn_device_info_t* info) {
+  if (info == nullptr) return status(FLASHATTN_INVALID_ARGUMENT);
+  cudaDeviceProp prop;
+  FLASHATTN_TRY_CUDA(cudaGetDeviceProperties(&prop, ordinal));
+  info->major = prop.major;
+  info->minor = prop.minor;
+  info->sm_count = prop.multiProcessorCount;
+  info->max_smem_per_block_optin = static_cast<int64_t>(prop.sharedMemPerBlockOptin);
+  info->l2_bytes = prop.l2CacheSize;
+  info->total_mem_bytes = static_cast<int64_t>(prop.totalGlobalMem);
+  std::strncpy(info->name, prop.name, sizeof(info->name) - 1);
+  info->name[sizeof(info->name) - 1] = '\0';
+  return flashattn::ok();
+}
+
+extern "C" const char* flashattn_cuda_error_name(int32_t code) {
+  return cudaGetErrorName(static_cast<cudaError_t>(code));
+}
+
+extern "C" flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* params, void*) {
+  flashattn_result_t r = validate_fwd(params);
+  if (r.status != FLASHATTN_OK) return r;
+  return status(FLASHATTN_UNSUPPORTED);  // the FA3 forward is not built yet
+}
+
+extern "C" flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* params, void*) {
+  flashattn_result_t r = validate_bwd(params);
+  if (r.status != FLASHATTN_OK) return r;
+  return status(FLASHATTN_UNSUPPORTED);  // the FA3 backward is not built yet
+}
+
+extern "C" flashattn_result_t flashattn_fwd_sm80(const flashattn_params_t* params, void*) {
+  flashattn_result_t r = validate_fwd(params);
+  if (r.status != FLASHATTN_OK) return r;
+  return status(FLASHATTN_UNSUPPORTED);  // the FA2 forward is not built yet
+}
+
+extern "C" flashattn_result_t flashattn_bwd_sm80(const flashattn_params_t* params, void*) {
+  flashattn_result_t r = validate_bwd(params);
+  if (r.status != FLASHATTN_OK) return r;
+  return status(FLASHATTN_UNSUPPORTED);  // the FA2 backward is not built yet
+}

@@ -1,0 +1,125 @@
+// The C ABI of flashattn's CUDA kernels: the only header bindgen reads.
+// Plain C, no CUDA includes: streams and device pointers are void*, sizes fixed-width.
+// Every symbol is prefixed `flashattn_` so that linking beside other attention libraries is safe.
+#ifndef FLASHATTN_API_H
+#define FLASHATTN_API_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+  FLASHATTN_OK = 0,
+  FLASHATTN_INVALID_ARGUMENT = 1,  // a parameter the caller should have validated
+  FLASHATTN_UNSUPPORTED = 2,       // a path not built (yet) or not available on this device
+  FLASHATTN_CUDA_ERROR = 3,        // see flashattn_result_t.cuda_error
+} flashattn_status_t;
+
+typedef struct {
+  int32_t status;      // flashattn_status_t
+  int32_t cuda_error;  // cudaError_t when status == FLASHATTN_CUDA_ERROR, else 0
+} flashattn_result_t;
+
+typedef enum {
+  FLASHATTN_F16 = 0,
+  FLASHATTN_BF16 = 1,
+  FLASHATTN_E4M3 = 2,
+} flashattn_dtype_t;
+
+// Kernel families that can be compiled in (bit flags of flashattn_built_kernels()).
+typedef enum {
+  FLASHATTN_KERNEL_SM90_FWD = 1,
+  FLASHATTN_KERNEL_SM90_BWD = 2,
+  FLASHATTN_KERNEL_SM80_FWD = 4,
+  FLASHATTN_KERNEL_SM80_BWD = 8,
+  FLASHATTN_KERNEL_SM90_FP8_FWD = 16,
+  FLASHATTN_KERNEL_SM90_SELFTEST = 32,
+} flashattn_kernel_t;
+
+// One strided 4-d operand (batch, seqlen, heads, head_dim); strides in elements, head_dim unit.
+typedef struct {
+  void* ptr;
+  int64_t batch_stride;
+  int64_t row_stride;
+  int64_t head_stride;
+} flashattn_tensor_t;
+
+// Everything a forward or backward launch needs. Fields a path does not use are ignored;
+// pointers that are unused must be null.
+typedef struct {
+  // Forward operands. lse: f32 (batch, heads_q, seqlen_q), packed.
+  flashattn_tensor_t q, k, v, o;
+  float* lse;
+  // Backward operands: dout like o; dq like q; dk, dv like k, v.
+  flashattn_tensor_t dout, dq, dk, dv;
+  // Workspace for the backward: f32 dQ accumulator and rowsum(dO*O), sized by the caller from
+  // flashattn_bwd_workspace_bytes().
+  void* workspace;
+  int64_t workspace_bytes;
+
+  int32_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
+  int32_t dtype;  // flashattn_dtype_t
+
+  float softmax_scale;
+  float softcap;        // 0 = off
+  int32_t causal;       // bottom-right aligned when seqlen_q != seqlen_k
+  int32_t window_left;  // -1 = unbounded
+  int32_t window_right; // -1 = unbounded
+  int32_t deterministic;
+
+  // Variable-length batches: cumulative offsets (batch + 1 entries) or null.
+  const int32_t* cu_seqlens_q;
+  const int32_t* cu_seqlens_k;
+  int32_t max_seqlen_q, max_seqlen_k;
+
+  // Paged KV cache: page table (batch, max_pages) or null.
+  const int32_t* page_table;
+  int64_t page_table_batch_stride;
+  int32_t page_size;
+
+  // FP8 descales (one per block, see src/fp8.rs) or null.
+  const float* q_descale;
+  const float* k_descale;
+  const float* v_descale;
+
+  // Device properties the launcher may size grids with (from flashattn_device_query).
+  int32_t sm_count;
+} flashattn_params_t;
+
+typedef struct {
+  int32_t major, minor;
+  int32_t sm_count;
+  int64_t max_smem_per_block_optin;
+  int64_t l2_bytes;
+  int64_t total_mem_bytes;
+  char name[256];
+} flashattn_device_info_t;
+
+// Which kernel families this library was compiled with (flashattn_kernel_t flags).
+uint32_t flashattn_built_kernels(void);
+
+// Properties of device `ordinal` through the CUDA runtime.
+flashattn_result_t flashattn_device_query(int32_t ordinal, flashattn_device_info_t* info);
+
+// The short name of a cudaError_t ("cudaErrorInvalidValue").
+const char* flashattn_cuda_error_name(int32_t code);
+
+// Attention forward / backward on `stream` (a cudaStream_t). Validates, then launches; never
+// synchronizes the stream. Returns FLASHATTN_UNSUPPORTED for paths not compiled in.
+flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* params, void* stream);
+flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* params, void* stream);
+flashattn_result_t flashattn_fwd_sm80(const flashattn_params_t* params, void* stream);
+flashattn_result_t flashattn_bwd_sm80(const flashattn_params_t* params, void* stream);
+
+// Toolchain self-test on sm_90a: one TMA load of A (64x16) and B (64x16) bf16 tiles (K-major)
+// into shared memory and one WGMMA computing C = A * B^T (64x64, f32), written to `c`.
+flashattn_result_t flashattn_selftest_tma_wgmma(const void* a, const void* b, float* c,
+                                                void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif  // FLASHATTN_API_H

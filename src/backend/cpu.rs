@@ -1,0 +1,820 @@
+//! The CPU backend: FlashAttention-2's tiled algorithm on host memory.
+//!
+//! Forward: each task owns a block of query rows of one (batch, head) and walks the key blocks
+//! that its rows can see, keeping a running row max `m` and running sum `l` (online softmax) and
+//! an f32 output accumulator that is rescaled when the max grows; one division at the end.
+//! Scores live in the base-2 domain (`log2(e)·scale` folded into one multiply) so that every
+//! exponential is an `exp2`.
+//!
+//! Backward: recomputes `P = exp(S·scale − LSE)` tile by tile. One parallel pass over
+//! (batch, kv head, key block) accumulates dK and dV over every query head of the group and
+//! every query block; a second pass over (batch, query head, query block) accumulates dQ. No
+//! task writes another's rows, so the result does not depend on scheduling (deterministic).
+//!
+//! Elements are converted to f32 once per tile (zero-padded to whole micro-kernel blocks), all
+//! arithmetic is f32, and results are rounded to `T` when written. On x86-64 the tile kernels
+//! are compiled a second time with AVX2+FMA and picked at run time.
+
+use rayon::prelude::*;
+
+use crate::config::{AttentionConfig, Mask};
+use crate::tensor::{Element, Problem, TensorMut, TensorRef};
+
+/// Everything [`backward`] reads besides the configuration.
+pub struct BackwardInputs<'a, T> {
+    pub q: TensorRef<'a, T>,
+    pub k: TensorRef<'a, T>,
+    pub v: TensorRef<'a, T>,
+    /// The forward output O (used for `D = rowsum(dO∘O)`).
+    pub out: TensorRef<'a, T>,
+    pub dout: TensorRef<'a, T>,
+    /// The forward LSE, (batch, heads_q, seqlen_q) natural log.
+    pub lse: &'a [f32],
+}
+
+/// Query rows per tile (upper bound; small problems use fewer).
+const BLOCK_Q: usize = 64;
+/// Keys per tile (upper bound).
+const BLOCK_K: usize = 64;
+/// Micro-kernel: rows of A per step.
+const MR: usize = 4;
+/// Micro-kernel: columns of B per step (two AVX registers).
+const NR: usize = 16;
+
+const LOG2_E: f32 = std::f32::consts::LOG2_E;
+
+fn round_up(x: usize, to: usize) -> usize {
+    x.div_ceil(to) * to
+}
+
+// ---------------------------------------------------------------------------------------------
+// Arithmetic kernels (all #[inline(always)] so that they take the target features of the task
+// function they are inlined into).
+
+/// `a·b + c`, fused where the target has FMA.
+trait Arith {
+    fn fma(a: f32, b: f32, c: f32) -> f32;
+}
+
+/// Fused multiply-add (one rounding); only used where the hardware has it.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct Fused;
+impl Arith for Fused {
+    #[inline(always)]
+    fn fma(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+}
+
+/// Separate multiply and add (for targets without FMA, where `mul_add` is a library call).
+#[allow(dead_code)]
+struct Split;
+impl Arith for Split {
+    #[inline(always)]
+    fn fma(a: f32, b: f32, c: f32) -> f32 {
+        a * b + c
+    }
+}
+
+/// `C[m×n] (+)= A[m×k] · B[k×n]`, all row-major with leading dimensions `lda`, `ldb`, `ldc`.
+/// `m` must be a multiple of [`MR`] and `n` of [`NR`] (tiles are zero-padded to make it so).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn gemm<A: Arith>(
+    (m, n, k): (usize, usize, usize),
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) {
+    debug_assert!(m % MR == 0 && n % NR == 0);
+    for i in (0..m).step_by(MR) {
+        let a_rows: [&[f32]; MR] = std::array::from_fn(|r| &a[(i + r) * lda..][..k]);
+        for j in (0..n).step_by(NR) {
+            let mut acc = [[0f32; NR]; MR];
+            if accumulate {
+                for (r, row) in acc.iter_mut().enumerate() {
+                    row.copy_from_slice(&c[(i + r) * ldc + j..][..NR]);
+                }
+            }
+            for p in 0..k {
+                let b_row: &[f32; NR] = b[p * ldb + j..][..NR].try_into().unwrap();
+                for r in 0..MR {
+                    let av = a_rows[r][p];
+                    for x in 0..NR {
+                        acc[r][x] = A::fma(av, b_row[x], acc[r][x]);
+                    }
+                }
+            }
+            for (r, row) in acc.iter().enumerate() {
+                c[(i + r) * ldc + j..][..NR].copy_from_slice(row);
+            }
+        }
+    }
+}
+
+/// `2^x` to about 1e-7 relative, branch-free so loops over it vectorize; `x < -126` gives 0
+/// (so `-inf` gives exactly 0) and NaN stays NaN.
+#[inline(always)]
+fn exp2_approx(x: f32) -> f32 {
+    const SHIFTER: f32 = 12_582_912.0; // 1.5·2^23: adding it rounds to an integer
+    let xc = if x < -126.0 {
+        -126.0
+    } else if x > 127.0 {
+        127.0
+    } else {
+        x
+    };
+    let t = xc + SHIFTER;
+    let n = t - SHIFTER;
+    let f = xc - n; // in [-0.5, 0.5]
+    let ni = t.to_bits() as i32 - SHIFTER.to_bits() as i32;
+    // Taylor series of e^(f·ln2) to degree 7: truncation error < 1e-8 on |f| <= 0.5.
+    const C: [f32; 8] = [
+        1.0,
+        std::f32::consts::LN_2,
+        0.240_226_5,
+        0.055_504_11,
+        0.009_618_129,
+        0.001_333_355_8,
+        0.000_154_035_3,
+        0.000_015_252_734,
+    ];
+    let mut p = C[7];
+    for &c in C[..7].iter().rev() {
+        p = p * f + c;
+    }
+    let r = p * f32::from_bits(((ni + 127) as u32) << 23);
+    if x < -126.0 {
+        0.0
+    } else {
+        r
+    }
+}
+
+#[inline(always)]
+fn max_of(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for ch in chunks {
+        for i in 0..8 {
+            acc[i] = if ch[i] > acc[i] { ch[i] } else { acc[i] };
+        }
+    }
+    rest.iter().chain(acc.iter()).fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+}
+
+#[inline(always)]
+fn sum_of(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for ch in chunks {
+        for i in 0..8 {
+            acc[i] += ch[i];
+        }
+    }
+    acc.iter().sum::<f32>() + rest.iter().sum::<f32>()
+}
+
+#[inline(always)]
+fn dot<A: Arith>(x: &[f32], y: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (xc, yc) = (x.chunks_exact(8), y.chunks_exact(8));
+    let rest: f32 = xc
+        .remainder()
+        .iter()
+        .zip(yc.remainder())
+        .map(|(a, b)| a * b)
+        .sum();
+    for (a, b) in xc.zip(yc) {
+        for i in 0..8 {
+            acc[i] = A::fma(a[i], b[i], acc[i]);
+        }
+    }
+    acc.iter().sum::<f32>() + rest
+}
+
+/// Turns a row of base-2 scores into probabilities: `2^(x − shift)` on `[lo, hi)`, 0 elsewhere.
+#[inline(always)]
+fn probs_row(row: &mut [f32], (lo, hi): (usize, usize), shift: f32) {
+    row[..lo].fill(0.0);
+    row[hi..].fill(0.0);
+    for x in &mut row[lo..hi] {
+        *x = exp2_approx(*x - shift);
+    }
+}
+
+/// `dst[c][r] = src[r][c]` for a `rows × cols` row-major `src`.
+fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    for r in 0..rows {
+        for c in 0..cols {
+            dst[c * rows + r] = src[r * cols + c];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Problem-wide constants and tile loading.
+
+struct Ctx<'a, T> {
+    q: TensorRef<'a, T>,
+    k: TensorRef<'a, T>,
+    v: TensorRef<'a, T>,
+    mask: Mask,
+    group: usize,
+    s_q: usize,
+    s_k: usize,
+    heads_q: usize,
+    d: usize,
+    /// head_dim rounded up to [`NR`].
+    dp: usize,
+    /// Query rows per tile for this problem.
+    br: usize,
+    /// Keys per tile for this problem.
+    bc: usize,
+    scale: f32,
+    softcap: Option<f32>,
+}
+
+impl<'a, T: Element> Ctx<'a, T> {
+    fn new(
+        cfg: &AttentionConfig,
+        p: &Problem,
+        q: TensorRef<'a, T>,
+        k: TensorRef<'a, T>,
+        v: TensorRef<'a, T>,
+    ) -> Self {
+        Ctx {
+            q,
+            k,
+            v,
+            mask: cfg.mask(p.seqlen_q, p.seqlen_k),
+            group: p.group_size(),
+            s_q: p.seqlen_q,
+            s_k: p.seqlen_k,
+            heads_q: p.heads_q,
+            d: p.head_dim,
+            dp: round_up(p.head_dim, NR),
+            br: BLOCK_Q.min(round_up(p.seqlen_q, MR)),
+            bc: BLOCK_K.min(round_up(p.seqlen_k, NR)),
+            scale: cfg.scale_for(p.head_dim),
+            softcap: cfg.softcap,
+        }
+    }
+
+    fn q_blocks(&self) -> usize {
+        self.s_q.div_ceil(self.br)
+    }
+
+    /// Key range `[lo, hi)` of each row of the query block starting at `i0` (padding rows and
+    /// fully masked rows get an empty range), and the union of the non-empty ones.
+    fn row_ranges(&self, i0: usize) -> (Vec<(usize, usize)>, (usize, usize)) {
+        let mut union = (usize::MAX, 0);
+        let ranges = (i0..i0 + self.br)
+            .map(|i| {
+                if i >= self.s_q {
+                    return (0, 0);
+                }
+                let (lo, hi) = self.mask.key_range(i);
+                if lo < hi {
+                    union = (union.0.min(lo), union.1.max(hi));
+                }
+                (lo, hi)
+            })
+            .collect();
+        (ranges, union)
+    }
+
+    /// Ranges of `rows` relative to the key tile starting at `c0`, clipped to its valid keys.
+    fn tile_ranges(&self, rows: &[(usize, usize)], c0: usize) -> Vec<(usize, usize)> {
+        let end = (c0 + self.bc).min(self.s_k);
+        rows.iter()
+            .map(|&(lo, hi)| {
+                let (lo, hi) = (lo.clamp(c0, end) - c0, hi.clamp(c0, end) - c0);
+                if lo < hi {
+                    (lo, hi)
+                } else {
+                    (0, 0)
+                }
+            })
+            .collect()
+    }
+
+    /// `br × dp` f32 block of rows `i0..` of head `h` of `t` (zero padding).
+    fn load_rows(&self, t: &TensorRef<T>, b: usize, h: usize, i0: usize, rows: usize) -> Vec<f32> {
+        let mut buf = vec![0f32; rows * self.dp];
+        let seqlen = t.layout.seqlen();
+        for (r, dst) in buf.chunks_exact_mut(self.dp).enumerate() {
+            let i = i0 + r;
+            if i >= seqlen {
+                break;
+            }
+            let src = &t.data[t.layout.offset(b, i, h, 0)..][..self.d];
+            for (x, y) in dst.iter_mut().zip(src) {
+                *x = y.to_f32();
+            }
+        }
+        buf
+    }
+
+    /// Key tile starting at `c0` transposed: `dp × bc` (zero padding).
+    fn load_cols(&self, t: &TensorRef<T>, b: usize, h: usize, c0: usize) -> Vec<f32> {
+        let bc = self.bc;
+        let mut buf = vec![0f32; self.dp * bc];
+        for c in 0..bc.min(self.s_k - c0) {
+            let src = &t.data[t.layout.offset(b, c0 + c, h, 0)..][..self.d];
+            for (x, y) in src.iter().enumerate() {
+                buf[x * bc + c] = y.to_f32();
+            }
+        }
+        buf
+    }
+
+    /// Scores of a `br × bc` tile in the base-2 domain, written into `s` on each row's range
+    /// (other entries are left as raw dot products: callers only read inside the ranges).
+    /// With softcap, `tanh` of each in-range score goes to `th` for the backward's chain rule.
+    #[inline(always)]
+    fn scores<A: Arith>(
+        &self,
+        q: &[f32],
+        kt: &[f32],
+        ranges: &[(usize, usize)],
+        s: &mut [f32],
+        mut th: Option<&mut [f32]>,
+    ) {
+        let bc = self.bc;
+        gemm::<A>((self.br, bc, self.dp), q, self.dp, kt, bc, s, bc, false);
+        for (r, &(lo, hi)) in ranges.iter().enumerate() {
+            let row = &mut s[r * bc + lo..r * bc + hi];
+            match self.softcap {
+                None => {
+                    let c = self.scale * LOG2_E;
+                    row.iter_mut().for_each(|x| *x *= c);
+                }
+                Some(cap) => {
+                    let (inner, outer) = (self.scale / cap, cap * LOG2_E);
+                    for (j, x) in row.iter_mut().enumerate() {
+                        let t = (*x * inner).tanh();
+                        if let Some(th) = th.as_deref_mut() {
+                            th[r * bc + lo + j] = t;
+                        }
+                        *x = t * outer;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward.
+
+/// Output rows (`br × dp`, f32, already divided by the row sums) and the LSE of one task.
+struct FwdBlock {
+    o: Vec<f32>,
+    lse: Vec<f32>,
+}
+
+#[inline(always)]
+fn fwd_block<T: Element, A: Arith>(ctx: &Ctx<T>, b: usize, h: usize, i0: usize) -> FwdBlock {
+    let (br, bc, dp) = (ctx.br, ctx.bc, ctx.dp);
+    let hk = h / ctx.group;
+    let q = ctx.load_rows(&ctx.q, b, h, i0, br);
+    let (rows, (k_lo, k_hi)) = ctx.row_ranges(i0);
+    let mut m = vec![f32::NEG_INFINITY; br];
+    let mut l = vec![0f32; br];
+    let mut acc = vec![0f32; br * dp];
+    let mut s = vec![0f32; br * bc];
+    let mut c0 = k_lo;
+    while c0 < k_hi {
+        let kt = ctx.load_cols(&ctx.k, b, hk, c0);
+        let v = ctx.load_rows(&ctx.v, b, hk, c0, bc);
+        let ranges = ctx.tile_ranges(&rows, c0);
+        ctx.scores::<A>(&q, &kt, &ranges, &mut s, None);
+        for (r, &(lo, hi)) in ranges.iter().enumerate() {
+            let row = &mut s[r * bc..(r + 1) * bc];
+            if lo >= hi {
+                row.fill(0.0);
+                continue;
+            }
+            let m_new = m[r].max(max_of(&row[lo..hi]));
+            let alpha = (m[r] - m_new).exp2();
+            probs_row(row, (lo, hi), m_new);
+            l[r] = l[r] * alpha + sum_of(&row[lo..hi]);
+            m[r] = m_new;
+            if alpha != 1.0 {
+                acc[r * dp..(r + 1) * dp]
+                    .iter_mut()
+                    .for_each(|x| *x *= alpha);
+            }
+        }
+        gemm::<A>((br, dp, bc), &s, bc, &v, dp, &mut acc, dp, true);
+        c0 += bc;
+    }
+    let mut lse = vec![f32::INFINITY; br];
+    for r in 0..br {
+        let row = &mut acc[r * dp..(r + 1) * dp];
+        if l[r] > 0.0 {
+            let inv = 1.0 / l[r];
+            row.iter_mut().for_each(|x| *x *= inv);
+            lse[r] = ((m[r] as f64 + (l[r] as f64).log2()) * std::f64::consts::LN_2) as f32;
+        } else {
+            row.fill(0.0);
+        }
+    }
+    FwdBlock { o: acc, lse }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+unsafe fn fwd_block_avx2<T: Element>(ctx: &Ctx<T>, b: usize, h: usize, i0: usize) -> FwdBlock {
+    fwd_block::<T, Fused>(ctx, b, h, i0)
+}
+
+fn fwd_block_dispatch<T: Element>(ctx: &Ctx<T>, b: usize, h: usize, i0: usize) -> FwdBlock {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the features were just detected.
+            return unsafe { fwd_block_avx2(ctx, b, h, i0) };
+        }
+        fwd_block::<T, Split>(ctx, b, h, i0)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        #[cfg(any(target_arch = "aarch64", target_feature = "fma"))]
+        return fwd_block::<T, Fused>(ctx, b, h, i0);
+        #[cfg(not(any(target_arch = "aarch64", target_feature = "fma")))]
+        return fwd_block::<T, Split>(ctx, b, h, i0);
+    }
+}
+
+/// Writes `rows × dp` f32 rows (the first `d` columns) into head `h` of `t` from row `i0` on,
+/// stopping at the tensor's seqlen.
+fn store_rows<T: Element>(t: &mut TensorMut<T>, b: usize, h: usize, i0: usize, src: &[f32], dp: usize) {
+    let (d, seqlen) = (t.layout.head_dim(), t.layout.seqlen());
+    for (r, row) in src.chunks_exact(dp).enumerate() {
+        let i = i0 + r;
+        if i >= seqlen {
+            break;
+        }
+        let off = t.layout.offset(b, i, h, 0);
+        for (x, y) in t.data[off..off + d].iter_mut().zip(row) {
+            *x = T::from_f32(*y);
+        }
+    }
+}
+
+/// Forward pass: writes `out` (like Q) and `lse` (batch, heads_q, seqlen_q). Operands must
+/// have been validated (see [`crate::forward_into`]).
+pub fn forward<T: Element>(
+    cfg: &AttentionConfig,
+    p: &Problem,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+    mut out: TensorMut<T>,
+    lse: &mut [f32],
+) {
+    let ctx = Ctx::new(cfg, p, q, k, v);
+    let nqb = ctx.q_blocks();
+    let blocks: Vec<FwdBlock> = (0..p.batch * p.heads_q * nqb)
+        .into_par_iter()
+        .map(|t| {
+            let (bh, qb) = (t / nqb, t % nqb);
+            fwd_block_dispatch(&ctx, bh / p.heads_q, bh % p.heads_q, qb * ctx.br)
+        })
+        .collect();
+    // Outputs may have any strides (even overlapping ones), so they are written by one thread.
+    for (t, blk) in blocks.iter().enumerate() {
+        let (bh, qb) = (t / nqb, t % nqb);
+        let i0 = qb * ctx.br;
+        let n = ctx.br.min(p.seqlen_q - i0);
+        store_rows(&mut out, bh / p.heads_q, bh % p.heads_q, i0, &blk.o, ctx.dp);
+        lse[bh * p.seqlen_q + i0..][..n].copy_from_slice(&blk.lse[..n]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward.
+
+/// Per query block: Q, dO (`br × dp`), LSE in the base-2 domain and `D = rowsum(dO∘O)`.
+struct QSide {
+    q: Vec<f32>,
+    dout: Vec<f32>,
+    lse2: Vec<f32>,
+    dd: Vec<f32>,
+}
+
+struct BwdCtx<'a, T> {
+    base: Ctx<'a, T>,
+    out: TensorRef<'a, T>,
+    dout: TensorRef<'a, T>,
+    lse: &'a [f32],
+}
+
+/// Scratch of one backward tile: P and dS (`br × bc`) and, with softcap, tanh of the scores.
+struct BwdScratch {
+    p: Vec<f32>,
+    ds: Vec<f32>,
+    th: Vec<f32>,
+}
+
+impl BwdScratch {
+    fn new<T>(c: &Ctx<T>) -> Self {
+        let n = c.br * c.bc;
+        BwdScratch {
+            p: vec![0.0; n],
+            ds: vec![0.0; n],
+            th: if c.softcap.is_some() {
+                vec![0.0; n]
+            } else {
+                Vec::new()
+            },
+        }
+    }
+}
+
+impl<T: Element> BwdCtx<'_, T> {
+    #[inline(always)]
+    fn q_side<A: Arith>(&self, b: usize, h: usize, i0: usize) -> QSide {
+        let c = &self.base;
+        let q = c.load_rows(&c.q, b, h, i0, c.br);
+        let dout = c.load_rows(&self.dout, b, h, i0, c.br);
+        let o = c.load_rows(&self.out, b, h, i0, c.br);
+        let dd = dout
+            .chunks_exact(c.dp)
+            .zip(o.chunks_exact(c.dp))
+            .map(|(x, y)| dot::<A>(x, y))
+            .collect();
+        let base = (b * c.heads_q + h) * c.s_q;
+        let lse2 = (i0..i0 + c.br)
+            .map(|i| {
+                if i < c.s_q {
+                    self.lse[base + i] * LOG2_E
+                } else {
+                    f32::INFINITY
+                }
+            })
+            .collect();
+        QSide { q, dout, lse2, dd }
+    }
+
+    /// P and dS (with respect to the raw dot products Q·Kᵀ, softcap included, scale not) of
+    /// the tile of query block `qs` × key tile (`kt`, `vt` transposed) into `sc`.
+    #[inline(always)]
+    fn tile_grads<A: Arith>(
+        &self,
+        qs: &QSide,
+        kt: &[f32],
+        vt: &[f32],
+        ranges: &[(usize, usize)],
+        sc: &mut BwdScratch,
+    ) {
+        let c = &self.base;
+        let (br, bc, dp) = (c.br, c.bc, c.dp);
+        let th = c.softcap.map(|_| sc.th.as_mut_slice());
+        c.scores::<A>(&qs.q, kt, ranges, &mut sc.p, th);
+        for (r, &(lo, hi)) in ranges.iter().enumerate() {
+            let row = &mut sc.p[r * bc..(r + 1) * bc];
+            // A row with LSE = +inf is fully masked (or had no keys): it contributes nothing.
+            if lo >= hi || !qs.lse2[r].is_finite() {
+                row.fill(0.0);
+            } else {
+                probs_row(row, (lo, hi), qs.lse2[r]);
+            }
+        }
+        // dP = dO·Vᵀ, then dS = P∘(dP − D) (∘ (1 − tanh²) with softcap).
+        gemm::<A>((br, bc, dp), &qs.dout, dp, vt, bc, &mut sc.ds, bc, false);
+        for r in 0..br {
+            let d = qs.dd[r];
+            let (p, ds) = (&sc.p[r * bc..][..bc], &mut sc.ds[r * bc..][..bc]);
+            for (x, &pv) in ds.iter_mut().zip(p) {
+                *x = pv * (*x - d);
+            }
+            if c.softcap.is_some() {
+                for (x, &t) in ds.iter_mut().zip(&sc.th[r * bc..][..bc]) {
+                    *x *= 1.0 - t * t;
+                }
+            }
+        }
+    }
+
+    /// dK and dV (`bc × dp` each, dK already scaled) of the key tile starting at `c0` of kv
+    /// head `hk`, summed over the query heads of its group.
+    #[inline(always)]
+    fn dkdv_block<A: Arith>(&self, b: usize, hk: usize, c0: usize) -> (Vec<f32>, Vec<f32>) {
+        let c = &self.base;
+        let (br, bc, dp) = (c.br, c.bc, c.dp);
+        let kt = c.load_cols(&c.k, b, hk, c0);
+        let vt = c.load_cols(&c.v, b, hk, c0);
+        let mut dk = vec![0f32; bc * dp];
+        let mut dv = vec![0f32; bc * dp];
+        let mut sc = BwdScratch::new(c);
+        let mut tr = vec![0f32; bc * br];
+        // Query rows that see any key of this tile: contiguous, as both ends of the key range
+        // are non-decreasing in the row index.
+        let end = (c0 + bc).min(c.s_k);
+        let sees = |i: usize| {
+            let (lo, hi) = c.mask.key_range(i);
+            lo < hi && lo < end && hi > c0
+        };
+        let Some(first) = (0..c.s_q).find(|&i| sees(i)) else {
+            return (dk, dv);
+        };
+        let last = (first..c.s_q).rev().find(|&i| sees(i)).unwrap_or(first);
+        for h in hk * c.group..(hk + 1) * c.group {
+            let mut i0 = first;
+            while i0 <= last {
+                let qs = self.q_side::<A>(b, h, i0);
+                let (rows, _) = c.row_ranges(i0);
+                let ranges = c.tile_ranges(&rows, c0);
+                self.tile_grads::<A>(&qs, &kt, &vt, &ranges, &mut sc);
+                // dV += Pᵀ·dO, dK += dSᵀ·Q.
+                transpose(&sc.p, br, bc, &mut tr);
+                gemm::<A>((bc, dp, br), &tr, br, &qs.dout, dp, &mut dv, dp, true);
+                transpose(&sc.ds, br, bc, &mut tr);
+                gemm::<A>((bc, dp, br), &tr, br, &qs.q, dp, &mut dk, dp, true);
+                i0 += br;
+            }
+        }
+        dk.iter_mut().for_each(|x| *x *= c.scale);
+        (dk, dv)
+    }
+
+    /// dQ (`br × dp`, scaled) of the query block starting at `i0` of head `h`.
+    #[inline(always)]
+    fn dq_block<A: Arith>(&self, b: usize, h: usize, i0: usize) -> Vec<f32> {
+        let c = &self.base;
+        let (br, bc, dp) = (c.br, c.bc, c.dp);
+        let hk = h / c.group;
+        let qs = self.q_side::<A>(b, h, i0);
+        let (rows, (k_lo, k_hi)) = c.row_ranges(i0);
+        let mut dq = vec![0f32; br * dp];
+        let mut sc = BwdScratch::new(c);
+        let mut c0 = k_lo;
+        while c0 < k_hi {
+            let kt = c.load_cols(&c.k, b, hk, c0);
+            let vt = c.load_cols(&c.v, b, hk, c0);
+            let k = c.load_rows(&c.k, b, hk, c0, bc);
+            let ranges = c.tile_ranges(&rows, c0);
+            self.tile_grads::<A>(&qs, &kt, &vt, &ranges, &mut sc);
+            gemm::<A>((br, dp, bc), &sc.ds, bc, &k, dp, &mut dq, dp, true);
+            c0 += bc;
+        }
+        dq.iter_mut().for_each(|x| *x *= c.scale);
+        dq
+    }
+}
+
+/// One backward task: either a key tile's dK/dV or a query block's dQ.
+enum BwdTask {
+    KeyTile { b: usize, hk: usize, c0: usize },
+    QueryBlock { b: usize, h: usize, i0: usize },
+}
+
+enum BwdBlock {
+    KeyTile(Vec<f32>, Vec<f32>),
+    QueryBlock(Vec<f32>),
+}
+
+#[inline(always)]
+fn bwd_task<T: Element, A: Arith>(ctx: &BwdCtx<T>, task: &BwdTask) -> BwdBlock {
+    match *task {
+        BwdTask::KeyTile { b, hk, c0 } => {
+            let (dk, dv) = ctx.dkdv_block::<A>(b, hk, c0);
+            BwdBlock::KeyTile(dk, dv)
+        }
+        BwdTask::QueryBlock { b, h, i0 } => BwdBlock::QueryBlock(ctx.dq_block::<A>(b, h, i0)),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+unsafe fn bwd_task_avx2<T: Element>(ctx: &BwdCtx<T>, task: &BwdTask) -> BwdBlock {
+    bwd_task::<T, Fused>(ctx, task)
+}
+
+fn bwd_task_dispatch<T: Element>(ctx: &BwdCtx<T>, task: &BwdTask) -> BwdBlock {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the features were just detected.
+            return unsafe { bwd_task_avx2(ctx, task) };
+        }
+        bwd_task::<T, Split>(ctx, task)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        #[cfg(any(target_arch = "aarch64", target_feature = "fma"))]
+        return bwd_task::<T, Fused>(ctx, task);
+        #[cfg(not(any(target_arch = "aarch64", target_feature = "fma")))]
+        return bwd_task::<T, Split>(ctx, task);
+    }
+}
+
+/// Backward pass: writes dQ (like Q), dK and dV (like K). Operands must have been validated
+/// (see [`crate::backward`]).
+pub fn backward<T: Element>(
+    cfg: &AttentionConfig,
+    p: &Problem,
+    inputs: BackwardInputs<T>,
+    mut dq: TensorMut<T>,
+    mut dk: TensorMut<T>,
+    mut dv: TensorMut<T>,
+) {
+    let ctx = BwdCtx {
+        base: Ctx::new(cfg, p, inputs.q, inputs.k, inputs.v),
+        out: inputs.out,
+        dout: inputs.dout,
+        lse: inputs.lse,
+    };
+    let (br, bc) = (ctx.base.br, ctx.base.bc);
+    let mut tasks = Vec::new();
+    for b in 0..p.batch {
+        for hk in 0..p.heads_kv {
+            for c0 in (0..p.seqlen_k).step_by(bc) {
+                tasks.push(BwdTask::KeyTile { b, hk, c0 });
+            }
+        }
+        for h in 0..p.heads_q {
+            for i0 in (0..p.seqlen_q).step_by(br) {
+                tasks.push(BwdTask::QueryBlock { b, h, i0 });
+            }
+        }
+    }
+    let blocks: Vec<BwdBlock> = tasks
+        .par_iter()
+        .map(|t| bwd_task_dispatch(&ctx, t))
+        .collect();
+    let dp = ctx.base.dp;
+    for (task, blk) in tasks.iter().zip(&blocks) {
+        match (task, blk) {
+            (&BwdTask::KeyTile { b, hk, c0 }, BwdBlock::KeyTile(k, v)) => {
+                store_rows(&mut dk, b, hk, c0, k, dp);
+                store_rows(&mut dv, b, hk, c0, v, dp);
+            }
+            (&BwdTask::QueryBlock { b, h, i0 }, BwdBlock::QueryBlock(q)) => {
+                store_rows(&mut dq, b, h, i0, q, dp);
+            }
+            _ => unreachable!("each task yields its own kind of block"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp2_approx_matches_std() {
+        let mut worst = 0f64;
+        for i in -130_000..=20_000 {
+            let x = i as f32 * 1e-3;
+            let want = (x as f64).exp2();
+            let got = exp2_approx(x) as f64;
+            if x >= -126.0 {
+                worst = worst.max(((got - want) / want).abs());
+            } else {
+                assert_eq!(got, 0.0, "x = {x}");
+            }
+        }
+        assert!(worst < 3e-7, "relative error {worst}");
+        assert_eq!(exp2_approx(f32::NEG_INFINITY), 0.0);
+        assert!(exp2_approx(f32::NAN).is_nan());
+        assert_eq!(exp2_approx(0.0), 1.0);
+    }
+
+    #[test]
+    fn gemm_matches_naive() {
+        let (m, n, k) = (8, 32, 13);
+        let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.7).sin()).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.3).cos()).collect();
+        let mut c = vec![1f32; m * n];
+        gemm::<Split>((m, n, k), &a, k, &b, n, &mut c, n, true);
+        for i in 0..m {
+            for j in 0..n {
+                let want: f32 = 1.0 + (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum::<f32>();
+                assert!((c[i * n + j] - want).abs() < 1e-5, "({i},{j})");
+            }
+        }
+    }
+
+    #[test]
+    fn reductions_handle_remainders() {
+        let x: Vec<f32> = (0..19).map(|i| i as f32 - 9.5).collect();
+        assert_eq!(max_of(&x), 8.5);
+        assert_eq!(sum_of(&x), x.iter().sum::<f32>());
+        assert_eq!(dot::<Split>(&x, &x), x.iter().map(|v| v * v).sum::<f32>());
+        assert_eq!(max_of(&[]), f32::NEG_INFINITY);
+    }
+}

@@ -1,0 +1,131 @@
+//! The CUDA backends (Sm90, Sm80): fill the C ABI's params from validated operands and launch
+//! through it. All raw pointers of the crate pass through here.
+
+use crate::config::{AttentionConfig, Backend};
+use crate::error::{Error, Operand, Result};
+use crate::ffi;
+use crate::tensor::{DType, Layout, Problem};
+
+/// A device operand reduced to what the C ABI needs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RawTensor {
+    pub ptr: u64,
+    pub layout: Layout,
+}
+
+impl RawTensor {
+    fn to_ffi(self) -> ffi::flashattn_tensor_t {
+        ffi::flashattn_tensor_t {
+            ptr: self.ptr as *mut std::ffi::c_void,
+            batch_stride: self.layout.strides[0] as i64,
+            row_stride: self.layout.strides[1] as i64,
+            head_stride: self.layout.strides[2] as i64,
+        }
+    }
+}
+
+/// TMA and 16-byte vector accesses need 16-byte aligned base pointers and strides.
+pub(crate) const ALIGN_BYTES: usize = 16;
+
+pub(crate) fn check_alignment(operand: Operand, t: &RawTensor, elem_bytes: usize) -> Result<()> {
+    let strides_ok = t.layout.strides[..3]
+        .iter()
+        .zip(&t.layout.shape[..3])
+        // A stride of a dimension of extent 1 is never used.
+        .all(|(&s, &n)| n == 1 || (s * elem_bytes) % ALIGN_BYTES == 0);
+    if t.ptr % ALIGN_BYTES as u64 != 0 || !strides_ok {
+        return Err(Error::Misaligned {
+            operand,
+            align: ALIGN_BYTES,
+        });
+    }
+    Ok(())
+}
+
+fn ffi_dtype(dtype: DType) -> i32 {
+    match dtype {
+        DType::F16 => ffi::FLASHATTN_F16 as i32,
+        DType::BF16 => ffi::FLASHATTN_BF16 as i32,
+        DType::E4M3 => ffi::FLASHATTN_E4M3 as i32,
+        DType::F32 => -1, // refused by the dispatcher before we get here
+    }
+}
+
+fn window(side: Option<usize>) -> i32 {
+    side.map_or(-1, |w| w.min(i32::MAX as usize) as i32)
+}
+
+/// Parameters shared by forward and backward.
+pub(crate) fn base_params(
+    problem: &Problem,
+    cfg: &AttentionConfig,
+    sm_count: i32,
+) -> ffi::flashattn_params_t {
+    ffi::flashattn_params_t {
+        batch: problem.batch as i32,
+        seqlen_q: problem.seqlen_q as i32,
+        seqlen_k: problem.seqlen_k as i32,
+        heads_q: problem.heads_q as i32,
+        heads_kv: problem.heads_kv as i32,
+        head_dim: problem.head_dim as i32,
+        dtype: ffi_dtype(problem.dtype),
+        softmax_scale: cfg.scale_for(problem.head_dim),
+        softcap: cfg.softcap.unwrap_or(0.0),
+        causal: cfg.causal as i32,
+        window_left: window(cfg.window_left),
+        window_right: window(cfg.window_right),
+        deterministic: cfg.deterministic as i32,
+        sm_count,
+        ..Default::default()
+    }
+}
+
+/// Launches the forward of `backend` on `stream` (a CUstream).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward(
+    backend: Backend,
+    problem: &Problem,
+    cfg: &AttentionConfig,
+    sm_count: i32,
+    [q, k, v, o]: [RawTensor; 4],
+    lse: u64,
+    stream: *mut std::ffi::c_void,
+) -> Result<()> {
+    let mut p = base_params(problem, cfg, sm_count);
+    p.q = q.to_ffi();
+    p.k = k.to_ffi();
+    p.v = v.to_ffi();
+    p.o = o.to_ffi();
+    p.lse = lse as *mut f32;
+    // SAFETY: every pointer was taken from a live cudarc buffer whose guard outlives this call,
+    // and its layout was checked against the buffer length.
+    let r = unsafe {
+        match backend {
+            Backend::Sm90 => ffi::flashattn_fwd_sm90(&p, stream),
+            _ => ffi::flashattn_fwd_sm80(&p, stream),
+        }
+    };
+    ffi::check(r, backend.name(), "forward")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alignment_rules() {
+        let layout = Layout::contiguous([2, 16, 4, 64]);
+        let t = |ptr, layout| RawTensor { ptr, layout };
+        assert!(check_alignment(Operand::Q, &t(4096, layout), 2).is_ok());
+        assert!(matches!(
+            check_alignment(Operand::Q, &t(4098, layout), 2),
+            Err(Error::Misaligned { .. })
+        ));
+        // A row stride of 65 bf16 elements (130 bytes) cannot be a TMA stride.
+        let odd = Layout::with_strides([2, 16, 1, 64], [16 * 65, 65, 64, 1]);
+        assert!(check_alignment(Operand::K, &t(4096, odd), 2).is_err());
+        // ...unless that dimension has extent 1.
+        let single = Layout::with_strides([1, 1, 1, 64], [7, 65, 3, 1]);
+        assert!(check_alignment(Operand::K, &t(4096, single), 2).is_ok());
+    }
+}

@@ -1,0 +1,179 @@
+//! What to compute: scale, masks, softcap, and which backend the caller wants.
+
+use crate::error::{Error, Result};
+
+/// Where a call runs. `Auto` lets the dispatcher choose (see [`crate::dispatch`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Backend {
+    #[default]
+    Auto,
+    /// FlashAttention-3-style kernels (compute capability 9.0, sm_90a).
+    Sm90,
+    /// FlashAttention-2-style kernels (sm80..sm89, and forced on Hopper).
+    Sm80,
+    /// The CPU backend (host memory).
+    Cpu,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Auto => "auto",
+            Backend::Sm90 => "sm90",
+            Backend::Sm80 => "sm80",
+            Backend::Cpu => "cpu",
+        }
+    }
+}
+
+/// Options of one attention call, following FlashAttention's conventions:
+/// causal masks are aligned bottom-right when `seqlen_q != seqlen_k`; a window `(left, right)`
+/// lets query `i` see keys `j` with `i + s_k - s_q - left <= j <= i + s_k - s_q + right`,
+/// `None` meaning unbounded on that side.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AttentionConfig {
+    /// Multiplies Q·Kᵀ before the softmax; `None` means `1/sqrt(head_dim)`.
+    pub softmax_scale: Option<f32>,
+    pub causal: bool,
+    pub window_left: Option<usize>,
+    pub window_right: Option<usize>,
+    /// `softcap * tanh(s / softcap)` applied to the scaled scores; `None` = off.
+    pub softcap: Option<f32>,
+    /// Ask for a fixed accumulation order in the backward (bit-identical runs).
+    pub deterministic: bool,
+    pub backend: Backend,
+}
+
+impl AttentionConfig {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn causal(mut self, causal: bool) -> Self {
+        self.causal = causal;
+        self
+    }
+    pub fn softmax_scale(mut self, scale: f32) -> Self {
+        self.softmax_scale = Some(scale);
+        self
+    }
+    pub fn window(mut self, left: Option<usize>, right: Option<usize>) -> Self {
+        self.window_left = left;
+        self.window_right = right;
+        self
+    }
+    pub fn softcap(mut self, cap: f32) -> Self {
+        self.softcap = Some(cap);
+        self
+    }
+    pub fn deterministic(mut self, yes: bool) -> Self {
+        self.deterministic = yes;
+        self
+    }
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+
+    /// The scale actually used for a given head dimension.
+    pub fn scale_for(&self, head_dim: usize) -> f32 {
+        self.softmax_scale
+            .unwrap_or_else(|| 1.0 / (head_dim as f32).sqrt())
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if let Some(s) = self.softmax_scale {
+            if !s.is_finite() || s <= 0.0 {
+                return Err(Error::InvalidConfig(format!(
+                    "softmax_scale must be finite and > 0, got {s}"
+                )));
+            }
+        }
+        if let Some(c) = self.softcap {
+            if !c.is_finite() || c <= 0.0 {
+                return Err(Error::InvalidConfig(format!(
+                    "softcap must be finite and > 0, got {c}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The mask of this call for given sequence lengths.
+    pub fn mask(&self, seqlen_q: usize, seqlen_k: usize) -> Mask {
+        let right = match (self.causal, self.window_right) {
+            (true, Some(r)) => Some(r.min(0)),
+            (true, None) => Some(0),
+            (false, r) => r,
+        };
+        Mask {
+            seqlen_q,
+            seqlen_k,
+            left: self.window_left,
+            right,
+        }
+    }
+}
+
+/// Which keys each query row may see: one place for the causal/window index arithmetic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mask {
+    pub seqlen_q: usize,
+    pub seqlen_k: usize,
+    pub left: Option<usize>,
+    pub right: Option<usize>,
+}
+
+impl Mask {
+    /// Half-open key range `[lo, hi)` visible to query row `i` (empty when `lo >= hi`).
+    pub fn key_range(&self, i: usize) -> (usize, usize) {
+        // Bottom-right alignment: row i sits on key diagonal i + s_k - s_q (may be negative).
+        let diag = i as i64 + self.seqlen_k as i64 - self.seqlen_q as i64;
+        let s_k = self.seqlen_k as i64;
+        let lo = match self.left {
+            Some(l) => (diag - l as i64).clamp(0, s_k),
+            None => 0,
+        };
+        let hi = match self.right {
+            Some(r) => (diag + r as i64 + 1).clamp(0, s_k),
+            None => s_k,
+        };
+        (lo as usize, hi.max(lo) as usize)
+    }
+
+    pub fn is_full(&self) -> bool {
+        self.left.is_none() && self.right.is_none()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn causal_is_bottom_right_aligned() {
+        let m = AttentionConfig::new().causal(true).mask(2, 5);
+        assert_eq!(m.key_range(0), (0, 4));
+        assert_eq!(m.key_range(1), (0, 5));
+        // More queries than keys: the first rows see nothing.
+        let m = AttentionConfig::new().causal(true).mask(5, 2);
+        assert_eq!(m.key_range(0), (0, 0));
+        assert_eq!(m.key_range(2), (0, 0));
+        assert_eq!(m.key_range(3), (0, 1));
+        assert_eq!(m.key_range(4), (0, 2));
+    }
+
+    #[test]
+    fn window_clamps_both_sides() {
+        let m = AttentionConfig::new().window(Some(2), Some(1)).mask(8, 8);
+        assert_eq!(m.key_range(0), (0, 2));
+        assert_eq!(m.key_range(4), (2, 6));
+        assert_eq!(m.key_range(7), (5, 8));
+    }
+
+    #[test]
+    fn bad_values_are_errors() {
+        assert!(AttentionConfig::new().softmax_scale(-1.0).validate().is_err());
+        assert!(AttentionConfig::new().softcap(f32::NAN).validate().is_err());
+        assert!(AttentionConfig::new().validate().is_ok());
+    }
+}

@@ -1,0 +1,308 @@
+//! The GPU side of the API: a [`Device`] (a cudarc context plus what the dispatcher needs to
+//! know of it), tensor views over device memory, and calls ordered on the caller's stream.
+//!
+//! Nothing here synchronizes the stream: results are ready when the stream says so.
+
+use std::sync::Arc;
+
+pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, DriverError};
+
+use crate::backend::gpu::{self, RawTensor};
+use crate::config::AttentionConfig;
+use crate::dispatch::{self, BuiltKernels, DeviceInfo, Memory, Op, Plan};
+use crate::error::{Error, Operand, Result};
+use crate::ffi;
+use crate::tensor::{Element, Layout, Problem};
+
+/// Is a CUDA driver (libcuda) loadable on this machine? Probed before any driver call, since
+/// cudarc panics when the library is missing.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+fn driver_error(e: DriverError) -> Error {
+    Error::Cuda {
+        code: e.0 as i32,
+        name: format!("{:?}", e.0),
+    }
+}
+
+/// Number of CUDA devices, or `NoDevice` when there is no driver.
+pub fn device_count() -> Result<usize> {
+    if !driver_present() {
+        return Err(Error::NoDevice("the CUDA driver library is not installed".into()));
+    }
+    CudaContext::device_count()
+        .map(|n| n as usize)
+        .map_err(driver_error)
+}
+
+/// Properties of device `ordinal`, through the C ABI's runtime query.
+pub fn query_device(ordinal: usize) -> Result<DeviceInfo> {
+    let mut raw = ffi::flashattn_device_info_t {
+        major: 0,
+        minor: 0,
+        sm_count: 0,
+        max_smem_per_block_optin: 0,
+        l2_bytes: 0,
+        total_mem_bytes: 0,
+        name: [0; 256],
+    };
+    // SAFETY: `raw` is a valid out-pointer for the duration of the call.
+    let r = unsafe { ffi::flashattn_device_query(ordinal as i32, &mut raw) };
+    ffi::check(r, "cuda", "device query")?;
+    let name: Vec<u8> = raw
+        .name
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    Ok(DeviceInfo {
+        ordinal: ordinal as i32,
+        name: String::from_utf8_lossy(&name).into_owned(),
+        major: raw.major,
+        minor: raw.minor,
+        sm_count: raw.sm_count,
+        max_smem_per_block_optin: raw.max_smem_per_block_optin as usize,
+        l2_bytes: raw.l2_bytes as usize,
+    })
+}
+
+/// A read-only device tensor.
+#[derive(Debug)]
+pub struct DeviceTensor<'a, T> {
+    pub data: CudaView<'a, T>,
+    pub layout: Layout,
+}
+
+/// A writable device tensor.
+#[derive(Debug)]
+pub struct DeviceTensorMut<'a, T> {
+    pub data: CudaViewMut<'a, T>,
+    pub layout: Layout,
+}
+
+impl<'a, T> DeviceTensor<'a, T> {
+    pub fn new(data: CudaView<'a, T>, layout: Layout) -> Self {
+        DeviceTensor { data, layout }
+    }
+    pub fn contiguous(data: &'a CudaSlice<T>, shape: [usize; 4]) -> Self {
+        Self::new(data.as_view(), Layout::contiguous(shape))
+    }
+}
+
+impl<'a, T> DeviceTensorMut<'a, T> {
+    pub fn new(data: CudaViewMut<'a, T>, layout: Layout) -> Self {
+        DeviceTensorMut { data, layout }
+    }
+    pub fn contiguous(data: &'a mut CudaSlice<T>, shape: [usize; 4]) -> Self {
+        Self::new(data.as_view_mut(), Layout::contiguous(shape))
+    }
+}
+
+fn check_len(operand: Operand, layout: &Layout, len: usize) -> Result<()> {
+    layout.validate(operand)?;
+    let needed = layout.span(operand)?;
+    if len < needed {
+        return Err(Error::BufferTooSmall {
+            operand,
+            needed,
+            len,
+        });
+    }
+    Ok(())
+}
+
+/// One CUDA device: its context and properties. Calls take the caller's stream.
+#[derive(Clone, Debug)]
+pub struct Device {
+    ctx: Arc<CudaContext>,
+    info: DeviceInfo,
+}
+
+impl Device {
+    /// Opens device `ordinal` (its primary context, which the kernels' runtime also uses).
+    pub fn new(ordinal: usize) -> Result<Device> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(Error::NoDevice(format!(
+                "device {ordinal} requested, {count} present"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver_error)?;
+        let info = query_device(ordinal)?;
+        Ok(Device { ctx, info })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    /// A new non-blocking stream on this device.
+    pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
+        self.ctx.new_stream().map_err(driver_error)
+    }
+
+    /// The backend a call would take on this device, without running it.
+    pub fn plan(&self, op: Op, problem: &Problem, cfg: &AttentionConfig) -> Result<Plan> {
+        dispatch::plan(
+            op,
+            problem,
+            cfg,
+            &Memory::Device(self.info.clone()),
+            BuiltKernels::current(),
+        )
+    }
+
+    /// Forward pass into caller-owned device outputs, ordered on `stream`.
+    /// `lse` is f32 (batch, heads_q, seqlen_q), packed.
+    pub fn forward_into<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        out: &mut DeviceTensorMut<T>,
+        lse: &mut CudaViewMut<f32>,
+    ) -> Result<Plan> {
+        check_len(Operand::Q, &q.layout, q.data.len())?;
+        check_len(Operand::K, &k.layout, k.data.len())?;
+        check_len(Operand::V, &v.layout, v.data.len())?;
+        check_len(Operand::Out, &out.layout, out.data.len())?;
+        let problem = Problem::from_layouts(&q.layout, &k.layout, &v.layout, T::DTYPE)?;
+        Problem::expect_shape(Operand::Out, &out.layout, problem.q_shape())?;
+        if lse.len() < problem.lse_len() {
+            return Err(Error::BufferTooSmall {
+                operand: Operand::Lse,
+                needed: problem.lse_len(),
+                len: lse.len(),
+            });
+        }
+        problem.check_index_width(&[
+            (Operand::Q, &q.layout),
+            (Operand::K, &k.layout),
+            (Operand::V, &v.layout),
+            (Operand::Out, &out.layout),
+        ])?;
+
+        // The guards make `stream` wait for earlier writers and record this use; they must
+        // live until the launch has been enqueued.
+        let (q_ptr, _q_guard) = q.data.device_ptr(stream);
+        let (k_ptr, _k_guard) = k.data.device_ptr(stream);
+        let (v_ptr, _v_guard) = v.data.device_ptr(stream);
+        let (o_ptr, _o_guard) = out.data.device_ptr_mut(stream);
+        let (lse_ptr, _lse_guard) = lse.device_ptr_mut(stream);
+        let size = std::mem::size_of::<T>();
+        let operands = [
+            (Operand::Q, RawTensor { ptr: q_ptr, layout: q.layout }),
+            (Operand::K, RawTensor { ptr: k_ptr, layout: k.layout }),
+            (Operand::V, RawTensor { ptr: v_ptr, layout: v.layout }),
+            (Operand::Out, RawTensor { ptr: o_ptr, layout: out.layout }),
+        ];
+        for (operand, t) in &operands {
+            gpu::check_alignment(*operand, t, size)?;
+        }
+        let plan = self.plan(Op::Forward, &problem, cfg)?;
+        self.ctx.bind_to_thread().map_err(driver_error)?;
+        gpu::forward(
+            plan.backend,
+            &problem,
+            cfg,
+            self.info.sm_count,
+            operands.map(|(_, t)| t),
+            lse_ptr,
+            stream.cu_stream() as *mut std::ffi::c_void,
+        )?;
+        Ok(plan)
+    }
+}
+
+/// Result of the toolchain self-test.
+#[derive(Clone, Debug)]
+pub struct SelfTestReport {
+    /// Largest |gpu − cpu| over the 64×64 product.
+    pub max_abs_err: f32,
+    /// Largest |cpu| (for scale).
+    pub max_abs_ref: f32,
+    /// Elements still holding the poison value after the kernel.
+    pub unwritten: usize,
+}
+
+impl SelfTestReport {
+    pub fn passed(&self) -> bool {
+        self.unwritten == 0 && self.max_abs_err <= 1e-4 * self.max_abs_ref.max(1.0)
+    }
+}
+
+/// Runs the sm_90a TMA + WGMMA self-test kernel on `stream` and checks it against the CPU:
+/// A (64×16) and B (64×16) bf16 from a seeded generator, C = A·Bᵀ in f32.
+pub fn selftest_tma_wgmma(device: &Device, stream: &Arc<CudaStream>) -> Result<SelfTestReport> {
+    const M: usize = 64;
+    const N: usize = 64;
+    const K: usize = 16;
+    if device.info().compute_capability() != (9, 0) {
+        return Err(Error::BackendUnavailable {
+            backend: "sm90",
+            reason: format!("device {} is not compute capability 9.0", device.info().name),
+        });
+    }
+    // A small deterministic generator: values are exact in bf16 and products exact in f32.
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        ((state >> 40) % 17) as f32 / 4.0 - 2.0
+    };
+    let a: Vec<half::bf16> = (0..M * K).map(|_| half::bf16::from_f32(next())).collect();
+    let b: Vec<half::bf16> = (0..N * K).map(|_| half::bf16::from_f32(next())).collect();
+    let poison = f32::NAN;
+
+    let err = driver_error;
+    let a_dev = stream.clone_htod(&a).map_err(err)?;
+    let b_dev = stream.clone_htod(&b).map_err(err)?;
+    let mut c_dev = stream.clone_htod(&vec![poison; M * N]).map_err(err)?;
+    {
+        let (a_ptr, _ga) = a_dev.device_ptr(stream);
+        let (b_ptr, _gb) = b_dev.device_ptr(stream);
+        let (c_ptr, _gc) = c_dev.device_ptr_mut(stream);
+        device.context().bind_to_thread().map_err(err)?;
+        // SAFETY: the three buffers are live device allocations of the sizes the kernel reads
+        // and writes; their guards outlive the launch.
+        let r = unsafe {
+            ffi::flashattn_selftest_tma_wgmma(
+                a_ptr as *const std::ffi::c_void,
+                b_ptr as *const std::ffi::c_void,
+                c_ptr as *mut f32,
+                stream.cu_stream() as *mut std::ffi::c_void,
+            )
+        };
+        ffi::check(r, "sm90", "TMA + WGMMA self-test")?;
+    }
+    let c = stream.clone_dtoh(&c_dev).map_err(err)?;
+    stream.synchronize().map_err(err)?;
+
+    let mut report = SelfTestReport {
+        max_abs_err: 0.0,
+        max_abs_ref: 0.0,
+        unwritten: 0,
+    };
+    for i in 0..M {
+        for j in 0..N {
+            let want: f32 = (0..K).map(|kk| a[i * K + kk].to_f32() * b[j * K + kk].to_f32()).sum();
+            let got = c[i * N + j];
+            if got.is_nan() {
+                report.unwritten += 1;
+                continue;
+            }
+            report.max_abs_err = report.max_abs_err.max((got - want).abs());
+            report.max_abs_ref = report.max_abs_ref.max(want.abs());
+        }
+    }
+    Ok(report)
+}

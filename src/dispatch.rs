@@ -1,0 +1,233 @@
+//! Which backend runs a call, and why. One table of what each backend supports; `Auto` takes
+//! the first that accepts the call and [`Plan::explain`] says what the others refused.
+
+use crate::config::{AttentionConfig, Backend};
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Problem};
+
+/// The operation being planned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Forward,
+    Backward,
+}
+
+/// What the dispatcher knows of a CUDA device (from the C ABI's device query).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub ordinal: i32,
+    pub name: String,
+    pub major: i32,
+    pub minor: i32,
+    pub sm_count: i32,
+    pub max_smem_per_block_optin: usize,
+    pub l2_bytes: usize,
+}
+
+impl DeviceInfo {
+    pub fn compute_capability(&self) -> (i32, i32) {
+        (self.major, self.minor)
+    }
+}
+
+/// Where the operands live.
+#[derive(Clone, Debug)]
+pub enum Memory {
+    Host,
+    Device(DeviceInfo),
+}
+
+/// Kernels compiled into this build (bit flags reported by the C library).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BuiltKernels {
+    pub sm90_fwd: bool,
+    pub sm90_bwd: bool,
+    pub sm80_fwd: bool,
+    pub sm80_bwd: bool,
+}
+
+impl BuiltKernels {
+    /// What this build of the crate contains.
+    pub fn current() -> Self {
+        #[cfg(feature = "cuda")]
+        {
+            crate::ffi::built_kernels()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            BuiltKernels::default()
+        }
+    }
+}
+
+/// The dispatcher's decision.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    pub backend: Backend,
+    reasons: Vec<String>,
+}
+
+impl Plan {
+    /// Why this backend was chosen, and why each one tried before it was not.
+    pub fn explain(&self) -> String {
+        self.reasons.join("; ")
+    }
+}
+
+const GPU_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Does `backend` accept this call? `Ok(())` or the error a forced call would get.
+pub fn check_backend(
+    backend: Backend,
+    op: Op,
+    problem: &Problem,
+    cfg: &AttentionConfig,
+    memory: &Memory,
+    built: BuiltKernels,
+) -> Result<()> {
+    let name = backend.name();
+    match backend {
+        Backend::Auto => Err(Error::InvalidConfig("Auto is not a concrete backend".into())),
+        Backend::Cpu => {
+            if let Memory::Device(_) = memory {
+                return Err(Error::BackendUnavailable {
+                    backend: name,
+                    reason: "operands are in device memory".into(),
+                });
+            }
+            match problem.dtype {
+                DType::F32 | DType::F16 | DType::BF16 => Ok(()),
+                DType::E4M3 => Err(Error::UnsupportedDtype {
+                    dtype: problem.dtype,
+                    backend: name,
+                }),
+            }
+        }
+        Backend::Sm90 | Backend::Sm80 => {
+            let info = match memory {
+                Memory::Host => {
+                    return Err(Error::BackendUnavailable {
+                        backend: name,
+                        reason: "operands are in host memory".into(),
+                    })
+                }
+                Memory::Device(info) => info,
+            };
+            let arch_ok = match backend {
+                // sm_90a machine code runs on compute capability 9.0 only.
+                Backend::Sm90 => info.compute_capability() == (9, 0),
+                _ => info.major >= 8,
+            };
+            if !arch_ok {
+                return Err(Error::BackendUnavailable {
+                    backend: name,
+                    reason: format!(
+                        "device {} has compute capability {}.{}",
+                        info.name, info.major, info.minor
+                    ),
+                });
+            }
+            if !matches!(problem.dtype, DType::F16 | DType::BF16) {
+                return Err(Error::UnsupportedDtype {
+                    dtype: problem.dtype,
+                    backend: name,
+                });
+            }
+            if !GPU_HEAD_DIMS.contains(&problem.head_dim) {
+                return Err(Error::UnsupportedHeadDim {
+                    head_dim: problem.head_dim,
+                    backend: name,
+                });
+            }
+            let present = match (backend, op) {
+                (Backend::Sm90, Op::Forward) => built.sm90_fwd,
+                (Backend::Sm90, Op::Backward) => built.sm90_bwd,
+                (_, Op::Forward) => built.sm80_fwd,
+                (_, Op::Backward) => built.sm80_bwd,
+            };
+            if !present {
+                return Err(Error::Unsupported {
+                    what: format!("{op:?} (kernel not in this build)"),
+                    backend: name,
+                });
+            }
+            if cfg.softcap.is_some() {
+                return Err(Error::Unsupported {
+                    what: "softcap".into(),
+                    backend: name,
+                });
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Chooses the backend for a call. A forced backend is checked and either accepted or
+/// refused with its error; `Auto` tries Sm90, Sm80 (device memory) or Cpu (host memory).
+pub fn plan(
+    op: Op,
+    problem: &Problem,
+    cfg: &AttentionConfig,
+    memory: &Memory,
+    built: BuiltKernels,
+) -> Result<Plan> {
+    cfg.validate()?;
+    let candidates: &[Backend] = match (cfg.backend, memory) {
+        (Backend::Auto, Memory::Host) => &[Backend::Cpu],
+        (Backend::Auto, Memory::Device(_)) => &[Backend::Sm90, Backend::Sm80],
+        (forced, _) => std::slice::from_ref(match forced {
+            Backend::Sm90 => &Backend::Sm90,
+            Backend::Sm80 => &Backend::Sm80,
+            _ => &Backend::Cpu,
+        }),
+    };
+    let mut reasons = Vec::new();
+    let mut last_err = None;
+    for &backend in candidates {
+        match check_backend(backend, op, problem, cfg, memory, built) {
+            Ok(()) => {
+                if backend != Backend::Cpu {
+                    problem_fits_gpu(problem)?;
+                }
+                let why = match (cfg.backend, memory) {
+                    (Backend::Auto, Memory::Host) => "cpu: operands are in host memory".to_string(),
+                    (Backend::Auto, Memory::Device(info)) => format!(
+                        "{}: supports {:?} d{} {:?} on {} (sm_{}{})",
+                        backend.name(),
+                        op,
+                        problem.head_dim,
+                        problem.dtype,
+                        info.name,
+                        info.major,
+                        info.minor
+                    ),
+                    _ => format!("{}: forced by the caller", backend.name()),
+                };
+                reasons.push(why);
+                return Ok(Plan { backend, reasons });
+            }
+            Err(e) => {
+                reasons.push(format!("{}: {e}", backend.name()));
+                last_err = Some(e);
+            }
+        }
+    }
+    match (cfg.backend, last_err) {
+        (Backend::Auto, Some(_)) => Err(Error::Unsupported {
+            what: format!("this call ({})", reasons.join("; ")),
+            backend: "auto",
+        }),
+        (_, Some(e)) => Err(e),
+        (_, None) => unreachable!("candidate list is never empty"),
+    }
+}
+
+/// GPU kernels hold sizes in 32-bit integers.
+fn problem_fits_gpu(p: &Problem) -> Result<()> {
+    let q = crate::tensor::Layout::contiguous(p.q_shape());
+    let kv = crate::tensor::Layout::contiguous(p.kv_shape());
+    p.check_index_width(&[
+        (crate::error::Operand::Q, &q),
+        (crate::error::Operand::K, &kv),
+    ])
+}

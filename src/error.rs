@@ -1,0 +1,131 @@
+//! The crate's one error type. Every bad input is a value of this enum, never a panic.
+
+use std::fmt;
+
+use crate::tensor::DType;
+
+/// Which tensor an error is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Operand {
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    DOut,
+    DQ,
+    DK,
+    DV,
+}
+
+impl fmt::Display for Operand {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = match self {
+            Operand::Q => "q",
+            Operand::K => "k",
+            Operand::V => "v",
+            Operand::Out => "out",
+            Operand::Lse => "lse",
+            Operand::DOut => "dout",
+            Operand::DQ => "dq",
+            Operand::DK => "dk",
+            Operand::DV => "dv",
+        };
+        f.write_str(name)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Error {
+    /// A dimension is zero (attention over nothing is not a problem we accept).
+    EmptyDimension { operand: Operand, dim: usize },
+    /// The last (head_dim) stride must be 1.
+    NonUnitHeadDimStride { operand: Operand, stride: usize },
+    /// Two tensors disagree on a dimension that must match.
+    ShapeMismatch {
+        operand: Operand,
+        expected: [usize; 4],
+        found: [usize; 4],
+    },
+    /// heads_q must be a multiple of heads_kv (GQA/MQA).
+    HeadsNotMultiple { heads_q: usize, heads_kv: usize },
+    /// The slice given is shorter than the layout's span.
+    BufferTooSmall {
+        operand: Operand,
+        needed: usize,
+        len: usize,
+    },
+    /// Element offsets would overflow the index width a kernel uses.
+    IndexOverflow { operand: Operand, detail: String },
+    /// A head dimension the chosen backend does not implement.
+    UnsupportedHeadDim { head_dim: usize, backend: &'static str },
+    /// An element type the chosen backend does not implement.
+    UnsupportedDtype { dtype: DType, backend: &'static str },
+    /// A feature (softcap, window, ...) or operation the chosen backend does not implement yet.
+    Unsupported { what: String, backend: &'static str },
+    /// A backend was forced where it cannot run (no GPU, wrong architecture, host memory...).
+    BackendUnavailable { backend: &'static str, reason: String },
+    /// A configuration value is out of range (negative scale, NaN softcap...).
+    InvalidConfig(String),
+    /// Device pointer not aligned as the kernels require.
+    Misaligned { operand: Operand, align: usize },
+    /// No CUDA device or driver on this machine.
+    NoDevice(String),
+    /// A CUDA call failed: its numeric code and name.
+    Cuda { code: i32, name: String },
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::EmptyDimension { operand, dim } => {
+                write!(f, "{operand}: dimension {dim} is zero")
+            }
+            Error::NonUnitHeadDimStride { operand, stride } => {
+                write!(f, "{operand}: head_dim stride must be 1, got {stride}")
+            }
+            Error::ShapeMismatch {
+                operand,
+                expected,
+                found,
+            } => write!(f, "{operand}: expected shape {expected:?}, found {found:?}"),
+            Error::HeadsNotMultiple { heads_q, heads_kv } => write!(
+                f,
+                "heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})"
+            ),
+            Error::BufferTooSmall {
+                operand,
+                needed,
+                len,
+            } => write!(
+                f,
+                "{operand}: buffer holds {len} elements, layout needs {needed}"
+            ),
+            Error::IndexOverflow { operand, detail } => {
+                write!(f, "{operand}: index overflow: {detail}")
+            }
+            Error::UnsupportedHeadDim { head_dim, backend } => {
+                write!(f, "head_dim {head_dim} is not supported by the {backend} backend")
+            }
+            Error::UnsupportedDtype { dtype, backend } => {
+                write!(f, "dtype {dtype:?} is not supported by the {backend} backend")
+            }
+            Error::Unsupported { what, backend } => {
+                write!(f, "{what} is not supported by the {backend} backend")
+            }
+            Error::BackendUnavailable { backend, reason } => {
+                write!(f, "backend {backend} cannot run here: {reason}")
+            }
+            Error::InvalidConfig(msg) => write!(f, "invalid configuration: {msg}"),
+            Error::Misaligned { operand, align } => {
+                write!(f, "{operand}: pointer or stride not aligned to {align} bytes")
+            }
+            Error::NoDevice(msg) => write!(f, "no CUDA device: {msg}"),
+            Error::Cuda { code, name } => write!(f, "CUDA error {code} ({name})"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,161 @@
+//! # flashattn
+//!
+//! Exact attention, `softmax(Q·Kᵀ·scale)·V`, computed block by block without materializing the
+//! score matrix (the FlashAttention algorithm), with its backward pass.
+//!
+//! Tensors are `(batch, seqlen, heads, head_dim)` with a unit head_dim stride and free other
+//! strides; K and V may have fewer heads than Q (GQA/MQA, `heads_q % heads_kv == 0`). The
+//! log-sum-exp `lse` is `(batch, heads_q, seqlen_q)` f32 in natural log.
+//!
+//! Backends: FlashAttention-3-style CUDA kernels on compute capability 9.0 (`Sm90`),
+//! FlashAttention-2-style kernels on sm80..sm89 (`Sm80`), and a multithreaded CPU backend
+//! (`Cpu`) with the same semantics. [`dispatch::plan`] picks one and explains the choice.
+//!
+//! Fully masked query rows (a window or causal mask that leaves no key) give `O = 0` and
+//! `lse = +inf`, so that a backward pass computes `exp(s - lse) = 0` and zero gradients.
+//!
+//! ```
+//! use flashattn::{AttentionConfig, TensorRef};
+//! let (b, s, h, d) = (1, 4, 2, 8);
+//! let x: Vec<f32> = (0..b * s * h * d).map(|i| (i as f32 * 0.37).sin()).collect();
+//! let t = TensorRef::contiguous(&x, [b, s, h, d]);
+//! let fwd = flashattn::forward(&AttentionConfig::new().causal(true), t, t, t).unwrap();
+//! assert_eq!(fwd.out.len(), x.len());
+//! assert_eq!(fwd.lse.len(), b * h * s);
+//! ```
+
+pub mod backend;
+pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod dispatch;
+pub mod error;
+#[cfg(feature = "cuda")]
+mod ffi;
+pub mod reference;
+pub mod tensor;
+
+pub use config::{AttentionConfig, Backend, Mask};
+pub use dispatch::{BuiltKernels, DeviceInfo, Memory, Op, Plan};
+pub use error::{Error, Operand, Result};
+pub use tensor::{DType, Element, Layout, Problem, TensorMut, TensorRef};
+
+/// Output of a host forward call: `out` packed like Q, `lse` packed (batch, heads_q, seqlen_q).
+#[derive(Clone, Debug)]
+pub struct ForwardOutput<T> {
+    pub out: Vec<T>,
+    pub lse: Vec<f32>,
+    pub plan: Plan,
+}
+
+/// Gradients of a host backward call, each packed like its input.
+#[derive(Clone, Debug)]
+pub struct Gradients<T> {
+    pub dq: Vec<T>,
+    pub dk: Vec<T>,
+    pub dv: Vec<T>,
+    pub plan: Plan,
+}
+
+fn plan_host<T: Element>(
+    op: Op,
+    cfg: &AttentionConfig,
+    q: &TensorRef<T>,
+    k: &TensorRef<T>,
+    v: &TensorRef<T>,
+) -> Result<(Problem, Plan)> {
+    q.check(Operand::Q)?;
+    k.check(Operand::K)?;
+    v.check(Operand::V)?;
+    let problem = Problem::from_layouts(&q.layout, &k.layout, &v.layout, T::DTYPE)?;
+    let plan = dispatch::plan(op, &problem, cfg, &Memory::Host, BuiltKernels::current())?;
+    Ok((problem, plan))
+}
+
+/// Forward pass over host tensors into caller-owned outputs.
+pub fn forward_into<T: Element>(
+    cfg: &AttentionConfig,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+    out: TensorMut<T>,
+    lse: &mut [f32],
+) -> Result<Plan> {
+    let (problem, plan) = plan_host(Op::Forward, cfg, &q, &k, &v)?;
+    out.check(Operand::Out)?;
+    Problem::expect_shape(Operand::Out, &out.layout, problem.q_shape())?;
+    if lse.len() < problem.lse_len() {
+        return Err(Error::BufferTooSmall {
+            operand: Operand::Lse,
+            needed: problem.lse_len(),
+            len: lse.len(),
+        });
+    }
+    backend::cpu::forward(cfg, &problem, q, k, v, out, lse);
+    Ok(plan)
+}
+
+/// Forward pass over host tensors; allocates the outputs.
+pub fn forward<T: Element>(
+    cfg: &AttentionConfig,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+) -> Result<ForwardOutput<T>> {
+    let (problem, _) = plan_host(Op::Forward, cfg, &q, &k, &v)?;
+    let mut out = vec![T::default(); problem.q_shape().iter().product()];
+    let mut lse = vec![0f32; problem.lse_len()];
+    let plan = forward_into(
+        cfg,
+        q,
+        k,
+        v,
+        TensorMut::contiguous(&mut out, problem.q_shape()),
+        &mut lse,
+    )?;
+    Ok(ForwardOutput { out, lse, plan })
+}
+
+/// Backward pass over host tensors: recomputes P from `lse` and returns dQ, dK, dV.
+#[allow(clippy::too_many_arguments)]
+pub fn backward<T: Element>(
+    cfg: &AttentionConfig,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+    out: TensorRef<T>,
+    dout: TensorRef<T>,
+    lse: &[f32],
+) -> Result<Gradients<T>> {
+    let (problem, plan) = plan_host(Op::Backward, cfg, &q, &k, &v)?;
+    out.check(Operand::Out)?;
+    dout.check(Operand::DOut)?;
+    Problem::expect_shape(Operand::Out, &out.layout, problem.q_shape())?;
+    Problem::expect_shape(Operand::DOut, &dout.layout, problem.q_shape())?;
+    if lse.len() < problem.lse_len() {
+        return Err(Error::BufferTooSmall {
+            operand: Operand::Lse,
+            needed: problem.lse_len(),
+            len: lse.len(),
+        });
+    }
+    let mut dq = vec![T::default(); problem.q_shape().iter().product()];
+    let mut dk = vec![T::default(); problem.kv_shape().iter().product()];
+    let mut dv = vec![T::default(); problem.kv_shape().iter().product()];
+    backend::cpu::backward(
+        cfg,
+        &problem,
+        backend::cpu::BackwardInputs {
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse,
+        },
+        TensorMut::contiguous(&mut dq, problem.q_shape()),
+        TensorMut::contiguous(&mut dk, problem.kv_shape()),
+        TensorMut::contiguous(&mut dv, problem.kv_shape()),
+    );
+    Ok(Gradients { dq, dk, dv, plan })
+}
