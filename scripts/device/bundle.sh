@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Here (no GPU): build the release test, bench and example binaries and gather them, with
+# run.sh and the peer benchmark, into .device/ (git-ignored) for `run` with carry [".device"].
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+rm -rf .device
+mkdir -p .device/bin
+
+executables() {  # reads cargo's JSON messages, prints "name path" per executable artifact
+  python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["name"], m["executable"])'
+}
+
+{
+  cargo test --release --no-run --message-format=json
+  cargo bench --no-run --message-format=json
+  cargo build --release --examples --message-format=json
+} 2>/dev/null | executables | while read -r name path; do
+  case "$path" in
+    */deps/*) kind=$([ "$name" = attention ] && echo bench || echo test) ;;
+    *) kind=example ;;
+  esac
+  cp "$path" ".device/bin/$kind-$name"
+done
+cp scripts/device/run.sh benchmarks/compare_torch.py benchmarks/table.py .device/
+git rev-parse --short HEAD > .device/COMMIT
+git diff --quiet HEAD -- src csrc tests benches examples build.rs || echo "+dirty" >> .device/COMMIT
+ls -la .device/bin
+du -sh .device

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# There (GPU machine, no Rust): run every test (GPU tests included), the example, the sanitizer
+# on the small GPU tests, the benches and the peers. Logs and JSON go under $OUT.
+# Usage: bash .device/run.sh [--quick]   (--quick: fewer peer shapes)
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+OUT=${OUT:-$here/out}
+mkdir -p "$OUT"
+commit=$(tr '\n' ' ' < "$here/COMMIT" | sed 's/ $//; s/ //g')
+log="$OUT/run.log"
+failures=()
+
+step() {  # step NAME CMD...: run, log, remember failure
+  local name=$1; shift
+  echo "=== $name" | tee -a "$log"
+  local t0=$(date +%s)
+  "$@" >> "$log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc ($(( $(date +%s) - t0 )) s)" | tee -a "$log"
+  [ $rc -eq 0 ] || failures+=("$name")
+}
+
+step nvidia-smi nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+for t in "$here"/bin/test-*; do
+  step "$(basename "$t")" "$t" --include-ignored --test-threads=4
+done
+step sanitizer-memcheck compute-sanitizer --tool memcheck --error-exitcode 9 \
+  "$here/bin/test-gpu" --include-ignored --test-threads=1
+step sanitizer-racecheck compute-sanitizer --tool racecheck --error-exitcode 9 \
+  "$here/bin/test-gpu" --include-ignored --test-threads=1 selftest
+step quickstart "$here/bin/example-quickstart"
+peers=()
+[ "${1:-}" = "--quick" ] && peers+=(--quick)
+step peers python3 "$here/compare_torch.py" --out "$OUT/peers.json" --commit "$commit" "${peers[@]}"
+python3 "$here/table.py" "$OUT/peers.json" >> "$log" 2>&1
+
+grep -E "^(test result|selftest|device:|dispatch|backend|device forward)" "$log"
+echo "commit $commit; failed steps: ${failures[*]:-none}"
+[ ${#failures[@]} -eq 0 ]
