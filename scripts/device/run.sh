@@ -22,7 +22,7 @@ step() {  # step NAME CMD...: run, log, remember failure
 
 step nvidia-smi nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
 for t in "$here"/bin/test-*; do
-  step "$(basename "$t")" "$t" --include-ignored --test-threads=4
+  step "$(basename "$t")" "$t" --include-ignored --show-output --test-threads=4
 done
 step sanitizer-memcheck compute-sanitizer --tool memcheck --error-exitcode 9 \
   "$here/bin/test-gpu" --include-ignored --test-threads=1
