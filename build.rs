@@ -137,7 +137,10 @@ mod cuda {
         if let Some(path) = env::var_os("PATH") {
             for dir in env::split_paths(&path) {
                 if dir.join("nvcc").exists() {
-                    return dir.parent().expect("nvcc has a parent directory").to_path_buf();
+                    return dir
+                        .parent()
+                        .expect("nvcc has a parent directory")
+                        .to_path_buf();
                 }
             }
         }
@@ -151,7 +154,14 @@ mod cuda {
                 target.display()
             );
             run(Command::new(python())
-                .args(["-m", "pip", "install", "-q", "--disable-pip-version-check", "--target"])
+                .args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "-q",
+                    "--disable-pip-version-check",
+                    "--target",
+                ])
                 .arg(&target)
                 .args(CUDA_PACKAGES));
             fs::write(&stamp, CUDA_PACKAGES.join("\n")).unwrap();
@@ -226,7 +236,11 @@ mod cuda {
         let mut jobs = Vec::new();
         for src in sources {
             let rel = src.strip_prefix(csrc).unwrap();
-            let gencode = if rel.starts_with("sm90") { SM90_GENCODE } else { SM80_GENCODE };
+            let gencode = if rel.starts_with("sm90") {
+                SM90_GENCODE
+            } else {
+                SM80_GENCODE
+            };
             let mut cmd = nvcc_command(nvcc, cutlass_include, csrc, gencode);
             if verbose {
                 cmd.arg("-Xptxas=-v");
@@ -234,7 +248,11 @@ mod cuda {
             let mut hasher = shared.clone();
             hasher.update(format!("{cmd:?}").as_bytes());
             hasher.update(fs::read(src).unwrap());
-            let hash: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+            let hash: String = hasher
+                .finalize()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
             let stem = rel.to_string_lossy().replace(['/', '\\'], "_");
             let obj = obj_dir.join(format!("{stem}-{}.o", &hash[..16]));
             let log = obj.with_extension("log");
@@ -306,9 +324,15 @@ mod cuda {
         if env::var_os("LIBCLANG_PATH").is_some() {
             return;
         }
-        let system = ["/usr/lib/llvm-18/lib", "/usr/lib/llvm-16/lib", "/usr/lib/llvm-14/lib"]
-            .iter()
-            .any(|d| Path::new(d).join("libclang.so").exists() || Path::new(d).join("libclang.so.1").exists());
+        let system = [
+            "/usr/lib/llvm-18/lib",
+            "/usr/lib/llvm-16/lib",
+            "/usr/lib/llvm-14/lib",
+        ]
+        .iter()
+        .any(|d| {
+            Path::new(d).join("libclang.so").exists() || Path::new(d).join("libclang.so.1").exists()
+        });
         if system {
             return;
         }
@@ -321,7 +345,14 @@ mod cuda {
                 target.display()
             );
             run(Command::new(python())
-                .args(["-m", "pip", "install", "-q", "--disable-pip-version-check", "--target"])
+                .args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "-q",
+                    "--disable-pip-version-check",
+                    "--target",
+                ])
                 .arg(&target)
                 .arg(LIBCLANG_PACKAGE));
         }

@@ -100,11 +100,8 @@ impl AttentionConfig {
 
     /// The mask of this call for given sequence lengths.
     pub fn mask(&self, seqlen_q: usize, seqlen_k: usize) -> Mask {
-        let right = match (self.causal, self.window_right) {
-            (true, Some(r)) => Some(r.min(0)),
-            (true, None) => Some(0),
-            (false, r) => r,
-        };
+        // Causal is a window with nothing to the right of the diagonal.
+        let right = if self.causal { Some(0) } else { self.window_right };
         Mask {
             seqlen_q,
             seqlen_k,
@@ -172,7 +169,10 @@ mod tests {
 
     #[test]
     fn bad_values_are_errors() {
-        assert!(AttentionConfig::new().softmax_scale(-1.0).validate().is_err());
+        assert!(AttentionConfig::new()
+            .softmax_scale(-1.0)
+            .validate()
+            .is_err());
         assert!(AttentionConfig::new().softcap(f32::NAN).validate().is_err());
         assert!(AttentionConfig::new().validate().is_ok());
     }

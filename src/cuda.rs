@@ -32,7 +32,9 @@ fn driver_error(e: DriverError) -> Error {
 /// Number of CUDA devices, or `NoDevice` when there is no driver.
 pub fn device_count() -> Result<usize> {
     if !driver_present() {
-        return Err(Error::NoDevice("the CUDA driver library is not installed".into()));
+        return Err(Error::NoDevice(
+            "the CUDA driver library is not installed".into(),
+        ));
     }
     CudaContext::device_count()
         .map(|n| n as usize)
@@ -160,6 +162,7 @@ impl Device {
 
     /// Forward pass into caller-owned device outputs, ordered on `stream`.
     /// `lse` is f32 (batch, heads_q, seqlen_q), packed.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward_into<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
@@ -199,10 +202,34 @@ impl Device {
         let (lse_ptr, _lse_guard) = lse.device_ptr_mut(stream);
         let size = std::mem::size_of::<T>();
         let operands = [
-            (Operand::Q, RawTensor { ptr: q_ptr, layout: q.layout }),
-            (Operand::K, RawTensor { ptr: k_ptr, layout: k.layout }),
-            (Operand::V, RawTensor { ptr: v_ptr, layout: v.layout }),
-            (Operand::Out, RawTensor { ptr: o_ptr, layout: out.layout }),
+            (
+                Operand::Q,
+                RawTensor {
+                    ptr: q_ptr,
+                    layout: q.layout,
+                },
+            ),
+            (
+                Operand::K,
+                RawTensor {
+                    ptr: k_ptr,
+                    layout: k.layout,
+                },
+            ),
+            (
+                Operand::V,
+                RawTensor {
+                    ptr: v_ptr,
+                    layout: v.layout,
+                },
+            ),
+            (
+                Operand::Out,
+                RawTensor {
+                    ptr: o_ptr,
+                    layout: out.layout,
+                },
+            ),
         ];
         for (operand, t) in &operands {
             gpu::check_alignment(*operand, t, size)?;
@@ -248,7 +275,10 @@ pub fn selftest_tma_wgmma(device: &Device, stream: &Arc<CudaStream>) -> Result<S
     if device.info().compute_capability() != (9, 0) {
         return Err(Error::BackendUnavailable {
             backend: "sm90",
-            reason: format!("device {} is not compute capability 9.0", device.info().name),
+            reason: format!(
+                "device {} is not compute capability 9.0",
+                device.info().name
+            ),
         });
     }
     // A small deterministic generator: values are exact in bf16 and products exact in f32.
@@ -294,7 +324,9 @@ pub fn selftest_tma_wgmma(device: &Device, stream: &Arc<CudaStream>) -> Result<S
     };
     for i in 0..M {
         for j in 0..N {
-            let want: f32 = (0..K).map(|kk| a[i * K + kk].to_f32() * b[j * K + kk].to_f32()).sum();
+            let want: f32 = (0..K)
+                .map(|kk| a[i * K + kk].to_f32() * b[j * K + kk].to_f32())
+                .sum();
             let got = c[i * N + j];
             if got.is_nan() {
                 report.unwritten += 1;

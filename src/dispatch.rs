@@ -87,7 +87,9 @@ pub fn check_backend(
 ) -> Result<()> {
     let name = backend.name();
     match backend {
-        Backend::Auto => Err(Error::InvalidConfig("Auto is not a concrete backend".into())),
+        Backend::Auto => Err(Error::InvalidConfig(
+            "Auto is not a concrete backend".into(),
+        )),
         Backend::Cpu => {
             if let Memory::Device(_) = memory {
                 return Err(Error::BackendUnavailable {

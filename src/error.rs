@@ -58,13 +58,19 @@ pub enum Error {
     /// Element offsets would overflow the index width a kernel uses.
     IndexOverflow { operand: Operand, detail: String },
     /// A head dimension the chosen backend does not implement.
-    UnsupportedHeadDim { head_dim: usize, backend: &'static str },
+    UnsupportedHeadDim {
+        head_dim: usize,
+        backend: &'static str,
+    },
     /// An element type the chosen backend does not implement.
     UnsupportedDtype { dtype: DType, backend: &'static str },
     /// A feature (softcap, window, ...) or operation the chosen backend does not implement yet.
     Unsupported { what: String, backend: &'static str },
     /// A backend was forced where it cannot run (no GPU, wrong architecture, host memory...).
-    BackendUnavailable { backend: &'static str, reason: String },
+    BackendUnavailable {
+        backend: &'static str,
+        reason: String,
+    },
     /// A configuration value is out of range (negative scale, NaN softcap...).
     InvalidConfig(String),
     /// Device pointer not aligned as the kernels require.
@@ -105,10 +111,16 @@ impl fmt::Display for Error {
                 write!(f, "{operand}: index overflow: {detail}")
             }
             Error::UnsupportedHeadDim { head_dim, backend } => {
-                write!(f, "head_dim {head_dim} is not supported by the {backend} backend")
+                write!(
+                    f,
+                    "head_dim {head_dim} is not supported by the {backend} backend"
+                )
             }
             Error::UnsupportedDtype { dtype, backend } => {
-                write!(f, "dtype {dtype:?} is not supported by the {backend} backend")
+                write!(
+                    f,
+                    "dtype {dtype:?} is not supported by the {backend} backend"
+                )
             }
             Error::Unsupported { what, backend } => {
                 write!(f, "{what} is not supported by the {backend} backend")
@@ -118,7 +130,10 @@ impl fmt::Display for Error {
             }
             Error::InvalidConfig(msg) => write!(f, "invalid configuration: {msg}"),
             Error::Misaligned { operand, align } => {
-                write!(f, "{operand}: pointer or stride not aligned to {align} bytes")
+                write!(
+                    f,
+                    "{operand}: pointer or stride not aligned to {align} bytes"
+                )
             }
             Error::NoDevice(msg) => write!(f, "no CUDA device: {msg}"),
             Error::Cuda { code, name } => write!(f, "CUDA error {code} ({name})"),

@@ -1,5 +1,10 @@
 //! The bindgen output for csrc/flash_api.h, and the conversion of its results into [`Error`].
-#![allow(non_camel_case_types, non_upper_case_globals, non_snake_case, dead_code)]
+#![allow(
+    non_camel_case_types,
+    non_upper_case_globals,
+    non_snake_case,
+    dead_code
+)]
 
 include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 

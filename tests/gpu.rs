@@ -37,8 +37,14 @@ fn selftest_tma_wgmma_matches_cpu() {
     let report = cuda::selftest_tma_wgmma(&dev, &stream).expect("self-test launch");
     println!("selftest: {report:?}");
     assert_eq!(report.unwritten, 0, "kernel left poisoned outputs");
-    assert!(report.max_abs_ref > 1.0, "inputs too small to mean anything");
-    assert!(report.passed(), "TMA+WGMMA result differs from the CPU: {report:?}");
+    assert!(
+        report.max_abs_ref > 1.0,
+        "inputs too small to mean anything"
+    );
+    assert!(
+        report.passed(),
+        "TMA+WGMMA result differs from the CPU: {report:?}"
+    );
 }
 
 #[test]
@@ -60,7 +66,10 @@ fn dispatcher_explains_its_choice_on_the_device() {
         Err(e) => e.to_string(),
     };
     println!("dispatch on {}: {explained}", dev.info().name);
-    assert!(explained.contains("sm90"), "sm90 was not considered: {explained}");
+    assert!(
+        explained.contains("sm90"),
+        "sm90 was not considered: {explained}"
+    );
     if dev.info().compute_capability() == (9, 0) {
         // Forced sm90 is refused only for a missing kernel, never for the architecture.
         let forced = dev.plan(Op::Forward, &problem, &cfg.clone().backend(Backend::Sm90));
@@ -70,7 +79,10 @@ fn dispatcher_explains_its_choice_on_the_device() {
     }
     // The CPU backend cannot take device operands.
     let cpu = dev.plan(Op::Forward, &problem, &cfg.backend(Backend::Cpu));
-    assert!(matches!(cpu, Err(Error::BackendUnavailable { .. })), "{cpu:?}");
+    assert!(
+        matches!(cpu, Err(Error::BackendUnavailable { .. })),
+        "{cpu:?}"
+    );
 }
 
 #[test]
@@ -82,7 +94,9 @@ fn device_forward_refuses_cleanly_or_runs() {
     let stream = dev.new_stream().unwrap();
     let shape = [1, 64, 2, 64];
     let n: usize = shape.iter().product();
-    let host: Vec<half::bf16> = (0..n).map(|i| half::bf16::from_f32((i as f32 * 0.1).sin())).collect();
+    let host: Vec<half::bf16> = (0..n)
+        .map(|i| half::bf16::from_f32((i as f32 * 0.1).sin()))
+        .collect();
     let q = stream.clone_htod(&host).unwrap();
     let mut o = stream.clone_htod(&vec![half::bf16::NAN; n]).unwrap();
     let mut lse = stream.clone_htod(&vec![f32::NAN; 2 * 64]).unwrap();
@@ -103,7 +117,10 @@ fn device_forward_refuses_cleanly_or_runs() {
             assert!(matches!(e, Error::Unsupported { .. }), "{e}");
             let back = stream.clone_dtoh(&o).unwrap();
             stream.synchronize().unwrap();
-            assert!(back.iter().all(|x| x.is_nan()), "refused call wrote the output");
+            assert!(
+                back.iter().all(|x| x.is_nan()),
+                "refused call wrote the output"
+            );
         }
     }
 }
@@ -131,5 +148,14 @@ fn misaligned_device_pointer_is_an_error() {
         &mut DeviceTensorMut::contiguous(&mut o, shape),
         &mut lse.as_view_mut(),
     );
-    assert!(matches!(r, Err(Error::Misaligned { operand: flashattn::Operand::Q, .. })), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(Error::Misaligned {
+                operand: flashattn::Operand::Q,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
 }
