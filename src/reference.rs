@@ -104,7 +104,11 @@ fn diff(x: f64, r: f64) -> f64 {
 /// If the three slices differ in length.
 pub fn compare(got: &[f32], reference: &[f64], baseline: &[f32]) -> Comparison {
     assert_eq!(got.len(), reference.len(), "got vs reference length");
-    assert_eq!(baseline.len(), reference.len(), "baseline vs reference length");
+    assert_eq!(
+        baseline.len(),
+        reference.len(),
+        "baseline vs reference length"
+    );
     let mut max_err = 0f64;
     let mut baseline_err = 0f64;
     let mut nan_count = 0;
@@ -211,7 +215,11 @@ fn row_f64(cfg: &AttentionConfig, mask: &Mask, q: &[f64], k: &[f64], i: usize) -
     let mut th = Vec::new();
     let s: Vec<f64> = (lo..hi)
         .map(|j| {
-            let raw: f64 = q.iter().zip(&k[j * d..(j + 1) * d]).map(|(a, b)| a * b).sum();
+            let raw: f64 = q
+                .iter()
+                .zip(&k[j * d..(j + 1) * d])
+                .map(|(a, b)| a * b)
+                .sum();
             match cfg.softcap {
                 None => raw * scale,
                 Some(cap) => {
@@ -267,7 +275,10 @@ pub fn reference_row<T: Element>(
     i: usize,
 ) -> (Vec<f64>, f64) {
     let p = problem(&q, &k, &v);
-    assert!(b < p.batch && h < p.heads_q && i < p.seqlen_q, "row out of range");
+    assert!(
+        b < p.batch && h < p.heads_q && i < p.seqlen_q,
+        "row out of range"
+    );
     let d = p.head_dim;
     let off = q.layout.offset(b, i, h, 0);
     let qrow: Vec<f64> = q.data[off..off + d].iter().map(|&x| f64_of(x)).collect();
@@ -401,7 +412,13 @@ struct RowLow {
     lse: f32,
 }
 
-fn row_low<T: Element>(cfg: &AttentionConfig, mask: &Mask, q: &[f32], k: &[f32], i: usize) -> RowLow {
+fn row_low<T: Element>(
+    cfg: &AttentionConfig,
+    mask: &Mask,
+    q: &[f32],
+    k: &[f32],
+    i: usize,
+) -> RowLow {
     let d = q.len();
     let scale = cfg.scale_for(d);
     let (lo, hi) = mask.key_range(i);
@@ -409,7 +426,11 @@ fn row_low<T: Element>(cfg: &AttentionConfig, mask: &Mask, q: &[f32], k: &[f32],
     let s: Vec<f32> = (lo..hi)
         .map(|j| {
             // S = Q·Kᵀ in T, then S·scale in T, then softcap as three ops in T.
-            let raw: f32 = q.iter().zip(&k[j * d..(j + 1) * d]).map(|(a, b)| a * b).sum();
+            let raw: f32 = q
+                .iter()
+                .zip(&k[j * d..(j + 1) * d])
+                .map(|(a, b)| a * b)
+                .sum();
             let s = rt::<T>(rt::<T>(raw) * scale);
             match cfg.softcap {
                 None => s,
@@ -600,8 +621,12 @@ mod tests {
     #[test]
     fn reference_row_matches_reference_forward() {
         let (b, s, h, d) = (2, 7, 4, 8);
-        let x: Vec<f32> = (0..b * s * h * d).map(|i| (i as f32 * 0.61).sin()).collect();
-        let kv: Vec<f32> = (0..b * 5 * 2 * d).map(|i| (i as f32 * 0.29).cos()).collect();
+        let x: Vec<f32> = (0..b * s * h * d)
+            .map(|i| (i as f32 * 0.61).sin())
+            .collect();
+        let kv: Vec<f32> = (0..b * 5 * 2 * d)
+            .map(|i| (i as f32 * 0.29).cos())
+            .collect();
         let q = TensorRef::contiguous(&x, [b, s, h, d]);
         let k = TensorRef::contiguous(&kv, [b, 5, 2, d]);
         let cfg = AttentionConfig::new().causal(true).softcap(3.0);

@@ -121,13 +121,7 @@ fn gemm<A: Arith>(
 #[inline(always)]
 fn exp2_approx(x: f32) -> f32 {
     const SHIFTER: f32 = 12_582_912.0; // 1.5·2^23: adding it rounds to an integer
-    let xc = if x < -126.0 {
-        -126.0
-    } else if x > 127.0 {
-        127.0
-    } else {
-        x
-    };
+    let xc = x.clamp(-126.0, 127.0); // NaN stays NaN
     let t = xc + SHIFTER;
     let n = t - SHIFTER;
     let f = xc - n; // in [-0.5, 0.5]
@@ -165,7 +159,9 @@ fn max_of(x: &[f32]) -> f32 {
             acc[i] = if ch[i] > acc[i] { ch[i] } else { acc[i] };
         }
     }
-    rest.iter().chain(acc.iter()).fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+    rest.iter()
+        .chain(acc.iter())
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v))
 }
 
 #[inline(always)]
@@ -458,7 +454,14 @@ fn fwd_block_dispatch<T: Element>(ctx: &Ctx<T>, b: usize, h: usize, i0: usize) -
 
 /// Writes `rows × dp` f32 rows (the first `d` columns) into head `h` of `t` from row `i0` on,
 /// stopping at the tensor's seqlen.
-fn store_rows<T: Element>(t: &mut TensorMut<T>, b: usize, h: usize, i0: usize, src: &[f32], dp: usize) {
+fn store_rows<T: Element>(
+    t: &mut TensorMut<T>,
+    b: usize,
+    h: usize,
+    i0: usize,
+    src: &[f32],
+    dp: usize,
+) {
     let (d, seqlen) = (t.layout.head_dim(), t.layout.seqlen());
     for (r, row) in src.chunks_exact(dp).enumerate() {
         let i = i0 + r;
