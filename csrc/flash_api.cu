@@ -7,6 +7,7 @@
 
 #include "common/status.h"
 #include "flash_api.h"
+#include "sm90/fwd_instantiations.h"
 
 namespace {
 
@@ -50,7 +51,7 @@ flashattn_result_t validate_bwd(const flashattn_params_t* p) {
 
 extern "C" uint32_t flashattn_built_kernels(void) {
   // Kernel families land here as they are written (csrc/sm90, csrc/sm80).
-  return FLASHATTN_KERNEL_SM90_SELFTEST;
+  return FLASHATTN_KERNEL_SM90_SELFTEST | FLASHATTN_KERNEL_SM90_FWD;
 }
 
 extern "C" flashattn_result_t flashattn_device_query(int32_t ordinal,
@@ -73,10 +74,28 @@ extern "C" const char* flashattn_cuda_error_name(int32_t code) {
   return cudaGetErrorName(static_cast<cudaError_t>(code));
 }
 
-extern "C" flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* params, void*) {
+extern "C" flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* params,
+                                                 void* stream) {
   flashattn_result_t r = validate_fwd(params);
   if (r.status != FLASHATTN_OK) return r;
-  return status(FLASHATTN_UNSUPPORTED);  // the FA3 forward is not built yet
+  const flashattn_params_t& p = *params;
+  // One CTA per (query tile, head, batch): grid y and z are limited to 65535.
+  if (p.heads_q > 65535 || p.batch > 65535) return status(FLASHATTN_UNSUPPORTED);
+  if (p.softcap < 0.f) return status(FLASHATTN_INVALID_ARGUMENT);
+  flashattn::sm90::FwdOptions o;
+  o.pingpong = !(p.sm90_flags & FLASHATTN_SM90_NO_PINGPONG);
+  o.intra_wg_overlap = !(p.sm90_flags & FLASHATTN_SM90_NO_INTRA_WG_OVERLAP);
+  const bool bf16 = p.dtype == FLASHATTN_BF16;
+  // The variant without intra-warpgroup overlap exists for d128 bf16 only (ablation).
+  if (!o.intra_wg_overlap && !(bf16 && p.head_dim == 128)) return status(FLASHATTN_UNSUPPORTED);
+  auto s = static_cast<cudaStream_t>(stream);
+  using namespace flashattn::sm90;
+  switch (p.head_dim) {
+    case 64: return bf16 ? run_fwd_d64_bf16(p, o, s) : run_fwd_d64_fp16(p, o, s);
+    case 128: return bf16 ? run_fwd_d128_bf16(p, o, s) : run_fwd_d128_fp16(p, o, s);
+    case 256: return bf16 ? run_fwd_d256_bf16(p, o, s) : run_fwd_d256_fp16(p, o, s);
+    default: return status(FLASHATTN_UNSUPPORTED);
+  }
 }
 
 extern "C" flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* params, void*) {

@@ -38,6 +38,12 @@ typedef enum {
   FLASHATTN_KERNEL_SM90_SELFTEST = 32,
 } flashattn_kernel_t;
 
+// Scheduling switches of the sm90 forward, for the ablation benchmark (0 = everything on).
+typedef enum {
+  FLASHATTN_SM90_NO_PINGPONG = 1,
+  FLASHATTN_SM90_NO_INTRA_WG_OVERLAP = 2,
+} flashattn_sm90_flag_t;
+
 // One strided 4-d operand (batch, seqlen, heads, head_dim); strides in elements, head_dim unit.
 typedef struct {
   void* ptr;
@@ -86,6 +92,7 @@ typedef struct {
 
   // Device properties the launcher may size grids with (from flashattn_device_query).
   int32_t sm_count;
+  uint32_t sm90_flags;  // flashattn_sm90_flag_t bits
 } flashattn_params_t;
 
 typedef struct {

@@ -26,6 +26,24 @@ impl Backend {
     }
 }
 
+/// Scheduling switches of the Hopper forward kernel, on by default; turning one off reproduces
+/// the FlashAttention-3 paper's ablation (ping-pong between consumer warpgroups; overlap of the
+/// next block's Q·Kᵀ with the current softmax inside a warpgroup).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Sm90Schedule {
+    pub pingpong: bool,
+    pub intra_wg_overlap: bool,
+}
+
+impl Default for Sm90Schedule {
+    fn default() -> Self {
+        Sm90Schedule {
+            pingpong: true,
+            intra_wg_overlap: true,
+        }
+    }
+}
+
 /// Options of one attention call, following FlashAttention's conventions:
 /// causal masks are aligned bottom-right when `seqlen_q != seqlen_k`; a window `(left, right)`
 /// lets query `i` see keys `j` with `i + s_k - s_q - left <= j <= i + s_k - s_q + right`,
@@ -42,6 +60,7 @@ pub struct AttentionConfig {
     /// Ask for a fixed accumulation order in the backward (bit-identical runs).
     pub deterministic: bool,
     pub backend: Backend,
+    pub sm90_schedule: Sm90Schedule,
 }
 
 impl AttentionConfig {
@@ -71,6 +90,10 @@ impl AttentionConfig {
     }
     pub fn backend(mut self, backend: Backend) -> Self {
         self.backend = backend;
+        self
+    }
+    pub fn sm90_schedule(mut self, schedule: Sm90Schedule) -> Self {
+        self.sm90_schedule = schedule;
         self
     }
 

@@ -153,9 +153,30 @@ pub fn check_backend(
                     backend: name,
                 });
             }
-            if cfg.softcap.is_some() {
+            if backend == Backend::Sm80 && cfg.softcap.is_some() {
                 return Err(Error::Unsupported {
                     what: "softcap".into(),
+                    backend: name,
+                });
+            }
+            // One CTA per (query tile, head, batch): grid dimensions y and z hold 65535.
+            if problem.heads_q > 65535 || problem.batch > 65535 {
+                return Err(Error::Unsupported {
+                    what: format!(
+                        "batch {} x heads {} (grid limit 65535 each)",
+                        problem.batch, problem.heads_q
+                    ),
+                    backend: name,
+                });
+            }
+            let sched = cfg.sm90_schedule;
+            if backend == Backend::Sm90
+                && !sched.intra_wg_overlap
+                && !(problem.head_dim == 128 && problem.dtype == DType::BF16)
+            {
+                return Err(Error::Unsupported {
+                    what: "the schedule without intra-warpgroup overlap (built for d128 bf16 only)"
+                        .into(),
                     backend: name,
                 });
             }

@@ -35,7 +35,7 @@ mod ffi;
 pub mod reference;
 pub mod tensor;
 
-pub use config::{AttentionConfig, Backend, Mask};
+pub use config::{AttentionConfig, Backend, Mask, Sm90Schedule};
 pub use dispatch::{BuiltKernels, DeviceInfo, Memory, Op, Plan};
 pub use error::{Error, Operand, Result};
 pub use tensor::{DType, Element, Layout, Problem, TensorMut, TensorRef};

@@ -506,6 +506,41 @@ pub fn baseline_forward<T: Element>(
     }
 }
 
+/// The baseline of one query row (as [`baseline_forward`] computes it): its output row and LSE,
+/// for checking sampled rows of shapes too large to compute whole.
+///
+/// # Panics
+/// On invalid operands or indices out of range.
+pub fn baseline_row<T: Element>(
+    cfg: &AttentionConfig,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+    b: usize,
+    h: usize,
+    i: usize,
+) -> (Vec<f32>, f32) {
+    let p = problem(&q, &k, &v);
+    assert!(
+        b < p.batch && h < p.heads_q && i < p.seqlen_q,
+        "row out of range"
+    );
+    let d = p.head_dim;
+    let off = q.layout.offset(b, i, h, 0);
+    let qrow: Vec<f32> = q.data[off..off + d].iter().map(|x| x.to_f32()).collect();
+    let kh = head(&k, b, h / p.group_size(), T::to_f32);
+    let vh = head(&v, b, h / p.group_size(), T::to_f32);
+    let row = row_low::<T>(cfg, &cfg.mask(p.seqlen_q, p.seqlen_k), &qrow, &kh, i);
+    let mut acc = vec![0f32; d];
+    for (j, &pj) in row.p.iter().enumerate() {
+        let vj = &vh[(row.lo + j) * d..(row.lo + j + 1) * d];
+        for (a, x) in acc.iter_mut().zip(vj) {
+            *a += pj * x;
+        }
+    }
+    (acc.into_iter().map(rt::<T>).collect(), row.lse)
+}
+
 /// The baseline's backward, as a framework's autograd would run it in `T`: dV = Pᵀ·dO,
 /// dP = dO·Vᵀ, the softmax backward dS = P∘(dP − rowsum(P∘dP)), the softcap and scale chain
 /// rule one op at a time, dQ = dS·K and dK = dSᵀ·Q; each product accumulated in f32 and

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # There (GPU machine, no Rust): run every test (GPU tests included), the example, the sanitizer
 # on the small GPU tests, the benches and the peers. Logs and JSON go under $OUT.
-# Usage: bash .device/run.sh [--quick]   (--quick: fewer peer shapes)
+# Usage: [PEERS=0] bash .device/run.sh [--quick]   (--quick: fewer peer shapes; PEERS=0: none)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-$here/out}
@@ -24,15 +24,20 @@ step nvidia-smi nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,
 for t in "$here"/bin/test-*; do
   step "$(basename "$t")" "$t" --include-ignored --show-output --test-threads=4
 done
-step sanitizer-memcheck compute-sanitizer --tool memcheck --error-exitcode 9 \
-  "$here/bin/test-gpu" --include-ignored --test-threads=1
-step sanitizer-racecheck compute-sanitizer --tool racecheck --error-exitcode 9 \
-  "$here/bin/test-gpu" --include-ignored --test-threads=1 selftest
+for tool in memcheck racecheck synccheck; do
+  step "sanitizer-$tool" compute-sanitizer --tool $tool --error-exitcode 9 \
+    "$here/bin/test-gpu" --include-ignored --test-threads=1 selftest
+  step "sanitizer-$tool-fwd" compute-sanitizer --tool $tool --error-exitcode 9 \
+    "$here/bin/test-gpu_fwd" --include-ignored --test-threads=1 sanitizer
+done
 step quickstart "$here/bin/example-quickstart"
+step bench-table "$here/bin/example-bench_table" --out "$OUT/sm90_fwd.json" --commit "$commit"
 peers=()
 [ "${1:-}" = "--quick" ] && peers+=(--quick)
-step peers python3 "$here/compare_torch.py" --out "$OUT/peers.json" --commit "$commit" "${peers[@]}"
-python3 "$here/table.py" "$OUT/peers.json" >> "$log" 2>&1
+if [ "${PEERS:-1}" = 1 ]; then
+  step peers python3 "$here/compare_torch.py" --out "$OUT/peers.json" --commit "$commit" "${peers[@]}"
+fi
+python3 "$here/table.py" "$OUT"/*.json >> "$log" 2>&1
 
 grep -E "^(test result|selftest|device:|dispatch|backend|device forward)" "$log"
 echo "commit $commit; failed steps: ${failures[*]:-none}"

@@ -77,7 +77,9 @@ impl Arith for Split {
 }
 
 /// `C[m×n] (+)= A[m×k] · B[k×n]`, all row-major with leading dimensions `lda`, `ldb`, `ldc`.
-/// `m` must be a multiple of [`MR`] and `n` of [`NR`] (tiles are zero-padded to make it so).
+/// `m` must be even and `n` a multiple of [`NR`] (tiles are zero-padded to make it so).
+/// Rows of A go through the micro-kernel six at a time (then four or two): 6×16 accumulators
+/// are twelve AVX registers.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn gemm<A: Arith>(
@@ -90,30 +92,63 @@ fn gemm<A: Arith>(
     ldc: usize,
     accumulate: bool,
 ) {
-    debug_assert!(m % MR == 0 && n % NR == 0);
-    for i in (0..m).step_by(MR) {
-        let a_rows: [&[f32]; MR] = std::array::from_fn(|r| &a[(i + r) * lda..][..k]);
-        for j in (0..n).step_by(NR) {
-            let mut acc = [[0f32; NR]; MR];
-            if accumulate {
-                for (r, row) in acc.iter_mut().enumerate() {
-                    row.copy_from_slice(&c[(i + r) * ldc + j..][..NR]);
-                }
-            }
-            for p in 0..k {
-                let b_row: &[f32; NR] = b[p * ldb + j..][..NR].try_into().unwrap();
-                for r in 0..MR {
-                    let av = a_rows[r][p];
-                    for x in 0..NR {
-                        acc[r][x] = A::fma(av, b_row[x], acc[r][x]);
-                    }
-                }
-            }
-            for (r, row) in acc.iter().enumerate() {
-                c[(i + r) * ldc + j..][..NR].copy_from_slice(row);
-            }
+    debug_assert!(m % 2 == 0 && n % NR == 0);
+    let mut pack = vec![0f32; 6 * k];
+    let mut i = 0;
+    while i < m {
+        let (a, c) = (&a[i * lda..], &mut c[i * ldc..]);
+        let step = match m - i {
+            1 => unreachable!("m is even"),
+            2 => panel::<A, 2>((n, k), a, lda, b, ldb, c, ldc, accumulate, &mut pack),
+            4 => panel::<A, 4>((n, k), a, lda, b, ldb, c, ldc, accumulate, &mut pack),
+            _ => panel::<A, 6>((n, k), a, lda, b, ldb, c, ldc, accumulate, &mut pack),
+        };
+        i += step;
+    }
+}
+
+/// `R` rows of [`gemm`]: A's rows packed as `k` groups of `R` so that the inner loop reads
+/// both operands sequentially without bounds checks. Returns `R`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn panel<A: Arith, const R: usize>(
+    (n, k): (usize, usize),
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+    pack: &mut [f32],
+) -> usize {
+    let pack = &mut pack[..R * k];
+    for r in 0..R {
+        for (p, &x) in a[r * lda..][..k].iter().enumerate() {
+            pack[p * R + r] = x;
         }
     }
+    for j in (0..n).step_by(NR) {
+        let mut acc = [[0f32; NR]; R];
+        if accumulate {
+            for (r, row) in acc.iter_mut().enumerate() {
+                row.copy_from_slice(&c[r * ldc + j..][..NR]);
+            }
+        }
+        for (ap, bp) in pack.chunks_exact(R).zip(b[j..].chunks(ldb)) {
+            let bp: &[f32; NR] = bp[..NR].try_into().unwrap();
+            for r in 0..R {
+                let av = ap[r];
+                for x in 0..NR {
+                    acc[r][x] = A::fma(av, bp[x], acc[r][x]);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            c[r * ldc + j..][..NR].copy_from_slice(row);
+        }
+    }
+    R
 }
 
 /// `2^x` to about 1e-7 relative, branch-free so loops over it vectorize; `x < -126` gives 0
@@ -226,6 +261,7 @@ struct Ctx<'a, T> {
     s_q: usize,
     s_k: usize,
     heads_q: usize,
+    heads_kv: usize,
     d: usize,
     /// head_dim rounded up to [`NR`].
     dp: usize,
@@ -235,6 +271,29 @@ struct Ctx<'a, T> {
     bc: usize,
     scale: f32,
     softcap: Option<f32>,
+}
+
+/// How a tile of a (b, s, h, d) tensor is laid out once converted to f32.
+#[derive(Clone, Copy)]
+enum TileForm {
+    /// `rows × dp`, row-major.
+    Rows,
+    /// `dp × rows`: the transpose (keys as columns for `Q·Kᵀ` and `dO·Vᵀ`).
+    Cols,
+}
+
+/// The f32 tiles of one tensor, each converted once: tile `t` of head `h` of batch `b` covers
+/// sequence positions `t·rows ..` (zero-padded past the end).
+struct Tiles {
+    tiles: Vec<Vec<f32>>,
+    heads: usize,
+    per_head: usize,
+}
+
+impl Tiles {
+    fn get(&self, b: usize, h: usize, t: usize) -> &[f32] {
+        &self.tiles[(b * self.heads + h) * self.per_head + t]
+    }
 }
 
 impl<'a, T: Element> Ctx<'a, T> {
@@ -254,6 +313,7 @@ impl<'a, T: Element> Ctx<'a, T> {
             s_q: p.seqlen_q,
             s_k: p.seqlen_k,
             heads_q: p.heads_q,
+            heads_kv: p.heads_kv,
             d: p.head_dim,
             dp: round_up(p.head_dim, NR),
             br: BLOCK_Q.min(round_up(p.seqlen_q, MR)),
@@ -267,10 +327,15 @@ impl<'a, T: Element> Ctx<'a, T> {
         self.s_q.div_ceil(self.br)
     }
 
-    /// Key range `[lo, hi)` of each row of the query block starting at `i0` (padding rows and
-    /// fully masked rows get an empty range), and the union of the non-empty ones.
-    fn row_ranges(&self, i0: usize) -> (Vec<(usize, usize)>, (usize, usize)) {
+    fn k_tiles(&self) -> usize {
+        self.s_k.div_ceil(self.bc)
+    }
+
+    /// Key range `[lo, hi)` of each row of query block `qb` (padding rows and fully masked
+    /// rows get an empty range), and the union of the non-empty ones.
+    fn row_ranges(&self, qb: usize) -> (Vec<(usize, usize)>, (usize, usize)) {
         let mut union = (usize::MAX, 0);
+        let i0 = qb * self.br;
         let ranges = (i0..i0 + self.br)
             .map(|i| {
                 if i >= self.s_q {
@@ -286,8 +351,17 @@ impl<'a, T: Element> Ctx<'a, T> {
         (ranges, union)
     }
 
-    /// Ranges of `rows` relative to the key tile starting at `c0`, clipped to its valid keys.
-    fn tile_ranges(&self, rows: &[(usize, usize)], c0: usize) -> Vec<(usize, usize)> {
+    /// Key tiles that a union of key ranges touches.
+    fn tiles_of(&self, (lo, hi): (usize, usize)) -> std::ops::Range<usize> {
+        if lo >= hi {
+            return 0..0;
+        }
+        lo / self.bc..hi.div_ceil(self.bc)
+    }
+
+    /// Ranges of `rows` relative to key tile `kt`, clipped to its valid keys.
+    fn tile_ranges(&self, rows: &[(usize, usize)], kt: usize) -> Vec<(usize, usize)> {
+        let c0 = kt * self.bc;
         let end = (c0 + self.bc).min(self.s_k);
         rows.iter()
             .map(|&(lo, hi)| {
@@ -301,7 +375,7 @@ impl<'a, T: Element> Ctx<'a, T> {
             .collect()
     }
 
-    /// `br × dp` f32 block of rows `i0..` of head `h` of `t` (zero padding).
+    /// `rows × dp` f32 block of positions `i0..` of head `h` of `t` (zero padding).
     fn load_rows(&self, t: &TensorRef<T>, b: usize, h: usize, i0: usize, rows: usize) -> Vec<f32> {
         let mut buf = vec![0f32; rows * self.dp];
         let seqlen = t.layout.seqlen();
@@ -318,17 +392,30 @@ impl<'a, T: Element> Ctx<'a, T> {
         buf
     }
 
-    /// Key tile starting at `c0` transposed: `dp × bc` (zero padding).
-    fn load_cols(&self, t: &TensorRef<T>, b: usize, h: usize, c0: usize) -> Vec<f32> {
-        let bc = self.bc;
-        let mut buf = vec![0f32; self.dp * bc];
-        for c in 0..bc.min(self.s_k - c0) {
-            let src = &t.data[t.layout.offset(b, c0 + c, h, 0)..][..self.d];
-            for (x, y) in src.iter().enumerate() {
-                buf[x * bc + c] = y.to_f32();
-            }
+    /// Every tile of `rows` positions of `t` in f32, converted in parallel.
+    fn tiles(&self, t: &TensorRef<T>, rows: usize, form: TileForm) -> Tiles {
+        let [batch, seqlen, heads, _] = t.layout.shape;
+        let per_head = seqlen.div_ceil(rows);
+        let tiles = (0..batch * heads * per_head)
+            .into_par_iter()
+            .map(|i| {
+                let (bh, tile) = (i / per_head, i % per_head);
+                let buf = self.load_rows(t, bh / heads, bh % heads, tile * rows, rows);
+                match form {
+                    TileForm::Rows => buf,
+                    TileForm::Cols => {
+                        let mut tr = vec![0f32; buf.len()];
+                        transpose(&buf, rows, self.dp, &mut tr);
+                        tr
+                    }
+                }
+            })
+            .collect();
+        Tiles {
+            tiles,
+            heads,
+            per_head,
         }
-        buf
     }
 
     /// Scores of a `br × bc` tile in the base-2 domain, written into `s` on each row's range
@@ -367,6 +454,40 @@ impl<'a, T: Element> Ctx<'a, T> {
     }
 }
 
+/// Runs `$body` with `$A` bound to the fastest [`Arith`] this CPU has, compiling it with
+/// AVX2+FMA enabled where they are detected at run time.
+macro_rules! with_simd {
+    (|$A:ident| $body:expr) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx2,fma")]
+            /// # Safety
+            /// Only called after AVX2 and FMA were detected.
+            unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
+                f()
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                type $A = Fused;
+                // SAFETY: the features were just detected.
+                unsafe { avx2(|| $body) }
+            } else {
+                type $A = Split;
+                $body
+            }
+        }
+        #[cfg(all(not(target_arch = "x86_64"), target_arch = "aarch64"))]
+        {
+            type $A = Fused;
+            $body
+        }
+        #[cfg(all(not(target_arch = "x86_64"), not(target_arch = "aarch64")))]
+        {
+            type $A = Split;
+            $body
+        }
+    }};
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
@@ -377,21 +498,24 @@ struct FwdBlock {
 }
 
 #[inline(always)]
-fn fwd_block<T: Element, A: Arith>(ctx: &Ctx<T>, b: usize, h: usize, i0: usize) -> FwdBlock {
+fn fwd_block<T: Element, A: Arith>(
+    ctx: &Ctx<T>,
+    (kt, v): (&Tiles, &Tiles),
+    b: usize,
+    h: usize,
+    qb: usize,
+) -> FwdBlock {
     let (br, bc, dp) = (ctx.br, ctx.bc, ctx.dp);
     let hk = h / ctx.group;
-    let q = ctx.load_rows(&ctx.q, b, h, i0, br);
-    let (rows, (k_lo, k_hi)) = ctx.row_ranges(i0);
+    let q = ctx.load_rows(&ctx.q, b, h, qb * br, br);
+    let (rows, union) = ctx.row_ranges(qb);
     let mut m = vec![f32::NEG_INFINITY; br];
     let mut l = vec![0f32; br];
     let mut acc = vec![0f32; br * dp];
     let mut s = vec![0f32; br * bc];
-    let mut c0 = k_lo;
-    while c0 < k_hi {
-        let kt = ctx.load_cols(&ctx.k, b, hk, c0);
-        let v = ctx.load_rows(&ctx.v, b, hk, c0, bc);
-        let ranges = ctx.tile_ranges(&rows, c0);
-        ctx.scores::<A>(&q, &kt, &ranges, &mut s, None);
+    for t in ctx.tiles_of(union) {
+        let ranges = ctx.tile_ranges(&rows, t);
+        ctx.scores::<A>(&q, kt.get(b, hk, t), &ranges, &mut s, None);
         for (r, &(lo, hi)) in ranges.iter().enumerate() {
             let row = &mut s[r * bc..(r + 1) * bc];
             if lo >= hi {
@@ -409,8 +533,7 @@ fn fwd_block<T: Element, A: Arith>(ctx: &Ctx<T>, b: usize, h: usize, i0: usize) 
                     .for_each(|x| *x *= alpha);
             }
         }
-        gemm::<A>((br, dp, bc), &s, bc, &v, dp, &mut acc, dp, true);
-        c0 += bc;
+        gemm::<A>((br, dp, bc), &s, bc, v.get(b, hk, t), dp, &mut acc, dp, true);
     }
     let mut lse = vec![f32::INFINITY; br];
     for r in 0..br {
@@ -424,32 +547,6 @@ fn fwd_block<T: Element, A: Arith>(ctx: &Ctx<T>, b: usize, h: usize, i0: usize) 
         }
     }
     FwdBlock { o: acc, lse }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-unsafe fn fwd_block_avx2<T: Element>(ctx: &Ctx<T>, b: usize, h: usize, i0: usize) -> FwdBlock {
-    fwd_block::<T, Fused>(ctx, b, h, i0)
-}
-
-fn fwd_block_dispatch<T: Element>(ctx: &Ctx<T>, b: usize, h: usize, i0: usize) -> FwdBlock {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: the features were just detected.
-            return unsafe { fwd_block_avx2(ctx, b, h, i0) };
-        }
-        fwd_block::<T, Split>(ctx, b, h, i0)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        #[cfg(any(target_arch = "aarch64", target_feature = "fma"))]
-        return fwd_block::<T, Fused>(ctx, b, h, i0);
-        #[cfg(not(any(target_arch = "aarch64", target_feature = "fma")))]
-        return fwd_block::<T, Split>(ctx, b, h, i0);
-    }
 }
 
 /// Writes `rows × dp` f32 rows (the first `d` columns) into head `h` of `t` from row `i0` on,
@@ -487,12 +584,15 @@ pub fn forward<T: Element>(
     lse: &mut [f32],
 ) {
     let ctx = Ctx::new(cfg, p, q, k, v);
+    let kt = ctx.tiles(&ctx.k, ctx.bc, TileForm::Cols);
+    let vr = ctx.tiles(&ctx.v, ctx.bc, TileForm::Rows);
     let nqb = ctx.q_blocks();
     let blocks: Vec<FwdBlock> = (0..p.batch * p.heads_q * nqb)
         .into_par_iter()
         .map(|t| {
             let (bh, qb) = (t / nqb, t % nqb);
-            fwd_block_dispatch(&ctx, bh / p.heads_q, bh % p.heads_q, qb * ctx.br)
+            let (b, h) = (bh / p.heads_q, bh % p.heads_q);
+            with_simd!(|A| fwd_block::<T, A>(&ctx, (&kt, &vr), b, h, qb))
         })
         .collect();
     // Outputs may have any strides (even overlapping ones), so they are written by one thread.
@@ -516,11 +616,14 @@ struct QSide {
     dd: Vec<f32>,
 }
 
+/// Everything the backward tasks read, converted to f32 once.
 struct BwdCtx<'a, T> {
     base: Ctx<'a, T>,
-    out: TensorRef<'a, T>,
-    dout: TensorRef<'a, T>,
-    lse: &'a [f32],
+    /// Per (b, h_q, query block).
+    qside: Vec<QSide>,
+    kt: Tiles,
+    vt: Tiles,
+    kr: Tiles,
 }
 
 /// Scratch of one backward tile: P and dS (`br × bc`) and, with softcap, tanh of the scores.
@@ -545,46 +648,61 @@ impl BwdScratch {
     }
 }
 
-impl<T: Element> BwdCtx<'_, T> {
-    #[inline(always)]
-    fn q_side<A: Arith>(&self, b: usize, h: usize, i0: usize) -> QSide {
-        let c = &self.base;
-        let q = c.load_rows(&c.q, b, h, i0, c.br);
-        let dout = c.load_rows(&self.dout, b, h, i0, c.br);
-        let o = c.load_rows(&self.out, b, h, i0, c.br);
-        let dd = dout
-            .chunks_exact(c.dp)
-            .zip(o.chunks_exact(c.dp))
-            .map(|(x, y)| dot::<A>(x, y))
-            .collect();
-        let base = (b * c.heads_q + h) * c.s_q;
-        let lse2 = (i0..i0 + c.br)
-            .map(|i| {
-                if i < c.s_q {
-                    self.lse[base + i] * LOG2_E
-                } else {
-                    f32::INFINITY
+impl<'a, T: Element> BwdCtx<'a, T> {
+    fn new(cfg: &AttentionConfig, p: &Problem, inputs: BackwardInputs<'a, T>) -> Self {
+        let base = Ctx::new(cfg, p, inputs.q, inputs.k, inputs.v);
+        let nqb = base.q_blocks();
+        let qside = (0..p.batch * p.heads_q * nqb)
+            .into_par_iter()
+            .map(|t| {
+                let (bh, qb) = (t / nqb, t % nqb);
+                let (b, h, i0) = (bh / p.heads_q, bh % p.heads_q, qb * base.br);
+                let dout = base.load_rows(&inputs.dout, b, h, i0, base.br);
+                let o = base.load_rows(&inputs.out, b, h, i0, base.br);
+                let dd = dout
+                    .chunks_exact(base.dp)
+                    .zip(o.chunks_exact(base.dp))
+                    .map(|(x, y)| dot::<Split>(x, y))
+                    .collect();
+                let lse2 = (i0..i0 + base.br)
+                    .map(|i| match inputs.lse.get(bh * p.seqlen_q + i) {
+                        Some(&l) if i < p.seqlen_q => l * LOG2_E,
+                        _ => f32::INFINITY,
+                    })
+                    .collect();
+                QSide {
+                    q: base.load_rows(&base.q, b, h, i0, base.br),
+                    dout,
+                    lse2,
+                    dd,
                 }
             })
             .collect();
-        QSide { q, dout, lse2, dd }
+        BwdCtx {
+            kt: base.tiles(&base.k, base.bc, TileForm::Cols),
+            vt: base.tiles(&base.v, base.bc, TileForm::Cols),
+            kr: base.tiles(&base.k, base.bc, TileForm::Rows),
+            qside,
+            base,
+        }
+    }
+
+    fn qside(&self, b: usize, h: usize, qb: usize) -> &QSide {
+        let c = &self.base;
+        &self.qside[(b * c.heads_q + h) * c.q_blocks() + qb]
     }
 
     /// P and dS (with respect to the raw dot products Q·Kᵀ, softcap included, scale not) of
-    /// the tile of query block `qs` × key tile (`kt`, `vt` transposed) into `sc`.
+    /// query block `qb` of head `h` against key tile `t` into `sc`.
     #[inline(always)]
-    fn tile_grads<A: Arith>(
-        &self,
-        qs: &QSide,
-        kt: &[f32],
-        vt: &[f32],
-        ranges: &[(usize, usize)],
-        sc: &mut BwdScratch,
-    ) {
+    fn tile_grads<A: Arith>(&self, (b, h, qb): (usize, usize, usize), t: usize, sc: &mut BwdScratch) {
         let c = &self.base;
         let (br, bc, dp) = (c.br, c.bc, c.dp);
+        let hk = h / c.group;
+        let qs = self.qside(b, h, qb);
+        let ranges = c.tile_ranges(&c.row_ranges(qb).0, t);
         let th = c.softcap.map(|_| sc.th.as_mut_slice());
-        c.scores::<A>(&qs.q, kt, ranges, &mut sc.p, th);
+        c.scores::<A>(&qs.q, self.kt.get(b, hk, t), &ranges, &mut sc.p, th);
         for (r, &(lo, hi)) in ranges.iter().enumerate() {
             let row = &mut sc.p[r * bc..(r + 1) * bc];
             // A row with LSE = +inf is fully masked (or had no keys): it contributes nothing.
@@ -595,6 +713,7 @@ impl<T: Element> BwdCtx<'_, T> {
             }
         }
         // dP = dO·Vᵀ, then dS = P∘(dP − D) (∘ (1 − tanh²) with softcap).
+        let vt = self.vt.get(b, hk, t);
         gemm::<A>((br, bc, dp), &qs.dout, dp, vt, bc, &mut sc.ds, bc, false);
         for r in 0..br {
             let d = qs.dd[r];
@@ -610,21 +729,19 @@ impl<T: Element> BwdCtx<'_, T> {
         }
     }
 
-    /// dK and dV (`bc × dp` each, dK already scaled) of the key tile starting at `c0` of kv
-    /// head `hk`, summed over the query heads of its group.
+    /// dK and dV (`bc × dp` each, dK already scaled) of key tile `t` of kv head `hk`, summed
+    /// over the query heads of its group.
     #[inline(always)]
-    fn dkdv_block<A: Arith>(&self, b: usize, hk: usize, c0: usize) -> (Vec<f32>, Vec<f32>) {
+    fn dkdv_block<A: Arith>(&self, b: usize, hk: usize, t: usize) -> (Vec<f32>, Vec<f32>) {
         let c = &self.base;
         let (br, bc, dp) = (c.br, c.bc, c.dp);
-        let kt = c.load_cols(&c.k, b, hk, c0);
-        let vt = c.load_cols(&c.v, b, hk, c0);
         let mut dk = vec![0f32; bc * dp];
         let mut dv = vec![0f32; bc * dp];
         let mut sc = BwdScratch::new(c);
         let mut tr = vec![0f32; bc * br];
         // Query rows that see any key of this tile: contiguous, as both ends of the key range
         // are non-decreasing in the row index.
-        let end = (c0 + bc).min(c.s_k);
+        let (c0, end) = (t * bc, ((t + 1) * bc).min(c.s_k));
         let sees = |i: usize| {
             let (lo, hi) = c.mask.key_range(i);
             lo < hi && lo < end && hi > c0
@@ -634,95 +751,41 @@ impl<T: Element> BwdCtx<'_, T> {
         };
         let last = (first..c.s_q).rev().find(|&i| sees(i)).unwrap_or(first);
         for h in hk * c.group..(hk + 1) * c.group {
-            let mut i0 = first;
-            while i0 <= last {
-                let qs = self.q_side::<A>(b, h, i0);
-                let (rows, _) = c.row_ranges(i0);
-                let ranges = c.tile_ranges(&rows, c0);
-                self.tile_grads::<A>(&qs, &kt, &vt, &ranges, &mut sc);
+            for qb in first / br..=last / br {
+                self.tile_grads::<A>((b, h, qb), t, &mut sc);
+                let qs = self.qside(b, h, qb);
                 // dV += Pᵀ·dO, dK += dSᵀ·Q.
                 transpose(&sc.p, br, bc, &mut tr);
                 gemm::<A>((bc, dp, br), &tr, br, &qs.dout, dp, &mut dv, dp, true);
                 transpose(&sc.ds, br, bc, &mut tr);
                 gemm::<A>((bc, dp, br), &tr, br, &qs.q, dp, &mut dk, dp, true);
-                i0 += br;
             }
         }
         dk.iter_mut().for_each(|x| *x *= c.scale);
         (dk, dv)
     }
 
-    /// dQ (`br × dp`, scaled) of the query block starting at `i0` of head `h`.
+    /// dQ (`br × dp`, scaled) of query block `qb` of head `h`.
     #[inline(always)]
-    fn dq_block<A: Arith>(&self, b: usize, h: usize, i0: usize) -> Vec<f32> {
+    fn dq_block<A: Arith>(&self, b: usize, h: usize, qb: usize) -> Vec<f32> {
         let c = &self.base;
         let (br, bc, dp) = (c.br, c.bc, c.dp);
-        let hk = h / c.group;
-        let qs = self.q_side::<A>(b, h, i0);
-        let (rows, (k_lo, k_hi)) = c.row_ranges(i0);
         let mut dq = vec![0f32; br * dp];
         let mut sc = BwdScratch::new(c);
-        let mut c0 = k_lo;
-        while c0 < k_hi {
-            let kt = c.load_cols(&c.k, b, hk, c0);
-            let vt = c.load_cols(&c.v, b, hk, c0);
-            let k = c.load_rows(&c.k, b, hk, c0, bc);
-            let ranges = c.tile_ranges(&rows, c0);
-            self.tile_grads::<A>(&qs, &kt, &vt, &ranges, &mut sc);
-            gemm::<A>((br, dp, bc), &sc.ds, bc, &k, dp, &mut dq, dp, true);
-            c0 += bc;
+        for t in c.tiles_of(c.row_ranges(qb).1) {
+            self.tile_grads::<A>((b, h, qb), t, &mut sc);
+            let k = self.kr.get(b, h / c.group, t);
+            gemm::<A>((br, dp, bc), &sc.ds, bc, k, dp, &mut dq, dp, true);
         }
         dq.iter_mut().for_each(|x| *x *= c.scale);
         dq
     }
 }
 
-/// One backward task: either a key tile's dK/dV or a query block's dQ.
+/// One backward task: a key tile's dK and dV, or a query block's dQ.
 enum BwdTask {
-    KeyTile { b: usize, hk: usize, c0: usize },
-    QueryBlock { b: usize, h: usize, i0: usize },
-}
-
-enum BwdBlock {
-    KeyTile(Vec<f32>, Vec<f32>),
-    QueryBlock(Vec<f32>),
-}
-
-#[inline(always)]
-fn bwd_task<T: Element, A: Arith>(ctx: &BwdCtx<T>, task: &BwdTask) -> BwdBlock {
-    match *task {
-        BwdTask::KeyTile { b, hk, c0 } => {
-            let (dk, dv) = ctx.dkdv_block::<A>(b, hk, c0);
-            BwdBlock::KeyTile(dk, dv)
-        }
-        BwdTask::QueryBlock { b, h, i0 } => BwdBlock::QueryBlock(ctx.dq_block::<A>(b, h, i0)),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-unsafe fn bwd_task_avx2<T: Element>(ctx: &BwdCtx<T>, task: &BwdTask) -> BwdBlock {
-    bwd_task::<T, Fused>(ctx, task)
-}
-
-fn bwd_task_dispatch<T: Element>(ctx: &BwdCtx<T>, task: &BwdTask) -> BwdBlock {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: the features were just detected.
-            return unsafe { bwd_task_avx2(ctx, task) };
-        }
-        bwd_task::<T, Split>(ctx, task)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        #[cfg(any(target_arch = "aarch64", target_feature = "fma"))]
-        return bwd_task::<T, Fused>(ctx, task);
-        #[cfg(not(any(target_arch = "aarch64", target_feature = "fma")))]
-        return bwd_task::<T, Split>(ctx, task);
-    }
+    KeyTile { b: usize, hk: usize, t: usize },
+    QueryBlock { b: usize, h: usize, qb: usize },
 }
 
 /// Backward pass: writes dQ (like Q), dK and dV (like K). Operands must have been validated
@@ -735,41 +798,38 @@ pub fn backward<T: Element>(
     mut dk: TensorMut<T>,
     mut dv: TensorMut<T>,
 ) {
-    let ctx = BwdCtx {
-        base: Ctx::new(cfg, p, inputs.q, inputs.k, inputs.v),
-        out: inputs.out,
-        dout: inputs.dout,
-        lse: inputs.lse,
-    };
-    let (br, bc) = (ctx.base.br, ctx.base.bc);
+    let ctx = BwdCtx::new(cfg, p, inputs);
+    let c = &ctx.base;
     let mut tasks = Vec::new();
     for b in 0..p.batch {
-        for hk in 0..p.heads_kv {
-            for c0 in (0..p.seqlen_k).step_by(bc) {
-                tasks.push(BwdTask::KeyTile { b, hk, c0 });
-            }
+        for hk in 0..c.heads_kv {
+            tasks.extend((0..c.k_tiles()).map(|t| BwdTask::KeyTile { b, hk, t }));
         }
         for h in 0..p.heads_q {
-            for i0 in (0..p.seqlen_q).step_by(br) {
-                tasks.push(BwdTask::QueryBlock { b, h, i0 });
-            }
+            tasks.extend((0..c.q_blocks()).map(|qb| BwdTask::QueryBlock { b, h, qb }));
         }
     }
-    let blocks: Vec<BwdBlock> = tasks
+    let blocks: Vec<Vec<Vec<f32>>> = tasks
         .par_iter()
-        .map(|t| bwd_task_dispatch(&ctx, t))
+        .map(|task| match *task {
+            BwdTask::KeyTile { b, hk, t } => {
+                let (k, v) = with_simd!(|A| ctx.dkdv_block::<A>(b, hk, t));
+                vec![k, v]
+            }
+            BwdTask::QueryBlock { b, h, qb } => {
+                vec![with_simd!(|A| ctx.dq_block::<A>(b, h, qb))]
+            }
+        })
         .collect();
-    let dp = ctx.base.dp;
     for (task, blk) in tasks.iter().zip(&blocks) {
-        match (task, blk) {
-            (&BwdTask::KeyTile { b, hk, c0 }, BwdBlock::KeyTile(k, v)) => {
-                store_rows(&mut dk, b, hk, c0, k, dp);
-                store_rows(&mut dv, b, hk, c0, v, dp);
+        match *task {
+            BwdTask::KeyTile { b, hk, t } => {
+                store_rows(&mut dk, b, hk, t * c.bc, &blk[0], c.dp);
+                store_rows(&mut dv, b, hk, t * c.bc, &blk[1], c.dp);
             }
-            (&BwdTask::QueryBlock { b, h, i0 }, BwdBlock::QueryBlock(q)) => {
-                store_rows(&mut dq, b, h, i0, q, dp);
+            BwdTask::QueryBlock { b, h, qb } => {
+                store_rows(&mut dq, b, h, qb * c.br, &blk[0], c.dp);
             }
-            _ => unreachable!("each task yields its own kind of block"),
         }
     }
 }

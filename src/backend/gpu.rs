@@ -55,6 +55,17 @@ fn window(side: Option<usize>) -> i32 {
     side.map_or(-1, |w| w.min(i32::MAX as usize) as i32)
 }
 
+fn sm90_flags(cfg: &AttentionConfig) -> u32 {
+    let mut flags = 0;
+    if !cfg.sm90_schedule.pingpong {
+        flags |= ffi::FLASHATTN_SM90_NO_PINGPONG;
+    }
+    if !cfg.sm90_schedule.intra_wg_overlap {
+        flags |= ffi::FLASHATTN_SM90_NO_INTRA_WG_OVERLAP;
+    }
+    flags
+}
+
 /// Parameters shared by forward and backward.
 pub(crate) fn base_params(
     problem: &Problem,
@@ -76,6 +87,7 @@ pub(crate) fn base_params(
         window_right: window(cfg.window_right),
         deterministic: cfg.deterministic as i32,
         sm_count,
+        sm90_flags: sm90_flags(cfg),
         ..Default::default()
     }
 }

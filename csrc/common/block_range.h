@@ -1,0 +1,55 @@
+// Which keys a query row may see, and which key blocks a tile of query rows must visit.
+// The one place for the causal / sliding-window index arithmetic on the device, mirroring
+// `Mask::key_range` in src/config.rs: causal is bottom-right aligned (row i sits on key diagonal
+// i + seqlen_k - seqlen_q) and is a window with right = 0; -1 means unbounded.
+#pragma once
+
+#include <cstdint>
+
+namespace flashattn {
+
+struct KeyRange {
+  int seqlen_q, seqlen_k;
+  int window_left, window_right;  // -1 = unbounded
+
+  // First visible key of row `row` (may exceed seqlen_k: then the row sees nothing).
+  __host__ __device__ int lo(int row) const {
+    if (window_left < 0) return 0;
+    int64_t v = int64_t(row) + seqlen_k - seqlen_q - window_left;
+    return v < 0 ? 0 : (v > seqlen_k ? seqlen_k : int(v));
+  }
+  // One past the last visible key of row `row`.
+  __host__ __device__ int hi(int row) const {
+    if (window_right < 0) return seqlen_k;
+    int64_t v = int64_t(row) + seqlen_k - seqlen_q + window_right + 1;
+    return v < 0 ? 0 : (v > seqlen_k ? seqlen_k : int(v));
+  }
+
+  // Key blocks [n_min, n_max) that rows [row_begin, row_end) touch; empty when n_max <= n_min.
+  template <int kBlockN>
+  __host__ __device__ void blocks(int row_begin, int row_end, int& n_min, int& n_max) const {
+    if (row_end > seqlen_q) row_end = seqlen_q;
+    int first = lo(row_begin);
+    int last = hi(row_end - 1);
+    n_min = first / kBlockN;
+    n_max = (last + kBlockN - 1) / kBlockN;
+  }
+
+  // Does key block `n` need an element mask for rows [row_begin, row_end)? Blocks fully inside
+  // every row's range and below seqlen_k do not.
+  template <int kBlockN>
+  __host__ __device__ bool block_needs_mask(int n, int row_begin, int row_end) const {
+    if (row_end > seqlen_q) row_end = seqlen_q;
+    int col_begin = n * kBlockN, col_end = col_begin + kBlockN;
+    if (col_end > seqlen_k) return true;
+    if (window_right >= 0 && col_end > hi(row_begin)) return true;
+    if (window_left >= 0 && col_begin < lo(row_end - 1)) return true;
+    return false;
+  }
+
+  __host__ __device__ bool visible(int row, int col) const {
+    return col < seqlen_k && col >= lo(row) && col < hi(row);
+  }
+};
+
+}  // namespace flashattn

@@ -1,0 +1,34 @@
+// The sm90 forward instantiations, one translation unit each (fwd_d{64,128,256}_{bf16,fp16}.cu),
+// and the tile table they share.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../flash_api.h"
+
+namespace flashattn::sm90 {
+
+// Per head dim: key block size and pipeline depth (query tile is 128 rows, two warpgroups).
+// Shared memory: Q 128·d + (K + V) 2·kStages·kBlockN·d elements, ≤ 227 KiB.
+template <int kHeadDim> struct FwdTile;
+template <> struct FwdTile<64> { static constexpr int kBlockN = 128, kStages = 2; };
+template <> struct FwdTile<128> { static constexpr int kBlockN = 128, kStages = 2; };
+template <> struct FwdTile<256> { static constexpr int kBlockN = 80, kStages = 2; };
+
+struct FwdOptions {
+  bool pingpong = true;
+  bool intra_wg_overlap = true;
+};
+
+#define FLASHATTN_SM90_FWD(D, DTYPE)                                                    \
+  flashattn_result_t run_fwd_d##D##_##DTYPE(const flashattn_params_t& p, FwdOptions o, \
+                                            cudaStream_t stream);
+FLASHATTN_SM90_FWD(64, bf16)
+FLASHATTN_SM90_FWD(128, bf16)
+FLASHATTN_SM90_FWD(256, bf16)
+FLASHATTN_SM90_FWD(64, fp16)
+FLASHATTN_SM90_FWD(128, fp16)
+FLASHATTN_SM90_FWD(256, fp16)
+#undef FLASHATTN_SM90_FWD
+
+}  // namespace flashattn::sm90

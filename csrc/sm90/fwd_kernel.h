@@ -1,0 +1,403 @@
+// The FlashAttention-3-style forward kernel for sm_90a.
+//
+// One CTA computes a kBlockM = 128 row tile of O for one (batch, head): three warpgroups.
+//   producer (WG 0): one elected thread issues TMA loads — Q once, then K and V blocks into
+//                    two kStages-deep mbarrier pipelines, walking key blocks last to first so
+//                    that only the first block visited needs the sequence-end mask;
+//   consumers (WG 1, WG 2): 64 query rows each; S = Q·Kᵀ by WGMMA from shared memory,
+//                    online softmax in registers, O += P·V by WGMMA with P from registers.
+// Intra-warpgroup overlap (template): the next block's Q·Kᵀ is issued before this block's
+// softmax, so the tensor cores work while the softmax runs. Ping-pong (runtime flag): two named
+// barriers hand the tensor cores back and forth between the consumer warpgroups, so that one
+// warpgroup's softmax hides under the other's GEMMs. setmaxnreg moves registers from the
+// producer (24) to the consumers (240). Epilogue: O through shared memory (the warpgroup's Q
+// buffer) and a TMA store, which also clips rows past seqlen_q; LSE straight from registers.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_conversion.h>
+
+#include "../common/block_range.h"
+#include "pipeline.h"
+#include "softmax.h"
+
+namespace flashattn::sm90 {
+
+using namespace cute;
+
+template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kIntraWGOverlap_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
+  static constexpr int kRowsPerWG = 64;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kIntraWGOverlap = kIntraWGOverlap_;
+  static constexpr int kConsumerWGs = kBlockM / kRowsPerWG;
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  using TileQ = Shape<Int<kRowsPerWG>, Int<kHeadDim>>;
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+
+  // 128-byte swizzled K-major rows (head_dim is a multiple of 64 elements).
+  using SmemAtom = decltype(GMMA::Layout_K_SW128_Atom<Element>{});
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, TileQ{}));  // per consumer WG
+  using SmemLayoutK = decltype(tile_to_shape(
+      SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutV = SmemLayoutK;
+  // Vᵀ as the (head_dim, kBlockN) B operand of P·V: the same bytes, MN-major.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                         Step<_2, _1, _3>{})));
+
+  using MmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kRowsPerWG>, Int<kBlockN>, Int<kHeadDim>>>()));
+  using MmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float,
+                           Shape<Int<kRowsPerWG>, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>()));
+
+  // (seqlen, head_dim, heads, batch) with head_dim contiguous.
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                          GmemShape{}, GmemStride{}));
+  using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
+                                             GmemShape{}, GmemStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{}, TileQ{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{},
+                                       take<0, 2>(SmemLayoutK{}), TileKV{}, _1{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutQ{}, TileQ{},
+                                      _1{}));
+
+  static constexpr uint32_t kBytesQ = kRowsPerWG * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q[kConsumerWGs];
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutV>> v;
+    alignas(8) uint64_t q_full;
+    TmaPipeline<kStages> pipe_k;
+    TmaPipeline<kStages> pipe_v;
+  };
+};
+
+template <class Traits>
+struct FwdParams {
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_v;
+  typename Traits::TmaO tma_o;
+  float* lse;  // (batch, heads_q, seqlen_q)
+  int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
+  KeyRange keys;
+  float scale_log2;   // scale·log2(e), or softcap·log2(e) when softcap is on
+  float softcap_pre;  // scale/softcap when softcap is on (scores become tanh(s·scale/softcap))
+  bool softcap;
+  bool pingpong;
+};
+
+// Named barriers (CUTLASS reserves the first ids; NamedBarrier adds that offset).
+enum class FwdBarrier : uint32_t { TurnWG0 = 0, TurnWG1 = 1, EpilogueWG0 = 2, EpilogueWG1 = 3 };
+
+__device__ inline void named_sync(FwdBarrier b, uint32_t threads) {
+  cutlass::arch::NamedBarrier::sync(threads, static_cast<uint32_t>(b));
+}
+__device__ inline void named_arrive(FwdBarrier b, uint32_t threads) {
+  cutlass::arch::NamedBarrier::arrive(threads, static_cast<uint32_t>(b));
+}
+
+// Converts a float fragment to Element, same layout.
+template <class Element, class Frag>
+__device__ auto convert_fragment(Frag const& src) {
+  using From = typename Frag::value_type;
+  constexpr int N = decltype(size(src))::value;
+  cutlass::NumericArrayConverter<Element, From, N> convert;
+  auto frag = convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
+  auto out = make_fragment_like<Element>(src.layout());
+  *reinterpret_cast<cutlass::Array<Element, N>*>(out.data()) = frag;
+  return out;
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    fwd_kernel(__grid_constant__ const FwdParams<Traits> params) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kRowsPerWG = Traits::kRowsPerWG;
+  constexpr int kStages = Traits::kStages;
+  using SharedStorage = typename Traits::SharedStorage;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
+  const bool causal_like = params.keys.window_right >= 0;
+  // Heaviest tiles first when the mask makes later rows see more keys.
+  const int m_block = causal_like ? num_m_blocks - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int head_kv = head / (params.heads_q / params.heads_kv);
+
+  int n_min, n_max;
+  params.keys.template blocks<kBlockN>(m_block * kBlockM, (m_block + 1) * kBlockM, n_min, n_max);
+  const int n_blocks = n_max > n_min ? n_max - n_min : 0;
+
+  const int warp_group = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&smem.q_full, 1);
+    smem.pipe_k.init(128 * Traits::kConsumerWGs);
+    smem.pipe_v.init(128 * Traits::kConsumerWGs);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warp_group == 0) {
+    // ---------------- producer ----------------
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (threadIdx.x / 32 != 0 || !cute::elect_one_sync() || n_blocks == 0) return;
+
+    Tensor mQ = params.tma_q.get_tma_tensor(
+        make_shape(params.seqlen_q, int(Traits::kHeadDim), params.heads_q, params.batch));
+    Tensor mK = params.tma_k.get_tma_tensor(
+        make_shape(params.seqlen_k, int(Traits::kHeadDim), params.heads_kv, params.batch));
+    Tensor mV = params.tma_v.get_tma_tensor(
+        make_shape(params.seqlen_k, int(Traits::kHeadDim), params.heads_kv, params.batch));
+    auto cta_q = params.tma_q.get_slice(0);
+    auto cta_k = params.tma_k.get_slice(0);
+    auto cta_v = params.tma_v.get_slice(0);
+
+    Tensor gK = local_tile(mK(_, _, head_kv, batch), typename Traits::TileKV{},
+                           make_coord(_, _0{}));  // (kBlockN, d, n)
+    Tensor gV = local_tile(mV(_, _, head_kv, batch), typename Traits::TileKV{},
+                           make_coord(_, _0{}));  // (kBlockN, d, n)
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutV{});
+    Tensor tKgK = group_modes<0, 3>(cta_k.partition_S(gK));  // (TMA, n)
+    Tensor tKsK = group_modes<0, 3>(cta_k.partition_D(sK));  // (TMA, stage)
+    Tensor tVgV = group_modes<0, 3>(cta_v.partition_S(gV));
+    Tensor tVsV = group_modes<0, 3>(cta_v.partition_D(sV));
+
+    using Barrier = cutlass::arch::ClusterTransactionBarrier;
+    Barrier::arrive_and_expect_tx(&smem.q_full, Traits::kBytesQ * Traits::kConsumerWGs);
+#pragma unroll
+    for (int wg = 0; wg < Traits::kConsumerWGs; ++wg) {
+      Tensor gQ = local_tile(mQ(_, _, head, batch), typename Traits::TileQ{},
+                             make_coord(m_block * Traits::kConsumerWGs + wg, _0{}));
+      Tensor sQ = make_tensor(make_smem_ptr(smem.q[wg].begin()), typename Traits::SmemLayoutQ{});
+      copy(params.tma_q.with(smem.q_full), cta_q.partition_S(gQ), cta_q.partition_D(sQ));
+    }
+
+    PipelineState<kStages> st;
+    // Not unrolled: the producer lives in 24 registers.
+#pragma unroll 1
+    for (int n = n_max - 1; n >= n_min; --n) {
+      smem.pipe_k.producer_acquire(st, Traits::kBytesKV);
+      copy(params.tma_k.with(smem.pipe_k.full_barrier(st)), tKgK(_, n), tKsK(_, st.index));
+      smem.pipe_v.producer_acquire(st, Traits::kBytesKV);
+      copy(params.tma_v.with(smem.pipe_v.full_barrier(st)), tVgV(_, n), tVsV(_, st.index));
+      st.advance();
+    }
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  const int wg = warp_group - 1;        // 0 or 1
+  const int tid = threadIdx.x % 128;    // thread within the warpgroup
+  const int row0 = m_block * kBlockM + wg * kRowsPerWG;  // first query row of this warpgroup
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q[wg].begin()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutVt{});
+
+  typename Traits::MmaQK mma_qk;
+  typename Traits::MmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  Tensor tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ));   // (MMA, 1, K)
+  Tensor tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK));   // (MMA, N, K, stage)
+  Tensor tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt));  // (MMA, N, K, stage)
+
+  Tensor tOrO = partition_fragment_C(mma_pv, typename Traits::TileQ{});  // O accumulator
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kRowsPerWG>, Int<kBlockN>>{});
+  Tensor rowcol_S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+  Tensor rowcol_O = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
+  // (row, col) of every S element within the (64, kBlockN) tile, for masking.
+  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kRowsPerWG>, Int<kBlockN>>{}));
+  Tensor rowcol_cS = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  constexpr int kRows = decltype(size<0>(rowcol_S))::value;
+
+  OnlineSoftmax<kRows> softmax;
+  clear(tOrO);
+
+  const bool pingpong = params.pingpong;
+  const FwdBarrier my_turn = wg == 0 ? FwdBarrier::TurnWG0 : FwdBarrier::TurnWG1;
+  const FwdBarrier their_turn = wg == 0 ? FwdBarrier::TurnWG1 : FwdBarrier::TurnWG0;
+  // Each GEMM issue point: wait for our turn, issue, hand the turn over. WG1 gives WG0 the
+  // first turn; WG1 skips its very last hand-over, which nobody waits for.
+  int issues_left = n_blocks + (Traits::kIntraWGOverlap ? 1 : 0);
+  auto turn_wait = [&] {
+    if (pingpong) named_sync(my_turn, 256);
+  };
+  auto turn_pass = [&] {
+    --issues_left;
+    if (pingpong && !(wg == 1 && issues_left == 0)) named_arrive(their_turn, 256);
+  };
+  if (pingpong && wg == 1 && n_blocks > 0) named_arrive(FwdBarrier::TurnWG0, 256);
+
+  auto gemm_qk = [&](int stage) {
+    mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(tSrS);
+    warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < size<2>(tSrQ); ++k) {
+      gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k, stage), tSrS);
+      mma_qk.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(tSrS);
+  };
+  // P (the exponentiated scores, in Element) as the register A operand of P·V.
+  auto tOrP = make_tensor<Element>(acc_as_operand_a(tSrS.layout()));
+  auto gemm_pv = [&](int stage) {
+    warpgroup_fence_operand(tOrO);
+    warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < size<2>(tOrP); ++k) {
+      gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k, stage), tOrO);
+    }
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(tOrO);
+  };
+  // Softcap and masks, then the online softmax step; returns the O rescale factor.
+  float factor[kRows];
+  auto softmax_step = [&](int n) {
+    if (params.softcap) {
+#pragma unroll
+      for (int i = 0; i < size(tSrS); ++i) tSrS(i) = tanhf(tSrS(i) * params.softcap_pre);
+    }
+    if (params.keys.template block_needs_mask<kBlockN>(n, row0, row0 + kRowsPerWG)) {
+#pragma unroll
+      for (int r = 0; r < size<0>(rowcol_S); ++r)
+#pragma unroll
+        for (int c = 0; c < size<1>(rowcol_S); ++c) {
+          const int row = row0 + get<0>(rowcol_cS(r, c));
+          const int col = n * kBlockN + get<1>(rowcol_cS(r, c));
+          if (!params.keys.visible(row, col)) rowcol_S(r, c) = -INFINITY;
+        }
+    }
+    softmax.step(rowcol_S, params.scale_log2, factor);
+  };
+  auto convert_p = [&] {
+    Tensor p = convert_fragment<Element>(tSrS);
+    copy(make_tensor(p.data(), tOrP.layout()), tOrP);
+  };
+
+  if (n_blocks > 0) {
+    using Barrier = cutlass::arch::ClusterTransactionBarrier;
+    Barrier::wait(&smem.q_full, 0);
+    PipelineState<kStages> st_k, st_v;
+    if constexpr (Traits::kIntraWGOverlap) {
+      // Prologue: S for the first block visited.
+      smem.pipe_k.consumer_wait(st_k);
+      turn_wait();
+      gemm_qk(st_k.index);
+      turn_pass();
+      warpgroup_wait<0>();
+      smem.pipe_k.consumer_release(st_k);
+      st_k.advance();
+      softmax_step(n_max - 1);
+      convert_p();
+      for (int n = n_max - 2; n >= n_min; --n) {
+        smem.pipe_k.consumer_wait(st_k);
+        turn_wait();
+        gemm_qk(st_k.index);
+        smem.pipe_v.consumer_wait(st_v);
+        gemm_pv(st_v.index);
+        turn_pass();
+        warpgroup_wait<1>();  // S of block n is ready; P·V of the previous block still runs
+        smem.pipe_k.consumer_release(st_k);
+        st_k.advance();
+        softmax_step(n);
+        warpgroup_wait<0>();
+        smem.pipe_v.consumer_release(st_v);
+        st_v.advance();
+        scale_rows(rowcol_O, factor);
+        convert_p();
+      }
+      smem.pipe_v.consumer_wait(st_v);
+      turn_wait();
+      gemm_pv(st_v.index);
+      turn_pass();
+      warpgroup_wait<0>();
+      smem.pipe_v.consumer_release(st_v);
+    } else {
+      for (int n = n_max - 1; n >= n_min; --n) {
+        smem.pipe_k.consumer_wait(st_k);
+        turn_wait();
+        gemm_qk(st_k.index);
+        warpgroup_wait<0>();
+        smem.pipe_k.consumer_release(st_k);
+        st_k.advance();
+        softmax_step(n);
+        scale_rows(rowcol_O, factor);
+        convert_p();
+        smem.pipe_v.consumer_wait(st_v);
+        gemm_pv(st_v.index);
+        turn_pass();
+        warpgroup_wait<0>();
+        smem.pipe_v.consumer_release(st_v);
+        st_v.advance();
+      }
+    }
+  }
+
+  // ---------------- epilogue ----------------
+  float inv_sum[kRows], lse[kRows];
+  softmax.finalize(params.scale_log2, inv_sum, lse);
+  scale_rows(rowcol_O, inv_sum);
+
+  // LSE: the thread holding column 0 of a row's quad writes it.
+  Tensor cO = thr_pv.partition_C(make_identity_tensor(typename Traits::TileQ{}));
+  Tensor rowcol_cO = make_tensor(cO.data(), acc_rowcol(cO.layout()));
+  if (get<1>(rowcol_cO(0, 0)) == 0) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = row0 + get<0>(rowcol_cO(r, 0));
+      if (row < params.seqlen_q)
+        params.lse[(int64_t(batch) * params.heads_q + head) * params.seqlen_q + row] = lse[r];
+    }
+  }
+
+  // O: registers -> this warpgroup's Q buffer (no GEMM reads it any more) -> TMA store.
+  Tensor rO = convert_fragment<Element>(tOrO);
+  Tensor sO = make_tensor(make_smem_ptr(smem.q[wg].begin()), typename Traits::SmemLayoutQ{});
+  copy(rO, thr_pv.partition_C(sO));
+  cutlass::arch::fence_view_async_shared();
+  named_sync(wg == 0 ? FwdBarrier::EpilogueWG0 : FwdBarrier::EpilogueWG1, 128);
+  if (tid == 0) {
+    Tensor mO = params.tma_o.get_tma_tensor(
+        make_shape(params.seqlen_q, int(Traits::kHeadDim), params.heads_q, params.batch));
+    Tensor gO = local_tile(mO(_, _, head, batch), typename Traits::TileQ{},
+                           make_coord(m_block * Traits::kConsumerWGs + wg, _0{}));
+    auto cta_o = params.tma_o.get_slice(0);
+    copy(params.tma_o, cta_o.partition_S(sO), cta_o.partition_D(gO));
+    tma_store_arrive();
+    tma_store_wait<0>();
+  }
+#endif
+}
+
+}  // namespace flashattn::sm90

@@ -1,0 +1,77 @@
+// Host side of the sm90 forward: TMA descriptors from the C ABI params, then the launch.
+// Included by one small .cu per (head dim, dtype) instantiation.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "../common/status.h"
+#include "../flash_api.h"
+#include "fwd_kernel.h"
+
+namespace flashattn::sm90 {
+
+// Strides of dimensions of extent 1 are never used, but TMA still wants them 16-byte multiples.
+inline int64_t tma_stride(int64_t stride, int extent, int head_dim) {
+  return extent == 1 ? head_dim : stride;
+}
+
+template <class Traits, class Ptr>
+auto gmem_tensor(Ptr ptr, const flashattn_tensor_t& t, int seqlen, int heads, int batch) {
+  constexpr int d = Traits::kHeadDim;
+  return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, d, heads, batch),
+                     make_stride(tma_stride(t.row_stride, seqlen, d), _1{},
+                                 tma_stride(t.head_stride, heads, d),
+                                 tma_stride(t.batch_stride, batch, d)));
+}
+
+// Windows wider than both sequences are unbounded; causal is a window with right = 0.
+inline KeyRange key_range(const flashattn_params_t& p) {
+  KeyRange keys{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+  const int64_t span = int64_t(p.seqlen_q) + p.seqlen_k;
+  if (keys.window_left >= span) keys.window_left = -1;
+  if (keys.window_right >= span) keys.window_right = -1;
+  if (p.causal) keys.window_right = 0;
+  return keys;
+}
+
+template <class Traits>
+flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStream_t stream) {
+  using Element = typename Traits::Element;
+  FwdParams<Traits> params;
+  auto q = gmem_tensor<Traits>(static_cast<Element const*>(p.q.ptr), p.q, p.seqlen_q, p.heads_q, p.batch);
+  auto k = gmem_tensor<Traits>(static_cast<Element const*>(p.k.ptr), p.k, p.seqlen_k, p.heads_kv, p.batch);
+  auto v = gmem_tensor<Traits>(static_cast<Element const*>(p.v.ptr), p.v, p.seqlen_k, p.heads_kv, p.batch);
+  auto o = gmem_tensor<Traits>(static_cast<Element*>(p.o.ptr), p.o, p.seqlen_q, p.heads_q, p.batch);
+  params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutQ{},
+                               typename Traits::TileQ{}, _1{});
+  params.tma_k = make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutK{}),
+                               typename Traits::TileKV{}, _1{});
+  params.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutV{}),
+                               typename Traits::TileKV{}, _1{});
+  params.tma_o = make_tma_copy(SM90_TMA_STORE{}, o, typename Traits::SmemLayoutQ{},
+                               typename Traits::TileQ{}, _1{});
+  params.lse = p.lse;
+  params.batch = p.batch;
+  params.heads_q = p.heads_q;
+  params.heads_kv = p.heads_kv;
+  params.seqlen_q = p.seqlen_q;
+  params.seqlen_k = p.seqlen_k;
+  params.keys = key_range(p);
+  const float log2e = float(M_LOG2E);
+  params.softcap = p.softcap > 0.f;
+  params.softcap_pre = params.softcap ? p.softmax_scale / p.softcap : 0.f;
+  params.scale_log2 = params.softcap ? p.softcap * log2e : p.softmax_scale * log2e;
+  params.pingpong = pingpong;
+
+  auto kernel = fwd_kernel<Traits>;
+  const int smem_bytes = sizeof(typename Traits::SharedStorage);
+  FLASHATTN_TRY_CUDA(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
+  kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(params);
+  return check_launch();
+}
+
+}  // namespace flashattn::sm90

@@ -1,0 +1,48 @@
+// A TMA -> WGMMA shared-memory pipeline: per stage a "full" transaction barrier (the producer's
+// TMA bytes land) and an "empty" barrier (every consumer thread is done reading).
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+
+namespace flashattn::sm90 {
+
+template <int kStages>
+struct PipelineState {
+  int index = 0;
+  uint32_t phase = 0;
+  __device__ void advance() {
+    if (++index == kStages) {
+      index = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+template <int kStages>
+struct TmaPipeline {
+  using Full = cutlass::arch::ClusterTransactionBarrier;
+  using Empty = cutlass::arch::ClusterBarrier;
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+
+  // One thread initializes; the caller fences and syncs the block afterwards.
+  __device__ void init(uint32_t consumer_threads) {
+    for (int s = 0; s < kStages; ++s) {
+      Full::init(&full[s], 1);
+      Empty::init(&empty[s], consumer_threads);
+    }
+  }
+
+  // Producer: wait until the stage is free, then announce the bytes its TMA loads will bring.
+  // A fresh barrier completes "phase 1" at once, so the first pass does not block.
+  __device__ void producer_acquire(PipelineState<kStages> st, uint32_t bytes) {
+    Empty::wait(&empty[st.index], st.phase ^ 1);
+    Full::arrive_and_expect_tx(&full[st.index], bytes);
+  }
+  __device__ uint64_t& full_barrier(PipelineState<kStages> st) { return full[st.index]; }
+
+  __device__ void consumer_wait(PipelineState<kStages> st) { Full::wait(&full[st.index], st.phase); }
+  __device__ void consumer_release(PipelineState<kStages> st) { Empty::arrive(&empty[st.index]); }
+};
+
+}  // namespace flashattn::sm90

@@ -1,0 +1,257 @@
+//! GPU forward TFLOP/s on the headline shapes of DESIGN.md §5 (total tokens 16384, hidden 2048,
+//! seqlen 512…16384, head dim 64/128/256, causal and not, bf16), plus the FlashAttention-3
+//! ablation at d128 s8192. CUDA events around each launch after warm-up, median of the runs.
+//! Each shape is also checked on sampled rows against the f64 reference (`pass`).
+//!
+//! Usage: bench_table [--quick] [--out results.json] [--commit SHA]
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUevent_flags;
+use flashattn::cuda::{CudaSlice, CudaStream, Device, DeviceTensor, DeviceTensorMut};
+use flashattn::reference::{self, compare};
+use flashattn::{AttentionConfig, Backend, Layout, Problem, Sm90Schedule, TensorRef};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use rand_distr::{Distribution, Normal};
+
+const TOKENS: usize = 16384;
+const HIDDEN: usize = 2048;
+
+struct Inputs {
+    host: [Vec<bf16>; 3],
+    dev: [CudaSlice<bf16>; 3],
+    out: CudaSlice<bf16>,
+    lse: CudaSlice<f32>,
+}
+
+struct Row {
+    d: usize,
+    seqlen: usize,
+    causal: bool,
+    schedule: Sm90Schedule,
+    ms: f64,
+    ms_p10: f64,
+    ms_p90: f64,
+    tflops: f64,
+    err_ratio: f64,
+    pass: bool,
+}
+
+fn time_forward(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    inp: &mut Inputs,
+    cfg: &AttentionConfig,
+    shape: [usize; 4],
+    reps: usize,
+) -> Vec<f64> {
+    let layout = Layout::contiguous(shape);
+    let run = |inp: &mut Inputs| {
+        let [q, k, v] = &inp.dev;
+        dev.forward_into(
+            stream,
+            cfg,
+            &DeviceTensor::new(
+                q.slice(..layout.span(flashattn::Operand::Q).unwrap()),
+                layout,
+            ),
+            &DeviceTensor::new(k.slice(..), layout),
+            &DeviceTensor::new(v.slice(..), layout),
+            &mut DeviceTensorMut::new(inp.out.as_view_mut(), layout),
+            &mut inp.lse.as_view_mut(),
+        )
+        .expect("forward");
+    };
+    for _ in 0..5 {
+        run(inp);
+    }
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let start = stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap();
+        run(inp);
+        let end = stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap();
+        times.push(start.elapsed_ms(&end).unwrap() as f64);
+    }
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    times
+}
+
+/// Error ratio on sampled rows of the last output (rule of DESIGN.md §4).
+fn check(stream: &Arc<CudaStream>, inp: &Inputs, cfg: &AttentionConfig, shape: [usize; 4]) -> f64 {
+    let layout = Layout::contiguous(shape);
+    let n = layout.span(flashattn::Operand::Q).unwrap();
+    let out: Vec<bf16> = stream.clone_dtoh(&inp.out.slice(..n)).unwrap();
+    stream.synchronize().unwrap();
+    if out.iter().any(|x| x.is_nan()) {
+        return f64::INFINITY;
+    }
+    let t = |i: usize| TensorRef::new(&inp.host[i][..n], layout);
+    let cpu = cfg.clone().backend(Backend::Cpu);
+    let [b, s, h, d] = shape;
+    let (mut got, mut want, mut base) = (vec![], vec![], vec![]);
+    for (bi, hi, i) in [(0, 0, 0), (b - 1, h - 1, s - 1), (b / 2, h / 2, s / 2 + 3)] {
+        let (w, _) = reference::reference_row(&cpu, t(0), t(1), t(2), bi, hi, i);
+        let (bo, _) = reference::baseline_row(&cpu, t(0), t(1), t(2), bi, hi, i);
+        let off = layout.offset(bi, i, hi, 0);
+        got.extend(out[off..off + d].iter().map(|x| x.to_f32()));
+        want.extend(w);
+        base.extend(bo);
+    }
+    compare(&got, &want, &base).ratio
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let arg = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1).cloned())
+    };
+    let dev = Device::new(0).unwrap_or_else(|e| {
+        eprintln!("bench_table needs a CUDA device: {e}");
+        std::process::exit(2)
+    });
+    let stream = dev.new_stream().unwrap();
+    let info = dev.info().clone();
+
+    let n = TOKENS * HIDDEN;
+    let mut rng = StdRng::seed_from_u64(7);
+    let normal = Normal::new(0f32, 1.0).unwrap();
+    let mut gen = || -> Vec<bf16> {
+        (0..n)
+            .map(|_| bf16::from_f32(normal.sample(&mut rng)))
+            .collect()
+    };
+    let host = [gen(), gen(), gen()];
+    let upload = |h: &Vec<bf16>| stream.clone_htod(h).unwrap();
+    let dev_bufs = [upload(&host[0]), upload(&host[1]), upload(&host[2])];
+    let mut inp = Inputs {
+        dev: dev_bufs,
+        out: stream.clone_htod(&vec![bf16::NAN; n]).unwrap(),
+        lse: stream
+            .clone_htod(&vec![f32::NAN; TOKENS * HIDDEN / 64])
+            .unwrap(),
+        host,
+    };
+
+    let seqlens: &[usize] = if quick {
+        &[2048, 8192]
+    } else {
+        &[512, 1024, 2048, 4096, 8192, 16384]
+    };
+    let full = Sm90Schedule::default();
+    let mut plan = vec![];
+    for &d in &[64, 128, 256] {
+        for &causal in &[false, true] {
+            for &s in seqlens {
+                plan.push((d, s, causal, full));
+            }
+        }
+    }
+    // The ablation of the FA3 paper at d128 s8192 non-causal.
+    for (pingpong, intra_wg_overlap) in [(false, true), (true, false), (false, false)] {
+        plan.push((
+            128,
+            8192,
+            false,
+            Sm90Schedule {
+                pingpong,
+                intra_wg_overlap,
+            },
+        ));
+    }
+
+    let mut rows = vec![];
+    for (d, s, causal, schedule) in plan {
+        let shape = [TOKENS / s, s, HIDDEN / d, d];
+        let cfg = AttentionConfig::new()
+            .causal(causal)
+            .backend(Backend::Sm90)
+            .sm90_schedule(schedule);
+        let times = time_forward(
+            &dev,
+            &stream,
+            &mut inp,
+            &cfg,
+            shape,
+            if quick { 20 } else { 30 },
+        );
+        let pct = |p: f64| times[((times.len() - 1) as f64 * p).round() as usize];
+        let ms = pct(0.5);
+        let problem = Problem {
+            batch: shape[0],
+            seqlen_q: s,
+            seqlen_k: s,
+            heads_q: shape[2],
+            heads_kv: shape[2],
+            head_dim: d,
+            dtype: flashattn::DType::BF16,
+        };
+        let tflops = problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
+        let err_ratio = check(&stream, &inp, &cfg, shape);
+        let row = Row {
+            d,
+            seqlen: s,
+            causal,
+            schedule,
+            ms,
+            ms_p10: pct(0.1),
+            ms_p90: pct(0.9),
+            tflops,
+            err_ratio,
+            pass: err_ratio <= 1.0,
+        };
+        println!(
+            "sm90 fwd d{:<3} s{:<5} causal={:<5} pingpong={:<5} overlap={:<5} {:8.3} ms (p10 {:.3}, p90 {:.3})  {:6.1} TFLOP/s  err ratio {:.3} {}",
+            d, s, causal, schedule.pingpong, schedule.intra_wg_overlap, ms, row.ms_p10, row.ms_p90,
+            tflops, err_ratio, if row.pass { "pass" } else { "FAIL" }
+        );
+        rows.push(row);
+    }
+
+    if let Some(path) = arg("--out") {
+        let commit = arg("--commit").unwrap_or_else(|| "unknown".into());
+        let mut json = format!(
+            "{{\"date\": \"{}\", \"device\": \"{} (sm_{}{}, {} SMs)\", \"commit\": \"{}\", \"rows\": [\n",
+            today(),
+            info.name,
+            info.major,
+            info.minor,
+            info.sm_count,
+            commit
+        );
+        for (i, r) in rows.iter().enumerate() {
+            let variant = match (r.schedule.pingpong, r.schedule.intra_wg_overlap) {
+                (true, true) => "",
+                (false, true) => ", \"variant\": \"no-pingpong\"",
+                (true, false) => ", \"variant\": \"no-intra-wg-overlap\"",
+                (false, false) => ", \"variant\": \"no-pingpong-no-overlap\"",
+            };
+            json.push_str(&format!(
+                "  {{\"impl\": \"flashattn-sm90\", \"backend\": \"sm90\", \"dtype\": \"bf16\", \"d\": {}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}{}}}{}\n",
+                r.d, r.seqlen, r.seqlen, TOKENS / r.seqlen, HIDDEN / r.d, HIDDEN / r.d, r.causal,
+                r.pass, r.err_ratio, r.tflops, r.ms, r.ms_p10, r.ms_p90, variant,
+                if i + 1 < rows.len() { "," } else { "" }
+            ));
+        }
+        json.push_str("]}\n");
+        std::fs::write(&path, json).expect("write results");
+        println!("wrote {path}");
+    }
+    if rows.iter().any(|r| !r.pass) {
+        std::process::exit(1);
+    }
+}
+
+fn today() -> String {
+    let out = std::process::Command::new("date").arg("+%Y-%m-%d").output();
+    out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}

@@ -1,0 +1,334 @@
+//! Forward correctness of the GPU kernels against the f64 reference under DESIGN.md §4's rule.
+//! `#[ignore]`d: run on the device with `--include-ignored` (each test fails without a GPU).
+//! Small problems are checked whole; large ones for NaN/poison everywhere and exactly on a
+//! sample of rows. Outputs are poisoned (NaN) before every launch.
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+
+use cudarc::driver::DeviceRepr;
+use flashattn::cuda::{CudaStream, Device, DeviceTensor, DeviceTensorMut};
+use flashattn::reference::{self, compare, Comparison};
+use flashattn::{AttentionConfig, Backend, Element, Layout, TensorRef};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use rand_distr::{Distribution, Normal};
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    batch: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    head_dim: usize,
+    causal: bool,
+    window: (Option<usize>, Option<usize>),
+    softcap: Option<f32>,
+    /// Rows padded and heads interleaved differently, so strides are not packed.
+    strided: bool,
+}
+
+impl Case {
+    fn new(seqlen_q: usize, seqlen_k: usize, head_dim: usize, causal: bool) -> Case {
+        Case {
+            batch: 1,
+            seqlen_q,
+            seqlen_k,
+            heads_q: 2,
+            heads_kv: 2,
+            head_dim,
+            causal,
+            window: (None, None),
+            softcap: None,
+            strided: false,
+        }
+    }
+    fn cfg(&self, backend: Backend) -> AttentionConfig {
+        let mut cfg = AttentionConfig::new()
+            .causal(self.causal)
+            .window(self.window.0, self.window.1)
+            .backend(backend);
+        cfg.softcap = self.softcap;
+        cfg
+    }
+    /// Full reference when the score matrices are small enough for the CPU.
+    fn checked_whole(&self) -> bool {
+        self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim <= 1 << 30
+    }
+    fn layout(&self, seqlen: usize, heads: usize) -> Layout {
+        let d = self.head_dim;
+        if self.strided {
+            // (b, h, s, d) storage with 8 spare elements per row: strides stay 16-byte multiples.
+            let row = d + 8;
+            Layout::with_strides(
+                [self.batch, seqlen, heads, d],
+                [heads * seqlen * row, row, seqlen * row, 1],
+            )
+        } else {
+            Layout::contiguous([self.batch, seqlen, heads, d])
+        }
+    }
+}
+
+fn device() -> (Device, Arc<CudaStream>) {
+    let dev = Device::new(0).expect("a CUDA device (run these tests on the GPU machine)");
+    let stream = dev.new_stream().unwrap();
+    (dev, stream)
+}
+
+fn random<T: Element>(n: usize, rng: &mut StdRng) -> Vec<T> {
+    let normal = Normal::new(0f32, 1.0).unwrap();
+    (0..n).map(|_| T::from_f32(normal.sample(rng))).collect()
+}
+
+/// Runs one case with `cfg` (its backend and schedule); returns the comparisons of O and LSE.
+fn run_case<T: Element + DeviceRepr>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    cfg: AttentionConfig,
+    seed: u64,
+) -> (Comparison, Comparison) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (lq, lk) = (
+        case.layout(case.seqlen_q, case.heads_q),
+        case.layout(case.seqlen_k, case.heads_kv),
+    );
+    let span = |l: &Layout| l.span(flashattn::Operand::Q).unwrap();
+    let q: Vec<T> = random(span(&lq), &mut rng);
+    let k: Vec<T> = random(span(&lk), &mut rng);
+    let v: Vec<T> = random(span(&lk), &mut rng);
+    let nan = T::from_f32(f32::NAN);
+    let lse_len = case.batch * case.heads_q * case.seqlen_q;
+
+    let q_dev = stream.clone_htod(&q).unwrap();
+    let k_dev = stream.clone_htod(&k).unwrap();
+    let v_dev = stream.clone_htod(&v).unwrap();
+    let mut o_dev = stream.clone_htod(&vec![nan; span(&lq)]).unwrap();
+    let mut lse_dev = stream.clone_htod(&vec![f32::NAN; lse_len]).unwrap();
+    dev.forward_into(
+        stream,
+        &cfg,
+        &DeviceTensor::new(q_dev.as_view(), lq),
+        &DeviceTensor::new(k_dev.as_view(), lk),
+        &DeviceTensor::new(v_dev.as_view(), lk),
+        &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
+        &mut lse_dev.as_view_mut(),
+    )
+    .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+    let o: Vec<T> = stream.clone_dtoh(&o_dev).unwrap();
+    let lse: Vec<f32> = stream.clone_dtoh(&lse_dev).unwrap();
+    stream.synchronize().unwrap();
+
+    let (tq, tk, tv) = (
+        TensorRef::new(&q, lq),
+        TensorRef::new(&k, lk),
+        TensorRef::new(&v, lk),
+    );
+    let got = reference::pack_f32(TensorRef::new(&o, lq));
+    let cfg = case.cfg(Backend::Cpu);
+    if case.checked_whole() {
+        let want = reference::reference_forward(&cfg, tq, tk, tv);
+        let base = reference::baseline_forward(&cfg, tq, tk, tv);
+        return (
+            compare(&got, &want.out, &base.out),
+            compare(&lse, &want.lse, &base.lse),
+        );
+    }
+    // Large: every element written and finite, then a sample of rows exactly.
+    let nan_o = got.iter().filter(|x| x.is_nan()).count();
+    let nan_lse = lse.iter().filter(|x| x.is_nan()).count();
+    assert_eq!(
+        nan_o + nan_lse,
+        0,
+        "{case:?}: {nan_o} O and {nan_lse} LSE entries unwritten or NaN"
+    );
+    let d = case.head_dim;
+    let (mut got_rows, mut want_rows, mut base_rows) = (vec![], vec![], vec![]);
+    let (mut got_lse, mut want_lse, mut base_lse) = (vec![], vec![], vec![]);
+    let rows = [
+        0,
+        1,
+        case.seqlen_q / 3,
+        case.seqlen_q / 2 + 7,
+        case.seqlen_q - 2,
+        case.seqlen_q - 1,
+    ];
+    for (n, &i) in rows.iter().enumerate() {
+        let (b, h) = (n % case.batch, (n * 5) % case.heads_q);
+        let (w, wl) = reference::reference_row(&cfg, tq, tk, tv, b, h, i);
+        let (bo, bl) = reference::baseline_row(&cfg, tq, tk, tv, b, h, i);
+        let off = ((b * case.seqlen_q + i) * case.heads_q + h) * d;
+        got_rows.extend_from_slice(&got[off..off + d]);
+        want_rows.extend(w);
+        base_rows.extend(bo);
+        got_lse.push(lse[(b * case.heads_q + h) * case.seqlen_q + i]);
+        want_lse.push(wl);
+        base_lse.push(bl);
+    }
+    (
+        compare(&got_rows, &want_rows, &base_rows),
+        compare(&got_lse, &want_lse, &base_lse),
+    )
+}
+
+fn run_all<T: Element + DeviceRepr>(cases: &[Case], backend: Backend, label: &str) {
+    let (dev, stream) = device();
+    let mut failures = vec![];
+    for (n, case) in cases.iter().enumerate() {
+        let (o, lse) = run_case::<T>(&dev, &stream, case, case.cfg(backend), 1000 + n as u64);
+        println!(
+            "{label} {:?} b{} sq{} sk{} h{}/{} d{} causal={} window={:?} softcap={:?} strided={}: O {o}; LSE {lse}",
+            backend, case.batch, case.seqlen_q, case.seqlen_k, case.heads_q, case.heads_kv,
+            case.head_dim, case.causal, case.window, case.softcap, case.strided
+        );
+        if !o.pass || !lse.pass {
+            failures.push(format!("{case:?}"));
+        }
+    }
+    println!("{label}: {} cases, {} failed", cases.len(), failures.len());
+    assert!(
+        failures.is_empty(),
+        "failed cases:\n{}",
+        failures.join("\n")
+    );
+}
+
+/// The sweep of the issue: seqlens that are not tile multiples, s_q ≠ s_k both ways, causal and
+/// not, at one head dim.
+fn sweep(head_dim: usize) -> Vec<Case> {
+    let pairs = [
+        (1, 1),
+        (17, 17),
+        (113, 113),
+        (128, 128),
+        (1000, 1000),
+        (113, 1000),
+        (1000, 113),
+        (1, 4097),
+        (4097, 4097),
+        (8192, 8192),
+    ];
+    let mut cases = vec![];
+    for causal in [false, true] {
+        for &(sq, sk) in &pairs {
+            cases.push(Case::new(sq, sk, head_dim, causal));
+        }
+    }
+    // GQA, batch > 1, strided layouts, windows, softcap.
+    for causal in [false, true] {
+        cases.push(Case {
+            batch: 2,
+            heads_q: 8,
+            heads_kv: 2,
+            ..Case::new(300, 300, head_dim, causal)
+        });
+        cases.push(Case {
+            batch: 2,
+            heads_q: 8,
+            heads_kv: 1,
+            ..Case::new(257, 515, head_dim, causal)
+        });
+        cases.push(Case {
+            batch: 3,
+            strided: true,
+            ..Case::new(200, 333, head_dim, causal)
+        });
+        cases.push(Case {
+            heads_q: 4,
+            heads_kv: 4,
+            softcap: Some(30.0),
+            ..Case::new(333, 333, head_dim, causal)
+        });
+    }
+    cases.push(Case {
+        window: (Some(100), Some(0)),
+        ..Case::new(700, 700, head_dim, false)
+    });
+    cases.push(Case {
+        window: (Some(64), Some(32)),
+        ..Case::new(500, 600, head_dim, false)
+    });
+    cases.push(Case {
+        window: (None, Some(17)),
+        ..Case::new(400, 300, head_dim, false)
+    });
+    cases.push(Case {
+        window: (Some(50), None),
+        ..Case::new(300, 400, head_dim, false)
+    });
+    // Windows that leave some rows with no key at all: O = 0, LSE = +inf.
+    cases.push(Case {
+        window: (Some(0), Some(0)),
+        ..Case::new(300, 100, head_dim, false)
+    });
+    cases
+}
+
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_fwd_d64_bf16() {
+    run_all::<bf16>(&sweep(64), Backend::Sm90, "sm90 d64 bf16");
+}
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_fwd_d128_bf16() {
+    run_all::<bf16>(&sweep(128), Backend::Sm90, "sm90 d128 bf16");
+}
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_fwd_d256_bf16() {
+    run_all::<bf16>(&sweep(256), Backend::Sm90, "sm90 d256 bf16");
+}
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_fwd_d64_f16() {
+    run_all::<f16>(&sweep(64), Backend::Sm90, "sm90 d64 f16");
+}
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_fwd_d128_f16() {
+    run_all::<f16>(&sweep(128), Backend::Sm90, "sm90 d128 f16");
+}
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_fwd_d256_f16() {
+    run_all::<f16>(&sweep(256), Backend::Sm90, "sm90 d256 f16");
+}
+
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_fwd_ablation_schedules_agree() {
+    // Every schedule computes the same function.
+    for (pingpong, intra_wg_overlap) in [(false, true), (true, false), (false, false)] {
+        let (dev, stream) = device();
+        let case = Case {
+            batch: 2,
+            heads_q: 4,
+            heads_kv: 2,
+            ..Case::new(777, 1029, 128, true)
+        };
+        let mut cfg = case.cfg(Backend::Sm90);
+        cfg.sm90_schedule = flashattn::Sm90Schedule {
+            pingpong,
+            intra_wg_overlap,
+        };
+        let (o, lse) = run_case::<bf16>(&dev, &stream, &case, cfg, 77);
+        println!("schedule pingpong={pingpong} overlap={intra_wg_overlap}: O {o}; LSE {lse}");
+        assert!(o.pass && lse.pass);
+    }
+}
+
+/// A few small cases for compute-sanitizer (memcheck, racecheck), which slows kernels a lot.
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sanitizer_sm90_fwd_small() {
+    let mut cases = vec![];
+    for d in [64, 128, 256] {
+        cases.push(Case::new(17, 200, d, true));
+        cases.push(Case { batch: 2, heads_q: 4, heads_kv: 1, ..Case::new(130, 77, d, false) });
+    }
+    run_all::<bf16>(&cases, Backend::Sm90, "sanitizer");
+}
