@@ -11,9 +11,11 @@
 //! every query block; a second pass over (batch, query head, query block) accumulates dQ. No
 //! task writes another's rows, so the result does not depend on scheduling (deterministic).
 //!
-//! Elements are converted to f32 once per tile (zero-padded to whole micro-kernel blocks), all
-//! arithmetic is f32, and results are rounded to `T` when written. On x86-64 the tile kernels
-//! are compiled a second time with AVX2+FMA and picked at run time.
+//! K and V (and, for the backward, the query side) are converted to f32 once, tile by tile,
+//! zero-padded to whole micro-kernel blocks; all arithmetic is f32, and results are rounded to
+//! `T` when written. Tasks return their blocks and one thread writes them, so outputs may have
+//! any strides. On x86-64 the task functions are compiled a second time with AVX2+FMA, picked
+//! at run time, and the tile matrix products run a 6×16 register-blocked intrinsics kernel.
 
 use rayon::prelude::*;
 
@@ -36,9 +38,10 @@ pub struct BackwardInputs<'a, T> {
 const BLOCK_Q: usize = 64;
 /// Keys per tile (upper bound).
 const BLOCK_K: usize = 64;
-/// Micro-kernel: rows of A per step.
-const MR: usize = 4;
-/// Micro-kernel: columns of B per step (two AVX registers).
+/// Query tiles are padded to a multiple of this (the matrix product takes rows in pairs).
+const ROW_PAD: usize = 4;
+/// Micro-kernel: columns of B per step (two AVX registers); key tiles and head_dim are padded
+/// to a multiple of it.
 const NR: usize = 16;
 
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
@@ -48,16 +51,35 @@ fn round_up(x: usize, to: usize) -> usize {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Arithmetic kernels (all #[inline(always)] so that they take the target features of the task
-// function they are inlined into).
+// Arithmetic kernels (#[inline(always)] so that they take the target features of the task
+// function they are inlined into; the AVX2 matrix product has its own).
 
-/// `a·b + c`, fused where the target has FMA.
+/// The arithmetic of the tile kernels: the tile matrix product, by default the portable one
+/// built on this type's multiply-add.
 trait Arith {
+    /// `a·b + c`, fused or not.
     fn fma(a: f32, b: f32, c: f32) -> f32;
+
+    /// `C[m×n] (+)= A[m×k] · B[k×n]`, all row-major with leading dimensions `lda`, `ldb`,
+    /// `ldc`; `m` must be even and `n` a multiple of [`NR`] (tiles are zero-padded so).
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn gemm(
+        dims: (usize, usize, usize),
+        a: &[f32],
+        lda: usize,
+        b: &[f32],
+        ldb: usize,
+        c: &mut [f32],
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        gemm_portable::<Self>(dims, a, lda, b, ldb, c, ldc, accumulate)
+    }
 }
 
-/// Fused multiply-add (one rounding); only used where the hardware has it.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+/// Fused multiply-add (one rounding), for targets where FMA is baseline.
+#[cfg_attr(not(target_arch = "aarch64"), allow(dead_code))]
 struct Fused;
 impl Arith for Fused {
     #[inline(always)]
@@ -67,7 +89,7 @@ impl Arith for Fused {
 }
 
 /// Separate multiply and add (for targets without FMA, where `mul_add` is a library call).
-#[allow(dead_code)]
+#[cfg_attr(target_arch = "aarch64", allow(dead_code))]
 struct Split;
 impl Arith for Split {
     #[inline(always)]
@@ -76,13 +98,41 @@ impl Arith for Split {
     }
 }
 
-/// `C[m×n] (+)= A[m×k] · B[k×n]`, all row-major with leading dimensions `lda`, `ldb`, `ldc`.
-/// `m` must be even and `n` a multiple of [`NR`] (tiles are zero-padded to make it so).
-/// Rows of A go through the micro-kernel six at a time (then four or two): 6×16 accumulators
-/// are twelve AVX registers.
+/// x86-64 with AVX2 and FMA: the matrix product through `std::arch` intrinsics.
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+#[cfg(target_arch = "x86_64")]
+impl Arith for Avx2 {
+    #[inline(always)]
+    fn fma(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+
+    #[inline(always)]
+    fn gemm(
+        dims: (usize, usize, usize),
+        a: &[f32],
+        lda: usize,
+        b: &[f32],
+        ldb: usize,
+        c: &mut [f32],
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the features were just detected; gemm_avx2 checks the bounds.
+            unsafe { avx2::gemm(dims, a, lda, b, ldb, c, ldc, accumulate) }
+        } else {
+            gemm_portable::<Split>(dims, a, lda, b, ldb, c, ldc, accumulate)
+        }
+    }
+}
+
+/// [`Arith::gemm`] in plain Rust: rows of A go through the micro-kernel six at a time (then
+/// four or two), sixteen columns of B at a time.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn gemm<A: Arith>(
+fn gemm_portable<A: Arith + ?Sized>(
     (m, n, k): (usize, usize, usize),
     a: &[f32],
     lda: usize,
@@ -92,26 +142,22 @@ fn gemm<A: Arith>(
     ldc: usize,
     accumulate: bool,
 ) {
-    debug_assert!(m % 2 == 0 && n % NR == 0);
-    let mut pack = vec![0f32; 6 * k];
+    assert!(m % 2 == 0 && n % NR == 0);
     let mut i = 0;
     while i < m {
         let (a, c) = (&a[i * lda..], &mut c[i * ldc..]);
-        let step = match m - i {
-            1 => unreachable!("m is even"),
-            2 => panel::<A, 2>((n, k), a, lda, b, ldb, c, ldc, accumulate, &mut pack),
-            4 => panel::<A, 4>((n, k), a, lda, b, ldb, c, ldc, accumulate, &mut pack),
-            _ => panel::<A, 6>((n, k), a, lda, b, ldb, c, ldc, accumulate, &mut pack),
+        i += match m - i {
+            2 => panel::<A, 2>((n, k), a, lda, b, ldb, c, ldc, accumulate),
+            4 => panel::<A, 4>((n, k), a, lda, b, ldb, c, ldc, accumulate),
+            _ => panel::<A, 6>((n, k), a, lda, b, ldb, c, ldc, accumulate),
         };
-        i += step;
     }
 }
 
-/// `R` rows of [`gemm`]: A's rows packed as `k` groups of `R` so that the inner loop reads
-/// both operands sequentially without bounds checks. Returns `R`.
+/// `R` rows of [`gemm_portable`]; returns `R`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn panel<A: Arith, const R: usize>(
+fn panel<A: Arith + ?Sized, const R: usize>(
     (n, k): (usize, usize),
     a: &[f32],
     lda: usize,
@@ -120,14 +166,8 @@ fn panel<A: Arith, const R: usize>(
     c: &mut [f32],
     ldc: usize,
     accumulate: bool,
-    pack: &mut [f32],
 ) -> usize {
-    let pack = &mut pack[..R * k];
-    for r in 0..R {
-        for (p, &x) in a[r * lda..][..k].iter().enumerate() {
-            pack[p * R + r] = x;
-        }
-    }
+    let rows: [&[f32]; R] = std::array::from_fn(|r| &a[r * lda..][..k]);
     for j in (0..n).step_by(NR) {
         let mut acc = [[0f32; NR]; R];
         if accumulate {
@@ -135,10 +175,10 @@ fn panel<A: Arith, const R: usize>(
                 row.copy_from_slice(&c[r * ldc + j..][..NR]);
             }
         }
-        for (ap, bp) in pack.chunks_exact(R).zip(b[j..].chunks(ldb)) {
-            let bp: &[f32; NR] = bp[..NR].try_into().unwrap();
+        for p in 0..k {
+            let bp: &[f32; NR] = b[p * ldb + j..][..NR].try_into().unwrap();
             for r in 0..R {
-                let av = ap[r];
+                let av = rows[r][p];
                 for x in 0..NR {
                     acc[r][x] = A::fma(av, bp[x], acc[r][x]);
                 }
@@ -149,6 +189,103 @@ fn panel<A: Arith, const R: usize>(
         }
     }
     R
+}
+
+/// The AVX2+FMA matrix product: a 6×16 block of C lives in twelve registers while `k`
+/// broadcast-multiply-adds stream through it.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::NR;
+    use std::arch::x86_64::*;
+
+    /// [`super::Arith::gemm`]; panics unless the slices hold the extents the dimensions and
+    /// leading dimensions imply.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn gemm(
+        (m, n, k): (usize, usize, usize),
+        a: &[f32],
+        lda: usize,
+        b: &[f32],
+        ldb: usize,
+        c: &mut [f32],
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        assert!(m % 2 == 0 && n % NR == 0);
+        if m == 0 || n == 0 {
+            return;
+        }
+        assert!(k <= lda && n <= ldb && n <= ldc);
+        assert!(a.len() >= (m - 1) * lda + k);
+        assert!(k == 0 || b.len() >= (k - 1) * ldb + n);
+        assert!(c.len() >= (m - 1) * ldc + n);
+        let (a, b, c) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+        let mut i = 0;
+        while i < m {
+            // SAFETY: rows i.. of A and C are in bounds by the asserts above.
+            let (a, c) = unsafe { (a.add(i * lda), c.add(i * ldc)) };
+            // SAFETY: panel reads R rows of A (k each), k rows of B (n each) and writes R
+            // rows of C (n each), all within the extents asserted above.
+            i += unsafe {
+                match m - i {
+                    2 => panel::<2>((n, k), a, lda, b, ldb, c, ldc, accumulate),
+                    4 => panel::<4>((n, k), a, lda, b, ldb, c, ldc, accumulate),
+                    _ => panel::<6>((n, k), a, lda, b, ldb, c, ldc, accumulate),
+                }
+            };
+        }
+    }
+
+    /// `R` rows; returns `R`.
+    ///
+    /// # Safety
+    /// AVX2+FMA; `a` readable for `R` rows of `k` at stride `lda`, `b` for `k` rows of `n` at
+    /// stride `ldb`, `c` writable for `R` rows of `n` at stride `ldc`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn panel<const R: usize>(
+        (n, k): (usize, usize),
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        ldb: usize,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) -> usize {
+        for j in (0..n).step_by(NR) {
+            let mut lo = [_mm256_setzero_ps(); R];
+            let mut hi = [_mm256_setzero_ps(); R];
+            if accumulate {
+                for r in 0..R {
+                    lo[r] = unsafe { _mm256_loadu_ps(c.add(r * ldc + j)) };
+                    hi[r] = unsafe { _mm256_loadu_ps(c.add(r * ldc + j + 8)) };
+                }
+            }
+            let mut bp = unsafe { b.add(j) };
+            for p in 0..k {
+                let (b0, b1) = unsafe { (_mm256_loadu_ps(bp), _mm256_loadu_ps(bp.add(8))) };
+                for r in 0..R {
+                    let av = unsafe { _mm256_broadcast_ss(&*a.add(r * lda + p)) };
+                    lo[r] = _mm256_fmadd_ps(av, b0, lo[r]);
+                    hi[r] = _mm256_fmadd_ps(av, b1, hi[r]);
+                }
+                bp = bp.wrapping_add(ldb);
+            }
+            for r in 0..R {
+                unsafe {
+                    _mm256_storeu_ps(c.add(r * ldc + j), lo[r]);
+                    _mm256_storeu_ps(c.add(r * ldc + j + 8), hi[r]);
+                }
+            }
+        }
+        R
+    }
 }
 
 /// `2^x` to about 1e-7 relative, branch-free so loops over it vectorize; `x < -126` gives 0
@@ -212,8 +349,7 @@ fn sum_of(x: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + rest.iter().sum::<f32>()
 }
 
-#[inline(always)]
-fn dot<A: Arith>(x: &[f32], y: &[f32]) -> f32 {
+fn dot(x: &[f32], y: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (xc, yc) = (x.chunks_exact(8), y.chunks_exact(8));
     let rest: f32 = xc
@@ -224,7 +360,7 @@ fn dot<A: Arith>(x: &[f32], y: &[f32]) -> f32 {
         .sum();
     for (a, b) in xc.zip(yc) {
         for i in 0..8 {
-            acc[i] = A::fma(a[i], b[i], acc[i]);
+            acc[i] += a[i] * b[i];
         }
     }
     acc.iter().sum::<f32>() + rest
@@ -316,7 +452,7 @@ impl<'a, T: Element> Ctx<'a, T> {
             heads_kv: p.heads_kv,
             d: p.head_dim,
             dp: round_up(p.head_dim, NR),
-            br: BLOCK_Q.min(round_up(p.seqlen_q, MR)),
+            br: BLOCK_Q.min(round_up(p.seqlen_q, ROW_PAD)),
             bc: BLOCK_K.min(round_up(p.seqlen_k, NR)),
             scale: cfg.scale_for(p.head_dim),
             softcap: cfg.softcap,
@@ -431,7 +567,7 @@ impl<'a, T: Element> Ctx<'a, T> {
         mut th: Option<&mut [f32]>,
     ) {
         let bc = self.bc;
-        gemm::<A>((self.br, bc, self.dp), q, self.dp, kt, bc, s, bc, false);
+        A::gemm((self.br, bc, self.dp), q, self.dp, kt, bc, s, bc, false);
         for (r, &(lo, hi)) in ranges.iter().enumerate() {
             let row = &mut s[r * bc + lo..r * bc + hi];
             match self.softcap {
@@ -454,38 +590,34 @@ impl<'a, T: Element> Ctx<'a, T> {
     }
 }
 
-/// Runs `$body` with `$A` bound to the fastest [`Arith`] this CPU has, compiling it with
-/// AVX2+FMA enabled where they are detected at run time.
-macro_rules! with_simd {
-    (|$A:ident| $body:expr) => {{
-        #[cfg(target_arch = "x86_64")]
-        {
-            #[target_feature(enable = "avx2,fma")]
-            /// # Safety
-            /// Only called after AVX2 and FMA were detected.
-            unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
-                f()
+/// The [`Arith`] used where AVX2+FMA are not detected at run time (aarch64 always has FMA).
+#[cfg(target_arch = "aarch64")]
+type Portable = Fused;
+#[cfg(not(target_arch = "aarch64"))]
+type Portable = Split;
+
+/// Defines `$name`, which runs the `#[inline(always)]` generic `$f::<T, A>` with `A` the
+/// fastest [`Arith`] this CPU has: on x86-64 with AVX2 and FMA detected at run time, through a
+/// copy compiled with those features enabled.
+macro_rules! simd_dispatch {
+    (fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty = $f:ident) => {
+        fn $name<T: Element>($($arg: $ty),*) -> $ret {
+            #[cfg(target_arch = "x86_64")]
+            {
+                /// # Safety
+                /// Only called after AVX2 and FMA were detected.
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2<T: Element>($($arg: $ty),*) -> $ret {
+                    $f::<T, Avx2>($($arg),*)
+                }
+                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                    // SAFETY: the features were just detected.
+                    return unsafe { avx2::<T>($($arg),*) };
+                }
             }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                type $A = Fused;
-                // SAFETY: the features were just detected.
-                unsafe { avx2(|| $body) }
-            } else {
-                type $A = Split;
-                $body
-            }
+            $f::<T, Portable>($($arg),*)
         }
-        #[cfg(all(not(target_arch = "x86_64"), target_arch = "aarch64"))]
-        {
-            type $A = Fused;
-            $body
-        }
-        #[cfg(all(not(target_arch = "x86_64"), not(target_arch = "aarch64")))]
-        {
-            type $A = Split;
-            $body
-        }
-    }};
+    };
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -533,7 +665,16 @@ fn fwd_block<T: Element, A: Arith>(
                     .for_each(|x| *x *= alpha);
             }
         }
-        gemm::<A>((br, dp, bc), &s, bc, v.get(b, hk, t), dp, &mut acc, dp, true);
+        A::gemm(
+            (br, dp, bc),
+            &s,
+            bc,
+            v.get(b, hk, t),
+            dp,
+            &mut acc,
+            dp,
+            true,
+        );
     }
     let mut lse = vec![f32::INFINITY; br];
     for r in 0..br {
@@ -548,6 +689,8 @@ fn fwd_block<T: Element, A: Arith>(
     }
     FwdBlock { o: acc, lse }
 }
+
+simd_dispatch!(fn fwd_block_simd(ctx: &Ctx<T>, kv: (&Tiles, &Tiles), b: usize, h: usize, qb: usize) -> FwdBlock = fwd_block);
 
 /// Writes `rows × dp` f32 rows (the first `d` columns) into head `h` of `t` from row `i0` on,
 /// stopping at the tensor's seqlen.
@@ -592,7 +735,7 @@ pub fn forward<T: Element>(
         .map(|t| {
             let (bh, qb) = (t / nqb, t % nqb);
             let (b, h) = (bh / p.heads_q, bh % p.heads_q);
-            with_simd!(|A| fwd_block::<T, A>(&ctx, (&kt, &vr), b, h, qb))
+            fwd_block_simd(&ctx, (&kt, &vr), b, h, qb)
         })
         .collect();
     // Outputs may have any strides (even overlapping ones), so they are written by one thread.
@@ -662,7 +805,7 @@ impl<'a, T: Element> BwdCtx<'a, T> {
                 let dd = dout
                     .chunks_exact(base.dp)
                     .zip(o.chunks_exact(base.dp))
-                    .map(|(x, y)| dot::<Split>(x, y))
+                    .map(|(x, y)| dot(x, y))
                     .collect();
                 let lse2 = (i0..i0 + base.br)
                     .map(|i| match inputs.lse.get(bh * p.seqlen_q + i) {
@@ -695,7 +838,12 @@ impl<'a, T: Element> BwdCtx<'a, T> {
     /// P and dS (with respect to the raw dot products Q·Kᵀ, softcap included, scale not) of
     /// query block `qb` of head `h` against key tile `t` into `sc`.
     #[inline(always)]
-    fn tile_grads<A: Arith>(&self, (b, h, qb): (usize, usize, usize), t: usize, sc: &mut BwdScratch) {
+    fn tile_grads<A: Arith>(
+        &self,
+        (b, h, qb): (usize, usize, usize),
+        t: usize,
+        sc: &mut BwdScratch,
+    ) {
         let c = &self.base;
         let (br, bc, dp) = (c.br, c.bc, c.dp);
         let hk = h / c.group;
@@ -714,7 +862,7 @@ impl<'a, T: Element> BwdCtx<'a, T> {
         }
         // dP = dO·Vᵀ, then dS = P∘(dP − D) (∘ (1 − tanh²) with softcap).
         let vt = self.vt.get(b, hk, t);
-        gemm::<A>((br, bc, dp), &qs.dout, dp, vt, bc, &mut sc.ds, bc, false);
+        A::gemm((br, bc, dp), &qs.dout, dp, vt, bc, &mut sc.ds, bc, false);
         for r in 0..br {
             let d = qs.dd[r];
             let (p, ds) = (&sc.p[r * bc..][..bc], &mut sc.ds[r * bc..][..bc]);
@@ -756,9 +904,9 @@ impl<'a, T: Element> BwdCtx<'a, T> {
                 let qs = self.qside(b, h, qb);
                 // dV += Pᵀ·dO, dK += dSᵀ·Q.
                 transpose(&sc.p, br, bc, &mut tr);
-                gemm::<A>((bc, dp, br), &tr, br, &qs.dout, dp, &mut dv, dp, true);
+                A::gemm((bc, dp, br), &tr, br, &qs.dout, dp, &mut dv, dp, true);
                 transpose(&sc.ds, br, bc, &mut tr);
-                gemm::<A>((bc, dp, br), &tr, br, &qs.q, dp, &mut dk, dp, true);
+                A::gemm((bc, dp, br), &tr, br, &qs.q, dp, &mut dk, dp, true);
             }
         }
         dk.iter_mut().for_each(|x| *x *= c.scale);
@@ -775,12 +923,29 @@ impl<'a, T: Element> BwdCtx<'a, T> {
         for t in c.tiles_of(c.row_ranges(qb).1) {
             self.tile_grads::<A>((b, h, qb), t, &mut sc);
             let k = self.kr.get(b, h / c.group, t);
-            gemm::<A>((br, dp, bc), &sc.ds, bc, k, dp, &mut dq, dp, true);
+            A::gemm((br, dp, bc), &sc.ds, bc, k, dp, &mut dq, dp, true);
         }
         dq.iter_mut().for_each(|x| *x *= c.scale);
         dq
     }
 }
+
+#[inline(always)]
+fn dkdv_block<T: Element, A: Arith>(
+    ctx: &BwdCtx<T>,
+    b: usize,
+    hk: usize,
+    t: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    ctx.dkdv_block::<A>(b, hk, t)
+}
+simd_dispatch!(fn dkdv_simd(ctx: &BwdCtx<T>, b: usize, hk: usize, t: usize) -> (Vec<f32>, Vec<f32>) = dkdv_block);
+
+#[inline(always)]
+fn dq_block<T: Element, A: Arith>(ctx: &BwdCtx<T>, b: usize, h: usize, qb: usize) -> Vec<f32> {
+    ctx.dq_block::<A>(b, h, qb)
+}
+simd_dispatch!(fn dq_simd(ctx: &BwdCtx<T>, b: usize, h: usize, qb: usize) -> Vec<f32> = dq_block);
 
 /// One backward task: a key tile's dK and dV, or a query block's dQ.
 enum BwdTask {
@@ -813,11 +978,11 @@ pub fn backward<T: Element>(
         .par_iter()
         .map(|task| match *task {
             BwdTask::KeyTile { b, hk, t } => {
-                let (k, v) = with_simd!(|A| ctx.dkdv_block::<A>(b, hk, t));
+                let (k, v) = dkdv_simd(&ctx, b, hk, t);
                 vec![k, v]
             }
             BwdTask::QueryBlock { b, h, qb } => {
-                vec![with_simd!(|A| ctx.dq_block::<A>(b, h, qb))]
+                vec![dq_simd(&ctx, b, h, qb)]
             }
         })
         .collect();
@@ -857,19 +1022,44 @@ mod tests {
         assert_eq!(exp2_approx(0.0), 1.0);
     }
 
-    #[test]
-    fn gemm_matches_naive() {
-        let (m, n, k) = (8, 32, 13);
-        let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.7).sin()).collect();
-        let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.3).cos()).collect();
-        let mut c = vec![1f32; m * n];
-        gemm::<Split>((m, n, k), &a, k, &b, n, &mut c, n, true);
-        for i in 0..m {
-            for j in 0..n {
-                let want: f32 = 1.0 + (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum::<f32>();
-                assert!((c[i * n + j] - want).abs() < 1e-5, "({i},{j})");
+    /// Every gemm this build can pick, on every row-panel remainder and strided operands.
+    fn check_gemm<A: Arith>() {
+        for (m, n, k) in [
+            (2, 16, 1),
+            (4, 32, 13),
+            (6, 16, 8),
+            (8, 48, 20),
+            (10, 16, 64),
+        ] {
+            let (lda, ldb, ldc) = (k + 3, n + 16, n + 5);
+            let a: Vec<f32> = (0..m * lda).map(|i| (i as f32 * 0.7).sin()).collect();
+            let b: Vec<f32> = (0..k * ldb).map(|i| (i as f32 * 0.3).cos()).collect();
+            let mut c = vec![1f32; m * ldc];
+            A::gemm((m, n, k), &a, lda, &b, ldb, &mut c, ldc, true);
+            for i in 0..m {
+                for j in 0..ldc {
+                    let dot = (0..k).map(|p| a[i * lda + p] * b[p * ldb + j]);
+                    let want = if j < n { 1.0 + dot.sum::<f32>() } else { 1.0 };
+                    let got = c[i * ldc + j];
+                    assert!((got - want).abs() < 1e-4, "{m}x{n}x{k} ({i},{j})");
+                }
+            }
+            let mut c2 = vec![f32::NAN; m * ldc];
+            A::gemm((m, n, k), &a, lda, &b, ldb, &mut c2, ldc, false);
+            for i in 0..m {
+                for j in 0..n {
+                    assert!((c2[i * ldc + j] + 1.0 - c[i * ldc + j]).abs() < 1e-4);
+                }
             }
         }
+    }
+
+    #[test]
+    fn gemm_matches_naive() {
+        check_gemm::<Split>();
+        // Avx2::gemm falls back to the portable kernel where AVX2 is missing.
+        #[cfg(target_arch = "x86_64")]
+        check_gemm::<Avx2>();
     }
 
     #[test]
@@ -877,7 +1067,7 @@ mod tests {
         let x: Vec<f32> = (0..19).map(|i| i as f32 - 9.5).collect();
         assert_eq!(max_of(&x), 8.5);
         assert_eq!(sum_of(&x), x.iter().sum::<f32>());
-        assert_eq!(dot::<Split>(&x, &x), x.iter().map(|v| v * v).sum::<f32>());
+        assert_eq!(dot(&x, &x), x.iter().map(|v| v * v).sum::<f32>());
         assert_eq!(max_of(&[]), f32::NEG_INFINITY);
     }
 }
