@@ -462,6 +462,18 @@ fn row_low<T: Element>(
     }
 }
 
+/// A baseline output row: `P·V` accumulated in f32, rounded to `T`.
+fn low_out_row<T: Element>(row: &RowLow, v: &[f32], d: usize) -> Vec<f32> {
+    let mut acc = vec![0f32; d];
+    for (j, &pj) in row.p.iter().enumerate() {
+        let vj = &v[(row.lo + j) * d..(row.lo + j + 1) * d];
+        for (a, x) in acc.iter_mut().zip(vj) {
+            *a += pj * x;
+        }
+    }
+    acc.into_iter().map(rt::<T>).collect()
+}
+
 /// Standard attention the way a framework computes it in `T` (for `T = f32` the roundings
 /// vanish and this is plain f32 attention). LSE is computed in f32.
 ///
@@ -486,14 +498,7 @@ pub fn baseline_forward<T: Element>(
             let mut lse = Vec::with_capacity(p.seqlen_q);
             for i in 0..p.seqlen_q {
                 let row = row_low::<T>(cfg, &mask, &qh[i * d..(i + 1) * d], &kh, i);
-                let mut acc = vec![0f32; d];
-                for (j, &pj) in row.p.iter().enumerate() {
-                    let vj = &vh[(row.lo + j) * d..(row.lo + j + 1) * d];
-                    for (a, x) in acc.iter_mut().zip(vj) {
-                        *a += pj * x;
-                    }
-                }
-                o.extend(acc.into_iter().map(rt::<T>));
+                o.extend(low_out_row::<T>(&row, &vh, d));
                 lse.push(row.lse);
             }
             (o, lse)
@@ -531,14 +536,7 @@ pub fn baseline_row<T: Element>(
     let kh = head(&k, b, h / p.group_size(), T::to_f32);
     let vh = head(&v, b, h / p.group_size(), T::to_f32);
     let row = row_low::<T>(cfg, &cfg.mask(p.seqlen_q, p.seqlen_k), &qrow, &kh, i);
-    let mut acc = vec![0f32; d];
-    for (j, &pj) in row.p.iter().enumerate() {
-        let vj = &vh[(row.lo + j) * d..(row.lo + j + 1) * d];
-        for (a, x) in acc.iter_mut().zip(vj) {
-            *a += pj * x;
-        }
-    }
-    (acc.into_iter().map(rt::<T>).collect(), row.lse)
+    (low_out_row::<T>(&row, &vh, d), row.lse)
 }
 
 /// The baseline's backward, as a framework's autograd would run it in `T`: dV = Pᵀ·dO,
@@ -654,7 +652,7 @@ mod tests {
     }
 
     #[test]
-    fn reference_row_matches_reference_forward() {
+    fn rows_match_whole_computations() {
         let (b, s, h, d) = (2, 7, 4, 8);
         let x: Vec<f32> = (0..b * s * h * d)
             .map(|i| (i as f32 * 0.61).sin())
@@ -671,7 +669,16 @@ mod tests {
             assert_eq!(lse, full.lse[(bi * h + hi) * s + i]);
             assert_eq!(o, full.out[((bi * s + i) * h + hi) * d..][..d]);
         }
+        let base = baseline_forward::<f32>(&cfg, q, k, k);
+        for (bi, hi, i) in [(0, 0, 0), (1, 3, 6), (1, 2, 3)] {
+            let (o, lse) = baseline_row(&cfg, q, k, k, bi, hi, i);
+            assert_eq!(lse, base.lse[(bi * h + hi) * s + i]);
+            assert_eq!(o, base.out[((bi * s + i) * h + hi) * d..][..d]);
+        }
         // Causal with s_q > s_k: the first two rows see nothing.
+        let (o, lse) = baseline_row(&cfg, q, k, k, 0, 1, 1);
+        assert_eq!(lse, f32::INFINITY);
+        assert!(o.iter().all(|&x| x == 0.0));
         let (o, lse) = reference_row(&cfg, q, k, k, 0, 1, 1);
         assert_eq!(lse, f64::INFINITY);
         assert!(o.iter().all(|&x| x == 0.0));
