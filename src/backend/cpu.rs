@@ -336,19 +336,6 @@ fn max_of(x: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |m, &v| m.max(v))
 }
 
-#[inline(always)]
-fn sum_of(x: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let chunks = x.chunks_exact(8);
-    let rest = chunks.remainder();
-    for ch in chunks {
-        for i in 0..8 {
-            acc[i] += ch[i];
-        }
-    }
-    acc.iter().sum::<f32>() + rest.iter().sum::<f32>()
-}
-
 fn dot(x: &[f32], y: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (xc, yc) = (x.chunks_exact(8), y.chunks_exact(8));
@@ -366,14 +353,26 @@ fn dot(x: &[f32], y: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + rest
 }
 
-/// Turns a row of base-2 scores into probabilities: `2^(x − shift)` on `[lo, hi)`, 0 elsewhere.
+/// Turns a row of scores into probabilities: `2^(x·mult − shift)` on `[lo, hi)`, 0 elsewhere;
+/// returns their sum (the scaling, the exponential and the sum in one pass).
 #[inline(always)]
-fn probs_row(row: &mut [f32], (lo, hi): (usize, usize), shift: f32) {
+fn probs_row(row: &mut [f32], (lo, hi): (usize, usize), mult: f32, shift: f32) -> f32 {
     row[..lo].fill(0.0);
     row[hi..].fill(0.0);
-    for x in &mut row[lo..hi] {
-        *x = exp2_approx(*x - shift);
+    let mut acc = [0f32; 8];
+    let mut chunks = row[lo..hi].chunks_exact_mut(8);
+    for ch in &mut chunks {
+        for i in 0..8 {
+            ch[i] = exp2_approx(ch[i] * mult - shift);
+            acc[i] += ch[i];
+        }
     }
+    let mut rest = 0f32;
+    for x in chunks.into_remainder() {
+        *x = exp2_approx(*x * mult - shift);
+        rest += *x;
+    }
+    acc.iter().sum::<f32>() + rest
 }
 
 /// `dst[c][r] = src[r][c]` for a `rows × cols` row-major `src`.
@@ -554,9 +553,11 @@ impl<'a, T: Element> Ctx<'a, T> {
         }
     }
 
-    /// Scores of a `br × bc` tile in the base-2 domain, written into `s` on each row's range
-    /// (other entries are left as raw dot products: callers only read inside the ranges).
-    /// With softcap, `tanh` of each in-range score goes to `th` for the backward's chain rule.
+    /// Scores of a `br × bc` tile into `s`; returns the factor `mult` that takes them to the
+    /// base-2 domain (`x·mult` is `s·scale·log2(e)`, or its softcapped value). Without softcap
+    /// the raw dot products are left as they are; with it, each row's range holds the capped
+    /// base-2 scores (`mult` = 1) and `th` receives their `tanh` for the backward's chain rule.
+    /// Entries outside each row's range are never read.
     #[inline(always)]
     fn scores<A: Arith>(
         &self,
@@ -565,28 +566,23 @@ impl<'a, T: Element> Ctx<'a, T> {
         ranges: &[(usize, usize)],
         s: &mut [f32],
         mut th: Option<&mut [f32]>,
-    ) {
+    ) -> f32 {
         let bc = self.bc;
         A::gemm((self.br, bc, self.dp), q, self.dp, kt, bc, s, bc, false);
+        let Some(cap) = self.softcap else {
+            return self.scale * LOG2_E;
+        };
+        let (inner, outer) = (self.scale / cap, cap * LOG2_E);
         for (r, &(lo, hi)) in ranges.iter().enumerate() {
-            let row = &mut s[r * bc + lo..r * bc + hi];
-            match self.softcap {
-                None => {
-                    let c = self.scale * LOG2_E;
-                    row.iter_mut().for_each(|x| *x *= c);
+            for (j, x) in s[r * bc + lo..r * bc + hi].iter_mut().enumerate() {
+                let t = (*x * inner).tanh();
+                if let Some(th) = th.as_deref_mut() {
+                    th[r * bc + lo + j] = t;
                 }
-                Some(cap) => {
-                    let (inner, outer) = (self.scale / cap, cap * LOG2_E);
-                    for (j, x) in row.iter_mut().enumerate() {
-                        let t = (*x * inner).tanh();
-                        if let Some(th) = th.as_deref_mut() {
-                            th[r * bc + lo + j] = t;
-                        }
-                        *x = t * outer;
-                    }
-                }
+                *x = t * outer;
             }
         }
+        1.0
     }
 }
 
@@ -647,17 +643,17 @@ fn fwd_block<T: Element, A: Arith>(
     let mut s = vec![0f32; br * bc];
     for t in ctx.tiles_of(union) {
         let ranges = ctx.tile_ranges(&rows, t);
-        ctx.scores::<A>(&q, kt.get(b, hk, t), &ranges, &mut s, None);
+        let mult = ctx.scores::<A>(&q, kt.get(b, hk, t), &ranges, &mut s, None);
         for (r, &(lo, hi)) in ranges.iter().enumerate() {
             let row = &mut s[r * bc..(r + 1) * bc];
             if lo >= hi {
                 row.fill(0.0);
                 continue;
             }
-            let m_new = m[r].max(max_of(&row[lo..hi]));
+            // mult > 0, so the max of the scaled scores is the scaled max.
+            let m_new = m[r].max(max_of(&row[lo..hi]) * mult);
             let alpha = (m[r] - m_new).exp2();
-            probs_row(row, (lo, hi), m_new);
-            l[r] = l[r] * alpha + sum_of(&row[lo..hi]);
+            l[r] = l[r] * alpha + probs_row(row, (lo, hi), mult, m_new);
             m[r] = m_new;
             if alpha != 1.0 {
                 acc[r * dp..(r + 1) * dp]
@@ -850,14 +846,14 @@ impl<'a, T: Element> BwdCtx<'a, T> {
         let qs = self.qside(b, h, qb);
         let ranges = c.tile_ranges(&c.row_ranges(qb).0, t);
         let th = c.softcap.map(|_| sc.th.as_mut_slice());
-        c.scores::<A>(&qs.q, self.kt.get(b, hk, t), &ranges, &mut sc.p, th);
+        let mult = c.scores::<A>(&qs.q, self.kt.get(b, hk, t), &ranges, &mut sc.p, th);
         for (r, &(lo, hi)) in ranges.iter().enumerate() {
             let row = &mut sc.p[r * bc..(r + 1) * bc];
             // A row with LSE = +inf is fully masked (or had no keys): it contributes nothing.
             if lo >= hi || !qs.lse2[r].is_finite() {
                 row.fill(0.0);
             } else {
-                probs_row(row, (lo, hi), qs.lse2[r]);
+                probs_row(row, (lo, hi), mult, qs.lse2[r]);
             }
         }
         // dP = dO·Vᵀ, then dS = P∘(dP − D) (∘ (1 − tanh²) with softcap).
@@ -1144,7 +1140,13 @@ mod tests {
     fn reductions_handle_remainders() {
         let x: Vec<f32> = (0..19).map(|i| i as f32 - 9.5).collect();
         assert_eq!(max_of(&x), 8.5);
-        assert_eq!(sum_of(&x), x.iter().sum::<f32>());
+        let mut row = x.clone();
+        let sum = probs_row(&mut row, (2, 13), 0.5, 1.0);
+        assert!(row[..2].iter().chain(&row[13..]).all(|&p| p == 0.0));
+        for (p, v) in row[2..13].iter().zip(&x[2..13]) {
+            assert!((p - (v * 0.5 - 1.0).exp2()).abs() < 1e-6 * p);
+        }
+        assert!((sum - row.iter().sum::<f32>()).abs() < 1e-6 * sum);
         assert_eq!(dot(&x, &x), x.iter().map(|v| v * v).sum::<f32>());
         assert_eq!(max_of(&[]), f32::NEG_INFINITY);
     }
