@@ -42,7 +42,11 @@ mod cuda {
         "-DNDEBUG",
         "-Xcompiler=-fPIC",
     ];
-    const SM90_GENCODE: &[&str] = &["-gencode=arch=compute_90a,code=sm_90a"];
+    // Extended WGMMA shapes: N = 80, 176... key blocks sized to fill shared memory.
+    const SM90_GENCODE: &[&str] = &[
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
+    ];
     // sm_80 machine code for Ampere/Ada, sm_90 machine code so the fallback runs (and is tested)
     // on Hopper too.
     const SM80_GENCODE: &[&str] = &[

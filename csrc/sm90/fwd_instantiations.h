@@ -11,7 +11,9 @@ namespace flashattn::sm90 {
 // Per head dim: key block size and pipeline depth (query tile is 128 rows, two warpgroups).
 // Shared memory: Q 128·d + (K + V) 2·kStages·kBlockN·d elements, ≤ 227 KiB.
 template <int kHeadDim> struct FwdTile;
-template <> struct FwdTile<64> { static constexpr int kBlockN = 128, kStages = 2; };
+// d64: Q 16 + K,V 2·2·24 = 112 KiB; d128: Q 32 + K,V 2·2·32 = 160 KiB; d256: Q 64 + K,V
+// 2·2·40 = 224 KiB. d128 with 176 keys (as FlashAttention-3) puts arrays in local memory here.
+template <> struct FwdTile<64> { static constexpr int kBlockN = 192, kStages = 2; };
 template <> struct FwdTile<128> { static constexpr int kBlockN = 128, kStages = 2; };
 template <> struct FwdTile<256> { static constexpr int kBlockN = 80, kStages = 2; };
 

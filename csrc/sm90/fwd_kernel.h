@@ -157,8 +157,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&smem.q_full, 1);
-    smem.pipe_k.init(128 * Traits::kConsumerWGs);
-    smem.pipe_v.init(128 * Traits::kConsumerWGs);
+    // One arrival per consumer warp releases a stage (see TmaPipeline::consumer_release).
+    smem.pipe_k.init(4 * Traits::kConsumerWGs);
+    smem.pipe_v.init(4 * Traits::kConsumerWGs);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -234,10 +235,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kRowsPerWG>, Int<kBlockN>>{});
   Tensor rowcol_S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
   Tensor rowcol_O = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
-  // (row, col) of every S element within the (64, kBlockN) tile, for masking.
+  // (row, col) of every S element within the (64, kBlockN) tile.
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kRowsPerWG>, Int<kBlockN>>{}));
   Tensor rowcol_cS = make_tensor(cS.data(), acc_rowcol(cS.layout()));
   constexpr int kRows = decltype(size<0>(rowcol_S))::value;
+  static_assert(decltype(size<2>(tSrS))::value == 1, "the mask assumes one WGMMA atom spans N");
 
   OnlineSoftmax<kRows> softmax;
   clear(tOrO);
@@ -289,14 +291,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int i = 0; i < size(tSrS); ++i) tSrS(i) = tanhf(tSrS(i) * params.softcap_pre);
     }
     if (params.keys.template block_needs_mask<kBlockN>(n, row0, row0 + kRowsPerWG)) {
+      // Accumulator column c of this thread is key 8·(c/2) + c%2 + 2·(tid%4) of the block: a
+      // compile-time offset plus a per-thread one, so each test is one compare.
+      const int thread_col = 2 * (tid % 4);
 #pragma unroll
-      for (int r = 0; r < size<0>(rowcol_S); ++r)
+      for (int r = 0; r < size<0>(rowcol_S); ++r) {
+        const int row = row0 + get<0>(rowcol_cS(r, 0));
+        const int lo = params.keys.lo(row) - n * kBlockN - thread_col;
+        const int hi = params.keys.hi(row) - n * kBlockN - thread_col;
 #pragma unroll
         for (int c = 0; c < size<1>(rowcol_S); ++c) {
-          const int row = row0 + get<0>(rowcol_cS(r, c));
-          const int col = n * kBlockN + get<1>(rowcol_cS(r, c));
-          if (!params.keys.visible(row, col)) rowcol_S(r, c) = -INFINITY;
+          const int col = 8 * (c / 2) + c % 2;
+          if (col < lo || col >= hi) rowcol_S(r, c) = -INFINITY;
         }
+      }
     }
     softmax.step(rowcol_S, params.scale_log2, factor);
   };

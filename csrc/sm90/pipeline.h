@@ -1,5 +1,5 @@
 // A TMA -> WGMMA shared-memory pipeline: per stage a "full" transaction barrier (the producer's
-// TMA bytes land) and an "empty" barrier (every consumer thread is done reading).
+// TMA bytes land) and an "empty" barrier (every consumer warp is done reading).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -26,10 +26,10 @@ struct TmaPipeline {
   uint64_t empty[kStages];
 
   // One thread initializes; the caller fences and syncs the block afterwards.
-  __device__ void init(uint32_t consumer_threads) {
+  __device__ void init(uint32_t consumer_warps) {
     for (int s = 0; s < kStages; ++s) {
       Full::init(&full[s], 1);
-      Empty::init(&empty[s], consumer_threads);
+      Empty::init(&empty[s], consumer_warps);
     }
   }
 
@@ -42,7 +42,13 @@ struct TmaPipeline {
   __device__ uint64_t& full_barrier(PipelineState<kStages> st) { return full[st.index]; }
 
   __device__ void consumer_wait(PipelineState<kStages> st) { Full::wait(&full[st.index], st.phase); }
-  __device__ void consumer_release(PipelineState<kStages> st) { Empty::arrive(&empty[st.index]); }
+  // Called by every consumer thread after its warpgroup_wait: the WGMMAs that read the stage
+  // have completed for the whole warpgroup, so one lane per warp arrives (less barrier traffic
+  // than one arrival per thread).
+  __device__ void consumer_release(PipelineState<kStages> st) {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) Empty::arrive(&empty[st.index]);
+  }
 };
 
 }  // namespace flashattn::sm90

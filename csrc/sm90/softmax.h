@@ -20,13 +20,14 @@ __device__ constexpr auto acc_rowcol(Layout l) {
                      make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
 }
 
-// The fp32 accumulator of S = Q·Kᵀ ((2,2,N/8),1,1) reused as the A operand of O += P·V:
-// ((2,2,2), 1, N/16), i.e. every two 8-column groups of S form one 16-wide K slice of P.
+// The fp32 accumulator of S = Q·Kᵀ, ((2,2,N/8), MMA_M, MMA_N), reused as the A operand of
+// O += P·V: ((2,2,2), MMA_M, K/16), i.e. every two 8-column groups of S form one 16-wide K slice
+// of P. MMA_N > 1 when the selected atom is narrower than the key block.
 template <class Layout>
 __device__ constexpr auto acc_as_operand_a(Layout l) {
   auto split = logical_divide(get<0>(l), Shape<Underscore, Underscore, _2>{});  // (2,2,(2,N/16))
   return make_layout(make_layout(get<0>(split), get<1>(split), get<2, 0>(split)), get<1>(l),
-                     get<2, 1>(split));
+                     coalesce(make_layout(get<2, 1>(split), get<2>(l))));
 }
 
 template <int kRows>
