@@ -4,6 +4,8 @@
 //! Group `cpu`: the CPU backend's forward against a naive three-pass attention (the full score
 //! rows S = Q·Kᵀ, a softmax over them, then P·V, all f32), parallelized with rayon over the
 //! same (batch, head, query block) tasks, so that the difference is the algorithm.
+//!
+//! GPU groups (behind `cfg(feature = "cuda")`) go beside `cpu` in `criterion_group!` below.
 
 use std::time::{Duration, Instant};
 
@@ -106,8 +108,9 @@ impl<T: Element> Fwd<T> {
     }
 }
 
-/// Median seconds of `runs` calls of `f` after one warm-up call.
+/// Median seconds of `runs` calls of `f` after two warm-up calls.
 fn median_secs(runs: usize, mut f: impl FnMut()) -> f64 {
+    f();
     f();
     let mut t: Vec<f64> = (0..runs)
         .map(|_| {
@@ -141,18 +144,19 @@ fn cpu(c: &mut Criterion) {
     // Our own numbers (criterion's Gelem/s below are the same quantity).
     let name = format!("fwd b{b} h{h} s{s} d{d}");
     let gflops = |secs: f64| flops / secs / 1e9;
-    let flash_f32 = median_secs(3, || f32s.flash(&cfg));
-    let flash_bf16 = median_secs(3, || bf16s.flash(&cfg));
+    let flash_f32 = median_secs(7, || f32s.flash(&cfg));
+    let flash_bf16 = median_secs(7, || bf16s.flash(&cfg));
     let naive = median_secs(3, || {
         naive_forward(&f32s.q, &f32s.k, &f32s.v, &mut naive_out, shape)
     });
     println!(
-        "cpu {name}: flash f32 {:.1} GFLOP/s, flash bf16 {:.1} GFLOP/s, naive three-pass f32 \
-         {:.1} GFLOP/s ({} threads)",
+        "cpu {name} ({} threads): flash f32 {:.1} GFLOP/s, flash bf16 {:.1} GFLOP/s, \
+         naive three-pass f32 {:.1} GFLOP/s; flash f32 is {:.1}x naive",
+        rayon::current_num_threads(),
         gflops(flash_f32),
         gflops(flash_bf16),
         gflops(naive),
-        rayon::current_num_threads()
+        naive / flash_f32
     );
     let max_diff = naive_out
         .iter()
