@@ -79,8 +79,6 @@ extern "C" flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* param
   flashattn_result_t r = validate_fwd(params);
   if (r.status != FLASHATTN_OK) return r;
   const flashattn_params_t& p = *params;
-  // One CTA per (query tile, head, batch): grid y and z are limited to 65535.
-  if (p.heads_q > 65535 || p.batch > 65535) return status(FLASHATTN_UNSUPPORTED);
   if (p.softcap < 0.f) return status(FLASHATTN_INVALID_ARGUMENT);
   flashattn::sm90::FwdOptions o;
   o.pingpong = !(p.sm90_flags & FLASHATTN_SM90_NO_PINGPONG);

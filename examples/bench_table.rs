@@ -155,7 +155,7 @@ fn main() {
             }
         }
     }
-    // The ablation of the FA3 paper at d128 s8192 non-causal.
+    // The ablation of the FA3 paper at d128 s8192 non-causal, and ping-pong off elsewhere.
     for (pingpong, intra_wg_overlap) in [(false, true), (true, false), (false, false)] {
         plan.push((
             128,
@@ -166,6 +166,19 @@ fn main() {
                 intra_wg_overlap,
             },
         ));
+    }
+    let no_pingpong = Sm90Schedule {
+        pingpong: false,
+        ..full
+    };
+    for (d, causal) in [
+        (64, false),
+        (64, true),
+        (128, true),
+        (256, false),
+        (256, true),
+    ] {
+        plan.push((d, 8192, causal, no_pingpong));
     }
 
     let mut rows = vec![];

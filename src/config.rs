@@ -124,7 +124,11 @@ impl AttentionConfig {
     /// The mask of this call for given sequence lengths.
     pub fn mask(&self, seqlen_q: usize, seqlen_k: usize) -> Mask {
         // Causal is a window with nothing to the right of the diagonal.
-        let right = if self.causal { Some(0) } else { self.window_right };
+        let right = if self.causal {
+            Some(0)
+        } else {
+            self.window_right
+        };
         Mask {
             seqlen_q,
             seqlen_k,

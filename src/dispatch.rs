@@ -159,14 +159,14 @@ pub fn check_backend(
                     backend: name,
                 });
             }
-            // One CTA per (query tile, head, batch): grid dimensions y and z hold 65535.
-            if problem.heads_q > 65535 || problem.batch > 65535 {
-                return Err(Error::Unsupported {
-                    what: format!(
-                        "batch {} x heads {} (grid limit 65535 each)",
-                        problem.batch, problem.heads_q
-                    ),
-                    backend: name,
+            // Tiles of 128 query rows per (batch, head) are numbered with 32-bit integers.
+            let tiles = problem.seqlen_q.div_ceil(128) as u128
+                * problem.heads_q as u128
+                * problem.batch as u128;
+            if tiles > i32::MAX as u128 {
+                return Err(Error::IndexOverflow {
+                    operand: crate::error::Operand::Q,
+                    detail: format!("{tiles} query tiles exceed i32::MAX"),
                 });
             }
             let sched = cfg.sm90_schedule;

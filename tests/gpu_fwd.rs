@@ -259,6 +259,23 @@ fn sweep(head_dim: usize) -> Vec<Case> {
         window: (Some(50), None),
         ..Case::new(300, 400, head_dim, false)
     });
+    // More tiles than SMs, so each persistent CTA walks several; with GQA and both masks.
+    for causal in [false, true] {
+        cases.push(Case {
+            batch: 8,
+            heads_q: 16,
+            heads_kv: 4,
+            ..Case::new(200, 260, head_dim, causal)
+        });
+    }
+    // Many tiles, a third of which see no key (O = 0 from registers), interleaved with others.
+    cases.push(Case {
+        batch: 6,
+        heads_q: 24,
+        heads_kv: 24,
+        window: (Some(0), Some(0)),
+        ..Case::new(300, 100, head_dim, false)
+    });
     // Windows that leave some rows with no key at all: O = 0, LSE = +inf.
     cases.push(Case {
         window: (Some(0), Some(0)),
@@ -328,7 +345,12 @@ fn sanitizer_sm90_fwd_small() {
     let mut cases = vec![];
     for d in [64, 128, 256] {
         cases.push(Case::new(17, 200, d, true));
-        cases.push(Case { batch: 2, heads_q: 4, heads_kv: 1, ..Case::new(130, 77, d, false) });
+        cases.push(Case {
+            batch: 2,
+            heads_q: 4,
+            heads_kv: 1,
+            ..Case::new(130, 77, d, false)
+        });
     }
     run_all::<bf16>(&cases, Backend::Sm90, "sanitizer");
 }

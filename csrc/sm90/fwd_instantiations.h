@@ -11,10 +11,11 @@ namespace flashattn::sm90 {
 // Per head dim: key block size and pipeline depth (query tile is 128 rows, two warpgroups).
 // Shared memory: Q 128·d + (K + V) 2·kStages·kBlockN·d elements, ≤ 227 KiB.
 template <int kHeadDim> struct FwdTile;
-// d64: Q 16 + K,V 2·2·24 = 112 KiB; d128: Q 32 + K,V 2·2·32 = 160 KiB; d256: Q 64 + K,V
-// 2·2·40 = 224 KiB. d128 with 176 keys (as FlashAttention-3) puts arrays in local memory here.
+// Shared memory: d64 Q 16 + K,V 2·2·24 = 112 KiB; d128 Q 32 + K,V 2·2·44 = 208 KiB; d256 Q 64 +
+// K,V 2·2·40 = 224 KiB (of 227). Registers per consumer thread: O d/2, S kBlockN/2, P kBlockN/4;
+// d128 with 176 keys fits the 240 of setmaxnreg with no local memory (ptxas report).
 template <> struct FwdTile<64> { static constexpr int kBlockN = 192, kStages = 2; };
-template <> struct FwdTile<128> { static constexpr int kBlockN = 128, kStages = 2; };
+template <> struct FwdTile<128> { static constexpr int kBlockN = 176, kStages = 2; };
 template <> struct FwdTile<256> { static constexpr int kBlockN = 80, kStages = 2; };
 
 struct FwdOptions {

@@ -97,8 +97,12 @@ struct FwdParams {
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
   typename Traits::TmaO tma_o;
+  // O again as a plain pointer: tiles that see no key are zero-filled without shared memory.
+  typename Traits::Element* o;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
   float* lse;  // (batch, heads_q, seqlen_q)
   int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
+  int num_m_blocks, num_tiles;
   KeyRange keys;
   float scale_log2;   // scale·log2(e), or softcap·log2(e) when softcap is on
   float softcap_pre;  // scale/softcap when softcap is on (scores become tanh(s·scale/softcap))
@@ -107,7 +111,15 @@ struct FwdParams {
 };
 
 // Named barriers (CUTLASS reserves the first ids; NamedBarrier adds that offset).
-enum class FwdBarrier : uint32_t { TurnWG0 = 0, TurnWG1 = 1, EpilogueWG0 = 2, EpilogueWG1 = 3 };
+enum class FwdBarrier : uint32_t {
+  TurnWG0 = 0,     // ping-pong: consumer WG0 may issue its GEMMs
+  TurnWG1 = 1,     // ping-pong: consumer WG1 may issue its GEMMs
+  EpilogueWG0 = 2, // O of WG0 is in shared memory
+  EpilogueWG1 = 3,
+  QueryEmpty = 4,  // the consumers are done with the Q buffers (their O stores have read them)
+};
+// QueryEmpty: the producer warp syncs, warp 0 of each consumer warpgroup arrives.
+constexpr uint32_t kQueryEmptyThreads = 32 * 3;
 
 __device__ inline void named_sync(FwdBarrier b, uint32_t threads) {
   cutlass::arch::NamedBarrier::sync(threads, static_cast<uint32_t>(b));
@@ -128,46 +140,65 @@ __device__ auto convert_fragment(Frag const& src) {
   return out;
 }
 
+// The persistent schedule: CTA b takes tiles b, b + gridDim.x, ... A tile is one 128-row query
+// block of one (batch, head). Without a right bound on the keys, query blocks of one head are
+// neighbours (their K/V stay in L2); with one (causal), the last query blocks, which see the
+// most keys, come first.
+struct WorkTile {
+  int m_block, head, batch;
+  int n_min, n_max;  // key blocks visited, last to first
+  __device__ int n_blocks() const { return n_max > n_min ? n_max - n_min : 0; }
+};
+
+template <class Traits>
+__device__ WorkTile decode_tile(const FwdParams<Traits>& p, int tile) {
+  WorkTile t;
+  const int bh = p.heads_q * p.batch;
+  int rest;
+  if (p.keys.window_right >= 0) {
+    t.m_block = p.num_m_blocks - 1 - tile / bh;
+    rest = tile % bh;
+  } else {
+    t.m_block = tile % p.num_m_blocks;
+    rest = tile / p.num_m_blocks;
+  }
+  t.head = rest % p.heads_q;
+  t.batch = rest / p.heads_q;
+  p.keys.template blocks<Traits::kBlockN>(t.m_block * Traits::kBlockM,
+                                          (t.m_block + 1) * Traits::kBlockM, t.n_min, t.n_max);
+  return t;
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     fwd_kernel(__grid_constant__ const FwdParams<Traits> params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kRowsPerWG = Traits::kRowsPerWG;
   constexpr int kStages = Traits::kStages;
+  constexpr int kConsumerWGs = Traits::kConsumerWGs;
   using SharedStorage = typename Traits::SharedStorage;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
 
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-  const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
-  const bool causal_like = params.keys.window_right >= 0;
-  // Heaviest tiles first when the mask makes later rows see more keys.
-  const int m_block = causal_like ? num_m_blocks - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int head_kv = head / (params.heads_q / params.heads_kv);
-
-  int n_min, n_max;
-  params.keys.template blocks<kBlockN>(m_block * kBlockM, (m_block + 1) * kBlockM, n_min, n_max);
-  const int n_blocks = n_max > n_min ? n_max - n_min : 0;
-
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    cutlass::arch::ClusterTransactionBarrier::init(&smem.q_full, 1);
+    Barrier::init(&smem.q_full, 1);
     // One arrival per consumer warp releases a stage (see TmaPipeline::consumer_release).
-    smem.pipe_k.init(4 * Traits::kConsumerWGs);
-    smem.pipe_v.init(4 * Traits::kConsumerWGs);
+    smem.pipe_k.init(4 * kConsumerWGs);
+    smem.pipe_v.init(4 * kConsumerWGs);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 
   if (warp_group == 0) {
-    // ---------------- producer ----------------
+    // ---------------- producer: warp 0, one elected lane issues ----------------
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (threadIdx.x / 32 != 0 || !cute::elect_one_sync() || n_blocks == 0) return;
+    if (threadIdx.x / 32 != 0) return;
+    const bool leader = cute::elect_one_sync();
 
     Tensor mQ = params.tma_q.get_tma_tensor(
         make_shape(params.seqlen_q, int(Traits::kHeadDim), params.heads_q, params.batch));
@@ -178,46 +209,65 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     auto cta_q = params.tma_q.get_slice(0);
     auto cta_k = params.tma_k.get_slice(0);
     auto cta_v = params.tma_v.get_slice(0);
-
-    Tensor gK = local_tile(mK(_, _, head_kv, batch), typename Traits::TileKV{},
-                           make_coord(_, _0{}));  // (kBlockN, d, n)
-    Tensor gV = local_tile(mV(_, _, head_kv, batch), typename Traits::TileKV{},
-                           make_coord(_, _0{}));  // (kBlockN, d, n)
     Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutV{});
-    Tensor tKgK = group_modes<0, 3>(cta_k.partition_S(gK));  // (TMA, n)
     Tensor tKsK = group_modes<0, 3>(cta_k.partition_D(sK));  // (TMA, stage)
-    Tensor tVgV = group_modes<0, 3>(cta_v.partition_S(gV));
     Tensor tVsV = group_modes<0, 3>(cta_v.partition_D(sV));
 
-    using Barrier = cutlass::arch::ClusterTransactionBarrier;
-    Barrier::arrive_and_expect_tx(&smem.q_full, Traits::kBytesQ * Traits::kConsumerWGs);
-#pragma unroll
-    for (int wg = 0; wg < Traits::kConsumerWGs; ++wg) {
-      Tensor gQ = local_tile(mQ(_, _, head, batch), typename Traits::TileQ{},
-                             make_coord(m_block * Traits::kConsumerWGs + wg, _0{}));
-      Tensor sQ = make_tensor(make_smem_ptr(smem.q[wg].begin()), typename Traits::SmemLayoutQ{});
-      copy(params.tma_q.with(smem.q_full), cta_q.partition_S(gQ), cta_q.partition_D(sQ));
-    }
-
     PipelineState<kStages> st;
-    // Not unrolled: the producer lives in 24 registers.
+    int tiles_loaded = 0;
 #pragma unroll 1
-    for (int n = n_max - 1; n >= n_min; --n) {
-      smem.pipe_k.producer_acquire(st, Traits::kBytesKV);
-      copy(params.tma_k.with(smem.pipe_k.full_barrier(st)), tKgK(_, n), tKsK(_, st.index));
-      smem.pipe_v.producer_acquire(st, Traits::kBytesKV);
-      copy(params.tma_v.with(smem.pipe_v.full_barrier(st)), tVgV(_, n), tVsV(_, st.index));
-      st.advance();
+    for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
+      const WorkTile t = decode_tile(params, tile);
+      if (t.n_blocks() == 0) continue;  // the consumers zero-fill it alone
+      const int head_kv = t.head / (params.heads_q / params.heads_kv);
+      Tensor tKgK = group_modes<0, 3>(cta_k.partition_S(local_tile(
+          mK(_, _, head_kv, t.batch), typename Traits::TileKV{}, make_coord(_, _0{}))));
+      Tensor tVgV = group_modes<0, 3>(cta_v.partition_S(local_tile(
+          mV(_, _, head_kv, t.batch), typename Traits::TileKV{}, make_coord(_, _0{}))));
+      auto load_k = [&](int n) {
+        smem.pipe_k.producer_acquire(st, Traits::kBytesKV);
+        copy(params.tma_k.with(smem.pipe_k.full_barrier(st)), tKgK(_, n), tKsK(_, st.index));
+      };
+      auto load_v = [&](int n) {
+        smem.pipe_v.producer_acquire(st, Traits::kBytesKV);
+        copy(params.tma_v.with(smem.pipe_v.full_barrier(st)), tVgV(_, n), tVsV(_, st.index));
+      };
+      // The first K block does not touch the Q buffers: fetch it before waiting for them.
+      if (leader) load_k(t.n_max - 1);
+      if (tiles_loaded > 0) named_sync(FwdBarrier::QueryEmpty, kQueryEmptyThreads);
+      if (leader) {
+        Barrier::arrive_and_expect_tx(&smem.q_full, Traits::kBytesQ * kConsumerWGs);
+#pragma unroll
+        for (int wg = 0; wg < kConsumerWGs; ++wg) {
+          Tensor gQ = local_tile(mQ(_, _, t.head, t.batch), typename Traits::TileQ{},
+                                 make_coord(t.m_block * kConsumerWGs + wg, _0{}));
+          Tensor sQ =
+              make_tensor(make_smem_ptr(smem.q[wg].begin()), typename Traits::SmemLayoutQ{});
+          copy(params.tma_q.with(smem.q_full), cta_q.partition_S(gQ), cta_q.partition_D(sQ));
+        }
+        load_v(t.n_max - 1);
+        st.advance();
+        // Not unrolled: the producer lives in 24 registers.
+#pragma unroll 1
+        for (int n = t.n_max - 2; n >= t.n_min; --n) {
+          load_k(n);
+          load_v(n);
+          st.advance();
+        }
+      }
+      __syncwarp();
+      ++tiles_loaded;
     }
+    // Pairs with the consumers' QueryEmpty arrival after their last tile.
+    if (tiles_loaded > 0) named_sync(FwdBarrier::QueryEmpty, kQueryEmptyThreads);
     return;
   }
 
   // ---------------- consumers ----------------
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-  const int wg = warp_group - 1;        // 0 or 1
-  const int tid = threadIdx.x % 128;    // thread within the warpgroup
-  const int row0 = m_block * kBlockM + wg * kRowsPerWG;  // first query row of this warpgroup
+  const int wg = warp_group - 1;      // 0 or 1
+  const int tid = threadIdx.x % 128;  // thread within the warpgroup
 
   Tensor sQ = make_tensor(make_smem_ptr(smem.q[wg].begin()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutK{});
@@ -235,29 +285,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kRowsPerWG>, Int<kBlockN>>{});
   Tensor rowcol_S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
   Tensor rowcol_O = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
-  // (row, col) of every S element within the (64, kBlockN) tile.
+  // (row, col) of every S and O element within the warpgroup's tile.
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kRowsPerWG>, Int<kBlockN>>{}));
   Tensor rowcol_cS = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  Tensor cO = thr_pv.partition_C(make_identity_tensor(typename Traits::TileQ{}));
+  Tensor rowcol_cO = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   constexpr int kRows = decltype(size<0>(rowcol_S))::value;
   static_assert(decltype(size<2>(tSrS))::value == 1, "the mask assumes one WGMMA atom spans N");
-
-  OnlineSoftmax<kRows> softmax;
-  clear(tOrO);
+  // P (the exponentiated scores, in Element) as the register A operand of P·V.
+  auto tOrP = make_tensor<Element>(acc_as_operand_a(tSrS.layout()));
 
   const bool pingpong = params.pingpong;
   const FwdBarrier my_turn = wg == 0 ? FwdBarrier::TurnWG0 : FwdBarrier::TurnWG1;
   const FwdBarrier their_turn = wg == 0 ? FwdBarrier::TurnWG1 : FwdBarrier::TurnWG0;
-  // Each GEMM issue point: wait for our turn, issue, hand the turn over. WG1 gives WG0 the
-  // first turn; WG1 skips its very last hand-over, which nobody waits for.
-  int issues_left = n_blocks + (Traits::kIntraWGOverlap ? 1 : 0);
-  auto turn_wait = [&] {
-    if (pingpong) named_sync(my_turn, 256);
-  };
-  auto turn_pass = [&] {
-    --issues_left;
-    if (pingpong && !(wg == 1 && issues_left == 0)) named_arrive(their_turn, 256);
-  };
-  if (pingpong && wg == 1 && n_blocks > 0) named_arrive(FwdBarrier::TurnWG0, 256);
 
   auto gemm_qk = [&](int stage) {
     mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
@@ -271,8 +311,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     warpgroup_commit_batch();
     warpgroup_fence_operand(tSrS);
   };
-  // P (the exponentiated scores, in Element) as the register A operand of P·V.
-  auto tOrP = make_tensor<Element>(acc_as_operand_a(tSrS.layout()));
   auto gemm_pv = [&](int stage) {
     warpgroup_fence_operand(tOrO);
     warpgroup_arrive();
@@ -283,127 +321,169 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     warpgroup_commit_batch();
     warpgroup_fence_operand(tOrO);
   };
-  // Softcap and masks, then the online softmax step; returns the O rescale factor.
-  float factor[kRows];
-  auto softmax_step = [&](int n) {
-    if (params.softcap) {
+  // tOrP's layout reshapes tSrS's without permuting storage: convert register for register.
+  auto convert_p = [&] {
+    constexpr int N = decltype(size(tSrS))::value;
+    cutlass::NumericArrayConverter<Element, float, N> convert;
+    *reinterpret_cast<cutlass::Array<Element, N>*>(tOrP.data()) =
+        convert(*reinterpret_cast<cutlass::Array<float, N> const*>(tSrS.data()));
+  };
+
+  PipelineState<kStages> st_k, st_v;  // carried across tiles, like the producer's
+  int tiles_done = 0;                 // tiles that loaded Q (q_full phases)
+#pragma unroll 1
+  for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
+    const WorkTile t = decode_tile(params, tile);
+    const int n_blocks = t.n_blocks();
+    const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;  // first query row of this WG
+    OnlineSoftmax<kRows> softmax;
+    clear(tOrO);
+
+    // Softcap and masks, then the online softmax step; `factor` rescales O.
+    float factor[kRows];
+    auto softmax_step = [&](int n) {
+      if (params.softcap) {
 #pragma unroll
-      for (int i = 0; i < size(tSrS); ++i) tSrS(i) = tanhf(tSrS(i) * params.softcap_pre);
-    }
-    if (params.keys.template block_needs_mask<kBlockN>(n, row0, row0 + kRowsPerWG)) {
-      // Accumulator column c of this thread is key 8·(c/2) + c%2 + 2·(tid%4) of the block: a
-      // compile-time offset plus a per-thread one, so each test is one compare.
-      const int thread_col = 2 * (tid % 4);
+        for (int i = 0; i < size(tSrS); ++i) tSrS(i) = tanhf(tSrS(i) * params.softcap_pre);
+      }
+      if (params.keys.template block_needs_mask<kBlockN>(n, row0, row0 + kRowsPerWG)) {
+        // Accumulator column c of this thread is key 8·(c/2) + c%2 + 2·(tid%4) of the block: a
+        // compile-time offset plus a per-thread one, so each test is one compare.
+        const int thread_col = 2 * (tid % 4);
 #pragma unroll
-      for (int r = 0; r < size<0>(rowcol_S); ++r) {
-        const int row = row0 + get<0>(rowcol_cS(r, 0));
-        const int lo = params.keys.lo(row) - n * kBlockN - thread_col;
-        const int hi = params.keys.hi(row) - n * kBlockN - thread_col;
+        for (int r = 0; r < size<0>(rowcol_S); ++r) {
+          const int row = row0 + get<0>(rowcol_cS(r, 0));
+          const int lo = params.keys.lo(row) - n * kBlockN - thread_col;
+          const int hi = params.keys.hi(row) - n * kBlockN - thread_col;
 #pragma unroll
-        for (int c = 0; c < size<1>(rowcol_S); ++c) {
-          const int col = 8 * (c / 2) + c % 2;
-          if (col < lo || col >= hi) rowcol_S(r, c) = -INFINITY;
+          for (int c = 0; c < size<1>(rowcol_S); ++c) {
+            const int col = 8 * (c / 2) + c % 2;
+            if (col < lo || col >= hi) rowcol_S(r, c) = -INFINITY;
+          }
+        }
+      }
+      softmax.step(rowcol_S, params.scale_log2, factor);
+    };
+
+    if (n_blocks > 0) {
+      // Ping-pong: each GEMM issue point waits for our turn, issues, hands the turn over. WG1
+      // gives WG0 the first turn and skips its very last hand-over, which nobody waits for.
+      int issues_left = n_blocks + (Traits::kIntraWGOverlap ? 1 : 0);
+      auto turn_wait = [&] {
+        if (pingpong) named_sync(my_turn, 256);
+      };
+      auto turn_pass = [&] {
+        --issues_left;
+        if (pingpong && !(wg == 1 && issues_left == 0)) named_arrive(their_turn, 256);
+      };
+      if (pingpong && wg == 1) named_arrive(FwdBarrier::TurnWG0, 256);
+
+      Barrier::wait(&smem.q_full, tiles_done & 1);
+      if constexpr (Traits::kIntraWGOverlap) {
+        // Prologue: S for the first block visited.
+        smem.pipe_k.consumer_wait(st_k);
+        turn_wait();
+        gemm_qk(st_k.index);
+        turn_pass();
+        warpgroup_wait<0>();
+        smem.pipe_k.consumer_release(st_k);
+        st_k.advance();
+        softmax_step(t.n_max - 1);
+        convert_p();
+#pragma unroll 1
+        for (int n = t.n_max - 2; n >= t.n_min; --n) {
+          smem.pipe_k.consumer_wait(st_k);
+          smem.pipe_v.consumer_wait(st_v);
+          turn_wait();
+          gemm_qk(st_k.index);
+          gemm_pv(st_v.index);
+          turn_pass();
+          warpgroup_wait<1>();  // S of block n is ready; P·V of the previous block still runs
+          smem.pipe_k.consumer_release(st_k);
+          st_k.advance();
+          softmax_step(n);
+          warpgroup_wait<0>();
+          smem.pipe_v.consumer_release(st_v);
+          st_v.advance();
+          scale_rows(rowcol_O, factor);
+          convert_p();
+        }
+        smem.pipe_v.consumer_wait(st_v);
+        turn_wait();
+        gemm_pv(st_v.index);
+        turn_pass();
+        warpgroup_wait<0>();
+        smem.pipe_v.consumer_release(st_v);
+        st_v.advance();
+      } else {
+#pragma unroll 1
+        for (int n = t.n_max - 1; n >= t.n_min; --n) {
+          smem.pipe_k.consumer_wait(st_k);
+          turn_wait();
+          gemm_qk(st_k.index);
+          warpgroup_wait<0>();
+          smem.pipe_k.consumer_release(st_k);
+          st_k.advance();
+          softmax_step(n);
+          scale_rows(rowcol_O, factor);
+          convert_p();
+          smem.pipe_v.consumer_wait(st_v);
+          gemm_pv(st_v.index);
+          turn_pass();
+          warpgroup_wait<0>();
+          smem.pipe_v.consumer_release(st_v);
+          st_v.advance();
         }
       }
     }
-    softmax.step(rowcol_S, params.scale_log2, factor);
-  };
-  auto convert_p = [&] {
-    Tensor p = convert_fragment<Element>(tSrS);
-    copy(make_tensor(p.data(), tOrP.layout()), tOrP);
-  };
 
-  if (n_blocks > 0) {
-    using Barrier = cutlass::arch::ClusterTransactionBarrier;
-    Barrier::wait(&smem.q_full, 0);
-    PipelineState<kStages> st_k, st_v;
-    if constexpr (Traits::kIntraWGOverlap) {
-      // Prologue: S for the first block visited.
-      smem.pipe_k.consumer_wait(st_k);
-      turn_wait();
-      gemm_qk(st_k.index);
-      turn_pass();
-      warpgroup_wait<0>();
-      smem.pipe_k.consumer_release(st_k);
-      st_k.advance();
-      softmax_step(n_max - 1);
-      convert_p();
-      for (int n = n_max - 2; n >= n_min; --n) {
-        smem.pipe_k.consumer_wait(st_k);
-        turn_wait();
-        gemm_qk(st_k.index);
-        smem.pipe_v.consumer_wait(st_v);
-        gemm_pv(st_v.index);
-        turn_pass();
-        warpgroup_wait<1>();  // S of block n is ready; P·V of the previous block still runs
-        smem.pipe_k.consumer_release(st_k);
-        st_k.advance();
-        softmax_step(n);
-        warpgroup_wait<0>();
-        smem.pipe_v.consumer_release(st_v);
-        st_v.advance();
-        scale_rows(rowcol_O, factor);
-        convert_p();
-      }
-      smem.pipe_v.consumer_wait(st_v);
-      turn_wait();
-      gemm_pv(st_v.index);
-      turn_pass();
-      warpgroup_wait<0>();
-      smem.pipe_v.consumer_release(st_v);
-    } else {
-      for (int n = n_max - 1; n >= n_min; --n) {
-        smem.pipe_k.consumer_wait(st_k);
-        turn_wait();
-        gemm_qk(st_k.index);
-        warpgroup_wait<0>();
-        smem.pipe_k.consumer_release(st_k);
-        st_k.advance();
-        softmax_step(n);
-        scale_rows(rowcol_O, factor);
-        convert_p();
-        smem.pipe_v.consumer_wait(st_v);
-        gemm_pv(st_v.index);
-        turn_pass();
-        warpgroup_wait<0>();
-        smem.pipe_v.consumer_release(st_v);
-        st_v.advance();
-      }
-    }
-  }
+    // ---------------- epilogue ----------------
+    float inv_sum[kRows], lse[kRows];
+    softmax.finalize(params.scale_log2, inv_sum, lse);
+    scale_rows(rowcol_O, inv_sum);
 
-  // ---------------- epilogue ----------------
-  float inv_sum[kRows], lse[kRows];
-  softmax.finalize(params.scale_log2, inv_sum, lse);
-  scale_rows(rowcol_O, inv_sum);
-
-  // LSE: the thread holding column 0 of a row's quad writes it.
-  Tensor cO = thr_pv.partition_C(make_identity_tensor(typename Traits::TileQ{}));
-  Tensor rowcol_cO = make_tensor(cO.data(), acc_rowcol(cO.layout()));
-  if (get<1>(rowcol_cO(0, 0)) == 0) {
+    // LSE: the thread holding column 0 of a row's quad writes it.
+    if (get<1>(rowcol_cO(0, 0)) == 0) {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int row = row0 + get<0>(rowcol_cO(r, 0));
-      if (row < params.seqlen_q)
-        params.lse[(int64_t(batch) * params.heads_q + head) * params.seqlen_q + row] = lse[r];
+      for (int r = 0; r < kRows; ++r) {
+        const int row = row0 + get<0>(rowcol_cO(r, 0));
+        if (row < params.seqlen_q)
+          params.lse[(int64_t(t.batch) * params.heads_q + t.head) * params.seqlen_q + row] = lse[r];
+      }
     }
-  }
 
-  // O: registers -> this warpgroup's Q buffer (no GEMM reads it any more) -> TMA store.
-  Tensor rO = convert_fragment<Element>(tOrO);
-  Tensor sO = make_tensor(make_smem_ptr(smem.q[wg].begin()), typename Traits::SmemLayoutQ{});
-  copy(rO, thr_pv.partition_C(sO));
-  cutlass::arch::fence_view_async_shared();
-  named_sync(wg == 0 ? FwdBarrier::EpilogueWG0 : FwdBarrier::EpilogueWG1, 128);
-  if (tid == 0) {
-    Tensor mO = params.tma_o.get_tma_tensor(
-        make_shape(params.seqlen_q, int(Traits::kHeadDim), params.heads_q, params.batch));
-    Tensor gO = local_tile(mO(_, _, head, batch), typename Traits::TileQ{},
-                           make_coord(m_block * Traits::kConsumerWGs + wg, _0{}));
-    auto cta_o = params.tma_o.get_slice(0);
-    copy(params.tma_o, cta_o.partition_S(sO), cta_o.partition_D(gO));
-    tma_store_arrive();
-    tma_store_wait<0>();
+    if (n_blocks == 0) {
+      // No key visible from this tile: O = 0, written straight from registers.
+      Element* o = params.o + t.batch * params.o_batch_stride + t.head * params.o_head_stride;
+#pragma unroll
+      for (int i = 0; i < size(tOrO); ++i) {
+        const int row = row0 + get<0>(cO(i));
+        if (row < params.seqlen_q) o[row * params.o_row_stride + get<1>(cO(i))] = Element(0.f);
+      }
+      continue;
+    }
+
+    // O: registers -> this warpgroup's Q buffer (no GEMM reads it any more) -> TMA store.
+    Tensor rO = convert_fragment<Element>(tOrO);
+    Tensor sO = make_tensor(make_smem_ptr(smem.q[wg].begin()), typename Traits::SmemLayoutQ{});
+    copy(rO, thr_pv.partition_C(sO));
+    cutlass::arch::fence_view_async_shared();
+    named_sync(wg == 0 ? FwdBarrier::EpilogueWG0 : FwdBarrier::EpilogueWG1, 128);
+    if (tid < 32) {
+      if (tid == 0) {
+        Tensor mO = params.tma_o.get_tma_tensor(
+            make_shape(params.seqlen_q, int(Traits::kHeadDim), params.heads_q, params.batch));
+        Tensor gO = local_tile(mO(_, _, t.head, t.batch), typename Traits::TileQ{},
+                               make_coord(t.m_block * kConsumerWGs + wg, _0{}));
+        auto cta_o = params.tma_o.get_slice(0);
+        copy(params.tma_o, cta_o.partition_S(sO), cta_o.partition_D(gO));
+        tma_store_arrive();
+        tma_store_wait<0>();  // the store has read the Q buffer
+      }
+      __syncwarp();
+      named_arrive(FwdBarrier::QueryEmpty, kQueryEmptyThreads);
+    }
+    ++tiles_done;
   }
 #endif
 }

@@ -52,6 +52,10 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
                                typename Traits::TileKV{}, _1{});
   params.tma_o = make_tma_copy(SM90_TMA_STORE{}, o, typename Traits::SmemLayoutQ{},
                                typename Traits::TileQ{}, _1{});
+  params.o = static_cast<Element*>(p.o.ptr);
+  params.o_batch_stride = p.o.batch_stride;
+  params.o_row_stride = p.o.row_stride;
+  params.o_head_stride = p.o.head_stride;
   params.lse = p.lse;
   params.batch = p.batch;
   params.heads_q = p.heads_q;
@@ -59,6 +63,10 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   params.seqlen_q = p.seqlen_q;
   params.seqlen_k = p.seqlen_k;
   params.keys = key_range(p);
+  params.num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  const int64_t tiles = int64_t(params.num_m_blocks) * p.heads_q * p.batch;
+  if (tiles > INT32_MAX) return status(FLASHATTN_UNSUPPORTED);
+  params.num_tiles = int(tiles);
   const float log2e = float(M_LOG2E);
   params.softcap = p.softcap > 0.f;
   params.softcap_pre = params.softcap ? p.softmax_scale / p.softcap : 0.f;
@@ -69,8 +77,9 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
   FLASHATTN_TRY_CUDA(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
-  kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(params);
+  // Persistent: one CTA per SM (shared memory allows no more), each walking its share of tiles.
+  const int ctas = p.sm_count > 0 && p.sm_count < params.num_tiles ? p.sm_count : params.num_tiles;
+  kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
   return check_launch();
 }
 
