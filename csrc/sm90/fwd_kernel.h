@@ -10,8 +10,9 @@
 // softmax, so the tensor cores work while the softmax runs. Ping-pong (runtime flag): two named
 // barriers hand the tensor cores back and forth between the consumer warpgroups, so that one
 // warpgroup's softmax hides under the other's GEMMs. setmaxnreg moves registers from the
-// producer (24) to the consumers (240). Epilogue: O through shared memory (the warpgroup's Q
-// buffer) and a TMA store, which also clips rows past seqlen_q; LSE straight from registers.
+// producer (24) to the consumers (240). Persistent: each CTA walks a share of the tiles, the
+// producer fetching the next tile's K and Q while the consumers finish the current one.
+// Epilogue: O and LSE straight from registers.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -70,14 +71,9 @@ struct FwdTraits {
   using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
                                           GmemShape{}, GmemStride{}));
-  using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
-                                             GmemShape{}, GmemStride{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{}, TileQ{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{},
                                        take<0, 2>(SmemLayoutK{}), TileKV{}, _1{}));
-  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutQ{}, TileQ{},
-                                      _1{}));
-
   static constexpr uint32_t kBytesQ = kRowsPerWG * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
@@ -96,8 +92,6 @@ struct FwdParams {
   typename Traits::TmaQ tma_q;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
-  typename Traits::TmaO tma_o;
-  // O again as a plain pointer: tiles that see no key are zero-filled without shared memory.
   typename Traits::Element* o;
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   float* lse;  // (batch, heads_q, seqlen_q)
@@ -114,9 +108,7 @@ struct FwdParams {
 enum class FwdBarrier : uint32_t {
   TurnWG0 = 0,     // ping-pong: consumer WG0 may issue its GEMMs
   TurnWG1 = 1,     // ping-pong: consumer WG1 may issue its GEMMs
-  EpilogueWG0 = 2, // O of WG0 is in shared memory
-  EpilogueWG1 = 3,
-  QueryEmpty = 4,  // the consumers are done with the Q buffers (their O stores have read them)
+  QueryEmpty = 2,  // the consumers' Q·Kᵀ GEMMs of the tile are done: Q may be overwritten
 };
 // QueryEmpty: the producer warp syncs, warp 0 of each consumer warpgroup arrives.
 constexpr uint32_t kQueryEmptyThreads = 32 * 3;
@@ -329,6 +321,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         convert(*reinterpret_cast<cutlass::Array<float, N> const*>(tSrS.data()));
   };
 
+  // Every Q·Kᵀ of the tile has completed: the producer may load the next tile's Q while this
+  // warpgroup finishes its last P·V and stores O.
+  auto release_q = [&] {
+    if (tid < 32) named_arrive(FwdBarrier::QueryEmpty, kQueryEmptyThreads);
+  };
+
   PipelineState<kStages> st_k, st_v;  // carried across tiles, like the producer's
   int tiles_done = 0;                 // tiles that loaded Q (q_full phases)
 #pragma unroll 1
@@ -408,6 +406,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           scale_rows(rowcol_O, factor);
           convert_p();
         }
+        release_q();
         smem.pipe_v.consumer_wait(st_v);
         turn_wait();
         gemm_pv(st_v.index);
@@ -434,7 +433,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           smem.pipe_v.consumer_release(st_v);
           st_v.advance();
         }
+        release_q();
       }
+      ++tiles_done;
     }
 
     // ---------------- epilogue ----------------
@@ -452,38 +453,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
 
-    if (n_blocks == 0) {
-      // No key visible from this tile: O = 0, written straight from registers.
-      Element* o = params.o + t.batch * params.o_batch_stride + t.head * params.o_head_stride;
-#pragma unroll
-      for (int i = 0; i < size(tOrO); ++i) {
-        const int row = row0 + get<0>(cO(i));
-        if (row < params.seqlen_q) o[row * params.o_row_stride + get<1>(cO(i))] = Element(0.f);
-      }
-      continue;
-    }
-
-    // O: registers -> this warpgroup's Q buffer (no GEMM reads it any more) -> TMA store.
+    // O straight from registers: each thread holds pairs of adjacent columns, stored as one
+    // 32-bit word; rows past seqlen_q are skipped. (Going through shared memory would hold the
+    // Q buffer, and with it the next tile's Q load, until the store had read it.)
     Tensor rO = convert_fragment<Element>(tOrO);
-    Tensor sO = make_tensor(make_smem_ptr(smem.q[wg].begin()), typename Traits::SmemLayoutQ{});
-    copy(rO, thr_pv.partition_C(sO));
-    cutlass::arch::fence_view_async_shared();
-    named_sync(wg == 0 ? FwdBarrier::EpilogueWG0 : FwdBarrier::EpilogueWG1, 128);
-    if (tid < 32) {
-      if (tid == 0) {
-        Tensor mO = params.tma_o.get_tma_tensor(
-            make_shape(params.seqlen_q, int(Traits::kHeadDim), params.heads_q, params.batch));
-        Tensor gO = local_tile(mO(_, _, t.head, t.batch), typename Traits::TileQ{},
-                               make_coord(t.m_block * kConsumerWGs + wg, _0{}));
-        auto cta_o = params.tma_o.get_slice(0);
-        copy(params.tma_o, cta_o.partition_S(sO), cta_o.partition_D(gO));
-        tma_store_arrive();
-        tma_store_wait<0>();  // the store has read the Q buffer
+    Tensor rowcol_rO = make_tensor(rO.data(), acc_rowcol(rO.layout()));
+    Element* o = params.o + t.batch * params.o_batch_stride + t.head * params.o_head_stride;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = row0 + get<0>(rowcol_cO(r, 0));
+      if (row >= params.seqlen_q) continue;
+      Element* o_row = o + row * params.o_row_stride;
+#pragma unroll
+      for (int c = 0; c < size<1>(rowcol_rO); c += 2) {
+        const int col = get<1>(rowcol_cO(r, c));
+        cutlass::Array<Element, 2> pair;
+        pair[0] = rowcol_rO(r, c);
+        pair[1] = rowcol_rO(r, c + 1);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + col) = pair;
       }
-      __syncwarp();
-      named_arrive(FwdBarrier::QueryEmpty, kQueryEmptyThreads);
     }
-    ++tiles_done;
   }
 #endif
 }

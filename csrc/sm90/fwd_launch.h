@@ -43,15 +43,12 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   auto q = gmem_tensor<Traits>(static_cast<Element const*>(p.q.ptr), p.q, p.seqlen_q, p.heads_q, p.batch);
   auto k = gmem_tensor<Traits>(static_cast<Element const*>(p.k.ptr), p.k, p.seqlen_k, p.heads_kv, p.batch);
   auto v = gmem_tensor<Traits>(static_cast<Element const*>(p.v.ptr), p.v, p.seqlen_k, p.heads_kv, p.batch);
-  auto o = gmem_tensor<Traits>(static_cast<Element*>(p.o.ptr), p.o, p.seqlen_q, p.heads_q, p.batch);
   params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutQ{},
                                typename Traits::TileQ{}, _1{});
   params.tma_k = make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutK{}),
                                typename Traits::TileKV{}, _1{});
   params.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutV{}),
                                typename Traits::TileKV{}, _1{});
-  params.tma_o = make_tma_copy(SM90_TMA_STORE{}, o, typename Traits::SmemLayoutQ{},
-                               typename Traits::TileQ{}, _1{});
   params.o = static_cast<Element*>(p.o.ptr);
   params.o_batch_stride = p.o.batch_stride;
   params.o_row_stride = p.o.row_stride;
@@ -77,8 +74,12 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
   FLASHATTN_TRY_CUDA(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  // Persistent: one CTA per SM (shared memory allows no more), each walking its share of tiles.
-  const int ctas = p.sm_count > 0 && p.sm_count < params.num_tiles ? p.sm_count : params.num_tiles;
+  // Uniform work per tile: persistent, one CTA per SM (shared memory allows no more). With a
+  // right bound on the keys (causal) tile costs differ: one CTA per tile, heaviest first, so that
+  // the hardware block scheduler balances them as a dynamic longest-first scheduler would.
+  const bool uniform = params.keys.window_right < 0;
+  const int ctas = uniform && p.sm_count > 0 && p.sm_count < params.num_tiles ? p.sm_count
+                                                                               : params.num_tiles;
   kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
   return check_launch();
 }
