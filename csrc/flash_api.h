@@ -38,10 +38,11 @@ typedef enum {
   FLASHATTN_KERNEL_SM90_SELFTEST = 32,
 } flashattn_kernel_t;
 
-// Scheduling switches of the sm90 forward, for the ablation benchmark (0 = everything on).
+// Scheduling switches of the sm90 forward (0 = the defaults).
 typedef enum {
   FLASHATTN_SM90_NO_PINGPONG = 1,
   FLASHATTN_SM90_NO_INTRA_WG_OVERLAP = 2,
+  FLASHATTN_SM90_PERSISTENT_CAUSAL = 4,  // persistent zig-zag schedule also for causal/windows
 } flashattn_sm90_flag_t;
 
 // One strided 4-d operand (batch, seqlen, heads, head_dim); strides in elements, head_dim unit.

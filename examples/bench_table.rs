@@ -164,6 +164,7 @@ fn main() {
             Sm90Schedule {
                 pingpong,
                 intra_wg_overlap,
+                ..full
             },
         ));
     }
@@ -179,6 +180,16 @@ fn main() {
         (256, true),
     ] {
         plan.push((d, 8192, causal, no_pingpong));
+    }
+    // Causal on the persistent zig-zag schedule instead of one CTA per tile.
+    let persistent = Sm90Schedule {
+        persistent_causal: true,
+        ..full
+    };
+    for d in [64, 128, 256] {
+        for s in [2048, 8192] {
+            plan.push((d, s, true, persistent));
+        }
     }
 
     let mut rows = vec![];
@@ -222,8 +233,8 @@ fn main() {
             pass: err_ratio <= 1.0,
         };
         println!(
-            "sm90 fwd d{:<3} s{:<5} causal={:<5} pingpong={:<5} overlap={:<5} {:8.3} ms (p10 {:.3}, p90 {:.3})  {:6.1} TFLOP/s  err ratio {:.3} {}",
-            d, s, causal, schedule.pingpong, schedule.intra_wg_overlap, ms, row.ms_p10, row.ms_p90,
+            "sm90 fwd d{:<3} s{:<5} causal={:<5} pingpong={:<5} overlap={:<5} persistent_causal={:<5} {:8.3} ms (p10 {:.3}, p90 {:.3})  {:6.1} TFLOP/s  err ratio {:.3} {}",
+            d, s, causal, schedule.pingpong, schedule.intra_wg_overlap, schedule.persistent_causal, ms, row.ms_p10, row.ms_p90,
             tflops, err_ratio, if row.pass { "pass" } else { "FAIL" }
         );
         rows.push(row);
@@ -241,11 +252,13 @@ fn main() {
             commit
         );
         for (i, r) in rows.iter().enumerate() {
-            let variant = match (r.schedule.pingpong, r.schedule.intra_wg_overlap) {
-                (true, true) => "",
-                (false, true) => ", \"variant\": \"no-pingpong\"",
-                (true, false) => ", \"variant\": \"no-intra-wg-overlap\"",
-                (false, false) => ", \"variant\": \"no-pingpong-no-overlap\"",
+            let sch = r.schedule;
+            let variant = match (sch.pingpong, sch.intra_wg_overlap, sch.persistent_causal) {
+                (true, true, false) => "",
+                (true, true, true) => ", \"variant\": \"persistent-causal\"",
+                (false, true, _) => ", \"variant\": \"no-pingpong\"",
+                (true, false, _) => ", \"variant\": \"no-intra-wg-overlap\"",
+                (false, false, _) => ", \"variant\": \"no-pingpong-no-overlap\"",
             };
             json.push_str(&format!(
                 "  {{\"impl\": \"flashattn-sm90\", \"backend\": \"sm90\", \"dtype\": \"bf16\", \"d\": {}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}{}}}{}\n",

@@ -26,13 +26,16 @@ impl Backend {
     }
 }
 
-/// Scheduling switches of the Hopper forward kernel, on by default; turning one off reproduces
-/// the FlashAttention-3 paper's ablation (ping-pong between consumer warpgroups; overlap of the
-/// next block's Q·Kᵀ with the current softmax inside a warpgroup).
+/// Scheduling switches of the Hopper forward kernel. Turning `pingpong` or `intra_wg_overlap`
+/// off reproduces the FlashAttention-3 paper's ablation (ping-pong between consumer warpgroups;
+/// overlap of the next block's Q·Kᵀ with the current softmax inside a warpgroup).
+/// `persistent_causal` runs causal/windowed calls on the persistent zig-zag schedule instead of
+/// one CTA per tile.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Sm90Schedule {
     pub pingpong: bool,
     pub intra_wg_overlap: bool,
+    pub persistent_causal: bool,
 }
 
 impl Default for Sm90Schedule {
@@ -40,6 +43,7 @@ impl Default for Sm90Schedule {
         Sm90Schedule {
             pingpong: true,
             intra_wg_overlap: true,
+            persistent_causal: false,
         }
     }
 }

@@ -331,9 +331,52 @@ fn sm90_fwd_ablation_schedules_agree() {
         cfg.sm90_schedule = flashattn::Sm90Schedule {
             pingpong,
             intra_wg_overlap,
+            ..Default::default()
         };
         let (o, lse) = run_case::<bf16>(&dev, &stream, &case, cfg, 77);
         println!("schedule pingpong={pingpong} overlap={intra_wg_overlap}: O {o}; LSE {lse}");
+        assert!(o.pass && lse.pass);
+    }
+}
+
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_fwd_persistent_causal_schedule() {
+    // The zig-zag persistent schedule on masked problems: many tiles per CTA, empty tiles too.
+    let (dev, stream) = device();
+    let cases = [
+        Case {
+            batch: 8,
+            heads_q: 16,
+            heads_kv: 4,
+            ..Case::new(700, 700, 128, true)
+        },
+        Case {
+            batch: 4,
+            heads_q: 32,
+            heads_kv: 8,
+            ..Case::new(300, 500, 64, true)
+        },
+        Case {
+            batch: 6,
+            heads_q: 24,
+            heads_kv: 24,
+            window: (Some(0), Some(0)),
+            ..Case::new(300, 100, 256, false)
+        },
+        Case {
+            batch: 3,
+            heads_q: 40,
+            heads_kv: 40,
+            window: (Some(90), Some(10)),
+            ..Case::new(400, 400, 128, false)
+        },
+    ];
+    for (n, case) in cases.iter().enumerate() {
+        let mut cfg = case.cfg(Backend::Sm90);
+        cfg.sm90_schedule.persistent_causal = true;
+        let (o, lse) = run_case::<bf16>(&dev, &stream, case, cfg, 500 + n as u64);
+        println!("persistent causal {case:?}: O {o}; LSE {lse}");
         assert!(o.pass && lse.pass);
     }
 }

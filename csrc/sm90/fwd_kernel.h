@@ -132,7 +132,7 @@ __device__ auto convert_fragment(Frag const& src) {
   return out;
 }
 
-// The persistent schedule: CTA b takes tiles b, b + gridDim.x, ... A tile is one 128-row query
+// The persistent schedule: CTA b takes one tile per round (tile_of_round). A tile is one 128-row query
 // block of one (batch, head). Without a right bound on the keys, query blocks of one head are
 // neighbours (their K/V stay in L2); with one (causal), the last query blocks, which see the
 // most keys, come first.
@@ -141,6 +141,14 @@ struct WorkTile {
   int n_min, n_max;  // key blocks visited, last to first
   __device__ int n_blocks() const { return n_max > n_min ? n_max - n_min : 0; }
 };
+
+// Tile of CTA blockIdx.x in round r: r·G + b on even rounds, r·G + G−1−b on odd ones (G CTAs).
+// With tiles numbered heaviest first (causal), the zig-zag pairs a CTA's heavy tiles with light
+// ones, so that static shares stay balanced. Past num_tiles: nothing this round.
+__device__ inline int64_t tile_of_round(int round) {
+  const int64_t base = int64_t(round) * gridDim.x;
+  return base + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+}
 
 template <class Traits>
 __device__ WorkTile decode_tile(const FwdParams<Traits>& p, int tile) {
@@ -209,8 +217,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     PipelineState<kStages> st;
     int tiles_loaded = 0;
 #pragma unroll 1
-    for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
-      const WorkTile t = decode_tile(params, tile);
+    for (int round = 0; int64_t(round) * gridDim.x < params.num_tiles; ++round) {
+      const int64_t tile = tile_of_round(round);
+      if (tile >= params.num_tiles) continue;
+      const WorkTile t = decode_tile(params, int(tile));
       if (t.n_blocks() == 0) continue;  // the consumers zero-fill it alone
       const int head_kv = t.head / (params.heads_q / params.heads_kv);
       Tensor tKgK = group_modes<0, 3>(cta_k.partition_S(local_tile(
@@ -330,8 +340,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   PipelineState<kStages> st_k, st_v;  // carried across tiles, like the producer's
   int tiles_done = 0;                 // tiles that loaded Q (q_full phases)
 #pragma unroll 1
-  for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
-    const WorkTile t = decode_tile(params, tile);
+  for (int round = 0; int64_t(round) * gridDim.x < params.num_tiles; ++round) {
+    const int64_t tile = tile_of_round(round);
+    if (tile >= params.num_tiles) continue;
+    const WorkTile t = decode_tile(params, int(tile));
     const int n_blocks = t.n_blocks();
     const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;  // first query row of this WG
     OnlineSoftmax<kRows> softmax;

@@ -74,12 +74,15 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
   FLASHATTN_TRY_CUDA(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  // Uniform work per tile: persistent, one CTA per SM (shared memory allows no more). With a
-  // right bound on the keys (causal) tile costs differ: one CTA per tile, heaviest first, so that
-  // the hardware block scheduler balances them as a dynamic longest-first scheduler would.
+  // Persistent: one CTA per SM (shared memory allows no more) walking its share of tiles. With a
+  // right bound on the keys (causal) tile costs differ; one CTA per tile, heaviest first, lets the
+  // hardware block scheduler balance them as a dynamic longest-first scheduler would, unless the
+  // caller asks for the persistent zig-zag schedule.
   const bool uniform = params.keys.window_right < 0;
-  const int ctas = uniform && p.sm_count > 0 && p.sm_count < params.num_tiles ? p.sm_count
-                                                                               : params.num_tiles;
+  const bool persistent = uniform || (p.sm90_flags & FLASHATTN_SM90_PERSISTENT_CAUSAL);
+  const int ctas = persistent && p.sm_count > 0 && p.sm_count < params.num_tiles
+                       ? p.sm_count
+                       : params.num_tiles;
   kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
   return check_launch();
 }

@@ -63,6 +63,9 @@ fn sm90_flags(cfg: &AttentionConfig) -> u32 {
     if !cfg.sm90_schedule.intra_wg_overlap {
         flags |= ffi::FLASHATTN_SM90_NO_INTRA_WG_OVERLAP;
     }
+    if cfg.sm90_schedule.persistent_causal {
+        flags |= ffi::FLASHATTN_SM90_PERSISTENT_CAUSAL;
+    }
     flags
 }
 
