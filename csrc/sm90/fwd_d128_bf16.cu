@@ -2,19 +2,18 @@
 // kept for the ablation benchmark.
 #include <cutlass/bfloat16.h>
 
-#include "fwd_instantiations.h"
 #include "fwd_launch.h"
 
 namespace flashattn::sm90 {
 
 flashattn_result_t run_fwd_d128_bf16(const flashattn_params_t& p, FwdOptions o,
                                      cudaStream_t stream) {
-  using Tile = FwdTile<128>;
-  if (!o.intra_wg_overlap)
+  if (!o.intra_wg_overlap) {
+    using Tile = FwdTile<128>;
     return run_fwd<FwdTraits<cutlass::bfloat16_t, 128, Tile::kBlockN, Tile::kStages, false>>(
         p, o.pingpong, stream);
-  return run_fwd<FwdTraits<cutlass::bfloat16_t, 128, Tile::kBlockN, Tile::kStages, true>>(
-      p, o.pingpong, stream);
+  }
+  return run_fwd_tiled<cutlass::bfloat16_t, 128>(p, o, stream);
 }
 
 }  // namespace flashattn::sm90

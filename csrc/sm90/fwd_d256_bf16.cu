@@ -1,16 +1,13 @@
 // sm90 forward, head dim 256, bf16.
 #include <cutlass/bfloat16.h>
 
-#include "fwd_instantiations.h"
 #include "fwd_launch.h"
 
 namespace flashattn::sm90 {
 
 flashattn_result_t run_fwd_d256_bf16(const flashattn_params_t& p, FwdOptions o,
-                                     cudaStream_t stream) {
-  using Tile = FwdTile<256>;
-  return run_fwd<FwdTraits<cutlass::bfloat16_t, 256, Tile::kBlockN, Tile::kStages, true>>(p, o.pingpong,
-                                                                            stream);
+                                  cudaStream_t stream) {
+  return run_fwd_tiled<cutlass::bfloat16_t, 256>(p, o, stream);
 }
 
 }  // namespace flashattn::sm90

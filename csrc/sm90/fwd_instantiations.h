@@ -18,6 +18,12 @@ template <> struct FwdTile<64> { static constexpr int kBlockN = 192, kStages = 2
 template <> struct FwdTile<128> { static constexpr int kBlockN = 176, kStages = 2; };
 template <> struct FwdTile<256> { static constexpr int kBlockN = 80, kStages = 2; };
 
+// Causal and windowed calls: narrower key blocks waste less work on the masked diagonal blocks
+// (as FlashAttention-3 at d64/d128). The same block at d256.
+template <int kHeadDim> struct FwdTileMasked : FwdTile<kHeadDim> {};
+template <> struct FwdTileMasked<64> { static constexpr int kBlockN = 128, kStages = 2; };
+template <> struct FwdTileMasked<128> { static constexpr int kBlockN = 128, kStages = 2; };
+
 struct FwdOptions {
   bool pingpong = true;
   bool intra_wg_overlap = true;

@@ -8,6 +8,7 @@
 
 #include "../common/status.h"
 #include "../flash_api.h"
+#include "fwd_instantiations.h"
 #include "fwd_kernel.h"
 
 namespace flashattn::sm90 {
@@ -85,6 +86,21 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
                        : params.num_tiles;
   kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
   return check_launch();
+}
+
+// The tile table's instantiation for this call: the masked-problem tile when a right bound on the
+// keys (causal) makes diagonal blocks frequent, else the default one.
+template <class Element, int kHeadDim>
+flashattn_result_t run_fwd_tiled(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream) {
+  using Tile = FwdTile<kHeadDim>;
+  using Masked = FwdTileMasked<kHeadDim>;
+  if constexpr (Masked::kBlockN != Tile::kBlockN) {
+    if (key_range(p).window_right >= 0)
+      return run_fwd<FwdTraits<Element, kHeadDim, Masked::kBlockN, Masked::kStages, true>>(
+          p, o.pingpong, stream);
+  }
+  return run_fwd<FwdTraits<Element, kHeadDim, Tile::kBlockN, Tile::kStages, true>>(p, o.pingpong,
+                                                                                  stream);
 }
 
 }  // namespace flashattn::sm90
