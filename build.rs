@@ -129,6 +129,26 @@ mod cuda {
         assert!(status.success(), "flashattn: {cmd:?} failed with {status}");
     }
 
+    /// Installs pinned PyPI packages into `target`, saying why in one cargo warning.
+    fn pip_install(target: &Path, packages: &[&str], why: &str) {
+        println!(
+            "cargo:warning=flashattn: {why}; installing {} from PyPI into {}",
+            packages.join(" "),
+            target.display()
+        );
+        run(Command::new(python())
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                "--target",
+            ])
+            .arg(target)
+            .args(packages));
+    }
+
     fn find_or_provision_cuda(cache: &Path) -> PathBuf {
         for var in ["CUDA_HOME", "CUDA_PATH"] {
             if let Ok(root) = env::var(var) {
@@ -152,22 +172,11 @@ mod cuda {
         let root = target.join("nvidia").join("cu13");
         let stamp = target.join(".complete");
         if !stamp.exists() {
-            println!(
-                "cargo:warning=flashattn: no nvcc found (CUDA_HOME, PATH); installing the pinned \
-                 CUDA 13.0 compiler from PyPI into {}",
-                target.display()
+            pip_install(
+                &target,
+                CUDA_PACKAGES,
+                "no nvcc found (CUDA_HOME, CUDA_PATH, PATH)",
             );
-            run(Command::new(python())
-                .args([
-                    "-m",
-                    "pip",
-                    "install",
-                    "-q",
-                    "--disable-pip-version-check",
-                    "--target",
-                ])
-                .arg(&target)
-                .args(CUDA_PACKAGES));
             fs::write(&stamp, CUDA_PACKAGES.join("\n")).unwrap();
         }
         root
@@ -343,22 +352,7 @@ mod cuda {
         let target = cache.join("libclang-18.1.1");
         let dir = target.join("clang").join("native");
         if !dir.join("libclang.so").exists() {
-            println!(
-                "cargo:warning=flashattn: no libclang found; installing {LIBCLANG_PACKAGE} from \
-                 PyPI into {}",
-                target.display()
-            );
-            run(Command::new(python())
-                .args([
-                    "-m",
-                    "pip",
-                    "install",
-                    "-q",
-                    "--disable-pip-version-check",
-                    "--target",
-                ])
-                .arg(&target)
-                .arg(LIBCLANG_PACKAGE));
+            pip_install(&target, &[LIBCLANG_PACKAGE], "no libclang found");
         }
         env::set_var("LIBCLANG_PATH", &dir);
     }

@@ -13,7 +13,7 @@ use crate::config::AttentionConfig;
 use crate::dispatch::{self, BuiltKernels, DeviceInfo, Memory, Op, Plan};
 use crate::error::{Error, Operand, Result};
 use crate::ffi;
-use crate::tensor::{Element, Layout, Problem};
+use crate::tensor::{check_len, Element, Layout, Problem};
 
 /// Is a CUDA driver (libcuda) loadable on this machine? Probed before any driver call, since
 /// cudarc panics when the library is missing.
@@ -104,19 +104,6 @@ impl<'a, T> DeviceTensorMut<'a, T> {
     }
 }
 
-fn check_len(operand: Operand, layout: &Layout, len: usize) -> Result<()> {
-    layout.validate(operand)?;
-    let needed = layout.span(operand)?;
-    if len < needed {
-        return Err(Error::BufferTooSmall {
-            operand,
-            needed,
-            len,
-        });
-    }
-    Ok(())
-}
-
 /// One CUDA device: its context and properties. Calls take the caller's stream.
 #[derive(Clone, Debug)]
 pub struct Device {
@@ -179,13 +166,7 @@ impl Device {
         check_len(Operand::Out, &out.layout, out.data.len())?;
         let problem = Problem::from_layouts(&q.layout, &k.layout, &v.layout, T::DTYPE)?;
         Problem::expect_shape(Operand::Out, &out.layout, problem.q_shape())?;
-        if lse.len() < problem.lse_len() {
-            return Err(Error::BufferTooSmall {
-                operand: Operand::Lse,
-                needed: problem.lse_len(),
-                len: lse.len(),
-            });
-        }
+        problem.check_lse_len(lse.len())?;
         problem.check_index_width(&[
             (Operand::Q, &q.layout),
             (Operand::K, &k.layout),

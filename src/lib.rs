@@ -84,13 +84,7 @@ pub fn forward_into<T: Element>(
     let (problem, plan) = plan_host(Op::Forward, cfg, &q, &k, &v)?;
     out.check(Operand::Out)?;
     Problem::expect_shape(Operand::Out, &out.layout, problem.q_shape())?;
-    if lse.len() < problem.lse_len() {
-        return Err(Error::BufferTooSmall {
-            operand: Operand::Lse,
-            needed: problem.lse_len(),
-            len: lse.len(),
-        });
-    }
+    problem.check_lse_len(lse.len())?;
     backend::cpu::forward(cfg, &problem, q, k, v, out, lse);
     Ok(plan)
 }
@@ -132,13 +126,7 @@ pub fn backward<T: Element>(
     dout.check(Operand::DOut)?;
     Problem::expect_shape(Operand::Out, &out.layout, problem.q_shape())?;
     Problem::expect_shape(Operand::DOut, &dout.layout, problem.q_shape())?;
-    if lse.len() < problem.lse_len() {
-        return Err(Error::BufferTooSmall {
-            operand: Operand::Lse,
-            needed: problem.lse_len(),
-            len: lse.len(),
-        });
-    }
+    problem.check_lse_len(lse.len())?;
     let mut dq = vec![T::default(); problem.q_shape().iter().product()];
     let mut dk = vec![T::default(); problem.kv_shape().iter().product()];
     let mut dv = vec![T::default(); problem.kv_shape().iter().product()];

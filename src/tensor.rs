@@ -158,7 +158,8 @@ pub struct TensorMut<'a, T> {
     pub layout: Layout,
 }
 
-fn check_len(operand: Operand, layout: &Layout, len: usize) -> Result<()> {
+/// A buffer of `len` elements holds `layout` (valid, and long enough for its span).
+pub(crate) fn check_len(operand: Operand, layout: &Layout, len: usize) -> Result<()> {
     layout.validate(operand)?;
     let needed = layout.span(operand)?;
     if len < needed {
@@ -259,6 +260,17 @@ impl Problem {
     /// LSE is (batch, heads_q, seqlen_q), f32, packed.
     pub fn lse_len(&self) -> usize {
         self.batch * self.heads_q * self.seqlen_q
+    }
+    /// An LSE buffer of `len` f32 is long enough.
+    pub fn check_lse_len(&self, len: usize) -> Result<()> {
+        if len < self.lse_len() {
+            return Err(Error::BufferTooSmall {
+                operand: Operand::Lse,
+                needed: self.lse_len(),
+                len,
+            });
+        }
+        Ok(())
     }
     /// Query heads that share one KV head.
     pub fn group_size(&self) -> usize {
