@@ -192,6 +192,17 @@ fn main() {
         }
     }
 
+    // Non-causal with the narrower causal key block (d64/d128), at the short lengths.
+    let narrow = Sm90Schedule {
+        narrow_key_blocks: true,
+        ..full
+    };
+    for d in [64, 128] {
+        for s in [512, 1024, 2048, 4096] {
+            plan.push((d, s, false, narrow));
+        }
+    }
+
     let mut rows = vec![];
     for (d, s, causal, schedule) in plan {
         let shape = [TOKENS / s, s, HIDDEN / d, d];
@@ -253,12 +264,16 @@ fn main() {
         );
         for (i, r) in rows.iter().enumerate() {
             let sch = r.schedule;
-            let variant = match (sch.pingpong, sch.intra_wg_overlap, sch.persistent_causal) {
-                (true, true, true) => "",
-                (true, true, false) => ", \"variant\": \"one-cta-per-tile\"",
-                (false, true, _) => ", \"variant\": \"no-pingpong\"",
-                (true, false, _) => ", \"variant\": \"no-intra-wg-overlap\"",
-                (false, false, _) => ", \"variant\": \"no-pingpong-no-overlap\"",
+            let variant = if sch.narrow_key_blocks {
+                ", \"variant\": \"narrow-key-blocks\""
+            } else {
+                match (sch.pingpong, sch.intra_wg_overlap, sch.persistent_causal) {
+                    (true, true, true) => "",
+                    (true, true, false) => ", \"variant\": \"one-cta-per-tile\"",
+                    (false, true, _) => ", \"variant\": \"no-pingpong\"",
+                    (true, false, _) => ", \"variant\": \"no-intra-wg-overlap\"",
+                    (false, false, _) => ", \"variant\": \"no-pingpong-no-overlap\"",
+                }
             };
             json.push_str(&format!(
                 "  {{\"impl\": \"flashattn-sm90\", \"backend\": \"sm90\", \"dtype\": \"bf16\", \"d\": {}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}{}}}{}\n",

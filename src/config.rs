@@ -31,11 +31,14 @@ impl Backend {
 /// overlap of the next block's Q·Kᵀ with the current softmax inside a warpgroup).
 /// `persistent_causal` runs causal/windowed calls on the persistent zig-zag schedule (the
 /// default: measured faster at d64/d128, even at d256); off, one CTA per tile.
+/// `narrow_key_blocks` uses the causal tile (128-key blocks at d64/d128) for every call; it is
+/// also taken by itself when seqlen_k ≤ 1024, where it was measured faster.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Sm90Schedule {
     pub pingpong: bool,
     pub intra_wg_overlap: bool,
     pub persistent_causal: bool,
+    pub narrow_key_blocks: bool,
 }
 
 impl Default for Sm90Schedule {
@@ -44,6 +47,7 @@ impl Default for Sm90Schedule {
             pingpong: true,
             intra_wg_overlap: true,
             persistent_causal: true,
+            narrow_key_blocks: false,
         }
     }
 }

@@ -381,6 +381,31 @@ fn sm90_fwd_one_cta_per_tile_schedule() {
     }
 }
 
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_fwd_narrow_key_blocks() {
+    // Non-causal calls on the causal tile (128-key blocks at d64/d128).
+    let (dev, stream) = device();
+    let mut cases = vec![];
+    for d in [64, 128] {
+        cases.push(Case::new(1000, 1000, d, false));
+        cases.push(Case::new(113, 1000, d, false));
+        cases.push(Case {
+            batch: 4,
+            heads_q: 16,
+            heads_kv: 2,
+            ..Case::new(300, 257, d, false)
+        });
+    }
+    for (n, case) in cases.iter().enumerate() {
+        let mut cfg = case.cfg(Backend::Sm90);
+        cfg.sm90_schedule.narrow_key_blocks = true;
+        let (o, lse) = run_case::<bf16>(&dev, &stream, case, cfg, 900 + n as u64);
+        println!("narrow key blocks {case:?}: O {o}; LSE {lse}");
+        assert!(o.pass && lse.pass);
+    }
+}
+
 /// A few small cases for compute-sanitizer (memcheck, racecheck), which slows kernels a lot.
 #[test]
 #[ignore = "needs a Hopper GPU"]
