@@ -196,6 +196,66 @@ fn scatter<U: Copy + Default>(blocks: &[Vec<U>], shape: [usize; 4]) -> Vec<U> {
     out
 }
 
+/// The forward of every query row, `row_out(mask, q_row, k_head, v_head, i) -> (o_row, lse)`,
+/// in parallel over (batch, head), elements converted by `conv`; O packed like Q, LSE packed
+/// (b, h, s). Shared by the reference (f64) and the baseline (f32 rounded to `T`).
+fn forward_all_rows<T: Element, U: Copy + Default + Send + Sync>(
+    cfg: &AttentionConfig,
+    q: &TensorRef<T>,
+    k: &TensorRef<T>,
+    v: &TensorRef<T>,
+    conv: fn(T) -> U,
+    row_out: impl Fn(&Mask, &[U], &[U], &[U], usize) -> (Vec<U>, U) + Sync,
+) -> (Vec<U>, Vec<U>) {
+    let p = problem(q, k, v);
+    let (d, mask) = (p.head_dim, cfg.mask(p.seqlen_q, p.seqlen_k));
+    let per_head: Vec<(Vec<U>, Vec<U>)> = (0..p.batch * p.heads_q)
+        .into_par_iter()
+        .map(|bh| {
+            let (b, h) = (bh / p.heads_q, bh % p.heads_q);
+            let qh = head(q, b, h, conv);
+            let kh = head(k, b, h / p.group_size(), conv);
+            let vh = head(v, b, h / p.group_size(), conv);
+            let mut o = Vec::with_capacity(p.seqlen_q * d);
+            let mut lse = Vec::with_capacity(p.seqlen_q);
+            for i in 0..p.seqlen_q {
+                let (row, l) = row_out(&mask, &qh[i * d..(i + 1) * d], &kh, &vh, i);
+                o.extend(row);
+                lse.push(l);
+            }
+            (o, lse)
+        })
+        .collect();
+    let (o, lse): (Vec<_>, Vec<_>) = per_head.into_iter().unzip();
+    (scatter(&o, p.q_shape()), lse.concat())
+}
+
+/// [`forward_all_rows`] for the single query row `i` of head `h`, batch `b`: needs only that
+/// row of Q (and all of K, V).
+fn forward_one_row<T: Element, U: Copy>(
+    cfg: &AttentionConfig,
+    q: &TensorRef<T>,
+    k: &TensorRef<T>,
+    v: &TensorRef<T>,
+    (b, h, i): (usize, usize, usize),
+    conv: fn(T) -> U,
+    row_out: impl Fn(&Mask, &[U], &[U], &[U], usize) -> (Vec<U>, U),
+) -> (Vec<U>, U) {
+    let p = problem(q, k, v);
+    assert!(
+        b < p.batch && h < p.heads_q && i < p.seqlen_q,
+        "row out of range"
+    );
+    let off = q.layout.offset(b, i, h, 0);
+    let q_row: Vec<U> = q.data[off..off + p.head_dim]
+        .iter()
+        .map(|&x| conv(x))
+        .collect();
+    let kh = head(k, b, h / p.group_size(), conv);
+    let vh = head(v, b, h / p.group_size(), conv);
+    row_out(&cfg.mask(p.seqlen_q, p.seqlen_k), &q_row, &kh, &vh, i)
+}
+
 // ---------------------------------------------------------------------------------------------
 // f64 reference.
 
@@ -274,19 +334,10 @@ pub fn reference_row<T: Element>(
     h: usize,
     i: usize,
 ) -> (Vec<f64>, f64) {
-    let p = problem(&q, &k, &v);
-    assert!(
-        b < p.batch && h < p.heads_q && i < p.seqlen_q,
-        "row out of range"
-    );
-    let d = p.head_dim;
-    let off = q.layout.offset(b, i, h, 0);
-    let qrow: Vec<f64> = q.data[off..off + d].iter().map(|&x| f64_of(x)).collect();
-    let hk = h / p.group_size();
-    let kh = head(&k, b, hk, f64_of);
-    let vh = head(&v, b, hk, f64_of);
-    let row = row_f64(cfg, &cfg.mask(p.seqlen_q, p.seqlen_k), &qrow, &kh, i);
-    (weighted_rows(&row.p, row.lo, &vh, d), row.lse)
+    forward_one_row(cfg, &q, &k, &v, (b, h, i), f64_of, |mask, qi, kh, vh, i| {
+        let row = row_f64(cfg, mask, qi, kh, i);
+        (weighted_rows(&row.p, row.lo, vh, qi.len()), row.lse)
+    })
 }
 
 /// f64 attention forward over the dtype-rounded inputs.
@@ -299,30 +350,11 @@ pub fn reference_forward<T: Element>(
     k: TensorRef<T>,
     v: TensorRef<T>,
 ) -> ReferenceForward {
-    let p = problem(&q, &k, &v);
-    let (d, mask) = (p.head_dim, cfg.mask(p.seqlen_q, p.seqlen_k));
-    let per_head: Vec<(Vec<f64>, Vec<f64>)> = (0..p.batch * p.heads_q)
-        .into_par_iter()
-        .map(|bh| {
-            let (b, h) = (bh / p.heads_q, bh % p.heads_q);
-            let qh = head(&q, b, h, f64_of);
-            let kh = head(&k, b, h / p.group_size(), f64_of);
-            let vh = head(&v, b, h / p.group_size(), f64_of);
-            let mut o = Vec::with_capacity(p.seqlen_q * d);
-            let mut lse = Vec::with_capacity(p.seqlen_q);
-            for i in 0..p.seqlen_q {
-                let row = row_f64(cfg, &mask, &qh[i * d..(i + 1) * d], &kh, i);
-                o.extend(weighted_rows(&row.p, row.lo, &vh, d));
-                lse.push(row.lse);
-            }
-            (o, lse)
-        })
-        .collect();
-    let (o, lse): (Vec<_>, Vec<_>) = per_head.into_iter().unzip();
-    ReferenceForward {
-        out: scatter(&o, p.q_shape()),
-        lse: lse.concat(),
-    }
+    let (out, lse) = forward_all_rows(cfg, &q, &k, &v, f64_of, |mask, qi, kh, vh, i| {
+        let row = row_f64(cfg, mask, qi, kh, i);
+        (weighted_rows(&row.p, row.lo, vh, qi.len()), row.lse)
+    });
+    ReferenceForward { out, lse }
 }
 
 /// f64 gradients of `Σ dO∘O` with respect to Q, K, V (GQA: dK, dV summed over each group).
@@ -485,30 +517,11 @@ pub fn baseline_forward<T: Element>(
     k: TensorRef<T>,
     v: TensorRef<T>,
 ) -> BaselineForward {
-    let p = problem(&q, &k, &v);
-    let (d, mask) = (p.head_dim, cfg.mask(p.seqlen_q, p.seqlen_k));
-    let per_head: Vec<(Vec<f32>, Vec<f32>)> = (0..p.batch * p.heads_q)
-        .into_par_iter()
-        .map(|bh| {
-            let (b, h) = (bh / p.heads_q, bh % p.heads_q);
-            let qh = head(&q, b, h, T::to_f32);
-            let kh = head(&k, b, h / p.group_size(), T::to_f32);
-            let vh = head(&v, b, h / p.group_size(), T::to_f32);
-            let mut o = Vec::with_capacity(p.seqlen_q * d);
-            let mut lse = Vec::with_capacity(p.seqlen_q);
-            for i in 0..p.seqlen_q {
-                let row = row_low::<T>(cfg, &mask, &qh[i * d..(i + 1) * d], &kh, i);
-                o.extend(low_out_row::<T>(&row, &vh, d));
-                lse.push(row.lse);
-            }
-            (o, lse)
-        })
-        .collect();
-    let (o, lse): (Vec<_>, Vec<_>) = per_head.into_iter().unzip();
-    BaselineForward {
-        out: scatter(&o, p.q_shape()),
-        lse: lse.concat(),
-    }
+    let (out, lse) = forward_all_rows(cfg, &q, &k, &v, T::to_f32, |mask, qi, kh, vh, i| {
+        let row = row_low::<T>(cfg, mask, qi, kh, i);
+        (low_out_row::<T>(&row, vh, qi.len()), row.lse)
+    });
+    BaselineForward { out, lse }
 }
 
 /// The baseline of one query row (as [`baseline_forward`] computes it): its output row and LSE,
@@ -525,18 +538,18 @@ pub fn baseline_row<T: Element>(
     h: usize,
     i: usize,
 ) -> (Vec<f32>, f32) {
-    let p = problem(&q, &k, &v);
-    assert!(
-        b < p.batch && h < p.heads_q && i < p.seqlen_q,
-        "row out of range"
-    );
-    let d = p.head_dim;
-    let off = q.layout.offset(b, i, h, 0);
-    let qrow: Vec<f32> = q.data[off..off + d].iter().map(|x| x.to_f32()).collect();
-    let kh = head(&k, b, h / p.group_size(), T::to_f32);
-    let vh = head(&v, b, h / p.group_size(), T::to_f32);
-    let row = row_low::<T>(cfg, &cfg.mask(p.seqlen_q, p.seqlen_k), &qrow, &kh, i);
-    (low_out_row::<T>(&row, &vh, d), row.lse)
+    forward_one_row(
+        cfg,
+        &q,
+        &k,
+        &v,
+        (b, h, i),
+        T::to_f32,
+        |mask, qi, kh, vh, i| {
+            let row = row_low::<T>(cfg, mask, qi, kh, i);
+            (low_out_row::<T>(&row, vh, qi.len()), row.lse)
+        },
+    )
 }
 
 /// The baseline's backward, as a framework's autograd would run it in `T`: dV = Pᵀ·dO,
