@@ -339,6 +339,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   PipelineState<kStages> st_k, st_v;  // carried across tiles, like the producer's
   int tiles_done = 0;                 // tiles that loaded Q (q_full phases)
+
+  // Ping-pong: each GEMM issue point waits for this warpgroup's turn, issues, hands the turn
+  // over. Both warpgroups issue equally often on every tile, so the alternation runs on across
+  // tiles: one warpgroup's epilogue hides under the other's GEMMs. WG1 gives WG0 the first turn;
+  // WG0 takes WG1's last hand-over after the loop, so no arrival is left pending at exit.
+  auto turn_wait = [&] {
+    if (pingpong) named_sync(my_turn, 256);
+  };
+  auto turn_pass = [&] {
+    if (pingpong) named_arrive(their_turn, 256);
+  };
+  if (pingpong && wg == 1) named_arrive(FwdBarrier::TurnWG0, 256);
 #pragma unroll 1
   for (int round = 0; int64_t(round) * gridDim.x < params.num_tiles; ++round) {
     const int64_t tile = tile_of_round(round);
@@ -376,18 +388,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
 
     if (n_blocks > 0) {
-      // Ping-pong: each GEMM issue point waits for our turn, issues, hands the turn over. WG1
-      // gives WG0 the first turn and skips its very last hand-over, which nobody waits for.
-      int issues_left = n_blocks + (Traits::kIntraWGOverlap ? 1 : 0);
-      auto turn_wait = [&] {
-        if (pingpong) named_sync(my_turn, 256);
-      };
-      auto turn_pass = [&] {
-        --issues_left;
-        if (pingpong && !(wg == 1 && issues_left == 0)) named_arrive(their_turn, 256);
-      };
-      if (pingpong && wg == 1) named_arrive(FwdBarrier::TurnWG0, 256);
-
       Barrier::wait(&smem.q_full, tiles_done & 1);
       if constexpr (Traits::kIntraWGOverlap) {
         // Prologue: S for the first block visited.
@@ -486,6 +486,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
   }
+  if (pingpong && wg == 0) turn_wait();
 #endif
 }
 

@@ -4,7 +4,9 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
+#include <cstdint>
 
 #include "../common/status.h"
 #include "../flash_api.h"
@@ -35,6 +37,21 @@ inline KeyRange key_range(const flashattn_params_t& p) {
   if (keys.window_right >= span) keys.window_right = -1;
   if (p.causal) keys.window_right = 0;
   return keys;
+}
+
+// Opts the kernel into more than 48 KiB of dynamic shared memory once per device: the attribute
+// sticks to the function, and setting it costs a driver round trip that every call would pay.
+template <class Traits, class Kernel>
+cudaError_t allow_dynamic_smem(Kernel kernel, int smem_bytes) {
+  static std::atomic<uint64_t> devices_done{0};  // bit d: device ordinal d is set up
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+  if (bit != 0 && (devices_done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  cudaError_t e =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (e == cudaSuccess) devices_done.fetch_or(bit, std::memory_order_release);
+  return e;
 }
 
 template <class Traits>
@@ -73,8 +90,7 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
 
   auto kernel = fwd_kernel<Traits>;
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
-  FLASHATTN_TRY_CUDA(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  FLASHATTN_TRY_CUDA(allow_dynamic_smem<Traits>(kernel, smem_bytes));
   // Persistent: one CTA per SM (shared memory allows no more) walking its share of tiles. With a
   // right bound on the keys (causal) tile costs differ; one CTA per tile, heaviest first, lets the
   // hardware block scheduler balance them as a dynamic longest-first scheduler would, unless the
