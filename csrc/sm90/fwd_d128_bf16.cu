@@ -9,9 +9,8 @@ namespace flashattn::sm90 {
 flashattn_result_t run_fwd_d128_bf16(const flashattn_params_t& p, FwdOptions o,
                                      cudaStream_t stream) {
   if (!o.intra_wg_overlap) {
-    using Tile = FwdTile<128>;
-    return run_fwd<FwdTraits<cutlass::bfloat16_t, 128, Tile::kBlockN, Tile::kStages, false>>(
-        p, o.pingpong, stream);
+    return run_fwd<FwdTraits<cutlass::bfloat16_t, 128, FwdTile<128>, false>>(p, o.pingpong,
+                                                                           stream);
   }
   return run_fwd_tiled<cutlass::bfloat16_t, 128>(p, o, stream);
 }

@@ -8,21 +8,24 @@
 
 namespace flashattn::sm90 {
 
-// Per head dim: key block size and pipeline depth (query tile is 128 rows, two warpgroups).
-// Shared memory: Q 128·d + (K + V) 2·kStages·kBlockN·d elements, ≤ 227 KiB.
+// Per head dim: key block size, K/V pipeline depth and Q buffers (query tile: 128 rows, two
+// warpgroups). Two Q buffers let the next tile's Q land while the current tile runs, so that its
+// first Q·Kᵀ can be issued beside the current tile's last P·V (cross-tile overlap).
+// Shared memory, ≤ 227 KiB: Q kQStages·128·d + (K + V) 2·kStages·kBlockN·d elements:
+// d64 2·16 + 2·2·24 = 128 KiB; d128 2·32 + 2·2·40 = 224 KiB; d256 64 + 2·2·40 = 224 KiB (one Q
+// buffer: two would leave no room for K/V blocks worth the name).
+// Registers per consumer thread: O d/2, S kBlockN/2, P kBlockN/4; d128 with 160 keys fits the
+// 240 of setmaxnreg with no local memory (ptxas report).
 template <int kHeadDim> struct FwdTile;
-// Shared memory: d64 Q 16 + K,V 2·2·24 = 112 KiB; d128 Q 32 + K,V 2·2·44 = 208 KiB; d256 Q 64 +
-// K,V 2·2·40 = 224 KiB (of 227). Registers per consumer thread: O d/2, S kBlockN/2, P kBlockN/4;
-// d128 with 176 keys fits the 240 of setmaxnreg with no local memory (ptxas report).
-template <> struct FwdTile<64> { static constexpr int kBlockN = 192, kStages = 2; };
-template <> struct FwdTile<128> { static constexpr int kBlockN = 176, kStages = 2; };
-template <> struct FwdTile<256> { static constexpr int kBlockN = 80, kStages = 2; };
+template <> struct FwdTile<64> { static constexpr int kBlockN = 192, kStages = 2, kQStages = 2; };
+template <> struct FwdTile<128> { static constexpr int kBlockN = 160, kStages = 2, kQStages = 2; };
+template <> struct FwdTile<256> { static constexpr int kBlockN = 80, kStages = 2, kQStages = 1; };
 
 // Causal and windowed calls: narrower key blocks waste less work on the masked diagonal blocks
 // (as FlashAttention-3 at d64/d128). The same block at d256.
 template <int kHeadDim> struct FwdTileMasked : FwdTile<kHeadDim> {};
-template <> struct FwdTileMasked<64> { static constexpr int kBlockN = 128, kStages = 2; };
-template <> struct FwdTileMasked<128> { static constexpr int kBlockN = 128, kStages = 2; };
+template <> struct FwdTileMasked<64> { static constexpr int kBlockN = 128, kStages = 2, kQStages = 2; };
+template <> struct FwdTileMasked<128> { static constexpr int kBlockN = 128, kStages = 2, kQStages = 2; };
 
 struct FwdOptions {
   bool pingpong = true;

@@ -1,17 +1,18 @@
 // The FlashAttention-3-style forward kernel for sm_90a.
 //
 // One CTA computes a kBlockM = 128 row tile of O for one (batch, head): three warpgroups.
-//   producer (WG 0): one elected thread issues TMA loads — Q once, then K and V blocks into
-//                    two kStages-deep mbarrier pipelines, walking key blocks last to first so
-//                    that only the first block visited needs the sequence-end mask;
+//   producer (WG 0): one elected thread issues TMA loads — Q into a kQStages-deep ring, K and V
+//                    blocks into two kStages-deep mbarrier pipelines, walking key blocks last to
+//                    first so that only the first block visited needs the sequence-end mask;
 //   consumers (WG 1, WG 2): 64 query rows each; S = Q·Kᵀ by WGMMA from shared memory,
 //                    online softmax in registers, O += P·V by WGMMA with P from registers.
 // Intra-warpgroup overlap (template): the next block's Q·Kᵀ is issued before this block's
-// softmax, so the tensor cores work while the softmax runs. Ping-pong (runtime flag): two named
-// barriers hand the tensor cores back and forth between the consumer warpgroups, so that one
-// warpgroup's softmax hides under the other's GEMMs. setmaxnreg moves registers from the
-// producer (24) to the consumers (240). Persistent: each CTA walks a share of the tiles, the
-// producer fetching the next tile's K and Q while the consumers finish the current one.
+// softmax, so the tensor cores work while the softmax runs; with two Q buffers this runs on
+// across tiles (the next tile's first Q·Kᵀ goes out beside this tile's last P·V, and this tile's
+// O is stored while the next tile's first softmax waits on nothing). Ping-pong (runtime flag):
+// two named barriers hand the tensor cores back and forth between the consumer warpgroups, so
+// that one warpgroup's softmax hides under the other's GEMMs. setmaxnreg moves registers from
+// the producer (24) to the consumers (240). Persistent: each CTA walks a share of the tiles.
 // Epilogue: O and LSE straight from registers.
 #pragma once
 
@@ -30,15 +31,23 @@ namespace flashattn::sm90 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kIntraWGOverlap_>
+// The consumer's lambdas run at several call sites; an outlined call would put the accumulators
+// on a local-memory stack.
+#define FLASHATTN_INLINE __attribute__((always_inline))
+
+// Tile: kBlockN (keys per block), kStages (K/V pipeline depth), kQStages (Q buffers).
+template <class Element_, int kHeadDim_, class Tile, bool kIntraWGOverlap_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
   static constexpr int kRowsPerWG = 64;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kStages = kStages_;
+  static constexpr int kBlockN = Tile::kBlockN;
+  static constexpr int kStages = Tile::kStages;
+  static constexpr int kQStages = Tile::kQStages;
   static constexpr bool kIntraWGOverlap = kIntraWGOverlap_;
+  // The next tile's first Q·Kᵀ beside this tile's last P·V: needs the next Q in its own buffer.
+  static constexpr bool kCrossTileOverlap = kIntraWGOverlap && kQStages > 1;
   static constexpr int kConsumerWGs = kBlockM / kRowsPerWG;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kProducerRegs = 24;
@@ -49,7 +58,8 @@ struct FwdTraits {
 
   // 128-byte swizzled K-major rows (head_dim is a multiple of 64 elements).
   using SmemAtom = decltype(GMMA::Layout_K_SW128_Atom<Element>{});
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, TileQ{}));  // per consumer WG
+  using SmemLayoutQ = decltype(tile_to_shape(  // per consumer WG
+      SmemAtom{}, Shape<Int<kRowsPerWG>, Int<kHeadDim>, Int<kQStages>>{}));
   using SmemLayoutK = decltype(tile_to_shape(
       SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutV = SmemLayoutK;
@@ -71,7 +81,8 @@ struct FwdTraits {
   using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
                                           GmemShape{}, GmemStride{}));
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{}, TileQ{}, _1{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                      TileQ{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{},
                                        take<0, 2>(SmemLayoutK{}), TileKV{}, _1{}));
   static constexpr uint32_t kBytesQ = kRowsPerWG * kHeadDim * sizeof(Element);
@@ -81,7 +92,7 @@ struct FwdTraits {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q[kConsumerWGs];
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutV>> v;
-    alignas(8) uint64_t q_full;
+    TmaPipeline<kQStages> pipe_q;
     TmaPipeline<kStages> pipe_k;
     TmaPipeline<kStages> pipe_v;
   };
@@ -106,12 +117,9 @@ struct FwdParams {
 
 // Named barriers (CUTLASS reserves the first ids; NamedBarrier adds that offset).
 enum class FwdBarrier : uint32_t {
-  TurnWG0 = 0,     // ping-pong: consumer WG0 may issue its GEMMs
-  TurnWG1 = 1,     // ping-pong: consumer WG1 may issue its GEMMs
-  QueryEmpty = 2,  // the consumers' Q·Kᵀ GEMMs of the tile are done: Q may be overwritten
+  TurnWG0 = 0,  // ping-pong: consumer WG0 may issue its GEMMs
+  TurnWG1 = 1,  // ping-pong: consumer WG1 may issue its GEMMs
 };
-// QueryEmpty: the producer warp syncs, warp 0 of each consumer warpgroup arrives.
-constexpr uint32_t kQueryEmptyThreads = 32 * 3;
 
 __device__ inline void named_sync(FwdBarrier b, uint32_t threads) {
   cutlass::arch::NamedBarrier::sync(threads, static_cast<uint32_t>(b));
@@ -177,17 +185,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kRowsPerWG = Traits::kRowsPerWG;
   constexpr int kStages = Traits::kStages;
+  constexpr int kQStages = Traits::kQStages;
   constexpr int kConsumerWGs = Traits::kConsumerWGs;
   using SharedStorage = typename Traits::SharedStorage;
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
 
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    Barrier::init(&smem.q_full, 1);
     // One arrival per consumer warp releases a stage (see TmaPipeline::consumer_release).
+    smem.pipe_q.init(4 * kConsumerWGs);
     smem.pipe_k.init(4 * kConsumerWGs);
     smem.pipe_v.init(4 * kConsumerWGs);
     cutlass::arch::fence_barrier_init();
@@ -198,7 +206,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // ---------------- producer: warp 0, one elected lane issues ----------------
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (threadIdx.x / 32 != 0) return;
-    const bool leader = cute::elect_one_sync();
+    if (!cute::elect_one_sync()) return;
 
     Tensor mQ = params.tma_q.get_tma_tensor(
         make_shape(params.seqlen_q, int(Traits::kHeadDim), params.heads_q, params.batch));
@@ -215,7 +223,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor tVsV = group_modes<0, 3>(cta_v.partition_D(sV));
 
     PipelineState<kStages> st;
-    int tiles_loaded = 0;
+    PipelineState<kQStages> st_q;
 #pragma unroll 1
     for (int round = 0; int64_t(round) * gridDim.x < params.num_tiles; ++round) {
       const int64_t tile = tile_of_round(round);
@@ -235,34 +243,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         smem.pipe_v.producer_acquire(st, Traits::kBytesKV);
         copy(params.tma_v.with(smem.pipe_v.full_barrier(st)), tVgV(_, n), tVsV(_, st.index));
       };
-      // The first K block does not touch the Q buffers: fetch it before waiting for them.
-      if (leader) load_k(t.n_max - 1);
-      if (tiles_loaded > 0) named_sync(FwdBarrier::QueryEmpty, kQueryEmptyThreads);
-      if (leader) {
-        Barrier::arrive_and_expect_tx(&smem.q_full, Traits::kBytesQ * kConsumerWGs);
+      // The first K block first: with one Q buffer, Q waits for the last Q·Kᵀ of the tile before.
+      load_k(t.n_max - 1);
+      smem.pipe_q.producer_acquire(st_q, Traits::kBytesQ * kConsumerWGs);
 #pragma unroll
-        for (int wg = 0; wg < kConsumerWGs; ++wg) {
-          Tensor gQ = local_tile(mQ(_, _, t.head, t.batch), typename Traits::TileQ{},
-                                 make_coord(t.m_block * kConsumerWGs + wg, _0{}));
-          Tensor sQ =
-              make_tensor(make_smem_ptr(smem.q[wg].begin()), typename Traits::SmemLayoutQ{});
-          copy(params.tma_q.with(smem.q_full), cta_q.partition_S(gQ), cta_q.partition_D(sQ));
-        }
-        load_v(t.n_max - 1);
-        st.advance();
-        // Not unrolled: the producer lives in 24 registers.
-#pragma unroll 1
-        for (int n = t.n_max - 2; n >= t.n_min; --n) {
-          load_k(n);
-          load_v(n);
-          st.advance();
-        }
+      for (int wg = 0; wg < kConsumerWGs; ++wg) {
+        Tensor gQ = local_tile(mQ(_, _, t.head, t.batch), typename Traits::TileQ{},
+                               make_coord(t.m_block * kConsumerWGs + wg, _0{}));
+        Tensor sQ = make_tensor(make_smem_ptr(smem.q[wg].begin()), typename Traits::SmemLayoutQ{});
+        copy(params.tma_q.with(smem.pipe_q.full_barrier(st_q)), cta_q.partition_S(gQ),
+             cta_q.partition_D(sQ(_, _, st_q.index)));
       }
-      __syncwarp();
-      ++tiles_loaded;
+      st_q.advance();
+      load_v(t.n_max - 1);
+      st.advance();
+      // Not unrolled: the producer lives in 24 registers.
+#pragma unroll 1
+      for (int n = t.n_max - 2; n >= t.n_min; --n) {
+        load_k(n);
+        load_v(n);
+        st.advance();
+      }
     }
-    // Pairs with the consumers' QueryEmpty arrival after their last tile.
-    if (tiles_loaded > 0) named_sync(FwdBarrier::QueryEmpty, kQueryEmptyThreads);
     return;
   }
 
@@ -279,7 +281,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   typename Traits::MmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(tid);
   auto thr_pv = mma_pv.get_thread_slice(tid);
-  Tensor tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ));   // (MMA, 1, K)
+  Tensor tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ));   // (MMA, 1, K, q stage)
   Tensor tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK));   // (MMA, N, K, stage)
   Tensor tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt));  // (MMA, N, K, stage)
 
@@ -297,23 +299,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // P (the exponentiated scores, in Element) as the register A operand of P·V.
   auto tOrP = make_tensor<Element>(acc_as_operand_a(tSrS.layout()));
 
-  const bool pingpong = params.pingpong;
-  const FwdBarrier my_turn = wg == 0 ? FwdBarrier::TurnWG0 : FwdBarrier::TurnWG1;
-  const FwdBarrier their_turn = wg == 0 ? FwdBarrier::TurnWG1 : FwdBarrier::TurnWG0;
-
-  auto gemm_qk = [&](int stage) {
+  auto gemm_qk = [&](int q_stage, int stage) FLASHATTN_INLINE {
     mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(tSrS);
     warpgroup_arrive();
 #pragma unroll
     for (int k = 0; k < size<2>(tSrQ); ++k) {
-      gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k, stage), tSrS);
+      gemm(mma_qk, tSrQ(_, _, k, q_stage), tSrK(_, _, k, stage), tSrS);
       mma_qk.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
     warpgroup_fence_operand(tSrS);
   };
-  auto gemm_pv = [&](int stage) {
+  auto gemm_pv = [&](int stage) FLASHATTN_INLINE {
     warpgroup_fence_operand(tOrO);
     warpgroup_arrive();
 #pragma unroll
@@ -324,137 +322,62 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     warpgroup_fence_operand(tOrO);
   };
   // tOrP's layout reshapes tSrS's without permuting storage: convert register for register.
-  auto convert_p = [&] {
+  auto convert_p = [&]() FLASHATTN_INLINE {
     constexpr int N = decltype(size(tSrS))::value;
     cutlass::NumericArrayConverter<Element, float, N> convert;
     *reinterpret_cast<cutlass::Array<Element, N>*>(tOrP.data()) =
         convert(*reinterpret_cast<cutlass::Array<float, N> const*>(tSrS.data()));
   };
 
-  // Every Q·Kᵀ of the tile has completed: the producer may load the next tile's Q while this
-  // warpgroup finishes its last P·V and stores O.
-  auto release_q = [&] {
-    if (tid < 32) named_arrive(FwdBarrier::QueryEmpty, kQueryEmptyThreads);
-  };
-
-  PipelineState<kStages> st_k, st_v;  // carried across tiles, like the producer's
-  int tiles_done = 0;                 // tiles that loaded Q (q_full phases)
-
   // Ping-pong: each GEMM issue point waits for this warpgroup's turn, issues, hands the turn
   // over. Both warpgroups issue equally often on every tile, so the alternation runs on across
-  // tiles: one warpgroup's epilogue hides under the other's GEMMs. WG1 gives WG0 the first turn;
-  // WG0 takes WG1's last hand-over after the loop, so no arrival is left pending at exit.
-  auto turn_wait = [&] {
+  // tiles. WG1 gives WG0 the first turn; WG0 takes WG1's last hand-over after the loop, so no
+  // arrival is left pending at exit.
+  const bool pingpong = params.pingpong;
+  const FwdBarrier my_turn = wg == 0 ? FwdBarrier::TurnWG0 : FwdBarrier::TurnWG1;
+  const FwdBarrier their_turn = wg == 0 ? FwdBarrier::TurnWG1 : FwdBarrier::TurnWG0;
+  auto turn_wait = [&]() FLASHATTN_INLINE {
     if (pingpong) named_sync(my_turn, 256);
   };
-  auto turn_pass = [&] {
+  auto turn_pass = [&]() FLASHATTN_INLINE {
     if (pingpong) named_arrive(their_turn, 256);
   };
   if (pingpong && wg == 1) named_arrive(FwdBarrier::TurnWG0, 256);
-#pragma unroll 1
-  for (int round = 0; int64_t(round) * gridDim.x < params.num_tiles; ++round) {
-    const int64_t tile = tile_of_round(round);
-    if (tile >= params.num_tiles) continue;
-    const WorkTile t = decode_tile(params, int(tile));
-    const int n_blocks = t.n_blocks();
-    const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;  // first query row of this WG
-    OnlineSoftmax<kRows> softmax;
-    clear(tOrO);
 
-    // Softcap and masks, then the online softmax step; `factor` rescales O.
-    float factor[kRows];
-    auto softmax_step = [&](int n) {
-      if (params.softcap) {
-#pragma unroll
-        for (int i = 0; i < size(tSrS); ++i) tSrS(i) = tanhf(tSrS(i) * params.softcap_pre);
-      }
-      if (params.keys.template block_needs_mask<kBlockN>(n, row0, row0 + kRowsPerWG)) {
-        // Accumulator column c of this thread is key 8·(c/2) + c%2 + 2·(tid%4) of the block: a
-        // compile-time offset plus a per-thread one, so each test is one compare.
-        const int thread_col = 2 * (tid % 4);
-#pragma unroll
-        for (int r = 0; r < size<0>(rowcol_S); ++r) {
-          const int row = row0 + get<0>(rowcol_cS(r, 0));
-          const int lo = params.keys.lo(row) - n * kBlockN - thread_col;
-          const int hi = params.keys.hi(row) - n * kBlockN - thread_col;
-#pragma unroll
-          for (int c = 0; c < size<1>(rowcol_S); ++c) {
-            const int col = 8 * (c / 2) + c % 2;
-            if (col < lo || col >= hi) rowcol_S(r, c) = -INFINITY;
-          }
-        }
-      }
-      softmax.step(rowcol_S, params.scale_log2, factor);
-    };
+  OnlineSoftmax<kRows> softmax;
+  float factor[kRows];  // what O is rescaled by after a softmax step
 
-    if (n_blocks > 0) {
-      Barrier::wait(&smem.q_full, tiles_done & 1);
-      if constexpr (Traits::kIntraWGOverlap) {
-        // Prologue: S for the first block visited.
-        smem.pipe_k.consumer_wait(st_k);
-        turn_wait();
-        gemm_qk(st_k.index);
-        turn_pass();
-        warpgroup_wait<0>();
-        smem.pipe_k.consumer_release(st_k);
-        st_k.advance();
-        softmax_step(t.n_max - 1);
-        convert_p();
-#pragma unroll 1
-        for (int n = t.n_max - 2; n >= t.n_min; --n) {
-          smem.pipe_k.consumer_wait(st_k);
-          smem.pipe_v.consumer_wait(st_v);
-          turn_wait();
-          gemm_qk(st_k.index);
-          gemm_pv(st_v.index);
-          turn_pass();
-          warpgroup_wait<1>();  // S of block n is ready; P·V of the previous block still runs
-          smem.pipe_k.consumer_release(st_k);
-          st_k.advance();
-          softmax_step(n);
-          warpgroup_wait<0>();
-          smem.pipe_v.consumer_release(st_v);
-          st_v.advance();
-          scale_rows(rowcol_O, factor);
-          convert_p();
-        }
-        release_q();
-        smem.pipe_v.consumer_wait(st_v);
-        turn_wait();
-        gemm_pv(st_v.index);
-        turn_pass();
-        warpgroup_wait<0>();
-        smem.pipe_v.consumer_release(st_v);
-        st_v.advance();
-      } else {
-#pragma unroll 1
-        for (int n = t.n_max - 1; n >= t.n_min; --n) {
-          smem.pipe_k.consumer_wait(st_k);
-          turn_wait();
-          gemm_qk(st_k.index);
-          warpgroup_wait<0>();
-          smem.pipe_k.consumer_release(st_k);
-          st_k.advance();
-          softmax_step(n);
-          scale_rows(rowcol_O, factor);
-          convert_p();
-          smem.pipe_v.consumer_wait(st_v);
-          gemm_pv(st_v.index);
-          turn_pass();
-          warpgroup_wait<0>();
-          smem.pipe_v.consumer_release(st_v);
-          st_v.advance();
-        }
-        release_q();
-      }
-      ++tiles_done;
+  // Softcap and masks, then the online softmax step on S of key block n for rows from row0.
+  auto softmax_step = [&](int n, int row0) FLASHATTN_INLINE {
+    if (params.softcap) {
+#pragma unroll
+      for (int i = 0; i < size(tSrS); ++i) tSrS(i) = tanhf(tSrS(i) * params.softcap_pre);
     }
+    if (params.keys.template block_needs_mask<kBlockN>(n, row0, row0 + kRowsPerWG)) {
+      // Accumulator column c of this thread is key 8·(c/2) + c%2 + 2·(tid%4) of the block: a
+      // compile-time offset plus a per-thread one, so each test is one compare.
+      const int thread_col = 2 * (tid % 4);
+#pragma unroll
+      for (int r = 0; r < size<0>(rowcol_S); ++r) {
+        const int row = row0 + get<0>(rowcol_cS(r, 0));
+        const int lo = params.keys.lo(row) - n * kBlockN - thread_col;
+        const int hi = params.keys.hi(row) - n * kBlockN - thread_col;
+#pragma unroll
+        for (int c = 0; c < size<1>(rowcol_S); ++c) {
+          const int col = 8 * (c / 2) + c % 2;
+          if (col < lo || col >= hi) rowcol_S(r, c) = -INFINITY;
+        }
+      }
+    }
+    softmax.step(rowcol_S, params.scale_log2, factor);
+  };
 
-    // ---------------- epilogue ----------------
-    float inv_sum[kRows], lse[kRows];
-    softmax.finalize(params.scale_log2, inv_sum, lse);
+  // Epilogue of tile t: O·inv_sum and the LSE, straight from registers; rows past seqlen_q are
+  // skipped. Each thread holds pairs of adjacent columns, stored as one 32-bit word.
+  auto store_tile = [&](const WorkTile& t, const float (&inv_sum)[kRows],
+                        const float (&lse)[kRows]) FLASHATTN_INLINE {
+    const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;
     scale_rows(rowcol_O, inv_sum);
-
     // LSE: the thread holding column 0 of a row's quad writes it.
     if (get<1>(rowcol_cO(0, 0)) == 0) {
 #pragma unroll
@@ -464,10 +387,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           params.lse[(int64_t(t.batch) * params.heads_q + t.head) * params.seqlen_q + row] = lse[r];
       }
     }
-
-    // O straight from registers: each thread holds pairs of adjacent columns, stored as one
-    // 32-bit word; rows past seqlen_q are skipped. (Going through shared memory would hold the
-    // Q buffer, and with it the next tile's Q load, until the store had read it.)
     Tensor rO = convert_fragment<Element>(tOrO);
     Tensor rowcol_rO = make_tensor(rO.data(), acc_rowcol(rO.layout()));
     Element* o = params.o + t.batch * params.o_batch_stride + t.head * params.o_head_stride;
@@ -485,7 +404,143 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + col) = pair;
       }
     }
+  };
+
+  PipelineState<kStages> st_k, st_v;  // carried across tiles, like the producer's
+  PipelineState<kQStages> st_q;
+  // Cross-tile overlap: the tile whose last P·V is not issued yet (its P is in tOrP).
+  bool pending = false;
+  WorkTile pending_tile{};
+  auto finish_pending = [&]() FLASHATTN_INLINE {
+    smem.pipe_v.consumer_wait(st_v);
+    turn_wait();
+    gemm_pv(st_v.index);
+    turn_pass();
+    warpgroup_wait<0>();
+    smem.pipe_v.consumer_release(st_v);
+    st_v.advance();
+    float inv_sum[kRows], lse[kRows];
+    softmax.finalize(params.scale_log2, inv_sum, lse);
+    store_tile(pending_tile, inv_sum, lse);
+    pending = false;
+  };
+
+#pragma unroll 1
+  for (int round = 0; int64_t(round) * gridDim.x < params.num_tiles; ++round) {
+    const int64_t tile = tile_of_round(round);
+    if (tile >= params.num_tiles) continue;
+    const WorkTile t = decode_tile(params, int(tile));
+    const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;  // first query row of this WG
+
+    if (t.n_blocks() == 0) {  // no key for any row: O = 0, LSE = +inf
+      if (pending) finish_pending();
+      softmax = OnlineSoftmax<kRows>();
+      clear(tOrO);
+      float inv_sum[kRows], lse[kRows];
+      softmax.finalize(params.scale_log2, inv_sum, lse);
+      store_tile(t, inv_sum, lse);
+      continue;
+    }
+
+    smem.pipe_q.consumer_wait(st_q);
+    if constexpr (Traits::kIntraWGOverlap) {
+      // First block of the tile, with the last P·V of the tile before when one is pending. The
+      // two paths share no GEMM in flight (ptxas would serialize the WGMMAs of a join).
+      auto release_k_first = [&]() FLASHATTN_INLINE {
+        smem.pipe_k.consumer_release(st_k);
+        st_k.advance();
+        if (t.n_blocks() == 1) {  // also the tile's last Q·Kᵀ
+          smem.pipe_q.consumer_release(st_q);
+          st_q.advance();
+        }
+        softmax = OnlineSoftmax<kRows>();
+      };
+      smem.pipe_k.consumer_wait(st_k);
+      if (pending) {
+        smem.pipe_v.consumer_wait(st_v);
+        turn_wait();
+        gemm_qk(st_q.index, st_k.index);
+        gemm_pv(st_v.index);
+        turn_pass();
+        warpgroup_wait<1>();
+        float inv_sum[kRows], lse[kRows];
+        softmax.finalize(params.scale_log2, inv_sum, lse);  // the tile before: all keys seen
+        release_k_first();
+        softmax_step(t.n_max - 1, row0);
+        warpgroup_wait<0>();
+        smem.pipe_v.consumer_release(st_v);
+        st_v.advance();
+        store_tile(pending_tile, inv_sum, lse);
+        pending = false;
+      } else {
+        turn_wait();
+        gemm_qk(st_q.index, st_k.index);
+        turn_pass();
+        warpgroup_wait<0>();
+        release_k_first();
+        softmax_step(t.n_max - 1, row0);
+      }
+      clear(tOrO);
+      convert_p();
+#pragma unroll 1
+      for (int n = t.n_max - 2; n >= t.n_min; --n) {
+        smem.pipe_k.consumer_wait(st_k);
+        smem.pipe_v.consumer_wait(st_v);
+        turn_wait();
+        gemm_qk(st_q.index, st_k.index);
+        gemm_pv(st_v.index);
+        turn_pass();
+        warpgroup_wait<1>();  // S of block n is ready; P·V of the previous block still runs
+        smem.pipe_k.consumer_release(st_k);
+        st_k.advance();
+        if (n == t.n_min) {  // the tile's last Q·Kᵀ: its Q buffer may take a later tile's Q
+          smem.pipe_q.consumer_release(st_q);
+          st_q.advance();
+        }
+        softmax_step(n, row0);
+        warpgroup_wait<0>();
+        smem.pipe_v.consumer_release(st_v);
+        st_v.advance();
+        scale_rows(rowcol_O, factor);
+        convert_p();
+      }
+      pending = true;
+      pending_tile = t;
+      if constexpr (!Traits::kCrossTileOverlap) finish_pending();
+    } else {
+      // The ablation's loop: each block's GEMMs wait on its softmax; ping-pong turns per GEMM.
+      softmax = OnlineSoftmax<kRows>();
+      clear(tOrO);
+#pragma unroll 1
+      for (int n = t.n_max - 1; n >= t.n_min; --n) {
+        smem.pipe_k.consumer_wait(st_k);
+        turn_wait();
+        gemm_qk(st_q.index, st_k.index);
+        turn_pass();
+        warpgroup_wait<0>();
+        smem.pipe_k.consumer_release(st_k);
+        st_k.advance();
+        if (n == t.n_min) {
+          smem.pipe_q.consumer_release(st_q);
+          st_q.advance();
+        }
+        softmax_step(n, row0);
+        scale_rows(rowcol_O, factor);
+        convert_p();
+        smem.pipe_v.consumer_wait(st_v);
+        turn_wait();
+        gemm_pv(st_v.index);
+        turn_pass();
+        warpgroup_wait<0>();
+        smem.pipe_v.consumer_release(st_v);
+        st_v.advance();
+      }
+      float inv_sum[kRows], lse[kRows];
+      softmax.finalize(params.scale_log2, inv_sum, lse);
+      store_tile(t, inv_sum, lse);
+    }
   }
+  if (pending) finish_pending();
   if (pingpong && wg == 0) turn_wait();
 #endif
 }

@@ -61,7 +61,7 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   auto q = gmem_tensor<Traits>(static_cast<Element const*>(p.q.ptr), p.q, p.seqlen_q, p.heads_q, p.batch);
   auto k = gmem_tensor<Traits>(static_cast<Element const*>(p.k.ptr), p.k, p.seqlen_k, p.heads_kv, p.batch);
   auto v = gmem_tensor<Traits>(static_cast<Element const*>(p.v.ptr), p.v, p.seqlen_k, p.heads_kv, p.batch);
-  params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutQ{},
+  params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, take<0, 2>(typename Traits::SmemLayoutQ{}),
                                typename Traits::TileQ{}, _1{});
   params.tma_k = make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutK{}),
                                typename Traits::TileKV{}, _1{});
@@ -112,11 +112,9 @@ flashattn_result_t run_fwd_tiled(const flashattn_params_t& p, FwdOptions o, cuda
   using Masked = FwdTileMasked<kHeadDim>;
   if constexpr (Masked::kBlockN != Tile::kBlockN) {
     if (key_range(p).window_right >= 0 || (p.sm90_flags & FLASHATTN_SM90_NARROW_KEY_BLOCKS))
-      return run_fwd<FwdTraits<Element, kHeadDim, Masked::kBlockN, Masked::kStages, true>>(
-          p, o.pingpong, stream);
+      return run_fwd<FwdTraits<Element, kHeadDim, Masked, true>>(p, o.pingpong, stream);
   }
-  return run_fwd<FwdTraits<Element, kHeadDim, Tile::kBlockN, Tile::kStages, true>>(p, o.pingpong,
-                                                                                  stream);
+  return run_fwd<FwdTraits<Element, kHeadDim, Tile, true>>(p, o.pingpong, stream);
 }
 
 }  // namespace flashattn::sm90
