@@ -42,7 +42,7 @@ typedef enum {
 typedef enum {
   FLASHATTN_SM90_NO_PINGPONG = 1,
   FLASHATTN_SM90_NO_INTRA_WG_OVERLAP = 2,
-  FLASHATTN_SM90_PERSISTENT_CAUSAL = 4,  // persistent zig-zag schedule also for causal/windows
+  FLASHATTN_SM90_PERSISTENT_CAUSAL = 4,  // persistent schedule also for causal/windows
   FLASHATTN_SM90_NARROW_KEY_BLOCKS = 8,  // the causal tile (128 keys at d64/d128) for every call
 } flashattn_sm90_flag_t;
 

@@ -4,7 +4,7 @@
 //! peers are timed, median of the runs; the host's enqueue time per call is reported beside.
 //! Each shape is also checked on sampled rows against the f64 reference (`pass`).
 //!
-//! Usage: bench_table [--quick] [--out results.json] [--commit SHA]
+//! Usage: bench_table [--quick] [--only D,S[,causal]] [--out results.json] [--commit SHA]
 
 use std::sync::Arc;
 
@@ -192,6 +192,17 @@ fn main() {
     ] {
         plan.push((d, 8192, causal, no_pingpong));
     }
+    // --only D,S[,causal]: one shape with the default schedule (for profilers).
+    if let Some(only) = arg("--only") {
+        let f: Vec<&str> = only.split(',').collect();
+        let num = |i: usize| f.get(i).and_then(|x| x.parse::<usize>().ok());
+        let (Some(d), Some(s)) = (num(0), num(1)) else {
+            eprintln!("--only takes D,S[,causal]");
+            std::process::exit(2)
+        };
+        plan = vec![(d, s, f.get(2) == Some(&"causal"), full)];
+    }
+
     let mut rows = vec![];
     for (d, s, causal, schedule) in plan {
         let shape = [TOKENS / s, s, HIDDEN / d, d];

@@ -29,8 +29,9 @@ impl Backend {
 /// Scheduling switches of the Hopper forward kernel. Turning `pingpong` or `intra_wg_overlap`
 /// off reproduces the FlashAttention-3 paper's ablation (ping-pong between consumer warpgroups;
 /// overlap of the next block's Q·Kᵀ with the current softmax inside a warpgroup).
-/// `persistent_causal` runs causal/windowed calls on the persistent zig-zag schedule (the
-/// default: measured faster at d64/d128, even at d256); off, one CTA per tile.
+/// `persistent_causal` runs causal/windowed calls on the persistent schedule (the default: one
+/// CTA per SM, each taking pairs of a head's heaviest and lightest query blocks); off, one CTA
+/// per pair.
 /// `narrow_key_blocks` uses the causal tile (128-key blocks at d64/d128) for every call; it is
 /// also taken by itself when seqlen_k ≤ 1024, where it was measured faster.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -108,6 +108,7 @@ struct FwdParams {
   float* lse;  // (batch, heads_q, seqlen_q)
   int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
   int num_m_blocks, num_tiles;
+  int tiles_per_unit;  // 1, or 2 with a right bound on the keys (see decode_tile)
   KeyRange keys;
   float scale_log2;   // scale·log2(e), or softcap·log2(e) when softcap is on
   float softcap_pre;  // scale/softcap when softcap is on (scores become tanh(s·scale/softcap))
@@ -140,42 +141,49 @@ __device__ auto convert_fragment(Frag const& src) {
   return out;
 }
 
-// The persistent schedule: CTA b takes one tile per round (tile_of_round). A tile is one 128-row query
-// block of one (batch, head). Without a right bound on the keys, query blocks of one head are
-// neighbours (their K/V stay in L2); with one (causal), the last query blocks, which see the
-// most keys, come first.
+// The schedule. A tile is one 128-row query block of one (batch, head); a work unit is
+// tiles_per_unit consecutive tiles, and CTA b of G takes units b, b + G, b + 2G, ... Tiles of one
+// head are neighbours, so the CTAs running at one time share few heads' K/V in L2. Without a
+// right bound on the keys every tile costs the same: one tile per unit, query blocks in order.
+// With one (causal), query block m sees about m + 1 key blocks: a unit is two tiles, the head's
+// heaviest block left with its lightest (M−1 with 0, M−2 with 1, ...), so that every unit costs
+// about M + 1 blocks and a static share is a balanced one.
 struct WorkTile {
   int m_block, head, batch;
   int n_min, n_max;  // key blocks visited, last to first
   __device__ int n_blocks() const { return n_max > n_min ? n_max - n_min : 0; }
 };
 
-// Tile of CTA blockIdx.x in round r: r·G + b on even rounds, r·G + G−1−b on odd ones (G CTAs).
-// With tiles numbered heaviest first (causal), the zig-zag pairs a CTA's heavy tiles with light
-// ones, so that static shares stay balanced. Past num_tiles: nothing this round.
-__device__ inline int64_t tile_of_round(int round) {
-  const int64_t base = int64_t(round) * gridDim.x;
-  return base + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
-}
-
 template <class Traits>
 __device__ WorkTile decode_tile(const FwdParams<Traits>& p, int tile) {
   WorkTile t;
-  const int bh = p.heads_q * p.batch;
-  int rest;
-  if (p.keys.window_right >= 0) {
-    t.m_block = p.num_m_blocks - 1 - tile / bh;
-    rest = tile % bh;
-  } else {
-    t.m_block = tile % p.num_m_blocks;
-    rest = tile / p.num_m_blocks;
-  }
+  const int i = tile % p.num_m_blocks;  // position within the head's tiles
+  const int rest = tile / p.num_m_blocks;
+  t.m_block = p.tiles_per_unit == 1 ? i : (i % 2 == 0 ? p.num_m_blocks - 1 - i / 2 : i / 2);
   t.head = rest % p.heads_q;
   t.batch = rest / p.heads_q;
   p.keys.template blocks<Traits::kBlockN>(t.m_block * Traits::kBlockM,
                                           (t.m_block + 1) * Traits::kBlockM, t.n_min, t.n_max);
   return t;
 }
+
+// The tiles of this CTA's units, in order.
+template <class Traits>
+struct TileWalk {
+  const FwdParams<Traits>& p;
+  int64_t unit = blockIdx.x;
+  int step = 0;  // tile within the unit
+  __device__ bool next(int& tile) {
+    const int64_t t = unit * p.tiles_per_unit + step;
+    if (t >= p.num_tiles) return false;  // later units start later still
+    if (++step == p.tiles_per_unit) {
+      step = 0;
+      unit += gridDim.x;
+    }
+    tile = int(t);
+    return true;
+  }
+};
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
@@ -224,11 +232,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     PipelineState<kStages> st;
     PipelineState<kQStages> st_q;
+    int tile;
 #pragma unroll 1
-    for (int round = 0; int64_t(round) * gridDim.x < params.num_tiles; ++round) {
-      const int64_t tile = tile_of_round(round);
-      if (tile >= params.num_tiles) continue;
-      const WorkTile t = decode_tile(params, int(tile));
+    for (TileWalk<Traits> walk{params}; walk.next(tile);) {
+      const WorkTile t = decode_tile(params, tile);
       if (t.n_blocks() == 0) continue;  // the consumers zero-fill it alone
       const int head_kv = t.head / (params.heads_q / params.heads_kv);
       Tensor tKgK = group_modes<0, 3>(cta_k.partition_S(local_tile(
@@ -425,11 +432,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     pending = false;
   };
 
+  int tile;
 #pragma unroll 1
-  for (int round = 0; int64_t(round) * gridDim.x < params.num_tiles; ++round) {
-    const int64_t tile = tile_of_round(round);
-    if (tile >= params.num_tiles) continue;
-    const WorkTile t = decode_tile(params, int(tile));
+  for (TileWalk<Traits> walk{params}; walk.next(tile);) {
+    const WorkTile t = decode_tile(params, tile);
     const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;  // first query row of this WG
 
     if (t.n_blocks() == 0) {  // no key for any row: O = 0, LSE = +inf

@@ -91,15 +91,13 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   auto kernel = fwd_kernel<Traits>;
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
   FLASHATTN_TRY_CUDA(allow_dynamic_smem<Traits>(kernel, smem_bytes));
-  // Persistent: one CTA per SM (shared memory allows no more) walking its share of tiles. With a
-  // right bound on the keys (causal) tile costs differ; one CTA per tile, heaviest first, lets the
-  // hardware block scheduler balance them as a dynamic longest-first scheduler would, unless the
-  // caller asks for the persistent zig-zag schedule.
+  // Persistent: one CTA per SM (shared memory allows no more) walking its share of the work
+  // units (see decode_tile); on request, with a right bound on the keys, one CTA per unit.
   const bool uniform = params.keys.window_right < 0;
+  params.tiles_per_unit = uniform ? 1 : 2;
+  const int units = (params.num_tiles + params.tiles_per_unit - 1) / params.tiles_per_unit;
   const bool persistent = uniform || (p.sm90_flags & FLASHATTN_SM90_PERSISTENT_CAUSAL);
-  const int ctas = persistent && p.sm_count > 0 && p.sm_count < params.num_tiles
-                       ? p.sm_count
-                       : params.num_tiles;
+  const int ctas = persistent && p.sm_count > 0 && p.sm_count < units ? p.sm_count : units;
   kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
   return check_launch();
 }
