@@ -12,17 +12,22 @@ struct KeyRange {
   int seqlen_q, seqlen_k;
   int window_left, window_right;  // -1 = unbounded
 
+  // 32-bit throughout (64-bit index math cost the d256 kernel registers it spilled): with
+  // 0 <= row < seqlen_q, diag = row + seqlen_k - seqlen_q lies in [-seqlen_q, seqlen_k), and each
+  // window is compared against the distance to the bound before it is added.
+
   // First visible key of row `row` (may exceed seqlen_k: then the row sees nothing).
   __host__ __device__ int lo(int row) const {
     if (window_left < 0) return 0;
-    int64_t v = int64_t(row) + seqlen_k - seqlen_q - window_left;
-    return v < 0 ? 0 : (v > seqlen_k ? seqlen_k : int(v));
+    const int diag = row + (seqlen_k - seqlen_q);
+    return diag <= window_left ? 0 : diag - window_left;  // in (0, seqlen_k)
   }
   // One past the last visible key of row `row`.
   __host__ __device__ int hi(int row) const {
     if (window_right < 0) return seqlen_k;
-    int64_t v = int64_t(row) + seqlen_k - seqlen_q + window_right + 1;
-    return v < 0 ? 0 : (v > seqlen_k ? seqlen_k : int(v));
+    const int diag = row + (seqlen_k - seqlen_q);
+    if (window_right >= seqlen_k - 1 - diag) return seqlen_k;
+    return diag + window_right + 1 < 0 ? 0 : diag + window_right + 1;
   }
 
   // Key blocks [n_min, n_max) that rows [row_begin, row_end) touch; empty when n_max <= n_min.
