@@ -1,10 +1,10 @@
 //! GPU forward TFLOP/s on the headline shapes of DESIGN.md §5 (total tokens 16384, hidden 2048,
 //! seqlen 512…16384, head dim 64/128/256, causal and not, bf16), plus the FlashAttention-3
-//! ablation at d128 s8192. CUDA events around each launch, queued behind the warm-up as the
+//! ablation at d128 s8192, and the FlashAttention-2-style (sm80) kernels on the same shapes. CUDA events around each launch, queued behind the warm-up as the
 //! peers are timed, median of the runs; the host's enqueue time per call is reported beside.
 //! Each shape is also checked on sampled rows against the f64 reference (`pass`).
 //!
-//! Usage: bench_table [--quick] [--only D,S[,causal]] [--out results.json] [--commit SHA]
+//! Usage: bench_table [--quick] [--only D,S[,causal][,sm80]] [--out results.json] [--commit SHA]
 
 use std::sync::Arc;
 
@@ -31,6 +31,7 @@ struct Row {
     d: usize,
     seqlen: usize,
     causal: bool,
+    backend: Backend,
     schedule: Sm90Schedule,
     ms: f64,
     ms_p10: f64,
@@ -162,13 +163,22 @@ fn main() {
     for &d in &[64, 128, 256] {
         for &causal in &[false, true] {
             for &s in seqlens {
-                plan.push((d, s, causal, full));
+                plan.push((Backend::Sm90, d, s, causal, full));
+            }
+        }
+    }
+    // The FlashAttention-2-style kernels on the same shapes (forced: Hopper would take sm90).
+    for &d in &[64, 128, 256] {
+        for &causal in &[false, true] {
+            for &s in seqlens {
+                plan.push((Backend::Sm80, d, s, causal, full));
             }
         }
     }
     // The ablation of the FA3 paper at d128 s8192 non-causal, and ping-pong off elsewhere.
     for (pingpong, intra_wg_overlap) in [(false, true), (true, false), (false, false)] {
         plan.push((
+            Backend::Sm90,
             128,
             8192,
             false,
@@ -190,25 +200,30 @@ fn main() {
         (256, false),
         (256, true),
     ] {
-        plan.push((d, 8192, causal, no_pingpong));
+        plan.push((Backend::Sm90, d, 8192, causal, no_pingpong));
     }
-    // --only D,S[,causal]: one shape with the default schedule (for profilers).
+    // --only D,S[,causal][,sm80]: one shape with the default schedule (for profilers).
     if let Some(only) = arg("--only") {
         let f: Vec<&str> = only.split(',').collect();
         let num = |i: usize| f.get(i).and_then(|x| x.parse::<usize>().ok());
         let (Some(d), Some(s)) = (num(0), num(1)) else {
-            eprintln!("--only takes D,S[,causal]");
+            eprintln!("--only takes D,S[,causal][,sm80]");
             std::process::exit(2)
         };
-        plan = vec![(d, s, f.get(2) == Some(&"causal"), full)];
+        let backend = if f.contains(&"sm80") {
+            Backend::Sm80
+        } else {
+            Backend::Sm90
+        };
+        plan = vec![(backend, d, s, f.contains(&"causal"), full)];
     }
 
     let mut rows = vec![];
-    for (d, s, causal, schedule) in plan {
+    for (backend, d, s, causal, schedule) in plan {
         let shape = [TOKENS / s, s, HIDDEN / d, d];
         let cfg = AttentionConfig::new()
             .causal(causal)
-            .backend(Backend::Sm90)
+            .backend(backend)
             .sm90_schedule(schedule);
         let (times, host_us) = time_forward(
             &dev,
@@ -235,6 +250,7 @@ fn main() {
             d,
             seqlen: s,
             causal,
+            backend,
             schedule,
             ms,
             ms_p10: pct(0.1),
@@ -245,8 +261,8 @@ fn main() {
             pass: err_ratio <= 1.0,
         };
         println!(
-            "sm90 fwd d{:<3} s{:<5} causal={:<5} pingpong={:<5} overlap={:<5} persistent_causal={:<5} {:8.3} ms (p10 {:.3}, p90 {:.3})  {:6.1} TFLOP/s  host {:.1} us/call  err ratio {:.3} {}",
-            d, s, causal, schedule.pingpong, schedule.intra_wg_overlap, schedule.persistent_causal, ms, row.ms_p10, row.ms_p90,
+            "{} fwd d{:<3} s{:<5} causal={:<5} pingpong={:<5} overlap={:<5} persistent_causal={:<5} {:8.3} ms (p10 {:.3}, p90 {:.3})  {:6.1} TFLOP/s  host {:.1} us/call  err ratio {:.3} {}",
+            backend.name(), d, s, causal, schedule.pingpong, schedule.intra_wg_overlap, schedule.persistent_causal, ms, row.ms_p10, row.ms_p90,
             tflops, host_us, err_ratio, if row.pass { "pass" } else { "FAIL" }
         );
         rows.push(row);
@@ -277,8 +293,8 @@ fn main() {
                 }
             };
             json.push_str(&format!(
-                "  {{\"impl\": \"flashattn-sm90\", \"backend\": \"sm90\", \"dtype\": \"bf16\", \"d\": {}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}, \"host_us_per_call\": {:.1}{}}}{}\n",
-                r.d, r.seqlen, r.seqlen, TOKENS / r.seqlen, HIDDEN / r.d, HIDDEN / r.d, r.causal,
+                "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}, \"host_us_per_call\": {:.1}{}}}{}\n",
+                r.backend.name(), r.backend.name(), r.d, r.seqlen, r.seqlen, TOKENS / r.seqlen, HIDDEN / r.d, HIDDEN / r.d, r.causal,
                 r.pass, r.err_ratio, r.tflops, r.ms, r.ms_p10, r.ms_p90, r.host_us, variant,
                 if i + 1 < rows.len() { "," } else { "" }
             ));

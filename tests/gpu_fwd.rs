@@ -284,6 +284,52 @@ fn sweep(head_dim: usize) -> Vec<Case> {
     cases
 }
 
+// The FlashAttention-2-style kernels, forced on whatever GPU runs the tests (sm_80 and later).
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_fwd_d64_bf16() {
+    run_all::<bf16>(&sweep(64), Backend::Sm80, "sm80 d64 bf16");
+}
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_fwd_d128_bf16() {
+    run_all::<bf16>(&sweep(128), Backend::Sm80, "sm80 d128 bf16");
+}
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_fwd_d256_bf16() {
+    run_all::<bf16>(&sweep(256), Backend::Sm80, "sm80 d256 bf16");
+}
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_fwd_d64_f16() {
+    run_all::<f16>(&sweep(64), Backend::Sm80, "sm80 d64 f16");
+}
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_fwd_d128_f16() {
+    run_all::<f16>(&sweep(128), Backend::Sm80, "sm80 d128 f16");
+}
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_fwd_d256_f16() {
+    run_all::<f16>(&sweep(256), Backend::Sm80, "sm80 d256 f16");
+}
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_fwd_sanitizer_set() {
+    let cases = [
+        Case::new(17, 113, 64, false),
+        Case::new(130, 70, 128, true),
+        Case {
+            heads_q: 4,
+            heads_kv: 2,
+            ..Case::new(65, 200, 256, false)
+        },
+    ];
+    run_all::<bf16>(&cases, Backend::Sm80, "sm80 sanitizer set");
+}
+
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn sm90_fwd_d64_bf16() {

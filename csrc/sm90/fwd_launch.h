@@ -4,10 +4,9 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cmath>
-#include <cstdint>
 
+#include "../common/launch.h"
 #include "../common/status.h"
 #include "../flash_api.h"
 #include "fwd_instantiations.h"
@@ -27,31 +26,6 @@ auto gmem_tensor(Ptr ptr, const flashattn_tensor_t& t, int seqlen, int heads, in
                      make_stride(tma_stride(t.row_stride, seqlen, d), _1{},
                                  tma_stride(t.head_stride, heads, d),
                                  tma_stride(t.batch_stride, batch, d)));
-}
-
-// Windows wider than both sequences are unbounded; causal is a window with right = 0.
-inline KeyRange key_range(const flashattn_params_t& p) {
-  KeyRange keys{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-  const int64_t span = int64_t(p.seqlen_q) + p.seqlen_k;
-  if (keys.window_left >= span) keys.window_left = -1;
-  if (keys.window_right >= span) keys.window_right = -1;
-  if (p.causal) keys.window_right = 0;
-  return keys;
-}
-
-// Opts the kernel into more than 48 KiB of dynamic shared memory once per device: the attribute
-// sticks to the function, and setting it costs a driver round trip that every call would pay.
-template <class Traits, class Kernel>
-cudaError_t allow_dynamic_smem(Kernel kernel, int smem_bytes) {
-  static std::atomic<uint64_t> devices_done{0};  // bit d: device ordinal d is set up
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
-  if (bit != 0 && (devices_done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  cudaError_t e =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  if (e == cudaSuccess) devices_done.fetch_or(bit, std::memory_order_release);
-  return e;
 }
 
 template <class Traits>

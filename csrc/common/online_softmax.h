@@ -1,0 +1,84 @@
+// Online softmax over accumulator fragments viewed as (rows, cols) per thread, for every
+// kernel family whose MMA layout spreads a row over the 4 threads of a quad (WGMMA on sm90,
+// mma.sync on sm80): the row max is reduced with two shuffles; the row sum stays per thread
+// until `finalize`. Scores enter as raw Q·Kᵀ values (or tanh-capped ones); `scale_log2` folds
+// the softmax scale and log2(e) so that each element costs one FFMA and one EX2.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cmath>
+
+namespace flashattn {
+
+using namespace cute;
+
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];
+  float row_sum[kRows];
+
+  __device__ OnlineSoftmax() {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      row_max[r] = -INFINITY;
+      row_sum[r] = 0.f;
+    }
+  }
+
+  __device__ static float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+  }
+  __device__ static float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+  }
+
+  // Replaces the scores in `s` (rows x cols) by exp2(s·c − max·c), updates max and sum, and
+  // returns in `factor` what the running output must be multiplied by.
+  template <class Tensor>
+  __device__ void step(Tensor& s, float scale_log2, float (&factor)[kRows]) {
+    static_assert(decltype(size<0>(s))::value == kRows);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float m = row_max[r];
+#pragma unroll
+      for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
+      m = quad_max(m);
+      // A row that has seen only masked scores keeps max -inf: use 0 so that exp2 gives 0s
+      // instead of NaN.
+      const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+      factor[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
+      row_max[r] = m;
+      float sum = 0.f;
+#pragma unroll
+      for (int c = 0; c < size<1>(s); ++c) {
+        s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled);
+        sum += s(r, c);
+      }
+      row_sum[r] = row_sum[r] * factor[r] + sum;
+    }
+  }
+
+  // 1/sum per row (0 for rows that saw no key) and the natural-log LSE (+inf for those rows,
+  // so that a backward pass computes exp(s − lse) = 0).
+  __device__ void finalize(float scale_log2, float (&inv_sum)[kRows], float (&lse)[kRows]) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = quad_sum(row_sum[r]);
+      const bool empty = sum == 0.f || sum != sum;
+      inv_sum[r] = empty ? 0.f : 1.f / sum;
+      lse[r] = empty ? INFINITY : (row_max[r] * scale_log2 + log2f(sum)) * float(M_LN2);
+    }
+  }
+};
+
+template <class Tensor, int kRows>
+__device__ void scale_rows(Tensor& t, const float (&factor)[kRows]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int c = 0; c < size<1>(t); ++c) t(r, c) *= factor[r];
+}
+
+}  // namespace flashattn

@@ -1,0 +1,12 @@
+// sm80 forward, head dim 64, bf16.
+#include <cutlass/bfloat16.h>
+
+#include "fwd_launch.h"
+
+namespace flashattn::sm80 {
+
+flashattn_result_t run_fwd_d64_bf16(const flashattn_params_t& p, cudaStream_t stream) {
+  return run_fwd<cutlass::bfloat16_t, 64>(p, stream);
+}
+
+}  // namespace flashattn::sm80

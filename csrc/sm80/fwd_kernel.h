@@ -1,0 +1,316 @@
+// The FlashAttention-2-style forward kernel (sm_80 and later: mma.sync, ldmatrix, cp.async).
+//
+// One CTA computes a kBlockM-row tile of O for one (batch, head); its warps split the rows (16
+// per MMA atom), so every row's softmax stays inside one warp (a quad of lanes) and no
+// cross-warp reduction is needed. Key blocks are walked last to first, so that only the first
+// block visited needs the sequence-end mask. Q, K and V come by cp.async into 128-byte swizzled
+// shared memory (rows past the sequence zero-filled); while S = Q·Kᵀ runs on one key block the
+// block's V lands, and while O += P·V runs the next block's K lands. Fragments come from shared
+// memory by ldmatrix (transposed for V). Online softmax with exp2 and one division at the end;
+// O and LSE straight from registers.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include "../common/block_range.h"
+#include "../common/online_softmax.h"
+
+namespace flashattn::sm80 {
+
+using namespace cute;
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * 32;
+  static_assert(kHeadDim % 64 == 0 && kBlockM % (16 * kWarps) == 0 && kBlockN % 16 == 0);
+
+  using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
+                                   SM80_16x8x16_F32F16F16F32_TN, SM80_16x8x16_F32BF16BF16F32_TN>;
+  // Warps stacked along M; each repeats down the tile (kBlockM / (16·kWarps) atoms per warp).
+  using TiledMma = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<kWarps>, _1, _1>>,
+                            Tile<Int<16 * kWarps>, _16, _16>>;
+
+  // Rows of 64 elements (128 bytes) in 8-row swizzled atoms: ldmatrix reads without bank
+  // conflicts, cp.async writes 16 bytes per thread.
+  using SmemAtom = decltype(composition(Swizzle<3, 3, 3>{},
+                                        Layout<Shape<_8, _64>, Stride<_64, _1>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // Vᵀ as the (head_dim, kBlockN) B operand of P·V: the same bytes, read with ldmatrix.trans.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+
+  // Global -> shared: 8 threads per 64-element row, 16 bytes each.
+  using GmemCopy = decltype(make_tiled_copy(
+      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{},
+      Layout<Shape<Int<kThreads / 8>, _8>, Stride<_8, _1>>{}, Layout<Shape<_1, _8>>{}));
+  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+
+  struct SharedStorage {
+    ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
+    ArrayEngine<Element, cosize_v<SmemLayoutKV>> k;
+    ArrayEngine<Element, cosize_v<SmemLayoutKV>> v;
+  };
+};
+
+struct FwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;  // (batch, heads_q, seqlen_q)
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
+  int num_m_blocks;
+  KeyRange keys;
+  float scale_log2;   // scale·log2(e), or softcap·log2(e) when softcap is on
+  float softcap_pre;  // scale/softcap when softcap is on
+  bool softcap;
+};
+
+// mma.sync accumulator ((2 cols, 2 rows), MMA_M, MMA_N) -> (rows, cols) = ((2, MMA_M), (2, MMA_N)).
+template <class Layout>
+__device__ constexpr auto acc_rowcol(Layout l) {
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<2>(l)));
+}
+
+// The accumulator of S as the A operand of P·V (m16n8k16): two neighbouring n8 atoms of S are
+// one k16 slice of P. ((2,2), MMA_M, MMA_N) -> ((2,2,2), MMA_M, MMA_N/2), storage unchanged.
+template <class Layout>
+__device__ constexpr auto acc_as_operand_a(Layout l) {
+  auto split = logical_divide(l, Shape<Underscore, Underscore, _2>{});
+  return make_layout(make_layout(get<0, 0>(split), get<0, 1>(split), get<2, 0>(split)),
+                     get<1>(split), get<2, 1>(split));
+}
+
+// Global -> shared of a (rows, head_dim) tile whose rows at and past `rows_left` lie outside the
+// sequence: those are zero-filled, so that masked keys multiply zeros, never stale bytes.
+template <class TiledCopy, class Src, class Dst, class Coord>
+__device__ void copy_rows(TiledCopy const& tiled_copy, Src const& src, Dst& dst,
+                          Coord const& coord, int rows_left) {
+#pragma unroll
+  for (int m = 0; m < size<1>(dst); ++m) {
+    if (get<0>(coord(0, m, 0)) < rows_left) {
+      copy(tiled_copy, src(_, m, _), dst(_, m, _));
+    } else {
+      clear(dst(_, m, _));
+    }
+  }
+}
+
+// acc += A·B over the K extent, A and B from shared memory, the next k slice's ldmatrix issued
+// before the current slice's MMAs.
+template <class Mma, class RA, class RB, class SA, class SB, class CopyA, class CopyB, class Acc>
+__device__ void gemm_smem(Mma& mma, Acc& acc, RA& rA, RB& rB, SA const& sA, SB const& sB,
+                          CopyA const& copy_a, CopyB const& copy_b) {
+  auto rA_view = copy_a.get_thread_slice(threadIdx.x).retile_D(rA);
+  auto rB_view = copy_b.get_thread_slice(threadIdx.x).retile_D(rB);
+  copy(copy_a, sA(_, _, 0), rA_view(_, _, 0));
+  copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
+#pragma unroll
+  for (int k = 0; k < size<2>(rA); ++k) {
+    if (k + 1 < size<2>(rA)) {
+      copy(copy_a, sA(_, _, k + 1), rA_view(_, _, k + 1));
+      copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
+    }
+    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+// acc += A·B with A already in registers (P), B from shared memory one k slice at a time (a
+// second slice in flight would not fit beside the O accumulator at d128).
+template <class Mma, class RA, class RB, class SB, class CopyB, class Acc>
+__device__ void gemm_reg_smem(Mma& mma, Acc& acc, RA const& rA, RB& rB, SB const& sB,
+                              CopyB const& copy_b) {
+  auto rB_view = copy_b.get_thread_slice(threadIdx.x).retile_D(rB);
+#pragma unroll
+  for (int k = 0; k < size<2>(rA); ++k) {
+    copy(copy_b, sB(_, _, k), rB_view(_, _, k));
+    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads)
+    fwd_kernel(__grid_constant__ const FwdParams params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  using SharedStorage = typename Traits::SharedStorage;
+  extern __shared__ __align__(128) char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  // Heaviest tiles first when a right bound on the keys (causal) makes costs differ: blocks
+  // are scheduled in index order.
+  const int m_block = params.keys.window_right >= 0 ? params.num_m_blocks - 1 - blockIdx.x
+                                                    : blockIdx.x;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int head_kv = head / (params.heads_q / params.heads_kv);
+  const int tid = threadIdx.x;
+  const int row_begin = m_block * kBlockM;
+  int n_min, n_max;
+  params.keys.template blocks<kBlockN>(row_begin, row_begin + kBlockM, n_min, n_max);
+
+  auto gmem = [&](const void* ptr, int64_t b_stride, int64_t h_stride, int64_t row_stride, int h,
+                  int seqlen) {
+    auto base = static_cast<const Element*>(ptr) + batch * b_stride + h * h_stride;
+    return make_tensor(make_gmem_ptr(base), make_shape(seqlen, Int<kHeadDim>{}),
+                       make_stride(row_stride, _1{}));
+  };
+  Tensor mQ = gmem(params.q, params.q_batch_stride, params.q_head_stride, params.q_row_stride,
+                   head, params.seqlen_q);
+  Tensor mK = gmem(params.k, params.k_batch_stride, params.k_head_stride, params.k_row_stride,
+                   head_kv, params.seqlen_k);
+  Tensor mV = gmem(params.v, params.v_batch_stride, params.v_head_stride, params.v_row_stride,
+                   head_kv, params.seqlen_k);
+  Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  // The first key block visited; the copies step one block back per iteration by moving the
+  // pointer (per-block slices would keep a 64-bit address per copy alive across the loop).
+  Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_max - 1, 0));
+  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_max - 1, 0));
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutVt{});
+
+  typename Traits::GmemCopy gmem_copy;
+  auto thr_gmem = gmem_copy.get_thread_slice(tid);
+  Tensor tQgQ = thr_gmem.partition_S(gQ);
+  Tensor tQsQ = thr_gmem.partition_D(sQ);
+  Tensor tKgK = thr_gmem.partition_S(gK);  // (CPY, CPY_N, CPY_K)
+  Tensor tKsK = thr_gmem.partition_D(sK);
+  Tensor tVgV = thr_gmem.partition_S(gV);
+  Tensor tVsV = thr_gmem.partition_D(sV);
+  // Row coordinates of each thread's copies, for the sequence-end predicate.
+  Tensor tQcQ = thr_gmem.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVc = thr_gmem.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+
+  typename Traits::TiledMma mma;
+  auto thr_mma = mma.get_thread_slice(tid);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVt);
+  Tensor tOrO = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor tSrS = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+
+  auto copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma);
+  auto copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma);
+  auto copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma);
+  Tensor tSsQ = copy_q.get_thread_slice(tid).partition_S(sQ);
+  Tensor tSsK = copy_k.get_thread_slice(tid).partition_S(sK);
+  Tensor tOsVt = copy_v.get_thread_slice(tid).partition_S(sVt);
+
+  Tensor rowcol_S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+  Tensor rowcol_O = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
+  Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor rowcol_cS = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor rowcol_cO = make_tensor(cO.data(), acc_rowcol(cO.layout()));
+  constexpr int kRows = decltype(size<0>(rowcol_S))::value;
+
+  OnlineSoftmax<kRows> softmax;
+  clear(tOrO);
+
+  if (n_max > n_min) {
+    copy_rows(gmem_copy, tQgQ, tQsQ, tQcQ, params.seqlen_q - row_begin);
+    int n = n_max - 1;
+    const int64_t k_step = int64_t(kBlockN) * params.k_row_stride;
+    const int64_t v_step = int64_t(kBlockN) * params.v_row_stride;
+    copy_rows(gmem_copy, tKgK, tKsK, tKVc, params.seqlen_k - n * kBlockN);
+    cp_async_fence();
+
+    float factor[kRows];
+#pragma unroll 1
+    for (; n >= n_min; --n) {
+      cp_async_wait<0>();
+      __syncthreads();  // K(n) and Q landed; every warp is done with V(n+1)
+      copy_rows(gmem_copy, tVgV, tVsV, tKVc, params.seqlen_k - n * kBlockN);
+      cp_async_fence();
+      tVgV.data() = tVgV.data() + (-v_step);
+
+      clear(tSrS);
+      gemm_smem(mma, tSrS, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k);
+      if (params.softcap) {
+#pragma unroll
+        for (int i = 0; i < size(tSrS); ++i) tSrS(i) = tanhf(tSrS(i) * params.softcap_pre);
+      }
+      if (params.keys.template block_needs_mask<kBlockN>(n, row_begin, row_begin + kBlockM)) {
+#pragma unroll
+        for (int r = 0; r < size<0>(rowcol_S); ++r) {
+          const int row = row_begin + get<0>(rowcol_cS(r, 0));
+          const int lo = params.keys.lo(row) - n * kBlockN;
+          const int hi = params.keys.hi(row) - n * kBlockN;
+#pragma unroll
+          for (int c = 0; c < size<1>(rowcol_S); ++c) {
+            const int col = get<1>(rowcol_cS(r, c));
+            if (col < lo || col >= hi) rowcol_S(r, c) = -INFINITY;
+          }
+        }
+      }
+      softmax.step(rowcol_S, params.scale_log2, factor);
+      scale_rows(rowcol_O, factor);
+
+      cp_async_wait<0>();
+      __syncthreads();  // V(n) landed; every warp is done with K(n)
+      if (n > n_min) {
+        tKgK.data() = tKgK.data() + (-k_step);
+        copy_rows(gmem_copy, tKgK, tKsK, tKVc, params.seqlen_k - (n - 1) * kBlockN);
+        cp_async_fence();
+      }
+
+      // P in Element, register for register, then viewed as the A operand.
+      constexpr int N = decltype(size(tSrS))::value;
+      cutlass::NumericArrayConverter<Element, float, N> convert;
+      auto rP = make_tensor<Element>(tSrS.layout());
+      *reinterpret_cast<cutlass::Array<Element, N>*>(rP.data()) =
+          convert(*reinterpret_cast<cutlass::Array<float, N> const*>(tSrS.data()));
+      Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+      gemm_reg_smem(mma, tOrO, tOrP, tOrVt, tOsVt, copy_v);
+    }
+  }
+
+  // ---------------- epilogue: O·(1/sum) and LSE, straight from registers ----------------
+  float inv_sum[kRows], lse[kRows];
+  softmax.finalize(params.scale_log2, inv_sum, lse);
+  scale_rows(rowcol_O, inv_sum);
+  if (tid % 4 == 0) {  // the thread holding column 0 of its rows' quads
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = row_begin + get<0>(rowcol_cO(r, 0));
+      if (row < params.seqlen_q)
+        params.lse[(int64_t(batch) * params.heads_q + head) * params.seqlen_q + row] = lse[r];
+    }
+  }
+  Element* o = static_cast<Element*>(params.o) + batch * params.o_batch_stride +
+               head * params.o_head_stride;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = row_begin + get<0>(rowcol_cO(r, 0));
+    if (row >= params.seqlen_q) continue;
+    Element* o_row = o + row * params.o_row_stride;
+#pragma unroll
+    for (int c = 0; c < size<1>(rowcol_O); c += 2) {  // columns c, c+1 are neighbours
+      cutlass::Array<Element, 2> pair;
+      pair[0] = Element(rowcol_O(r, c));
+      pair[1] = Element(rowcol_O(r, c + 1));
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + get<1>(rowcol_cO(r, c))) = pair;
+    }
+  }
+}
+
+}  // namespace flashattn::sm80

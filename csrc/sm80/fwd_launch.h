@@ -1,0 +1,62 @@
+// Host side of the sm80 forward: kernel params from the C ABI params, then the launch.
+// Included by one small .cu per (head dim, dtype) instantiation.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+
+#include "../common/launch.h"
+#include "../common/status.h"
+#include "../flash_api.h"
+#include "fwd_instantiations.h"
+#include "fwd_kernel.h"
+
+namespace flashattn::sm80 {
+
+template <class Element, int kHeadDim>
+flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
+  using Tile = FwdTile<kHeadDim>;
+  using Traits = FwdTraits<Element, kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kWarps>;
+  // Grid (query blocks, heads, batch): y and z stop at 65535.
+  if (p.heads_q > 65535 || p.batch > 65535) return status(FLASHATTN_UNSUPPORTED);
+  FwdParams params;
+  params.q = p.q.ptr;
+  params.k = p.k.ptr;
+  params.v = p.v.ptr;
+  params.o = p.o.ptr;
+  params.lse = p.lse;
+  params.q_batch_stride = p.q.batch_stride;
+  params.q_row_stride = p.q.row_stride;
+  params.q_head_stride = p.q.head_stride;
+  params.k_batch_stride = p.k.batch_stride;
+  params.k_row_stride = p.k.row_stride;
+  params.k_head_stride = p.k.head_stride;
+  params.v_batch_stride = p.v.batch_stride;
+  params.v_row_stride = p.v.row_stride;
+  params.v_head_stride = p.v.head_stride;
+  params.o_batch_stride = p.o.batch_stride;
+  params.o_row_stride = p.o.row_stride;
+  params.o_head_stride = p.o.head_stride;
+  params.batch = p.batch;
+  params.heads_q = p.heads_q;
+  params.heads_kv = p.heads_kv;
+  params.seqlen_q = p.seqlen_q;
+  params.seqlen_k = p.seqlen_k;
+  params.num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  params.keys = key_range(p);
+  const float log2e = float(M_LOG2E);
+  params.softcap = p.softcap > 0.f;
+  params.softcap_pre = params.softcap ? p.softmax_scale / p.softcap : 0.f;
+  params.scale_log2 = params.softcap ? p.softcap * log2e : p.softmax_scale * log2e;
+
+  auto kernel = fwd_kernel<Traits>;
+  const int smem_bytes = sizeof(typename Traits::SharedStorage);
+  FLASHATTN_TRY_CUDA(allow_dynamic_smem<Traits>(kernel, smem_bytes));
+  const dim3 grid(params.num_m_blocks, p.heads_q, p.batch);
+  kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(params);
+  return check_launch();
+}
+
+}  // namespace flashattn::sm80
