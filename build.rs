@@ -3,7 +3,8 @@
 //!    compiler from PyPI into a cache outside the repository;
 //! 2. unpack the pinned CUTLASS headers (cutlass/fetch.py, sha256-verified);
 //! 3. compile every csrc/**/*.cu with nvcc (flags from the `cc` crate plus ours), two at a time,
-//!    caching each object under a hash of its source, the headers, the flags and the compiler;
+//!    caching each object under a hash of its source, the csrc headers it includes, the flags
+//!    and the compiler;
 //! 4. archive the objects, link cudart statically, and generate the FFI with bindgen.
 //!
 //! Knobs: FLASHATTN_CACHE_DIR (default ~/.cache/flashattn), FLASHATTN_NVCC_JOBS (default 2),
@@ -218,6 +219,43 @@ mod cuda {
         cmd
     }
 
+    /// The csrc headers `src` reaches through quoted `#include`s (resolved against the including
+    /// file's directory), sorted; system and CUTLASS headers (angle brackets) are covered by the
+    /// compiler id and the CUTLASS pin.
+    fn included_headers(src: &Path, headers: &[PathBuf]) -> Vec<PathBuf> {
+        let mut seen: Vec<PathBuf> = Vec::new();
+        let mut stack = vec![src.to_path_buf()];
+        while let Some(file) = stack.pop() {
+            let text = fs::read_to_string(&file).unwrap_or_default();
+            let dir = file.parent().unwrap_or(Path::new("."));
+            for line in text.lines() {
+                let Some(rest) = line.trim_start().strip_prefix("#include") else {
+                    continue;
+                };
+                let Some(name) = rest
+                    .trim()
+                    .strip_prefix('"')
+                    .and_then(|r| r.split('"').next())
+                else {
+                    continue;
+                };
+                let Ok(path) = dir.join(name).canonicalize() else {
+                    continue;
+                };
+                if headers
+                    .iter()
+                    .any(|h| h.canonicalize().ok().as_ref() == Some(&path))
+                    && !seen.contains(&path)
+                {
+                    seen.push(path.clone());
+                    stack.push(path);
+                }
+            }
+        }
+        seen.sort();
+        seen
+    }
+
     fn compile_all(
         nvcc: &Path,
         csrc: &Path,
@@ -240,10 +278,6 @@ mod cuda {
         let mut shared = Sha256::new();
         shared.update(compiler_id.as_bytes());
         shared.update(fs::read(cutlass_include.join(".pin")).unwrap_or_default());
-        for h in headers {
-            shared.update(h.to_string_lossy().as_bytes());
-            shared.update(fs::read(h).unwrap());
-        }
 
         // One job per translation unit: (source, command without its file arguments, object, log).
         let mut jobs = Vec::new();
@@ -261,6 +295,11 @@ mod cuda {
             let mut hasher = shared.clone();
             hasher.update(format!("{cmd:?}").as_bytes());
             hasher.update(fs::read(src).unwrap());
+            // Only the csrc headers this unit includes: a header change rebuilds its users only.
+            for h in included_headers(src, headers) {
+                hasher.update(h.to_string_lossy().as_bytes());
+                hasher.update(fs::read(&h).unwrap());
+            }
             let hash: String = hasher
                 .finalize()
                 .iter()

@@ -8,13 +8,15 @@
 
 namespace flashattn::sm80 {
 
-// Per head dim: query rows and keys per block, warps (16 query rows per warp and MMA atom), as
-// FlashAttention-2 on A100. Shared memory Q + K + V: d64 16 + 16 + 16 = 48 KiB, d128 32 + 16 + 16
-// = 64 KiB, d256 64 + 32 + 32 = 128 KiB. Registers: S (kBlockM·kBlockN) and O (kBlockM·d)
-// accumulators over the CTA's threads, ≤ 255 per thread with no local memory (ptxas report).
+// Per head dim: query rows and keys per block, warps (16 query rows per warp and MMA atom; four
+// warps give each warp two row atoms, so every K/V fragment feeds two MMAs). Registers bound the
+// key block: the S (kBlockM·kBlockN) and O (kBlockM·d) accumulators over the CTA's threads plus
+// fragments must fit 255 per thread with no local memory (ptxas: d64 128×64 and d128 128×32
+// none; d128 128×64 spilled 144–500 bytes, d64 128×128 884). Shared memory Q + K + V: d64
+// 16 + 8 + 8 = 32 KiB, d128 32 + 8 + 8 = 48 KiB, d256 64 + 32 + 32 = 128 KiB.
 template <int kHeadDim> struct FwdTile;
-template <> struct FwdTile<64> { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 4; };
-template <> struct FwdTile<128> { static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4; };
+template <> struct FwdTile<64> { static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4; };
+template <> struct FwdTile<128> { static constexpr int kBlockM = 128, kBlockN = 32, kWarps = 4; };
 template <> struct FwdTile<256> { static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 8; };
 
 #define FLASHATTN_SM80_FWD(D, DTYPE) \

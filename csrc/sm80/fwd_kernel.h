@@ -245,11 +245,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
       clear(tSrS);
       gemm_smem(mma, tSrS, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k);
-      if (params.softcap) {
+      // Softcap and masks in their own copy of the code: folded into the common path, ptxas
+      // predicates them and issues them on every block.
+      auto cap_and_mask = [&]() {
+        if (params.softcap) {
 #pragma unroll
-        for (int i = 0; i < size(tSrS); ++i) tSrS(i) = tanhf(tSrS(i) * params.softcap_pre);
-      }
-      if (params.keys.template block_needs_mask<kBlockN>(n, row_begin, row_begin + kBlockM)) {
+          for (int i = 0; i < size(tSrS); ++i) tSrS(i) = fast_tanh(tSrS(i) * params.softcap_pre);
+        }
 #pragma unroll
         for (int r = 0; r < size<0>(rowcol_S); ++r) {
           const int row = row_begin + get<0>(rowcol_cS(r, 0));
@@ -261,8 +263,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
             if (col < lo || col >= hi) rowcol_S(r, c) = -INFINITY;
           }
         }
+        softmax.step(rowcol_S, params.scale_log2, factor);
+      };
+      if (params.softcap ||
+          params.keys.template block_needs_mask<kBlockN>(n, row_begin, row_begin + kBlockM)) {
+        cap_and_mask();
+      } else {
+        softmax.step(rowcol_S, params.scale_log2, factor);
       }
-      softmax.step(rowcol_S, params.scale_log2, factor);
       scale_rows(rowcol_O, factor);
 
       cp_async_wait<0>();

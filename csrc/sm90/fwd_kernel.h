@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto softmax_step = [&](int n, int row0) FLASHATTN_INLINE {
     if (params.softcap) {
 #pragma unroll
-      for (int i = 0; i < size(tSrS); ++i) tSrS(i) = tanhf(tSrS(i) * params.softcap_pre);
+      for (int i = 0; i < size(tSrS); ++i) tSrS(i) = fast_tanh(tSrS(i) * params.softcap_pre);
     }
     if (params.keys.template block_needs_mask<kBlockN>(n, row0, row0 + kRowsPerWG)) {
       // Accumulator column c of this thread is key 8·(c/2) + c%2 + 2·(tid%4) of the block: a
