@@ -8,7 +8,8 @@
 //! 4. archive the objects, link cudart statically, and generate the FFI with bindgen.
 //!
 //! Knobs: FLASHATTN_CACHE_DIR (default ~/.cache/flashattn), FLASHATTN_NVCC_JOBS (default 2),
-//! FLASHATTN_PTXAS_VERBOSE=1 (print ptxas resource reports), LIBCLANG_PATH.
+//! FLASHATTN_PTXAS_VERBOSE=1 (print ptxas resource reports), FLASHATTN_SM80_ARCH (machine code of
+//! the FlashAttention-2 family for that arch alone, see sm80_gencode), LIBCLANG_PATH.
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
@@ -48,12 +49,18 @@ mod cuda {
         "-gencode=arch=compute_90a,code=sm_90a",
         "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
     ];
-    // sm_80 machine code for Ampere/Ada, sm_90 machine code so the fallback runs (and is tested)
-    // on Hopper too.
-    const SM80_GENCODE: &[&str] = &[
-        "-gencode=arch=compute_80,code=sm_80",
-        "-gencode=arch=compute_90,code=sm_90",
-    ];
+    // The FlashAttention-2 family: sm_80 machine code for Ampere/Ada and compute_80 PTX, which
+    // the driver compiles for any later GPU (Hopper included) at first use and caches.
+    // FLASHATTN_SM80_ARCH=90 (or another arch) builds machine code for that arch alone instead:
+    // the device bundle uses it so that test runs on the H200 spend no time in the JIT.
+    fn sm80_gencode() -> Vec<String> {
+        match env::var("FLASHATTN_SM80_ARCH") {
+            Ok(arch) if !arch.is_empty() => {
+                vec![format!("-gencode=arch=compute_{arch},code=sm_{arch}")]
+            }
+            _ => vec!["-gencode=arch=compute_80,code=[sm_80,compute_80]".to_string()],
+        }
+    }
 
     pub fn build() {
         for var in [
@@ -62,6 +69,7 @@ mod cuda {
             "FLASHATTN_CACHE_DIR",
             "FLASHATTN_NVCC_JOBS",
             "FLASHATTN_PTXAS_VERBOSE",
+            "FLASHATTN_SM80_ARCH",
             "LIBCLANG_PATH",
         ] {
             println!("cargo:rerun-if-env-changed={var}");
@@ -201,7 +209,12 @@ mod cuda {
     /// The nvcc command for one translation unit. The `cc` crate names the host C++ compiler
     /// (CXX, or the platform default) so nvcc uses the one cargo would; the flags are ours, so no
     /// -G or relocatable device code sneaks in whatever the cargo profile.
-    fn nvcc_command(nvcc: &Path, cutlass_include: &Path, csrc: &Path, gencode: &[&str]) -> Command {
+    fn nvcc_command(
+        nvcc: &Path,
+        cutlass_include: &Path,
+        csrc: &Path,
+        gencode: &[String],
+    ) -> Command {
         let host = cc::Build::new()
             .cpp(true)
             .cargo_metadata(false)
@@ -283,12 +296,12 @@ mod cuda {
         let mut jobs = Vec::new();
         for src in sources {
             let rel = src.strip_prefix(csrc).unwrap();
-            let gencode = if rel.starts_with("sm90") {
-                SM90_GENCODE
+            let gencode: Vec<String> = if rel.starts_with("sm90") {
+                SM90_GENCODE.iter().map(|s| s.to_string()).collect()
             } else {
-                SM80_GENCODE
+                sm80_gencode()
             };
-            let mut cmd = nvcc_command(nvcc, cutlass_include, csrc, gencode);
+            let mut cmd = nvcc_command(nvcc, cutlass_include, csrc, &gencode);
             if verbose {
                 cmd.arg("-Xptxas=-v");
             }

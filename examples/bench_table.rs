@@ -25,6 +25,9 @@ struct Inputs {
     dev: [CudaSlice<bf16>; 3],
     out: CudaSlice<bf16>,
     lse: CudaSlice<f32>,
+    /// dO and the gradients, for the backward rows.
+    dout: CudaSlice<bf16>,
+    grads: [CudaSlice<bf16>; 3],
 }
 
 struct Row {
@@ -38,6 +41,8 @@ struct Row {
     ms_p90: f64,
     host_us: f64,
     tflops: f64,
+    bwd_ms: Option<f64>,
+    bwd_tflops: Option<f64>,
     err_ratio: f64,
     pass: bool,
 }
@@ -92,6 +97,59 @@ fn time_forward(
         .collect();
     times.sort_by(|a, b| a.partial_cmp(b).unwrap());
     (times, host_us)
+}
+
+/// Backward timing as `time_forward`, after one forward that leaves O and LSE in `inp`.
+fn time_backward(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    inp: &mut Inputs,
+    cfg: &AttentionConfig,
+    shape: [usize; 4],
+    reps: usize,
+) -> Vec<f64> {
+    let layout = Layout::contiguous(shape);
+    let n = layout.span(flashattn::Operand::Q).unwrap();
+    let run = |inp: &mut Inputs| {
+        let [q, k, v] = &inp.dev;
+        let t = |x: &CudaSlice<bf16>| DeviceTensor::new(x.slice(..n), layout);
+        let [dq, dk, dv] = &mut inp.grads;
+        dev.backward_into(
+            stream,
+            cfg,
+            &t(q),
+            &t(k),
+            &t(v),
+            &t(&inp.out),
+            &t(&inp.dout),
+            &inp.lse.slice(..),
+            &mut DeviceTensorMut::new(dq.slice_mut(..n), layout),
+            &mut DeviceTensorMut::new(dk.slice_mut(..n), layout),
+            &mut DeviceTensorMut::new(dv.slice_mut(..n), layout),
+        )
+        .expect("backward");
+    };
+    for _ in 0..3 {
+        run(inp);
+    }
+    let mut events = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let start = stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap();
+        run(inp);
+        let end = stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap();
+        events.push((start, end));
+    }
+    stream.synchronize().unwrap();
+    let mut times: Vec<f64> = events
+        .iter()
+        .map(|(start, end)| start.elapsed_ms(end).unwrap() as f64)
+        .collect();
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    times
 }
 
 /// Error ratio on sampled rows of the last output (rule of DESIGN.md §4).
@@ -150,6 +208,12 @@ fn main() {
         lse: stream
             .clone_htod(&vec![f32::NAN; TOKENS * HIDDEN / 64])
             .unwrap(),
+        dout: upload(&gen()),
+        grads: [
+            stream.clone_htod(&vec![bf16::NAN; n]).unwrap(),
+            stream.clone_htod(&vec![bf16::NAN; n]).unwrap(),
+            stream.clone_htod(&vec![bf16::NAN; n]).unwrap(),
+        ],
         host,
     };
 
@@ -246,6 +310,18 @@ fn main() {
         };
         let tflops = problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
         let err_ratio = check(&stream, &inp, &cfg, shape);
+        // The backward of the kernels that have one (its correctness: tests/gpu_bwd.rs).
+        let bwd_ms = (backend == Backend::Sm80).then(|| {
+            let t = time_backward(
+                &dev,
+                &stream,
+                &mut inp,
+                &cfg,
+                shape,
+                if quick { 10 } else { 20 },
+            );
+            t[t.len() / 2]
+        });
         let row = Row {
             d,
             seqlen: s,
@@ -257,6 +333,8 @@ fn main() {
             ms_p90: pct(0.9),
             host_us,
             tflops,
+            bwd_ms,
+            bwd_tflops: bwd_ms.map(|ms| 2.5 * problem.forward_flops(causal) / (ms * 1e-3) / 1e12),
             err_ratio,
             pass: err_ratio <= 1.0,
         };
@@ -265,6 +343,12 @@ fn main() {
             backend.name(), d, s, causal, schedule.pingpong, schedule.intra_wg_overlap, schedule.persistent_causal, ms, row.ms_p10, row.ms_p90,
             tflops, host_us, err_ratio, if row.pass { "pass" } else { "FAIL" }
         );
+        if let (Some(ms), Some(tf)) = (row.bwd_ms, row.bwd_tflops) {
+            println!(
+                "{} bwd d{d:<3} s{s:<5} causal={causal:<5} {ms:8.3} ms  {tf:6.1} TFLOP/s",
+                backend.name()
+            );
+        }
         rows.push(row);
     }
 
@@ -293,9 +377,13 @@ fn main() {
                 }
             };
             json.push_str(&format!(
-                "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}, \"host_us_per_call\": {:.1}{}}}{}\n",
+                "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}, \"host_us_per_call\": {:.1}{}{}}}{}\n",
                 r.backend.name(), r.backend.name(), r.d, r.seqlen, r.seqlen, TOKENS / r.seqlen, HIDDEN / r.d, HIDDEN / r.d, r.causal,
                 r.pass, r.err_ratio, r.tflops, r.ms, r.ms_p10, r.ms_p90, r.host_us, variant,
+                match (r.bwd_tflops, r.bwd_ms) {
+                    (Some(tf), Some(ms)) => format!(", \"bwd_tflops\": {tf:.1}, \"bwd_ms\": {ms:.4}"),
+                    _ => String::new(),
+                },
                 if i + 1 < rows.len() { "," } else { "" }
             ));
         }

@@ -230,6 +230,114 @@ impl Device {
     }
 }
 
+impl Device {
+    /// Backward pass into caller-owned device gradients, ordered on `stream`: recomputes P from
+    /// `lse` (the forward's, f32 (batch, heads_q, seqlen_q), packed) and writes dQ (shaped like
+    /// Q), dK and dV (shaped like K and V). The f32 workspace is allocated on `stream` and freed
+    /// in stream order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_into<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        out: &DeviceTensor<T>,
+        dout: &DeviceTensor<T>,
+        lse: &CudaView<f32>,
+        dq: &mut DeviceTensorMut<T>,
+        dk: &mut DeviceTensorMut<T>,
+        dv: &mut DeviceTensorMut<T>,
+    ) -> Result<Plan> {
+        for (operand, layout, len) in [
+            (Operand::Q, &q.layout, q.data.len()),
+            (Operand::K, &k.layout, k.data.len()),
+            (Operand::V, &v.layout, v.data.len()),
+            (Operand::Out, &out.layout, out.data.len()),
+            (Operand::DOut, &dout.layout, dout.data.len()),
+            (Operand::DQ, &dq.layout, dq.data.len()),
+            (Operand::DK, &dk.layout, dk.data.len()),
+            (Operand::DV, &dv.layout, dv.data.len()),
+        ] {
+            check_len(operand, layout, len)?;
+        }
+        let problem = Problem::from_layouts(&q.layout, &k.layout, &v.layout, T::DTYPE)?;
+        for (operand, layout, shape) in [
+            (Operand::Out, &out.layout, problem.q_shape()),
+            (Operand::DOut, &dout.layout, problem.q_shape()),
+            (Operand::DQ, &dq.layout, problem.q_shape()),
+            (Operand::DK, &dk.layout, problem.kv_shape()),
+            (Operand::DV, &dv.layout, problem.kv_shape()),
+        ] {
+            Problem::expect_shape(operand, layout, shape)?;
+        }
+        problem.check_lse_len(lse.len())?;
+        problem.check_index_width(&[
+            (Operand::Q, &q.layout),
+            (Operand::K, &k.layout),
+            (Operand::V, &v.layout),
+            (Operand::Out, &out.layout),
+            (Operand::DOut, &dout.layout),
+            (Operand::DQ, &dq.layout),
+            (Operand::DK, &dk.layout),
+            (Operand::DV, &dv.layout),
+        ])?;
+        let plan = self.plan(Op::Backward, &problem, cfg)?;
+        self.ctx.bind_to_thread().map_err(driver_error)?;
+        let workspace_bytes = gpu::bwd_workspace_bytes(&problem);
+        // SAFETY: the kernels zero what they accumulate into and write the rest before reading.
+        let mut workspace = unsafe { stream.alloc::<u8>(workspace_bytes) }.map_err(driver_error)?;
+
+        let (q_ptr, _q_guard) = q.data.device_ptr(stream);
+        let (k_ptr, _k_guard) = k.data.device_ptr(stream);
+        let (v_ptr, _v_guard) = v.data.device_ptr(stream);
+        let (o_ptr, _o_guard) = out.data.device_ptr(stream);
+        let (do_ptr, _do_guard) = dout.data.device_ptr(stream);
+        let (lse_ptr, _lse_guard) = lse.device_ptr(stream);
+        let (dq_ptr, _dq_guard) = dq.data.device_ptr_mut(stream);
+        let (dk_ptr, _dk_guard) = dk.data.device_ptr_mut(stream);
+        let (dv_ptr, _dv_guard) = dv.data.device_ptr_mut(stream);
+        let (ws_ptr, _ws_guard) = workspace.device_ptr_mut(stream);
+        let raw = |ptr, layout| RawTensor { ptr, layout };
+        let ops = gpu::BackwardOperands {
+            q: raw(q_ptr, q.layout),
+            k: raw(k_ptr, k.layout),
+            v: raw(v_ptr, v.layout),
+            out: raw(o_ptr, out.layout),
+            dout: raw(do_ptr, dout.layout),
+            dq: raw(dq_ptr, dq.layout),
+            dk: raw(dk_ptr, dk.layout),
+            dv: raw(dv_ptr, dv.layout),
+            lse: lse_ptr,
+            workspace: ws_ptr,
+            workspace_bytes,
+        };
+        let size = std::mem::size_of::<T>();
+        for (operand, t) in [
+            (Operand::Q, &ops.q),
+            (Operand::K, &ops.k),
+            (Operand::V, &ops.v),
+            (Operand::Out, &ops.out),
+            (Operand::DOut, &ops.dout),
+            (Operand::DQ, &ops.dq),
+            (Operand::DK, &ops.dk),
+            (Operand::DV, &ops.dv),
+        ] {
+            gpu::check_alignment(operand, t, size)?;
+        }
+        gpu::backward(
+            plan.backend,
+            &problem,
+            cfg,
+            self.info.sm_count,
+            &ops,
+            stream.cu_stream() as *mut std::ffi::c_void,
+        )?;
+        Ok(plan)
+    }
+}
+
 /// Result of the toolchain self-test.
 #[derive(Clone, Debug)]
 pub struct SelfTestReport {

@@ -131,6 +131,66 @@ pub(crate) fn forward(
     ffi::check(r, backend.name(), "forward")
 }
 
+/// Bytes of workspace the backward needs (layout in csrc/sm80/bwd_instantiations.h, which
+/// refuses a smaller one): f32 dQ accumulator, rowsum(dO ∘ O), and with GQA f32 dK and dV sums,
+/// each padded to 256 bytes.
+pub(crate) fn bwd_workspace_bytes(problem: &Problem) -> usize {
+    let align = |x: usize| x.div_ceil(256) * 256;
+    let rows_q = problem.batch * problem.heads_q * problem.seqlen_q;
+    let rows_k = problem.batch * problem.heads_kv * problem.seqlen_k;
+    let d = problem.head_dim;
+    let gqa = problem.heads_q != problem.heads_kv;
+    align(rows_q * d * 4) + align(rows_q * 4) + if gqa { 2 * align(rows_k * d * 4) } else { 0 }
+}
+
+/// Operands of a backward launch: forward inputs and output, dO, and the gradients to write.
+pub(crate) struct BackwardOperands {
+    pub q: RawTensor,
+    pub k: RawTensor,
+    pub v: RawTensor,
+    pub out: RawTensor,
+    pub dout: RawTensor,
+    pub dq: RawTensor,
+    pub dk: RawTensor,
+    pub dv: RawTensor,
+    pub lse: u64,
+    pub workspace: u64,
+    pub workspace_bytes: usize,
+}
+
+/// Launches the backward of `backend` on `stream` (a CUstream).
+pub(crate) fn backward(
+    backend: Backend,
+    problem: &Problem,
+    cfg: &AttentionConfig,
+    sm_count: i32,
+    ops: &BackwardOperands,
+    stream: *mut std::ffi::c_void,
+) -> Result<()> {
+    let mut p = base_params(problem, cfg, sm_count);
+    p.q = ops.q.to_ffi();
+    p.k = ops.k.to_ffi();
+    p.v = ops.v.to_ffi();
+    p.o = ops.out.to_ffi();
+    p.dout = ops.dout.to_ffi();
+    p.dq = ops.dq.to_ffi();
+    p.dk = ops.dk.to_ffi();
+    p.dv = ops.dv.to_ffi();
+    p.lse = ops.lse as *mut f32;
+    p.workspace = ops.workspace as *mut std::ffi::c_void;
+    p.workspace_bytes = ops.workspace_bytes as i64;
+    // SAFETY: every pointer was taken from a live cudarc buffer whose guard outlives this call,
+    // its layout was checked against the buffer length, and the workspace holds
+    // bwd_workspace_bytes(problem) bytes.
+    let r = unsafe {
+        match backend {
+            Backend::Sm90 => ffi::flashattn_bwd_sm90(&p, stream),
+            _ => ffi::flashattn_bwd_sm80(&p, stream),
+        }
+    };
+    ffi::check(r, backend.name(), "backward")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

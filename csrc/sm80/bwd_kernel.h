@@ -1,0 +1,399 @@
+// The FlashAttention-2-style backward kernels (sm_80 and later: mma.sync, ldmatrix, cp.async).
+//
+// preprocess: D = rowsum(dO ∘ O) per query row (f32), one warp per row.
+// main:       one CTA per (key block, head, batch) keeps its K and V blocks in shared memory and
+//             its dK, dV accumulators in registers, and walks the query blocks that see its keys:
+//               S = Q·Kᵀ, dP = dO·Vᵀ (recomputed), P = exp(S·scale − LSE), dS = P ∘ (dP − D),
+//               dV += Pᵀ·dO, dK += dSᵀ·Q   (P and dS through shared memory, read transposed),
+//               dQ += dS·K                  (f32 atomics into the workspace).
+//             dK·scale and dV go straight to the caller's tensors, or, when several query heads
+//             share a KV head (GQA), into f32 workspace sums by atomics.
+// postprocess: dQ (and the GQA dK, dV sums) from f32 to the element type, scaled.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include "../common/block_range.h"
+#include "fwd_kernel.h"  // copy_rows, gemm_smem, acc_rowcol, the MMA choice
+
+namespace flashattn::sm80 {
+
+using namespace cute;
+
+// kWarps warps; each GEMM family lays them out its own way: S/dP (kBlockM × kBlockN) with
+// kAtomMSdP warps down M, dK/dV (kBlockN × d) with kAtomNdKV down N, dQ (kBlockM × d) with
+// kAtomMdQ down M (as FlashAttention-2's backward).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kAtomMSdP,
+          int kAtomNdKV, int kAtomMdQ>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * 32;
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 64 == 0 && kBlockM % 64 == 0);
+
+  using MmaOp = typename FwdTraits<Element, 64, 64, 64, 4>::MmaOp;
+  template <int kWarpsM>
+  using Mma = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<kWarpsM>, Int<kWarps / kWarpsM>, _1>>,
+                       Tile<Int<16 * kWarpsM>, Int<16 * kWarps / kWarpsM>, _16>>;
+  using MmaSdP = Mma<kAtomMSdP>;
+  using MmadKV = Mma<kAtomNdKV>;
+  using MmadQ = Mma<kAtomMdQ>;
+
+  using SmemAtom = typename FwdTraits<Element, 64, 64, 64, 4>::SmemAtom;
+  template <int kRows, int kCols>
+  using Smem = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kRows>, Int<kCols>>{}));
+  // (cols, rows) view of a (rows, cols) tile: the same bytes, read with ldmatrix.trans.
+  template <class L, int kRows, int kCols>
+  using Transposed = decltype(composition(
+      L{}, make_layout(Shape<Int<kCols>, Int<kRows>>{}, GenRowMajor{})));
+  using SmemLayoutQ = Smem<kBlockM, kHeadDim>;  // Q and dO
+  using SmemLayoutKV = Smem<kBlockN, kHeadDim>;
+  using SmemLayoutP = Smem<kBlockM, kBlockN>;   // P and dS
+  using SmemLayoutQt = Transposed<SmemLayoutQ, kBlockM, kHeadDim>;
+  using SmemLayoutKt = Transposed<SmemLayoutKV, kBlockN, kHeadDim>;
+  using SmemLayoutPt = Transposed<SmemLayoutP, kBlockM, kBlockN>;
+
+  using GmemCopy = decltype(make_tiled_copy(
+      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{},
+      Layout<Shape<Int<kThreads / 8>, _8>, Stride<_8, _1>>{}, Layout<Shape<_1, _8>>{}));
+  // Registers -> shared for P and dS: 32-bit pairs, the MMA's own layout.
+  using SmemCopyAtomStore = Copy_Atom<DefaultCopy, Element>;
+  using LoadN = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using LoadT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+
+  struct SharedStorage {
+    ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
+    ArrayEngine<Element, cosize_v<SmemLayoutQ>> dout;
+    ArrayEngine<Element, cosize_v<SmemLayoutKV>> k;
+    ArrayEngine<Element, cosize_v<SmemLayoutKV>> v;
+    ArrayEngine<Element, cosize_v<SmemLayoutP>> p;
+    ArrayEngine<Element, cosize_v<SmemLayoutP>> ds;
+    float lse[kBlockM];  // log2 domain: LSE·log2(e); +inf for rows past seqlen_q
+    float d[kBlockM];    // rowsum(dO ∘ O)
+  };
+};
+
+struct BwdParams {
+  const void *q, *k, *v, *o, *dout;
+  void *dq, *dk, *dv;
+  const float* lse;   // (batch, heads_q, seqlen_q)
+  float* dq_accum;    // (batch, heads_q, seqlen_q, d), zeroed
+  float* softmax_d;   // (batch, heads_q, seqlen_q)
+  float* dk_accum;    // GQA only: (batch, heads_kv, seqlen_k, d), zeroed; else null
+  float* dv_accum;
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+  int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
+  KeyRange keys;
+  float scale;        // softmax scale
+  float scale_log2;   // scale·log2(e), or softcap·log2(e) when softcap is on
+  float softcap_pre;  // scale/softcap when softcap is on
+  bool softcap;
+};
+
+// D = rowsum(dO ∘ O) in f32: one warp per (batch, head, row), 16-byte loads.
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const BwdParams p) {
+  const int64_t row_id = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  if (row_id >= rows) return;
+  const int row = int(row_id % p.seqlen_q);
+  const int head = int(row_id / p.seqlen_q % p.heads_q);
+  const int batch = int(row_id / p.seqlen_q / p.heads_q);
+  const int lane = threadIdx.x % 32;
+  constexpr int kChunks = kHeadDim / 8;
+  float sum = 0.f;
+  if (lane < kChunks) {
+    auto o = static_cast<const Element*>(p.o) + batch * p.o_batch_stride +
+             head * p.o_head_stride + row * p.o_row_stride + lane * 8;
+    auto dout = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
+                head * p.do_head_stride + row * p.do_row_stride + lane * 8;
+    cutlass::Array<Element, 8> a = *reinterpret_cast<const cutlass::Array<Element, 8>*>(o);
+    cutlass::Array<Element, 8> b = *reinterpret_cast<const cutlass::Array<Element, 8>*>(dout);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum += float(a[i]) * float(b[i]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+  if (lane == 0) p.softmax_d[row_id] = sum;
+}
+
+// f32 sums to the element type, times `scale`: (rows, kHeadDim) packed -> strided (batch, seqlen,
+// heads) rows. One thread per 8 elements.
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(256)
+    bwd_convert(const float* src, void* dst, int64_t b_stride, int64_t row_stride,
+                int64_t h_stride, int batch, int heads, int seqlen, float scale) {
+  const int64_t chunk = int64_t(blockIdx.x) * 256 + threadIdx.x;
+  constexpr int kChunks = kHeadDim / 8;
+  if (chunk >= int64_t(batch) * heads * seqlen * kChunks) return;
+  const int64_t row_id = chunk / kChunks;  // (batch, head, row) packed
+  const int c = int(chunk % kChunks);
+  const int row = int(row_id % seqlen);
+  const int head = int(row_id / seqlen % heads);
+  const int b = int(row_id / seqlen / heads);
+  const float* s = src + row_id * kHeadDim + c * 8;
+  cutlass::Array<Element, 8> out;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = Element(s[i] * scale);
+  *reinterpret_cast<cutlass::Array<Element, 8>*>(static_cast<Element*>(dst) + b * b_stride +
+                                                 head * h_stride + row * row_stride + c * 8) = out;
+}
+
+// Stores a (rows, cols) f32 accumulator of `mma` as Element pairs into a (rows, kCols)
+// row-major shared-memory tile (swizzled layout `sTile`).
+template <class Element, class Acc, class Thr, class STensor>
+__device__ void acc_to_smem(Acc const& acc, Thr const& thr, STensor& sTile) {
+  Tensor dst = thr.partition_C(sTile);
+#pragma unroll
+  for (int i = 0; i < size(acc); ++i) dst(i) = Element(acc(i));
+}
+
+// Query rows [row_lo, row_hi) that see any key of [col_begin, col_end): a row sees
+// [keys.lo(row), keys.hi(row)), and both bounds grow with the row.
+__device__ inline void rows_for_keys(const KeyRange& keys, int col_begin, int col_end,
+                                     int& row_lo, int& row_hi) {
+  const int64_t shift = int64_t(keys.seqlen_k) - keys.seqlen_q;  // row r sits on key r + shift
+  int64_t lo = 0, hi = keys.seqlen_q;
+  if (keys.window_right >= 0) lo = col_begin - keys.window_right - shift;  // hi(r) > col_begin
+  if (keys.window_left >= 0) hi = col_end + keys.window_left - shift;      // lo(r) < col_end
+  row_lo = int(lo < 0 ? 0 : (lo > keys.seqlen_q ? keys.seqlen_q : lo));
+  row_hi = int(hi < row_lo ? row_lo : (hi > keys.seqlen_q ? keys.seqlen_q : hi));
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads)
+    bwd_kernel(__grid_constant__ const BwdParams params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  using SharedStorage = typename Traits::SharedStorage;
+  extern __shared__ __align__(128) char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int head_kv = head / (params.heads_q / params.heads_kv);
+  const int tid = threadIdx.x;
+  const int col_begin = n_block * kBlockN;
+  // Query rows that see any key of this block.
+  int row_lo, row_hi;
+  rows_for_keys(params.keys, col_begin, col_begin + kBlockN, row_lo, row_hi);
+  const int m_first = row_lo / kBlockM;
+  const int m_last = row_hi > row_lo ? (row_hi - 1) / kBlockM : m_first - 1;
+
+  auto gmem = [&](const void* ptr, int64_t b_stride, int64_t h_stride, int64_t row_stride, int h,
+                  int seqlen) {
+    auto base = static_cast<const Element*>(ptr) + batch * b_stride + h * h_stride;
+    return make_tensor(make_gmem_ptr(base), make_shape(seqlen, Int<kHeadDim>{}),
+                       make_stride(row_stride, _1{}));
+  };
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  Tensor gQ = local_tile(gmem(params.q, params.q_batch_stride, params.q_head_stride,
+                              params.q_row_stride, head, params.seqlen_q),
+                         TileQ{}, make_coord(_, 0));  // (M, d, m)
+  Tensor gdO = local_tile(gmem(params.dout, params.do_batch_stride, params.do_head_stride,
+                               params.do_row_stride, head, params.seqlen_q),
+                          TileQ{}, make_coord(_, 0));
+  Tensor gK = local_tile(gmem(params.k, params.k_batch_stride, params.k_head_stride,
+                              params.k_row_stride, head_kv, params.seqlen_k),
+                         TileKV{}, make_coord(n_block, 0));
+  Tensor gV = local_tile(gmem(params.v, params.v_batch_stride, params.v_head_stride,
+                              params.v_row_stride, head_kv, params.seqlen_k),
+                         TileKV{}, make_coord(n_block, 0));
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutKV{});
+  Tensor sP = make_tensor(make_smem_ptr(smem.p.begin()), typename Traits::SmemLayoutP{});
+  Tensor sdS = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutP{});
+  Tensor sQt = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQt{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutKt{});
+  Tensor sPt = make_tensor(make_smem_ptr(smem.p.begin()), typename Traits::SmemLayoutPt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutPt{});
+
+  typename Traits::GmemCopy gmem_copy;
+  auto thr_gmem = gmem_copy.get_thread_slice(tid);
+  Tensor tQgQ = thr_gmem.partition_S(gQ);  // (CPY, CPY_M, CPY_K, m)
+  Tensor tQsQ = thr_gmem.partition_D(sQ);
+  Tensor tdOgdO = thr_gmem.partition_S(gdO);
+  Tensor tdOsdO = thr_gmem.partition_D(sdO);
+  Tensor tQc = thr_gmem.partition_S(make_identity_tensor(TileQ{}));
+  Tensor tKVc = thr_gmem.partition_S(make_identity_tensor(TileKV{}));
+  {
+    Tensor tKsK = thr_gmem.partition_D(sK);
+    Tensor tVsV = thr_gmem.partition_D(sV);
+    copy_rows(gmem_copy, thr_gmem.partition_S(gK), tKsK, tKVc, params.seqlen_k - col_begin);
+    copy_rows(gmem_copy, thr_gmem.partition_S(gV), tVsV, tKVc, params.seqlen_k - col_begin);
+    cp_async_fence();
+  }
+
+  // S and dP.
+  typename Traits::MmaSdP mma_sdp;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  auto copy_sdp_a = make_tiled_copy_A(typename Traits::LoadN{}, mma_sdp);
+  auto copy_sdp_b = make_tiled_copy_B(typename Traits::LoadN{}, mma_sdp);
+  Tensor tSsQ = copy_sdp_a.get_thread_slice(tid).partition_S(sQ);
+  Tensor tdPsdO = copy_sdp_a.get_thread_slice(tid).partition_S(sdO);
+  Tensor tSsK = copy_sdp_b.get_thread_slice(tid).partition_S(sK);
+  Tensor tdPsV = copy_sdp_b.get_thread_slice(tid).partition_S(sV);
+  using TileS = Shape<Int<kBlockM>, Int<kBlockN>>;
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(TileS{}));
+  Tensor rowcol_cS = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+
+  // dV and dK.
+  typename Traits::MmadKV mma_dkv;
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);
+  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+  auto copy_dkv_a = make_tiled_copy_A(typename Traits::LoadT{}, mma_dkv);
+  auto copy_dkv_b = make_tiled_copy_B(typename Traits::LoadT{}, mma_dkv);
+  Tensor tdVsPt = copy_dkv_a.get_thread_slice(tid).partition_S(sPt);
+  Tensor tdKsdSt = copy_dkv_a.get_thread_slice(tid).partition_S(sdSt);
+  Tensor tdVsdOt = copy_dkv_b.get_thread_slice(tid).partition_S(sdOt);
+  Tensor tdKsQt = copy_dkv_b.get_thread_slice(tid).partition_S(sQt);
+  Tensor acc_dv = partition_fragment_C(mma_dkv, TileKV{});
+  Tensor acc_dk = partition_fragment_C(mma_dkv, TileKV{});
+  clear(acc_dv);
+  clear(acc_dk);
+
+  // dQ.
+  typename Traits::MmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  auto copy_dq_a = make_tiled_copy_A(typename Traits::LoadN{}, mma_dq);
+  auto copy_dq_b = make_tiled_copy_B(typename Traits::LoadT{}, mma_dq);
+  Tensor tdQsdS = copy_dq_a.get_thread_slice(tid).partition_S(sdS);
+  Tensor tdQsKt = copy_dq_b.get_thread_slice(tid).partition_S(sKt);
+  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(TileQ{}));
+
+  const float lse_to_log2 = float(M_LOG2E);
+  const int64_t bh_q = int64_t(batch) * params.heads_q + head;
+
+#pragma unroll 1
+  for (int m = m_first; m <= m_last; ++m) {
+    const int row_begin = m * kBlockM;
+    copy_rows(gmem_copy, tQgQ(_, _, _, m), tQsQ, tQc, params.seqlen_q - row_begin);
+    copy_rows(gmem_copy, tdOgdO(_, _, _, m), tdOsdO, tQc, params.seqlen_q - row_begin);
+    cp_async_fence();
+    for (int r = tid; r < kBlockM; r += Traits::kThreads) {
+      const int row = row_begin + r;
+      const bool in = row < params.seqlen_q;
+      smem.lse[r] = in ? params.lse[bh_q * params.seqlen_q + row] * lse_to_log2 : INFINITY;
+      smem.d[r] = in ? params.softmax_d[bh_q * params.seqlen_q + row] : 0.f;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
+    clear(acc_s);
+    clear(acc_dp);
+    gemm_smem(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_sdp_a, copy_sdp_b);
+    gemm_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_sdp_a, copy_sdp_b);
+
+    // P = exp2(s·c − lse·log2 e) and dS = P ∘ (dP − D) (times the softcap's tanh derivative).
+    Tensor rowcol_s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    Tensor rowcol_dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+    const bool mask = params.keys.template block_needs_mask<kBlockN>(n_block, row_begin,
+                                                                     row_begin + kBlockM);
+#pragma unroll
+    for (int r = 0; r < size<0>(rowcol_s); ++r) {
+      const int row_in = get<0>(rowcol_cS(r, 0));
+      const int row = row_begin + row_in;
+      const float lse = smem.lse[row_in];
+      const float d = smem.d[row_in];
+      const int lo = params.keys.lo(row) - col_begin;
+      const int hi = params.keys.hi(row) - col_begin;
+#pragma unroll
+      for (int c = 0; c < size<1>(rowcol_s); ++c) {
+        float s = rowcol_s(r, c);
+        float dtanh = 1.f;
+        if (params.softcap) {
+          s = tanhf(s * params.softcap_pre);
+          dtanh = 1.f - s * s;
+        }
+        const int col = get<1>(rowcol_cS(r, c));
+        const bool visible = !mask || (col >= lo && col < hi);
+        const float p = visible ? exp2f(s * params.scale_log2 - lse) : 0.f;
+        rowcol_s(r, c) = p;
+        rowcol_dp(r, c) = p * (rowcol_dp(r, c) - d) * dtanh;
+      }
+    }
+    acc_to_smem<Element>(acc_s, thr_sdp, sP);
+    acc_to_smem<Element>(acc_dp, thr_sdp, sdS);
+    __syncthreads();
+
+    gemm_smem(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_dkv_a, copy_dkv_b);
+    gemm_smem(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, copy_dkv_a, copy_dkv_b);
+
+    Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
+    clear(acc_dq);
+    gemm_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b);
+    float* dq_accum = params.dq_accum + (bh_q * params.seqlen_q + row_begin) * kHeadDim;
+#pragma unroll
+    for (int i = 0; i < size(acc_dq); ++i) {
+      const int row = get<0>(cdQ(i));
+      if (row_begin + row < params.seqlen_q)
+        atomicAdd(dq_accum + row * kHeadDim + get<1>(cdQ(i)), acc_dq(i));
+    }
+    __syncthreads();  // Q, dO, P, dS are overwritten by the next query block
+  }
+
+  // dK·scale and dV: rows of this key block inside the sequence.
+  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
+  if (params.dk_accum == nullptr) {
+    Element* dk = static_cast<Element*>(params.dk) + batch * params.dk_batch_stride +
+                  head * params.dk_head_stride;
+    Element* dv = static_cast<Element*>(params.dv) + batch * params.dv_batch_stride +
+                  head * params.dv_head_stride;
+#pragma unroll
+    for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
+      const int row = col_begin + get<0>(cKV(i));
+      if (row >= params.seqlen_k) continue;
+      const int col = get<1>(cKV(i));
+      cutlass::Array<Element, 2> k2, v2;
+      k2[0] = Element(acc_dk(i) * params.scale);
+      k2[1] = Element(acc_dk(i + 1) * params.scale);
+      v2[0] = Element(acc_dv(i));
+      v2[1] = Element(acc_dv(i + 1));
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + row * params.dk_row_stride + col) = k2;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + row * params.dv_row_stride + col) = v2;
+    }
+  } else {
+    const int64_t base = (int64_t(batch) * params.heads_kv + head_kv) * params.seqlen_k;
+#pragma unroll
+    for (int i = 0; i < size(acc_dk); ++i) {
+      const int row = col_begin + get<0>(cKV(i));
+      if (row >= params.seqlen_k) continue;
+      const int64_t at = (base + row) * kHeadDim + get<1>(cKV(i));
+      atomicAdd(params.dk_accum + at, acc_dk(i));
+      atomicAdd(params.dv_accum + at, acc_dv(i));
+    }
+  }
+}
+
+}  // namespace flashattn::sm80

@@ -1,0 +1,101 @@
+// Host side of the sm80 backward: workspace carving, kernel params, and the four launches
+// (preprocess, main, dQ conversion, and for GQA the dK/dV conversion), all on one stream.
+// Included by one small .cu per (head dim, dtype) instantiation.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "../common/launch.h"
+#include "../common/status.h"
+#include "../flash_api.h"
+#include "bwd_instantiations.h"
+#include "bwd_kernel.h"
+
+namespace flashattn::sm80 {
+
+template <class Element, int kHeadDim>
+flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
+  using Tile = BwdTile<kHeadDim>;
+  using Traits = BwdTraits<Element, kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kWarps,
+                           Tile::kAtomMSdP, Tile::kAtomNdKV, Tile::kAtomMdQ>;
+  // Grid (key blocks, heads, batch): y and z stop at 65535.
+  if (p.heads_q > 65535 || p.batch > 65535) return status(FLASHATTN_UNSUPPORTED);
+  if (p.deterministic) return status(FLASHATTN_UNSUPPORTED);  // dQ is summed by atomics
+  const BwdWorkspace ws = bwd_workspace(p);
+  if (p.workspace == nullptr || p.workspace_bytes < ws.bytes)
+    return status(FLASHATTN_INVALID_ARGUMENT);
+  char* base = static_cast<char*>(p.workspace);
+
+  BwdParams params;
+  params.q = p.q.ptr;
+  params.k = p.k.ptr;
+  params.v = p.v.ptr;
+  params.o = p.o.ptr;
+  params.dout = p.dout.ptr;
+  params.dq = p.dq.ptr;
+  params.dk = p.dk.ptr;
+  params.dv = p.dv.ptr;
+  params.lse = p.lse;
+  params.dq_accum = reinterpret_cast<float*>(base + ws.dq_accum);
+  params.softmax_d = reinterpret_cast<float*>(base + ws.softmax_d);
+  const bool gqa = p.heads_q != p.heads_kv;
+  params.dk_accum = gqa ? reinterpret_cast<float*>(base + ws.dk_accum) : nullptr;
+  params.dv_accum = gqa ? reinterpret_cast<float*>(base + ws.dv_accum) : nullptr;
+  auto strides = [](const flashattn_tensor_t& t, int64_t& b, int64_t& r, int64_t& h) {
+    b = t.batch_stride;
+    r = t.row_stride;
+    h = t.head_stride;
+  };
+  strides(p.q, params.q_batch_stride, params.q_row_stride, params.q_head_stride);
+  strides(p.k, params.k_batch_stride, params.k_row_stride, params.k_head_stride);
+  strides(p.v, params.v_batch_stride, params.v_row_stride, params.v_head_stride);
+  strides(p.o, params.o_batch_stride, params.o_row_stride, params.o_head_stride);
+  strides(p.dout, params.do_batch_stride, params.do_row_stride, params.do_head_stride);
+  strides(p.dq, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride);
+  strides(p.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride);
+  strides(p.dv, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride);
+  params.batch = p.batch;
+  params.heads_q = p.heads_q;
+  params.heads_kv = p.heads_kv;
+  params.seqlen_q = p.seqlen_q;
+  params.seqlen_k = p.seqlen_k;
+  params.keys = key_range(p);
+  const float log2e = float(M_LOG2E);
+  params.scale = p.softmax_scale;
+  params.softcap = p.softcap > 0.f;
+  params.softcap_pre = params.softcap ? p.softmax_scale / p.softcap : 0.f;
+  params.scale_log2 = params.softcap ? p.softcap * log2e : p.softmax_scale * log2e;
+
+  FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dq_accum, 0, ws.softmax_d - ws.dq_accum, stream));
+  if (gqa) FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dk_accum, 0, ws.bytes - ws.dk_accum, stream));
+
+  const int64_t rows_q = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  bwd_preprocess<Element, kHeadDim><<<unsigned((rows_q + 7) / 8), 256, 0, stream>>>(params);
+  FLASHATTN_TRY_CUDA(cudaGetLastError());
+
+  auto kernel = bwd_kernel<Traits>;
+  const int smem_bytes = sizeof(typename Traits::SharedStorage);
+  FLASHATTN_TRY_CUDA(allow_dynamic_smem<Traits>(kernel, smem_bytes));
+  const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_q, p.batch);
+  kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(params);
+  FLASHATTN_TRY_CUDA(cudaGetLastError());
+
+  auto convert = [&](const float* src, const flashattn_tensor_t& dst, int heads, int seqlen,
+                     float scale) {
+    const int64_t chunks = int64_t(p.batch) * heads * seqlen * (kHeadDim / 8);
+    bwd_convert<Element, kHeadDim><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
+        src, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride, p.batch, heads, seqlen,
+        scale);
+    return cudaGetLastError();
+  };
+  FLASHATTN_TRY_CUDA(convert(params.dq_accum, p.dq, p.heads_q, p.seqlen_q, p.softmax_scale));
+  if (gqa) {
+    FLASHATTN_TRY_CUDA(convert(params.dk_accum, p.dk, p.heads_kv, p.seqlen_k, p.softmax_scale));
+    FLASHATTN_TRY_CUDA(convert(params.dv_accum, p.dv, p.heads_kv, p.seqlen_k, 1.f));
+  }
+  return ok();
+}
+
+}  // namespace flashattn::sm80

@@ -1,0 +1,309 @@
+//! Backward correctness of the GPU kernels against the f64 reference under DESIGN.md §4's rule:
+//! the GPU forward of the same backend gives O and LSE, the GPU backward dQ, dK, dV (poisoned
+//! with NaN before the launch), each compared whole with the reference and the dtype baseline.
+//! `#[ignore]`d: run on the device with `--include-ignored` (each test fails without a GPU).
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+
+use cudarc::driver::DeviceRepr;
+use flashattn::cuda::{CudaStream, Device, DeviceTensor, DeviceTensorMut};
+use flashattn::reference::{self, compare, Comparison};
+use flashattn::{AttentionConfig, Backend, Element, Error, Layout, TensorRef};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use rand_distr::{Distribution, Normal};
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    batch: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    head_dim: usize,
+    causal: bool,
+    window: (Option<usize>, Option<usize>),
+    softcap: Option<f32>,
+    /// (b, h, s, d) storage with padded rows, so strides are not packed.
+    strided: bool,
+}
+
+impl Case {
+    fn new(seqlen_q: usize, seqlen_k: usize, head_dim: usize, causal: bool) -> Case {
+        Case {
+            batch: 1,
+            seqlen_q,
+            seqlen_k,
+            heads_q: 2,
+            heads_kv: 2,
+            head_dim,
+            causal,
+            window: (None, None),
+            softcap: None,
+            strided: false,
+        }
+    }
+    fn cfg(&self, backend: Backend) -> AttentionConfig {
+        let mut cfg = AttentionConfig::new()
+            .causal(self.causal)
+            .window(self.window.0, self.window.1)
+            .backend(backend);
+        cfg.softcap = self.softcap;
+        cfg
+    }
+    fn layout(&self, seqlen: usize, heads: usize) -> Layout {
+        let d = self.head_dim;
+        if self.strided {
+            let row = d + 8;
+            Layout::with_strides(
+                [self.batch, seqlen, heads, d],
+                [heads * seqlen * row, row, seqlen * row, 1],
+            )
+        } else {
+            Layout::contiguous([self.batch, seqlen, heads, d])
+        }
+    }
+}
+
+fn random<T: Element>(n: usize, rng: &mut StdRng) -> Vec<T> {
+    let normal = Normal::new(0f32, 1.0).unwrap();
+    (0..n).map(|_| T::from_f32(normal.sample(rng))).collect()
+}
+
+struct Grads {
+    dq: Comparison,
+    dk: Comparison,
+    dv: Comparison,
+}
+
+fn run_case<T: Element + DeviceRepr>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    backend: Backend,
+    seed: u64,
+) -> Grads {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (lq, lk) = (
+        case.layout(case.seqlen_q, case.heads_q),
+        case.layout(case.seqlen_k, case.heads_kv),
+    );
+    let span = |l: &Layout| l.span(flashattn::Operand::Q).unwrap();
+    let q: Vec<T> = random(span(&lq), &mut rng);
+    let k: Vec<T> = random(span(&lk), &mut rng);
+    let v: Vec<T> = random(span(&lk), &mut rng);
+    let dout: Vec<T> = random(span(&lq), &mut rng);
+    let nan = T::from_f32(f32::NAN);
+    let lse_len = case.batch * case.heads_q * case.seqlen_q;
+    let cfg = case.cfg(backend);
+
+    let up = |x: &Vec<T>| stream.clone_htod(x).unwrap();
+    let (q_dev, k_dev, v_dev, do_dev) = (up(&q), up(&k), up(&v), up(&dout));
+    let mut o_dev = stream.clone_htod(&vec![nan; span(&lq)]).unwrap();
+    let mut lse_dev = stream.clone_htod(&vec![f32::NAN; lse_len]).unwrap();
+    dev.forward_into(
+        stream,
+        &cfg,
+        &DeviceTensor::new(q_dev.as_view(), lq),
+        &DeviceTensor::new(k_dev.as_view(), lk),
+        &DeviceTensor::new(v_dev.as_view(), lk),
+        &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
+        &mut lse_dev.as_view_mut(),
+    )
+    .unwrap_or_else(|e| panic!("{case:?} forward: {e}"));
+    let mut dq_dev = stream.clone_htod(&vec![nan; span(&lq)]).unwrap();
+    let mut dk_dev = stream.clone_htod(&vec![nan; span(&lk)]).unwrap();
+    let mut dv_dev = stream.clone_htod(&vec![nan; span(&lk)]).unwrap();
+    let plan = dev
+        .backward_into(
+            stream,
+            &cfg,
+            &DeviceTensor::new(q_dev.as_view(), lq),
+            &DeviceTensor::new(k_dev.as_view(), lk),
+            &DeviceTensor::new(v_dev.as_view(), lk),
+            &DeviceTensor::new(o_dev.as_view(), lq),
+            &DeviceTensor::new(do_dev.as_view(), lq),
+            &lse_dev.as_view(),
+            &mut DeviceTensorMut::new(dq_dev.as_view_mut(), lq),
+            &mut DeviceTensorMut::new(dk_dev.as_view_mut(), lk),
+            &mut DeviceTensorMut::new(dv_dev.as_view_mut(), lk),
+        )
+        .unwrap_or_else(|e| panic!("{case:?} backward: {e}"));
+    assert_eq!(plan.backend, backend);
+    let dq: Vec<T> = stream.clone_dtoh(&dq_dev).unwrap();
+    let dk: Vec<T> = stream.clone_dtoh(&dk_dev).unwrap();
+    let dv: Vec<T> = stream.clone_dtoh(&dv_dev).unwrap();
+    stream.synchronize().unwrap();
+
+    let cpu = case.cfg(Backend::Cpu);
+    let (tq, tk, tv, tdo) = (
+        TensorRef::new(&q, lq),
+        TensorRef::new(&k, lk),
+        TensorRef::new(&v, lk),
+        TensorRef::new(&dout, lq),
+    );
+    let want = reference::reference_backward(&cpu, tq, tk, tv, tdo);
+    let base = reference::baseline_backward(&cpu, tq, tk, tv, tdo);
+    let got = |x: &Vec<T>, l: Layout| reference::pack_f32(TensorRef::new(x, l));
+    Grads {
+        dq: compare(&got(&dq, lq), &want.dq, &base.dq),
+        dk: compare(&got(&dk, lk), &want.dk, &base.dk),
+        dv: compare(&got(&dv, lk), &want.dv, &base.dv),
+    }
+}
+
+fn run_all<T: Element + DeviceRepr>(cases: &[Case], backend: Backend, label: &str) {
+    let dev = Device::new(0).expect("a CUDA device (run these tests on the GPU machine)");
+    let stream = dev.new_stream().unwrap();
+    let mut failures = vec![];
+    for (n, case) in cases.iter().enumerate() {
+        let g = run_case::<T>(&dev, &stream, case, backend, 2000 + n as u64);
+        println!(
+            "{label} b{} sq{} sk{} h{}/{} d{} causal={} window={:?} softcap={:?} strided={}: dQ {}; dK {}; dV {}",
+            case.batch, case.seqlen_q, case.seqlen_k, case.heads_q, case.heads_kv, case.head_dim,
+            case.causal, case.window, case.softcap, case.strided, g.dq, g.dk, g.dv
+        );
+        if !(g.dq.pass && g.dk.pass && g.dv.pass) {
+            failures.push(format!("{case:?}"));
+        }
+    }
+    println!("{label}: {} cases, {} failed", cases.len(), failures.len());
+    assert!(
+        failures.is_empty(),
+        "failed cases:\n{}",
+        failures.join("\n")
+    );
+}
+
+/// Odd seqlens, s_q ≠ s_k both ways, causal and not, GQA/MQA, batch > 1, strided, windows,
+/// softcap, at one head dim (sizes the f64 reference backward covers whole).
+fn sweep(head_dim: usize) -> Vec<Case> {
+    let pairs = [
+        (1, 1),
+        (17, 17),
+        (113, 113),
+        (128, 128),
+        (300, 300),
+        (113, 700),
+        (700, 113),
+        (1, 513),
+        (1000, 1000),
+    ];
+    let mut cases = vec![];
+    for causal in [false, true] {
+        for &(sq, sk) in &pairs {
+            cases.push(Case::new(sq, sk, head_dim, causal));
+        }
+        cases.push(Case {
+            batch: 2,
+            heads_q: 8,
+            heads_kv: 2,
+            ..Case::new(200, 200, head_dim, causal)
+        });
+        cases.push(Case {
+            batch: 2,
+            heads_q: 4,
+            heads_kv: 1,
+            ..Case::new(157, 301, head_dim, causal)
+        });
+        cases.push(Case {
+            batch: 3,
+            strided: true,
+            ..Case::new(130, 250, head_dim, causal)
+        });
+    }
+    cases.push(Case {
+        window: (Some(64), Some(16)),
+        ..Case::new(400, 400, head_dim, false)
+    });
+    cases.push(Case {
+        window: (Some(100), None),
+        ..Case::new(300, 500, head_dim, false)
+    });
+    cases.push(Case {
+        softcap: Some(30.0),
+        ..Case::new(257, 257, head_dim, true)
+    });
+    cases
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_bwd_d64_bf16() {
+    run_all::<bf16>(&sweep(64), Backend::Sm80, "sm80 bwd d64 bf16");
+}
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_bwd_d128_bf16() {
+    run_all::<bf16>(&sweep(128), Backend::Sm80, "sm80 bwd d128 bf16");
+}
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_bwd_d256_bf16() {
+    run_all::<bf16>(&sweep(256), Backend::Sm80, "sm80 bwd d256 bf16");
+}
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_bwd_d64_f16() {
+    run_all::<f16>(&sweep(64), Backend::Sm80, "sm80 bwd d64 f16");
+}
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_bwd_d128_f16() {
+    run_all::<f16>(&sweep(128), Backend::Sm80, "sm80 bwd d128 f16");
+}
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_bwd_d256_f16() {
+    run_all::<f16>(&sweep(256), Backend::Sm80, "sm80 bwd d256 f16");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_bwd_sanitizer_set() {
+    let cases = [
+        Case::new(70, 130, 64, true),
+        Case {
+            heads_q: 4,
+            heads_kv: 2,
+            ..Case::new(65, 90, 128, false)
+        },
+    ];
+    run_all::<bf16>(&cases, Backend::Sm80, "sm80 bwd sanitizer set");
+}
+
+/// The atomics-based dQ has no fixed order: deterministic mode is refused with a typed error.
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_bwd_deterministic_is_refused() {
+    let dev = Device::new(0).expect("a CUDA device");
+    let stream = dev.new_stream().unwrap();
+    let l = Layout::contiguous([1, 64, 2, 64]);
+    let x = stream.clone_htod(&vec![bf16::ONE; 64 * 2 * 64]).unwrap();
+    let mut g = stream.clone_htod(&vec![bf16::ZERO; 64 * 2 * 64]).unwrap();
+    let mut g2 = stream.clone_htod(&vec![bf16::ZERO; 64 * 2 * 64]).unwrap();
+    let mut g3 = stream.clone_htod(&vec![bf16::ZERO; 64 * 2 * 64]).unwrap();
+    let lse = stream.clone_htod(&vec![0f32; 128]).unwrap();
+    let t = DeviceTensor::new(x.as_view(), l);
+    let cfg = AttentionConfig::new()
+        .backend(Backend::Sm80)
+        .deterministic(true);
+    let e = dev
+        .backward_into(
+            &stream,
+            &cfg,
+            &t,
+            &t,
+            &t,
+            &t,
+            &t,
+            &lse.as_view(),
+            &mut DeviceTensorMut::new(g.as_view_mut(), l),
+            &mut DeviceTensorMut::new(g2.as_view_mut(), l),
+            &mut DeviceTensorMut::new(g3.as_view_mut(), l),
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+}
