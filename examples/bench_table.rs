@@ -112,16 +112,18 @@ fn time_backward(
     let n = layout.span(flashattn::Operand::Q).unwrap();
     let run = |inp: &mut Inputs| {
         let [q, k, v] = &inp.dev;
-        let t = |x: &CudaSlice<bf16>| DeviceTensor::new(x.slice(..n), layout);
+        fn t(x: &CudaSlice<bf16>, n: usize, layout: Layout) -> DeviceTensor<'_, bf16> {
+            DeviceTensor::new(x.slice(..n), layout)
+        }
         let [dq, dk, dv] = &mut inp.grads;
         dev.backward_into(
             stream,
             cfg,
-            &t(q),
-            &t(k),
-            &t(v),
-            &t(&inp.out),
-            &t(&inp.dout),
+            &t(q, n, layout),
+            &t(k, n, layout),
+            &t(v, n, layout),
+            &t(&inp.out, n, layout),
+            &t(&inp.dout, n, layout),
             &inp.lse.slice(..),
             &mut DeviceTensorMut::new(dq.slice_mut(..n), layout),
             &mut DeviceTensorMut::new(dk.slice_mut(..n), layout),
