@@ -29,6 +29,8 @@ for tool in memcheck racecheck synccheck; do
     "$here/bin/test-gpu" --include-ignored --test-threads=1 selftest
   step "sanitizer-$tool-fwd" compute-sanitizer --tool $tool --error-exitcode 9 \
     "$here/bin/test-gpu_fwd" --include-ignored --test-threads=1 sanitizer
+  step "sanitizer-$tool-bwd" compute-sanitizer --tool $tool --error-exitcode 9 \
+    "$here/bin/test-gpu_bwd" --include-ignored --test-threads=1 sanitizer
 done
 step quickstart "$here/bin/example-quickstart"
 step bench-table "$here/bin/example-bench_table" --out "$OUT/sm90_fwd.json" --commit "$commit"
