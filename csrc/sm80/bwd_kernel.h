@@ -318,30 +318,44 @@ __global__ void __launch_bounds__(Traits::kThreads)
     // P = exp2(s·c − lse·log2 e) and dS = P ∘ (dP − D) (times the softcap's tanh derivative).
     Tensor rowcol_s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     Tensor rowcol_dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-    const bool mask = params.keys.template block_needs_mask<kBlockN>(n_block, row_begin,
-                                                                     row_begin + kBlockM);
+    // Softcap and masks in their own copy of the loop: folded into the common one, ptxas
+    // predicates them and issues them on every block.
+    auto p_and_ds = [&](auto slow_path) {
+      constexpr bool kSlow = decltype(slow_path)::value;
 #pragma unroll
-    for (int r = 0; r < size<0>(rowcol_s); ++r) {
-      const int row_in = get<0>(rowcol_cS(r, 0));
-      const int row = row_begin + row_in;
-      const float lse = smem.lse[row_in];
-      const float d = smem.d[row_in];
-      const int lo = params.keys.lo(row) - col_begin;
-      const int hi = params.keys.hi(row) - col_begin;
-#pragma unroll
-      for (int c = 0; c < size<1>(rowcol_s); ++c) {
-        float s = rowcol_s(r, c);
-        float dtanh = 1.f;
-        if (params.softcap) {
-          s = tanhf(s * params.softcap_pre);
-          dtanh = 1.f - s * s;
+      for (int r = 0; r < size<0>(rowcol_s); ++r) {
+        const int row_in = get<0>(rowcol_cS(r, 0));
+        const float lse = smem.lse[row_in];
+        const float d = smem.d[row_in];
+        int lo = 0, hi = kBlockN;
+        if constexpr (kSlow) {
+          lo = params.keys.lo(row_begin + row_in) - col_begin;
+          hi = params.keys.hi(row_begin + row_in) - col_begin;
         }
-        const int col = get<1>(rowcol_cS(r, c));
-        const bool visible = !mask || (col >= lo && col < hi);
-        const float p = visible ? exp2f(s * params.scale_log2 - lse) : 0.f;
-        rowcol_s(r, c) = p;
-        rowcol_dp(r, c) = p * (rowcol_dp(r, c) - d) * dtanh;
+#pragma unroll
+        for (int c = 0; c < size<1>(rowcol_s); ++c) {
+          float s = rowcol_s(r, c);
+          float dtanh = 1.f;
+          bool visible = true;
+          if constexpr (kSlow) {
+            if (params.softcap) {
+              s = fast_tanh(s * params.softcap_pre);
+              dtanh = 1.f - s * s;
+            }
+            const int col = get<1>(rowcol_cS(r, c));
+            visible = col >= lo && col < hi;
+          }
+          const float p = visible ? fast_exp2(s * params.scale_log2 - lse) : 0.f;
+          rowcol_s(r, c) = p;
+          rowcol_dp(r, c) = p * (rowcol_dp(r, c) - d) * dtanh;
+        }
       }
+    };
+    if (params.softcap || params.keys.template block_needs_mask<kBlockN>(n_block, row_begin,
+                                                                         row_begin + kBlockM)) {
+      p_and_ds(cute::true_type{});
+    } else {
+      p_and_ds(cute::false_type{});
     }
     acc_to_smem<Element>(acc_s, thr_sdp, sP);
     acc_to_smem<Element>(acc_dp, thr_sdp, sdS);
