@@ -13,20 +13,21 @@ namespace flashattn::sm80 {
 // Per head dim: query rows and keys per block, 8 warps laid out per GEMM (as FlashAttention-2's
 // backward on A100): S/dP 2 warps down M, dK/dV 4 down N, dQ 2 down M. Registers: dK and dV
 // accumulators kBlockN·d·2 over 256 threads plus S and dP kBlockM·kBlockN·2. Shared memory
-// Q, dO (kBlockM·d each), K, V (kBlockN·d each), P, dS (kBlockM·kBlockN each): d64 80 KiB,
-// d128 128 KiB, d256 144 KiB.
+// Q, dO (kBlockM·d each, kQStages buffers), K, V (kBlockN·d each), P, dS (kBlockM·kBlockN
+// each): d64 96 KiB, d128 160 KiB, d256 144 KiB with one Q/dO buffer (two would pass A100's
+// 163 KiB).
 template <int kHeadDim> struct BwdTile;
 template <> struct BwdTile<64> {
   static constexpr int kBlockM = 64, kBlockN = 128, kWarps = 8, kAtomMSdP = 2, kAtomNdKV = 4,
-                       kAtomMdQ = 2;
+                       kAtomMdQ = 2, kQStages = 2;
 };
 template <> struct BwdTile<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kWarps = 8, kAtomMSdP = 2, kAtomNdKV = 4,
-                       kAtomMdQ = 2;
+                       kAtomMdQ = 2, kQStages = 2;
 };
 template <> struct BwdTile<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 8, kAtomMSdP = 2, kAtomNdKV = 4,
-                       kAtomMdQ = 2;
+                       kAtomMdQ = 2, kQStages = 1;
 };
 
 // The caller's workspace (flashattn_params_t::workspace), byte offsets: the f32 dQ accumulator

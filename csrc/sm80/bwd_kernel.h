@@ -28,8 +28,9 @@ using namespace cute;
 // kAtomMSdP warps down M, dK/dV (kBlockN × d) with kAtomNdKV down N, dQ (kBlockM × d) with
 // kAtomMdQ down M (as FlashAttention-2's backward).
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kAtomMSdP,
-          int kAtomNdKV, int kAtomMdQ>
+          int kAtomNdKV, int kAtomMdQ, int kQStages_>
 struct BwdTraits {
+  static constexpr int kQStages = kQStages_;  // Q/dO buffers: 2 loads the next query block early
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
@@ -68,15 +69,16 @@ struct BwdTraits {
   using LoadN = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
   using LoadT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
 
+  static constexpr int kQElems = cosize_v<SmemLayoutQ>;  // a multiple of the swizzle period
   struct SharedStorage {
-    ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
-    ArrayEngine<Element, cosize_v<SmemLayoutQ>> dout;
+    ArrayEngine<Element, kQElems * kQStages> q;
+    ArrayEngine<Element, kQElems * kQStages> dout;
     ArrayEngine<Element, cosize_v<SmemLayoutKV>> k;
     ArrayEngine<Element, cosize_v<SmemLayoutKV>> v;
     ArrayEngine<Element, cosize_v<SmemLayoutP>> p;
     ArrayEngine<Element, cosize_v<SmemLayoutP>> ds;
-    float lse[kBlockM];  // log2 domain: LSE·log2(e); +inf for rows past seqlen_q
-    float d[kBlockM];    // rowsum(dO ∘ O)
+    float lse[kQStages][kBlockM];  // log2 domain: LSE·log2(e); +inf for rows past seqlen_q
+    float d[kQStages][kBlockM];    // rowsum(dO ∘ O)
   };
 };
 
@@ -293,27 +295,43 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const float lse_to_log2 = float(M_LOG2E);
   const int64_t bh_q = int64_t(batch) * params.heads_q + head;
 
-#pragma unroll 1
-  for (int m = m_first; m <= m_last; ++m) {
+  // Q and dO of query block m into buffer `stage` (cp.async), its LSE and D by plain loads.
+  constexpr int kQElems = Traits::kQElems;
+  auto at_stage = [](auto const& t, int stage) {
+    return make_tensor(t.data() + stage * kQElems, t.layout());
+  };
+  auto load_q_block = [&](int m, int stage) {
     const int row_begin = m * kBlockM;
-    copy_rows(gmem_copy, tQgQ(_, _, _, m), tQsQ, tQc, params.seqlen_q - row_begin);
-    copy_rows(gmem_copy, tdOgdO(_, _, _, m), tdOsdO, tQc, params.seqlen_q - row_begin);
+    auto sq = at_stage(tQsQ, stage);
+    auto sdo = at_stage(tdOsdO, stage);
+    copy_rows(gmem_copy, tQgQ(_, _, _, m), sq, tQc, params.seqlen_q - row_begin);
+    copy_rows(gmem_copy, tdOgdO(_, _, _, m), sdo, tQc, params.seqlen_q - row_begin);
     cp_async_fence();
     for (int r = tid; r < kBlockM; r += Traits::kThreads) {
       const int row = row_begin + r;
       const bool in = row < params.seqlen_q;
-      smem.lse[r] = in ? params.lse[bh_q * params.seqlen_q + row] * lse_to_log2 : INFINITY;
-      smem.d[r] = in ? params.softmax_d[bh_q * params.seqlen_q + row] : 0.f;
+      smem.lse[stage][r] =
+          in ? params.lse[bh_q * params.seqlen_q + row] * lse_to_log2 : INFINITY;
+      smem.d[stage][r] = in ? params.softmax_d[bh_q * params.seqlen_q + row] : 0.f;
     }
+  };
+
+  int stage = 0;
+  if (m_first <= m_last) load_q_block(m_first, 0);
+#pragma unroll 1
+  for (int m = m_first; m <= m_last; ++m) {
+    const int row_begin = m * kBlockM;
     cp_async_wait<0>();
-    __syncthreads();
+    __syncthreads();  // this block's Q, dO landed; every warp is done with the block before
+    if (Traits::kQStages > 1 && m < m_last) load_q_block(m + 1, stage ^ 1);
 
     Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_s);
     clear(acc_dp);
-    gemm_smem(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_sdp_a, copy_sdp_b);
-    gemm_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_sdp_a, copy_sdp_b);
+    gemm_smem(mma_sdp, acc_s, tSrQ, tSrK, at_stage(tSsQ, stage), tSsK, copy_sdp_a, copy_sdp_b);
+    gemm_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, stage), tdPsV, copy_sdp_a,
+              copy_sdp_b);
 
     // P = exp2(s·c − lse·log2 e) and dS = P ∘ (dP − D) (times the softcap's tanh derivative).
     Tensor rowcol_s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
@@ -325,8 +343,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
       for (int r = 0; r < size<0>(rowcol_s); ++r) {
         const int row_in = get<0>(rowcol_cS(r, 0));
-        const float lse = smem.lse[row_in];
-        const float d = smem.d[row_in];
+        const float lse = smem.lse[stage][row_in];
+        const float d = smem.d[stage][row_in];
         int lo = 0, hi = kBlockN;
         if constexpr (kSlow) {
           lo = params.keys.lo(row_begin + row_in) - col_begin;
@@ -361,8 +379,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
     acc_to_smem<Element>(acc_dp, thr_sdp, sdS);
     __syncthreads();
 
-    gemm_smem(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_dkv_a, copy_dkv_b);
-    gemm_smem(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, copy_dkv_a, copy_dkv_b);
+    gemm_smem(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, stage), copy_dkv_a,
+              copy_dkv_b);
+    gemm_smem(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, stage), copy_dkv_a,
+              copy_dkv_b);
 
     Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
     clear(acc_dq);
@@ -374,7 +394,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
       if (row_begin + row < params.seqlen_q)
         atomicAdd(dq_accum + row * kHeadDim + get<1>(cdQ(i)), acc_dq(i));
     }
-    __syncthreads();  // Q, dO, P, dS are overwritten by the next query block
+    if constexpr (Traits::kQStages == 1) {
+      __syncthreads();  // every warp is done with Q and dO: the next block may land
+      if (m < m_last) load_q_block(m + 1, 0);
+    } else {
+      stage ^= 1;
+    }
   }
 
   // dK·scale and dV: rows of this key block inside the sequence.

@@ -19,7 +19,7 @@ template <class Element, int kHeadDim>
 flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Tile = BwdTile<kHeadDim>;
   using Traits = BwdTraits<Element, kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kWarps,
-                           Tile::kAtomMSdP, Tile::kAtomNdKV, Tile::kAtomMdQ>;
+                           Tile::kAtomMSdP, Tile::kAtomNdKV, Tile::kAtomMdQ, Tile::kQStages>;
   // Grid (key blocks, heads, batch): y and z stop at 65535.
   if (p.heads_q > 65535 || p.batch > 65535) return status(FLASHATTN_UNSUPPORTED);
   if (p.deterministic) return status(FLASHATTN_UNSUPPORTED);  // dQ is summed by atomics
