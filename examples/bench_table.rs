@@ -1,8 +1,10 @@
-//! GPU forward TFLOP/s on the headline shapes of DESIGN.md §5 (total tokens 16384, hidden 2048,
-//! seqlen 512…16384, head dim 64/128/256, causal and not, bf16), plus the FlashAttention-3
-//! ablation at d128 s8192, and the FlashAttention-2-style (sm80) kernels on the same shapes. CUDA events around each launch, queued behind the warm-up as the
-//! peers are timed, median of the runs; the host's enqueue time per call is reported beside.
-//! Each shape is also checked on sampled rows against the f64 reference (`pass`).
+//! GPU TFLOP/s on the headline shapes of DESIGN.md §5 (total tokens 16384, hidden 2048, seqlen
+//! 512…16384, head dim 64/128/256, causal and not, bf16): the Hopper forward with the
+//! FlashAttention-3 ablation at d128 s8192, and the FlashAttention-2-style (sm80) forward and
+//! backward on the same shapes. CUDA events around each call, queued behind the warm-up as the
+//! peers are timed, median of the runs; the host's enqueue time per forward call is reported
+//! beside. Each forward is also checked on sampled rows against the f64 reference (`pass`); the
+//! backward's correctness is tests/gpu_bwd.rs's.
 //!
 //! Usage: bench_table [--quick] [--only D,S[,causal][,sm80]] [--out results.json] [--commit SHA]
 
