@@ -3,7 +3,7 @@
 // preprocess: D = rowsum(dO ∘ O) per query row (f32), one warp per row.
 // main:       one CTA per (key block, head, batch) keeps its K and V blocks in shared memory and
 //             its dK, dV accumulators in registers, and walks the query blocks that see its keys:
-//               S = Q·Kᵀ, dP = dO·Vᵀ (recomputed), P = exp(S·scale − LSE), dS = P ∘ (dP − D),
+//               S = Q·Kᵀ and P = exp(S·scale − LSE) recomputed, dP = dO·Vᵀ, dS = P ∘ (dP − D),
 //               dV += Pᵀ·dO, dK += dSᵀ·Q   (P and dS through shared memory, read transposed),
 //               dQ += dS·K                  (f32 atomics into the workspace).
 //             dK·scale and dV go straight to the caller's tensors, or, when several query heads
@@ -64,8 +64,6 @@ struct BwdTraits {
   using GmemCopy = decltype(make_tiled_copy(
       Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{},
       Layout<Shape<Int<kThreads / 8>, _8>, Stride<_8, _1>>{}, Layout<Shape<_1, _8>>{}));
-  // Registers -> shared for P and dS: 32-bit pairs, the MMA's own layout.
-  using SmemCopyAtomStore = Copy_Atom<DefaultCopy, Element>;
   using LoadN = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
   using LoadT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
 
