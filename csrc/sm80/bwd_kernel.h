@@ -1,14 +1,17 @@
 // The FlashAttention-2-style backward kernels (sm_80 and later: mma.sync, ldmatrix, cp.async).
 //
-// preprocess: D = rowsum(dO ∘ O) per query row (f32), one warp per row.
+// preprocess: D = rowsum(dO ∘ O) and LSE·log2(e) per query row (f32), one warp per row, padded
+//             with D = 0, LSE = +inf to whole query blocks.
 // main:       one CTA per (key block, head, batch) keeps its K and V blocks in shared memory and
 //             its dK, dV accumulators in registers, and walks the query blocks that see its keys:
 //               S = Q·Kᵀ and P = exp(S·scale − LSE) recomputed, dP = dO·Vᵀ, dS = P ∘ (dP − D),
 //               dV += Pᵀ·dO, dK += dSᵀ·Q   (P and dS through shared memory, read transposed),
-//               dQ += dS·K                  (f32 atomics into the workspace).
+//               dQ += dS·K                  (f32 atomics into the workspace, in the order the
+//                                            MMA holds it: one 128-byte line per warp atomic).
 //             dK·scale and dV go straight to the caller's tensors, or, when several query heads
 //             share a KV head (GQA), into f32 workspace sums by atomics.
 // postprocess: dQ (and the GQA dK, dV sums) from f32 to the element type, scaled.
+// The Q/dO buffer count is a run-time choice (two where the device's shared memory allows them).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -28,9 +31,8 @@ using namespace cute;
 // kAtomMSdP warps down M, dK/dV (kBlockN × d) with kAtomNdKV down N, dQ (kBlockM × d) with
 // kAtomMdQ down M (as FlashAttention-2's backward).
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kAtomMSdP,
-          int kAtomNdKV, int kAtomMdQ, int kQStages_>
+          int kAtomNdKV, int kAtomMdQ>
 struct BwdTraits {
-  static constexpr int kQStages = kQStages_;  // Q/dO buffers: 2 loads the next query block early
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
@@ -68,24 +70,35 @@ struct BwdTraits {
   using LoadT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
 
   static constexpr int kQElems = cosize_v<SmemLayoutQ>;  // a multiple of the swizzle period
+  // One Q/dO buffer with its rows' LSE and D; a second one loads the next query block during
+  // this one.
+  struct alignas(128) QStage {
+    ArrayEngine<Element, kQElems> q;
+    ArrayEngine<Element, kQElems> dout;
+    alignas(16) float lse[kBlockM];  // log2 domain: LSE·log2(e); +inf for rows past seqlen_q
+    alignas(16) float d[kBlockM];    // rowsum(dO ∘ O)
+  };
   struct SharedStorage {
-    ArrayEngine<Element, kQElems * kQStages> q;
-    ArrayEngine<Element, kQElems * kQStages> dout;
     ArrayEngine<Element, cosize_v<SmemLayoutKV>> k;
     ArrayEngine<Element, cosize_v<SmemLayoutKV>> v;
     ArrayEngine<Element, cosize_v<SmemLayoutP>> p;
     ArrayEngine<Element, cosize_v<SmemLayoutP>> ds;
-    float lse[kQStages][kBlockM];  // log2 domain: LSE·log2(e); +inf for rows past seqlen_q
-    float d[kQStages][kBlockM];    // rowsum(dO ∘ O)
+    QStage stage[2];  // last: a one-buffer launch leaves stage[1] out of its shared memory
   };
+  static constexpr int smem_bytes(int q_stages) {
+    return int(sizeof(SharedStorage) - (2 - q_stages) * sizeof(QStage));
+  }
 };
 
 struct BwdParams {
   const void *q, *k, *v, *o, *dout;
   void *dq, *dk, *dv;
-  const float* lse;   // (batch, heads_q, seqlen_q)
-  float* dq_accum;    // (batch, heads_q, seqlen_q, d), zeroed
-  float* softmax_d;   // (batch, heads_q, seqlen_q)
+  const float* lse;   // the forward's (batch, heads_q, seqlen_q)
+  float* dq_accum;    // (batch, heads_q, dq_rows / kBlockM, MMA order of kBlockM × d), zeroed
+  float* lse_log2;    // (batch, heads_q, dq_rows): LSE·log2(e), +inf in the padding
+  float* softmax_d;   // (batch, heads_q, dq_rows): rowsum(dO ∘ O), 0 in the padding
+  int dq_rows;        // seqlen_q rounded up to whole query blocks
+  int q_stages;       // Q/dO buffers in shared memory: 1 or 2
   float* dk_accum;    // GQA only: (batch, heads_kv, seqlen_k, d), zeroed; else null
   float* dv_accum;
   int64_t q_batch_stride, q_row_stride, q_head_stride;
@@ -104,19 +117,22 @@ struct BwdParams {
   bool softcap;
 };
 
-// D = rowsum(dO ∘ O) in f32: one warp per (batch, head, row), 16-byte loads.
+// D = rowsum(dO ∘ O) and LSE·log2(e) in f32 over dq_rows rows per head: one warp per (batch,
+// head, row), 16-byte loads.
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const BwdParams p) {
   const int64_t row_id = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
-  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.dq_rows;
   if (row_id >= rows) return;
-  const int row = int(row_id % p.seqlen_q);
-  const int head = int(row_id / p.seqlen_q % p.heads_q);
-  const int batch = int(row_id / p.seqlen_q / p.heads_q);
+  const int row = int(row_id % p.dq_rows);
+  const int64_t bh = row_id / p.dq_rows;
+  const int head = int(bh % p.heads_q);
+  const int batch = int(bh / p.heads_q);
   const int lane = threadIdx.x % 32;
+  const bool in = row < p.seqlen_q;
   constexpr int kChunks = kHeadDim / 8;
   float sum = 0.f;
-  if (lane < kChunks) {
+  if (in && lane < kChunks) {
     auto o = static_cast<const Element*>(p.o) + batch * p.o_batch_stride +
              head * p.o_head_stride + row * p.o_row_stride + lane * 8;
     auto dout = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
@@ -128,7 +144,38 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-  if (lane == 0) p.softmax_d[row_id] = sum;
+  if (lane == 0) {
+    p.softmax_d[row_id] = sum;
+    p.lse_log2[row_id] = in ? p.lse[bh * p.seqlen_q + row] * float(M_LOG2E) : INFINITY;
+  }
+}
+
+// dQ from the main kernel's accumulator (MMA order per query block) to the element type, times
+// `scale`: one CTA per (query block, head, batch), with the main kernel's dQ thread layout.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads)
+    bwd_convert_dq(__grid_constant__ const BwdParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+  const int m = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int64_t bh = int64_t(batch) * p.heads_q + head;
+  const float* src = p.dq_accum + (bh * p.dq_rows + int64_t(m) * kBlockM) * kHeadDim;
+  Element* dst = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride +
+                 head * p.dq_head_stride;
+  typename Traits::MmadQ mma;
+  Tensor c = mma.get_thread_slice(tid).partition_C(
+      make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+#pragma unroll
+  for (int i = 0; i < size(c); i += 2) {  // elements i, i+1 are neighbouring columns
+    const int row = m * kBlockM + get<0>(c(i));
+    if (row >= p.seqlen_q) continue;
+    cutlass::Array<Element, 2> pair;
+    pair[0] = Element(src[i * Traits::kThreads + tid] * p.scale);
+    pair[1] = Element(src[(i + 1) * Traits::kThreads + tid] * p.scale);
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(dst + row * p.dq_row_stride + get<1>(c(i))) =
+        pair;
+  }
 }
 
 // f32 sums to the element type, times `scale`: (rows, kHeadDim) packed -> strided (batch, seqlen,
@@ -153,13 +200,19 @@ __global__ void __launch_bounds__(256)
                                                  head * h_stride + row * row_stride + c * 8) = out;
 }
 
-// Stores a (rows, cols) f32 accumulator of `mma` as Element pairs into a (rows, kCols)
-// row-major shared-memory tile (swizzled layout `sTile`).
+// Stores a (rows, cols) f32 accumulator of `mma` into a row-major shared-memory tile (swizzled
+// layout `sTile`) as 32-bit Element pairs: an accumulator's elements i, i+1 (i even) are
+// neighbouring columns, which the 16-byte swizzle keeps neighbours.
 template <class Element, class Acc, class Thr, class STensor>
 __device__ void acc_to_smem(Acc const& acc, Thr const& thr, STensor& sTile) {
   Tensor dst = thr.partition_C(sTile);
 #pragma unroll
-  for (int i = 0; i < size(acc); ++i) dst(i) = Element(acc(i));
+  for (int i = 0; i < size(acc); i += 2) {
+    cutlass::Array<Element, 2> pair;
+    pair[0] = Element(acc(i));
+    pair[1] = Element(acc(i + 1));
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(&dst(i)) = pair;
+  }
 }
 
 // Query rows [row_lo, row_hi) that see any key of [col_begin, col_end): a row sees
@@ -216,14 +269,18 @@ __global__ void __launch_bounds__(Traits::kThreads)
                               params.v_row_stride, head_kv, params.seqlen_k),
                          TileKV{}, make_coord(n_block, 0));
 
-  Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQ{});
+  // Q and dO of buffer 0; buffer s is QStage s (at_stage).
+  Tensor sQ = make_tensor(make_smem_ptr(smem.stage[0].q.begin()), typename Traits::SmemLayoutQ{});
+  Tensor sdO =
+      make_tensor(make_smem_ptr(smem.stage[0].dout.begin()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutKV{});
   Tensor sP = make_tensor(make_smem_ptr(smem.p.begin()), typename Traits::SmemLayoutP{});
   Tensor sdS = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutP{});
-  Tensor sQt = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQt{});
+  Tensor sQt =
+      make_tensor(make_smem_ptr(smem.stage[0].q.begin()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt =
+      make_tensor(make_smem_ptr(smem.stage[0].dout.begin()), typename Traits::SmemLayoutQt{});
   Tensor sKt = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutKt{});
   Tensor sPt = make_tensor(make_smem_ptr(smem.p.begin()), typename Traits::SmemLayoutPt{});
   Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutPt{});
@@ -288,29 +345,56 @@ __global__ void __launch_bounds__(Traits::kThreads)
   auto copy_dq_b = make_tiled_copy_B(typename Traits::LoadT{}, mma_dq);
   Tensor tdQsdS = copy_dq_a.get_thread_slice(tid).partition_S(sdS);
   Tensor tdQsKt = copy_dq_b.get_thread_slice(tid).partition_S(sKt);
-  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(TileQ{}));
 
-  const float lse_to_log2 = float(M_LOG2E);
   const int64_t bh_q = int64_t(batch) * params.heads_q + head;
 
-  // Q and dO of query block m into buffer `stage` (cp.async), its LSE and D by plain loads.
-  constexpr int kQElems = Traits::kQElems;
+  // Buffer `stage` of a partitioned Q or dO tensor of buffer 0.
+  constexpr int kStageElems = int(sizeof(typename Traits::QStage) / sizeof(Element));
+  static_assert(sizeof(typename Traits::QStage) % sizeof(Element) == 0);
   auto at_stage = [](auto const& t, int stage) {
-    return make_tensor(t.data() + stage * kQElems, t.layout());
+    return make_tensor(t.data() + stage * kStageElems, t.layout());
   };
+  // Q, dO, and the rows' LSE and D of query block m into buffer `stage`, one cp.async group.
   auto load_q_block = [&](int m, int stage) {
     const int row_begin = m * kBlockM;
     auto sq = at_stage(tQsQ, stage);
     auto sdo = at_stage(tdOsdO, stage);
     copy_rows(gmem_copy, tQgQ(_, _, _, m), sq, tQc, params.seqlen_q - row_begin);
     copy_rows(gmem_copy, tdOgdO(_, _, _, m), sdo, tQc, params.seqlen_q - row_begin);
+    constexpr int kChunks = kBlockM / 4;  // 16-byte chunks per row vector
+    static_assert(2 * kChunks <= Traits::kThreads);
+    const int64_t rows_at = bh_q * params.dq_rows + row_begin;
+    if (tid < 2 * kChunks) {
+      const int chunk = tid % kChunks;
+      const bool is_lse = tid < kChunks;
+      const float* src = (is_lse ? params.lse_log2 : params.softmax_d) + rows_at + chunk * 4;
+      float* dst = (is_lse ? smem.stage[stage].lse : smem.stage[stage].d) + chunk * 4;
+      SM80_CP_ASYNC_CACHEALWAYS<cute::uint128_t>::copy(
+          *reinterpret_cast<const cute::uint128_t*>(src), *reinterpret_cast<cute::uint128_t*>(dst));
+    }
     cp_async_fence();
-    for (int r = tid; r < kBlockM; r += Traits::kThreads) {
-      const int row = row_begin + r;
-      const bool in = row < params.seqlen_q;
-      smem.lse[stage][r] =
-          in ? params.lse[bh_q * params.seqlen_q + row] * lse_to_log2 : INFINITY;
-      smem.d[stage][r] = in ? params.softmax_d[bh_q * params.seqlen_q + row] : 0.f;
+  };
+
+  // P and dS from S and dP, element by element. The common path keeps P in acc_s; with softcap
+  // or masks (their own path: folded into the common one, ptxas predicates them and issues them
+  // on every block) acc_s keeps S (tanh'd under softcap) and P is recomputed for dS.
+  auto each_element = [&](auto const& rowcol, int row_begin, int stage, auto slow_path, auto&& f) {
+    constexpr bool kSlow = decltype(slow_path)::value;
+#pragma unroll
+    for (int r = 0; r < size<0>(rowcol); ++r) {
+      const int row_in = get<0>(rowcol_cS(r, 0));
+      const float lse = smem.stage[stage].lse[row_in];
+      const float d = smem.stage[stage].d[row_in];
+      int lo = 0, hi = kBlockN;
+      if constexpr (kSlow) {
+        lo = params.keys.lo(row_begin + row_in) - col_begin;
+        hi = params.keys.hi(row_begin + row_in) - col_begin;
+      }
+#pragma unroll
+      for (int c = 0; c < size<1>(rowcol); ++c) {
+        const int col = get<1>(rowcol_cS(r, c));
+        f(r, c, lse, d, !kSlow || (col >= lo && col < hi));
+      }
     }
   };
 
@@ -321,78 +405,74 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const int row_begin = m * kBlockM;
     cp_async_wait<0>();
     __syncthreads();  // this block's Q, dO landed; every warp is done with the block before
-    if (Traits::kQStages > 1 && m < m_last) load_q_block(m + 1, stage ^ 1);
+    if (params.q_stages > 1 && m < m_last) load_q_block(m + 1, stage ^ 1);
 
     Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
-    Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_s);
-    clear(acc_dp);
     gemm_smem(mma_sdp, acc_s, tSrQ, tSrK, at_stage(tSsQ, stage), tSsK, copy_sdp_a, copy_sdp_b);
+    Tensor rowcol_s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    const bool slow = params.softcap || params.keys.template block_needs_mask<kBlockN>(
+                                            n_block, row_begin, row_begin + kBlockM);
+
+    // P = exp2(s·c − lse·log2 e) to shared memory before the dP GEMM, so the stores drain under it.
+    if (slow) {
+      Tensor acc_p = make_fragment_like(acc_s);
+      Tensor rowcol_p = make_tensor(acc_p.data(), rowcol_s.layout());
+      each_element(rowcol_s, row_begin, stage, cute::true_type{},
+               [&](int r, int c, float lse, float, bool visible) {
+                 float s = rowcol_s(r, c);
+                 if (params.softcap) rowcol_s(r, c) = s = fast_tanh(s * params.softcap_pre);
+                 rowcol_p(r, c) = visible ? fast_exp2(s * params.scale_log2 - lse) : 0.f;
+               });
+      acc_to_smem<Element>(acc_p, thr_sdp, sP);
+    } else {
+      each_element(rowcol_s, row_begin, stage, cute::false_type{},
+               [&](int r, int c, float lse, float, bool) {
+                 rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse);
+               });
+      acc_to_smem<Element>(acc_s, thr_sdp, sP);
+    }
+
+    Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
+    clear(acc_dp);
     gemm_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, stage), tdPsV, copy_sdp_a,
               copy_sdp_b);
-
-    // P = exp2(s·c − lse·log2 e) and dS = P ∘ (dP − D) (times the softcap's tanh derivative).
-    Tensor rowcol_s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    // dS = P ∘ (dP − D), times the softcap's tanh derivative.
     Tensor rowcol_dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-    // Softcap and masks in their own copy of the loop: folded into the common one, ptxas
-    // predicates them and issues them on every block.
-    auto p_and_ds = [&](auto slow_path) {
-      constexpr bool kSlow = decltype(slow_path)::value;
-#pragma unroll
-      for (int r = 0; r < size<0>(rowcol_s); ++r) {
-        const int row_in = get<0>(rowcol_cS(r, 0));
-        const float lse = smem.lse[stage][row_in];
-        const float d = smem.d[stage][row_in];
-        int lo = 0, hi = kBlockN;
-        if constexpr (kSlow) {
-          lo = params.keys.lo(row_begin + row_in) - col_begin;
-          hi = params.keys.hi(row_begin + row_in) - col_begin;
-        }
-#pragma unroll
-        for (int c = 0; c < size<1>(rowcol_s); ++c) {
-          float s = rowcol_s(r, c);
-          float dtanh = 1.f;
-          bool visible = true;
-          if constexpr (kSlow) {
-            if (params.softcap) {
-              s = fast_tanh(s * params.softcap_pre);
-              dtanh = 1.f - s * s;
-            }
-            const int col = get<1>(rowcol_cS(r, c));
-            visible = col >= lo && col < hi;
-          }
-          const float p = visible ? fast_exp2(s * params.scale_log2 - lse) : 0.f;
-          rowcol_s(r, c) = p;
-          rowcol_dp(r, c) = p * (rowcol_dp(r, c) - d) * dtanh;
-        }
-      }
-    };
-    if (params.softcap || params.keys.template block_needs_mask<kBlockN>(n_block, row_begin,
-                                                                         row_begin + kBlockM)) {
-      p_and_ds(cute::true_type{});
+    if (slow) {
+      each_element(rowcol_s, row_begin, stage, cute::true_type{},
+               [&](int r, int c, float lse, float d, bool visible) {
+                 const float s = rowcol_s(r, c);
+                 const float p = visible ? fast_exp2(s * params.scale_log2 - lse) : 0.f;
+                 const float dtanh = params.softcap ? 1.f - s * s : 1.f;
+                 rowcol_dp(r, c) = p * (rowcol_dp(r, c) - d) * dtanh;
+               });
     } else {
-      p_and_ds(cute::false_type{});
+      each_element(rowcol_s, row_begin, stage, cute::false_type{},
+               [&](int r, int c, float, float d, bool) {
+                 rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - d);
+               });
     }
-    acc_to_smem<Element>(acc_s, thr_sdp, sP);
     acc_to_smem<Element>(acc_dp, thr_sdp, sdS);
     __syncthreads();
 
     gemm_smem(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, stage), copy_dkv_a,
               copy_dkv_b);
-    gemm_smem(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, stage), copy_dkv_a,
-              copy_dkv_b);
 
+    // dQ before dK, so that its atomics drain under the dK GEMM. Each thread adds its MMA
+    // elements at i·kThreads + tid of the query block's accumulator (bwd_convert_dq reads them
+    // back the same way): one warp atomic covers 32 consecutive floats.
     Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
     clear(acc_dq);
     gemm_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b);
-    float* dq_accum = params.dq_accum + (bh_q * params.seqlen_q + row_begin) * kHeadDim;
+    float* dq_accum = params.dq_accum + (bh_q * params.dq_rows + row_begin) * kHeadDim + tid;
 #pragma unroll
-    for (int i = 0; i < size(acc_dq); ++i) {
-      const int row = get<0>(cdQ(i));
-      if (row_begin + row < params.seqlen_q)
-        atomicAdd(dq_accum + row * kHeadDim + get<1>(cdQ(i)), acc_dq(i));
-    }
-    if constexpr (Traits::kQStages == 1) {
+    for (int i = 0; i < size(acc_dq); ++i) atomicAdd(dq_accum + i * Traits::kThreads, acc_dq(i));
+
+    gemm_smem(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, stage), copy_dkv_a,
+              copy_dkv_b);
+
+    if (params.q_stages == 1) {
       __syncthreads();  // every warp is done with Q and dO: the next block may land
       if (m < m_last) load_q_block(m + 1, 0);
     } else {

@@ -19,7 +19,7 @@ template <class Element, int kHeadDim>
 flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Tile = BwdTile<kHeadDim>;
   using Traits = BwdTraits<Element, kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kWarps,
-                           Tile::kAtomMSdP, Tile::kAtomNdKV, Tile::kAtomMdQ, Tile::kQStages>;
+                           Tile::kAtomMSdP, Tile::kAtomNdKV, Tile::kAtomMdQ>;
   // Grid (key blocks, heads, batch): y and z stop at 65535.
   if (p.heads_q > 65535 || p.batch > 65535) return status(FLASHATTN_UNSUPPORTED);
   if (p.deterministic) return status(FLASHATTN_UNSUPPORTED);  // dQ is summed by atomics
@@ -39,6 +39,9 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.dv = p.dv.ptr;
   params.lse = p.lse;
   params.dq_accum = reinterpret_cast<float*>(base + ws.dq_accum);
+  static_assert(kDqRowAlign % Traits::kBlockM == 0);
+  params.dq_rows = dq_accum_rows(p.seqlen_q);
+  params.lse_log2 = reinterpret_cast<float*>(base + ws.lse_log2);
   params.softmax_d = reinterpret_cast<float*>(base + ws.softmax_d);
   const bool gqa = p.heads_q != p.heads_kv;
   params.dk_accum = gqa ? reinterpret_cast<float*>(base + ws.dk_accum) : nullptr;
@@ -68,20 +71,29 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.softcap_pre = params.softcap ? p.softmax_scale / p.softcap : 0.f;
   params.scale_log2 = params.softcap ? p.softcap * log2e : p.softmax_scale * log2e;
 
-  FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dq_accum, 0, ws.softmax_d - ws.dq_accum, stream));
+  FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dq_accum, 0, ws.lse_log2 - ws.dq_accum, stream));
   if (gqa) FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dk_accum, 0, ws.bytes - ws.dk_accum, stream));
 
-  const int64_t rows_q = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-  bwd_preprocess<Element, kHeadDim><<<unsigned((rows_q + 7) / 8), 256, 0, stream>>>(params);
+  const int64_t rows_dq = int64_t(p.batch) * p.heads_q * params.dq_rows;
+  bwd_preprocess<Element, kHeadDim><<<unsigned((rows_dq + 7) / 8), 256, 0, stream>>>(params);
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 
+  // Two Q/dO buffers where the device's shared memory holds them.
+  int device = 0, smem_optin = 0;
+  FLASHATTN_TRY_CUDA(cudaGetDevice(&device));
+  FLASHATTN_TRY_CUDA(
+      cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  params.q_stages = smem_optin >= Traits::smem_bytes(2) ? 2 : 1;
   auto kernel = bwd_kernel<Traits>;
-  const int smem_bytes = sizeof(typename Traits::SharedStorage);
+  const int smem_bytes = Traits::smem_bytes(params.q_stages);
   FLASHATTN_TRY_CUDA(allow_dynamic_smem<Traits>(kernel, smem_bytes));
   const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_q, p.batch);
   kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(params);
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 
+  bwd_convert_dq<Traits><<<dim3(params.dq_rows / Traits::kBlockM, p.heads_q, p.batch),
+                            Traits::kThreads, 0, stream>>>(params);
+  FLASHATTN_TRY_CUDA(cudaGetLastError());
   auto convert = [&](const float* src, const flashattn_tensor_t& dst, int heads, int seqlen,
                      float scale) {
     const int64_t chunks = int64_t(p.batch) * heads * seqlen * (kHeadDim / 8);
@@ -90,7 +102,6 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
         scale);
     return cudaGetLastError();
   };
-  FLASHATTN_TRY_CUDA(convert(params.dq_accum, p.dq, p.heads_q, p.seqlen_q, p.softmax_scale));
   if (gqa) {
     FLASHATTN_TRY_CUDA(convert(params.dk_accum, p.dk, p.heads_kv, p.seqlen_k, p.softmax_scale));
     FLASHATTN_TRY_CUDA(convert(params.dv_accum, p.dv, p.heads_kv, p.seqlen_k, 1.f));

@@ -8,16 +8,18 @@
 
 namespace flashattn::sm80 {
 
-// Per head dim: query rows and keys per block, warps (16 query rows per warp and MMA atom; four
-// warps give each warp two row atoms, so every K/V fragment feeds two MMAs). Registers bound the
-// key block: the S (kBlockM·kBlockN) and O (kBlockM·d) accumulators over the CTA's threads plus
-// fragments must fit 255 per thread with no local memory (ptxas: d64 128×64 and d128 128×32
-// none; d128 128×64 spilled 144–500 bytes, d64 128×128 884). Shared memory Q + K + V: d64
-// 16 + 8 + 8 = 32 KiB, d128 32 + 8 + 8 = 48 KiB, d256 64 + 32 + 32 = 128 KiB.
+// Per head dim: query rows and keys per block, warps (16 query rows per warp and MMA atom; at
+// d64/d128 each warp has two row atoms, so every K/V fragment feeds two MMAs). Registers bound
+// the key block: the S (kBlockM·kBlockN) and O (kBlockM·d) accumulators over the CTA's threads
+// plus fragments must fit 255 per thread with no local memory (ptxas: d64 128×64 and d128
+// 128×32 none; d128 128×64 spilled 144–500 bytes, d64 128×128 884). Shared memory Q + K + V:
+// d64 16 + 8 + 8 = 32 KiB, d128 32 + 8 + 8 = 48 KiB, d256 32 + 32 + 32 = 96 KiB, so that two
+// d256 CTAs share an SM with 228 KiB (as FlashAttention-2 on H100): one's barriers and loads
+// hide under the other's MMAs.
 template <int kHeadDim> struct FwdTile;
 template <> struct FwdTile<64> { static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4; };
 template <> struct FwdTile<128> { static constexpr int kBlockM = 128, kBlockN = 32, kWarps = 4; };
-template <> struct FwdTile<256> { static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 8; };
+template <> struct FwdTile<256> { static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4; };
 
 #define FLASHATTN_SM80_FWD(D, DTYPE) \
   flashattn_result_t run_fwd_d##D##_##DTYPE(const flashattn_params_t& p, cudaStream_t stream);

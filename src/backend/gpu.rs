@@ -132,15 +132,16 @@ pub(crate) fn forward(
 }
 
 /// Bytes of workspace the backward needs (layout in csrc/sm80/bwd_instantiations.h, which
-/// refuses a smaller one): f32 dQ accumulator, rowsum(dO ∘ O), and with GQA f32 dK and dV sums,
-/// each padded to 256 bytes.
+/// refuses a smaller one): f32 dQ accumulator, LSE·log2(e) and rowsum(dO ∘ O) (each with
+/// seqlen_q rounded up to 128 rows per head), and with GQA f32 dK and dV sums, each padded to
+/// 256 bytes.
 pub(crate) fn bwd_workspace_bytes(problem: &Problem) -> usize {
     let align = |x: usize| x.div_ceil(256) * 256;
-    let rows_q = problem.batch * problem.heads_q * problem.seqlen_q;
+    let rows_dq = problem.batch * problem.heads_q * problem.seqlen_q.div_ceil(128) * 128;
     let rows_k = problem.batch * problem.heads_kv * problem.seqlen_k;
     let d = problem.head_dim;
     let gqa = problem.heads_q != problem.heads_kv;
-    align(rows_q * d * 4) + align(rows_q * 4) + if gqa { 2 * align(rows_k * d * 4) } else { 0 }
+    align(rows_dq * d * 4) + 2 * align(rows_dq * 4) + if gqa { 2 * align(rows_k * d * 4) } else { 0 }
 }
 
 /// Operands of a backward launch: forward inputs and output, dO, and the gradients to write.
