@@ -19,8 +19,8 @@ namespace flashattn::sm80 {
 // less (A100: 163 KiB).
 template <int kHeadDim> struct BwdTile;
 template <> struct BwdTile<64> {
-  static constexpr int kBlockM = 64, kBlockN = 128, kWarps = 8, kAtomMSdP = 2, kAtomNdKV = 4,
-                       kAtomMdQ = 2;
+  static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 8, kAtomMSdP = 4, kAtomNdKV = 4,
+                       kAtomMdQ = 4;
 };
 template <> struct BwdTile<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kWarps = 8, kAtomMSdP = 2, kAtomNdKV = 4,

@@ -415,43 +415,42 @@ __global__ void __launch_bounds__(Traits::kThreads)
                                             n_block, row_begin, row_begin + kBlockM);
 
     // P = exp2(s·c − lse·log2 e) to shared memory before the dP GEMM, so the stores drain under it.
+    // The slow path builds P in acc_dp's registers, free until the dP GEMM.
+    Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
+    Tensor rowcol_dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
     if (slow) {
-      Tensor acc_p = make_fragment_like(acc_s);
-      Tensor rowcol_p = make_tensor(acc_p.data(), rowcol_s.layout());
       each_element(rowcol_s, row_begin, stage, cute::true_type{},
-               [&](int r, int c, float lse, float, bool visible) {
-                 float s = rowcol_s(r, c);
-                 if (params.softcap) rowcol_s(r, c) = s = fast_tanh(s * params.softcap_pre);
-                 rowcol_p(r, c) = visible ? fast_exp2(s * params.scale_log2 - lse) : 0.f;
-               });
-      acc_to_smem<Element>(acc_p, thr_sdp, sP);
+                   [&](int r, int c, float lse, float, bool visible) {
+                     float s = rowcol_s(r, c);
+                     if (params.softcap) rowcol_s(r, c) = s = fast_tanh(s * params.softcap_pre);
+                     rowcol_dp(r, c) = visible ? fast_exp2(s * params.scale_log2 - lse) : 0.f;
+                   });
+      acc_to_smem<Element>(acc_dp, thr_sdp, sP);
     } else {
       each_element(rowcol_s, row_begin, stage, cute::false_type{},
-               [&](int r, int c, float lse, float, bool) {
-                 rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse);
-               });
+                   [&](int r, int c, float lse, float, bool) {
+                     rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse);
+                   });
       acc_to_smem<Element>(acc_s, thr_sdp, sP);
     }
 
-    Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_dp);
     gemm_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, stage), tdPsV, copy_sdp_a,
               copy_sdp_b);
     // dS = P ∘ (dP − D), times the softcap's tanh derivative.
-    Tensor rowcol_dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
     if (slow) {
       each_element(rowcol_s, row_begin, stage, cute::true_type{},
-               [&](int r, int c, float lse, float d, bool visible) {
-                 const float s = rowcol_s(r, c);
-                 const float p = visible ? fast_exp2(s * params.scale_log2 - lse) : 0.f;
-                 const float dtanh = params.softcap ? 1.f - s * s : 1.f;
-                 rowcol_dp(r, c) = p * (rowcol_dp(r, c) - d) * dtanh;
-               });
+                   [&](int r, int c, float lse, float d, bool visible) {
+                     const float s = rowcol_s(r, c);
+                     const float p = visible ? fast_exp2(s * params.scale_log2 - lse) : 0.f;
+                     const float dtanh = params.softcap ? 1.f - s * s : 1.f;
+                     rowcol_dp(r, c) = p * (rowcol_dp(r, c) - d) * dtanh;
+                   });
     } else {
       each_element(rowcol_s, row_begin, stage, cute::false_type{},
-               [&](int r, int c, float, float d, bool) {
-                 rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - d);
-               });
+                   [&](int r, int c, float, float d, bool) {
+                     rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - d);
+                   });
     }
     acc_to_smem<Element>(acc_dp, thr_sdp, sdS);
     __syncthreads();
