@@ -246,7 +246,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
   int row_lo, row_hi;
   rows_for_keys(params.keys, col_begin, col_begin + kBlockN, row_lo, row_hi);
   const int m_first = row_lo / kBlockM;
-  const int m_last = row_hi > row_lo ? (row_hi - 1) / kBlockM : m_first - 1;
+  const int m_count = row_hi > row_lo ? (row_hi - 1) / kBlockM + 1 - m_first : 0;
+  // Step j visits query block m_first + (j + n_block) mod m_count: the key blocks of a head start
+  // on different query blocks, so their dQ atomics do not all hit the same lines at once.
+  auto block_at = [&](int j) {
+    const int k = j + n_block % (m_count > 0 ? m_count : 1);
+    return m_first + (k < m_count ? k : k - m_count);
+  };
 
   auto gmem = [&](const void* ptr, int64_t b_stride, int64_t h_stride, int64_t row_stride, int h,
                   int seqlen) {
@@ -399,13 +405,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
   };
 
   int stage = 0;
-  if (m_first <= m_last) load_q_block(m_first, 0);
+  if (m_count > 0) load_q_block(block_at(0), 0);
 #pragma unroll 1
-  for (int m = m_first; m <= m_last; ++m) {
-    const int row_begin = m * kBlockM;
+  for (int j = 0; j < m_count; ++j) {
+    const int row_begin = block_at(j) * kBlockM;
     cp_async_wait<0>();
     __syncthreads();  // this block's Q, dO landed; every warp is done with the block before
-    if (params.q_stages > 1 && m < m_last) load_q_block(m + 1, stage ^ 1);
+    if (params.q_stages > 1 && j + 1 < m_count) load_q_block(block_at(j + 1), stage ^ 1);
 
     Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_s);
@@ -473,7 +479,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
     if (params.q_stages == 1) {
       __syncthreads();  // every warp is done with Q and dO: the next block may land
-      if (m < m_last) load_q_block(m + 1, 0);
+      if (j + 1 < m_count) load_q_block(block_at(j + 1), 0);
     } else {
       stage ^= 1;
     }

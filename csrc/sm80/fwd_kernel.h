@@ -245,6 +245,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
       clear(tSrS);
       gemm_smem(mma, tSrS, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k);
+      // K(n−1) loads under this block's softmax and P·V (FlashAttention-2's order).
+      cp_async_wait<0>();
+      __syncthreads();  // V(n) landed; every warp is done with K(n)
+      if (n > n_min) {
+        tKgK.data() = tKgK.data() + (-k_step);
+        copy_rows(gmem_copy, tKgK, tKsK, tKVc, params.seqlen_k - (n - 1) * kBlockN);
+        cp_async_fence();
+      }
       // Softcap and masks in their own copy of the code: folded into the common path, ptxas
       // predicates them and issues them on every block.
       auto cap_and_mask = [&]() {
@@ -272,14 +280,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
         softmax.step(rowcol_S, params.scale_log2, factor);
       }
       scale_rows(rowcol_O, factor);
-
-      cp_async_wait<0>();
-      __syncthreads();  // V(n) landed; every warp is done with K(n)
-      if (n > n_min) {
-        tKgK.data() = tKgK.data() + (-k_step);
-        copy_rows(gmem_copy, tKgK, tKsK, tKVc, params.seqlen_k - (n - 1) * kBlockN);
-        cp_async_fence();
-      }
 
       // P in Element, register for register, then viewed as the A operand.
       constexpr int N = decltype(size(tSrS))::value;
