@@ -23,9 +23,12 @@ namespace flashattn::sm80 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_,
+          bool kEarlyK_ = false>
 struct FwdTraits {
   using Element = Element_;
+  // Issue the next K block's load right after Q·Kᵀ (before the softmax) rather than after it.
+  static constexpr bool kEarlyK = kEarlyK_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -245,14 +248,16 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
       clear(tSrS);
       gemm_smem(mma, tSrS, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k);
-      // K(n−1) loads under this block's softmax and P·V (FlashAttention-2's order).
-      cp_async_wait<0>();
-      __syncthreads();  // V(n) landed; every warp is done with K(n)
-      if (n > n_min) {
-        tKgK.data() = tKgK.data() + (-k_step);
-        copy_rows(gmem_copy, tKgK, tKsK, tKVc, params.seqlen_k - (n - 1) * kBlockN);
-        cp_async_fence();
-      }
+      auto load_next_k = [&]() {
+        cp_async_wait<0>();
+        __syncthreads();  // V(n) landed; every warp is done with K(n)
+        if (n > n_min) {
+          tKgK.data() = tKgK.data() + (-k_step);
+          copy_rows(gmem_copy, tKgK, tKsK, tKVc, params.seqlen_k - (n - 1) * kBlockN);
+          cp_async_fence();
+        }
+      };
+      if constexpr (Traits::kEarlyK) load_next_k();
       // Softcap and masks in their own copy of the code: folded into the common path, ptxas
       // predicates them and issues them on every block.
       auto cap_and_mask = [&]() {
@@ -273,13 +278,22 @@ __global__ void __launch_bounds__(Traits::kThreads)
         }
         softmax.step(rowcol_S, params.scale_log2, factor);
       };
+      float max_before[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) max_before[r] = softmax.row_max[r];
       if (params.softcap ||
           params.keys.template block_needs_mask<kBlockN>(n, row_begin, row_begin + kBlockM)) {
         cap_and_mask();
       } else {
         softmax.step(rowcol_S, params.scale_log2, factor);
       }
-      scale_rows(rowcol_O, factor);
+      // Most blocks of a long row leave every row max of the warp unchanged (the factor is 1 up
+      // to the rounding of exp2(max·c − max·c)): skip the multiply then.
+      bool rescale = false;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) rescale |= softmax.row_max[r] != max_before[r];
+      if (__any_sync(0xffffffff, rescale)) scale_rows(rowcol_O, factor);
+      if constexpr (!Traits::kEarlyK) load_next_k();
 
       // P in Element, register for register, then viewed as the A operand.
       constexpr int N = decltype(size(tSrS))::value;
