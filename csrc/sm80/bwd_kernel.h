@@ -381,9 +381,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
     cp_async_fence();
   };
 
-  // P and dS from S and dP, element by element. The common path keeps P in acc_s; with softcap
-  // or masks (their own path: folded into the common one, ptxas predicates them and issues them
-  // on every block) acc_s keeps S (tanh'd under softcap) and P is recomputed for dS.
+  // P and dS from S and dP, element by element. Masks and softcap take their own paths (folded
+  // into the common one, ptxas predicates them and issues them on every block).
   auto each_element = [&](auto const& rowcol, int row_begin, int stage, auto slow_path, auto&& f) {
     constexpr bool kSlow = decltype(slow_path)::value;
 #pragma unroll
@@ -417,21 +416,29 @@ __global__ void __launch_bounds__(Traits::kThreads)
     clear(acc_s);
     gemm_smem(mma_sdp, acc_s, tSrQ, tSrK, at_stage(tSsQ, stage), tSsK, copy_sdp_a, copy_sdp_b);
     Tensor rowcol_s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
-    const bool slow = params.softcap || params.keys.template block_needs_mask<kBlockN>(
-                                            n_block, row_begin, row_begin + kBlockM);
+    const bool masked =
+        params.keys.template block_needs_mask<kBlockN>(n_block, row_begin, row_begin + kBlockM);
 
     // P = exp2(s·c − lse·log2 e) to shared memory before the dP GEMM, so the stores drain under it.
-    // The slow path builds P in acc_dp's registers, free until the dP GEMM.
+    // Under softcap acc_s keeps tanh(s·scale/softcap) for dS's derivative, and P is built in
+    // acc_dp's registers (free until the dP GEMM) and recomputed for dS.
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     Tensor rowcol_dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-    if (slow) {
+    if (params.softcap) {
       each_element(rowcol_s, row_begin, stage, cute::true_type{},
                    [&](int r, int c, float lse, float, bool visible) {
-                     float s = rowcol_s(r, c);
-                     if (params.softcap) rowcol_s(r, c) = s = fast_tanh(s * params.softcap_pre);
-                     rowcol_dp(r, c) = visible ? fast_exp2(s * params.scale_log2 - lse) : 0.f;
+                     const float t = fast_tanh(rowcol_s(r, c) * params.softcap_pre);
+                     rowcol_s(r, c) = t;
+                     rowcol_dp(r, c) = visible ? fast_exp2(t * params.scale_log2 - lse) : 0.f;
                    });
       acc_to_smem<Element>(acc_dp, thr_sdp, sP);
+    } else if (masked) {
+      each_element(rowcol_s, row_begin, stage, cute::true_type{},
+                   [&](int r, int c, float lse, float, bool visible) {
+                     rowcol_s(r, c) =
+                         visible ? fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse) : 0.f;
+                   });
+      acc_to_smem<Element>(acc_s, thr_sdp, sP);
     } else {
       each_element(rowcol_s, row_begin, stage, cute::false_type{},
                    [&](int r, int c, float lse, float, bool) {
@@ -444,13 +451,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
     gemm_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, stage), tdPsV, copy_sdp_a,
               copy_sdp_b);
     // dS = P ∘ (dP − D), times the softcap's tanh derivative.
-    if (slow) {
+    if (params.softcap) {
       each_element(rowcol_s, row_begin, stage, cute::true_type{},
                    [&](int r, int c, float lse, float d, bool visible) {
-                     const float s = rowcol_s(r, c);
-                     const float p = visible ? fast_exp2(s * params.scale_log2 - lse) : 0.f;
-                     const float dtanh = params.softcap ? 1.f - s * s : 1.f;
-                     rowcol_dp(r, c) = p * (rowcol_dp(r, c) - d) * dtanh;
+                     const float t = rowcol_s(r, c);
+                     const float p = visible ? fast_exp2(t * params.scale_log2 - lse) : 0.f;
+                     rowcol_dp(r, c) = p * (rowcol_dp(r, c) - d) * (1.f - t * t);
                    });
     } else {
       each_element(rowcol_s, row_begin, stage, cute::false_type{},
