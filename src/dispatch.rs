@@ -153,12 +153,6 @@ pub fn check_backend(
                     backend: name,
                 });
             }
-            if backend == Backend::Sm80 && op == Op::Backward && cfg.deterministic {
-                return Err(Error::Unsupported {
-                    what: "deterministic backward (dQ is summed with atomics)".into(),
-                    backend: name,
-                });
-            }
             // Tiles of 128 query rows per (batch, head) are numbered with 32-bit integers.
             let tiles = problem.seqlen_q.div_ceil(128) as u128
                 * problem.heads_q as u128

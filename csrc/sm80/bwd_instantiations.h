@@ -14,10 +14,10 @@ namespace flashattn::sm80 {
 // down M, dK/dV kAtomNdKV down N, dQ kAtomMdQ down M (FlashAttention-2's choices for GPUs with
 // 144 KiB of shared memory or more). Registers: dK and dV accumulators kBlockN·d·2 over 256
 // threads plus S and dP kBlockM·kBlockN·2; ptxas spills d64 ~280 bytes, d128 24, d256 none
-// (d64 128×128 still ran 8% faster on the H200 than 64×128, which spills nothing). Shared memory: K, V (kBlockN·d each), P, dS
-// (kBlockM·kBlockN each), then per Q/dO buffer kBlockM·d·2 (+ LSE, D): with two buffers d64
-// 162 KiB, d128 159 KiB, d256 209 KiB; d256 takes one buffer (145 KiB) where the device offers
-// less (A100: 163 KiB).
+// (d64 128×128 still ran 8% faster on the H200 than 64×128, which spills nothing). Shared
+// memory: K, V (kBlockN·d each), P, dS (kBlockM·kBlockN each), then per Q/dO buffer kBlockM·d·2
+// (+ LSE, D): with two buffers d64 162 KiB, d128 159 KiB, d256 209 KiB; d256 takes one buffer
+// (145 KiB) where the device offers less (A100: 163 KiB).
 template <int kHeadDim> struct BwdTile;
 template <> struct BwdTile<64> {
   static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 8, kAtomMSdP = 4, kAtomNdKV = 4,
@@ -39,20 +39,32 @@ inline int dq_accum_rows(int seqlen_q) {
   return (seqlen_q + kDqRowAlign - 1) / kDqRowAlign * kDqRowAlign;
 }
 
+// dQ slices in deterministic mode: enough CTAs per (batch, head) to fill the SMs, one slice each
+// (at most one per 128 keys). Atomic mode: one slice. src/backend/gpu.rs computes the same.
+inline int bwd_dq_splits(const flashattn_params_t& p) {
+  if (!p.deterministic) return 1;
+  const int64_t heads = int64_t(p.batch) * p.heads_q;
+  const int64_t fill = (p.sm_count + heads - 1) / heads;
+  const int64_t most = (p.seqlen_k + 127) / 128;
+  return int(fill < 1 ? 1 : (fill > most ? most : fill));
+}
+
 // The caller's workspace (flashattn_params_t::workspace), byte offsets: the f32 dQ accumulator
-// (batch, heads_q, dq_accum_rows(seqlen_q), d), LSE·log2(e) and rowsum(dO ∘ O) (batch, heads_q,
-// dq_accum_rows(seqlen_q)) each, and with GQA the f32 dK and dV sums (batch, heads_kv, seqlen_k,
-// d). src/backend/gpu.rs sizes it the same way.
+// (bwd_dq_splits slices of (batch, heads_q, dq_accum_rows(seqlen_q), d)), LSE·log2(e) and
+// rowsum(dO ∘ O) (batch, heads_q, dq_accum_rows(seqlen_q)) each, and with GQA the f32 dK and dV
+// sums (batch, heads_kv, seqlen_k, d), or in deterministic mode per query head (batch, heads_q,
+// seqlen_k, d). src/backend/gpu.rs sizes it the same way.
 struct BwdWorkspace {
   int64_t dq_accum, lse_log2, softmax_d, dk_accum, dv_accum, bytes;
 };
 inline BwdWorkspace bwd_workspace(const flashattn_params_t& p) {
   auto align = [](int64_t x) { return (x + 255) / 256 * 256; };
   const int64_t rows_dq = int64_t(p.batch) * p.heads_q * dq_accum_rows(p.seqlen_q);
-  const int64_t rows_k = int64_t(p.batch) * p.heads_kv * p.seqlen_k;
+  const int64_t rows_k =
+      int64_t(p.batch) * (p.deterministic ? p.heads_q : p.heads_kv) * p.seqlen_k;
   BwdWorkspace w;
   w.dq_accum = 0;
-  w.lse_log2 = align(rows_dq * p.head_dim * 4);
+  w.lse_log2 = bwd_dq_splits(p) * align(rows_dq * p.head_dim * 4);
   w.softmax_d = w.lse_log2 + align(rows_dq * 4);
   w.dk_accum = w.softmax_d + align(rows_dq * 4);
   const bool gqa = p.heads_q != p.heads_kv;

@@ -94,12 +94,22 @@ struct BwdParams {
   const void *q, *k, *v, *o, *dout;
   void *dq, *dk, *dv;
   const float* lse;   // the forward's (batch, heads_q, seqlen_q)
-  float* dq_accum;    // (batch, heads_q, dq_rows / kBlockM, MMA order of kBlockM × d), zeroed
+  // (dq_splits, batch, heads_q, dq_rows / kBlockM, MMA order of kBlockM × d), zeroed: key blocks
+  // n ≡ s (mod dq_splits) add into slice s.
+  float* dq_accum;
   float* lse_log2;    // (batch, heads_q, dq_rows): LSE·log2(e), +inf in the padding
   float* softmax_d;   // (batch, heads_q, dq_rows): rowsum(dO ∘ O), 0 in the padding
   int dq_rows;        // seqlen_q rounded up to whole query blocks
   int q_stages;       // Q/dO buffers in shared memory: 1 or 2
-  float* dk_accum;    // GQA only: (batch, heads_kv, seqlen_k, d), zeroed; else null
+  // Deterministic mode: CTA s of dq_splits walks key blocks s, s + dq_splits, ... alone in its dQ
+  // slice (the same thread adds to an address in program order), GQA dK/dV go per query head
+  // (plain stores), and the conversions sum slices and heads in a fixed order. Otherwise one CTA
+  // per key block, dq_splits = 1, and dK/dV summed by atomics.
+  bool deterministic;
+  int dq_splits;
+  int64_t dq_split_stride;  // floats between dQ slices
+  float* dk_accum;    // GQA only: (batch, heads_kv, seqlen_k, d) zeroed, or deterministic
+                      // (batch, heads_q, seqlen_k, d); else null
   float* dv_accum;
   int64_t q_batch_stride, q_row_stride, q_head_stride;
   int64_t k_batch_stride, k_row_stride, k_head_stride;
@@ -150,8 +160,9 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
   }
 }
 
-// dQ from the main kernel's accumulator (MMA order per query block) to the element type, times
-// `scale`: one CTA per (query block, head, batch), with the main kernel's dQ thread layout.
+// dQ from the main kernel's accumulator (MMA order per query block; its slices summed in order)
+// to the element type, times `scale`: one CTA per (query block, head, batch), with the main
+// kernel's dQ thread layout.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads)
     bwd_convert_dq(__grid_constant__ const BwdParams p) {
@@ -170,19 +181,25 @@ __global__ void __launch_bounds__(Traits::kThreads)
   for (int i = 0; i < size(c); i += 2) {  // elements i, i+1 are neighbouring columns
     const int row = m * kBlockM + get<0>(c(i));
     if (row >= p.seqlen_q) continue;
+    float sum0 = 0.f, sum1 = 0.f;
+    for (int s = 0; s < p.dq_splits; ++s) {  // fixed order
+      sum0 += src[s * p.dq_split_stride + i * Traits::kThreads + tid];
+      sum1 += src[s * p.dq_split_stride + (i + 1) * Traits::kThreads + tid];
+    }
     cutlass::Array<Element, 2> pair;
-    pair[0] = Element(src[i * Traits::kThreads + tid] * p.scale);
-    pair[1] = Element(src[(i + 1) * Traits::kThreads + tid] * p.scale);
+    pair[0] = Element(sum0 * p.scale);
+    pair[1] = Element(sum1 * p.scale);
     *reinterpret_cast<cutlass::Array<Element, 2>*>(dst + row * p.dq_row_stride + get<1>(c(i))) =
         pair;
   }
 }
 
-// f32 sums to the element type, times `scale`: (rows, kHeadDim) packed -> strided (batch, seqlen,
-// heads) rows. One thread per 8 elements.
+// f32 sums to the element type, times `scale`: packed (batch, heads·group, seqlen, kHeadDim), the
+// `group` consecutive heads of each output head summed in order -> strided (batch, seqlen, heads)
+// rows. One thread per 8 elements.
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(256)
-    bwd_convert(const float* src, void* dst, int64_t b_stride, int64_t row_stride,
+    bwd_convert(const float* src, int group, void* dst, int64_t b_stride, int64_t row_stride,
                 int64_t h_stride, int batch, int heads, int seqlen, float scale) {
   const int64_t chunk = int64_t(blockIdx.x) * 256 + threadIdx.x;
   constexpr int kChunks = kHeadDim / 8;
@@ -192,10 +209,16 @@ __global__ void __launch_bounds__(256)
   const int row = int(row_id % seqlen);
   const int head = int(row_id / seqlen % heads);
   const int b = int(row_id / seqlen / heads);
-  const float* s = src + row_id * kHeadDim + c * 8;
+  float sum[8] = {};
+  for (int g = 0; g < group; ++g) {
+    const float* s = src + ((int64_t(b) * heads + head) * group + g) * seqlen * kHeadDim +
+                     int64_t(row) * kHeadDim + c * 8;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum[i] += s[i];
+  }
   cutlass::Array<Element, 8> out;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = Element(s[i] * scale);
+  for (int i = 0; i < 8; ++i) out[i] = Element(sum[i] * scale);
   *reinterpret_cast<cutlass::Array<Element, 8>*>(static_cast<Element*>(dst) + b * b_stride +
                                                  head * h_stride + row * row_stride + c * 8) = out;
 }
@@ -238,290 +261,310 @@ __global__ void __launch_bounds__(Traits::kThreads)
   extern __shared__ __align__(128) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-  const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int head = blockIdx.y, batch = blockIdx.z;
   const int head_kv = head / (params.heads_q / params.heads_kv);
   const int tid = threadIdx.x;
-  const int col_begin = n_block * kBlockN;
-  // Query rows that see any key of this block.
-  int row_lo, row_hi;
-  rows_for_keys(params.keys, col_begin, col_begin + kBlockN, row_lo, row_hi);
-  const int m_first = row_lo / kBlockM;
-  const int m_count = row_hi > row_lo ? (row_hi - 1) / kBlockM + 1 - m_first : 0;
-  // Step j visits query block m_first + (j + n_block) mod m_count: the key blocks of a head start
-  // on different query blocks, so their dQ atomics do not all hit the same lines at once.
-  auto block_at = [&](int j) {
-    const int k = j + n_block % (m_count > 0 ? m_count : 1);
-    return m_first + (k < m_count ? k : k - m_count);
-  };
-
-  auto gmem = [&](const void* ptr, int64_t b_stride, int64_t h_stride, int64_t row_stride, int h,
-                  int seqlen) {
-    auto base = static_cast<const Element*>(ptr) + batch * b_stride + h * h_stride;
-    return make_tensor(make_gmem_ptr(base), make_shape(seqlen, Int<kHeadDim>{}),
-                       make_stride(row_stride, _1{}));
-  };
-  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
-  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
-  Tensor gQ = local_tile(gmem(params.q, params.q_batch_stride, params.q_head_stride,
-                              params.q_row_stride, head, params.seqlen_q),
-                         TileQ{}, make_coord(_, 0));  // (M, d, m)
-  Tensor gdO = local_tile(gmem(params.dout, params.do_batch_stride, params.do_head_stride,
-                               params.do_row_stride, head, params.seqlen_q),
-                          TileQ{}, make_coord(_, 0));
-  Tensor gK = local_tile(gmem(params.k, params.k_batch_stride, params.k_head_stride,
-                              params.k_row_stride, head_kv, params.seqlen_k),
-                         TileKV{}, make_coord(n_block, 0));
-  Tensor gV = local_tile(gmem(params.v, params.v_batch_stride, params.v_head_stride,
-                              params.v_row_stride, head_kv, params.seqlen_k),
-                         TileKV{}, make_coord(n_block, 0));
-
-  // Q and dO of buffer 0; buffer s is QStage s (at_stage).
-  Tensor sQ = make_tensor(make_smem_ptr(smem.stage[0].q.begin()), typename Traits::SmemLayoutQ{});
-  Tensor sdO =
-      make_tensor(make_smem_ptr(smem.stage[0].dout.begin()), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutKV{});
-  Tensor sP = make_tensor(make_smem_ptr(smem.p.begin()), typename Traits::SmemLayoutP{});
-  Tensor sdS = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutP{});
-  Tensor sQt =
-      make_tensor(make_smem_ptr(smem.stage[0].q.begin()), typename Traits::SmemLayoutQt{});
-  Tensor sdOt =
-      make_tensor(make_smem_ptr(smem.stage[0].dout.begin()), typename Traits::SmemLayoutQt{});
-  Tensor sKt = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutKt{});
-  Tensor sPt = make_tensor(make_smem_ptr(smem.p.begin()), typename Traits::SmemLayoutPt{});
-  Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutPt{});
-
-  typename Traits::GmemCopy gmem_copy;
-  auto thr_gmem = gmem_copy.get_thread_slice(tid);
-  Tensor tQgQ = thr_gmem.partition_S(gQ);  // (CPY, CPY_M, CPY_K, m)
-  Tensor tQsQ = thr_gmem.partition_D(sQ);
-  Tensor tdOgdO = thr_gmem.partition_S(gdO);
-  Tensor tdOsdO = thr_gmem.partition_D(sdO);
-  Tensor tQc = thr_gmem.partition_S(make_identity_tensor(TileQ{}));
-  Tensor tKVc = thr_gmem.partition_S(make_identity_tensor(TileKV{}));
-  {
-    Tensor tKsK = thr_gmem.partition_D(sK);
-    Tensor tVsV = thr_gmem.partition_D(sV);
-    copy_rows(gmem_copy, thr_gmem.partition_S(gK), tKsK, tKVc, params.seqlen_k - col_begin);
-    copy_rows(gmem_copy, thr_gmem.partition_S(gV), tVsV, tKVc, params.seqlen_k - col_begin);
-    cp_async_fence();
-  }
-
-  // S and dP.
-  typename Traits::MmaSdP mma_sdp;
-  auto thr_sdp = mma_sdp.get_thread_slice(tid);
-  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
-  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
-  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
-  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
-  auto copy_sdp_a = make_tiled_copy_A(typename Traits::LoadN{}, mma_sdp);
-  auto copy_sdp_b = make_tiled_copy_B(typename Traits::LoadN{}, mma_sdp);
-  Tensor tSsQ = copy_sdp_a.get_thread_slice(tid).partition_S(sQ);
-  Tensor tdPsdO = copy_sdp_a.get_thread_slice(tid).partition_S(sdO);
-  Tensor tSsK = copy_sdp_b.get_thread_slice(tid).partition_S(sK);
-  Tensor tdPsV = copy_sdp_b.get_thread_slice(tid).partition_S(sV);
-  using TileS = Shape<Int<kBlockM>, Int<kBlockN>>;
-  Tensor cS = thr_sdp.partition_C(make_identity_tensor(TileS{}));
-  Tensor rowcol_cS = make_tensor(cS.data(), acc_rowcol(cS.layout()));
-
-  // dV and dK.
-  typename Traits::MmadKV mma_dkv;
-  auto thr_dkv = mma_dkv.get_thread_slice(tid);
-  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
-  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);
-  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
-  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
-  auto copy_dkv_a = make_tiled_copy_A(typename Traits::LoadT{}, mma_dkv);
-  auto copy_dkv_b = make_tiled_copy_B(typename Traits::LoadT{}, mma_dkv);
-  Tensor tdVsPt = copy_dkv_a.get_thread_slice(tid).partition_S(sPt);
-  Tensor tdKsdSt = copy_dkv_a.get_thread_slice(tid).partition_S(sdSt);
-  Tensor tdVsdOt = copy_dkv_b.get_thread_slice(tid).partition_S(sdOt);
-  Tensor tdKsQt = copy_dkv_b.get_thread_slice(tid).partition_S(sQt);
-  Tensor acc_dv = partition_fragment_C(mma_dkv, TileKV{});
-  Tensor acc_dk = partition_fragment_C(mma_dkv, TileKV{});
-  clear(acc_dv);
-  clear(acc_dk);
-
-  // dQ.
-  typename Traits::MmadQ mma_dq;
-  auto thr_dq = mma_dq.get_thread_slice(tid);
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
-  auto copy_dq_a = make_tiled_copy_A(typename Traits::LoadN{}, mma_dq);
-  auto copy_dq_b = make_tiled_copy_B(typename Traits::LoadT{}, mma_dq);
-  Tensor tdQsdS = copy_dq_a.get_thread_slice(tid).partition_S(sdS);
-  Tensor tdQsKt = copy_dq_b.get_thread_slice(tid).partition_S(sKt);
-
-  const int64_t bh_q = int64_t(batch) * params.heads_q + head;
-
-  // Buffer `stage` of a partitioned Q or dO tensor of buffer 0.
-  constexpr int kStageElems = int(sizeof(typename Traits::QStage) / sizeof(Element));
-  static_assert(sizeof(typename Traits::QStage) % sizeof(Element) == 0);
-  auto at_stage = [](auto const& t, int stage) {
-    return make_tensor(t.data() + stage * kStageElems, t.layout());
-  };
-  // Q, dO, and the rows' LSE and D of query block m into buffer `stage`, one cp.async group.
-  auto load_q_block = [&](int m, int stage) {
-    const int row_begin = m * kBlockM;
-    auto sq = at_stage(tQsQ, stage);
-    auto sdo = at_stage(tdOsdO, stage);
-    copy_rows(gmem_copy, tQgQ(_, _, _, m), sq, tQc, params.seqlen_q - row_begin);
-    copy_rows(gmem_copy, tdOgdO(_, _, _, m), sdo, tQc, params.seqlen_q - row_begin);
-    constexpr int kChunks = kBlockM / 4;  // 16-byte chunks per row vector
-    static_assert(2 * kChunks <= Traits::kThreads);
-    const int64_t rows_at = bh_q * params.dq_rows + row_begin;
-    if (tid < 2 * kChunks) {
-      const int chunk = tid % kChunks;
-      const bool is_lse = tid < kChunks;
-      const float* src = (is_lse ? params.lse_log2 : params.softmax_d) + rows_at + chunk * 4;
-      float* dst = (is_lse ? smem.stage[stage].lse : smem.stage[stage].d) + chunk * 4;
-      SM80_CP_ASYNC_CACHEALWAYS<cute::uint128_t>::copy(
-          *reinterpret_cast<const cute::uint128_t*>(src), *reinterpret_cast<cute::uint128_t*>(dst));
-    }
-    cp_async_fence();
-  };
-
-  // P and dS from S and dP, element by element. Masks and softcap take their own paths (folded
-  // into the common one, ptxas predicates them and issues them on every block).
-  auto each_element = [&](auto const& rowcol, int row_begin, int stage, auto slow_path, auto&& f) {
-    constexpr bool kSlow = decltype(slow_path)::value;
-#pragma unroll
-    for (int r = 0; r < size<0>(rowcol); ++r) {
-      const int row_in = get<0>(rowcol_cS(r, 0));
-      const float lse = smem.stage[stage].lse[row_in];
-      const float d = smem.stage[stage].d[row_in];
-      int lo = 0, hi = kBlockN;
-      if constexpr (kSlow) {
-        lo = params.keys.lo(row_begin + row_in) - col_begin;
-        hi = params.keys.hi(row_begin + row_in) - col_begin;
-      }
-#pragma unroll
-      for (int c = 0; c < size<1>(rowcol); ++c) {
-        const int col = get<1>(rowcol_cS(r, c));
-        f(r, c, lse, d, !kSlow || (col >= lo && col < hi));
-      }
-    }
-  };
-
-  int stage = 0;
-  if (m_count > 0) load_q_block(block_at(0), 0);
+  const int n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
+  float* const dq_slice =
+      params.dq_accum + (blockIdx.x % params.dq_splits) * params.dq_split_stride;
 #pragma unroll 1
-  for (int j = 0; j < m_count; ++j) {
-    const int row_begin = block_at(j) * kBlockM;
-    cp_async_wait<0>();
-    __syncthreads();  // this block's Q, dO landed; every warp is done with the block before
-    if (params.q_stages > 1 && j + 1 < m_count) load_q_block(block_at(j + 1), stage ^ 1);
+  for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
+    if (n_block != int(blockIdx.x)) __syncthreads();  // every warp is done with the block before
+    const int col_begin = n_block * kBlockN;
+    // Query rows that see any key of this block.
+    int row_lo, row_hi;
+    rows_for_keys(params.keys, col_begin, col_begin + kBlockN, row_lo, row_hi);
+    const int m_first = row_lo / kBlockM;
+    const int m_count = row_hi > row_lo ? (row_hi - 1) / kBlockM + 1 - m_first : 0;
+    // Step j visits query block m_first + (j + n_block) mod m_count: the key blocks of a head start
+    // on different query blocks, so their dQ atomics do not all hit the same lines at once.
+    auto block_at = [&](int j) {
+      const int k = j + n_block % (m_count > 0 ? m_count : 1);
+      return m_first + (k < m_count ? k : k - m_count);
+    };
 
-    Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
-    clear(acc_s);
-    gemm_smem(mma_sdp, acc_s, tSrQ, tSrK, at_stage(tSsQ, stage), tSsK, copy_sdp_a, copy_sdp_b);
-    Tensor rowcol_s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
-    const bool masked =
-        params.keys.template block_needs_mask<kBlockN>(n_block, row_begin, row_begin + kBlockM);
+    auto gmem = [&](const void* ptr, int64_t b_stride, int64_t h_stride, int64_t row_stride, int h,
+                    int seqlen) {
+      auto base = static_cast<const Element*>(ptr) + batch * b_stride + h * h_stride;
+      return make_tensor(make_gmem_ptr(base), make_shape(seqlen, Int<kHeadDim>{}),
+                         make_stride(row_stride, _1{}));
+    };
+    using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+    using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+    Tensor gQ = local_tile(gmem(params.q, params.q_batch_stride, params.q_head_stride,
+                                params.q_row_stride, head, params.seqlen_q),
+                           TileQ{}, make_coord(_, 0));  // (M, d, m)
+    Tensor gdO = local_tile(gmem(params.dout, params.do_batch_stride, params.do_head_stride,
+                                 params.do_row_stride, head, params.seqlen_q),
+                            TileQ{}, make_coord(_, 0));
+    Tensor gK = local_tile(gmem(params.k, params.k_batch_stride, params.k_head_stride,
+                                params.k_row_stride, head_kv, params.seqlen_k),
+                           TileKV{}, make_coord(n_block, 0));
+    Tensor gV = local_tile(gmem(params.v, params.v_batch_stride, params.v_head_stride,
+                                params.v_row_stride, head_kv, params.seqlen_k),
+                           TileKV{}, make_coord(n_block, 0));
 
-    // P = exp2(s·c − lse·log2 e) to shared memory before the dP GEMM, so the stores drain under it.
-    // Under softcap acc_s keeps tanh(s·scale/softcap) for dS's derivative, and P is built in
-    // acc_dp's registers (free until the dP GEMM) and recomputed for dS.
-    Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
-    Tensor rowcol_dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-    if (params.softcap) {
-      each_element(rowcol_s, row_begin, stage, cute::true_type{},
-                   [&](int r, int c, float lse, float, bool visible) {
-                     const float t = fast_tanh(rowcol_s(r, c) * params.softcap_pre);
-                     rowcol_s(r, c) = t;
-                     rowcol_dp(r, c) = visible ? fast_exp2(t * params.scale_log2 - lse) : 0.f;
-                   });
-      acc_to_smem<Element>(acc_dp, thr_sdp, sP);
-    } else if (masked) {
-      each_element(rowcol_s, row_begin, stage, cute::true_type{},
-                   [&](int r, int c, float lse, float, bool visible) {
-                     rowcol_s(r, c) =
-                         visible ? fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse) : 0.f;
-                   });
-      acc_to_smem<Element>(acc_s, thr_sdp, sP);
+    // Q and dO of buffer 0; buffer s is QStage s (at_stage).
+    Tensor sQ = make_tensor(make_smem_ptr(smem.stage[0].q.begin()), typename Traits::SmemLayoutQ{});
+    Tensor sdO =
+        make_tensor(make_smem_ptr(smem.stage[0].dout.begin()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutKV{});
+    Tensor sP = make_tensor(make_smem_ptr(smem.p.begin()), typename Traits::SmemLayoutP{});
+    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutP{});
+    Tensor sQt =
+        make_tensor(make_smem_ptr(smem.stage[0].q.begin()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt =
+        make_tensor(make_smem_ptr(smem.stage[0].dout.begin()), typename Traits::SmemLayoutQt{});
+    Tensor sKt = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutKt{});
+    Tensor sPt = make_tensor(make_smem_ptr(smem.p.begin()), typename Traits::SmemLayoutPt{});
+    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutPt{});
+
+    typename Traits::GmemCopy gmem_copy;
+    auto thr_gmem = gmem_copy.get_thread_slice(tid);
+    Tensor tQgQ = thr_gmem.partition_S(gQ);  // (CPY, CPY_M, CPY_K, m)
+    Tensor tQsQ = thr_gmem.partition_D(sQ);
+    Tensor tdOgdO = thr_gmem.partition_S(gdO);
+    Tensor tdOsdO = thr_gmem.partition_D(sdO);
+    Tensor tQc = thr_gmem.partition_S(make_identity_tensor(TileQ{}));
+    Tensor tKVc = thr_gmem.partition_S(make_identity_tensor(TileKV{}));
+    {
+      Tensor tKsK = thr_gmem.partition_D(sK);
+      Tensor tVsV = thr_gmem.partition_D(sV);
+      copy_rows(gmem_copy, thr_gmem.partition_S(gK), tKsK, tKVc, params.seqlen_k - col_begin);
+      copy_rows(gmem_copy, thr_gmem.partition_S(gV), tVsV, tKVc, params.seqlen_k - col_begin);
+      cp_async_fence();
+    }
+
+    // S and dP.
+    typename Traits::MmaSdP mma_sdp;
+    auto thr_sdp = mma_sdp.get_thread_slice(tid);
+    Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
+    Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+    Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+    Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+    auto copy_sdp_a = make_tiled_copy_A(typename Traits::LoadN{}, mma_sdp);
+    auto copy_sdp_b = make_tiled_copy_B(typename Traits::LoadN{}, mma_sdp);
+    Tensor tSsQ = copy_sdp_a.get_thread_slice(tid).partition_S(sQ);
+    Tensor tdPsdO = copy_sdp_a.get_thread_slice(tid).partition_S(sdO);
+    Tensor tSsK = copy_sdp_b.get_thread_slice(tid).partition_S(sK);
+    Tensor tdPsV = copy_sdp_b.get_thread_slice(tid).partition_S(sV);
+    using TileS = Shape<Int<kBlockM>, Int<kBlockN>>;
+    Tensor cS = thr_sdp.partition_C(make_identity_tensor(TileS{}));
+    Tensor rowcol_cS = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+
+    // dV and dK.
+    typename Traits::MmadKV mma_dkv;
+    auto thr_dkv = mma_dkv.get_thread_slice(tid);
+    Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
+    Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);
+    Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
+    Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+    auto copy_dkv_a = make_tiled_copy_A(typename Traits::LoadT{}, mma_dkv);
+    auto copy_dkv_b = make_tiled_copy_B(typename Traits::LoadT{}, mma_dkv);
+    Tensor tdVsPt = copy_dkv_a.get_thread_slice(tid).partition_S(sPt);
+    Tensor tdKsdSt = copy_dkv_a.get_thread_slice(tid).partition_S(sdSt);
+    Tensor tdVsdOt = copy_dkv_b.get_thread_slice(tid).partition_S(sdOt);
+    Tensor tdKsQt = copy_dkv_b.get_thread_slice(tid).partition_S(sQt);
+    Tensor acc_dv = partition_fragment_C(mma_dkv, TileKV{});
+    Tensor acc_dk = partition_fragment_C(mma_dkv, TileKV{});
+    clear(acc_dv);
+    clear(acc_dk);
+
+    // dQ.
+    typename Traits::MmadQ mma_dq;
+    auto thr_dq = mma_dq.get_thread_slice(tid);
+    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+    Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+    auto copy_dq_a = make_tiled_copy_A(typename Traits::LoadN{}, mma_dq);
+    auto copy_dq_b = make_tiled_copy_B(typename Traits::LoadT{}, mma_dq);
+    Tensor tdQsdS = copy_dq_a.get_thread_slice(tid).partition_S(sdS);
+    Tensor tdQsKt = copy_dq_b.get_thread_slice(tid).partition_S(sKt);
+
+    const int64_t bh_q = int64_t(batch) * params.heads_q + head;
+
+    // Buffer `stage` of a partitioned Q or dO tensor of buffer 0.
+    constexpr int kStageElems = int(sizeof(typename Traits::QStage) / sizeof(Element));
+    static_assert(sizeof(typename Traits::QStage) % sizeof(Element) == 0);
+    auto at_stage = [](auto const& t, int stage) {
+      return make_tensor(t.data() + stage * kStageElems, t.layout());
+    };
+    // Q, dO, and the rows' LSE and D of query block m into buffer `stage`, one cp.async group.
+    auto load_q_block = [&](int m, int stage) {
+      const int row_begin = m * kBlockM;
+      auto sq = at_stage(tQsQ, stage);
+      auto sdo = at_stage(tdOsdO, stage);
+      copy_rows(gmem_copy, tQgQ(_, _, _, m), sq, tQc, params.seqlen_q - row_begin);
+      copy_rows(gmem_copy, tdOgdO(_, _, _, m), sdo, tQc, params.seqlen_q - row_begin);
+      constexpr int kChunks = kBlockM / 4;  // 16-byte chunks per row vector
+      static_assert(2 * kChunks <= Traits::kThreads);
+      const int64_t rows_at = bh_q * params.dq_rows + row_begin;
+      if (tid < 2 * kChunks) {
+        const int chunk = tid % kChunks;
+        const bool is_lse = tid < kChunks;
+        const float* src = (is_lse ? params.lse_log2 : params.softmax_d) + rows_at + chunk * 4;
+        float* dst = (is_lse ? smem.stage[stage].lse : smem.stage[stage].d) + chunk * 4;
+        SM80_CP_ASYNC_CACHEALWAYS<cute::uint128_t>::copy(
+            *reinterpret_cast<const cute::uint128_t*>(src),
+            *reinterpret_cast<cute::uint128_t*>(dst));
+      }
+      cp_async_fence();
+    };
+
+    // P and dS from S and dP, element by element. Masks and softcap take their own paths (folded
+    // into the common one, ptxas predicates them and issues them on every block).
+    auto each_element = [&](auto const& rowcol, int row_begin, int stage, auto slow_path,
+                            auto&& f) {
+      constexpr bool kSlow = decltype(slow_path)::value;
+  #pragma unroll
+      for (int r = 0; r < size<0>(rowcol); ++r) {
+        const int row_in = get<0>(rowcol_cS(r, 0));
+        const float lse = smem.stage[stage].lse[row_in];
+        const float d = smem.stage[stage].d[row_in];
+        int lo = 0, hi = kBlockN;
+        if constexpr (kSlow) {
+          lo = params.keys.lo(row_begin + row_in) - col_begin;
+          hi = params.keys.hi(row_begin + row_in) - col_begin;
+        }
+  #pragma unroll
+        for (int c = 0; c < size<1>(rowcol); ++c) {
+          const int col = get<1>(rowcol_cS(r, c));
+          f(r, c, lse, d, !kSlow || (col >= lo && col < hi));
+        }
+      }
+    };
+
+    int stage = 0;
+    if (m_count > 0) load_q_block(block_at(0), 0);
+  #pragma unroll 1
+    for (int j = 0; j < m_count; ++j) {
+      const int row_begin = block_at(j) * kBlockM;
+      cp_async_wait<0>();
+      __syncthreads();  // this block's Q, dO landed; every warp is done with the block before
+      if (params.q_stages > 1 && j + 1 < m_count) load_q_block(block_at(j + 1), stage ^ 1);
+
+      Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
+      clear(acc_s);
+      gemm_smem(mma_sdp, acc_s, tSrQ, tSrK, at_stage(tSsQ, stage), tSsK, copy_sdp_a, copy_sdp_b);
+      Tensor rowcol_s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+      const bool masked =
+          params.keys.template block_needs_mask<kBlockN>(n_block, row_begin, row_begin + kBlockM);
+
+      // P = exp2(s·c − lse·log2 e) to shared memory before the dP GEMM, so the stores drain
+      // under it.
+      // Under softcap acc_s keeps tanh(s·scale/softcap) for dS's derivative, and P is built in
+      // acc_dp's registers (free until the dP GEMM) and recomputed for dS.
+      Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
+      Tensor rowcol_dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+      if (params.softcap) {
+        each_element(rowcol_s, row_begin, stage, cute::true_type{},
+                     [&](int r, int c, float lse, float, bool visible) {
+                       const float t = fast_tanh(rowcol_s(r, c) * params.softcap_pre);
+                       rowcol_s(r, c) = t;
+                       rowcol_dp(r, c) = visible ? fast_exp2(t * params.scale_log2 - lse) : 0.f;
+                     });
+        acc_to_smem<Element>(acc_dp, thr_sdp, sP);
+      } else if (masked) {
+        each_element(rowcol_s, row_begin, stage, cute::true_type{},
+                     [&](int r, int c, float lse, float, bool visible) {
+                       rowcol_s(r, c) =
+                           visible ? fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse) : 0.f;
+                     });
+        acc_to_smem<Element>(acc_s, thr_sdp, sP);
+      } else {
+        each_element(rowcol_s, row_begin, stage, cute::false_type{},
+                     [&](int r, int c, float lse, float, bool) {
+                       rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse);
+                     });
+        acc_to_smem<Element>(acc_s, thr_sdp, sP);
+      }
+
+      clear(acc_dp);
+      gemm_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, stage), tdPsV, copy_sdp_a,
+                copy_sdp_b);
+      // dS = P ∘ (dP − D), times the softcap's tanh derivative.
+      if (params.softcap) {
+        each_element(rowcol_s, row_begin, stage, cute::true_type{},
+                     [&](int r, int c, float lse, float d, bool visible) {
+                       const float t = rowcol_s(r, c);
+                       const float p = visible ? fast_exp2(t * params.scale_log2 - lse) : 0.f;
+                       rowcol_dp(r, c) = p * (rowcol_dp(r, c) - d) * (1.f - t * t);
+                     });
+      } else {
+        each_element(rowcol_s, row_begin, stage, cute::false_type{},
+                     [&](int r, int c, float, float d, bool) {
+                       rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - d);
+                     });
+      }
+      acc_to_smem<Element>(acc_dp, thr_sdp, sdS);
+      __syncthreads();
+
+      gemm_smem(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, stage), copy_dkv_a,
+                copy_dkv_b);
+
+      // dQ before dK, so that its atomics drain under the dK GEMM. Each thread adds its MMA
+      // elements at i·kThreads + tid of the query block's accumulator (bwd_convert_dq reads them
+      // back the same way): one warp atomic covers 32 consecutive floats.
+      Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
+      clear(acc_dq);
+      gemm_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b);
+      float* dq_accum = dq_slice + (bh_q * params.dq_rows + row_begin) * kHeadDim + tid;
+  #pragma unroll
+      for (int i = 0; i < size(acc_dq); ++i) atomicAdd(dq_accum + i * Traits::kThreads, acc_dq(i));
+
+      gemm_smem(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, stage), copy_dkv_a,
+                copy_dkv_b);
+
+      if (params.q_stages == 1) {
+        __syncthreads();  // every warp is done with Q and dO: the next block may land
+        if (j + 1 < m_count) load_q_block(block_at(j + 1), 0);
+      } else {
+        stage ^= 1;
+      }
+    }
+
+    // dK·scale and dV: rows of this key block inside the sequence.
+    Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
+    if (params.dk_accum == nullptr) {
+      Element* dk = static_cast<Element*>(params.dk) + batch * params.dk_batch_stride +
+                    head * params.dk_head_stride;
+      Element* dv = static_cast<Element*>(params.dv) + batch * params.dv_batch_stride +
+                    head * params.dv_head_stride;
+  #pragma unroll
+      for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
+        const int row = col_begin + get<0>(cKV(i));
+        if (row >= params.seqlen_k) continue;
+        const int col = get<1>(cKV(i));
+        cutlass::Array<Element, 2> k2, v2;
+        k2[0] = Element(acc_dk(i) * params.scale);
+        k2[1] = Element(acc_dk(i + 1) * params.scale);
+        v2[0] = Element(acc_dv(i));
+        v2[1] = Element(acc_dv(i + 1));
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + row * params.dk_row_stride + col) = k2;
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + row * params.dv_row_stride + col) = v2;
+      }
+    } else if (params.deterministic) {  // this query head's share, summed later in head order
+      const int64_t base = (int64_t(batch) * params.heads_q + head) * params.seqlen_k;
+  #pragma unroll
+      for (int i = 0; i < size(acc_dk); i += 2) {
+        const int row = col_begin + get<0>(cKV(i));
+        if (row >= params.seqlen_k) continue;
+        const int64_t at = (base + row) * kHeadDim + get<1>(cKV(i));
+        *reinterpret_cast<float2*>(params.dk_accum + at) = make_float2(acc_dk(i), acc_dk(i + 1));
+        *reinterpret_cast<float2*>(params.dv_accum + at) = make_float2(acc_dv(i), acc_dv(i + 1));
+      }
     } else {
-      each_element(rowcol_s, row_begin, stage, cute::false_type{},
-                   [&](int r, int c, float lse, float, bool) {
-                     rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse);
-                   });
-      acc_to_smem<Element>(acc_s, thr_sdp, sP);
+      const int64_t base = (int64_t(batch) * params.heads_kv + head_kv) * params.seqlen_k;
+  #pragma unroll
+      for (int i = 0; i < size(acc_dk); ++i) {
+        const int row = col_begin + get<0>(cKV(i));
+        if (row >= params.seqlen_k) continue;
+        const int64_t at = (base + row) * kHeadDim + get<1>(cKV(i));
+        atomicAdd(params.dk_accum + at, acc_dk(i));
+        atomicAdd(params.dv_accum + at, acc_dv(i));
+      }
     }
-
-    clear(acc_dp);
-    gemm_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, stage), tdPsV, copy_sdp_a,
-              copy_sdp_b);
-    // dS = P ∘ (dP − D), times the softcap's tanh derivative.
-    if (params.softcap) {
-      each_element(rowcol_s, row_begin, stage, cute::true_type{},
-                   [&](int r, int c, float lse, float d, bool visible) {
-                     const float t = rowcol_s(r, c);
-                     const float p = visible ? fast_exp2(t * params.scale_log2 - lse) : 0.f;
-                     rowcol_dp(r, c) = p * (rowcol_dp(r, c) - d) * (1.f - t * t);
-                   });
-    } else {
-      each_element(rowcol_s, row_begin, stage, cute::false_type{},
-                   [&](int r, int c, float, float d, bool) {
-                     rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - d);
-                   });
-    }
-    acc_to_smem<Element>(acc_dp, thr_sdp, sdS);
-    __syncthreads();
-
-    gemm_smem(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, stage), copy_dkv_a,
-              copy_dkv_b);
-
-    // dQ before dK, so that its atomics drain under the dK GEMM. Each thread adds its MMA
-    // elements at i·kThreads + tid of the query block's accumulator (bwd_convert_dq reads them
-    // back the same way): one warp atomic covers 32 consecutive floats.
-    Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
-    clear(acc_dq);
-    gemm_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b);
-    float* dq_accum = params.dq_accum + (bh_q * params.dq_rows + row_begin) * kHeadDim + tid;
-#pragma unroll
-    for (int i = 0; i < size(acc_dq); ++i) atomicAdd(dq_accum + i * Traits::kThreads, acc_dq(i));
-
-    gemm_smem(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, stage), copy_dkv_a,
-              copy_dkv_b);
-
-    if (params.q_stages == 1) {
-      __syncthreads();  // every warp is done with Q and dO: the next block may land
-      if (j + 1 < m_count) load_q_block(block_at(j + 1), 0);
-    } else {
-      stage ^= 1;
-    }
-  }
-
-  // dK·scale and dV: rows of this key block inside the sequence.
-  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
-  if (params.dk_accum == nullptr) {
-    Element* dk = static_cast<Element*>(params.dk) + batch * params.dk_batch_stride +
-                  head * params.dk_head_stride;
-    Element* dv = static_cast<Element*>(params.dv) + batch * params.dv_batch_stride +
-                  head * params.dv_head_stride;
-#pragma unroll
-    for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
-      const int row = col_begin + get<0>(cKV(i));
-      if (row >= params.seqlen_k) continue;
-      const int col = get<1>(cKV(i));
-      cutlass::Array<Element, 2> k2, v2;
-      k2[0] = Element(acc_dk(i) * params.scale);
-      k2[1] = Element(acc_dk(i + 1) * params.scale);
-      v2[0] = Element(acc_dv(i));
-      v2[1] = Element(acc_dv(i + 1));
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + row * params.dk_row_stride + col) = k2;
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + row * params.dv_row_stride + col) = v2;
-    }
-  } else {
-    const int64_t base = (int64_t(batch) * params.heads_kv + head_kv) * params.seqlen_k;
-#pragma unroll
-    for (int i = 0; i < size(acc_dk); ++i) {
-      const int row = col_begin + get<0>(cKV(i));
-      if (row >= params.seqlen_k) continue;
-      const int64_t at = (base + row) * kHeadDim + get<1>(cKV(i));
-      atomicAdd(params.dk_accum + at, acc_dk(i));
-      atomicAdd(params.dv_accum + at, acc_dv(i));
-    }
-  }
+  }  // key blocks
 }
 
 }  // namespace flashattn::sm80

@@ -22,7 +22,6 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
                            Tile::kAtomMSdP, Tile::kAtomNdKV, Tile::kAtomMdQ>;
   // Grid (key blocks, heads, batch): y and z stop at 65535.
   if (p.heads_q > 65535 || p.batch > 65535) return status(FLASHATTN_UNSUPPORTED);
-  if (p.deterministic) return status(FLASHATTN_UNSUPPORTED);  // dQ is summed by atomics
   const BwdWorkspace ws = bwd_workspace(p);
   if (p.workspace == nullptr || p.workspace_bytes < ws.bytes)
     return status(FLASHATTN_INVALID_ARGUMENT);
@@ -41,6 +40,10 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.dq_accum = reinterpret_cast<float*>(base + ws.dq_accum);
   static_assert(kDqRowAlign % Traits::kBlockM == 0);
   params.dq_rows = dq_accum_rows(p.seqlen_q);
+  params.deterministic = p.deterministic != 0;
+  params.dq_splits = bwd_dq_splits(p);
+  params.dq_split_stride =
+      (ws.lse_log2 - ws.dq_accum) / params.dq_splits / int64_t(sizeof(float));
   params.lse_log2 = reinterpret_cast<float*>(base + ws.lse_log2);
   params.softmax_d = reinterpret_cast<float*>(base + ws.softmax_d);
   const bool gqa = p.heads_q != p.heads_kv;
@@ -72,7 +75,9 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.scale_log2 = params.softcap ? p.softcap * log2e : p.softmax_scale * log2e;
 
   FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dq_accum, 0, ws.lse_log2 - ws.dq_accum, stream));
-  if (gqa) FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dk_accum, 0, ws.bytes - ws.dk_accum, stream));
+  // Deterministic GQA sums are written whole (plain stores), the atomic ones accumulated.
+  if (gqa && !params.deterministic)
+    FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dk_accum, 0, ws.bytes - ws.dk_accum, stream));
 
   const int64_t rows_dq = int64_t(p.batch) * p.heads_q * params.dq_rows;
   bwd_preprocess<Element, kHeadDim><<<unsigned((rows_dq + 7) / 8), 256, 0, stream>>>(params);
@@ -87,19 +92,22 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   auto kernel = bwd_kernel<Traits>;
   const int smem_bytes = Traits::smem_bytes(params.q_stages);
   FLASHATTN_TRY_CUDA(allow_dynamic_smem<Traits>(kernel, smem_bytes));
-  const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_q, p.batch);
+  const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  const dim3 grid(params.deterministic ? params.dq_splits : n_blocks, p.heads_q, p.batch);
   kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(params);
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 
   bwd_convert_dq<Traits><<<dim3(params.dq_rows / Traits::kBlockM, p.heads_q, p.batch),
                             Traits::kThreads, 0, stream>>>(params);
   FLASHATTN_TRY_CUDA(cudaGetLastError());
+  // GQA: the workspace sums per KV head, or in deterministic mode per query head (summed here).
+  const int group = params.deterministic ? p.heads_q / p.heads_kv : 1;
   auto convert = [&](const float* src, const flashattn_tensor_t& dst, int heads, int seqlen,
                      float scale) {
     const int64_t chunks = int64_t(p.batch) * heads * seqlen * (kHeadDim / 8);
     bwd_convert<Element, kHeadDim><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
-        src, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride, p.batch, heads, seqlen,
-        scale);
+        src, group, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride, p.batch, heads,
+        seqlen, scale);
     return cudaGetLastError();
   };
   if (gqa) {

@@ -132,16 +132,35 @@ pub(crate) fn forward(
 }
 
 /// Bytes of workspace the backward needs (layout in csrc/sm80/bwd_instantiations.h, which
-/// refuses a smaller one): f32 dQ accumulator, LSE·log2(e) and rowsum(dO ∘ O) (each with
-/// seqlen_q rounded up to 128 rows per head), and with GQA f32 dK and dV sums, each padded to
-/// 256 bytes.
-pub(crate) fn bwd_workspace_bytes(problem: &Problem) -> usize {
+/// refuses a smaller one): the f32 dQ accumulator (one slice per `bwd_dq_splits`), LSE·log2(e)
+/// and rowsum(dO ∘ O) (each with seqlen_q rounded up to 128 rows per head), and with GQA f32 dK
+/// and dV sums (per KV head, or per query head in deterministic mode), each padded to 256 bytes.
+pub(crate) fn bwd_workspace_bytes(problem: &Problem, deterministic: bool, sm_count: i32) -> usize {
     let align = |x: usize| x.div_ceil(256) * 256;
     let rows_dq = problem.batch * problem.heads_q * problem.seqlen_q.div_ceil(128) * 128;
-    let rows_k = problem.batch * problem.heads_kv * problem.seqlen_k;
+    let heads_k = if deterministic {
+        problem.heads_q
+    } else {
+        problem.heads_kv
+    };
+    let rows_k = problem.batch * heads_k * problem.seqlen_k;
     let d = problem.head_dim;
     let gqa = problem.heads_q != problem.heads_kv;
-    align(rows_dq * d * 4) + 2 * align(rows_dq * 4) + if gqa { 2 * align(rows_k * d * 4) } else { 0 }
+    let splits = bwd_dq_splits(problem, deterministic, sm_count);
+    splits * align(rows_dq * d * 4)
+        + 2 * align(rows_dq * 4)
+        + if gqa { 2 * align(rows_k * d * 4) } else { 0 }
+}
+
+/// dQ slices of the deterministic backward: enough CTAs per (batch, head) to fill the SMs, at
+/// most one per 128 keys (csrc/sm80/bwd_instantiations.h, bwd_dq_splits).
+fn bwd_dq_splits(problem: &Problem, deterministic: bool, sm_count: i32) -> usize {
+    if !deterministic {
+        return 1;
+    }
+    let heads = problem.batch * problem.heads_q;
+    let fill = (sm_count.max(0) as usize).div_ceil(heads);
+    fill.clamp(1, problem.seqlen_k.div_ceil(128).max(1))
 }
 
 /// Operands of a backward launch: forward inputs and output, dO, and the gradients to write.
