@@ -277,6 +277,13 @@ fn sm80_bwd_sanitizer_set() {
             heads_kv: 2,
             ..Case::new(65, 90, 128, false)
         },
+        // Deterministic: 3 dQ slices over 5 key blocks of 64 (CTAs walk two), GQA per head.
+        Case {
+            heads_q: 4,
+            heads_kv: 2,
+            deterministic: true,
+            ..Case::new(100, 300, 256, false)
+        },
     ];
     run_all::<bf16>(&cases, Backend::Sm80, "sm80 bwd sanitizer set");
 }
