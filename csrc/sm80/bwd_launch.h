@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <type_traits>
+#include <utility>
 
 #include "../common/launch.h"
 #include "../common/status.h"
@@ -89,12 +91,20 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   FLASHATTN_TRY_CUDA(
       cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   params.q_stages = smem_optin >= Traits::smem_bytes(2) ? 2 : 1;
-  auto kernel = bwd_kernel<Traits>;
   const int smem_bytes = Traits::smem_bytes(params.q_stages);
-  FLASHATTN_TRY_CUDA(allow_dynamic_smem<Traits>(kernel, smem_bytes));
   const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const dim3 grid(params.deterministic ? params.dq_splits : n_blocks, p.heads_q, p.batch);
-  kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(params);
+  if (params.deterministic) {
+    auto kernel = bwd_kernel<Traits, true>;
+    using Tag = std::pair<Traits, std::true_type>;  // one opt-in record per kernel
+    FLASHATTN_TRY_CUDA(allow_dynamic_smem<Tag>(kernel, smem_bytes));
+    kernel<<<dim3(params.dq_splits, p.heads_q, p.batch), Traits::kThreads, smem_bytes, stream>>>(
+        params);
+  } else {
+    auto kernel = bwd_kernel<Traits, false>;
+    using Tag = std::pair<Traits, std::false_type>;
+    FLASHATTN_TRY_CUDA(allow_dynamic_smem<Tag>(kernel, smem_bytes));
+    kernel<<<dim3(n_blocks, p.heads_q, p.batch), Traits::kThreads, smem_bytes, stream>>>(params);
+  }
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 
   bwd_convert_dq<Traits><<<dim3(params.dq_rows / Traits::kBlockM, p.heads_q, p.batch),
