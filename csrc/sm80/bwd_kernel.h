@@ -266,9 +266,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int head = blockIdx.y, batch = blockIdx.z;
   const int head_kv = head / (params.heads_q / params.heads_kv);
   const int tid = threadIdx.x;
-  const int n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
-  float* const dq_slice =
-      params.dq_accum + (blockIdx.x % params.dq_splits) * params.dq_split_stride;
   auto key_block = [&](const int n_block) {
     const int col_begin = n_block * kBlockN;
     // Query rows that see any key of this block.
@@ -508,7 +505,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
       Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
       clear(acc_dq);
       gemm_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b);
-      float* dq_accum = dq_slice + (bh_q * params.dq_rows + row_begin) * kHeadDim + tid;
+      // This CTA's dQ slice, recomputed here rather than held in registers across the loop.
+      float* dq_accum = params.dq_accum + (bh_q * params.dq_rows + row_begin) * kHeadDim + tid;
+      if constexpr (kDeterministic) dq_accum += blockIdx.x * params.dq_split_stride;
   #pragma unroll
       for (int i = 0; i < size(acc_dq); ++i) atomicAdd(dq_accum + i * Traits::kThreads, acc_dq(i));
 
@@ -567,6 +566,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   };
 
   if constexpr (kDeterministic) {
+    const int n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
 #pragma unroll 1
     for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
       if (n_block != int(blockIdx.x)) __syncthreads();  // every warp is done with the last one
