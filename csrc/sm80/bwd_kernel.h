@@ -10,7 +10,10 @@
 //                                            MMA holds it: one 128-byte line per warp atomic).
 //             dK·scale and dV go straight to the caller's tensors, or, when several query heads
 //             share a KV head (GQA), into f32 workspace sums by atomics.
-// postprocess: dQ (and the GQA dK, dV sums) from f32 to the element type, scaled.
+//             Deterministic mode (its own instantiation): CTA s of dq_splits walks key blocks s,
+//             s + dq_splits, ... into its own dQ slice, GQA dK/dV go per query head.
+// postprocess: dQ (and the GQA dK, dV sums) from f32 to the element type, scaled; slices and
+//             heads summed in a fixed order.
 // The Q/dO buffer count is a run-time choice (two where the device's shared memory allows them).
 #pragma once
 
