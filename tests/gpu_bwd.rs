@@ -4,76 +4,19 @@
 //! `#[ignore]`d: run on the device with `--include-ignored` (each test fails without a GPU).
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::sync::Arc;
 
 use cudarc::driver::DeviceRepr;
 use flashattn::cuda::{CudaStream, Device, DeviceTensor, DeviceTensorMut};
 use flashattn::reference::{self, compare, Comparison};
-use flashattn::{AttentionConfig, Backend, Element, Layout, TensorRef};
+use flashattn::{Backend, Element, Layout, TensorRef};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use rand_distr::{Distribution, Normal};
 
-#[derive(Clone, Copy, Debug)]
-struct Case {
-    batch: usize,
-    seqlen_q: usize,
-    seqlen_k: usize,
-    heads_q: usize,
-    heads_kv: usize,
-    head_dim: usize,
-    causal: bool,
-    window: (Option<usize>, Option<usize>),
-    softcap: Option<f32>,
-    /// (b, h, s, d) storage with padded rows, so strides are not packed.
-    strided: bool,
-    deterministic: bool,
-}
-
-impl Case {
-    fn new(seqlen_q: usize, seqlen_k: usize, head_dim: usize, causal: bool) -> Case {
-        Case {
-            batch: 1,
-            seqlen_q,
-            seqlen_k,
-            heads_q: 2,
-            heads_kv: 2,
-            head_dim,
-            causal,
-            window: (None, None),
-            softcap: None,
-            strided: false,
-            deterministic: false,
-        }
-    }
-    fn cfg(&self, backend: Backend) -> AttentionConfig {
-        let mut cfg = AttentionConfig::new()
-            .causal(self.causal)
-            .window(self.window.0, self.window.1)
-            .deterministic(self.deterministic)
-            .backend(backend);
-        cfg.softcap = self.softcap;
-        cfg
-    }
-    fn layout(&self, seqlen: usize, heads: usize) -> Layout {
-        let d = self.head_dim;
-        if self.strided {
-            let row = d + 8;
-            Layout::with_strides(
-                [self.batch, seqlen, heads, d],
-                [heads * seqlen * row, row, seqlen * row, 1],
-            )
-        } else {
-            Layout::contiguous([self.batch, seqlen, heads, d])
-        }
-    }
-}
-
-fn random<T: Element>(n: usize, rng: &mut StdRng) -> Vec<T> {
-    let normal = Normal::new(0f32, 1.0).unwrap();
-    (0..n).map(|_| T::from_f32(normal.sample(rng))).collect()
-}
+use common::{device, random, Case};
 
 struct Grads {
     dq: Comparison,
@@ -162,8 +105,7 @@ fn run_case<T: Element + DeviceRepr>(
 }
 
 fn run_all<T: Element + DeviceRepr>(cases: &[Case], backend: Backend, label: &str) {
-    let dev = Device::new(0).expect("a CUDA device (run these tests on the GPU machine)");
-    let stream = dev.new_stream().unwrap();
+    let (dev, stream) = device();
     let mut failures = vec![];
     for (n, case) in cases.iter().enumerate() {
         let g = run_case::<T>(&dev, &stream, case, backend, 2000 + n as u64);
@@ -294,8 +236,7 @@ fn sm80_bwd_sanitizer_set() {
 #[test]
 #[ignore = "needs a GPU"]
 fn sm80_bwd_deterministic() {
-    let dev = Device::new(0).expect("a CUDA device (run these tests on the GPU machine)");
-    let stream = dev.new_stream().unwrap();
+    let (dev, stream) = device();
     let mut cases = vec![];
     for d in [64, 128, 256] {
         let det = |c: Case| Case {

@@ -4,6 +4,8 @@
 //! sample of rows. Outputs are poisoned (NaN) before every launch.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::sync::Arc;
 
 use cudarc::driver::DeviceRepr;
@@ -13,75 +15,8 @@ use flashattn::{AttentionConfig, Backend, Element, Layout, TensorRef};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use rand_distr::{Distribution, Normal};
 
-#[derive(Clone, Copy, Debug)]
-struct Case {
-    batch: usize,
-    seqlen_q: usize,
-    seqlen_k: usize,
-    heads_q: usize,
-    heads_kv: usize,
-    head_dim: usize,
-    causal: bool,
-    window: (Option<usize>, Option<usize>),
-    softcap: Option<f32>,
-    /// Rows padded and heads interleaved differently, so strides are not packed.
-    strided: bool,
-}
-
-impl Case {
-    fn new(seqlen_q: usize, seqlen_k: usize, head_dim: usize, causal: bool) -> Case {
-        Case {
-            batch: 1,
-            seqlen_q,
-            seqlen_k,
-            heads_q: 2,
-            heads_kv: 2,
-            head_dim,
-            causal,
-            window: (None, None),
-            softcap: None,
-            strided: false,
-        }
-    }
-    fn cfg(&self, backend: Backend) -> AttentionConfig {
-        let mut cfg = AttentionConfig::new()
-            .causal(self.causal)
-            .window(self.window.0, self.window.1)
-            .backend(backend);
-        cfg.softcap = self.softcap;
-        cfg
-    }
-    /// Full reference when the score matrices are small enough for the CPU.
-    fn checked_whole(&self) -> bool {
-        self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim <= 1 << 30
-    }
-    fn layout(&self, seqlen: usize, heads: usize) -> Layout {
-        let d = self.head_dim;
-        if self.strided {
-            // (b, h, s, d) storage with 8 spare elements per row: strides stay 16-byte multiples.
-            let row = d + 8;
-            Layout::with_strides(
-                [self.batch, seqlen, heads, d],
-                [heads * seqlen * row, row, seqlen * row, 1],
-            )
-        } else {
-            Layout::contiguous([self.batch, seqlen, heads, d])
-        }
-    }
-}
-
-fn device() -> (Device, Arc<CudaStream>) {
-    let dev = Device::new(0).expect("a CUDA device (run these tests on the GPU machine)");
-    let stream = dev.new_stream().unwrap();
-    (dev, stream)
-}
-
-fn random<T: Element>(n: usize, rng: &mut StdRng) -> Vec<T> {
-    let normal = Normal::new(0f32, 1.0).unwrap();
-    (0..n).map(|_| T::from_f32(normal.sample(rng))).collect()
-}
+use common::{device, random, Case};
 
 /// Runs one case with `cfg` (its backend and schedule); returns the comparisons of O and LSE.
 fn run_case<T: Element + DeviceRepr>(
