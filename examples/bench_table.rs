@@ -1,7 +1,7 @@
 //! GPU TFLOP/s on the headline shapes of DESIGN.md §5 (total tokens 16384, hidden 2048, seqlen
 //! 512…16384, head dim 64/128/256, causal and not, bf16): the Hopper forward with the
 //! FlashAttention-3 ablation at d128 s8192, and the FlashAttention-2-style (sm80) forward and
-//! backward on the same shapes. CUDA events around each call, queued behind the warm-up as the
+//! backward (atomic and deterministic) on the same shapes. CUDA events around each call, queued behind the warm-up as the
 //! peers are timed, median of the runs; the host's enqueue time per forward call is reported
 //! beside. Each forward is also checked on sampled rows against the f64 reference (`pass`); the
 //! backward's correctness is tests/gpu_bwd.rs's.
@@ -45,6 +45,8 @@ struct Row {
     tflops: f64,
     bwd_ms: Option<f64>,
     bwd_tflops: Option<f64>,
+    /// The deterministic backward (fixed accumulation order).
+    bwd_det_ms: Option<f64>,
     err_ratio: f64,
     pass: bool,
 }
@@ -315,17 +317,21 @@ fn main() {
         let tflops = problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
         let err_ratio = check(&stream, &inp, &cfg, shape);
         // The backward of the kernels that have one (its correctness: tests/gpu_bwd.rs).
-        let bwd_ms = (backend == Backend::Sm80).then(|| {
+        let mut median_backward = |cfg: &AttentionConfig| {
             let t = time_backward(
                 &dev,
                 &stream,
                 &mut inp,
-                &cfg,
+                cfg,
                 shape,
                 if quick { 10 } else { 20 },
             );
             t[t.len() / 2]
-        });
+        };
+        let sm80 = backend == Backend::Sm80;
+        let bwd_ms = sm80.then(|| median_backward(&cfg));
+        let bwd_det_ms = sm80.then(|| median_backward(&cfg.clone().deterministic(true)));
+        let bwd_flops = 2.5 * problem.forward_flops(causal);
         let row = Row {
             d,
             seqlen: s,
@@ -338,7 +344,8 @@ fn main() {
             host_us,
             tflops,
             bwd_ms,
-            bwd_tflops: bwd_ms.map(|ms| 2.5 * problem.forward_flops(causal) / (ms * 1e-3) / 1e12),
+            bwd_tflops: bwd_ms.map(|ms| bwd_flops / (ms * 1e-3) / 1e12),
+            bwd_det_ms,
             err_ratio,
             pass: err_ratio <= 1.0,
         };
@@ -347,9 +354,10 @@ fn main() {
             backend.name(), d, s, causal, schedule.pingpong, schedule.intra_wg_overlap, schedule.persistent_causal, ms, row.ms_p10, row.ms_p90,
             tflops, host_us, err_ratio, if row.pass { "pass" } else { "FAIL" }
         );
-        if let (Some(ms), Some(tf)) = (row.bwd_ms, row.bwd_tflops) {
+        if let (Some(ms), Some(tf), Some(det)) = (row.bwd_ms, row.bwd_tflops, row.bwd_det_ms) {
+            let det_tf = bwd_flops / (det * 1e-3) / 1e12;
             println!(
-                "{} bwd d{d:<3} s{s:<5} causal={causal:<5} {ms:8.3} ms  {tf:6.1} TFLOP/s",
+                "{} bwd d{d:<3} s{s:<5} causal={causal:<5} {ms:8.3} ms  {tf:6.1} TFLOP/s  deterministic {det:8.3} ms  {det_tf:6.1} TFLOP/s",
                 backend.name()
             );
         }
@@ -384,8 +392,11 @@ fn main() {
                 "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}, \"host_us_per_call\": {:.1}{}{}}}{}\n",
                 r.backend.name(), r.backend.name(), r.d, r.seqlen, r.seqlen, TOKENS / r.seqlen, HIDDEN / r.d, HIDDEN / r.d, r.causal,
                 r.pass, r.err_ratio, r.tflops, r.ms, r.ms_p10, r.ms_p90, r.host_us, variant,
-                match (r.bwd_tflops, r.bwd_ms) {
-                    (Some(tf), Some(ms)) => format!(", \"bwd_tflops\": {tf:.1}, \"bwd_ms\": {ms:.4}"),
+                match (r.bwd_tflops, r.bwd_ms, r.bwd_det_ms) {
+                    (Some(tf), Some(ms), Some(det)) => format!(
+                        ", \"bwd_tflops\": {tf:.1}, \"bwd_ms\": {ms:.4}, \"bwd_det_tflops\": {:.1}, \"bwd_det_ms\": {det:.4}",
+                        tf * ms / det
+                    ),
                     _ => String::new(),
                 },
                 if i + 1 < rows.len() { "," } else { "" }
