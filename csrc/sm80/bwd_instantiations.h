@@ -39,12 +39,13 @@ inline int dq_accum_rows(int seqlen_q) {
   return (seqlen_q + kDqRowAlign - 1) / kDqRowAlign * kDqRowAlign;
 }
 
-// dQ slices in deterministic mode: enough CTAs per (batch, head) to fill the SMs, one slice each
-// (at most one per 128 keys). Atomic mode: one slice. src/backend/gpu.rs computes the same.
+// dQ slices in deterministic mode: as many CTAs per (batch, head) as fit in one wave on the SMs
+// (a second, partial wave would double the time), one slice each, at most one per 128 keys.
+// Atomic mode: one slice. src/backend/gpu.rs computes the same.
 inline int bwd_dq_splits(const flashattn_params_t& p) {
   if (!p.deterministic) return 1;
   const int64_t heads = int64_t(p.batch) * p.heads_q;
-  const int64_t fill = (p.sm_count + heads - 1) / heads;
+  const int64_t fill = p.sm_count / heads;
   const int64_t most = (p.seqlen_k + 127) / 128;
   return int(fill < 1 ? 1 : (fill > most ? most : fill));
 }

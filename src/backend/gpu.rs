@@ -152,14 +152,14 @@ pub(crate) fn bwd_workspace_bytes(problem: &Problem, deterministic: bool, sm_cou
         + if gqa { 2 * align(rows_k * d * 4) } else { 0 }
 }
 
-/// dQ slices of the deterministic backward: enough CTAs per (batch, head) to fill the SMs, at
-/// most one per 128 keys (csrc/sm80/bwd_instantiations.h, bwd_dq_splits).
+/// dQ slices of the deterministic backward: as many CTAs per (batch, head) as fit in one wave on
+/// the SMs, at most one per 128 keys (csrc/sm80/bwd_instantiations.h, bwd_dq_splits).
 fn bwd_dq_splits(problem: &Problem, deterministic: bool, sm_count: i32) -> usize {
     if !deterministic {
         return 1;
     }
     let heads = problem.batch * problem.heads_q;
-    let fill = (sm_count.max(0) as usize).div_ceil(heads);
+    let fill = sm_count.max(0) as usize / heads;
     fill.clamp(1, problem.seqlen_k.div_ceil(128).max(1))
 }
 
