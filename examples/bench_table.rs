@@ -47,6 +47,7 @@ struct Row {
     bwd_tflops: Option<f64>,
     /// The deterministic backward (fixed accumulation order).
     bwd_det_ms: Option<f64>,
+    bwd_det_tflops: Option<f64>,
     err_ratio: f64,
     pass: bool,
 }
@@ -331,7 +332,7 @@ fn main() {
         let sm80 = backend == Backend::Sm80;
         let bwd_ms = sm80.then(|| median_backward(&cfg));
         let bwd_det_ms = sm80.then(|| median_backward(&cfg.clone().deterministic(true)));
-        let bwd_flops = 2.5 * problem.forward_flops(causal);
+        let bwd_tflops = |ms: f64| 2.5 * problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
         let row = Row {
             d,
             seqlen: s,
@@ -344,8 +345,9 @@ fn main() {
             host_us,
             tflops,
             bwd_ms,
-            bwd_tflops: bwd_ms.map(|ms| bwd_flops / (ms * 1e-3) / 1e12),
+            bwd_tflops: bwd_ms.map(bwd_tflops),
             bwd_det_ms,
+            bwd_det_tflops: bwd_det_ms.map(bwd_tflops),
             err_ratio,
             pass: err_ratio <= 1.0,
         };
@@ -354,8 +356,12 @@ fn main() {
             backend.name(), d, s, causal, schedule.pingpong, schedule.intra_wg_overlap, schedule.persistent_causal, ms, row.ms_p10, row.ms_p90,
             tflops, host_us, err_ratio, if row.pass { "pass" } else { "FAIL" }
         );
-        if let (Some(ms), Some(tf), Some(det)) = (row.bwd_ms, row.bwd_tflops, row.bwd_det_ms) {
-            let det_tf = bwd_flops / (det * 1e-3) / 1e12;
+        if let (Some(ms), Some(tf), Some(det), Some(det_tf)) = (
+            row.bwd_ms,
+            row.bwd_tflops,
+            row.bwd_det_ms,
+            row.bwd_det_tflops,
+        ) {
             println!(
                 "{} bwd d{d:<3} s{s:<5} causal={causal:<5} {ms:8.3} ms  {tf:6.1} TFLOP/s  deterministic {det:8.3} ms  {det_tf:6.1} TFLOP/s",
                 backend.name()
@@ -392,10 +398,9 @@ fn main() {
                 "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}, \"host_us_per_call\": {:.1}{}{}}}{}\n",
                 r.backend.name(), r.backend.name(), r.d, r.seqlen, r.seqlen, TOKENS / r.seqlen, HIDDEN / r.d, HIDDEN / r.d, r.causal,
                 r.pass, r.err_ratio, r.tflops, r.ms, r.ms_p10, r.ms_p90, r.host_us, variant,
-                match (r.bwd_tflops, r.bwd_ms, r.bwd_det_ms) {
-                    (Some(tf), Some(ms), Some(det)) => format!(
-                        ", \"bwd_tflops\": {tf:.1}, \"bwd_ms\": {ms:.4}, \"bwd_det_tflops\": {:.1}, \"bwd_det_ms\": {det:.4}",
-                        tf * ms / det
+                match (r.bwd_tflops, r.bwd_ms, r.bwd_det_tflops, r.bwd_det_ms) {
+                    (Some(tf), Some(ms), Some(det_tf), Some(det)) => format!(
+                        ", \"bwd_tflops\": {tf:.1}, \"bwd_ms\": {ms:.4}, \"bwd_det_tflops\": {det_tf:.1}, \"bwd_det_ms\": {det:.4}"
                     ),
                     _ => String::new(),
                 },
