@@ -100,12 +100,20 @@ __device__ constexpr auto acc_as_operand_a(Layout l) {
 }
 
 // Global -> shared of a (rows, head_dim) tile whose rows at and past `rows_left` lie outside the
-// sequence: those are zero-filled, so that masked keys multiply zeros, never stale bytes.
+// sequence: those are zero-filled, so that masked keys multiply zeros, never stale bytes. A thread
+// whose rows all lie inside (every tile but a sequence's last) takes the unpredicated copy: the
+// predicated one issues, per 16-byte chunk, the zero stores and the ordering no-ops ptxas puts
+// between them and the cp.async (about 8 instructions instead of 1).
 template <class TiledCopy, class Src, class Dst, class Coord>
 __device__ void copy_rows(TiledCopy const& tiled_copy, Src const& src, Dst& dst,
                           Coord const& coord, int rows_left) {
+  constexpr int kRowsPerThread = decltype(size<1>(dst))::value;
+  if (get<0>(coord(0, kRowsPerThread - 1, 0)) < rows_left) {
+    copy(tiled_copy, src, dst);
+    return;
+  }
 #pragma unroll
-  for (int m = 0; m < size<1>(dst); ++m) {
+  for (int m = 0; m < kRowsPerThread; ++m) {
     if (get<0>(coord(0, m, 0)) < rows_left) {
       copy(tiled_copy, src(_, m, _), dst(_, m, _));
     } else {

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# There: per-SASS-instruction stall samples (ncu source page, CSV) for one kernel launch, ours or
+# torch FLASH's, so that two kernels' stalls can be compared line by line.
+# Usage: bash .device/profile_source.sh D S [causal]   (writes $OUT/src-*.csv and *.ncu-rep)
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+OUT=${OUT:-$here/out}
+mkdir -p "$OUT"
+d=$1; s=$2; causal=${3:-}
+tag="d${d}-s${s}${causal:+-causal}"
+pyc=False; [ -n "$causal" ] && pyc=True
+cat > "$OUT/torch_step.py" <<PY
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+d, s, causal = $d, $s, $pyc
+b, h = 16384 // s, 2048 // d
+q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+for t in (q, k, v): t.requires_grad_(True)
+with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+    torch.autograd.grad(o, (q, k, v), do.transpose(1, 2))
+torch.cuda.synchronize()
+PY
+one() {  # one NAME KERNEL_REGEX CMD...
+  local name=$1 regex=$2; shift 2
+  local rep="$OUT/src-$tag-$name"
+  ncu --clock-control none --section WarpStateStats --section SourceCounters \
+    --metrics smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_mio_throttle,smsp__pcsamp_warps_issue_stalled_lg_throttle \
+    -k "regex:$regex" -c 1 -f -o "$rep" "$@" > "$rep.log" 2>&1
+  ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$rep.csv" 2>>"$rep.log"
+  ncu -i "$rep.ncu-rep" --page raw --csv 2>>"$rep.log" | python3 -c '
+import csv, sys
+rows = list(csv.reader(sys.stdin))
+if len(rows) >= 3:
+    for name, unit, val in zip(rows[0], rows[1], rows[2]):
+        if "stall" in name and "pcsamp" in name: print(name, val)
+' > "$rep.stalls.txt"
+  echo "$name: $(wc -l < "$rep.csv") lines"
+}
+only="$d,$s${causal:+,causal},sm80"
+one ours-fwd 'fwd_kernel' "$here/bin/example-bench_table" --only "$only"
+one ours-bwd 'bwd_kernel' "$here/bin/example-bench_table" --only "$only"
+one torch-fwd 'flash_fwd' python3 "$OUT/torch_step.py"
+one torch-bwd 'flash_bwd_dq_dk_dv' python3 "$OUT/torch_step.py"
