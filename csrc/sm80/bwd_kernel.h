@@ -24,6 +24,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "../common/block_range.h"
+#include "../common/tile_order.h"
 #include "fwd_kernel.h"  // copy_rows, gemm_smem, acc_rowcol, the MMA choice
 
 namespace flashattn::sm80 {
@@ -111,6 +112,7 @@ struct BwdParams {
   bool deterministic;
   int dq_splits;
   int64_t dq_split_stride;  // floats between dQ slices
+  TileOrder order;          // atomic mode: (key block, batch·head) of each CTA
   float* dk_accum;    // GQA only: (batch, heads_kv, seqlen_k, d) zeroed, or deterministic
                       // (batch, heads_q, seqlen_k, d); else null
   float* dv_accum;
@@ -266,7 +268,16 @@ __global__ void __launch_bounds__(Traits::kThreads)
   extern __shared__ __align__(128) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-  const int head = blockIdx.y, batch = blockIdx.z;
+  // Atomic mode: key block and head from the tile order (heavy-first under a right bound: key
+  // block 0 sees the most query rows). Deterministic: grid (dQ slice, head, batch).
+  int first_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  if constexpr (!kDeterministic) {
+    int bh;
+    params.order.at(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), first_block,
+                    bh);
+    head = bh % params.heads_q;
+    batch = bh / params.heads_q;
+  }
   const int head_kv = head / (params.heads_q / params.heads_kv);
   const int tid = threadIdx.x;
   auto key_block = [&](const int n_block) {
@@ -331,8 +342,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
     {
       Tensor tKsK = thr_gmem.partition_D(sK);
       Tensor tVsV = thr_gmem.partition_D(sV);
-      copy_rows(gmem_copy, thr_gmem.partition_S(gK), tKsK, tKVc, params.seqlen_k - col_begin);
-      copy_rows(gmem_copy, thr_gmem.partition_S(gV), tVsV, tKVc, params.seqlen_k - col_begin);
+      copy_rows(thr_gmem.partition_S(gK), tKsK, tKVc, params.seqlen_k - col_begin);
+      copy_rows(thr_gmem.partition_S(gV), tVsV, tKVc, params.seqlen_k - col_begin);
       cp_async_fence();
     }
 
@@ -394,8 +405,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
       const int row_begin = m * kBlockM;
       auto sq = at_stage(tQsQ, stage);
       auto sdo = at_stage(tdOsdO, stage);
-      copy_rows(gmem_copy, tQgQ(_, _, _, m), sq, tQc, params.seqlen_q - row_begin);
-      copy_rows(gmem_copy, tdOgdO(_, _, _, m), sdo, tQc, params.seqlen_q - row_begin);
+      copy_rows(tQgQ(_, _, _, m), sq, tQc, params.seqlen_q - row_begin);
+      copy_rows(tdOgdO(_, _, _, m), sdo, tQc, params.seqlen_q - row_begin);
       constexpr int kChunks = kBlockM / 4;  // 16-byte chunks per row vector
       static_assert(2 * kChunks <= Traits::kThreads);
       const int64_t rows_at = bh_q * params.dq_rows + row_begin;
@@ -571,12 +582,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
   if constexpr (kDeterministic) {
     const int n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
 #pragma unroll 1
-    for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
-      if (n_block != int(blockIdx.x)) __syncthreads();  // every warp is done with the last one
+    for (int n_block = first_block; n_block < n_blocks; n_block += gridDim.x) {
+      if (n_block != first_block) __syncthreads();  // every warp is done with the last one
       key_block(n_block);
     }
   } else {
-    key_block(blockIdx.x);
+    key_block(first_block);
   }
 }
 

@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
+
 #include <cmath>
 #include <type_traits>
 #include <utility>
@@ -22,8 +24,11 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Tile = BwdTile<kHeadDim>;
   using Traits = BwdTraits<Element, kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kWarps,
                            Tile::kAtomMSdP, Tile::kAtomNdKV, Tile::kAtomMdQ>;
-  // Grid (key blocks, heads, batch): y and z stop at 65535.
-  if (p.heads_q > 65535 || p.batch > 65535) return status(FLASHATTN_UNSUPPORTED);
+  // Grid (key blocks, heads, batch): y and z stop at 65535; the tile order's linear block
+  // index is an int.
+  if (p.heads_q > 65535 || p.batch > 65535 ||
+      int64_t(p.seqlen_k / Traits::kBlockN + 1) * p.heads_q * p.batch > INT_MAX)
+    return status(FLASHATTN_UNSUPPORTED);
   const BwdWorkspace ws = bwd_workspace(p);
   if (p.workspace == nullptr || p.workspace_bytes < ws.bytes)
     return status(FLASHATTN_INVALID_ARGUMENT);
@@ -103,6 +108,11 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     auto kernel = bwd_kernel<Traits, false>;
     using Tag = std::pair<Traits, std::false_type>;
     FLASHATTN_TRY_CUDA(allow_dynamic_smem<Tag>(kernel, smem_bytes));
+    // Causal (any right bound): key block 0 sees the most query rows, so heaviest first, heads
+    // grouped by the Q, dO and dQ accumulator they share.
+    const int64_t q_bytes = int64_t(p.seqlen_q) * kHeadDim * (2 * sizeof(Element) + sizeof(float));
+    params.order = {n_blocks, p.batch * p.heads_q,
+                    params.keys.window_right >= 0 ? TileOrder::heads_per_group(q_bytes) : 0};
     kernel<<<dim3(n_blocks, p.heads_q, p.batch), Traits::kThreads, smem_bytes, stream>>>(params);
   }
   FLASHATTN_TRY_CUDA(cudaGetLastError());

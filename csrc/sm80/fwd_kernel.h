@@ -18,6 +18,7 @@
 
 #include "../common/block_range.h"
 #include "../common/online_softmax.h"
+#include "../common/tile_order.h"
 
 namespace flashattn::sm80 {
 
@@ -78,6 +79,7 @@ struct FwdParams {
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
   int num_m_blocks;
+  TileOrder order;  // heavy-first (rank 0 = last query block) when a right bound makes costs differ
   KeyRange keys;
   float scale_log2;   // scale·log2(e), or softcap·log2(e) when softcap is on
   float softcap_pre;  // scale/softcap when softcap is on
@@ -99,25 +101,21 @@ __device__ constexpr auto acc_as_operand_a(Layout l) {
                      get<1>(split), get<2, 1>(split));
 }
 
-// Global -> shared of a (rows, head_dim) tile whose rows at and past `rows_left` lie outside the
-// sequence: those are zero-filled, so that masked keys multiply zeros, never stale bytes. A thread
-// whose rows all lie inside (every tile but a sequence's last) takes the unpredicated copy: the
-// predicated one issues, per 16-byte chunk, the zero stores and the ordering no-ops ptxas puts
-// between them and the cp.async (about 8 instructions instead of 1).
-template <class TiledCopy, class Src, class Dst, class Coord>
-__device__ void copy_rows(TiledCopy const& tiled_copy, Src const& src, Dst& dst,
-                          Coord const& coord, int rows_left) {
-  constexpr int kRowsPerThread = decltype(size<1>(dst))::value;
-  if (get<0>(coord(0, kRowsPerThread - 1, 0)) < rows_left) {
-    copy(tiled_copy, src, dst);
-    return;
-  }
+// Global -> shared of a (rows, head_dim) tile, 16 bytes per cp.async, rows at and past `rows_left`
+// zero-filled by the copy itself (source size 0: nothing is read), so that masked keys multiply
+// zeros, never stale bytes. One instruction per chunk: a predicated copy with separate zero stores
+// issues about 8 (the stores and the ordering no-ops ptxas puts between them and the cp.async).
+template <class Src, class Dst, class Coord>
+__device__ void copy_rows(Src const& src, Dst& dst, Coord const& coord, int rows_left) {
+  static_assert(decltype(size<0>(dst))::value * sizeof(typename Dst::value_type) == 16);
 #pragma unroll
-  for (int m = 0; m < kRowsPerThread; ++m) {
-    if (get<0>(coord(0, m, 0)) < rows_left) {
-      copy(tiled_copy, src(_, m, _), dst(_, m, _));
-    } else {
-      clear(dst(_, m, _));
+  for (int m = 0; m < size<1>(dst); ++m) {
+    const bool inside = get<0>(coord(0, m, 0)) < rows_left;
+#pragma unroll
+    for (int k = 0; k < size<2>(dst); ++k) {
+      SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+          *reinterpret_cast<const cute::uint128_t*>(raw_pointer_cast(&src(0, m, k))),
+          *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(&dst(0, m, k))), inside);
     }
   }
 }
@@ -165,11 +163,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
   extern __shared__ __align__(128) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-  // Heaviest tiles first when a right bound on the keys (causal) makes costs differ: blocks
-  // are scheduled in index order.
-  const int m_block = params.keys.window_right >= 0 ? params.num_m_blocks - 1 - blockIdx.x
-                                                    : blockIdx.x;
-  const int head = blockIdx.y, batch = blockIdx.z;
+  int rank, bh;
+  params.order.at(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), rank, bh);
+  const int m_block = params.order.group != 0 ? params.num_m_blocks - 1 - rank : rank;
+  const int head = bh % params.heads_q, batch = bh / params.heads_q;
   const int head_kv = head / (params.heads_q / params.heads_kv);
   const int tid = threadIdx.x;
   const int row_begin = m_block * kBlockM;
@@ -238,11 +235,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
   clear(tOrO);
 
   if (n_max > n_min) {
-    copy_rows(gmem_copy, tQgQ, tQsQ, tQcQ, params.seqlen_q - row_begin);
+    copy_rows(tQgQ, tQsQ, tQcQ, params.seqlen_q - row_begin);
     int n = n_max - 1;
     const int64_t k_step = int64_t(kBlockN) * params.k_row_stride;
     const int64_t v_step = int64_t(kBlockN) * params.v_row_stride;
-    copy_rows(gmem_copy, tKgK, tKsK, tKVc, params.seqlen_k - n * kBlockN);
+    copy_rows(tKgK, tKsK, tKVc, params.seqlen_k - n * kBlockN);
     cp_async_fence();
 
     float factor[kRows];
@@ -250,7 +247,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     for (; n >= n_min; --n) {
       cp_async_wait<0>();
       __syncthreads();  // K(n) and Q landed; every warp is done with V(n+1)
-      copy_rows(gmem_copy, tVgV, tVsV, tKVc, params.seqlen_k - n * kBlockN);
+      copy_rows(tVgV, tVsV, tKVc, params.seqlen_k - n * kBlockN);
       cp_async_fence();
       tVgV.data() = tVgV.data() + (-v_step);
 
@@ -261,7 +258,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         __syncthreads();  // V(n) landed; every warp is done with K(n)
         if (n > n_min) {
           tKgK.data() = tKgK.data() + (-k_step);
-          copy_rows(gmem_copy, tKgK, tKsK, tKVc, params.seqlen_k - (n - 1) * kBlockN);
+          copy_rows(tKgK, tKsK, tKVc, params.seqlen_k - (n - 1) * kBlockN);
           cp_async_fence();
         }
       };

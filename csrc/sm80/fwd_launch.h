@@ -20,8 +20,11 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim>;
   using Traits =
       FwdTraits<Element, kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kWarps, Tile::kEarlyK>;
-  // Grid (query blocks, heads, batch): y and z stop at 65535.
-  if (p.heads_q > 65535 || p.batch > 65535) return status(FLASHATTN_UNSUPPORTED);
+  // Grid (query blocks, heads, batch): y and z stop at 65535; the tile order's linear block
+  // index is an int.
+  if (p.heads_q > 65535 || p.batch > 65535 ||
+      int64_t(p.seqlen_q / Traits::kBlockM + 1) * p.heads_q * p.batch > INT_MAX)
+    return status(FLASHATTN_UNSUPPORTED);
   FwdParams params;
   params.q = p.q.ptr;
   params.k = p.k.ptr;
@@ -47,6 +50,11 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.seqlen_k = p.seqlen_k;
   params.num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   params.keys = key_range(p);
+  // Causal (any right bound): later query blocks see more keys, so heaviest first, heads
+  // grouped by the K and V they share.
+  const int64_t kv_bytes = int64_t(p.seqlen_k) * kHeadDim * 2 * int64_t(sizeof(Element));
+  params.order = {params.num_m_blocks, p.batch * p.heads_q,
+                  params.keys.window_right >= 0 ? TileOrder::heads_per_group(kv_bytes) : 0};
   const float log2e = float(M_LOG2E);
   params.softcap = p.softcap > 0.f;
   params.softcap_pre = params.softcap ? p.softmax_scale / p.softcap : 0.f;
