@@ -25,7 +25,7 @@ template <> struct FwdTile<64> {
   static constexpr bool kEarlyK = false;
 };
 template <> struct FwdTile<128> {
-  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4;
+  static constexpr int kBlockM = 128, kBlockN = 32, kWarps = 4;
   static constexpr bool kEarlyK = true;
 };
 template <> struct FwdTile<256> {
