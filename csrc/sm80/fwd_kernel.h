@@ -7,7 +7,7 @@
 // shared memory (rows past the sequence zero-filled); while S = Q·Kᵀ runs on one key block the
 // block's V lands, and while O += P·V runs the next block's K lands. Fragments come from shared
 // memory by ldmatrix (transposed for V). Online softmax with exp2 and one division at the end;
-// O and LSE straight from registers.
+// LSE straight from registers, O through shared memory.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     }
   }
 
-  // ---------------- epilogue: O·(1/sum) and LSE, straight from registers ----------------
+  // ---------------- epilogue: O·(1/sum) and LSE ----------------
   float inv_sum[kRows], lse[kRows];
   softmax.finalize(params.scale_log2, inv_sum, lse);
   scale_rows(rowcol_O, inv_sum);
@@ -323,19 +323,34 @@ __global__ void __launch_bounds__(Traits::kThreads)
         params.lse[(int64_t(batch) * params.heads_q + head) * params.seqlen_q + row] = lse[r];
     }
   }
-  Element* o = static_cast<Element*>(params.o) + batch * params.o_batch_stride +
-               head * params.o_head_stride;
+  // O through shared memory (the Q buffer: free once every warp is past its last Q·Kᵀ), so
+  // that each global store is a 16-byte piece of a row, not a 4-byte pair spread over 8 rows.
+  __syncthreads();
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const int row = row_begin + get<0>(rowcol_cO(r, 0));
-    if (row >= params.seqlen_q) continue;
-    Element* o_row = o + row * params.o_row_stride;
+    const int row = get<0>(rowcol_cO(r, 0));
 #pragma unroll
     for (int c = 0; c < size<1>(rowcol_O); c += 2) {  // columns c, c+1 are neighbours
       cutlass::Array<Element, 2> pair;
       pair[0] = Element(rowcol_O(r, c));
       pair[1] = Element(rowcol_O(r, c + 1));
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + get<1>(rowcol_cO(r, c))) = pair;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(&sQ(row, get<1>(rowcol_cO(r, c)))) = pair;
+    }
+  }
+  __syncthreads();
+  Element* o = static_cast<Element*>(params.o) + batch * params.o_batch_stride +
+               head * params.o_head_stride;
+  Tensor gO = local_tile(make_tensor(make_gmem_ptr(o), make_shape(params.seqlen_q, Int<kHeadDim>{}),
+                                     make_stride(params.o_row_stride, _1{})),
+                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor tOgO = thr_gmem.partition_D(gO);
+#pragma unroll
+  for (int m = 0; m < size<1>(tOgO); ++m) {
+    if (get<0>(tQcQ(0, m, 0)) >= params.seqlen_q - row_begin) continue;
+#pragma unroll
+    for (int k = 0; k < size<2>(tOgO); ++k) {
+      *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(&tOgO(0, m, k))) =
+          *reinterpret_cast<const cute::uint128_t*>(raw_pointer_cast(&tQsQ(0, m, k)));
     }
   }
 }
