@@ -9,6 +9,7 @@ OUT=${OUT:-$here/out}
 mkdir -p "$OUT"
 d=$1; s=$2; causal=${3:-}
 tag="d${d}-s${s}${causal:+-causal}"
+pyc=False; [ -n "$causal" ] && pyc=True
 sections=(--section SpeedOfLight --section Occupancy --section LaunchStats
           --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis
           --section MemoryWorkloadAnalysis --section InstructionStats)
@@ -24,7 +25,7 @@ ncu_one ours-bwd 'bwd_kernel' "$here/bin/example-bench_table" --only "$only"
 cat > "$OUT/torch_step.py" <<PY
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-d, s, causal = $d, $s, ${causal:+True}${causal:-False}
+d, s, causal = $d, $s, $pyc
 b, h = 16384 // s, 2048 // d
 q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
 for t in (q, k, v): t.requires_grad_(True)
