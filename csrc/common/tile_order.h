@@ -6,7 +6,11 @@
 // so that tiles of a head still reuse its K/V (forward) or Q/dO (backward) from L2.
 #pragma once
 
+#include <cuda_runtime.h>
+
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 
 namespace flashattn {
 
@@ -15,11 +19,10 @@ struct TileOrder {
   int heads_total;  // batch · heads
   int group;        // heads per group; 0: natural order (one head's tiles after another's)
 
-  // Heads per group for `bytes_per_head` of data the tiles of one head share: a quarter of an
-  // H100's L2 (the rest holds what other SMs stream), at least one head.
-  static int heads_per_group(int64_t bytes_per_head) {
-    constexpr int64_t kBudget = int64_t(12) << 20;
-    const int64_t g = bytes_per_head > 0 ? kBudget / bytes_per_head : 1;
+  // Heads per group for `bytes_per_head` of data the tiles of one head share, within `budget`
+  // bytes of L2; at least one head.
+  static int heads_per_group(int64_t bytes_per_head, int64_t budget) {
+    const int64_t g = bytes_per_head > 0 ? budget / bytes_per_head : 1;
     return g < 1 ? 1 : (g > (1 << 20) ? (1 << 20) : int(g));
   }
 
@@ -40,5 +43,25 @@ struct TileOrder {
     bh = first + r % size;
   }
 };
+
+// Bytes of L2 that the tile order may fill with one group of heads' shared data: half of the
+// device's L2 (the other half holds what streams past), or FLASHATTN_L2_BUDGET_MIB; settled once
+// per device (the launchers are on the per-call path).
+inline int64_t l2_group_budget() {
+  static std::atomic<int64_t> budgets[64] = {};  // by device ordinal; 0 = not settled yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return int64_t(12) << 20;
+  int64_t budget = budgets[device].load(std::memory_order_relaxed);
+  if (budget == 0) {
+    int l2 = 0;
+    if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess || l2 <= 0)
+      l2 = 24 << 20;
+    budget = int64_t(l2) / 2;
+    if (const char* mib = std::getenv("FLASHATTN_L2_BUDGET_MIB"); mib && std::atoi(mib) > 0)
+      budget = int64_t(std::atoi(mib)) << 20;
+    budgets[device].store(budget, std::memory_order_relaxed);
+  }
+  return budget;
+}
 
 }  // namespace flashattn

@@ -112,7 +112,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     // grouped by the Q, dO and dQ accumulator they share.
     const int64_t q_bytes = int64_t(p.seqlen_q) * kHeadDim * (2 * sizeof(Element) + sizeof(float));
     params.order = {n_blocks, p.batch * p.heads_q,
-                    params.keys.window_right >= 0 ? TileOrder::heads_per_group(q_bytes) : 0};
+                    params.keys.window_right >= 0 ? TileOrder::heads_per_group(q_bytes, l2_group_budget()) : 0};
     kernel<<<dim3(n_blocks, p.heads_q, p.batch), Traits::kThreads, smem_bytes, stream>>>(params);
   }
   FLASHATTN_TRY_CUDA(cudaGetLastError());

@@ -54,7 +54,7 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
   // grouped by the K and V they share.
   const int64_t kv_bytes = int64_t(p.seqlen_k) * kHeadDim * 2 * int64_t(sizeof(Element));
   params.order = {params.num_m_blocks, p.batch * p.heads_q,
-                  params.keys.window_right >= 0 ? TileOrder::heads_per_group(kv_bytes) : 0};
+                  params.keys.window_right >= 0 ? TileOrder::heads_per_group(kv_bytes, l2_group_budget()) : 0};
   const float log2e = float(M_LOG2E);
   params.softcap = p.softcap > 0.f;
   params.softcap_pre = params.softcap ? p.softmax_scale / p.softcap : 0.f;
