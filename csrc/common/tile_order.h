@@ -20,7 +20,9 @@ struct TileOrder {
   int group;        // heads per group; 0: natural order (one head's tiles after another's)
 
   // Heads per group for `bytes_per_head` of data the tiles of one head share, within `budget`
-  // bytes of L2; at least one head.
+  // bytes of L2; at least one head. Budgets measured on the H200 (60 MiB L2), causal bf16: the
+  // forward runs 5–11% faster at d128/d256 with 48 MiB than with 12 (d64 ±2%); the backward is
+  // best at 12–30 MiB.
   static int heads_per_group(int64_t bytes_per_head, int64_t budget) {
     const int64_t g = bytes_per_head > 0 ? budget / bytes_per_head : 1;
     return g < 1 ? 1 : (g > (1 << 20) ? (1 << 20) : int(g));
@@ -44,24 +46,23 @@ struct TileOrder {
   }
 };
 
-// Bytes of L2 that the tile order may fill with one group of heads' shared data: half of the
-// device's L2 (the other half holds what streams past), or FLASHATTN_L2_BUDGET_MIB; settled once
-// per device (the launchers are on the per-call path).
-inline int64_t l2_group_budget() {
-  static std::atomic<int64_t> budgets[64] = {};  // by device ordinal; 0 = not settled yet
+// The L2 size the tile order plans head groups with: the device's, or FLASHATTN_L2_MIB; settled
+// once per device (the launchers are on the per-call path).
+inline int64_t l2_bytes() {
+  static std::atomic<int64_t> sizes[64] = {};  // by device ordinal; 0 = not settled yet
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return int64_t(12) << 20;
-  int64_t budget = budgets[device].load(std::memory_order_relaxed);
-  if (budget == 0) {
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return int64_t(40) << 20;
+  int64_t bytes = sizes[device].load(std::memory_order_relaxed);
+  if (bytes == 0) {
     int l2 = 0;
     if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess || l2 <= 0)
-      l2 = 24 << 20;
-    budget = int64_t(l2) / 2;
-    if (const char* mib = std::getenv("FLASHATTN_L2_BUDGET_MIB"); mib && std::atoi(mib) > 0)
-      budget = int64_t(std::atoi(mib)) << 20;
-    budgets[device].store(budget, std::memory_order_relaxed);
+      l2 = 40 << 20;
+    bytes = l2;
+    if (const char* mib = std::getenv("FLASHATTN_L2_MIB"); mib && std::atoi(mib) > 0)
+      bytes = int64_t(std::atoi(mib)) << 20;
+    sizes[device].store(bytes, std::memory_order_relaxed);
   }
-  return budget;
+  return bytes;
 }
 
 }  // namespace flashattn
