@@ -204,13 +204,14 @@ fn sweep(head_dim: usize) -> Vec<Case> {
         });
     }
     // Causal tiles go heaviest first across heads, the heads in groups whose K and V fit 4/5 of
-    // the L2: keys long enough for several groups at every head dim on an H200 (60 MiB), the
-    // last one partial at d64/d128.
+    // the L2: on an H200 (60 MiB) 16 heads of 16k keys make groups of 12 + 4 at d64, 6 + 6 + 4 at
+    // d128, 3 × 5 + 1 at d256. (At 32k keys the f32 row sums of fp16 inputs drift past §4's LSE
+    // bound, on sm90 too.)
     cases.push(Case {
         batch: 2,
-        heads_q: 4,
+        heads_q: 8,
         heads_kv: 2,
-        ..Case::new(200, 32768, head_dim, true)
+        ..Case::new(200, 16384, head_dim, true)
     });
     // Many tiles, a third of which see no key (O = 0 from registers), interleaved with others.
     cases.push(Case {
