@@ -8,20 +8,6 @@ OUT=${OUT:-$here/out}
 mkdir -p "$OUT"
 d=$1; s=$2; causal=${3:-}
 tag="d${d}-s${s}${causal:+-causal}"
-pyc=False; [ -n "$causal" ] && pyc=True
-cat > "$OUT/torch_step.py" <<PY
-import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-d, s, causal = $d, $s, $pyc
-b, h = 16384 // s, 2048 // d
-q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-for t in (q, k, v): t.requires_grad_(True)
-with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
-    torch.autograd.grad(o, (q, k, v), do.transpose(1, 2))
-torch.cuda.synchronize()
-PY
 one() {  # one NAME KERNEL_REGEX CMD...
   local name=$1 regex=$2; shift 2
   local rep="$OUT/src-$tag-$name"
@@ -41,5 +27,5 @@ if len(rows) >= 3:
 only="$d,$s${causal:+,causal},sm80"
 one ours-fwd 'fwd_kernel' "$here/bin/example-bench_table" --only "$only"
 one ours-bwd 'bwd_kernel' "$here/bin/example-bench_table" --only "$only"
-one torch-fwd 'flash_fwd' python3 "$OUT/torch_step.py"
-one torch-bwd 'flash_bwd_dq_dk_dv' python3 "$OUT/torch_step.py"
+one torch-fwd 'flash_fwd' python3 "$here/torch_step.py" "$d" "$s" $causal
+one torch-bwd 'flash_bwd_dq_dk_dv' python3 "$here/torch_step.py" "$d" "$s" $causal
