@@ -28,7 +28,7 @@ export FLASHATTN_SM80_ARCH=90
   esac
   cp "$path" ".device/bin/$kind-$name"
 done
-cp scripts/device/run.sh scripts/device/profile.sh scripts/device/profile_source.sh \
+cp scripts/device/run.sh scripts/device/profile.sh \
   scripts/device/torch_step.py benchmarks/compare_torch.py benchmarks/table.py .device/
 git rev-parse --short HEAD > .device/COMMIT
 git diff --quiet HEAD -- src csrc tests benches examples build.rs || echo "+dirty" >> .device/COMMIT
