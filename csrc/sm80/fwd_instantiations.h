@@ -18,7 +18,7 @@ namespace flashattn::sm80 {
 // 32 + 8 + 8 = 48 KiB, d256 32 + 32 + 32 = 96 KiB, so that two d256 CTAs share an SM with
 // 228 KiB (as FlashAttention-2 on H100): one's barriers and loads hide under the other's MMAs.
 // kEarlyK: the next K block's load is issued before the softmax (FlashAttention-2's order) rather
-// than after it: d256 +3%, d128 128×32 +1–6%; d64 0–3% slower.
+// than after it: d256 +3%, d128 128×32 +1–7%; d64 0–3% slower.
 template <int kHeadDim> struct FwdTile;
 template <> struct FwdTile<64> {
   static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4;
