@@ -6,22 +6,13 @@ cd "$(git rev-parse --show-toplevel)"
 rm -rf .device
 mkdir -p .device/bin
 
-executables() {  # reads cargo's JSON messages, prints "name path" per executable artifact
-  python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable"):
-        print(m["target"]["name"], m["executable"])'
-}
-
 # The H200 runs the sm80 family too: its machine code, so that no test run waits on the PTX JIT.
 export FLASHATTN_SM80_ARCH=90
 {
   cargo test --release --no-run --message-format=json
   cargo bench --no-run --message-format=json
   cargo build --release --examples --message-format=json
-} 2>/dev/null | executables | while read -r name path; do
+} 2>/dev/null | python3 scripts/device/executables.py | while read -r name path; do
   case "$path" in
     */deps/*) kind=$([ "$name" = attention ] && echo bench || echo test) ;;
     *) kind=example ;;

@@ -5,11 +5,8 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 export FLASHATTN_SM80_ARCH=90
-path=$(cargo build --release --example bench_table --message-format=json 2>/dev/null | python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable"): print(m["executable"])')
+path=$(cargo build --release --example bench_table --message-format=json 2>/dev/null |
+  python3 scripts/device/executables.py | awk '$1 == "bench_table" {print $2}')
 mkdir -p ".variants/$1"
 cp "$path" ".variants/$1/bench_table"
 git diff --stat HEAD -- csrc > ".variants/$1/DIFF"
