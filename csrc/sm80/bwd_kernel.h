@@ -539,22 +539,44 @@ __global__ void __launch_bounds__(Traits::kThreads)
     // dK·scale and dV: rows of this key block inside the sequence.
     Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
     if (params.dk_accum == nullptr) {
-      Element* dk = static_cast<Element*>(params.dk) + batch * params.dk_batch_stride +
-                    head * params.dk_head_stride;
-      Element* dv = static_cast<Element*>(params.dv) + batch * params.dv_batch_stride +
-                    head * params.dv_head_stride;
+      // Through shared memory (K and V are free once every warp is past its last GEMM), so that
+      // each global store is a 16-byte piece of a row, not a 4-byte pair spread over 8 rows.
+      __syncthreads();
   #pragma unroll
       for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
-        const int row = col_begin + get<0>(cKV(i));
-        if (row >= params.seqlen_k) continue;
-        const int col = get<1>(cKV(i));
+        const int row = get<0>(cKV(i)), col = get<1>(cKV(i));
         cutlass::Array<Element, 2> k2, v2;
         k2[0] = Element(acc_dk(i) * params.scale);
         k2[1] = Element(acc_dk(i + 1) * params.scale);
         v2[0] = Element(acc_dv(i));
         v2[1] = Element(acc_dv(i + 1));
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + row * params.dk_row_stride + col) = k2;
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + row * params.dv_row_stride + col) = v2;
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(&sK(row, col)) = k2;
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(&sV(row, col)) = v2;
+      }
+      __syncthreads();
+      auto out = [&](void* ptr, int64_t b_stride, int64_t h_stride, int64_t row_stride) {
+        Element* base = static_cast<Element*>(ptr) + batch * b_stride + head * h_stride;
+        return thr_gmem.partition_D(local_tile(
+            make_tensor(make_gmem_ptr(base), make_shape(params.seqlen_k, Int<kHeadDim>{}),
+                        make_stride(row_stride, _1{})),
+            TileKV{}, make_coord(n_block, 0)));
+      };
+      Tensor tdKgdK = out(params.dk, params.dk_batch_stride, params.dk_head_stride,
+                          params.dk_row_stride);
+      Tensor tdVgdV = out(params.dv, params.dv_batch_stride, params.dv_head_stride,
+                          params.dv_row_stride);
+      Tensor tKsK = thr_gmem.partition_D(sK);
+      Tensor tVsV = thr_gmem.partition_D(sV);
+  #pragma unroll
+      for (int m = 0; m < size<1>(tdKgdK); ++m) {
+        if (get<0>(tKVc(0, m, 0)) >= params.seqlen_k - col_begin) continue;
+  #pragma unroll
+        for (int k = 0; k < size<2>(tdKgdK); ++k) {
+          *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(&tdKgdK(0, m, k))) =
+              *reinterpret_cast<const cute::uint128_t*>(raw_pointer_cast(&tKsK(0, m, k)));
+          *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(&tdVgdV(0, m, k))) =
+              *reinterpret_cast<const cute::uint128_t*>(raw_pointer_cast(&tVsV(0, m, k)));
+        }
       }
     } else if (kDeterministic) {  // this query head's share, summed later in head order
       const int64_t base = (int64_t(batch) * params.heads_q + head) * params.seqlen_k;
