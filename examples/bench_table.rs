@@ -273,6 +273,10 @@ fn main() {
     ] {
         plan.push((Backend::Sm90, d, 8192, causal, no_pingpong));
     }
+    // --sm80: the FlashAttention-2-style rows alone (for timing several builds in one device call).
+    if args.iter().any(|a| a == "--sm80") {
+        plan.retain(|row| row.0 == Backend::Sm80);
+    }
     // --only D,S[,causal][,sm80]: one shape with the default schedule (for profilers).
     if let Some(only) = arg("--only") {
         let f: Vec<&str> = only.split(',').collect();

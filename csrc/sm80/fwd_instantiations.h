@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include "../flash_api.h"
-#include "fwd_schedule.h"
 
 namespace flashattn::sm80 {
 
@@ -18,20 +17,20 @@ namespace flashattn::sm80 {
 // at best) and 128×32 (−25%). Shared memory Q + K + V: d64 16 + 8 + 8 = 32 KiB, d128
 // 32 + 8 + 8 = 48 KiB, d256 32 + 32 + 32 = 96 KiB, so that two d256 CTAs share an SM with
 // 228 KiB (as FlashAttention-2 on H100): one's barriers and loads hide under the other's MMAs.
-// Schedule (FwdSchedule): EarlyK (the next K block's load before the softmax, FlashAttention-2's
-// order) measured d256 +3%, d128 128×32 +1–7% over LateK; d64 0–3% slower.
+// kEarlyK: the next K block's load is issued before the softmax (FlashAttention-2's order) rather
+// than after it: d256 +3%, d128 128×32 +1–7%; d64 0–3% slower.
 template <int kHeadDim> struct FwdTile;
 template <> struct FwdTile<64> {
-  static constexpr int kBlockM = 128, kBlockN = 32, kWarps = 4;
-  static constexpr FwdSchedule kSchedule = FwdSchedule::Overlap;
+  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4;
+  static constexpr bool kEarlyK = false;
 };
 template <> struct FwdTile<128> {
   static constexpr int kBlockM = 128, kBlockN = 32, kWarps = 4;
-  static constexpr FwdSchedule kSchedule = FwdSchedule::Overlap;
+  static constexpr bool kEarlyK = true;
 };
 template <> struct FwdTile<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4;
-  static constexpr FwdSchedule kSchedule = FwdSchedule::EarlyK;
+  static constexpr bool kEarlyK = true;
 };
 
 #define FLASHATTN_SM80_FWD(D, DTYPE) \

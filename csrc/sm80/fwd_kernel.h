@@ -4,10 +4,9 @@
 // per MMA atom), so every row's softmax stays inside one warp (a quad of lanes) and no
 // cross-warp reduction is needed. Key blocks are walked last to first, so that only the first
 // block visited needs the sequence-end mask. Q, K and V come by cp.async into 128-byte swizzled
-// shared memory (rows past the sequence zero-filled). Two schedules (FwdSchedule): one K and one
-// V buffer, the block's V landing under its S = Q·Kᵀ and the next K under the softmax or P·V;
-// or two of each, the next block's S = Q·Kᵀ issued beside this block's softmax. Fragments come
-// from shared memory by ldmatrix (transposed for V). Online softmax with exp2 and one division at the end;
+// shared memory (rows past the sequence zero-filled); while S = Q·Kᵀ runs on one key block the
+// block's V lands, and while O += P·V runs the next block's K lands. Fragments come from shared
+// memory by ldmatrix (transposed for V). Online softmax with exp2 and one division at the end;
 // LSE straight from registers, O through shared memory.
 #pragma once
 
@@ -20,18 +19,17 @@
 #include "../common/block_range.h"
 #include "../common/online_softmax.h"
 #include "../common/tile_order.h"
-#include "fwd_schedule.h"
 
 namespace flashattn::sm80 {
 
 using namespace cute;
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_,
-          FwdSchedule kSchedule_ = FwdSchedule::LateK>
+          bool kEarlyK_ = false>
 struct FwdTraits {
   using Element = Element_;
-  static constexpr FwdSchedule kSchedule = kSchedule_;
-  static constexpr int kStages = kSchedule == FwdSchedule::Overlap ? 2 : 1;
+  // Issue the next K block's load right after Q·Kᵀ (before the softmax) rather than after it.
+  static constexpr bool kEarlyK = kEarlyK_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -64,8 +62,8 @@ struct FwdTraits {
 
   struct SharedStorage {
     ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
-    ArrayEngine<Element, cosize_v<SmemLayoutKV> * kStages> k;
-    ArrayEngine<Element, cosize_v<SmemLayoutKV> * kStages> v;
+    ArrayEngine<Element, cosize_v<SmemLayoutKV>> k;
+    ArrayEngine<Element, cosize_v<SmemLayoutKV>> v;
   };
 };
 
@@ -108,8 +106,8 @@ __device__ constexpr auto acc_as_operand_a(Layout l) {
 // zeros, never stale bytes. One instruction per chunk: a predicated copy with separate zero stores
 // issues about 8 (the stores and the ordering no-ops ptxas puts between them and the cp.async).
 template <class Src, class Dst, class Coord>
-__device__ void copy_rows(Src const& src, Dst&& dst, Coord const& coord, int rows_left) {
-  static_assert(decltype(size<0>(dst))::value * sizeof(typename std::remove_reference_t<Dst>::value_type) == 16);
+__device__ void copy_rows(Src const& src, Dst& dst, Coord const& coord, int rows_left) {
+  static_assert(decltype(size<0>(dst))::value * sizeof(typename Dst::value_type) == 16);
 #pragma unroll
   for (int m = 0; m < size<1>(dst); ++m) {
     const bool inside = get<0>(coord(0, m, 0)) < rows_left;
@@ -141,33 +139,16 @@ __device__ void gemm_smem(Mma& mma, Acc& acc, RA& rA, RB& rB, SA const& sA, SB c
   }
 }
 
-// acc += A·B with A already in registers (P), B from shared memory one k slice at a time, and a
-// wide slice (d128, d256) in pieces of 8 MMA columns (16 registers of B), so that B's fragments
-// fit beside the O accumulator and a second block's scores.
+// acc += A·B with A already in registers (P), B from shared memory one k slice at a time (a
+// second slice in flight would not fit beside the O accumulator at d128).
 template <class Mma, class RA, class RB, class SB, class CopyB, class Acc>
 __device__ void gemm_reg_smem(Mma& mma, Acc& acc, RA const& rA, RB& rB, SB const& sB,
                               CopyB const& copy_b) {
   auto rB_view = copy_b.get_thread_slice(threadIdx.x).retile_D(rB);
-  constexpr int kAtomsN = decltype(size<1>(rB))::value;
-  constexpr int kPieceN = kAtomsN < 8 ? kAtomsN : 8;
-  constexpr int kCopiesPerPiece = decltype(size<1>(rB_view))::value * kPieceN / kAtomsN;
-  // Flat column indices of the MMA and of the copies agree piece by piece: viewed as (piece
-  // columns, pieces), the B fragment, its copy view and the accumulator name the same registers.
-  Tensor rB_pieces = make_tensor(rB.data(), logical_divide(rB.layout(), Shape<Underscore, Int<kPieceN>>{}));
-  Tensor acc_pieces =
-      make_tensor(acc.data(), logical_divide(acc.layout(), Shape<Underscore, Underscore, Int<kPieceN>>{}));
 #pragma unroll
   for (int k = 0; k < size<2>(rA); ++k) {
-#pragma unroll
-    for (int piece = 0; piece < kAtomsN / kPieceN; ++piece) {
-#pragma unroll
-      for (int i = 0; i < kCopiesPerPiece; ++i) {
-        const int col = piece * kCopiesPerPiece + i;
-        copy(copy_b, sB(_, col, k), rB_view(_, col, k));
-      }
-      gemm(mma, rA(_, _, k), rB_pieces(_, make_coord(_, piece), k),
-           acc_pieces(_, _, make_coord(_, piece)));
-    }
+    copy(copy_b, sB(_, _, k), rB_view(_, _, k));
+    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
   }
 }
 
@@ -253,129 +234,15 @@ __global__ void __launch_bounds__(Traits::kThreads)
   OnlineSoftmax<kRows> softmax;
   clear(tOrO);
 
-  // Softcap and masks in their own copy of the code: folded into the common path, ptxas
-  // predicates them and issues them on every block.
-  auto needs_cap_or_mask = [&](int n) {
-    return params.softcap ||
-           params.keys.template block_needs_mask<kBlockN>(n, row_begin, row_begin + kBlockM);
-  };
-  auto cap_and_mask = [&](auto& acc_s, int n) {
-    if (params.softcap) {
-#pragma unroll
-      for (int i = 0; i < size(acc_s); ++i) acc_s(i) = fast_tanh(acc_s(i) * params.softcap_pre);
-    }
-    Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
-#pragma unroll
-    for (int r = 0; r < size<0>(s); ++r) {
-      const int row = row_begin + get<0>(rowcol_cS(r, 0));
-      const int lo = params.keys.lo(row) - n * kBlockN;
-      const int hi = params.keys.hi(row) - n * kBlockN;
-#pragma unroll
-      for (int c = 0; c < size<1>(s); ++c) {
-        const int col = get<1>(rowcol_cS(r, c));
-        if (col < lo || col >= hi) s(r, c) = -INFINITY;
-      }
-    }
-  };
-  // Scores -> probabilities; returns whether any row max moved (then O must be multiplied by
-  // `factor`; most blocks of a long row leave every row max of the warp unchanged, and the
-  // factor is 1 up to the rounding of exp2(max·c − max·c), so the multiply is skipped then).
-  auto softmax_step = [&](auto& acc_s, auto& factor) {
-    Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
-    float max_before[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) max_before[r] = softmax.row_max[r];
-    softmax.step(s, params.scale_log2, factor);
-    bool moved = false;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) moved |= softmax.row_max[r] != max_before[r];
-    return moved;
-  };
-  // O += P·V: P in Element, register for register, then viewed as the A operand.
-  auto accumulate_pv = [&](auto const& acc_p, auto const& v_slice) {
-    constexpr int N = decltype(size(acc_p))::value;
-    cutlass::NumericArrayConverter<Element, float, N> convert;
-    auto rP = make_tensor<Element>(acc_p.layout());
-    *reinterpret_cast<cutlass::Array<Element, N>*>(rP.data()) =
-        convert(*reinterpret_cast<cutlass::Array<float, N> const*>(acc_p.data()));
-    Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-    gemm_reg_smem(mma, tOrO, tOrP, tOrVt, v_slice, copy_v);
-  };
-
-  const int64_t k_step = int64_t(kBlockN) * params.k_row_stride;
-  const int64_t v_step = int64_t(kBlockN) * params.v_row_stride;
-  if (n_max > n_min && Traits::kSchedule == FwdSchedule::Overlap) {
-    // Block n's K and V sit in buffer b, K(n−1) in buffer 1−b; while block n's softmax and P·V
-    // run, K(n−2) and V(n−1) land. One barrier per block.
-    constexpr int kBufferSize = cosize_v<typename Traits::SmemLayoutKV>;
-    auto buffer = [](auto t, auto b) {
-      t.data() = t.data() + decltype(b)::value * kBufferSize;
-      return t;
-    };
-    int n = n_max - 1;
-    copy_rows(tQgQ, tQsQ, tQcQ, params.seqlen_q - row_begin);
-    copy_rows(tKgK, tKsK, tKVc, params.seqlen_k - n * kBlockN);
-    cp_async_fence();
-    copy_rows(tVgV, tVsV, tKVc, params.seqlen_k - n * kBlockN);
-    cp_async_fence();
-    tKgK.data() = tKgK.data() + (-k_step);
-    tVgV.data() = tVgV.data() + (-v_step);
-    cp_async_wait<1>();
-    __syncthreads();  // Q and K(n) landed
-    clear(tSrS);
-    gemm_smem(mma, tSrS, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k);
-    if (n > n_min) {
-      copy_rows(tKgK, buffer(tKsK, _1{}), tKVc, params.seqlen_k - (n - 1) * kBlockN);
-      tKgK.data() = tKgK.data() + (-k_step);
-    }
-    cp_async_fence();
-    if (needs_cap_or_mask(n)) cap_and_mask(tSrS, n);
-
-    auto block = [&](auto b, auto has_next, auto& s_cur, auto& s_next) {
-      constexpr auto other = Int<1 - decltype(b)::value>{};
-      cp_async_wait<0>();
-      __syncthreads();  // V(n) and K(n−1) landed; every warp is done with K(n) and V(n+1)
-      if (n > n_min) {
-        copy_rows(tVgV, buffer(tVsV, other), tKVc, params.seqlen_k - (n - 1) * kBlockN);
-        tVgV.data() = tVgV.data() + (-v_step);
-      }
-      if (n - 1 > n_min) {
-        copy_rows(tKgK, buffer(tKsK, b), tKVc, params.seqlen_k - (n - 2) * kBlockN);
-        tKgK.data() = tKgK.data() + (-k_step);
-      }
-      cp_async_fence();
-      if constexpr (decltype(has_next)::value) {
-        clear(s_next);
-        gemm_smem(mma, s_next, tSrQ, tSrK, tSsQ, buffer(tSsK, other), copy_q, copy_k);
-      }
-      float factor[kRows];
-      if (__any_sync(0xffffffff, softmax_step(s_cur, factor))) scale_rows(rowcol_O, factor);
-      accumulate_pv(s_cur, buffer(tOsVt, b));
-      if constexpr (decltype(has_next)::value) {
-        if (needs_cap_or_mask(n - 1)) cap_and_mask(s_next, n - 1);
-      }
-    };
-    Tensor tSrS_next = make_fragment_like(tSrS);
-#pragma unroll 1
-    for (;;) {  // two blocks per turn, so that the buffers and score registers swap statically
-      if (n == n_min) {
-        block(_0{}, false_type{}, tSrS, tSrS_next);
-        break;
-      }
-      block(_0{}, true_type{}, tSrS, tSrS_next);
-      if (--n == n_min) {
-        block(_1{}, false_type{}, tSrS_next, tSrS);
-        break;
-      }
-      block(_1{}, true_type{}, tSrS_next, tSrS);
-      --n;
-    }
-  } else if (n_max > n_min) {
+  if (n_max > n_min) {
     copy_rows(tQgQ, tQsQ, tQcQ, params.seqlen_q - row_begin);
     int n = n_max - 1;
+    const int64_t k_step = int64_t(kBlockN) * params.k_row_stride;
+    const int64_t v_step = int64_t(kBlockN) * params.v_row_stride;
     copy_rows(tKgK, tKsK, tKVc, params.seqlen_k - n * kBlockN);
     cp_async_fence();
 
+    float factor[kRows];
 #pragma unroll 1
     for (; n >= n_min; --n) {
       cp_async_wait<0>();
@@ -395,18 +262,52 @@ __global__ void __launch_bounds__(Traits::kThreads)
           cp_async_fence();
         }
       };
-      if constexpr (Traits::kSchedule == FwdSchedule::EarlyK) load_next_k();
-      float factor[kRows];
-      bool moved;
-      if (needs_cap_or_mask(n)) {
-        cap_and_mask(tSrS, n);
-        moved = softmax_step(tSrS, factor);
+      if constexpr (Traits::kEarlyK) load_next_k();
+      // Softcap and masks in their own copy of the code: folded into the common path, ptxas
+      // predicates them and issues them on every block.
+      auto cap_and_mask = [&]() {
+        if (params.softcap) {
+#pragma unroll
+          for (int i = 0; i < size(tSrS); ++i) tSrS(i) = fast_tanh(tSrS(i) * params.softcap_pre);
+        }
+#pragma unroll
+        for (int r = 0; r < size<0>(rowcol_S); ++r) {
+          const int row = row_begin + get<0>(rowcol_cS(r, 0));
+          const int lo = params.keys.lo(row) - n * kBlockN;
+          const int hi = params.keys.hi(row) - n * kBlockN;
+#pragma unroll
+          for (int c = 0; c < size<1>(rowcol_S); ++c) {
+            const int col = get<1>(rowcol_cS(r, c));
+            if (col < lo || col >= hi) rowcol_S(r, c) = -INFINITY;
+          }
+        }
+        softmax.step(rowcol_S, params.scale_log2, factor);
+      };
+      float max_before[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) max_before[r] = softmax.row_max[r];
+      if (params.softcap ||
+          params.keys.template block_needs_mask<kBlockN>(n, row_begin, row_begin + kBlockM)) {
+        cap_and_mask();
       } else {
-        moved = softmax_step(tSrS, factor);
+        softmax.step(rowcol_S, params.scale_log2, factor);
       }
-      if (__any_sync(0xffffffff, moved)) scale_rows(rowcol_O, factor);
-      if constexpr (Traits::kSchedule == FwdSchedule::LateK) load_next_k();
-      accumulate_pv(tSrS, tOsVt);
+      // Most blocks of a long row leave every row max of the warp unchanged (the factor is 1 up
+      // to the rounding of exp2(max·c − max·c)): skip the multiply then.
+      bool rescale = false;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) rescale |= softmax.row_max[r] != max_before[r];
+      if (__any_sync(0xffffffff, rescale)) scale_rows(rowcol_O, factor);
+      if constexpr (!Traits::kEarlyK) load_next_k();
+
+      // P in Element, register for register, then viewed as the A operand.
+      constexpr int N = decltype(size(tSrS))::value;
+      cutlass::NumericArrayConverter<Element, float, N> convert;
+      auto rP = make_tensor<Element>(tSrS.layout());
+      *reinterpret_cast<cutlass::Array<Element, N>*>(rP.data()) =
+          convert(*reinterpret_cast<cutlass::Array<float, N> const*>(tSrS.data()));
+      Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+      gemm_reg_smem(mma, tOrO, tOrP, tOrVt, tOsVt, copy_v);
     }
   }
 
