@@ -52,6 +52,18 @@ struct KeyRange {
     return false;
   }
 
+  // Query rows [row_lo, row_hi) that see any key of [col_begin, col_end): both bounds of a row's
+  // keys grow with the row.
+  __host__ __device__ void rows_seeing(int col_begin, int col_end, int& row_lo,
+                                       int& row_hi) const {
+    const int64_t shift = int64_t(seqlen_k) - seqlen_q;  // row r sits on key r + shift
+    int64_t first = 0, last = seqlen_q;
+    if (window_right >= 0) first = col_begin - window_right - shift;  // hi(r) > col_begin
+    if (window_left >= 0) last = col_end + window_left - shift;       // lo(r) < col_end
+    row_lo = int(first < 0 ? 0 : (first > seqlen_q ? seqlen_q : first));
+    row_hi = int(last < row_lo ? row_lo : (last > seqlen_q ? seqlen_q : last));
+  }
+
   __host__ __device__ bool visible(int row, int col) const {
     return col < seqlen_k && col >= lo(row) && col < hi(row);
   }

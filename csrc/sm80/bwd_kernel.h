@@ -24,6 +24,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "../common/block_range.h"
+#include "../common/bwd_passes.h"
 #include "../common/tile_order.h"
 #include "fwd_kernel.h"  // copy_rows, gemm_smem, acc_rowcol, the MMA choice
 
@@ -95,9 +96,8 @@ struct BwdTraits {
 };
 
 struct BwdParams {
-  const void *q, *k, *v, *o, *dout;
+  const void *q, *k, *v, *dout;
   void *dq, *dk, *dv;
-  const float* lse;   // the forward's (batch, heads_q, seqlen_q)
   // (dq_splits, batch, heads_q, dq_rows / kBlockM, MMA order of kBlockM × d), zeroed: key blocks
   // n ≡ s (mod dq_splits) add into slice s.
   float* dq_accum;
@@ -119,7 +119,6 @@ struct BwdParams {
   int64_t q_batch_stride, q_row_stride, q_head_stride;
   int64_t k_batch_stride, k_row_stride, k_head_stride;
   int64_t v_batch_stride, v_row_stride, v_head_stride;
-  int64_t o_batch_stride, o_row_stride, o_head_stride;
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
@@ -131,39 +130,6 @@ struct BwdParams {
   float softcap_pre;  // scale/softcap when softcap is on
   bool softcap;
 };
-
-// D = rowsum(dO ∘ O) and LSE·log2(e) in f32 over dq_rows rows per head: one warp per (batch,
-// head, row), 16-byte loads.
-template <class Element, int kHeadDim>
-__global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const BwdParams p) {
-  const int64_t row_id = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
-  const int64_t rows = int64_t(p.batch) * p.heads_q * p.dq_rows;
-  if (row_id >= rows) return;
-  const int row = int(row_id % p.dq_rows);
-  const int64_t bh = row_id / p.dq_rows;
-  const int head = int(bh % p.heads_q);
-  const int batch = int(bh / p.heads_q);
-  const int lane = threadIdx.x % 32;
-  const bool in = row < p.seqlen_q;
-  constexpr int kChunks = kHeadDim / 8;
-  float sum = 0.f;
-  if (in && lane < kChunks) {
-    auto o = static_cast<const Element*>(p.o) + batch * p.o_batch_stride +
-             head * p.o_head_stride + row * p.o_row_stride + lane * 8;
-    auto dout = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
-                head * p.do_head_stride + row * p.do_row_stride + lane * 8;
-    cutlass::Array<Element, 8> a = *reinterpret_cast<const cutlass::Array<Element, 8>*>(o);
-    cutlass::Array<Element, 8> b = *reinterpret_cast<const cutlass::Array<Element, 8>*>(dout);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) sum += float(a[i]) * float(b[i]);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-  if (lane == 0) {
-    p.softmax_d[row_id] = sum;
-    p.lse_log2[row_id] = in ? p.lse[bh * p.seqlen_q + row] * float(M_LOG2E) : INFINITY;
-  }
-}
 
 // dQ from the main kernel's accumulator (MMA order per query block; its slices summed in order)
 // to the element type, times `scale`: one CTA per (query block, head, batch), with the main
@@ -199,35 +165,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
   }
 }
 
-// f32 sums to the element type, times `scale`: packed (batch, heads·group, seqlen, kHeadDim), the
-// `group` consecutive heads of each output head summed in order -> strided (batch, seqlen, heads)
-// rows. One thread per 8 elements.
-template <class Element, int kHeadDim>
-__global__ void __launch_bounds__(256)
-    bwd_convert(const float* src, int group, void* dst, int64_t b_stride, int64_t row_stride,
-                int64_t h_stride, int batch, int heads, int seqlen, float scale) {
-  const int64_t chunk = int64_t(blockIdx.x) * 256 + threadIdx.x;
-  constexpr int kChunks = kHeadDim / 8;
-  if (chunk >= int64_t(batch) * heads * seqlen * kChunks) return;
-  const int64_t row_id = chunk / kChunks;  // (batch, head, row) packed
-  const int c = int(chunk % kChunks);
-  const int row = int(row_id % seqlen);
-  const int head = int(row_id / seqlen % heads);
-  const int b = int(row_id / seqlen / heads);
-  float sum[8] = {};
-  for (int g = 0; g < group; ++g) {
-    const float* s = src + ((int64_t(b) * heads + head) * group + g) * seqlen * kHeadDim +
-                     int64_t(row) * kHeadDim + c * 8;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) sum[i] += s[i];
-  }
-  cutlass::Array<Element, 8> out;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = Element(sum[i] * scale);
-  *reinterpret_cast<cutlass::Array<Element, 8>*>(static_cast<Element*>(dst) + b * b_stride +
-                                                 head * h_stride + row * row_stride + c * 8) = out;
-}
-
 // Stores a (rows, cols) f32 accumulator of `mma` into a row-major shared-memory tile (swizzled
 // layout `sTile`) as 32-bit Element pairs: an accumulator's elements i, i+1 (i even) are
 // neighbouring columns, which the 16-byte swizzle keeps neighbours.
@@ -241,18 +178,6 @@ __device__ void acc_to_smem(Acc const& acc, Thr const& thr, STensor& sTile) {
     pair[1] = Element(acc(i + 1));
     *reinterpret_cast<cutlass::Array<Element, 2>*>(&dst(i)) = pair;
   }
-}
-
-// Query rows [row_lo, row_hi) that see any key of [col_begin, col_end): a row sees
-// [keys.lo(row), keys.hi(row)), and both bounds grow with the row.
-__device__ inline void rows_for_keys(const KeyRange& keys, int col_begin, int col_end,
-                                     int& row_lo, int& row_hi) {
-  const int64_t shift = int64_t(keys.seqlen_k) - keys.seqlen_q;  // row r sits on key r + shift
-  int64_t lo = 0, hi = keys.seqlen_q;
-  if (keys.window_right >= 0) lo = col_begin - keys.window_right - shift;  // hi(r) > col_begin
-  if (keys.window_left >= 0) hi = col_end + keys.window_left - shift;      // lo(r) < col_end
-  row_lo = int(lo < 0 ? 0 : (lo > keys.seqlen_q ? keys.seqlen_q : lo));
-  row_hi = int(hi < row_lo ? row_lo : (hi > keys.seqlen_q ? keys.seqlen_q : hi));
 }
 
 // kDeterministic: CTA s walks key blocks s, s + gridDim.x, ... (see BwdParams::deterministic);
@@ -284,7 +209,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const int col_begin = n_block * kBlockN;
     // Query rows that see any key of this block.
     int row_lo, row_hi;
-    rows_for_keys(params.keys, col_begin, col_begin + kBlockN, row_lo, row_hi);
+    params.keys.rows_seeing(col_begin, col_begin + kBlockN, row_lo, row_hi);
     const int m_first = row_lo / kBlockM;
     const int m_count = row_hi > row_lo ? (row_hi - 1) / kBlockM + 1 - m_first : 0;
     // Step j visits query block m_first + (j + n_block) mod m_count: the key blocks of a head start

@@ -38,12 +38,10 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.q = p.q.ptr;
   params.k = p.k.ptr;
   params.v = p.v.ptr;
-  params.o = p.o.ptr;
   params.dout = p.dout.ptr;
   params.dq = p.dq.ptr;
   params.dk = p.dk.ptr;
   params.dv = p.dv.ptr;
-  params.lse = p.lse;
   params.dq_accum = reinterpret_cast<float*>(base + ws.dq_accum);
   static_assert(kDqRowAlign % Traits::kBlockM == 0);
   params.dq_rows = dq_accum_rows(p.seqlen_q);
@@ -64,7 +62,6 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   strides(p.q, params.q_batch_stride, params.q_row_stride, params.q_head_stride);
   strides(p.k, params.k_batch_stride, params.k_row_stride, params.k_head_stride);
   strides(p.v, params.v_batch_stride, params.v_row_stride, params.v_head_stride);
-  strides(p.o, params.o_batch_stride, params.o_row_stride, params.o_head_stride);
   strides(p.dout, params.do_batch_stride, params.do_row_stride, params.do_head_stride);
   strides(p.dq, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride);
   strides(p.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride);
@@ -87,7 +84,11 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dk_accum, 0, ws.bytes - ws.dk_accum, stream));
 
   const int64_t rows_dq = int64_t(p.batch) * p.heads_q * params.dq_rows;
-  bwd_preprocess<Element, kHeadDim><<<unsigned((rows_dq + 7) / 8), 256, 0, stream>>>(params);
+  const BwdRowsParams rows{p.o.ptr, p.dout.ptr, p.lse, params.lse_log2, params.softmax_d,
+                           p.o.batch_stride, p.o.row_stride, p.o.head_stride,
+                           p.dout.batch_stride, p.dout.row_stride, p.dout.head_stride,
+                           p.batch, p.heads_q, p.seqlen_q, params.dq_rows};
+  bwd_preprocess<Element, kHeadDim><<<unsigned((rows_dq + 7) / 8), 256, 0, stream>>>(rows);
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 
   // Two Q/dO buffers where the device's shared memory holds them.
@@ -126,7 +127,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
                      float scale) {
     const int64_t chunks = int64_t(p.batch) * heads * seqlen * (kHeadDim / 8);
     bwd_convert<Element, kHeadDim><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
-        src, group, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride, p.batch, heads,
+        src, seqlen, group, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride, p.batch, heads,
         seqlen, scale);
     return cudaGetLastError();
   };
