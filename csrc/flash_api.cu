@@ -9,6 +9,7 @@
 #include "flash_api.h"
 #include "sm80/bwd_instantiations.h"
 #include "sm80/fwd_instantiations.h"
+#include "sm90/bwd_instantiations.h"
 #include "sm90/fwd_instantiations.h"
 
 namespace {
@@ -53,8 +54,8 @@ flashattn_result_t validate_bwd(const flashattn_params_t* p) {
 
 extern "C" uint32_t flashattn_built_kernels(void) {
   // Kernel families land here as they are written (csrc/sm90, csrc/sm80).
-  return FLASHATTN_KERNEL_SM90_SELFTEST | FLASHATTN_KERNEL_SM90_FWD | FLASHATTN_KERNEL_SM80_FWD |
-         FLASHATTN_KERNEL_SM80_BWD;
+  return FLASHATTN_KERNEL_SM90_SELFTEST | FLASHATTN_KERNEL_SM90_FWD | FLASHATTN_KERNEL_SM90_BWD |
+         FLASHATTN_KERNEL_SM80_FWD | FLASHATTN_KERNEL_SM80_BWD;
 }
 
 extern "C" flashattn_result_t flashattn_device_query(int32_t ordinal,
@@ -99,10 +100,23 @@ extern "C" flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* param
   }
 }
 
-extern "C" flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* params, void*) {
+extern "C" flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* params,
+                                                 void* stream) {
   flashattn_result_t r = validate_bwd(params);
   if (r.status != FLASHATTN_OK) return r;
-  return status(FLASHATTN_UNSUPPORTED);  // the FA3 backward is not built yet
+  const flashattn_params_t& p = *params;
+  if (p.softcap < 0.f) return status(FLASHATTN_INVALID_ARGUMENT);
+  // Built for d64/d128 without softcap and without the deterministic mode (the dispatcher sends
+  // the rest to the sm80 backward).
+  if (p.softcap > 0.f || p.deterministic) return status(FLASHATTN_UNSUPPORTED);
+  const bool bf16 = p.dtype == FLASHATTN_BF16;
+  auto s = static_cast<cudaStream_t>(stream);
+  using namespace flashattn::sm90;
+  switch (p.head_dim) {
+    case 64: return bf16 ? run_bwd_d64_bf16(p, s) : run_bwd_d64_fp16(p, s);
+    case 128: return bf16 ? run_bwd_d128_bf16(p, s) : run_bwd_d128_fp16(p, s);
+    default: return status(FLASHATTN_UNSUPPORTED);
+  }
 }
 
 extern "C" flashattn_result_t flashattn_fwd_sm80(const flashattn_params_t* params,

@@ -1,8 +1,8 @@
 //! GPU TFLOP/s on the headline shapes of DESIGN.md §5 (total tokens 16384, hidden 2048, seqlen
 //! 512…16384, head dim 64/128/256, causal and not, bf16): the Hopper forward with the
-//! FlashAttention-3 ablation at d128 s8192, and the FlashAttention-2-style (sm80) forward and
-//! backward (atomic and deterministic) on the same shapes. CUDA events around each call, queued behind the warm-up as the
-//! peers are timed, median of the runs; the host's enqueue time per forward call is reported
+//! FlashAttention-3 ablation at d128 s8192 and the Hopper backward where it is built, and the
+//! FlashAttention-2-style (sm80) forward and backward (atomic and deterministic) on the same
+//! shapes. CUDA events around each call, queued behind the warm-up as the peers are timed, median of the runs; the host's enqueue time per forward call is reported
 //! beside. Each forward is also checked on sampled rows against the f64 reference (`pass`); the
 //! backward's correctness is tests/gpu_bwd.rs's.
 //!
@@ -273,9 +273,13 @@ fn main() {
     ] {
         plan.push((Backend::Sm90, d, 8192, causal, no_pingpong));
     }
-    // --sm80: the FlashAttention-2-style rows alone (for timing several builds in one device call).
+    // --sm80 / --sm90: one family's rows alone, the sm90 ones without the ablation (for timing
+    // several builds in one device call).
     if args.iter().any(|a| a == "--sm80") {
         plan.retain(|row| row.0 == Backend::Sm80);
+    }
+    if args.iter().any(|a| a == "--sm90") {
+        plan.retain(|row| row.0 == Backend::Sm90 && row.4 == full);
     }
     // --only D,S[,causal][,sm80]: one shape with the default schedule (for profilers).
     if let Some(only) = arg("--only") {
@@ -333,8 +337,10 @@ fn main() {
             );
             t[t.len() / 2]
         };
+        // sm90: the default schedule's rows at the head dims its backward is built for.
         let sm80 = backend == Backend::Sm80;
-        let bwd_ms = sm80.then(|| median_backward(&cfg));
+        let sm90_bwd = backend == Backend::Sm90 && schedule == full && d != 256;
+        let bwd_ms = (sm80 || sm90_bwd).then(|| median_backward(&cfg));
         let bwd_det_ms = sm80.then(|| median_backward(&cfg.clone().deterministic(true)));
         let bwd_tflops = |ms: f64| 2.5 * problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
         let row = Row {
@@ -360,14 +366,15 @@ fn main() {
             backend.name(), d, s, causal, schedule.pingpong, schedule.intra_wg_overlap, schedule.persistent_causal, ms, row.ms_p10, row.ms_p90,
             tflops, host_us, err_ratio, if row.pass { "pass" } else { "FAIL" }
         );
-        if let (Some(ms), Some(tf), Some(det), Some(det_tf)) = (
-            row.bwd_ms,
-            row.bwd_tflops,
-            row.bwd_det_ms,
-            row.bwd_det_tflops,
-        ) {
+        if let (Some(ms), Some(tf)) = (row.bwd_ms, row.bwd_tflops) {
+            let det = match (row.bwd_det_ms, row.bwd_det_tflops) {
+                (Some(det), Some(det_tf)) => {
+                    format!("  deterministic {det:8.3} ms  {det_tf:6.1} TFLOP/s")
+                }
+                _ => String::new(),
+            };
             println!(
-                "{} bwd d{d:<3} s{s:<5} causal={causal:<5} {ms:8.3} ms  {tf:6.1} TFLOP/s  deterministic {det:8.3} ms  {det_tf:6.1} TFLOP/s",
+                "{} bwd d{d:<3} s{s:<5} causal={causal:<5} {ms:8.3} ms  {tf:6.1} TFLOP/s{det}",
                 backend.name()
             );
         }
@@ -402,10 +409,11 @@ fn main() {
                 "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}, \"host_us_per_call\": {:.1}{}{}}}{}\n",
                 r.backend.name(), r.backend.name(), r.d, r.seqlen, r.seqlen, TOKENS / r.seqlen, HIDDEN / r.d, HIDDEN / r.d, r.causal,
                 r.pass, r.err_ratio, r.tflops, r.ms, r.ms_p10, r.ms_p90, r.host_us, variant,
-                match (r.bwd_tflops, r.bwd_ms, r.bwd_det_tflops, r.bwd_det_ms) {
-                    (Some(tf), Some(ms), Some(det_tf), Some(det)) => format!(
-                        ", \"bwd_tflops\": {tf:.1}, \"bwd_ms\": {ms:.4}, \"bwd_det_tflops\": {det_tf:.1}, \"bwd_det_ms\": {det:.4}"
-                    ),
+                match (r.bwd_tflops, r.bwd_ms) {
+                    (Some(tf), Some(ms)) => format!(", \"bwd_tflops\": {tf:.1}, \"bwd_ms\": {ms:.4}"),
+                    _ => String::new(),
+                } + &match (r.bwd_det_tflops, r.bwd_det_ms) {
+                    (Some(tf), Some(ms)) => format!(", \"bwd_det_tflops\": {tf:.1}, \"bwd_det_ms\": {ms:.4}"),
                     _ => String::new(),
                 },
                 if i + 1 < rows.len() { "," } else { "" }

@@ -153,6 +153,25 @@ pub fn check_backend(
                     backend: name,
                 });
             }
+            // The sm90 backward is built for d64/d128 without softcap and without the
+            // deterministic mode; Auto then takes the sm80 one.
+            if backend == Backend::Sm90 && op == Op::Backward {
+                let missing = if problem.head_dim == 256 {
+                    Some("head dim 256")
+                } else if cfg.softcap.is_some() {
+                    Some("softcap")
+                } else if cfg.deterministic {
+                    Some("the deterministic mode")
+                } else {
+                    None
+                };
+                if let Some(what) = missing {
+                    return Err(Error::Unsupported {
+                        what: format!("Backward with {what} (not built for sm90 yet)"),
+                        backend: name,
+                    });
+                }
+            }
             // Tiles of 128 query rows per (batch, head) are numbered with 32-bit integers.
             let tiles = problem.seqlen_q.div_ceil(128) as u128
                 * problem.heads_q as u128

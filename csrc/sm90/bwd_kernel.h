@@ -1,0 +1,450 @@
+// The FlashAttention-3-style backward kernel for sm_90a.
+//
+// One CTA owns a block of kBlockN = 128 keys of one (batch, head) and walks the query blocks
+// (kBlockM = 64 rows) that see them. Three warpgroups:
+//   producer (WG 0): one elected thread loads K and V once, then per query block Q with its
+//                    rows' LSE·log2(e) and dO with its rows' D = rowsum(dO ∘ O) into two-stage
+//                    mbarrier pipelines (TMA for the tiles, bulk copies for the row vectors);
+//   consumers (WG 1, WG 2): 64 keys each. Scores are computed transposed, Sᵀ = K·Qᵀ and
+//                    dPᵀ = V·dOᵀ (keys down the WGMMA's M), so that Pᵀ and dSᵀ come out of the
+//                    accumulators already as the register A operands of dV += Pᵀ·dO and
+//                    dK += dSᵀ·Q. dS also goes to shared memory for this warpgroup's share of
+//                    dQ = dS·K (its 64 keys), computed in 64-column pieces into an f32 tile
+//                    that one thread adds to the global dQ accumulator with a bulk reduce-add.
+// dK·scale and dV leave from registers at the end (GQA: f32 atomics into per-KV-head sums).
+// setmaxnreg moves registers from the producer (24) to the consumers (240).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_conversion.h>
+
+#include "../common/block_range.h"
+#include "../common/tile_order.h"
+#include "pipeline.h"
+#include "softmax.h"
+
+namespace flashattn::sm90 {
+
+using namespace cute;
+
+template <class Element_, int kHeadDim_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;      // query rows per block
+  static constexpr int kKeysPerWG = 64;   // keys per consumer warpgroup (the WGMMA's M)
+  static constexpr int kConsumerWGs = 2;
+  static constexpr int kBlockN = kKeysPerWG * kConsumerWGs;
+  static constexpr int kStages = 2;       // Q and dO buffers
+  static constexpr int kDqCols = 64;      // dQ columns per piece (32 accumulator registers)
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TileK = Shape<Int<kKeysPerWG>, Int<kHeadDim>>;  // one warpgroup's keys
+
+  // 128-byte swizzled K-major rows for Q, dO, K, V; their transposed views are MN-major.
+  using SmemAtom = decltype(GMMA::Layout_K_SW128_Atom<Element>{});
+  using SmemLayoutQ = decltype(tile_to_shape(  // Q and dO
+      SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutQt = decltype(composition(  // (d, queries, stage): B of dK and dV
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                                         Step<_2, _1, _3>{})));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, TileK{}));  // per warpgroup: K and V
+  using SmemLayoutKt = decltype(composition(  // (d, keys): B of dQ
+      SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kKeysPerWG>>{}, Step<_2, _1>{})));
+  // dS as the (queries, keys) A operand of dQ, queries contiguous: the pairs of neighbouring
+  // columns of the Sᵀ accumulator are neighbours here.
+  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kBlockM>, Int<kKeysPerWG>>{}));
+
+  using MmaSdP = decltype(make_tiled_mma(  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kKeysPerWG>, Int<kBlockM>, Int<kHeadDim>>>()));
+  using MmadKV = decltype(make_tiled_mma(  // dV += Pᵀ·dO, dK += dSᵀ·Q
+      GMMA::rs_op_selector<Element, Element, float,
+                           Shape<Int<kKeysPerWG>, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
+                           GMMA::Major::MN>()));
+  using MmadQ = decltype(make_tiled_mma(  // a dQ piece = dS·K
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kBlockM>, Int<kDqCols>, Int<kKeysPerWG>>, GMMA::Major::MN,
+                           GMMA::Major::MN>()));
+
+  // (seqlen, head_dim, heads, batch) with head_dim contiguous.
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                          GmemShape{}, GmemStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                      TileQ{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, TileK{},
+                                      _1{}));
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesRows = kBlockM * sizeof(float);  // LSE or D of a query block
+  static constexpr uint32_t kBytesK = kKeysPerWG * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesdQ = kBlockM * kHeadDim * sizeof(float);
+
+  struct SharedStorage {
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> k[kConsumerWGs];
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> v[kConsumerWGs];
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> dout;
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds[kConsumerWGs];
+    // Each warpgroup's share of dQ for the current query block, row-major as in global memory.
+    alignas(128) float dq[kConsumerWGs][kBlockM * kHeadDim];
+    alignas(16) float lse_log2[kStages][kBlockM];
+    alignas(16) float d[kStages][kBlockM];
+    uint64_t kv_full;
+    TmaPipeline<kStages> pipe_q;   // Q and LSE·log2(e)
+    TmaPipeline<kStages> pipe_do;  // dO and D
+  };
+};
+
+template <class Traits>
+struct BwdParams {
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaQ tma_do;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaK tma_v;
+  float* dq_accum;         // (batch, heads_q, dq_rows, d), zeroed
+  const float* lse_log2;   // (batch, heads_q, dq_rows): LSE·log2(e), +inf in the padding
+  const float* softmax_d;  // (batch, heads_q, dq_rows): rowsum(dO ∘ O), 0 in the padding
+  typename Traits::Element* dk;
+  typename Traits::Element* dv;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+  float* dk_accum;  // GQA: (batch, heads_kv, seqlen_k, d) zeroed, else null
+  float* dv_accum;
+  int batch, heads_q, heads_kv, seqlen_q, seqlen_k, dq_rows;
+  TileOrder order;  // (key block, batch·head) of each CTA; heavy-first under a right bound
+  KeyRange keys;
+  float scale;       // softmax scale
+  float scale_log2;  // scale·log2(e)
+};
+
+// Named barriers per consumer warpgroup (CUTLASS's NamedBarrier adds its reserved offset).
+enum class BwdBarrier : uint32_t {
+  DsReady = 0,  // + warpgroup: dS stored, and the previous bulk add done reading the dQ tile
+  DqReady = 2,  // + warpgroup: the dQ tile stored
+};
+
+__device__ inline void warpgroup_sync(BwdBarrier b, int wg) {
+  cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(b) + wg);
+}
+
+// dst[i] += src[i] for `bytes` bytes of f32, by the TMA unit (one thread issues it).
+__device__ inline void bulk_reduce_add_f32(float* dst, const float* src, uint32_t bytes) {
+  const uint32_t smem = cast_smem_ptr_to_uint(src);
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                   dst),
+               "r"(smem), "r"(bytes)
+               : "memory");
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    bwd_kernel(__grid_constant__ const BwdParams<Traits> params) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kKeysPerWG = Traits::kKeysPerWG;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kConsumerWGs = Traits::kConsumerWGs;
+  using SharedStorage = typename Traits::SharedStorage;
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  int n_block, bh;
+  params.order.at(blockIdx.x, n_block, bh);
+  const int head = bh % params.heads_q, batch = bh / params.heads_q;
+  const int head_kv = head / (params.heads_q / params.heads_kv);
+  const int col_begin = n_block * kBlockN;
+  int row_lo, row_hi;  // query rows that see any of the block's keys
+  params.keys.rows_seeing(col_begin, col_begin + kBlockN, row_lo, row_hi);
+  const int m_first = row_lo / kBlockM;
+  const int m_end = row_hi > row_lo ? (row_hi - 1) / kBlockM + 1 : m_first;
+  const int64_t rows_base = int64_t(bh) * params.dq_rows;  // this head's LSE, D and dQ rows
+
+  const int warp_group = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&smem.kv_full, 1);
+    smem.pipe_q.init(4 * kConsumerWGs);  // one arrival per consumer warp
+    smem.pipe_do.init(4 * kConsumerWGs);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warp_group == 0) {
+    // ---------------- producer: warp 0, one elected lane issues ----------------
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (threadIdx.x / 32 != 0 || m_end == m_first) return;
+    if (!cute::elect_one_sync()) return;
+
+    auto tma_tensor = [&](auto const& tma, int seqlen, int heads) {
+      return tma.get_tma_tensor(make_shape(seqlen, kHeadDim, heads, params.batch));
+    };
+    Tensor mK = tma_tensor(params.tma_k, params.seqlen_k, params.heads_kv);
+    Tensor mV = tma_tensor(params.tma_v, params.seqlen_k, params.heads_kv);
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
+        &smem.kv_full, 2 * kConsumerWGs * Traits::kBytesK);
+#pragma unroll
+    for (int wg = 0; wg < kConsumerWGs; ++wg) {
+      Tensor sK = make_tensor(make_smem_ptr(smem.k[wg].begin()), typename Traits::SmemLayoutK{});
+      Tensor sV = make_tensor(make_smem_ptr(smem.v[wg].begin()), typename Traits::SmemLayoutK{});
+      const auto block = make_coord(n_block * kConsumerWGs + wg, _0{});
+      auto cta_k = params.tma_k.get_slice(0);
+      auto cta_v = params.tma_v.get_slice(0);
+      copy(params.tma_k.with(smem.kv_full),
+           cta_k.partition_S(local_tile(mK(_, _, head_kv, batch), typename Traits::TileK{}, block)),
+           cta_k.partition_D(sK));
+      copy(params.tma_v.with(smem.kv_full),
+           cta_v.partition_S(local_tile(mV(_, _, head_kv, batch), typename Traits::TileK{}, block)),
+           cta_v.partition_D(sV));
+    }
+
+    Tensor mQ = tma_tensor(params.tma_q, params.seqlen_q, params.heads_q);
+    Tensor mdO = tma_tensor(params.tma_do, params.seqlen_q, params.heads_q);
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQ{});
+    auto cta_q = params.tma_q.get_slice(0);
+    auto cta_do = params.tma_do.get_slice(0);
+    Tensor tQgQ = group_modes<0, 3>(cta_q.partition_S(  // (TMA, query block)
+        local_tile(mQ(_, _, head, batch), typename Traits::TileQ{}, make_coord(_, _0{}))));
+    Tensor tdOgdO = group_modes<0, 3>(cta_do.partition_S(
+        local_tile(mdO(_, _, head, batch), typename Traits::TileQ{}, make_coord(_, _0{}))));
+    Tensor tQsQ = group_modes<0, 3>(cta_q.partition_D(sQ));  // (TMA, stage)
+    Tensor tdOsdO = group_modes<0, 3>(cta_do.partition_D(sdO));
+    PipelineState<kStages> st;
+#pragma unroll 1
+    for (int m = m_first; m < m_end; ++m) {
+      const int64_t rows_at = rows_base + int64_t(m) * kBlockM;
+      smem.pipe_q.producer_acquire(st, Traits::kBytesQ + Traits::kBytesRows);
+      copy(params.tma_q.with(smem.pipe_q.full_barrier(st)), tQgQ(_, m), tQsQ(_, st.index));
+      SM90_BULK_COPY_G2S::copy(params.lse_log2 + rows_at, &smem.pipe_q.full_barrier(st),
+                               smem.lse_log2[st.index], Traits::kBytesRows);
+      smem.pipe_do.producer_acquire(st, Traits::kBytesQ + Traits::kBytesRows);
+      copy(params.tma_do.with(smem.pipe_do.full_barrier(st)), tdOgdO(_, m),
+           tdOsdO(_, st.index));
+      SM90_BULK_COPY_G2S::copy(params.softmax_d + rows_at, &smem.pipe_do.full_barrier(st),
+                               smem.d[st.index], Traits::kBytesRows);
+      st.advance();
+    }
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  const int wg = warp_group - 1;
+  const int tid = threadIdx.x % 128;
+  const int key0 = col_begin + wg * kKeysPerWG;  // this warpgroup's first key
+
+  Tensor sK = make_tensor(make_smem_ptr(smem.k[wg].begin()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v[wg].begin()), typename Traits::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k[wg].begin()), typename Traits::SmemLayoutKt{});
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQt{});
+  Tensor sdS = make_tensor(make_smem_ptr(smem.ds[wg].begin()), typename Traits::SmemLayoutdS{});
+
+  typename Traits::MmaSdP mma_sdp;
+  typename Traits::MmadKV mma_dkv;
+  typename Traits::MmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK));     // (MMA, 1, K)
+  Tensor tSrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV));
+  Tensor tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ));     // (MMA, 1, K, stage)
+  Tensor tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO));
+  Tensor tdKrQt = thr_dkv.make_fragment_B(thr_dkv.partition_B(sQt));  // (MMA, N, K, stage)
+  Tensor tdVrdOt = thr_dkv.make_fragment_B(thr_dkv.partition_B(sdOt));
+  Tensor tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS));    // (MMA, 1, K)
+
+  using TileS = Shape<Int<kKeysPerWG>, Int<kBlockM>>;
+  Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});  // Sᵀ, then Pᵀ
+  Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});  // dPᵀ, then dSᵀ
+  Tensor acc_dk = partition_fragment_C(mma_dkv, typename Traits::TileK{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, typename Traits::TileK{});
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Traits::kDqCols>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+  Tensor rowcol_s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+  Tensor rowcol_dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+  // (key, query) of every Sᵀ element within the warpgroup's tile.
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(TileS{}));
+  Tensor rowcol_cS = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  // Pᵀ and dSᵀ in Element as the register A operands of dV and dK.
+  auto rP = make_tensor<Element>(acc_as_operand_a(acc_s.layout()));
+  auto rdS = make_tensor<Element>(acc_as_operand_a(acc_dp.layout()));
+  auto convert = [](auto const& acc, auto& dst) {
+    constexpr int N = decltype(size(acc))::value;
+    cutlass::NumericArrayConverter<Element, float, N> conv;
+    *reinterpret_cast<cutlass::Array<Element, N>*>(dst.data()) =
+        conv(*reinterpret_cast<cutlass::Array<float, N> const*>(acc.data()));
+  };
+  auto gemm_ss = [](auto& mma, auto const& a, auto const& b, auto& acc) {
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < size<2>(a); ++k) {
+      gemm(mma, a(_, _, k), b(_, _, k), acc);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(acc);
+  };
+  auto gemm_rs = [](auto& mma, auto const& a, auto const& b, auto& acc) {
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < size<2>(a); ++k) gemm(mma, a(_, _, k), b(_, _, k), acc);
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(acc);
+  };
+
+  float* sdq = smem.dq[wg];
+  // This thread's columns (queries) of the Sᵀ tile: the same for every row.
+  constexpr int kCols = decltype(size<1>(rowcol_s))::value;
+
+  PipelineState<kStages> st;
+  if (m_end > m_first) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, 0);
+#pragma unroll 1
+  for (int m = m_first; m < m_end; ++m) {
+    const int q0 = m * kBlockM;
+    smem.pipe_q.consumer_wait(st);
+    gemm_ss(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
+    smem.pipe_do.consumer_wait(st);
+    gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st.index), acc_dp);
+    float lse[kCols], dsum[kCols];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int q = get<1>(rowcol_cS(0, c));
+      lse[c] = smem.lse_log2[st.index][q];
+      dsum[c] = smem.d[st.index][q];
+    }
+    warpgroup_wait<1>();  // Sᵀ ready
+    // Pᵀ = exp2(s·c − LSE·log2 e); rows past seqlen_q have LSE +inf, keys past seqlen_k multiply
+    // zero-filled rows of K and V, so only the key range needs a mask.
+    if (params.keys.template block_needs_mask<kKeysPerWG>(n_block * kConsumerWGs + wg, q0,
+                                                          q0 + kBlockM)) {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int q = q0 + get<1>(rowcol_cS(0, c));
+        const int lo = params.keys.lo(q) - key0, hi = params.keys.hi(q) - key0;
+#pragma unroll
+        for (int r = 0; r < size<0>(rowcol_s); ++r) {
+          const int key = get<0>(rowcol_cS(r, c));
+          rowcol_s(r, c) = key >= lo && key < hi
+                               ? fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse[c])
+                               : 0.f;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c)
+#pragma unroll
+        for (int r = 0; r < size<0>(rowcol_s); ++r)
+          rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse[c]);
+    }
+    convert(acc_s, rP);
+    gemm_rs(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
+    warpgroup_wait<1>();  // dPᵀ ready (dV may still run)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c)
+#pragma unroll
+      for (int r = 0; r < size<0>(rowcol_s); ++r)
+        rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - dsum[c]);
+    convert(acc_dp, rdS);
+    gemm_rs(mma_dkv, rdS, tdKrQt(_, _, _, st.index), acc_dk);
+
+    // dS to shared memory as (query, key), for dQ. The dQ tile must be free: the bulk add of
+    // the block before has read it once its thread's wait returns.
+    if (tid == 0) tma_store_wait<0>();
+    // rdS holds dSᵀ register for register like the accumulator: index it as (key, query).
+    Tensor rowcol_rdS = make_tensor(rdS.data(), acc_rowcol(acc_dp.layout()));
+#pragma unroll
+    for (int r = 0; r < size<0>(rowcol_rdS); ++r)
+#pragma unroll
+      for (int c = 0; c < kCols; c += 2) {  // columns c, c+1 are neighbouring queries
+        cutlass::Array<Element, 2> pair;
+        pair[0] = rowcol_rdS(r, c);
+        pair[1] = rowcol_rdS(r, c + 1);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(
+            &sdS(get<1>(rowcol_cS(r, c)), get<0>(rowcol_cS(r, c)))) = pair;
+      }
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
+    warpgroup_sync(BwdBarrier::DsReady, wg);
+
+    // This warpgroup's share of dQ (its 64 keys), one piece of columns at a time.
+    Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Traits::kDqCols>>{}));
+#pragma unroll
+    for (int piece = 0; piece < kHeadDim / Traits::kDqCols; ++piece) {
+      Tensor sKt_piece = local_tile(sKt, Shape<Int<Traits::kDqCols>, Int<kKeysPerWG>>{},
+                                    make_coord(piece, _0{}));
+      Tensor tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKt_piece));
+      gemm_ss(mma_dq, tdQrdS, tdQrK, acc_dq);
+      warpgroup_wait<0>();
+#pragma unroll
+      for (int i = 0; i < size(acc_dq); i += 2) {  // elements i, i+1 are neighbouring columns
+        const int row = get<0>(cdQ(i));
+        const int col = piece * Traits::kDqCols + get<1>(cdQ(i));
+        *reinterpret_cast<float2*>(&sdq[row * kHeadDim + col]) =
+            make_float2(acc_dq(i), acc_dq(i + 1));
+      }
+    }
+    // Every GEMM that read this stage's Q and dO has completed (warpgroup_wait<0> above).
+    smem.pipe_q.consumer_release(st);
+    smem.pipe_do.consumer_release(st);
+    st.advance();
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
+    warpgroup_sync(BwdBarrier::DqReady, wg);
+    if (tid == 0) {
+      bulk_reduce_add_f32(params.dq_accum + (rows_base + q0) * kHeadDim, sdq, Traits::kBytesdQ);
+      tma_store_arrive();  // commit the bulk group
+    }
+  }
+  if (tid == 0) tma_store_wait<0>();  // the tile must stay until the last bulk add read it
+
+  // ---------------- dK·scale and dV ----------------
+  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(typename Traits::TileK{}));
+  if (params.dk_accum == nullptr) {
+    Element* dk = params.dk + batch * params.dk_batch_stride + head * params.dk_head_stride;
+    Element* dv = params.dv + batch * params.dv_batch_stride + head * params.dv_head_stride;
+#pragma unroll
+    for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
+      const int row = key0 + get<0>(cKV(i));
+      if (row >= params.seqlen_k) continue;
+      const int col = get<1>(cKV(i));
+      cutlass::Array<Element, 2> k2, v2;
+      k2[0] = Element(acc_dk(i) * params.scale);
+      k2[1] = Element(acc_dk(i + 1) * params.scale);
+      v2[0] = Element(acc_dv(i));
+      v2[1] = Element(acc_dv(i + 1));
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + row * params.dk_row_stride + col) = k2;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + row * params.dv_row_stride + col) = v2;
+    }
+  } else if (m_end > m_first) {  // GQA: this query head's share into the KV head's sums
+    const int64_t base = (int64_t(batch) * params.heads_kv + head_kv) * params.seqlen_k;
+#pragma unroll
+    for (int i = 0; i < size(acc_dk); ++i) {
+      const int row = key0 + get<0>(cKV(i));
+      if (row >= params.seqlen_k) continue;
+      const int64_t at = (base + row) * kHeadDim + get<1>(cKV(i));
+      atomicAdd(params.dk_accum + at, acc_dk(i));
+      atomicAdd(params.dv_accum + at, acc_dv(i));
+    }
+  }
+#endif
+}
+
+}  // namespace flashattn::sm90

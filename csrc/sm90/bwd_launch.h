@@ -1,0 +1,119 @@
+// Host side of the sm90 backward: TMA descriptors and workspace carving, then the four launches
+// (preprocess, main, dQ conversion, and for GQA the dK/dV conversion), all on one stream.
+// Included by one small .cu per (head dim, dtype) instantiation.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+
+#include "../common/bwd_passes.h"
+#include "../common/launch.h"
+#include "../common/status.h"
+#include "../flash_api.h"
+#include "../sm80/bwd_instantiations.h"  // the workspace layout both families share
+#include "bwd_instantiations.h"
+#include "bwd_kernel.h"
+#include "fwd_launch.h"  // gmem_tensor
+
+namespace flashattn::sm90 {
+
+template <class Element, int kHeadDim>
+flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
+  using Traits = BwdTraits<Element, kHeadDim>;
+  if (p.deterministic || p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
+  const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  if (int64_t(n_blocks) * p.heads_q * p.batch > INT_MAX) return status(FLASHATTN_UNSUPPORTED);
+  // The dQ accumulator here is row-major (batch, heads_q, dq_rows, d): the same bytes as the
+  // sm80 family's one slice, so the caller's workspace size holds for both.
+  const sm80::BwdWorkspace ws = sm80::bwd_workspace(p);
+  if (p.workspace == nullptr || p.workspace_bytes < ws.bytes)
+    return status(FLASHATTN_INVALID_ARGUMENT);
+  char* base = static_cast<char*>(p.workspace);
+  const int dq_rows = sm80::dq_accum_rows(p.seqlen_q);
+  static_assert(sm80::kDqRowAlign % Traits::kBlockM == 0);
+
+  BwdParams<Traits> params;
+  auto tensor = [&](const flashattn_tensor_t& t, int seqlen, int heads) {
+    return gmem_tensor<Traits>(static_cast<Element const*>(t.ptr), t, seqlen, heads, p.batch);
+  };
+  auto load_q = [&](const flashattn_tensor_t& t) {
+    return make_tma_copy(SM90_TMA_LOAD{}, tensor(t, p.seqlen_q, p.heads_q),
+                         take<0, 2>(typename Traits::SmemLayoutQ{}), typename Traits::TileQ{},
+                         _1{});
+  };
+  auto load_k = [&](const flashattn_tensor_t& t) {
+    return make_tma_copy(SM90_TMA_LOAD{}, tensor(t, p.seqlen_k, p.heads_kv),
+                         typename Traits::SmemLayoutK{}, typename Traits::TileK{}, _1{});
+  };
+  params.tma_q = load_q(p.q);
+  params.tma_do = load_q(p.dout);
+  params.tma_k = load_k(p.k);
+  params.tma_v = load_k(p.v);
+  params.dq_accum = reinterpret_cast<float*>(base + ws.dq_accum);
+  float* lse_log2 = reinterpret_cast<float*>(base + ws.lse_log2);
+  float* softmax_d = reinterpret_cast<float*>(base + ws.softmax_d);
+  params.lse_log2 = lse_log2;
+  params.softmax_d = softmax_d;
+  params.dk = static_cast<Element*>(p.dk.ptr);
+  params.dv = static_cast<Element*>(p.dv.ptr);
+  params.dk_batch_stride = p.dk.batch_stride;
+  params.dk_row_stride = p.dk.row_stride;
+  params.dk_head_stride = p.dk.head_stride;
+  params.dv_batch_stride = p.dv.batch_stride;
+  params.dv_row_stride = p.dv.row_stride;
+  params.dv_head_stride = p.dv.head_stride;
+  const bool gqa = p.heads_q != p.heads_kv;
+  params.dk_accum = gqa ? reinterpret_cast<float*>(base + ws.dk_accum) : nullptr;
+  params.dv_accum = gqa ? reinterpret_cast<float*>(base + ws.dv_accum) : nullptr;
+  params.batch = p.batch;
+  params.heads_q = p.heads_q;
+  params.heads_kv = p.heads_kv;
+  params.seqlen_q = p.seqlen_q;
+  params.seqlen_k = p.seqlen_k;
+  params.dq_rows = dq_rows;
+  params.keys = key_range(p);
+  params.scale = p.softmax_scale;
+  params.scale_log2 = p.softmax_scale * float(M_LOG2E);
+  // Causal (any right bound): key block 0 sees the most query rows, so heaviest first, heads
+  // grouped by the Q, dO and dQ accumulator they share within half the L2 (as the sm80 family).
+  const int64_t q_bytes = int64_t(p.seqlen_q) * kHeadDim * (2 * sizeof(Element) + sizeof(float));
+  const int group = TileOrder::heads_per_group(q_bytes, l2_bytes() / 2);
+  params.order = {n_blocks, p.batch * p.heads_q, params.keys.window_right >= 0 ? group : 0};
+
+  FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dq_accum, 0, ws.lse_log2 - ws.dq_accum, stream));
+  if (gqa)
+    FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dk_accum, 0, ws.bytes - ws.dk_accum, stream));
+  const BwdRowsParams rows{p.o.ptr, p.dout.ptr, p.lse, lse_log2, softmax_d,
+                           p.o.batch_stride, p.o.row_stride, p.o.head_stride,
+                           p.dout.batch_stride, p.dout.row_stride, p.dout.head_stride,
+                           p.batch, p.heads_q, p.seqlen_q, dq_rows};
+  const int64_t rows_dq = int64_t(p.batch) * p.heads_q * dq_rows;
+  bwd_preprocess<Element, kHeadDim><<<unsigned((rows_dq + 7) / 8), 256, 0, stream>>>(rows);
+  FLASHATTN_TRY_CUDA(cudaGetLastError());
+
+  auto kernel = bwd_kernel<Traits>;
+  const int smem_bytes = sizeof(typename Traits::SharedStorage);
+  FLASHATTN_TRY_CUDA(allow_dynamic_smem<Traits>(kernel, smem_bytes));
+  kernel<<<unsigned(int64_t(n_blocks) * p.heads_q * p.batch), Traits::kThreads, smem_bytes,
+           stream>>>(params);
+  FLASHATTN_TRY_CUDA(cudaGetLastError());
+
+  auto convert = [&](const float* src, int src_rows, const flashattn_tensor_t& dst, int heads,
+                     int seqlen, float scale) {
+    const int64_t chunks = int64_t(p.batch) * heads * seqlen * (kHeadDim / 8);
+    bwd_convert<Element, kHeadDim><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
+        src, src_rows, 1, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride, p.batch,
+        heads, seqlen, scale);
+    return cudaGetLastError();
+  };
+  FLASHATTN_TRY_CUDA(convert(params.dq_accum, dq_rows, p.dq, p.heads_q, p.seqlen_q, p.softmax_scale));
+  if (gqa) {
+    FLASHATTN_TRY_CUDA(convert(params.dk_accum, p.seqlen_k, p.dk, p.heads_kv, p.seqlen_k, p.softmax_scale));
+    FLASHATTN_TRY_CUDA(convert(params.dv_accum, p.seqlen_k, p.dv, p.heads_kv, p.seqlen_k, 1.f));
+  }
+  return ok();
+}
+
+}  // namespace flashattn::sm90
