@@ -2,15 +2,15 @@
 //
 // One CTA owns a block of kBlockN = 128 keys of one (batch, head) and walks the query blocks
 // (kBlockM = 64 rows) that see them. Three warpgroups:
-//   producer (WG 0): one elected thread loads K and V once, then per query block Q with its
-//                    rows' LSE·log2(e) and dO with its rows' D = rowsum(dO ∘ O) into two-stage
-//                    mbarrier pipelines (TMA for the tiles, bulk copies for the row vectors);
+//   producer (WG 0): one elected thread loads K and V once, then per query block Q and dO into
+//                    two-stage mbarrier pipelines by TMA;
 //   consumers (WG 1, WG 2): 64 keys each. Scores are computed transposed, Sᵀ = K·Qᵀ and
 //                    dPᵀ = V·dOᵀ (keys down the WGMMA's M), so that Pᵀ and dSᵀ come out of the
 //                    accumulators already as the register A operands of dV += Pᵀ·dO and
 //                    dK += dSᵀ·Q. dS also goes to shared memory for this warpgroup's share of
 //                    dQ = dS·K (its 64 keys), computed in 64-column pieces into an f32 tile
 //                    that one thread adds to the global dQ accumulator with a bulk reduce-add.
+//                    The rows' LSE·log2(e) and D = rowsum(dO ∘ O) come from global memory.
 // dK·scale and dV leave from registers at the end (GQA: f32 atomics into per-KV-head sums).
 // setmaxnreg moves registers from the producer (24) to the consumers (240).
 #pragma once
@@ -41,7 +41,7 @@ struct BwdTraits {
   static constexpr int kConsumerWGs = 2;
   static constexpr int kBlockN = kKeysPerWG * kConsumerWGs;
   static constexpr int kStages = 2;       // Q and dO buffers
-  static constexpr int kDqCols = 64;      // dQ columns per piece (32 accumulator registers)
+  static constexpr int kDqCols = 64;      // dQ columns per WGMMA (32 accumulator registers)
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -86,7 +86,6 @@ struct BwdTraits {
   using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, TileK{},
                                       _1{}));
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesRows = kBlockM * sizeof(float);  // LSE or D of a query block
   static constexpr uint32_t kBytesK = kKeysPerWG * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesdQ = kBlockM * kHeadDim * sizeof(float);
 
@@ -98,11 +97,9 @@ struct BwdTraits {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds[kConsumerWGs];
     // Each warpgroup's share of dQ for the current query block, row-major as in global memory.
     alignas(128) float dq[kConsumerWGs][kBlockM * kHeadDim];
-    alignas(16) float lse_log2[kStages][kBlockM];
-    alignas(16) float d[kStages][kBlockM];
     uint64_t kv_full;
-    TmaPipeline<kStages> pipe_q;   // Q and LSE·log2(e)
-    TmaPipeline<kStages> pipe_do;  // dO and D
+    TmaPipeline<kStages> pipe_q;
+    TmaPipeline<kStages> pipe_do;
   };
 };
 
@@ -136,6 +133,41 @@ enum class BwdBarrier : uint32_t {
 
 __device__ inline void warpgroup_sync(BwdBarrier b, int wg) {
   cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(b) + wg);
+}
+
+// Where element (row, col) of a dQ tile lives, in shared memory and (the bulk add copies the
+// tile as it is) in the global accumulator: rows of kHeadDim floats whose 8-float chunks are
+// permuted by the row (chunk c at c ^ row % 8), so that the 8 rows an accumulator store touches
+// fall on different banks.
+template <int kHeadDim>
+__host__ __device__ constexpr int dq_tile_index(int row, int col) {
+  return row * kHeadDim + ((col / 8) ^ (row % 8)) * 8 + col % 8;
+}
+
+// dQ from the accumulator (batch, heads_q, dq_rows, d), chunks permuted as dq_tile_index says,
+// to the element type times `scale`. One thread per 8 elements.
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(256)
+    bwd_convert_dq(const float* src, int dq_rows, void* dst, int64_t b_stride, int64_t row_stride,
+                   int64_t h_stride, int batch, int heads, int seqlen, float scale) {
+  const int64_t chunk = int64_t(blockIdx.x) * 256 + threadIdx.x;
+  constexpr int kChunks = kHeadDim / 8;
+  if (chunk >= int64_t(batch) * heads * seqlen * kChunks) return;
+  const int64_t row_id = chunk / kChunks;  // (batch, head, row) packed
+  const int c = int(chunk % kChunks);
+  const int row = int(row_id % seqlen);
+  const int64_t bh = row_id / seqlen;
+  // Tiles start on rows that are multiples of 8: a row's position in its tile has its row % 8.
+  const float4* s = reinterpret_cast<const float4*>(src + bh * dq_rows * kHeadDim +
+                                                    dq_tile_index<kHeadDim>(row, c * 8));
+  const float4 a = s[0], b = s[1];
+  const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  cutlass::Array<Element, 8> out;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = Element(v[i] * scale);
+  const int head = int(bh % heads), b_idx = int(bh / heads);
+  *reinterpret_cast<cutlass::Array<Element, 8>*>(static_cast<Element*>(dst) + b_idx * b_stride +
+                                                 head * h_stride + row * row_stride + c * 8) = out;
 }
 
 // dst[i] += src[i] for `bytes` bytes of f32, by the TMA unit (one thread issues it).
@@ -225,16 +257,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     PipelineState<kStages> st;
 #pragma unroll 1
     for (int m = m_first; m < m_end; ++m) {
-      const int64_t rows_at = rows_base + int64_t(m) * kBlockM;
-      smem.pipe_q.producer_acquire(st, Traits::kBytesQ + Traits::kBytesRows);
+      smem.pipe_q.producer_acquire(st, Traits::kBytesQ);
       copy(params.tma_q.with(smem.pipe_q.full_barrier(st)), tQgQ(_, m), tQsQ(_, st.index));
-      SM90_BULK_COPY_G2S::copy(params.lse_log2 + rows_at, &smem.pipe_q.full_barrier(st),
-                               smem.lse_log2[st.index], Traits::kBytesRows);
-      smem.pipe_do.producer_acquire(st, Traits::kBytesQ + Traits::kBytesRows);
+      smem.pipe_do.producer_acquire(st, Traits::kBytesQ);
       copy(params.tma_do.with(smem.pipe_do.full_barrier(st)), tdOgdO(_, m),
            tdOsdO(_, st.index));
-      SM90_BULK_COPY_G2S::copy(params.softmax_d + rows_at, &smem.pipe_do.full_barrier(st),
-                               smem.d[st.index], Traits::kBytesRows);
       st.advance();
     }
     return;
@@ -321,17 +348,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll 1
   for (int m = m_first; m < m_end; ++m) {
     const int q0 = m * kBlockM;
+    // The rows' LSE and D straight from global memory (the preprocess wrote them before this
+    // launch; padded to whole blocks), under the first GEMMs.
+    float lse[kCols], dsum[kCols];
+    const int64_t rows_at = rows_base + q0;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int q = get<1>(rowcol_cS(0, c));
+      lse[c] = params.lse_log2[rows_at + q];
+      dsum[c] = params.softmax_d[rows_at + q];
+    }
     smem.pipe_q.consumer_wait(st);
     gemm_ss(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
     smem.pipe_do.consumer_wait(st);
     gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st.index), acc_dp);
-    float lse[kCols], dsum[kCols];
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const int q = get<1>(rowcol_cS(0, c));
-      lse[c] = smem.lse_log2[st.index][q];
-      dsum[c] = smem.d[st.index][q];
-    }
     warpgroup_wait<1>();  // Sᵀ ready
     // Pᵀ = exp2(s·c − LSE·log2 e); rows past seqlen_q have LSE +inf, keys past seqlen_k multiply
     // zero-filled rows of K and V, so only the key range needs a mask.
@@ -385,20 +415,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
     warpgroup_sync(BwdBarrier::DsReady, wg);
 
-    // This warpgroup's share of dQ (its 64 keys), one piece of columns at a time.
+    // This warpgroup's share of dQ (its 64 keys), one piece of columns at a time: two pieces in
+    // flight at d128 leave ptxas too few registers, and it serializes the WGMMAs.
     Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Traits::kDqCols>>{}));
 #pragma unroll
     for (int piece = 0; piece < kHeadDim / Traits::kDqCols; ++piece) {
       Tensor sKt_piece = local_tile(sKt, Shape<Int<Traits::kDqCols>, Int<kKeysPerWG>>{},
                                     make_coord(piece, _0{}));
-      Tensor tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKt_piece));
-      gemm_ss(mma_dq, tdQrdS, tdQrK, acc_dq);
+      gemm_ss(mma_dq, tdQrdS, thr_dq.make_fragment_B(thr_dq.partition_B(sKt_piece)), acc_dq);
       warpgroup_wait<0>();
 #pragma unroll
       for (int i = 0; i < size(acc_dq); i += 2) {  // elements i, i+1 are neighbouring columns
         const int row = get<0>(cdQ(i));
         const int col = piece * Traits::kDqCols + get<1>(cdQ(i));
-        *reinterpret_cast<float2*>(&sdq[row * kHeadDim + col]) =
+        *reinterpret_cast<float2*>(&sdq[dq_tile_index<kHeadDim>(row, col)]) =
             make_float2(acc_dq(i), acc_dq(i + 1));
       }
     }

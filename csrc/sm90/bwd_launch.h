@@ -25,8 +25,9 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   if (p.deterministic || p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
   const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   if (int64_t(n_blocks) * p.heads_q * p.batch > INT_MAX) return status(FLASHATTN_UNSUPPORTED);
-  // The dQ accumulator here is row-major (batch, heads_q, dq_rows, d): the same bytes as the
-  // sm80 family's one slice, so the caller's workspace size holds for both.
+  // The dQ accumulator here is (batch, heads_q, dq_rows, d), chunks permuted per row (see
+  // dq_tile_index): the same bytes as the sm80 family's one slice, so the caller's workspace
+  // size holds for both.
   const sm80::BwdWorkspace ws = sm80::bwd_workspace(p);
   if (p.workspace == nullptr || p.workspace_bytes < ws.bytes)
     return status(FLASHATTN_INVALID_ARGUMENT);
@@ -100,18 +101,22 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
            stream>>>(params);
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 
-  auto convert = [&](const float* src, int src_rows, const flashattn_tensor_t& dst, int heads,
-                     int seqlen, float scale) {
+  auto convert = [&](const float* src, const flashattn_tensor_t& dst, int heads, int seqlen,
+                     float scale) {
     const int64_t chunks = int64_t(p.batch) * heads * seqlen * (kHeadDim / 8);
     bwd_convert<Element, kHeadDim><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
-        src, src_rows, 1, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride, p.batch,
+        src, seqlen, 1, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride, p.batch,
         heads, seqlen, scale);
     return cudaGetLastError();
   };
-  FLASHATTN_TRY_CUDA(convert(params.dq_accum, dq_rows, p.dq, p.heads_q, p.seqlen_q, p.softmax_scale));
+  const int64_t dq_chunks = int64_t(p.batch) * p.heads_q * p.seqlen_q * (kHeadDim / 8);
+  bwd_convert_dq<Element, kHeadDim><<<unsigned((dq_chunks + 255) / 256), 256, 0, stream>>>(
+      params.dq_accum, dq_rows, p.dq.ptr, p.dq.batch_stride, p.dq.row_stride, p.dq.head_stride,
+      p.batch, p.heads_q, p.seqlen_q, p.softmax_scale);
+  FLASHATTN_TRY_CUDA(cudaGetLastError());
   if (gqa) {
-    FLASHATTN_TRY_CUDA(convert(params.dk_accum, p.seqlen_k, p.dk, p.heads_kv, p.seqlen_k, p.softmax_scale));
-    FLASHATTN_TRY_CUDA(convert(params.dv_accum, p.seqlen_k, p.dv, p.heads_kv, p.seqlen_k, 1.f));
+    FLASHATTN_TRY_CUDA(convert(params.dk_accum, p.dk, p.heads_kv, p.seqlen_k, p.softmax_scale));
+    FLASHATTN_TRY_CUDA(convert(params.dv_accum, p.dv, p.heads_kv, p.seqlen_k, 1.f));
   }
   return ok();
 }
