@@ -1,8 +1,7 @@
 // The FlashAttention-3-style backward kernel for sm_90a.
 //
 // One CTA owns a block of kBlockN = 128 keys of one (batch, head) and walks the query blocks
-// (kBlockM = 64 rows) that see them, each key block of a head starting on a different one.
-// Three warpgroups:
+// (kBlockM = 64 rows) that see them. Three warpgroups:
 //   producer (WG 0): one elected thread loads K and V once, then per query block Q and dO into
 //                    two-stage mbarrier pipelines by TMA;
 //   consumers (WG 1, WG 2): 64 keys each. Scores are computed transposed, Sᵀ = K·Qᵀ and
@@ -203,13 +202,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   int row_lo, row_hi;  // query rows that see any of the block's keys
   params.keys.rows_seeing(col_begin, col_begin + kBlockN, row_lo, row_hi);
   const int m_first = row_lo / kBlockM;
-  const int m_count = row_hi > row_lo ? (row_hi - 1) / kBlockM + 1 - m_first : 0;
-  // Step j visits query block m_first + (j + n_block) mod m_count: the key blocks of a head start
-  // on different query blocks, so that their dQ adds do not all hit the same rows at once.
-  auto block_at = [&](int j) {
-    const int k = j + n_block % (m_count > 0 ? m_count : 1);
-    return m_first + (k < m_count ? k : k - m_count);
-  };
+  const int m_end = row_hi > row_lo ? (row_hi - 1) / kBlockM + 1 : m_first;
   const int64_t rows_base = int64_t(bh) * params.dq_rows;  // this head's LSE, D and dQ rows
 
   const int warp_group = threadIdx.x / 128;
@@ -224,7 +217,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warp_group == 0) {
     // ---------------- producer: warp 0, one elected lane issues ----------------
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (threadIdx.x / 32 != 0 || m_count == 0) return;
+    if (threadIdx.x / 32 != 0 || m_end == m_first) return;
     if (!cute::elect_one_sync()) return;
 
     auto tma_tensor = [&](auto const& tma, int seqlen, int heads) {
@@ -263,8 +256,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor tdOsdO = group_modes<0, 3>(cta_do.partition_D(sdO));
     PipelineState<kStages> st;
 #pragma unroll 1
-    for (int j = 0; j < m_count; ++j) {
-      const int m = block_at(j);
+    for (int m = m_first; m < m_end; ++m) {
       smem.pipe_q.producer_acquire(st, Traits::kBytesQ);
       copy(params.tma_q.with(smem.pipe_q.full_barrier(st)), tQgQ(_, m), tQsQ(_, st.index));
       smem.pipe_do.producer_acquire(st, Traits::kBytesQ);
@@ -352,10 +344,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kCols = decltype(size<1>(rowcol_s))::value;
 
   PipelineState<kStages> st;
-  if (m_count > 0) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, 0);
+  if (m_end > m_first) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, 0);
 #pragma unroll 1
-  for (int j = 0; j < m_count; ++j) {
-    const int q0 = block_at(j) * kBlockM;
+  for (int m = m_first; m < m_end; ++m) {
+    const int q0 = m * kBlockM;
     // The rows' LSE and D straight from global memory (the preprocess wrote them before this
     // launch; padded to whole blocks), under the first GEMMs.
     float lse[kCols], dsum[kCols];
@@ -471,7 +463,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + row * params.dk_row_stride + col) = k2;
       *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + row * params.dv_row_stride + col) = v2;
     }
-  } else if (m_count > 0) {  // GQA: this query head's share into the KV head's sums
+  } else if (m_end > m_first) {  // GQA: this query head's share into the KV head's sums
     const int64_t base = (int64_t(batch) * params.heads_kv + head_kv) * params.seqlen_k;
 #pragma unroll
     for (int i = 0; i < size(acc_dk); ++i) {
