@@ -279,7 +279,7 @@ fn main() {
         plan.retain(|row| row.0 == Backend::Sm80);
     }
     if args.iter().any(|a| a == "--sm90") {
-        plan.retain(|row| row.0 == Backend::Sm90 && (row.4 == full || row.2 == 8192));
+        plan.retain(|row| row.0 == Backend::Sm90 && row.4 == full);
     }
     // --only D,S[,causal][,sm80]: one shape with the default schedule (for profilers).
     if let Some(only) = arg("--only") {
@@ -337,14 +337,9 @@ fn main() {
             );
             t[t.len() / 2]
         };
-        // sm90: the rows of the head dims its backward is built for, ping-pong on or off (the
-        // other schedule flags are the forward's).
+        // sm90: the default schedule's rows at the head dims its backward is built for.
         let sm80 = backend == Backend::Sm80;
-        let sm90_bwd = backend == Backend::Sm90
-            && d != 256
-            && schedule.intra_wg_overlap
-            && schedule.persistent_causal
-            && !schedule.narrow_key_blocks;
+        let sm90_bwd = backend == Backend::Sm90 && schedule == full && d != 256;
         let bwd_ms = (sm80 || sm90_bwd).then(|| median_backward(&cfg));
         let bwd_det_ms = sm80.then(|| median_backward(&cfg.clone().deterministic(true)));
         let bwd_tflops = |ms: f64| 2.5 * problem.forward_flops(causal) / (ms * 1e-3) / 1e12;

@@ -12,8 +12,7 @@
 //                    that one thread adds to the global dQ accumulator with a bulk reduce-add.
 //                    The rows' LSE·log2(e) and D = rowsum(dO ∘ O) come from global memory.
 // dK·scale and dV leave from registers at the end (GQA: f32 atomics into per-KV-head sums).
-// The consumer warpgroups take turns issuing GEMMs (ping-pong, runtime flag). setmaxnreg moves
-// registers from the producer (24) to the consumers (240).
+// setmaxnreg moves registers from the producer (24) to the consumers (240).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -124,26 +123,16 @@ struct BwdParams {
   KeyRange keys;
   float scale;       // softmax scale
   float scale_log2;  // scale·log2(e)
-  bool pingpong;     // the consumer warpgroups take turns issuing GEMMs
 };
 
 // Named barriers per consumer warpgroup (CUTLASS's NamedBarrier adds its reserved offset).
 enum class BwdBarrier : uint32_t {
   DsReady = 0,  // + warpgroup: dS stored, and the previous bulk add done reading the dQ tile
   DqReady = 2,  // + warpgroup: the dQ tile stored
-  Turn = 4,     // + warpgroup: ping-pong, this warpgroup may issue its next GEMMs
 };
 
 __device__ inline void warpgroup_sync(BwdBarrier b, int wg) {
   cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(b) + wg);
-}
-
-// Barrier `b + wg` between both consumer warpgroups (256 threads): wait on it, or arrive only.
-__device__ inline void warpgroup_sync_pair(BwdBarrier b, int wg) {
-  cutlass::arch::NamedBarrier::sync(256, static_cast<uint32_t>(b) + wg);
-}
-__device__ inline void warpgroup_arrive_pair(BwdBarrier b, int wg) {
-  cutlass::arch::NamedBarrier::arrive(256, static_cast<uint32_t>(b) + wg);
 }
 
 // Where element (row, col) of a dQ tile lives, in shared memory and (the bulk add copies the
@@ -354,20 +343,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // This thread's columns (queries) of the Sᵀ tile: the same for every row.
   constexpr int kCols = decltype(size<1>(rowcol_s))::value;
 
-  // Ping-pong: the two warpgroups would otherwise run in step (both wait on the same Q and dO)
-  // and leave the tensor cores idle while both compute P and dS. Each GEMM issue point waits
-  // for this warpgroup's turn and hands it over after issuing, so one warpgroup's GEMMs run
-  // under the other's elementwise work. Both issue equally often; WG1 gives WG0 the first turn
-  // and WG0 takes WG1's last hand-over after the loop, so no arrival is left pending at exit.
-  const bool pingpong = params.pingpong && m_end > m_first;
-  auto turn_wait = [&]() {
-    if (pingpong) warpgroup_sync_pair(BwdBarrier::Turn, wg);
-  };
-  auto turn_pass = [&]() {
-    if (pingpong) warpgroup_arrive_pair(BwdBarrier::Turn, 1 - wg);
-  };
-  if (pingpong && wg == 1) warpgroup_arrive_pair(BwdBarrier::Turn, 0);
-
   PipelineState<kStages> st;
   if (m_end > m_first) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, 0);
 #pragma unroll 1
@@ -384,11 +359,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       dsum[c] = params.softmax_d[rows_at + q];
     }
     smem.pipe_q.consumer_wait(st);
-    smem.pipe_do.consumer_wait(st);
-    turn_wait();
     gemm_ss(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
+    smem.pipe_do.consumer_wait(st);
     gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st.index), acc_dp);
-    turn_pass();
     warpgroup_wait<1>();  // Sᵀ ready
     // Pᵀ = exp2(s·c − LSE·log2 e); rows past seqlen_q have LSE +inf, keys past seqlen_k multiply
     // zero-filled rows of K and V, so only the key range needs a mask.
@@ -414,9 +387,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse[c]);
     }
     convert(acc_s, rP);
-    turn_wait();
     gemm_rs(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
-    turn_pass();
     warpgroup_wait<1>();  // dPᵀ ready (dV may still run)
 #pragma unroll
     for (int c = 0; c < kCols; ++c)
@@ -424,9 +395,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int r = 0; r < size<0>(rowcol_s); ++r)
         rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - dsum[c]);
     convert(acc_dp, rdS);
-    turn_wait();
     gemm_rs(mma_dkv, rdS, tdKrQt(_, _, _, st.index), acc_dk);
-    turn_pass();
 
     // dS to shared memory as (query, key), for dQ. The dQ tile must be free: the bulk add of
     // the block before has read it once its thread's wait returns.
@@ -453,9 +422,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int piece = 0; piece < kHeadDim / Traits::kDqCols; ++piece) {
       Tensor sKt_piece = local_tile(sKt, Shape<Int<Traits::kDqCols>, Int<kKeysPerWG>>{},
                                     make_coord(piece, _0{}));
-      turn_wait();
       gemm_ss(mma_dq, tdQrdS, thr_dq.make_fragment_B(thr_dq.partition_B(sKt_piece)), acc_dq);
-      turn_pass();
       warpgroup_wait<0>();
 #pragma unroll
       for (int i = 0; i < size(acc_dq); i += 2) {  // elements i, i+1 are neighbouring columns
@@ -476,7 +443,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       tma_store_arrive();  // commit the bulk group
     }
   }
-  if (pingpong && wg == 0) turn_wait();
   if (tid == 0) tma_store_wait<0>();  // the tile must stay until the last bulk add read it
 
   // ---------------- dK·scale and dV ----------------

@@ -77,7 +77,6 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.keys = key_range(p);
   params.scale = p.softmax_scale;
   params.scale_log2 = p.softmax_scale * float(M_LOG2E);
-  params.pingpong = !(p.sm90_flags & FLASHATTN_SM90_NO_PINGPONG);
   // Causal (any right bound): key block 0 sees the most query rows, so heaviest first, heads
   // grouped by the Q, dO and dQ accumulator they share within half the L2 (as the sm80 family).
   const int64_t q_bytes = int64_t(p.seqlen_q) * kHeadDim * (2 * sizeof(Element) + sizeof(float));
