@@ -8,9 +8,8 @@
 //                    dPᵀ = V·dOᵀ (keys down the WGMMA's M), so that Pᵀ and dSᵀ come out of the
 //                    accumulators already as the register A operands of dV += Pᵀ·dO and
 //                    dK += dSᵀ·Q. dS also goes to shared memory for this warpgroup's share of
-//                    dQ = dS·K (its 64 keys), computed in 64-column pieces; the two shares are
-//                    summed in an f32 tile that one thread adds to the global dQ accumulator
-//                    with a bulk reduce-add.
+//                    dQ = dS·K (its 64 keys), computed in 64-column pieces into an f32 tile
+//                    that one thread adds to the global dQ accumulator with a bulk reduce-add.
 //                    The rows' LSE·log2(e) and D = rowsum(dO ∘ O) come from global memory.
 // dK·scale and dV leave from registers at the end (GQA: f32 atomics into per-KV-head sums).
 // setmaxnreg moves registers from the producer (24) to the consumers (240).
@@ -96,8 +95,8 @@ struct BwdTraits {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> dout;
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds[kConsumerWGs];
-    // The query block's dQ (both warpgroups' shares summed), laid out as in global memory.
-    alignas(128) float dq[kBlockM * kHeadDim];
+    // Each warpgroup's share of dQ for the current query block, row-major as in global memory.
+    alignas(128) float dq[kConsumerWGs][kBlockM * kHeadDim];
     uint64_t kv_full;
     TmaPipeline<kStages> pipe_q;
     TmaPipeline<kStages> pipe_do;
@@ -128,17 +127,12 @@ struct BwdParams {
 
 // Named barriers per consumer warpgroup (CUTLASS's NamedBarrier adds its reserved offset).
 enum class BwdBarrier : uint32_t {
-  DsReady = 0,  // + warpgroup (128 threads): its dS stored
-  DqSummed = 2,  // WG1 (128): the dQ tile holds both shares
-  DqHalf = 3,    // WG0 arrives, WG1 waits (256): WG0's share stored
-  DqFree = 4,    // WG1's warp 0 arrives, WG0 waits (160): the last bulk add has read the tile
+  DsReady = 0,  // + warpgroup: dS stored, and the previous bulk add done reading the dQ tile
+  DqReady = 2,  // + warpgroup: the dQ tile stored
 };
 
-__device__ inline void named_sync(BwdBarrier b, uint32_t threads) {
-  cutlass::arch::NamedBarrier::sync(threads, static_cast<uint32_t>(b));
-}
-__device__ inline void named_arrive(BwdBarrier b, uint32_t threads) {
-  cutlass::arch::NamedBarrier::arrive(threads, static_cast<uint32_t>(b));
+__device__ inline void warpgroup_sync(BwdBarrier b, int wg) {
+  cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(b) + wg);
 }
 
 // Where element (row, col) of a dQ tile lives, in shared memory and (the bulk add copies the
@@ -345,7 +339,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     warpgroup_fence_operand(acc);
   };
 
-  float* sdq = smem.dq;
+  float* sdq = smem.dq[wg];
   // This thread's columns (queries) of the Sᵀ tile: the same for every row.
   constexpr int kCols = decltype(size<1>(rowcol_s))::value;
 
@@ -354,11 +348,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll 1
   for (int m = m_first; m < m_end; ++m) {
     const int q0 = m * kBlockM;
-    if (wg == 1) {  // the dQ tile is free for WG0's share once WG1's last bulk add has read it
-      if (tid == 0) tma_store_wait<0>();
-      __syncwarp();
-      if (tid < 32) named_arrive(BwdBarrier::DqFree, 160);
-    }
     // The rows' LSE and D straight from global memory (the preprocess wrote them before this
     // launch; padded to whole blocks), under the first GEMMs.
     float lse[kCols], dsum[kCols];
@@ -408,7 +397,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     convert(acc_dp, rdS);
     gemm_rs(mma_dkv, rdS, tdKrQt(_, _, _, st.index), acc_dk);
 
-    // dS to shared memory as (query, key), for dQ.
+    // dS to shared memory as (query, key), for dQ. The dQ tile must be free: the bulk add of
+    // the block before has read it once its thread's wait returns.
+    if (tid == 0) tma_store_wait<0>();
     // rdS holds dSᵀ register for register like the accumulator: index it as (key, query).
     Tensor rowcol_rdS = make_tensor(rdS.data(), acc_rowcol(acc_dp.layout()));
 #pragma unroll
@@ -422,12 +413,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             &sdS(get<1>(rowcol_cS(r, c)), get<0>(rowcol_cS(r, c)))) = pair;
       }
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
-    named_sync(BwdBarrier(uint32_t(BwdBarrier::DsReady) + wg), 128);
+    warpgroup_sync(BwdBarrier::DsReady, wg);
 
-    // This warpgroup's share of dQ (its 64 keys), one piece of columns at a time (two pieces in
-    // flight at d128 leave ptxas too few registers, and it serializes the WGMMAs): WG0 stores
-    // its share into the tile, WG1 adds its own, and one bulk add per query block takes it to
-    // global memory (one per warpgroup doubled the L2's reduction traffic).
+    // This warpgroup's share of dQ (its 64 keys), one piece of columns at a time: two pieces in
+    // flight at d128 leave ptxas too few registers, and it serializes the WGMMAs.
     Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Traits::kDqCols>>{}));
 #pragma unroll
     for (int piece = 0; piece < kHeadDim / Traits::kDqCols; ++piece) {
@@ -435,36 +424,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                     make_coord(piece, _0{}));
       gemm_ss(mma_dq, tdQrdS, thr_dq.make_fragment_B(thr_dq.partition_B(sKt_piece)), acc_dq);
       warpgroup_wait<0>();
-      if (piece == 0) {
-        if (wg == 0) named_sync(BwdBarrier::DqFree, 160);
-        else named_sync(BwdBarrier::DqHalf, 256);
-      }
 #pragma unroll
       for (int i = 0; i < size(acc_dq); i += 2) {  // elements i, i+1 are neighbouring columns
         const int row = get<0>(cdQ(i));
         const int col = piece * Traits::kDqCols + get<1>(cdQ(i));
-        float2* at = reinterpret_cast<float2*>(&sdq[dq_tile_index<kHeadDim>(row, col)]);
-        if (wg == 0) {
-          *at = make_float2(acc_dq(i), acc_dq(i + 1));
-        } else {
-          const float2 other = *at;
-          *at = make_float2(other.x + acc_dq(i), other.y + acc_dq(i + 1));
-        }
+        *reinterpret_cast<float2*>(&sdq[dq_tile_index<kHeadDim>(row, col)]) =
+            make_float2(acc_dq(i), acc_dq(i + 1));
       }
     }
     // Every GEMM that read this stage's Q and dO has completed (warpgroup_wait<0> above).
     smem.pipe_q.consumer_release(st);
     smem.pipe_do.consumer_release(st);
     st.advance();
-    if (wg == 0) {
-      named_arrive(BwdBarrier::DqHalf, 256);
-    } else {
-      cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
-      named_sync(BwdBarrier::DqSummed, 128);
-      if (tid == 0) {
-        bulk_reduce_add_f32(params.dq_accum + (rows_base + q0) * kHeadDim, sdq, Traits::kBytesdQ);
-        tma_store_arrive();  // commit the bulk group
-      }
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
+    warpgroup_sync(BwdBarrier::DqReady, wg);
+    if (tid == 0) {
+      bulk_reduce_add_f32(params.dq_accum + (rows_base + q0) * kHeadDim, sdq, Traits::kBytesdQ);
+      tma_store_arrive();  // commit the bulk group
     }
   }
   if (tid == 0) tma_store_wait<0>();  // the tile must stay until the last bulk add read it
