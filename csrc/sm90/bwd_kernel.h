@@ -344,45 +344,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kCols = decltype(size<1>(rowcol_s))::value;
 
   PipelineState<kStages> st;
-  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Traits::kDqCols>>{}));
-  constexpr int kDqPieces = kHeadDim / Traits::kDqCols;
-  auto store_dq_piece = [&](int piece) {
-#pragma unroll
-    for (int i = 0; i < size(acc_dq); i += 2) {  // elements i, i+1 are neighbouring columns
-      const int row = get<0>(cdQ(i));
-      const int col = piece * Traits::kDqCols + get<1>(cdQ(i));
-      *reinterpret_cast<float2*>(&sdq[dq_tile_index<kHeadDim>(row, col)]) =
-          make_float2(acc_dq(i), acc_dq(i + 1));
-    }
-  };
-  // The last dQ piece of a block is stored, its Q/dO stage released and its bulk add issued by
-  // finish_dq. With one piece (d64) that waits until the next block's first GEMMs are issued, so
-  // that the tensor cores have work meanwhile; at d128 the piece held across them leaves ptxas
-  // too few registers (it spills and serializes the WGMMAs), so it runs at once.
-  constexpr bool kDeferDq = kDqPieces == 1;
-  int pending_q0 = -1;
-  PipelineState<kStages> pending_st;
-  auto finish_dq = [&]() {
-    store_dq_piece(kDqPieces - 1);
-    smem.pipe_q.consumer_release(pending_st);
-    smem.pipe_do.consumer_release(pending_st);
-    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
-    warpgroup_sync(BwdBarrier::DqReady, wg);
-    if (tid == 0) {
-      bulk_reduce_add_f32(params.dq_accum + (rows_base + pending_q0) * kHeadDim, sdq,
-                          Traits::kBytesdQ);
-      tma_store_arrive();  // commit the bulk group
-    }
-  };
   if (m_end > m_first) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, 0);
 #pragma unroll 1
   for (int m = m_first; m < m_end; ++m) {
     const int q0 = m * kBlockM;
-    smem.pipe_q.consumer_wait(st);
-    gemm_ss(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
-    smem.pipe_do.consumer_wait(st);
-    gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st.index), acc_dp);
-    if (kDeferDq && pending_q0 >= 0) finish_dq();
     // The rows' LSE and D straight from global memory (the preprocess wrote them before this
     // launch; padded to whole blocks), under the first GEMMs.
     float lse[kCols], dsum[kCols];
@@ -393,6 +358,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       lse[c] = params.lse_log2[rows_at + q];
       dsum[c] = params.softmax_d[rows_at + q];
     }
+    smem.pipe_q.consumer_wait(st);
+    gemm_ss(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
+    smem.pipe_do.consumer_wait(st);
+    gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st.index), acc_dp);
     warpgroup_wait<1>();  // Sᵀ ready
     // Pᵀ = exp2(s·c − LSE·log2 e); rows past seqlen_q have LSE +inf, keys past seqlen_k multiply
     // zero-filled rows of K and V, so only the key range needs a mask.
@@ -447,25 +416,33 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     warpgroup_sync(BwdBarrier::DsReady, wg);
 
     // This warpgroup's share of dQ (its 64 keys), one piece of columns at a time: two pieces in
-    // flight at d128 leave ptxas too few registers, and it serializes the WGMMAs. The last
-    // piece is finish_dq's.
+    // flight at d128 leave ptxas too few registers, and it serializes the WGMMAs.
+    Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Traits::kDqCols>>{}));
 #pragma unroll
-    for (int piece = 0; piece < kDqPieces; ++piece) {
+    for (int piece = 0; piece < kHeadDim / Traits::kDqCols; ++piece) {
       Tensor sKt_piece = local_tile(sKt, Shape<Int<Traits::kDqCols>, Int<kKeysPerWG>>{},
                                     make_coord(piece, _0{}));
       gemm_ss(mma_dq, tdQrdS, thr_dq.make_fragment_B(thr_dq.partition_B(sKt_piece)), acc_dq);
-      warpgroup_wait<0>();  // also every GEMM that read this stage's Q and dO
-      if (piece + 1 < kDqPieces) store_dq_piece(piece);
+      warpgroup_wait<0>();
+#pragma unroll
+      for (int i = 0; i < size(acc_dq); i += 2) {  // elements i, i+1 are neighbouring columns
+        const int row = get<0>(cdQ(i));
+        const int col = piece * Traits::kDqCols + get<1>(cdQ(i));
+        *reinterpret_cast<float2*>(&sdq[dq_tile_index<kHeadDim>(row, col)]) =
+            make_float2(acc_dq(i), acc_dq(i + 1));
+      }
     }
-    pending_q0 = q0;
-    pending_st = st;
+    // Every GEMM that read this stage's Q and dO has completed (warpgroup_wait<0> above).
+    smem.pipe_q.consumer_release(st);
+    smem.pipe_do.consumer_release(st);
     st.advance();
-    if constexpr (!kDeferDq) {
-      finish_dq();
-      pending_q0 = -1;
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
+    warpgroup_sync(BwdBarrier::DqReady, wg);
+    if (tid == 0) {
+      bulk_reduce_add_f32(params.dq_accum + (rows_base + q0) * kHeadDim, sdq, Traits::kBytesdQ);
+      tma_store_arrive();  // commit the bulk group
     }
   }
-  if (pending_q0 >= 0) finish_dq();
   if (tid == 0) tma_store_wait<0>();  // the tile must stay until the last bulk add read it
 
   // ---------------- dK·scale and dV ----------------
