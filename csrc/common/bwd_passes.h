@@ -55,10 +55,17 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
   }
 }
 
+// Where 8-float chunk `chunk` of row `row` of an f32 accumulator lives when the chunks of each
+// row are permuted by the row (chunk c at c ^ row % 8): the sm90 backward's dQ tile
+// (and so its global accumulator, which bulk adds copy tile for tile), so that the 8 rows one
+// accumulator store touches fall on different shared-memory banks.
+__host__ __device__ constexpr int permuted_chunk(int row, int chunk) { return chunk ^ (row % 8); }
+
 // f32 sums to the element type, times `scale`: packed (batch, heads·group, src_rows, kHeadDim),
 // the `group` consecutive heads of each output head summed in order -> the first `seqlen` rows of
-// each head, strided (batch, seqlen, heads). One thread per 8 elements.
-template <class Element, int kHeadDim>
+// each head, strided (batch, seqlen, heads). kPermuted: chunks placed as permuted_chunk says
+// (rows of a head start on multiples of 8). One thread per 8 elements.
+template <class Element, int kHeadDim, bool kPermuted = false>
 __global__ void __launch_bounds__(256)
     bwd_convert(const float* src, int src_rows, int group, void* dst, int64_t b_stride,
                 int64_t row_stride, int64_t h_stride, int batch, int heads, int seqlen,
@@ -74,7 +81,7 @@ __global__ void __launch_bounds__(256)
   float sum[8] = {};
   for (int g = 0; g < group; ++g) {
     const float* s = src + ((int64_t(b) * heads + head) * group + g) * src_rows * kHeadDim +
-                     int64_t(row) * kHeadDim + c * 8;
+                     int64_t(row) * kHeadDim + (kPermuted ? permuted_chunk(row, c) : c) * 8;
 #pragma unroll
     for (int i = 0; i < 8; ++i) sum[i] += s[i];
   }

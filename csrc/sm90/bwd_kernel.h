@@ -9,6 +9,7 @@
 //                    accumulators already as the register A operands of dV += Pᵀ·dO and
 //                    dK += dSᵀ·Q. dS also goes to shared memory for this warpgroup's share of
 //                    dQ = dS·K (its 64 keys), computed in 64-column pieces into an f32 tile
+//                    (8-float chunks permuted per row, see permuted_chunk)
 //                    that one thread adds to the global dQ accumulator with a bulk reduce-add.
 //                    The rows' LSE·log2(e) and D = rowsum(dO ∘ O) come from global memory.
 // dK·scale and dV leave from registers at the end (GQA: f32 atomics into per-KV-head sums).
@@ -24,6 +25,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include "../common/block_range.h"
+#include "../common/bwd_passes.h"
 #include "../common/tile_order.h"
 #include "pipeline.h"
 #include "softmax.h"
@@ -133,41 +135,6 @@ enum class BwdBarrier : uint32_t {
 
 __device__ inline void warpgroup_sync(BwdBarrier b, int wg) {
   cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(b) + wg);
-}
-
-// Where element (row, col) of a dQ tile lives, in shared memory and (the bulk add copies the
-// tile as it is) in the global accumulator: rows of kHeadDim floats whose 8-float chunks are
-// permuted by the row (chunk c at c ^ row % 8), so that the 8 rows an accumulator store touches
-// fall on different banks.
-template <int kHeadDim>
-__host__ __device__ constexpr int dq_tile_index(int row, int col) {
-  return row * kHeadDim + ((col / 8) ^ (row % 8)) * 8 + col % 8;
-}
-
-// dQ from the accumulator (batch, heads_q, dq_rows, d), chunks permuted as dq_tile_index says,
-// to the element type times `scale`. One thread per 8 elements.
-template <class Element, int kHeadDim>
-__global__ void __launch_bounds__(256)
-    bwd_convert_dq(const float* src, int dq_rows, void* dst, int64_t b_stride, int64_t row_stride,
-                   int64_t h_stride, int batch, int heads, int seqlen, float scale) {
-  const int64_t chunk = int64_t(blockIdx.x) * 256 + threadIdx.x;
-  constexpr int kChunks = kHeadDim / 8;
-  if (chunk >= int64_t(batch) * heads * seqlen * kChunks) return;
-  const int64_t row_id = chunk / kChunks;  // (batch, head, row) packed
-  const int c = int(chunk % kChunks);
-  const int row = int(row_id % seqlen);
-  const int64_t bh = row_id / seqlen;
-  // Tiles start on rows that are multiples of 8: a row's position in its tile has its row % 8.
-  const float4* s = reinterpret_cast<const float4*>(src + bh * dq_rows * kHeadDim +
-                                                    dq_tile_index<kHeadDim>(row, c * 8));
-  const float4 a = s[0], b = s[1];
-  const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-  cutlass::Array<Element, 8> out;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = Element(v[i] * scale);
-  const int head = int(bh % heads), b_idx = int(bh / heads);
-  *reinterpret_cast<cutlass::Array<Element, 8>*>(static_cast<Element*>(dst) + b_idx * b_stride +
-                                                 head * h_stride + row * row_stride + c * 8) = out;
 }
 
 // dst[i] += src[i] for `bytes` bytes of f32, by the TMA unit (one thread issues it).
@@ -428,8 +395,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int i = 0; i < size(acc_dq); i += 2) {  // elements i, i+1 are neighbouring columns
         const int row = get<0>(cdQ(i));
         const int col = piece * Traits::kDqCols + get<1>(cdQ(i));
-        *reinterpret_cast<float2*>(&sdq[dq_tile_index<kHeadDim>(row, col)]) =
-            make_float2(acc_dq(i), acc_dq(i + 1));
+        const int at = row * kHeadDim + permuted_chunk(row, col / 8) * 8 + col % 8;
+        *reinterpret_cast<float2*>(&sdq[at]) = make_float2(acc_dq(i), acc_dq(i + 1));
       }
     }
     // Every GEMM that read this stage's Q and dO has completed (warpgroup_wait<0> above).
