@@ -15,7 +15,7 @@
 #include "../sm80/bwd_instantiations.h"  // the workspace layout both families share
 #include "bwd_instantiations.h"
 #include "bwd_kernel.h"
-#include "fwd_launch.h"  // gmem_tensor
+#include "tma_tensor.h"
 
 namespace flashattn::sm90 {
 

@@ -11,22 +11,9 @@
 #include "../flash_api.h"
 #include "fwd_instantiations.h"
 #include "fwd_kernel.h"
+#include "tma_tensor.h"
 
 namespace flashattn::sm90 {
-
-// Strides of dimensions of extent 1 are never used, but TMA still wants them 16-byte multiples.
-inline int64_t tma_stride(int64_t stride, int extent, int head_dim) {
-  return extent == 1 ? head_dim : stride;
-}
-
-template <class Traits, class Ptr>
-auto gmem_tensor(Ptr ptr, const flashattn_tensor_t& t, int seqlen, int heads, int batch) {
-  constexpr int d = Traits::kHeadDim;
-  return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, d, heads, batch),
-                     make_stride(tma_stride(t.row_stride, seqlen, d), _1{},
-                                 tma_stride(t.head_stride, heads, d),
-                                 tma_stride(t.batch_stride, batch, d)));
-}
 
 template <class Traits>
 flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStream_t stream) {
