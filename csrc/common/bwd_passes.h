@@ -55,17 +55,39 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
   }
 }
 
-// Where 8-float chunk `chunk` of row `row` of an f32 accumulator lives when the chunks of each
-// row are permuted by the row (chunk c at c ^ row % 8): the sm90 backward's dQ tile
-// (and so its global accumulator, which bulk adds copy tile for tile), so that the 8 rows one
-// accumulator store touches fall on different shared-memory banks.
-__host__ __device__ constexpr int permuted_chunk(int row, int chunk) { return chunk ^ (row % 8); }
+// A blocked f32 dQ accumulator (the sm90 backward's): per block of kRows query rows, kParts slabs
+// of kRows × (kHeadDim / kParts) floats, slab p holding columns [p·w, (p+1)·w). Each consumer
+// warpgroup owns one slab, so its bulk add is one contiguous run. Within a slab row the 8-float
+// chunks are permuted by the row (chunk c at c ^ row % chunks, at most 8), so that the rows one
+// accumulator store touches fall on different shared-memory banks. Offset of (row, col) from the
+// head's first row; rows of a head start on a multiple of kRows.
+template <int kHeadDim, int kRows, int kParts>
+struct DqSlabs {
+  static constexpr int kCols = kHeadDim / kParts;
+  static constexpr int kChunks = kCols / 8;
+  static_assert(kCols % 8 == 0 && kRows % 8 == 0);
+  __host__ __device__ static constexpr int in_slab(int row, int col) {  // row < kRows, col < kCols
+    return row * kCols + ((col / 8) ^ (row % (kChunks < 8 ? kChunks : 8))) * 8 + col % 8;
+  }
+  __host__ __device__ static constexpr int64_t offset(int64_t row, int col) {
+    return ((row / kRows) * kParts + col / kCols) * (kRows * kCols) +
+           in_slab(int(row % kRows), col % kCols);
+  }
+};
 
-// f32 sums to the element type, times `scale`: packed (batch, heads·group, src_rows, kHeadDim),
-// the `group` consecutive heads of each output head summed in order -> the first `seqlen` rows of
-// each head, strided (batch, seqlen, heads). kPermuted: chunks placed as permuted_chunk says
-// (rows of a head start on multiples of 8). One thread per 8 elements.
-template <class Element, int kHeadDim, bool kPermuted = false>
+// Plain row-major (row, col) of an f32 accumulator with rows of kHeadDim.
+template <int kHeadDim>
+struct DqRowMajor {
+  __host__ __device__ static constexpr int64_t offset(int64_t row, int col) {
+    return row * kHeadDim + col;
+  }
+};
+
+// f32 sums to the element type, times `scale`: packed (batch, heads·group, src_rows, kHeadDim) in
+// the layout `Layout` gives (8 columns from a multiple of 8 are contiguous), the `group`
+// consecutive heads of each output head summed in order -> the first `seqlen` rows of each head,
+// strided (batch, seqlen, heads). One thread per 8 elements.
+template <class Element, int kHeadDim, class Layout = DqRowMajor<kHeadDim>>
 __global__ void __launch_bounds__(256)
     bwd_convert(const float* src, int src_rows, int group, void* dst, int64_t b_stride,
                 int64_t row_stride, int64_t h_stride, int batch, int heads, int seqlen,
@@ -81,7 +103,7 @@ __global__ void __launch_bounds__(256)
   float sum[8] = {};
   for (int g = 0; g < group; ++g) {
     const float* s = src + ((int64_t(b) * heads + head) * group + g) * src_rows * kHeadDim +
-                     int64_t(row) * kHeadDim + (kPermuted ? permuted_chunk(row, c) : c) * 8;
+                     Layout::offset(row, c * 8);
 #pragma unroll
     for (int i = 0; i < 8; ++i) sum[i] += s[i];
   }

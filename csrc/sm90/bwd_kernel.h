@@ -7,10 +7,10 @@
 //   consumers (WG 1, WG 2): 64 keys each. Scores are computed transposed, Sᵀ = K·Qᵀ and
 //                    dPᵀ = V·dOᵀ (keys down the WGMMA's M), so that Pᵀ and dSᵀ come out of the
 //                    accumulators already as the register A operands of dV += Pᵀ·dO and
-//                    dK += dSᵀ·Q. dS also goes to shared memory for this warpgroup's share of
-//                    dQ = dS·K (its 64 keys), computed in 64-column pieces into an f32 tile
-//                    (8-float chunks permuted per row, see permuted_chunk)
-//                    that one thread adds to the global dQ accumulator with a bulk reduce-add.
+//                    dK += dSᵀ·Q. dS also goes to shared memory (two stages): once both
+//                    warpgroups' dS are there, each computes dQ = dS·K for all 128 keys and
+//                    its half of the head dim, into an f32 slab (DqSlabs) that one thread adds
+//                    to the global dQ accumulator with a bulk reduce-add.
 //                    The rows' LSE·log2(e) and D = rowsum(dO ∘ O) come from global memory.
 // dK·scale and dV leave from registers at the end (GQA: f32 atomics into per-KV-head sums).
 // setmaxnreg moves registers from the producer (24) to the consumers (240).
@@ -42,8 +42,8 @@ struct BwdTraits {
   static constexpr int kKeysPerWG = 64;   // keys per consumer warpgroup (the WGMMA's M)
   static constexpr int kConsumerWGs = 2;
   static constexpr int kBlockN = kKeysPerWG * kConsumerWGs;
-  static constexpr int kStages = 2;       // Q and dO buffers
-  static constexpr int kDqCols = 64;      // dQ columns per WGMMA (32 accumulator registers)
+  static constexpr int kStages = 2;       // Q, dO and dS buffers
+  static constexpr int kDqCols = kHeadDim / kConsumerWGs;  // dQ columns per warpgroup
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -61,10 +61,11 @@ struct BwdTraits {
   using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, TileK{}));  // per warpgroup: K and V
   using SmemLayoutKt = decltype(composition(  // (d, keys): B of dQ
       SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kKeysPerWG>>{}, Step<_2, _1>{})));
-  // dS as the (queries, keys) A operand of dQ, queries contiguous: the pairs of neighbouring
-  // columns of the Sᵀ accumulator are neighbours here.
+  // One warpgroup's dS as the (queries, keys, stage) A operand of dQ, queries contiguous: the
+  // pairs of neighbouring columns of the Sᵀ accumulator are neighbours here.
   using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kBlockM>, Int<kKeysPerWG>>{}));
+                                              Shape<Int<kBlockM>, Int<kKeysPerWG>, Int<kStages>>{}));
+  using DqLayout = DqSlabs<kHeadDim, kBlockM, kConsumerWGs>;
 
   using MmaSdP = decltype(make_tiled_mma(  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ
       GMMA::ss_op_selector<Element, Element, float,
@@ -73,7 +74,7 @@ struct BwdTraits {
       GMMA::rs_op_selector<Element, Element, float,
                            Shape<Int<kKeysPerWG>, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
                            GMMA::Major::MN>()));
-  using MmadQ = decltype(make_tiled_mma(  // a dQ piece = dS·K
+  using MmadQ = decltype(make_tiled_mma(  // this warpgroup's columns of dQ = dS·K, per 64 keys
       GMMA::ss_op_selector<Element, Element, float,
                            Shape<Int<kBlockM>, Int<kDqCols>, Int<kKeysPerWG>>, GMMA::Major::MN,
                            GMMA::Major::MN>()));
@@ -89,7 +90,7 @@ struct BwdTraits {
                                       _1{}));
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = kKeysPerWG * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesdQ = kBlockM * kHeadDim * sizeof(float);
+  static constexpr uint32_t kBytesdQ = kBlockM * kDqCols * sizeof(float);  // one slab
 
   struct SharedStorage {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> k[kConsumerWGs];
@@ -97,8 +98,8 @@ struct BwdTraits {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> dout;
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds[kConsumerWGs];
-    // Each warpgroup's share of dQ for the current query block, row-major as in global memory.
-    alignas(128) float dq[kConsumerWGs][kBlockM * kHeadDim];
+    // Each warpgroup's slab of dQ for the current query block, as in global memory.
+    alignas(128) float dq[kConsumerWGs][kBlockM * kDqCols];
     uint64_t kv_full;
     TmaPipeline<kStages> pipe_q;
     TmaPipeline<kStages> pipe_do;
@@ -129,12 +130,12 @@ struct BwdParams {
 
 // Named barriers per consumer warpgroup (CUTLASS's NamedBarrier adds its reserved offset).
 enum class BwdBarrier : uint32_t {
-  DsReady = 0,  // + warpgroup: dS stored, and the previous bulk add done reading the dQ tile
-  DqReady = 2,  // + warpgroup: the dQ tile stored
+  DsReady = 0,  // both consumer warpgroups: dS stored, previous bulk adds done reading their slabs
+  DqReady = 1,  // + warpgroup: the dQ slab stored
 };
 
-__device__ inline void warpgroup_sync(BwdBarrier b, int wg) {
-  cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(b) + wg);
+__device__ inline void consumers_sync(BwdBarrier b, int threads, int wg = 0) {
+  cutlass::arch::NamedBarrier::sync(threads, static_cast<uint32_t>(b) + wg);
 }
 
 // dst[i] += src[i] for `bytes` bytes of f32, by the TMA unit (one thread issues it).
@@ -242,12 +243,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   Tensor sK = make_tensor(make_smem_ptr(smem.k[wg].begin()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v[wg].begin()), typename Traits::SmemLayoutK{});
-  Tensor sKt = make_tensor(make_smem_ptr(smem.k[wg].begin()), typename Traits::SmemLayoutKt{});
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQ{});
   Tensor sQt = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQt{});
   Tensor sdS = make_tensor(make_smem_ptr(smem.ds[wg].begin()), typename Traits::SmemLayoutdS{});
+  auto sdS_of = [&](int w) {
+    return make_tensor(make_smem_ptr(smem.ds[w].begin()), typename Traits::SmemLayoutdS{});
+  };
+  auto sKt_of = [&](int w) {  // this warpgroup's dQ columns of warpgroup w's keys
+    return local_tile(
+        make_tensor(make_smem_ptr(smem.k[w].begin()), typename Traits::SmemLayoutKt{}),
+        Shape<Int<Traits::kDqCols>, Int<kKeysPerWG>>{}, make_coord(wg, _0{}));
+  };
 
   typename Traits::MmaSdP mma_sdp;
   typename Traits::MmadKV mma_dkv;
@@ -261,7 +269,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO));
   Tensor tdKrQt = thr_dkv.make_fragment_B(thr_dkv.partition_B(sQt));  // (MMA, N, K, stage)
   Tensor tdVrdOt = thr_dkv.make_fragment_B(thr_dkv.partition_B(sdOt));
-  Tensor tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS));    // (MMA, 1, K)
+  // dQ's operands per 64 keys: dS (MMA, 1, K, stage) and Kᵀ (MMA, 1, K).
+  Tensor tdQrdS0 = thr_dq.make_fragment_A(thr_dq.partition_A(sdS_of(0)));
+  Tensor tdQrdS1 = thr_dq.make_fragment_A(thr_dq.partition_A(sdS_of(1)));
+  Tensor tdQrKt0 = thr_dq.make_fragment_B(thr_dq.partition_B(sKt_of(0)));
+  Tensor tdQrKt1 = thr_dq.make_fragment_B(thr_dq.partition_B(sKt_of(1)));
+  static_assert(kConsumerWGs == 2);
 
   using TileS = Shape<Int<kKeysPerWG>, Int<kBlockM>>;
   Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});  // Sᵀ, then Pᵀ
@@ -362,10 +375,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int r = 0; r < size<0>(rowcol_s); ++r)
         rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - dsum[c]);
     convert(acc_dp, rdS);
-    gemm_rs(mma_dkv, rdS, tdKrQt(_, _, _, st.index), acc_dk);
 
-    // dS to shared memory as (query, key), for dQ. The dQ tile must be free: the bulk add of
-    // the block before has read it once its thread's wait returns.
+    // dS to shared memory as (query, key) in this block's stage. The other warpgroup read the
+    // stage two blocks ago (its dQ GEMM completed before it passed the barrier below last
+    // block); the slab must be free: the previous block's bulk add has read it once its
+    // thread's wait returns.
     if (tid == 0) tma_store_wait<0>();
     // rdS holds dSᵀ register for register like the accumulator: index it as (key, query).
     Tensor rowcol_rdS = make_tensor(rdS.data(), acc_rowcol(acc_dp.layout()));
@@ -377,40 +391,46 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         pair[0] = rowcol_rdS(r, c);
         pair[1] = rowcol_rdS(r, c + 1);
         *reinterpret_cast<cutlass::Array<Element, 2>*>(
-            &sdS(get<1>(rowcol_cS(r, c)), get<0>(rowcol_cS(r, c)))) = pair;
+            &sdS(get<1>(rowcol_cS(r, c)), get<0>(rowcol_cS(r, c)), st.index)) = pair;
       }
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
-    warpgroup_sync(BwdBarrier::DsReady, wg);
+    consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
 
-    // This warpgroup's share of dQ (its 64 keys), one piece of columns at a time: two pieces in
-    // flight at d128 leave ptxas too few registers, and it serializes the WGMMAs.
+    // This warpgroup's dQ columns over both warpgroups' keys, then dK; dQ leaves under dK.
+    mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(acc_dq);
+    warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < size<2>(tdQrKt0); ++k) {
+      gemm(mma_dq, tdQrdS0(_, _, k, st.index), tdQrKt0(_, _, k), acc_dq);
+      mma_dq.accumulate_ = GMMA::ScaleOut::One;
+    }
+#pragma unroll
+    for (int k = 0; k < size<2>(tdQrKt1); ++k)
+      gemm(mma_dq, tdQrdS1(_, _, k, st.index), tdQrKt1(_, _, k), acc_dq);
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(acc_dq);
+    gemm_rs(mma_dkv, rdS, tdKrQt(_, _, _, st.index), acc_dk);
+    warpgroup_wait<1>();  // dV and dQ done: dO's last reader
+    smem.pipe_do.consumer_release(st);
     Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Traits::kDqCols>>{}));
 #pragma unroll
-    for (int piece = 0; piece < kHeadDim / Traits::kDqCols; ++piece) {
-      Tensor sKt_piece = local_tile(sKt, Shape<Int<Traits::kDqCols>, Int<kKeysPerWG>>{},
-                                    make_coord(piece, _0{}));
-      gemm_ss(mma_dq, tdQrdS, thr_dq.make_fragment_B(thr_dq.partition_B(sKt_piece)), acc_dq);
-      warpgroup_wait<0>();
-#pragma unroll
-      for (int i = 0; i < size(acc_dq); i += 2) {  // elements i, i+1 are neighbouring columns
-        const int row = get<0>(cdQ(i));
-        const int col = piece * Traits::kDqCols + get<1>(cdQ(i));
-        const int at = row * kHeadDim + permuted_chunk(row, col / 8) * 8 + col % 8;
-        *reinterpret_cast<float2*>(&sdq[at]) = make_float2(acc_dq(i), acc_dq(i + 1));
-      }
+    for (int i = 0; i < size(acc_dq); i += 2) {  // elements i, i+1 are neighbouring columns
+      const int at = Traits::DqLayout::in_slab(get<0>(cdQ(i)), get<1>(cdQ(i)));
+      *reinterpret_cast<float2*>(&sdq[at]) = make_float2(acc_dq(i), acc_dq(i + 1));
     }
-    // Every GEMM that read this stage's Q and dO has completed (warpgroup_wait<0> above).
-    smem.pipe_q.consumer_release(st);
-    smem.pipe_do.consumer_release(st);
-    st.advance();
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
-    warpgroup_sync(BwdBarrier::DqReady, wg);
+    consumers_sync(BwdBarrier::DqReady, 128, wg);
     if (tid == 0) {
-      bulk_reduce_add_f32(params.dq_accum + (rows_base + q0) * kHeadDim, sdq, Traits::kBytesdQ);
+      bulk_reduce_add_f32(params.dq_accum + (rows_base + q0) * kHeadDim + wg * kBlockM * Traits::kDqCols,
+                          sdq, Traits::kBytesdQ);
       tma_store_arrive();  // commit the bulk group
     }
+    warpgroup_wait<0>();  // dK done: Q's last reader
+    smem.pipe_q.consumer_release(st);
+    st.advance();
   }
-  if (tid == 0) tma_store_wait<0>();  // the tile must stay until the last bulk add read it
+  if (tid == 0) tma_store_wait<0>();  // the slab must stay until the last bulk add read it
 
   // ---------------- dK·scale and dV ----------------
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(typename Traits::TileK{}));

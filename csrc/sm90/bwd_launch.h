@@ -25,9 +25,8 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   if (p.deterministic || p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
   const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   if (int64_t(n_blocks) * p.heads_q * p.batch > INT_MAX) return status(FLASHATTN_UNSUPPORTED);
-  // The dQ accumulator here is (batch, heads_q, dq_rows, d), chunks permuted per row (see
-  // permuted_chunk): the same bytes as the sm80 family's one slice, so the caller's workspace
-  // size holds for both.
+  // The dQ accumulator here is (batch, heads_q, dq_rows, d) in slabs (Traits::DqLayout): the
+  // same bytes as the sm80 family's one slice, so the caller's workspace size holds for both.
   const sm80::BwdWorkspace ws = sm80::bwd_workspace(p);
   if (p.workspace == nullptr || p.workspace_bytes < ws.bytes)
     return status(FLASHATTN_INVALID_ARGUMENT);
@@ -110,7 +109,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     return cudaGetLastError();
   };
   const int64_t dq_chunks = int64_t(p.batch) * p.heads_q * p.seqlen_q * (kHeadDim / 8);
-  bwd_convert<Element, kHeadDim, true><<<unsigned((dq_chunks + 255) / 256), 256, 0, stream>>>(
+  bwd_convert<Element, kHeadDim, typename Traits::DqLayout><<<unsigned((dq_chunks + 255) / 256), 256, 0, stream>>>(
       params.dq_accum, dq_rows, 1, p.dq.ptr, p.dq.batch_stride, p.dq.row_stride,
       p.dq.head_stride, p.batch, p.heads_q, p.seqlen_q, p.softmax_scale);
   FLASHATTN_TRY_CUDA(cudaGetLastError());
