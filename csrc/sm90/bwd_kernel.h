@@ -329,15 +329,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (int m = m_first; m < m_end; ++m) {
     const int q0 = m * kBlockM;
     // The rows' LSE and D straight from global memory (the preprocess wrote them before this
-    // launch; padded to whole blocks), under the first GEMMs.
-    float lse[kCols], dsum[kCols];
-    const int64_t rows_at = rows_base + q0;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
+    // launch; padded to whole blocks), under the first GEMMs. Each thread needs 16 of the 64
+    // rows; held as 64 registers they spilled (ptxas), and the spill store waited on the load.
+    // So lane L holds rows L and L + 32, and a shuffle hands each use its row.
+    static_assert(kBlockM == 64);
+    const int64_t rows_at = rows_base + q0 + tid % 32;
+    const float lse_held[2] = {params.lse_log2[rows_at], params.lse_log2[rows_at + 32]};
+    const float dsum_held[2] = {params.softmax_d[rows_at], params.softmax_d[rows_at + 32]};
+    // Column c's query lies in the same half for every lane (the column's 8-query group is
+    // uniform), so the lane that holds it offers the same register.
+    auto row_value = [&](const float (&held)[2], int c) {
       const int q = get<1>(rowcol_cS(0, c));
-      lse[c] = params.lse_log2[rows_at + q];
-      dsum[c] = params.softmax_d[rows_at + q];
-    }
+      return __shfl_sync(0xffffffffu, held[q / 32], q % 32);
+    };
     smem.pipe_q.consumer_wait(st);
     gemm_ss(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
     smem.pipe_do.consumer_wait(st);
@@ -349,31 +353,36 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                                           q0 + kBlockM)) {
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
+        const float lse = row_value(lse_held, c);
         const int q = q0 + get<1>(rowcol_cS(0, c));
         const int lo = params.keys.lo(q) - key0, hi = params.keys.hi(q) - key0;
 #pragma unroll
         for (int r = 0; r < size<0>(rowcol_s); ++r) {
           const int key = get<0>(rowcol_cS(r, c));
           rowcol_s(r, c) = key >= lo && key < hi
-                               ? fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse[c])
+                               ? fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse)
                                : 0.f;
         }
       }
     } else {
 #pragma unroll
-      for (int c = 0; c < kCols; ++c)
+      for (int c = 0; c < kCols; ++c) {
+        const float lse = row_value(lse_held, c);
 #pragma unroll
         for (int r = 0; r < size<0>(rowcol_s); ++r)
-          rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse[c]);
+          rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse);
+      }
     }
     convert(acc_s, rP);
     gemm_rs(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
     warpgroup_wait<1>();  // dPᵀ ready (dV may still run)
 #pragma unroll
-    for (int c = 0; c < kCols; ++c)
+    for (int c = 0; c < kCols; ++c) {
+      const float dsum = row_value(dsum_held, c);
 #pragma unroll
       for (int r = 0; r < size<0>(rowcol_s); ++r)
-        rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - dsum[c]);
+        rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - dsum);
+    }
     convert(acc_dp, rdS);
 
     // dS to shared memory as (query, key) in this block's stage. The other warpgroup read the
