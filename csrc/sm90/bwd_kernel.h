@@ -1,7 +1,7 @@
 // The FlashAttention-3-style backward kernel for sm_90a.
 //
 // One CTA owns a block of kBlockN = 128 keys of one (batch, head) and walks the query blocks
-// (kBlockM = 64 rows) that see them. Three warpgroups:
+// (kBlockM = 64 rows, 128 at d64) that see them. Three warpgroups:
 //   producer (WG 0): one elected thread loads K and V once, then per query block Q and dO into
 //                    two-stage mbarrier pipelines by TMA;
 //   consumers (WG 1, WG 2): 64 keys each. Scores are computed transposed, Sᵀ = K·Qᵀ and
@@ -9,8 +9,9 @@
 //                    accumulators already as the register A operands of dV += Pᵀ·dO and
 //                    dK += dSᵀ·Q. dS also goes to shared memory (two stages): once both
 //                    warpgroups' dS are there, each computes dQ = dS·K for all 128 keys and
-//                    its half of the head dim, into an f32 slab (DqSlabs) that one thread adds
-//                    to the global dQ accumulator with a bulk reduce-add.
+//                    its half of the block's rows (d64) or of the head dim (d128), into an f32
+//                    slab (DqSlabs) that one thread adds to the global dQ accumulator with a
+//                    bulk reduce-add.
 //                    The rows' LSE·log2(e) and D = rowsum(dO ∘ O) come from global memory.
 // dK·scale and dV leave from registers at the end (GQA: f32 atomics into per-KV-head sums).
 // setmaxnreg moves registers from the producer (24) to the consumers (240).
@@ -38,12 +39,19 @@ template <class Element_, int kHeadDim_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;      // query rows per block
+  // Query rows per block: 128 at d64 (FA3's tile there), so that the score GEMMs run with
+  // N = 128 and the per-block costs (waits, barriers, stats) spread over twice the FLOPs.
+  static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;
   static constexpr int kKeysPerWG = 64;   // keys per consumer warpgroup (the WGMMA's M)
   static constexpr int kConsumerWGs = 2;
   static constexpr int kBlockN = kKeysPerWG * kConsumerWGs;
   static constexpr int kStages = 2;       // Q, dO and dS buffers
-  static constexpr int kDqCols = kHeadDim / kConsumerWGs;  // dQ columns per warpgroup
+  // dQ = dS·K over the block's 128 keys is split between the warpgroups: by query rows when
+  // there are 128 (d64), else by columns of the head dim (d128); a 64 × 64 slab each.
+  static constexpr bool kDqSplitRows = kBlockM == 128;
+  static constexpr int kDqRows = kDqSplitRows ? kBlockM / kConsumerWGs : kBlockM;
+  static constexpr int kDqCols = kDqSplitRows ? kHeadDim : kHeadDim / kConsumerWGs;
+  static constexpr bool kEarlyDv = kBlockM == 64;  // dV issued before dPᵀ is read
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -65,7 +73,7 @@ struct BwdTraits {
   // pairs of neighbouring columns of the Sᵀ accumulator are neighbours here.
   using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
                                               Shape<Int<kBlockM>, Int<kKeysPerWG>, Int<kStages>>{}));
-  using DqLayout = DqSlabs<kHeadDim, kBlockM, kConsumerWGs>;
+  using DqLayout = DqSlabs<kHeadDim, kDqRows, kHeadDim / kDqCols>;
 
   using MmaSdP = decltype(make_tiled_mma(  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ
       GMMA::ss_op_selector<Element, Element, float,
@@ -76,7 +84,7 @@ struct BwdTraits {
                            GMMA::Major::MN>()));
   using MmadQ = decltype(make_tiled_mma(  // this warpgroup's columns of dQ = dS·K, per 64 keys
       GMMA::ss_op_selector<Element, Element, float,
-                           Shape<Int<kBlockM>, Int<kDqCols>, Int<kKeysPerWG>>, GMMA::Major::MN,
+                           Shape<Int<kDqRows>, Int<kDqCols>, Int<kKeysPerWG>>, GMMA::Major::MN,
                            GMMA::Major::MN>()));
 
   // (seqlen, head_dim, heads, batch) with head_dim contiguous.
@@ -90,7 +98,7 @@ struct BwdTraits {
                                       _1{}));
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = kKeysPerWG * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesdQ = kBlockM * kDqCols * sizeof(float);  // one slab
+  static constexpr uint32_t kBytesdQ = kDqRows * kDqCols * sizeof(float);  // one slab
 
   struct SharedStorage {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> k[kConsumerWGs];
@@ -99,7 +107,7 @@ struct BwdTraits {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> dout;
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds[kConsumerWGs];
     // Each warpgroup's slab of dQ for the current query block, as in global memory.
-    alignas(128) float dq[kConsumerWGs][kBlockM * kDqCols];
+    alignas(128) float dq[kConsumerWGs][kDqRows * kDqCols];
     uint64_t kv_full;
     TmaPipeline<kStages> pipe_q;
     TmaPipeline<kStages> pipe_do;
@@ -248,13 +256,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sQt = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQt{});
   Tensor sdS = make_tensor(make_smem_ptr(smem.ds[wg].begin()), typename Traits::SmemLayoutdS{});
+  // This warpgroup's share of dQ: its rows of warpgroup w's dS, its columns of w's keys.
+  constexpr int kDqRows = Traits::kDqRows, kDqCols = Traits::kDqCols;
   auto sdS_of = [&](int w) {
-    return make_tensor(make_smem_ptr(smem.ds[w].begin()), typename Traits::SmemLayoutdS{});
+    return local_tile(
+        make_tensor(make_smem_ptr(smem.ds[w].begin()), typename Traits::SmemLayoutdS{}),
+        Shape<Int<kDqRows>, Int<kKeysPerWG>, Int<kStages>>{},
+        make_coord(Traits::kDqSplitRows ? wg : 0, _0{}, _0{}));
   };
-  auto sKt_of = [&](int w) {  // this warpgroup's dQ columns of warpgroup w's keys
+  auto sKt_of = [&](int w) {
     return local_tile(
         make_tensor(make_smem_ptr(smem.k[w].begin()), typename Traits::SmemLayoutKt{}),
-        Shape<Int<Traits::kDqCols>, Int<kKeysPerWG>>{}, make_coord(wg, _0{}));
+        Shape<Int<kDqCols>, Int<kKeysPerWG>>{},
+        make_coord(Traits::kDqSplitRows ? 0 : wg, _0{}));
   };
 
   typename Traits::MmaSdP mma_sdp;
@@ -281,7 +295,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});  // dPᵀ, then dSᵀ
   Tensor acc_dk = partition_fragment_C(mma_dkv, typename Traits::TileK{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, typename Traits::TileK{});
-  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Traits::kDqCols>>{});
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kDqRows>, Int<kDqCols>>{});
   clear(acc_dk);
   clear(acc_dv);
   Tensor rowcol_s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
@@ -331,14 +345,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // The rows' LSE and D straight from global memory (the preprocess wrote them before this
     // launch; padded to whole blocks), under the first GEMMs. Each thread needs 16 of the 64
     // rows; held as 64 registers they spilled (ptxas), and the spill store waited on the load.
-    // So lane L holds rows L and L + 32, and a shuffle hands each use its row.
-    static_assert(kBlockM == 64);
+    // So lane L holds rows L, L + 32, …, and a shuffle hands each use its row.
+    constexpr int kHeld = kBlockM / 32;
     const int64_t rows_at = rows_base + q0 + tid % 32;
-    const float lse_held[2] = {params.lse_log2[rows_at], params.lse_log2[rows_at + 32]};
-    const float dsum_held[2] = {params.softmax_d[rows_at], params.softmax_d[rows_at + 32]};
-    // Column c's query lies in the same half for every lane (the column's 8-query group is
+    float lse_held[kHeld], dsum_held[kHeld];
+#pragma unroll
+    for (int i = 0; i < kHeld; ++i) {
+      lse_held[i] = params.lse_log2[rows_at + 32 * i];
+      dsum_held[i] = params.softmax_d[rows_at + 32 * i];
+    }
+    // Column c's query lies in the same 32 for every lane (the column's 8-query group is
     // uniform), so the lane that holds it offers the same register.
-    auto row_value = [&](const float (&held)[2], int c) {
+    auto row_value = [&](const float (&held)[kHeld], int c) {
       const int q = get<1>(rowcol_cS(0, c));
       return __shfl_sync(0xffffffffu, held[q / 32], q % 32);
     };
@@ -373,9 +391,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse);
       }
     }
-    convert(acc_s, rP);
-    gemm_rs(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
-    warpgroup_wait<1>();  // dPᵀ ready (dV may still run)
+    // dV as soon as Pᵀ is ready, under dPᵀ; with 128-query blocks that holds Pᵀ twice (f32 for
+    // dS, Element for dV) beside both score accumulators, too many registers: dV after dS then.
+    if constexpr (Traits::kEarlyDv) {
+      convert(acc_s, rP);
+      gemm_rs(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
+      warpgroup_wait<1>();  // dPᵀ ready (dV may still run)
+    } else {
+      warpgroup_wait<0>();  // dPᵀ ready
+    }
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const float dsum = row_value(dsum_held, c);
@@ -383,6 +407,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int r = 0; r < size<0>(rowcol_s); ++r)
         rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - dsum);
     }
+    if constexpr (!Traits::kEarlyDv) convert(acc_s, rP);
     convert(acc_dp, rdS);
 
     // dS to shared memory as (query, key) in this block's stage. The other warpgroup read the
@@ -402,6 +427,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         *reinterpret_cast<cutlass::Array<Element, 2>*>(
             &sdS(get<1>(rowcol_cS(r, c)), get<0>(rowcol_cS(r, c)), st.index)) = pair;
       }
+    if constexpr (!Traits::kEarlyDv) gemm_rs(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
     consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
 
@@ -422,7 +448,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     gemm_rs(mma_dkv, rdS, tdKrQt(_, _, _, st.index), acc_dk);
     warpgroup_wait<1>();  // dV and dQ done: dO's last reader
     smem.pipe_do.consumer_release(st);
-    Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Traits::kDqCols>>{}));
+    Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kDqRows>, Int<kDqCols>>{}));
 #pragma unroll
     for (int i = 0; i < size(acc_dq); i += 2) {  // elements i, i+1 are neighbouring columns
       const int at = Traits::DqLayout::in_slab(get<0>(cdQ(i)), get<1>(cdQ(i)));
@@ -431,7 +457,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
     consumers_sync(BwdBarrier::DqReady, 128, wg);
     if (tid == 0) {
-      bulk_reduce_add_f32(params.dq_accum + (rows_base + q0) * kHeadDim + wg * kBlockM * Traits::kDqCols,
+      // The slabs of a query block follow each other, in warpgroup order (DqSlabs).
+      bulk_reduce_add_f32(params.dq_accum + (rows_base + q0) * kHeadDim + wg * kDqRows * kDqCols,
                           sdq, Traits::kBytesdQ);
       tma_store_arrive();  // commit the bulk group
     }
