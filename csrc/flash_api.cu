@@ -106,9 +106,8 @@ extern "C" flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* param
   if (r.status != FLASHATTN_OK) return r;
   const flashattn_params_t& p = *params;
   if (p.softcap < 0.f) return status(FLASHATTN_INVALID_ARGUMENT);
-  // Built for d64/d128 without softcap and without the deterministic mode (the dispatcher sends
-  // the rest to the sm80 backward).
-  if (p.softcap > 0.f || p.deterministic) return status(FLASHATTN_UNSUPPORTED);
+  // Built for d64/d128 without softcap (the dispatcher sends the rest to the sm80 backward).
+  if (p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
   const bool bf16 = p.dtype == FLASHATTN_BF16;
   auto s = static_cast<cudaStream_t>(stream);
   using namespace flashattn::sm90;

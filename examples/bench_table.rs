@@ -341,7 +341,8 @@ fn main() {
         let sm80 = backend == Backend::Sm80;
         let sm90_bwd = backend == Backend::Sm90 && schedule == full && d != 256;
         let bwd_ms = (sm80 || sm90_bwd).then(|| median_backward(&cfg));
-        let bwd_det_ms = sm80.then(|| median_backward(&cfg.clone().deterministic(true)));
+        let bwd_det_ms =
+            (sm80 || sm90_bwd).then(|| median_backward(&cfg.clone().deterministic(true)));
         let bwd_tflops = |ms: f64| 2.5 * problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
         let row = Row {
             d,

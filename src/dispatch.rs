@@ -153,15 +153,13 @@ pub fn check_backend(
                     backend: name,
                 });
             }
-            // The sm90 backward is built for d64/d128 without softcap and without the
-            // deterministic mode; Auto then takes the sm80 one.
+            // The sm90 backward is built for d64/d128 without softcap; Auto then takes the sm80
+            // one.
             if backend == Backend::Sm90 && op == Op::Backward {
                 let missing = if problem.head_dim == 256 {
                     Some("head dim 256")
                 } else if cfg.softcap.is_some() {
                     Some("softcap")
-                } else if cfg.deterministic {
-                    Some("the deterministic mode")
                 } else {
                     None
                 };

@@ -268,6 +268,13 @@ fn sm90_bwd_sanitizer_set() {
             window: (Some(100), None),
             ..Case::new(100, 400, 128, false)
         },
+        // Deterministic: semaphores hand each dQ slab from key block to key block, GQA per head.
+        Case {
+            heads_q: 4,
+            heads_kv: 2,
+            deterministic: true,
+            ..Case::new(200, 300, 64, true)
+        },
     ];
     run_all::<bf16>(&cases, Backend::Sm90, "sm90 bwd sanitizer set");
 }
@@ -292,7 +299,7 @@ fn sm90_bwd_dispatch() {
                 deterministic: true,
                 ..Case::new(100, 100, 64, false)
             },
-            Backend::Sm80,
+            Backend::Sm90,
         ),
     ] {
         let g = run_case::<bf16>(&dev, &stream, &case, Backend::Auto, 5000);
@@ -322,15 +329,12 @@ fn sm80_bwd_sanitizer_set() {
     run_all::<bf16>(&cases, Backend::Sm80, "sm80 bwd sanitizer set");
 }
 
-/// Deterministic mode (dQ in per-CTA slices, GQA dK/dV per query head, fixed summation order):
-/// correct under §4 and bit-identical over two runs, at shapes where each CTA walks several key
-/// blocks (few heads, so the dQ slices outnumber one).
-#[test]
-#[ignore = "needs a GPU"]
-fn sm80_bwd_deterministic() {
+/// Deterministic mode, correct under §4 and bit-identical over two runs: cases for `dims` on
+/// `backend`.
+fn check_deterministic(dims: &[usize], backend: Backend, extra: Vec<Case>) {
     let (dev, stream) = device();
     let mut cases = vec![];
-    for d in [64, 128, 256] {
+    for &d in dims {
         let det = |c: Case| Case {
             deterministic: true,
             ..c
@@ -344,14 +348,15 @@ fn sm80_bwd_deterministic() {
             ..Case::new(300, 513, d, false)
         }));
     }
+    cases.extend(extra);
     let mut failures = vec![];
     for (n, case) in cases.iter().enumerate() {
-        let first = run_case::<bf16>(&dev, &stream, case, Backend::Sm80, 4000 + n as u64);
-        let second = run_case::<bf16>(&dev, &stream, case, Backend::Sm80, 4000 + n as u64);
+        let first = run_case::<bf16>(&dev, &stream, case, backend, 4000 + n as u64);
+        let second = run_case::<bf16>(&dev, &stream, case, backend, 4000 + n as u64);
         let identical = first.bits == second.bits;
         println!(
-            "sm80 bwd deterministic b{} sq{} sk{} h{}/{} d{} causal={}: dQ {}; dK {}; dV {}; \
-             bit-identical over two runs: {identical}",
+            "{backend:?} bwd deterministic b{} sq{} sk{} h{}/{} d{} causal={} window={:?}: dQ {}; \
+             dK {}; dV {}; bit-identical over two runs: {identical}",
             case.batch,
             case.seqlen_q,
             case.seqlen_k,
@@ -359,6 +364,7 @@ fn sm80_bwd_deterministic() {
             case.heads_kv,
             case.head_dim,
             case.causal,
+            case.window,
             first.dq,
             first.dk,
             first.dv
@@ -372,4 +378,35 @@ fn sm80_bwd_deterministic() {
         "failed cases:\n{}",
         failures.join("\n")
     );
+}
+
+/// sm80: dQ in per-CTA slices, GQA dK/dV per query head, fixed summation order; at shapes where
+/// each CTA walks several key blocks (few heads, so the dQ slices outnumber one).
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_bwd_deterministic() {
+    check_deterministic(&[64, 128, 256], Backend::Sm80, vec![]);
+}
+
+/// sm90: each query block's dQ slab is added key block after key block (semaphores), GQA dK/dV
+/// per query head; plus sliding windows (the key blocks that see a query block start later) and
+/// many key blocks per head.
+#[test]
+#[ignore = "needs a GPU"]
+fn sm90_bwd_deterministic() {
+    let mut extra = vec![];
+    for d in [64, 128] {
+        extra.push(Case {
+            deterministic: true,
+            window: (Some(200), Some(0)),
+            ..Case::new(900, 1000, d, false)
+        });
+        extra.push(Case {
+            deterministic: true,
+            heads_q: 2,
+            heads_kv: 2,
+            ..Case::new(3000, 3000, d, true)
+        });
+    }
+    check_deterministic(&[64, 128], Backend::Sm90, extra);
 }

@@ -127,8 +127,12 @@ struct BwdParams {
   typename Traits::Element* dv;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-  float* dk_accum;  // GQA: (batch, heads_kv, seqlen_k, d) zeroed, else null
+  float* dk_accum;  // GQA: (batch, heads_kv, seqlen_k, d) zeroed (deterministic: heads_q), else null
   float* dv_accum;
+  // Deterministic mode: per (batch·head, query block, warpgroup) the number of key blocks whose
+  // dQ has been added, zeroed; each CTA adds its slab when the key blocks before it have (FA3's
+  // semaphore), so the sums run in key-block order. Null otherwise.
+  int* dq_semaphore;
   int batch, heads_q, heads_kv, seqlen_q, seqlen_k, dq_rows;
   TileOrder order;  // (key block, batch·head) of each CTA; heavy-first under a right bound
   KeyRange keys;
@@ -144,6 +148,21 @@ enum class BwdBarrier : uint32_t {
 
 __device__ inline void consumers_sync(BwdBarrier b, int threads, int wg = 0) {
   cutlass::arch::NamedBarrier::sync(threads, static_cast<uint32_t>(b) + wg);
+}
+
+// Deterministic mode's hand-over between the CTAs that add into one dQ slab.
+__device__ inline void wait_for_count(const int* counter, int count) {
+  int seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
+  } while (seen != count);
+}
+// The issuing thread's bulk adds have reached global memory; then the next CTA may add.
+__device__ inline void finish_bulk_adds_and_signal(int* counter) {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  __threadfence();
+  atomicAdd(counter, 1);
 }
 
 // dst[i] += src[i] for `bytes` bytes of f32, by the TMA unit (one thread issues it).
@@ -334,6 +353,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   float* sdq = smem.dq[wg];
+  auto dq_semaphore_at = [&](int m) {
+    return params.dq_semaphore + ((int64_t(bh) * (params.dq_rows / kBlockM) + m) * kConsumerWGs + wg);
+  };
   // This thread's columns (queries) of the Sᵀ tile: the same for every row.
   constexpr int kCols = decltype(size<1>(rowcol_s))::value;
 
@@ -414,7 +436,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // stage two blocks ago (its dQ GEMM completed before it passed the barrier below last
     // block); the slab must be free: the previous block's bulk add has read it once its
     // thread's wait returns.
-    if (tid == 0) tma_store_wait<0>();
+    if (tid == 0) {
+      if (params.dq_semaphore != nullptr && m > m_first)
+        finish_bulk_adds_and_signal(dq_semaphore_at(m - 1));
+      else
+        tma_store_wait<0>();
+    }
     // rdS holds dSᵀ register for register like the accumulator: index it as (key, query).
     Tensor rowcol_rdS = make_tensor(rdS.data(), acc_rowcol(acc_dp.layout()));
 #pragma unroll
@@ -457,6 +484,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
     consumers_sync(BwdBarrier::DqReady, 128, wg);
     if (tid == 0) {
+      // Deterministic: after the key blocks before this one that see these rows (a contiguous
+      // run from the first key block row q0 sees: both bounds of a row's keys grow with it).
+      if (params.dq_semaphore != nullptr)
+        wait_for_count(dq_semaphore_at(m), n_block - params.keys.lo(q0) / kBlockN);
       // The slabs of a query block follow each other, in warpgroup order (DqSlabs).
       bulk_reduce_add_f32(params.dq_accum + (rows_base + q0) * kHeadDim + wg * kDqRows * kDqCols,
                           sdq, Traits::kBytesdQ);
@@ -466,7 +497,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     smem.pipe_q.consumer_release(st);
     st.advance();
   }
-  if (tid == 0) tma_store_wait<0>();  // the slab must stay until the last bulk add read it
+  if (tid == 0) {  // the slab must stay until the last bulk add read it
+    if (params.dq_semaphore != nullptr && m_end > m_first)
+      finish_bulk_adds_and_signal(dq_semaphore_at(m_end - 1));
+    else
+      tma_store_wait<0>();
+  }
 
   // ---------------- dK·scale and dV ----------------
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(typename Traits::TileK{}));
@@ -486,15 +522,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + row * params.dk_row_stride + col) = k2;
       *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + row * params.dv_row_stride + col) = v2;
     }
-  } else if (m_end > m_first) {  // GQA: this query head's share into the KV head's sums
-    const int64_t base = (int64_t(batch) * params.heads_kv + head_kv) * params.seqlen_k;
+  } else if (m_end > m_first) {
+    // GQA: this query head's share into the KV head's sums; deterministic: into its own rows,
+    // which the conversion sums over the group in head order.
+    const bool own = params.dq_semaphore != nullptr;
+    const int64_t base = own ? int64_t(bh) * params.seqlen_k
+                             : (int64_t(batch) * params.heads_kv + head_kv) * params.seqlen_k;
 #pragma unroll
-    for (int i = 0; i < size(acc_dk); ++i) {
+    for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
       const int row = key0 + get<0>(cKV(i));
       if (row >= params.seqlen_k) continue;
       const int64_t at = (base + row) * kHeadDim + get<1>(cKV(i));
-      atomicAdd(params.dk_accum + at, acc_dk(i));
-      atomicAdd(params.dv_accum + at, acc_dv(i));
+      if (own) {
+        *reinterpret_cast<float2*>(params.dk_accum + at) = make_float2(acc_dk(i), acc_dk(i + 1));
+        *reinterpret_cast<float2*>(params.dv_accum + at) = make_float2(acc_dv(i), acc_dv(i + 1));
+      } else {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          atomicAdd(params.dk_accum + at + j, acc_dk(i + j));
+          atomicAdd(params.dv_accum + at + j, acc_dv(i + j));
+        }
+      }
     }
   }
 #endif

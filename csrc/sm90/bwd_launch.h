@@ -22,7 +22,7 @@ namespace flashattn::sm90 {
 template <class Element, int kHeadDim>
 flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Traits = BwdTraits<Element, kHeadDim>;
-  if (p.deterministic || p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
+  if (p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
   const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   if (int64_t(n_blocks) * p.heads_q * p.batch > INT_MAX) return status(FLASHATTN_UNSUPPORTED);
   // The dQ accumulator here is (batch, heads_q, dq_rows, d) in slabs (Traits::DqLayout): the
@@ -67,6 +67,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   const bool gqa = p.heads_q != p.heads_kv;
   params.dk_accum = gqa ? reinterpret_cast<float*>(base + ws.dk_accum) : nullptr;
   params.dv_accum = gqa ? reinterpret_cast<float*>(base + ws.dv_accum) : nullptr;
+  params.dq_semaphore = p.deterministic ? reinterpret_cast<int*>(base + ws.dq_semaphore) : nullptr;
   params.batch = p.batch;
   params.heads_q = p.heads_q;
   params.heads_kv = p.heads_kv;
@@ -82,8 +83,10 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   const int group = TileOrder::heads_per_group(q_bytes, l2_bytes() / 2);
   params.order = {n_blocks, p.batch * p.heads_q, params.keys.window_right >= 0 ? group : 0};
 
-  FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dq_accum, 0, ws.lse_log2 - ws.dq_accum, stream));
-  if (gqa)
+  // One dQ slice (the deterministic sm80 backward's further slices stay unused here).
+  const int64_t dq_bytes = int64_t(p.batch) * p.heads_q * dq_rows * kHeadDim * sizeof(float);
+  FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dq_accum, 0, dq_bytes, stream));
+  if (gqa || p.deterministic)
     FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dk_accum, 0, ws.bytes - ws.dk_accum, stream));
   const BwdRowsParams rows{p.o.ptr, p.dout.ptr, p.lse, lse_log2, softmax_d,
                            p.o.batch_stride, p.o.row_stride, p.o.head_stride,
@@ -100,12 +103,14 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
            stream>>>(params);
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 
+  // GQA dK/dV: per KV head, or in deterministic mode per query head, summed here in head order.
+  const int kv_group = p.deterministic ? p.heads_q / p.heads_kv : 1;
   auto convert = [&](const float* src, const flashattn_tensor_t& dst, int heads, int seqlen,
                      float scale) {
     const int64_t chunks = int64_t(p.batch) * heads * seqlen * (kHeadDim / 8);
     bwd_convert<Element, kHeadDim><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
-        src, seqlen, 1, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride, p.batch,
-        heads, seqlen, scale);
+        src, seqlen, kv_group, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride,
+        p.batch, heads, seqlen, scale);
     return cudaGetLastError();
   };
   const int64_t dq_chunks = int64_t(p.batch) * p.heads_q * p.seqlen_q * (kHeadDim / 8);

@@ -133,8 +133,9 @@ pub(crate) fn forward(
 
 /// Bytes of workspace the backward needs (layout in csrc/sm80/bwd_instantiations.h, which
 /// refuses a smaller one): the f32 dQ accumulator (one slice per `bwd_dq_splits`), LSE·log2(e)
-/// and rowsum(dO ∘ O) (each with seqlen_q rounded up to 128 rows per head), and with GQA f32 dK
-/// and dV sums (per KV head, or per query head in deterministic mode), each padded to 256 bytes.
+/// and rowsum(dO ∘ O) (each with seqlen_q rounded up to 128 rows per head), with GQA f32 dK
+/// and dV sums (per KV head, or per query head in deterministic mode), and in deterministic mode
+/// the sm90 backward's dQ semaphores (an i32 per 64 rows and warpgroup), each padded to 256 bytes.
 pub(crate) fn bwd_workspace_bytes(problem: &Problem, deterministic: bool, sm_count: i32) -> usize {
     let align = |x: usize| x.div_ceil(256) * 256;
     let rows_dq = problem.batch * problem.heads_q * problem.seqlen_q.div_ceil(128) * 128;
@@ -150,6 +151,11 @@ pub(crate) fn bwd_workspace_bytes(problem: &Problem, deterministic: bool, sm_cou
     splits * align(rows_dq * d * 4)
         + 2 * align(rows_dq * 4)
         + if gqa { 2 * align(rows_k * d * 4) } else { 0 }
+        + if deterministic {
+            align(rows_dq / 64 * 2 * 4)
+        } else {
+            0
+        }
 }
 
 /// dQ slices of the deterministic backward: as many CTAs per (batch, head) as fit in one wave on
