@@ -174,7 +174,9 @@ __device__ inline void bulk_reduce_add_f32(float* dst, const float* src, uint32_
                : "memory");
 }
 
-template <class Traits>
+// kDeterministic: dQ through the semaphores (params.dq_semaphore), GQA dK/dV per query head. Its
+// own instantiation: the branches cost the atomic path registers (ptxas spills, ~5% at d128).
+template <class Traits, bool kDeterministic>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_kernel(__grid_constant__ const BwdParams<Traits> params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -191,6 +193,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   int n_block, bh;
   params.order.at(blockIdx.x, n_block, bh);
+  // Deterministic with a right bound (causal): the key blocks run lightest first and hand each
+  // dQ slab downwards, from the block nearest the diagonal (the first to reach a query block)
+  // to block 0; the hand-over order follows the launch order, so no CTA waits on one that may
+  // not have started.
+  const bool keys_descending = kDeterministic && params.keys.window_right >= 0;
+  if (keys_descending) n_block = params.order.tiles - 1 - n_block;
   const int head = bh % params.heads_q, batch = bh / params.heads_q;
   const int head_kv = head / (params.heads_q / params.heads_kv);
   const int col_begin = n_block * kBlockN;
@@ -437,7 +445,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // block); the slab must be free: the previous block's bulk add has read it once its
     // thread's wait returns.
     if (tid == 0) {
-      if (params.dq_semaphore != nullptr && m > m_first)
+      if (kDeterministic && m > m_first)
         finish_bulk_adds_and_signal(dq_semaphore_at(m - 1));
       else
         tma_store_wait<0>();
@@ -484,10 +492,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
     consumers_sync(BwdBarrier::DqReady, 128, wg);
     if (tid == 0) {
-      // Deterministic: after the key blocks before this one that see these rows (a contiguous
-      // run from the first key block row q0 sees: both bounds of a row's keys grow with it).
-      if (params.dq_semaphore != nullptr)
-        wait_for_count(dq_semaphore_at(m), n_block - params.keys.lo(q0) / kBlockN);
+      // Deterministic: after the key blocks before this one in hand-over order that see these
+      // rows: a contiguous run, from the first key block row q0 sees to the last one the
+      // block's last row sees (both bounds of a row's keys grow with the row).
+      if constexpr (kDeterministic) {
+        int before;
+        if (keys_descending) {
+          const int q_last = min(q0 + kBlockM, params.seqlen_q) - 1;
+          before = (params.keys.hi(q_last) + kBlockN - 1) / kBlockN - 1 - n_block;
+        } else {
+          before = n_block - params.keys.lo(q0) / kBlockN;
+        }
+        wait_for_count(dq_semaphore_at(m), before);
+      }
       // The slabs of a query block follow each other, in warpgroup order (DqSlabs).
       bulk_reduce_add_f32(params.dq_accum + (rows_base + q0) * kHeadDim + wg * kDqRows * kDqCols,
                           sdq, Traits::kBytesdQ);
@@ -498,7 +515,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     st.advance();
   }
   if (tid == 0) {  // the slab must stay until the last bulk add read it
-    if (params.dq_semaphore != nullptr && m_end > m_first)
+    if (kDeterministic && m_end > m_first)
       finish_bulk_adds_and_signal(dq_semaphore_at(m_end - 1));
     else
       tma_store_wait<0>();
@@ -525,7 +542,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   } else if (m_end > m_first) {
     // GQA: this query head's share into the KV head's sums; deterministic: into its own rows,
     // which the conversion sums over the group in head order.
-    const bool own = params.dq_semaphore != nullptr;
+    constexpr bool own = kDeterministic;
     const int64_t base = own ? int64_t(bh) * params.seqlen_k
                              : (int64_t(batch) * params.heads_kv + head_kv) * params.seqlen_k;
 #pragma unroll
@@ -533,7 +550,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int row = key0 + get<0>(cKV(i));
       if (row >= params.seqlen_k) continue;
       const int64_t at = (base + row) * kHeadDim + get<1>(cKV(i));
-      if (own) {
+      if constexpr (own) {
         *reinterpret_cast<float2*>(params.dk_accum + at) = make_float2(acc_dk(i), acc_dk(i + 1));
         *reinterpret_cast<float2*>(params.dv_accum + at) = make_float2(acc_dv(i), acc_dv(i + 1));
       } else {

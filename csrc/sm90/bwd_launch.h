@@ -96,7 +96,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   bwd_preprocess<Element, kHeadDim><<<unsigned((rows_dq + 7) / 8), 256, 0, stream>>>(rows);
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 
-  auto kernel = bwd_kernel<Traits>;
+  auto kernel = p.deterministic ? bwd_kernel<Traits, true> : bwd_kernel<Traits, false>;
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
   FLASHATTN_TRY_CUDA(allow_dynamic_smem<Traits>(kernel, smem_bytes));
   kernel<<<unsigned(int64_t(n_blocks) * p.heads_q * p.batch), Traits::kThreads, smem_bytes,
