@@ -7,6 +7,8 @@
 
 #include <climits>
 #include <cmath>
+#include <type_traits>
+#include <utility>
 
 #include "../common/bwd_passes.h"
 #include "../common/launch.h"
@@ -96,9 +98,15 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   bwd_preprocess<Element, kHeadDim><<<unsigned((rows_dq + 7) / 8), 256, 0, stream>>>(rows);
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 
-  auto kernel = p.deterministic ? bwd_kernel<Traits, true> : bwd_kernel<Traits, false>;
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
-  FLASHATTN_TRY_CUDA(allow_dynamic_smem<Traits>(kernel, smem_bytes));
+  // Each instantiation keeps its own record of the shared-memory opt-in.
+  auto kernel = bwd_kernel<Traits, false>;
+  if (p.deterministic) {
+    kernel = bwd_kernel<Traits, true>;
+    FLASHATTN_TRY_CUDA((allow_dynamic_smem<std::pair<Traits, std::true_type>>(kernel, smem_bytes)));
+  } else {
+    FLASHATTN_TRY_CUDA(allow_dynamic_smem<Traits>(kernel, smem_bytes));
+  }
   kernel<<<unsigned(int64_t(n_blocks) * p.heads_q * p.batch), Traits::kThreads, smem_bytes,
            stream>>>(params);
   FLASHATTN_TRY_CUDA(cudaGetLastError());
