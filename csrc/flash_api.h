@@ -63,7 +63,7 @@ typedef struct {
   // Backward operands: dout like o; dq like q; dk, dv like k, v.
   flashattn_tensor_t dout, dq, dk, dv;
   // Workspace for the backward: f32 dQ accumulator, rowsum(dO*O) and, with GQA, f32 dK/dV sums
-  // (layout and size: bwd_workspace in csrc/sm80/bwd_instantiations.h; a smaller one is refused
+  // (layout and size: bwd_workspace in csrc/common/bwd_workspace.h; a smaller one is refused
   // with FLASHATTN_INVALID_ARGUMENT).
   void* workspace;
   int64_t workspace_bytes;

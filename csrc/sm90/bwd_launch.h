@@ -11,10 +11,10 @@
 #include <utility>
 
 #include "../common/bwd_passes.h"
+#include "../common/bwd_workspace.h"
 #include "../common/launch.h"
 #include "../common/status.h"
 #include "../flash_api.h"
-#include "../sm80/bwd_instantiations.h"  // the workspace layout both families share
 #include "bwd_instantiations.h"
 #include "bwd_kernel.h"
 #include "tma_tensor.h"
@@ -29,12 +29,12 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   if (int64_t(n_blocks) * p.heads_q * p.batch > INT_MAX) return status(FLASHATTN_UNSUPPORTED);
   // The dQ accumulator here is (batch, heads_q, dq_rows, d) in slabs (Traits::DqLayout): the
   // same bytes as the sm80 family's one slice, so the caller's workspace size holds for both.
-  const sm80::BwdWorkspace ws = sm80::bwd_workspace(p);
+  const BwdWorkspace ws = bwd_workspace(p);
   if (p.workspace == nullptr || p.workspace_bytes < ws.bytes)
     return status(FLASHATTN_INVALID_ARGUMENT);
   char* base = static_cast<char*>(p.workspace);
-  const int dq_rows = sm80::dq_accum_rows(p.seqlen_q);
-  static_assert(sm80::kDqRowAlign % Traits::kBlockM == 0);
+  const int dq_rows = dq_accum_rows(p.seqlen_q);
+  static_assert(kDqRowAlign % Traits::kBlockM == 0);
 
   BwdParams<Traits> params;
   auto tensor = [&](const flashattn_tensor_t& t, int seqlen, int heads) {

@@ -131,7 +131,7 @@ pub(crate) fn forward(
     ffi::check(r, backend.name(), "forward")
 }
 
-/// Bytes of workspace the backward needs (layout in csrc/sm80/bwd_instantiations.h, which
+/// Bytes of workspace the backward needs (layout in csrc/common/bwd_workspace.h, which
 /// refuses a smaller one): the f32 dQ accumulator (one slice per `bwd_dq_splits`), LSE·log2(e)
 /// and rowsum(dO ∘ O) (each with seqlen_q rounded up to 128 rows per head), with GQA f32 dK
 /// and dV sums (per KV head, or per query head in deterministic mode), and in deterministic mode
