@@ -159,7 +159,7 @@ pub(crate) fn bwd_workspace_bytes(problem: &Problem, deterministic: bool, sm_cou
 }
 
 /// dQ slices of the deterministic backward: as many CTAs per (batch, head) as fit in one wave on
-/// the SMs, at most one per 128 keys (csrc/sm80/bwd_instantiations.h, bwd_dq_splits).
+/// the SMs, at most one per 128 keys (csrc/common/bwd_workspace.h, bwd_dq_splits).
 fn bwd_dq_splits(problem: &Problem, deterministic: bool, sm_count: i32) -> usize {
     if !deterministic {
         return 1;
