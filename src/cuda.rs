@@ -285,8 +285,12 @@ impl Device {
         ])?;
         let plan = self.plan(Op::Backward, &problem, cfg)?;
         self.ctx.bind_to_thread().map_err(driver_error)?;
-        let workspace_bytes =
-            gpu::bwd_workspace_bytes(&problem, cfg.deterministic, self.info.sm_count);
+        let workspace_bytes = gpu::bwd_workspace_bytes(
+            &problem,
+            plan.backend,
+            cfg.deterministic,
+            self.info.sm_count,
+        );
         // SAFETY: the kernels zero what they accumulate into and write the rest before reading.
         let mut workspace = unsafe { stream.alloc::<u8>(workspace_bytes) }.map_err(driver_error)?;
 

@@ -29,7 +29,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   if (p.heads_q > 65535 || p.batch > 65535 ||
       int64_t(p.seqlen_k / Traits::kBlockN + 1) * p.heads_q * p.batch > INT_MAX)
     return status(FLASHATTN_UNSUPPORTED);
-  const BwdWorkspace ws = bwd_workspace(p);
+  const BwdWorkspace ws = bwd_workspace(p, bwd_dq_splits(p));
   if (p.workspace == nullptr || p.workspace_bytes < ws.bytes)
     return status(FLASHATTN_INVALID_ARGUMENT);
   char* base = static_cast<char*>(p.workspace);

@@ -27,9 +27,8 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   if (p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
   const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   if (int64_t(n_blocks) * p.heads_q * p.batch > INT_MAX) return status(FLASHATTN_UNSUPPORTED);
-  // The dQ accumulator here is (batch, heads_q, dq_rows, d) in slabs (Traits::DqLayout): the
-  // same bytes as the sm80 family's one slice, so the caller's workspace size holds for both.
-  const BwdWorkspace ws = bwd_workspace(p);
+  // One dQ accumulator (batch, heads_q, dq_rows, d) in slabs (Traits::DqLayout), in either mode.
+  const BwdWorkspace ws = bwd_workspace(p, 1);
   if (p.workspace == nullptr || p.workspace_bytes < ws.bytes)
     return status(FLASHATTN_INVALID_ARGUMENT);
   char* base = static_cast<char*>(p.workspace);
@@ -85,9 +84,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   const int group = TileOrder::heads_per_group(q_bytes, l2_bytes() / 2);
   params.order = {n_blocks, p.batch * p.heads_q, params.keys.window_right >= 0 ? group : 0};
 
-  // One dQ slice (the deterministic sm80 backward's further slices stay unused here).
-  const int64_t dq_bytes = int64_t(p.batch) * p.heads_q * dq_rows * kHeadDim * sizeof(float);
-  FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dq_accum, 0, dq_bytes, stream));
+  FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dq_accum, 0, ws.lse_log2 - ws.dq_accum, stream));
   if (gqa || p.deterministic)
     FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dk_accum, 0, ws.bytes - ws.dk_accum, stream));
   const BwdRowsParams rows{p.o.ptr, p.dout.ptr, p.lse, lse_log2, softmax_d,

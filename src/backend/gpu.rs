@@ -132,11 +132,17 @@ pub(crate) fn forward(
 }
 
 /// Bytes of workspace the backward needs (layout in csrc/common/bwd_workspace.h, which
-/// refuses a smaller one): the f32 dQ accumulator (one slice per `bwd_dq_splits`), LSE·log2(e)
+/// refuses a smaller one): the f32 dQ accumulator (one slice, or on Sm80 in deterministic mode
+/// one per `bwd_dq_splits`), LSE·log2(e)
 /// and rowsum(dO ∘ O) (each with seqlen_q rounded up to 128 rows per head), with GQA f32 dK
 /// and dV sums (per KV head, or per query head in deterministic mode), and in deterministic mode
 /// the sm90 backward's dQ semaphores (an i32 per 64 rows and warpgroup), each padded to 256 bytes.
-pub(crate) fn bwd_workspace_bytes(problem: &Problem, deterministic: bool, sm_count: i32) -> usize {
+pub(crate) fn bwd_workspace_bytes(
+    problem: &Problem,
+    backend: Backend,
+    deterministic: bool,
+    sm_count: i32,
+) -> usize {
     let align = |x: usize| x.div_ceil(256) * 256;
     let rows_dq = problem.batch * problem.heads_q * problem.seqlen_q.div_ceil(128) * 128;
     let heads_k = if deterministic {
@@ -147,8 +153,12 @@ pub(crate) fn bwd_workspace_bytes(problem: &Problem, deterministic: bool, sm_cou
     let rows_k = problem.batch * heads_k * problem.seqlen_k;
     let d = problem.head_dim;
     let gqa = problem.heads_q != problem.heads_kv;
-    let splits = bwd_dq_splits(problem, deterministic, sm_count);
-    splits * align(rows_dq * d * 4)
+    let slices = if backend == Backend::Sm90 {
+        1
+    } else {
+        bwd_dq_splits(problem, deterministic, sm_count)
+    };
+    slices * align(rows_dq * d * 4)
         + 2 * align(rows_dq * 4)
         + if gqa { 2 * align(rows_k * d * 4) } else { 0 }
         + if deterministic {
