@@ -106,7 +106,8 @@ extern "C" flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* param
   if (r.status != FLASHATTN_OK) return r;
   const flashattn_params_t& p = *params;
   if (p.softcap < 0.f) return status(FLASHATTN_INVALID_ARGUMENT);
-  // Built for d64/d128 without softcap (the dispatcher sends the rest to the sm80 backward).
+  // Softcap (and deterministic d256, refused by its launcher) is not built for sm90: the
+  // dispatcher sends those calls to the sm80 backward.
   if (p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
   const bool bf16 = p.dtype == FLASHATTN_BF16;
   auto s = static_cast<cudaStream_t>(stream);
@@ -114,6 +115,7 @@ extern "C" flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* param
   switch (p.head_dim) {
     case 64: return bf16 ? run_bwd_d64_bf16(p, s) : run_bwd_d64_fp16(p, s);
     case 128: return bf16 ? run_bwd_d128_bf16(p, s) : run_bwd_d128_fp16(p, s);
+    case 256: return bf16 ? run_bwd_d256_bf16(p, s) : run_bwd_d256_fp16(p, s);
     default: return status(FLASHATTN_UNSUPPORTED);
   }
 }

@@ -153,11 +153,11 @@ pub fn check_backend(
                     backend: name,
                 });
             }
-            // The sm90 backward is built for d64/d128 without softcap; Auto then takes the sm80
-            // one.
+            // The sm90 backward is built without softcap and without a deterministic d256
+            // variant; Auto then takes the sm80 one.
             if backend == Backend::Sm90 && op == Op::Backward {
-                let missing = if problem.head_dim == 256 {
-                    Some("head dim 256")
+                let missing = if problem.head_dim == 256 && cfg.deterministic {
+                    Some("head dim 256 in deterministic mode")
                 } else if cfg.softcap.is_some() {
                     Some("softcap")
                 } else {

@@ -243,6 +243,11 @@ fn sm90_bwd_d128_bf16() {
 }
 #[test]
 #[ignore = "needs a GPU"]
+fn sm90_bwd_d256_bf16() {
+    run_all::<bf16>(&sweep_sm90(256), Backend::Sm90, "sm90 bwd d256 bf16");
+}
+#[test]
+#[ignore = "needs a GPU"]
 fn sm90_bwd_d64_f16() {
     run_all::<f16>(&sweep_sm90(64), Backend::Sm90, "sm90 bwd d64 f16");
 }
@@ -250,6 +255,11 @@ fn sm90_bwd_d64_f16() {
 #[ignore = "needs a GPU"]
 fn sm90_bwd_d128_f16() {
     run_all::<f16>(&sweep_sm90(128), Backend::Sm90, "sm90 bwd d128 f16");
+}
+#[test]
+#[ignore = "needs a GPU"]
+fn sm90_bwd_d256_f16() {
+    run_all::<f16>(&sweep_sm90(256), Backend::Sm90, "sm90 bwd d256 f16");
 }
 
 #[test]
@@ -275,6 +285,12 @@ fn sm90_bwd_sanitizer_set() {
             deterministic: true,
             ..Case::new(200, 300, 64, true)
         },
+        // d256 (head dim split between the warpgroups): Pᵀ/dSᵀ stages, GQA, causal.
+        Case {
+            heads_q: 4,
+            heads_kv: 2,
+            ..Case::new(150, 130, 256, true)
+        },
     ];
     run_all::<bf16>(&cases, Backend::Sm90, "sm90 bwd sanitizer set");
 }
@@ -286,7 +302,14 @@ fn sm90_bwd_dispatch() {
     let (dev, stream) = device();
     for (case, want) in [
         (Case::new(100, 100, 128, true), Backend::Sm90),
-        (Case::new(100, 100, 256, true), Backend::Sm80),
+        (Case::new(100, 100, 256, true), Backend::Sm90),
+        (
+            Case {
+                deterministic: true,
+                ..Case::new(100, 100, 256, false)
+            },
+            Backend::Sm80,
+        ),
         (
             Case {
                 softcap: Some(30.0),

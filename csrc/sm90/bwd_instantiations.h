@@ -1,6 +1,6 @@
-// The sm90 backward instantiations, one translation unit each (bwd_d{64,128}_{bf16,fp16}.cu).
-// Head dim 256, softcap and the deterministic mode are not built for sm90 yet: the dispatcher
-// sends those calls to the sm80 backward.
+// The sm90 backward instantiations, one translation unit each (bwd_d{64,128,256}_{bf16,fp16}.cu).
+// Softcap, and the deterministic mode at d256, are not built for sm90: the dispatcher sends those
+// calls to the sm80 backward.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,8 +13,10 @@ namespace flashattn::sm90 {
   flashattn_result_t run_bwd_d##D##_##DTYPE(const flashattn_params_t& p, cudaStream_t stream);
 FLASHATTN_SM90_BWD(64, bf16)
 FLASHATTN_SM90_BWD(128, bf16)
+FLASHATTN_SM90_BWD(256, bf16)
 FLASHATTN_SM90_BWD(64, fp16)
 FLASHATTN_SM90_BWD(128, fp16)
+FLASHATTN_SM90_BWD(256, fp16)
 #undef FLASHATTN_SM90_BWD
 
 }  // namespace flashattn::sm90

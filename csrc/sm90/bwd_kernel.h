@@ -18,17 +18,10 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cute/arch/copy_sm90_tma.hpp>
-#include <cute/atom/copy_traits_sm90_tma.hpp>
-#include <cute/atom/mma_traits_sm90_gmma.hpp>
-#include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
-#include <cutlass/numeric_conversion.h>
 
-#include "../common/block_range.h"
 #include "../common/bwd_passes.h"
-#include "../common/tile_order.h"
-#include "pipeline.h"
+#include "bwd_common.h"
 #include "softmax.h"
 
 namespace flashattn::sm90 {
@@ -45,6 +38,7 @@ struct BwdTraits {
   static constexpr int kKeysPerWG = 64;   // keys per consumer warpgroup (the WGMMA's M)
   static constexpr int kConsumerWGs = 2;
   static constexpr int kBlockN = kKeysPerWG * kConsumerWGs;
+  static constexpr int kKeyTiles = kConsumerWGs;  // K and V as one TileK per warpgroup
   static constexpr int kStages = 2;       // Q, dO and dS buffers
   // dQ = dS·K over the block's 128 keys is split between the warpgroups: by query rows when
   // there are 128 (d64), else by columns of the head dim (d128); a 64 × 64 slab each.
@@ -114,66 +108,6 @@ struct BwdTraits {
   };
 };
 
-template <class Traits>
-struct BwdParams {
-  typename Traits::TmaQ tma_q;
-  typename Traits::TmaQ tma_do;
-  typename Traits::TmaK tma_k;
-  typename Traits::TmaK tma_v;
-  float* dq_accum;         // (batch, heads_q, dq_rows, d), zeroed
-  const float* lse_log2;   // (batch, heads_q, dq_rows): LSE·log2(e), +inf in the padding
-  const float* softmax_d;  // (batch, heads_q, dq_rows): rowsum(dO ∘ O), 0 in the padding
-  typename Traits::Element* dk;
-  typename Traits::Element* dv;
-  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
-  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-  float* dk_accum;  // GQA: (batch, heads_kv, seqlen_k, d) zeroed (deterministic: heads_q), else null
-  float* dv_accum;
-  // Deterministic mode: per (batch·head, query block, warpgroup) the number of key blocks whose
-  // dQ has been added, zeroed; each CTA adds its slab when the key blocks before it have (FA3's
-  // semaphore), so the sums run in key-block order. Null otherwise.
-  int* dq_semaphore;
-  int batch, heads_q, heads_kv, seqlen_q, seqlen_k, dq_rows;
-  TileOrder order;  // (key block, batch·head) of each CTA; heavy-first under a right bound
-  KeyRange keys;
-  float scale;       // softmax scale
-  float scale_log2;  // scale·log2(e)
-};
-
-// Named barriers per consumer warpgroup (CUTLASS's NamedBarrier adds its reserved offset).
-enum class BwdBarrier : uint32_t {
-  DsReady = 0,  // both consumer warpgroups: dS stored, previous bulk adds done reading their slabs
-  DqReady = 1,  // + warpgroup: the dQ slab stored
-};
-
-__device__ inline void consumers_sync(BwdBarrier b, int threads, int wg = 0) {
-  cutlass::arch::NamedBarrier::sync(threads, static_cast<uint32_t>(b) + wg);
-}
-
-// Deterministic mode's hand-over between the CTAs that add into one dQ slab.
-__device__ inline void wait_for_count(const int* counter, int count) {
-  int seen;
-  do {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
-  } while (seen != count);
-}
-// The issuing thread's bulk adds have reached global memory; then the next CTA may add.
-__device__ inline void finish_bulk_adds_and_signal(int* counter) {
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-  __threadfence();
-  atomicAdd(counter, 1);
-}
-
-// dst[i] += src[i] for `bytes` bytes of f32, by the TMA unit (one thread issues it).
-__device__ inline void bulk_reduce_add_f32(float* dst, const float* src, uint32_t bytes) {
-  const uint32_t smem = cast_smem_ptr_to_uint(src);
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
-                   dst),
-               "r"(smem), "r"(bytes)
-               : "memory");
-}
-
 // kDeterministic: dQ through the semaphores (params.dq_semaphore), GQA dK/dV per query head. Its
 // own instantiation: the branches cost the atomic path registers (ptxas spills, ~5% at d128).
 template <class Traits, bool kDeterministic>
@@ -191,31 +125,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-  int n_block, bh;
-  params.order.at(blockIdx.x, n_block, bh);
   // Deterministic with a right bound (causal): the key blocks run lightest first and hand each
   // dQ slab downwards, from the block nearest the diagonal (the first to reach a query block)
   // to block 0; the hand-over order follows the launch order, so no CTA waits on one that may
   // not have started.
   const bool keys_descending = kDeterministic && params.keys.window_right >= 0;
-  if (keys_descending) n_block = params.order.tiles - 1 - n_block;
-  const int head = bh % params.heads_q, batch = bh / params.heads_q;
-  const int head_kv = head / (params.heads_q / params.heads_kv);
+  const BwdCtaWork work = bwd_cta_work<kBlockN, kBlockM>(params, keys_descending);
+  const int n_block = work.n_block, bh = work.bh, head = work.head, batch = work.batch;
+  const int head_kv = work.head_kv, m_first = work.m_first, m_end = work.m_end;
   const int col_begin = n_block * kBlockN;
-  int row_lo, row_hi;  // query rows that see any of the block's keys
-  params.keys.rows_seeing(col_begin, col_begin + kBlockN, row_lo, row_hi);
-  const int m_first = row_lo / kBlockM;
-  const int m_end = row_hi > row_lo ? (row_hi - 1) / kBlockM + 1 : m_first;
   const int64_t rows_base = int64_t(bh) * params.dq_rows;  // this head's LSE, D and dQ rows
 
   const int warp_group = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    cutlass::arch::ClusterTransactionBarrier::init(&smem.kv_full, 1);
-    smem.pipe_q.init(4 * kConsumerWGs);  // one arrival per consumer warp
-    smem.pipe_do.init(4 * kConsumerWGs);
-    cutlass::arch::fence_barrier_init();
-  }
-  __syncthreads();
+  bwd_init_barriers(smem, 4 * kConsumerWGs);
 
   if (warp_group == 0) {
     // ---------------- producer: warp 0, one elected lane issues ----------------
@@ -223,50 +145,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (threadIdx.x / 32 != 0 || m_end == m_first) return;
     if (!cute::elect_one_sync()) return;
 
-    auto tma_tensor = [&](auto const& tma, int seqlen, int heads) {
-      return tma.get_tma_tensor(make_shape(seqlen, kHeadDim, heads, params.batch));
-    };
-    Tensor mK = tma_tensor(params.tma_k, params.seqlen_k, params.heads_kv);
-    Tensor mV = tma_tensor(params.tma_v, params.seqlen_k, params.heads_kv);
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
-        &smem.kv_full, 2 * kConsumerWGs * Traits::kBytesK);
-#pragma unroll
-    for (int wg = 0; wg < kConsumerWGs; ++wg) {
-      Tensor sK = make_tensor(make_smem_ptr(smem.k[wg].begin()), typename Traits::SmemLayoutK{});
-      Tensor sV = make_tensor(make_smem_ptr(smem.v[wg].begin()), typename Traits::SmemLayoutK{});
-      const auto block = make_coord(n_block * kConsumerWGs + wg, _0{});
-      auto cta_k = params.tma_k.get_slice(0);
-      auto cta_v = params.tma_v.get_slice(0);
-      copy(params.tma_k.with(smem.kv_full),
-           cta_k.partition_S(local_tile(mK(_, _, head_kv, batch), typename Traits::TileK{}, block)),
-           cta_k.partition_D(sK));
-      copy(params.tma_v.with(smem.kv_full),
-           cta_v.partition_S(local_tile(mV(_, _, head_kv, batch), typename Traits::TileK{}, block)),
-           cta_v.partition_D(sV));
-    }
-
-    Tensor mQ = tma_tensor(params.tma_q, params.seqlen_q, params.heads_q);
-    Tensor mdO = tma_tensor(params.tma_do, params.seqlen_q, params.heads_q);
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQ{});
-    auto cta_q = params.tma_q.get_slice(0);
-    auto cta_do = params.tma_do.get_slice(0);
-    Tensor tQgQ = group_modes<0, 3>(cta_q.partition_S(  // (TMA, query block)
-        local_tile(mQ(_, _, head, batch), typename Traits::TileQ{}, make_coord(_, _0{}))));
-    Tensor tdOgdO = group_modes<0, 3>(cta_do.partition_S(
-        local_tile(mdO(_, _, head, batch), typename Traits::TileQ{}, make_coord(_, _0{}))));
-    Tensor tQsQ = group_modes<0, 3>(cta_q.partition_D(sQ));  // (TMA, stage)
-    Tensor tdOsdO = group_modes<0, 3>(cta_do.partition_D(sdO));
-    PipelineState<kStages> st;
-#pragma unroll 1
-    for (int m = m_first; m < m_end; ++m) {
-      smem.pipe_q.producer_acquire(st, Traits::kBytesQ);
-      copy(params.tma_q.with(smem.pipe_q.full_barrier(st)), tQgQ(_, m), tQsQ(_, st.index));
-      smem.pipe_do.producer_acquire(st, Traits::kBytesQ);
-      copy(params.tma_do.with(smem.pipe_do.full_barrier(st)), tdOgdO(_, m),
-           tdOsdO(_, st.index));
-      st.advance();
-    }
+    bwd_produce(params, smem, n_block, head, head_kv, batch, m_first, m_end);
     return;
   }
 
@@ -333,33 +212,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // Pᵀ and dSᵀ in Element as the register A operands of dV and dK.
   auto rP = make_tensor<Element>(acc_as_operand_a(acc_s.layout()));
   auto rdS = make_tensor<Element>(acc_as_operand_a(acc_dp.layout()));
-  auto convert = [](auto const& acc, auto& dst) {
-    constexpr int N = decltype(size(acc))::value;
-    cutlass::NumericArrayConverter<Element, float, N> conv;
-    *reinterpret_cast<cutlass::Array<Element, N>*>(dst.data()) =
-        conv(*reinterpret_cast<cutlass::Array<float, N> const*>(acc.data()));
-  };
-  auto gemm_ss = [](auto& mma, auto const& a, auto const& b, auto& acc) {
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-    warpgroup_fence_operand(acc);
-    warpgroup_arrive();
-#pragma unroll
-    for (int k = 0; k < size<2>(a); ++k) {
-      gemm(mma, a(_, _, k), b(_, _, k), acc);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    warpgroup_fence_operand(acc);
-  };
-  auto gemm_rs = [](auto& mma, auto const& a, auto const& b, auto& acc) {
-    warpgroup_fence_operand(acc);
-    warpgroup_arrive();
-#pragma unroll
-    for (int k = 0; k < size<2>(a); ++k) gemm(mma, a(_, _, k), b(_, _, k), acc);
-    warpgroup_commit_batch();
-    warpgroup_fence_operand(acc);
-  };
-
   float* sdq = smem.dq[wg];
   auto dq_semaphore_at = [&](int m) {
     return params.dq_semaphore + ((int64_t(bh) * (params.dq_rows / kBlockM) + m) * kConsumerWGs + wg);
@@ -424,8 +276,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // dV as soon as Pᵀ is ready, under dPᵀ; with 128-query blocks that holds Pᵀ twice (f32 for
     // dS, Element for dV) beside both score accumulators, too many registers: dV after dS then.
     if constexpr (Traits::kEarlyDv) {
-      convert(acc_s, rP);
-      gemm_rs(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
+      convert_fragment(acc_s, rP);
+      gemm_accumulate(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
       warpgroup_wait<1>();  // dPᵀ ready (dV may still run)
     } else {
       warpgroup_wait<0>();  // dPᵀ ready
@@ -437,8 +289,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int r = 0; r < size<0>(rowcol_s); ++r)
         rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - dsum);
     }
-    if constexpr (!Traits::kEarlyDv) convert(acc_s, rP);
-    convert(acc_dp, rdS);
+    if constexpr (!Traits::kEarlyDv) convert_fragment(acc_s, rP);
+    convert_fragment(acc_dp, rdS);
 
     // dS to shared memory as (query, key) in this block's stage. The other warpgroup read the
     // stage two blocks ago (its dQ GEMM completed before it passed the barrier below last
@@ -462,7 +314,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         *reinterpret_cast<cutlass::Array<Element, 2>*>(
             &sdS(get<1>(rowcol_cS(r, c)), get<0>(rowcol_cS(r, c)), st.index)) = pair;
       }
-    if constexpr (!Traits::kEarlyDv) gemm_rs(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
+    if constexpr (!Traits::kEarlyDv) gemm_accumulate(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
     consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
 
@@ -480,7 +332,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       gemm(mma_dq, tdQrdS1(_, _, k, st.index), tdQrKt1(_, _, k), acc_dq);
     warpgroup_commit_batch();
     warpgroup_fence_operand(acc_dq);
-    gemm_rs(mma_dkv, rdS, tdKrQt(_, _, _, st.index), acc_dk);
+    gemm_accumulate(mma_dkv, rdS, tdKrQt(_, _, _, st.index), acc_dk);
     warpgroup_wait<1>();  // dV and dQ done: dO's last reader
     smem.pipe_do.consumer_release(st);
     Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kDqRows>, Int<kDqCols>>{}));
@@ -523,45 +375,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // ---------------- dK·scale and dV ----------------
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(typename Traits::TileK{}));
-  if (params.dk_accum == nullptr) {
-    Element* dk = params.dk + batch * params.dk_batch_stride + head * params.dk_head_stride;
-    Element* dv = params.dv + batch * params.dv_batch_stride + head * params.dv_head_stride;
-#pragma unroll
-    for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
-      const int row = key0 + get<0>(cKV(i));
-      if (row >= params.seqlen_k) continue;
-      const int col = get<1>(cKV(i));
-      cutlass::Array<Element, 2> k2, v2;
-      k2[0] = Element(acc_dk(i) * params.scale);
-      k2[1] = Element(acc_dk(i + 1) * params.scale);
-      v2[0] = Element(acc_dv(i));
-      v2[1] = Element(acc_dv(i + 1));
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + row * params.dk_row_stride + col) = k2;
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + row * params.dv_row_stride + col) = v2;
-    }
-  } else if (m_end > m_first) {
-    // GQA: this query head's share into the KV head's sums; deterministic: into its own rows,
-    // which the conversion sums over the group in head order.
-    constexpr bool own = kDeterministic;
-    const int64_t base = own ? int64_t(bh) * params.seqlen_k
-                             : (int64_t(batch) * params.heads_kv + head_kv) * params.seqlen_k;
-#pragma unroll
-    for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
-      const int row = key0 + get<0>(cKV(i));
-      if (row >= params.seqlen_k) continue;
-      const int64_t at = (base + row) * kHeadDim + get<1>(cKV(i));
-      if constexpr (own) {
-        *reinterpret_cast<float2*>(params.dk_accum + at) = make_float2(acc_dk(i), acc_dk(i + 1));
-        *reinterpret_cast<float2*>(params.dv_accum + at) = make_float2(acc_dv(i), acc_dv(i + 1));
-      } else {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          atomicAdd(params.dk_accum + at + j, acc_dk(i + j));
-          atomicAdd(params.dv_accum + at + j, acc_dv(i + j));
-        }
-      }
-    }
-  }
+  if (m_end > m_first || params.dk_accum == nullptr)
+    bwd_store_dkdv<kDeterministic, kHeadDim, Element>(params, acc_dk, acc_dv, cKV, key0, 0, bh,
+                                                      batch, head, head_kv);
 #endif
 }
 

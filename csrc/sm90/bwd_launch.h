@@ -17,14 +17,22 @@
 #include "../flash_api.h"
 #include "bwd_instantiations.h"
 #include "bwd_kernel.h"
+#include "bwd_kernel_split_d.h"
 #include "tma_tensor.h"
 
 namespace flashattn::sm90 {
 
+// d64/d128: the consumer warpgroups split the CTA's keys; d256: its head dim (no deterministic
+// variant).
+template <class Element, int kHeadDim>
+using BwdTraitsFor = std::conditional_t<kHeadDim == 256, BwdSplitDTraits<Element, kHeadDim>,
+                                        BwdTraits<Element, kHeadDim>>;
+
 template <class Element, int kHeadDim>
 flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
-  using Traits = BwdTraits<Element, kHeadDim>;
-  if (p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
+  using Traits = BwdTraitsFor<Element, kHeadDim>;
+  constexpr bool kSplitD = kHeadDim == 256;
+  if (p.softcap > 0.f || (kSplitD && p.deterministic)) return status(FLASHATTN_UNSUPPORTED);
   const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   if (int64_t(n_blocks) * p.heads_q * p.batch > INT_MAX) return status(FLASHATTN_UNSUPPORTED);
   // One dQ accumulator (batch, heads_q, dq_rows, d) in slabs (Traits::DqLayout), in either mode.
@@ -96,16 +104,21 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
-  // Each instantiation keeps its own record of the shared-memory opt-in.
-  auto kernel = bwd_kernel<Traits, false>;
-  if (p.deterministic) {
-    kernel = bwd_kernel<Traits, true>;
-    FLASHATTN_TRY_CUDA((allow_dynamic_smem<std::pair<Traits, std::true_type>>(kernel, smem_bytes)));
-  } else {
-    FLASHATTN_TRY_CUDA(allow_dynamic_smem<Traits>(kernel, smem_bytes));
-  }
-  kernel<<<unsigned(int64_t(n_blocks) * p.heads_q * p.batch), Traits::kThreads, smem_bytes,
-           stream>>>(params);
+  const unsigned ctas = unsigned(int64_t(n_blocks) * p.heads_q * p.batch);
+  // Each instantiation keeps its own record of the shared-memory opt-in (the Tag).
+  auto launch = [&](auto kernel, auto tag) {
+    FLASHATTN_TRY_CUDA(allow_dynamic_smem<decltype(tag)>(kernel, smem_bytes));
+    kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
+    return ok();
+  };
+  flashattn_result_t launched;
+  if constexpr (kSplitD)
+    launched = launch(bwd_kernel_split_d<Traits>, Traits{});
+  else if (p.deterministic)
+    launched = launch(bwd_kernel<Traits, true>, std::pair<Traits, std::true_type>{});
+  else
+    launched = launch(bwd_kernel<Traits, false>, Traits{});
+  if (launched.status != FLASHATTN_OK) return launched;
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 
   // GQA dK/dV: per KV head, or in deterministic mode per query head, summed here in head order.

@@ -1,0 +1,251 @@
+// What the sm90 backward kernels share (bwd_kernel.h splits a CTA's keys between the consumer
+// warpgroups, bwd_kernel_split_d.h the head dim): the kernel parameters, the named barriers, the
+// WGMMA issue helpers, the TMA producer, the dQ bulk-add helpers and the dK/dV epilogue.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_conversion.h>
+
+#include "../common/block_range.h"
+#include "../common/tile_order.h"
+#include "pipeline.h"
+
+namespace flashattn::sm90 {
+
+using namespace cute;
+
+template <class Traits>
+struct BwdParams {
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaQ tma_do;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaK tma_v;
+  float* dq_accum;         // (batch, heads_q, dq_rows, d) in Traits::DqLayout, zeroed
+  const float* lse_log2;   // (batch, heads_q, dq_rows): LSE·log2(e), +inf in the padding
+  const float* softmax_d;  // (batch, heads_q, dq_rows): rowsum(dO ∘ O), 0 in the padding
+  typename Traits::Element* dk;
+  typename Traits::Element* dv;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+  float* dk_accum;  // GQA: (batch, heads_kv, seqlen_k, d) zeroed (deterministic: heads_q), else null
+  float* dv_accum;
+  // Deterministic mode: per (batch·head, query block, warpgroup) the number of key blocks whose
+  // dQ has been added, zeroed; each CTA adds its slab when the key blocks before it have (FA3's
+  // semaphore), so the sums run in key-block order. Null otherwise.
+  int* dq_semaphore;
+  int batch, heads_q, heads_kv, seqlen_q, seqlen_k, dq_rows;
+  TileOrder order;  // (key block, batch·head) of each CTA; heavy-first under a right bound
+  KeyRange keys;
+  float scale;       // softmax scale
+  float scale_log2;  // scale·log2(e)
+};
+
+// Named barriers per consumer warpgroup (CUTLASS's NamedBarrier adds its reserved offset).
+enum class BwdBarrier : uint32_t {
+  DsReady = 0,  // both consumer warpgroups: dS stored, previous bulk adds done reading their slabs
+  DqReady = 1,  // + warpgroup: the dQ slab stored
+};
+
+__device__ inline void consumers_sync(BwdBarrier b, int threads, int wg = 0) {
+  cutlass::arch::NamedBarrier::sync(threads, static_cast<uint32_t>(b) + wg);
+}
+
+// Deterministic mode's hand-over between the CTAs that add into one dQ slab.
+__device__ inline void wait_for_count(const int* counter, int count) {
+  int seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
+  } while (seen != count);
+}
+// The issuing thread's bulk adds have reached global memory; then the next CTA may add.
+__device__ inline void finish_bulk_adds_and_signal(int* counter) {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  __threadfence();
+  atomicAdd(counter, 1);
+}
+
+// dst[i] += src[i] for `bytes` bytes of f32, by the TMA unit (one thread issues it).
+__device__ inline void bulk_reduce_add_f32(float* dst, const float* src, uint32_t bytes) {
+  const uint32_t smem = cast_smem_ptr_to_uint(src);
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                   dst),
+               "r"(smem), "r"(bytes)
+               : "memory");
+}
+
+// dst[0..1] += (a, b), one vector reduction (sm_90).
+__device__ inline void red_add_f32x2(float* dst, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+}
+
+// A CTA's work: its key block of kBlockN keys and (batch, head) from the tile order, and the query
+// blocks [m_first, m_end) of kBlockM rows that see any of its keys. keys_descending: the key
+// blocks of a head run in reverse launch order (the deterministic causal hand-over).
+struct BwdCtaWork {
+  int n_block, bh, head, batch, head_kv, m_first, m_end;
+};
+template <int kBlockN, int kBlockM, class Params>
+__device__ BwdCtaWork bwd_cta_work(Params const& params, bool keys_descending) {
+  BwdCtaWork w;
+  params.order.at(blockIdx.x, w.n_block, w.bh);
+  if (keys_descending) w.n_block = params.order.tiles - 1 - w.n_block;
+  w.head = w.bh % params.heads_q;
+  w.batch = w.bh / params.heads_q;
+  w.head_kv = w.head / (params.heads_q / params.heads_kv);
+  int row_lo, row_hi;
+  params.keys.rows_seeing(w.n_block * kBlockN, (w.n_block + 1) * kBlockN, row_lo, row_hi);
+  w.m_first = row_lo / kBlockM;
+  w.m_end = row_hi > row_lo ? (row_hi - 1) / kBlockM + 1 : w.m_first;
+  return w;
+}
+
+// One thread initializes the K/V barrier and the Q and dO pipelines (one arrival per consumer
+// warp); every thread of the CTA then syncs.
+template <class Smem>
+__device__ void bwd_init_barriers(Smem& smem, int consumer_warps) {
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&smem.kv_full, 1);
+    smem.pipe_q.init(consumer_warps);
+    smem.pipe_do.init(consumer_warps);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+}
+
+// One WGMMA batch: acc = A·B (SS, both from shared memory) or acc += A·B (RS, A in registers),
+// committed as one group for warpgroup_wait.
+template <class Mma, class A, class B, class Acc>
+__device__ void gemm_ss(Mma& mma, A const& a, B const& b, Acc& acc) {
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+#pragma unroll
+  for (int k = 0; k < size<2>(a); ++k) {
+    gemm(mma, a(_, _, k), b(_, _, k), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(acc);
+}
+template <class Mma, class A, class B, class Acc>
+__device__ void gemm_accumulate(Mma& mma, A const& a, B const& b, Acc& acc) {
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+#pragma unroll
+  for (int k = 0; k < size<2>(a); ++k) gemm(mma, a(_, _, k), b(_, _, k), acc);
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(acc);
+}
+
+// An f32 register fragment converted into a same-sized Element fragment.
+template <class Acc, class Dst>
+__device__ void convert_fragment(Acc const& acc, Dst& dst) {
+  using Element = typename Dst::value_type;
+  constexpr int N = decltype(size(acc))::value;
+  cutlass::NumericArrayConverter<Element, float, N> conv;
+  *reinterpret_cast<cutlass::Array<Element, N>*>(dst.data()) =
+      conv(*reinterpret_cast<cutlass::Array<float, N> const*>(acc.data()));
+}
+
+// The producer warp's one elected thread: K and V once (Traits::kKeyTiles tiles of TileK rows),
+// then Q and dO of every query block [m_first, m_end) into the two-stage pipelines.
+template <class Traits, class Smem>
+__device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, int n_block, int head,
+                            int head_kv, int batch, int m_first, int m_end) {
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kKeyTiles = Traits::kKeyTiles;
+  auto tma_tensor = [&](auto const& tma, int seqlen, int heads) {
+    return tma.get_tma_tensor(make_shape(seqlen, kHeadDim, heads, params.batch));
+  };
+  Tensor mK = tma_tensor(params.tma_k, params.seqlen_k, params.heads_kv);
+  Tensor mV = tma_tensor(params.tma_v, params.seqlen_k, params.heads_kv);
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.kv_full,
+                                                                 2 * kKeyTiles * Traits::kBytesK);
+#pragma unroll
+  for (int t = 0; t < kKeyTiles; ++t) {
+    Tensor sK = make_tensor(make_smem_ptr(smem.k[t].begin()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v[t].begin()), typename Traits::SmemLayoutK{});
+    const auto block = make_coord(n_block * kKeyTiles + t, _0{});
+    auto cta_k = params.tma_k.get_slice(0);
+    auto cta_v = params.tma_v.get_slice(0);
+    copy(params.tma_k.with(smem.kv_full),
+         cta_k.partition_S(local_tile(mK(_, _, head_kv, batch), typename Traits::TileK{}, block)),
+         cta_k.partition_D(sK));
+    copy(params.tma_v.with(smem.kv_full),
+         cta_v.partition_S(local_tile(mV(_, _, head_kv, batch), typename Traits::TileK{}, block)),
+         cta_v.partition_D(sV));
+  }
+
+  Tensor mQ = tma_tensor(params.tma_q, params.seqlen_q, params.heads_q);
+  Tensor mdO = tma_tensor(params.tma_do, params.seqlen_q, params.heads_q);
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQ{});
+  auto cta_q = params.tma_q.get_slice(0);
+  auto cta_do = params.tma_do.get_slice(0);
+  Tensor tQgQ = group_modes<0, 3>(cta_q.partition_S(  // (TMA, query block)
+      local_tile(mQ(_, _, head, batch), typename Traits::TileQ{}, make_coord(_, _0{}))));
+  Tensor tdOgdO = group_modes<0, 3>(cta_do.partition_S(
+      local_tile(mdO(_, _, head, batch), typename Traits::TileQ{}, make_coord(_, _0{}))));
+  Tensor tQsQ = group_modes<0, 3>(cta_q.partition_D(sQ));  // (TMA, stage)
+  Tensor tdOsdO = group_modes<0, 3>(cta_do.partition_D(sdO));
+  PipelineState<Traits::kStages> st;
+#pragma unroll 1
+  for (int m = m_first; m < m_end; ++m) {
+    smem.pipe_q.producer_acquire(st, Traits::kBytesQ);
+    copy(params.tma_q.with(smem.pipe_q.full_barrier(st)), tQgQ(_, m), tQsQ(_, st.index));
+    smem.pipe_do.producer_acquire(st, Traits::kBytesQ);
+    copy(params.tma_do.with(smem.pipe_do.full_barrier(st)), tdOgdO(_, m), tdOsdO(_, st.index));
+    st.advance();
+  }
+}
+
+// dK·scale and dV of one warpgroup's accumulators; cKV gives each element's (key, column) from
+// (key0, col0). Without GQA straight into dK and dV; GQA: f32 atomics into the KV head's sums,
+// or in deterministic mode plain stores into the query head's own rows, which the conversion
+// sums over the group in head order.
+template <bool kDeterministic, int kHeadDim, class Element, class Params, class Acc, class Coords>
+__device__ void bwd_store_dkdv(Params const& params, Acc const& acc_dk, Acc const& acc_dv,
+                               Coords const& cKV, int key0, int col0, int bh, int batch, int head,
+                               int head_kv) {
+  if (params.dk_accum == nullptr) {
+    Element* dk = params.dk + batch * params.dk_batch_stride + head * params.dk_head_stride;
+    Element* dv = params.dv + batch * params.dv_batch_stride + head * params.dv_head_stride;
+#pragma unroll
+    for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
+      const int row = key0 + get<0>(cKV(i));
+      if (row >= params.seqlen_k) continue;
+      const int col = col0 + get<1>(cKV(i));
+      cutlass::Array<Element, 2> k2, v2;
+      k2[0] = Element(acc_dk(i) * params.scale);
+      k2[1] = Element(acc_dk(i + 1) * params.scale);
+      v2[0] = Element(acc_dv(i));
+      v2[1] = Element(acc_dv(i + 1));
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + row * params.dk_row_stride + col) = k2;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + row * params.dv_row_stride + col) = v2;
+    }
+    return;
+  }
+  const int64_t base = kDeterministic
+                           ? int64_t(bh) * params.seqlen_k
+                           : (int64_t(batch) * params.heads_kv + head_kv) * params.seqlen_k;
+#pragma unroll
+  for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
+    const int row = key0 + get<0>(cKV(i));
+    if (row >= params.seqlen_k) continue;
+    const int64_t at = (base + row) * kHeadDim + col0 + get<1>(cKV(i));
+    if constexpr (kDeterministic) {
+      *reinterpret_cast<float2*>(params.dk_accum + at) = make_float2(acc_dk(i), acc_dk(i + 1));
+      *reinterpret_cast<float2*>(params.dv_accum + at) = make_float2(acc_dv(i), acc_dv(i + 1));
+    } else {
+      red_add_f32x2(params.dk_accum + at, acc_dk(i), acc_dk(i + 1));
+      red_add_f32x2(params.dv_accum + at, acc_dv(i), acc_dv(i + 1));
+    }
+  }
+}
+
+}  // namespace flashattn::sm90

@@ -1,0 +1,12 @@
+// sm90 backward, head dim 256, fp16.
+#include <cutlass/half.h>
+
+#include "bwd_launch.h"
+
+namespace flashattn::sm90 {
+
+flashattn_result_t run_bwd_d256_fp16(const flashattn_params_t& p, cudaStream_t stream) {
+  return run_bwd<cutlass::half_t, 256>(p, stream);
+}
+
+}  // namespace flashattn::sm90

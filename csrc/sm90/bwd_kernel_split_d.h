@@ -1,0 +1,296 @@
+// The sm_90a backward kernel for head dim 256, its two consumer warpgroups splitting the head dim.
+//
+// At d256 a warpgroup that owned 64 keys (bwd_kernel.h) would hold dK and dV as 256 f32
+// registers per thread. Here one CTA owns kBlockN = 64 keys and walks the 64-row query blocks
+// that see them; each consumer warpgroup owns half of the head dim of dK, dV and dQ (FA3's
+// layout at d256), 64 + 64 accumulator registers:
+//   producer (WG 0): K and V once, Q and dO per query block into two-stage TMA pipelines;
+//   consumers (WG 1, WG 2): Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for all 64 keys and half of the block's
+//                    queries each (N = 32), Pᵀ and dSᵀ from them into shared memory (two
+//                    stages); after one barrier, each warpgroup computes its columns of
+//                    dQ = dS·K, dV += Pᵀ·dO and dK += dSᵀ·Q with every operand in shared memory.
+//                    dQ goes to the f32 accumulator (row-major) by vector reductions while dV
+//                    and dK run; no shared memory is left for a bulk-add slab.
+// setmaxnreg moves registers from the producer (24) to the consumers (240). No deterministic
+// variant (the launcher refuses it; the sm80 family has one).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "../common/bwd_passes.h"
+#include "bwd_common.h"
+#include "softmax.h"
+
+namespace flashattn::sm90 {
+
+using namespace cute;
+
+template <class Element_, int kHeadDim_>
+struct BwdSplitDTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;  // query rows per block
+  static constexpr int kBlockN = 64;  // keys per CTA (the score GEMMs' M)
+  static constexpr int kConsumerWGs = 2;
+  static constexpr int kQueriesPerWG = kBlockM / kConsumerWGs;  // the score GEMMs' N
+  static constexpr int kColsPerWG = kHeadDim / kConsumerWGs;    // of dK, dV and dQ
+  static constexpr int kKeyTiles = 1;
+  static constexpr int kStages = 2;  // Q, dO, Pᵀ and dSᵀ buffers
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(kQueriesPerWG == 32, "LSE and D: one row per lane");
+
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
+
+  // 128-byte swizzled K-major rows; transposed views are MN-major.
+  using SmemAtom = decltype(GMMA::Layout_K_SW128_Atom<Element>{});
+  using SmemLayoutQ = decltype(tile_to_shape(  // Q and dO: (queries, d, stage)
+      SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutQt = decltype(composition(  // (d, queries, stage): B of dK and dV
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                                         Step<_2, _1, _3>{})));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, TileK{}));  // K and V
+  using SmemLayoutKt = decltype(composition(  // (d, keys): B of dQ
+      SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  // Pᵀ and dSᵀ as (keys, queries, stage), queries contiguous: the K-major A operands of dV and dK,
+  // where the accumulator's neighbouring query columns are neighbours; dS as (queries, keys,
+  // stage) is the MN-major A operand of dQ.
+  using SmemLayoutPt = decltype(tile_to_shape(
+      SmemAtom{}, Shape<Int<kBlockN>, Int<kBlockM>, Int<kStages>>{}));
+  using SmemLayoutP = decltype(composition(
+      SmemLayoutPt{}, make_ordered_layout(Shape<Int<kBlockM>, Int<kBlockN>, Int<kStages>>{},
+                                          Step<_2, _1, _3>{})));
+  using DqLayout = DqRowMajor<kHeadDim>;
+
+  using MmaSdP = decltype(make_tiled_mma(  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ over this warpgroup's queries
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kBlockN>, Int<kQueriesPerWG>, Int<kHeadDim>>>()));
+  using MmadKV = decltype(make_tiled_mma(  // this warpgroup's columns of dV += Pᵀ·dO, dK += dSᵀ·Q
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kBlockN>, Int<kColsPerWG>, Int<kBlockM>>, GMMA::Major::K,
+                           GMMA::Major::MN>()));
+  using MmadQ = decltype(make_tiled_mma(  // this warpgroup's columns of dQ = dS·K
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kBlockM>, Int<kColsPerWG>, Int<kBlockN>>, GMMA::Major::MN,
+                           GMMA::Major::MN>()));
+
+  // (seqlen, head_dim, heads, batch) with head_dim contiguous.
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                          GmemShape{}, GmemStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                      TileQ{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, TileK{},
+                                      _1{}));
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> k[kKeyTiles];
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> v[kKeyTiles];
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> dout;
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutPt>> pt;
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutPt>> dst;
+    uint64_t kv_full;
+    TmaPipeline<kStages> pipe_q;
+    TmaPipeline<kStages> pipe_do;
+  };
+};
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    bwd_kernel_split_d(__grid_constant__ const BwdParams<Traits> params) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kConsumerWGs = Traits::kConsumerWGs;
+  constexpr int kQueriesPerWG = Traits::kQueriesPerWG;
+  constexpr int kColsPerWG = Traits::kColsPerWG;
+  using SharedStorage = typename Traits::SharedStorage;
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  const BwdCtaWork work = bwd_cta_work<kBlockN, kBlockM>(params, false);
+  const int n_block = work.n_block, bh = work.bh, m_first = work.m_first, m_end = work.m_end;
+  const int key0 = n_block * kBlockN;
+  const int64_t rows_base = int64_t(bh) * params.dq_rows;  // this head's LSE, D and dQ rows
+
+  const int warp_group = threadIdx.x / 128;
+  bwd_init_barriers(smem, 4 * kConsumerWGs);
+
+  if (warp_group == 0) {
+    // ---------------- producer: warp 0, one elected lane issues ----------------
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (threadIdx.x / 32 != 0 || m_end == m_first) return;
+    if (!cute::elect_one_sync()) return;
+    bwd_produce(params, smem, n_block, work.head, work.head_kv, work.batch, m_first, m_end);
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  const int wg = warp_group - 1;
+  const int tid = threadIdx.x % 128;
+  const int q_off = wg * kQueriesPerWG;  // this warpgroup's queries within the block
+  const int col0 = wg * kColsPerWG;      // and its columns of dK, dV, dQ
+
+  Tensor sK = make_tensor(make_smem_ptr(smem.k[0].begin()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v[0].begin()), typename Traits::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k[0].begin()), typename Traits::SmemLayoutKt{});
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQt{});
+  Tensor sPt = make_tensor(make_smem_ptr(smem.pt.begin()), typename Traits::SmemLayoutPt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(smem.dst.begin()), typename Traits::SmemLayoutPt{});
+  Tensor sdS = make_tensor(make_smem_ptr(smem.dst.begin()), typename Traits::SmemLayoutP{});
+  using RowsOfQ = Shape<Int<kQueriesPerWG>, Int<kHeadDim>, Int<kStages>>;
+  using ColsOfQt = Shape<Int<kColsPerWG>, Int<kBlockM>, Int<kStages>>;
+  auto mine = make_coord(wg, _0{}, _0{});
+
+  typename Traits::MmaSdP mma_sdp;
+  typename Traits::MmadKV mma_dkv;
+  typename Traits::MmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK));  // (MMA, 1, K)
+  Tensor tSrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV));
+  Tensor tSrQ =  // (MMA, 1, K, stage)
+      thr_sdp.make_fragment_B(thr_sdp.partition_B(local_tile(sQ, RowsOfQ{}, mine)));
+  Tensor tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(local_tile(sdO, RowsOfQ{}, mine)));
+  Tensor tdVrPt = thr_dkv.make_fragment_A(thr_dkv.partition_A(sPt));  // (MMA, 1, K, stage)
+  Tensor tdKrdSt = thr_dkv.make_fragment_A(thr_dkv.partition_A(sdSt));
+  Tensor tdVrdOt =  // (MMA, N, K, stage)
+      thr_dkv.make_fragment_B(thr_dkv.partition_B(local_tile(sdOt, ColsOfQt{}, mine)));
+  Tensor tdKrQt = thr_dkv.make_fragment_B(thr_dkv.partition_B(local_tile(sQt, ColsOfQt{}, mine)));
+  Tensor tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS));  // (MMA, 1, K, stage)
+  Tensor tdQrKt = thr_dq.make_fragment_B(thr_dq.partition_B(  // (MMA, N, K)
+      local_tile(sKt, Shape<Int<kColsPerWG>, Int<kBlockN>>{}, make_coord(wg, _0{}))));
+
+  using TileS = Shape<Int<kBlockN>, Int<kQueriesPerWG>>;
+  using TileKV = Shape<Int<kBlockN>, Int<kColsPerWG>>;
+  using TiledQ = Shape<Int<kBlockM>, Int<kColsPerWG>>;
+  Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});   // Sᵀ, then Pᵀ
+  Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});  // dPᵀ, then dSᵀ
+  Tensor acc_dk = partition_fragment_C(mma_dkv, TileKV{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, TileKV{});
+  Tensor acc_dq = partition_fragment_C(mma_dq, TiledQ{});
+  clear(acc_dk);
+  clear(acc_dv);
+  Tensor rowcol_s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+  Tensor rowcol_dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+  // (key, query) of every Sᵀ element within the warpgroup's tile.
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(TileS{}));
+  Tensor rowcol_cS = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  Tensor rP = make_tensor<Element>(acc_s.layout());
+  Tensor rdS = make_tensor<Element>(acc_dp.layout());
+  Tensor rowcol_rP = make_tensor(rP.data(), acc_rowcol(acc_s.layout()));
+  Tensor rowcol_rdS = make_tensor(rdS.data(), acc_rowcol(acc_dp.layout()));
+  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(TiledQ{}));
+  constexpr int kCols = decltype(size<1>(rowcol_s))::value;
+  constexpr int kRows = decltype(size<0>(rowcol_s))::value;
+
+  PipelineState<kStages> st;
+  if (m_end > m_first) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, 0);
+#pragma unroll 1
+  for (int m = m_first; m < m_end; ++m) {
+    const int q0 = m * kBlockM + q_off;  // this warpgroup's first query
+    // LSE·log2(e) and D of the warpgroup's 32 queries, lane L holding query q0 + L; a shuffle
+    // hands each use its row (the preprocess padded them to whole blocks).
+    const float lse_held = params.lse_log2[rows_base + q0 + tid % 32];
+    const float dsum_held = params.softmax_d[rows_base + q0 + tid % 32];
+    auto row_value = [&](float held, int c) {
+      return __shfl_sync(0xffffffffu, held, get<1>(rowcol_cS(0, c)));
+    };
+    smem.pipe_q.consumer_wait(st);
+    gemm_ss(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
+    smem.pipe_do.consumer_wait(st);
+    gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st.index), acc_dp);
+    warpgroup_wait<1>();  // Sᵀ ready
+    // Pᵀ = exp2(s·c − LSE·log2 e); rows past seqlen_q have LSE +inf, keys past seqlen_k multiply
+    // zero-filled rows of K and V, so only the key range needs a mask.
+    if (params.keys.template block_needs_mask<kBlockN>(n_block, q0, q0 + kQueriesPerWG)) {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const float lse = row_value(lse_held, c);
+        const int q = q0 + get<1>(rowcol_cS(0, c));
+        const int lo = params.keys.lo(q) - key0, hi = params.keys.hi(q) - key0;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const int key = get<0>(rowcol_cS(r, c));
+          rowcol_s(r, c) = key >= lo && key < hi
+                               ? fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse)
+                               : 0.f;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const float lse = row_value(lse_held, c);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse);
+      }
+    }
+    warpgroup_wait<0>();  // dPᵀ ready
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float dsum = row_value(dsum_held, c);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - dsum);
+    }
+    convert_fragment(acc_s, rP);
+    convert_fragment(acc_dp, rdS);
+    // Pᵀ and dSᵀ into this block's stage, as (key, query). The other warpgroup's GEMMs read the
+    // stage two blocks ago and completed before it passed the barrier below last block.
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int c = 0; c < kCols; c += 2) {  // columns c, c+1 are neighbouring queries
+        const int key = get<0>(rowcol_cS(r, c)), q = q_off + get<1>(rowcol_cS(r, c));
+        cutlass::Array<Element, 2> p2, ds2;
+        p2[0] = rowcol_rP(r, c);
+        p2[1] = rowcol_rP(r, c + 1);
+        ds2[0] = rowcol_rdS(r, c);
+        ds2[1] = rowcol_rdS(r, c + 1);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(&sPt(key, q, st.index)) = p2;
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(&sdSt(key, q, st.index)) = ds2;
+      }
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
+    consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
+
+    // This warpgroup's columns: dQ first, so that its reductions run under dV and dK.
+    gemm_ss(mma_dq, tdQrdS(_, _, _, st.index), tdQrKt, acc_dq);
+    gemm_accumulate(mma_dkv, tdVrPt(_, _, _, st.index), tdVrdOt(_, _, _, st.index), acc_dv);
+    gemm_accumulate(mma_dkv, tdKrdSt(_, _, _, st.index), tdKrQt(_, _, _, st.index), acc_dk);
+    warpgroup_wait<2>();  // dQ ready
+    float* dq = params.dq_accum + (rows_base + m * kBlockM) * kHeadDim + col0;
+#pragma unroll
+    for (int i = 0; i < size(acc_dq); i += 2)  // elements i, i+1 are neighbouring columns
+      red_add_f32x2(dq + get<0>(cdQ(i)) * kHeadDim + get<1>(cdQ(i)), acc_dq(i), acc_dq(i + 1));
+    warpgroup_wait<1>();  // dV done: dO's last reader
+    smem.pipe_do.consumer_release(st);
+    warpgroup_wait<0>();  // dK done: Q's last reader
+    smem.pipe_q.consumer_release(st);
+    st.advance();
+  }
+
+  // ---------------- dK·scale and dV ----------------
+  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
+  if (m_end > m_first || params.dk_accum == nullptr)
+    bwd_store_dkdv<false, kHeadDim, Element>(params, acc_dk, acc_dv, cKV, key0, col0, bh,
+                                             work.batch, work.head, work.head_kv);
+#endif
+}
+
+}  // namespace flashattn::sm90
