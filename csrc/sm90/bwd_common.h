@@ -153,7 +153,8 @@ __device__ void convert_fragment(Acc const& acc, Dst& dst) {
 }
 
 // The producer warp's one elected thread: K and V once (Traits::kKeyTiles tiles of TileK rows),
-// then Q and dO of every query block [m_first, m_end) into the two-stage pipelines.
+// then Q and dO of every query block [m_first, m_end) into their pipelines (kStages and
+// kStagesdO buffers).
 template <class Traits, class Smem>
 __device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, int n_block, int head,
                             int head_kv, int batch, int m_first, int m_end) {
@@ -184,7 +185,7 @@ __device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, int n_b
   Tensor mQ = tma_tensor(params.tma_q, params.seqlen_q, params.heads_q);
   Tensor mdO = tma_tensor(params.tma_do, params.seqlen_q, params.heads_q);
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutdO{});
   auto cta_q = params.tma_q.get_slice(0);
   auto cta_do = params.tma_do.get_slice(0);
   Tensor tQgQ = group_modes<0, 3>(cta_q.partition_S(  // (TMA, query block)
@@ -194,13 +195,16 @@ __device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, int n_b
   Tensor tQsQ = group_modes<0, 3>(cta_q.partition_D(sQ));  // (TMA, stage)
   Tensor tdOsdO = group_modes<0, 3>(cta_do.partition_D(sdO));
   PipelineState<Traits::kStages> st;
+  PipelineState<Traits::kStagesdO> st_do;
 #pragma unroll 1
   for (int m = m_first; m < m_end; ++m) {
     smem.pipe_q.producer_acquire(st, Traits::kBytesQ);
     copy(params.tma_q.with(smem.pipe_q.full_barrier(st)), tQgQ(_, m), tQsQ(_, st.index));
-    smem.pipe_do.producer_acquire(st, Traits::kBytesQ);
-    copy(params.tma_do.with(smem.pipe_do.full_barrier(st)), tdOgdO(_, m), tdOsdO(_, st.index));
+    smem.pipe_do.producer_acquire(st_do, Traits::kBytesQ);
+    copy(params.tma_do.with(smem.pipe_do.full_barrier(st_do)), tdOgdO(_, m),
+         tdOsdO(_, st_do.index));
     st.advance();
+    st_do.advance();
   }
 }
 

@@ -40,6 +40,7 @@ struct BwdTraits {
   static constexpr int kBlockN = kKeysPerWG * kConsumerWGs;
   static constexpr int kKeyTiles = kConsumerWGs;  // K and V as one TileK per warpgroup
   static constexpr int kStages = 2;       // Q, dO and dS buffers
+  static constexpr int kStagesdO = kStages;
   // dQ = dS·K over the block's 128 keys is split between the warpgroups: by query rows when
   // there are 128 (d64), else by columns of the head dim (d128); a 64 × 64 slab each.
   static constexpr bool kDqSplitRows = kBlockM == 128;
@@ -57,6 +58,7 @@ struct BwdTraits {
   using SmemAtom = decltype(GMMA::Layout_K_SW128_Atom<Element>{});
   using SmemLayoutQ = decltype(tile_to_shape(  // Q and dO
       SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutdO = SmemLayoutQ;
   using SmemLayoutQt = decltype(composition(  // (d, queries, stage): B of dK and dV
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
                                          Step<_2, _1, _3>{})));

@@ -9,8 +9,11 @@
 //                    queries each (N = 32), Pᵀ and dSᵀ from them into shared memory (two
 //                    stages); after one barrier, each warpgroup computes its columns of
 //                    dQ = dS·K, dV += Pᵀ·dO and dK += dSᵀ·Q with every operand in shared memory.
-//                    dQ goes to the f32 accumulator (row-major) by vector reductions while dV
-//                    and dK run; no shared memory is left for a bulk-add slab.
+//                    Each warpgroup's dQ columns leave in two 64 × 64 f32 slabs (DqSlabs), one
+//                    after the other through one shared buffer, by bulk reduce-adds while dV
+//                    and dK run: per-thread vector reductions (the first version) saturated the
+//                    LSU and L2 (ncu: 22% of stall samples on REDG, L2 78% busy). The buffer's
+//                    32 KiB come from single-buffering dO (as FA3 at d256).
 // setmaxnreg moves registers from the producer (24) to the consumers (240). No deterministic
 // variant (the launcher refuses it; the sm80 family has one).
 #pragma once
@@ -36,7 +39,9 @@ struct BwdSplitDTraits {
   static constexpr int kQueriesPerWG = kBlockM / kConsumerWGs;  // the score GEMMs' N
   static constexpr int kColsPerWG = kHeadDim / kConsumerWGs;    // of dK, dV and dQ
   static constexpr int kKeyTiles = 1;
-  static constexpr int kStages = 2;  // Q, dO, Pᵀ and dSᵀ buffers
+  static constexpr int kStages = 2;    // Q, Pᵀ and dSᵀ buffers
+  static constexpr int kStagesdO = 1;  // shared memory: 227 KiB per CTA
+  static constexpr int kDqSlabCols = 64;  // dQ leaves in slabs of kBlockM × 64 f32
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -47,11 +52,17 @@ struct BwdSplitDTraits {
 
   // 128-byte swizzled K-major rows; transposed views are MN-major.
   using SmemAtom = decltype(GMMA::Layout_K_SW128_Atom<Element>{});
-  using SmemLayoutQ = decltype(tile_to_shape(  // Q and dO: (queries, d, stage)
-      SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutQt = decltype(composition(  // (d, queries, stage): B of dK and dV
-      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
-                                         Step<_2, _1, _3>{})));
+  template <int kBuffers>  // (queries, d, stage)
+  using SmemLayoutRows = decltype(tile_to_shape(
+      SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBuffers>>{}));
+  template <int kBuffers>  // (d, queries, stage): B of dK and dV
+  using SmemLayoutRowsT = decltype(composition(
+      SmemLayoutRows<kBuffers>{},
+      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kBuffers>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutQ = SmemLayoutRows<kStages>;
+  using SmemLayoutQt = SmemLayoutRowsT<kStages>;
+  using SmemLayoutdO = SmemLayoutRows<kStagesdO>;
+  using SmemLayoutdOt = SmemLayoutRowsT<kStagesdO>;
   using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, TileK{}));  // K and V
   using SmemLayoutKt = decltype(composition(  // (d, keys): B of dQ
       SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
@@ -63,7 +74,7 @@ struct BwdSplitDTraits {
   using SmemLayoutP = decltype(composition(
       SmemLayoutPt{}, make_ordered_layout(Shape<Int<kBlockM>, Int<kBlockN>, Int<kStages>>{},
                                           Step<_2, _1, _3>{})));
-  using DqLayout = DqRowMajor<kHeadDim>;
+  using DqLayout = DqSlabs<kHeadDim, kBlockM, kHeadDim / kDqSlabCols>;
 
   using MmaSdP = decltype(make_tiled_mma(  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ over this warpgroup's queries
       GMMA::ss_op_selector<Element, Element, float,
@@ -88,17 +99,19 @@ struct BwdSplitDTraits {
                                       _1{}));
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesdQ = kBlockM * kDqSlabCols * sizeof(float);  // one slab
 
   struct SharedStorage {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> k[kKeyTiles];
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> v[kKeyTiles];
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
-    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> dout;
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutdO>> dout;
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutPt>> pt;
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutPt>> dst;
+    alignas(128) float dq[kConsumerWGs][kBlockM * kDqSlabCols];  // one slab per warpgroup
     uint64_t kv_full;
     TmaPipeline<kStages> pipe_q;
-    TmaPipeline<kStages> pipe_do;
+    TmaPipeline<kStagesdO> pipe_do;
   };
 };
 
@@ -146,14 +159,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sV = make_tensor(make_smem_ptr(smem.v[0].begin()), typename Traits::SmemLayoutK{});
   Tensor sKt = make_tensor(make_smem_ptr(smem.k[0].begin()), typename Traits::SmemLayoutKt{});
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutdO{});
   Tensor sQt = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutdOt{});
   Tensor sPt = make_tensor(make_smem_ptr(smem.pt.begin()), typename Traits::SmemLayoutPt{});
   Tensor sdSt = make_tensor(make_smem_ptr(smem.dst.begin()), typename Traits::SmemLayoutPt{});
   Tensor sdS = make_tensor(make_smem_ptr(smem.dst.begin()), typename Traits::SmemLayoutP{});
   using RowsOfQ = Shape<Int<kQueriesPerWG>, Int<kHeadDim>, Int<kStages>>;
+  using RowsOfdO = Shape<Int<kQueriesPerWG>, Int<kHeadDim>, Int<Traits::kStagesdO>>;
   using ColsOfQt = Shape<Int<kColsPerWG>, Int<kBlockM>, Int<kStages>>;
+  using ColsOfdOt = Shape<Int<kColsPerWG>, Int<kBlockM>, Int<Traits::kStagesdO>>;
   auto mine = make_coord(wg, _0{}, _0{});
 
   typename Traits::MmaSdP mma_sdp;
@@ -166,11 +181,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor tSrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV));
   Tensor tSrQ =  // (MMA, 1, K, stage)
       thr_sdp.make_fragment_B(thr_sdp.partition_B(local_tile(sQ, RowsOfQ{}, mine)));
-  Tensor tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(local_tile(sdO, RowsOfQ{}, mine)));
+  Tensor tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(local_tile(sdO, RowsOfdO{}, mine)));
   Tensor tdVrPt = thr_dkv.make_fragment_A(thr_dkv.partition_A(sPt));  // (MMA, 1, K, stage)
   Tensor tdKrdSt = thr_dkv.make_fragment_A(thr_dkv.partition_A(sdSt));
   Tensor tdVrdOt =  // (MMA, N, K, stage)
-      thr_dkv.make_fragment_B(thr_dkv.partition_B(local_tile(sdOt, ColsOfQt{}, mine)));
+      thr_dkv.make_fragment_B(thr_dkv.partition_B(local_tile(sdOt, ColsOfdOt{}, mine)));
   Tensor tdKrQt = thr_dkv.make_fragment_B(thr_dkv.partition_B(local_tile(sQt, ColsOfQt{}, mine)));
   Tensor tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS));  // (MMA, 1, K, stage)
   Tensor tdQrKt = thr_dq.make_fragment_B(thr_dq.partition_B(  // (MMA, N, K)
@@ -199,7 +214,31 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kCols = decltype(size<1>(rowcol_s))::value;
   constexpr int kRows = decltype(size<0>(rowcol_s))::value;
 
+  float* sdq = smem.dq[wg];
+  // dQ's two slabs: the accumulator's first and second half of elements hold the warpgroup's
+  // first and second 64 columns (its 8-column groups in order, 4 elements each).
+  constexpr int kSlabElems = decltype(size(acc_dq))::value / 2;
+  static_assert(kColsPerWG == 2 * Traits::kDqSlabCols && kSlabElems % 4 == 0);
+  auto store_slab = [&](int half) {
+#pragma unroll
+    for (int j = 0; j < kSlabElems; j += 2) {  // elements i, i+1 are neighbouring columns
+      const int i = half * kSlabElems + j;
+      const int at = Traits::DqLayout::in_slab(get<0>(cdQ(i)), get<1>(cdQ(i)) % Traits::kDqSlabCols);
+      *reinterpret_cast<float2*>(&sdq[at]) = make_float2(acc_dq(i), acc_dq(i + 1));
+    }
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
+    consumers_sync(BwdBarrier::DqReady, 128, wg);
+  };
+  auto add_slab = [&](int m, int half) {  // one thread: the slab into global dQ
+    const int slab = wg * 2 + half;         // DqSlabs: a query block's slabs in column order
+    bulk_reduce_add_f32(params.dq_accum + (rows_base + m * kBlockM) * kHeadDim +
+                            slab * kBlockM * Traits::kDqSlabCols,
+                        sdq, Traits::kBytesdQ);
+    tma_store_arrive();
+  };
+
   PipelineState<kStages> st;
+  PipelineState<Traits::kStagesdO> st_do;
   if (m_end > m_first) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, 0);
 #pragma unroll 1
   for (int m = m_first; m < m_end; ++m) {
@@ -213,8 +252,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
     smem.pipe_q.consumer_wait(st);
     gemm_ss(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
-    smem.pipe_do.consumer_wait(st);
-    gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st.index), acc_dp);
+    smem.pipe_do.consumer_wait(st_do);
+    gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st_do.index), acc_dp);
     warpgroup_wait<1>();  // Sᵀ ready
     // Pᵀ = exp2(s·c − LSE·log2 e); rows past seqlen_q have LSE +inf, keys past seqlen_k multiply
     // zero-filled rows of K and V, so only the key range needs a mask.
@@ -266,24 +305,33 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         *reinterpret_cast<cutlass::Array<Element, 2>*>(&sPt(key, q, st.index)) = p2;
         *reinterpret_cast<cutlass::Array<Element, 2>*>(&sdSt(key, q, st.index)) = ds2;
       }
+    // The dQ slab is free once the last block's second bulk add has read it.
+    if (tid == 0) tma_store_wait<0>();
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
     consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
 
     // This warpgroup's columns: dQ first, so that its reductions run under dV and dK.
     gemm_ss(mma_dq, tdQrdS(_, _, _, st.index), tdQrKt, acc_dq);
-    gemm_accumulate(mma_dkv, tdVrPt(_, _, _, st.index), tdVrdOt(_, _, _, st.index), acc_dv);
+    gemm_accumulate(mma_dkv, tdVrPt(_, _, _, st.index), tdVrdOt(_, _, _, st_do.index), acc_dv);
     gemm_accumulate(mma_dkv, tdKrdSt(_, _, _, st.index), tdKrQt(_, _, _, st.index), acc_dk);
     warpgroup_wait<2>();  // dQ ready
-    float* dq = params.dq_accum + (rows_base + m * kBlockM) * kHeadDim + col0;
-#pragma unroll
-    for (int i = 0; i < size(acc_dq); i += 2)  // elements i, i+1 are neighbouring columns
-      red_add_f32x2(dq + get<0>(cdQ(i)) * kHeadDim + get<1>(cdQ(i)), acc_dq(i), acc_dq(i + 1));
+    store_slab(0);
+    if (tid == 0) {
+      add_slab(m, 0);
+      tma_store_wait<0>();  // read out of shared memory
+    }
+    consumers_sync(BwdBarrier::DqReady, 128, wg);
+    store_slab(1);
+    if (tid == 0) add_slab(m, 1);
     warpgroup_wait<1>();  // dV done: dO's last reader
-    smem.pipe_do.consumer_release(st);
+    smem.pipe_do.consumer_release(st_do);
     warpgroup_wait<0>();  // dK done: Q's last reader
     smem.pipe_q.consumer_release(st);
     st.advance();
+    st_do.advance();
   }
+
+  if (tid == 0) tma_store_wait<0>();  // the slab must stay until the last bulk add read it
 
   // ---------------- dK·scale and dV ----------------
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
