@@ -240,13 +240,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   PipelineState<kStages> st;
   PipelineState<Traits::kStagesdO> st_do;
   if (m_end > m_first) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, 0);
+  // LSE·log2(e) and D of the warpgroup's 32 queries, lane L holding query q0 + L; a shuffle hands
+  // each use its row (the preprocess padded them to whole blocks). Loaded a block ahead, under
+  // the dQ/dV/dK GEMMs, so that the exponentials do not wait on global memory.
+  auto row_at = [&](int m) { return rows_base + m * kBlockM + q_off + tid % 32; };
+  float lse_next = 0.f, dsum_next = 0.f;
+  if (m_end > m_first) {
+    lse_next = params.lse_log2[row_at(m_first)];
+    dsum_next = params.softmax_d[row_at(m_first)];
+  }
 #pragma unroll 1
   for (int m = m_first; m < m_end; ++m) {
     const int q0 = m * kBlockM + q_off;  // this warpgroup's first query
-    // LSE·log2(e) and D of the warpgroup's 32 queries, lane L holding query q0 + L; a shuffle
-    // hands each use its row (the preprocess padded them to whole blocks).
-    const float lse_held = params.lse_log2[rows_base + q0 + tid % 32];
-    const float dsum_held = params.softmax_d[rows_base + q0 + tid % 32];
+    const float lse_held = lse_next, dsum_held = dsum_next;
     auto row_value = [&](float held, int c) {
       return __shfl_sync(0xffffffffu, held, get<1>(rowcol_cS(0, c)));
     };
@@ -310,11 +316,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
     consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
 
-    // This warpgroup's columns: dQ first, so that its reductions run under dV and dK.
-    gemm_ss(mma_dq, tdQrdS(_, _, _, st.index), tdQrKt, acc_dq);
+    // This warpgroup's columns: dV first, so that the single dO buffer is released early for
+    // the next block's load; then dQ, whose bulk adds run under dK.
     gemm_accumulate(mma_dkv, tdVrPt(_, _, _, st.index), tdVrdOt(_, _, _, st_do.index), acc_dv);
+    gemm_ss(mma_dq, tdQrdS(_, _, _, st.index), tdQrKt, acc_dq);
     gemm_accumulate(mma_dkv, tdKrdSt(_, _, _, st.index), tdKrQt(_, _, _, st.index), acc_dk);
-    warpgroup_wait<2>();  // dQ ready
+    if (m + 1 < m_end) {
+      lse_next = params.lse_log2[row_at(m + 1)];
+      dsum_next = params.softmax_d[row_at(m + 1)];
+    }
+    warpgroup_wait<2>();  // dV done: dO's last reader
+    smem.pipe_do.consumer_release(st_do);
+    warpgroup_wait<1>();  // dQ ready
     store_slab(0);
     if (tid == 0) {
       add_slab(m, 0);
@@ -323,8 +336,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     consumers_sync(BwdBarrier::DqReady, 128, wg);
     store_slab(1);
     if (tid == 0) add_slab(m, 1);
-    warpgroup_wait<1>();  // dV done: dO's last reader
-    smem.pipe_do.consumer_release(st_do);
     warpgroup_wait<0>();  // dK done: Q's last reader
     smem.pipe_q.consumer_release(st);
     st.advance();
