@@ -9,11 +9,12 @@
 //                    queries each (N = 32), Pᵀ and dSᵀ from them into shared memory (two
 //                    stages); after one barrier, each warpgroup computes its columns of
 //                    dQ = dS·K, dV += Pᵀ·dO and dK += dSᵀ·Q with every operand in shared memory.
-//                    Each warpgroup's dQ columns leave in two 64 × 64 f32 slabs (DqSlabs), one
-//                    after the other through one shared buffer, by bulk reduce-adds while dV
-//                    and dK run: per-thread vector reductions (the first version) saturated the
-//                    LSU and L2 (ncu: 22% of stall samples on REDG, L2 78% busy). The buffer's
-//                    32 KiB come from single-buffering dO (as FA3 at d256).
+//                    Each warpgroup's dQ columns leave in two 64 × 64 f32 slabs (DqSlabs) through
+//                    one shared buffer, by bulk reduce-adds: the first under dK, the second
+//                    under the next block's score GEMMs. (Per-thread vector reductions, the
+//                    first version, saturated the LSU and L2: ncu 22% of stall samples on REDG,
+//                    L2 78% busy; the two slabs back to back waited on the first one's read.)
+//                    The buffer's 32 KiB come from single-buffering dO (as FA3 at d256).
 // setmaxnreg moves registers from the producer (24) to the consumers (240). No deterministic
 // variant (the launcher refuses it; the sm80 family has one).
 #pragma once
@@ -237,6 +238,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     tma_store_arrive();
   };
 
+  // A block's second slab leaves during the next block's score GEMMs (acc_dq holds it until the
+  // next dQ GEMM), once the first one's bulk add has read the buffer.
+  auto second_slab = [&](int m) {
+    if (tid == 0) tma_store_wait<0>();
+    consumers_sync(BwdBarrier::DqReady, 128, wg);
+    store_slab(1);
+    if (tid == 0) add_slab(m, 1);
+  };
+
   PipelineState<kStages> st;
   PipelineState<Traits::kStagesdO> st_do;
   if (m_end > m_first) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, 0);
@@ -260,6 +270,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     gemm_ss(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
     smem.pipe_do.consumer_wait(st_do);
     gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st_do.index), acc_dp);
+    if (m > m_first) second_slab(m - 1);  // under this block's score GEMMs
     warpgroup_wait<1>();  // Sᵀ ready
     // Pᵀ = exp2(s·c − LSE·log2 e); rows past seqlen_q have LSE +inf, keys past seqlen_k multiply
     // zero-filled rows of K and V, so only the key range needs a mask.
@@ -329,19 +340,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     smem.pipe_do.consumer_release(st_do);
     warpgroup_wait<1>();  // dQ ready
     store_slab(0);
-    if (tid == 0) {
-      add_slab(m, 0);
-      tma_store_wait<0>();  // read out of shared memory
-    }
-    consumers_sync(BwdBarrier::DqReady, 128, wg);
-    store_slab(1);
-    if (tid == 0) add_slab(m, 1);
+    if (tid == 0) add_slab(m, 0);
     warpgroup_wait<0>();  // dK done: Q's last reader
     smem.pipe_q.consumer_release(st);
     st.advance();
     st_do.advance();
   }
 
+  if (m_end > m_first) second_slab(m_end - 1);
   if (tid == 0) tma_store_wait<0>();  // the slab must stay until the last bulk add read it
 
   // ---------------- dK·scale and dV ----------------
