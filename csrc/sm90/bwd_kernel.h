@@ -223,20 +223,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   PipelineState<kStages> st;
   if (m_end > m_first) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, 0);
+  // The rows' LSE and D straight from global memory (the preprocess wrote them before this
+  // launch; padded to whole blocks), a block ahead so that the exponentials do not wait on the
+  // loads. Each thread needs 16 of the 64 rows; held as 64 registers they spilled (ptxas), and
+  // the spill store waited on the load. So lane L holds rows L, L + 32, …, and a shuffle hands
+  // each use its row.
+  constexpr int kHeld = kBlockM / 32;
+  float lse_next[kHeld], dsum_next[kHeld];
+  auto load_rows = [&](int m) {
+    const int64_t rows_at = rows_base + m * kBlockM + tid % 32;
+#pragma unroll
+    for (int i = 0; i < kHeld; ++i) {
+      lse_next[i] = params.lse_log2[rows_at + 32 * i];
+      dsum_next[i] = params.softmax_d[rows_at + 32 * i];
+    }
+  };
+  if (m_end > m_first) load_rows(m_first);
 #pragma unroll 1
   for (int m = m_first; m < m_end; ++m) {
     const int q0 = m * kBlockM;
-    // The rows' LSE and D straight from global memory (the preprocess wrote them before this
-    // launch; padded to whole blocks), under the first GEMMs. Each thread needs 16 of the 64
-    // rows; held as 64 registers they spilled (ptxas), and the spill store waited on the load.
-    // So lane L holds rows L, L + 32, …, and a shuffle hands each use its row.
-    constexpr int kHeld = kBlockM / 32;
-    const int64_t rows_at = rows_base + q0 + tid % 32;
     float lse_held[kHeld], dsum_held[kHeld];
 #pragma unroll
     for (int i = 0; i < kHeld; ++i) {
-      lse_held[i] = params.lse_log2[rows_at + 32 * i];
-      dsum_held[i] = params.softmax_d[rows_at + 32 * i];
+      lse_held[i] = lse_next[i];
+      dsum_held[i] = dsum_next[i];
     }
     // Column c's query lies in the same 32 for every lane (the column's 8-query group is
     // uniform), so the lane that holds it offers the same register.
@@ -335,6 +345,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     warpgroup_commit_batch();
     warpgroup_fence_operand(acc_dq);
     gemm_accumulate(mma_dkv, rdS, tdKrQt(_, _, _, st.index), acc_dk);
+    if (m + 1 < m_end) load_rows(m + 1);
     warpgroup_wait<1>();  // dV and dQ done: dO's last reader
     smem.pipe_do.consumer_release(st);
     Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kDqRows>, Int<kDqCols>>{}));
