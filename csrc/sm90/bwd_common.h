@@ -31,8 +31,7 @@ struct BwdParams {
   typename Traits::Element* dv;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-  // GQA: (batch, heads_kv, seqlen_k, d) zeroed (deterministic: heads_q), else null.
-  float* dk_accum;
+  float* dk_accum;  // GQA: (batch, heads_kv, seqlen_k, d) zeroed (deterministic: heads_q), else null
   float* dv_accum;
   // Deterministic mode: per (batch·head, query block, warpgroup) the number of key blocks whose
   // dQ has been added, zeroed; each CTA adds its slab when the key blocks before it have (FA3's
@@ -84,17 +83,16 @@ __device__ inline void red_add_f32x2(float* dst, float a, float b) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
 }
 
-// A tile of work: its key block of kBlockN keys and (batch, head) from the tile order, and the
-// query blocks [m_first, m_end) of kBlockM rows that see any of its keys. keys_descending: the
-// key blocks of a head run in reverse order (the deterministic causal hand-over).
-struct BwdTile {
+// A CTA's work: its key block of kBlockN keys and (batch, head) from the tile order, and the query
+// blocks [m_first, m_end) of kBlockM rows that see any of its keys. keys_descending: the key
+// blocks of a head run in reverse launch order (the deterministic causal hand-over).
+struct BwdCtaWork {
   int n_block, bh, head, batch, head_kv, m_first, m_end;
-  __device__ bool empty() const { return m_end == m_first; }
 };
 template <int kBlockN, int kBlockM, class Params>
-__device__ BwdTile bwd_tile(Params const& params, int linear, bool keys_descending) {
-  BwdTile w;
-  params.order.at(linear, w.n_block, w.bh);
+__device__ BwdCtaWork bwd_cta_work(Params const& params, bool keys_descending) {
+  BwdCtaWork w;
+  params.order.at(blockIdx.x, w.n_block, w.bh);
   if (keys_descending) w.n_block = params.order.tiles - 1 - w.n_block;
   w.head = w.bh % params.heads_q;
   w.batch = w.bh / params.heads_q;
@@ -106,21 +104,12 @@ __device__ BwdTile bwd_tile(Params const& params, int linear, bool keys_descendi
   return w;
 }
 
-// The CTAs are persistent: CTA c takes tiles c, c + gridDim.x, … (the launcher sizes the grid;
-// one CTA per tile in deterministic mode, whose hand-over needs the launch order). Per tile the
-// producer waits until the consumers are done with K and V (kv_empty), loads the next tile's,
-// and runs on into its Q and dO blocks while the consumers store dK and dV.
-__device__ inline int bwd_tiles_total(TileOrder const& order) {
-  return order.tiles * order.heads_total;
-}
-
-// One thread initializes the K/V barriers and the Q and dO pipelines (one arrival per consumer
+// One thread initializes the K/V barrier and the Q and dO pipelines (one arrival per consumer
 // warp); every thread of the CTA then syncs.
 template <class Smem>
 __device__ void bwd_init_barriers(Smem& smem, int consumer_warps) {
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&smem.kv_full, 1);
-    cutlass::arch::ClusterBarrier::init(&smem.kv_empty, consumer_warps);
     smem.pipe_q.init(consumer_warps);
     smem.pipe_do.init(consumer_warps);
     cutlass::arch::fence_barrier_init();
@@ -163,22 +152,14 @@ __device__ void convert_fragment(Acc const& acc, Dst& dst) {
       conv(*reinterpret_cast<cutlass::Array<float, N> const*>(acc.data()));
 }
 
-// A consumer warp is done reading this tile's K and V (after its last GEMMs completed).
-template <class Smem>
-__device__ void bwd_release_kv(Smem& smem) {
-  __syncwarp();
-  if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.kv_empty);
-}
-
-// One tile's loads: K and V (Traits::kKeyTiles tiles of TileK rows), then Q and dO of every
-// query block [m_first, m_end) into their pipelines (kStages and kStagesdO buffers).
-template <class Traits, class Smem, class State, class StatedO>
-__device__ void bwd_produce_tile(BwdParams<Traits> const& params, Smem& smem,
-                                 BwdTile const& tile, State& st, StatedO& st_do) {
+// The producer warp's one elected thread: K and V once (Traits::kKeyTiles tiles of TileK rows),
+// then Q and dO of every query block [m_first, m_end) into their pipelines (kStages and
+// kStagesdO buffers).
+template <class Traits, class Smem>
+__device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, int n_block, int head,
+                            int head_kv, int batch, int m_first, int m_end) {
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kKeyTiles = Traits::kKeyTiles;
-  const int n_block = tile.n_block, head = tile.head, head_kv = tile.head_kv;
-  const int batch = tile.batch;
   auto tma_tensor = [&](auto const& tma, int seqlen, int heads) {
     return tma.get_tma_tensor(make_shape(seqlen, kHeadDim, heads, params.batch));
   };
@@ -213,8 +194,10 @@ __device__ void bwd_produce_tile(BwdParams<Traits> const& params, Smem& smem,
       local_tile(mdO(_, _, head, batch), typename Traits::TileQ{}, make_coord(_, _0{}))));
   Tensor tQsQ = group_modes<0, 3>(cta_q.partition_D(sQ));  // (TMA, stage)
   Tensor tdOsdO = group_modes<0, 3>(cta_do.partition_D(sdO));
+  PipelineState<Traits::kStages> st;
+  PipelineState<Traits::kStagesdO> st_do;
 #pragma unroll 1
-  for (int m = tile.m_first; m < tile.m_end; ++m) {
+  for (int m = m_first; m < m_end; ++m) {
     smem.pipe_q.producer_acquire(st, Traits::kBytesQ);
     copy(params.tma_q.with(smem.pipe_q.full_barrier(st)), tQgQ(_, m), tQsQ(_, st.index));
     smem.pipe_do.producer_acquire(st_do, Traits::kBytesQ);
@@ -222,22 +205,6 @@ __device__ void bwd_produce_tile(BwdParams<Traits> const& params, Smem& smem,
          tdOsdO(_, st_do.index));
     st.advance();
     st_do.advance();
-  }
-}
-
-// The producer warp's one elected thread: every tile of this CTA.
-template <class Traits, class Smem>
-__device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, bool keys_descending) {
-  PipelineState<Traits::kStages> st;
-  PipelineState<Traits::kStagesdO> st_do;
-  int kv_round = 0;  // tiles that loaded K and V so far
-  for (int t = blockIdx.x; t < bwd_tiles_total(params.order); t += gridDim.x) {
-    const BwdTile tile =
-        bwd_tile<Traits::kBlockN, Traits::kBlockM>(params, t, keys_descending);
-    if (tile.empty()) continue;
-    if (kv_round > 0) cutlass::arch::ClusterBarrier::wait(&smem.kv_empty, (kv_round - 1) & 1);
-    bwd_produce_tile(params, smem, tile, st, st_do);
-    ++kv_round;
   }
 }
 

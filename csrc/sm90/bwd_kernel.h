@@ -1,10 +1,9 @@
 // The FlashAttention-3-style backward kernel for sm_90a.
 //
-// A tile is a block of kBlockN = 128 keys of one (batch, head); its CTA walks the query blocks
-// (kBlockM = 64 rows, 128 at d64) that see them. CTAs are persistent (bwd_common.h): the next
-// tile's K, V and first Q/dO blocks load while this one's dK and dV are stored. Three warpgroups:
-//   producer (WG 0): one elected thread loads a tile's K and V, then per query block Q and dO
-//                    into two-stage mbarrier pipelines by TMA;
+// One CTA owns a block of kBlockN = 128 keys of one (batch, head) and walks the query blocks
+// (kBlockM = 64 rows, 128 at d64) that see them. Three warpgroups:
+//   producer (WG 0): one elected thread loads K and V once, then per query block Q and dO into
+//                    two-stage mbarrier pipelines by TMA;
 //   consumers (WG 1, WG 2): 64 keys each. Scores are computed transposed, Sᵀ = K·Qᵀ and
 //                    dPᵀ = V·dOᵀ (keys down the WGMMA's M), so that Pᵀ and dSᵀ come out of the
 //                    accumulators already as the register A operands of dV += Pᵀ·dO and
@@ -106,7 +105,6 @@ struct BwdTraits {
     // Each warpgroup's slab of dQ for the current query block, as in global memory.
     alignas(128) float dq[kConsumerWGs][kDqRows * kDqCols];
     uint64_t kv_full;
-    uint64_t kv_empty;
     TmaPipeline<kStages> pipe_q;
     TmaPipeline<kStages> pipe_do;
   };
@@ -131,9 +129,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // Deterministic with a right bound (causal): the key blocks run lightest first and hand each
   // dQ slab downwards, from the block nearest the diagonal (the first to reach a query block)
-  // to block 0; the hand-over order follows the launch order (one CTA per tile), so no CTA
-  // waits on one that may not have started.
+  // to block 0; the hand-over order follows the launch order, so no CTA waits on one that may
+  // not have started.
   const bool keys_descending = kDeterministic && params.keys.window_right >= 0;
+  const BwdCtaWork work = bwd_cta_work<kBlockN, kBlockM>(params, keys_descending);
+  const int n_block = work.n_block, bh = work.bh, head = work.head, batch = work.batch;
+  const int head_kv = work.head_kv, m_first = work.m_first, m_end = work.m_end;
+  const int col_begin = n_block * kBlockN;
+  const int64_t rows_base = int64_t(bh) * params.dq_rows;  // this head's LSE, D and dQ rows
 
   const int warp_group = threadIdx.x / 128;
   bwd_init_barriers(smem, 4 * kConsumerWGs);
@@ -141,8 +144,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warp_group == 0) {
     // ---------------- producer: warp 0, one elected lane issues ----------------
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (threadIdx.x / 32 != 0 || !cute::elect_one_sync()) return;
-    bwd_produce(params, smem, keys_descending);
+    if (threadIdx.x / 32 != 0 || m_end == m_first) return;
+    if (!cute::elect_one_sync()) return;
+
+    bwd_produce(params, smem, n_block, head, head_kv, batch, m_first, m_end);
     return;
   }
 
@@ -150,6 +155,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
   const int wg = warp_group - 1;
   const int tid = threadIdx.x % 128;
+  const int key0 = col_begin + wg * kKeysPerWG;  // this warpgroup's first key
 
   Tensor sK = make_tensor(make_smem_ptr(smem.k[wg].begin()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v[wg].begin()), typename Traits::SmemLayoutK{});
@@ -198,6 +204,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor acc_dk = partition_fragment_C(mma_dkv, typename Traits::TileK{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, typename Traits::TileK{});
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kDqRows>, Int<kDqCols>>{});
+  clear(acc_dk);
+  clear(acc_dv);
   Tensor rowcol_s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
   Tensor rowcol_dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
   // (key, query) of every Sᵀ element within the warpgroup's tile.
@@ -207,202 +215,182 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto rP = make_tensor<Element>(acc_as_operand_a(acc_s.layout()));
   auto rdS = make_tensor<Element>(acc_as_operand_a(acc_dp.layout()));
   float* sdq = smem.dq[wg];
+  auto dq_semaphore_at = [&](int m) {
+    return params.dq_semaphore + ((int64_t(bh) * (params.dq_rows / kBlockM) + m) * kConsumerWGs + wg);
+  };
   // This thread's columns (queries) of the Sᵀ tile: the same for every row.
   constexpr int kCols = decltype(size<1>(rowcol_s))::value;
 
   PipelineState<kStages> st;
-  int kv_round = 0;  // tiles that loaded K and V so far
+  if (m_end > m_first) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, 0);
+  // The rows' LSE and D straight from global memory (the preprocess wrote them before this
+  // launch; padded to whole blocks), a block ahead so that the exponentials do not wait on the
+  // loads. Each thread needs 16 of the 64 rows; held as 64 registers they spilled (ptxas), and
+  // the spill store waited on the load. So lane L holds rows L, L + 32, …, and a shuffle hands
+  // each use its row.
+  constexpr int kHeld = kBlockM / 32;
+  float lse_next[kHeld], dsum_next[kHeld];
+  auto load_rows = [&](int m) {
+    const int64_t rows_at = rows_base + m * kBlockM + tid % 32;
+#pragma unroll
+    for (int i = 0; i < kHeld; ++i) {
+      lse_next[i] = params.lse_log2[rows_at + 32 * i];
+      dsum_next[i] = params.softmax_d[rows_at + 32 * i];
+    }
+  };
+  if (m_end > m_first) load_rows(m_first);
 #pragma unroll 1
-  for (int t = blockIdx.x; t < bwd_tiles_total(params.order); t += gridDim.x) {
-    const BwdTile tile = bwd_tile<kBlockN, kBlockM>(params, t, keys_descending);
-    const int n_block = tile.n_block, bh = tile.bh, head = tile.head, batch = tile.batch;
-    const int head_kv = tile.head_kv, m_first = tile.m_first, m_end = tile.m_end;
-    const int64_t rows_base = int64_t(bh) * params.dq_rows;  // this head's LSE, D and dQ rows
-    const int key0 = n_block * kBlockN + wg * kKeysPerWG;    // this warpgroup's first key
-    auto dq_semaphore_at = [&](int m) {
-      const int64_t block = int64_t(bh) * (params.dq_rows / kBlockM) + m;
-      return params.dq_semaphore + (block * kConsumerWGs + wg);
+  for (int m = m_first; m < m_end; ++m) {
+    const int q0 = m * kBlockM;
+    float lse_held[kHeld], dsum_held[kHeld];
+#pragma unroll
+    for (int i = 0; i < kHeld; ++i) {
+      lse_held[i] = lse_next[i];
+      dsum_held[i] = dsum_next[i];
+    }
+    // Column c's query lies in the same 32 for every lane (the column's 8-query group is
+    // uniform), so the lane that holds it offers the same register.
+    auto row_value = [&](const float (&held)[kHeld], int c) {
+      const int q = get<1>(rowcol_cS(0, c));
+      return __shfl_sync(0xffffffffu, held[q / 32], q % 32);
     };
-    clear(acc_dk);
-    clear(acc_dv);
-    if (!tile.empty()) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, kv_round & 1);
-    // The rows' LSE and D straight from global memory (the preprocess wrote them before this
-    // launch; padded to whole blocks). Each thread needs 16 of the 64 rows; held as 64 registers
-    // they spilled (ptxas), and the spill store waited on the load. So lane L holds rows L,
-    // L + 32, …, and a shuffle hands each use its row. With 64-row blocks they load a block
-    // ahead, under the dQ/dK GEMMs (d128 s8k +7%); 128-row blocks (d64) have no registers for
-    // that and load at the block's start, under its first GEMMs.
-    constexpr int kHeld = kBlockM / 32;
-    constexpr bool kRowsAhead = kBlockM == 64;
-    float lse_next[kHeld], dsum_next[kHeld];
-    auto load_rows = [&](int m) {
-      const int64_t rows_at = rows_base + m * kBlockM + tid % 32;
-#pragma unroll
-      for (int i = 0; i < kHeld; ++i) {
-        lse_next[i] = params.lse_log2[rows_at + 32 * i];
-        dsum_next[i] = params.softmax_d[rows_at + 32 * i];
-      }
-    };
-    if (kRowsAhead && m_end > m_first) load_rows(m_first);
-#pragma unroll 1
-    for (int m = m_first; m < m_end; ++m) {
-      const int q0 = m * kBlockM;
-      if (!kRowsAhead) load_rows(m);
-      float lse_held[kHeld], dsum_held[kHeld];
-#pragma unroll
-      for (int i = 0; i < kHeld; ++i) {
-        lse_held[i] = lse_next[i];
-        dsum_held[i] = dsum_next[i];
-      }
-      // Column c's query lies in the same 32 for every lane (the column's 8-query group is
-      // uniform), so the lane that holds it offers the same register.
-      auto row_value = [&](const float (&held)[kHeld], int c) {
-        const int q = get<1>(rowcol_cS(0, c));
-        return __shfl_sync(0xffffffffu, held[q / 32], q % 32);
-      };
-      smem.pipe_q.consumer_wait(st);
-      gemm_ss(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
-      smem.pipe_do.consumer_wait(st);
-      gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st.index), acc_dp);
-      warpgroup_wait<1>();  // Sᵀ ready
-      // Pᵀ = exp2(s·c − LSE·log2 e); rows past seqlen_q have LSE +inf, keys past seqlen_k multiply
-      // zero-filled rows of K and V, so only the key range needs a mask.
-      if (params.keys.template block_needs_mask<kKeysPerWG>(n_block * kConsumerWGs + wg, q0,
-                                                            q0 + kBlockM)) {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          const float lse = row_value(lse_held, c);
-          const int q = q0 + get<1>(rowcol_cS(0, c));
-          const int lo = params.keys.lo(q) - key0, hi = params.keys.hi(q) - key0;
-#pragma unroll
-          for (int r = 0; r < size<0>(rowcol_s); ++r) {
-            const int key = get<0>(rowcol_cS(r, c));
-            rowcol_s(r, c) = key >= lo && key < hi
-                                 ? fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse)
-                                 : 0.f;
-          }
-        }
-      } else {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          const float lse = row_value(lse_held, c);
-#pragma unroll
-          for (int r = 0; r < size<0>(rowcol_s); ++r)
-            rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse);
-        }
-      }
-      // dV as soon as Pᵀ is ready, under dPᵀ; with 128-query blocks that holds Pᵀ twice (f32 for
-      // dS, Element for dV) beside both score accumulators, too many registers: dV after dS then.
-      if constexpr (Traits::kEarlyDv) {
-        convert_fragment(acc_s, rP);
-        gemm_accumulate(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
-        warpgroup_wait<1>();  // dPᵀ ready (dV may still run)
-      } else {
-        warpgroup_wait<0>();  // dPᵀ ready
-      }
+    smem.pipe_q.consumer_wait(st);
+    gemm_ss(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
+    smem.pipe_do.consumer_wait(st);
+    gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st.index), acc_dp);
+    warpgroup_wait<1>();  // Sᵀ ready
+    // Pᵀ = exp2(s·c − LSE·log2 e); rows past seqlen_q have LSE +inf, keys past seqlen_k multiply
+    // zero-filled rows of K and V, so only the key range needs a mask.
+    if (params.keys.template block_needs_mask<kKeysPerWG>(n_block * kConsumerWGs + wg, q0,
+                                                          q0 + kBlockM)) {
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        const float dsum = row_value(dsum_held, c);
+        const float lse = row_value(lse_held, c);
+        const int q = q0 + get<1>(rowcol_cS(0, c));
+        const int lo = params.keys.lo(q) - key0, hi = params.keys.hi(q) - key0;
+#pragma unroll
+        for (int r = 0; r < size<0>(rowcol_s); ++r) {
+          const int key = get<0>(rowcol_cS(r, c));
+          rowcol_s(r, c) = key >= lo && key < hi
+                               ? fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse)
+                               : 0.f;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const float lse = row_value(lse_held, c);
 #pragma unroll
         for (int r = 0; r < size<0>(rowcol_s); ++r)
-          rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - dsum);
+          rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse);
       }
-      if constexpr (!Traits::kEarlyDv) convert_fragment(acc_s, rP);
-      convert_fragment(acc_dp, rdS);
-
-      // dS to shared memory as (query, key) in this block's stage. The other warpgroup read the
-      // stage two blocks ago (its dQ GEMM completed before it passed the barrier below last
-      // block); the slab must be free: the previous block's bulk add has read it once its
-      // thread's wait returns.
-      if (tid == 0) {
-        if (kDeterministic && m > m_first)
-          finish_bulk_adds_and_signal(dq_semaphore_at(m - 1));
-        else
-          tma_store_wait<0>();
-      }
-      // rdS holds dSᵀ register for register like the accumulator: index it as (key, query).
-      Tensor rowcol_rdS = make_tensor(rdS.data(), acc_rowcol(acc_dp.layout()));
-#pragma unroll
-      for (int r = 0; r < size<0>(rowcol_rdS); ++r)
-#pragma unroll
-        for (int c = 0; c < kCols; c += 2) {  // columns c, c+1 are neighbouring queries
-          cutlass::Array<Element, 2> pair;
-          pair[0] = rowcol_rdS(r, c);
-          pair[1] = rowcol_rdS(r, c + 1);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(
-              &sdS(get<1>(rowcol_cS(r, c)), get<0>(rowcol_cS(r, c)), st.index)) = pair;
-        }
-      if constexpr (!Traits::kEarlyDv)
-        gemm_accumulate(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
-      cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
-      consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
-
-      // This warpgroup's dQ columns over both warpgroups' keys, then dK; dQ leaves under dK.
-      mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
-      warpgroup_fence_operand(acc_dq);
-      warpgroup_arrive();
-#pragma unroll
-      for (int k = 0; k < size<2>(tdQrKt0); ++k) {
-        gemm(mma_dq, tdQrdS0(_, _, k, st.index), tdQrKt0(_, _, k), acc_dq);
-        mma_dq.accumulate_ = GMMA::ScaleOut::One;
-      }
-#pragma unroll
-      for (int k = 0; k < size<2>(tdQrKt1); ++k)
-        gemm(mma_dq, tdQrdS1(_, _, k, st.index), tdQrKt1(_, _, k), acc_dq);
-      warpgroup_commit_batch();
-      warpgroup_fence_operand(acc_dq);
-      gemm_accumulate(mma_dkv, rdS, tdKrQt(_, _, _, st.index), acc_dk);
-      if (kRowsAhead && m + 1 < m_end) load_rows(m + 1);
-      warpgroup_wait<1>();  // dV and dQ done: dO's last reader
-      smem.pipe_do.consumer_release(st);
-      Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kDqRows>, Int<kDqCols>>{}));
-#pragma unroll
-      for (int i = 0; i < size(acc_dq); i += 2) {  // elements i, i+1 are neighbouring columns
-        const int at = Traits::DqLayout::in_slab(get<0>(cdQ(i)), get<1>(cdQ(i)));
-        *reinterpret_cast<float2*>(&sdq[at]) = make_float2(acc_dq(i), acc_dq(i + 1));
-      }
-      cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
-      consumers_sync(BwdBarrier::DqReady, 128, wg);
-      if (tid == 0) {
-        // Deterministic: after the key blocks before this one in hand-over order that see these
-        // rows: a contiguous run, from the first key block row q0 sees to the last one the
-        // block's last row sees (both bounds of a row's keys grow with the row).
-        if constexpr (kDeterministic) {
-          int before;
-          if (keys_descending) {
-            const int q_last = min(q0 + kBlockM, params.seqlen_q) - 1;
-            before = (params.keys.hi(q_last) + kBlockN - 1) / kBlockN - 1 - n_block;
-          } else {
-            before = n_block - params.keys.lo(q0) / kBlockN;
-          }
-          wait_for_count(dq_semaphore_at(m), before);
-        }
-        // The slabs of a query block follow each other, in warpgroup order (DqSlabs).
-        bulk_reduce_add_f32(params.dq_accum + (rows_base + q0) * kHeadDim + wg * kDqRows * kDqCols,
-                            sdq, Traits::kBytesdQ);
-        tma_store_arrive();  // commit the bulk group
-      }
-      warpgroup_wait<0>();  // dK done: Q's last reader
-      smem.pipe_q.consumer_release(st);
-      st.advance();
     }
-    if (!tile.empty()) {  // every GEMM of the tile has completed: K and V may be replaced
-      bwd_release_kv(smem);
-      ++kv_round;
+    // dV as soon as Pᵀ is ready, under dPᵀ; with 128-query blocks that holds Pᵀ twice (f32 for
+    // dS, Element for dV) beside both score accumulators, too many registers: dV after dS then.
+    if constexpr (Traits::kEarlyDv) {
+      convert_fragment(acc_s, rP);
+      gemm_accumulate(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
+      warpgroup_wait<1>();  // dPᵀ ready (dV may still run)
+    } else {
+      warpgroup_wait<0>();  // dPᵀ ready
     }
-    if (tid == 0) {  // the slab must stay until the last bulk add read it
-      if (kDeterministic && m_end > m_first)
-        finish_bulk_adds_and_signal(dq_semaphore_at(m_end - 1));
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float dsum = row_value(dsum_held, c);
+#pragma unroll
+      for (int r = 0; r < size<0>(rowcol_s); ++r)
+        rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - dsum);
+    }
+    if constexpr (!Traits::kEarlyDv) convert_fragment(acc_s, rP);
+    convert_fragment(acc_dp, rdS);
+
+    // dS to shared memory as (query, key) in this block's stage. The other warpgroup read the
+    // stage two blocks ago (its dQ GEMM completed before it passed the barrier below last
+    // block); the slab must be free: the previous block's bulk add has read it once its
+    // thread's wait returns.
+    if (tid == 0) {
+      if (kDeterministic && m > m_first)
+        finish_bulk_adds_and_signal(dq_semaphore_at(m - 1));
       else
         tma_store_wait<0>();
     }
+    // rdS holds dSᵀ register for register like the accumulator: index it as (key, query).
+    Tensor rowcol_rdS = make_tensor(rdS.data(), acc_rowcol(acc_dp.layout()));
+#pragma unroll
+    for (int r = 0; r < size<0>(rowcol_rdS); ++r)
+#pragma unroll
+      for (int c = 0; c < kCols; c += 2) {  // columns c, c+1 are neighbouring queries
+        cutlass::Array<Element, 2> pair;
+        pair[0] = rowcol_rdS(r, c);
+        pair[1] = rowcol_rdS(r, c + 1);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(
+            &sdS(get<1>(rowcol_cS(r, c)), get<0>(rowcol_cS(r, c)), st.index)) = pair;
+      }
+    if constexpr (!Traits::kEarlyDv) gemm_accumulate(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
+    consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
 
-    // ---------------- dK·scale and dV ----------------
-    Tensor cKV = thr_dkv.partition_C(make_identity_tensor(typename Traits::TileK{}));
-    if (m_end > m_first || params.dk_accum == nullptr)
-      bwd_store_dkdv<kDeterministic, kHeadDim, Element>(params, acc_dk, acc_dv, cKV, key0, 0, bh,
-                                                        batch, head, head_kv);
+    // This warpgroup's dQ columns over both warpgroups' keys, then dK; dQ leaves under dK.
+    mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(acc_dq);
+    warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < size<2>(tdQrKt0); ++k) {
+      gemm(mma_dq, tdQrdS0(_, _, k, st.index), tdQrKt0(_, _, k), acc_dq);
+      mma_dq.accumulate_ = GMMA::ScaleOut::One;
+    }
+#pragma unroll
+    for (int k = 0; k < size<2>(tdQrKt1); ++k)
+      gemm(mma_dq, tdQrdS1(_, _, k, st.index), tdQrKt1(_, _, k), acc_dq);
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(acc_dq);
+    gemm_accumulate(mma_dkv, rdS, tdKrQt(_, _, _, st.index), acc_dk);
+    if (m + 1 < m_end) load_rows(m + 1);
+    warpgroup_wait<1>();  // dV and dQ done: dO's last reader
+    smem.pipe_do.consumer_release(st);
+    Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kDqRows>, Int<kDqCols>>{}));
+#pragma unroll
+    for (int i = 0; i < size(acc_dq); i += 2) {  // elements i, i+1 are neighbouring columns
+      const int at = Traits::DqLayout::in_slab(get<0>(cdQ(i)), get<1>(cdQ(i)));
+      *reinterpret_cast<float2*>(&sdq[at]) = make_float2(acc_dq(i), acc_dq(i + 1));
+    }
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
+    consumers_sync(BwdBarrier::DqReady, 128, wg);
+    if (tid == 0) {
+      // Deterministic: after the key blocks before this one in hand-over order that see these
+      // rows: a contiguous run, from the first key block row q0 sees to the last one the
+      // block's last row sees (both bounds of a row's keys grow with the row).
+      if constexpr (kDeterministic) {
+        int before;
+        if (keys_descending) {
+          const int q_last = min(q0 + kBlockM, params.seqlen_q) - 1;
+          before = (params.keys.hi(q_last) + kBlockN - 1) / kBlockN - 1 - n_block;
+        } else {
+          before = n_block - params.keys.lo(q0) / kBlockN;
+        }
+        wait_for_count(dq_semaphore_at(m), before);
+      }
+      // The slabs of a query block follow each other, in warpgroup order (DqSlabs).
+      bulk_reduce_add_f32(params.dq_accum + (rows_base + q0) * kHeadDim + wg * kDqRows * kDqCols,
+                          sdq, Traits::kBytesdQ);
+      tma_store_arrive();  // commit the bulk group
+    }
+    warpgroup_wait<0>();  // dK done: Q's last reader
+    smem.pipe_q.consumer_release(st);
+    st.advance();
   }
+  if (tid == 0) {  // the slab must stay until the last bulk add read it
+    if (kDeterministic && m_end > m_first)
+      finish_bulk_adds_and_signal(dq_semaphore_at(m_end - 1));
+    else
+      tma_store_wait<0>();
+  }
+
+  // ---------------- dK·scale and dV ----------------
+  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(typename Traits::TileK{}));
+  if (m_end > m_first || params.dk_accum == nullptr)
+    bwd_store_dkdv<kDeterministic, kHeadDim, Element>(params, acc_dk, acc_dv, cKV, key0, 0, bh,
+                                                      batch, head, head_kv);
 #endif
 }
 

@@ -1,10 +1,10 @@
 // The sm_90a backward kernel for head dim 256, its two consumer warpgroups splitting the head dim.
 //
 // At d256 a warpgroup that owned 64 keys (bwd_kernel.h) would hold dK and dV as 256 f32
-// registers per thread. Here a tile is kBlockN = 64 keys, whose (persistent) CTA walks the
-// 64-row query blocks that see them; each consumer warpgroup owns half of the head dim of dK, dV
-// and dQ (FA3's layout at d256), 64 + 64 accumulator registers:
-//   producer (WG 0): a tile's K and V, then Q and dO per query block into TMA pipelines;
+// registers per thread. Here one CTA owns kBlockN = 64 keys and walks the 64-row query blocks
+// that see them; each consumer warpgroup owns half of the head dim of dK, dV and dQ (FA3's
+// layout at d256), 64 + 64 accumulator registers:
+//   producer (WG 0): K and V once, Q and dO per query block into two-stage TMA pipelines;
 //   consumers (WG 1, WG 2): Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for all 64 keys and half of the block's
 //                    queries each (N = 32), Pᵀ and dSᵀ from them into shared memory (two
 //                    stages); after one barrier, each warpgroup computes its columns of
@@ -59,8 +59,7 @@ struct BwdSplitDTraits {
   template <int kBuffers>  // (d, queries, stage): B of dK and dV
   using SmemLayoutRowsT = decltype(composition(
       SmemLayoutRows<kBuffers>{},
-      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kBuffers>>{},
-                          Step<_2, _1, _3>{})));
+      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kBuffers>>{}, Step<_2, _1, _3>{})));
   using SmemLayoutQ = SmemLayoutRows<kStages>;
   using SmemLayoutQt = SmemLayoutRowsT<kStages>;
   using SmemLayoutdO = SmemLayoutRows<kStagesdO>;
@@ -112,7 +111,6 @@ struct BwdSplitDTraits {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutPt>> dst;
     alignas(128) float dq[kConsumerWGs][kBlockM * kDqSlabCols];  // one slab per warpgroup
     uint64_t kv_full;
-    uint64_t kv_empty;
     TmaPipeline<kStages> pipe_q;
     TmaPipeline<kStagesdO> pipe_do;
   };
@@ -134,14 +132,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
+  const BwdCtaWork work = bwd_cta_work<kBlockN, kBlockM>(params, false);
+  const int n_block = work.n_block, bh = work.bh, m_first = work.m_first, m_end = work.m_end;
+  const int key0 = n_block * kBlockN;
+  const int64_t rows_base = int64_t(bh) * params.dq_rows;  // this head's LSE, D and dQ rows
+
   const int warp_group = threadIdx.x / 128;
   bwd_init_barriers(smem, 4 * kConsumerWGs);
 
   if (warp_group == 0) {
     // ---------------- producer: warp 0, one elected lane issues ----------------
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (threadIdx.x / 32 != 0 || !cute::elect_one_sync()) return;
-    bwd_produce(params, smem, false);
+    if (threadIdx.x / 32 != 0 || m_end == m_first) return;
+    if (!cute::elect_one_sync()) return;
+    bwd_produce(params, smem, n_block, work.head, work.head_kv, work.batch, m_first, m_end);
     return;
   }
 
@@ -220,152 +224,137 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int j = 0; j < kSlabElems; j += 2) {  // elements i, i+1 are neighbouring columns
       const int i = half * kSlabElems + j;
-      const int col = get<1>(cdQ(i)) % Traits::kDqSlabCols;
-      const int at = Traits::DqLayout::in_slab(get<0>(cdQ(i)), col);
+      const int at = Traits::DqLayout::in_slab(get<0>(cdQ(i)), get<1>(cdQ(i)) % Traits::kDqSlabCols);
       *reinterpret_cast<float2*>(&sdq[at]) = make_float2(acc_dq(i), acc_dq(i + 1));
     }
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
     consumers_sync(BwdBarrier::DqReady, 128, wg);
   };
-  // One thread: the slab into global dQ, the query block starting at dQ row `row0`.
-  auto add_slab = [&](int64_t row0, int half) {
-    const int slab = wg * 2 + half;  // DqSlabs: a query block's slabs in column order
-    bulk_reduce_add_f32(params.dq_accum + row0 * kHeadDim + slab * kBlockM * Traits::kDqSlabCols,
+  auto add_slab = [&](int m, int half) {  // one thread: the slab into global dQ
+    const int slab = wg * 2 + half;         // DqSlabs: a query block's slabs in column order
+    bulk_reduce_add_f32(params.dq_accum + (rows_base + m * kBlockM) * kHeadDim +
+                            slab * kBlockM * Traits::kDqSlabCols,
                         sdq, Traits::kBytesdQ);
     tma_store_arrive();
   };
 
   // A block's second slab leaves during the next block's score GEMMs (acc_dq holds it until the
   // next dQ GEMM), once the first one's bulk add has read the buffer.
-  auto second_slab = [&](int64_t row0) {
+  auto second_slab = [&](int m) {
     if (tid == 0) tma_store_wait<0>();
     consumers_sync(BwdBarrier::DqReady, 128, wg);
     store_slab(1);
-    if (tid == 0) add_slab(row0, 1);
+    if (tid == 0) add_slab(m, 1);
   };
 
   PipelineState<kStages> st;
   PipelineState<Traits::kStagesdO> st_do;
-  int kv_round = 0;  // tiles that loaded K and V so far
+  if (m_end > m_first) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, 0);
+  // LSE·log2(e) and D of the warpgroup's 32 queries, lane L holding query q0 + L; a shuffle hands
+  // each use its row (the preprocess padded them to whole blocks). Loaded a block ahead, under
+  // the dQ/dV/dK GEMMs, so that the exponentials do not wait on global memory.
+  auto row_at = [&](int m) { return rows_base + m * kBlockM + q_off + tid % 32; };
+  float lse_next = 0.f, dsum_next = 0.f;
+  if (m_end > m_first) {
+    lse_next = params.lse_log2[row_at(m_first)];
+    dsum_next = params.softmax_d[row_at(m_first)];
+  }
 #pragma unroll 1
-  for (int t = blockIdx.x; t < bwd_tiles_total(params.order); t += gridDim.x) {
-    const BwdTile tile = bwd_tile<kBlockN, kBlockM>(params, t, false);
-    const int n_block = tile.n_block, bh = tile.bh, m_first = tile.m_first, m_end = tile.m_end;
-    const int key0 = n_block * kBlockN;
-    const int64_t rows_base = int64_t(bh) * params.dq_rows;  // this head's LSE, D and dQ rows
-    clear(acc_dk);
-    clear(acc_dv);
-    if (!tile.empty()) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, kv_round & 1);
-    // LSE·log2(e) and D of the warpgroup's 32 queries, lane L holding query q0 + L; a shuffle hands
-    // each use its row (the preprocess padded them to whole blocks). Loaded a block ahead, under
-    // the dQ/dV/dK GEMMs, so that the exponentials do not wait on global memory.
-    auto row_at = [&](int m) { return rows_base + m * kBlockM + q_off + tid % 32; };
-    float lse_next = 0.f, dsum_next = 0.f;
-    if (m_end > m_first) {
-      lse_next = params.lse_log2[row_at(m_first)];
-      dsum_next = params.softmax_d[row_at(m_first)];
-    }
-#pragma unroll 1
-    for (int m = m_first; m < m_end; ++m) {
-      const int q0 = m * kBlockM + q_off;  // this warpgroup's first query
-      const float lse_held = lse_next, dsum_held = dsum_next;
-      auto row_value = [&](float held, int c) {
-        return __shfl_sync(0xffffffffu, held, get<1>(rowcol_cS(0, c)));
-      };
-      smem.pipe_q.consumer_wait(st);
-      gemm_ss(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
-      smem.pipe_do.consumer_wait(st_do);
-      gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st_do.index), acc_dp);
-      if (m > m_first) second_slab(rows_base + (m - 1) * kBlockM);  // under the score GEMMs
-      warpgroup_wait<1>();  // Sᵀ ready
-      // Pᵀ = exp2(s·c − LSE·log2 e); rows past seqlen_q have LSE +inf, keys past seqlen_k multiply
-      // zero-filled rows of K and V, so only the key range needs a mask.
-      if (params.keys.template block_needs_mask<kBlockN>(n_block, q0, q0 + kQueriesPerWG)) {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          const float lse = row_value(lse_held, c);
-          const int q = q0 + get<1>(rowcol_cS(0, c));
-          const int lo = params.keys.lo(q) - key0, hi = params.keys.hi(q) - key0;
-#pragma unroll
-          for (int r = 0; r < kRows; ++r) {
-            const int key = get<0>(rowcol_cS(r, c));
-            rowcol_s(r, c) = key >= lo && key < hi
-                                 ? fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse)
-                                 : 0.f;
-          }
-        }
-      } else {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          const float lse = row_value(lse_held, c);
-#pragma unroll
-          for (int r = 0; r < kRows; ++r)
-            rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse);
-        }
-      }
-      warpgroup_wait<0>();  // dPᵀ ready
+  for (int m = m_first; m < m_end; ++m) {
+    const int q0 = m * kBlockM + q_off;  // this warpgroup's first query
+    const float lse_held = lse_next, dsum_held = dsum_next;
+    auto row_value = [&](float held, int c) {
+      return __shfl_sync(0xffffffffu, held, get<1>(rowcol_cS(0, c)));
+    };
+    smem.pipe_q.consumer_wait(st);
+    gemm_ss(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
+    smem.pipe_do.consumer_wait(st_do);
+    gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st_do.index), acc_dp);
+    if (m > m_first) second_slab(m - 1);  // under this block's score GEMMs
+    warpgroup_wait<1>();  // Sᵀ ready
+    // Pᵀ = exp2(s·c − LSE·log2 e); rows past seqlen_q have LSE +inf, keys past seqlen_k multiply
+    // zero-filled rows of K and V, so only the key range needs a mask.
+    if (params.keys.template block_needs_mask<kBlockN>(n_block, q0, q0 + kQueriesPerWG)) {
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        const float dsum = row_value(dsum_held, c);
+        const float lse = row_value(lse_held, c);
+        const int q = q0 + get<1>(rowcol_cS(0, c));
+        const int lo = params.keys.lo(q) - key0, hi = params.keys.hi(q) - key0;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const int key = get<0>(rowcol_cS(r, c));
+          rowcol_s(r, c) = key >= lo && key < hi
+                               ? fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse)
+                               : 0.f;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const float lse = row_value(lse_held, c);
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
-          rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - dsum);
+          rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse);
       }
-      convert_fragment(acc_s, rP);
-      convert_fragment(acc_dp, rdS);
-      // Pᵀ and dSᵀ into this block's stage, as (key, query). The other warpgroup's GEMMs read the
-      // stage two blocks ago and completed before it passed the barrier below last block.
+    }
+    warpgroup_wait<0>();  // dPᵀ ready
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float dsum = row_value(dsum_held, c);
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
+        rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - dsum);
+    }
+    convert_fragment(acc_s, rP);
+    convert_fragment(acc_dp, rdS);
+    // Pᵀ and dSᵀ into this block's stage, as (key, query). The other warpgroup's GEMMs read the
+    // stage two blocks ago and completed before it passed the barrier below last block.
 #pragma unroll
-        for (int c = 0; c < kCols; c += 2) {  // columns c, c+1 are neighbouring queries
-          const int key = get<0>(rowcol_cS(r, c)), q = q_off + get<1>(rowcol_cS(r, c));
-          cutlass::Array<Element, 2> p2, ds2;
-          p2[0] = rowcol_rP(r, c);
-          p2[1] = rowcol_rP(r, c + 1);
-          ds2[0] = rowcol_rdS(r, c);
-          ds2[1] = rowcol_rdS(r, c + 1);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(&sPt(key, q, st.index)) = p2;
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(&sdSt(key, q, st.index)) = ds2;
-        }
-      // The dQ slab is free once the last block's second bulk add has read it.
-      if (tid == 0) tma_store_wait<0>();
-      cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
-      consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
-
-      // This warpgroup's columns: dV first, so that the single dO buffer is released early for
-      // the next block's load; then dQ, whose bulk adds run under dK.
-      gemm_accumulate(mma_dkv, tdVrPt(_, _, _, st.index), tdVrdOt(_, _, _, st_do.index), acc_dv);
-      gemm_ss(mma_dq, tdQrdS(_, _, _, st.index), tdQrKt, acc_dq);
-      gemm_accumulate(mma_dkv, tdKrdSt(_, _, _, st.index), tdKrQt(_, _, _, st.index), acc_dk);
-      if (m + 1 < m_end) {
-        lse_next = params.lse_log2[row_at(m + 1)];
-        dsum_next = params.softmax_d[row_at(m + 1)];
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int c = 0; c < kCols; c += 2) {  // columns c, c+1 are neighbouring queries
+        const int key = get<0>(rowcol_cS(r, c)), q = q_off + get<1>(rowcol_cS(r, c));
+        cutlass::Array<Element, 2> p2, ds2;
+        p2[0] = rowcol_rP(r, c);
+        p2[1] = rowcol_rP(r, c + 1);
+        ds2[0] = rowcol_rdS(r, c);
+        ds2[1] = rowcol_rdS(r, c + 1);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(&sPt(key, q, st.index)) = p2;
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(&sdSt(key, q, st.index)) = ds2;
       }
-      warpgroup_wait<2>();  // dV done: dO's last reader
-      smem.pipe_do.consumer_release(st_do);
-      warpgroup_wait<1>();  // dQ ready
-      store_slab(0);
-      if (tid == 0) add_slab(rows_base + m * kBlockM, 0);
-      warpgroup_wait<0>();  // dK done: Q's last reader
-      smem.pipe_q.consumer_release(st);
-      st.advance();
-      st_do.advance();
-    }
+    // The dQ slab is free once the last block's second bulk add has read it.
+    if (tid == 0) tma_store_wait<0>();
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
+    consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
 
-    if (!tile.empty()) {  // every GEMM of the tile has completed: K and V may be replaced
-      bwd_release_kv(smem);
-      ++kv_round;
-      second_slab(rows_base + (m_end - 1) * kBlockM);
+    // This warpgroup's columns: dV first, so that the single dO buffer is released early for
+    // the next block's load; then dQ, whose bulk adds run under dK.
+    gemm_accumulate(mma_dkv, tdVrPt(_, _, _, st.index), tdVrdOt(_, _, _, st_do.index), acc_dv);
+    gemm_ss(mma_dq, tdQrdS(_, _, _, st.index), tdQrKt, acc_dq);
+    gemm_accumulate(mma_dkv, tdKrdSt(_, _, _, st.index), tdKrQt(_, _, _, st.index), acc_dk);
+    if (m + 1 < m_end) {
+      lse_next = params.lse_log2[row_at(m + 1)];
+      dsum_next = params.softmax_d[row_at(m + 1)];
     }
-    if (tid == 0) tma_store_wait<0>();  // the slab must stay until the last bulk add read it
-
-    // ---------------- dK·scale and dV ----------------
-    Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
-    if (m_end > m_first || params.dk_accum == nullptr)
-      bwd_store_dkdv<false, kHeadDim, Element>(params, acc_dk, acc_dv, cKV, key0, col0, bh,
-                                               tile.batch, tile.head, tile.head_kv);
+    warpgroup_wait<2>();  // dV done: dO's last reader
+    smem.pipe_do.consumer_release(st_do);
+    warpgroup_wait<1>();  // dQ ready
+    store_slab(0);
+    if (tid == 0) add_slab(m, 0);
+    warpgroup_wait<0>();  // dK done: Q's last reader
+    smem.pipe_q.consumer_release(st);
+    st.advance();
+    st_do.advance();
   }
+
+  if (m_end > m_first) second_slab(m_end - 1);
+  if (tid == 0) tma_store_wait<0>();  // the slab must stay until the last bulk add read it
+
+  // ---------------- dK·scale and dV ----------------
+  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
+  if (m_end > m_first || params.dk_accum == nullptr)
+    bwd_store_dkdv<false, kHeadDim, Element>(params, acc_dk, acc_dv, cKV, key0, col0, bh,
+                                             work.batch, work.head, work.head_kv);
 #endif
 }
 

@@ -5,7 +5,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <type_traits>
@@ -105,12 +104,8 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
-  // Persistent CTAs, one per SM (one fits by shared memory), each taking every grid-th tile; in
-  // deterministic mode one per tile, so that the dQ hand-over follows the launch order.
-  const int64_t tiles = int64_t(n_blocks) * p.heads_q * p.batch;
-  const unsigned ctas =
-      unsigned(p.deterministic || p.sm_count <= 0 ? tiles : std::min<int64_t>(tiles, p.sm_count));
-  // Each instantiation keeps its own record of the shared-memory opt-in (the tag).
+  const unsigned ctas = unsigned(int64_t(n_blocks) * p.heads_q * p.batch);
+  // Each instantiation keeps its own record of the shared-memory opt-in (the Tag).
   auto launch = [&](auto kernel, auto tag) {
     FLASHATTN_TRY_CUDA(allow_dynamic_smem<decltype(tag)>(kernel, smem_bytes));
     kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
@@ -137,8 +132,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     return cudaGetLastError();
   };
   const int64_t dq_chunks = int64_t(p.batch) * p.heads_q * p.seqlen_q * (kHeadDim / 8);
-  using DqLayout = typename Traits::DqLayout;
-  bwd_convert<Element, kHeadDim, DqLayout><<<unsigned((dq_chunks + 255) / 256), 256, 0, stream>>>(
+  bwd_convert<Element, kHeadDim, typename Traits::DqLayout><<<unsigned((dq_chunks + 255) / 256), 256, 0, stream>>>(
       params.dq_accum, dq_rows, 1, p.dq.ptr, p.dq.batch_stride, p.dq.row_stride,
       p.dq.head_stride, p.batch, p.heads_q, p.seqlen_q, p.softmax_scale);
   FLASHATTN_TRY_CUDA(cudaGetLastError());
