@@ -12,11 +12,26 @@
 
 #include "../common/block_range.h"
 #include "../common/tile_order.h"
+#include "../common/online_softmax.h"
 #include "pipeline.h"
 
 namespace flashattn::sm90 {
 
 using namespace cute;
+
+// The TMA loads of a backward kernel's traits: Q and dO per query block (tile TileQ, one stage of
+// SmemLayoutQ), K and V per TileK, from (seqlen, head_dim, heads, batch) with head_dim contiguous.
+template <class Element, class SmemLayoutQ, class TileQ, class SmemLayoutK, class TileK>
+struct BwdTmaLoads {
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                          GmemShape{}, GmemStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                      TileQ{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, TileK{},
+                                      _1{}));
+};
 
 template <class Traits>
 struct BwdParams {
@@ -150,6 +165,50 @@ __device__ void convert_fragment(Acc const& acc, Dst& dst) {
   cutlass::NumericArrayConverter<Element, float, N> conv;
   *reinterpret_cast<cutlass::Array<Element, N>*>(dst.data()) =
       conv(*reinterpret_cast<cutlass::Array<float, N> const*>(acc.data()));
+}
+
+// On a transposed score tile (keys down the rows, queries across; `coords` gives each element's
+// (key, query) within the tile): Pᵀ = exp2(Sᵀ·scale_log2 − LSE·log2 e) in place, lse_of(c) being
+// column c's LSE·log2(e). Rows past seqlen_q have LSE +inf and keys past seqlen_k multiply
+// zero-filled rows of K and V, so only `masked` tiles (KeyRange::block_needs_mask) need the key
+// range of each query; key0 and q0 are the tile's first key and query.
+template <class RowCol, class Coords, class LseOf>
+__device__ void bwd_probabilities(RowCol& s, Coords const& coords, LseOf const& lse_of,
+                                  KeyRange const& keys, int key0, int q0, float scale_log2,
+                                  bool masked) {
+  constexpr int kRows = decltype(size<0>(s))::value;
+  constexpr int kCols = decltype(size<1>(s))::value;
+  if (masked) {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float lse = lse_of(c);
+      const int q = q0 + get<1>(coords(0, c));
+      const int lo = keys.lo(q) - key0, hi = keys.hi(q) - key0;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int key = get<0>(coords(r, c));
+        s(r, c) = key >= lo && key < hi ? fast_exp2(s(r, c) * scale_log2 - lse) : 0.f;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float lse = lse_of(c);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) s(r, c) = fast_exp2(s(r, c) * scale_log2 - lse);
+    }
+  }
+}
+
+// dSᵀ = Pᵀ ∘ (dPᵀ − D) in place over dPᵀ, dsum_of(c) being column c's D = rowsum(dO ∘ O).
+template <class RowCol, class DsumOf>
+__device__ void bwd_ds(RowCol const& p, RowCol& dp, DsumOf const& dsum_of) {
+#pragma unroll
+  for (int c = 0; c < decltype(size<1>(p))::value; ++c) {
+    const float dsum = dsum_of(c);
+#pragma unroll
+    for (int r = 0; r < decltype(size<0>(p))::value; ++r) dp(r, c) = p(r, c) * (dp(r, c) - dsum);
+  }
 }
 
 // The producer warp's one elected thread: K and V once (Traits::kKeyTiles tiles of TileK rows),

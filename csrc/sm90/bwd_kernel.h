@@ -83,15 +83,9 @@ struct BwdTraits {
                            Shape<Int<kDqRows>, Int<kDqCols>, Int<kKeysPerWG>>, GMMA::Major::MN,
                            GMMA::Major::MN>()));
 
-  // (seqlen, head_dim, heads, batch) with head_dim contiguous.
-  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
-  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
-  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
-                                          GmemShape{}, GmemStride{}));
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
-                                      TileQ{}, _1{}));
-  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, TileK{},
-                                      _1{}));
+  using TmaLoads = BwdTmaLoads<Element, SmemLayoutQ, TileQ, SmemLayoutK, TileK>;
+  using TmaQ = typename TmaLoads::TmaQ;
+  using TmaK = typename TmaLoads::TmaK;
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = kKeysPerWG * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesdQ = kDqRows * kDqCols * sizeof(float);  // one slab
@@ -259,32 +253,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     smem.pipe_do.consumer_wait(st);
     gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st.index), acc_dp);
     warpgroup_wait<1>();  // Sᵀ ready
-    // Pᵀ = exp2(s·c − LSE·log2 e); rows past seqlen_q have LSE +inf, keys past seqlen_k multiply
-    // zero-filled rows of K and V, so only the key range needs a mask.
-    if (params.keys.template block_needs_mask<kKeysPerWG>(n_block * kConsumerWGs + wg, q0,
-                                                          q0 + kBlockM)) {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const float lse = row_value(lse_held, c);
-        const int q = q0 + get<1>(rowcol_cS(0, c));
-        const int lo = params.keys.lo(q) - key0, hi = params.keys.hi(q) - key0;
-#pragma unroll
-        for (int r = 0; r < size<0>(rowcol_s); ++r) {
-          const int key = get<0>(rowcol_cS(r, c));
-          rowcol_s(r, c) = key >= lo && key < hi
-                               ? fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse)
-                               : 0.f;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const float lse = row_value(lse_held, c);
-#pragma unroll
-        for (int r = 0; r < size<0>(rowcol_s); ++r)
-          rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse);
-      }
-    }
+    bwd_probabilities(
+        rowcol_s, rowcol_cS, [&](int c) { return row_value(lse_held, c); }, params.keys, key0, q0,
+        params.scale_log2,
+        params.keys.template block_needs_mask<kKeysPerWG>(n_block * kConsumerWGs + wg, q0,
+                                                          q0 + kBlockM));
     // dV as soon as Pᵀ is ready, under dPᵀ; with 128-query blocks that holds Pᵀ twice (f32 for
     // dS, Element for dV) beside both score accumulators, too many registers: dV after dS then.
     if constexpr (Traits::kEarlyDv) {
@@ -294,13 +267,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     } else {
       warpgroup_wait<0>();  // dPᵀ ready
     }
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const float dsum = row_value(dsum_held, c);
-#pragma unroll
-      for (int r = 0; r < size<0>(rowcol_s); ++r)
-        rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - dsum);
-    }
+    bwd_ds(rowcol_s, rowcol_dp, [&](int c) { return row_value(dsum_held, c); });
     if constexpr (!Traits::kEarlyDv) convert_fragment(acc_s, rP);
     convert_fragment(acc_dp, rdS);
 

@@ -89,15 +89,9 @@ struct BwdSplitDTraits {
                            Shape<Int<kBlockM>, Int<kColsPerWG>, Int<kBlockN>>, GMMA::Major::MN,
                            GMMA::Major::MN>()));
 
-  // (seqlen, head_dim, heads, batch) with head_dim contiguous.
-  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
-  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
-  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
-                                          GmemShape{}, GmemStride{}));
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
-                                      TileQ{}, _1{}));
-  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, TileK{},
-                                      _1{}));
+  using TmaLoads = BwdTmaLoads<Element, SmemLayoutQ, TileQ, SmemLayoutK, TileK>;
+  using TmaQ = typename TmaLoads::TmaQ;
+  using TmaK = typename TmaLoads::TmaK;
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesdQ = kBlockM * kDqSlabCols * sizeof(float);  // one slab
@@ -272,39 +266,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st_do.index), acc_dp);
     if (m > m_first) second_slab(m - 1);  // under this block's score GEMMs
     warpgroup_wait<1>();  // Sᵀ ready
-    // Pᵀ = exp2(s·c − LSE·log2 e); rows past seqlen_q have LSE +inf, keys past seqlen_k multiply
-    // zero-filled rows of K and V, so only the key range needs a mask.
-    if (params.keys.template block_needs_mask<kBlockN>(n_block, q0, q0 + kQueriesPerWG)) {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const float lse = row_value(lse_held, c);
-        const int q = q0 + get<1>(rowcol_cS(0, c));
-        const int lo = params.keys.lo(q) - key0, hi = params.keys.hi(q) - key0;
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const int key = get<0>(rowcol_cS(r, c));
-          rowcol_s(r, c) = key >= lo && key < hi
-                               ? fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse)
-                               : 0.f;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const float lse = row_value(lse_held, c);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-          rowcol_s(r, c) = fast_exp2(rowcol_s(r, c) * params.scale_log2 - lse);
-      }
-    }
+    bwd_probabilities(rowcol_s, rowcol_cS, [&](int c) { return row_value(lse_held, c); },
+                      params.keys, key0, q0, params.scale_log2,
+                      params.keys.template block_needs_mask<kBlockN>(n_block, q0,
+                                                                     q0 + kQueriesPerWG));
     warpgroup_wait<0>();  // dPᵀ ready
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const float dsum = row_value(dsum_held, c);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-        rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - dsum);
-    }
+    bwd_ds(rowcol_s, rowcol_dp, [&](int c) { return row_value(dsum_held, c); });
     convert_fragment(acc_s, rP);
     convert_fragment(acc_dp, rdS);
     // Pᵀ and dSᵀ into this block's stage, as (key, query). The other warpgroup's GEMMs read the
