@@ -106,8 +106,7 @@ extern "C" flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* param
   if (r.status != FLASHATTN_OK) return r;
   const flashattn_params_t& p = *params;
   if (p.softcap < 0.f) return status(FLASHATTN_INVALID_ARGUMENT);
-  // Softcap (and deterministic d256, refused by its launcher) is not built for sm90: the
-  // dispatcher sends those calls to the sm80 backward.
+  // Softcap is not built for sm90: the dispatcher sends those calls to the sm80 backward.
   if (p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
   const bool bf16 = p.dtype == FLASHATTN_BF16;
   auto s = static_cast<cudaStream_t>(stream);

@@ -337,12 +337,12 @@ fn main() {
             );
             t[t.len() / 2]
         };
-        // sm90: the default schedule's rows; its deterministic mode is not built at d256.
+        // sm90: the default schedule's rows.
         let sm80 = backend == Backend::Sm80;
         let sm90_bwd = backend == Backend::Sm90 && schedule == full;
         let bwd_ms = (sm80 || sm90_bwd).then(|| median_backward(&cfg));
-        let bwd_det_ms = (sm80 || (sm90_bwd && d != 256))
-            .then(|| median_backward(&cfg.clone().deterministic(true)));
+        let bwd_det_ms =
+            (sm80 || sm90_bwd).then(|| median_backward(&cfg.clone().deterministic(true)));
         let bwd_tflops = |ms: f64| 2.5 * problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
         let row = Row {
             d,

@@ -153,22 +153,12 @@ pub fn check_backend(
                     backend: name,
                 });
             }
-            // The sm90 backward is built without softcap and without a deterministic d256
-            // variant; Auto then takes the sm80 one.
-            if backend == Backend::Sm90 && op == Op::Backward {
-                let missing = if problem.head_dim == 256 && cfg.deterministic {
-                    Some("head dim 256 in deterministic mode")
-                } else if cfg.softcap.is_some() {
-                    Some("softcap")
-                } else {
-                    None
-                };
-                if let Some(what) = missing {
-                    return Err(Error::Unsupported {
-                        what: format!("Backward with {what} (not built for sm90 yet)"),
-                        backend: name,
-                    });
-                }
+            // The sm90 backward is built without softcap; Auto then takes the sm80 one.
+            if backend == Backend::Sm90 && op == Op::Backward && cfg.softcap.is_some() {
+                return Err(Error::Unsupported {
+                    what: "Backward with softcap (not built for sm90 yet)".into(),
+                    backend: name,
+                });
             }
             // Tiles of 128 query rows per (batch, head) are numbered with 32-bit integers.
             let tiles = problem.seqlen_q.div_ceil(128) as u128

@@ -285,11 +285,18 @@ fn sm90_bwd_sanitizer_set() {
             deterministic: true,
             ..Case::new(200, 300, 64, true)
         },
-        // d256 (head dim split between the warpgroups): Pᵀ/dSᵀ stages, GQA, causal.
+        // d256 (head dim split between the warpgroups): Pᵀ/dSᵀ stages, GQA, causal; and its
+        // deterministic variant.
         Case {
             heads_q: 4,
             heads_kv: 2,
             ..Case::new(150, 130, 256, true)
+        },
+        Case {
+            heads_q: 4,
+            heads_kv: 2,
+            deterministic: true,
+            ..Case::new(150, 200, 256, true)
         },
     ];
     run_all::<bf16>(&cases, Backend::Sm90, "sm90 bwd sanitizer set");
@@ -308,7 +315,7 @@ fn sm90_bwd_dispatch() {
                 deterministic: true,
                 ..Case::new(100, 100, 256, false)
             },
-            Backend::Sm80,
+            Backend::Sm90,
         ),
         (
             Case {
@@ -418,7 +425,7 @@ fn sm80_bwd_deterministic() {
 #[ignore = "needs a GPU"]
 fn sm90_bwd_deterministic() {
     let mut extra = vec![];
-    for d in [64, 128] {
+    for d in [64, 128, 256] {
         extra.push(Case {
             deterministic: true,
             window: (Some(200), Some(0)),
@@ -431,5 +438,5 @@ fn sm90_bwd_deterministic() {
             ..Case::new(3000, 3000, d, true)
         });
     }
-    check_deterministic(&[64, 128], Backend::Sm90, extra);
+    check_deterministic(&[64, 128, 256], Backend::Sm90, extra);
 }

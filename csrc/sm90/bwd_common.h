@@ -84,6 +84,25 @@ __device__ inline void finish_bulk_adds_and_signal(int* counter) {
   atomicAdd(counter, 1);
 }
 
+// Deterministic mode: the semaphore of (batch·head bh, query block m of kBlockM rows, consumer
+// warpgroup wg), and how many key blocks of kBlockN keys add into that block's dQ before key
+// block n_block does: the key blocks that see the rows are a contiguous run, from the first one
+// row q0 sees to the last one the block's last row sees (both bounds of a row's keys grow with
+// the row); keys_descending: the hand-over runs down from the diagonal, else up from the left.
+template <int kBlockM, int kConsumerWGs, class Params>
+__device__ int* dq_semaphore(Params const& params, int bh, int m, int wg) {
+  const int64_t block = int64_t(bh) * (params.dq_rows / kBlockM) + m;
+  return params.dq_semaphore + (block * kConsumerWGs + wg);
+}
+template <int kBlockN, int kBlockM, class Params>
+__device__ int dq_adds_before(Params const& params, int q0, int n_block, bool keys_descending) {
+  if (keys_descending) {
+    const int q_last = min(q0 + kBlockM, params.seqlen_q) - 1;
+    return (params.keys.hi(q_last) + kBlockN - 1) / kBlockN - 1 - n_block;
+  }
+  return n_block - params.keys.lo(q0) / kBlockN;
+}
+
 // dst[i] += src[i] for `bytes` bytes of f32, by the TMA unit (one thread issues it).
 __device__ inline void bulk_reduce_add_f32(float* dst, const float* src, uint32_t bytes) {
   const uint32_t smem = cast_smem_ptr_to_uint(src);

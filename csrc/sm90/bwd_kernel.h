@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto rdS = make_tensor<Element>(acc_as_operand_a(acc_dp.layout()));
   float* sdq = smem.dq[wg];
   auto dq_semaphore_at = [&](int m) {
-    return params.dq_semaphore + ((int64_t(bh) * (params.dq_rows / kBlockM) + m) * kConsumerWGs + wg);
+    return dq_semaphore<kBlockM, kConsumerWGs>(params, bh, m, wg);
   };
   // This thread's columns (queries) of the Sᵀ tile: the same for every row.
   constexpr int kCols = decltype(size<1>(rowcol_s))::value;
@@ -324,19 +324,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
     consumers_sync(BwdBarrier::DqReady, 128, wg);
     if (tid == 0) {
-      // Deterministic: after the key blocks before this one in hand-over order that see these
-      // rows: a contiguous run, from the first key block row q0 sees to the last one the
-      // block's last row sees (both bounds of a row's keys grow with the row).
-      if constexpr (kDeterministic) {
-        int before;
-        if (keys_descending) {
-          const int q_last = min(q0 + kBlockM, params.seqlen_q) - 1;
-          before = (params.keys.hi(q_last) + kBlockN - 1) / kBlockN - 1 - n_block;
-        } else {
-          before = n_block - params.keys.lo(q0) / kBlockN;
-        }
-        wait_for_count(dq_semaphore_at(m), before);
-      }
+      // Deterministic: after the key blocks before this one in hand-over order.
+      if constexpr (kDeterministic)
+        wait_for_count(dq_semaphore_at(m),
+                       dq_adds_before<kBlockN, kBlockM>(params, q0, n_block, keys_descending));
       // The slabs of a query block follow each other, in warpgroup order (DqSlabs).
       bulk_reduce_add_f32(params.dq_accum + (rows_base + q0) * kHeadDim + wg * kDqRows * kDqCols,
                           sdq, Traits::kBytesdQ);

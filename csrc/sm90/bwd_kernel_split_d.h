@@ -15,8 +15,9 @@
 //                    first version, saturated the LSU and L2: ncu 22% of stall samples on REDG,
 //                    L2 78% busy; the two slabs back to back waited on the first one's read.)
 //                    The buffer's 32 KiB come from single-buffering dO (as FA3 at d256).
-// setmaxnreg moves registers from the producer (24) to the consumers (240). No deterministic
-// variant (the launcher refuses it; the sm80 family has one).
+// setmaxnreg moves registers from the producer (24) to the consumers (240). kDeterministic: as
+// bwd_kernel.h's, each (query block, warpgroup)'s two slabs added in key-block order through a
+// semaphore, GQA dK/dV per query head.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -110,7 +111,7 @@ struct BwdSplitDTraits {
   };
 };
 
-template <class Traits>
+template <class Traits, bool kDeterministic>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_kernel_split_d(__grid_constant__ const BwdParams<Traits> params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -126,7 +127,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-  const BwdCtaWork work = bwd_cta_work<kBlockN, kBlockM>(params, false);
+  // Deterministic with a right bound: the hand-over runs down from the diagonal (bwd_kernel.h).
+  const bool keys_descending = kDeterministic && params.keys.window_right >= 0;
+  const BwdCtaWork work = bwd_cta_work<kBlockN, kBlockM>(params, keys_descending);
   const int n_block = work.n_block, bh = work.bh, m_first = work.m_first, m_end = work.m_end;
   const int key0 = n_block * kBlockN;
   const int64_t rows_base = int64_t(bh) * params.dq_rows;  // this head's LSE, D and dQ rows
@@ -224,6 +227,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
     consumers_sync(BwdBarrier::DqReady, 128, wg);
   };
+  auto dq_semaphore_at = [&](int m) {
+    return dq_semaphore<kBlockM, kConsumerWGs>(params, bh, m, wg);
+  };
   auto add_slab = [&](int m, int half) {  // one thread: the slab into global dQ
     const int slab = wg * 2 + half;         // DqSlabs: a query block's slabs in column order
     bulk_reduce_add_f32(params.dq_accum + (rows_base + m * kBlockM) * kHeadDim +
@@ -289,8 +295,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         *reinterpret_cast<cutlass::Array<Element, 2>*>(&sPt(key, q, st.index)) = p2;
         *reinterpret_cast<cutlass::Array<Element, 2>*>(&sdSt(key, q, st.index)) = ds2;
       }
-    // The dQ slab is free once the last block's second bulk add has read it.
-    if (tid == 0) tma_store_wait<0>();
+    // The dQ slab is free once the last block's second bulk add has read it. Deterministic: once
+    // both of its adds have completed, the next key block may add into that query block.
+    if (tid == 0) {
+      if (kDeterministic && m > m_first)
+        finish_bulk_adds_and_signal(dq_semaphore_at(m - 1));
+      else
+        tma_store_wait<0>();
+    }
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
     consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
 
@@ -307,7 +319,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     smem.pipe_do.consumer_release(st_do);
     warpgroup_wait<1>();  // dQ ready
     store_slab(0);
-    if (tid == 0) add_slab(m, 0);
+    if (tid == 0) {
+      if constexpr (kDeterministic)  // after the key blocks before this one in hand-over order
+        wait_for_count(dq_semaphore_at(m), dq_adds_before<kBlockN, kBlockM>(
+                                               params, m * kBlockM, n_block, keys_descending));
+      add_slab(m, 0);
+    }
     warpgroup_wait<0>();  // dK done: Q's last reader
     smem.pipe_q.consumer_release(st);
     st.advance();
@@ -315,12 +332,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   if (m_end > m_first) second_slab(m_end - 1);
-  if (tid == 0) tma_store_wait<0>();  // the slab must stay until the last bulk add read it
+  if (tid == 0) {  // the slab must stay until the last bulk add read it
+    if (kDeterministic && m_end > m_first)
+      finish_bulk_adds_and_signal(dq_semaphore_at(m_end - 1));
+    else
+      tma_store_wait<0>();
+  }
 
   // ---------------- dK·scale and dV ----------------
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
   if (m_end > m_first || params.dk_accum == nullptr)
-    bwd_store_dkdv<false, kHeadDim, Element>(params, acc_dk, acc_dv, cKV, key0, col0, bh,
+    bwd_store_dkdv<kDeterministic, kHeadDim, Element>(params, acc_dk, acc_dv, cKV, key0, col0, bh,
                                              work.batch, work.head, work.head_kv);
 #endif
 }

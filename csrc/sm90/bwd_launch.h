@@ -22,8 +22,7 @@
 
 namespace flashattn::sm90 {
 
-// d64/d128: the consumer warpgroups split the CTA's keys; d256: its head dim (no deterministic
-// variant).
+// d64/d128: the consumer warpgroups split the CTA's keys; d256: its head dim.
 template <class Element, int kHeadDim>
 using BwdTraitsFor = std::conditional_t<kHeadDim == 256, BwdSplitDTraits<Element, kHeadDim>,
                                         BwdTraits<Element, kHeadDim>>;
@@ -32,7 +31,7 @@ template <class Element, int kHeadDim>
 flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Traits = BwdTraitsFor<Element, kHeadDim>;
   constexpr bool kSplitD = kHeadDim == 256;
-  if (p.softcap > 0.f || (kSplitD && p.deterministic)) return status(FLASHATTN_UNSUPPORTED);
+  if (p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
   const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   if (int64_t(n_blocks) * p.heads_q * p.batch > INT_MAX) return status(FLASHATTN_UNSUPPORTED);
   // One dQ accumulator (batch, heads_q, dq_rows, d) in slabs (Traits::DqLayout), in either mode.
@@ -112,12 +111,13 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     return ok();
   };
   flashattn_result_t launched;
+  using DeterministicTag = std::pair<Traits, std::true_type>;
   if constexpr (kSplitD)
-    launched = launch(bwd_kernel_split_d<Traits>, Traits{});
-  else if (p.deterministic)
-    launched = launch(bwd_kernel<Traits, true>, std::pair<Traits, std::true_type>{});
+    launched = p.deterministic ? launch(bwd_kernel_split_d<Traits, true>, DeterministicTag{})
+                               : launch(bwd_kernel_split_d<Traits, false>, Traits{});
   else
-    launched = launch(bwd_kernel<Traits, false>, Traits{});
+    launched = p.deterministic ? launch(bwd_kernel<Traits, true>, DeterministicTag{})
+                               : launch(bwd_kernel<Traits, false>, Traits{});
   if (launched.status != FLASHATTN_OK) return launched;
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 
