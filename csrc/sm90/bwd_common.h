@@ -46,7 +46,8 @@ struct BwdParams {
   typename Traits::Element* dv;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-  float* dk_accum;  // GQA: (batch, heads_kv, seqlen_k, d) zeroed (deterministic: heads_q), else null
+  // GQA: (batch, heads_kv, seqlen_k, d) zeroed (deterministic: heads_q), else null.
+  float* dk_accum;
   float* dv_accum;
   // Deterministic mode: per (batch·head, query block, warpgroup) the number of key blocks whose
   // dQ has been added, zeroed; each CTA adds its slab when the key blocks before it have (FA3's

@@ -67,8 +67,8 @@ struct BwdTraits {
       SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kKeysPerWG>>{}, Step<_2, _1>{})));
   // One warpgroup's dS as the (queries, keys, stage) A operand of dQ, queries contiguous: the
   // pairs of neighbouring columns of the Sᵀ accumulator are neighbours here.
-  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kBlockM>, Int<kKeysPerWG>, Int<kStages>>{}));
+  using SmemLayoutdS = decltype(tile_to_shape(
+      GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kKeysPerWG>, Int<kStages>>{}));
   using DqLayout = DqSlabs<kHeadDim, kDqRows, kHeadDim / kDqCols>;
 
   using MmaSdP = decltype(make_tiled_mma(  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ
@@ -293,7 +293,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         *reinterpret_cast<cutlass::Array<Element, 2>*>(
             &sdS(get<1>(rowcol_cS(r, c)), get<0>(rowcol_cS(r, c)), st.index)) = pair;
       }
-    if constexpr (!Traits::kEarlyDv) gemm_accumulate(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
+    if constexpr (!Traits::kEarlyDv)
+      gemm_accumulate(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
     consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
 

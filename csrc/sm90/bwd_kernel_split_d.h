@@ -4,7 +4,7 @@
 // registers per thread. Here one CTA owns kBlockN = 64 keys and walks the 64-row query blocks
 // that see them; each consumer warpgroup owns half of the head dim of dK, dV and dQ (FA3's
 // layout at d256), 64 + 64 accumulator registers:
-//   producer (WG 0): K and V once, Q and dO per query block into two-stage TMA pipelines;
+//   producer (WG 0): K and V once, then per query block Q (two stages) and dO (one) by TMA;
 //   consumers (WG 1, WG 2): Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for all 64 keys and half of the block's
 //                    queries each (N = 32), Pᵀ and dSᵀ from them into shared memory (two
 //                    stages); after one barrier, each warpgroup computes its columns of
@@ -60,7 +60,8 @@ struct BwdSplitDTraits {
   template <int kBuffers>  // (d, queries, stage): B of dK and dV
   using SmemLayoutRowsT = decltype(composition(
       SmemLayoutRows<kBuffers>{},
-      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kBuffers>>{}, Step<_2, _1, _3>{})));
+      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kBuffers>>{},
+                          Step<_2, _1, _3>{})));
   using SmemLayoutQ = SmemLayoutRows<kStages>;
   using SmemLayoutQt = SmemLayoutRowsT<kStages>;
   using SmemLayoutdO = SmemLayoutRows<kStagesdO>;
@@ -221,7 +222,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int j = 0; j < kSlabElems; j += 2) {  // elements i, i+1 are neighbouring columns
       const int i = half * kSlabElems + j;
-      const int at = Traits::DqLayout::in_slab(get<0>(cdQ(i)), get<1>(cdQ(i)) % Traits::kDqSlabCols);
+      const int col = get<1>(cdQ(i)) % Traits::kDqSlabCols;
+      const int at = Traits::DqLayout::in_slab(get<0>(cdQ(i)), col);
       *reinterpret_cast<float2*>(&sdq[at]) = make_float2(acc_dq(i), acc_dq(i + 1));
     }
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads

@@ -132,7 +132,8 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     return cudaGetLastError();
   };
   const int64_t dq_chunks = int64_t(p.batch) * p.heads_q * p.seqlen_q * (kHeadDim / 8);
-  bwd_convert<Element, kHeadDim, typename Traits::DqLayout><<<unsigned((dq_chunks + 255) / 256), 256, 0, stream>>>(
+  using DqLayout = typename Traits::DqLayout;
+  bwd_convert<Element, kHeadDim, DqLayout><<<unsigned((dq_chunks + 255) / 256), 256, 0, stream>>>(
       params.dq_accum, dq_rows, 1, p.dq.ptr, p.dq.batch_stride, p.dq.row_stride,
       p.dq.head_stride, p.batch, p.heads_q, p.seqlen_q, p.softmax_scale);
   FLASHATTN_TRY_CUDA(cudaGetLastError());
