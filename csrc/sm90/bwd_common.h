@@ -8,6 +8,7 @@
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_conversion.h>
 
 #include "../common/block_range.h"
@@ -231,12 +232,15 @@ __device__ void bwd_ds(RowCol const& p, RowCol& dp, DsumOf const& dsum_of) {
   }
 }
 
-// The producer warp's one elected thread: K and V once (Traits::kKeyTiles tiles of TileK rows),
-// then Q and dO of every query block [m_first, m_end) into their pipelines (kStages and
-// kStagesdO buffers).
+// The producer warpgroup: gives its registers to the consumers (setmaxnreg); its first warp's
+// elected thread loads K and V once (Traits::kKeyTiles tiles of TileK rows), then Q and dO of
+// every query block [m_first, m_end) into their pipelines (kStages and kStagesdO buffers).
 template <class Traits, class Smem>
-__device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, int n_block, int head,
-                            int head_kv, int batch, int m_first, int m_end) {
+__device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, BwdCtaWork const& work) {
+  cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+  if (threadIdx.x / 32 != 0 || work.m_end == work.m_first || !cute::elect_one_sync()) return;
+  const int n_block = work.n_block, head = work.head, head_kv = work.head_kv;
+  const int batch = work.batch, m_first = work.m_first, m_end = work.m_end;
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kKeyTiles = Traits::kKeyTiles;
   auto tma_tensor = [&](auto const& tma, int seqlen, int heads) {

@@ -135,13 +135,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warp_group = threadIdx.x / 128;
   bwd_init_barriers(smem, 4 * kConsumerWGs);
 
-  if (warp_group == 0) {
-    // ---------------- producer: warp 0, one elected lane issues ----------------
-    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (threadIdx.x / 32 != 0 || m_end == m_first) return;
-    if (!cute::elect_one_sync()) return;
-
-    bwd_produce(params, smem, n_block, head, head_kv, batch, m_first, m_end);
+  if (warp_group == 0) {  // producer
+    bwd_produce(params, smem, work);
     return;
   }
 
