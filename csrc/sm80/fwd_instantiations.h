@@ -8,29 +8,26 @@
 
 namespace flashattn::sm80 {
 
-// Per head dim: query rows and keys per block, warps (16 query rows per warp and MMA atom; at
-// d64/d128 each warp has two row atoms, so every K/V fragment feeds two MMAs). The S
-// (kBlockM·kBlockN) and O (kBlockM·d) accumulators over the CTA's threads plus fragments bound
-// the key block at 255 registers per thread. Measured on the H200 since the zero-fill copies
-// (runs of c6d7c84..cac6db2): d128 128×32 (no spills) 2–7% faster than 128×64 (228 bytes of
-// ptxas spills) and than 128×48 on balance; d64 128×64 (none) beats 128×128 (416 bytes, equal
-// at best) and 128×32 (−25%). Shared memory Q + K + V: d64 16 + 8 + 8 = 32 KiB, d128
-// 32 + 8 + 8 = 48 KiB, d256 32 + 32 + 32 = 96 KiB, so that two d256 CTAs share an SM with
-// 228 KiB (as FlashAttention-2 on H100): one's barriers and loads hide under the other's MMAs.
-// kEarlyK: the next K block's load is issued before the softmax (FlashAttention-2's order) rather
-// than after it: d256 +3%, d128 128×32 +1–7%; d64 0–3% slower.
+// Per head dim: query rows and keys per block, warps (16 query rows per warp and MMA atom; each
+// warp has kBlockM / (16·kWarps) row atoms, so every K/V fragment feeds that many MMAs) and K/V
+// stages. Two CTAs share an SM (255 registers per thread; shared memory Q + stages·(K + V):
+// d64 16 + 2·16 = 48 KiB, d128 32 + 2·32 = 96 KiB, d256 32 + 64 = 96 KiB of the 228), so that
+// one's barriers and loads hide under the other's MMAs. With two stages a K/V load has a whole
+// block to land and each block costs one barrier (fwd_kernel); d256 has no room for a second.
+// Measured on the H200 (bench_table, 16k tokens; the same call for every variant): d128 128×64
+// with two stages (180 bytes of ptxas spills) 3–12% over 128×32 with one stage (no spills;
+// s2k 363 vs 323, causal s2k 310 vs 289, s16k 377 vs 357 TFLOP/s), and over 128×32 with three
+// stages (s2k 341); d64 128×64 with two stages 1–4% over one stage (s2k 293 vs 283, causal s2k
+// 254 vs 242) and over 128×96 or 128×128 with two stages (s2k 281, 291; causal s2k 239, 236).
 template <int kHeadDim> struct FwdTile;
 template <> struct FwdTile<64> {
-  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4;
-  static constexpr bool kEarlyK = false;
+  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4, kStages = 2;
 };
 template <> struct FwdTile<128> {
-  static constexpr int kBlockM = 128, kBlockN = 32, kWarps = 4;
-  static constexpr bool kEarlyK = true;
+  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4, kStages = 2;
 };
 template <> struct FwdTile<256> {
-  static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4;
-  static constexpr bool kEarlyK = true;
+  static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4, kStages = 1;
 };
 
 #define FLASHATTN_SM80_FWD(D, DTYPE) \

@@ -4,9 +4,9 @@
 // per MMA atom), so every row's softmax stays inside one warp (a quad of lanes) and no
 // cross-warp reduction is needed. Key blocks are walked last to first, so that only the first
 // block visited needs the sequence-end mask. Q, K and V come by cp.async into 128-byte swizzled
-// shared memory (rows past the sequence zero-filled); while S = Q·Kᵀ runs on one key block the
-// block's V lands, and while O += P·V runs the next block's K lands. Fragments come from shared
-// memory by ldmatrix (transposed for V). Online softmax with exp2 and one division at the end;
+// shared memory (rows past the sequence zero-filled), loaded kStages − 1 key blocks ahead (or,
+// with one stage, V under Q·Kᵀ and the next K under the softmax and P·V). Fragments come from
+// shared memory by ldmatrix (transposed for V). Online softmax with exp2 and one division at the end;
 // LSE straight from registers, O through shared memory.
 #pragma once
 
@@ -24,12 +24,11 @@ namespace flashattn::sm80 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_,
-          bool kEarlyK_ = false>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_ = 1>
 struct FwdTraits {
   using Element = Element_;
-  // Issue the next K block's load right after Q·Kᵀ (before the softmax) rather than after it.
-  static constexpr bool kEarlyK = kEarlyK_;
+  // K/V buffers in shared memory (see fwd_kernel's main loop for the two schedules).
+  static constexpr int kStages = kStages_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -60,10 +59,11 @@ struct FwdTraits {
   using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
   using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
 
+  static constexpr int kStageElems = cosize_v<SmemLayoutKV>;
   struct SharedStorage {
     ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
-    ArrayEngine<Element, cosize_v<SmemLayoutKV>> k;
-    ArrayEngine<Element, cosize_v<SmemLayoutKV>> v;
+    ArrayEngine<Element, kStageElems * kStages> k;
+    ArrayEngine<Element, kStageElems * kStages> v;
   };
 };
 
@@ -191,19 +191,28 @@ __global__ void __launch_bounds__(Traits::kThreads)
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_max - 1, 0));
   Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_max - 1, 0));
 
+  constexpr int kStages = Traits::kStages;
+  // Stage `stage` of the K and V buffers (Vᵀ: the same bytes as P·V's B operand).
+  auto stage_k = [&](int stage) {
+    return make_tensor(make_smem_ptr(smem.k.begin() + stage * Traits::kStageElems),
+                       typename Traits::SmemLayoutKV{});
+  };
+  auto stage_v = [&](int stage) {
+    return make_tensor(make_smem_ptr(smem.v.begin() + stage * Traits::kStageElems),
+                       typename Traits::SmemLayoutKV{});
+  };
+  auto stage_vt = [&](int stage) {
+    return make_tensor(make_smem_ptr(smem.v.begin() + stage * Traits::kStageElems),
+                       typename Traits::SmemLayoutVt{});
+  };
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutKV{});
-  Tensor sVt = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutVt{});
 
   typename Traits::GmemCopy gmem_copy;
   auto thr_gmem = gmem_copy.get_thread_slice(tid);
   Tensor tQgQ = thr_gmem.partition_S(gQ);
   Tensor tQsQ = thr_gmem.partition_D(sQ);
   Tensor tKgK = thr_gmem.partition_S(gK);  // (CPY, CPY_N, CPY_K)
-  Tensor tKsK = thr_gmem.partition_D(sK);
   Tensor tVgV = thr_gmem.partition_S(gV);
-  Tensor tVsV = thr_gmem.partition_D(sV);
   // Row coordinates of each thread's copies, for the sequence-end predicate.
   Tensor tQcQ = thr_gmem.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVc = thr_gmem.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
@@ -211,8 +220,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   typename Traits::TiledMma mma;
   auto thr_mma = mma.get_thread_slice(tid);
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
-  Tensor tSrK = thr_mma.partition_fragment_B(sK);
-  Tensor tOrVt = thr_mma.partition_fragment_B(sVt);
+  Tensor tSrK = thr_mma.partition_fragment_B(stage_k(0));
+  Tensor tOrVt = thr_mma.partition_fragment_B(stage_vt(0));
   Tensor tOrO = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   Tensor tSrS = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
 
@@ -220,8 +229,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
   auto copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma);
   auto copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma);
   Tensor tSsQ = copy_q.get_thread_slice(tid).partition_S(sQ);
-  Tensor tSsK = copy_k.get_thread_slice(tid).partition_S(sK);
-  Tensor tOsVt = copy_v.get_thread_slice(tid).partition_S(sVt);
 
   Tensor rowcol_S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
   Tensor rowcol_O = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
@@ -236,33 +243,74 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   if (n_max > n_min) {
     copy_rows(tQgQ, tQsQ, tQcQ, params.seqlen_q - row_begin);
-    int n = n_max - 1;
+    // K and V blocks are loaded in the order they are visited (n_max − 1 down to n_min), each
+    // copy stepping its global pointer one block back.
     const int64_t k_step = int64_t(kBlockN) * params.k_row_stride;
     const int64_t v_step = int64_t(kBlockN) * params.v_row_stride;
-    copy_rows(tKgK, tKsK, tKVc, params.seqlen_k - n * kBlockN);
-    cp_async_fence();
+    auto load_k = [&](int n, int stage) {
+      Tensor dst = thr_gmem.partition_D(stage_k(stage));
+      copy_rows(tKgK, dst, tKVc, params.seqlen_k - n * kBlockN);
+    };
+    auto load_v = [&](int n, int stage) {
+      Tensor dst = thr_gmem.partition_D(stage_v(stage));
+      copy_rows(tVgV, dst, tKVc, params.seqlen_k - n * kBlockN);
+    };
+    auto step_k = [&]() { tKgK.data() = tKgK.data() + (-k_step); };
+    auto step_v = [&]() { tVgV.data() = tVgV.data() + (-v_step); };
+    auto load_kv = [&](int n, int stage) {
+      load_k(n, stage);
+      step_k();
+      load_v(n, stage);
+      step_v();
+    };
+    // Two schedules. One stage (d256, where two CTAs per SM leave no room for more): V(n) is
+    // loaded under S = Q·K(n)ᵀ and K(n−1) under the softmax and P·V — two barriers per block.
+    // kStages ≥ 2: K and V of block n − (kStages − 1) are loaded while block n is computed, so
+    // a load has kStages − 1 whole blocks to land and each block costs one barrier. Every
+    // iteration commits one cp.async group (empty past the last block) so that
+    // wait<kStages − 2> always means "this block's group has landed".
+    if constexpr (kStages == 1) {
+      load_k(n_max - 1, 0);
+      cp_async_fence();
+    } else {
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (n_max - 1 - s >= n_min) load_kv(n_max - 1 - s, s);
+        cp_async_fence();
+      }
+    }
 
     float factor[kRows];
+    int stage = 0;
 #pragma unroll 1
-    for (; n >= n_min; --n) {
-      cp_async_wait<0>();
-      __syncthreads();  // K(n) and Q landed; every warp is done with V(n+1)
-      copy_rows(tVgV, tVsV, tKVc, params.seqlen_k - n * kBlockN);
-      cp_async_fence();
-      tVgV.data() = tVgV.data() + (-v_step);
+    for (int n = n_max - 1; n >= n_min; --n) {
+      if constexpr (kStages == 1) {
+        cp_async_wait<0>();
+        __syncthreads();  // K(n) and Q landed; every warp is done with V(n+1)
+        load_v(n, 0);
+        step_v();
+        cp_async_fence();
+      } else {
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // K(n), V(n) (and Q) landed; every warp is done with block n+1
+        const int n_load = n - (kStages - 1);
+        const int stage_load = stage == 0 ? kStages - 1 : stage - 1;  // block n+1's
+        if (n_load >= n_min) load_kv(n_load, stage_load);
+        cp_async_fence();
+      }
 
       clear(tSrS);
-      gemm_smem(mma, tSrS, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k);
-      auto load_next_k = [&]() {
+      gemm_smem(mma, tSrS, tSrQ, tSrK, tSsQ,
+                copy_k.get_thread_slice(tid).partition_S(stage_k(stage)), copy_q, copy_k);
+      if constexpr (kStages == 1) {
         cp_async_wait<0>();
         __syncthreads();  // V(n) landed; every warp is done with K(n)
         if (n > n_min) {
-          tKgK.data() = tKgK.data() + (-k_step);
-          copy_rows(tKgK, tKsK, tKVc, params.seqlen_k - (n - 1) * kBlockN);
+          step_k();
+          load_k(n - 1, 0);
           cp_async_fence();
         }
-      };
-      if constexpr (Traits::kEarlyK) load_next_k();
+      }
       // Softcap and masks in their own copy of the code: folded into the common path, ptxas
       // predicates them and issues them on every block.
       auto cap_and_mask = [&]() {
@@ -298,7 +346,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
       for (int r = 0; r < kRows; ++r) rescale |= softmax.row_max[r] != max_before[r];
       if (__any_sync(0xffffffff, rescale)) scale_rows(rowcol_O, factor);
-      if constexpr (!Traits::kEarlyK) load_next_k();
 
       // P in Element, register for register, then viewed as the A operand.
       constexpr int N = decltype(size(tSrS))::value;
@@ -307,7 +354,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
       *reinterpret_cast<cutlass::Array<Element, N>*>(rP.data()) =
           convert(*reinterpret_cast<cutlass::Array<float, N> const*>(tSrS.data()));
       Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-      gemm_reg_smem(mma, tOrO, tOrP, tOrVt, tOsVt, copy_v);
+      gemm_reg_smem(mma, tOrO, tOrP, tOrVt,
+                    copy_v.get_thread_slice(tid).partition_S(stage_vt(stage)), copy_v);
+      if constexpr (kStages > 1) stage = stage + 1 == kStages ? 0 : stage + 1;
     }
   }
 
