@@ -30,6 +30,7 @@ pub mod config;
 pub mod cuda;
 pub mod dispatch;
 pub mod error;
+pub mod fp8;
 #[cfg(feature = "cuda")]
 mod ffi;
 pub mod reference;
