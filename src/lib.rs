@@ -30,9 +30,9 @@ pub mod config;
 pub mod cuda;
 pub mod dispatch;
 pub mod error;
-pub mod fp8;
 #[cfg(feature = "cuda")]
 mod ffi;
+pub mod fp8;
 pub mod reference;
 pub mod tensor;
 
