@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Here: build bench_table from the work tree as it is (sm90 machine code for the sm80 family) and
-# keep it as .variants/NAME/bench_table, so that several builds can be timed in one device call.
+# keep it as .variants/NAME/bench_table, so that several builds can be timed in one device call
+# (scripts/device/ab.sh).
 # Usage: bash scripts/device/variant.sh NAME
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
