@@ -15,6 +15,7 @@
 #include "../common/tile_order.h"
 #include "../common/online_softmax.h"
 #include "pipeline.h"
+#include "tma_tensor.h"
 
 namespace flashattn::sm90 {
 
@@ -24,10 +25,7 @@ using namespace cute;
 // SmemLayoutQ), K and V per TileK, from (seqlen, head_dim, heads, batch) with head_dim contiguous.
 template <class Element, class SmemLayoutQ, class TileQ, class SmemLayoutK, class TileK>
 struct BwdTmaLoads {
-  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
-  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
-  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
-                                          GmemShape{}, GmemStride{}));
+  using GmemTensor = sm90::GmemTensor<Element>;
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
                                       TileQ{}, _1{}));
   using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, TileK{},

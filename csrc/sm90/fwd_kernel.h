@@ -26,6 +26,7 @@
 #include "../common/block_range.h"
 #include "pipeline.h"
 #include "softmax.h"
+#include "tma_tensor.h"
 
 namespace flashattn::sm90 {
 
@@ -77,10 +78,7 @@ struct FwdTraits {
                            GMMA::Major::K, GMMA::Major::MN>()));
 
   // (seqlen, head_dim, heads, batch) with head_dim contiguous.
-  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
-  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
-  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
-                                          GmemShape{}, GmemStride{}));
+  using GmemTensor = sm90::GmemTensor<Element>;
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
                                       TileQ{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{},

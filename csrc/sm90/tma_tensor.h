@@ -26,4 +26,10 @@ auto gmem_tensor(Ptr ptr, const flashattn_tensor_t& t, int seqlen, int heads, in
                                  tma_stride(t.batch_stride, batch, d)));
 }
 
+// The type of that view, for the kernel traits that spell their TMA copies' types.
+template <class Element>
+using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                        Shape<int32_t, int32_t, int32_t, int32_t>{},
+                                        Stride<int64_t, _1, int64_t, int64_t>{}));
+
 }  // namespace flashattn::sm90
