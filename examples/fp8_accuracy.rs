@@ -47,13 +47,10 @@ fn main() {
             outlier_inputs(n, &mut rng),
             outlier_inputs(n, &mut rng),
         );
-        let exact = reference_forward(
-            &cfg,
-            tensor(&q, shape),
-            tensor(&k, shape),
-            tensor(&v, shape),
-        )
-        .out;
+        let attention = |q: &[f32], k: &[f32], v: &[f32]| {
+            reference_forward(&cfg, tensor(q, shape), tensor(k, shape), tensor(v, shape)).out
+        };
+        let exact = attention(&q, &k, &v);
         let norm = exact.iter().map(|x| x * x).sum::<f64>().sqrt();
         let report = |name: &str, q: &[f32], k: &[f32], granularity| {
             let deq = |x: &[f32], op| {
@@ -62,13 +59,7 @@ fn main() {
                     .dequantize()
             };
             let (dq, dk, dv) = (deq(q, Operand::Q), deq(k, Operand::K), deq(&v, Operand::V));
-            let out = reference_forward(
-                &cfg,
-                tensor(&dq, shape),
-                tensor(&dk, shape),
-                tensor(&dv, shape),
-            )
-            .out;
+            let out = attention(&dq, &dk, &dv);
             let sq: f64 = out.iter().zip(&exact).map(|(a, b)| (a - b) * (a - b)).sum();
             println!(
                 "| {d} | {name} | {:.2e} | {:.2e} |",
