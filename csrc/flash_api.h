@@ -88,15 +88,45 @@ typedef struct {
   int64_t page_table_batch_stride;
   int32_t page_size;
 
-  // FP8 descales (one per block, see src/fp8.rs) or null.
+  // FP8 forward (dtype FLASHATTN_E4M3), operands from flashattn_fp8_quantize: q and k in rows,
+  // v key-major (FLASHATTN_FP8_KEY_MAJOR; its row_stride is between head_dim rows); descales
+  // f32 (batch, heads, blocks) packed, Q per flashattn_fp8_query_block() rows, K and V per
+  // flashattn_fp8_key_block(head_dim) keys; o in out_dtype (FLASHATTN_BF16 or FLASHATTN_F16).
   const float* q_descale;
   const float* k_descale;
   const float* v_descale;
+  int32_t out_dtype;
 
   // Device properties the launcher may size grids with (from flashattn_device_query).
   int32_t sm_count;
   uint32_t sm90_flags;  // flashattn_sm90_flag_t bits
 } flashattn_params_t;
+
+// Where flashattn_fp8_quantize writes: rows like the source, (batch, seqlen, heads, head_dim)
+// with the dst strides; or key-major, (batch, heads, head_dim, keys) with dst_row_stride between
+// head_dim rows, keys padded with zeros to whole blocks and ordered within each 32-key group as
+// the FP8 forward's P (the layout the kernel's V operand needs).
+typedef enum {
+  FLASHATTN_FP8_ROWS = 0,
+  FLASHATTN_FP8_KEY_MAJOR = 1,
+} flashattn_fp8_layout_t;
+
+// One tensor's quantize step: e4m3 = round(x / descale), one descale per block_rows rows of one
+// head (amax ↦ 448), after the random-sign Hadamard transform along head_dim if `hadamard`
+// (bit i of hadamard_signs set: column i negated first). An E4M3 source with descale null is
+// copied unscaled into the layout.
+typedef struct {
+  flashattn_tensor_t src;  // (batch, seqlen, heads, head_dim)
+  int32_t src_dtype;       // flashattn_dtype_t
+  void* dst;
+  int64_t dst_batch_stride, dst_row_stride, dst_head_stride;  // bytes
+  float* descale;          // (batch, heads, ceil(seqlen / block_rows)) or null
+  int32_t batch, seqlen, heads, head_dim;
+  int32_t block_rows;      // a multiple of 32 for FLASHATTN_FP8_KEY_MAJOR
+  int32_t layout;          // flashattn_fp8_layout_t
+  int32_t hadamard;
+  uint64_t hadamard_signs[4];
+} flashattn_fp8_quantize_t;
 
 typedef struct {
   int32_t major, minor;
@@ -122,6 +152,14 @@ flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* params, void* st
 flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* params, void* stream);
 flashattn_result_t flashattn_fwd_sm80(const flashattn_params_t* params, void* stream);
 flashattn_result_t flashattn_bwd_sm80(const flashattn_params_t* params, void* stream);
+
+// The FP8 forward's descale blocks: query rows per Q descale, keys per K/V descale (0 for a head
+// dim it does not build).
+int32_t flashattn_fp8_query_block(void);
+int32_t flashattn_fp8_key_block(int32_t head_dim);
+
+// FP8 quantize step on `stream` (sm_90).
+flashattn_result_t flashattn_fp8_quantize(const flashattn_fp8_quantize_t* params, void* stream);
 
 // Toolchain self-test on sm_90a: one TMA load of A (64x16) and B (64x16) bf16 tiles (K-major)
 // into shared memory and one WGMMA computing C = A * B^T (64x64, f32), written to `c`.

@@ -8,6 +8,8 @@
 //!
 //! Usage: bench_table [--quick] [--only D,S[,causal][,sm80]] [--out results.json] [--commit SHA]
 
+mod common;
+
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
@@ -384,16 +386,8 @@ fn main() {
 
     if let Some(path) = arg("--out") {
         let commit = arg("--commit").unwrap_or_else(|| "unknown".into());
-        let mut json = format!(
-            "{{\"date\": \"{}\", \"device\": \"{} (sm_{}{}, {} SMs)\", \"commit\": \"{}\", \"rows\": [\n",
-            today(),
-            info.name,
-            info.major,
-            info.minor,
-            info.sm_count,
-            commit
-        );
-        for (i, r) in rows.iter().enumerate() {
+        let mut json_rows = Vec::new();
+        for r in &rows {
             let sch = r.schedule;
             let variant = if sch.narrow_key_blocks {
                 ", \"variant\": \"narrow-key-blocks\""
@@ -406,8 +400,8 @@ fn main() {
                     (false, false, _) => ", \"variant\": \"no-pingpong-no-overlap\"",
                 }
             };
-            json.push_str(&format!(
-                "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}, \"host_us_per_call\": {:.1}{}{}}}{}\n",
+            json_rows.push(format!(
+                "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}, \"host_us_per_call\": {:.1}{}{}}}",
                 r.backend.name(), r.backend.name(), r.d, r.seqlen, r.seqlen, TOKENS / r.seqlen, HIDDEN / r.d, HIDDEN / r.d, r.causal,
                 r.pass, r.err_ratio, r.tflops, r.ms, r.ms_p10, r.ms_p90, r.host_us, variant,
                 match (r.bwd_tflops, r.bwd_ms) {
@@ -417,20 +411,11 @@ fn main() {
                     (Some(tf), Some(ms)) => format!(", \"bwd_det_tflops\": {tf:.1}, \"bwd_det_ms\": {ms:.4}"),
                     _ => String::new(),
                 },
-                if i + 1 < rows.len() { "," } else { "" }
             ));
         }
-        json.push_str("]}\n");
-        std::fs::write(&path, json).expect("write results");
-        println!("wrote {path}");
+        common::write_results(&path, &info, &commit, "", &json_rows);
     }
     if rows.iter().any(|r| !r.pass) {
         std::process::exit(1);
     }
-}
-
-fn today() -> String {
-    let out = std::process::Command::new("date").arg("+%Y-%m-%d").output();
-    out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default()
 }

@@ -44,6 +44,7 @@ pub struct BuiltKernels {
     pub sm90_bwd: bool,
     pub sm80_fwd: bool,
     pub sm80_bwd: bool,
+    pub sm90_fp8_fwd: bool,
 }
 
 impl BuiltKernels {
@@ -129,9 +130,19 @@ pub fn check_backend(
                     ),
                 });
             }
-            if !matches!(problem.dtype, DType::F16 | DType::BF16) {
+            // E4M3: the sm90 FP8 forward (inputs from the quantize step, src/cuda/fp8.rs).
+            let fp8 = problem.dtype == DType::E4M3;
+            let dtype_ok = matches!(problem.dtype, DType::F16 | DType::BF16)
+                || (fp8 && backend == Backend::Sm90 && op == Op::Forward);
+            if !dtype_ok {
                 return Err(Error::UnsupportedDtype {
                     dtype: problem.dtype,
+                    backend: name,
+                });
+            }
+            if fp8 && cfg.softcap.is_some() {
+                return Err(Error::Unsupported {
+                    what: "the FP8 forward with softcap (not built)".into(),
                     backend: name,
                 });
             }
@@ -142,6 +153,7 @@ pub fn check_backend(
                 });
             }
             let present = match (backend, op) {
+                (Backend::Sm90, Op::Forward) if fp8 => built.sm90_fp8_fwd,
                 (Backend::Sm90, Op::Forward) => built.sm90_fwd,
                 (Backend::Sm90, Op::Backward) => built.sm90_bwd,
                 (_, Op::Forward) => built.sm80_fwd,

@@ -48,5 +48,6 @@ pub(crate) fn built_kernels() -> BuiltKernels {
         sm90_bwd: bits & FLASHATTN_KERNEL_SM90_BWD != 0,
         sm80_fwd: bits & FLASHATTN_KERNEL_SM80_FWD != 0,
         sm80_bwd: bits & FLASHATTN_KERNEL_SM80_BWD != 0,
+        sm90_fp8_fwd: bits & FLASHATTN_KERNEL_SM90_FP8_FWD != 0,
     }
 }

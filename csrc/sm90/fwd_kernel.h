@@ -14,6 +14,9 @@
 // that one warpgroup's softmax hides under the other's GEMMs. setmaxnreg moves registers from
 // the producer (24) to the consumers (240). Persistent: each CTA walks a share of the tiles.
 // Epilogue: O and LSE straight from registers.
+// FP8 (Element = e4m3, from the quantize step): Q·Kᵀ and P·V by QGMMA, the Q and K descales
+// folded into each key block's softmax scale, V's descale into O's rescale factor, P converted to
+// e4m3 in registers (V's keys ordered to match, fp8_layout.h), O written in bf16 or fp16.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -22,6 +25,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_conversion.h>
+#include <cuda_fp8.h>
 
 #include "../common/block_range.h"
 #include "pipeline.h"
@@ -39,7 +43,8 @@ using namespace cute;
 // Tile: kBlockN (keys per block), kStages (K/V pipeline depth), kQStages (Q buffers).
 template <class Element_, int kHeadDim_, class Tile, bool kIntraWGOverlap_>
 struct FwdTraits {
-  using Element = Element_;
+  using Element = Element_;  // of Q, K and V
+  static constexpr bool kFp8 = sizeof(Element) == 1;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
   static constexpr int kRowsPerWG = 64;
@@ -57,17 +62,29 @@ struct FwdTraits {
   using TileQ = Shape<Int<kRowsPerWG>, Int<kHeadDim>>;
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
 
-  // 128-byte swizzled K-major rows (head_dim is a multiple of 64 elements).
-  using SmemAtom = decltype(GMMA::Layout_K_SW128_Atom<Element>{});
+  // K-major rows swizzled over 128 bytes (64 for e4m3 at d64: a row has no more).
+  using SmemAtom = conditional_t<kHeadDim * sizeof(Element) % 128 == 0,
+                                 GMMA::Layout_K_SW128_Atom<Element>,
+                                 GMMA::Layout_K_SW64_Atom<Element>>;
   using SmemLayoutQ = decltype(tile_to_shape(  // per consumer WG
       SmemAtom{}, Shape<Int<kRowsPerWG>, Int<kHeadDim>, Int<kQStages>>{}));
   using SmemLayoutK = decltype(tile_to_shape(
       SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutV = SmemLayoutK;
-  // Vᵀ as the (head_dim, kBlockN) B operand of P·V: the same bytes, MN-major.
-  using SmemLayoutVt = decltype(composition(
-      SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+  // Vᵀ is the (head_dim, kBlockN) B operand of P·V. 16-bit: V is stored as it comes and Vᵀ is
+  // the same bytes, MN-major. FP8 WGMMA takes K-major operands only: the quantize step wrote V
+  // key-major, and the TMA loads Vᵀ as it is.
+  using SmemLayoutVtOfV = decltype(composition(
+      SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
                                          Step<_2, _1, _3>{})));
+  using SmemAtomVtFp8 =
+      conditional_t<kBlockN % 128 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                    conditional_t<kBlockN % 64 == 0, GMMA::Layout_K_SW64_Atom<Element>,
+                                  GMMA::Layout_K_SW32_Atom<Element>>>;
+  using SmemLayoutVtFp8 = decltype(tile_to_shape(
+      SmemAtomVtFp8{}, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+  using SmemLayoutVt = conditional_t<kFp8, SmemLayoutVtFp8, SmemLayoutVtOfV>;
+  using SmemLayoutV = conditional_t<kFp8, SmemLayoutVtFp8, SmemLayoutK>;  // as the TMA writes it
+  using TileV = conditional_t<kFp8, Shape<Int<kHeadDim>, Int<kBlockN>>, TileKV>;
 
   using MmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,
@@ -75,7 +92,7 @@ struct FwdTraits {
   using MmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float,
                            Shape<Int<kRowsPerWG>, Int<kHeadDim>, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::MN>()));
+                           GMMA::Major::K, kFp8 ? GMMA::Major::K : GMMA::Major::MN>()));
 
   // (seqlen, head_dim, heads, batch) with head_dim contiguous.
   using GmemTensor = sm90::GmemTensor<Element>;
@@ -83,6 +100,8 @@ struct FwdTraits {
                                       TileQ{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{},
                                        take<0, 2>(SmemLayoutK{}), TileKV{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}),
+                                      TileV{}, _1{}));
   static constexpr uint32_t kBytesQ = kRowsPerWG * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
@@ -100,8 +119,8 @@ template <class Traits>
 struct FwdParams {
   typename Traits::TmaQ tma_q;
   typename Traits::TmaKV tma_k;
-  typename Traits::TmaKV tma_v;
-  typename Traits::Element* o;
+  typename Traits::TmaV tma_v;
+  void* o;  // Element, or for FP8 bf16 (o_bf16) or fp16
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   float* lse;  // (batch, heads_q, seqlen_q)
   int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
@@ -112,6 +131,12 @@ struct FwdParams {
   float softcap_pre;  // scale/softcap when softcap is on (scores become tanh(s·scale/softcap))
   bool softcap;
   bool pingpong;
+  // FP8: descales (batch, heads, blocks): Q per query tile, K and V per key block.
+  const float* q_descale;
+  const float* k_descale;
+  const float* v_descale;
+  int num_n_blocks;  // key blocks per head (V's key-major rows hold num_n_blocks·kBlockN keys)
+  bool o_bf16;
 };
 
 // Named barriers (CUTLASS reserves the first ids; NamedBarrier adds that offset).
@@ -218,8 +243,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         make_shape(params.seqlen_q, int(Traits::kHeadDim), params.heads_q, params.batch));
     Tensor mK = params.tma_k.get_tma_tensor(
         make_shape(params.seqlen_k, int(Traits::kHeadDim), params.heads_kv, params.batch));
-    Tensor mV = params.tma_v.get_tma_tensor(
-        make_shape(params.seqlen_k, int(Traits::kHeadDim), params.heads_kv, params.batch));
+    Tensor mV = [&] {
+      if constexpr (Traits::kFp8) {
+        return params.tma_v.get_tma_tensor(make_shape(
+            int(Traits::kHeadDim), params.num_n_blocks * kBlockN, params.heads_kv, params.batch));
+      } else {
+        return params.tma_v.get_tma_tensor(
+            make_shape(params.seqlen_k, int(Traits::kHeadDim), params.heads_kv, params.batch));
+      }
+    }();
     auto cta_q = params.tma_q.get_slice(0);
     auto cta_k = params.tma_k.get_slice(0);
     auto cta_v = params.tma_v.get_slice(0);
@@ -238,8 +270,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int head_kv = t.head / (params.heads_q / params.heads_kv);
       Tensor tKgK = group_modes<0, 3>(cta_k.partition_S(local_tile(
           mK(_, _, head_kv, t.batch), typename Traits::TileKV{}, make_coord(_, _0{}))));
-      Tensor tVgV = group_modes<0, 3>(cta_v.partition_S(local_tile(
-          mV(_, _, head_kv, t.batch), typename Traits::TileKV{}, make_coord(_, _0{}))));
+      Tensor tVgV = [&] {
+        if constexpr (Traits::kFp8) {  // (head_dim, keys): key blocks along mode 1
+          return group_modes<0, 3>(cta_v.partition_S(local_tile(
+              mV(_, _, head_kv, t.batch), typename Traits::TileV{}, make_coord(_0{}, _))));
+        } else {
+          return group_modes<0, 3>(cta_v.partition_S(local_tile(
+              mV(_, _, head_kv, t.batch), typename Traits::TileKV{}, make_coord(_, _0{}))));
+        }
+      }();
       auto load_k = [&](int n) {
         smem.pipe_k.producer_acquire(st, Traits::kBytesKV);
         copy(params.tma_k.with(smem.pipe_k.full_barrier(st)), tKgK(_, n), tKsK(_, st.index));
@@ -301,8 +340,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor rowcol_cO = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   constexpr int kRows = decltype(size<0>(rowcol_S))::value;
   static_assert(decltype(size<2>(tSrS))::value == 1, "the mask assumes one WGMMA atom spans N");
-  // P (the exponentiated scores, in Element) as the register A operand of P·V.
-  auto tOrP = make_tensor<Element>(acc_as_operand_a(tSrS.layout()));
+  // P (the exponentiated scores, in Element) as the register A operand of P·V. 16-bit: tSrS's
+  // layout reshaped. FP8: the k32 operand layout, ((4 keys, 2 rows, 2 halves), 1, kBlockN/32).
+  auto tOrP = [&] {
+    if constexpr (Traits::kFp8) {
+      return make_tensor<Element>(Layout<Shape<Shape<_4, _2, _2>, _1, Int<kBlockN / 32>>>{});
+    } else {
+      return make_tensor<Element>(acc_as_operand_a(tSrS.layout()));
+    }
+  }();
 
   auto gemm_qk = [&](int q_stage, int stage) FLASHATTN_INLINE {
     mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
@@ -326,12 +372,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     warpgroup_commit_batch();
     warpgroup_fence_operand(tOrO);
   };
-  // tOrP's layout reshapes tSrS's without permuting storage: convert register for register.
   auto convert_p = [&]() FLASHATTN_INLINE {
-    constexpr int N = decltype(size(tSrS))::value;
-    cutlass::NumericArrayConverter<Element, float, N> convert;
-    *reinterpret_cast<cutlass::Array<Element, N>*>(tOrP.data()) =
-        convert(*reinterpret_cast<cutlass::Array<float, N> const*>(tSrS.data()));
+    if constexpr (Traits::kFp8) {
+      // tSrS holds C[c + 2·row + 4·g] (g: 8-key group, c: key within this thread's pair); slice
+      // kk of P takes, as word row + 2h, the keys of groups 4kk + 2h and 4kk + 2h + 1 of that
+      // row: K index 4t + i + 16h holds key 16h + 8⌊i/2⌋ + 2t + i%2 (fp8_layout.h).
+      uint32_t* p = reinterpret_cast<uint32_t*>(tOrP.data());
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 32; ++kk)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int row = 0; row < 2; ++row) {
+            const int c = 2 * row + 4 * (4 * kk + 2 * h);
+            const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(tSrS(c), tSrS(c + 1)),
+                                                         __NV_SATFINITE, __NV_E4M3);
+            const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(tSrS(c + 4), tSrS(c + 5)),
+                                                         __NV_SATFINITE, __NV_E4M3);
+            p[4 * kk + 2 * h + row] = lo | (hi << 16);
+          }
+    } else {
+      // tOrP's layout reshapes tSrS's without permuting storage: register for register.
+      constexpr int N = decltype(size(tSrS))::value;
+      cutlass::NumericArrayConverter<Element, float, N> convert;
+      *reinterpret_cast<cutlass::Array<Element, N>*>(tOrP.data()) =
+          convert(*reinterpret_cast<cutlass::Array<float, N> const*>(tSrS.data()));
+    }
   };
 
   // Ping-pong: each GEMM issue point waits for this warpgroup's turn, issues, hands the turn
@@ -349,8 +415,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
   if (pingpong && wg == 1) named_arrive(FwdBarrier::TurnWG0, 256);
 
-  OnlineSoftmax<kRows> softmax;
+  using Softmax = conditional_t<Traits::kFp8, ScaledOnlineSoftmax<kRows>, OnlineSoftmax<kRows>>;
+  Softmax softmax;
   float factor[kRows];  // what O is rescaled by after a softmax step
+  // FP8: the tile's softmax scale with its Q descale, its K/V descales by key block, and the V
+  // descale whose units O's accumulator is in (that of the last block whose P was converted).
+  float tile_scale_log2 = params.scale_log2;
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
+  float v_unit = 1.f;
+  auto finalize = [&](float(&inv_sum)[kRows], float(&lse)[kRows]) FLASHATTN_INLINE {
+    if constexpr (Traits::kFp8) {
+      softmax.finalize(inv_sum, lse);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) inv_sum[r] *= v_unit;
+    } else {
+      softmax.finalize(params.scale_log2, inv_sum, lse);
+    }
+  };
 
   // Softcap and masks, then the online softmax step on S of key block n for rows from row0.
   auto softmax_step = [&](int n, int row0) FLASHATTN_INLINE {
@@ -374,7 +456,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
     }
-    softmax.step(rowcol_S, params.scale_log2, factor);
+    if constexpr (Traits::kFp8) {
+      softmax.step(rowcol_S, tile_scale_log2 * k_descale[n], factor);
+      // O holds P·V of the blocks after n in units of their V descale; block n's comes next.
+      const float v = v_descale[n];
+      const float ratio = v_unit / v;
+      v_unit = v;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) factor[r] *= ratio;
+    } else {
+      softmax.step(rowcol_S, params.scale_log2, factor);
+    }
   };
 
   // Epilogue of tile t: O·inv_sum and the LSE, straight from registers; rows past seqlen_q are
@@ -392,22 +484,34 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           params.lse[(int64_t(t.batch) * params.heads_q + t.head) * params.seqlen_q + row] = lse[r];
       }
     }
-    Tensor rO = convert_fragment<Element>(tOrO);
-    Tensor rowcol_rO = make_tensor(rO.data(), acc_rowcol(rO.layout()));
-    Element* o = params.o + t.batch * params.o_batch_stride + t.head * params.o_head_stride;
+    auto store = [&](auto* o) FLASHATTN_INLINE {
+      using Out = remove_pointer_t<decltype(o)>;
+      Tensor rO = convert_fragment<Out>(tOrO);
+      Tensor rowcol_rO = make_tensor(rO.data(), acc_rowcol(rO.layout()));
+      o += t.batch * params.o_batch_stride + t.head * params.o_head_stride;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int row = row0 + get<0>(rowcol_cO(r, 0));
-      if (row >= params.seqlen_q) continue;
-      Element* o_row = o + row * params.o_row_stride;
+      for (int r = 0; r < kRows; ++r) {
+        const int row = row0 + get<0>(rowcol_cO(r, 0));
+        if (row >= params.seqlen_q) continue;
+        Out* o_row = o + row * params.o_row_stride;
 #pragma unroll
-      for (int c = 0; c < size<1>(rowcol_rO); c += 2) {
-        const int col = get<1>(rowcol_cO(r, c));
-        cutlass::Array<Element, 2> pair;
-        pair[0] = rowcol_rO(r, c);
-        pair[1] = rowcol_rO(r, c + 1);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + col) = pair;
+        for (int c = 0; c < size<1>(rowcol_rO); c += 2) {
+          const int col = get<1>(rowcol_cO(r, c));
+          cutlass::Array<Out, 2> pair;
+          pair[0] = rowcol_rO(r, c);
+          pair[1] = rowcol_rO(r, c + 1);
+          *reinterpret_cast<cutlass::Array<Out, 2>*>(o_row + col) = pair;
+        }
       }
+    };
+    if constexpr (Traits::kFp8) {
+      if (params.o_bf16) {
+        store(static_cast<cutlass::bfloat16_t*>(params.o));
+      } else {
+        store(static_cast<cutlass::half_t*>(params.o));
+      }
+    } else {
+      store(static_cast<Element*>(params.o));
     }
   };
 
@@ -425,7 +529,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     smem.pipe_v.consumer_release(st_v);
     st_v.advance();
     float inv_sum[kRows], lse[kRows];
-    softmax.finalize(params.scale_log2, inv_sum, lse);
+    finalize(inv_sum, lse);
     store_tile(pending_tile, inv_sum, lse);
     pending = false;
   };
@@ -435,13 +539,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (TileWalk<Traits> walk{params}; walk.next(tile);) {
     const WorkTile t = decode_tile(params, tile);
     const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;  // first query row of this WG
+    if constexpr (Traits::kFp8) {
+      const int head_kv = t.head / (params.heads_q / params.heads_kv);
+      tile_scale_log2 =
+          params.scale_log2 *
+          params.q_descale[(int64_t(t.batch) * params.heads_q + t.head) * params.num_m_blocks +
+                           t.m_block];
+      const int64_t kv = (int64_t(t.batch) * params.heads_kv + head_kv) * params.num_n_blocks;
+      k_descale = params.k_descale + kv;
+      v_descale = params.v_descale + kv;
+    }
 
     if (t.n_blocks() == 0) {  // no key for any row: O = 0, LSE = +inf
       if (pending) finish_pending();
-      softmax = OnlineSoftmax<kRows>();
+      softmax = Softmax();
       clear(tOrO);
       float inv_sum[kRows], lse[kRows];
-      softmax.finalize(params.scale_log2, inv_sum, lse);
+      finalize(inv_sum, lse);
       store_tile(t, inv_sum, lse);
       continue;
     }
@@ -457,7 +571,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           smem.pipe_q.consumer_release(st_q);
           st_q.advance();
         }
-        softmax = OnlineSoftmax<kRows>();
+        softmax = Softmax();
       };
       smem.pipe_k.consumer_wait(st_k);
       if (pending) {
@@ -468,7 +582,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         turn_pass();
         warpgroup_wait<1>();
         float inv_sum[kRows], lse[kRows];
-        softmax.finalize(params.scale_log2, inv_sum, lse);  // the tile before: all keys seen
+        finalize(inv_sum, lse);  // the tile before: all keys seen
         release_k_first();
         softmax_step(t.n_max - 1, row0);
         warpgroup_wait<0>();
@@ -513,7 +627,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if constexpr (!Traits::kCrossTileOverlap) finish_pending();
     } else {
       // The ablation's loop: each block's GEMMs wait on its softmax; ping-pong turns per GEMM.
-      softmax = OnlineSoftmax<kRows>();
+      softmax = Softmax();
       clear(tOrO);
 #pragma unroll 1
       for (int n = t.n_max - 1; n >= t.n_min; --n) {
@@ -540,7 +654,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         st_v.advance();
       }
       float inv_sum[kRows], lse[kRows];
-      softmax.finalize(params.scale_log2, inv_sum, lse);
+      finalize(inv_sum, lse);
       store_tile(t, inv_sum, lse);
     }
   }

@@ -21,14 +21,28 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   FwdParams<Traits> params;
   auto q = gmem_tensor<Traits>(static_cast<Element const*>(p.q.ptr), p.q, p.seqlen_q, p.heads_q, p.batch);
   auto k = gmem_tensor<Traits>(static_cast<Element const*>(p.k.ptr), p.k, p.seqlen_k, p.heads_kv, p.batch);
-  auto v = gmem_tensor<Traits>(static_cast<Element const*>(p.v.ptr), p.v, p.seqlen_k, p.heads_kv, p.batch);
+  const int num_n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  // FP8: V key-major, (head_dim, keys padded to whole key blocks), as the quantize step wrote it.
+  auto v = [&] {
+    if constexpr (Traits::kFp8) {
+      constexpr int d = Traits::kHeadDim;
+      return make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v.ptr)),
+                         make_shape(d, num_n_blocks * Traits::kBlockN, p.heads_kv, p.batch),
+                         make_stride(int64_t(p.v.row_stride), _1{},
+                                     tma_stride(p.v.head_stride, p.heads_kv, d),
+                                     tma_stride(p.v.batch_stride, p.batch, d)));
+    } else {
+      return gmem_tensor<Traits>(static_cast<Element const*>(p.v.ptr), p.v, p.seqlen_k,
+                                 p.heads_kv, p.batch);
+    }
+  }();
   params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, take<0, 2>(typename Traits::SmemLayoutQ{}),
                                typename Traits::TileQ{}, _1{});
   params.tma_k = make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutK{}),
                                typename Traits::TileKV{}, _1{});
   params.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutV{}),
-                               typename Traits::TileKV{}, _1{});
-  params.o = static_cast<Element*>(p.o.ptr);
+                               typename Traits::TileV{}, _1{});
+  params.o = p.o.ptr;
   params.o_batch_stride = p.o.batch_stride;
   params.o_row_stride = p.o.row_stride;
   params.o_head_stride = p.o.head_stride;
@@ -48,6 +62,11 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   params.softcap_pre = params.softcap ? p.softmax_scale / p.softcap : 0.f;
   params.scale_log2 = params.softcap ? p.softcap * log2e : p.softmax_scale * log2e;
   params.pingpong = pingpong;
+  params.q_descale = p.q_descale;
+  params.k_descale = p.k_descale;
+  params.v_descale = p.v_descale;
+  params.num_n_blocks = num_n_blocks;
+  params.o_bf16 = p.out_dtype == FLASHATTN_BF16;
 
   auto kernel = fwd_kernel<Traits>;
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
@@ -74,6 +93,13 @@ flashattn_result_t run_fwd_tiled(const flashattn_params_t& p, FwdOptions o, cuda
       return run_fwd<FwdTraits<Element, kHeadDim, Masked, true>>(p, o.pingpong, stream);
   }
   return run_fwd<FwdTraits<Element, kHeadDim, Tile, true>>(p, o.pingpong, stream);
+}
+
+// The FP8 forward: one tile per head dim, its key block the quantize step's (fp8_layout.h).
+template <int kHeadDim>
+flashattn_result_t run_fwd_fp8(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream) {
+  return run_fwd<FwdTraits<cutlass::float_e4m3_t, kHeadDim, Fp8FwdTile<kHeadDim>, true>>(
+      p, o.pingpong, stream);
 }
 
 }  // namespace flashattn::sm90

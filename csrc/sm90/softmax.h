@@ -28,4 +28,60 @@ __device__ constexpr auto acc_as_operand_a(Layout l) {
                      coalesce(make_layout(get<2, 1>(split), get<2>(l))));
 }
 
+// The online softmax of the FP8 forward. The scores' scale changes from key block to key block
+// (Q and K descales), so the row maxima are kept already scaled (in the exp2 domain), and P is
+// 2^(s·c − max + kOffset): up to 256, so that e4m3 keeps small probabilities in its normal
+// range; the 2^kOffset cancels in O/sum and is taken out of the LSE. `c` must be positive.
+template <int kRows>
+struct ScaledOnlineSoftmax {
+  static constexpr float kOffset = 8.f;
+  float row_max[kRows];  // of s·c, over the keys seen
+  float row_sum[kRows];  // of P (with its 2^kOffset), this thread's columns
+
+  __device__ ScaledOnlineSoftmax() {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      row_max[r] = -INFINITY;
+      row_sum[r] = 0.f;
+    }
+  }
+
+  // Replaces the scores in `s` (rows x cols) by P, updates max and sum, and returns in `factor`
+  // what the running output must be multiplied by.
+  template <class Tensor>
+  __device__ void step(Tensor& s, float c, float (&factor)[kRows]) {
+    static_assert(decltype(size<0>(s))::value == kRows);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < size<1>(s); ++j) m = fmaxf(m, s(r, j));
+      m = fmaxf(row_max[r], OnlineSoftmax<kRows>::quad_max(m) * c);
+      // A row that has seen only masked scores keeps max -inf: use 0 so that exp2 gives 0s.
+      const float m_use = m == -INFINITY ? 0.f : m;
+      factor[r] = fast_exp2(row_max[r] - m_use);
+      row_max[r] = m;
+      const float bias = m_use - kOffset;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < size<1>(s); ++j) {
+        s(r, j) = fast_exp2(s(r, j) * c - bias);
+        sum += s(r, j);
+      }
+      row_sum[r] = row_sum[r] * factor[r] + sum;
+    }
+  }
+
+  // 1/sum per row (0 for rows that saw no key) and the natural-log LSE (+inf for those rows).
+  __device__ void finalize(float (&inv_sum)[kRows], float (&lse)[kRows]) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = OnlineSoftmax<kRows>::quad_sum(row_sum[r]);
+      const bool empty = sum == 0.f || sum != sum;
+      inv_sum[r] = empty ? 0.f : 1.f / sum;
+      lse[r] = empty ? INFINITY : (row_max[r] + log2f(sum) - kOffset) * float(M_LN2);
+    }
+  }
+};
+
 }  // namespace flashattn::sm90

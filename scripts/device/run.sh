@@ -31,8 +31,12 @@ for tool in memcheck racecheck synccheck; do
     "$here/bin/test-gpu_fwd" --include-ignored --test-threads=1 sanitizer
   step "sanitizer-$tool-bwd" compute-sanitizer --tool $tool --error-exitcode 9 \
     "$here/bin/test-gpu_bwd" --include-ignored --test-threads=1 sanitizer
+  step "sanitizer-$tool-fp8" compute-sanitizer --tool $tool --error-exitcode 9 \
+    "$here/bin/test-gpu_fp8" --include-ignored --test-threads=1 pre_quantized
 done
 step quickstart "$here/bin/example-quickstart"
+step fp8-accuracy "$here/bin/example-fp8_accuracy" --out "$OUT/fp8_accuracy.json" --commit "$commit"
+step bench-fp8 "$here/bin/example-bench_fp8" --out "$OUT/fp8_fwd.json" --commit "$commit"
 step bench-table "$here/bin/example-bench_table" --out "$OUT/sm90_fwd.json" --commit "$commit"
 peers=()
 [ "${1:-}" = "--quick" ] && peers+=(--quick)

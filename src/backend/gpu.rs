@@ -14,7 +14,7 @@ pub(crate) struct RawTensor {
 }
 
 impl RawTensor {
-    fn to_ffi(self) -> ffi::flashattn_tensor_t {
+    pub(crate) fn to_ffi(self) -> ffi::flashattn_tensor_t {
         ffi::flashattn_tensor_t {
             ptr: self.ptr as *mut std::ffi::c_void,
             batch_stride: self.layout.strides[0] as i64,
@@ -42,7 +42,7 @@ pub(crate) fn check_alignment(operand: Operand, t: &RawTensor, elem_bytes: usize
     Ok(())
 }
 
-fn ffi_dtype(dtype: DType) -> i32 {
+pub(crate) fn ffi_dtype(dtype: DType) -> i32 {
     match dtype {
         DType::F16 => ffi::FLASHATTN_F16 as i32,
         DType::BF16 => ffi::FLASHATTN_BF16 as i32,
@@ -129,6 +129,42 @@ pub(crate) fn forward(
         }
     };
     ffi::check(r, backend.name(), "forward")
+}
+
+/// Operands of the FP8 forward: e4m3 Q, K (rows) and V (key-major, see src/cuda/fp8.rs), O in
+/// `out_dtype`, the LSE and the Q, K, V descales.
+pub(crate) struct Fp8Operands {
+    pub q: RawTensor,
+    pub k: RawTensor,
+    pub v: RawTensor,
+    pub o: RawTensor,
+    pub out_dtype: DType,
+    pub lse: u64,
+    pub descales: [u64; 3],
+}
+
+/// Launches the sm90 FP8 forward on `stream` (a CUstream).
+pub(crate) fn forward_fp8(
+    problem: &Problem,
+    cfg: &AttentionConfig,
+    sm_count: i32,
+    ops: Fp8Operands,
+    stream: *mut std::ffi::c_void,
+) -> Result<()> {
+    let mut p = base_params(problem, cfg, sm_count);
+    p.q = ops.q.to_ffi();
+    p.k = ops.k.to_ffi();
+    p.v = ops.v.to_ffi();
+    p.o = ops.o.to_ffi();
+    p.lse = ops.lse as *mut f32;
+    p.out_dtype = ffi_dtype(ops.out_dtype);
+    p.q_descale = ops.descales[0] as *const f32;
+    p.k_descale = ops.descales[1] as *const f32;
+    p.v_descale = ops.descales[2] as *const f32;
+    // SAFETY: every pointer was taken from a live cudarc buffer whose guard outlives this call;
+    // the quantized operands and descales were sized by the quantize step for this problem.
+    let r = unsafe { ffi::flashattn_fwd_sm90(&p, stream) };
+    ffi::check(r, Backend::Sm90.name(), "FP8 forward")
 }
 
 /// Bytes of workspace the backward needs (layout in csrc/common/bwd_workspace.h, which

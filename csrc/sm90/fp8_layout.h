@@ -1,0 +1,24 @@
+// What the FP8 quantize step (fp8_quantize.cu) and the FP8 forward (fwd_kernel.h) agree on: the
+// block of rows one descale covers and the order of V's keys. Host and device.
+#pragma once
+
+namespace flashattn::sm90 {
+
+// Query rows per Q descale: the forward's query tile.
+constexpr int kFp8QueryBlock = 128;
+
+// Keys per K and V descale: the FP8 forward's key block for this head dim (0: not built).
+constexpr int fp8_key_block(int head_dim) {
+  return head_dim == 64 ? 192 : head_dim == 128 ? 192 : head_dim == 256 ? 128 : 0;
+}
+
+// The column of key `key` in V's key-major rows. The kernel converts P from the S accumulator
+// without moving values between threads; in a 32-key slice, K index 4t + i + 16h of the P·V
+// operand then holds key 16h + 8⌊i/2⌋ + 2t + i%2 (t: the lane within its quad, i < 4, h < 2),
+// so V lists its keys in that order: key 16h + 8a + 2t + c sits at column 16h + 4t + 2a + c.
+__host__ __device__ constexpr int fp8_key_position(int key) {
+  const int j = key % 32;
+  return key - j + 16 * (j / 16) + 4 * ((j / 2) % 4) + 2 * ((j / 8) % 2) + j % 2;
+}
+
+}  // namespace flashattn::sm90

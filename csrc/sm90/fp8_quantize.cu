@@ -1,0 +1,204 @@
+// The FP8 forward's quantize step: bf16/fp16 Q, K or V to e4m3 with one scale per block of rows
+// of one head, optionally after the random-sign Hadamard transform along head_dim (incoherent
+// processing). V is written key-major for the FP8 P·V GEMM (both WGMMA operands K-major), with
+// the keys of every 32-key group permuted to match the register order of P (see fwd_kernel.h).
+// The host definition it must agree with, bit for bit: src/fp8.rs.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/status.h"
+#include "../flash_api.h"
+#include "fp8_layout.h"
+
+namespace flashattn::sm90 {
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr float kE4M3Max = 448.f;
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) { return float(x); }
+
+template <int kBytes> struct Word;
+template <> struct Word<2> { using type = uint16_t; };
+template <> struct Word<4> { using type = uint32_t; };
+template <> struct Word<8> { using type = uint2; };
+template <> struct Word<16> { using type = uint4; };
+
+// One row of head_dim values as a warp holds it: lane l has the kPerLane contiguous elements
+// from l·kPerLane, read as one vector.
+template <class In, int kPerLane>
+__device__ __forceinline__ void load_row(const In* row, int lane, float (&x)[kPerLane]) {
+  using W = typename Word<kPerLane * sizeof(In)>::type;
+  union {
+    W word;
+    In elem[kPerLane];
+  } u;
+  u.word = *reinterpret_cast<const W*>(row + lane * kPerLane);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) x[i] = to_float(u.elem[i]);
+}
+
+// x ← H·D·x / √d along the row, the same operations in the same order as the host's fwht (the
+// low index bits first: inside a lane, then across lanes), so that the results are identical.
+template <int kPerLane>
+__device__ __forceinline__ void hadamard_row(float (&x)[kPerLane], uint32_t lane_signs, int lane,
+                                             float norm) {
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i)
+    if ((lane_signs >> i) & 1) x[i] = -x[i];
+#pragma unroll
+  for (int h = 1; h < kPerLane; h *= 2)
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+      if ((i & h) == 0) {
+        const float a = x[i], b = x[i + h];
+        x[i] = __fadd_rn(a, b);
+        x[i + h] = __fsub_rn(a, b);
+      }
+#pragma unroll
+  for (int m = 1; m < 32; m *= 2)
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const float other = __shfl_xor_sync(0xffffffff, x[i], m);
+      x[i] = (lane & m) ? __fsub_rn(other, x[i]) : __fadd_rn(x[i], other);
+    }
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) x[i] = __fmul_rn(x[i], norm);
+}
+
+// amax ↦ 448, as src/fp8.rs scale_for: 1 for a block with no positive normal amax.
+__device__ __forceinline__ float scale_for(float amax) {
+  const float s = __fdiv_rn(amax, kE4M3Max);
+  return s >= 1.17549435e-38f && s <= 3.40282347e38f ? s : 1.f;
+}
+
+__device__ __forceinline__ uint8_t to_e4m3(float x, float scale) {
+  return __nv_cvt_float_to_fp8(__fdiv_rn(x, scale), __NV_SATFINITE, __NV_E4M3);
+}
+
+// One CTA per (row block, head, batch). Pass 1 finds the block's largest finite magnitude (when
+// a descale is to be written); pass 2 reads the rows again (from L2), transforms and quantizes.
+template <class In, int kHeadDim>
+__global__ void __launch_bounds__(kWarps * 32)
+    quantize_kernel(const flashattn_fp8_quantize_t p) {
+  constexpr int kPerLane = kHeadDim / 32;
+  extern __shared__ uint8_t tile[];  // key-major output: (head_dim, block_rows)
+  __shared__ float warp_amax[kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int row_begin = block * p.block_rows;
+  const int rows = min(p.block_rows, p.seqlen - row_begin);
+  const In* src = static_cast<const In*>(p.src.ptr) + batch * p.src.batch_stride +
+                  head * p.src.head_stride;
+  uint32_t lane_signs = 0;
+  if (p.hadamard) {
+    const int first = lane * kPerLane;
+    lane_signs = uint32_t(p.hadamard_signs[first / 64] >> (first % 64)) & ((1u << kPerLane) - 1);
+  }
+  // 1/√d as the host computes it (a rounded square root, then a rounded division).
+  const float norm = __fdiv_rn(1.f, __fsqrt_rn(float(kHeadDim)));
+  auto transformed = [&](int r, float(&x)[kPerLane]) {
+    load_row<In, kPerLane>(src + int64_t(row_begin + r) * p.src.row_stride, lane, x);
+    if (p.hadamard) hadamard_row(x, lane_signs, lane, norm);
+  };
+
+  float scale = 1.f;
+  const int64_t desc_index = (int64_t(batch) * p.heads + head) * gridDim.x + block;
+  if (p.descale != nullptr) {
+    float amax = 0.f;
+    for (int r = warp; r < rows; r += kWarps) {
+      float x[kPerLane];
+      transformed(r, x);
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i)
+        if (isfinite(x[i])) amax = fmaxf(amax, fabsf(x[i]));
+    }
+#pragma unroll
+    for (int m = 16; m > 0; m /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, m));
+    if (lane == 0) warp_amax[warp] = amax;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, warp_amax[w]);
+    scale = scale_for(amax);
+    if (threadIdx.x == 0) p.descale[desc_index] = scale;
+  }
+
+  uint8_t* dst = static_cast<uint8_t*>(p.dst) + batch * p.dst_batch_stride +
+                 head * p.dst_head_stride;
+  if (p.layout == FLASHATTN_FP8_ROWS) {
+    for (int r = warp; r < rows; r += kWarps) {
+      float x[kPerLane];
+      transformed(r, x);
+      union {
+        typename Word<kPerLane>::type word;
+        uint8_t byte[kPerLane];
+      } u;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) u.byte[i] = to_e4m3(x[i], scale);
+      *reinterpret_cast<typename Word<kPerLane>::type*>(
+          dst + int64_t(row_begin + r) * p.dst_row_stride + lane * kPerLane) = u.word;
+    }
+    return;
+  }
+  // Key-major: through shared memory, so that each row of the output (one head_dim index, the
+  // block's keys) is written with 16-byte stores. Keys past seqlen are zeros (P is 0 there, and
+  // 0·NaN would not be).
+  for (int r = warp; r < p.block_rows; r += kWarps) {
+    float x[kPerLane];
+    if (r < rows) {
+      transformed(r, x);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) x[i] = 0.f;
+    }
+    const int col = fp8_key_position(r);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+      tile[(lane * kPerLane + i) * p.block_rows + col] = to_e4m3(x[i], scale);
+  }
+  __syncthreads();
+  const int words_per_row = p.block_rows / 16;
+  for (int w = threadIdx.x; w < kHeadDim * words_per_row; w += kWarps * 32) {
+    const int d = w / words_per_row, c = w % words_per_row;
+    *reinterpret_cast<uint4*>(dst + int64_t(d) * p.dst_row_stride + row_begin + 16 * c) =
+        *reinterpret_cast<const uint4*>(tile + d * p.block_rows + 16 * c);
+  }
+}
+
+template <class In, int kHeadDim>
+flashattn_result_t launch(const flashattn_fp8_quantize_t& p, cudaStream_t stream) {
+  const dim3 grid((p.seqlen + p.block_rows - 1) / p.block_rows, p.heads, p.batch);
+  const int smem = p.layout == FLASHATTN_FP8_KEY_MAJOR ? kHeadDim * p.block_rows : 0;
+  quantize_kernel<In, kHeadDim><<<grid, kWarps * 32, smem, stream>>>(p);
+  return check_launch();
+}
+
+template <class In>
+flashattn_result_t launch_dim(const flashattn_fp8_quantize_t& p, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return launch<In, 64>(p, stream);
+    case 128: return launch<In, 128>(p, stream);
+    case 256: return launch<In, 256>(p, stream);
+    default: return status(FLASHATTN_UNSUPPORTED);
+  }
+}
+
+}  // namespace
+
+flashattn_result_t run_fp8_quantize(const flashattn_fp8_quantize_t& p, cudaStream_t stream) {
+  switch (p.src_dtype) {
+    case FLASHATTN_BF16: return launch_dim<__nv_bfloat16>(p, stream);
+    case FLASHATTN_F16: return launch_dim<__half>(p, stream);
+    case FLASHATTN_E4M3: return launch_dim<__nv_fp8_e4m3>(p, stream);
+    default: return status(FLASHATTN_UNSUPPORTED);
+  }
+}
+
+}  // namespace flashattn::sm90

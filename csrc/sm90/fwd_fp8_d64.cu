@@ -1,0 +1,12 @@
+// sm90 FP8 (e4m3) forward, head dim 64.
+#include <cutlass/float8.h>
+
+#include "fwd_launch.h"
+
+namespace flashattn::sm90 {
+
+flashattn_result_t run_fwd_fp8_d64(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream) {
+  return run_fwd_fp8<64>(p, o, stream);
+}
+
+}  // namespace flashattn::sm90

@@ -1,0 +1,174 @@
+//! The FP8 forward's speed on the headline shapes of DESIGN.md §5 (16k tokens, hidden 2048,
+//! head dim 64/128/256, causal and not), beside the bf16 sm90 forward on the same shapes in the
+//! same run, and the quantize step's time on its own (GB/s: bf16 Q, K, V read once, e4m3 and
+//! descales written). The FP8 row times the kernel over inputs quantized once (per-block
+//! descales, Hadamard on), as a caller reusing K and V would run it. CUDA events, warm-up, median.
+//!
+//! Usage: bench_fp8 [--quick] [--out results.json] [--commit SHA]
+
+mod common;
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUevent_flags;
+use flashattn::cuda::{CudaStream, Device, DeviceTensor, DeviceTensorMut, Fp8Options};
+use flashattn::{AttentionConfig, Backend, DType, Layout, Problem};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use rand_distr::{Distribution, Normal};
+
+const TOKENS: usize = 16384;
+const HIDDEN: usize = 2048;
+
+/// Median milliseconds of `reps` calls of `run`, queued behind 5 warm-up calls.
+fn time(stream: &Arc<CudaStream>, reps: usize, mut run: impl FnMut()) -> f64 {
+    for _ in 0..5 {
+        run();
+    }
+    let events: Vec<_> = (0..reps)
+        .map(|_| {
+            let start = stream
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .unwrap();
+            run();
+            let end = stream
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .unwrap();
+            (start, end)
+        })
+        .collect();
+    stream.synchronize().unwrap();
+    let mut ms: Vec<f64> = events
+        .iter()
+        .map(|(a, b)| a.elapsed_ms(b).unwrap() as f64)
+        .collect();
+    ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    ms[ms.len() / 2]
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let arg = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1).cloned())
+    };
+    let dev = Device::new(0).unwrap_or_else(|e| {
+        eprintln!("bench_fp8 needs a CUDA device: {e}");
+        std::process::exit(2)
+    });
+    let stream = dev.new_stream().unwrap();
+    let n = TOKENS * HIDDEN;
+    let mut rng = StdRng::seed_from_u64(11);
+    let normal = Normal::new(0f32, 1.0).unwrap();
+    let mut gen = || {
+        let h: Vec<bf16> = (0..n)
+            .map(|_| bf16::from_f32(normal.sample(&mut rng)))
+            .collect();
+        stream.clone_htod(&h).unwrap()
+    };
+    let (q, k, v) = (gen(), gen(), gen());
+    let poison = vec![bf16::NAN; n];
+    let mut out = stream.clone_htod(&poison).unwrap();
+    let mut lse = stream
+        .clone_htod(&vec![f32::NAN; TOKENS * HIDDEN / 64])
+        .unwrap();
+    let seqlens: &[usize] = if quick {
+        &[2048, 8192]
+    } else {
+        &[512, 1024, 2048, 4096, 8192, 16384]
+    };
+    let reps = if quick { 20 } else { 30 };
+    let options = Fp8Options {
+        hadamard_seed: Some(1),
+    };
+
+    let mut rows = Vec::new();
+    for d in [64, 128, 256] {
+        for causal in [false, true] {
+            for &s in seqlens {
+                let shape = [TOKENS / s, s, HIDDEN / d, d];
+                let layout = Layout::contiguous(shape);
+                let t = |x| DeviceTensor::new(x, layout);
+                let cfg = AttentionConfig::new().causal(causal).backend(Backend::Sm90);
+                let quant_ms = time(&stream, reps, || {
+                    dev.quantize_fp8(
+                        &stream,
+                        &t(q.as_view()),
+                        &t(k.as_view()),
+                        &t(v.as_view()),
+                        options,
+                    )
+                    .expect("quantize");
+                });
+                let fp8 = dev
+                    .quantize_fp8(
+                        &stream,
+                        &t(q.as_view()),
+                        &t(k.as_view()),
+                        &t(v.as_view()),
+                        options,
+                    )
+                    .expect("quantize");
+                stream.memcpy_htod(&poison, &mut out).unwrap(); // every output must be rewritten
+                let fp8_ms = time(&stream, reps, || {
+                    dev.forward_fp8_into(
+                        &stream,
+                        &cfg,
+                        &fp8,
+                        &mut DeviceTensorMut::new(out.as_view_mut(), layout),
+                        &mut lse.as_view_mut(),
+                    )
+                    .expect("fp8 forward");
+                });
+                let host_out = stream.clone_dtoh(&out).unwrap();
+                stream.synchronize().unwrap();
+                let unwritten = host_out.iter().filter(|x| !x.is_finite()).count();
+                let bf16_ms = time(&stream, reps, || {
+                    dev.forward_into(
+                        &stream,
+                        &cfg,
+                        &t(q.as_view()),
+                        &t(k.as_view()),
+                        &t(v.as_view()),
+                        &mut DeviceTensorMut::new(out.as_view_mut(), layout),
+                        &mut lse.as_view_mut(),
+                    )
+                    .expect("bf16 forward");
+                });
+                let problem = Problem {
+                    batch: shape[0],
+                    seqlen_q: s,
+                    seqlen_k: s,
+                    heads_q: shape[2],
+                    heads_kv: shape[2],
+                    head_dim: d,
+                    dtype: DType::E4M3,
+                };
+                let tflops = |ms: f64| problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
+                // Read bf16 Q, K, V once, write them in e4m3 (descales are negligible).
+                let quant_gbs = (3 * n * 2 + 3 * n) as f64 / (quant_ms * 1e-3) / 1e9;
+                println!(
+                    "fp8 fwd d{d:<3} s{s:<5} causal={causal:<5} {fp8_ms:8.3} ms {:7.1} TFLOP/s | bf16 {bf16_ms:8.3} ms {:7.1} TFLOP/s | quantize {quant_ms:.3} ms {quant_gbs:6.0} GB/s | non-finite outputs {unwritten}",
+                    tflops(fp8_ms),
+                    tflops(bf16_ms)
+                );
+                rows.push(format!(
+                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
+                    shape[0], shape[2], shape[2], tflops(fp8_ms), tflops(bf16_ms)
+                ));
+                if unwritten != 0 {
+                    eprintln!(
+                        "FAIL: {unwritten} non-finite FP8 outputs at d{d} s{s} causal={causal}"
+                    );
+                }
+            }
+        }
+    }
+    if let Some(path) = arg("--out") {
+        let commit = arg("--commit").unwrap_or_else(|| "unknown".into());
+        common::write_results(&path, dev.info(), &commit, "", &rows);
+    }
+}

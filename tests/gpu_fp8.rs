@@ -1,0 +1,482 @@
+//! The FP8 forward on the GPU: the quantize step against its host definition (bit for bit), the
+//! forward against the f64 reference over the quantized inputs under DESIGN.md §4's rule with an
+//! FP8 baseline, and the refusals. `#[ignore]`d: run on the device with `--include-ignored`.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::sync::Arc;
+
+use cudarc::driver::DeviceRepr;
+use flashattn::cuda::{
+    fp8_key_block, fp8_query_block, v_key_column, CudaStream, Device, DeviceTensor,
+    DeviceTensorMut, Fp8Inputs, Fp8Options,
+};
+use flashattn::fp8::{Fp8Tensor, Granularity, RandomSignHadamard};
+use flashattn::reference::{self, compare, Comparison};
+use flashattn::{AttentionConfig, Backend, Element, Error, Layout, Operand, TensorRef};
+use float8::F8E4M3;
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use common::{device, random, Case};
+
+/// Inputs of one case on the host and the device.
+struct Inputs<T> {
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+}
+
+fn inputs<T: Element>(case: &Case, seed: u64) -> Inputs<T> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let nq = case.batch * case.seqlen_q * case.heads_q * case.head_dim;
+    let nk = case.batch * case.seqlen_k * case.heads_kv * case.head_dim;
+    // A few large entries, so that block scales differ from block to block.
+    let spike = |mut x: Vec<T>| {
+        for i in (0..x.len()).step_by(997) {
+            x[i] = T::from_f32(x[i].to_f32() * 24.0);
+        }
+        x
+    };
+    Inputs {
+        q: spike(random(nq, &mut rng)),
+        k: spike(random(nk, &mut rng)),
+        v: spike(random(nk, &mut rng)),
+    }
+}
+
+fn quantize_on_device<T: Element + DeviceRepr>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    x: &Inputs<T>,
+    options: Fp8Options,
+) -> Fp8Inputs {
+    let lq = Layout::contiguous([case.batch, case.seqlen_q, case.heads_q, case.head_dim]);
+    let lk = Layout::contiguous([case.batch, case.seqlen_k, case.heads_kv, case.head_dim]);
+    let q = stream.clone_htod(&x.q).unwrap();
+    let k = stream.clone_htod(&x.k).unwrap();
+    let v = stream.clone_htod(&x.v).unwrap();
+    dev.quantize_fp8(
+        stream,
+        &DeviceTensor::new(q.as_view(), lq),
+        &DeviceTensor::new(k.as_view(), lk),
+        &DeviceTensor::new(v.as_view(), lk),
+        options,
+    )
+    .unwrap_or_else(|e| panic!("{case:?}: {e}"))
+}
+
+/// The host's quantization of Q, K, V as the GPU step must do it.
+fn quantize_on_host<T: Element>(case: &Case, x: &Inputs<T>, options: Fp8Options) -> [Fp8Tensor; 3] {
+    let d = case.head_dim;
+    let sq = [case.batch, case.seqlen_q, case.heads_q, d];
+    let sk = [case.batch, case.seqlen_k, case.heads_kv, d];
+    let f32s = |x: &[T]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+    let (mut q, mut k) = (f32s(&x.q), f32s(&x.k));
+    if let Some(seed) = options.hadamard_seed {
+        let h = RandomSignHadamard::new(d, seed).unwrap();
+        q = h
+            .apply_tensor(TensorRef::contiguous(&q, sq), Operand::Q)
+            .unwrap();
+        k = h
+            .apply_tensor(TensorRef::contiguous(&k, sk), Operand::K)
+            .unwrap();
+    }
+    let v = f32s(&x.v);
+    let key_rows = fp8_key_block(d).unwrap();
+    let quant = |x: &[f32], shape, rows, op| {
+        Fp8Tensor::quantize(
+            TensorRef::contiguous(x, shape),
+            Granularity::PerBlock { rows },
+            op,
+        )
+        .unwrap()
+    };
+    [
+        quant(&q, sq, fp8_query_block(), Operand::Q),
+        quant(&k, sk, key_rows, Operand::K),
+        quant(&v, sk, key_rows, Operand::V),
+    ]
+}
+
+fn bits(x: &[F8E4M3]) -> Vec<u8> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Q, K and their descales byte for byte; V through its key-major layout, padding zero.
+fn check_quantize_case<T: Element + DeviceRepr>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    options: Fp8Options,
+    seed: u64,
+) {
+    let x = inputs::<T>(case, seed);
+    let gpu = quantize_on_device(dev, stream, case, &x, options);
+    let [hq, hk, hv] = quantize_on_host(case, &x, options);
+    let [q, k] = gpu.q_k();
+    let [qd, kd, vd] = gpu.descales();
+    let (v, keys) = gpu.v_key_major();
+    let q = stream.clone_dtoh(q).unwrap();
+    let k = stream.clone_dtoh(k).unwrap();
+    let v = stream.clone_dtoh(v).unwrap();
+    let (qd, kd, vd) = (
+        stream.clone_dtoh(qd).unwrap(),
+        stream.clone_dtoh(kd).unwrap(),
+        stream.clone_dtoh(vd).unwrap(),
+    );
+    stream.synchronize().unwrap();
+    let what = format!("{case:?} {options:?} {}", std::any::type_name::<T>());
+    assert_eq!(qd, hq.scales, "{what}: Q descales");
+    assert_eq!(kd, hk.scales, "{what}: K descales");
+    assert_eq!(vd, hv.scales, "{what}: V descales");
+    assert!(bits(&q) == bits(&hq.data), "{what}: Q bytes");
+    assert!(bits(&k) == bits(&hk.data), "{what}: K bytes");
+    let (hkv, d, sk) = (case.heads_kv, case.head_dim, case.seqlen_k);
+    let mut mismatches = 0;
+    for b in 0..case.batch {
+        for h in 0..hkv {
+            for c in 0..d {
+                let row = &v[((b * hkv + h) * d + c) * keys..][..keys];
+                for key in 0..keys {
+                    let want = if key < sk {
+                        hv.data[((b * sk + key) * hkv + h) * d + c].to_bits()
+                    } else {
+                        0
+                    };
+                    mismatches += (row[v_key_column(key)].to_bits() != want) as usize;
+                }
+            }
+        }
+    }
+    assert_eq!(mismatches, 0, "{what}: V key-major bytes");
+}
+
+#[test]
+#[ignore = "needs an sm_90 GPU"]
+fn quantize_matches_the_host_definition() {
+    let (dev, stream) = device();
+    let mut n = 0;
+    for d in [64, 128, 256] {
+        for (sq, sk) in [(1, 1), (128, 192), (300, 517), (1000, 77)] {
+            for seed in [None, Some(5)] {
+                let mut case = Case::new(sq, sk, d, false);
+                case.batch = 2;
+                case.heads_q = 4;
+                case.heads_kv = 2;
+                let options = Fp8Options {
+                    hadamard_seed: seed,
+                };
+                check_quantize_case::<bf16>(&dev, &stream, &case, options, n);
+                check_quantize_case::<f16>(&dev, &stream, &case, options, n + 1000);
+                n += 1;
+            }
+        }
+    }
+    println!("quantize: {n} cases × bf16/fp16 match the host bit for bit");
+}
+
+/// The FP8 forward as a framework would compute it from the quantized inputs: S in f32, P =
+/// exp(s − max) scaled by 2^8 and rounded to e4m3 (as the kernel rounds it), O = Σ P·V / Σ P
+/// in f32 rounded to `O`, LSE in f32. Rows with no key: O = 0, LSE = +inf.
+fn fp8_baseline<O: Element>(
+    cfg: &AttentionConfig,
+    case: &Case,
+    [q, k, v]: [&[f32]; 3],
+) -> (Vec<f32>, Vec<f32>) {
+    let (hq, hkv, d, sq, sk) = (
+        case.heads_q,
+        case.heads_kv,
+        case.head_dim,
+        case.seqlen_q,
+        case.seqlen_k,
+    );
+    let scale = cfg.scale_for(d);
+    let mask = cfg.mask(sq, sk);
+    let mut out = vec![0f32; case.batch * sq * hq * d];
+    let mut lse = vec![0f32; case.batch * hq * sq];
+    for b in 0..case.batch {
+        for h in 0..hq {
+            let hk = h / (hq / hkv);
+            for i in 0..sq {
+                let qi = &q[((b * sq + i) * hq + h) * d..][..d];
+                let (lo, hi) = mask.key_range(i);
+                let keys: Vec<usize> = (lo..hi.max(lo)).collect();
+                let s: Vec<f32> = keys
+                    .iter()
+                    .map(|&j| {
+                        let kj = &k[((b * sk + j) * hkv + hk) * d..][..d];
+                        qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let p: Vec<f32> = s.iter().map(|x| (x - m).exp() * 256.0).collect();
+                let l: f32 = p.iter().sum();
+                let o = &mut out[((b * sq + i) * hq + h) * d..][..d];
+                for (&j, &pj) in keys.iter().zip(&p) {
+                    let p8 = F8E4M3::from_f32(pj).to_f32();
+                    let vj = &v[((b * sk + j) * hkv + hk) * d..][..d];
+                    o.iter_mut().zip(vj).for_each(|(a, x)| *a += p8 * x);
+                }
+                o.iter_mut().for_each(|a| {
+                    *a = if l > 0.0 {
+                        O::from_f32(*a / l).to_f32()
+                    } else {
+                        0.0
+                    }
+                });
+                lse[(b * hq + h) * sq + i] = if l > 0.0 {
+                    m + (l / 256.0).ln()
+                } else {
+                    f32::INFINITY
+                };
+            }
+        }
+    }
+    (out, lse)
+}
+
+/// Runs the FP8 forward of one case (quantized on the device) and compares O and the LSE with
+/// the f64 reference over the dequantized inputs.
+fn run_forward_case<T: Element + DeviceRepr>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    options: Fp8Options,
+    seed: u64,
+) -> (Comparison, Comparison) {
+    let x = inputs::<T>(case, seed);
+    let fp8 = quantize_on_device(dev, stream, case, &x, options);
+    let lq = Layout::contiguous([case.batch, case.seqlen_q, case.heads_q, case.head_dim]);
+    let lse_len = case.batch * case.heads_q * case.seqlen_q;
+    let mut o_dev = stream
+        .clone_htod(&vec![T::from_f32(f32::NAN); lq.shape.iter().product()])
+        .unwrap();
+    let mut lse_dev = stream.clone_htod(&vec![f32::NAN; lse_len]).unwrap();
+    let cfg = case.cfg(Backend::Sm90);
+    dev.forward_fp8_into(
+        stream,
+        &cfg,
+        &fp8,
+        &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
+        &mut lse_dev.as_view_mut(),
+    )
+    .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+    let o: Vec<T> = stream.clone_dtoh(&o_dev).unwrap();
+    let lse: Vec<f32> = stream.clone_dtoh(&lse_dev).unwrap();
+    stream.synchronize().unwrap();
+
+    let [hq, hk, hv] = quantize_on_host(case, &x, options);
+    let (dq, dk, dv) = (hq.dequantize(), hk.dequantize(), hv.dequantize());
+    let sq = [case.batch, case.seqlen_q, case.heads_q, case.head_dim];
+    let sk = [case.batch, case.seqlen_k, case.heads_kv, case.head_dim];
+    let cpu = case.cfg(Backend::Cpu);
+    let want = reference::reference_forward(
+        &cpu,
+        TensorRef::contiguous(&dq, sq),
+        TensorRef::contiguous(&dk, sk),
+        TensorRef::contiguous(&dv, sk),
+    );
+    let (base_o, base_lse) = fp8_baseline::<T>(&cpu, case, [&dq, &dk, &dv]);
+    let got = reference::to_f32(&o);
+    (
+        compare(&got, &want.out, &base_o),
+        compare(&lse, &want.lse, &base_lse),
+    )
+}
+
+fn forward_cases() -> Vec<Case> {
+    let mut cases = Vec::new();
+    for d in [64, 128, 256] {
+        for causal in [false, true] {
+            for (sq, sk) in [
+                (1, 1),
+                (17, 17),
+                (113, 300),
+                (1000, 1000),
+                (640, 129),
+                (256, 1000),
+            ] {
+                cases.push(Case::new(sq, sk, d, causal));
+            }
+        }
+        // GQA, batch > 1.
+        let mut gqa = Case::new(384, 517, d, true);
+        gqa.batch = 2;
+        gqa.heads_q = 4;
+        gqa.heads_kv = 1;
+        cases.push(gqa);
+    }
+    cases
+}
+
+#[test]
+#[ignore = "needs an sm_90 GPU"]
+fn forward_matches_the_reference_over_quantized_inputs() {
+    let (dev, stream) = device();
+    let mut failures = Vec::new();
+    let mut n = 0;
+    for (i, case) in forward_cases().iter().enumerate() {
+        for hadamard_seed in [None, Some(3)] {
+            let options = Fp8Options { hadamard_seed };
+            // O in bf16 from bf16 inputs, in fp16 from fp16 ones.
+            let (o, lse) = if i % 2 == 0 {
+                run_forward_case::<bf16>(&dev, &stream, case, options, i as u64)
+            } else {
+                run_forward_case::<f16>(&dev, &stream, case, options, i as u64)
+            };
+            println!("fp8 {case:?} hadamard={hadamard_seed:?}: O {o}; LSE {lse}");
+            if !(o.pass && lse.pass) {
+                failures.push(format!("{case:?} {options:?}: O {o}; LSE {lse}"));
+            }
+            n += 1;
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {n} failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// E4M3 tensors quantized on the host, handed over with their descales, give the same O as the
+/// device's own quantize step (the same bytes reach the kernel).
+#[test]
+#[ignore = "needs an sm_90 GPU"]
+fn pre_quantized_inputs_give_the_same_output() {
+    let (dev, stream) = device();
+    for d in [64, 128, 256] {
+        let mut case = Case::new(300, 517, d, true);
+        case.heads_q = 4;
+        case.heads_kv = 2;
+        let x = inputs::<bf16>(&case, 77);
+        let options = Fp8Options::default();
+        let own = quantize_on_device(&dev, &stream, &case, &x, options);
+        let [hq, hk, hv] = quantize_on_host(&case, &x, options);
+        let lq = Layout::contiguous([case.batch, case.seqlen_q, case.heads_q, d]);
+        let lk = Layout::contiguous([case.batch, case.seqlen_k, case.heads_kv, d]);
+        let up = |t: &Fp8Tensor| {
+            (
+                stream.clone_htod(&t.data).unwrap(),
+                stream.clone_htod(&t.scales).unwrap(),
+            )
+        };
+        let ((q, qs), (k, ks), (v, vs)) = (up(&hq), up(&hk), up(&hv));
+        let given = dev
+            .fp8_inputs_from_e4m3(
+                &stream,
+                &DeviceTensor::new(q.as_view(), lq),
+                &DeviceTensor::new(k.as_view(), lk),
+                &DeviceTensor::new(v.as_view(), lk),
+                &qs.as_view(),
+                &ks.as_view(),
+                &vs.as_view(),
+            )
+            .unwrap();
+        let cfg = case.cfg(Backend::Sm90);
+        let run = |inputs: &Fp8Inputs| {
+            let mut o = stream
+                .clone_htod(&vec![bf16::NAN; lq.shape.iter().product()])
+                .unwrap();
+            let mut lse = stream.clone_htod(&vec![f32::NAN; 4 * 300]).unwrap();
+            dev.forward_fp8_into(
+                &stream,
+                &cfg,
+                inputs,
+                &mut DeviceTensorMut::new(o.as_view_mut(), lq),
+                &mut lse.as_view_mut(),
+            )
+            .unwrap();
+            let o: Vec<bf16> = stream.clone_dtoh(&o).unwrap();
+            stream.synchronize().unwrap();
+            o.iter().map(|x| x.to_bits()).collect::<Vec<u16>>()
+        };
+        let (a, b) = (run(&own), run(&given));
+        assert!(a == b, "d{d}: outputs differ");
+        assert!(!a.contains(&bf16::NAN.to_bits()), "d{d}: unwritten output");
+    }
+}
+
+#[test]
+#[ignore = "needs an sm_90 GPU"]
+fn fp8_refusals_are_typed_errors() {
+    let (dev, stream) = device();
+    let case = Case::new(64, 64, 128, false);
+    let x = inputs::<bf16>(&case, 1);
+    let fp8 = quantize_on_device(&dev, &stream, &case, &x, Fp8Options::default());
+    let lq = Layout::contiguous([1, 64, 2, 128]);
+    let mut o = stream.clone_htod(&vec![bf16::NAN; 64 * 2 * 128]).unwrap();
+    let mut lse = stream.clone_htod(&vec![f32::NAN; 2 * 64]).unwrap();
+    let mut cfg = case.cfg(Backend::Sm90);
+    cfg.softcap = Some(30.0);
+    let e = dev
+        .forward_fp8_into(
+            &stream,
+            &cfg,
+            &fp8,
+            &mut DeviceTensorMut::new(o.as_view_mut(), lq),
+            &mut lse.as_view_mut(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "softcap: {e:?}");
+    // O of the wrong shape.
+    let wrong = Layout::contiguous([1, 63, 2, 128]);
+    let e = dev
+        .forward_fp8_into(
+            &stream,
+            &case.cfg(Backend::Sm90),
+            &fp8,
+            &mut DeviceTensorMut::new(o.as_view_mut(), wrong),
+            &mut lse.as_view_mut(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "shape: {e:?}");
+    // The sm80 backend has no FP8 forward.
+    let e = dev
+        .forward_fp8_into(
+            &stream,
+            &case.cfg(Backend::Sm80),
+            &fp8,
+            &mut DeviceTensorMut::new(o.as_view_mut(), lq),
+            &mut lse.as_view_mut(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::UnsupportedDtype { .. }), "sm80: {e:?}");
+    // Head dim 96: no FP8 key block.
+    let odd = Case::new(64, 64, 96, false);
+    let x = inputs::<bf16>(&odd, 2);
+    let l = Layout::contiguous([1, 64, 2, 96]);
+    let t = stream.clone_htod(&x.q).unwrap();
+    let e = dev
+        .quantize_fp8(
+            &stream,
+            &DeviceTensor::new(t.as_view(), l),
+            &DeviceTensor::new(t.as_view(), l),
+            &DeviceTensor::new(t.as_view(), l),
+            Fp8Options::default(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::UnsupportedHeadDim { .. }), "d96: {e:?}");
+    // Descales of the wrong length.
+    let short = stream.clone_htod(&[1f32]).unwrap();
+    let q8 = stream
+        .clone_htod(&vec![F8E4M3::from_f32(1.0); 64 * 2 * 128])
+        .unwrap();
+    let t = DeviceTensor::new(q8.as_view(), lq);
+    let e = dev
+        .fp8_inputs_from_e4m3(
+            &stream,
+            &t,
+            &t,
+            &t,
+            &short.as_view(),
+            &short.as_view(),
+            &short.as_view(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::BufferTooSmall { .. }), "descales: {e:?}");
+}
