@@ -10,6 +10,7 @@
 #include "sm80/bwd_instantiations.h"
 #include "sm80/fwd_instantiations.h"
 #include "sm90/bwd_instantiations.h"
+#include "sm90/fp8_layout.h"
 #include "sm90/fwd_instantiations.h"
 
 namespace {

@@ -3,7 +3,8 @@
 //! matrix, which leaves Q·Kᵀ unchanged and spreads a few large entries over the whole head dim
 //! before they are rounded to 3 mantissa bits.
 //!
-//! This is the host definition of the quantize step: the GPU step must agree with it, and the
+//! This is the host definition of the quantize step: the GPU step (csrc/sm90/fp8_quantize.cu,
+//! [`crate::cuda::Device::quantize_fp8`]) agrees with it bit for bit (tests/gpu_fp8.rs), and the
 //! accuracy tests build their FP8 baselines from it.
 
 use float8::F8E4M3;

@@ -11,6 +11,11 @@
 //! FlashAttention-2-style kernels on sm80..sm89 (`Sm80`), and a multithreaded CPU backend
 //! (`Cpu`) with the same semantics. [`dispatch::plan`] picks one and explains the choice.
 //!
+//! FP8 (e4m3) forward on `Sm90`: [`cuda::Device::forward_fp8`] quantizes bf16/fp16 Q, K, V
+//! (one scale per block, optionally after a random-sign Hadamard transform of Q and K) and runs
+//! the QGMMA kernel; [`cuda::Device::quantize_fp8`] and [`cuda::Device::fp8_inputs_from_e4m3`]
+//! give inputs to reuse or quantized elsewhere. The quantize step's host definition: [`fp8`].
+//!
 //! Fully masked query rows (a window or causal mask that leaves no key) give `O = 0` and
 //! `lse = +inf`, so that a backward pass computes `exp(s - lse) = 0` and zero gradients.
 //!

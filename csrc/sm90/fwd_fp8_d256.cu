@@ -1,7 +1,5 @@
 // sm90 FP8 (e4m3) forward, head dim 256.
-#include <cutlass/float8.h>
-
-#include "fwd_launch.h"
+#include "fwd_fp8_launch.h"
 
 namespace flashattn::sm90 {
 

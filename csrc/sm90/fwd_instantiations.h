@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include "../flash_api.h"
-#include "fp8_layout.h"
 
 namespace flashattn::sm90 {
 
@@ -28,13 +27,6 @@ template <int kHeadDim> struct FwdTileMasked : FwdTile<kHeadDim> {};
 template <> struct FwdTileMasked<64> { static constexpr int kBlockN = 128, kStages = 2, kQStages = 2; };
 template <> struct FwdTileMasked<128> { static constexpr int kBlockN = 128, kStages = 2, kQStages = 2; };
 
-// FP8: e4m3 Q, K, V take half the bytes, so key blocks are wider; the key block is also the
-// block of K and V rows that one descale covers (fp8_layout.h).
-template <int kHeadDim> struct Fp8FwdTile {
-  static constexpr int kBlockN = fp8_key_block(kHeadDim), kStages = 2;
-  static constexpr int kQStages = kHeadDim == 256 ? 1 : 2;
-};
-
 struct FwdOptions {
   bool pingpong = true;
   bool intra_wg_overlap = true;
@@ -50,6 +42,7 @@ FLASHATTN_SM90_FWD(64, fp16)
 FLASHATTN_SM90_FWD(128, fp16)
 FLASHATTN_SM90_FWD(256, fp16)
 #undef FLASHATTN_SM90_FWD
+// The FP8 forward (its tile: fwd_fp8_launch.h) and its quantize step.
 flashattn_result_t run_fwd_fp8_d64(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream);
 flashattn_result_t run_fwd_fp8_d128(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream);
 flashattn_result_t run_fwd_fp8_d256(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream);

@@ -95,11 +95,4 @@ flashattn_result_t run_fwd_tiled(const flashattn_params_t& p, FwdOptions o, cuda
   return run_fwd<FwdTraits<Element, kHeadDim, Tile, true>>(p, o.pingpong, stream);
 }
 
-// The FP8 forward: one tile per head dim, its key block the quantize step's (fp8_layout.h).
-template <int kHeadDim>
-flashattn_result_t run_fwd_fp8(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream) {
-  return run_fwd<FwdTraits<cutlass::float_e4m3_t, kHeadDim, Fp8FwdTile<kHeadDim>, true>>(
-      p, o.pingpong, stream);
-}
-
 }  // namespace flashattn::sm90
