@@ -451,7 +451,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   // Softcap and masks, then the online softmax step on S of key block n for rows from row0.
-  auto softmax_step = [&](int n, int row0, BlockScales scales) FLASHATTN_INLINE {
+  auto softmax_step = [&](int n, int row0, BlockScales early) FLASHATTN_INLINE {
     if (params.softcap) {
 #pragma unroll
       for (int i = 0; i < size(tSrS); ++i) tSrS(i) = fast_tanh(tSrS(i) * params.softcap_pre);
@@ -473,6 +473,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
     if constexpr (Traits::kFp8) {
+      const BlockScales scales = kScalesEarly ? early : block_scales(n);
       softmax.step(rowcol_S, scales.c, factor);
       // O holds P·V of the blocks after n in units of their V descale; block n's comes next.
       const float ratio = v_unit / scales.v;
@@ -600,7 +601,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         float inv_sum[kRows], lse[kRows];
         finalize(inv_sum, lse);  // the tile before: all keys seen
         release_k_first();
-        softmax_step(t.n_max - 1, row0, kScalesEarly ? first : block_scales(t.n_max - 1));
+        softmax_step(t.n_max - 1, row0, first);
         warpgroup_wait<0>();
         smem.pipe_v.consumer_release(st_v);
         st_v.advance();
@@ -612,7 +613,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         turn_pass();
         warpgroup_wait<0>();
         release_k_first();
-        softmax_step(t.n_max - 1, row0, kScalesEarly ? first : block_scales(t.n_max - 1));
+        softmax_step(t.n_max - 1, row0, first);
       }
       clear(tOrO);
       convert_p();
@@ -632,7 +633,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           smem.pipe_q.consumer_release(st_q);
           st_q.advance();
         }
-        softmax_step(n, row0, kScalesEarly ? scales : block_scales(n));
+        softmax_step(n, row0, scales);
         warpgroup_wait<0>();
         smem.pipe_v.consumer_release(st_v);
         st_v.advance();
@@ -660,7 +661,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           smem.pipe_q.consumer_release(st_q);
           st_q.advance();
         }
-        softmax_step(n, row0, kScalesEarly ? scales : block_scales(n));
+        softmax_step(n, row0, scales);
         scale_rows(rowcol_O, factor);
         convert_p();
         smem.pipe_v.consumer_wait(st_v);
