@@ -11,7 +11,7 @@ mod common;
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
-use flashattn::cuda::{CudaStream, Device, DeviceTensor, DeviceTensorMut, Fp8Options};
+use flashattn::cuda::{CudaStream, DeviceTensor, DeviceTensorMut, Fp8Options};
 use flashattn::{AttentionConfig, Backend, DType, Layout, Problem};
 use half::bf16;
 use rand::rngs::StdRng;
@@ -48,17 +48,9 @@ fn time(stream: &Arc<CudaStream>, reps: usize, mut run: impl FnMut()) -> f64 {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let quick = args.iter().any(|a| a == "--quick");
-    let arg = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1).cloned())
-    };
-    let dev = Device::new(0).unwrap_or_else(|e| {
-        eprintln!("bench_fp8 needs a CUDA device: {e}");
-        std::process::exit(2)
-    });
+    let args = common::Args::parse();
+    let quick = args.flag("--quick");
+    let dev = common::device("bench_fp8");
     let stream = dev.new_stream().unwrap();
     let n = TOKENS * HIDDEN;
     let mut rng = StdRng::seed_from_u64(11);
@@ -93,25 +85,21 @@ fn main() {
                 let layout = Layout::contiguous(shape);
                 let t = |x| DeviceTensor::new(x, layout);
                 let cfg = AttentionConfig::new().causal(causal).backend(Backend::Sm90);
+                // The inputs of the last timed call are the ones the forward runs on.
+                let mut fp8 = None;
                 let quant_ms = time(&stream, reps, || {
-                    dev.quantize_fp8(
-                        &stream,
-                        &t(q.as_view()),
-                        &t(k.as_view()),
-                        &t(v.as_view()),
-                        options,
-                    )
-                    .expect("quantize");
+                    fp8 = Some(
+                        dev.quantize_fp8(
+                            &stream,
+                            &t(q.as_view()),
+                            &t(k.as_view()),
+                            &t(v.as_view()),
+                            options,
+                        )
+                        .expect("quantize"),
+                    );
                 });
-                let fp8 = dev
-                    .quantize_fp8(
-                        &stream,
-                        &t(q.as_view()),
-                        &t(k.as_view()),
-                        &t(v.as_view()),
-                        options,
-                    )
-                    .expect("quantize");
+                let fp8 = fp8.expect("quantized inputs");
                 stream.memcpy_htod(&poison, &mut out).unwrap(); // every output must be rewritten
                 let fp8_ms = time(&stream, reps, || {
                     dev.forward_fp8_into(
@@ -167,8 +155,8 @@ fn main() {
             }
         }
     }
-    if let Some(path) = arg("--out") {
-        let commit = arg("--commit").unwrap_or_else(|| "unknown".into());
+    if let Some(path) = args.value("--out") {
+        let commit = args.commit();
         common::write_results(&path, dev.info(), &commit, "", &rows);
     }
 }

@@ -186,17 +186,9 @@ fn check(stream: &Arc<CudaStream>, inp: &Inputs, cfg: &AttentionConfig, shape: [
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let quick = args.iter().any(|a| a == "--quick");
-    let arg = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1).cloned())
-    };
-    let dev = Device::new(0).unwrap_or_else(|e| {
-        eprintln!("bench_table needs a CUDA device: {e}");
-        std::process::exit(2)
-    });
+    let args = common::Args::parse();
+    let quick = args.flag("--quick");
+    let dev = common::device("bench_table");
     let stream = dev.new_stream().unwrap();
     let info = dev.info().clone();
 
@@ -277,14 +269,14 @@ fn main() {
     }
     // --sm80 / --sm90: one family's rows alone, the sm90 ones without the ablation (for timing
     // several builds in one device call).
-    if args.iter().any(|a| a == "--sm80") {
+    if args.flag("--sm80") {
         plan.retain(|row| row.0 == Backend::Sm80);
     }
-    if args.iter().any(|a| a == "--sm90") {
+    if args.flag("--sm90") {
         plan.retain(|row| row.0 == Backend::Sm90 && row.4 == full);
     }
     // --only D,S[,causal][,sm80]: one shape with the default schedule (for profilers).
-    if let Some(only) = arg("--only") {
+    if let Some(only) = args.value("--only") {
         let f: Vec<&str> = only.split(',').collect();
         let num = |i: usize| f.get(i).and_then(|x| x.parse::<usize>().ok());
         let (Some(d), Some(s)) = (num(0), num(1)) else {
@@ -384,8 +376,8 @@ fn main() {
         rows.push(row);
     }
 
-    if let Some(path) = arg("--out") {
-        let commit = arg("--commit").unwrap_or_else(|| "unknown".into());
+    if let Some(path) = args.value("--out") {
+        let commit = args.commit();
         let mut json_rows = Vec::new();
         for r in &rows {
             let sch = r.schedule;

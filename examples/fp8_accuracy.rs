@@ -10,8 +10,7 @@
 mod common;
 
 use flashattn::cuda::{
-    fp8_key_block, fp8_query_block, CudaSlice, Device, DeviceTensor, DeviceTensorMut, Fp8Inputs,
-    Fp8Options,
+    fp8_key_block, fp8_query_block, CudaSlice, DeviceTensor, DeviceTensorMut, Fp8Inputs, Fp8Options,
 };
 use flashattn::fp8::{Fp8Tensor, Granularity};
 use flashattn::reference::reference_forward;
@@ -40,17 +39,12 @@ fn on_device<T>(x: &CudaSlice<T>, layout: Layout) -> DeviceTensor<'_, T> {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let arg = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1).cloned())
-    };
-    let seqlen: usize = arg("--seqlen").and_then(|s| s.parse().ok()).unwrap_or(2048);
-    let dev = Device::new(0).unwrap_or_else(|e| {
-        eprintln!("fp8_accuracy needs a CUDA device: {e}");
-        std::process::exit(2)
-    });
+    let args = common::Args::parse();
+    let seqlen: usize = args
+        .value("--seqlen")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2048);
+    let dev = common::device("fp8_accuracy");
     let stream = dev.new_stream().unwrap();
     let cfg = AttentionConfig::new().backend(Backend::Sm90);
     let mut rows = Vec::new();
@@ -173,8 +167,8 @@ fn main() {
             hadamard_rmse / tensor_rmse
         );
     }
-    if let Some(path) = arg("--out") {
-        let commit = arg("--commit").unwrap_or_else(|| "unknown".into());
+    if let Some(path) = args.value("--out") {
+        let commit = args.commit();
         let test = ", \"test\": \"FA3 FP8 accuracy: N(0,1) + N(0,100)*Bernoulli(0.001), bf16 inputs, f64 reference\"";
         common::write_results(&path, dev.info(), &commit, test, &rows);
     }

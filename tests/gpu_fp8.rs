@@ -452,40 +452,28 @@ fn fp8_refusals_are_typed_errors() {
     let lq = Layout::contiguous([1, 64, 2, 128]);
     let mut o = stream.clone_htod(&vec![bf16::NAN; 64 * 2 * 128]).unwrap();
     let mut lse = stream.clone_htod(&vec![f32::NAN; 2 * 64]).unwrap();
+    let mut forward = |cfg: &AttentionConfig, layout| {
+        dev.forward_fp8_into(
+            &stream,
+            cfg,
+            &fp8,
+            &mut DeviceTensorMut::new(o.as_view_mut(), layout),
+            &mut lse.as_view_mut(),
+        )
+        .unwrap_err()
+    };
     let mut cfg = case.cfg(Backend::Sm90);
     cfg.softcap = Some(30.0);
-    let e = dev
-        .forward_fp8_into(
-            &stream,
-            &cfg,
-            &fp8,
-            &mut DeviceTensorMut::new(o.as_view_mut(), lq),
-            &mut lse.as_view_mut(),
-        )
-        .unwrap_err();
+    let e = forward(&cfg, lq);
     assert!(matches!(e, Error::Unsupported { .. }), "softcap: {e:?}");
     // O of the wrong shape.
-    let wrong = Layout::contiguous([1, 63, 2, 128]);
-    let e = dev
-        .forward_fp8_into(
-            &stream,
-            &case.cfg(Backend::Sm90),
-            &fp8,
-            &mut DeviceTensorMut::new(o.as_view_mut(), wrong),
-            &mut lse.as_view_mut(),
-        )
-        .unwrap_err();
+    let e = forward(
+        &case.cfg(Backend::Sm90),
+        Layout::contiguous([1, 63, 2, 128]),
+    );
     assert!(matches!(e, Error::ShapeMismatch { .. }), "shape: {e:?}");
     // The sm80 backend has no FP8 forward.
-    let e = dev
-        .forward_fp8_into(
-            &stream,
-            &case.cfg(Backend::Sm80),
-            &fp8,
-            &mut DeviceTensorMut::new(o.as_view_mut(), lq),
-            &mut lse.as_view_mut(),
-        )
-        .unwrap_err();
+    let e = forward(&case.cfg(Backend::Sm80), lq);
     assert!(matches!(e, Error::UnsupportedDtype { .. }), "sm80: {e:?}");
     // Head dim 96: no FP8 key block.
     let odd = Case::new(64, 64, 96, false);

@@ -1,6 +1,37 @@
-//! What the device examples share: the results file of DESIGN.md §6 (date, device, commit, rows).
+//! What the device examples share: their arguments, the device, and the results file of
+//! DESIGN.md §6 (date, device, commit, rows).
+#![allow(dead_code)] // each example uses its own part
 
+use flashattn::cuda::Device;
 use flashattn::DeviceInfo;
+
+/// The command line: flags (`--quick`) and options with a value (`--out PATH`).
+pub struct Args(Vec<String>);
+
+impl Args {
+    pub fn parse() -> Args {
+        Args(std::env::args().collect())
+    }
+    pub fn flag(&self, name: &str) -> bool {
+        self.0.iter().any(|a| a == name)
+    }
+    pub fn value(&self, name: &str) -> Option<String> {
+        let i = self.0.iter().position(|a| a == name)?;
+        self.0.get(i + 1).cloned()
+    }
+    /// `--commit SHA`, or "unknown".
+    pub fn commit(&self) -> String {
+        self.value("--commit").unwrap_or_else(|| "unknown".into())
+    }
+}
+
+/// Device 0, or exit 2 with a message naming the example.
+pub fn device(example: &str) -> Device {
+    Device::new(0).unwrap_or_else(|e| {
+        eprintln!("{example} needs a CUDA device: {e}");
+        std::process::exit(2)
+    })
+}
 
 /// Today's date as `date +%Y-%m-%d` prints it (empty if `date` cannot run).
 pub fn today() -> String {

@@ -15,7 +15,7 @@ use float8::F8E4M3;
 
 use super::{driver_error, Device, DeviceTensor, DeviceTensorMut};
 use crate::backend::gpu::{self, RawTensor};
-use crate::config::{AttentionConfig, Backend};
+use crate::config::AttentionConfig;
 use crate::dispatch::{Op, Plan};
 use crate::error::{Error, Operand, Result};
 use crate::ffi;
@@ -132,7 +132,8 @@ impl Device {
         Ok(())
     }
 
-    /// One tensor through the quantize step, into `dst` (bytes from `dst_offset`).
+    /// One tensor through the quantize step into `dst`: rows like the source (packed), or
+    /// key-major with `key_major` keys per row; its descales into `descale` when given.
     #[allow(clippy::too_many_arguments)]
     fn quantize_one<T: Element + DeviceRepr>(
         &self,
@@ -361,13 +362,8 @@ impl Device {
         Problem::expect_shape(Operand::Out, &out.layout, problem.q_shape())?;
         problem.check_lse_len(lse.len())?;
         problem.check_index_width(&[(Operand::Out, &out.layout)])?;
+        // The dispatcher takes E4M3 on Sm90's forward only (dispatch::check_backend).
         let plan = self.plan(Op::Forward, &problem, cfg)?;
-        if plan.backend != Backend::Sm90 {
-            return Err(Error::Unsupported {
-                what: "the FP8 forward off the sm90 backend".into(),
-                backend: plan.backend.name(),
-            });
-        }
         let d = problem.head_dim;
         let (q_ptr, _g1) = inputs.q.device_ptr(stream);
         let (k_ptr, _g2) = inputs.k.device_ptr(stream);
