@@ -288,6 +288,8 @@ mod cuda {
                 .stdout,
         )
         .into_owned();
+        let repo = csrc.parent().unwrap();
+        let csrc_canonical = csrc.canonicalize().unwrap();
         let mut shared = Sha256::new();
         shared.update(compiler_id.as_bytes());
         shared.update(fs::read(cutlass_include.join(".pin")).unwrap_or_default());
@@ -305,12 +307,19 @@ mod cuda {
             if verbose {
                 cmd.arg("-Xptxas=-v");
             }
+            // The key holds no absolute path (the compiler is keyed by its version, the CUTLASS
+            // headers by their pin), so a fresh clone elsewhere reuses the cached objects.
             let mut hasher = shared.clone();
-            hasher.update(format!("{cmd:?}").as_bytes());
+            for arg in cmd.get_args() {
+                hasher.update(relative_to(&arg.to_string_lossy(), repo).as_bytes());
+                hasher.update([0]);
+            }
+            hasher.update(rel.to_string_lossy().as_bytes());
             hasher.update(fs::read(src).unwrap());
             // Only the csrc headers this unit includes: a header change rebuilds its users only.
             for h in included_headers(src, headers) {
-                hasher.update(h.to_string_lossy().as_bytes());
+                let name = h.strip_prefix(&csrc_canonical).unwrap_or(&h);
+                hasher.update(name.to_string_lossy().as_bytes());
                 hasher.update(fs::read(&h).unwrap());
             }
             let hash: String = hasher
@@ -376,6 +385,11 @@ mod cuda {
             panic!("flashattn: nvcc failed\n{}", failures.join("\n\n"));
         }
         objects
+    }
+
+    /// `arg` with the repository's path replaced by a placeholder.
+    fn relative_to(arg: &str, repo: &Path) -> String {
+        arg.replace(&*repo.to_string_lossy(), "<repo>")
     }
 
     fn print_log(log: &Path) {
