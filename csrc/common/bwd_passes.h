@@ -1,7 +1,9 @@
 // The backward's passes around the main kernel that every kernel family shares: D = rowsum(dO ∘ O)
-// with LSE·log2(e) before it, and f32 sums to the element type after it.
+// with LSE·log2(e) and the zeroed dQ accumulator before it, and f32 sums to the element type
+// after it.
 #pragma once
 
+#include <cuda_runtime.h>
 #include <cutlass/array.h>
 
 #include <cmath>
@@ -11,7 +13,9 @@ namespace flashattn {
 
 // What the preprocess reads and writes. LSE·log2(e) and D have dq_rows rows per (batch, head):
 // seqlen_q rounded up to whole query blocks, +inf and 0 in the padding, so that the main kernel
-// loads whole blocks and padded rows give P = 0.
+// loads whole blocks and padded rows give P = 0. The f32 dQ accumulator (dq_slices slices of
+// (batch, heads_q, dq_rows, head_dim) floats, dq_slice_stride apart) is zeroed here too, instead
+// of by a memset of its own: one pass over memory fewer before the main kernel.
 struct BwdRowsParams {
   const void* o;
   const void* dout;
@@ -21,38 +25,65 @@ struct BwdRowsParams {
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int batch, heads_q, seqlen_q, dq_rows;
+  float* dq_accum;
+  int64_t dq_slice_stride;
+  int dq_slices;
 };
 
-// One warp per (batch, head, row), 16-byte loads.
+// kHeadDim / 8 threads per (batch, head, row), 8 columns each: 16-byte loads of O and dO, the
+// row's sum over its threads by shuffles, and the row's 8-float chunks of the dQ accumulator
+// zeroed (whatever the accumulator's layout within a head, a head's rows are dq_rows · head_dim
+// contiguous floats, so row r's chunk c at r · head_dim + 8c covers them all). Every lane of a
+// warp is busy at every head dim, which one warp per row was not.
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const BwdRowsParams p) {
-  const int64_t row_id = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
+  constexpr int kThreadsPerRow = kHeadDim / 8;
+  static_assert(kThreadsPerRow <= 32 && 32 % kThreadsPerRow == 0);
+  const int64_t row_id = (int64_t(blockIdx.x) * 256 + threadIdx.x) / kThreadsPerRow;
+  const int chunk = threadIdx.x % kThreadsPerRow;
   const int64_t rows = int64_t(p.batch) * p.heads_q * p.dq_rows;
-  if (row_id >= rows) return;
+  // Threads past the last row stay for the shuffles (a row's threads share a warp) and store
+  // nothing.
+  const bool live = row_id < rows;
   const int row = int(row_id % p.dq_rows);
   const int64_t bh = row_id / p.dq_rows;
   const int head = int(bh % p.heads_q);
   const int batch = int(bh / p.heads_q);
-  const int lane = threadIdx.x % 32;
-  const bool in = row < p.seqlen_q;
-  constexpr int kChunks = kHeadDim / 8;
   float sum = 0.f;
-  if (in && lane < kChunks) {
+  if (live && row < p.seqlen_q) {
     auto o = static_cast<const Element*>(p.o) + batch * p.o_batch_stride +
-             head * p.o_head_stride + row * p.o_row_stride + lane * 8;
+             head * p.o_head_stride + row * p.o_row_stride + chunk * 8;
     auto dout = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
-                head * p.do_head_stride + row * p.do_row_stride + lane * 8;
+                head * p.do_head_stride + row * p.do_row_stride + chunk * 8;
     cutlass::Array<Element, 8> a = *reinterpret_cast<const cutlass::Array<Element, 8>*>(o);
     cutlass::Array<Element, 8> b = *reinterpret_cast<const cutlass::Array<Element, 8>*>(dout);
 #pragma unroll
     for (int i = 0; i < 8; ++i) sum += float(a[i]) * float(b[i]);
   }
 #pragma unroll
-  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-  if (lane == 0) {
-    p.softmax_d[row_id] = sum;
-    p.lse_log2[row_id] = in ? p.lse[bh * p.seqlen_q + row] * float(M_LOG2E) : INFINITY;
+  for (int off = kThreadsPerRow / 2; off > 0; off /= 2)
+    sum += __shfl_xor_sync(0xffffffff, sum, off);
+  if (!live) return;
+  for (int s = 0; s < p.dq_slices; ++s) {
+    float4* dq = reinterpret_cast<float4*>(p.dq_accum + s * p.dq_slice_stride +
+                                           row_id * kHeadDim + chunk * 8);
+    dq[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    dq[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
+  if (chunk == 0) {
+    p.softmax_d[row_id] = sum;
+    p.lse_log2[row_id] =
+        row < p.seqlen_q ? p.lse[bh * p.seqlen_q + row] * float(M_LOG2E) : INFINITY;
+  }
+}
+
+template <class Element, int kHeadDim>
+cudaError_t launch_bwd_preprocess(const BwdRowsParams& p, cudaStream_t stream) {
+  constexpr int kRowsPerBlock = 256 / (kHeadDim / 8);
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.dq_rows;
+  bwd_preprocess<Element, kHeadDim>
+      <<<unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), 256, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 // A blocked f32 dQ accumulator (the sm90 backward's): per block of kRows query rows, kParts slabs

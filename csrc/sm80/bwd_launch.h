@@ -78,18 +78,16 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.softcap_pre = params.softcap ? p.softmax_scale / p.softcap : 0.f;
   params.scale_log2 = params.softcap ? p.softcap * log2e : p.softmax_scale * log2e;
 
-  FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dq_accum, 0, ws.lse_log2 - ws.dq_accum, stream));
   // Deterministic GQA sums are written whole (plain stores), the atomic ones accumulated.
   if (gqa && !params.deterministic)
     FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dk_accum, 0, ws.bytes - ws.dk_accum, stream));
 
-  const int64_t rows_dq = int64_t(p.batch) * p.heads_q * params.dq_rows;
   const BwdRowsParams rows{p.o.ptr, p.dout.ptr, p.lse, params.lse_log2, params.softmax_d,
                            p.o.batch_stride, p.o.row_stride, p.o.head_stride,
                            p.dout.batch_stride, p.dout.row_stride, p.dout.head_stride,
-                           p.batch, p.heads_q, p.seqlen_q, params.dq_rows};
-  bwd_preprocess<Element, kHeadDim><<<unsigned((rows_dq + 7) / 8), 256, 0, stream>>>(rows);
-  FLASHATTN_TRY_CUDA(cudaGetLastError());
+                           p.batch, p.heads_q, p.seqlen_q, params.dq_rows,
+                           params.dq_accum, params.dq_split_stride, params.dq_splits};
+  FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
 
   // Two Q/dO buffers where the device's shared memory holds them.
   int device = 0, smem_optin = 0;

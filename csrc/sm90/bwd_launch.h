@@ -91,16 +91,14 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   const int group = TileOrder::heads_per_group(q_bytes, l2_bytes() / 2);
   params.order = {n_blocks, p.batch * p.heads_q, params.keys.window_right >= 0 ? group : 0};
 
-  FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dq_accum, 0, ws.lse_log2 - ws.dq_accum, stream));
   if (gqa || p.deterministic)
     FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dk_accum, 0, ws.bytes - ws.dk_accum, stream));
   const BwdRowsParams rows{p.o.ptr, p.dout.ptr, p.lse, lse_log2, softmax_d,
                            p.o.batch_stride, p.o.row_stride, p.o.head_stride,
                            p.dout.batch_stride, p.dout.row_stride, p.dout.head_stride,
-                           p.batch, p.heads_q, p.seqlen_q, dq_rows};
-  const int64_t rows_dq = int64_t(p.batch) * p.heads_q * dq_rows;
-  bwd_preprocess<Element, kHeadDim><<<unsigned((rows_dq + 7) / 8), 256, 0, stream>>>(rows);
-  FLASHATTN_TRY_CUDA(cudaGetLastError());
+                           p.batch, p.heads_q, p.seqlen_q, dq_rows,
+                           params.dq_accum, 0, 1};
+  FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
 
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
   const unsigned ctas = unsigned(int64_t(n_blocks) * p.heads_q * p.batch);
