@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   Tensor rowcol_cO = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   constexpr int kRows = decltype(size<0>(rowcol_S))::value;
 
-  OnlineSoftmax<kRows> softmax;
+  OnlineSoftmax<kRows, /*kTreeReduce=*/true> softmax;
   clear(tOrO);
 
   if (n_max > n_min) {
