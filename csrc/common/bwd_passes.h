@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "block_range.h"
+
 namespace flashattn {
 
 // What the preprocess reads and writes. LSE·log2(e) and D have dq_rows rows per (batch, head):
@@ -28,6 +30,12 @@ struct BwdRowsParams {
   float* dq_accum;
   int64_t dq_slice_stride;
   int dq_slices;
+  // Where the main kernel converts dQ itself (the sm90 deterministic mode at d64/d128), dQ, written
+  // as 0 here for the rows that see no key: the main kernel converts a query block once its last
+  // key block has added, so rows that no key block visits are not written there. Else null.
+  void* dq;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  KeyRange keys;
 };
 
 // kHeadDim / 8 threads per (batch, head, row), 8 columns each: 16-byte loads of O and dO, the
@@ -70,6 +78,11 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
     dq[0] = make_float4(0.f, 0.f, 0.f, 0.f);
     dq[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
+  if (p.dq != nullptr && row < p.seqlen_q && p.keys.lo(row) >= p.keys.hi(row)) {
+    auto dq = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride +
+              head * p.dq_head_stride + row * p.dq_row_stride + chunk * 8;
+    *reinterpret_cast<cutlass::Array<Element, 8>*>(dq) = cutlass::Array<Element, 8>{};
+  }
   if (chunk == 0) {
     p.softmax_d[row_id] = sum;
     p.lse_log2[row_id] =
@@ -94,6 +107,7 @@ cudaError_t launch_bwd_preprocess(const BwdRowsParams& p, cudaStream_t stream) {
 // head's first row; rows of a head start on a multiple of kRows.
 template <int kHeadDim, int kRows, int kParts>
 struct DqSlabs {
+  static constexpr int kSlabRows = kRows;
   static constexpr int kCols = kHeadDim / kParts;
   static constexpr int kChunks = kCols / 8;
   static_assert(kCols % 8 == 0 && kRows % 8 == 0);

@@ -86,7 +86,8 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
                            p.o.batch_stride, p.o.row_stride, p.o.head_stride,
                            p.dout.batch_stride, p.dout.row_stride, p.dout.head_stride,
                            p.batch, p.heads_q, p.seqlen_q, params.dq_rows,
-                           params.dq_accum, params.dq_split_stride, params.dq_splits};
+                           params.dq_accum, params.dq_split_stride, params.dq_splits,
+                           nullptr, 0, 0, 0, KeyRange{}};  // dQ converted after
   FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
 
   // Two Q/dO buffers where the device's shared memory holds them.

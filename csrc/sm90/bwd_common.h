@@ -41,8 +41,10 @@ struct BwdParams {
   float* dq_accum;         // (batch, heads_q, dq_rows, d) in Traits::DqLayout, zeroed
   const float* lse_log2;   // (batch, heads_q, dq_rows): LSE·log2(e), +inf in the padding
   const float* softmax_d;  // (batch, heads_q, dq_rows): rowsum(dO ∘ O), 0 in the padding
+  typename Traits::Element* dq;  // written here in deterministic mode at d64/d128 (bwd_write_dq)
   typename Traits::Element* dk;
   typename Traits::Element* dv;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
   // GQA: (batch, heads_kv, seqlen_k, d) zeroed (deterministic: heads_q), else null.
@@ -63,10 +65,17 @@ struct BwdParams {
 enum class BwdBarrier : uint32_t {
   DsReady = 0,  // both consumer warpgroups: dS stored, previous bulk adds done reading their slabs
   DqReady = 1,  // + warpgroup: the dQ slab stored
+  // + warpgroup, between it and its dQ writer warp (kDqSlabThreads, bwd_write_dq):
+  DqFull = 3,   // its dQ slab stored in its shared buffer
+  DqEmpty = 5,  // the writer's bulk add has read the buffer
 };
+constexpr int kDqSlabThreads = 128 + 32;
 
 __device__ inline void consumers_sync(BwdBarrier b, int threads, int wg = 0) {
   cutlass::arch::NamedBarrier::sync(threads, static_cast<uint32_t>(b) + wg);
+}
+__device__ inline void barrier_arrive(BwdBarrier b, int threads, int wg = 0) {
+  cutlass::arch::NamedBarrier::arrive(threads, static_cast<uint32_t>(b) + wg);
 }
 
 // Deterministic mode's hand-over between the CTAs that add into one dQ slab.
@@ -103,6 +112,77 @@ __device__ int dq_adds_before(Params const& params, int q0, int n_block, bool ke
   return n_block - params.keys.lo(q0) / kBlockN;
 }
 
+// Deterministic mode with writer warps: the issuing thread's bulk adds have reached global
+// memory; then they are counted, which lets the next CTA add. True when they were the last of the `adds` key blocks that add there: the caller then converts that share of dQ, which
+// holds every add once the acquiring fence has ordered the other CTAs' counted adds before its
+// reads.
+__device__ inline bool count_completed_adds(int* counter, int adds) {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  int before;
+  asm volatile("atom.release.gpu.global.add.s32 %0, [%1], 1;\n"
+               : "=r"(before)
+               : "l"(counter)
+               : "memory");
+  const bool last = before == adds - 1;
+  if (last) asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+  return last;
+}
+
+// The number of key blocks of kBlockN keys that add into the dQ of the query block from row q0
+// (the run dq_adds_before counts in).
+template <int kBlockN, int kBlockM, class Params>
+__device__ int dq_key_blocks(Params const& params, int q0) {
+  int n_min, n_max;
+  params.keys.template blocks<kBlockN>(q0, q0 + kBlockM, n_min, n_max);
+  return n_max - n_min;
+}
+
+// One warpgroup's share of a query block's dQ, complete in the f32 accumulator, to the element
+// type times the softmax scale, in place of a conversion pass over the whole accumulator (which
+// read it back from HBM): kSlabs consecutive slabs (Traits::DqLayout) from `slabs`, holding rows
+// [row0, row0 + slab rows) of head bh and columns [col0, col0 + kSlabs · slab columns). Loaded
+// through L2 (ld.global.cg: the adds happened there, not in this SM's L1) by kThreads threads,
+// kInFlight 8-float chunks per thread at a time (registers are short here); 16-byte stores, eight
+// threads per 128-byte row piece.
+template <class Traits, int kSlabs, int kThreads, int kInFlight>
+__device__ void convert_dq_share(BwdParams<Traits> const& params, const float* slabs, int bh,
+                                 int row0, int col0, int tid) {
+  using Element = typename Traits::Element;
+  using Layout = typename Traits::DqLayout;
+  constexpr int kRows = Layout::kSlabRows, kCols = Layout::kCols, kChunks = Layout::kChunks;
+  constexpr int kPerSlab = kRows * kChunks / kThreads;  // chunks per thread and slab
+  static_assert(kRows * kChunks % kThreads == 0 && kSlabs * kPerSlab % kInFlight == 0);
+  const int batch = bh / params.heads_q, head = bh % params.heads_q;
+  Element* dq = params.dq + batch * params.dq_batch_stride + head * params.dq_head_stride;
+#pragma unroll 1
+  for (int first = 0; first < kSlabs * kPerSlab; first += kInFlight) {
+    float4 v[kInFlight][2];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      const int s = (first + j) / kPerSlab, k = (first + j) % kPerSlab * kThreads + tid;
+      const float4* src = reinterpret_cast<const float4*>(
+          slabs + s * kRows * kCols + Layout::in_slab(k / kChunks, k % kChunks * 8));
+      v[j][0] = __ldcg(src);
+      v[j][1] = __ldcg(src + 1);
+    }
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      const int s = (first + j) / kPerSlab, k = (first + j) % kPerSlab * kThreads + tid;
+      const int row = row0 + k / kChunks;
+      if (row >= params.seqlen_q) continue;
+      cutlass::Array<float, 8> sums;
+      sums[0] = v[j][0].x, sums[1] = v[j][0].y, sums[2] = v[j][0].z, sums[3] = v[j][0].w;
+      sums[4] = v[j][1].x, sums[5] = v[j][1].y, sums[6] = v[j][1].z, sums[7] = v[j][1].w;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sums[i] *= params.scale;
+      *reinterpret_cast<cutlass::Array<Element, 8>*>(
+          dq + row * params.dq_row_stride + col0 + s * kCols + k % kChunks * 8) =
+          cutlass::NumericArrayConverter<Element, float, 8>{}(sums);
+    }
+  }
+}
+
 // dst[i] += src[i] for `bytes` bytes of f32, by the TMA unit (one thread issues it).
 __device__ inline void bulk_reduce_add_f32(float* dst, const float* src, uint32_t bytes) {
   const uint32_t smem = cast_smem_ptr_to_uint(src);
@@ -115,6 +195,42 @@ __device__ inline void bulk_reduce_add_f32(float* dst, const float* src, uint32_
 // dst[0..1] += (a, b), one vector reduction (sm_90).
 __device__ inline void red_add_f32x2(float* dst, float a, float b) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+}
+
+// Deterministic mode at d64/d128: a dQ writer warp of the producer warpgroup, serving consumer
+// warpgroup wg (FA3's dQ writer). For every query block [m_first, m_end) the warpgroup stores its
+// slab of slab_bytes into its shared buffer `sdq` (DqFull); once the key blocks before this one
+// have counted theirs (adds_before(m) of them, counter(m)), the slab is bulk-added into the
+// accumulator at slab_dst(m) and the buffer handed back once read (DqEmpty); the add is counted
+// once complete, and the warp whose count completes the block (key_blocks(m) key blocks) converts
+// the warpgroup's share of it (convert(m), the whole warp), so that no conversion pass runs. The
+// consumers never wait on the hand-over: 1.1–1.3× the deterministic mode with consumer thread 0
+// waiting (H200, d64/d128). Atomic mode keeps its adds on the consumers: with writer warps it ran
+// 8–15% slower (benchmarks/README.md, 2026-11-30).
+template <class SlabDst, class Counter, class KeyBlocks, class AddsBefore, class Convert>
+__device__ void bwd_write_dq(const float* sdq, uint32_t slab_bytes, int wg, int m_first, int m_end,
+                             SlabDst const& slab_dst, Counter const& counter,
+                             KeyBlocks const& key_blocks, AddsBefore const& adds_before,
+                             Convert const& convert) {
+  const bool leader = threadIdx.x % 32 == 0;
+  if (m_end > m_first) barrier_arrive(BwdBarrier::DqEmpty, kDqSlabThreads, wg);
+#pragma unroll 1
+  for (int m = m_first; m < m_end; ++m) {
+    consumers_sync(BwdBarrier::DqFull, kDqSlabThreads, wg);
+    if (leader) {
+      wait_for_count(counter(m), adds_before(m));
+      bulk_reduce_add_f32(slab_dst(m), sdq, slab_bytes);
+      tma_store_arrive();  // commit the bulk group
+      tma_store_wait<0>();  // read
+    }
+    __syncwarp();
+    if (m + 1 < m_end) barrier_arrive(BwdBarrier::DqEmpty, kDqSlabThreads, wg);
+    const bool last = leader && count_completed_adds(counter(m), key_blocks(m));
+    if (__shfl_sync(0xffffffffu, last, 0)) {
+      __syncwarp();  // the leader's acquire before the other lanes' reads
+      convert(m);
+    }
+  }
 }
 
 // A CTA's work: its key block of kBlockN keys and (batch, head) from the tile order, and the query
@@ -230,12 +346,11 @@ __device__ void bwd_ds(RowCol const& p, RowCol& dp, DsumOf const& dsum_of) {
   }
 }
 
-// The producer warpgroup: gives its registers to the consumers (setmaxnreg); its first warp's
-// elected thread loads K and V once (Traits::kKeyTiles tiles of TileK rows), then Q and dO of
+// The producer warpgroup's first warp (the caller has given the warpgroup's registers to the
+// consumers by setmaxnreg): its elected thread loads K and V once (Traits::kKeyTiles tiles of TileK rows), then Q and dO of
 // every query block [m_first, m_end) into their pipelines (kStages and kStagesdO buffers).
 template <class Traits, class Smem>
 __device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, BwdCtaWork const& work) {
-  cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
   if (threadIdx.x / 32 != 0 || work.m_end == work.m_first || !cute::elect_one_sync()) return;
   const int n_block = work.n_block, head = work.head, head_kv = work.head_kv;
   const int batch = work.batch, m_first = work.m_first, m_end = work.m_end;

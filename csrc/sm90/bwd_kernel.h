@@ -11,7 +11,9 @@
 //                    warpgroups' dS are there, each computes dQ = dS·K for all 128 keys and
 //                    its half of the block's rows (d64) or of the head dim (d128), into an f32
 //                    slab (DqSlabs) that one thread adds to the global dQ accumulator with a
-//                    bulk reduce-add.
+//                    bulk reduce-add. Deterministic mode: the producer's warps 1 and 2 add the
+//                    slabs, in key-block order, and convert each query block's dQ once its
+//                    last key block has added (bwd_write_dq).
 //                    The rows' LSE·log2(e) and D = rowsum(dO ∘ O) come from global memory.
 // dK·scale and dV leave from registers at the end (GQA: f32 atomics into per-KV-head sums).
 // setmaxnreg moves registers from the producer (24) to the consumers (240).
@@ -135,8 +137,35 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warp_group = threadIdx.x / 128;
   bwd_init_barriers(smem, 4 * kConsumerWGs);
 
-  if (warp_group == 0) {  // producer
-    bwd_produce(params, smem, work);
+  // This warpgroup's share of dQ: its slab of query block m in the accumulator, and where the
+  // slab's rows and columns start.
+  constexpr bool kSplitRows = Traits::kDqSplitRows;
+  constexpr int kDqRows = Traits::kDqRows, kDqCols = Traits::kDqCols;
+  auto slab_of = [&](int m, int wg) {
+    return params.dq_accum + (rows_base + m * kBlockM) * kHeadDim + wg * kDqRows * kDqCols;
+  };
+
+  if (warp_group == 0) {  // producer: setmaxnreg gives its registers to the consumers
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    const int warp = threadIdx.x / 32;
+    if (warp == 0) {
+      bwd_produce(params, smem, work);
+    } else if (kDeterministic && warp <= kConsumerWGs) {  // dQ writer of warpgroup warp - 1
+      const int wg = warp - 1;
+      auto semaphore = [&](int m) { return dq_semaphore<kBlockM, kConsumerWGs>(params, bh, m, wg); };
+      bwd_write_dq(
+          smem.dq[wg], Traits::kBytesdQ, wg, m_first, m_end, [&](int m) { return slab_of(m, wg); },
+          semaphore, [&](int m) { return dq_key_blocks<kBlockN, kBlockM>(params, m * kBlockM); },
+          [&](int m) {
+            return dq_adds_before<kBlockN, kBlockM>(params, m * kBlockM, n_block,
+                                                    keys_descending);
+          },
+          [&](int m) {
+            convert_dq_share<Traits, 1, 32, 1>(
+                params, slab_of(m, wg), bh, m * kBlockM + (kSplitRows ? wg * kDqRows : 0),
+                kSplitRows ? 0 : wg * kDqCols, threadIdx.x % 32);
+          });
+    }
     return;
   }
 
@@ -154,7 +183,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQt{});
   Tensor sdS = make_tensor(make_smem_ptr(smem.ds[wg].begin()), typename Traits::SmemLayoutdS{});
   // This warpgroup's share of dQ: its rows of warpgroup w's dS, its columns of w's keys.
-  constexpr int kDqRows = Traits::kDqRows, kDqCols = Traits::kDqCols;
   auto sdS_of = [&](int w) {
     return local_tile(
         make_tensor(make_smem_ptr(smem.ds[w].begin()), typename Traits::SmemLayoutdS{}),
@@ -204,9 +232,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto rP = make_tensor<Element>(acc_as_operand_a(acc_s.layout()));
   auto rdS = make_tensor<Element>(acc_as_operand_a(acc_dp.layout()));
   float* sdq = smem.dq[wg];
-  auto dq_semaphore_at = [&](int m) {
-    return dq_semaphore<kBlockM, kConsumerWGs>(params, bh, m, wg);
-  };
   // This thread's columns (queries) of the Sᵀ tile: the same for every row.
   constexpr int kCols = decltype(size<1>(rowcol_s))::value;
 
@@ -269,13 +294,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // dS to shared memory as (query, key) in this block's stage. The other warpgroup read the
     // stage two blocks ago (its dQ GEMM completed before it passed the barrier below last
     // block); the slab must be free: the previous block's bulk add has read it once its
-    // thread's wait returns.
-    if (tid == 0) {
-      if (kDeterministic && m > m_first)
-        finish_bulk_adds_and_signal(dq_semaphore_at(m - 1));
-      else
-        tma_store_wait<0>();
-    }
+    // thread's wait returns (deterministic: the writer warp's DqEmpty, below).
+    if (!kDeterministic && tid == 0) tma_store_wait<0>();
     // rdS holds dSᵀ register for register like the accumulator: index it as (key, query).
     Tensor rowcol_rdS = make_tensor(rdS.data(), acc_rowcol(acc_dp.layout()));
 #pragma unroll
@@ -312,33 +332,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     warpgroup_wait<1>();  // dV and dQ done: dO's last reader
     smem.pipe_do.consumer_release(st);
     Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kDqRows>, Int<kDqCols>>{}));
+    if constexpr (kDeterministic) consumers_sync(BwdBarrier::DqEmpty, kDqSlabThreads, wg);
 #pragma unroll
     for (int i = 0; i < size(acc_dq); i += 2) {  // elements i, i+1 are neighbouring columns
       const int at = Traits::DqLayout::in_slab(get<0>(cdQ(i)), get<1>(cdQ(i)));
       *reinterpret_cast<float2*>(&sdq[at]) = make_float2(acc_dq(i), acc_dq(i + 1));
     }
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
-    consumers_sync(BwdBarrier::DqReady, 128, wg);
-    if (tid == 0) {
-      // Deterministic: after the key blocks before this one in hand-over order.
-      if constexpr (kDeterministic)
-        wait_for_count(dq_semaphore_at(m),
-                       dq_adds_before<kBlockN, kBlockM>(params, q0, n_block, keys_descending));
-      // The slabs of a query block follow each other, in warpgroup order (DqSlabs).
-      bulk_reduce_add_f32(params.dq_accum + (rows_base + q0) * kHeadDim + wg * kDqRows * kDqCols,
-                          sdq, Traits::kBytesdQ);
-      tma_store_arrive();  // commit the bulk group
+    if constexpr (kDeterministic) {  // to the writer warp
+      barrier_arrive(BwdBarrier::DqFull, kDqSlabThreads, wg);
+    } else {
+      consumers_sync(BwdBarrier::DqReady, 128, wg);
+      if (tid == 0) {  // the slabs of a query block follow each other (DqSlabs)
+        bulk_reduce_add_f32(slab_of(m, wg), sdq, Traits::kBytesdQ);
+        tma_store_arrive();  // commit the bulk group
+      }
     }
     warpgroup_wait<0>();  // dK done: Q's last reader
     smem.pipe_q.consumer_release(st);
     st.advance();
   }
-  if (tid == 0) {  // the slab must stay until the last bulk add read it
-    if (kDeterministic && m_end > m_first)
-      finish_bulk_adds_and_signal(dq_semaphore_at(m_end - 1));
-    else
-      tma_store_wait<0>();
-  }
+  if (!kDeterministic && tid == 0) tma_store_wait<0>();  // the slab stays until the add read it
 
   // ---------------- dK·scale and dV ----------------
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(typename Traits::TileK{}));

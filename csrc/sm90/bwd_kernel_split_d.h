@@ -138,7 +138,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warp_group = threadIdx.x / 128;
   bwd_init_barriers(smem, 4 * kConsumerWGs);
 
-  if (warp_group == 0) {  // producer
+  if (warp_group == 0) {  // producer: setmaxnreg gives its registers to the consumers
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     bwd_produce(params, smem, work);
     return;
   }

@@ -64,6 +64,10 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   float* softmax_d = reinterpret_cast<float*>(base + ws.softmax_d);
   params.lse_log2 = lse_log2;
   params.softmax_d = softmax_d;
+  params.dq = static_cast<Element*>(p.dq.ptr);
+  params.dq_batch_stride = p.dq.batch_stride;
+  params.dq_row_stride = p.dq.row_stride;
+  params.dq_head_stride = p.dq.head_stride;
   params.dk = static_cast<Element*>(p.dk.ptr);
   params.dv = static_cast<Element*>(p.dv.ptr);
   params.dk_batch_stride = p.dk.batch_stride;
@@ -94,11 +98,15 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
 
   if (gqa || p.deterministic)
     FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dk_accum, 0, ws.bytes - ws.dk_accum, stream));
+  // Deterministic at d64/d128 the main kernel's writer warps convert dQ (bwd_write_dq).
+  const bool dq_in_kernel = p.deterministic && !kSplitD;
   const BwdRowsParams rows{p.o.ptr, p.dout.ptr, p.lse, lse_log2, softmax_d,
                            p.o.batch_stride, p.o.row_stride, p.o.head_stride,
                            p.dout.batch_stride, p.dout.row_stride, p.dout.head_stride,
                            p.batch, p.heads_q, p.seqlen_q, dq_rows,
-                           params.dq_accum, 0, 1};
+                           params.dq_accum, 0, 1,
+                           dq_in_kernel ? p.dq.ptr : nullptr,
+                           p.dq.batch_stride, p.dq.row_stride, p.dq.head_stride, params.keys};
   FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
 
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
@@ -130,12 +138,15 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
         p.batch, heads, seqlen, scale);
     return cudaGetLastError();
   };
-  const int64_t dq_chunks = int64_t(p.batch) * p.heads_q * p.seqlen_q * (kHeadDim / 8);
-  using DqLayout = typename Traits::DqLayout;
-  bwd_convert<Element, kHeadDim, DqLayout><<<unsigned((dq_chunks + 255) / 256), 256, 0, stream>>>(
-      params.dq_accum, dq_rows, 1, p.dq.ptr, p.dq.batch_stride, p.dq.row_stride,
-      p.dq.head_stride, p.batch, p.heads_q, p.seqlen_q, p.softmax_scale);
-  FLASHATTN_TRY_CUDA(cudaGetLastError());
+  if (!dq_in_kernel) {
+    const int64_t dq_chunks = int64_t(p.batch) * p.heads_q * p.seqlen_q * (kHeadDim / 8);
+    using DqLayout = typename Traits::DqLayout;
+    bwd_convert<Element, kHeadDim, DqLayout>
+        <<<unsigned((dq_chunks + 255) / 256), 256, 0, stream>>>(
+            params.dq_accum, dq_rows, 1, p.dq.ptr, p.dq.batch_stride, p.dq.row_stride,
+            p.dq.head_stride, p.batch, p.heads_q, p.seqlen_q, p.softmax_scale);
+    FLASHATTN_TRY_CUDA(cudaGetLastError());
+  }
   if (gqa) {
     FLASHATTN_TRY_CUDA(convert(params.dk_accum, p.dk, p.heads_kv, p.seqlen_k, p.softmax_scale));
     FLASHATTN_TRY_CUDA(convert(params.dv_accum, p.dv, p.heads_kv, p.seqlen_k, 1.f));
