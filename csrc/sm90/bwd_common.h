@@ -113,9 +113,9 @@ __device__ int dq_adds_before(Params const& params, int q0, int n_block, bool ke
 }
 
 // Deterministic mode with writer warps: the issuing thread's bulk adds have reached global
-// memory; then they are counted, which lets the next CTA add. True when they were the last of the `adds` key blocks that add there: the caller then converts that share of dQ, which
-// holds every add once the acquiring fence has ordered the other CTAs' counted adds before its
-// reads.
+// memory; then they are counted, which lets the next CTA add. True when they were the last of the
+// `adds` key blocks that add there: the caller then converts that share of dQ, which holds every
+// add once the acquiring fence has ordered the other CTAs' counted adds before its reads.
 __device__ inline bool count_completed_adds(int* counter, int adds) {
   asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
@@ -204,9 +204,9 @@ __device__ inline void red_add_f32x2(float* dst, float a, float b) {
 // accumulator at slab_dst(m) and the buffer handed back once read (DqEmpty); the add is counted
 // once complete, and the warp whose count completes the block (key_blocks(m) key blocks) converts
 // the warpgroup's share of it (convert(m), the whole warp), so that no conversion pass runs. The
-// consumers never wait on the hand-over: 1.1–1.3× the deterministic mode with consumer thread 0
-// waiting (H200, d64/d128). Atomic mode keeps its adds on the consumers: with writer warps it ran
-// 8–15% slower (benchmarks/README.md, 2026-11-30).
+// consumers never wait on the hand-over: 1.03–1.27× the deterministic mode with consumer thread 0
+// waiting, but 0.91× at d128 causal s2k (H200). Atomic mode keeps its adds on the consumers: with
+// writer warps it ran 8–15% slower (benchmarks/README.md, 2026-11-30).
 template <class SlabDst, class Counter, class KeyBlocks, class AddsBefore, class Convert>
 __device__ void bwd_write_dq(const float* sdq, uint32_t slab_bytes, int wg, int m_first, int m_end,
                              SlabDst const& slab_dst, Counter const& counter,
@@ -347,7 +347,8 @@ __device__ void bwd_ds(RowCol const& p, RowCol& dp, DsumOf const& dsum_of) {
 }
 
 // The producer warpgroup's first warp (the caller has given the warpgroup's registers to the
-// consumers by setmaxnreg): its elected thread loads K and V once (Traits::kKeyTiles tiles of TileK rows), then Q and dO of
+// consumers by setmaxnreg): its elected thread loads K and V once (Traits::kKeyTiles tiles of
+// TileK rows), then Q and dO of
 // every query block [m_first, m_end) into their pipelines (kStages and kStagesdO buffers).
 template <class Traits, class Smem>
 __device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, BwdCtaWork const& work) {

@@ -152,7 +152,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       bwd_produce(params, smem, work);
     } else if (kDeterministic && warp <= kConsumerWGs) {  // dQ writer of warpgroup warp - 1
       const int wg = warp - 1;
-      auto semaphore = [&](int m) { return dq_semaphore<kBlockM, kConsumerWGs>(params, bh, m, wg); };
+      auto semaphore = [&](int m) {
+        return dq_semaphore<kBlockM, kConsumerWGs>(params, bh, m, wg);
+      };
       bwd_write_dq(
           smem.dq[wg], Traits::kBytesdQ, wg, m_first, m_end, [&](int m) { return slab_of(m, wg); },
           semaphore, [&](int m) { return dq_key_blocks<kBlockN, kBlockM>(params, m * kBlockM); },
