@@ -29,35 +29,24 @@ __device__ __forceinline__ float fast_tanh(float x) {
   return y;
 }
 
-// max and sum of row r of `s` over this thread's columns, as four interleaved partial results:
-// a single running max (or sum) is a chain of dependent instructions as long as the row, each
-// waiting out the previous one's latency.
-template <class Tensor>
-__device__ __forceinline__ float thread_row_max(Tensor const& s, int r) {
+// Row r of `s` over this thread's columns reduced by `op` (max or sum), as four interleaved
+// partial results: a single running max (or sum) is a chain of dependent instructions as long as
+// the row, each waiting out the previous one's latency.
+template <class Tensor, class Op>
+__device__ __forceinline__ float thread_row_reduce(Tensor const& s, int r, Op op) {
   constexpr int kCols = decltype(size<1>(s))::value;
   constexpr int kParts = kCols >= 4 ? 4 : 1;
   float part[kParts];
 #pragma unroll
   for (int i = 0; i < kParts; ++i) part[i] = s(r, i);
 #pragma unroll
-  for (int c = kParts; c < kCols; ++c) part[c % kParts] = fmaxf(part[c % kParts], s(r, c));
+  for (int c = kParts; c < kCols; ++c) part[c % kParts] = op(part[c % kParts], s(r, c));
 #pragma unroll
-  for (int i = 1; i < kParts; ++i) part[0] = fmaxf(part[0], part[i]);
+  for (int i = 1; i < kParts; ++i) part[0] = op(part[0], part[i]);
   return part[0];
 }
-template <class Tensor>
-__device__ __forceinline__ float thread_row_sum(Tensor const& s, int r) {
-  constexpr int kCols = decltype(size<1>(s))::value;
-  constexpr int kParts = kCols >= 4 ? 4 : 1;
-  float part[kParts];
-#pragma unroll
-  for (int i = 0; i < kParts; ++i) part[i] = s(r, i);
-#pragma unroll
-  for (int c = kParts; c < kCols; ++c) part[c % kParts] += s(r, c);
-  return kParts == 4 ? (part[0] + part[1]) + (part[2] + part[3]) : part[0];
-}
 
-// kTreeReduce: row max and sum by thread_row_max / thread_row_sum. Measured on the H200: the
+// kTreeReduce: row max and sum by thread_row_reduce. Measured on the H200: the
 // sm80 forward d128 +3–6%, d64 −0.4…+1%; the sm90 forwards, whose two warpgroups hide each
 // other's softmax, mixed (bf16 −3…+2%, FP8 d128 −5%), so they keep the running chain.
 template <int kRows, bool kTreeReduce = false>
@@ -87,11 +76,13 @@ struct OnlineSoftmax {
   template <class Tensor>
   __device__ void step(Tensor& s, float scale_log2, float (&factor)[kRows]) {
     static_assert(decltype(size<0>(s))::value == kRows);
+    [[maybe_unused]] auto max_of = [](float x, float y) { return fmaxf(x, y); };
+    [[maybe_unused]] auto sum_of = [](float x, float y) { return x + y; };
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       float m = row_max[r];
       if constexpr (kTreeReduce) {
-        m = fmaxf(m, thread_row_max(s, r));
+        m = fmaxf(m, thread_row_reduce(s, r, max_of));
       } else {
 #pragma unroll
         for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
@@ -108,7 +99,7 @@ struct OnlineSoftmax {
         s(r, c) = fast_exp2(s(r, c) * scale_log2 - m_scaled);
         if constexpr (!kTreeReduce) sum += s(r, c);
       }
-      if constexpr (kTreeReduce) sum = thread_row_sum(s, r);
+      if constexpr (kTreeReduce) sum = thread_row_reduce(s, r, sum_of);
       row_sum[r] = row_sum[r] * factor[r] + sum;
     }
   }

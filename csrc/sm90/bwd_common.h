@@ -85,12 +85,13 @@ __device__ inline void wait_for_count(const int* counter, int count) {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
   } while (seen != count);
 }
-// The issuing thread's bulk adds have reached global memory; then the next CTA may add.
-__device__ inline void finish_bulk_adds_and_signal(int* counter) {
+// The issuing thread's bulk adds have reached global memory; then the next CTA may add. Returns
+// the count before this signal.
+__device__ inline int finish_bulk_adds_and_signal(int* counter) {
   asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
   __threadfence();
-  atomicAdd(counter, 1);
+  return atomicAdd(counter, 1);
 }
 
 // Deterministic mode: the semaphore of (batch·head bh, query block m of kBlockM rows, consumer
@@ -105,84 +106,55 @@ __device__ int* dq_semaphore(Params const& params, int bh, int m, int wg) {
 }
 template <int kBlockN, int kBlockM, class Params>
 __device__ int dq_adds_before(Params const& params, int q0, int n_block, bool keys_descending) {
-  if (keys_descending) {
-    const int q_last = min(q0 + kBlockM, params.seqlen_q) - 1;
-    return (params.keys.hi(q_last) + kBlockN - 1) / kBlockN - 1 - n_block;
-  }
-  return n_block - params.keys.lo(q0) / kBlockN;
+  int n_min, n_max;
+  params.keys.template blocks<kBlockN>(q0, q0 + kBlockM, n_min, n_max);
+  return keys_descending ? n_max - 1 - n_block : n_block - n_min;
 }
-
-// Deterministic mode with writer warps: the issuing thread's bulk adds have reached global
-// memory; then they are counted, which lets the next CTA add. True when they were the last of the
-// `adds` key blocks that add there: the caller then converts that share of dQ, which holds every
-// add once the acquiring fence has ordered the other CTAs' counted adds before its reads.
-__device__ inline bool count_completed_adds(int* counter, int adds) {
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-  int before;
-  asm volatile("atom.release.gpu.global.add.s32 %0, [%1], 1;\n"
-               : "=r"(before)
-               : "l"(counter)
-               : "memory");
-  const bool last = before == adds - 1;
-  if (last) asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+// finish_bulk_adds_and_signal, and whether this CTA's adds were the last of the `adds` key blocks
+// that add there: the caller then converts that share of dQ, which holds every add once the
+// acquiring fence has ordered the other CTAs' counted adds before its reads.
+__device__ inline bool finish_bulk_adds_and_count(int* counter, int adds) {
+  const bool last = finish_bulk_adds_and_signal(counter) == adds - 1;
+  if (last) __threadfence();
   return last;
 }
 
-// The number of key blocks of kBlockN keys that add into the dQ of the query block from row q0
-// (the run dq_adds_before counts in).
+// The number of key blocks of kBlockN keys that add into the dQ of the query block from row q0.
 template <int kBlockN, int kBlockM, class Params>
 __device__ int dq_key_blocks(Params const& params, int q0) {
   int n_min, n_max;
   params.keys.template blocks<kBlockN>(q0, q0 + kBlockM, n_min, n_max);
   return n_max - n_min;
 }
-
-// One warpgroup's share of a query block's dQ, complete in the f32 accumulator, to the element
-// type times the softmax scale, in place of a conversion pass over the whole accumulator (which
-// read it back from HBM): kSlabs consecutive slabs (Traits::DqLayout) from `slabs`, holding rows
-// [row0, row0 + slab rows) of head bh and columns [col0, col0 + kSlabs · slab columns). Loaded
-// through L2 (ld.global.cg: the adds happened there, not in this SM's L1) by kThreads threads,
-// kInFlight 8-float chunks per thread at a time (registers are short here); 16-byte stores, eight
-// threads per 128-byte row piece.
-template <class Traits, int kSlabs, int kThreads, int kInFlight>
-__device__ void convert_dq_share(BwdParams<Traits> const& params, const float* slabs, int bh,
-                                 int row0, int col0, int tid) {
+// One warpgroup's slab (Traits::DqLayout) of a query block's dQ, complete in the f32 accumulator,
+// to the element type times the softmax scale by one warp, in place of a conversion pass over the
+// whole accumulator (which read it back from HBM): rows [row0, row0 + slab rows) of head bh,
+// columns [col0, col0 + slab columns). Loaded through L2 (ld.global.cg: the adds happened there,
+// not in this SM's L1) one 8-float chunk per lane at a time (the writer warp has 24 registers);
+// 16-byte stores, eight lanes per 128-byte row piece.
+template <class Traits>
+__device__ void convert_dq_slab(BwdParams<Traits> const& params, const float* slab, int bh,
+                                int row0, int col0) {
   using Element = typename Traits::Element;
   using Layout = typename Traits::DqLayout;
-  constexpr int kRows = Layout::kSlabRows, kCols = Layout::kCols, kChunks = Layout::kChunks;
-  constexpr int kPerSlab = kRows * kChunks / kThreads;  // chunks per thread and slab
-  static_assert(kRows * kChunks % kThreads == 0 && kSlabs * kPerSlab % kInFlight == 0);
+  constexpr int kRows = Layout::kSlabRows, kChunks = Layout::kChunks;
   const int batch = bh / params.heads_q, head = bh % params.heads_q;
   Element* dq = params.dq + batch * params.dq_batch_stride + head * params.dq_head_stride;
 #pragma unroll 1
-  for (int first = 0; first < kSlabs * kPerSlab; first += kInFlight) {
-    float4 v[kInFlight][2];
+  for (int k = threadIdx.x % 32; k < kRows * kChunks; k += 32) {
+    const int row = row0 + k / kChunks, c = k % kChunks;
+    if (row >= params.seqlen_q) continue;
+    const float4* src = reinterpret_cast<const float4*>(slab + Layout::in_slab(k / kChunks, c * 8));
+    const float4 a = __ldcg(src), b = __ldcg(src + 1);
+    cutlass::Array<float, 8> sums;
+    sums[0] = a.x, sums[1] = a.y, sums[2] = a.z, sums[3] = a.w;
+    sums[4] = b.x, sums[5] = b.y, sums[6] = b.z, sums[7] = b.w;
 #pragma unroll
-    for (int j = 0; j < kInFlight; ++j) {
-      const int s = (first + j) / kPerSlab, k = (first + j) % kPerSlab * kThreads + tid;
-      const float4* src = reinterpret_cast<const float4*>(
-          slabs + s * kRows * kCols + Layout::in_slab(k / kChunks, k % kChunks * 8));
-      v[j][0] = __ldcg(src);
-      v[j][1] = __ldcg(src + 1);
-    }
-#pragma unroll
-    for (int j = 0; j < kInFlight; ++j) {
-      const int s = (first + j) / kPerSlab, k = (first + j) % kPerSlab * kThreads + tid;
-      const int row = row0 + k / kChunks;
-      if (row >= params.seqlen_q) continue;
-      cutlass::Array<float, 8> sums;
-      sums[0] = v[j][0].x, sums[1] = v[j][0].y, sums[2] = v[j][0].z, sums[3] = v[j][0].w;
-      sums[4] = v[j][1].x, sums[5] = v[j][1].y, sums[6] = v[j][1].z, sums[7] = v[j][1].w;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) sums[i] *= params.scale;
-      *reinterpret_cast<cutlass::Array<Element, 8>*>(
-          dq + row * params.dq_row_stride + col0 + s * kCols + k % kChunks * 8) =
-          cutlass::NumericArrayConverter<Element, float, 8>{}(sums);
-    }
+    for (int i = 0; i < 8; ++i) sums[i] *= params.scale;
+    *reinterpret_cast<cutlass::Array<Element, 8>*>(dq + row * params.dq_row_stride + col0 + c * 8) =
+        cutlass::NumericArrayConverter<Element, float, 8>{}(sums);
   }
 }
-
 // dst[i] += src[i] for `bytes` bytes of f32, by the TMA unit (one thread issues it).
 __device__ inline void bulk_reduce_add_f32(float* dst, const float* src, uint32_t bytes) {
   const uint32_t smem = cast_smem_ptr_to_uint(src);
@@ -204,7 +176,7 @@ __device__ inline void red_add_f32x2(float* dst, float a, float b) {
 // accumulator at slab_dst(m) and the buffer handed back once read (DqEmpty); the add is counted
 // once complete, and the warp whose count completes the block (key_blocks(m) key blocks) converts
 // the warpgroup's share of it (convert(m), the whole warp), so that no conversion pass runs. The
-// consumers never wait on the hand-over: 1.03–1.27× the deterministic mode with consumer thread 0
+// consumers never wait on the hand-over: 1.02–1.27× the deterministic mode with consumer thread 0
 // waiting, but 0.91× at d128 causal s2k (H200). Atomic mode keeps its adds on the consumers: with
 // writer warps it ran 8–15% slower (benchmarks/README.md, 2026-11-30).
 template <class SlabDst, class Counter, class KeyBlocks, class AddsBefore, class Convert>
@@ -225,7 +197,7 @@ __device__ void bwd_write_dq(const float* sdq, uint32_t slab_bytes, int wg, int 
     }
     __syncwarp();
     if (m + 1 < m_end) barrier_arrive(BwdBarrier::DqEmpty, kDqSlabThreads, wg);
-    const bool last = leader && count_completed_adds(counter(m), key_blocks(m));
+    const bool last = leader && finish_bulk_adds_and_count(counter(m), key_blocks(m));
     if (__shfl_sync(0xffffffffu, last, 0)) {
       __syncwarp();  // the leader's acquire before the other lanes' reads
       convert(m);

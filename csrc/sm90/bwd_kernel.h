@@ -163,9 +163,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                                     keys_descending);
           },
           [&](int m) {
-            convert_dq_share<Traits, 1, 32, 1>(
-                params, slab_of(m, wg), bh, m * kBlockM + (kSplitRows ? wg * kDqRows : 0),
-                kSplitRows ? 0 : wg * kDqCols, threadIdx.x % 32);
+            convert_dq_slab<Traits>(params, slab_of(m, wg), bh,
+                                    m * kBlockM + (kSplitRows ? wg * kDqRows : 0),
+                                    kSplitRows ? 0 : wg * kDqCols);
           });
     }
     return;
