@@ -19,15 +19,21 @@ namespace flashattn::sm80 {
 // s2k 363 vs 323, causal s2k 310 vs 289, s16k 377 vs 357 TFLOP/s), and over 128×32 with three
 // stages (s2k 341); d64 128×64 with two stages 1–4% over one stage (s2k 293 vs 283, causal s2k
 // 254 vs 242) and over 128×96 or 128×128 with two stages (s2k 281, 291; causal s2k 239, 236).
+// kQInRegs: Q's fragments (32 registers at d64) loaded once instead of per key block, a third of
+// the Q·Kᵀ ldmatrix traffic: d64 +4.5–5% (s2k 291 → 305, causal s2k 243 → 252, s8k 307 → 324);
+// at d128 they would take 64 registers beside a kernel that already spills.
 template <int kHeadDim> struct FwdTile;
 template <> struct FwdTile<64> {
   static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4, kStages = 2;
+  static constexpr bool kQInRegs = true;
 };
 template <> struct FwdTile<128> {
   static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4, kStages = 2;
+  static constexpr bool kQInRegs = false;
 };
 template <> struct FwdTile<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4, kStages = 1;
+  static constexpr bool kQInRegs = false;
 };
 
 #define FLASHATTN_SM80_FWD(D, DTYPE) \

@@ -6,8 +6,9 @@
 // block visited needs the sequence-end mask. Q, K and V come by cp.async into 128-byte swizzled
 // shared memory (rows past the sequence zero-filled), loaded kStages − 1 key blocks ahead (or,
 // with one stage, V under Q·Kᵀ and the next K under the softmax and P·V). Fragments come from
-// shared memory by ldmatrix (transposed for V). Online softmax with exp2 and one division at the end;
-// LSE straight from registers, O through shared memory.
+// shared memory by ldmatrix (transposed for V; Q's once per tile where Traits::kQInRegs).
+// Online softmax with exp2 and one division at the end; LSE straight from registers, O through
+// shared memory.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -24,11 +25,14 @@ namespace flashattn::sm80 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_ = 1>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_ = 1,
+          bool kQInRegs_ = false>
 struct FwdTraits {
   using Element = Element_;
   // K/V buffers in shared memory (see fwd_kernel's main loop for the two schedules).
   static constexpr int kStages = kStages_;
+  // Q's fragments loaded from shared memory once, not for every key block.
+  static constexpr bool kQInRegs = kQInRegs_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -120,19 +124,20 @@ __device__ void copy_rows(Src const& src, Dst& dst, Coord const& coord, int rows
   }
 }
 
-// acc += A·B over the K extent, A and B from shared memory, the next k slice's ldmatrix issued
-// before the current slice's MMAs.
-template <class Mma, class RA, class RB, class SA, class SB, class CopyA, class CopyB, class Acc>
+// acc += A·B over the K extent, B (and A unless kAInRegs: it is there already) from shared
+// memory, the next k slice's ldmatrix issued before the current slice's MMAs.
+template <bool kAInRegs = false, class Mma, class RA, class RB, class SA, class SB, class CopyA,
+          class CopyB, class Acc>
 __device__ void gemm_smem(Mma& mma, Acc& acc, RA& rA, RB& rB, SA const& sA, SB const& sB,
                           CopyA const& copy_a, CopyB const& copy_b) {
   auto rA_view = copy_a.get_thread_slice(threadIdx.x).retile_D(rA);
   auto rB_view = copy_b.get_thread_slice(threadIdx.x).retile_D(rB);
-  copy(copy_a, sA(_, _, 0), rA_view(_, _, 0));
+  if constexpr (!kAInRegs) copy(copy_a, sA(_, _, 0), rA_view(_, _, 0));
   copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
 #pragma unroll
   for (int k = 0; k < size<2>(rA); ++k) {
     if (k + 1 < size<2>(rA)) {
-      copy(copy_a, sA(_, _, k + 1), rA_view(_, _, k + 1));
+      if constexpr (!kAInRegs) copy(copy_a, sA(_, _, k + 1), rA_view(_, _, k + 1));
       copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
     }
     gemm(mma, rA(_, _, k), rB(_, _, k), acc);
@@ -280,6 +285,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
       }
     }
 
+    if constexpr (Traits::kQInRegs) {
+      static_assert(kStages >= 2);
+      cp_async_wait<kStages - 2>();  // the first group: Q and the first K/V blocks
+      __syncthreads();
+      copy(copy_q, tSsQ, copy_q.get_thread_slice(tid).retile_D(tSrQ));
+    }
     float factor[kRows];
     int stage = 0;
 #pragma unroll 1
@@ -300,8 +311,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
       }
 
       clear(tSrS);
-      gemm_smem(mma, tSrS, tSrQ, tSrK, tSsQ,
-                copy_k.get_thread_slice(tid).partition_S(stage_k(stage)), copy_q, copy_k);
+      gemm_smem<Traits::kQInRegs>(mma, tSrS, tSrQ, tSrK, tSsQ,
+                                  copy_k.get_thread_slice(tid).partition_S(stage_k(stage)),
+                                  copy_q, copy_k);
       if constexpr (kStages == 1) {
         cp_async_wait<0>();
         __syncthreads();  // V(n) landed; every warp is done with K(n)

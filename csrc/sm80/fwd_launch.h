@@ -19,7 +19,8 @@ template <class Element, int kHeadDim>
 flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim>;
   using Traits =
-      FwdTraits<Element, kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kWarps, Tile::kStages>;
+      FwdTraits<Element, kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kWarps, Tile::kStages,
+                Tile::kQInRegs>;
   // Grid (query blocks, heads, batch): y and z stop at 65535; the tile order's linear block
   // index is an int.
   if (p.heads_q > 65535 || p.batch > 65535 ||
