@@ -37,10 +37,12 @@ pub fn scale_for(amax: f32) -> f32 {
     }
 }
 
-/// `x / scale` rounded to the nearest e4m3 (ties to even). Magnitudes past [`E4M3_MAX`], ±inf
-/// included, saturate to ±448 rather than becoming NaN; NaN stays NaN.
+/// `x · (1 / scale)` rounded to the nearest e4m3 (ties to even): a multiplication by the block's
+/// rounded reciprocal, as the GPU step does it (a division per element cost it more than its
+/// memory traffic). Magnitudes past [`E4M3_MAX`], ±inf included, saturate to ±448 rather than
+/// becoming NaN; NaN stays NaN.
 pub fn quantize(x: f32, scale: f32) -> F8E4M3 {
-    let y = x / scale;
+    let y = x * (1.0 / scale);
     F8E4M3::from_f32(if y.is_nan() {
         y
     } else {

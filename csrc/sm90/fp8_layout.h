@@ -21,4 +21,10 @@ __host__ __device__ constexpr int fp8_key_position(int key) {
   return key - j + 16 * (j / 16) + 4 * ((j / 2) % 4) + 2 * ((j / 8) % 2) + j % 2;
 }
 
+// The key at column `position` of V's key-major rows: the inverse of fp8_key_position.
+__host__ __device__ constexpr int fp8_key_at(int position) {
+  const int j = position % 32;
+  return position - j + 16 * (j / 16) + 8 * ((j / 2) % 2) + 2 * ((j / 4) % 4) + j % 2;
+}
+
 }  // namespace flashattn::sm90

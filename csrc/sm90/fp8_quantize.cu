@@ -79,8 +79,9 @@ __device__ __forceinline__ float scale_for(float amax) {
   return s >= 1.17549435e-38f && s <= 3.40282347e38f ? s : 1.f;
 }
 
-__device__ __forceinline__ uint8_t to_e4m3(float x, float scale) {
-  return __nv_cvt_float_to_fp8(__fdiv_rn(x, scale), __NV_SATFINITE, __NV_E4M3);
+// x · (1/scale), as src/fp8.rs quantize: `inv_scale` is the block's rounded reciprocal.
+__device__ __forceinline__ uint8_t to_e4m3(float x, float inv_scale) {
+  return __nv_cvt_float_to_fp8(__fmul_rn(x, inv_scale), __NV_SATFINITE, __NV_E4M3);
 }
 
 // One CTA per (row block, head, batch). Pass 1 finds the block's largest finite magnitude (when
@@ -130,6 +131,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (threadIdx.x == 0) p.descale[desc_index] = scale;
   }
 
+  const float inv_scale = __fdiv_rn(1.f, scale);
   uint8_t* dst = static_cast<uint8_t*>(p.dst) + batch * p.dst_batch_stride +
                  head * p.dst_head_stride;
   if (p.layout == FLASHATTN_FP8_ROWS) {
@@ -141,15 +143,18 @@ __global__ void __launch_bounds__(kWarps * 32)
         uint8_t byte[kPerLane];
       } u;
 #pragma unroll
-      for (int i = 0; i < kPerLane; ++i) u.byte[i] = to_e4m3(x[i], scale);
+      for (int i = 0; i < kPerLane; ++i) u.byte[i] = to_e4m3(x[i], inv_scale);
       *reinterpret_cast<typename Word<kPerLane>::type*>(
           dst + int64_t(row_begin + r) * p.dst_row_stride + lane * kPerLane) = u.word;
     }
     return;
   }
-  // Key-major: through shared memory, so that each row of the output (one head_dim index, the
-  // block's keys) is written with 16-byte stores. Keys past seqlen are zeros (P is 0 there, and
-  // 0·NaN would not be).
+  // Key-major: the block's rows quantized into shared memory as they are (each lane's bytes one
+  // word, no bank conflicts), then gathered column by column: lane d of a warp takes the bytes of
+  // head-dim index d for 32 consecutive key positions (fp8_key_at: the keys of a 32-key group in
+  // P's register order) and writes them to output row d as two 16-byte stores. Keys past seqlen
+  // are zeros (P is 0 there, and 0·NaN would not be).
+  using RowWord = typename Word<kPerLane>::type;
   for (int r = warp; r < p.block_rows; r += kWarps) {
     float x[kPerLane];
     if (r < rows) {
@@ -158,17 +163,30 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) x[i] = 0.f;
     }
-    const int col = fp8_key_position(r);
+    union {
+      RowWord word;
+      uint8_t byte[kPerLane];
+    } u;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i)
-      tile[(lane * kPerLane + i) * p.block_rows + col] = to_e4m3(x[i], scale);
+    for (int i = 0; i < kPerLane; ++i) u.byte[i] = to_e4m3(x[i], inv_scale);
+    *reinterpret_cast<RowWord*>(tile + r * kHeadDim + lane * kPerLane) = u.word;
   }
   __syncthreads();
-  const int words_per_row = p.block_rows / 16;
-  for (int w = threadIdx.x; w < kHeadDim * words_per_row; w += kWarps * 32) {
-    const int d = w / words_per_row, c = w % words_per_row;
-    *reinterpret_cast<uint4*>(dst + int64_t(d) * p.dst_row_stride + row_begin + 16 * c) =
-        *reinterpret_cast<const uint4*>(tile + d * p.block_rows + 16 * c);
+  const int groups = p.block_rows / 32;  // 32-key groups (a key block is a multiple of 32)
+  for (int w = threadIdx.x; w < kHeadDim * groups; w += kWarps * 32) {
+    const int d = w % kHeadDim, g = w / kHeadDim;
+    uint32_t packed[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        word |= uint32_t(tile[fp8_key_at(32 * g + 4 * k + b) * kHeadDim + d]) << (8 * b);
+      packed[k] = word;
+    }
+    uint4* out = reinterpret_cast<uint4*>(dst + int64_t(d) * p.dst_row_stride + row_begin + 32 * g);
+    out[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
   }
 }
 
