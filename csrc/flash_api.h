@@ -111,8 +111,8 @@ typedef enum {
   FLASHATTN_FP8_KEY_MAJOR = 1,
 } flashattn_fp8_layout_t;
 
-// One tensor's quantize step: e4m3 = round(x / descale), one descale per block_rows rows of one
-// head (amax ↦ 448), after the random-sign Hadamard transform along head_dim if `hadamard`
+// One tensor's quantize step: e4m3 = round(x · (1 / descale)), one descale per block_rows rows of
+// one head (amax ↦ 448), after the random-sign Hadamard transform along head_dim if `hadamard`
 // (bit i of hadamard_signs set: column i negated first). An E4M3 source with descale null is
 // copied unscaled into the layout.
 typedef struct {

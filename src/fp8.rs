@@ -40,14 +40,14 @@ pub fn scale_for(amax: f32) -> f32 {
 /// `x · (1 / scale)` rounded to the nearest e4m3 (ties to even): a multiplication by the block's
 /// rounded reciprocal, as the GPU step does it (a division per element cost it more than its
 /// memory traffic). Magnitudes past [`E4M3_MAX`], ±inf included, saturate to ±448 rather than
-/// becoming NaN; NaN stays NaN.
+/// becoming NaN; NaN of either sign becomes the canonical e4m3 NaN 0x7F, as the GPU's conversion
+/// (`cvt` with `.satfinite`) writes it.
 pub fn quantize(x: f32, scale: f32) -> F8E4M3 {
     let y = x * (1.0 / scale);
-    F8E4M3::from_f32(if y.is_nan() {
-        y
-    } else {
-        y.clamp(-E4M3_MAX, E4M3_MAX)
-    })
+    if y.is_nan() {
+        return F8E4M3::NAN;
+    }
+    F8E4M3::from_f32(y.clamp(-E4M3_MAX, E4M3_MAX))
 }
 
 /// A (batch, seqlen, heads, head_dim) tensor in e4m3, contiguous, with its scales: element

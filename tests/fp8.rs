@@ -99,6 +99,9 @@ fn quantize_saturates_and_keeps_nan() {
     }
     assert!(fp8::quantize(f32::NAN, 1.0).to_f32().is_nan());
     assert!(fp8::quantize(f32::NAN, 0.5).to_f32().is_nan());
+    // Either sign: the canonical 0x7F, the GPU conversion's NaN.
+    assert_eq!(fp8::quantize(-f32::NAN, 1.0).to_bits(), 0x7F);
+    assert_eq!(fp8::quantize(f32::NAN, 1.0).to_bits(), 0x7F);
     // Round to nearest with 3 mantissa bits: relative error at most 2^-4 in the normal range.
     for x in normals(10_000, 5) {
         let x = x * 20.0;

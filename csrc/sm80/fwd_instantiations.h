@@ -20,7 +20,7 @@ namespace flashattn::sm80 {
 // stages (s2k 341); d64 128×64 with two stages 1–4% over one stage (s2k 293 vs 283, causal s2k
 // 254 vs 242) and over 128×96 or 128×128 with two stages (s2k 281, 291; causal s2k 239, 236).
 // kQInRegs: Q's fragments (32 registers at d64) loaded once instead of per key block, a third of
-// the Q·Kᵀ ldmatrix traffic: d64 +4.5–5% (s2k 291 → 305, causal s2k 243 → 252, s8k 307 → 324);
+// the Q·Kᵀ ldmatrix traffic: d64 +3.6–5.4% (s2k 291 → 305, causal s2k 243 → 252, s8k 307 → 324);
 // at d128 they would take 64 registers beside a kernel that already spills.
 template <int kHeadDim> struct FwdTile;
 template <> struct FwdTile<64> {

@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
     if constexpr (Traits::kQInRegs) {
       static_assert(kStages >= 2);
-      cp_async_wait<kStages - 2>();  // the first group: Q and the first K/V blocks
+      cp_async_wait<kStages - 2>();  // the first group: Q and the first K/V block
       __syncthreads();
       copy(copy_q, tSsQ, copy_q.get_thread_slice(tid).retile_D(tSrQ));
     }

@@ -90,7 +90,7 @@ template <class In, int kHeadDim>
 __global__ void __launch_bounds__(kWarps * 32)
     quantize_kernel(const flashattn_fp8_quantize_t p) {
   constexpr int kPerLane = kHeadDim / 32;
-  extern __shared__ uint8_t tile[];  // key-major output: (head_dim, block_rows)
+  extern __shared__ uint8_t tile[];  // key-major output: the block's rows, quantized
   __shared__ float warp_amax[kWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
