@@ -47,7 +47,7 @@ __device__ __forceinline__ float thread_row_reduce(Tensor const& s, int r, Op op
 }
 
 // kTreeReduce: row max and sum by thread_row_reduce. Measured on the H200: the
-// sm80 forward d128 +3–6%, d64 −0.4…+1%; the sm90 forwards, whose two warpgroups hide each
+// sm80 forward d128 +3–5%, d64 −0.4…+1.1%; the sm90 forwards, whose two warpgroups hide each
 // other's softmax, mixed (bf16 −3…+2%, FP8 d128 −5%), so they keep the running chain.
 template <int kRows, bool kTreeReduce = false>
 struct OnlineSoftmax {

@@ -21,8 +21,9 @@ struct TileOrder {
 
   // Heads per group for `bytes_per_head` of data the tiles of one head share, within `budget`
   // bytes of L2; at least one head. Budgets measured on the H200 (60 MiB L2), causal bf16: the
-  // forward runs 5–11% faster at d128/d256 with 48 MiB than with 12 (d64 ±2%); the backward
-  // (both families) best with 20 (a third of the L2) of 12, 20, 30, 50 and 100.
+  // forward runs 5–11% faster at d128/d256 with 48 MiB than with 12 (d64 ±2%); the sm90
+  // backward best with 20 (a third of the L2) of 12, 20, 30, 50 and 100 (d128 within 0.3% of
+  // 30), the sm80 backward with 20 over 30 (the two sizes measured).
   static int heads_per_group(int64_t bytes_per_head, int64_t budget) {
     const int64_t g = bytes_per_head > 0 ? budget / bytes_per_head : 1;
     return g < 1 ? 1 : (g > (1 << 20) ? (1 << 20) : int(g));
