@@ -192,8 +192,9 @@ extern "C" flashattn_result_t flashattn_fp8_quantize(const flashattn_fp8_quantiz
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
     return status(FLASHATTN_UNSUPPORTED);
   if (p.layout == FLASHATTN_FP8_KEY_MAJOR) {
-    // Whole 32-key groups, and the block's quantized rows in 48 KiB of shared memory.
-    if (p.block_rows % 32 != 0 || p.head_dim * p.block_rows > 48 * 1024)
+    // Whole 32-key groups, and the block's quantized rows in 32 KiB of shared memory (the
+    // kernel's static shared memory on top must stay within the 48 KiB it gets without opt-in).
+    if (p.block_rows % 32 != 0 || p.head_dim * p.block_rows > 32 * 1024)
       return status(FLASHATTN_INVALID_ARGUMENT);
   } else if (p.layout != FLASHATTN_FP8_ROWS) {
     return status(FLASHATTN_INVALID_ARGUMENT);

@@ -132,21 +132,26 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 
   const float inv_scale = __fdiv_rn(1.f, scale);
+  // Row r of the block quantized, this lane's kPerLane bytes as one word; rows past the sequence
+  // are zeros.
+  using RowWord = typename Word<kPerLane>::type;
+  auto quantized = [&](int r) {
+    float x[kPerLane] = {};
+    if (r < rows) transformed(r, x);
+    union {
+      RowWord word;
+      uint8_t byte[kPerLane];
+    } u;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) u.byte[i] = to_e4m3(x[i], inv_scale);
+    return u.word;
+  };
   uint8_t* dst = static_cast<uint8_t*>(p.dst) + batch * p.dst_batch_stride +
                  head * p.dst_head_stride;
   if (p.layout == FLASHATTN_FP8_ROWS) {
-    for (int r = warp; r < rows; r += kWarps) {
-      float x[kPerLane];
-      transformed(r, x);
-      union {
-        typename Word<kPerLane>::type word;
-        uint8_t byte[kPerLane];
-      } u;
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) u.byte[i] = to_e4m3(x[i], inv_scale);
-      *reinterpret_cast<typename Word<kPerLane>::type*>(
-          dst + int64_t(row_begin + r) * p.dst_row_stride + lane * kPerLane) = u.word;
-    }
+    for (int r = warp; r < rows; r += kWarps)
+      *reinterpret_cast<RowWord*>(dst + int64_t(row_begin + r) * p.dst_row_stride +
+                                  lane * kPerLane) = quantized(r);
     return;
   }
   // Key-major: the block's rows quantized into shared memory as they are (each lane's bytes one
@@ -154,23 +159,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   // head-dim index d for 32 consecutive key positions (fp8_key_at: the keys of a 32-key group in
   // P's register order) and writes them to output row d as two 16-byte stores. Keys past seqlen
   // are zeros (P is 0 there, and 0·NaN would not be).
-  using RowWord = typename Word<kPerLane>::type;
-  for (int r = warp; r < p.block_rows; r += kWarps) {
-    float x[kPerLane];
-    if (r < rows) {
-      transformed(r, x);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) x[i] = 0.f;
-    }
-    union {
-      RowWord word;
-      uint8_t byte[kPerLane];
-    } u;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) u.byte[i] = to_e4m3(x[i], inv_scale);
-    *reinterpret_cast<RowWord*>(tile + r * kHeadDim + lane * kPerLane) = u.word;
-  }
+  for (int r = warp; r < p.block_rows; r += kWarps)
+    *reinterpret_cast<RowWord*>(tile + r * kHeadDim + lane * kPerLane) = quantized(r);
   __syncthreads();
   const int groups = p.block_rows / 32;  // 32-key groups (a key block is a multiple of 32)
   for (int w = threadIdx.x; w < kHeadDim * groups; w += kWarps * 32) {
@@ -180,8 +170,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int k = 0; k < 8; ++k) {
       uint32_t word = 0;
 #pragma unroll
-      for (int b = 0; b < 4; ++b)
-        word |= uint32_t(tile[fp8_key_at(32 * g + 4 * k + b) * kHeadDim + d]) << (8 * b);
+      for (int b = 0; b < 4; ++b)  // the permutation stays within the group: constant offsets
+        word |= uint32_t(tile[(32 * g + fp8_key_at(4 * k + b)) * kHeadDim + d]) << (8 * b);
       packed[k] = word;
     }
     uint4* out = reinterpret_cast<uint4*>(dst + int64_t(d) * p.dst_row_stride + row_begin + 32 * g);
