@@ -30,12 +30,15 @@ struct BwdRowsParams {
   float* dq_accum;
   int64_t dq_slice_stride;
   int dq_slices;
-  // Where the main kernel converts dQ itself (the sm90 deterministic mode at d64/d128), dQ, written
+  // Where the main kernel converts dQ itself (the sm90 backward at d64/d128), dQ, written
   // as 0 here for the rows that see no key: the main kernel converts a query block once its last
   // key block has added, so rows that no key block visits are not written there. Else null.
   void* dq;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   KeyRange keys;
+  // The sm90 backward's dQ counters (an int per 32 rows of (batch, heads_q, dq_rows)), zeroed
+  // here; else null.
+  int* dq_counters = nullptr;
 };
 
 // kHeadDim / 8 threads per (batch, head, row), 8 columns each: 16-byte loads of O and dO, the
@@ -83,6 +86,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
               head * p.dq_head_stride + row * p.dq_row_stride + chunk * 8;
     *reinterpret_cast<cutlass::Array<Element, 8>*>(dq) = cutlass::Array<Element, 8>{};
   }
+  if (p.dq_counters != nullptr && chunk == 0 && row_id % 32 == 0) p.dq_counters[row_id / 32] = 0;
   if (chunk == 0) {
     p.softmax_d[row_id] = sum;
     p.lse_log2[row_id] =

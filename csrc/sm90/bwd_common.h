@@ -51,8 +51,9 @@ struct BwdParams {
   float* dk_accum;
   float* dv_accum;
   // Deterministic mode: per (batch·head, query block, warpgroup) the number of key blocks whose
-  // dQ has been added, zeroed; each CTA adds its slab when the key blocks before it have (FA3's
-  // semaphore), so the sums run in key-block order. Null otherwise.
+  // dQ adds have completed, zeroed by the preprocess; each CTA adds its slab when the key blocks
+  // before it have (FA3's semaphore), so the sums run in key-block order, and at d64/d128 the
+  // CTA whose count completes a block converts its share of dQ. Null otherwise.
   int* dq_semaphore;
   int batch, heads_q, heads_kv, seqlen_q, seqlen_k, dq_rows;
   TileOrder order;  // (key block, batch·head) of each CTA; heavy-first under a right bound
@@ -85,13 +86,28 @@ __device__ inline void wait_for_count(const int* counter, int count) {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
   } while (seen != count);
 }
-// The issuing thread's bulk adds have reached global memory; then the next CTA may add. Returns
-// the count before this signal.
-__device__ inline int finish_bulk_adds_and_signal(int* counter) {
+// The issuing thread's bulk adds have reached global memory (and may be counted).
+__device__ inline void finish_bulk_adds() {
   asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+// Counts one key block's completed adds into a dQ share; returns the count before this one.
+__device__ inline int count_dq_adds(int* counter) {
   __threadfence();
   return atomicAdd(counter, 1);
+}
+// finish_bulk_adds, then count them: the next CTA in hand-over order may add.
+__device__ inline int finish_bulk_adds_and_signal(int* counter) {
+  finish_bulk_adds();
+  return count_dq_adds(counter);
+}
+// Whether the completed adds counted here were the last of the `adds` key blocks that add into
+// the share: the caller then converts it, which holds every add once the acquiring fence has
+// ordered the other CTAs' counted adds before its reads.
+__device__ inline bool count_dq_adds_is_last(int* counter, int adds) {
+  const bool last = count_dq_adds(counter) == adds - 1;
+  if (last) __threadfence();
+  return last;
 }
 
 // Deterministic mode: the semaphore of (batch·head bh, query block m of kBlockM rows, consumer
@@ -110,15 +126,6 @@ __device__ int dq_adds_before(Params const& params, int q0, int n_block, bool ke
   params.keys.template blocks<kBlockN>(q0, q0 + kBlockM, n_min, n_max);
   return keys_descending ? n_max - 1 - n_block : n_block - n_min;
 }
-// finish_bulk_adds_and_signal, and whether this CTA's adds were the last of the `adds` key blocks
-// that add there: the caller then converts that share of dQ, which holds every add once the
-// acquiring fence has ordered the other CTAs' counted adds before its reads.
-__device__ inline bool finish_bulk_adds_and_count(int* counter, int adds) {
-  const bool last = finish_bulk_adds_and_signal(counter) == adds - 1;
-  if (last) __threadfence();
-  return last;
-}
-
 // The number of key blocks of kBlockN keys that add into the dQ of the query block from row q0.
 template <int kBlockN, int kBlockM, class Params>
 __device__ int dq_key_blocks(Params const& params, int q0) {
@@ -129,23 +136,35 @@ __device__ int dq_key_blocks(Params const& params, int q0) {
 // One warpgroup's slab (Traits::DqLayout) of a query block's dQ, complete in the f32 accumulator,
 // to the element type times the softmax scale by one warp, in place of a conversion pass over the
 // whole accumulator (which read it back from HBM): rows [row0, row0 + slab rows) of head bh,
-// columns [col0, col0 + slab columns). Loaded through L2 (ld.global.cg: the adds happened there,
-// not in this SM's L1) one 8-float chunk per lane at a time (the writer warp has 24 registers);
-// 16-byte stores, eight lanes per 128-byte row piece.
+// columns [col0, col0 + slab columns). The slab comes into `staging` by one bulk copy (through
+// L2, where the adds happened; the warp has 24 registers, too few to keep enough loads of its own
+// in flight), whose completion `staged` counts (phase: its parity, flipped here); then 16-byte
+// stores, eight lanes per 128-byte row piece.
 template <class Traits>
-__device__ void convert_dq_slab(BwdParams<Traits> const& params, const float* slab, int bh,
-                                int row0, int col0) {
+__device__ void convert_dq_slab(BwdParams<Traits> const& params, const float* slab,
+                                float* staging, uint64_t* staged, int& phase, int bh, int row0,
+                                int col0) {
   using Element = typename Traits::Element;
   using Layout = typename Traits::DqLayout;
   constexpr int kRows = Layout::kSlabRows, kChunks = Layout::kChunks;
+  constexpr uint32_t kBytes = kRows * kChunks * 8 * sizeof(float);
+  if (threadIdx.x % 32 == 0) {
+    // The acquire (generic proxy) before the bulk copy's reads (async proxy).
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(staged, kBytes);
+    SM90_BULK_COPY_G2S::copy(slab, staged, staging, kBytes);
+  }
+  cutlass::arch::ClusterTransactionBarrier::wait(staged, phase);
+  phase ^= 1;
   const int batch = bh / params.heads_q, head = bh % params.heads_q;
   Element* dq = params.dq + batch * params.dq_batch_stride + head * params.dq_head_stride;
-#pragma unroll 1
+#pragma unroll 2
   for (int k = threadIdx.x % 32; k < kRows * kChunks; k += 32) {
     const int row = row0 + k / kChunks, c = k % kChunks;
     if (row >= params.seqlen_q) continue;
-    const float4* src = reinterpret_cast<const float4*>(slab + Layout::in_slab(k / kChunks, c * 8));
-    const float4 a = __ldcg(src), b = __ldcg(src + 1);
+    const float4* src =
+        reinterpret_cast<const float4*>(staging + Layout::in_slab(k / kChunks, c * 8));
+    const float4 a = src[0], b = src[1];
     cutlass::Array<float, 8> sums;
     sums[0] = a.x, sums[1] = a.y, sums[2] = a.z, sums[3] = a.w;
     sums[4] = b.x, sums[5] = b.y, sums[6] = b.z, sums[7] = b.w;
@@ -154,6 +173,9 @@ __device__ void convert_dq_slab(BwdParams<Traits> const& params, const float* sl
     *reinterpret_cast<cutlass::Array<Element, 8>*>(dq + row * params.dq_row_stride + col0 + c * 8) =
         cutlass::NumericArrayConverter<Element, float, 8>{}(sums);
   }
+  // Every lane's reads of `staging` (generic proxy) before the next bulk copy writes it.
+  __syncwarp();
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 // dst[i] += src[i] for `bytes` bytes of f32, by the TMA unit (one thread issues it).
 __device__ inline void bulk_reduce_add_f32(float* dst, const float* src, uint32_t bytes) {
@@ -197,7 +219,11 @@ __device__ void bwd_write_dq(const float* sdq, uint32_t slab_bytes, int wg, int 
     }
     __syncwarp();
     if (m + 1 < m_end) barrier_arrive(BwdBarrier::DqEmpty, kDqSlabThreads, wg);
-    const bool last = leader && finish_bulk_adds_and_count(counter(m), key_blocks(m));
+    bool last = false;
+    if (leader) {
+      finish_bulk_adds();
+      last = count_dq_adds_is_last(counter(m), key_blocks(m));
+    }
     if (__shfl_sync(0xffffffffu, last, 0)) {
       __syncwarp();  // the leader's acquire before the other lanes' reads
       convert(m);
@@ -227,13 +253,14 @@ __device__ BwdCtaWork bwd_cta_work(Params const& params, bool keys_descending) {
 }
 
 // One thread initializes the K/V barrier and the Q and dO pipelines (one arrival per consumer
-// warp); every thread of the CTA then syncs.
-template <class Smem>
-__device__ void bwd_init_barriers(Smem& smem, int consumer_warps) {
+// warp), and whatever else `init` does; every thread of the CTA then syncs.
+template <class Smem, class Init = void (*)()>
+__device__ void bwd_init_barriers(Smem& smem, int consumer_warps, Init const& init = [] {}) {
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&smem.kv_full, 1);
     smem.pipe_q.init(consumer_warps);
     smem.pipe_do.init(consumer_warps);
+    init();
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();

@@ -100,6 +100,10 @@ struct BwdTraits {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds[kConsumerWGs];
     // Each warpgroup's slab of dQ for the current query block, as in global memory.
     alignas(128) float dq[kConsumerWGs][kDqRows * kDqCols];
+    // Deterministic mode: each dQ writer warp's copy of a complete slab (convert_dq_slab) and
+    // the copy's barrier.
+    alignas(128) float dq_staging[kConsumerWGs][kDqRows * kDqCols];
+    uint64_t dq_staged[kConsumerWGs];
     uint64_t kv_full;
     TmaPipeline<kStages> pipe_q;
     TmaPipeline<kStages> pipe_do;
@@ -135,7 +139,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int64_t rows_base = int64_t(bh) * params.dq_rows;  // this head's LSE, D and dQ rows
 
   const int warp_group = threadIdx.x / 128;
-  bwd_init_barriers(smem, 4 * kConsumerWGs);
+  bwd_init_barriers(smem, 4 * kConsumerWGs, [&] {
+#pragma unroll
+    for (int w = 0; w < kConsumerWGs; ++w)
+      cutlass::arch::ClusterTransactionBarrier::init(&smem.dq_staged[w], 1);
+  });
 
   // This warpgroup's share of dQ: its slab of query block m in the accumulator, and where the
   // slab's rows and columns start.
@@ -152,6 +160,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       bwd_produce(params, smem, work);
     } else if (kDeterministic && warp <= kConsumerWGs) {  // dQ writer of warpgroup warp - 1
       const int wg = warp - 1;
+      int phase = 0;  // of the staging copy's barrier
       auto semaphore = [&](int m) {
         return dq_semaphore<kBlockM, kConsumerWGs>(params, bh, m, wg);
       };
@@ -163,7 +172,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                                     keys_descending);
           },
           [&](int m) {
-            convert_dq_slab<Traits>(params, slab_of(m, wg), bh,
+            convert_dq_slab<Traits>(params, slab_of(m, wg), smem.dq_staging[wg],
+                                    &smem.dq_staged[wg], phase, bh,
                                     m * kBlockM + (kSplitRows ? wg * kDqRows : 0),
                                     kSplitRows ? 0 : wg * kDqCols);
           });

@@ -96,17 +96,19 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   const int group = TileOrder::heads_per_group(q_bytes, l2_bytes() / 3);
   params.order = {n_blocks, p.batch * p.heads_q, params.keys.window_right >= 0 ? group : 0};
 
-  if (gqa || p.deterministic)
-    FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dk_accum, 0, ws.bytes - ws.dk_accum, stream));
+  if (gqa)
+    FLASHATTN_TRY_CUDA(
+        cudaMemsetAsync(base + ws.dk_accum, 0, ws.dq_semaphore - ws.dk_accum, stream));
   // Deterministic at d64/d128 the main kernel's writer warps convert dQ (bwd_write_dq).
   const bool dq_in_kernel = p.deterministic && !kSplitD;
-  const BwdRowsParams rows{p.o.ptr, p.dout.ptr, p.lse, lse_log2, softmax_d,
-                           p.o.batch_stride, p.o.row_stride, p.o.head_stride,
-                           p.dout.batch_stride, p.dout.row_stride, p.dout.head_stride,
-                           p.batch, p.heads_q, p.seqlen_q, dq_rows,
-                           params.dq_accum, 0, 1,
-                           dq_in_kernel ? p.dq.ptr : nullptr,
-                           p.dq.batch_stride, p.dq.row_stride, p.dq.head_stride, params.keys};
+  BwdRowsParams rows{p.o.ptr, p.dout.ptr, p.lse, lse_log2, softmax_d,
+                     p.o.batch_stride, p.o.row_stride, p.o.head_stride,
+                     p.dout.batch_stride, p.dout.row_stride, p.dout.head_stride,
+                     p.batch, p.heads_q, p.seqlen_q, dq_rows,
+                     params.dq_accum, 0, 1,
+                     dq_in_kernel ? p.dq.ptr : nullptr,
+                     p.dq.batch_stride, p.dq.row_stride, p.dq.head_stride, params.keys};
+  rows.dq_counters = params.dq_semaphore;  // zeroed there (deterministic)
   FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
 
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
