@@ -30,14 +30,14 @@ struct BwdRowsParams {
   float* dq_accum;
   int64_t dq_slice_stride;
   int dq_slices;
-  // Where the main kernel converts dQ itself (the sm90 backward at d64/d128), dQ, written
+  // Where the main kernel converts dQ itself (the sm90 deterministic mode at d64/d128), dQ, written
   // as 0 here for the rows that see no key: the main kernel converts a query block once its last
   // key block has added, so rows that no key block visits are not written there. Else null.
   void* dq;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   KeyRange keys;
-  // The sm90 backward's dQ counters (an int per 32 rows of (batch, heads_q, dq_rows)), zeroed
-  // here; else null.
+  // The sm90 deterministic backward's dQ semaphores (an int per 32 rows of (batch, heads_q,
+  // dq_rows)), zeroed here instead of by a memset of their own; else null.
   int* dq_counters = nullptr;
 };
 

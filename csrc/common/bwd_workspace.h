@@ -32,8 +32,8 @@ inline int bwd_dq_splits(const flashattn_params_t& p) {
 // bwd_dq_splits, the sm90 family's one), LSE·log2(e) and
 // rowsum(dO ∘ O) (batch, heads_q, dq_accum_rows(seqlen_q)) each, and with GQA the f32 dK and dV
 // sums (batch, heads_kv, seqlen_k, d), or in deterministic mode per query head (batch, heads_q,
-// seqlen_k, d); last the sm90 backward's dQ counters (an int per (batch, heads_q, 64-row query
-// block, warpgroup of 2)). src/backend/gpu.rs sizes it the same way.
+// seqlen_k, d); in deterministic mode last the sm90 backward's dQ semaphores (an int per
+// (batch, heads_q, 64-row query block, warpgroup of 2)). src/backend/gpu.rs sizes it the same way.
 struct BwdWorkspace {
   int64_t dq_accum, lse_log2, softmax_d, dk_accum, dv_accum, dq_semaphore, bytes;
 };
@@ -50,7 +50,7 @@ inline BwdWorkspace bwd_workspace(const flashattn_params_t& p, int dq_slices) {
   const bool gqa = p.heads_q != p.heads_kv;
   w.dv_accum = w.dk_accum + (gqa ? align(rows_k * p.head_dim * 4) : 0);
   w.dq_semaphore = w.dv_accum + (gqa ? align(rows_k * p.head_dim * 4) : 0);
-  w.bytes = w.dq_semaphore + align(rows_dq / 64 * 2 * 4);
+  w.bytes = w.dq_semaphore + (p.deterministic ? align(rows_dq / 64 * 2 * 4) : 0);
   return w;
 }
 

@@ -108,7 +108,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
                      params.dq_accum, 0, 1,
                      dq_in_kernel ? p.dq.ptr : nullptr,
                      p.dq.batch_stride, p.dq.row_stride, p.dq.head_stride, params.keys};
-  rows.dq_counters = params.dq_semaphore;  // zeroed there (deterministic)
+  rows.dq_counters = params.dq_semaphore;  // deterministic: zeroed there
   FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
 
   const int smem_bytes = sizeof(typename Traits::SharedStorage);

@@ -171,8 +171,8 @@ pub(crate) fn forward_fp8(
 /// refuses a smaller one): the f32 dQ accumulator (one slice, or on Sm80 in deterministic mode
 /// one per `bwd_dq_splits`), LSE·log2(e)
 /// and rowsum(dO ∘ O) (each with seqlen_q rounded up to 128 rows per head), with GQA f32 dK
-/// and dV sums (per KV head, or per query head in deterministic mode), and the sm90 backward's
-/// dQ counters (an i32 per 64 rows and warpgroup), each padded to 256 bytes.
+/// and dV sums (per KV head, or per query head in deterministic mode), and in deterministic mode
+/// the sm90 backward's dQ semaphores (an i32 per 64 rows and warpgroup), each padded to 256 bytes.
 pub(crate) fn bwd_workspace_bytes(
     problem: &Problem,
     backend: Backend,
@@ -197,7 +197,11 @@ pub(crate) fn bwd_workspace_bytes(
     slices * align(rows_dq * d * 4)
         + 2 * align(rows_dq * 4)
         + if gqa { 2 * align(rows_k * d * 4) } else { 0 }
-        + align(rows_dq / 64 * 2 * 4)
+        + if deterministic {
+            align(rows_dq / 64 * 2 * 4)
+        } else {
+            0
+        }
 }
 
 /// dQ slices of the deterministic backward: as many CTAs per (batch, head) as fit in one wave on
