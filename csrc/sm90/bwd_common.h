@@ -117,6 +117,8 @@ __device__ inline bool count_dq_adds_is_last(int* counter, int adds) {
 // the row); keys_descending: the hand-over runs down from the diagonal, else up from the left.
 template <int kBlockM, int kConsumerWGs, class Params>
 __device__ int* dq_semaphore(Params const& params, int bh, int m, int wg) {
+  // The workspace and the preprocess's zeroing hold kConsumerWGs (2) ints per 64 rows.
+  static_assert(kBlockM >= 64 && kConsumerWGs <= 2);
   const int64_t block = int64_t(bh) * (params.dq_rows / kBlockM) + m;
   return params.dq_semaphore + (block * kConsumerWGs + wg);
 }
@@ -138,8 +140,9 @@ __device__ int dq_key_blocks(Params const& params, int q0) {
 // whole accumulator (which read it back from HBM): rows [row0, row0 + slab rows) of head bh,
 // columns [col0, col0 + slab columns). The slab comes into `staging` by one bulk copy (through
 // L2, where the adds happened; the warp has 24 registers, too few to keep enough loads of its own
-// in flight), whose completion `staged` counts (phase: its parity, flipped here); then 16-byte
-// stores, eight lanes per 128-byte row piece.
+// in flight), whose completion `staged` counts (phase: its parity, flipped here); then eight
+// elements per lane and store (as four 4-byte stores: cutlass::Array is aligned to its element),
+// eight lanes per 128-byte row piece.
 template <class Traits>
 __device__ void convert_dq_slab(BwdParams<Traits> const& params, const float* slab,
                                 float* staging, uint64_t* staged, int& phase, int bh, int row0,
@@ -155,6 +158,7 @@ __device__ void convert_dq_slab(BwdParams<Traits> const& params, const float* sl
     SM90_BULK_COPY_G2S::copy(slab, staged, staging, kBytes);
   }
   cutlass::arch::ClusterTransactionBarrier::wait(staged, phase);
+  asm volatile("" ::: "memory");  // the reads of `staging` below stay after the wait
   phase ^= 1;
   const int batch = bh / params.heads_q, head = bh % params.heads_q;
   Element* dq = params.dq + batch * params.dq_batch_stride + head * params.dq_head_stride;
@@ -226,7 +230,7 @@ __device__ void bwd_write_dq(const float* sdq, uint32_t slab_bytes, int wg, int 
       last = count_dq_adds_is_last(counter(m), key_blocks(m));
     }
     if (__shfl_sync(0xffffffffu, last, 0)) {
-      __syncwarp();  // the leader's acquire before the other lanes' reads
+      __syncwarp();  // the warp together, after the leader's acquire, for the conversion
       convert(m);
     }
   }

@@ -112,6 +112,7 @@ struct BwdTraits {
     TmaPipeline<kStages> pipe_q;
     TmaPipeline<kStages> pipe_do;
   };
+  static_assert(sizeof(SharedStorage) <= 232448, "227 KiB of shared memory per CTA on sm_90");
 };
 
 // kDeterministic: dQ through the semaphores (params.dq_semaphore), GQA dK/dV per query head. Its
