@@ -97,9 +97,9 @@ __device__ inline int count_dq_adds(int* counter) {
   return atomicAdd(counter, 1);
 }
 // finish_bulk_adds, then count them: the next CTA in hand-over order may add.
-__device__ inline int finish_bulk_adds_and_signal(int* counter) {
+__device__ inline void finish_bulk_adds_and_signal(int* counter) {
   finish_bulk_adds();
-  return count_dq_adds(counter);
+  count_dq_adds(counter);
 }
 // Whether the completed adds counted here were the last of the `adds` key blocks that add into
 // the share: the caller then converts it, which holds every add once the acquiring fence has
@@ -259,8 +259,11 @@ __device__ BwdCtaWork bwd_cta_work(Params const& params, bool keys_descending) {
 
 // One thread initializes the K/V barrier and the Q and dO pipelines (one arrival per consumer
 // warp), and whatever else `init` does; every thread of the CTA then syncs.
-template <class Smem, class Init = void (*)()>
-__device__ void bwd_init_barriers(Smem& smem, int consumer_warps, Init const& init = [] {}) {
+struct NoMoreInit {
+  __device__ void operator()() const {}
+};
+template <class Smem, class Init = NoMoreInit>
+__device__ void bwd_init_barriers(Smem& smem, int consumer_warps, Init const& init = {}) {
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&smem.kv_full, 1);
     smem.pipe_q.init(consumer_warps);

@@ -26,5 +26,11 @@ __host__ __device__ constexpr int fp8_key_at(int position) {
   const int j = position % 32;
   return position - j + 16 * (j / 16) + 8 * ((j / 2) % 2) + 2 * ((j / 4) % 4) + j % 2;
 }
+constexpr bool fp8_key_order_inverts() {
+  for (int key = 0; key < 64; ++key)
+    if (fp8_key_at(fp8_key_position(key)) != key) return false;
+  return true;
+}
+static_assert(fp8_key_order_inverts(), "fp8_key_at must invert fp8_key_position");
 
 }  // namespace flashattn::sm90
