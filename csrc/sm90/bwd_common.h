@@ -11,6 +11,8 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_conversion.h>
 
+#include <climits>
+
 #include "../common/block_range.h"
 #include "../common/tile_order.h"
 #include "../common/online_softmax.h"
@@ -321,15 +323,26 @@ __device__ void bwd_probabilities(RowCol& s, Coords const& coords, LseOf const& 
   constexpr int kRows = decltype(size<0>(s))::value;
   constexpr int kCols = decltype(size<1>(s))::value;
   if (masked) {
+    // Row q sees key k when k - q lies in [shift - window_left, shift + window_right] and
+    // k < seqlen_k (KeyRange::lo/hi with k >= 0; shift = seqlen_k - seqlen_q): bounds on the
+    // tile's own (key - query) per thread, not per column. Formed in 64 bits and clamped to int,
+    // which keeps every comparison with the tile's small differences.
+    const int64_t shift = int64_t(keys.seqlen_k) - keys.seqlen_q - (int64_t(key0) - q0);
+    auto to_int = [](int64_t x) {
+      return int(x < INT_MIN ? int64_t(INT_MIN) : (x > INT_MAX ? int64_t(INT_MAX) : x));
+    };
+    const int d_lo = keys.window_left < 0 ? INT_MIN : to_int(shift - keys.window_left);
+    const int d_hi = keys.window_right < 0 ? INT_MAX : to_int(shift + keys.window_right);
+    const int key_end = keys.seqlen_k - key0;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const float lse = lse_of(c);
-      const int q = q0 + get<1>(coords(0, c));
-      const int lo = keys.lo(q) - key0, hi = keys.hi(q) - key0;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        const int key = get<0>(coords(r, c));
-        s(r, c) = key >= lo && key < hi ? fast_exp2(s(r, c) * scale_log2 - lse) : 0.f;
+        const int key = get<0>(coords(r, c)), d = key - get<1>(coords(r, c));
+        s(r, c) = d >= d_lo && d <= d_hi && key < key_end
+                      ? fast_exp2(s(r, c) * scale_log2 - lse)
+                      : 0.f;
       }
     }
   } else {
