@@ -315,8 +315,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // stmatrix: each 16-byte row of 8 neighbouring queries of one key (the accumulator's column
     // direction) is contiguous in the queries-contiguous dS layout (d64 loop 9% fewer
     // instructions). Deterministic mode at d64 spilled in its loop that way (ptxas): there one
-    // pair of neighbouring queries at a time, indexed as (key, query).
-    if constexpr (!kDeterministic) {
+    // pair of neighbouring queries at a time, indexed as (key, query); at d128 it does not.
+    if constexpr (!kDeterministic || kHeadDim > 64) {
       auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
       auto thr_r2s_ds = r2s_ds.get_thread_slice(tid);
       Tensor tdSsdS = thr_r2s_ds.partition_D(as_position_independent_swizzle_tensor(

@@ -281,19 +281,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     convert_fragment(acc_dp, rdS);
     // Pᵀ and dSᵀ into this block's stage, as (key, query). The other warpgroup's GEMMs read the
     // stage two blocks ago and completed before it passed the barrier below last block.
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int c = 0; c < kCols; c += 2) {  // columns c, c+1 are neighbouring queries
-        const int key = get<0>(rowcol_cS(r, c)), q = q_off + get<1>(rowcol_cS(r, c));
-        cutlass::Array<Element, 2> p2, ds2;
-        p2[0] = rowcol_rP(r, c);
-        p2[1] = rowcol_rP(r, c + 1);
-        ds2[0] = rowcol_rdS(r, c);
-        ds2[1] = rowcol_rdS(r, c + 1);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(&sPt(key, q, st.index)) = p2;
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(&sdSt(key, q, st.index)) = ds2;
-      }
+    // By stmatrix: each 16-byte row of 8 neighbouring queries of one key (the accumulators'
+    // column direction) is contiguous in the queries-contiguous layout.
+    {
+      auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+      auto thr_r2s = r2s.get_thread_slice(tid);
+      auto my_queries = [&](auto* tiles) {  // (keys, this warpgroup's queries, stage)
+        return thr_r2s.partition_D(local_tile(
+            as_position_independent_swizzle_tensor(
+                make_tensor(make_smem_ptr(tiles), typename Traits::SmemLayoutPt{})),
+            Shape<Int<kBlockN>, Int<kQueriesPerWG>, Int<kStages>>{}, make_coord(_0{}, wg, _0{})));
+      };
+      copy(r2s, thr_r2s.retile_S(rP), my_queries(smem.pt.begin())(_, _, _, st.index));
+      copy(r2s, thr_r2s.retile_S(rdS), my_queries(smem.dst.begin())(_, _, _, st.index));
+    }
     // The dQ slab is free once the last block's second bulk add has read it. Deterministic: once
     // both of its adds have completed, the next key block may add into that query block.
     if (tid == 0) {
