@@ -311,11 +311,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // block); the slab must be free: the previous block's bulk add has read it once its
     // thread's wait returns (deterministic: the writer warp's DqEmpty, below).
     if (!kDeterministic && tid == 0) tma_store_wait<0>();
-    // rdS holds dSᵀ register for register like the accumulator. Atomic mode stores it by
-    // stmatrix: each 16-byte row of 8 neighbouring queries of one key (the accumulator's column
-    // direction) is contiguous in the queries-contiguous dS layout (d64 loop 9% fewer
-    // instructions). Deterministic mode at d64 spilled in its loop that way (ptxas): there one
-    // pair of neighbouring queries at a time, indexed as (key, query); at d128 it does not.
+    // rdS holds dSᵀ register for register like the accumulator, stored by stmatrix: each
+    // 16-byte row of 8 neighbouring queries of one key (the accumulator's column direction) is
+    // contiguous in the queries-contiguous dS layout (d64 loop 9% fewer instructions). Only
+    // deterministic d64 spilled in its loop that way (ptxas): there one pair of neighbouring
+    // queries at a time, indexed as (key, query).
     if constexpr (!kDeterministic || kHeadDim > 64) {
       auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
       auto thr_r2s_ds = r2s_ds.get_thread_slice(tid);
