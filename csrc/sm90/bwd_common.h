@@ -425,29 +425,64 @@ __device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, BwdCtaW
   }
 }
 
+// Where dK and dV are staged for their stores without GQA: the CTA's K and V tiles (kTileRows
+// keys × kHeadDim each, free once every consumer's GEMMs are done), row-major with 16-byte chunk
+// c of row r at chunk c ^ (r % 8), so that the 8 rows one accumulator store spans fall in
+// different banks and a row reads back contiguously.
+template <int kTileRows, int kHeadDim, class Element>
+struct DkDvStage {
+  static constexpr int kChunk = 16 / sizeof(Element);  // elements per 16-byte chunk
+  static constexpr int kChunksPerRow = kHeadDim / kChunk;
+  static constexpr int kRows = kTileRows;
+  static_assert(kChunksPerRow % 8 == 0, "the swizzle permutes 8 chunks of a row");
+  Element* k;
+  Element* v;
+  int row0;  // this warpgroup's first key within the tile
+
+  __device__ static int at(int row, int col) {
+    return row * kHeadDim + ((col / kChunk) ^ (row % 8)) * kChunk + col % kChunk;
+  }
+};
+
 // dK·scale and dV of one warpgroup's accumulators; cKV gives each element's (key, column) from
-// (key0, col0). Without GQA straight into dK and dV; GQA: f32 atomics into the KV head's sums,
-// or in deterministic mode plain stores into the query head's own rows, which the conversion
-// sums over the group in head order.
-template <bool kDeterministic, int kHeadDim, class Element, class Params, class Acc, class Coords>
+// (key0, col0). Without GQA into dK and dV through shared memory (`stage`; both consumer
+// warpgroups call this), 16 bytes per store: the accumulators' own layout stores 4 bytes per
+// thread across 8 rows, four times the store instructions. GQA: f32 atomics into the KV head's
+// sums, or in deterministic mode plain stores into the query head's own rows, which the
+// conversion sums over the group in head order.
+template <bool kDeterministic, int kHeadDim, class Element, class Params, class Acc, class Coords,
+          class Stage>
 __device__ void bwd_store_dkdv(Params const& params, Acc const& acc_dk, Acc const& acc_dv,
                                Coords const& cKV, int key0, int col0, int bh, int batch, int head,
-                               int head_kv) {
+                               int head_kv, Stage const& stage, int consumer_thread) {
   if (params.dk_accum == nullptr) {
-    Element* dk = params.dk + batch * params.dk_batch_stride + head * params.dk_head_stride;
-    Element* dv = params.dv + batch * params.dv_batch_stride + head * params.dv_head_stride;
+    consumers_sync(BwdBarrier::DsReady, 256);  // every GEMM has read K and V
 #pragma unroll
     for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
-      const int row = key0 + get<0>(cKV(i));
-      if (row >= params.seqlen_k) continue;
-      const int col = col0 + get<1>(cKV(i));
+      const int at = Stage::at(stage.row0 + get<0>(cKV(i)), col0 + get<1>(cKV(i)));
       cutlass::Array<Element, 2> k2, v2;
       k2[0] = Element(acc_dk(i) * params.scale);
       k2[1] = Element(acc_dk(i + 1) * params.scale);
       v2[0] = Element(acc_dv(i));
       v2[1] = Element(acc_dv(i + 1));
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + row * params.dk_row_stride + col) = k2;
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + row * params.dv_row_stride + col) = v2;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(stage.k + at) = k2;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(stage.v + at) = v2;
+    }
+    consumers_sync(BwdBarrier::DsReady, 256);
+    const int tile_key0 = key0 - stage.row0;
+    Element* dk = params.dk + batch * params.dk_batch_stride + head * params.dk_head_stride;
+    Element* dv = params.dv + batch * params.dv_batch_stride + head * params.dv_head_stride;
+    constexpr int kChunks = Stage::kChunksPerRow;
+#pragma unroll 4
+    for (int c = consumer_thread; c < kChunks * Stage::kRows; c += 256) {
+      const int row = c / kChunks, chunk = c % kChunks;
+      const int key = tile_key0 + row;
+      if (key >= params.seqlen_k) break;  // rows grow with c
+      const int from = Stage::at(row, chunk * Stage::kChunk);
+      *reinterpret_cast<uint4*>(dk + int64_t(key) * params.dk_row_stride + chunk * Stage::kChunk) =
+          *reinterpret_cast<const uint4*>(stage.k + from);
+      *reinterpret_cast<uint4*>(dv + int64_t(key) * params.dv_row_stride + chunk * Stage::kChunk) =
+          *reinterpret_cast<const uint4*>(stage.v + from);
     }
     return;
   }

@@ -113,6 +113,9 @@ struct BwdTraits {
     TmaPipeline<kStages> pipe_do;
   };
   static_assert(sizeof(SharedStorage) <= 232448, "227 KiB of shared memory per CTA on sm_90");
+  // dK and dV are staged in the K and V tiles (DkDvStage): each the CTA's keys × kHeadDim.
+  static_assert(sizeof(SharedStorage::k) == kBlockN * kHeadDim * sizeof(Element) &&
+                sizeof(SharedStorage::v) == sizeof(SharedStorage::k));
 };
 
 // kDeterministic: dQ through the semaphores (params.dq_semaphore), GQA dK/dV per query head. Its
@@ -386,8 +389,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // ---------------- dK·scale and dV ----------------
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(typename Traits::TileK{}));
   if (m_end > m_first || params.dk_accum == nullptr)
-    bwd_store_dkdv<kDeterministic, kHeadDim, Element>(params, acc_dk, acc_dv, cKV, key0, 0, bh,
-                                                      batch, head, head_kv);
+    bwd_store_dkdv<kDeterministic, kHeadDim, Element>(
+        params, acc_dk, acc_dv, cKV, key0, 0, bh, batch, head, head_kv,
+        DkDvStage<kBlockN, kHeadDim, Element>{smem.k[0].begin(), smem.v[0].begin(), wg * kKeysPerWG},
+        threadIdx.x - 128);
 #endif
 }
 

@@ -110,6 +110,9 @@ struct BwdSplitDTraits {
     TmaPipeline<kStages> pipe_q;
     TmaPipeline<kStagesdO> pipe_do;
   };
+  // dK and dV are staged in the K and V tiles (DkDvStage): each the CTA's keys × kHeadDim.
+  static_assert(sizeof(SharedStorage::k) == kBlockN * kHeadDim * sizeof(Element) &&
+                sizeof(SharedStorage::v) == sizeof(SharedStorage::k));
 };
 
 template <class Traits, bool kDeterministic>
@@ -204,11 +207,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor rowcol_cS = make_tensor(cS.data(), acc_rowcol(cS.layout()));
   Tensor rP = make_tensor<Element>(acc_s.layout());
   Tensor rdS = make_tensor<Element>(acc_dp.layout());
-  Tensor rowcol_rP = make_tensor(rP.data(), acc_rowcol(acc_s.layout()));
-  Tensor rowcol_rdS = make_tensor(rdS.data(), acc_rowcol(acc_dp.layout()));
   Tensor cdQ = thr_dq.partition_C(make_identity_tensor(TiledQ{}));
-  constexpr int kCols = decltype(size<1>(rowcol_s))::value;
-  constexpr int kRows = decltype(size<0>(rowcol_s))::value;
 
   float* sdq = smem.dq[wg];
   // dQ's two slabs: the accumulator's first and second half of elements hold the warpgroup's
@@ -342,8 +341,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // ---------------- dK·scale and dV ----------------
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
   if (m_end > m_first || params.dk_accum == nullptr)
-    bwd_store_dkdv<kDeterministic, kHeadDim, Element>(params, acc_dk, acc_dv, cKV, key0, col0, bh,
-                                             work.batch, work.head, work.head_kv);
+    bwd_store_dkdv<kDeterministic, kHeadDim, Element>(
+        params, acc_dk, acc_dv, cKV, key0, col0, bh, work.batch, work.head, work.head_kv,
+        DkDvStage<kBlockN, kHeadDim, Element>{smem.k[0].begin(), smem.v[0].begin(), 0},
+        threadIdx.x - 128);
 #endif
 }
 
