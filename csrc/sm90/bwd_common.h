@@ -17,6 +17,7 @@
 #include "../common/tile_order.h"
 #include "../common/online_softmax.h"
 #include "pipeline.h"
+#include "staged_rows.h"
 #include "tma_tensor.h"
 
 namespace flashattn::sm90 {
@@ -426,22 +427,13 @@ __device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, BwdCtaW
 }
 
 // Where dK and dV are staged for their stores without GQA: the CTA's K and V tiles (kTileRows
-// keys × kHeadDim each, free once every consumer's GEMMs are done), row-major with 16-byte chunk
-// c of row r at chunk c ^ (r % 8), so that the 8 rows one accumulator store spans fall in
-// different banks and a row reads back contiguously.
+// keys × kHeadDim each, free once every consumer's GEMMs are done), as StagedRows.
 template <int kTileRows, int kHeadDim, class Element>
-struct DkDvStage {
-  static constexpr int kChunk = 16 / sizeof(Element);  // elements per 16-byte chunk
-  static constexpr int kChunksPerRow = kHeadDim / kChunk;
+struct DkDvStage : StagedRows<kHeadDim, Element> {
   static constexpr int kRows = kTileRows;
-  static_assert(kChunksPerRow % 8 == 0, "the swizzle permutes 8 chunks of a row");
   Element* k;
   Element* v;
   int row0;  // this warpgroup's first key within the tile
-
-  __device__ static int at(int row, int col) {
-    return row * kHeadDim + ((col / kChunk) ^ (row % 8)) * kChunk + col % kChunk;
-  }
 };
 
 // dK·scale and dV of one warpgroup's accumulators; cKV gives each element's (key, column) from
@@ -470,20 +462,13 @@ __device__ void bwd_store_dkdv(Params const& params, Acc const& acc_dk, Acc cons
     }
     consumers_sync(BwdBarrier::DsReady, 256);
     const int tile_key0 = key0 - stage.row0;
+    const int keys = params.seqlen_k - tile_key0;
     Element* dk = params.dk + batch * params.dk_batch_stride + head * params.dk_head_stride;
     Element* dv = params.dv + batch * params.dv_batch_stride + head * params.dv_head_stride;
-    constexpr int kChunks = Stage::kChunksPerRow;
-#pragma unroll 4
-    for (int c = consumer_thread; c < kChunks * Stage::kRows; c += 256) {
-      const int row = c / kChunks, chunk = c % kChunks;
-      const int key = tile_key0 + row;
-      if (key >= params.seqlen_k) break;  // rows grow with c
-      const int from = Stage::at(row, chunk * Stage::kChunk);
-      *reinterpret_cast<uint4*>(dk + int64_t(key) * params.dk_row_stride + chunk * Stage::kChunk) =
-          *reinterpret_cast<const uint4*>(stage.k + from);
-      *reinterpret_cast<uint4*>(dv + int64_t(key) * params.dv_row_stride + chunk * Stage::kChunk) =
-          *reinterpret_cast<const uint4*>(stage.v + from);
-    }
+    Stage::store(stage.k, dk + int64_t(tile_key0) * params.dk_row_stride, params.dk_row_stride,
+                 Stage::kRows, keys, consumer_thread, 256);
+    Stage::store(stage.v, dv + int64_t(tile_key0) * params.dv_row_stride, params.dv_row_stride,
+                 Stage::kRows, keys, consumer_thread, 256);
     return;
   }
   const int64_t base = kDeterministic

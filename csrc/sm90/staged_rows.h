@@ -1,0 +1,36 @@
+// A tile of rows staged in shared memory so that it leaves by 16-byte coalesced stores: WGMMA
+// accumulators hold, per thread, pairs of neighbouring columns in 8 rows at once, so stores
+// straight from them write 4 bytes per thread spread over 8 rows (4x the store instructions).
+// Row-major, with 16-byte chunk c of row r at chunk c ^ (r % 8): the 8 rows one accumulator
+// store spans fall in different banks, and a row reads back as one contiguous run.
+#pragma once
+
+#include <cstdint>
+
+namespace flashattn::sm90 {
+
+template <int kCols, class Element>
+struct StagedRows {
+  static constexpr int kChunk = 16 / sizeof(Element);  // elements per 16-byte chunk
+  static constexpr int kChunksPerRow = kCols / kChunk;
+  static_assert(kChunksPerRow % 8 == 0, "the swizzle permutes 8 chunks of a row");
+
+  __device__ static int at(int row, int col) {
+    return row * kCols + ((col / kChunk) ^ (row % 8)) * kChunk + col % kChunk;
+  }
+
+  // Threads [first, first + threads) copy rows [0, rows) of `stage` to dst + row * row_stride,
+  // 16 bytes per store; rows from `end` on are not written.
+  __device__ static void store(const Element* stage, Element* dst, int64_t row_stride, int rows,
+                               int end, int first, int threads) {
+#pragma unroll 1
+    for (int c = first; c < rows * kChunksPerRow; c += threads) {
+      const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
+      if (row >= end) break;  // rows grow with c
+      *reinterpret_cast<uint4*>(dst + row * row_stride + chunk * kChunk) =
+          *reinterpret_cast<const uint4*>(stage + at(row, chunk * kChunk));
+    }
+  }
+};
+
+}  // namespace flashattn::sm90
