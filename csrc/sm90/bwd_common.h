@@ -326,8 +326,8 @@ __device__ void bwd_probabilities(RowCol& s, Coords const& coords, LseOf const& 
   if (masked) {
     // Row q sees key k when k - q lies in [shift - window_left, shift + window_right] and
     // k < seqlen_k (KeyRange::lo/hi with k >= 0; shift = seqlen_k - seqlen_q): bounds on the
-    // tile's own (key - query) per thread, not per column. Formed in 64 bits and clamped to int,
-    // which keeps every comparison with the tile's small differences.
+    // tile's own (key - query), formed once per tile instead of per column. Formed in 64 bits and
+    // clamped to int, which keeps every comparison with the tile's small differences.
     const int64_t shift = int64_t(keys.seqlen_k) - keys.seqlen_q - (int64_t(key0) - q0);
     auto to_int = [](int64_t x) {
       return int(x < INT_MIN ? int64_t(INT_MIN) : (x > INT_MAX ? int64_t(INT_MAX) : x));

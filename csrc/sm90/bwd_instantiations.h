@@ -1,6 +1,5 @@
 // The sm90 backward instantiations, one translation unit each (bwd_d{64,128,256}_{bf16,fp16}.cu).
-// Softcap, and the deterministic mode at d256, are not built for sm90: the dispatcher sends those
-// calls to the sm80 backward.
+// Softcap is not built for sm90: the dispatcher sends those calls to the sm80 backward.
 #pragma once
 
 #include <cuda_runtime.h>

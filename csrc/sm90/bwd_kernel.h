@@ -15,7 +15,8 @@
 //                    slabs, in key-block order, and convert each query block's dQ once its
 //                    last key block has added (bwd_write_dq).
 //                    The rows' LSE·log2(e) and D = rowsum(dO ∘ O) come from global memory.
-// dK·scale and dV leave from registers at the end (GQA: f32 atomics into per-KV-head sums).
+// dK·scale and dV leave at the end through the K/V tiles by 16-byte stores (StagedRows; GQA: f32
+// atomics from registers into per-KV-head sums).
 // setmaxnreg moves registers from the producer (24) to the consumers (240).
 #pragma once
 

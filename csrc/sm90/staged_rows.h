@@ -19,12 +19,12 @@ struct StagedRows {
     return row * kCols + ((col / kChunk) ^ (row % 8)) * kChunk + col % kChunk;
   }
 
-  // Threads [first, first + threads) copy rows [0, rows) of `stage` to dst + row * row_stride,
-  // 16 bytes per store; rows from `end` on are not written.
+  // `threads` threads, this one `thread` (0 .. threads - 1), copy rows [0, rows) of `stage` to
+  // dst + row * row_stride, 16 bytes per store; rows from `end` on are not written.
   __device__ static void store(const Element* stage, Element* dst, int64_t row_stride, int rows,
-                               int end, int first, int threads) {
+                               int end, int thread, int threads) {
 #pragma unroll 1
-    for (int c = first; c < rows * kChunksPerRow; c += threads) {
+    for (int c = thread; c < rows * kChunksPerRow; c += threads) {
       const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
       if (row >= end) break;  // rows grow with c
       *reinterpret_cast<uint4*>(dst + row * row_stride + chunk * kChunk) =
