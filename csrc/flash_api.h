@@ -47,6 +47,8 @@ typedef enum {
 } flashattn_sm90_flag_t;
 
 // One strided 4-d operand (batch, seqlen, heads, head_dim); strides in elements, head_dim unit.
+// ptr and every stride used must be 16-byte aligned (TMA loads, 16-byte stores); the Rust API
+// checks this before a launch and returns Error::Misaligned.
 typedef struct {
   void* ptr;
   int64_t batch_stride;
