@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""The machine-code checks of METHOD.md for the built kernels, without a GPU: per kernel, its
+registers and stack (cuobjdump -res-usage), and in its main loop the tensor-core instructions
+(HGMMA / QGMMA on sm_90, HMMA on the sm80 family) and the local-memory spills (LDL / STL).
+
+    python3 scripts/sass_report.py [--match REGEX] [ARCHIVE]
+
+ARCHIVE defaults to the newest target/release/build/flashattn-*/out/libflashattn_kernels.a.
+cuobjdump: $CUOBJDUMP, else on PATH (PyPI: nvidia-cuda-cuobjdump, under nvidia/cu13/bin).
+
+The main loops are taken as the innermost loops (conditional backward branches) whose bodies
+hold tensor-core instructions.
+Stdlib only.
+"""
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+MMA = re.compile(r"\b[HQ]GMMA\b|\bHMMA\b")
+
+
+def cuobjdump():
+    path = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
+    if not path:
+        sys.exit("cuobjdump not found: set CUOBJDUMP or put it on PATH")
+    return path
+
+
+def default_archive():
+    found = glob.glob("target/release/build/flashattn-*/out/libflashattn_kernels.a")
+    if not found:
+        sys.exit("no libflashattn_kernels.a under target/release: build first, or name one")
+    return max(found, key=os.path.getmtime)
+
+
+def functions(sass):
+    """{name: [(address, instruction)]} from cuobjdump -sass output."""
+    funcs, name = {}, None
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            name = m.group(1)
+            funcs[name] = []
+            continue
+        m = re.search(r"/\*([0-9a-f]{4,6})\*/\s+(.*?);", line)
+        if m and name:
+            funcs[name].append((int(m.group(1), 16), m.group(2)))
+    return funcs
+
+
+def main_loops(ins):
+    """The innermost loops (backward branches) whose bodies hold tensor-core instructions."""
+    loops = []
+    for a, i in ins:
+        # A loop's back edge is conditional; the unconditional backward branches are the
+        # out-of-line retry paths of barrier waits, which jump back into the body.
+        m = re.search(r"^@!?U?P\d\s+BRA\b.*?(0x[0-9a-f]+)", i)
+        if m and int(m.group(1), 16) < a:
+            body = (int(m.group(1), 16), a)
+            if any(body[0] <= b <= body[1] and MMA.search(j) for b, j in ins):
+                loops.append(body)
+    return [l for l in loops
+            if not any(o != l and l[0] <= o[0] and o[1] <= l[1] for o in loops)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("archive", nargs="?")
+    ap.add_argument("--match", default=r"sm90.*(bwd_kernel|fwd_kernel)",
+                    help="regex on the mangled kernel name")
+    args = ap.parse_args()
+    archive = args.archive or default_archive()
+    tool = cuobjdump()
+    usage = subprocess.run([tool, "-res-usage", archive], capture_output=True, text=True).stdout
+    res, name = {}, None
+    for line in usage.splitlines():
+        m = re.search(r"Function (\S+):", line)
+        if m:
+            name = m.group(1)
+            continue
+        m = re.search(r"REG:(\d+) STACK:(\d+)", line)
+        if m and name:
+            res[name] = (int(m.group(1)), int(m.group(2)))
+    sass = subprocess.run([tool, "-sass", archive], capture_output=True, text=True).stdout
+    print(f"{archive}")
+    print(f"{'kernel':<72} {'regs':>4} {'stack':>5} {'loop MMA':>8} {'loop spills':>11}")
+    seen = set()
+    for fn, ins in sorted(functions(sass).items()):
+        if not re.search(args.match, fn) or fn in seen:
+            continue
+        seen.add(fn)
+        loops = main_loops(ins)
+        inside = [i for a, i in ins if any(lo <= a <= hi for lo, hi in loops)]
+        mma = sum(1 for i in inside if MMA.search(i))
+        spills = sum(1 for i in inside if re.search(r"\b(LDL|STL)\b", i))
+        regs, stack = res.get(fn, (0, 0))
+        short = re.sub(r"^_ZN9flashattn", "", fn)[:72]
+        print(f"{short:<72} {regs:>4} {stack:>5} {mma:>8} {spills:>11}")
+
+
+if __name__ == "__main__":
+    main()
