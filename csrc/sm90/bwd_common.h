@@ -428,8 +428,8 @@ __device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, BwdCtaW
 
 // Where dK and dV are staged for their stores without GQA: the CTA's K and V tiles (kTileRows
 // keys × kHeadDim each, free once every consumer's GEMMs are done), as StagedRows.
-template <int kTileRows, int kHeadDim, class Element>
-struct DkDvStage : StagedRows<kHeadDim, Element> {
+template <int kTileRows, class Element>
+struct DkDvStage {
   static constexpr int kRows = kTileRows;
   Element* k;
   Element* v;
@@ -446,29 +446,27 @@ template <bool kDeterministic, int kHeadDim, class Element, class Params, class 
           class Stage>
 __device__ void bwd_store_dkdv(Params const& params, Acc const& acc_dk, Acc const& acc_dv,
                                Coords const& cKV, int key0, int col0, int bh, int batch, int head,
-                               int head_kv, Stage const& stage, int consumer_thread) {
+                               int head_kv, Stage const& stage) {
   if (params.dk_accum == nullptr) {
+    using Rows = StagedRows<kHeadDim, Element>;
     consumers_sync(BwdBarrier::DsReady, 256);  // every GEMM has read K and V
 #pragma unroll
     for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
-      const int at = Stage::at(stage.row0 + get<0>(cKV(i)), col0 + get<1>(cKV(i)));
-      cutlass::Array<Element, 2> k2, v2;
-      k2[0] = Element(acc_dk(i) * params.scale);
-      k2[1] = Element(acc_dk(i + 1) * params.scale);
-      v2[0] = Element(acc_dv(i));
-      v2[1] = Element(acc_dv(i + 1));
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(stage.k + at) = k2;
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(stage.v + at) = v2;
+      const int row = stage.row0 + get<0>(cKV(i)), col = col0 + get<1>(cKV(i));
+      Rows::put(stage.k, row, col, Element(acc_dk(i) * params.scale),
+                Element(acc_dk(i + 1) * params.scale));
+      Rows::put(stage.v, row, col, Element(acc_dv(i)), Element(acc_dv(i + 1)));
     }
     consumers_sync(BwdBarrier::DsReady, 256);
     const int tile_key0 = key0 - stage.row0;
     const int keys = params.seqlen_k - tile_key0;
+    const int thread = threadIdx.x - 128;  // of the two consumer warpgroups
     Element* dk = params.dk + batch * params.dk_batch_stride + head * params.dk_head_stride;
     Element* dv = params.dv + batch * params.dv_batch_stride + head * params.dv_head_stride;
-    Stage::store(stage.k, dk + int64_t(tile_key0) * params.dk_row_stride, params.dk_row_stride,
-                 Stage::kRows, keys, consumer_thread, 256);
-    Stage::store(stage.v, dv + int64_t(tile_key0) * params.dv_row_stride, params.dv_row_stride,
-                 Stage::kRows, keys, consumer_thread, 256);
+    Rows::store(stage.k, dk + int64_t(tile_key0) * params.dk_row_stride, params.dk_row_stride,
+                Stage::kRows, keys, thread, 256);
+    Rows::store(stage.v, dv + int64_t(tile_key0) * params.dv_row_stride, params.dv_row_stride,
+                Stage::kRows, keys, thread, 256);
     return;
   }
   const int64_t base = kDeterministic

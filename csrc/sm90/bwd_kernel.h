@@ -392,9 +392,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (m_end > m_first || params.dk_accum == nullptr)
     bwd_store_dkdv<kDeterministic, kHeadDim, Element>(
         params, acc_dk, acc_dv, cKV, key0, 0, bh, batch, head, head_kv,
-        DkDvStage<kBlockN, kHeadDim, Element>{
-            {}, smem.k[0].begin(), smem.v[0].begin(), wg * kKeysPerWG},
-        threadIdx.x - 128);
+        DkDvStage<kBlockN, Element>{smem.k[0].begin(), smem.v[0].begin(), wg * kKeysPerWG});
 #endif
 }
 

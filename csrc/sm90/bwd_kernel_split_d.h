@@ -343,8 +343,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (m_end > m_first || params.dk_accum == nullptr)
     bwd_store_dkdv<kDeterministic, kHeadDim, Element>(
         params, acc_dk, acc_dv, cKV, key0, col0, bh, work.batch, work.head, work.head_kv,
-        DkDvStage<kBlockN, kHeadDim, Element>{{}, smem.k[0].begin(), smem.v[0].begin(), 0},
-        threadIdx.x - 128);
+        DkDvStage<kBlockN, Element>{smem.k[0].begin(), smem.v[0].begin(), 0});
 #endif
 }
 

@@ -108,8 +108,8 @@ struct FwdTraits {
 
   // O (2-byte elements) leaves through a shared-memory stage of its own (StagedRows) in the FP8
   // d256 kernel: H200, 16k tokens, s8k 1178 -> 1205 TFLOP/s, causal s2k 669 -> 789. Elsewhere
-  // from registers: staged, FP8 d128 spilled (-16%), FP8 d64 and the bf16 d64 and causal d128
-  // kernels ran 2-15% slower, and bf16 d128/d256 non-causal have no shared memory left for it.
+  // from registers: staged, FP8 d128 spilled (-9 to -16%), FP8 d64 and the bf16 d64 and causal
+  // d128 kernels ran up to 16% slower, and bf16 d128/d256 non-causal have no shared memory left.
   static constexpr int kStageOBytes = kRowsPerWG * kHeadDim * 2;
   static constexpr bool kStageO = kFp8 && kHeadDim == 256;
 
@@ -524,13 +524,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
 #pragma unroll
-          for (int c = 0; c < size<1>(rowcol_rO); c += 2) {
-            cutlass::Array<Out, 2> pair;
-            pair[0] = rowcol_rO(r, c);
-            pair[1] = rowcol_rO(r, c + 1);
-            *reinterpret_cast<cutlass::Array<Out, 2>*>(
-                stage + Stage::at(get<0>(rowcol_cO(r, c)), get<1>(rowcol_cO(r, c)))) = pair;
-          }
+          for (int c = 0; c < size<1>(rowcol_rO); c += 2)
+            Stage::put(stage, get<0>(rowcol_cO(r, c)), get<1>(rowcol_cO(r, c)), rowcol_rO(r, c),
+                       rowcol_rO(r, c + 1));
         cutlass::arch::NamedBarrier::sync(128, stage_barrier);
         Stage::store(stage, o + int64_t(row0) * params.o_row_stride, params.o_row_stride,
                      kRowsPerWG, params.seqlen_q - row0, tid, 128);

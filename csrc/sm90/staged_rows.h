@@ -5,6 +5,8 @@
 // store spans fall in different banks, and a row reads back as one contiguous run.
 #pragma once
 
+#include <cutlass/array.h>
+
 #include <cstdint>
 
 namespace flashattn::sm90 {
@@ -17,6 +19,14 @@ struct StagedRows {
 
   __device__ static int at(int row, int col) {
     return row * kCols + ((col / kChunk) ^ (row % 8)) * kChunk + col % kChunk;
+  }
+
+  // Columns col, col + 1 of `row` (an accumulator's pair of neighbouring columns) as one word.
+  __device__ static void put(Element* stage, int row, int col, Element a, Element b) {
+    cutlass::Array<Element, 2> pair;
+    pair[0] = a;
+    pair[1] = b;
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(stage + at(row, col)) = pair;
   }
 
   // `threads` threads, this one `thread` (0 .. threads - 1), copy rows [0, rows) of `stage` to
