@@ -89,11 +89,9 @@ def main():
     sass = subprocess.run([tool, "-sass", archive], capture_output=True, text=True).stdout
     print(f"{archive}")
     print(f"{'kernel':<72} {'regs':>4} {'stack':>5} {'loop MMA':>8} {'loop spills':>11}")
-    seen = set()
     for fn, ins in sorted(functions(sass).items()):
-        if not re.search(args.match, fn) or fn in seen:
+        if not re.search(args.match, fn):
             continue
-        seen.add(fn)
         loops = main_loops(ins)
         inside = [i for a, i in ins if any(lo <= a <= hi for lo, hi in loops)]
         mma = sum(1 for i in inside if MMA.search(i))
