@@ -1,7 +1,12 @@
 #!/usr/bin/env python3
 """The machine-code checks of METHOD.md for the built kernels, without a GPU: per kernel, its
 registers and stack (cuobjdump -res-usage), and in its main loop the tensor-core instructions
-(HGMMA / QGMMA on sm_90, HMMA on the sm80 family) and the local-memory spills (LDL / STL).
+(HGMMA / QGMMA on sm_90, HMMA on the sm80 family), the local-memory spills (LDL / STL), and how
+many of its exponentials (MUFU.EX2) come before its last wait for every WGMMA in flight
+(WARPGROUP.DEPBAR.LE gsb0, 0x0), i.e. run beside the P·V GEMM. ptxas puts that wait at the top
+of its basic block: in the 16-bit sm90 forward it lands above the softmax (0 of N); a branch
+that moved it below cost 1-8% there (benchmarks/README.md, 2026-11-30). The FP8 forward's
+division (its slow path a call) ends the softmax's block, so there all N come before.
 
     python3 scripts/sass_report.py [--match REGEX] [ARCHIVE]
 
@@ -68,6 +73,15 @@ def main_loops(ins):
             if not any(o != l and l[0] <= o[0] and o[1] <= l[1] for o in loops)]
 
 
+def exp_before_wait(body):
+    """'n/m': n of the m MUFU.EX2 in `body` precede its last full WGMMA wait ('-': none)."""
+    exps = [k for k, i in enumerate(body) if "MUFU.EX2" in i]
+    waits = [k for k, i in enumerate(body) if re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", i)]
+    if not exps or not waits:
+        return "-"
+    return f"{sum(1 for k in exps if k < waits[-1])}/{len(exps)}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("archive", nargs="?")
@@ -88,7 +102,8 @@ def main():
             res[name] = (int(m.group(1)), int(m.group(2)))
     sass = subprocess.run([tool, "-sass", archive], capture_output=True, text=True).stdout
     print(f"{archive}")
-    print(f"{'kernel':<72} {'regs':>4} {'stack':>5} {'loop MMA':>8} {'loop spills':>11}")
+    print(f"{'kernel':<72} {'regs':>4} {'stack':>5} {'loop MMA':>8} {'loop spills':>11} "
+          f"{'EX2 before wait':>15}")
     for fn, ins in sorted(functions(sass).items()):
         if not re.search(args.match, fn):
             continue
@@ -98,7 +113,8 @@ def main():
         spills = sum(1 for i in inside if re.search(r"\b(LDL|STL)\b", i))
         regs, stack = res.get(fn, (0, 0))
         short = re.sub(r"^_ZN9flashattn", "", fn)[:72]
-        print(f"{short:<72} {regs:>4} {stack:>5} {mma:>8} {spills:>11}")
+        print(f"{short:<72} {regs:>4} {stack:>5} {mma:>8} {spills:>11} "
+              f"{exp_before_wait(inside):>15}")
 
 
 if __name__ == "__main__":
