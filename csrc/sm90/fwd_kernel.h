@@ -6,10 +6,13 @@
 //                    first so that only the first block visited needs the sequence-end mask;
 //   consumers (WG 1, WG 2): 64 query rows each; S = Q·Kᵀ by WGMMA from shared memory,
 //                    online softmax in registers, O += P·V by WGMMA with P from registers.
-// Intra-warpgroup overlap (template): the next block's Q·Kᵀ is issued before this block's
-// softmax, so the tensor cores work while the softmax runs; with two Q buffers this runs on
-// across tiles (the next tile's first Q·Kᵀ goes out beside this tile's last P·V, and this tile's
-// O is stored while the next tile's first softmax waits on nothing). Ping-pong (runtime flag):
+// Intra-warpgroup overlap (template): the next block's Q·Kᵀ is issued with this block's P·V,
+// before the softmax that needs only the former; with two Q buffers this runs on across tiles
+// (the next tile's first Q·Kᵀ goes out beside this tile's last P·V, and this tile's O is stored
+// while the next tile's first softmax waits on nothing). Whether the softmax also runs beside
+// the P·V is where ptxas puts the wait for it (sass_report.py 'EX2 before wait'): it does in the
+// FP8 d64/d128 kernels; in the 16-bit and FP8 d256 ones the wait lands above the softmax, which
+// measured faster there (benchmarks/README.md, 2026-11-30). Ping-pong (runtime flag):
 // two named barriers hand the tensor cores back and forth between the consumer warpgroups, so
 // that one warpgroup's softmax hides under the other's GEMMs. setmaxnreg moves registers from
 // the producer (24) to the consumers (240). Persistent: each CTA walks a share of the tiles.
@@ -487,7 +490,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const BlockScales scales = kScalesEarly ? early : block_scales(n);
       softmax.step(rowcol_S, scales.c, factor);
       // O holds P·V of the blocks after n in units of their V descale; block n's comes next.
-      const float ratio = v_unit / scales.v;
+      // Where the division is IEEE, its slow path (a call) ends the softmax's basic block, and
+      // ptxas, which puts the caller's wait for P·V at the top of its block, leaves the wait
+      // after the exponentials: the softmax runs beside this warpgroup's P·V. That is faster
+      // at d64/d128 (H200, 16k tokens: d64 s8k 508 -> 545, d128 s8k 878 -> 892 TFLOP/s); at d256
+      // the wait above the softmax is (s8k 1194 -> 1243, causal s2k 807 -> 898), so there the
+      // division is the approximate one (positive normal descales), with no slow path.
+      // scripts/sass_report.py, 'EX2 before wait', shows which way each kernel went.
+      const float ratio = Traits::kHeadDim == 256 ? __fdividef(v_unit, scales.v)
+                                                  : v_unit / scales.v;
       v_unit = scales.v;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) factor[r] *= ratio;
