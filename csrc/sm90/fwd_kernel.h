@@ -11,8 +11,9 @@
 // (the next tile's first Q·Kᵀ goes out beside this tile's last P·V, and this tile's O is stored
 // while the next tile's first softmax waits on nothing). Whether the softmax also runs beside
 // the P·V is where ptxas puts the wait for it (sass_report.py 'EX2 before wait'): it does in the
-// FP8 d64/d128 kernels; in the 16-bit and FP8 d256 ones the wait lands above the softmax, which
-// measured faster there (benchmarks/README.md, 2026-11-30). Ping-pong (runtime flag):
+// FP8 d64/d128 kernels; in the 16-bit and FP8 d256 ones the wait lands above the softmax (FP8
+// d256: 4-11% faster so; 16-bit: moving it below with a vote and a branch cost 1-8%;
+// benchmarks/README.md, 2026-11-30). Ping-pong (runtime flag):
 // two named barriers hand the tensor cores back and forth between the consumer warpgroups, so
 // that one warpgroup's softmax hides under the other's GEMMs. setmaxnreg moves registers from
 // the producer (24) to the consumers (240). Persistent: each CTA walks a share of the tiles.
