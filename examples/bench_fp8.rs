@@ -4,7 +4,7 @@
 //! descales written). The FP8 row times the kernel over inputs quantized once (per-block
 //! descales, Hadamard on), as a caller reusing K and V would run it. CUDA events, warm-up, median.
 //!
-//! Usage: bench_fp8 [--quick] [--out results.json] [--commit SHA]
+//! Usage: bench_fp8 [--quick] [--no-pingpong] [--out results.json] [--commit SHA]
 
 mod common;
 
@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
 use flashattn::cuda::{CudaStream, DeviceTensor, DeviceTensorMut, Fp8Options};
-use flashattn::{AttentionConfig, Backend, DType, Layout, Problem};
+use flashattn::{AttentionConfig, Backend, DType, Layout, Problem, Sm90Schedule};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -50,6 +50,11 @@ fn time(stream: &Arc<CudaStream>, reps: usize, mut run: impl FnMut()) -> f64 {
 fn main() {
     let args = common::Args::parse();
     let quick = args.flag("--quick");
+    // --no-pingpong: both forwards with ping-pong off (the FlashAttention-3 paper's ablation).
+    let schedule = Sm90Schedule {
+        pingpong: !args.flag("--no-pingpong"),
+        ..Sm90Schedule::default()
+    };
     let dev = common::device("bench_fp8");
     let stream = dev.new_stream().unwrap();
     let n = TOKENS * HIDDEN;
@@ -84,7 +89,10 @@ fn main() {
                 let shape = [TOKENS / s, s, HIDDEN / d, d];
                 let layout = Layout::contiguous(shape);
                 let t = |x| DeviceTensor::new(x, layout);
-                let cfg = AttentionConfig::new().causal(causal).backend(Backend::Sm90);
+                let cfg = AttentionConfig::new()
+                    .causal(causal)
+                    .backend(Backend::Sm90)
+                    .sm90_schedule(schedule);
                 // The inputs of the last timed call are the ones the forward runs on.
                 let mut fp8 = None;
                 let quant_ms = time(&stream, reps, || {
@@ -144,8 +152,8 @@ fn main() {
                     tflops(bf16_ms)
                 );
                 rows.push(format!(
-                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
-                    shape[0], shape[2], shape[2], tflops(fp8_ms), tflops(bf16_ms)
+                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong\": {}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
+                    shape[0], shape[2], shape[2], schedule.pingpong, tflops(fp8_ms), tflops(bf16_ms)
                 ));
                 if unwritten != 0 {
                     eprintln!(
