@@ -3,8 +3,9 @@
 registers and stack (cuobjdump -res-usage), and in its main loop the tensor-core instructions
 (HGMMA / QGMMA on sm_90, HMMA on the sm80 family), the local-memory spills (LDL / STL), and how
 many of its exponentials (MUFU.EX2) come before its last wait for every WGMMA in flight
-(WARPGROUP.DEPBAR.LE gsb0, 0x0), i.e. run beside the P·V GEMM. ptxas puts that wait at the top
-of its basic block: in the 16-bit sm90 forward it lands above the softmax (0 of N); a branch
+(WARPGROUP.DEPBAR.LE gsb0, 0x0), i.e. run beside the P·V GEMM. ptxas has put that wait at the
+top of its basic block: in the 16-bit sm90 forward with intra-warpgroup overlap it lands above
+the softmax (0 of N); a branch
 that moved it below cost 1-8% there (benchmarks/README.md, 2026-11-30). The FP8 forward's
 division (its slow path a call) ends the softmax's block, so there all N come before.
 
@@ -73,13 +74,18 @@ def main_loops(ins):
             if not any(o != l and l[0] <= o[0] and o[1] <= l[1] for o in loops)]
 
 
-def exp_before_wait(body):
-    """'n/m': n of the m MUFU.EX2 in `body` precede its last full WGMMA wait ('-': none)."""
-    exps = [k for k, i in enumerate(body) if "MUFU.EX2" in i]
-    waits = [k for k, i in enumerate(body) if re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", i)]
-    if not exps or not waits:
-        return "-"
-    return f"{sum(1 for k in exps if k < waits[-1])}/{len(exps)}"
+def exp_before_wait(bodies):
+    """'n/m' over the loop bodies: n of their m MUFU.EX2 precede their own loop's last full
+    WGMMA wait ('-': no loop has both)."""
+    before = total = 0
+    for body in bodies:
+        exps = [k for k, i in enumerate(body) if "MUFU.EX2" in i]
+        waits = [k for k, i in enumerate(body)
+                 if re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", i)]
+        if exps and waits:
+            before += sum(1 for k in exps if k < waits[-1])
+            total += len(exps)
+    return f"{before}/{total}" if total else "-"
 
 
 def main():
@@ -108,13 +114,14 @@ def main():
         if not re.search(args.match, fn):
             continue
         loops = main_loops(ins)
-        inside = [i for a, i in ins if any(lo <= a <= hi for lo, hi in loops)]
+        bodies = [[i for a, i in ins if lo <= a <= hi] for lo, hi in loops]
+        inside = [i for body in bodies for i in body]
         mma = sum(1 for i in inside if MMA.search(i))
         spills = sum(1 for i in inside if re.search(r"\b(LDL|STL)\b", i))
         regs, stack = res.get(fn, (0, 0))
         short = re.sub(r"^_ZN9flashattn", "", fn)[:72]
         print(f"{short:<72} {regs:>4} {stack:>5} {mma:>8} {spills:>11} "
-              f"{exp_before_wait(inside):>15}")
+              f"{exp_before_wait(bodies):>15}")
 
 
 if __name__ == "__main__":
