@@ -4,7 +4,8 @@
 //! descales written). The FP8 row times the kernel over inputs quantized once (per-block
 //! descales, Hadamard on), as a caller reusing K and V would run it. CUDA events, warm-up, median.
 //!
-//! Usage: bench_fp8 [--quick] [--no-pingpong] [--out results.json] [--commit SHA]
+//! Usage: bench_fp8 [--quick] [--only D,S[,causal]] [--no-pingpong] [--out results.json]
+//!                  [--commit SHA]
 
 mod common;
 
@@ -55,6 +56,20 @@ fn main() {
         pingpong: !args.flag("--no-pingpong"),
         ..Sm90Schedule::default()
     };
+    // --only D,S[,causal]: that one shape (for profilers).
+    let only = args.value("--only").map(|v| {
+        let f: Vec<&str> = v.split(',').collect();
+        match (
+            f.first().and_then(|x| x.parse::<usize>().ok()),
+            f.get(1).and_then(|x| x.parse::<usize>().ok()),
+        ) {
+            (Some(d), Some(s)) if TOKENS % s == 0 => (d, s, f.get(2) == Some(&"causal")),
+            _ => {
+                eprintln!("--only takes D,S[,causal] with S dividing {TOKENS}");
+                std::process::exit(2)
+            }
+        }
+    });
     let dev = common::device("bench_fp8");
     let stream = dev.new_stream().unwrap();
     let n = TOKENS * HIDDEN;
@@ -72,7 +87,10 @@ fn main() {
     let mut lse = stream
         .clone_htod(&vec![f32::NAN; TOKENS * HIDDEN / 64])
         .unwrap();
-    let seqlens: &[usize] = if quick {
+    let only_seqlen = only.map(|(_, s, _)| [s]);
+    let seqlens: &[usize] = if let Some(s) = &only_seqlen {
+        s
+    } else if quick {
         &[2048, 8192]
     } else {
         &[512, 1024, 2048, 4096, 8192, 16384]
@@ -86,6 +104,9 @@ fn main() {
     for d in [64, 128, 256] {
         for causal in [false, true] {
             for &s in seqlens {
+                if only.is_some_and(|o| o != (d, s, causal)) {
+                    continue;
+                }
                 let shape = [TOKENS / s, s, HIDDEN / d, d];
                 let layout = Layout::contiguous(shape);
                 let t = |x| DeviceTensor::new(x, layout);
