@@ -79,6 +79,7 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   const bool persistent = uniform || (p.sm90_flags & FLASHATTN_SM90_PERSISTENT_CAUSAL);
   const int ctas = persistent && p.sm_count > 0 && p.sm_count < units ? p.sm_count : units;
   kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
+  after_fwd_launch(stream);
   return check_launch();
 }
 
