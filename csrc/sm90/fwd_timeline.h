@@ -1,9 +1,12 @@
 // A debugging aid, off by default: a timeline of the forward's main loop. With
 // FLASHATTN_FWD_TIMELINE defined to 1 before fwd_launch.h is included (e.g. at the top of
 // fwd_fp8_launch.h), thread 0 of each consumer warpgroup of CTA 0 stamps the SM clock at eight
-// points of its first 64 key-block iterations (fwd_kernel.h: FWD_TIMELINE(point)), and the 10th
-// launch of that instantiation prints them (one line per iteration and warpgroup) from a second
-// kernel, so that no printf call sits in the forward itself (it would serialize its WGMMAs).
+// points of its first 64 iterations of the intra-warpgroup-overlap loop (fwd_kernel.h:
+// FWD_TIMELINE(point); a tile's first key block is not stamped), and the 10th launch from that
+// translation unit prints them (one line per iteration and warpgroup) from a second kernel, so
+// that no printf call sits in the forward itself (it would serialize its WGMMAs). Stamping lane
+// 0 of every warp instead (timeline_recording on tid % 32 == 0, a warp index in the array) shows
+// the skew between a warpgroup's warps, at the price of a slower forward (d128 -13%).
 // Points: 0 loop top, 1 K/V ready, 2 GEMM turn taken, 3 GEMMs issued, 4 S ready, 5 softmax
 // done, 6 P·V done, 7 P converted. It slows the FP8 d128 forward by about 6% (H200).
 #pragma once
@@ -40,7 +43,8 @@ inline void after_fwd_launch(cudaStream_t stream) {
   if (++launches == 10) print_fwd_timeline<<<1, 1, 0, stream>>>();
 }
 
-// Stamps `point` of iteration `iteration` when `recording` (thread 0 of a warpgroup of CTA 0).
+// Stamps `point` of the current iteration (timeline_iteration) where timeline_recording (thread 0
+// of a consumer warpgroup of CTA 0) holds.
 #define FWD_TIMELINE(point)                                                             \
   do {                                                                                  \
     const unsigned timeline_now = sm_clock();                                           \

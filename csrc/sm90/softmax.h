@@ -52,8 +52,9 @@ struct ScaledOnlineSoftmax {
   // order as their bits do and every negative one (−inf of a masked key too) is a negative
   // integer, so a chain started from 0 gives the clamped maximum. As the reference of
   // P = 2^(s·c − max + kOffset), a maximum raised to 0 only scales P down (still ≤ 2^kOffset:
-  // no e4m3 saturation), which cancels in O/sum and in the LSE; a row that saw only masked
-  // keys gets max 0, P = 0 and sum 0, as with −inf.
+  // no e4m3 saturation), which cancels in O/sum and in the LSE; only where all of a row's
+  // scores so far lie well below 0 do its smaller probabilities leave e4m3's normal range
+  // sooner. A row that saw only masked keys gets max 0, P = 0 and sum 0, as with −inf.
   template <class Tensor>
   __device__ static float clamped_row_max(Tensor const& s, int r) {
     constexpr int kCols = decltype(size<1>(s))::value;
