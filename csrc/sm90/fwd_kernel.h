@@ -431,11 +431,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
   if (pingpong && wg == 1) named_arrive(FwdBarrier::TurnWG0, 256);
 
-  // FP8 d256 takes the row maximum clamped at 0 (ScaledOnlineSoftmax::clamped_row_max), half
-  // the ALU instructions: H200, 16k tokens, three rounds: d256 s8k 1239 -> 1302 TFLOP/s, causal
-  // s8k 1136 -> 1169; at d128 it measured -1% (s8k 876-891 -> 873-874), at d64 -5%.
-  using Softmax = conditional_t<Traits::kFp8, ScaledOnlineSoftmax<kRows, Traits::kHeadDim == 256>,
-                                OnlineSoftmax<kRows>>;
+  using Softmax = conditional_t<Traits::kFp8, ScaledOnlineSoftmax<kRows>, OnlineSoftmax<kRows>>;
   Softmax softmax;
   float factor[kRows];  // what O is rescaled by after a softmax step
   // FP8: the tile's softmax scale with its Q descale, its K/V descales by key block, and the V

@@ -32,8 +32,7 @@ __device__ constexpr auto acc_as_operand_a(Layout l) {
 // (Q and K descales), so the row maxima are kept already scaled (in the exp2 domain), and P is
 // 2^(s·c − max + kOffset): up to 256, so that e4m3 keeps small probabilities in its normal
 // range; the 2^kOffset cancels in O/sum and is taken out of the LSE. `c` must be positive.
-// kClampedMax: the block's row maximum taken as max(0, ·) by clamped_row_max.
-template <int kRows, bool kClampedMax>
+template <int kRows>
 struct ScaledOnlineSoftmax {
   static constexpr float kOffset = 8.f;
   float row_max[kRows];  // of s·c, over the keys seen
@@ -47,29 +46,6 @@ struct ScaledOnlineSoftmax {
     }
   }
 
-  // max(0, the largest score of row r) by VIMNMX3 on the scores' bits as signed integers: two
-  // scores per instruction, half the ALU instructions of an FMNMX chain. Non-negative floats
-  // order as their bits do and every negative one (−inf of a masked key too) is a negative
-  // integer, so a chain started from 0 gives the clamped maximum. As the reference of
-  // P = 2^(s·c − max + kOffset), a maximum raised to 0 only scales P down (still ≤ 2^kOffset:
-  // no e4m3 saturation), which cancels in O/sum and in the LSE; only where all of a row's
-  // scores so far lie well below 0 do its smaller probabilities leave e4m3's normal range
-  // sooner. A row that saw only masked keys gets max 0, P = 0 and sum 0, as with −inf.
-  template <class Tensor>
-  __device__ static float clamped_row_max(Tensor const& s, int r) {
-    constexpr int kCols = decltype(size<1>(s))::value;
-    static_assert(kCols % 4 == 0);
-    int m[2] = {0, 0};  // two chains, two scores per step each
-#pragma unroll
-    for (int j = 0; j < kCols; j += 4) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        m[h] = __vimax3_s32(m[h], __float_as_int(s(r, j + 2 * h)),
-                            __float_as_int(s(r, j + 2 * h + 1)));
-    }
-    return __int_as_float(max(m[0], m[1]));
-  }
-
   // Replaces the scores in `s` (rows x cols) by P, updates max and sum, and returns in `factor`
   // what the running output must be multiplied by.
   template <class Tensor>
@@ -77,17 +53,12 @@ struct ScaledOnlineSoftmax {
     static_assert(decltype(size<0>(s))::value == kRows);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      float m;
-      if constexpr (kClampedMax) {
-        m = clamped_row_max(s, r);
-      } else {
-        m = -INFINITY;
+      float m = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < size<1>(s); ++j) m = fmaxf(m, s(r, j));
-      }
+      for (int j = 0; j < size<1>(s); ++j) m = fmaxf(m, s(r, j));
       m = fmaxf(row_max[r], OnlineSoftmax<kRows>::quad_max(m) * c);
       // A row that has seen only masked scores keeps max -inf: use 0 so that exp2 gives 0s.
-      const float m_use = kClampedMax || m != -INFINITY ? m : 0.f;
+      const float m_use = m == -INFINITY ? 0.f : m;
       factor[r] = fast_exp2(row_max[r] - m_use);
       row_max[r] = m;
       const float bias = m_use - kOffset;
