@@ -63,9 +63,17 @@ fn main() {
             f.first().and_then(|x| x.parse::<usize>().ok()),
             f.get(1).and_then(|x| x.parse::<usize>().ok()),
         ) {
-            (Some(d), Some(s)) if TOKENS % s == 0 => (d, s, f.get(2) == Some(&"causal")),
+            (Some(d), Some(s))
+                if [64, 128, 256].contains(&d)
+                    && s > 0
+                    && TOKENS % s == 0
+                    && f.len() <= 3
+                    && f.get(2).is_none_or(|x| *x == "causal") =>
+            {
+                (d, s, f.len() == 3)
+            }
             _ => {
-                eprintln!("--only takes D,S[,causal] with S dividing {TOKENS}");
+                eprintln!("--only takes D,S[,causal]: D 64, 128 or 256, S dividing {TOKENS}");
                 std::process::exit(2)
             }
         }

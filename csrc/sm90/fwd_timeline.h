@@ -37,8 +37,9 @@ static __global__ void print_fwd_timeline() {
     }
 }
 
-// Called after each launch: prints the 10th launch's timeline (after warm-up).
-inline void after_fwd_launch(cudaStream_t stream) {
+// Called after each launch: prints the 10th launch's timeline (after warm-up). Internal linkage
+// here and below: units built with the timeline and units without it define it differently.
+static inline void after_fwd_launch(cudaStream_t stream) {
   static int launches = 0;
   if (++launches == 10) print_fwd_timeline<<<1, 1, 0, stream>>>();
 }
@@ -52,7 +53,7 @@ inline void after_fwd_launch(cudaStream_t stream) {
       g_fwd_timeline[wg][timeline_iteration][point] = timeline_now;                     \
   } while (0)
 #else
-inline void after_fwd_launch(cudaStream_t) {}
+static inline void after_fwd_launch(cudaStream_t) {}
 #define FWD_TIMELINE(point) \
   do {                      \
   } while (0)
