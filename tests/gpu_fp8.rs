@@ -1,6 +1,7 @@
 //! The FP8 forward on the GPU: the quantize step against its host definition (bit for bit), the
 //! forward against the f64 reference over the quantized inputs under DESIGN.md §4's rule with an
-//! FP8 baseline, and the refusals. `#[ignore]`d: run on the device with `--include-ignored`.
+//! FP8 baseline (also on rows whose scores all lie far below 0), and the refusals. `#[ignore]`d:
+//! run on the device with `--include-ignored`.
 #![cfg(feature = "cuda")]
 
 mod common;
