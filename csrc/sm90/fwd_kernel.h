@@ -590,10 +590,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     pending = false;
   };
 
-#if FLASHATTN_FWD_TIMELINE
-  const bool timeline_recording = blockIdx.x == 0 && tid == 0;
-  int timeline_iteration = 0;
-#endif
+  FwdTimeline timeline(wg, tid);  // off unless FLASHATTN_FWD_TIMELINE (fwd_timeline.h)
   int tile;
 #pragma unroll 1
   for (TileWalk<Traits> walk{params}; walk.next(tile);) {
@@ -663,19 +660,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       convert_p();
 #pragma unroll 1
       for (int n = t.n_max - 2; n >= t.n_min; --n) {
-        FWD_TIMELINE(0);
+        timeline.stamp(0);
         const BlockScales scales = block_scales(n);
         smem.pipe_k.consumer_wait(st_k);
         smem.pipe_v.consumer_wait(st_v);
-        FWD_TIMELINE(1);
+        timeline.stamp(1);
         turn_wait();
-        FWD_TIMELINE(2);
+        timeline.stamp(2);
         gemm_qk(st_q.index, st_k.index);
         gemm_pv(st_v.index);
         turn_pass();
-        FWD_TIMELINE(3);
+        timeline.stamp(3);
         warpgroup_wait<1>();  // S of block n is ready; P·V of the previous block still runs
-        FWD_TIMELINE(4);
+        timeline.stamp(4);
         smem.pipe_k.consumer_release(st_k);
         st_k.advance();
         if (n == t.n_min) {  // the tile's last Q·Kᵀ: its Q buffer may take a later tile's Q
@@ -683,17 +680,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           st_q.advance();
         }
         softmax_step(n, row0, scales);
-        FWD_TIMELINE(5);
+        timeline.stamp(5);
         warpgroup_wait<0>();
-        FWD_TIMELINE(6);
+        timeline.stamp(6);
         smem.pipe_v.consumer_release(st_v);
         st_v.advance();
         scale_rows(rowcol_O, factor);
         convert_p();
-        FWD_TIMELINE(7);
-#if FLASHATTN_FWD_TIMELINE
-        ++timeline_iteration;
-#endif
+        timeline.stamp(7);
+        timeline.next();
       }
       pending = true;
       pending_tile = t;

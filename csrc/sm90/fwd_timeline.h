@@ -2,10 +2,10 @@
 // FLASHATTN_FWD_TIMELINE defined to 1 before fwd_launch.h is included (e.g. at the top of
 // fwd_fp8_launch.h), thread 0 of each consumer warpgroup of CTA 0 stamps the SM clock at eight
 // points of its first 64 iterations of the intra-warpgroup-overlap loop (fwd_kernel.h:
-// FWD_TIMELINE(point); a tile's first key block is not stamped), and the 10th launch from that
+// FwdTimeline::stamp; a tile's first key block is not stamped), and the 10th launch from that
 // translation unit prints them (one line per iteration and warpgroup) from a second kernel, so
 // that no printf call sits in the forward itself (it would serialize its WGMMAs). Stamping lane
-// 0 of every warp instead (timeline_recording on tid % 32 == 0, a warp index in the array) shows
+// 0 of every warp instead (the recording thread tid % 32 == 0, a warp index in the array) shows
 // the skew between a warpgroup's warps, at the price of a slower forward (d128 -13%).
 // Points: 0 loop top, 1 K/V ready, 2 GEMM turn taken, 3 GEMMs issued, 4 S ready, 5 softmax
 // done, 6 P·V done, 7 P converted. It slows the FP8 d128 forward by about 6% (H200).
@@ -18,17 +18,13 @@
 #endif
 
 namespace flashattn::sm90 {
+// Internal linkage: units built with the timeline and units without it define these differently.
+namespace {
 
 #if FLASHATTN_FWD_TIMELINE
-static __device__ unsigned g_fwd_timeline[2][64][8];
+__device__ unsigned g_fwd_timeline[2][64][8];
 
-__device__ __forceinline__ unsigned sm_clock() {
-  unsigned t;
-  asm volatile("mov.u32 %0, %%clock;" : "=r"(t)::"memory");
-  return t;
-}
-
-static __global__ void print_fwd_timeline() {
+__global__ void print_fwd_timeline() {
   for (int i = 0; i < 64; ++i)
     for (int w = 0; w < 2; ++w) {
       const unsigned* t = g_fwd_timeline[w][i];
@@ -37,26 +33,35 @@ static __global__ void print_fwd_timeline() {
     }
 }
 
-// Called after each launch: prints the 10th launch's timeline (after warm-up). Internal linkage
-// here and below: units built with the timeline and units without it define it differently.
-static inline void after_fwd_launch(cudaStream_t stream) {
+// Called after each launch: prints the 10th launch's timeline (after warm-up).
+inline void after_fwd_launch(cudaStream_t stream) {
   static int launches = 0;
   if (++launches == 10) print_fwd_timeline<<<1, 1, 0, stream>>>();
 }
 
-// Stamps `point` of the current iteration (timeline_iteration) where timeline_recording (thread 0
-// of a consumer warpgroup of CTA 0) holds.
-#define FWD_TIMELINE(point)                                                             \
-  do {                                                                                  \
-    const unsigned timeline_now = sm_clock();                                           \
-    if (timeline_recording && timeline_iteration < 64)                                  \
-      g_fwd_timeline[wg][timeline_iteration][point] = timeline_now;                     \
-  } while (0)
+// One consumer thread's stamps: `stamp(point)` records the SM clock for the current iteration
+// where this thread records (thread 0 of a consumer warpgroup of CTA 0), `next()` moves on.
+struct FwdTimeline {
+  int wg, iteration = 0;
+  bool recording;
+  __device__ FwdTimeline(int warpgroup, int thread_in_wg)
+      : wg(warpgroup), recording(blockIdx.x == 0 && thread_in_wg == 0) {}
+  __device__ void stamp(int point) const {
+    unsigned now;
+    asm volatile("mov.u32 %0, %%clock;" : "=r"(now)::"memory");
+    if (recording && iteration < 64) g_fwd_timeline[wg][iteration][point] = now;
+  }
+  __device__ void next() { ++iteration; }
+};
 #else
-static inline void after_fwd_launch(cudaStream_t) {}
-#define FWD_TIMELINE(point) \
-  do {                      \
-  } while (0)
+inline void after_fwd_launch(cudaStream_t) {}
+
+struct FwdTimeline {
+  __device__ FwdTimeline(int, int) {}
+  __device__ void stamp(int) const {}
+  __device__ void next() {}
+};
 #endif
 
+}  // namespace
 }  // namespace flashattn::sm90
