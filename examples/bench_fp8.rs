@@ -57,27 +57,9 @@ fn main() {
         ..Sm90Schedule::default()
     };
     // --only D,S[,causal]: that one shape (for profilers).
-    let only = args.value("--only").map(|v| {
-        let f: Vec<&str> = v.split(',').collect();
-        match (
-            f.first().and_then(|x| x.parse::<usize>().ok()),
-            f.get(1).and_then(|x| x.parse::<usize>().ok()),
-        ) {
-            (Some(d), Some(s))
-                if [64, 128, 256].contains(&d)
-                    && s > 0
-                    && TOKENS % s == 0
-                    && f.len() <= 3
-                    && f.get(2).is_none_or(|x| *x == "causal") =>
-            {
-                (d, s, f.len() == 3)
-            }
-            _ => {
-                eprintln!("--only takes D,S[,causal]: D 64, 128 or 256, S dividing {TOKENS}");
-                std::process::exit(2)
-            }
-        }
-    });
+    let only = args
+        .only(TOKENS, &["causal"])
+        .map(|(d, s, words)| (d, s, !words.is_empty()));
     let dev = common::device("bench_fp8");
     let stream = dev.new_stream().unwrap();
     let n = TOKENS * HIDDEN;

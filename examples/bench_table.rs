@@ -276,19 +276,13 @@ fn main() {
         plan.retain(|row| row.0 == Backend::Sm90 && row.4 == full);
     }
     // --only D,S[,causal][,sm80]: one shape with the default schedule (for profilers).
-    if let Some(only) = args.value("--only") {
-        let f: Vec<&str> = only.split(',').collect();
-        let num = |i: usize| f.get(i).and_then(|x| x.parse::<usize>().ok());
-        let (Some(d), Some(s)) = (num(0), num(1)) else {
-            eprintln!("--only takes D,S[,causal][,sm80]");
-            std::process::exit(2)
-        };
-        let backend = if f.contains(&"sm80") {
+    if let Some((d, s, words)) = args.only(TOKENS, &["causal", "sm80"]) {
+        let backend = if words.iter().any(|w| w == "sm80") {
             Backend::Sm80
         } else {
             Backend::Sm90
         };
-        plan = vec![(backend, d, s, f.contains(&"causal"), full)];
+        plan = vec![(backend, d, s, words.iter().any(|w| w == "causal"), full)];
     }
 
     let mut rows = vec![];

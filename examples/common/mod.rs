@@ -19,6 +19,31 @@ impl Args {
         let i = self.0.iter().position(|a| a == name)?;
         self.0.get(i + 1).cloned()
     }
+    /// `--only D,S[,WORD...]`, one shape for profilers: D a head dim the kernels are built for
+    /// (64, 128, 256), S > 0 dividing `tokens`, each WORD one of `words`; exits 2 on anything
+    /// else. Returns D, S and the words given.
+    pub fn only(&self, tokens: usize, words: &[&str]) -> Option<(usize, usize, Vec<String>)> {
+        let v = self.value("--only")?;
+        let f: Vec<&str> = v.split(',').collect();
+        let num = |i: usize| f.get(i).and_then(|x| x.parse::<usize>().ok());
+        match (num(0), num(1)) {
+            (Some(d), Some(s))
+                if [64, 128, 256].contains(&d)
+                    && s > 0
+                    && tokens % s == 0
+                    && f[2..].iter().all(|w| words.contains(w)) =>
+            {
+                Some((d, s, f[2..].iter().map(|w| w.to_string()).collect()))
+            }
+            _ => {
+                eprintln!(
+                    "--only takes D,S[,{}]: D 64, 128 or 256, S dividing {tokens}",
+                    words.join("][,")
+                );
+                std::process::exit(2)
+            }
+        }
+    }
     /// `--commit SHA`, or "unknown".
     pub fn commit(&self) -> String {
         self.value("--commit").unwrap_or_else(|| "unknown".into())
