@@ -4,9 +4,9 @@ registers and stack (cuobjdump -res-usage), and in its main loop the tensor-core
 (HGMMA / QGMMA on sm_90, HMMA on the sm80 family), the local-memory spills (LDL / STL), and how
 many of its exponentials (MUFU.EX2) come before its last wait for every WGMMA in flight
 (WARPGROUP.DEPBAR.LE gsb0, 0x0), i.e. run beside the P·V GEMM. ptxas has put that wait at the
-top of its basic block: in the 16-bit sm90 forward with intra-warpgroup overlap it lands above
-the softmax (0 of N); a branch
-that moved it below cost 1-8% there (benchmarks/README.md, 2026-11-30). The FP8 forward's
+top of its basic block: in the 16-bit sm90 forward with intra-warpgroup overlap and the FP8
+d256 one it lands above the softmax (0 of N); a branch that moved it below cost 1-8% in the
+16-bit ones (benchmarks/README.md, 2026-11-30). In the FP8 d64/d128 forwards the V-descale
 division (its slow path a call) ends the softmax's block, so there all N come before.
 
     python3 scripts/sass_report.py [--match REGEX] [ARCHIVE]
