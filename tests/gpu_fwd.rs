@@ -194,6 +194,12 @@ fn sweep(head_dim: usize) -> Vec<Case> {
         window: (Some(50), None),
         ..Case::new(300, 400, head_dim, false)
     });
+    // Wide enough that middle tiles have masked key blocks above and below unmasked ones
+    // (the kernels' loop copy for unmasked blocks runs between the two).
+    cases.push(Case {
+        window: (Some(1500), Some(700)),
+        ..Case::new(4000, 4000, head_dim, false)
+    });
     // More tiles than SMs, so each persistent CTA walks several; with GQA and both masks.
     for causal in [false, true] {
         cases.push(Case {

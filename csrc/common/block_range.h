@@ -52,6 +52,18 @@ struct KeyRange {
     return false;
   }
 
+  // The key blocks that block_needs_mask passes for rows [row_begin, row_end): exactly
+  // [first, last] (empty when last < first), since its tests are monotone in n.
+  template <int kBlockN>
+  __host__ __device__ void unmasked_blocks(int row_begin, int row_end, int& first,
+                                           int& last) const {
+    if (row_end > seqlen_q) row_end = seqlen_q;
+    int end = seqlen_k;  // (n + 1)·kBlockN <= end
+    if (window_right >= 0 && hi(row_begin) < end) end = hi(row_begin);
+    last = end / kBlockN - 1;
+    first = window_left >= 0 ? (lo(row_end - 1) + kBlockN - 1) / kBlockN : 0;  // lo >= 0
+  }
+
   // Query rows [row_lo, row_hi) that see any key of [col_begin, col_end): both bounds of a row's
   // keys grow with the row.
   __host__ __device__ void rows_seeing(int col_begin, int col_end, int& row_lo,

@@ -15,7 +15,8 @@
 // d256: 4-11% faster so; 16-bit: moving it below with a vote and a branch cost 1-8%;
 // benchmarks/README.md, 2026-11-30). Ping-pong (runtime flag):
 // two named barriers hand the tensor cores back and forth between the consumer warpgroups, so
-// that one warpgroup's softmax hides under the other's GEMMs. setmaxnreg moves registers from
+// that one warpgroup's softmax hides under the other's GEMMs. Key blocks that need no mask may
+// run a copy of the loop without the mask and softcap tests (Tile::kUnmaskedLoop). setmaxnreg moves registers from
 // the producer (24) to the consumers (240). Persistent: each CTA walks a share of the tiles.
 // Epilogue: O and LSE straight from registers (FP8 d256: O through a shared-memory stage).
 // FP8 (Element = e4m3, from the quantize step): Q·Kᵀ and P·V by QGMMA, the Q and K descales
@@ -46,7 +47,8 @@ using namespace cute;
 // on a local-memory stack.
 #define FLASHATTN_INLINE __attribute__((always_inline))
 
-// Tile: kBlockN (keys per block), kStages (K/V pipeline depth), kQStages (Q buffers).
+// Tile: kBlockN (keys per block), kStages (K/V pipeline depth), kQStages (Q buffers), and the
+// code-shape choices kUnmaskedLoop and kIeeeDescaleRatio (below).
 template <class Element_, int kHeadDim_, class Tile, bool kIntraWGOverlap_>
 struct FwdTraits {
   using Element = Element_;  // of Q, K and V
@@ -58,6 +60,11 @@ struct FwdTraits {
   static constexpr int kStages = Tile::kStages;
   static constexpr int kQStages = Tile::kQStages;
   static constexpr bool kIntraWGOverlap = kIntraWGOverlap_;
+  // A second copy of the key-block loop for the blocks that need no mask or softcap, so that
+  // their loop has none of those tests (branches) in it; which kernels gain is measured.
+  static constexpr bool kUnmaskedLoop = Tile::kUnmaskedLoop;
+  // FP8: the V-descale ratio by IEEE division, whose slow path moves ptxas's P·V wait (below).
+  static constexpr bool kIeeeDescaleRatio = Tile::kIeeeDescaleRatio;
   // The next tile's first Q·Kᵀ beside this tile's last P·V: needs the next Q in its own buffer.
   static constexpr bool kCrossTileOverlap = kIntraWGOverlap && kQStages > 1;
   static constexpr int kConsumerWGs = kBlockM / kRowsPerWG;
@@ -466,13 +473,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   };
 
-  // Softcap and masks, then the online softmax step on S of key block n for rows from row0.
-  auto softmax_step = [&](int n, int row0, BlockScales early) FLASHATTN_INLINE {
-    if (params.softcap) {
+  // Softcap and masks (unless `plain`: the caller knows there are none), then the online
+  // softmax step on S of key block n for rows from row0.
+  auto softmax_step = [&](int n, int row0, BlockScales early, auto plain) FLASHATTN_INLINE {
+    constexpr bool kPlain = decltype(plain)::value;
+    if (!kPlain && params.softcap) {
 #pragma unroll
       for (int i = 0; i < size(tSrS); ++i) tSrS(i) = fast_tanh(tSrS(i) * params.softcap_pre);
     }
-    if (params.keys.template block_needs_mask<kBlockN>(n, row0, row0 + kRowsPerWG)) {
+    if (!kPlain && params.keys.template block_needs_mask<kBlockN>(n, row0, row0 + kRowsPerWG)) {
       // Accumulator column c of this thread is key 8·(c/2) + c%2 + 2·(tid%4) of the block: a
       // compile-time offset plus a per-thread one, so each test is one compare.
       const int thread_col = 2 * (tid % 4);
@@ -494,13 +503,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // O holds P·V of the blocks after n in units of their V descale; block n's comes next.
       // Where the division is IEEE, its slow path (a call) ends the softmax's basic block, and
       // ptxas, which puts the caller's wait for P·V at the top of its block, leaves the wait
-      // after the exponentials: the softmax runs beside this warpgroup's P·V. That is faster
-      // at d64/d128 (H200, 16k tokens: d64 s8k 508 -> 545, d128 s8k 878 -> 892 TFLOP/s); at d256
-      // the wait above the softmax is (s8k 1194 -> 1243, causal s2k 807 -> 898), so there the
-      // division is the approximate one (positive normal descales), with no slow path.
-      // scripts/sass_report.py, 'EX2 before wait', shows which way each kernel went.
-      const float ratio = Traits::kHeadDim == 256 ? __fdividef(v_unit, scales.v)
-                                                  : v_unit / scales.v;
+      // after the exponentials: the softmax runs beside this warpgroup's P·V. Which is faster
+      // is measured per kernel (Tile::kIeeeDescaleRatio; H200, 16k tokens: IEEE at d64 s8k 508
+      // -> 545, d128 s8k 878 -> 892 TFLOP/s; approximate, valid for the positive normal
+      // descales, at d256 s8k 1194 -> 1243, causal s2k 807 -> 898). scripts/sass_report.py,
+      // 'EX2 before wait', shows which way each kernel went.
+      const float ratio = Traits::kIeeeDescaleRatio ? v_unit / scales.v
+                                                    : __fdividef(v_unit, scales.v);
       v_unit = scales.v;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) factor[r] *= ratio;
@@ -642,7 +651,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         float inv_sum[kRows], lse[kRows];
         finalize(inv_sum, lse);  // the tile before: all keys seen
         release_k_first();
-        softmax_step(t.n_max - 1, row0, first);
+        softmax_step(t.n_max - 1, row0, first, std::false_type{});
         warpgroup_wait<0>();
         smem.pipe_v.consumer_release(st_v);
         st_v.advance();
@@ -654,12 +663,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         turn_pass();
         warpgroup_wait<0>();
         release_k_first();
-        softmax_step(t.n_max - 1, row0, first);
+        softmax_step(t.n_max - 1, row0, first, std::false_type{});
       }
       clear(tOrO);
       convert_p();
-#pragma unroll 1
-      for (int n = t.n_max - 2; n >= t.n_min; --n) {
+      // One key block after the first. With kUnmaskedLoop, the blocks that need no mask (and
+      // no softcap, and are not the tile's last) run a copy of it without those tests.
+      auto key_block = [&](int n, auto plain) FLASHATTN_INLINE {
+        constexpr bool kPlain = decltype(plain)::value;
         timeline.stamp(0);
         const BlockScales scales = block_scales(n);
         smem.pipe_k.consumer_wait(st_k);
@@ -675,11 +686,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         timeline.stamp(4);
         smem.pipe_k.consumer_release(st_k);
         st_k.advance();
-        if (n == t.n_min) {  // the tile's last Q·Kᵀ: its Q buffer may take a later tile's Q
-          smem.pipe_q.consumer_release(st_q);
+        if (!kPlain && n == t.n_min) {  // the tile's last Q·Kᵀ: its Q buffer may take a later
+          smem.pipe_q.consumer_release(st_q);  // tile's Q
           st_q.advance();
         }
-        softmax_step(n, row0, scales);
+        softmax_step(n, row0, scales, plain);
         timeline.stamp(5);
         warpgroup_wait<0>();
         timeline.stamp(6);
@@ -689,6 +700,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         convert_p();
         timeline.stamp(7);
         timeline.next();
+      };
+#pragma unroll 1
+      for (int n = t.n_max - 2; n >= t.n_min;) {
+        if constexpr (Traits::kUnmaskedLoop) {
+          // From the tile's rows, not this warpgroup's: bounds that ptxas sees as uniform keep
+          // the loop's pipeline state in uniform registers (per warpgroup: 9% slower, d128 s8k).
+          int plain_lo, plain_hi;
+          params.keys.template unmasked_blocks<kBlockN>(t.m_block * Traits::kBlockM,
+                                                        (t.m_block + 1) * Traits::kBlockM,
+                                                        plain_lo, plain_hi);
+          if (plain_lo <= t.n_min) plain_lo = t.n_min + 1;
+          if (n <= plain_hi && n >= plain_lo && !params.softcap) {
+#pragma unroll 1
+            for (; n >= plain_lo; --n) key_block(n, std::true_type{});
+            continue;
+          }
+        }
+        key_block(n, std::false_type{});
+        --n;
       }
       pending = true;
       pending_tile = t;
@@ -711,7 +741,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           smem.pipe_q.consumer_release(st_q);
           st_q.advance();
         }
-        softmax_step(n, row0, scales);
+        softmax_step(n, row0, scales, std::false_type{});
         scale_rows(rowcol_O, factor);
         convert_p();
         smem.pipe_v.consumer_wait(st_v);
