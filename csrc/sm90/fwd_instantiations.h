@@ -16,16 +16,22 @@ namespace flashattn::sm90 {
 // buffer: two would leave no room for K/V blocks worth the name).
 // Registers per consumer thread: O d/2, S kBlockN/2, P kBlockN/4; d128 with 160 keys fits the
 // 240 of setmaxnreg with no local memory (ptxas report).
-// Code shape (FwdTraits): the loop copy for unmasked blocks (H200, 16k tokens, s8k: 4-5% faster
-// at each head dim; causal d64 s2k 5% slower, so not for that tile; benchmarks/README.md,
+// Code shape (FwdTraits): the loop copy for unmasked blocks (H200, 16k tokens, s8k: 3.6-5.2%
+// faster at each head dim; causal d64 s2k 6% slower, so not for that tile; benchmarks/README.md,
 // 2026-11-30).
 struct FwdShape16 {
   static constexpr bool kUnmaskedLoop = true, kIeeeDescaleRatio = false;
 };
 template <int kHeadDim> struct FwdTile;
-template <> struct FwdTile<64> : FwdShape16 { static constexpr int kBlockN = 192, kStages = 2, kQStages = 2; };
-template <> struct FwdTile<128> : FwdShape16 { static constexpr int kBlockN = 160, kStages = 2, kQStages = 2; };
-template <> struct FwdTile<256> : FwdShape16 { static constexpr int kBlockN = 80, kStages = 2, kQStages = 1; };
+template <> struct FwdTile<64> : FwdShape16 {
+  static constexpr int kBlockN = 192, kStages = 2, kQStages = 2;
+};
+template <> struct FwdTile<128> : FwdShape16 {
+  static constexpr int kBlockN = 160, kStages = 2, kQStages = 2;
+};
+template <> struct FwdTile<256> : FwdShape16 {
+  static constexpr int kBlockN = 80, kStages = 2, kQStages = 1;
+};
 
 // Causal and windowed calls: narrower key blocks waste less work on the masked diagonal blocks
 // (as FlashAttention-3 at d64/d128). The same block at d256.
@@ -34,7 +40,9 @@ template <> struct FwdTileMasked<64> : FwdShape16 {
   static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
   static constexpr bool kUnmaskedLoop = false;
 };
-template <> struct FwdTileMasked<128> : FwdShape16 { static constexpr int kBlockN = 128, kStages = 2, kQStages = 2; };
+template <> struct FwdTileMasked<128> : FwdShape16 {
+  static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
+};
 
 struct FwdOptions {
   bool pingpong = true;

@@ -16,8 +16,8 @@
 // benchmarks/README.md, 2026-11-30). Ping-pong (runtime flag):
 // two named barriers hand the tensor cores back and forth between the consumer warpgroups, so
 // that one warpgroup's softmax hides under the other's GEMMs. Key blocks that need no mask may
-// run a copy of the loop without the mask and softcap tests (Tile::kUnmaskedLoop). setmaxnreg moves registers from
-// the producer (24) to the consumers (240). Persistent: each CTA walks a share of the tiles.
+// run a copy of the loop without the mask and softcap tests (Tile::kUnmaskedLoop). setmaxnreg
+// moves registers from the producer (24) to the consumers (240). Persistent: each CTA walks a share of the tiles.
 // Epilogue: O and LSE straight from registers (FP8 d256: O through a shared-memory stage).
 // FP8 (Element = e4m3, from the quantize step): Q·Kᵀ and P·V by QGMMA, the Q and K descales
 // folded into each key block's softmax scale, V's descale into O's rescale factor, P converted to
@@ -701,17 +701,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         timeline.stamp(7);
         timeline.next();
       };
+      // The blocks [plain_lo, plain_hi] for the copy (none without it). From the tile's rows,
+      // not this warpgroup's: bounds that ptxas sees as uniform keep the loop's pipeline state in
+      // uniform registers (per warpgroup they were slower than no copy at all: FP8 d128 s8k −9%,
+      // bf16 −3%).
+      int plain_lo = 0, plain_hi = -1;
+      if (Traits::kUnmaskedLoop && !params.softcap) {
+        params.keys.template unmasked_blocks<kBlockN>(t.m_block * Traits::kBlockM,
+                                                      (t.m_block + 1) * Traits::kBlockM,
+                                                      plain_lo, plain_hi);
+        if (plain_lo <= t.n_min) plain_lo = t.n_min + 1;
+      }
 #pragma unroll 1
       for (int n = t.n_max - 2; n >= t.n_min;) {
         if constexpr (Traits::kUnmaskedLoop) {
-          // From the tile's rows, not this warpgroup's: bounds that ptxas sees as uniform keep
-          // the loop's pipeline state in uniform registers (per warpgroup: 9% slower, d128 s8k).
-          int plain_lo, plain_hi;
-          params.keys.template unmasked_blocks<kBlockN>(t.m_block * Traits::kBlockM,
-                                                        (t.m_block + 1) * Traits::kBlockM,
-                                                        plain_lo, plain_hi);
-          if (plain_lo <= t.n_min) plain_lo = t.n_min + 1;
-          if (n <= plain_hi && n >= plain_lo && !params.softcap) {
+          if (n <= plain_hi && n >= plain_lo) {
 #pragma unroll 1
             for (; n >= plain_lo; --n) key_block(n, std::true_type{});
             continue;
