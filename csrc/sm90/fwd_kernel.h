@@ -17,7 +17,8 @@
 // two named barriers hand the tensor cores back and forth between the consumer warpgroups, so
 // that one warpgroup's softmax hides under the other's GEMMs. Key blocks that need no mask may
 // run a copy of the loop without the mask and softcap tests (Tile::kUnmaskedLoop). setmaxnreg
-// moves registers from the producer (24) to the consumers (240). Persistent: each CTA walks a share of the tiles.
+// moves registers from the producer (24) to the consumers (240). Persistent: each CTA walks a
+// share of the tiles.
 // Epilogue: O and LSE straight from registers (FP8 d256: O through a shared-memory stage).
 // FP8 (Element = e4m3, from the quantize step): Q·Kᵀ and P·V by QGMMA, the Q and K descales
 // folded into each key block's softmax scale, V's descale into O's rescale factor, P converted to
