@@ -4,8 +4,8 @@
 //! descales written). The FP8 row times the kernel over inputs quantized once (per-block
 //! descales, Hadamard on), as a caller reusing K and V would run it. CUDA events, warm-up, median.
 //!
-//! Usage: bench_fp8 [--quick] [--only D,S[,causal]] [--no-pingpong] [--out results.json]
-//!                  [--commit SHA]
+//! Usage: bench_fp8 [--quick] [--only D,S[,causal]] [--no-pingpong] [--no-split-tail]
+//!                  [--long-keys] [--out results.json] [--commit SHA]
 
 mod common;
 
@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
 use flashattn::cuda::{CudaStream, DeviceTensor, DeviceTensorMut, Fp8Options};
-use flashattn::{AttentionConfig, Backend, DType, Layout, Problem, Sm90Schedule};
+use flashattn::{AttentionConfig, Backend, DType, Layout, Problem, Sm90Schedule, TailSplit};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -54,6 +54,12 @@ fn main() {
     // --no-pingpong: both forwards with ping-pong off (the FlashAttention-3 paper's ablation).
     let schedule = Sm90Schedule {
         pingpong: !args.flag("--no-pingpong"),
+        // --no-split-tail: the FP8 forward's last partial wave runs whole (csrc/sm90/fwd_tail.h).
+        split_tail: if args.flag("--no-split-tail") {
+            TailSplit::Off
+        } else {
+            TailSplit::Auto
+        },
         ..Sm90Schedule::default()
     };
     // --only D,S[,causal]: that one shape (for profilers).
@@ -163,14 +169,115 @@ fn main() {
                     tflops(bf16_ms)
                 );
                 rows.push(format!(
-                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong\": {}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
-                    shape[0], shape[2], shape[2], schedule.pingpong, tflops(fp8_ms), tflops(bf16_ms)
+                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong\": {}, \"split_tail\": {}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
+                    shape[0],
+                    shape[2],
+                    shape[2],
+                    schedule.pingpong,
+                    schedule.split_tail != TailSplit::Off,
+                    tflops(fp8_ms),
+                    tflops(bf16_ms)
                 ));
                 if unwritten != 0 {
                     eprintln!(
                         "FAIL: {unwritten} non-finite FP8 outputs at d{d} s{s} causal={causal}"
                     );
                 }
+            }
+        }
+    }
+    // --long-keys: fewer query tiles than SMs over many keys (batch 1, 512 queries, 16k keys,
+    // hidden 2048), where the tail split deals each tile's key blocks out to the idle SMs
+    // (csrc/sm90/fwd_tail.h): FP8 with and without it, and bf16, in one run.
+    if args.flag("--long-keys") {
+        let (sq, sk) = (512, 16384);
+        for d in [64, 128, 256] {
+            let h = HIDDEN / d;
+            let (lq, lk) = (
+                Layout::contiguous([1, sq, h, d]),
+                Layout::contiguous([1, sk, h, d]),
+            );
+            let (nq, nl) = (sq * h * d, sq * h);
+            let fp8 = dev
+                .quantize_fp8(
+                    &stream,
+                    &DeviceTensor::new(q.slice(0..nq), lq),
+                    &DeviceTensor::new(k.as_view(), lk),
+                    &DeviceTensor::new(v.as_view(), lk),
+                    options,
+                )
+                .expect("quantize");
+            let mut fp8_ms = [0f64; 2];
+            let mut unwritten = 0;
+            for (split, ms) in [TailSplit::Auto, TailSplit::Off]
+                .into_iter()
+                .zip(&mut fp8_ms)
+            {
+                let cfg =
+                    AttentionConfig::new()
+                        .backend(Backend::Sm90)
+                        .sm90_schedule(Sm90Schedule {
+                            split_tail: split,
+                            ..schedule
+                        });
+                stream.memcpy_htod(&poison, &mut out).unwrap();
+                *ms = time(&stream, reps, || {
+                    dev.forward_fp8_into(
+                        &stream,
+                        &cfg,
+                        &fp8,
+                        &mut DeviceTensorMut::new(out.slice_mut(0..nq), lq),
+                        &mut lse.slice_mut(0..nl),
+                    )
+                    .expect("fp8 forward");
+                });
+                let host_out = stream.clone_dtoh(&out.slice(0..nq)).unwrap();
+                unwritten += host_out.iter().filter(|x| !x.is_finite()).count();
+            }
+            let cfg = AttentionConfig::new()
+                .backend(Backend::Sm90)
+                .sm90_schedule(schedule);
+            let bf16_ms = time(&stream, reps, || {
+                dev.forward_into(
+                    &stream,
+                    &cfg,
+                    &DeviceTensor::new(q.slice(0..nq), lq),
+                    &DeviceTensor::new(k.as_view(), lk),
+                    &DeviceTensor::new(v.as_view(), lk),
+                    &mut DeviceTensorMut::new(out.slice_mut(0..nq), lq),
+                    &mut lse.slice_mut(0..nl),
+                )
+                .expect("bf16 forward");
+            });
+            let problem = Problem {
+                batch: 1,
+                seqlen_q: sq,
+                seqlen_k: sk,
+                heads_q: h,
+                heads_kv: h,
+                head_dim: d,
+                dtype: DType::E4M3,
+            };
+            let tflops = |ms: f64| problem.forward_flops(false) / (ms * 1e-3) / 1e12;
+            println!(
+                "fp8 fwd long keys d{d:<3} q{sq} k{sk} split {:8.3} ms {:7.1} TFLOP/s | whole {:8.3} ms {:7.1} TFLOP/s | bf16 {bf16_ms:8.3} ms {:7.1} TFLOP/s | non-finite outputs {unwritten}",
+                fp8_ms[0],
+                tflops(fp8_ms[0]),
+                fp8_ms[1],
+                tflops(fp8_ms[1]),
+                tflops(bf16_ms)
+            );
+            rows.push(format!(
+                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": false, \"pingpong\": {}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"no_split_tail_fwd_tflops\": {:.1}, \"no_split_tail_fwd_ms\": {:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"non_finite_outputs\": {unwritten}}}",
+                schedule.pingpong,
+                tflops(fp8_ms[0]),
+                fp8_ms[0],
+                tflops(fp8_ms[1]),
+                fp8_ms[1],
+                tflops(bf16_ms)
+            ));
+            if unwritten != 0 {
+                eprintln!("FAIL: {unwritten} non-finite FP8 outputs at long keys d{d}");
             }
         }
     }

@@ -34,12 +34,28 @@ impl Backend {
 /// per pair.
 /// `narrow_key_blocks` uses the causal tile (128-key blocks at d64/d128) for every call; it is
 /// also taken by itself when seqlen_k ≤ 1024, where it was measured faster.
+/// `split_tail` (FP8, no window): whether the tiles of the last partial wave (or of a call with
+/// fewer tiles than SMs) are split by key blocks over all SMs and the pieces merged
+/// (csrc/sm90/fwd_tail.h).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Sm90Schedule {
     pub pingpong: bool,
     pub intra_wg_overlap: bool,
     pub persistent_causal: bool,
     pub narrow_key_blocks: bool,
+    pub split_tail: TailSplit,
+}
+
+/// See [`Sm90Schedule`]'s `split_tail`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TailSplit {
+    /// Where it is predicted to pay (long keys over fewer tiles than SMs, mostly).
+    #[default]
+    Auto,
+    /// Every tile runs whole.
+    Off,
+    /// Wherever it can (for tests and measurements).
+    Always,
 }
 
 impl Default for Sm90Schedule {
@@ -49,6 +65,7 @@ impl Default for Sm90Schedule {
             intra_wg_overlap: true,
             persistent_causal: true,
             narrow_key_blocks: false,
+            split_tail: TailSplit::Auto,
         }
     }
 }

@@ -22,6 +22,7 @@ template <int kHeadDim> struct Fp8FwdTile {
   // the copy, the approximate one at d256.
   static constexpr bool kUnmaskedLoop = kHeadDim == 256;
   static constexpr bool kIeeeDescaleRatio = kHeadDim != 256;
+  static constexpr bool kTailSplit = true;
 };
 
 template <int kHeadDim>

@@ -20,7 +20,7 @@ namespace flashattn::sm90 {
 // faster at each head dim; causal d64 s2k 6% slower, so not for that tile; benchmarks/README.md,
 // 2026-11-30).
 struct FwdShape16 {
-  static constexpr bool kUnmaskedLoop = true, kIeeeDescaleRatio = false;
+  static constexpr bool kUnmaskedLoop = true, kIeeeDescaleRatio = false, kTailSplit = false;
 };
 template <int kHeadDim> struct FwdTile;
 template <> struct FwdTile<64> : FwdShape16 {

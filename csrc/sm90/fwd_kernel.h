@@ -34,7 +34,9 @@
 #include <cuda_fp8.h>
 
 #include "../common/block_range.h"
+#include "fwd_tail.h"
 #include "fwd_timeline.h"
+#include "grid_dependency.h"
 #include "pipeline.h"
 #include "softmax.h"
 #include "staged_rows.h"
@@ -66,6 +68,9 @@ struct FwdTraits {
   static constexpr bool kUnmaskedLoop = Tile::kUnmaskedLoop;
   // FP8: the V-descale ratio by IEEE division, whose slow path moves ptxas's P·V wait (below).
   static constexpr bool kIeeeDescaleRatio = Tile::kIeeeDescaleRatio;
+  // Calls with no window may split the last partial wave's tiles by key blocks (fwd_tail.h):
+  // a second instantiation of the kernel, so only where it is measured to pay.
+  static constexpr bool kTailSplit = Tile::kTailSplit;
   // The next tile's first Q·Kᵀ beside this tile's last P·V: needs the next Q in its own buffer.
   static constexpr bool kCrossTileOverlap = kIntraWGOverlap && kQStages > 1;
   static constexpr int kConsumerWGs = kBlockM / kRowsPerWG;
@@ -160,6 +165,7 @@ struct FwdParams {
   const float* v_descale;
   int num_n_blocks;  // key blocks per head (V's key-major rows hold num_n_blocks·kBlockN keys)
   bool o_bf16;
+  FwdTail tail;  // the tail launch's pieces (fwd_tail.h)
 };
 
 // Named barriers (CUTLASS reserves the first ids; NamedBarrier adds that offset).
@@ -198,6 +204,7 @@ __device__ auto convert_fragment(Frag const& src) {
 struct WorkTile {
   int m_block, head, batch;
   int n_min, n_max;  // key blocks visited, last to first
+  int slot;          // a tail piece's workspace slot
   __device__ int n_blocks() const { return n_max > n_min ? n_max - n_min : 0; }
 };
 
@@ -209,6 +216,7 @@ __device__ WorkTile decode_tile(const FwdParams<Traits>& p, int tile) {
   t.m_block = p.tiles_per_unit == 1 ? i : (i % 2 == 0 ? p.num_m_blocks - 1 - i / 2 : i / 2);
   t.head = rest % p.heads_q;
   t.batch = rest / p.heads_q;
+  t.slot = -1;
   p.keys.template blocks<Traits::kBlockN>(t.m_block * Traits::kBlockM,
                                           (t.m_block + 1) * Traits::kBlockM, t.n_min, t.n_max);
   return t;
@@ -220,22 +228,48 @@ struct TileWalk {
   const FwdParams<Traits>& p;
   int64_t unit = blockIdx.x;
   int step = 0;  // tile within the unit
-  __device__ bool next(int& tile) {
-    const int64_t t = unit * p.tiles_per_unit + step;
-    if (t >= p.num_tiles) return false;  // later units start later still
+  __device__ bool next(WorkTile& t) {
+    const int64_t tile = unit * p.tiles_per_unit + step;
+    if (tile >= p.num_tiles) return false;  // later units start later still
     if (++step == p.tiles_per_unit) {
       step = 0;
       unit += gridDim.x;
     }
-    tile = int(t);
+    t = decode_tile(p, int(tile));
     return true;
   }
 };
 
+// The tail launch's pieces of this CTA's share, in order (fwd_tail.h): at most two.
 template <class Traits>
+struct TailPieceWalk {
+  const FwdParams<Traits>& p;
+  int piece = 0;
+  __device__ bool next(WorkTile& t) {
+    const FwdTail& s = p.tail;
+    const int B = s.blocks;
+    const int begin = s.share_begin(blockIdx.x), end = s.share_begin(blockIdx.x + 1);
+    const int x = piece == 0 ? begin : (begin / B + piece) * B;
+    if (x >= end) return false;
+    const int k = x / B;
+    const int j0 = x - k * B;
+    const int j1 = end - x < B - j0 ? j0 + (end - x) : B;
+    t = decode_tile(p, s.first_tile + k);  // key blocks [0, B): no window
+    t.n_max = B - j0;
+    t.n_min = B - j1;
+    t.slot = 2 * blockIdx.x + piece;
+    ++piece;
+    return true;
+  }
+};
+
+// kTailPieces: the tail launch (fwd_tail.h), pieces of tiles whose O and LSE go to workspace
+// slots; else whole tiles.
+template <class Traits, bool kTailPieces = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     fwd_kernel(__grid_constant__ const FwdParams<Traits> params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Walk = conditional_t<kTailPieces, TailPieceWalk<Traits>, TileWalk<Traits>>;
   using Element = typename Traits::Element;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kRowsPerWG = Traits::kRowsPerWG;
@@ -247,6 +281,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
+  // The tail launches may start as SMs free up (fwd_tail.h).
+  if constexpr (Traits::kTailSplit) launch_dependent_grids();
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     // One arrival per consumer warp releases a stage (see TmaPipeline::consumer_release).
@@ -286,10 +322,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     PipelineState<kStages> st;
     PipelineState<kQStages> st_q;
-    int tile;
+    WorkTile t;
 #pragma unroll 1
-    for (TileWalk<Traits> walk{params}; walk.next(tile);) {
-      const WorkTile t = decode_tile(params, tile);
+    for (Walk walk{params}; walk.next(t);) {
       if (t.n_blocks() == 0) continue;  // the consumers zero-fill it alone
       const int head_kv = t.head / (params.heads_q / params.heads_kv);
       Tensor tKgK = group_modes<0, 3>(cta_k.partition_S(local_tile(
@@ -333,6 +368,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         st.advance();
       }
     }
+    // The pieces read nothing of the whole waves', which run beside them; this keeps the pieces'
+    // launch from completing before those.
+    if constexpr (kTailPieces) wait_for_prior_grids();
     return;
   }
 
@@ -525,6 +563,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                         const float (&lse)[kRows]) FLASHATTN_INLINE {
     const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;
     scale_rows(rowcol_O, inv_sum);
+    if constexpr (kTailPieces) {  // a piece: O and LSE in f32 to its slot (fwd_tail.h)
+      float* slot = params.tail.partials + t.slot * tail_slot_floats(Traits::kHeadDim);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int row = wg * kRowsPerWG + get<0>(rowcol_cO(r, 0));
+        if (get<1>(rowcol_cO(0, 0)) == 0) slot[kTailRows * Traits::kHeadDim + row] = lse[r];
+#pragma unroll
+        for (int c = 0; c < size<1>(rowcol_O); c += 2)
+          *reinterpret_cast<float2*>(slot + row * Traits::kHeadDim + get<1>(rowcol_cO(r, c))) =
+              make_float2(rowcol_O(r, c), rowcol_O(r, c + 1));
+      }
+      return;
+    }
     // LSE: the thread holding column 0 of a row's quad writes it.
     if (get<1>(rowcol_cO(0, 0)) == 0) {
 #pragma unroll
@@ -601,10 +652,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   FwdTimeline timeline(wg, tid);  // off unless FLASHATTN_FWD_TIMELINE (fwd_timeline.h)
-  int tile;
+  WorkTile t;
 #pragma unroll 1
-  for (TileWalk<Traits> walk{params}; walk.next(tile);) {
-    const WorkTile t = decode_tile(params, tile);
+  for (Walk walk{params}; walk.next(t);) {
     const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;  // first query row of this WG
     if constexpr (Traits::kFp8) {
       const int head_kv = t.head / (params.heads_q / params.heads_kv);

@@ -11,9 +11,88 @@
 #include "../flash_api.h"
 #include "fwd_instantiations.h"
 #include "fwd_kernel.h"
+#include "fwd_tail_merge.h"
 #include "tma_tensor.h"
 
 namespace flashattn::sm90 {
+
+template <class Traits> struct TailPiecesTag {};  // allow_dynamic_smem's record of the tail launch
+
+// A launch that may start before the kernel ahead of it in the stream ends (grid_dependency.h).
+template <class... Params>
+cudaError_t launch_dependent(void (*kernel)(Params...), int grid, int threads, int smem_bytes,
+                             cudaStream_t stream, Params... params) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, params...);
+}
+
+// The forward with its tail split (fwd_tail.h): the whole waves, the pieces, their merge. The
+// pieces' workspace is taken in stream order; without memory for it the tail runs whole.
+template <class Traits>
+flashattn_result_t run_fwd_split_tail(const flashattn_params_t& p, FwdParams<Traits> params,
+                                      FwdTail tail, cudaStream_t stream) {
+  const int smem_bytes = sizeof(typename Traits::SharedStorage);
+  const size_t bytes = size_t(2) * tail.ctas * tail_slot_floats(Traits::kHeadDim) * sizeof(float);
+  const bool split = cudaMallocAsync(reinterpret_cast<void**>(&tail.partials), bytes, stream) ==
+                     cudaSuccess;
+  if (!split) {
+    (void)cudaGetLastError();  // out of memory: not this call's failure
+    tail = FwdTail{};
+  }
+  params.tail = tail;
+  flashattn_result_t launched = ok();
+  if (tail.first_tile > 0 || !split) {
+    if (split) params.num_tiles = tail.first_tile;  // whole waves
+    const int units = params.num_tiles;             // tiles_per_unit 1
+    fwd_kernel<Traits><<<p.sm_count < units ? p.sm_count : units, Traits::kThreads, smem_bytes,
+                         stream>>>(params);
+    after_fwd_launch(stream);
+    launched = check_launch();
+  }
+  if (!split) return launched;
+  if (launched.status == FLASHATTN_OK) {
+    auto pieces = fwd_kernel<Traits, true>;
+    launched = cuda_status(allow_dynamic_smem<TailPiecesTag<Traits>>(pieces, smem_bytes));
+    if (launched.status == FLASHATTN_OK && tail.first_tile > 0) {
+      // Beside the whole waves' last CTAs: it reads nothing they write.
+      launched = cuda_status(
+          launch_dependent(pieces, tail.ctas, Traits::kThreads, smem_bytes, stream, params));
+    } else if (launched.status == FLASHATTN_OK) {
+      // Plainly after whatever came before (its Q, K and V, maybe).
+      pieces<<<tail.ctas, Traits::kThreads, smem_bytes, stream>>>(params);
+      launched = check_launch();
+    }
+  }
+  if (launched.status == FLASHATTN_OK) {
+    auto merge = [&](auto* o) {
+      using Out = remove_pointer_t<decltype(o)>;
+      const TailMergeParams<Out> m{tail,           o,     p.o.batch_stride, p.o.row_stride,
+                                   p.o.head_stride, p.lse, p.heads_q,        p.seqlen_q,
+                                   params.num_m_blocks};
+      const int64_t threads = int64_t(tail.tiles) * kTailRows * (Traits::kHeadDim / 4);
+      const int grid = int((threads + kTailMergeThreads - 1) / kTailMergeThreads);
+      return cuda_status(launch_dependent(fwd_tail_merge<Traits::kHeadDim, Out>, grid,
+                                          kTailMergeThreads, 0, stream, m));
+    };
+    if constexpr (Traits::kFp8) {
+      launched = params.o_bf16 ? merge(static_cast<cutlass::bfloat16_t*>(p.o.ptr))
+                               : merge(static_cast<cutlass::half_t*>(p.o.ptr));
+    } else {
+      launched = merge(static_cast<typename Traits::Element*>(p.o.ptr));
+    }
+  }
+  const cudaError_t freed = cudaFreeAsync(tail.partials, stream);
+  return launched.status == FLASHATTN_OK ? cuda_status(freed) : launched;
+}
 
 template <class Traits>
 flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStream_t stream) {
@@ -78,6 +157,14 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   const int units = (params.num_tiles + params.tiles_per_unit - 1) / params.tiles_per_unit;
   const bool persistent = uniform || (p.sm90_flags & FLASHATTN_SM90_PERSISTENT_CAUSAL);
   const int ctas = persistent && p.sm_count > 0 && p.sm_count < units ? p.sm_count : units;
+  if constexpr (Traits::kTailSplit) {
+    if (uniform && params.keys.window_left < 0 && p.sm_count > 0 &&  // equal tiles
+        !(p.sm90_flags & FLASHATTN_SM90_NO_SPLIT_TAIL)) {
+      const FwdTail tail = plan_tail(params.num_tiles, num_n_blocks, p.sm_count,
+                                     p.sm90_flags & FLASHATTN_SM90_SPLIT_TAIL_ALWAYS);
+      if (tail.tiles > 0) return run_fwd_split_tail(p, params, tail, stream);
+    }
+  }
   kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
   after_fwd_launch(stream);
   return check_launch();

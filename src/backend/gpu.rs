@@ -1,7 +1,7 @@
 //! The CUDA backends (Sm90, Sm80): fill the C ABI's params from validated operands and launch
 //! through it. All raw pointers of the crate pass through here.
 
-use crate::config::{AttentionConfig, Backend};
+use crate::config::{AttentionConfig, Backend, TailSplit};
 use crate::error::{Error, Operand, Result};
 use crate::ffi;
 use crate::tensor::{DType, Layout, Problem};
@@ -73,6 +73,11 @@ fn sm90_flags(cfg: &AttentionConfig, problem: &Problem) -> u32 {
     }
     if cfg.sm90_schedule.narrow_key_blocks || problem.seqlen_k <= NARROW_KEY_BLOCKS_UP_TO {
         flags |= ffi::FLASHATTN_SM90_NARROW_KEY_BLOCKS;
+    }
+    match cfg.sm90_schedule.split_tail {
+        TailSplit::Auto => {}
+        TailSplit::Off => flags |= ffi::FLASHATTN_SM90_NO_SPLIT_TAIL,
+        TailSplit::Always => flags |= ffi::FLASHATTN_SM90_SPLIT_TAIL_ALWAYS,
     }
     flags
 }

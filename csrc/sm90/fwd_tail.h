@@ -1,0 +1,78 @@
+// The sm90 forward's tail split: the last partial wave of equal tiles, cut by key blocks.
+//
+// With no window at all every tile costs the same B key blocks, and T tiles on G CTAs take
+// ⌈T/G⌉ tile times for T/G tiles' work (16k tokens at d128: 2048 tiles on 132 SMs, 16 for 15.5).
+// The first ⌊T/G⌋·G tiles run whole, as always; the key blocks of the other T mod G (the tail)
+// are dealt to S ≤ G CTAs of a second launch in contiguous shares, so that a tile may be
+// computed in pieces by consecutive CTAs. Tail iteration x is key block B − 1 − x mod B of tail
+// tile ⌊x/B⌋; CTA c takes iterations [⌊cU/S⌋, ⌊(c+1)U/S⌋) of U. Each piece leaves its rows' O
+// (normalized) and LSE in f32 in a workspace slot, and a third launch merges a tile's pieces.
+// A share is never longer than a tile (S ≥ tail tiles), so a CTA has at most two pieces: slot
+// 2c for the one its share starts in, 2c + 1 for the next tile's. The second and third launches
+// are programmatic dependents (griddepcontrol): the pieces take each SM as the whole waves leave
+// it, and the merge is resident before the pieces end.
+#pragma once
+
+#include <cstdint>
+#include <climits>
+
+namespace flashattn::sm90 {
+
+// A slot: O, (128 rows, head_dim) row-major, then the rows' LSE.
+constexpr int kTailRows = 128;
+constexpr int64_t tail_slot_floats(int head_dim) { return int64_t(kTailRows) * (head_dim + 1); }
+
+struct FwdTail {
+  int first_tile = 0;  // tiles [first_tile, num_tiles) are the tail
+  int tiles = 0;       // 0: no split
+  int blocks = 0;      // B, key blocks per tile
+  int ctas = 0;        // S
+  int iters = 0;       // U = tiles · B < 2³¹
+  int share_q = 0, share_r = 0;  // U = qS + r
+  float* partials = nullptr;
+
+  // ⌊cU/S⌋ = cq + ⌊cr/S⌋ in 32 bits (cr < S²): a 64-bit division is a call in the kernel.
+  __host__ __device__ int share_begin(int c) const { return c * share_q + c * share_r / ctas; }
+  // The CTA whose share holds iteration x: the largest c with share_begin(c) <= x.
+  __host__ __device__ int owner(int x) const {
+    return int(((int64_t(x) + 1) * ctas - 1) / iters);
+  }
+  // The slot of CTA c's piece of tail tile k.
+  __host__ __device__ int slot(int c, int k) const {
+    return 2 * c + (share_begin(c) < k * blocks ? 1 : 0);
+  }
+};
+
+// What the split costs beyond the pieces' own key blocks, in key blocks: the second launch's
+// start-up and the pieces' stores, and the merge. H200, FP8, 16k tokens, s8k (ncu, kernels
+// serialized): pieces 11-18 µs over their blocks' time in whole waves, merge 10-20 µs, while a
+// key block takes 1.5-2.1 µs; and a partial last wave runs its tiles about 20% faster than a
+// full one (d128: 63 µs against 78). The predicted gain below which the tail runs whole.
+constexpr int kTailPieceCost = 16;
+constexpr int kTailMinGainPercent = 2;
+
+// The tail split for `tiles` tiles of `blocks` key blocks each on `ctas` CTAs, or tiles = 0
+// when it does not pay (unless `always`): the busiest CTA's key blocks with it,
+// ⌊T/G⌋·B + ⌈U/S⌉ + the cost, against ⌈T/G⌉·B without.
+inline FwdTail plan_tail(int tiles, int blocks, int ctas, bool always) {
+  FwdTail s;
+  if (ctas <= 1 || blocks <= 1) return s;
+  const int64_t waves = tiles / ctas, rest = tiles % ctas;
+  if (rest == 0) return s;
+  const int64_t iters = rest * blocks;
+  const int64_t whole = (waves + 1) * blocks;
+  const int64_t sharers = iters < ctas ? iters : ctas;  // no share empty
+  const int64_t split = waves * blocks + (iters + sharers - 1) / sharers + kTailPieceCost;
+  if ((!always && split * 100 > whole * (100 - kTailMinGainPercent)) || iters > INT32_MAX)
+    return s;
+  s.first_tile = int(waves * ctas);
+  s.tiles = int(rest);
+  s.blocks = blocks;
+  s.ctas = int(sharers);  // >= rest: no share longer than a tile
+  s.iters = int(iters);
+  s.share_q = s.iters / s.ctas;
+  s.share_r = s.iters % s.ctas;
+  return s;
+}
+
+}  // namespace flashattn::sm90
