@@ -169,12 +169,12 @@ fn main() {
                     tflops(bf16_ms)
                 );
                 rows.push(format!(
-                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong\": {}, \"split_tail\": {}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
+                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong\": {}, \"split_tail\": \"{:?}\", \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
                     shape[0],
                     shape[2],
                     shape[2],
                     schedule.pingpong,
-                    schedule.split_tail != TailSplit::Off,
+                    schedule.split_tail,
                     tflops(fp8_ms),
                     tflops(bf16_ms)
                 ));
