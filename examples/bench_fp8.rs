@@ -188,7 +188,7 @@ fn main() {
     }
     // --long-keys: fewer query tiles than SMs over many keys (batch 1, 512 queries, 16k keys,
     // hidden 2048), where the tail split deals each tile's key blocks out to the idle SMs
-    // (csrc/sm90/fwd_tail.h): FP8 with and without it, and bf16, in one run.
+    // (csrc/sm90/fwd_tail.h): FP8 and bf16, each with and without it, in one run.
     if args.flag("--long-keys") {
         let (sq, sk) = (512, 16384);
         for d in [64, 128, 256] {
@@ -234,21 +234,31 @@ fn main() {
                 let host_out = stream.clone_dtoh(&out.slice(0..nq)).unwrap();
                 unwritten += host_out.iter().filter(|x| !x.is_finite()).count();
             }
-            let cfg = AttentionConfig::new()
-                .backend(Backend::Sm90)
-                .sm90_schedule(schedule);
-            let bf16_ms = time(&stream, reps, || {
-                dev.forward_into(
-                    &stream,
-                    &cfg,
-                    &DeviceTensor::new(q.slice(0..nq), lq),
-                    &DeviceTensor::new(k.as_view(), lk),
-                    &DeviceTensor::new(v.as_view(), lk),
-                    &mut DeviceTensorMut::new(out.slice_mut(0..nq), lq),
-                    &mut lse.slice_mut(0..nl),
-                )
-                .expect("bf16 forward");
-            });
+            let mut bf16_ms = [0f64; 2];
+            for (split, ms) in [TailSplit::Auto, TailSplit::Off]
+                .into_iter()
+                .zip(&mut bf16_ms)
+            {
+                let cfg =
+                    AttentionConfig::new()
+                        .backend(Backend::Sm90)
+                        .sm90_schedule(Sm90Schedule {
+                            split_tail: split,
+                            ..schedule
+                        });
+                *ms = time(&stream, reps, || {
+                    dev.forward_into(
+                        &stream,
+                        &cfg,
+                        &DeviceTensor::new(q.slice(0..nq), lq),
+                        &DeviceTensor::new(k.as_view(), lk),
+                        &DeviceTensor::new(v.as_view(), lk),
+                        &mut DeviceTensorMut::new(out.slice_mut(0..nq), lq),
+                        &mut lse.slice_mut(0..nl),
+                    )
+                    .expect("bf16 forward");
+                });
+            }
             let problem = Problem {
                 batch: 1,
                 seqlen_q: sq,
@@ -260,21 +270,27 @@ fn main() {
             };
             let tflops = |ms: f64| problem.forward_flops(false) / (ms * 1e-3) / 1e12;
             println!(
-                "fp8 fwd long keys d{d:<3} q{sq} k{sk} split {:8.3} ms {:7.1} TFLOP/s | whole {:8.3} ms {:7.1} TFLOP/s | bf16 {bf16_ms:8.3} ms {:7.1} TFLOP/s | non-finite outputs {unwritten}",
+                "fp8 fwd long keys d{d:<3} q{sq} k{sk} split {:8.3} ms {:7.1} TFLOP/s | whole {:8.3} ms {:7.1} TFLOP/s | bf16 split {:8.3} ms {:7.1} TFLOP/s | whole {:8.3} ms {:7.1} TFLOP/s | non-finite outputs {unwritten}",
                 fp8_ms[0],
                 tflops(fp8_ms[0]),
                 fp8_ms[1],
                 tflops(fp8_ms[1]),
-                tflops(bf16_ms)
+                bf16_ms[0],
+                tflops(bf16_ms[0]),
+                bf16_ms[1],
+                tflops(bf16_ms[1])
             );
             rows.push(format!(
-                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": false, \"pingpong\": {}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"no_split_tail_fwd_tflops\": {:.1}, \"no_split_tail_fwd_ms\": {:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"non_finite_outputs\": {unwritten}}}",
+                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": false, \"pingpong\": {}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"no_split_tail_fwd_tflops\": {:.1}, \"no_split_tail_fwd_ms\": {:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {:.4}, \"bf16_no_split_tail_fwd_tflops\": {:.1}, \"bf16_no_split_tail_fwd_ms\": {:.4}, \"non_finite_outputs\": {unwritten}}}",
                 schedule.pingpong,
                 tflops(fp8_ms[0]),
                 fp8_ms[0],
                 tflops(fp8_ms[1]),
                 fp8_ms[1],
-                tflops(bf16_ms)
+                tflops(bf16_ms[0]),
+                bf16_ms[0],
+                tflops(bf16_ms[1]),
+                bf16_ms[1]
             ));
             if unwritten != 0 {
                 eprintln!("FAIL: {unwritten} non-finite FP8 outputs at long keys d{d}");

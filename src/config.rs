@@ -34,9 +34,9 @@ impl Backend {
 /// per pair.
 /// `narrow_key_blocks` uses the causal tile (128-key blocks at d64/d128) for every call; it is
 /// also taken by itself when seqlen_k ≤ 1024, where it was measured faster.
-/// `split_tail` (FP8, no window): whether the tiles of the last partial wave (or of a call with
-/// fewer tiles than SMs) are split by key blocks over all SMs and the pieces merged
-/// (csrc/sm90/fwd_tail.h).
+/// `split_tail` (forward, no window): whether the tiles of the last partial wave (or of a call
+/// with fewer tiles than SMs) are split by key blocks over all SMs and the pieces merged
+/// (split-KV; csrc/sm90/fwd_tail.h).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Sm90Schedule {
     pub pingpong: bool,

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use cudarc::driver::DeviceRepr;
 use flashattn::cuda::{CudaStream, Device, DeviceTensor, DeviceTensorMut};
 use flashattn::reference::{self, compare, Comparison};
-use flashattn::{AttentionConfig, Backend, Element, Layout, TensorRef};
+use flashattn::{AttentionConfig, Backend, Element, Layout, TailSplit, TensorRef};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -310,6 +310,58 @@ fn sm90_fwd_d128_f16() {
 #[ignore = "needs a Hopper GPU"]
 fn sm90_fwd_d256_f16() {
     run_all::<f16>(&sweep(256), Backend::Sm90, "sm90 d256 f16");
+}
+
+/// The tail split (csrc/sm90/fwd_tail.h) forced on the non-causal shapes it can take: tiles
+/// cut by key blocks into pieces merged by their LSE, with and without whole waves before them.
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_fwd_tail_split() {
+    let (dev, stream) = device();
+    let mut failures = vec![];
+    for head_dim in [64, 128, 256] {
+        let cases = [
+            Case::new(1000, 1000, head_dim, false),
+            Case::new(113, 1000, head_dim, false),
+            Case::new(1, 4097, head_dim, false),
+            Case::new(100, 8192, head_dim, false),
+            Case {
+                batch: 3,
+                strided: true,
+                ..Case::new(200, 333, head_dim, false)
+            },
+            Case {
+                softcap: Some(30.0),
+                ..Case::new(333, 333, head_dim, false)
+            },
+            // 144 tiles on 132 SMs: one whole wave and 12 tiles in pieces, with GQA.
+            Case {
+                batch: 2,
+                heads_q: 9,
+                heads_kv: 3,
+                ..Case::new(1000, 3000, head_dim, false)
+            },
+        ];
+        for (n, case) in cases.iter().enumerate() {
+            let mut cfg = case.cfg(Backend::Sm90);
+            cfg.sm90_schedule.split_tail = TailSplit::Always;
+            let seed = 2000 + n as u64;
+            let (o, lse) = if n % 2 == 0 {
+                run_case::<bf16>(&dev, &stream, case, cfg, seed)
+            } else {
+                run_case::<f16>(&dev, &stream, case, cfg, seed)
+            };
+            println!("sm90 tail split {case:?}: O {o}; LSE {lse}");
+            if !o.pass || !lse.pass {
+                failures.push(format!("{case:?}"));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "failed cases:\n{}",
+        failures.join("\n")
+    );
 }
 
 #[test]

@@ -20,7 +20,7 @@ namespace flashattn::sm90 {
 // faster at each head dim; causal d64 s2k 6% slower, so not for that tile; benchmarks/README.md,
 // 2026-11-30).
 struct FwdShape16 {
-  static constexpr bool kUnmaskedLoop = true, kIeeeDescaleRatio = false, kTailSplit = false;
+  static constexpr bool kUnmaskedLoop = true, kIeeeDescaleRatio = false, kTailSplit = true;
 };
 template <int kHeadDim> struct FwdTile;
 template <> struct FwdTile<64> : FwdShape16 {
@@ -38,10 +38,11 @@ template <> struct FwdTile<256> : FwdShape16 {
 template <int kHeadDim> struct FwdTileMasked : FwdTile<kHeadDim> {};
 template <> struct FwdTileMasked<64> : FwdShape16 {
   static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
-  static constexpr bool kUnmaskedLoop = false;
+  static constexpr bool kUnmaskedLoop = false, kTailSplit = false;
 };
 template <> struct FwdTileMasked<128> : FwdShape16 {
   static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
+  static constexpr bool kTailSplit = false;
 };
 
 struct FwdOptions {

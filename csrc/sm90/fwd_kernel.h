@@ -69,8 +69,9 @@ struct FwdTraits {
   // FP8: the V-descale ratio by IEEE division, whose slow path moves ptxas's P·V wait (below).
   static constexpr bool kIeeeDescaleRatio = Tile::kIeeeDescaleRatio;
   // Calls with no window may split the last partial wave's tiles by key blocks (fwd_tail.h):
-  // a second instantiation of the kernel, so only where it is measured to pay.
-  static constexpr bool kTailSplit = Tile::kTailSplit;
+  // a second instantiation of the kernel, so not in the tiles that would rarely use it nor in
+  // the overlap ablation.
+  static constexpr bool kTailSplit = Tile::kTailSplit && kIntraWGOverlap_;
   // The next tile's first Q·Kᵀ beside this tile's last P·V: needs the next Q in its own buffer.
   static constexpr bool kCrossTileOverlap = kIntraWGOverlap && kQStages > 1;
   static constexpr int kConsumerWGs = kBlockM / kRowsPerWG;

@@ -10,7 +10,7 @@
 // A share is never longer than a tile (S ≥ tail tiles), so a CTA has at most two pieces: slot
 // 2c for the one its share starts in, 2c + 1 for the next tile's. The second and third launches
 // are programmatic dependents (griddepcontrol): the pieces take each SM as the whole waves leave
-// it, and the merge is resident before the pieces end.
+// it, and the merge may be resident before the pieces end.
 #pragma once
 
 #include <cstdint>
@@ -43,27 +43,27 @@ struct FwdTail {
   }
 };
 
-// What the split costs beyond the pieces' own key blocks, in key blocks: the second launch's
-// start-up and the pieces' stores, and the merge. H200, FP8, 16k tokens, s8k (ncu, kernels
-// serialized): pieces 11-18 µs over their blocks' time in whole waves, merge 10-20 µs, while a
-// key block takes 1.5-2.1 µs; and a partial last wave runs its tiles about 20% faster than a
-// full one (d128: 63 µs against 78). The predicted gain below which the tail runs whole.
-constexpr int kTailPieceCost = 16;
+// The split's model, in key blocks of the busiest CTA. Fitted on the H200 (FP8, 16k tokens, s8k;
+// ncu with the kernels serialized): a partial last wave runs its tiles about 4/5 of the time a
+// full one takes (d128: 63 µs against 78); the pieces' launch took 11-18 µs over their blocks'
+// time and the merge 10-20 µs, about 10 key blocks of 1.5-2.1 µs. Below the predicted gain
+// kTailMinGainPercent the tail runs whole (measured there: d64 +1%, d128 ±0, d256 -1.3%).
+constexpr int kTailPieceCost = 10;
 constexpr int kTailMinGainPercent = 2;
 
 // The tail split for `tiles` tiles of `blocks` key blocks each on `ctas` CTAs, or tiles = 0
-// when it does not pay (unless `always`): the busiest CTA's key blocks with it,
-// ⌊T/G⌋·B + ⌈U/S⌉ + the cost, against ⌈T/G⌉·B without.
+// when it does not pay (unless `always`): the tail costs ⌈U/S⌉ + kTailPieceCost split, 4B/5
+// whole, after ⌊T/G⌋·B.
 inline FwdTail plan_tail(int tiles, int blocks, int ctas, bool always) {
   FwdTail s;
   if (ctas <= 1 || blocks <= 1) return s;
   const int64_t waves = tiles / ctas, rest = tiles % ctas;
   if (rest == 0) return s;
   const int64_t iters = rest * blocks;
-  const int64_t whole = (waves + 1) * blocks;
   const int64_t sharers = iters < ctas ? iters : ctas;  // no share empty
-  const int64_t split = waves * blocks + (iters + sharers - 1) / sharers + kTailPieceCost;
-  if ((!always && split * 100 > whole * (100 - kTailMinGainPercent)) || iters > INT32_MAX)
+  const int64_t split5 = 5 * ((iters + sharers - 1) / sharers + kTailPieceCost);
+  const int64_t whole5 = 4 * blocks, total5 = 5 * waves * blocks + whole5;  // all times 5
+  if ((!always && (whole5 - split5) * 100 < kTailMinGainPercent * total5) || iters > INT32_MAX)
     return s;
   s.first_tile = int(waves * ctas);
   s.tiles = int(rest);
