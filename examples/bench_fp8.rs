@@ -270,7 +270,7 @@ fn main() {
             };
             let tflops = |ms: f64| problem.forward_flops(false) / (ms * 1e-3) / 1e12;
             println!(
-                "fp8 fwd long keys d{d:<3} q{sq} k{sk} split {:8.3} ms {:7.1} TFLOP/s | whole {:8.3} ms {:7.1} TFLOP/s | bf16 split {:8.3} ms {:7.1} TFLOP/s | whole {:8.3} ms {:7.1} TFLOP/s | non-finite outputs {unwritten}",
+                "fp8 fwd long keys d{d:<3} q{sq} k{sk} split auto {:8.3} ms {:7.1} TFLOP/s | off {:8.3} ms {:7.1} TFLOP/s | bf16 auto {:8.3} ms {:7.1} TFLOP/s | off {:8.3} ms {:7.1} TFLOP/s | non-finite outputs {unwritten}",
                 fp8_ms[0],
                 tflops(fp8_ms[0]),
                 fp8_ms[1],

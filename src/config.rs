@@ -35,8 +35,9 @@ impl Backend {
 /// `narrow_key_blocks` uses the causal tile (128-key blocks at d64/d128) for every call; it is
 /// also taken by itself when seqlen_k ≤ 1024, where it was measured faster.
 /// `split_tail` (forward, no window): whether the tiles of the last partial wave (or of a call
-/// with fewer tiles than SMs) are split by key blocks over all SMs and the pieces merged
-/// (split-KV; csrc/sm90/fwd_tail.h).
+/// with fewer tiles than SMs) are split by key blocks over the SMs and the pieces merged
+/// (split-KV; csrc/sm90/fwd_tail.h). A split call takes a workspace of up to 35 MB (d256, 132
+/// SMs) from the device's default memory pool, in stream order, and gives it back at its end.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Sm90Schedule {
     pub pingpong: bool,
@@ -54,7 +55,9 @@ pub enum TailSplit {
     Auto,
     /// Every tile runs whole.
     Off,
-    /// Wherever it can (for tests and measurements).
+    /// Wherever it can (for tests and measurements): not with a window, with the narrow key
+    /// blocks (taken by themselves for seqlen_k ≤ 1024 at d64/d128), with `intra_wg_overlap`
+    /// off, with one key block, or when the workspace cannot be allocated.
     Always,
 }
 

@@ -372,8 +372,8 @@ fn forward_cases() -> Vec<Case> {
             }
         }
         // The tail split (csrc/sm90/fwd_tail.h) on 132 SMs: 144 tiles, one whole wave and 12
-        // tiles in pieces (GQA, odd lengths); one tile in one-block pieces (split by the cost
-        // model too).
+        // tiles in pieces (GQA, odd lengths); two tiles (two heads) in one-block pieces (split
+        // by the cost model too).
         let mut tail = Case::new(1000, 3000, d, false);
         tail.batch = 2;
         tail.heads_q = 9;

@@ -8,9 +8,9 @@
 // tile ⌊x/B⌋; CTA c takes iterations [⌊cU/S⌋, ⌊(c+1)U/S⌋) of U. Each piece leaves its rows' O
 // (normalized) and LSE in f32 in a workspace slot, and a third launch merges a tile's pieces.
 // A share is never longer than a tile (S ≥ tail tiles), so a CTA has at most two pieces: slot
-// 2c for the one its share starts in, 2c + 1 for the next tile's. The second and third launches
-// are programmatic dependents (griddepcontrol): the pieces take each SM as the whole waves leave
-// it, and the merge may be resident before the pieces end.
+// 2c for the one its share starts in, 2c + 1 for the next tile's. The pieces (after whole waves)
+// and the merge are programmatic dependents (griddepcontrol): the pieces take each SM as the
+// whole waves leave it, and the merge may be resident before the pieces end.
 #pragma once
 
 #include <cstdint>
@@ -43,11 +43,12 @@ struct FwdTail {
   }
 };
 
-// The split's model, in key blocks of the busiest CTA. Fitted on the H200 (FP8, 16k tokens, s8k;
-// ncu with the kernels serialized): a partial last wave runs its tiles about 4/5 of the time a
-// full one takes (d128: 63 µs against 78); the pieces' launch took 11-18 µs over their blocks'
-// time and the merge 10-20 µs, about 10 key blocks of 1.5-2.1 µs. Below the predicted gain
-// kTailMinGainPercent the tail runs whole (measured there: d64 +1%, d128 ±0, d256 -1.3%).
+// The split's model, in key blocks of the busiest CTA. Fitted on the H200 (FP8, 16k tokens, s8k):
+// a partial last wave runs its tiles in about 4/5 of the time a full one takes (d128: 63 µs
+// against 78); serialized (ncu), the pieces' launch took 11-18 µs over their blocks' time and
+// the merge 10-20 µs, of which the programmatic launches hide a part; a cost of 10 key blocks
+// (15-21 µs) predicts the A/Bs (split: d64 +1%, d128 ±0, d256 -1.3%; predicted +1.6%, -0.1%,
+// -1.6%). Below the predicted gain kTailMinGainPercent the tail runs whole.
 constexpr int kTailPieceCost = 10;
 constexpr int kTailMinGainPercent = 2;
 
