@@ -186,11 +186,17 @@ fn main() {
             }
         }
     }
-    // --long-keys: fewer query tiles than SMs over many keys (batch 1, 512 queries, 16k keys,
-    // hidden 2048), where the tail split deals each tile's key blocks out to the idle SMs
-    // (csrc/sm90/fwd_tail.h): FP8 and bf16, each with and without it, in one run.
-    if args.flag("--long-keys") {
-        let (sq, sk) = (512, 16384);
+    // --long-keys: fewer query tiles than SMs over many keys (batch 1, 16k keys, hidden 2048:
+    // 512 queries, and 128 causal ones, a chunk of a decode), where the tail split deals each
+    // tile's key blocks out to the idle SMs (csrc/sm90/fwd_tail.h): FP8 and bf16, each with and
+    // without it, in one run. FLOPs: 4·d per visible (query, key) pair.
+    let long_keys: &[(usize, bool)] = if args.flag("--long-keys") {
+        &[(512, false), (128, true)]
+    } else {
+        &[]
+    };
+    for &(sq, causal) in long_keys {
+        let sk = 16384;
         for d in [64, 128, 256] {
             let h = HIDDEN / d;
             let (lq, lk) = (
@@ -212,13 +218,13 @@ fn main() {
             let (mut fp8_ms, mut bf16_ms) = ([0f64; 2], [0f64; 2]);
             let mut unwritten = 0;
             for (i, split) in [TailSplit::Auto, TailSplit::Off].into_iter().enumerate() {
-                let cfg =
-                    AttentionConfig::new()
-                        .backend(Backend::Sm90)
-                        .sm90_schedule(Sm90Schedule {
-                            split_tail: split,
-                            ..schedule
-                        });
+                let cfg = AttentionConfig::new()
+                    .causal(causal)
+                    .backend(Backend::Sm90)
+                    .sm90_schedule(Sm90Schedule {
+                        split_tail: split,
+                        ..schedule
+                    });
                 let mut non_finite = |out: &cudarc::driver::CudaSlice<bf16>| {
                     let host = stream.clone_dtoh(&out.slice(0..nq)).unwrap();
                     unwritten += host.iter().filter(|x| !x.is_finite()).count();
@@ -250,18 +256,16 @@ fn main() {
                 });
                 non_finite(&out);
             }
-            let problem = Problem {
-                batch: 1,
-                seqlen_q: sq,
-                seqlen_k: sk,
-                heads_q: h,
-                heads_kv: h,
-                head_dim: d,
-                dtype: DType::E4M3,
+            // Bottom-right causal: query i sees keys up to i + sk − sq.
+            let pairs: usize = if causal {
+                (0..sq).map(|i| (sk - sq + i + 1).min(sk)).sum()
+            } else {
+                sq * sk
             };
-            let tflops = |ms: f64| problem.forward_flops(false) / (ms * 1e-3) / 1e12;
+            let flops = 4.0 * (h * d * pairs) as f64;
+            let tflops = |ms: f64| flops / (ms * 1e-3) / 1e12;
             println!(
-                "fp8 fwd long keys d{d:<3} q{sq} k{sk} split auto {:8.3} ms {:7.1} TFLOP/s | off {:8.3} ms {:7.1} TFLOP/s | bf16 auto {:8.3} ms {:7.1} TFLOP/s | off {:8.3} ms {:7.1} TFLOP/s | non-finite outputs {unwritten}",
+                "fp8 fwd long keys d{d:<3} q{sq} k{sk} causal={causal:<5} split auto {:8.3} ms {:7.1} TFLOP/s | off {:8.3} ms {:7.1} TFLOP/s | bf16 auto {:8.3} ms {:7.1} TFLOP/s | off {:8.3} ms {:7.1} TFLOP/s | non-finite outputs {unwritten}",
                 fp8_ms[0],
                 tflops(fp8_ms[0]),
                 fp8_ms[1],
@@ -272,7 +276,7 @@ fn main() {
                 tflops(bf16_ms[1])
             );
             rows.push(format!(
-                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": false, \"pingpong\": {}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"no_split_tail_fwd_tflops\": {:.1}, \"no_split_tail_fwd_ms\": {:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {:.4}, \"bf16_no_split_tail_fwd_tflops\": {:.1}, \"bf16_no_split_tail_fwd_ms\": {:.4}, \"non_finite_outputs\": {unwritten}}}",
+                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": {causal}, \"pingpong\": {}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"no_split_tail_fwd_tflops\": {:.1}, \"no_split_tail_fwd_ms\": {:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {:.4}, \"bf16_no_split_tail_fwd_tflops\": {:.1}, \"bf16_no_split_tail_fwd_ms\": {:.4}, \"non_finite_outputs\": {unwritten}}}",
                 schedule.pingpong,
                 tflops(fp8_ms[0]),
                 fp8_ms[0],
@@ -284,7 +288,7 @@ fn main() {
                 bf16_ms[1]
             ));
             if unwritten != 0 {
-                eprintln!("FAIL: {unwritten} non-finite outputs at long keys d{d}");
+                eprintln!("FAIL: {unwritten} non-finite outputs at long keys d{d} causal={causal}");
             }
         }
     }

@@ -34,8 +34,9 @@ impl Backend {
 /// per pair.
 /// `narrow_key_blocks` uses the causal tile (128-key blocks at d64/d128) for every call; it is
 /// also taken by itself when seqlen_k ≤ 1024, where it was measured faster.
-/// `split_tail` (forward, no window): whether the tiles of the last partial wave (or of a call
-/// with fewer tiles than SMs) are split by key blocks over the SMs and the pieces merged
+/// `split_tail` (forward with no window, or with one query block per head under any mask):
+/// whether the tiles of the last partial wave (or of a call with fewer tiles than SMs) are
+/// split by key blocks over the SMs and the pieces merged
 /// (split-KV; csrc/sm90/fwd_tail.h). A split call takes a workspace of up to 35 MB (d256, 132
 /// SMs) from the device's default memory pool, in stream order, and gives it back at its end.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -55,9 +56,9 @@ pub enum TailSplit {
     Auto,
     /// Every tile runs whole.
     Off,
-    /// Wherever it can (for tests and measurements): not with a window, with the narrow key
-    /// blocks (taken by themselves for seqlen_k ≤ 1024 at d64/d128), with `intra_wg_overlap`
-    /// off, with one key block, or when the workspace cannot be allocated.
+    /// Wherever it can (for tests and measurements): not with a mask over several query blocks,
+    /// with `intra_wg_overlap` off, with one key block, or when the workspace cannot be
+    /// allocated.
     Always,
 }
 

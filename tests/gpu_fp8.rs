@@ -380,7 +380,8 @@ fn forward_cases() -> Vec<Case> {
         tail.heads_kv = 3;
         cases.push(tail);
         cases.push(Case::new(100, 8192, d, false));
-        // GQA, batch > 1.
+        cases.push(Case::new(100, 8192, d, true)); // one query block: split when causal too
+                                                   // GQA, batch > 1.
         let mut gqa = Case::new(384, 517, d, true);
         gqa.batch = 2;
         gqa.heads_q = 4;

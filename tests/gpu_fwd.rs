@@ -312,9 +312,9 @@ fn sm90_fwd_d256_f16() {
     run_all::<f16>(&sweep(256), Backend::Sm90, "sm90 d256 f16");
 }
 
-/// The tail split (csrc/sm90/fwd_tail.h) forced on non-causal shapes: tiles cut by key blocks
-/// into pieces merged by their LSE, with and without whole waves before them. Keys > 1024, so
-/// that d64/d128 keep their wide key blocks (the narrow ones do not split).
+/// The tail split (csrc/sm90/fwd_tail.h) forced: tiles cut by key blocks into pieces merged by
+/// their LSE, with and without whole waves before them; non-causal, and masked with one query
+/// block per head (decoding), where a piece may hold no key of a row.
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn sm90_fwd_tail_split() {
@@ -341,6 +341,19 @@ fn sm90_fwd_tail_split() {
                 heads_q: 9,
                 heads_kv: 3,
                 ..Case::new(1000, 3000, head_dim, false)
+            },
+            Case::new(1, 4097, head_dim, true),
+            Case {
+                batch: 2,
+                heads_q: 8,
+                heads_kv: 2,
+                ..Case::new(100, 5000, head_dim, true)
+            },
+            // Rows 0 and 63 see keys 2436..2936 and 2499..2999: the last block is a piece no
+            // early row sees.
+            Case {
+                window: (Some(500), Some(0)),
+                ..Case::new(64, 3000, head_dim, false)
             },
         ];
         for (n, case) in cases.iter().enumerate() {

@@ -38,11 +38,10 @@ template <> struct FwdTile<256> : FwdShape16 {
 template <int kHeadDim> struct FwdTileMasked : FwdTile<kHeadDim> {};
 template <> struct FwdTileMasked<64> : FwdShape16 {
   static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
-  static constexpr bool kUnmaskedLoop = false, kTailSplit = false;
+  static constexpr bool kUnmaskedLoop = false;
 };
 template <> struct FwdTileMasked<128> : FwdShape16 {
   static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
-  static constexpr bool kTailSplit = false;
 };
 
 struct FwdOptions {

@@ -68,9 +68,9 @@ struct FwdTraits {
   static constexpr bool kUnmaskedLoop = Tile::kUnmaskedLoop;
   // FP8: the V-descale ratio by IEEE division, whose slow path moves ptxas's P·V wait (below).
   static constexpr bool kIeeeDescaleRatio = Tile::kIeeeDescaleRatio;
-  // Calls with no window may split the last partial wave's tiles by key blocks (fwd_tail.h):
-  // a second instantiation of the kernel, so not in the tiles that would rarely use it nor in
-  // the overlap ablation.
+  // Calls whose tiles all visit the same key blocks may split the last partial wave's tiles by
+  // key blocks (fwd_tail.h): a second instantiation of the kernel, so not in the overlap
+  // ablation.
   static constexpr bool kTailSplit = Tile::kTailSplit && kIntraWGOverlap_;
   // The next tile's first Q·Kᵀ beside this tile's last P·V: needs the next Q in its own buffer.
   static constexpr bool kCrossTileOverlap = kIntraWGOverlap && kQStages > 1;
@@ -255,9 +255,10 @@ struct TailPieceWalk {
     const int k = x / B;
     const int j0 = x - k * B;
     const int j1 = end - x < B - j0 ? j0 + (end - x) : B;
-    t = decode_tile(p, s.first_tile + k);  // key blocks [0, B): no window
-    t.n_max = B - j0;
-    t.n_min = B - j1;
+    t = decode_tile(p, s.first_tile + k);  // key blocks [n_max − B, n_max), as every tail tile
+    const int n_end = t.n_max;
+    t.n_max = n_end - j0;
+    t.n_min = n_end - j1;
     t.slot = 2 * blockIdx.x + piece;
     ++piece;
     return true;

@@ -159,14 +159,19 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   // Persistent: one CTA per SM (shared memory allows no more) walking its share of the work
   // units (see decode_tile); on request, with a right bound on the keys, one CTA per unit.
   const bool uniform = params.keys.window_right < 0;
-  params.tiles_per_unit = uniform ? 1 : 2;
+  params.tiles_per_unit = uniform || params.num_m_blocks == 1 ? 1 : 2;  // one block: no pairs
   const int units = (params.num_tiles + params.tiles_per_unit - 1) / params.tiles_per_unit;
   const bool persistent = uniform || (p.sm90_flags & FLASHATTN_SM90_PERSISTENT_CAUSAL);
   const int ctas = persistent && p.sm_count > 0 && p.sm_count < units ? p.sm_count : units;
   if constexpr (Traits::kTailSplit) {
-    if (uniform && params.keys.window_left < 0 && p.sm_count > 0 &&  // equal tiles
-        !(p.sm90_flags & FLASHATTN_SM90_NO_SPLIT_TAIL)) {
-      const FwdTail tail = plan_tail(params.num_tiles, num_n_blocks, p.sm_count,
+    // Tiles that all visit the same key blocks: no window at all, or one query block per head
+    // (decoding, short chunks) under any mask.
+    const bool equal_tiles =
+        (uniform && params.keys.window_left < 0) || params.num_m_blocks == 1;
+    if (equal_tiles && p.sm_count > 0 && !(p.sm90_flags & FLASHATTN_SM90_NO_SPLIT_TAIL)) {
+      int n_min, n_max;
+      params.keys.template blocks<Traits::kBlockN>(0, Traits::kBlockM, n_min, n_max);
+      const FwdTail tail = plan_tail(params.num_tiles, n_max - n_min, p.sm_count,
                                      p.sm90_flags & FLASHATTN_SM90_SPLIT_TAIL_ALWAYS);
       if (tail.tiles > 0) return run_fwd_split_tail(p, params, tail, stream);
     }

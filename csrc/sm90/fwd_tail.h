@@ -1,7 +1,8 @@
 // The sm90 forward's tail split: the last partial wave of equal tiles, cut by key blocks.
 //
-// With no window at all every tile costs the same B key blocks, and T tiles on G CTAs take
-// ⌈T/G⌉ tile times for T/G tiles' work (16k tokens at d128: 2048 tiles on 132 SMs, 16 for 15.5).
+// With no window at all, or with one query block per head under any mask, every tile visits the
+// same B key blocks, and T tiles on G CTAs take ⌈T/G⌉ tile times for T/G tiles' work (16k
+// tokens at d128: 2048 tiles on 132 SMs, 16 for 15.5).
 // The first ⌊T/G⌋·G tiles run whole, as always; the key blocks of the other T mod G (the tail)
 // are dealt to S ≤ G CTAs of a second launch in contiguous shares, so that a tile may be
 // computed in pieces by consecutive CTAs. Tail iteration x is key block B − 1 − x mod B of tail

@@ -1,7 +1,9 @@
 // The tail split's third launch (fwd_tail.h): each tail tile's pieces merged into its O and LSE.
 //
 // One thread per row and 4 columns of a tail tile, reading the pieces' slots row-major:
-// LSE = log Σ exp(LSE_p), O = Σ exp(LSE_p − LSE) · O_p, in one pass with a running maximum.
+// LSE = log Σ exp(LSE_p), O = Σ exp(LSE_p − LSE) · O_p, in one pass with a running maximum. A
+// piece in which the row sees no key (LSE +inf, O 0) adds nothing; a row that sees none at all
+// gets O = 0 and LSE = +inf, as from the whole-tile kernel.
 #pragma once
 
 #include <cutlass/array.h>
@@ -43,6 +45,7 @@ __global__ void __launch_bounds__(kTailMergeThreads) fwd_tail_merge(const TailMe
   for (int c = s.owner(k * s.blocks); c <= last; ++c) {
     const float* slot = s.partials + s.slot(c, k) * tail_slot_floats(kHeadDim);
     const float lse = slot[kTailRows * kHeadDim + row];
+    if (lse == INFINITY) continue;
     const float4 o = *reinterpret_cast<const float4*>(slot + row * kHeadDim + chunk * 4);
     if (lse > max_lse) {  // rescale what came before to the new maximum
       const float r = expf(max_lse - lse);
@@ -52,14 +55,15 @@ __global__ void __launch_bounds__(kTailMergeThreads) fwd_tail_merge(const TailMe
     const float w = expf(lse - max_lse);
     acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w, sum += w;
   }
-  const float inv = 1.f / sum;
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
   cutlass::Array<Out, 4> out;
   out[0] = Out(acc.x * inv), out[1] = Out(acc.y * inv), out[2] = Out(acc.z * inv);
   out[3] = Out(acc.w * inv);
   Out* o_row = p.o + (bh / p.heads_q) * p.o_batch_stride + (bh % p.heads_q) * p.o_head_stride +
                q_row * p.o_row_stride;
   *reinterpret_cast<cutlass::Array<Out, 4>*>(o_row + chunk * 4) = out;
-  if (chunk == 0) p.lse[int64_t(bh) * p.seqlen_q + q_row] = max_lse + logf(sum);
+  if (chunk == 0)
+    p.lse[int64_t(bh) * p.seqlen_q + q_row] = sum > 0.f ? max_lse + logf(sum) : INFINITY;
 }
 
 }  // namespace flashattn::sm90
