@@ -380,8 +380,9 @@ fn forward_cases() -> Vec<Case> {
         tail.heads_kv = 3;
         cases.push(tail);
         cases.push(Case::new(100, 8192, d, false));
-        cases.push(Case::new(100, 8192, d, true)); // one query block: split when causal too
-                                                   // GQA, batch > 1.
+        // One query block per head: split when causal too.
+        cases.push(Case::new(100, 8192, d, true));
+        // GQA, batch > 1.
         let mut gqa = Case::new(384, 517, d, true);
         gqa.batch = 2;
         gqa.heads_q = 4;
@@ -401,7 +402,7 @@ fn forward_matches_the_reference_over_quantized_inputs() {
         for hadamard_seed in [None, Some(3)] {
             let options = Fp8Options { hadamard_seed };
             // Without Hadamard, the tail split wherever it can be (csrc/sm90/fwd_tail.h): the
-            // non-causal cases with more than one key block then run in pieces.
+            // cases with more than one key block and no mask, or one query block, run in pieces.
             let split = if hadamard_seed.is_none() {
                 TailSplit::Always
             } else {

@@ -378,6 +378,54 @@ fn sm90_fwd_tail_split() {
     );
 }
 
+/// A NaN key poisons O in every row that sees it, split or not: the merge passes a piece's NaN
+/// on instead of taking its LSE (+inf, as for a row that sees no key) as "no keys here".
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_fwd_tail_split_passes_nan_on() {
+    let (dev, stream) = device();
+    let case = Case::new(100, 4097, 128, false); // two heads, one query block each
+    let (lq, lk) = (
+        case.layout(case.seqlen_q, case.heads_q),
+        case.layout(case.seqlen_k, case.heads_kv),
+    );
+    let span = |l: &Layout| l.span(flashattn::Operand::Q).unwrap();
+    let mut rng = StdRng::seed_from_u64(7);
+    let q: Vec<bf16> = random(span(&lq), &mut rng);
+    let mut k: Vec<bf16> = random(span(&lk), &mut rng);
+    let v: Vec<bf16> = random(span(&lk), &mut rng);
+    k[(2000 * case.heads_kv) * case.head_dim + 5] = bf16::NAN; // key 2000 of head 0
+    let (q_dev, k_dev, v_dev) = (
+        stream.clone_htod(&q).unwrap(),
+        stream.clone_htod(&k).unwrap(),
+        stream.clone_htod(&v).unwrap(),
+    );
+    for split in [TailSplit::Always, TailSplit::Off] {
+        let mut cfg = case.cfg(Backend::Sm90);
+        cfg.sm90_schedule.split_tail = split;
+        let mut o_dev = stream.clone_htod(&vec![bf16::ZERO; span(&lq)]).unwrap();
+        let mut lse_dev = stream.clone_htod(&vec![0f32; 2 * case.seqlen_q]).unwrap();
+        dev.forward_into(
+            &stream,
+            &cfg,
+            &DeviceTensor::new(q_dev.as_view(), lq),
+            &DeviceTensor::new(k_dev.as_view(), lk),
+            &DeviceTensor::new(v_dev.as_view(), lk),
+            &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
+            &mut lse_dev.as_view_mut(),
+        )
+        .unwrap();
+        let o: Vec<bf16> = stream.clone_dtoh(&o_dev).unwrap();
+        stream.synchronize().unwrap();
+        for (row, values) in o.chunks(case.head_dim).enumerate() {
+            let head = row % case.heads_q;
+            let nan = values.iter().filter(|x| x.is_nan()).count();
+            let want = if head == 0 { case.head_dim } else { 0 };
+            assert_eq!(nan, want, "{split:?}: row {} head {head}", row / 2);
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn sm90_fwd_ablation_schedules_agree() {

@@ -154,7 +154,7 @@ struct FwdParams {
   float* lse;  // (batch, heads_q, seqlen_q)
   int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
   int num_m_blocks, num_tiles;
-  int tiles_per_unit;  // 1, or 2 with a right bound on the keys (see decode_tile)
+  int tiles_per_unit;  // 2 with a right bound on the keys over several query blocks, else 1
   KeyRange keys;
   float scale_log2;   // scale·log2(e), or softcap·log2(e) when softcap is on
   float softcap_pre;  // scale/softcap when softcap is on (scores become tanh(s·scale/softcap))
@@ -198,10 +198,10 @@ __device__ auto convert_fragment(Frag const& src) {
 // The schedule. A tile is one 128-row query block of one (batch, head); a work unit is
 // tiles_per_unit consecutive tiles, and CTA b of G takes units b, b + G, b + 2G, ... Tiles of one
 // head are neighbours, so the CTAs running at one time share few heads' K/V in L2. Without a
-// right bound on the keys every tile costs the same: one tile per unit, query blocks in order.
-// With one (causal), query block m sees about m + 1 key blocks: a unit is two tiles, the head's
-// heaviest block left with its lightest (M−1 with 0, M−2 with 1, ...), so that every unit costs
-// about M + 1 blocks and a static share is a balanced one.
+// right bound on the keys (or with one query block per head) every tile costs the same: one tile
+// per unit, query blocks in order. With one (causal), query block m sees about m + 1 key blocks:
+// a unit is two tiles, the head's heaviest block left with its lightest (M−1 with 0, M−2 with 1,
+// ...), so that every unit costs about M + 1 blocks and a static share is a balanced one.
 struct WorkTile {
   int m_block, head, batch;
   int n_min, n_max;  // key blocks visited, last to first

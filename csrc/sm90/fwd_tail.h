@@ -5,9 +5,10 @@
 // tokens at d128: 2048 tiles on 132 SMs, 16 for 15.5).
 // The first ⌊T/G⌋·G tiles run whole, as always; the key blocks of the other T mod G (the tail)
 // are dealt to S ≤ G CTAs of a second launch in contiguous shares, so that a tile may be
-// computed in pieces by consecutive CTAs. Tail iteration x is key block B − 1 − x mod B of tail
-// tile ⌊x/B⌋; CTA c takes iterations [⌊cU/S⌋, ⌊(c+1)U/S⌋) of U. Each piece leaves its rows' O
-// (normalized) and LSE in f32 in a workspace slot, and a third launch merges a tile's pieces.
+// computed in pieces by consecutive CTAs. Tail iteration x is key block n_max − 1 − (x mod B)
+// of tail tile ⌊x/B⌋; CTA c takes iterations [⌊cU/S⌋, ⌊(c+1)U/S⌋) of U. Each piece leaves its
+// rows' O (normalized) and LSE in f32 in a workspace slot, and a third launch merges a tile's
+// pieces.
 // A share is never longer than a tile (S ≥ tail tiles), so a CTA has at most two pieces: slot
 // 2c for the one its share starts in, 2c + 1 for the next tile's. The pieces (after whole waves)
 // and the merge are programmatic dependents (griddepcontrol): the pieces take each SM as the

@@ -2,8 +2,9 @@
 //
 // One thread per row and 4 columns of a tail tile, reading the pieces' slots row-major:
 // LSE = log Σ exp(LSE_p), O = Σ exp(LSE_p − LSE) · O_p, in one pass with a running maximum. A
-// piece in which the row sees no key (LSE +inf, O 0) adds nothing; a row that sees none at all
-// gets O = 0 and LSE = +inf, as from the whole-tile kernel.
+// piece with LSE +inf has O = 0 (the row sees no key there: it adds nothing) or O = NaN (a NaN
+// score: passed on, as the whole-tile kernel's O would be); a row that sees no key at all gets
+// O = 0 and LSE = +inf, as from the whole-tile kernel.
 #pragma once
 
 #include <cutlass/array.h>
@@ -45,8 +46,11 @@ __global__ void __launch_bounds__(kTailMergeThreads) fwd_tail_merge(const TailMe
   for (int c = s.owner(k * s.blocks); c <= last; ++c) {
     const float* slot = s.partials + s.slot(c, k) * tail_slot_floats(kHeadDim);
     const float lse = slot[kTailRows * kHeadDim + row];
-    if (lse == INFINITY) continue;
     const float4 o = *reinterpret_cast<const float4*>(slot + row * kHeadDim + chunk * 4);
+    if (lse == INFINITY) {
+      acc.x += o.x, acc.y += o.y, acc.z += o.z, acc.w += o.w;
+      continue;
+    }
     if (lse > max_lse) {  // rescale what came before to the new maximum
       const float r = expf(max_lse - lse);
       acc.x *= r, acc.y *= r, acc.z *= r, acc.w *= r, sum *= r;
