@@ -18,6 +18,43 @@ use rand::SeedableRng;
 
 use common::{device, random, Case};
 
+/// The forward of `case` on the device over host inputs, outputs poisoned (NaN) before the
+/// launch; returns O and the LSE.
+fn forward_on_device<T: Element + DeviceRepr>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    cfg: &AttentionConfig,
+    [q, k, v]: [&[T]; 3],
+) -> (Vec<T>, Vec<f32>) {
+    let (lq, lk) = (
+        case.layout(case.seqlen_q, case.heads_q),
+        case.layout(case.seqlen_k, case.heads_kv),
+    );
+    let lse_len = case.batch * case.heads_q * case.seqlen_q;
+    let q_dev = stream.clone_htod(q).unwrap();
+    let k_dev = stream.clone_htod(k).unwrap();
+    let v_dev = stream.clone_htod(v).unwrap();
+    let mut o_dev = stream
+        .clone_htod(&vec![T::from_f32(f32::NAN); q.len()])
+        .unwrap();
+    let mut lse_dev = stream.clone_htod(&vec![f32::NAN; lse_len]).unwrap();
+    dev.forward_into(
+        stream,
+        cfg,
+        &DeviceTensor::new(q_dev.as_view(), lq),
+        &DeviceTensor::new(k_dev.as_view(), lk),
+        &DeviceTensor::new(v_dev.as_view(), lk),
+        &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
+        &mut lse_dev.as_view_mut(),
+    )
+    .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+    let o: Vec<T> = stream.clone_dtoh(&o_dev).unwrap();
+    let lse: Vec<f32> = stream.clone_dtoh(&lse_dev).unwrap();
+    stream.synchronize().unwrap();
+    (o, lse)
+}
+
 /// Runs one case with `cfg` (its backend and schedule); returns the comparisons of O and LSE.
 fn run_case<T: Element + DeviceRepr>(
     dev: &Device,
@@ -35,27 +72,7 @@ fn run_case<T: Element + DeviceRepr>(
     let q: Vec<T> = random(span(&lq), &mut rng);
     let k: Vec<T> = random(span(&lk), &mut rng);
     let v: Vec<T> = random(span(&lk), &mut rng);
-    let nan = T::from_f32(f32::NAN);
-    let lse_len = case.batch * case.heads_q * case.seqlen_q;
-
-    let q_dev = stream.clone_htod(&q).unwrap();
-    let k_dev = stream.clone_htod(&k).unwrap();
-    let v_dev = stream.clone_htod(&v).unwrap();
-    let mut o_dev = stream.clone_htod(&vec![nan; span(&lq)]).unwrap();
-    let mut lse_dev = stream.clone_htod(&vec![f32::NAN; lse_len]).unwrap();
-    dev.forward_into(
-        stream,
-        &cfg,
-        &DeviceTensor::new(q_dev.as_view(), lq),
-        &DeviceTensor::new(k_dev.as_view(), lk),
-        &DeviceTensor::new(v_dev.as_view(), lk),
-        &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
-        &mut lse_dev.as_view_mut(),
-    )
-    .unwrap_or_else(|e| panic!("{case:?}: {e}"));
-    let o: Vec<T> = stream.clone_dtoh(&o_dev).unwrap();
-    let lse: Vec<f32> = stream.clone_dtoh(&lse_dev).unwrap();
-    stream.synchronize().unwrap();
+    let (o, lse) = forward_on_device(dev, stream, case, &cfg, [&q, &k, &v]);
 
     let (tq, tk, tv) = (
         TensorRef::new(&q, lq),
@@ -110,10 +127,21 @@ fn run_case<T: Element + DeviceRepr>(
 }
 
 fn run_all<T: Element + DeviceRepr>(cases: &[Case], backend: Backend, label: &str) {
+    run_all_with::<T>(cases, label, |case| case.cfg(backend));
+}
+
+/// `run_all` with each case's config from `cfg` (a schedule other than the default).
+fn run_all_with<T: Element + DeviceRepr>(
+    cases: &[Case],
+    label: &str,
+    cfg: impl Fn(&Case) -> AttentionConfig,
+) {
     let (dev, stream) = device();
     let mut failures = vec![];
     for (n, case) in cases.iter().enumerate() {
-        let (o, lse) = run_case::<T>(&dev, &stream, case, case.cfg(backend), 1000 + n as u64);
+        let cfg = cfg(case);
+        let backend = cfg.backend;
+        let (o, lse) = run_case::<T>(&dev, &stream, case, cfg, 1000 + n as u64);
         println!(
             "{label} {:?} b{} sq{} sk{} h{}/{} d{} causal={} window={:?} softcap={:?} strided={}: O {o}; LSE {lse}",
             backend, case.batch, case.seqlen_q, case.seqlen_k, case.heads_q, case.heads_kv,
@@ -318,10 +346,9 @@ fn sm90_fwd_d256_f16() {
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn sm90_fwd_tail_split() {
-    let (dev, stream) = device();
-    let mut failures = vec![];
+    let mut cases = vec![];
     for head_dim in [64, 128, 256] {
-        let cases = [
+        cases.extend([
             Case::new(1000, 1500, head_dim, false),
             Case::new(113, 2000, head_dim, false),
             Case::new(1, 4097, head_dim, false),
@@ -355,27 +382,15 @@ fn sm90_fwd_tail_split() {
                 window: (Some(500), Some(0)),
                 ..Case::new(64, 3000, head_dim, false)
             },
-        ];
-        for (n, case) in cases.iter().enumerate() {
-            let mut cfg = case.cfg(Backend::Sm90);
-            cfg.sm90_schedule.split_tail = TailSplit::Always;
-            let seed = 2000 + n as u64;
-            let (o, lse) = if n % 2 == 0 {
-                run_case::<bf16>(&dev, &stream, case, cfg, seed)
-            } else {
-                run_case::<f16>(&dev, &stream, case, cfg, seed)
-            };
-            println!("sm90 tail split {case:?}: O {o}; LSE {lse}");
-            if !o.pass || !lse.pass {
-                failures.push(format!("{case:?}"));
-            }
-        }
+        ]);
     }
-    assert!(
-        failures.is_empty(),
-        "failed cases:\n{}",
-        failures.join("\n")
-    );
+    let always = |case: &Case| {
+        let mut cfg = case.cfg(Backend::Sm90);
+        cfg.sm90_schedule.split_tail = TailSplit::Always;
+        cfg
+    };
+    run_all_with::<bf16>(&cases, "sm90 tail split bf16", always);
+    run_all_with::<f16>(&cases, "sm90 tail split f16", always);
 }
 
 /// A NaN key poisons O in every row that sees it, split or not: the merge passes a piece's NaN
@@ -385,38 +400,17 @@ fn sm90_fwd_tail_split() {
 fn sm90_fwd_tail_split_passes_nan_on() {
     let (dev, stream) = device();
     let case = Case::new(100, 4097, 128, false); // two heads, one query block each
-    let (lq, lk) = (
-        case.layout(case.seqlen_q, case.heads_q),
-        case.layout(case.seqlen_k, case.heads_kv),
-    );
-    let span = |l: &Layout| l.span(flashattn::Operand::Q).unwrap();
+    let span = |n: usize, heads: usize| case.layout(n, heads).span(flashattn::Operand::Q).unwrap();
     let mut rng = StdRng::seed_from_u64(7);
-    let q: Vec<bf16> = random(span(&lq), &mut rng);
-    let mut k: Vec<bf16> = random(span(&lk), &mut rng);
-    let v: Vec<bf16> = random(span(&lk), &mut rng);
+    let q: Vec<bf16> = random(span(case.seqlen_q, case.heads_q), &mut rng);
+    let mut k: Vec<bf16> = random(span(case.seqlen_k, case.heads_kv), &mut rng);
+    let v: Vec<bf16> = random(span(case.seqlen_k, case.heads_kv), &mut rng);
     k[(2000 * case.heads_kv) * case.head_dim + 5] = bf16::NAN; // key 2000 of head 0
-    let (q_dev, k_dev, v_dev) = (
-        stream.clone_htod(&q).unwrap(),
-        stream.clone_htod(&k).unwrap(),
-        stream.clone_htod(&v).unwrap(),
-    );
     for split in [TailSplit::Always, TailSplit::Off] {
         let mut cfg = case.cfg(Backend::Sm90);
         cfg.sm90_schedule.split_tail = split;
-        let mut o_dev = stream.clone_htod(&vec![bf16::ZERO; span(&lq)]).unwrap();
-        let mut lse_dev = stream.clone_htod(&vec![0f32; 2 * case.seqlen_q]).unwrap();
-        dev.forward_into(
-            &stream,
-            &cfg,
-            &DeviceTensor::new(q_dev.as_view(), lq),
-            &DeviceTensor::new(k_dev.as_view(), lk),
-            &DeviceTensor::new(v_dev.as_view(), lk),
-            &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
-            &mut lse_dev.as_view_mut(),
-        )
-        .unwrap();
-        let o: Vec<bf16> = stream.clone_dtoh(&o_dev).unwrap();
-        stream.synchronize().unwrap();
+        // Poisoned with NaN: head 1's rows must be written, and finite.
+        let (o, _) = forward_on_device(&dev, &stream, &case, &cfg, [&q, &k, &v]);
         for (row, values) in o.chunks(case.head_dim).enumerate() {
             let head = row % case.heads_q;
             let nan = values.iter().filter(|x| x.is_nan()).count();
