@@ -37,43 +37,28 @@ cudaError_t launch_dependent(void (*kernel)(Params...), int grid, int threads, i
   return e;
 }
 
-// The forward with its tail split (fwd_tail.h): the whole waves, the pieces, their merge. The
-// pieces' workspace (2S slots of 128·(d + 1) floats: 35 MB at d256 on 132 SMs) is taken in
-// stream order from the device's default pool; without memory for it the tail runs whole.
+// The forward with its tail split (fwd_tail.h): the whole waves, the pieces, their merge; then
+// the pieces' workspace (tail.partials, taken by the caller in stream order) is given back.
 template <class Traits>
 flashattn_result_t run_fwd_split_tail(const flashattn_params_t& p, FwdParams<Traits> params,
-                                      FwdTail tail, cudaStream_t stream) {
+                                      const FwdTail& tail, cudaStream_t stream) {
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
-  const size_t bytes = size_t(2) * tail.ctas * tail_slot_floats(Traits::kHeadDim) * sizeof(float);
-  const cudaError_t allocated =
-      cudaMallocAsync(reinterpret_cast<void**>(&tail.partials), bytes, stream);
-  const bool split = allocated == cudaSuccess;
-  if (allocated == cudaErrorMemoryAllocation) {
-    (void)cudaGetLastError();  // out of memory: not this call's failure
-    tail = FwdTail{};
-  } else if (!split) {
-    return cuda_status(allocated);
-  }
   params.tail = tail;
   flashattn_result_t launched = ok();
-  if (tail.first_tile > 0 || !split) {
-    if (split) params.num_tiles = tail.first_tile;  // whole waves
-    const int units = params.num_tiles;             // tiles_per_unit 1
-    fwd_kernel<Traits><<<p.sm_count < units ? p.sm_count : units, Traits::kThreads, smem_bytes,
-                         stream>>>(params);
+  if (tail.first_tile > 0) {  // whole waves, tiles_per_unit 1
+    params.num_tiles = tail.first_tile;
+    fwd_kernel<Traits><<<p.sm_count, Traits::kThreads, smem_bytes, stream>>>(params);
     after_fwd_launch(stream);
     launched = check_launch();
   }
-  if (!split) return launched;
-  if (launched.status == FLASHATTN_OK) {
-    auto pieces = fwd_kernel<Traits, true>;
+  auto pieces = fwd_kernel<Traits, true>;
+  if (launched.status == FLASHATTN_OK)
     launched = cuda_status(allow_dynamic_smem<TailPiecesTag<Traits>>(pieces, smem_bytes));
-    if (launched.status == FLASHATTN_OK && tail.first_tile > 0) {
-      // Beside the whole waves' last CTAs: it reads nothing they write.
+  if (launched.status == FLASHATTN_OK) {
+    if (tail.first_tile > 0) {  // beside the whole waves' last CTAs: it reads nothing they write
       launched = cuda_status(
           launch_dependent(pieces, tail.ctas, Traits::kThreads, smem_bytes, stream, params));
-    } else if (launched.status == FLASHATTN_OK) {
-      // Plainly after whatever came before (its Q, K and V, maybe).
+    } else {  // plainly after whatever came before (its Q, K and V, maybe)
       pieces<<<tail.ctas, Traits::kThreads, smem_bytes, stream>>>(params);
       launched = check_launch();
     }
@@ -171,9 +156,19 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
     if (equal_tiles && p.sm_count > 0 && !(p.sm90_flags & FLASHATTN_SM90_NO_SPLIT_TAIL)) {
       int n_min, n_max;
       params.keys.template blocks<Traits::kBlockN>(0, Traits::kBlockM, n_min, n_max);
-      const FwdTail tail = plan_tail(params.num_tiles, n_max - n_min, p.sm_count,
-                                     p.sm90_flags & FLASHATTN_SM90_SPLIT_TAIL_ALWAYS);
-      if (tail.tiles > 0) return run_fwd_split_tail(p, params, tail, stream);
+      FwdTail tail = plan_tail(params.num_tiles, n_max - n_min, p.sm_count,
+                               p.sm90_flags & FLASHATTN_SM90_SPLIT_TAIL_ALWAYS);
+      if (tail.tiles > 0) {
+        // The pieces' workspace (2S slots of 128·(d + 1) floats: 35 MB at d256 on 132 SMs), in
+        // stream order from the device's default pool; without memory for it, no split.
+        const size_t bytes =
+            size_t(2) * tail.ctas * tail_slot_floats(Traits::kHeadDim) * sizeof(float);
+        const cudaError_t e =
+            cudaMallocAsync(reinterpret_cast<void**>(&tail.partials), bytes, stream);
+        if (e == cudaSuccess) return run_fwd_split_tail(p, params, tail, stream);
+        if (e != cudaErrorMemoryAllocation) return cuda_status(e);
+        (void)cudaGetLastError();  // out of memory: not this call's failure
+      }
     }
   }
   kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
