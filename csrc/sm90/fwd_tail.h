@@ -8,11 +8,10 @@
 // computed in pieces by consecutive CTAs. Tail iteration x is key block n_max − 1 − (x mod B)
 // of tail tile ⌊x/B⌋; CTA c takes iterations [⌊cU/S⌋, ⌊(c+1)U/S⌋) of U. Each piece leaves its
 // rows' O (normalized) and LSE in f32 in a workspace slot, and a third launch merges a tile's
-// pieces.
-// A share is never longer than a tile (S ≥ tail tiles), so a CTA has at most two pieces: slot
-// 2c for the one its share starts in, 2c + 1 for the next tile's. The pieces (after whole waves)
-// and the merge are programmatic dependents (griddepcontrol): the pieces take each SM as the
-// whole waves leave it, and the merge may be resident before the pieces end.
+// pieces. A share is never longer than a tile (S ≥ tail tiles), so a CTA has at most two
+// pieces: slot 2c for the one its share starts in, 2c + 1 for the next tile's. The pieces (after
+// whole waves) and the merge are programmatic dependents (griddepcontrol), so that the pieces
+// may take each SM as the whole waves leave it, and the merge be resident before the pieces end.
 #pragma once
 
 #include <cstdint>
@@ -46,11 +45,12 @@ struct FwdTail {
 };
 
 // The split's model, in key blocks of the busiest CTA. Fitted on the H200 (FP8, 16k tokens, s8k):
-// a partial last wave runs its tiles in about 4/5 of the time a full one takes (d128: 63 µs
-// against 78); serialized (ncu), the pieces' launch took 11-18 µs over their blocks' time and
-// the merge 10-20 µs, of which the programmatic launches hide a part; a cost of 10 key blocks
-// (15-21 µs) predicts the A/Bs (split: d64 +1%, d128 ±0, d256 -1.3%; predicted +1.6%, -0.1%,
-// -1.6%). Below the predicted gain kTailMinGainPercent the tail runs whole.
+// a partial last wave runs its tiles in about 4/5 of the time a full one takes (d128, inferred:
+// 16 waves 1233 µs by CUDA events, 15 in ncu 1170 µs, so ~63 µs for the last against ~78);
+// serialized (ncu), the pieces' launch took 11-18 µs over their blocks' time and the merge
+// 10-20 µs, which the programmatic launches may partly hide (not measured apart); a cost of 10
+// key blocks (15-21 µs) predicts the A/Bs (split: d64 +1%, d128 ±0, d256 -1.3%; predicted
+// +1.6%, -0.1%, -1.6%). Below the predicted gain kTailMinGainPercent the tail runs whole.
 constexpr int kTailPieceCost = 10;
 constexpr int kTailMinGainPercent = 2;
 
