@@ -5,7 +5,7 @@
 //! descales, Hadamard on), as a caller reusing K and V would run it. CUDA events, warm-up, median.
 //!
 //! Usage: bench_fp8 [--quick] [--only D,S[,causal]] [--no-pingpong] [--no-split-tail]
-//!                  [--long-keys] [--out results.json] [--commit SHA]
+//!                  [--long-keys] [--synced] [--out results.json] [--commit SHA]
 
 mod common;
 
@@ -22,10 +22,27 @@ use rand_distr::{Distribution, Normal};
 const TOKENS: usize = 16384;
 const HIDDEN: usize = 2048;
 
-/// Median milliseconds of `reps` calls of `run`, queued behind 5 warm-up calls.
-fn time(stream: &Arc<CudaStream>, reps: usize, mut run: impl FnMut()) -> f64 {
+/// Median milliseconds of `reps` calls of `run`, queued behind 5 warm-up calls. `synced`: each
+/// call waited for before the next is made, timed on the host (what a caller that synchronizes
+/// every step sees, host work and stream-ordered allocations included).
+fn time(stream: &Arc<CudaStream>, reps: usize, synced: bool, mut run: impl FnMut()) -> f64 {
     for _ in 0..5 {
         run();
+        if synced {
+            stream.synchronize().unwrap();
+        }
+    }
+    if synced {
+        let mut ms: Vec<f64> = (0..reps)
+            .map(|_| {
+                let start = std::time::Instant::now();
+                run();
+                stream.synchronize().unwrap();
+                start.elapsed().as_secs_f64() * 1e3
+            })
+            .collect();
+        ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        return ms[ms.len() / 2];
     }
     let events: Vec<_> = (0..reps)
         .map(|_| {
@@ -51,6 +68,8 @@ fn time(stream: &Arc<CudaStream>, reps: usize, mut run: impl FnMut()) -> f64 {
 fn main() {
     let args = common::Args::parse();
     let quick = args.flag("--quick");
+    // --synced: each call waited for before the next, timed on the host.
+    let synced = args.flag("--synced");
     // --no-pingpong: both forwards with ping-pong off (the FlashAttention-3 paper's ablation).
     let schedule = Sm90Schedule {
         pingpong: !args.flag("--no-pingpong"),
@@ -112,7 +131,7 @@ fn main() {
                     .sm90_schedule(schedule);
                 // The inputs of the last timed call are the ones the forward runs on.
                 let mut fp8 = None;
-                let quant_ms = time(&stream, reps, || {
+                let quant_ms = time(&stream, reps, synced, || {
                     fp8 = Some(
                         dev.quantize_fp8(
                             &stream,
@@ -126,7 +145,7 @@ fn main() {
                 });
                 let fp8 = fp8.expect("quantized inputs");
                 stream.memcpy_htod(&poison, &mut out).unwrap(); // every output must be rewritten
-                let fp8_ms = time(&stream, reps, || {
+                let fp8_ms = time(&stream, reps, synced, || {
                     dev.forward_fp8_into(
                         &stream,
                         &cfg,
@@ -139,7 +158,7 @@ fn main() {
                 let host_out = stream.clone_dtoh(&out).unwrap();
                 stream.synchronize().unwrap();
                 let unwritten = host_out.iter().filter(|x| !x.is_finite()).count();
-                let bf16_ms = time(&stream, reps, || {
+                let bf16_ms = time(&stream, reps, synced, || {
                     dev.forward_into(
                         &stream,
                         &cfg,
@@ -187,11 +206,11 @@ fn main() {
         }
     }
     // --long-keys: fewer query tiles than SMs over many keys (batch 1, 16k keys, hidden 2048:
-    // 512 queries, and 128 causal ones, a chunk of a decode), where the tail split deals each
+    // 512 queries, 128 causal ones (a chunk of a decode) and one (a decoded token)), where the tail split deals each
     // tile's key blocks out to the idle SMs (csrc/sm90/fwd_tail.h): FP8 and bf16, each with and
     // without it, in one run. FLOPs: 4·d per visible (query, key) pair.
     let long_keys: &[(usize, bool)] = if args.flag("--long-keys") {
-        &[(512, false), (128, true)]
+        &[(512, false), (128, true), (1, true)]
     } else {
         &[]
     };
@@ -230,7 +249,7 @@ fn main() {
                     unwritten += host.iter().filter(|x| !x.is_finite()).count();
                 };
                 stream.memcpy_htod(&poison, &mut out).unwrap();
-                fp8_ms[i] = time(&stream, reps, || {
+                fp8_ms[i] = time(&stream, reps, synced, || {
                     dev.forward_fp8_into(
                         &stream,
                         &cfg,
@@ -242,7 +261,7 @@ fn main() {
                 });
                 non_finite(&out);
                 stream.memcpy_htod(&poison, &mut out).unwrap();
-                bf16_ms[i] = time(&stream, reps, || {
+                bf16_ms[i] = time(&stream, reps, synced, || {
                     dev.forward_into(
                         &stream,
                         &cfg,
@@ -265,7 +284,8 @@ fn main() {
             let flops = 4.0 * (h * d * pairs) as f64;
             let tflops = |ms: f64| flops / (ms * 1e-3) / 1e12;
             println!(
-                "fp8 fwd long keys d{d:<3} q{sq} k{sk} causal={causal:<5} split auto {:8.3} ms {:7.1} TFLOP/s | off {:8.3} ms {:7.1} TFLOP/s | bf16 auto {:8.3} ms {:7.1} TFLOP/s | off {:8.3} ms {:7.1} TFLOP/s | non-finite outputs {unwritten}",
+                "fp8 fwd long keys{} d{d:<3} q{sq} k{sk} causal={causal:<5} split auto {:8.3} ms {:7.1} TFLOP/s | off {:8.3} ms {:7.1} TFLOP/s | bf16 auto {:8.3} ms {:7.1} TFLOP/s | off {:8.3} ms {:7.1} TFLOP/s | non-finite outputs {unwritten}",
+                if synced { " (synced)" } else { "" },
                 fp8_ms[0],
                 tflops(fp8_ms[0]),
                 fp8_ms[1],
@@ -276,7 +296,7 @@ fn main() {
                 tflops(bf16_ms[1])
             );
             rows.push(format!(
-                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": {causal}, \"pingpong\": {}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"no_split_tail_fwd_tflops\": {:.1}, \"no_split_tail_fwd_ms\": {:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {:.4}, \"bf16_no_split_tail_fwd_tflops\": {:.1}, \"bf16_no_split_tail_fwd_ms\": {:.4}, \"non_finite_outputs\": {unwritten}}}",
+                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": {causal}, \"pingpong\": {}, \"synced\": {synced}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"no_split_tail_fwd_tflops\": {:.1}, \"no_split_tail_fwd_ms\": {:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {:.4}, \"bf16_no_split_tail_fwd_tflops\": {:.1}, \"bf16_no_split_tail_fwd_ms\": {:.4}, \"non_finite_outputs\": {unwritten}}}",
                 schedule.pingpong,
                 tflops(fp8_ms[0]),
                 fp8_ms[0],

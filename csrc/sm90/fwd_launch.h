@@ -8,6 +8,7 @@
 
 #include "../common/launch.h"
 #include "../common/status.h"
+#include "../common/workspace_pool.h"
 #include "../flash_api.h"
 #include "fwd_instantiations.h"
 #include "fwd_kernel.h"
@@ -160,11 +161,11 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
                                p.sm90_flags & FLASHATTN_SM90_SPLIT_TAIL_ALWAYS);
       if (tail.tiles > 0) {
         // The pieces' workspace (2S slots of 128·(d + 1) floats: 35 MB at d256 on 132 SMs), in
-        // stream order from the device's default pool; without memory for it, no split.
+        // stream order from the library's pool (workspace_pool.h); without memory, no split.
         const size_t bytes =
             size_t(2) * tail.ctas * tail_slot_floats(Traits::kHeadDim) * sizeof(float);
         const cudaError_t e =
-            cudaMallocAsync(reinterpret_cast<void**>(&tail.partials), bytes, stream);
+            workspace_alloc(reinterpret_cast<void**>(&tail.partials), bytes, stream);
         if (e == cudaSuccess) return run_fwd_split_tail(p, params, tail, stream);
         if (e != cudaErrorMemoryAllocation) return cuda_status(e);
         (void)cudaGetLastError();  // out of memory: not this call's failure
