@@ -493,6 +493,37 @@ fn check_fully_masked(cfg: &AttentionConfig, sq: usize, sk: usize, masked: usize
     }
 }
 
+/// A NaN key poisons O and the LSE of exactly the rows that see it, as in the reference.
+#[test]
+fn a_nan_key_poisons_the_rows_that_see_it() {
+    let (sq, sk, h, d) = (40, 70, 2, 32);
+    let mut rng = StdRng::seed_from_u64(5);
+    let qv = normal(&mut rng, sq * h * d);
+    let mut kv = normal(&mut rng, sk * h * d);
+    let vv = normal(&mut rng, sk * h * d);
+    kv[(50 * h) * d + 3] = f32::NAN; // key 50 of head 0
+    let cfg = AttentionConfig::new().causal(true); // row i sees keys up to i + 30
+    let fwd = flashattn::forward(
+        &cfg,
+        TensorRef::contiguous(&qv, [1, sq, h, d]),
+        TensorRef::contiguous(&kv, [1, sk, h, d]),
+        TensorRef::contiguous(&vv, [1, sk, h, d]),
+    )
+    .unwrap();
+    for hh in 0..h {
+        for i in 0..sq {
+            let sees_nan = hh == 0 && i + 30 >= 50;
+            let lse = fwd.lse[hh * sq + i];
+            let row = &fwd.out[(i * h + hh) * d..][..d];
+            assert_eq!(lse.is_nan(), sees_nan, "head {hh} row {i}: LSE {lse}");
+            assert!(
+                row.iter().all(|x| x.is_nan() == sees_nan),
+                "head {hh} row {i}: O {row:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn fully_masked_rows_from_a_window() {
     // Window (0, 0) with s_q > s_k: rows whose diagonal i + s_k − s_q is negative see nothing.

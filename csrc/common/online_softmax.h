@@ -105,12 +105,13 @@ struct OnlineSoftmax {
   }
 
   // 1/sum per row (0 for rows that saw no key) and the natural-log LSE (+inf for those rows,
-  // so that a backward pass computes exp(s − lse) = 0).
+  // so that a backward pass computes exp(s − lse) = 0). A NaN score makes the sum NaN, and with
+  // it 1/sum (so O) and the LSE, as in the reference.
   __device__ void finalize(float scale_log2, float (&inv_sum)[kRows], float (&lse)[kRows]) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const float sum = quad_sum(row_sum[r]);
-      const bool empty = sum == 0.f || sum != sum;
+      const bool empty = sum == 0.f;
       inv_sum[r] = empty ? 0.f : 1.f / sum;
       lse[r] = empty ? INFINITY : (row_max[r] * scale_log2 + log2f(sum)) * float(M_LN2);
     }

@@ -2,9 +2,9 @@
 //
 // One thread per row and 4 columns of a tail tile, reading the pieces' slots row-major:
 // LSE = log Σ exp(LSE_p), O = Σ exp(LSE_p − LSE) · O_p, in one pass with a running maximum. A
-// piece with LSE +inf has O = 0 (the row sees no key there: it adds nothing) or O = NaN (a NaN
-// score: passed on, as the whole-tile kernel's O would be); a row that sees no key at all gets
-// O = 0 and LSE = +inf, as from the whole-tile kernel.
+// piece with LSE +inf saw no key of the row (O = 0) and adds nothing; a row that sees no key at
+// all gets O = 0 and LSE = +inf. A piece with a NaN score has LSE and O NaN, which pass on to the
+// row's O and LSE, as from the whole-tile kernel.
 #pragma once
 
 #include <cutlass/array.h>
@@ -47,10 +47,7 @@ __global__ void __launch_bounds__(kTailMergeThreads) fwd_tail_merge(const TailMe
     const float* slot = s.partials + s.slot(c, k) * tail_slot_floats(kHeadDim);
     const float lse = slot[kTailRows * kHeadDim + row];
     const float4 o = *reinterpret_cast<const float4*>(slot + row * kHeadDim + chunk * 4);
-    if (lse == INFINITY) {
-      acc.x += o.x, acc.y += o.y, acc.z += o.z, acc.w += o.w;
-      continue;
-    }
+    if (lse == INFINITY) continue;
     if (lse > max_lse) {  // rescale what came before to the new maximum
       const float r = expf(max_lse - lse);
       acc.x *= r, acc.y *= r, acc.z *= r, acc.w *= r, sum *= r;
@@ -59,7 +56,7 @@ __global__ void __launch_bounds__(kTailMergeThreads) fwd_tail_merge(const TailMe
     const float w = expf(lse - max_lse);
     acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w, sum += w;
   }
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  const float inv = sum == 0.f ? 0.f : 1.f / sum;
   cutlass::Array<Out, 4> out;
   out[0] = Out(acc.x * inv), out[1] = Out(acc.y * inv), out[2] = Out(acc.z * inv);
   out[3] = Out(acc.w * inv);
@@ -67,7 +64,7 @@ __global__ void __launch_bounds__(kTailMergeThreads) fwd_tail_merge(const TailMe
                q_row * p.o_row_stride;
   *reinterpret_cast<cutlass::Array<Out, 4>*>(o_row + chunk * 4) = out;
   if (chunk == 0)
-    p.lse[int64_t(bh) * p.seqlen_q + q_row] = sum > 0.f ? max_lse + logf(sum) : INFINITY;
+    p.lse[int64_t(bh) * p.seqlen_q + q_row] = sum == 0.f ? INFINITY : max_lse + logf(sum);
 }
 
 }  // namespace flashattn::sm90

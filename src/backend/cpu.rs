@@ -672,10 +672,11 @@ fn fwd_block<T: Element, A: Arith>(
             true,
         );
     }
+    // Rows that saw no key: O = 0, LSE = +inf. A NaN score makes l NaN, and O and the LSE with it.
     let mut lse = vec![f32::INFINITY; br];
     for r in 0..br {
         let row = &mut acc[r * dp..(r + 1) * dp];
-        if l[r] > 0.0 {
+        if l[r] != 0.0 {
             let inv = 1.0 / l[r];
             row.iter_mut().for_each(|x| *x *= inv);
             lse[r] = ((m[r] as f64 + (l[r] as f64).log2()) * std::f64::consts::LN_2) as f32;
