@@ -382,6 +382,21 @@ fn forward_cases() -> Vec<Case> {
         cases.push(Case::new(100, 8192, d, false));
         // One query block per head: split when causal too.
         cases.push(Case::new(100, 8192, d, true));
+        // Sliding windows: banded, wide enough that middle tiles have unmasked key blocks
+        // between masked ones, rows left with no key (O = 0, LSE = +inf), and one query block
+        // under a window (split).
+        for (window, sq, sk) in [
+            ((Some(100), Some(0)), 700, 700),
+            ((Some(64), Some(32)), 500, 600),
+            ((Some(700), Some(300)), 2000, 2000),
+            ((Some(0), Some(0)), 300, 100),
+            ((Some(3000), Some(0)), 100, 8192),
+        ] {
+            cases.push(Case {
+                window,
+                ..Case::new(sq, sk, d, false)
+            });
+        }
         // GQA, batch > 1.
         let mut gqa = Case::new(384, 517, d, true);
         gqa.batch = 2;

@@ -376,6 +376,11 @@ fn sm90_fwd_tail_split() {
                 heads_kv: 2,
                 ..Case::new(100, 5000, head_dim, true)
             },
+            // Non-causal with up to 1024 keys: the narrow key blocks (src/backend/gpu.rs).
+            Case::new(300, 1000, head_dim, false),
+            // More queries than keys, causal: rows 0..19 see no key, so every piece of theirs is
+            // empty and the merge gives O = 0, LSE = +inf (two key blocks only at d256).
+            Case::new(120, 100, head_dim, true),
             // Rows 0 and 63 see keys 2436..2936 and 2499..2999: the last block is a piece no
             // early row sees.
             Case {
@@ -393,8 +398,8 @@ fn sm90_fwd_tail_split() {
     run_all_with::<f16>(&cases, "sm90 tail split f16", always);
 }
 
-/// A NaN key poisons O in every row that sees it, split or not: the merge passes a piece's NaN
-/// on instead of taking its LSE (+inf, as for a row that sees no key) as "no keys here".
+/// A NaN key poisons O and the LSE of every row that sees it, as in the reference, split or
+/// not and on both kernel families: the merge passes a piece's NaN on.
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn sm90_fwd_tail_split_passes_nan_on() {
@@ -406,17 +411,102 @@ fn sm90_fwd_tail_split_passes_nan_on() {
     let mut k: Vec<bf16> = random(span(case.seqlen_k, case.heads_kv), &mut rng);
     let v: Vec<bf16> = random(span(case.seqlen_k, case.heads_kv), &mut rng);
     k[(2000 * case.heads_kv) * case.head_dim + 5] = bf16::NAN; // key 2000 of head 0
-    for split in [TailSplit::Always, TailSplit::Off] {
-        let mut cfg = case.cfg(Backend::Sm90);
+    for (backend, split) in [
+        (Backend::Sm90, TailSplit::Always),
+        (Backend::Sm90, TailSplit::Off),
+        (Backend::Sm80, TailSplit::Off),
+    ] {
+        let mut cfg = case.cfg(backend);
         cfg.sm90_schedule.split_tail = split;
         // Poisoned with NaN: head 1's rows must be written, and finite.
-        let (o, _) = forward_on_device(&dev, &stream, &case, &cfg, [&q, &k, &v]);
+        let (o, lse) = forward_on_device(&dev, &stream, &case, &cfg, [&q, &k, &v]);
         for (row, values) in o.chunks(case.head_dim).enumerate() {
-            let head = row % case.heads_q;
+            let (head, i) = (row % case.heads_q, row / case.heads_q);
             let nan = values.iter().filter(|x| x.is_nan()).count();
             let want = if head == 0 { case.head_dim } else { 0 };
-            assert_eq!(nan, want, "{split:?}: row {} head {head}", row / 2);
+            assert_eq!(nan, want, "{backend:?} {split:?}: row {i} head {head}");
+            let lse = lse[head * case.seqlen_q + i];
+            assert_eq!(
+                lse.is_nan(),
+                head == 0,
+                "{backend:?} {split:?}: row {i} head {head}: LSE {lse}"
+            );
         }
+    }
+}
+
+/// A split call captured into a CUDA graph (its workspace becomes the graph's allocation) and
+/// replayed gives the eager call's O and LSE bit for bit, on every replay. As a caller captures
+/// with cudarc: its per-slice event tracking off, since a captured wait on an event recorded
+/// before the capture is an isolation error (CUDA_ERROR_STREAM_CAPTURE_ISOLATION).
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_fwd_tail_split_in_a_cuda_graph() {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let (dev, stream) = device();
+    // Safety: every slice of this test lives on this one stream.
+    unsafe { stream.context().disable_event_tracking() };
+    let case = Case::new(1, 4097, 128, false); // two tiles over 17 key blocks: split
+    let mut cfg = case.cfg(Backend::Sm90);
+    cfg.sm90_schedule.split_tail = TailSplit::Always;
+    let span = |n: usize, heads: usize| case.layout(n, heads).span(flashattn::Operand::Q).unwrap();
+    let mut rng = StdRng::seed_from_u64(5);
+    let q: Vec<bf16> = random(span(case.seqlen_q, case.heads_q), &mut rng);
+    let k: Vec<bf16> = random(span(case.seqlen_k, case.heads_kv), &mut rng);
+    let v: Vec<bf16> = random(span(case.seqlen_k, case.heads_kv), &mut rng);
+    let (want_o, want_lse) = forward_on_device(&dev, &stream, &case, &cfg, [&q, &k, &v]);
+    assert!(want_o.iter().all(|x| x.is_finite()) && want_lse.iter().all(|x| x.is_finite()));
+
+    let (lq, lk) = (
+        case.layout(case.seqlen_q, case.heads_q),
+        case.layout(case.seqlen_k, case.heads_kv),
+    );
+    let (q_dev, k_dev, v_dev) = (
+        stream.clone_htod(&q).unwrap(),
+        stream.clone_htod(&k).unwrap(),
+        stream.clone_htod(&v).unwrap(),
+    );
+    let poison_o = vec![bf16::NAN; q.len()];
+    let poison_lse = vec![f32::NAN; want_lse.len()];
+    let mut o_dev = stream.clone_htod(&poison_o).unwrap();
+    let mut lse_dev = stream.clone_htod(&poison_lse).unwrap();
+    stream.synchronize().unwrap();
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    dev.forward_into(
+        &stream,
+        &cfg,
+        &DeviceTensor::new(q_dev.as_view(), lq),
+        &DeviceTensor::new(k_dev.as_view(), lk),
+        &DeviceTensor::new(v_dev.as_view(), lk),
+        &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
+        &mut lse_dev.as_view_mut(),
+    )
+    .unwrap();
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a captured graph");
+    for replay in 0..3 {
+        stream.memcpy_htod(&poison_o, &mut o_dev).unwrap();
+        stream.memcpy_htod(&poison_lse, &mut lse_dev).unwrap();
+        graph.launch().unwrap();
+        let o: Vec<bf16> = stream.clone_dtoh(&o_dev).unwrap();
+        let lse: Vec<f32> = stream.clone_dtoh(&lse_dev).unwrap();
+        stream.synchronize().unwrap();
+        let same =
+            |a: &[bf16], b: &[bf16]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same(&o, &want_o),
+            "replay {replay}: O differs from the eager call"
+        );
+        assert!(
+            lse.iter()
+                .zip(&want_lse)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "replay {replay}: LSE differs from the eager call"
+        );
     }
 }
 
