@@ -183,12 +183,13 @@ fn main() {
                 // Read bf16 Q, K, V once, write them in e4m3 (descales are negligible).
                 let quant_gbs = (3 * n * 2 + 3 * n) as f64 / (quant_ms * 1e-3) / 1e9;
                 println!(
-                    "fp8 fwd d{d:<3} s{s:<5} causal={causal:<5} {fp8_ms:8.3} ms {:7.1} TFLOP/s | bf16 {bf16_ms:8.3} ms {:7.1} TFLOP/s | quantize {quant_ms:.3} ms {quant_gbs:6.0} GB/s | non-finite outputs {unwritten}",
+                    "fp8 fwd{} d{d:<3} s{s:<5} causal={causal:<5} {fp8_ms:8.3} ms {:7.1} TFLOP/s | bf16 {bf16_ms:8.3} ms {:7.1} TFLOP/s | quantize {quant_ms:.3} ms {quant_gbs:6.0} GB/s | non-finite outputs {unwritten}",
+                    if synced { " (synced)" } else { "" },
                     tflops(fp8_ms),
                     tflops(bf16_ms)
                 );
                 rows.push(format!(
-                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong\": {}, \"split_tail\": \"{:?}\", \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
+                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong\": {}, \"split_tail\": \"{:?}\", \"synced\": {synced}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
                     shape[0],
                     shape[2],
                     shape[2],

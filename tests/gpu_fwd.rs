@@ -446,7 +446,7 @@ fn sm90_fwd_tail_split_in_a_cuda_graph() {
     let (dev, stream) = device();
     // Safety: every slice of this test lives on this one stream.
     unsafe { stream.context().disable_event_tracking() };
-    let case = Case::new(1, 4097, 128, false); // two tiles over 17 key blocks: split
+    let case = Case::new(1, 4097, 128, false); // two tiles over 26 key blocks: split
     let mut cfg = case.cfg(Backend::Sm90);
     cfg.sm90_schedule.split_tail = TailSplit::Always;
     let span = |n: usize, heads: usize| case.layout(n, heads).span(flashattn::Operand::Q).unwrap();

@@ -2,9 +2,10 @@
 //
 // One thread per row and 4 columns of a tail tile, reading the pieces' slots row-major:
 // LSE = log Σ exp(LSE_p), O = Σ exp(LSE_p − LSE) · O_p, in one pass with a running maximum. A
-// piece with LSE +inf saw no key of the row (O = 0) and adds nothing; a row that sees no key at
-// all gets O = 0 and LSE = +inf. A piece with a NaN score has LSE and O NaN, which pass on to the
-// row's O and LSE, as from the whole-tile kernel.
+// piece with LSE +inf saw no key of the row: its O is 0, or NaN where V holds a NaN or inf at a
+// key the row does not see (0·NaN), which is added, as the whole-tile kernel's O would carry it.
+// A row that sees no key at all gets O = 0 and LSE = +inf. A piece with a NaN score has LSE and
+// O NaN, which pass on to the row's O and LSE.
 #pragma once
 
 #include <cutlass/array.h>
@@ -47,7 +48,10 @@ __global__ void __launch_bounds__(kTailMergeThreads) fwd_tail_merge(const TailMe
     const float* slot = s.partials + s.slot(c, k) * tail_slot_floats(kHeadDim);
     const float lse = slot[kTailRows * kHeadDim + row];
     const float4 o = *reinterpret_cast<const float4*>(slot + row * kHeadDim + chunk * 4);
-    if (lse == INFINITY) continue;
+    if (lse == INFINITY) {
+      acc.x += o.x, acc.y += o.y, acc.z += o.z, acc.w += o.w;
+      continue;
+    }
     if (lse > max_lse) {  // rescale what came before to the new maximum
       const float r = expf(max_lse - lse);
       acc.x *= r, acc.y *= r, acc.z *= r, acc.w *= r, sum *= r;
