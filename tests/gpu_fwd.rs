@@ -8,7 +8,8 @@ mod common;
 
 use std::sync::Arc;
 
-use cudarc::driver::DeviceRepr;
+use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, DeviceRepr};
 use flashattn::cuda::{CudaStream, Device, DeviceTensor, DeviceTensorMut};
 use flashattn::reference::{self, compare, Comparison};
 use flashattn::{AttentionConfig, Backend, Element, Layout, TailSplit, TensorRef};
@@ -435,6 +436,120 @@ fn sm90_fwd_tail_split_passes_nan_on() {
     }
 }
 
+/// One forward call captured into a CUDA graph, not run. The stream's context must have cudarc's
+/// event tracking off (a captured wait on an event recorded before the capture is an isolation
+/// error, CUDA_ERROR_STREAM_CAPTURE_ISOLATION), as for any caller that captures with cudarc.
+fn capture_forward(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    cfg: &AttentionConfig,
+    [q, k, v]: [&CudaSlice<bf16>; 3],
+    (o, lse): (&mut CudaSlice<bf16>, &mut CudaSlice<f32>),
+) -> CudaGraph {
+    let (lq, lk) = (
+        case.layout(case.seqlen_q, case.heads_q),
+        case.layout(case.seqlen_k, case.heads_kv),
+    );
+    stream.synchronize().unwrap();
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    let called = dev.forward_into(
+        stream,
+        cfg,
+        &DeviceTensor::new(q.as_view(), lq),
+        &DeviceTensor::new(k.as_view(), lk),
+        &DeviceTensor::new(v.as_view(), lk),
+        &mut DeviceTensorMut::new(o.as_view_mut(), lq),
+        &mut lse.as_view_mut(),
+    );
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap();
+    called.unwrap_or_else(|e| panic!("{case:?}: {e}"));
+    graph.expect("a captured graph")
+}
+
+/// The kernel launches in a captured graph.
+fn kernels_in(graph: &CudaGraph) -> usize {
+    let g = graph.cu_graph();
+    let mut n = 0usize;
+    unsafe { sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut n) }
+        .result()
+        .unwrap();
+    let mut nodes = vec![std::ptr::null_mut(); n];
+    unsafe { sys::cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut n) }
+        .result()
+        .unwrap();
+    nodes
+        .iter()
+        .filter(|&&node| {
+            let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            unsafe { sys::cuGraphNodeGetType(node, &mut kind) }
+                .result()
+                .unwrap();
+            kind == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL
+        })
+        .count()
+}
+
+/// Which calls the tail split takes, seen as the kernels each launches (captured, not run): one
+/// unsplit; with it, the whole waves (when there are any), the pieces and the merge.
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_fwd_tail_split_plans() {
+    let (dev, stream) = device();
+    // Safety: every slice of this test lives on this one stream.
+    unsafe { stream.context().disable_event_tracking() };
+    let sms = dev.info().sm_count as usize;
+    let gqa = Case {
+        batch: 2,
+        heads_q: 9,
+        heads_kv: 3,
+        ..Case::new(1000, 3000, 128, false)
+    };
+    let headline = Case {
+        batch: 2,
+        heads_q: 16,
+        heads_kv: 16,
+        ..Case::new(8192, 8192, 128, false)
+    };
+    let windowed = Case {
+        window: (Some(500), Some(0)),
+        ..Case::new(1000, 3000, 128, false)
+    };
+    let gqa_tiles = 2 * 9 * 8;
+    let split = |tiles: usize| if tiles > sms { 3 } else { 2 };
+    for (case, mode, want) in [
+        (Case::new(1, 4097, 128, false), TailSplit::Always, split(2)),
+        (Case::new(1, 4097, 128, false), TailSplit::Auto, split(2)),
+        (Case::new(1, 4097, 128, false), TailSplit::Off, 1),
+        (Case::new(100, 8192, 128, true), TailSplit::Auto, split(2)),
+        (gqa.clone(), TailSplit::Always, split(gqa_tiles)),
+        (gqa, TailSplit::Off, 1),
+        // The cost model declines the 16k-token shape (measured ±0 at d128 s8k).
+        (headline, TailSplit::Auto, 1),
+        // Several query blocks under a window: their tiles differ, never split.
+        (windowed, TailSplit::Always, 1),
+    ] {
+        let mut cfg = case.cfg(Backend::Sm90);
+        cfg.sm90_schedule.split_tail = mode;
+        let q = stream
+            .alloc_zeros::<bf16>(case.batch * case.seqlen_q * case.heads_q * case.head_dim)
+            .unwrap();
+        let kv = case.batch * case.seqlen_k * case.heads_kv * case.head_dim;
+        let (k, v) = (
+            stream.alloc_zeros::<bf16>(kv).unwrap(),
+            stream.alloc_zeros::<bf16>(kv).unwrap(),
+        );
+        let mut o = stream.alloc_zeros::<bf16>(q.len()).unwrap();
+        let mut lse = stream
+            .alloc_zeros::<f32>(case.batch * case.heads_q * case.seqlen_q)
+            .unwrap();
+        let graph = capture_forward(&dev, &stream, &case, &cfg, [&q, &k, &v], (&mut o, &mut lse));
+        assert_eq!(kernels_in(&graph), want, "{case:?} {mode:?}");
+    }
+}
+
 /// A split call captured into a CUDA graph (its workspace becomes the graph's allocation) and
 /// replayed gives the eager call's O and LSE bit for bit, on every replay. As a caller captures
 /// with cudarc: its per-slice event tracking off, since a captured wait on an event recorded
@@ -442,7 +557,6 @@ fn sm90_fwd_tail_split_passes_nan_on() {
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn sm90_fwd_tail_split_in_a_cuda_graph() {
-    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     let (dev, stream) = device();
     // Safety: every slice of this test lives on this one stream.
     unsafe { stream.context().disable_event_tracking() };
@@ -457,10 +571,6 @@ fn sm90_fwd_tail_split_in_a_cuda_graph() {
     let (want_o, want_lse) = forward_on_device(&dev, &stream, &case, &cfg, [&q, &k, &v]);
     assert!(want_o.iter().all(|x| x.is_finite()) && want_lse.iter().all(|x| x.is_finite()));
 
-    let (lq, lk) = (
-        case.layout(case.seqlen_q, case.heads_q),
-        case.layout(case.seqlen_k, case.heads_kv),
-    );
     let (q_dev, k_dev, v_dev) = (
         stream.clone_htod(&q).unwrap(),
         stream.clone_htod(&k).unwrap(),
@@ -470,24 +580,14 @@ fn sm90_fwd_tail_split_in_a_cuda_graph() {
     let poison_lse = vec![f32::NAN; want_lse.len()];
     let mut o_dev = stream.clone_htod(&poison_o).unwrap();
     let mut lse_dev = stream.clone_htod(&poison_lse).unwrap();
-    stream.synchronize().unwrap();
-    stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-        .unwrap();
-    dev.forward_into(
+    let graph = capture_forward(
+        &dev,
         &stream,
+        &case,
         &cfg,
-        &DeviceTensor::new(q_dev.as_view(), lq),
-        &DeviceTensor::new(k_dev.as_view(), lk),
-        &DeviceTensor::new(v_dev.as_view(), lk),
-        &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
-        &mut lse_dev.as_view_mut(),
-    )
-    .unwrap();
-    let graph = stream
-        .end_capture(CUgraphInstantiate_flags(0))
-        .unwrap()
-        .expect("a captured graph");
+        [&q_dev, &k_dev, &v_dev],
+        (&mut o_dev, &mut lse_dev),
+    );
     for replay in 0..3 {
         stream.memcpy_htod(&poison_o, &mut o_dev).unwrap();
         stream.memcpy_htod(&poison_lse, &mut lse_dev).unwrap();
