@@ -3,7 +3,7 @@
 // to kWorkspacePoolKeep bytes of freed memory for later calls. The device's default pool returns
 // freed memory to the system whenever the stream synchronizes (release threshold 0), and mapping
 // it again is paid by the next call: on the H200 (2026-12-01) a decoded d256 token synchronized
-// after every call took 0.12-0.16 ms with its 35 MB of workspace from there, 0.05 from here.
+// after every call took 0.12-0.16 ms with its workspace (35 MB then) from there, 0.05 from here.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,8 +14,8 @@
 
 namespace flashattn {
 
-// What the pool keeps across synchronizations: the largest workspace (35 MB, sm90 d256 on 132
-// SMs) for a few streams at once. Above it, memory goes back to the system as before.
+// What the pool keeps across synchronizations: the largest workspace (35 MB, sm90 d256 with 131
+// tail tiles on 132 SMs) for a few streams at once. Above it, memory goes back to the system as before.
 constexpr uint64_t kWorkspacePoolKeep = uint64_t(128) << 20;
 
 // The pools by device; nullptr where one could not be made (the default pool serves there). Never

@@ -259,7 +259,7 @@ struct TailPieceWalk {
     const int n_end = t.n_max;
     t.n_max = n_end - j0;
     t.n_min = n_end - j1;
-    t.slot = 2 * blockIdx.x + piece;
+    t.slot = FwdTail::slot(blockIdx.x, k);
     ++piece;
     return true;
   }

@@ -9,7 +9,8 @@
 // of tail tile ⌊x/B⌋; CTA c takes iterations [⌊cU/S⌋, ⌊(c+1)U/S⌋) of U. Each piece leaves its
 // rows' O (normalized) and LSE in f32 in a workspace slot, and a third launch merges a tile's
 // pieces. A share is never longer than a tile (S ≥ tail tiles), so a CTA has at most two
-// pieces: slot 2c for the one its share starts in, 2c + 1 for the next tile's. The pieces (after
+// pieces. CTA c's piece of tail tile k takes slot c + k: shares are contiguous and in order, so
+// no two pieces meet there, and S + tiles − 1 slots hold them all. The pieces (after
 // whole waves) and the merge are programmatic dependents (griddepcontrol), so that the pieces
 // may take each SM as the whole waves leave it, and the merge be resident before the pieces end.
 #pragma once
@@ -38,10 +39,9 @@ struct FwdTail {
   __host__ __device__ int owner(int x) const {
     return int(((int64_t(x) + 1) * ctas - 1) / iters);
   }
-  // The slot of CTA c's piece of tail tile k.
-  __host__ __device__ int slot(int c, int k) const {
-    return 2 * c + (share_begin(c) < k * blocks ? 1 : 0);
-  }
+  // The slot of CTA c's piece of tail tile k, and how many there are.
+  __host__ __device__ static int slot(int c, int k) { return c + k; }
+  __host__ __device__ int slots() const { return ctas + tiles - 1; }
 };
 
 // The split's model, in key blocks of the busiest CTA. Fitted on the H200 (FP8, 16k tokens, s8k):
