@@ -17,7 +17,13 @@
 //! give inputs to reuse or quantized elsewhere. The quantize step's host definition: [`fp8`].
 //!
 //! Fully masked query rows (a window or causal mask that leaves no key) give `O = 0` and
-//! `lse = +inf`, so that a backward pass computes `exp(s - lse) = 0` and zero gradients.
+//! `lse = +inf`, so that a backward pass computes `exp(s - lse) = 0` and zero gradients. A row
+//! that sees a NaN score gets NaN in `O` and `lse`, on every backend.
+//!
+//! The sm90 forward's split-KV workspace comes, in stream order, from a memory pool of this
+//! library's that keeps up to 128 MiB per device across synchronizations. Calls can be captured
+//! into CUDA graphs; with cudarc, capture with its event tracking off
+//! (`CudaContext::disable_event_tracking`) for the slices the captured calls use.
 //!
 //! ```
 //! use flashattn::{AttentionConfig, TensorRef};
