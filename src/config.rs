@@ -38,7 +38,8 @@ impl Backend {
 /// whether the tiles of the last partial wave (or of a call with fewer tiles than SMs) are
 /// split by key blocks over the SMs and the pieces merged
 /// (split-KV; csrc/sm90/fwd_tail.h). A split call takes a workspace of up to 35 MB (d256, 132
-/// SMs) from the device's default memory pool, in stream order, and gives it back at its end.
+/// SMs) in stream order and gives it back at its end, to a memory pool of this library's that
+/// keeps up to 128 MiB per device across synchronizations (csrc/common/workspace_pool.h).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Sm90Schedule {
     pub pingpong: bool,
