@@ -15,7 +15,7 @@
 namespace flashattn {
 
 // What the pool keeps across synchronizations: the largest workspace (35 MB, sm90 d256 with 131
-// tail tiles on 132 SMs) for a few streams at once. Above it, memory goes back to the system as before.
+// tail tiles on 132 SMs) for a few streams at once. Above it, memory goes back to the system.
 constexpr uint64_t kWorkspacePoolKeep = uint64_t(128) << 20;
 
 // The pools by device; nullptr where one could not be made (the default pool serves there). Never

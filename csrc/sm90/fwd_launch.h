@@ -161,8 +161,9 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
                                p.sm90_flags & FLASHATTN_SM90_SPLIT_TAIL_ALWAYS);
       if (tail.tiles > 0) {
         // The pieces' workspace (S + tiles − 1 slots of 128·(d + 1) floats: at most 35 MB, at
-        // d256 with 132 tail tiles on 132 SMs), in stream order (workspace_pool.h). Without it (out of memory, say) the call runs unsplit:
-        // the error is not this call's failure (a sticky one shows at the launch below).
+        // d256 with 131 tail tiles on 132 SMs), in stream order (workspace_pool.h). Without it
+        // (out of memory, say) the call runs unsplit: the error is not this call's failure (a
+        // sticky one shows at the launch below).
         const size_t bytes =
             size_t(tail.slots()) * tail_slot_floats(Traits::kHeadDim) * sizeof(float);
         if (workspace_alloc(reinterpret_cast<void**>(&tail.partials), bytes, stream) ==
