@@ -16,7 +16,7 @@ use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use common::{device, random, Case};
+use common::{device, random, span, Case};
 
 struct Grads {
     dq: Comparison,
@@ -36,14 +36,8 @@ fn run_case<T: Element + DeviceRepr>(
     seed: u64,
 ) -> Grads {
     let mut rng = StdRng::seed_from_u64(seed);
-    let (lq, lk) = (
-        case.layout(case.seqlen_q, case.heads_q),
-        case.layout(case.seqlen_k, case.heads_kv),
-    );
-    let span = |l: &Layout| l.span(flashattn::Operand::Q).unwrap();
-    let q: Vec<T> = random(span(&lq), &mut rng);
-    let k: Vec<T> = random(span(&lk), &mut rng);
-    let v: Vec<T> = random(span(&lk), &mut rng);
+    let (lq, lk) = case.layouts();
+    let [q, k, v] = case.random_qkv::<T>(&mut rng);
     let dout: Vec<T> = random(span(&lq), &mut rng);
     let nan = T::from_f32(f32::NAN);
     let lse_len = case.batch * case.heads_q * case.seqlen_q;

@@ -21,7 +21,7 @@ use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use common::{device, random, Case};
+use common::{assert_nan_in_head_0, device, random, Case};
 
 /// Inputs of one case on the host and the device.
 struct Inputs<T> {
@@ -293,6 +293,39 @@ fn compare_lse(got: &[f32], reference: &[f64], baseline: &[f32], magnitude: &[f3
     worst
 }
 
+/// The FP8 forward of one case, quantized on the device, into outputs poisoned (NaN) before the
+/// launch; returns O (in the inputs' type) and the LSE.
+fn forward_on_device<T: Element + DeviceRepr>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    x: &Inputs<T>,
+    options: Fp8Options,
+    split_tail: TailSplit,
+) -> (Vec<T>, Vec<f32>) {
+    let fp8 = quantize_on_device(dev, stream, case, x, options);
+    let lq = Layout::contiguous([case.batch, case.seqlen_q, case.heads_q, case.head_dim]);
+    let lse_len = case.batch * case.heads_q * case.seqlen_q;
+    let mut o_dev = stream
+        .clone_htod(&vec![T::from_f32(f32::NAN); lq.shape.iter().product()])
+        .unwrap();
+    let mut lse_dev = stream.clone_htod(&vec![f32::NAN; lse_len]).unwrap();
+    let mut cfg = case.cfg(Backend::Sm90);
+    cfg.sm90_schedule.split_tail = split_tail;
+    dev.forward_fp8_into(
+        stream,
+        &cfg,
+        &fp8,
+        &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
+        &mut lse_dev.as_view_mut(),
+    )
+    .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+    let o: Vec<T> = stream.clone_dtoh(&o_dev).unwrap();
+    let lse: Vec<f32> = stream.clone_dtoh(&lse_dev).unwrap();
+    stream.synchronize().unwrap();
+    (o, lse)
+}
+
 /// Runs the FP8 forward of one case (quantized on the device) and compares O and the LSE with
 /// the f64 reference over the dequantized inputs.
 fn run_forward_case<T: Element + DeviceRepr>(
@@ -316,26 +349,7 @@ fn run_forward_case<T: Element + DeviceRepr>(
             k[0] = T::from_f32(k[0].to_f32() - shift);
         }
     }
-    let fp8 = quantize_on_device(dev, stream, case, &x, options);
-    let lq = Layout::contiguous([case.batch, case.seqlen_q, case.heads_q, case.head_dim]);
-    let lse_len = case.batch * case.heads_q * case.seqlen_q;
-    let mut o_dev = stream
-        .clone_htod(&vec![T::from_f32(f32::NAN); lq.shape.iter().product()])
-        .unwrap();
-    let mut lse_dev = stream.clone_htod(&vec![f32::NAN; lse_len]).unwrap();
-    let mut cfg = case.cfg(Backend::Sm90);
-    cfg.sm90_schedule.split_tail = split_tail;
-    dev.forward_fp8_into(
-        stream,
-        &cfg,
-        &fp8,
-        &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
-        &mut lse_dev.as_view_mut(),
-    )
-    .unwrap_or_else(|e| panic!("{case:?}: {e}"));
-    let o: Vec<T> = stream.clone_dtoh(&o_dev).unwrap();
-    let lse: Vec<f32> = stream.clone_dtoh(&lse_dev).unwrap();
-    stream.synchronize().unwrap();
+    let (o, lse) = forward_on_device::<T>(dev, stream, case, &x, options, split_tail);
 
     let [hq, hk, hv] = quantize_on_host(case, &x, options);
     let (dq, dk, dv) = (hq.dequantize(), hk.dequantize(), hv.dequantize());
@@ -442,6 +456,24 @@ fn forward_matches_the_reference_over_quantized_inputs() {
         failures.len(),
         failures.join("\n")
     );
+}
+
+/// A NaN key poisons O and the LSE of every row that sees it, split or not, as in the 16-bit
+/// forwards and the reference (without Hadamard the NaN stays in one element of K).
+#[test]
+#[ignore = "needs an sm_90 GPU"]
+fn forward_passes_nan_on() {
+    let (dev, stream) = device();
+    let case = Case::new(100, 4097, 128, false); // two heads, one query block each
+    let mut x = inputs::<bf16>(&case, 7);
+    x.k[(2000 * case.heads_kv) * case.head_dim + 5] = bf16::NAN; // key 2000 of head 0
+    let options = Fp8Options {
+        hadamard_seed: None,
+    };
+    for split in [TailSplit::Always, TailSplit::Off] {
+        let (o, lse) = forward_on_device::<bf16>(&dev, &stream, &case, &x, options, split);
+        assert_nan_in_head_0(&case, &o, &lse, &format!("{split:?}"));
+    }
 }
 
 /// Rows whose every score lies far below 0 (q·k ≈ −400, a logit of −25 at d256): P is taken

@@ -12,12 +12,12 @@ use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, DeviceRepr};
 use flashattn::cuda::{CudaStream, Device, DeviceTensor, DeviceTensorMut};
 use flashattn::reference::{self, compare, Comparison};
-use flashattn::{AttentionConfig, Backend, Element, Layout, TailSplit, TensorRef};
+use flashattn::{AttentionConfig, Backend, Element, TailSplit, TensorRef};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use common::{device, random, Case};
+use common::{assert_nan_in_head_0, device, Case};
 
 /// The forward of `case` on the device over host inputs, outputs poisoned (NaN) before the
 /// launch; returns O and the LSE.
@@ -28,10 +28,7 @@ fn forward_on_device<T: Element + DeviceRepr>(
     cfg: &AttentionConfig,
     [q, k, v]: [&[T]; 3],
 ) -> (Vec<T>, Vec<f32>) {
-    let (lq, lk) = (
-        case.layout(case.seqlen_q, case.heads_q),
-        case.layout(case.seqlen_k, case.heads_kv),
-    );
+    let (lq, lk) = case.layouts();
     let lse_len = case.batch * case.heads_q * case.seqlen_q;
     let q_dev = stream.clone_htod(q).unwrap();
     let k_dev = stream.clone_htod(k).unwrap();
@@ -64,15 +61,8 @@ fn run_case<T: Element + DeviceRepr>(
     cfg: AttentionConfig,
     seed: u64,
 ) -> (Comparison, Comparison) {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let (lq, lk) = (
-        case.layout(case.seqlen_q, case.heads_q),
-        case.layout(case.seqlen_k, case.heads_kv),
-    );
-    let span = |l: &Layout| l.span(flashattn::Operand::Q).unwrap();
-    let q: Vec<T> = random(span(&lq), &mut rng);
-    let k: Vec<T> = random(span(&lk), &mut rng);
-    let v: Vec<T> = random(span(&lk), &mut rng);
+    let (lq, lk) = case.layouts();
+    let [q, k, v] = case.random_qkv::<T>(&mut StdRng::seed_from_u64(seed));
     let (o, lse) = forward_on_device(dev, stream, case, &cfg, [&q, &k, &v]);
 
     let (tq, tk, tv) = (
@@ -406,11 +396,7 @@ fn sm90_fwd_tail_split() {
 fn sm90_fwd_tail_split_passes_nan_on() {
     let (dev, stream) = device();
     let case = Case::new(100, 4097, 128, false); // two heads, one query block each
-    let span = |n: usize, heads: usize| case.layout(n, heads).span(flashattn::Operand::Q).unwrap();
-    let mut rng = StdRng::seed_from_u64(7);
-    let q: Vec<bf16> = random(span(case.seqlen_q, case.heads_q), &mut rng);
-    let mut k: Vec<bf16> = random(span(case.seqlen_k, case.heads_kv), &mut rng);
-    let v: Vec<bf16> = random(span(case.seqlen_k, case.heads_kv), &mut rng);
+    let [q, mut k, v] = case.random_qkv::<bf16>(&mut StdRng::seed_from_u64(7));
     k[(2000 * case.heads_kv) * case.head_dim + 5] = bf16::NAN; // key 2000 of head 0
     for (backend, split) in [
         (Backend::Sm90, TailSplit::Always),
@@ -419,20 +405,8 @@ fn sm90_fwd_tail_split_passes_nan_on() {
     ] {
         let mut cfg = case.cfg(backend);
         cfg.sm90_schedule.split_tail = split;
-        // Poisoned with NaN: head 1's rows must be written, and finite.
         let (o, lse) = forward_on_device(&dev, &stream, &case, &cfg, [&q, &k, &v]);
-        for (row, values) in o.chunks(case.head_dim).enumerate() {
-            let (head, i) = (row % case.heads_q, row / case.heads_q);
-            let nan = values.iter().filter(|x| x.is_nan()).count();
-            let want = if head == 0 { case.head_dim } else { 0 };
-            assert_eq!(nan, want, "{backend:?} {split:?}: row {i} head {head}");
-            let lse = lse[head * case.seqlen_q + i];
-            assert_eq!(
-                lse.is_nan(),
-                head == 0,
-                "{backend:?} {split:?}: row {i} head {head}: LSE {lse}"
-            );
-        }
+        assert_nan_in_head_0(&case, &o, &lse, &format!("{backend:?} {split:?}"));
     }
 }
 
@@ -447,10 +421,7 @@ fn capture_forward(
     [q, k, v]: [&CudaSlice<bf16>; 3],
     (o, lse): (&mut CudaSlice<bf16>, &mut CudaSlice<f32>),
 ) -> CudaGraph {
-    let (lq, lk) = (
-        case.layout(case.seqlen_q, case.heads_q),
-        case.layout(case.seqlen_k, case.heads_kv),
-    );
+    let (lq, lk) = case.layouts();
     stream.synchronize().unwrap();
     stream
         .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
@@ -524,7 +495,7 @@ fn sm90_fwd_tail_split_plans() {
         (Case::new(1, 4097, 128, false), TailSplit::Auto, split(2)),
         (Case::new(1, 4097, 128, false), TailSplit::Off, 1),
         (Case::new(100, 8192, 128, true), TailSplit::Auto, split(2)),
-        (gqa.clone(), TailSplit::Always, split(gqa_tiles)),
+        (gqa, TailSplit::Always, split(gqa_tiles)),
         (gqa, TailSplit::Off, 1),
         // The cost model declines the 16k-token shape (measured ±0 at d128 s8k).
         (headline, TailSplit::Auto, 1),
@@ -563,11 +534,7 @@ fn sm90_fwd_tail_split_in_a_cuda_graph() {
     let case = Case::new(1, 4097, 128, false); // two tiles over 26 key blocks: split
     let mut cfg = case.cfg(Backend::Sm90);
     cfg.sm90_schedule.split_tail = TailSplit::Always;
-    let span = |n: usize, heads: usize| case.layout(n, heads).span(flashattn::Operand::Q).unwrap();
-    let mut rng = StdRng::seed_from_u64(5);
-    let q: Vec<bf16> = random(span(case.seqlen_q, case.heads_q), &mut rng);
-    let k: Vec<bf16> = random(span(case.seqlen_k, case.heads_kv), &mut rng);
-    let v: Vec<bf16> = random(span(case.seqlen_k, case.heads_kv), &mut rng);
+    let [q, k, v] = case.random_qkv::<bf16>(&mut StdRng::seed_from_u64(5));
     let (want_o, want_lse) = forward_on_device(&dev, &stream, &case, &cfg, [&q, &k, &v]);
     assert!(want_o.iter().all(|x| x.is_finite()) && want_lse.iter().all(|x| x.is_finite()));
 

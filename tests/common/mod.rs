@@ -67,6 +67,27 @@ impl Case {
             Layout::contiguous([self.batch, seqlen, heads, d])
         }
     }
+    /// Q's layout and K's (V's is the same).
+    pub fn layouts(&self) -> (Layout, Layout) {
+        (
+            self.layout(self.seqlen_q, self.heads_q),
+            self.layout(self.seqlen_k, self.heads_kv),
+        )
+    }
+    /// N(0, 1) Q, K and V, drawn in that order, over their layouts' spans (padding included).
+    pub fn random_qkv<T: Element>(&self, rng: &mut StdRng) -> [Vec<T>; 3] {
+        let (lq, lk) = self.layouts();
+        [
+            random(span(&lq), rng),
+            random(span(&lk), rng),
+            random(span(&lk), rng),
+        ]
+    }
+}
+
+/// The elements a layout's storage spans.
+pub fn span(layout: &Layout) -> usize {
+    layout.span(flashattn::Operand::Q).unwrap()
 }
 
 pub fn device() -> (Device, Arc<CudaStream>) {
@@ -79,4 +100,21 @@ pub fn device() -> (Device, Arc<CudaStream>) {
 pub fn random<T: Element>(n: usize, rng: &mut StdRng) -> Vec<T> {
     let normal = Normal::new(0f32, 1.0).unwrap();
     (0..n).map(|_| T::from_f32(normal.sample(rng))).collect()
+}
+
+/// O and the LSE of a call whose head 0 has a NaN key that all its rows see, outputs poisoned
+/// with NaN before it: head 0's rows NaN throughout, every other row written and free of NaN.
+pub fn assert_nan_in_head_0<T: Element>(case: &Case, o: &[T], lse: &[f32], label: &str) {
+    for (row, values) in o.chunks(case.head_dim).enumerate() {
+        let (head, i) = (row % case.heads_q, row / case.heads_q);
+        let nan = values.iter().filter(|x| x.to_f32().is_nan()).count();
+        let want = if head == 0 { case.head_dim } else { 0 };
+        assert_eq!(nan, want, "{label}: row {i} head {head}");
+        let lse = lse[head * case.seqlen_q + i];
+        assert_eq!(
+            lse.is_nan(),
+            head == 0,
+            "{label}: row {i} head {head}: LSE {lse}"
+        );
+    }
 }
