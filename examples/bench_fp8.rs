@@ -321,6 +321,6 @@ fn main() {
     }
     if let Some(path) = args.value("--out") {
         let commit = args.commit();
-        common::write_results(&path, dev.info(), &commit, "", &rows);
+        common::write_results(&path, &common::describe(dev.info()), &commit, "", &rows);
     }
 }

@@ -399,7 +399,7 @@ fn main() {
                 },
             ));
         }
-        common::write_results(&path, &info, &commit, "", &json_rows);
+        common::write_results(&path, &common::describe(&info), &commit, "", &json_rows);
     }
     if rows.iter().any(|r| !r.pass) {
         std::process::exit(1);

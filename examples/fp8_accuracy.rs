@@ -5,14 +5,18 @@
 //! per block, and per block after the random-sign Hadamard transform of Q and K (the device's
 //! quantize step).
 //!
-//! Usage: fp8_accuracy [--seqlen S] [--out results.json] [--commit SHA]
+//! With `--floor` it runs on the CPU alone: the f64 reference over the same inputs after each
+//! quantizer's round trip (every other step exact), i.e. the least error any kernel reading those
+//! e4m3 values can have, and which operand's rounding it comes from.
+//!
+//! Usage: fp8_accuracy [--seqlen S] [--floor] [--out results.json] [--commit SHA]
 
 mod common;
 
 use flashattn::cuda::{
     fp8_key_block, fp8_query_block, CudaSlice, DeviceTensor, DeviceTensorMut, Fp8Inputs, Fp8Options,
 };
-use flashattn::fp8::{Fp8Tensor, Granularity};
+use flashattn::fp8::{Fp8Tensor, Granularity, RandomSignHadamard};
 use flashattn::reference::reference_forward;
 use flashattn::{AttentionConfig, Backend, Layout, Operand, TensorRef};
 use half::bf16;
@@ -34,6 +38,83 @@ fn outlier_inputs(n: usize, rng: &mut StdRng) -> Vec<bf16> {
         .collect()
 }
 
+/// `x` after quantizing and dequantizing, contiguous f32.
+fn round_trip(x: &[f32], layout: Layout, granularity: Granularity, op: Operand) -> Vec<f32> {
+    Fp8Tensor::quantize(TensorRef::new(x, layout), granularity, op)
+        .unwrap()
+        .dequantize()
+}
+
+/// `--floor`: RMSE and relative L2 against `exact` of the f64 reference over Q, K, V after the
+/// quantizers' round trips. The transform is the device step's (seed 1); Q·Kᵀ is unchanged by
+/// it, and where V is transformed too the output is transformed back.
+fn error_floors(
+    d: usize,
+    seqlen: usize,
+    (q, k, v): (&[bf16], &[bf16], &[bf16]),
+    exact: &[f64],
+    rows: &mut Vec<String>,
+) {
+    let layout = Layout::contiguous([1, seqlen, 8, d]);
+    let f32s = |x: &[bf16]| x.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+    let (q, k, v) = (f32s(q), f32s(k), f32s(v));
+    let per_tensor = |x: &[f32], op| round_trip(x, layout, Granularity::PerTensor, op);
+    let key_rows = Granularity::PerBlock {
+        rows: fp8_key_block(d).expect("an FP8 kernel at this head dim"),
+    };
+    let query_rows = Granularity::PerBlock {
+        rows: fp8_query_block(),
+    };
+    let hadamard = RandomSignHadamard::new(d, 1).unwrap();
+    let rotate = |x: &[f32], op| {
+        hadamard
+            .apply_tensor(TensorRef::new(x, layout), op)
+            .unwrap()
+    };
+    let (qh, kh, vh) = (
+        rotate(&q, Operand::Q),
+        rotate(&k, Operand::K),
+        rotate(&v, Operand::V),
+    );
+    let (qb, kb) = (
+        round_trip(&qh, layout, query_rows, Operand::Q),
+        round_trip(&kh, layout, key_rows, Operand::K),
+    );
+    let vb = round_trip(&v, layout, key_rows, Operand::V);
+    let norm = exact.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let mut report = |name: &str, q: &[f32], k: &[f32], v: &[f32], rotated_v: bool| {
+        let t = |x| TensorRef::new(x, layout);
+        let mut out = reference_forward(&AttentionConfig::new(), t(q), t(k), t(v)).out;
+        if rotated_v {
+            for row in out.chunks_mut(d) {
+                let mut r: Vec<f32> = row.iter().map(|&x| x as f32).collect();
+                hadamard.invert(&mut r);
+                row.iter_mut().zip(&r).for_each(|(o, &x)| *o = x as f64);
+            }
+        }
+        let sq: f64 = out.iter().zip(exact).map(|(a, b)| (a - b) * (a - b)).sum();
+        let rmse = (sq / out.len() as f64).sqrt();
+        println!("| {d} | {name} | {rmse:.2e} | {:.2e} |", sq.sqrt() / norm);
+        rows.push(format!(
+            "  {{\"d\": {d}, \"seqlen\": {seqlen}, \"batch\": 1, \"heads\": 8, \"reference_over\": \"{}\", \"rmse\": {rmse:.4e}, \"rel_l2\": {:.4e}}}",
+            name.trim(),
+            sq.sqrt() / norm
+        ));
+    };
+    report(
+        "per tensor",
+        &per_tensor(&q, Operand::Q),
+        &per_tensor(&k, Operand::K),
+        &per_tensor(&v, Operand::V),
+        false,
+    );
+    report("per block + Hadamard on Q, K", &qb, &kb, &vb, false);
+    report("  only Q, K rounded", &qb, &kb, &v, false);
+    report("  only V rounded", &qh, &kh, &vb, false);
+    let vhb = round_trip(&vh, layout, key_rows, Operand::V);
+    report("per block + Hadamard on Q, K and V", &qb, &kb, &vhb, true);
+}
+
 fn on_device<T>(x: &CudaSlice<T>, layout: Layout) -> DeviceTensor<'_, T> {
     DeviceTensor::new(x.as_view(), layout)
 }
@@ -44,12 +125,16 @@ fn main() {
         .value("--seqlen")
         .and_then(|s| s.parse().ok())
         .unwrap_or(2048);
-    let dev = common::device("fp8_accuracy");
-    let stream = dev.new_stream().unwrap();
-    let cfg = AttentionConfig::new().backend(Backend::Sm90);
+    let floor = args.flag("--floor");
+    let dev = (!floor).then(|| common::device("fp8_accuracy"));
     let mut rows = Vec::new();
     let mut failed = false;
-    println!("| head dim | kernel | RMSE | relative L2 |\n|---|---|---|---|");
+    let what = if floor {
+        "f64 reference over"
+    } else {
+        "kernel"
+    };
+    println!("| head dim | {what} | RMSE | relative L2 |\n|---|---|---|---|");
     for d in [128, 256] {
         let shape = [1, seqlen, 8, d];
         let layout = Layout::contiguous(shape);
@@ -67,6 +152,12 @@ fn main() {
             TensorRef::new(&v, layout),
         )
         .out;
+        let Some(dev) = &dev else {
+            error_floors(d, seqlen, (&q, &k, &v), &exact, &mut rows);
+            continue;
+        };
+        let stream = dev.new_stream().unwrap();
+        let cfg = AttentionConfig::new().backend(Backend::Sm90);
         let norm = exact.iter().map(|x| x * x).sum::<f64>().sqrt();
         let (qd, kd, vd) = (
             stream.clone_htod(&q).unwrap(),
@@ -170,7 +261,11 @@ fn main() {
     if let Some(path) = args.value("--out") {
         let commit = args.commit();
         let test = ", \"test\": \"FA3 FP8 accuracy: N(0,1) + N(0,100)*Bernoulli(0.001), bf16 inputs, f64 reference\"";
-        common::write_results(&path, dev.info(), &commit, test, &rows);
+        let device = match &dev {
+            Some(dev) => common::describe(dev.info()),
+            None => "CPU: the f64 reference over the quantizers' round trips".to_string(),
+        };
+        common::write_results(&path, &device, &commit, test, &rows);
     }
     if failed {
         std::process::exit(1);

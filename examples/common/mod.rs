@@ -65,16 +65,20 @@ pub fn today() -> String {
         .unwrap_or_default()
 }
 
+/// The device as results files name it.
+pub fn describe(info: &DeviceInfo) -> String {
+    format!(
+        "{} (sm_{}{}, {} SMs)",
+        info.name, info.major, info.minor, info.sm_count
+    )
+}
+
 /// Writes `{"date", "device", "commit", <extra>, "rows": [...]}` to `path`; each row is one
 /// JSON object already formatted.
-pub fn write_results(path: &str, info: &DeviceInfo, commit: &str, extra: &str, rows: &[String]) {
+pub fn write_results(path: &str, device: &str, commit: &str, extra: &str, rows: &[String]) {
     let json = format!(
-        "{{\"date\": \"{}\", \"device\": \"{} (sm_{}{}, {} SMs)\", \"commit\": \"{commit}\"{extra}, \"rows\": [\n{}\n]}}\n",
+        "{{\"date\": \"{}\", \"device\": \"{device}\", \"commit\": \"{commit}\"{extra}, \"rows\": [\n{}\n]}}\n",
         today(),
-        info.name,
-        info.major,
-        info.minor,
-        info.sm_count,
         rows.join(",\n")
     );
     std::fs::write(path, json).expect("write results");
