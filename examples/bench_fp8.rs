@@ -4,7 +4,7 @@
 //! descales written). The FP8 row times the kernel over inputs quantized once (per-block
 //! descales, Hadamard on), as a caller reusing K and V would run it. CUDA events, warm-up, median.
 //!
-//! Usage: bench_fp8 [--quick] [--only D,S[,causal]] [--no-pingpong] [--no-split-tail]
+//! Usage: bench_fp8 [--quick] [--only D,S[,causal]] [--pingpong|--no-pingpong] [--no-split-tail]
 //!                  [--long-keys] [--synced] [--out results.json] [--commit SHA]
 
 mod common;
@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
 use flashattn::cuda::{CudaStream, DeviceTensor, DeviceTensorMut, Fp8Options};
-use flashattn::{AttentionConfig, Backend, DType, Layout, Problem, Sm90Schedule, TailSplit};
+use flashattn::{
+    AttentionConfig, Backend, DType, Layout, PingPong, Problem, Sm90Schedule, TailSplit,
+};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -70,9 +72,16 @@ fn main() {
     let quick = args.flag("--quick");
     // --synced: each call waited for before the next, timed on the host.
     let synced = args.flag("--synced");
-    // --no-pingpong: both forwards with ping-pong off (the FlashAttention-3 paper's ablation).
+    // --pingpong / --no-pingpong: both forwards with ping-pong on / off (by default on in the
+    // bf16 forward only).
     let schedule = Sm90Schedule {
-        pingpong: !args.flag("--no-pingpong"),
+        pingpong: if args.flag("--no-pingpong") {
+            PingPong::Off
+        } else if args.flag("--pingpong") {
+            PingPong::On
+        } else {
+            PingPong::Auto
+        },
         // --no-split-tail: the FP8 forward's last partial wave runs whole (csrc/sm90/fwd_tail.h).
         split_tail: if args.flag("--no-split-tail") {
             TailSplit::Off
@@ -189,7 +198,7 @@ fn main() {
                     tflops(bf16_ms)
                 );
                 rows.push(format!(
-                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong\": {}, \"split_tail\": \"{:?}\", \"synced\": {synced}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
+                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong\": \"{:?}\", \"split_tail\": \"{:?}\", \"synced\": {synced}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
                     shape[0],
                     shape[2],
                     shape[2],
@@ -310,7 +319,7 @@ fn main() {
                 text.join(" | ")
             );
             rows.push(format!(
-                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": {causal}, \"pingpong\": {}, \"synced\": {synced}, \"hadamard\": true, {}, \"non_finite_outputs\": {unwritten}}}",
+                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": {causal}, \"pingpong\": \"{:?}\", \"synced\": {synced}, \"hadamard\": true, {}, \"non_finite_outputs\": {unwritten}}}",
                 schedule.pingpong,
                 fields.join(", ")
             ));

@@ -28,7 +28,8 @@ impl Backend {
 
 /// Scheduling switches of the Hopper forward kernel. Turning `pingpong` or `intra_wg_overlap`
 /// off reproduces the FlashAttention-3 paper's ablation (ping-pong between consumer warpgroups;
-/// overlap of the next block's Q·Kᵀ with the current softmax inside a warpgroup).
+/// overlap of the next block's Q·Kᵀ with the current softmax inside a warpgroup); `pingpong`'s
+/// default ([`PingPong::Auto`]) takes turns in the 16-bit forwards only.
 /// `persistent_causal` runs causal/windowed calls on the persistent schedule (the default: one
 /// CTA per SM, each taking pairs of a head's heaviest and lightest query blocks); off, one CTA
 /// per pair.
@@ -42,11 +43,24 @@ impl Backend {
 /// keeps up to 128 MiB per device across synchronizations (csrc/common/workspace_pool.h).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Sm90Schedule {
-    pub pingpong: bool,
+    pub pingpong: PingPong,
     pub intra_wg_overlap: bool,
     pub persistent_causal: bool,
     pub narrow_key_blocks: bool,
     pub split_tail: TailSplit,
+}
+
+/// See [`Sm90Schedule`]'s `pingpong`: whether the two consumer warpgroups take turns issuing
+/// their GEMMs, so that one's softmax runs beside the other's GEMMs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum PingPong {
+    /// On in the bf16/fp16 forwards, off in the FP8 forward, where the turns measured slower
+    /// on the H200 (benchmarks/README.md, 2026-12-01: FP8 d128 s8k +0.5–0.8% without them,
+    /// d64 +0.6%, d256 ±0.2%; bf16 d256 s8k −4% without them).
+    #[default]
+    Auto,
+    On,
+    Off,
 }
 
 /// See [`Sm90Schedule`]'s `split_tail`.
@@ -66,7 +80,7 @@ pub enum TailSplit {
 impl Default for Sm90Schedule {
     fn default() -> Self {
         Sm90Schedule {
-            pingpong: true,
+            pingpong: PingPong::Auto,
             intra_wg_overlap: true,
             persistent_causal: true,
             narrow_key_blocks: false,

@@ -47,7 +47,7 @@ pub mod fp8;
 pub mod reference;
 pub mod tensor;
 
-pub use config::{AttentionConfig, Backend, Mask, Sm90Schedule, TailSplit};
+pub use config::{AttentionConfig, Backend, Mask, PingPong, Sm90Schedule, TailSplit};
 pub use dispatch::{BuiltKernels, DeviceInfo, Memory, Op, Plan};
 pub use error::{Error, Operand, Result};
 pub use tensor::{DType, Element, Layout, Problem, TensorMut, TensorRef};

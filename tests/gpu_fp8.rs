@@ -15,7 +15,10 @@ use flashattn::cuda::{
 };
 use flashattn::fp8::{Fp8Tensor, Granularity, RandomSignHadamard};
 use flashattn::reference::{self, compare, Comparison};
-use flashattn::{AttentionConfig, Backend, Element, Error, Layout, Operand, TailSplit, TensorRef};
+use flashattn::{
+    AttentionConfig, Backend, Element, Error, Layout, Operand, PingPong, Sm90Schedule, TailSplit,
+    TensorRef,
+};
 use float8::F8E4M3;
 use half::{bf16, f16};
 use rand::rngs::StdRng;
@@ -301,7 +304,7 @@ fn forward_on_device<T: Element + DeviceRepr>(
     case: &Case,
     x: &Inputs<T>,
     options: Fp8Options,
-    split_tail: TailSplit,
+    schedule: Sm90Schedule,
 ) -> (Vec<T>, Vec<f32>) {
     let fp8 = quantize_on_device(dev, stream, case, x, options);
     let lq = Layout::contiguous([case.batch, case.seqlen_q, case.heads_q, case.head_dim]);
@@ -311,7 +314,7 @@ fn forward_on_device<T: Element + DeviceRepr>(
         .unwrap();
     let mut lse_dev = stream.clone_htod(&vec![f32::NAN; lse_len]).unwrap();
     let mut cfg = case.cfg(Backend::Sm90);
-    cfg.sm90_schedule.split_tail = split_tail;
+    cfg.sm90_schedule = schedule;
     dev.forward_fp8_into(
         stream,
         &cfg,
@@ -333,7 +336,7 @@ fn run_forward_case<T: Element + DeviceRepr>(
     stream: &Arc<CudaStream>,
     case: &Case,
     options: Fp8Options,
-    split_tail: TailSplit,
+    schedule: Sm90Schedule,
     seed: u64,
     shift: f32,
 ) -> (Comparison, Comparison) {
@@ -349,7 +352,7 @@ fn run_forward_case<T: Element + DeviceRepr>(
             k[0] = T::from_f32(k[0].to_f32() - shift);
         }
     }
-    let (o, lse) = forward_on_device::<T>(dev, stream, case, &x, options, split_tail);
+    let (o, lse) = forward_on_device::<T>(dev, stream, case, &x, options, schedule);
 
     let [hq, hk, hv] = quantize_on_host(case, &x, options);
     let (dq, dk, dv) = (hq.dequantize(), hk.dequantize(), hv.dequantize());
@@ -431,11 +434,18 @@ fn forward_matches_the_reference_over_quantized_inputs() {
         for hadamard_seed in [None, Some(3)] {
             let options = Fp8Options { hadamard_seed };
             // Without Hadamard, the tail split wherever it can be (csrc/sm90/fwd_tail.h): the
-            // cases with more than one key block and no mask, or one query block, run in pieces.
+            // cases with more than one key block and no mask, or one query block, run in
+            // pieces. With it, the warpgroups take turns (off by default in the FP8 forward).
             let split = if hadamard_seed.is_none() {
-                TailSplit::Always
+                Sm90Schedule {
+                    split_tail: TailSplit::Always,
+                    ..Default::default()
+                }
             } else {
-                TailSplit::Auto
+                Sm90Schedule {
+                    pingpong: PingPong::On,
+                    ..Default::default()
+                }
             };
             // O in bf16 from bf16 inputs, in fp16 from fp16 ones.
             let (o, lse) = if i % 2 == 0 {
@@ -470,9 +480,13 @@ fn forward_passes_nan_on() {
     let options = Fp8Options {
         hadamard_seed: None,
     };
-    for split in [TailSplit::Always, TailSplit::Off] {
-        let (o, lse) = forward_on_device::<bf16>(&dev, &stream, &case, &x, options, split);
-        assert_nan_in_head_0(&case, &o, &lse, &format!("{split:?}"));
+    for split_tail in [TailSplit::Always, TailSplit::Off] {
+        let schedule = Sm90Schedule {
+            split_tail,
+            ..Default::default()
+        };
+        let (o, lse) = forward_on_device::<bf16>(&dev, &stream, &case, &x, options, schedule);
+        assert_nan_in_head_0(&case, &o, &lse, &format!("{split_tail:?}"));
     }
 }
 
@@ -494,7 +508,7 @@ fn forward_holds_for_rows_of_only_negative_scores() {
                     &stream,
                     &case,
                     options,
-                    TailSplit::Auto,
+                    Sm90Schedule::default(),
                     5,
                     20.0,
                 );

@@ -12,7 +12,7 @@ use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, DeviceRepr};
 use flashattn::cuda::{CudaStream, Device, DeviceTensor, DeviceTensorMut};
 use flashattn::reference::{self, compare, Comparison};
-use flashattn::{AttentionConfig, Backend, Element, TailSplit, TensorRef};
+use flashattn::{AttentionConfig, Backend, Element, PingPong, TailSplit, TensorRef};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -581,7 +581,11 @@ fn sm90_fwd_tail_split_in_a_cuda_graph() {
 #[ignore = "needs a Hopper GPU"]
 fn sm90_fwd_ablation_schedules_agree() {
     // Every schedule computes the same function.
-    for (pingpong, intra_wg_overlap) in [(false, true), (true, false), (false, false)] {
+    for (pingpong, intra_wg_overlap) in [
+        (PingPong::Off, true),
+        (PingPong::On, false),
+        (PingPong::Off, false),
+    ] {
         let (dev, stream) = device();
         let case = Case {
             batch: 2,
@@ -596,7 +600,7 @@ fn sm90_fwd_ablation_schedules_agree() {
             ..Default::default()
         };
         let (o, lse) = run_case::<bf16>(&dev, &stream, &case, cfg, 77);
-        println!("schedule pingpong={pingpong} overlap={intra_wg_overlap}: O {o}; LSE {lse}");
+        println!("schedule pingpong={pingpong:?} overlap={intra_wg_overlap}: O {o}; LSE {lse}");
         assert!(o.pass && lse.pass);
     }
 }
