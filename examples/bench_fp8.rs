@@ -4,7 +4,8 @@
 //! descales written). The FP8 row times the kernel over inputs quantized once (per-block
 //! descales, Hadamard on), as a caller reusing K and V would run it. CUDA events, warm-up, median.
 //!
-//! Usage: bench_fp8 [--quick] [--only D,S[,causal]] [--pingpong|--no-pingpong] [--no-split-tail]
+//! Usage: bench_fp8 [--quick] [--only D,S[,causal]] [--pingpong|--no-pingpong]
+//!                  [--no-split-tail|--split-tail]
 //!                  [--long-keys] [--synced] [--out results.json] [--commit SHA]
 
 mod common;
@@ -82,9 +83,12 @@ fn main() {
         } else {
             PingPong::Auto
         },
-        // --no-split-tail: the FP8 forward's last partial wave runs whole (csrc/sm90/fwd_tail.h).
+        // --no-split-tail / --split-tail: the last partial wave runs whole / split wherever it
+        // can be (csrc/sm90/fwd_tail.h); by default where the cost model predicts a gain.
         split_tail: if args.flag("--no-split-tail") {
             TailSplit::Off
+        } else if args.flag("--split-tail") {
+            TailSplit::Always
         } else {
             TailSplit::Auto
         },
