@@ -72,6 +72,11 @@ struct FwdTraits {
   // key blocks (fwd_tail.h): a second instantiation of the kernel, so not in the overlap
   // ablation.
   static constexpr bool kTailSplit = Tile::kTailSplit && kIntraWGOverlap_;
+  // O from registers by 16-byte stores after a transpose within each quad, else by 4-byte ones
+  // spread over 8 rows each. Those took ~4300 of the ~9700 cycles of a tile change at FP8 d128
+  // s8k (a timeline, H200); yet there the 16-byte (and 8-byte) stores made ptxas schedule the
+  // key-block loop otherwise (no spills): s8k -4.5% (-3.5%). Which kernels take it is measured.
+  static constexpr bool kWideStore = Tile::kWideStore;
   // The next tile's first Q·Kᵀ beside this tile's last P·V: needs the next Q in its own buffer.
   static constexpr bool kCrossTileOverlap = kIntraWGOverlap && kQStages > 1;
   static constexpr int kConsumerWGs = kBlockM / kRowsPerWG;
@@ -608,6 +613,45 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         cutlass::arch::NamedBarrier::sync(128, stage_barrier);
         Stage::store(stage, o + int64_t(row0) * params.o_row_stride, params.o_row_stride,
                      kRowsPerWG, params.seqlen_q - row0, tid, 128);
+        return;
+      }
+      if constexpr (Traits::kWideStore) {
+        // Word j (columns 2j, 2j + 1 of the thread's row) of quad thread q holds columns
+        // 8j + 2q, 8j + 2q + 1. A 4x4 transpose of words within the quad, over groups
+        // 4g .. 4g + 3, leaves thread q all 8 columns of group 4g + q: one 16-byte store (the
+        // host checks O's 16-byte alignment). Every lane shuffles (a warp's quads hold
+        // different rows); rows in range store.
+        constexpr int kWords = decltype(size<1>(rowcol_rO))::value / 2;
+        static_assert(kWords % 4 == 0, "whole 4x4 transposes");
+        const int q = tid % 4;
+        const bool hi = q & 2, odd = q & 1;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const int row = row0 + get<0>(rowcol_cO(r, 0));
+          Out* o_row = o + row * params.o_row_stride;
+          auto word = [&](int j) FLASHATTN_INLINE {
+            cutlass::Array<Out, 2> pair;
+            pair[0] = rowcol_rO(r, 2 * j);
+            pair[1] = rowcol_rO(r, 2 * j + 1);
+            return reinterpret_cast<const uint32_t&>(pair);
+          };
+#pragma unroll
+          for (int g = 0; g < kWords / 4; ++g) {
+            const uint32_t a0 = word(4 * g), a1 = word(4 * g + 1), a2 = word(4 * g + 2),
+                           a3 = word(4 * g + 3);
+            // Threads 2 apart: the low one keeps words 0, 1 and takes the high one's 0, 1.
+            const uint32_t x0 = __shfl_xor_sync(0xffffffff, hi ? a0 : a2, 2);
+            const uint32_t x1 = __shfl_xor_sync(0xffffffff, hi ? a1 : a3, 2);
+            const uint32_t b0 = hi ? x0 : a0, b1 = hi ? x1 : a1, b2 = hi ? a2 : x0,
+                           b3 = hi ? a3 : x1;
+            // Neighbours: the even one keeps words 0, 2, the odd one 1, 3.
+            const uint32_t y0 = __shfl_xor_sync(0xffffffff, odd ? b0 : b1, 1);
+            const uint32_t y1 = __shfl_xor_sync(0xffffffff, odd ? b2 : b3, 1);
+            const uint4 chunk = odd ? make_uint4(y0, b1, y1, b3) : make_uint4(b0, y0, b2, y1);
+            if (row < params.seqlen_q)
+              *reinterpret_cast<uint4*>(o_row + 8 * (4 * g + q)) = chunk;
+          }
+        }
         return;
       }
 #pragma unroll
