@@ -75,6 +75,15 @@ fn main() {
     let synced = args.flag("--synced");
     // --pingpong / --no-pingpong: both forwards with ping-pong on / off (by default on in the
     // bf16 forward only).
+    for pair in [
+        ["--pingpong", "--no-pingpong"],
+        ["--split-tail", "--no-split-tail"],
+    ] {
+        if pair.iter().all(|f| args.flag(f)) {
+            eprintln!("{} and {} contradict each other", pair[0], pair[1]);
+            std::process::exit(2);
+        }
+    }
     let schedule = Sm90Schedule {
         pingpong: if args.flag("--no-pingpong") {
             PingPong::Off
@@ -202,11 +211,12 @@ fn main() {
                     tflops(bf16_ms)
                 );
                 rows.push(format!(
-                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong\": \"{:?}\", \"split_tail\": \"{:?}\", \"synced\": {synced}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
+                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"split_tail\": \"{:?}\", \"synced\": {synced}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
                     shape[0],
                     shape[2],
                     shape[2],
-                    schedule.pingpong,
+                    schedule.pingpong.takes_turns(DType::E4M3),
+                    schedule.pingpong.takes_turns(DType::BF16),
                     schedule.split_tail,
                     tflops(fp8_ms),
                     tflops(bf16_ms)
@@ -323,8 +333,9 @@ fn main() {
                 text.join(" | ")
             );
             rows.push(format!(
-                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": {causal}, \"pingpong\": \"{:?}\", \"synced\": {synced}, \"hadamard\": true, {}, \"non_finite_outputs\": {unwritten}}}",
-                schedule.pingpong,
+                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"synced\": {synced}, \"hadamard\": true, {}, \"non_finite_outputs\": {unwritten}}}",
+                schedule.pingpong.takes_turns(DType::E4M3),
+                schedule.pingpong.takes_turns(DType::BF16),
                 fields.join(", ")
             ));
             if unwritten != 0 {

@@ -6,8 +6,8 @@
 //! quantize step).
 //!
 //! With `--floor` it runs on the CPU alone: the f64 reference over the same inputs after each
-//! quantizer's round trip (every other step exact), i.e. the least error any kernel reading those
-//! e4m3 values can have, and which operand's rounding it comes from.
+//! quantizer's round trip (every other step exact), i.e. the error an exact kernel over those e4m3
+//! values would have, and which operand's rounding it comes from.
 //!
 //! Usage: fp8_accuracy [--seqlen S] [--floor] [--out results.json] [--commit SHA]
 
@@ -54,6 +54,7 @@ fn error_floors(
     (q, k, v): (&[bf16], &[bf16], &[bf16]),
     exact: &[f64],
     rows: &mut Vec<String>,
+    failed: &mut bool,
 ) {
     let layout = Layout::contiguous([1, seqlen, 8, d]);
     let f32s = |x: &[bf16]| x.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
@@ -94,6 +95,7 @@ fn error_floors(
         }
         let sq: f64 = out.iter().zip(exact).map(|(a, b)| (a - b) * (a - b)).sum();
         let rmse = (sq / out.len() as f64).sqrt();
+        *failed |= !rmse.is_finite();
         println!("| {d} | {name} | {rmse:.2e} | {:.2e} |", sq.sqrt() / norm);
         rows.push(format!(
             "  {{\"d\": {d}, \"seqlen\": {seqlen}, \"batch\": 1, \"heads\": 8, \"reference_over\": \"{}\", \"rmse\": {rmse:.4e}, \"rel_l2\": {:.4e}}}",
@@ -153,7 +155,7 @@ fn main() {
         )
         .out;
         let Some(dev) = &dev else {
-            error_floors(d, seqlen, (&q, &k, &v), &exact, &mut rows);
+            error_floors(d, seqlen, (&q, &k, &v), &exact, &mut rows, &mut failed);
             continue;
         };
         let stream = dev.new_stream().unwrap();

@@ -55,12 +55,24 @@ pub struct Sm90Schedule {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum PingPong {
     /// On in the bf16/fp16 forwards, off in the FP8 forward, where the turns measured slower
-    /// on the H200 (benchmarks/README.md, 2026-12-01: FP8 d128 s8k +0.5–0.8% without them,
-    /// d64 +0.6%, d256 ±0.2%; bf16 d256 s8k −4% without them).
+    /// on the H200 (benchmarks/README.md, 2026-12-01: FP8 d128 s8k +0.4–0.6% without them,
+    /// d64 +0.6%, d256 ±0.2%, only d128 causal s2k slower (noisy); bf16 d256 s8k −4% without
+    /// them).
     #[default]
     Auto,
     On,
     Off,
+}
+
+impl PingPong {
+    /// Whether the warpgroups take turns in a forward whose Q, K and V are `dtype`.
+    pub fn takes_turns(self, dtype: crate::DType) -> bool {
+        match self {
+            PingPong::Auto => dtype != crate::DType::E4M3,
+            PingPong::On => true,
+            PingPong::Off => false,
+        }
+    }
 }
 
 /// See [`Sm90Schedule`]'s `split_tail`.
@@ -217,6 +229,16 @@ impl Mask {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pingpong_auto_takes_turns_in_the_16_bit_forwards_only() {
+        use crate::DType;
+        assert!(PingPong::Auto.takes_turns(DType::BF16));
+        assert!(PingPong::Auto.takes_turns(DType::F16));
+        assert!(!PingPong::Auto.takes_turns(DType::E4M3));
+        assert!(PingPong::On.takes_turns(DType::E4M3));
+        assert!(!PingPong::Off.takes_turns(DType::BF16));
+    }
 
     #[test]
     fn causal_is_bottom_right_aligned() {

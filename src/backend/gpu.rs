@@ -1,7 +1,7 @@
 //! The CUDA backends (Sm90, Sm80): fill the C ABI's params from validated operands and launch
 //! through it. All raw pointers of the crate pass through here.
 
-use crate::config::{AttentionConfig, Backend, PingPong, TailSplit};
+use crate::config::{AttentionConfig, Backend, TailSplit};
 use crate::error::{Error, Operand, Result};
 use crate::ffi;
 use crate::tensor::{DType, Layout, Problem};
@@ -62,12 +62,7 @@ const NARROW_KEY_BLOCKS_UP_TO: usize = 1024;
 
 fn sm90_flags(cfg: &AttentionConfig, problem: &Problem) -> u32 {
     let mut flags = 0;
-    let pingpong = match cfg.sm90_schedule.pingpong {
-        PingPong::Auto => problem.dtype != DType::E4M3,
-        PingPong::On => true,
-        PingPong::Off => false,
-    };
-    if !pingpong {
+    if !cfg.sm90_schedule.pingpong.takes_turns(problem.dtype) {
         flags |= ffi::FLASHATTN_SM90_NO_PINGPONG;
     }
     if !cfg.sm90_schedule.intra_wg_overlap {
