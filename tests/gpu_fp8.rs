@@ -24,7 +24,7 @@ use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use common::{assert_nan_in_head_0, device, random, Case};
+use common::{assert_nan_in_head_0, device, download, poisoned_outputs, random, Case};
 
 /// Inputs of one case on the host and the device.
 struct Inputs<T> {
@@ -308,25 +308,18 @@ fn forward_on_device<T: Element + DeviceRepr>(
 ) -> (Vec<T>, Vec<f32>) {
     let fp8 = quantize_on_device(dev, stream, case, x, options);
     let lq = Layout::contiguous([case.batch, case.seqlen_q, case.heads_q, case.head_dim]);
-    let lse_len = case.batch * case.heads_q * case.seqlen_q;
-    let mut o_dev = stream
-        .clone_htod(&vec![T::from_f32(f32::NAN); lq.shape.iter().product()])
-        .unwrap();
-    let mut lse_dev = stream.clone_htod(&vec![f32::NAN; lse_len]).unwrap();
+    let mut out = poisoned_outputs::<T>(stream, case, lq.shape.iter().product());
     let mut cfg = case.cfg(Backend::Sm90);
     cfg.sm90_schedule = schedule;
     dev.forward_fp8_into(
         stream,
         &cfg,
         &fp8,
-        &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
-        &mut lse_dev.as_view_mut(),
+        &mut DeviceTensorMut::new(out.0.as_view_mut(), lq),
+        &mut out.1.as_view_mut(),
     )
     .unwrap_or_else(|e| panic!("{case:?}: {e}"));
-    let o: Vec<T> = stream.clone_dtoh(&o_dev).unwrap();
-    let lse: Vec<f32> = stream.clone_dtoh(&lse_dev).unwrap();
-    stream.synchronize().unwrap();
-    (o, lse)
+    download(stream, &out)
 }
 
 /// Runs the FP8 forward of one case (quantized on the device) and compares O and the LSE with

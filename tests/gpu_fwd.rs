@@ -17,7 +17,7 @@ use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use common::{assert_nan_in_head_0, device, Case};
+use common::{assert_nan_in_head_0, device, download, poisoned_outputs, Case};
 
 /// The forward of `case` on the device over host inputs, outputs poisoned (NaN) before the
 /// launch; returns O and the LSE.
@@ -29,28 +29,21 @@ fn forward_on_device<T: Element + DeviceRepr>(
     [q, k, v]: [&[T]; 3],
 ) -> (Vec<T>, Vec<f32>) {
     let (lq, lk) = case.layouts();
-    let lse_len = case.batch * case.heads_q * case.seqlen_q;
     let q_dev = stream.clone_htod(q).unwrap();
     let k_dev = stream.clone_htod(k).unwrap();
     let v_dev = stream.clone_htod(v).unwrap();
-    let mut o_dev = stream
-        .clone_htod(&vec![T::from_f32(f32::NAN); q.len()])
-        .unwrap();
-    let mut lse_dev = stream.clone_htod(&vec![f32::NAN; lse_len]).unwrap();
+    let mut out = poisoned_outputs::<T>(stream, case, q.len());
     dev.forward_into(
         stream,
         cfg,
         &DeviceTensor::new(q_dev.as_view(), lq),
         &DeviceTensor::new(k_dev.as_view(), lk),
         &DeviceTensor::new(v_dev.as_view(), lk),
-        &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
-        &mut lse_dev.as_view_mut(),
+        &mut DeviceTensorMut::new(out.0.as_view_mut(), lq),
+        &mut out.1.as_view_mut(),
     )
     .unwrap_or_else(|e| panic!("{case:?}: {e}"));
-    let o: Vec<T> = stream.clone_dtoh(&o_dev).unwrap();
-    let lse: Vec<f32> = stream.clone_dtoh(&lse_dev).unwrap();
-    stream.synchronize().unwrap();
-    (o, lse)
+    download(stream, &out)
 }
 
 /// Runs one case with `cfg` (its backend and schedule); returns the comparisons of O and LSE.

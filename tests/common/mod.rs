@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::{CudaSlice, DeviceRepr};
 use flashattn::cuda::{CudaStream, Device};
 use flashattn::{AttentionConfig, Backend, Element, Layout};
 use rand::rngs::StdRng;
@@ -94,6 +95,33 @@ pub fn device() -> (Device, Arc<CudaStream>) {
     let dev = Device::new(0).expect("a CUDA device (run these tests on the GPU machine)");
     let stream = dev.new_stream().unwrap();
     (dev, stream)
+}
+
+/// O (`len` elements) and the LSE of `case` on the device, poisoned with NaN so that an element
+/// the kernel leaves unwritten shows.
+pub fn poisoned_outputs<T: Element + DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    len: usize,
+) -> (CudaSlice<T>, CudaSlice<f32>) {
+    let lse_len = case.batch * case.heads_q * case.seqlen_q;
+    (
+        stream
+            .clone_htod(&vec![T::from_f32(f32::NAN); len])
+            .unwrap(),
+        stream.clone_htod(&vec![f32::NAN; lse_len]).unwrap(),
+    )
+}
+
+/// O and the LSE back on the host, after everything queued on `stream` before.
+pub fn download<T: Element + DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    (o, lse): &(CudaSlice<T>, CudaSlice<f32>),
+) -> (Vec<T>, Vec<f32>) {
+    let o: Vec<T> = stream.clone_dtoh(o).unwrap();
+    let lse: Vec<f32> = stream.clone_dtoh(lse).unwrap();
+    stream.synchronize().unwrap();
+    (o, lse)
 }
 
 /// N(0, 1) values rounded to T.
