@@ -74,8 +74,10 @@ struct FwdTraits {
   static constexpr bool kTailSplit = Tile::kTailSplit && kIntraWGOverlap_;
   // O from registers by 16-byte stores after a transpose within each quad, else by 4-byte ones
   // spread over 8 rows each. Those took 3550-4300 of the ~9700 cycles of a tile change at FP8
-  // d128 s8k (an instrumented build, H200); yet there the 16-byte (and 8-byte) stores made ptxas schedule the
-  // key-block loop otherwise (no spills): s8k -4.5% (-3.5%). Which kernels take it is measured.
+  // d128 s8k (an instrumented build, H200); yet there the 16-byte (8-byte) stores cost s8k 4.5%
+  // (3.5%): no spills, and the key-block loop holds the same instructions (1425 against 1424),
+  // but in another order and at another address (which of the two costs it is not known).
+  // Which kernels take them is measured.
   static constexpr bool kWideStore = Tile::kWideStore;
   // The next tile's first Q·Kᵀ beside this tile's last P·V: needs the next Q in its own buffer.
   static constexpr bool kCrossTileOverlap = kIntraWGOverlap && kQStages > 1;
