@@ -75,31 +75,18 @@ fn main() {
     let synced = args.flag("--synced");
     // --pingpong / --no-pingpong: both forwards with ping-pong on / off (by default on in the
     // bf16 forward only).
-    for pair in [
-        ["--pingpong", "--no-pingpong"],
-        ["--split-tail", "--no-split-tail"],
-    ] {
-        if pair.iter().all(|f| args.flag(f)) {
-            eprintln!("{} and {} contradict each other", pair[0], pair[1]);
-            std::process::exit(2);
-        }
-    }
     let schedule = Sm90Schedule {
-        pingpong: if args.flag("--no-pingpong") {
-            PingPong::Off
-        } else if args.flag("--pingpong") {
-            PingPong::On
-        } else {
-            PingPong::Auto
+        pingpong: match args.switch("--pingpong", "--no-pingpong") {
+            Some(true) => PingPong::On,
+            Some(false) => PingPong::Off,
+            None => PingPong::Auto,
         },
-        // --no-split-tail / --split-tail: the last partial wave runs whole / split wherever it
-        // can be (csrc/sm90/fwd_tail.h); by default where the cost model predicts a gain.
-        split_tail: if args.flag("--no-split-tail") {
-            TailSplit::Off
-        } else if args.flag("--split-tail") {
-            TailSplit::Always
-        } else {
-            TailSplit::Auto
+        // --split-tail / --no-split-tail: the last partial wave split wherever it can be / run
+        // whole (csrc/sm90/fwd_tail.h); by default where the cost model predicts a gain.
+        split_tail: match args.switch("--split-tail", "--no-split-tail") {
+            Some(true) => TailSplit::Always,
+            Some(false) => TailSplit::Off,
+            None => TailSplit::Auto,
         },
         ..Sm90Schedule::default()
     };
@@ -230,8 +217,8 @@ fn main() {
         }
     }
     // --long-keys: fewer query tiles than SMs over many keys (batch 1, 16k keys, hidden 2048:
-    // 512 queries, 128 causal ones (a chunk of a decode) and one (a decoded token)), where the tail split deals each
-    // tile's key blocks out to the idle SMs (csrc/sm90/fwd_tail.h): FP8 and bf16, each with and
+    // 512 queries, 128 causal ones (a chunk of a decode) and one (a decoded token)), where the
+    // tail split deals each tile's key blocks out to the idle SMs (csrc/sm90/fwd_tail.h): FP8 and bf16, each with and
     // without it, in one run. FLOPs: 4·d per visible (query, key) pair.
     let long_keys: &[(usize, bool)] = if args.flag("--long-keys") {
         &[(512, false), (128, true), (1, true)]
@@ -299,12 +286,13 @@ fn main() {
                 });
                 non_finite(&out);
             }
-            // Bottom-right causal: query i sees keys up to i + sk − sq.
-            let pairs: usize = if causal {
-                (0..sq).map(|i| (sk - sq + i + 1).min(sk)).sum()
-            } else {
-                sq * sk
-            };
+            let mask = AttentionConfig::new().causal(causal).mask(sq, sk);
+            let pairs: usize = (0..sq)
+                .map(|i| {
+                    let (lo, hi) = mask.key_range(i);
+                    hi - lo
+                })
+                .sum();
             let flops = 4.0 * (h * d * pairs) as f64;
             let tflops = |ms: f64| flops / (ms * 1e-3) / 1e12;
             // Each timing as printed and under its JSON key prefix.

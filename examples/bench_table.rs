@@ -15,7 +15,9 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUevent_flags;
 use flashattn::cuda::{CudaSlice, CudaStream, Device, DeviceTensor, DeviceTensorMut};
 use flashattn::reference::{self, compare};
-use flashattn::{AttentionConfig, Backend, Layout, PingPong, Problem, Sm90Schedule, TensorRef};
+use flashattn::{
+    AttentionConfig, Backend, DType, Layout, PingPong, Problem, Sm90Schedule, TensorRef,
+};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -356,7 +358,7 @@ fn main() {
         };
         println!(
             "{} fwd d{:<3} s{:<5} causal={:<5} pingpong={:<5} overlap={:<5} persistent_causal={:<5} {:8.3} ms (p10 {:.3}, p90 {:.3})  {:6.1} TFLOP/s  host {:.1} us/call  err ratio {:.3} {}",
-            backend.name(), d, s, causal, schedule.pingpong != PingPong::Off, schedule.intra_wg_overlap, schedule.persistent_causal, ms, row.ms_p10, row.ms_p90,
+            backend.name(), d, s, causal, schedule.pingpong.takes_turns(DType::BF16), schedule.intra_wg_overlap, schedule.persistent_causal, ms, row.ms_p10, row.ms_p90,
             tflops, host_us, err_ratio, if row.pass { "pass" } else { "FAIL" }
         );
         if let (Some(ms), Some(tf)) = (row.bwd_ms, row.bwd_tflops) {
@@ -382,8 +384,11 @@ fn main() {
             let variant = if sch.narrow_key_blocks {
                 ", \"variant\": \"narrow-key-blocks\""
             } else {
-                let pingpong = sch.pingpong != PingPong::Off; // these rows are bf16: Auto is on
-                match (pingpong, sch.intra_wg_overlap, sch.persistent_causal) {
+                match (
+                    sch.pingpong.takes_turns(DType::BF16),
+                    sch.intra_wg_overlap,
+                    sch.persistent_causal,
+                ) {
                     (true, true, true) => "",
                     (true, true, false) => ", \"variant\": \"one-cta-per-tile\"",
                     (false, true, _) => ", \"variant\": \"no-pingpong\"",

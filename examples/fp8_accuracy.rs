@@ -38,6 +38,38 @@ fn outlier_inputs(n: usize, rng: &mut StdRng) -> Vec<bf16> {
         .collect()
 }
 
+/// The table printed and the results rows kept; `failed` on a non-finite RMSE.
+#[derive(Default)]
+struct Report {
+    rows: Vec<String>,
+    failed: bool,
+}
+
+impl Report {
+    /// RMSE and relative L2 of `got` against `exact` at head dim `d` and `seqlen`, as a table
+    /// line and a results row naming `name` under `key` ("kernel", "reference_over"); the RMSE.
+    fn record(
+        &mut self,
+        (d, seqlen): (usize, usize),
+        key: &str,
+        name: &str,
+        got: impl Iterator<Item = f64>,
+        exact: &[f64],
+    ) -> f64 {
+        let sq: f64 = got.zip(exact).map(|(a, b)| (a - b) * (a - b)).sum();
+        let norm = exact.iter().map(|x| x * x).sum::<f64>().sqrt();
+        let rmse = (sq / exact.len() as f64).sqrt();
+        let rel = sq.sqrt() / norm;
+        self.failed |= !rmse.is_finite();
+        println!("| {d} | {name} | {rmse:.2e} | {rel:.2e} |");
+        self.rows.push(format!(
+            "  {{\"d\": {d}, \"seqlen\": {seqlen}, \"batch\": 1, \"heads\": 8, \"{key}\": \"{}\", \"rmse\": {rmse:.4e}, \"rel_l2\": {rel:.4e}}}",
+            name.trim()
+        ));
+        rmse
+    }
+}
+
 /// `x` after quantizing and dequantizing, contiguous f32.
 fn round_trip(x: &[f32], layout: Layout, granularity: Granularity, op: Operand) -> Vec<f32> {
     Fp8Tensor::quantize(TensorRef::new(x, layout), granularity, op)
@@ -53,8 +85,7 @@ fn error_floors(
     seqlen: usize,
     (q, k, v): (&[bf16], &[bf16], &[bf16]),
     exact: &[f64],
-    rows: &mut Vec<String>,
-    failed: &mut bool,
+    report: &mut Report,
 ) {
     let layout = Layout::contiguous([1, seqlen, 8, d]);
     let f32s = |x: &[bf16]| x.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
@@ -82,8 +113,7 @@ fn error_floors(
         round_trip(&kh, layout, key_rows, Operand::K),
     );
     let vb = round_trip(&v, layout, key_rows, Operand::V);
-    let norm = exact.iter().map(|x| x * x).sum::<f64>().sqrt();
-    let mut report = |name: &str, q: &[f32], k: &[f32], v: &[f32], rotated_v: bool| {
+    let mut floor = |name: &str, q: &[f32], k: &[f32], v: &[f32], rotated_v: bool| {
         let t = |x| TensorRef::new(x, layout);
         let mut out = reference_forward(&AttentionConfig::new(), t(q), t(k), t(v)).out;
         if rotated_v {
@@ -93,28 +123,20 @@ fn error_floors(
                 row.iter_mut().zip(&r).for_each(|(o, &x)| *o = x as f64);
             }
         }
-        let sq: f64 = out.iter().zip(exact).map(|(a, b)| (a - b) * (a - b)).sum();
-        let rmse = (sq / out.len() as f64).sqrt();
-        *failed |= !rmse.is_finite();
-        println!("| {d} | {name} | {rmse:.2e} | {:.2e} |", sq.sqrt() / norm);
-        rows.push(format!(
-            "  {{\"d\": {d}, \"seqlen\": {seqlen}, \"batch\": 1, \"heads\": 8, \"reference_over\": \"{}\", \"rmse\": {rmse:.4e}, \"rel_l2\": {:.4e}}}",
-            name.trim(),
-            sq.sqrt() / norm
-        ));
+        report.record((d, seqlen), "reference_over", name, out.into_iter(), exact);
     };
-    report(
+    floor(
         "per tensor",
         &per_tensor(&q, Operand::Q),
         &per_tensor(&k, Operand::K),
         &per_tensor(&v, Operand::V),
         false,
     );
-    report("per block + Hadamard on Q, K", &qb, &kb, &vb, false);
-    report("  only Q, K rounded", &qb, &kb, &v, false);
-    report("  only V rounded", &qh, &kh, &vb, false);
+    floor("per block + Hadamard on Q, K", &qb, &kb, &vb, false);
+    floor("  only Q, K rounded", &qb, &kb, &v, false);
+    floor("  only V rounded", &qh, &kh, &vb, false);
     let vhb = round_trip(&vh, layout, key_rows, Operand::V);
-    report("per block + Hadamard on Q, K and V", &qb, &kb, &vhb, true);
+    floor("per block + Hadamard on Q, K and V", &qb, &kb, &vhb, true);
 }
 
 fn on_device<T>(x: &CudaSlice<T>, layout: Layout) -> DeviceTensor<'_, T> {
@@ -129,8 +151,7 @@ fn main() {
         .unwrap_or(2048);
     let floor = args.flag("--floor");
     let dev = (!floor).then(|| common::device("fp8_accuracy"));
-    let mut rows = Vec::new();
-    let mut failed = false;
+    let mut report = Report::default();
     let what = if floor {
         "f64 reference over"
     } else {
@@ -155,12 +176,11 @@ fn main() {
         )
         .out;
         let Some(dev) = &dev else {
-            error_floors(d, seqlen, (&q, &k, &v), &exact, &mut rows, &mut failed);
+            error_floors(d, seqlen, (&q, &k, &v), &exact, &mut report);
             continue;
         };
         let stream = dev.new_stream().unwrap();
         let cfg = AttentionConfig::new().backend(Backend::Sm90);
-        let norm = exact.iter().map(|x| x * x).sum::<f64>().sqrt();
         let (qd, kd, vd) = (
             stream.clone_htod(&q).unwrap(),
             stream.clone_htod(&k).unwrap(),
@@ -169,22 +189,11 @@ fn main() {
         let t = |x| on_device(x, layout);
         let mut out = stream.clone_htod(&vec![bf16::NAN; n]).unwrap();
         let mut lse = stream.clone_htod(&vec![f32::NAN; 8 * seqlen]).unwrap();
-        let mut report = |name: &str, out: &CudaSlice<bf16>| {
+        let mut kernel = |name: &str, out: &CudaSlice<bf16>| {
             let o: Vec<bf16> = stream.clone_dtoh(out).unwrap();
             stream.synchronize().unwrap();
-            let sq: f64 = o
-                .iter()
-                .zip(&exact)
-                .map(|(a, b)| (a.to_f64() - b) * (a.to_f64() - b))
-                .sum();
-            let rmse = (sq / n as f64).sqrt();
-            failed |= !rmse.is_finite();
-            println!("| {d} | {name} | {rmse:.2e} | {:.2e} |", sq.sqrt() / norm);
-            rows.push(format!(
-                "  {{\"d\": {d}, \"seqlen\": {seqlen}, \"batch\": 1, \"heads\": 8, \"kernel\": \"{name}\", \"rmse\": {rmse:.4e}, \"rel_l2\": {:.4e}}}",
-                sq.sqrt() / norm
-            ));
-            rmse
+            let got = o.iter().map(|x| x.to_f64());
+            report.record((d, seqlen), "kernel", name, got, &exact)
         };
 
         dev.forward_into(
@@ -197,7 +206,7 @@ fn main() {
             &mut lse.as_view_mut(),
         )
         .expect("bf16 forward");
-        report("bf16", &out);
+        kernel("bf16", &out);
 
         let mut fp8 = |inputs: &Fp8Inputs, out: &mut CudaSlice<bf16>| {
             stream.memcpy_htod(&vec![bf16::NAN; n], out).unwrap();
@@ -237,7 +246,7 @@ fn main() {
             )
             .expect("per-tensor inputs");
         fp8(&inputs, &mut out);
-        let tensor_rmse = report("e4m3, one scale per tensor", &out);
+        let tensor_rmse = kernel("e4m3, one scale per tensor", &out);
 
         let quantize = |seed| {
             dev.quantize_fp8(
@@ -252,9 +261,9 @@ fn main() {
             .expect("quantize")
         };
         fp8(&quantize(None), &mut out);
-        report("e4m3, per block", &out);
+        kernel("e4m3, per block", &out);
         fp8(&quantize(Some(1)), &mut out);
-        let hadamard_rmse = report("e4m3, per block + Hadamard on Q, K", &out);
+        let hadamard_rmse = kernel("e4m3, per block + Hadamard on Q, K", &out);
         println!(
             "| {d} | per block + Hadamard / per tensor | {:.2}× | (bar ≤ 0.4×) |",
             hadamard_rmse / tensor_rmse
@@ -267,9 +276,9 @@ fn main() {
             Some(dev) => common::describe(dev.info()),
             None => "CPU: the f64 reference over the quantizers' round trips".to_string(),
         };
-        common::write_results(&path, &device, &commit, test, &rows);
+        common::write_results(&path, &device, &commit, test, &report.rows);
     }
-    if failed {
+    if report.failed {
         std::process::exit(1);
     }
 }

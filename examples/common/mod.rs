@@ -15,6 +15,19 @@ impl Args {
     pub fn flag(&self, name: &str) -> bool {
         self.0.iter().any(|a| a == name)
     }
+    /// A switch given as `on` or `off`: Some(true), Some(false), or None when neither is given;
+    /// exits 2 when both are.
+    pub fn switch(&self, on: &str, off: &str) -> Option<bool> {
+        match (self.flag(on), self.flag(off)) {
+            (true, true) => {
+                eprintln!("{on} and {off} contradict each other");
+                std::process::exit(2)
+            }
+            (true, false) => Some(true),
+            (false, true) => Some(false),
+            (false, false) => None,
+        }
+    }
     pub fn value(&self, name: &str) -> Option<String> {
         let i = self.0.iter().position(|a| a == name)?;
         self.0.get(i + 1).cloned()
