@@ -16,7 +16,7 @@ use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use common::{device, random, span, Case};
+use common::{device, forward_into, poisoned_outputs, random, span, Case};
 
 struct Grads {
     dq: Comparison,
@@ -40,23 +40,14 @@ fn run_case<T: Element + DeviceRepr>(
     let [q, k, v] = case.random_qkv::<T>(&mut rng);
     let dout: Vec<T> = random(span(&lq), &mut rng);
     let nan = T::from_f32(f32::NAN);
-    let lse_len = case.batch * case.heads_q * case.seqlen_q;
     let cfg = case.cfg(backend);
 
     let up = |x: &Vec<T>| stream.clone_htod(x).unwrap();
     let (q_dev, k_dev, v_dev, do_dev) = (up(&q), up(&k), up(&v), up(&dout));
-    let mut o_dev = stream.clone_htod(&vec![nan; span(&lq)]).unwrap();
-    let mut lse_dev = stream.clone_htod(&vec![f32::NAN; lse_len]).unwrap();
-    dev.forward_into(
-        stream,
-        &cfg,
-        &DeviceTensor::new(q_dev.as_view(), lq),
-        &DeviceTensor::new(k_dev.as_view(), lk),
-        &DeviceTensor::new(v_dev.as_view(), lk),
-        &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
-        &mut lse_dev.as_view_mut(),
-    )
-    .unwrap_or_else(|e| panic!("{case:?} forward: {e}"));
+    let mut out = poisoned_outputs::<T>(stream, case, span(&lq));
+    forward_into(dev, stream, case, &cfg, [&q_dev, &k_dev, &v_dev], &mut out)
+        .unwrap_or_else(|e| panic!("{case:?} forward: {e}"));
+    let (o_dev, lse_dev) = &out;
     let mut dq_dev = stream.clone_htod(&vec![nan; span(&lq)]).unwrap();
     let mut dk_dev = stream.clone_htod(&vec![nan; span(&lk)]).unwrap();
     let mut dv_dev = stream.clone_htod(&vec![nan; span(&lk)]).unwrap();

@@ -10,14 +10,16 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, DeviceRepr};
-use flashattn::cuda::{CudaStream, Device, DeviceTensor, DeviceTensorMut};
+use flashattn::cuda::{CudaStream, Device};
 use flashattn::reference::{self, compare, Comparison};
 use flashattn::{AttentionConfig, Backend, Element, PingPong, TailSplit, TensorRef};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use common::{assert_nan_in_head_0, device, download, poisoned_outputs, Case};
+use common::{
+    assert_nan_in_head_0, device, download, forward_into, poison, poisoned_outputs, Case,
+};
 
 /// The forward of `case` on the device over host inputs, outputs poisoned (NaN) before the
 /// launch; returns O and the LSE.
@@ -28,21 +30,10 @@ fn forward_on_device<T: Element + DeviceRepr>(
     cfg: &AttentionConfig,
     [q, k, v]: [&[T]; 3],
 ) -> (Vec<T>, Vec<f32>) {
-    let (lq, lk) = case.layouts();
-    let q_dev = stream.clone_htod(q).unwrap();
-    let k_dev = stream.clone_htod(k).unwrap();
-    let v_dev = stream.clone_htod(v).unwrap();
+    let [q_dev, k_dev, v_dev] = [q, k, v].map(|x| stream.clone_htod(x).unwrap());
     let mut out = poisoned_outputs::<T>(stream, case, q.len());
-    dev.forward_into(
-        stream,
-        cfg,
-        &DeviceTensor::new(q_dev.as_view(), lq),
-        &DeviceTensor::new(k_dev.as_view(), lk),
-        &DeviceTensor::new(v_dev.as_view(), lk),
-        &mut DeviceTensorMut::new(out.0.as_view_mut(), lq),
-        &mut out.1.as_view_mut(),
-    )
-    .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+    forward_into(dev, stream, case, cfg, [&q_dev, &k_dev, &v_dev], &mut out)
+        .unwrap_or_else(|e| panic!("{case:?}: {e}"));
     download(stream, &out)
 }
 
@@ -411,23 +402,14 @@ fn capture_forward(
     stream: &Arc<CudaStream>,
     case: &Case,
     cfg: &AttentionConfig,
-    [q, k, v]: [&CudaSlice<bf16>; 3],
-    (o, lse): (&mut CudaSlice<bf16>, &mut CudaSlice<f32>),
+    qkv: [&CudaSlice<bf16>; 3],
+    out: &mut (CudaSlice<bf16>, CudaSlice<f32>),
 ) -> CudaGraph {
-    let (lq, lk) = case.layouts();
     stream.synchronize().unwrap();
     stream
         .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .unwrap();
-    let called = dev.forward_into(
-        stream,
-        cfg,
-        &DeviceTensor::new(q.as_view(), lq),
-        &DeviceTensor::new(k.as_view(), lk),
-        &DeviceTensor::new(v.as_view(), lk),
-        &mut DeviceTensorMut::new(o.as_view_mut(), lq),
-        &mut lse.as_view_mut(),
-    );
+    let called = forward_into(dev, stream, case, cfg, qkv, out);
     let graph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap();
     called.unwrap_or_else(|e| panic!("{case:?}: {e}"));
     graph.expect("a captured graph")
@@ -505,11 +487,8 @@ fn sm90_fwd_tail_split_plans() {
             stream.alloc_zeros::<bf16>(kv).unwrap(),
             stream.alloc_zeros::<bf16>(kv).unwrap(),
         );
-        let mut o = stream.alloc_zeros::<bf16>(q.len()).unwrap();
-        let mut lse = stream
-            .alloc_zeros::<f32>(case.batch * case.heads_q * case.seqlen_q)
-            .unwrap();
-        let graph = capture_forward(&dev, &stream, &case, &cfg, [&q, &k, &v], (&mut o, &mut lse));
+        let mut out = poisoned_outputs::<bf16>(&stream, &case, q.len()); // captured, not run
+        let graph = capture_forward(&dev, &stream, &case, &cfg, [&q, &k, &v], &mut out);
         assert_eq!(kernels_in(&graph), want, "{case:?} {mode:?}");
     }
 }
@@ -531,40 +510,31 @@ fn sm90_fwd_tail_split_in_a_cuda_graph() {
     let (want_o, want_lse) = forward_on_device(&dev, &stream, &case, &cfg, [&q, &k, &v]);
     assert!(want_o.iter().all(|x| x.is_finite()) && want_lse.iter().all(|x| x.is_finite()));
 
-    let (q_dev, k_dev, v_dev) = (
-        stream.clone_htod(&q).unwrap(),
-        stream.clone_htod(&k).unwrap(),
-        stream.clone_htod(&v).unwrap(),
-    );
-    let poison_o = vec![bf16::NAN; q.len()];
-    let poison_lse = vec![f32::NAN; want_lse.len()];
-    let mut o_dev = stream.clone_htod(&poison_o).unwrap();
-    let mut lse_dev = stream.clone_htod(&poison_lse).unwrap();
+    // Q, K and V stay alive on the device for the replays.
+    let [q_dev, k_dev, v_dev] = [&q, &k, &v].map(|x| stream.clone_htod(x).unwrap());
+    let mut out = poisoned_outputs::<bf16>(&stream, &case, q.len());
     let graph = capture_forward(
         &dev,
         &stream,
         &case,
         &cfg,
         [&q_dev, &k_dev, &v_dev],
-        (&mut o_dev, &mut lse_dev),
+        &mut out,
     );
     for replay in 0..3 {
-        stream.memcpy_htod(&poison_o, &mut o_dev).unwrap();
-        stream.memcpy_htod(&poison_lse, &mut lse_dev).unwrap();
+        poison(&stream, &mut out); // the buffers the graph writes
         graph.launch().unwrap();
-        let o: Vec<bf16> = stream.clone_dtoh(&o_dev).unwrap();
-        let lse: Vec<f32> = stream.clone_dtoh(&lse_dev).unwrap();
-        stream.synchronize().unwrap();
-        let same =
-            |a: &[bf16], b: &[bf16]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        let (o, lse) = download(&stream, &out);
         assert!(
-            same(&o, &want_o),
+            o.iter()
+                .map(|x| x.to_bits())
+                .eq(want_o.iter().map(|x| x.to_bits())),
             "replay {replay}: O differs from the eager call"
         );
         assert!(
             lse.iter()
-                .zip(&want_lse)
-                .all(|(x, y)| x.to_bits() == y.to_bits()),
+                .map(|x| x.to_bits())
+                .eq(want_lse.iter().map(|x| x.to_bits())),
             "replay {replay}: LSE differs from the eager call"
         );
     }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
-use flashattn::cuda::{CudaStream, Device};
+use flashattn::cuda::{CudaStream, Device, DeviceTensor, DeviceTensorMut};
 use flashattn::{AttentionConfig, Backend, Element, Layout};
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
@@ -110,6 +110,38 @@ pub fn poisoned_outputs<T: Element + DeviceRepr>(
             .clone_htod(&vec![T::from_f32(f32::NAN); len])
             .unwrap(),
         stream.clone_htod(&vec![f32::NAN; lse_len]).unwrap(),
+    )
+}
+
+/// NaN again into O and the LSE, in place.
+pub fn poison<T: Element + DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    (o, lse): &mut (CudaSlice<T>, CudaSlice<f32>),
+) {
+    stream
+        .memcpy_htod(&vec![T::from_f32(f32::NAN); o.len()], o)
+        .unwrap();
+    stream.memcpy_htod(&vec![f32::NAN; lse.len()], lse).unwrap();
+}
+
+/// `dev.forward_into` of `case` (its layouts) over Q, K and V on the device, into `out` (O, LSE).
+pub fn forward_into<T: Element + DeviceRepr>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    cfg: &AttentionConfig,
+    [q, k, v]: [&CudaSlice<T>; 3],
+    (o, lse): &mut (CudaSlice<T>, CudaSlice<f32>),
+) -> flashattn::Result<flashattn::Plan> {
+    let (lq, lk) = case.layouts();
+    dev.forward_into(
+        stream,
+        cfg,
+        &DeviceTensor::new(q.as_view(), lq),
+        &DeviceTensor::new(k.as_view(), lk),
+        &DeviceTensor::new(v.as_view(), lk),
+        &mut DeviceTensorMut::new(o.as_view_mut(), lq),
+        &mut lse.as_view_mut(),
     )
 }
 
