@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use cudarc::driver::DeviceRepr;
 use flashattn::cuda::{
-    fp8_key_block, fp8_query_block, v_key_column, CudaStream, Device, DeviceTensor,
+    fp8_key_block, fp8_query_block, v_key_column, v_row_head_dim, CudaStream, Device, DeviceTensor,
     DeviceTensorMut, Fp8Inputs, Fp8Options,
 };
 use flashattn::fp8::{Fp8Tensor, Granularity, RandomSignHadamard};
@@ -110,7 +110,8 @@ fn bits(x: &[F8E4M3]) -> Vec<u8> {
     x.iter().map(|v| v.to_bits()).collect()
 }
 
-/// Q, K and their descales byte for byte; V through its key-major layout, padding zero.
+/// Q, K and their descales byte for byte; V through its key-major layout (rows by
+/// `v_row_head_dim`, columns by `v_key_column`), padding zero.
 fn check_quantize_case<T: Element + DeviceRepr>(
     dev: &Device,
     stream: &Arc<CudaStream>,
@@ -143,8 +144,11 @@ fn check_quantize_case<T: Element + DeviceRepr>(
     let mut mismatches = 0;
     for b in 0..case.batch {
         for h in 0..hkv {
-            for c in 0..d {
-                let row = &v[((b * hkv + h) * d + c) * keys..][..keys];
+            for r in 0..d {
+                let (row, c) = (
+                    &v[((b * hkv + h) * d + r) * keys..][..keys],
+                    v_row_head_dim(r),
+                );
                 for key in 0..keys {
                     let want = if key < sk {
                         hv.data[((b * sk + key) * hkv + h) * d + c].to_bits()

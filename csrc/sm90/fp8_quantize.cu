@@ -156,22 +156,23 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   // Key-major: the block's rows quantized into shared memory as they are (each lane's bytes one
   // word, no bank conflicts), then gathered column by column: lane d of a warp takes the bytes of
-  // head-dim index d for 32 consecutive key positions (fp8_key_at: the keys of a 32-key group in
-  // P's register order) and writes them to output row d as two 16-byte stores. Keys past seqlen
-  // are zeros (P is 0 there, and 0·NaN would not be).
+  // head-dim index fp8_v_row_head_dim(d) (the order in which O leaves the kernel) for 32
+  // consecutive key positions (fp8_key_at: the keys of a 32-key group in P's register order) and
+  // writes them to output row d as two 16-byte stores. Keys past seqlen are zeros (P is 0 there,
+  // and 0·NaN would not be).
   for (int r = warp; r < p.block_rows; r += kWarps)
     *reinterpret_cast<RowWord*>(tile + r * kHeadDim + lane * kPerLane) = quantized(r);
   __syncthreads();
   const int groups = p.block_rows / 32;  // 32-key groups (a key block is a multiple of 32)
   for (int w = threadIdx.x; w < kHeadDim * groups; w += kWarps * 32) {
-    const int d = w % kHeadDim, g = w / kHeadDim;
+    const int d = w % kHeadDim, g = w / kHeadDim, column = fp8_v_row_head_dim(d);
     uint32_t packed[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       uint32_t word = 0;
 #pragma unroll
       for (int b = 0; b < 4; ++b)  // the permutation stays within the group: constant offsets
-        word |= uint32_t(tile[(32 * g + fp8_key_at(4 * k + b)) * kHeadDim + d]) << (8 * b);
+        word |= uint32_t(tile[(32 * g + fp8_key_at(4 * k + b)) * kHeadDim + column]) << (8 * b);
       packed[k] = word;
     }
     uint4* out = reinterpret_cast<uint4*>(dst + int64_t(d) * p.dst_row_stride + row_begin + 32 * g);

@@ -23,10 +23,6 @@ template <int kHeadDim> struct Fp8FwdTile {
   static constexpr bool kUnmaskedLoop = kHeadDim == 256;
   static constexpr bool kIeeeDescaleRatio = kHeadDim != 256;
   static constexpr bool kTailSplit = true;
-  // O by 16-byte stores (fwd_kernel.h; d256 stages O in shared memory instead): d64 +-0 to +1%,
-  // causal s2k +4%; d128 s2k +3.4% but s8k -4.5% (8-byte stores: -3.5%; see kWideStore there)
-  // (H200, 2026-12-01).
-  static constexpr bool kWideStore = kHeadDim == 64;
 };
 
 template <int kHeadDim>

@@ -34,6 +34,7 @@
 #include <cuda_fp8.h>
 
 #include "../common/block_range.h"
+#include "fp8_layout.h"
 #include "fwd_tail.h"
 #include "fwd_timeline.h"
 #include "grid_dependency.h"
@@ -72,13 +73,6 @@ struct FwdTraits {
   // key blocks (fwd_tail.h): a second instantiation of the kernel, so not in the overlap
   // ablation.
   static constexpr bool kTailSplit = Tile::kTailSplit && kIntraWGOverlap_;
-  // O from registers by 16-byte stores after a transpose within each quad, else by 4-byte ones
-  // spread over 8 rows each. Those took 3550-4300 of the ~9700 cycles of a tile change at FP8
-  // d128 s8k (an instrumented build, H200); yet there the 16-byte (8-byte) stores cost s8k 4.5%
-  // (3.5%): no spills, and the key-block loop holds the same instructions (1425 against 1424),
-  // but in another order and at another address (which of the two costs it is not known).
-  // Which kernels take them is measured.
-  static constexpr bool kWideStore = Tile::kWideStore;
   // The next tile's first Q·Kᵀ beside this tile's last P·V: needs the next Q in its own buffer.
   static constexpr bool kCrossTileOverlap = kIntraWGOverlap && kQStages > 1;
   static constexpr int kConsumerWGs = kBlockM / kRowsPerWG;
@@ -549,7 +543,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     if constexpr (Traits::kFp8) {
       const BlockScales scales = kScalesEarly ? early : block_scales(n);
-      softmax.step(rowcol_S, scales.c, factor);
+      softmax.step(rowcol_S, scales.c, factor, /*never=*/params.batch < 0);
       // O holds P·V of the blocks after n in units of their V descale; block n's comes next.
       // Where the division is IEEE, its slow path (a call) ends the softmax's basic block, and
       // ptxas, which puts the caller's wait for P·V at the top of its block, leaves the wait
@@ -569,7 +563,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   // Epilogue of tile t: O·inv_sum and the LSE; rows past seqlen_q are skipped. O through its
-  // stage (kStageO), else straight from registers, each pair of adjacent columns as one word.
+  // stage (kStageO), else from registers by 16-byte stores (the host checks O's alignment).
+  // O's accumulator column n holds head dim n, in the FP8 kernels fp8_v_row_head_dim(n) (V's
+  // rows come in that order), so that there each thread already holds whole 16-byte chunks.
+  auto head_dim_of = [](int n) FLASHATTN_INLINE {
+    if constexpr (Traits::kFp8) return fp8_v_row_head_dim(n);
+    return n;
+  };
   auto store_tile = [&](const WorkTile& t, const float (&inv_sum)[kRows],
                         const float (&lse)[kRows]) FLASHATTN_INLINE {
     const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;
@@ -582,7 +582,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (get<1>(rowcol_cO(0, 0)) == 0) slot[kTailRows * Traits::kHeadDim + row] = lse[r];
 #pragma unroll
         for (int c = 0; c < size<1>(rowcol_O); c += 2)
-          *reinterpret_cast<float2*>(slot + row * Traits::kHeadDim + get<1>(rowcol_cO(r, c))) =
+          *reinterpret_cast<float2*>(slot + row * Traits::kHeadDim +
+                                     head_dim_of(get<1>(rowcol_cO(r, c)))) =
               make_float2(rowcol_O(r, c), rowcol_O(r, c + 1));
       }
       return;
@@ -601,6 +602,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Tensor rO = convert_fragment<Out>(tOrO);
       Tensor rowcol_rO = make_tensor(rO.data(), acc_rowcol(rO.layout()));
       o += t.batch * params.o_batch_stride + t.head * params.o_head_stride;
+      // Word j of row r: this thread's columns 2j, 2j + 1 of it, i.e. accumulator columns
+      // 8j + 2q, 8j + 2q + 1 for quad thread q.
+      auto word = [&](int r, int j) FLASHATTN_INLINE {
+        cutlass::Array<Out, 2> pair;
+        pair[0] = rowcol_rO(r, 2 * j);
+        pair[1] = rowcol_rO(r, 2 * j + 1);
+        return reinterpret_cast<const uint32_t&>(pair);
+      };
+      constexpr int kWords = decltype(size<1>(rowcol_rO))::value / 2;
+      static_assert(kWords % 4 == 0, "whole 16-byte chunks");
+      const int q = tid % 4;
       if constexpr (Traits::kStageO) {
         using Stage = StagedRows<Traits::kHeadDim, Out>;
         Out* stage = reinterpret_cast<Out*>(smem.o_stage[wg]);
@@ -610,64 +622,50 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int r = 0; r < kRows; ++r)
 #pragma unroll
           for (int c = 0; c < size<1>(rowcol_rO); c += 2)
-            Stage::put(stage, get<0>(rowcol_cO(r, c)), get<1>(rowcol_cO(r, c)), rowcol_rO(r, c),
-                       rowcol_rO(r, c + 1));
+            Stage::put(stage, get<0>(rowcol_cO(r, c)), head_dim_of(get<1>(rowcol_cO(r, c))),
+                       rowcol_rO(r, c), rowcol_rO(r, c + 1));
         cutlass::arch::NamedBarrier::sync(128, stage_barrier);
         Stage::store(stage, o + int64_t(row0) * params.o_row_stride, params.o_row_stride,
                      kRowsPerWG, params.seqlen_q - row0, tid, 128);
         return;
       }
-      if constexpr (Traits::kWideStore) {
-        // Word j (columns 2j, 2j + 1 of the thread's row) of quad thread q holds columns
-        // 8j + 2q, 8j + 2q + 1. A 4x4 transpose of words within the quad, over groups
-        // 4g .. 4g + 3, leaves thread q all 8 columns of group 4g + q: one 16-byte store (the
-        // host checks O's 16-byte alignment). Every lane shuffles (a warp's quads hold
-        // different rows); rows in range store.
-        constexpr int kWords = decltype(size<1>(rowcol_rO))::value / 2;
-        static_assert(kWords % 4 == 0, "whole 4x4 transposes");
-        const int q = tid % 4;
-        const bool hi = q & 2, odd = q & 1;
+      if constexpr (Traits::kFp8) {
+        // Words 4g .. 4g + 3 of quad thread q are head dims 32g + 8q on (fp8_v_row_head_dim).
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           const int row = row0 + get<0>(rowcol_cO(r, 0));
+          if (row >= params.seqlen_q) continue;
           Out* o_row = o + row * params.o_row_stride;
-          auto word = [&](int j) FLASHATTN_INLINE {
-            cutlass::Array<Out, 2> pair;
-            pair[0] = rowcol_rO(r, 2 * j);
-            pair[1] = rowcol_rO(r, 2 * j + 1);
-            return reinterpret_cast<const uint32_t&>(pair);
-          };
 #pragma unroll
-          for (int g = 0; g < kWords / 4; ++g) {
-            const uint32_t a0 = word(4 * g), a1 = word(4 * g + 1), a2 = word(4 * g + 2),
-                           a3 = word(4 * g + 3);
-            // Threads 2 apart: the low one keeps words 0, 1 and takes the high one's 0, 1.
-            const uint32_t x0 = __shfl_xor_sync(0xffffffff, hi ? a0 : a2, 2);
-            const uint32_t x1 = __shfl_xor_sync(0xffffffff, hi ? a1 : a3, 2);
-            const uint32_t b0 = hi ? x0 : a0, b1 = hi ? x1 : a1, b2 = hi ? a2 : x0,
-                           b3 = hi ? a3 : x1;
-            // Neighbours: the even one keeps words 0, 2, the odd one 1, 3.
-            const uint32_t y0 = __shfl_xor_sync(0xffffffff, odd ? b0 : b1, 1);
-            const uint32_t y1 = __shfl_xor_sync(0xffffffff, odd ? b2 : b3, 1);
-            const uint4 chunk = odd ? make_uint4(y0, b1, y1, b3) : make_uint4(b0, y0, b2, y1);
-            if (row < params.seqlen_q)
-              *reinterpret_cast<uint4*>(o_row + 8 * (4 * g + q)) = chunk;
-          }
+          for (int g = 0; g < kWords / 4; ++g)
+            *reinterpret_cast<uint4*>(o_row + 32 * g + 8 * q) = make_uint4(
+                word(r, 4 * g), word(r, 4 * g + 1), word(r, 4 * g + 2), word(r, 4 * g + 3));
         }
         return;
       }
+      // 16-bit: a 4x4 transpose of words within the quad, over groups 4g .. 4g + 3, leaves
+      // thread q all 8 columns of group 4g + q: one 16-byte store. Every lane shuffles (a
+      // warp's quads hold different rows); rows in range store.
+      const bool hi = q & 2, odd = q & 1;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int row = row0 + get<0>(rowcol_cO(r, 0));
-        if (row >= params.seqlen_q) continue;
         Out* o_row = o + row * params.o_row_stride;
 #pragma unroll
-        for (int c = 0; c < size<1>(rowcol_rO); c += 2) {
-          const int col = get<1>(rowcol_cO(r, c));
-          cutlass::Array<Out, 2> pair;
-          pair[0] = rowcol_rO(r, c);
-          pair[1] = rowcol_rO(r, c + 1);
-          *reinterpret_cast<cutlass::Array<Out, 2>*>(o_row + col) = pair;
+        for (int g = 0; g < kWords / 4; ++g) {
+          const uint32_t a0 = word(r, 4 * g), a1 = word(r, 4 * g + 1), a2 = word(r, 4 * g + 2),
+                         a3 = word(r, 4 * g + 3);
+          // Threads 2 apart: the low one keeps words 0, 1 and takes the high one's 0, 1.
+          const uint32_t x0 = __shfl_xor_sync(0xffffffff, hi ? a0 : a2, 2);
+          const uint32_t x1 = __shfl_xor_sync(0xffffffff, hi ? a1 : a3, 2);
+          const uint32_t b0 = hi ? x0 : a0, b1 = hi ? x1 : a1, b2 = hi ? a2 : x0,
+                         b3 = hi ? a3 : x1;
+          // Neighbours: the even one keeps words 0, 2, the odd one 1, 3.
+          const uint32_t y0 = __shfl_xor_sync(0xffffffff, odd ? b0 : b1, 1);
+          const uint32_t y1 = __shfl_xor_sync(0xffffffff, odd ? b2 : b3, 1);
+          const uint4 chunk = odd ? make_uint4(y0, b1, y1, b3) : make_uint4(b0, y0, b2, y1);
+          if (row < params.seqlen_q)
+            *reinterpret_cast<uint4*>(o_row + 8 * (4 * g + q)) = chunk;
         }
       }
     };

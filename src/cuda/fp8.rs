@@ -2,7 +2,8 @@
 //! elsewhere) into the layouts the kernel reads, and the forward over its output.
 //!
 //! Q and K are e4m3 rows like their sources; V is key-major — (batch, heads_kv, head_dim, keys),
-//! keys padded to whole key blocks and ordered within each 32-key group as the kernel's P — since
+//! keys padded to whole key blocks and ordered within each 32-key group as the kernel's P, head
+//! dims ordered within each group of 32 so that O leaves the kernel by 16-byte stores — since
 //! the FP8 tensor-core GEMM reads both operands K-major. Descales: one per
 //! [`fp8_query_block`] query rows and per [`fp8_key_block`] keys of one head, chosen as
 //! [`crate::fp8::Fp8Tensor::quantize`] chooses them (the GPU step agrees with it bit for bit).
@@ -45,6 +46,15 @@ pub fn v_key_column(key: usize) -> usize {
     key - j + 16 * (j / 16) + 4 * ((j / 2) % 4) + 2 * ((j / 8) % 2) + j % 2
 }
 
+/// The head-dim index that row `row` of V's key-major layout holds (csrc/sm90/fp8_layout.h; its
+/// own inverse): within each group of 32, row 8i + 2t + c (i, t < 4, c < 2) holds head dim
+/// 8t + 2i + c, so that each lane of the kernel's accumulator quads holds 8 consecutive head dims
+/// of O.
+pub fn v_row_head_dim(row: usize) -> usize {
+    let j = row % 32;
+    row - j + 8 * ((j / 2) % 4) + 2 * (j / 8) + j % 2
+}
+
 /// How the FP8 inputs are quantized.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Fp8Options {
@@ -81,7 +91,8 @@ impl Fp8Inputs {
         [&self.q, &self.k]
     }
     /// V key-major, (batch, heads_kv, head_dim, keys) packed, with its number of keys per row
-    /// (seqlen_k padded with zeros to whole key blocks; columns ordered by [`v_key_column`]).
+    /// (seqlen_k padded with zeros to whole key blocks; rows ordered by [`v_row_head_dim`],
+    /// columns by [`v_key_column`]).
     pub fn v_key_major(&self) -> (&CudaSlice<F8E4M3>, usize) {
         (&self.v, self.v_keys)
     }
@@ -430,5 +441,31 @@ impl Device {
     ) -> Result<Plan> {
         let inputs = self.quantize_fp8(stream, q, k, v, options)?;
         self.forward_fp8_into(stream, cfg, &inputs, out, lse)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn v_rows_give_each_lane_whole_16_byte_chunks_of_o() {
+        for row in 0..256 {
+            assert_eq!(v_row_head_dim(v_row_head_dim(row)), row, "its own inverse");
+            assert_eq!(v_row_head_dim(row) / 32, row / 32, "within its group of 32");
+        }
+        // Lane t of a quad holds accumulator columns 8j + 2t + c; groups 4g .. 4g + 3 must be
+        // head dims 32g + 8t .. 32g + 8t + 7 in order.
+        for g in 0..8 {
+            for t in 0..4 {
+                let dims: Vec<usize> = (0..4)
+                    .flat_map(|i| (0..2).map(move |c| v_row_head_dim(8 * (4 * g + i) + 2 * t + c)))
+                    .collect();
+                assert_eq!(
+                    dims,
+                    (32 * g + 8 * t..32 * g + 8 * t + 8).collect::<Vec<_>>()
+                );
+            }
+        }
     }
 }

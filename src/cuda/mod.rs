@@ -9,7 +9,9 @@ use std::sync::Arc;
 
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, DriverError};
-pub use fp8::{fp8_key_block, fp8_query_block, v_key_column, Fp8Inputs, Fp8Options};
+pub use fp8::{
+    fp8_key_block, fp8_query_block, v_key_column, v_row_head_dim, Fp8Inputs, Fp8Options,
+};
 
 use crate::backend::gpu::{self, RawTensor};
 use crate::config::AttentionConfig;
