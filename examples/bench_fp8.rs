@@ -4,7 +4,8 @@
 //! descales written). The FP8 row times the kernel over inputs quantized once (per-block
 //! descales, Hadamard on), as a caller reusing K and V would run it. CUDA events, warm-up, median.
 //!
-//! Usage: bench_fp8 [--quick] [--only D,S[,causal]] [--pingpong|--no-pingpong]
+//! Usage: bench_fp8 [--quick] [--only D,S[,causal]] [--seqlens S,S,...] [--reps N]
+//!                  [--pingpong|--no-pingpong]
 //!                  [--no-split-tail|--split-tail]
 //!                  [--long-keys] [--synced] [--out results.json] [--commit SHA]
 
@@ -111,15 +112,38 @@ fn main() {
     let mut lse = stream
         .clone_htod(&vec![f32::NAN; TOKENS * HIDDEN / 64])
         .unwrap();
-    let only_seqlen = only.map(|(_, s, _)| [s]);
-    let seqlens: &[usize] = if let Some(s) = &only_seqlen {
+    // --seqlens S,S,...: these sequence lengths in this order, repeats allowed (to see whether a
+    // shape's time depends on what ran before it).
+    let listed: Option<Vec<usize>> = args.value("--seqlens").map(|v| {
+        v.split(',')
+            .map(|x| match x.parse::<usize>() {
+                Ok(s) if s > 0 && TOKENS % s == 0 => s,
+                _ => {
+                    eprintln!("--seqlens takes S,S,... with each S dividing {TOKENS}");
+                    std::process::exit(2)
+                }
+            })
+            .collect()
+    });
+    let only_seqlen = only.map(|(_, s, _)| vec![s]);
+    let seqlens: &[usize] = if let Some(s) = only_seqlen.as_ref().or(listed.as_ref()) {
         s
     } else if quick {
         &[2048, 8192]
     } else {
         &[512, 1024, 2048, 4096, 8192, 16384]
     };
-    let reps = if quick { 20 } else { 30 };
+    // --reps N: timed calls per measurement (median); more of them run the GPU longer, into its
+    // sustained clock under the power cap.
+    let reps = match args.value("--reps").map(|v| v.parse::<usize>()) {
+        Some(Ok(n)) if n > 0 => n,
+        Some(_) => {
+            eprintln!("--reps takes a positive count");
+            std::process::exit(2)
+        }
+        None if quick => 20,
+        None => 30,
+    };
     let options = Fp8Options {
         hadamard_seed: Some(1),
     };
