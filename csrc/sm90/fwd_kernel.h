@@ -19,7 +19,7 @@
 // run a copy of the loop without the mask and softcap tests (Tile::kUnmaskedLoop). setmaxnreg
 // moves registers from the producer (24) to the consumers (240). Persistent: each CTA walks a
 // share of the tiles.
-// Epilogue: O and LSE straight from registers (FP8 d256: O through a shared-memory stage).
+// Epilogue: O and LSE straight from registers, O by 16-byte stores.
 // FP8 (Element = e4m3, from the quantize step): Q·Kᵀ and P·V by QGMMA, the Q and K descales
 // folded into each key block's softmax scale, V's descale into O's rescale factor, P converted to
 // e4m3 in registers (V's keys ordered to match, fp8_layout.h), O written in bf16 or fp16.
@@ -40,7 +40,6 @@
 #include "grid_dependency.h"
 #include "pipeline.h"
 #include "softmax.h"
-#include "staged_rows.h"
 #include "tma_tensor.h"
 
 namespace flashattn::sm90 {
@@ -126,18 +125,11 @@ struct FwdTraits {
   static constexpr uint32_t kBytesQ = kRowsPerWG * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
-  // O (2-byte elements) leaves through a shared-memory stage of its own (StagedRows) in the FP8
-  // d256 kernel: H200, 16k tokens, s8k 1178 -> 1205 TFLOP/s, causal s2k 669 -> 789. Elsewhere
-  // from registers: staged, FP8 d128 spilled (-9 to -16%), FP8 d64 and the bf16 d64 and causal
-  // d128 kernels ran up to 16% slower, and bf16 d128/d256 non-causal have no shared memory left.
-  static constexpr int kStageOBytes = kRowsPerWG * kHeadDim * 2;
-  static constexpr bool kStageO = kFp8 && kHeadDim == 256;
 
   struct SharedStorage {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q[kConsumerWGs];
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutV>> v;
-    alignas(128) uint8_t o_stage[kConsumerWGs][kStageO ? kStageOBytes : 16];
     TmaPipeline<kQStages> pipe_q;
     TmaPipeline<kStages> pipe_k;
     TmaPipeline<kStages> pipe_v;
@@ -174,7 +166,6 @@ struct FwdParams {
 enum class FwdBarrier : uint32_t {
   TurnWG0 = 0,  // ping-pong: consumer WG0 may issue its GEMMs
   TurnWG1 = 1,  // ping-pong: consumer WG1 may issue its GEMMs
-  OStage = 2,   // + warpgroup: its O stage written / read
 };
 
 __device__ inline void named_sync(FwdBarrier b, uint32_t threads) {
@@ -562,8 +553,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   };
 
-  // Epilogue of tile t: O·inv_sum and the LSE; rows past seqlen_q are skipped. O through its
-  // stage (kStageO), else from registers by 16-byte stores (the host checks O's alignment).
+  // Epilogue of tile t: O·inv_sum and the LSE; rows past seqlen_q are skipped. O leaves the
+  // registers by 16-byte stores (the host checks O's alignment): staged through shared memory
+  // instead, FP8 d256 ran 1.5-4% slower (H200, 2026-12-01) and FP8 d128 spilled.
   // O's accumulator column n holds head dim n, in the FP8 kernels fp8_v_row_head_dim(n) (V's
   // rows come in that order), so that there each thread already holds whole 16-byte chunks.
   auto head_dim_of = [](int n) FLASHATTN_INLINE {
@@ -613,22 +605,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       constexpr int kWords = decltype(size<1>(rowcol_rO))::value / 2;
       static_assert(kWords % 4 == 0, "whole 16-byte chunks");
       const int q = tid % 4;
-      if constexpr (Traits::kStageO) {
-        using Stage = StagedRows<Traits::kHeadDim, Out>;
-        Out* stage = reinterpret_cast<Out*>(smem.o_stage[wg]);
-        const uint32_t stage_barrier = static_cast<uint32_t>(FwdBarrier::OStage) + wg;
-        cutlass::arch::NamedBarrier::sync(128, stage_barrier);  // the last tile's O was read
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-#pragma unroll
-          for (int c = 0; c < size<1>(rowcol_rO); c += 2)
-            Stage::put(stage, get<0>(rowcol_cO(r, c)), head_dim_of(get<1>(rowcol_cO(r, c))),
-                       rowcol_rO(r, c), rowcol_rO(r, c + 1));
-        cutlass::arch::NamedBarrier::sync(128, stage_barrier);
-        Stage::store(stage, o + int64_t(row0) * params.o_row_stride, params.o_row_stride,
-                     kRowsPerWG, params.seqlen_q - row0, tid, 128);
-        return;
-      }
       if constexpr (Traits::kFp8) {
         // Words 4g .. 4g + 3 of quad thread q are head dims 32g + 8q on (fp8_v_row_head_dim).
 #pragma unroll
