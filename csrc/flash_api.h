@@ -109,7 +109,9 @@ typedef struct {
 // Where flashattn_fp8_quantize writes: rows like the source, (batch, seqlen, heads, head_dim)
 // with the dst strides; or key-major, (batch, heads, head_dim, keys) with dst_row_stride between
 // head_dim rows, keys padded with zeros to whole blocks and ordered within each 32-key group as
-// the FP8 forward's P (the layout the kernel's V operand needs).
+// the FP8 forward's P, and row r holding head dim fp8_v_row_head_dim(r), a permutation within
+// each 32 rows (csrc/sm90/fp8_v_rows.h) that lets O leave by 16-byte stores (the layout the
+// kernel's V operand needs; build it with flashattn_fp8_quantize).
 typedef enum {
   FLASHATTN_FP8_ROWS = 0,
   FLASHATTN_FP8_KEY_MAJOR = 1,

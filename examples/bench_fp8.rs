@@ -95,25 +95,8 @@ fn main() {
     let only = args
         .only(TOKENS, &["causal"])
         .map(|(d, s, words)| (d, s, !words.is_empty()));
-    let dev = common::device("bench_fp8");
-    let stream = dev.new_stream().unwrap();
-    let n = TOKENS * HIDDEN;
-    let mut rng = StdRng::seed_from_u64(11);
-    let normal = Normal::new(0f32, 1.0).unwrap();
-    let mut gen = || {
-        let h: Vec<bf16> = (0..n)
-            .map(|_| bf16::from_f32(normal.sample(&mut rng)))
-            .collect();
-        stream.clone_htod(&h).unwrap()
-    };
-    let (q, k, v) = (gen(), gen(), gen());
-    let poison = vec![bf16::NAN; n];
-    let mut out = stream.clone_htod(&poison).unwrap();
-    let mut lse = stream
-        .clone_htod(&vec![f32::NAN; TOKENS * HIDDEN / 64])
-        .unwrap();
-    // --seqlens S,S,...: these sequence lengths in this order, repeats allowed (to see whether a
-    // shape's time depends on what ran before it).
+    // --seqlens S,S,...: these sequence lengths in this order within each head dim and mask (the
+    // outer loops), repeats allowed: whether a shape's time depends on what ran before it.
     let listed: Option<Vec<usize>> = args.value("--seqlens").map(|v| {
         v.split(',')
             .map(|x| match x.parse::<usize>() {
@@ -125,6 +108,10 @@ fn main() {
             })
             .collect()
     });
+    if only.is_some() && listed.is_some() {
+        eprintln!("--only and --seqlens exclude each other");
+        std::process::exit(2)
+    }
     let only_seqlen = only.map(|(_, s, _)| vec![s]);
     let seqlens: &[usize] = if let Some(s) = only_seqlen.as_ref().or(listed.as_ref()) {
         s
@@ -144,6 +131,23 @@ fn main() {
         None if quick => 20,
         None => 30,
     };
+    let dev = common::device("bench_fp8");
+    let stream = dev.new_stream().unwrap();
+    let n = TOKENS * HIDDEN;
+    let mut rng = StdRng::seed_from_u64(11);
+    let normal = Normal::new(0f32, 1.0).unwrap();
+    let mut gen = || {
+        let h: Vec<bf16> = (0..n)
+            .map(|_| bf16::from_f32(normal.sample(&mut rng)))
+            .collect();
+        stream.clone_htod(&h).unwrap()
+    };
+    let (q, k, v) = (gen(), gen(), gen());
+    let poison = vec![bf16::NAN; n];
+    let mut out = stream.clone_htod(&poison).unwrap();
+    let mut lse = stream
+        .clone_htod(&vec![f32::NAN; TOKENS * HIDDEN / 64])
+        .unwrap();
     let options = Fp8Options {
         hadamard_seed: Some(1),
     };
@@ -222,7 +226,7 @@ fn main() {
                     tflops(bf16_ms)
                 );
                 rows.push(format!(
-                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"split_tail\": \"{:?}\", \"synced\": {synced}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
+                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"split_tail\": \"{:?}\", \"synced\": {synced}, \"reps\": {reps}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
                     shape[0],
                     shape[2],
                     shape[2],
@@ -345,7 +349,7 @@ fn main() {
                 text.join(" | ")
             );
             rows.push(format!(
-                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"synced\": {synced}, \"hadamard\": true, {}, \"non_finite_outputs\": {unwritten}}}",
+                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"synced\": {synced}, \"reps\": {reps}, \"hadamard\": true, {}, \"non_finite_outputs\": {unwritten}}}",
                 schedule.pingpong.takes_turns(DType::E4M3),
                 schedule.pingpong.takes_turns(DType::BF16),
                 fields.join(", ")

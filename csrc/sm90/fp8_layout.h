@@ -1,6 +1,9 @@
 // What the FP8 quantize step (fp8_quantize.cu) and the FP8 forward (fwd_kernel.h) agree on: the
-// block of rows one descale covers and the order of V's keys and head dims. Host and device.
+// block of rows one descale covers and the order of V's keys; the order of its head dims is in
+// fp8_v_rows.h (which the forward kernel includes alone). Host and device.
 #pragma once
+
+#include "fp8_v_rows.h"
 
 namespace flashattn::sm90 {
 
@@ -26,22 +29,6 @@ __host__ __device__ constexpr int fp8_key_at(int position) {
   const int j = position % 32;
   return position - j + 16 * (j / 16) + 8 * ((j / 2) % 2) + 2 * ((j / 4) % 4) + j % 2;
 }
-// The head-dim index that row `row` of V's key-major layout holds (its own inverse). O = P·V
-// leaves accumulator column n with V's row n, and a WGMMA accumulator gives lane t of a quad
-// columns 8j + 2t, 8j + 2t + 1 of each 8-column group j. With rows 32g + 8i + 2t + c holding
-// head dims 32g + 8t + 2i + c (i, t < 4, c < 2), groups 4g .. 4g + 3 give lane t the 8 head dims
-// from 32g + 8t on: one 16-byte store of O, with no values moved between lanes.
-__host__ __device__ constexpr int fp8_v_row_head_dim(int row) {
-  const int j = row % 32;
-  return row - j + 8 * ((j / 2) % 4) + 2 * (j / 8) + j % 2;
-}
-constexpr bool fp8_v_rows_invert() {
-  for (int row = 0; row < 64; ++row)
-    if (fp8_v_row_head_dim(fp8_v_row_head_dim(row)) != row) return false;
-  return true;
-}
-static_assert(fp8_v_rows_invert(), "fp8_v_row_head_dim is its own inverse");
-
 constexpr bool fp8_key_order_inverts() {
   for (int key = 0; key < 64; ++key)
     if (fp8_key_at(fp8_key_position(key)) != key) return false;

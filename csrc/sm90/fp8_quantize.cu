@@ -1,7 +1,8 @@
 // The FP8 forward's quantize step: bf16/fp16 Q, K or V to e4m3 with one scale per block of rows
 // of one head, optionally after the random-sign Hadamard transform along head_dim (incoherent
 // processing). V is written key-major for the FP8 P·V GEMM (both WGMMA operands K-major), with
-// the keys of every 32-key group permuted to match the register order of P (see fwd_kernel.h).
+// the keys of every 32-key group permuted to match the register order of P and its rows (head
+// dims) in the order that lets O leave by 16-byte stores (fp8_layout.h, fp8_v_rows.h).
 // The host definition it must agree with, bit for bit: src/fp8.rs.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,6 +1,6 @@
 // Host side of the sm90 FP8 forward: its tile table and launch, included by the three
 // fwd_fp8_d*.cu units alone, so that retuning a tile rebuilds those (and the units that read the
-// key block, fp8_layout.h) and no bf16/fp16 forward.
+// key block, fp8_layout.h: the quantize step) and no bf16/fp16 forward.
 #pragma once
 
 #include <cutlass/float8.h>

@@ -22,7 +22,8 @@
 // Epilogue: O and LSE straight from registers, O by 16-byte stores.
 // FP8 (Element = e4m3, from the quantize step): Q·Kᵀ and P·V by QGMMA, the Q and K descales
 // folded into each key block's softmax scale, V's descale into O's rescale factor, P converted to
-// e4m3 in registers (V's keys ordered to match, fp8_layout.h), O written in bf16 or fp16.
+// e4m3 in registers (V's keys ordered to match, fp8_layout.h), O written in bf16 or fp16 (V's
+// head dims ordered so that each thread holds whole 16-byte chunks of O, fp8_v_rows.h).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -34,7 +35,7 @@
 #include <cuda_fp8.h>
 
 #include "../common/block_range.h"
-#include "fp8_layout.h"
+#include "fp8_v_rows.h"
 #include "fwd_tail.h"
 #include "fwd_timeline.h"
 #include "grid_dependency.h"
@@ -92,7 +93,7 @@ struct FwdTraits {
       SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   // Vᵀ is the (head_dim, kBlockN) B operand of P·V. 16-bit: V is stored as it comes and Vᵀ is
   // the same bytes, MN-major. FP8 WGMMA takes K-major operands only: the quantize step wrote V
-  // key-major, and the TMA loads Vᵀ as it is.
+  // key-major (rows in fp8_v_row_head_dim order), and the TMA loads Vᵀ as it is.
   using SmemLayoutVtOfV = decltype(composition(
       SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
                                          Step<_2, _1, _3>{})));
@@ -125,7 +126,6 @@ struct FwdTraits {
   static constexpr uint32_t kBytesQ = kRowsPerWG * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
-
   struct SharedStorage {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q[kConsumerWGs];
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
@@ -145,6 +145,8 @@ struct FwdParams {
   void* o;  // Element, or for FP8 bf16 (o_bf16) or fp16
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   float* lse;  // (batch, heads_q, seqlen_q)
+  // `batch < 0` is the FP8 softmax's run-time false (ScaledOnlineSoftmax::step): never let the
+  // compiler know batch is positive.
   int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
   int num_m_blocks, num_tiles;
   int tiles_per_unit;  // 2 with a right bound on the keys over several query blocks, else 1
@@ -559,8 +561,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // O's accumulator column n holds head dim n, in the FP8 kernels fp8_v_row_head_dim(n) (V's
   // rows come in that order), so that there each thread already holds whole 16-byte chunks.
   auto head_dim_of = [](int n) FLASHATTN_INLINE {
-    if constexpr (Traits::kFp8) return fp8_v_row_head_dim(n);
-    return n;
+    if constexpr (Traits::kFp8) {
+      return fp8_v_row_head_dim(n);
+    } else {
+      return n;
+    }
   };
   auto store_tile = [&](const WorkTile& t, const float (&inv_sum)[kRows],
                         const float (&lse)[kRows]) FLASHATTN_INLINE {
@@ -617,31 +622,31 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             *reinterpret_cast<uint4*>(o_row + 32 * g + 8 * q) = make_uint4(
                 word(r, 4 * g), word(r, 4 * g + 1), word(r, 4 * g + 2), word(r, 4 * g + 3));
         }
-        return;
-      }
-      // 16-bit: a 4x4 transpose of words within the quad, over groups 4g .. 4g + 3, leaves
-      // thread q all 8 columns of group 4g + q: one 16-byte store. Every lane shuffles (a
-      // warp's quads hold different rows); rows in range store.
-      const bool hi = q & 2, odd = q & 1;
+      } else {
+        // 16-bit: a 4x4 transpose of words within the quad, over groups 4g .. 4g + 3, leaves
+        // thread q all 8 columns of group 4g + q: one 16-byte store. Every lane shuffles (a
+        // warp's quads hold different rows); rows in range store.
+        const bool hi = q & 2, odd = q & 1;
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const int row = row0 + get<0>(rowcol_cO(r, 0));
-        Out* o_row = o + row * params.o_row_stride;
+        for (int r = 0; r < kRows; ++r) {
+          const int row = row0 + get<0>(rowcol_cO(r, 0));
+          Out* o_row = o + row * params.o_row_stride;
 #pragma unroll
-        for (int g = 0; g < kWords / 4; ++g) {
-          const uint32_t a0 = word(r, 4 * g), a1 = word(r, 4 * g + 1), a2 = word(r, 4 * g + 2),
-                         a3 = word(r, 4 * g + 3);
-          // Threads 2 apart: the low one keeps words 0, 1 and takes the high one's 0, 1.
-          const uint32_t x0 = __shfl_xor_sync(0xffffffff, hi ? a0 : a2, 2);
-          const uint32_t x1 = __shfl_xor_sync(0xffffffff, hi ? a1 : a3, 2);
-          const uint32_t b0 = hi ? x0 : a0, b1 = hi ? x1 : a1, b2 = hi ? a2 : x0,
-                         b3 = hi ? a3 : x1;
-          // Neighbours: the even one keeps words 0, 2, the odd one 1, 3.
-          const uint32_t y0 = __shfl_xor_sync(0xffffffff, odd ? b0 : b1, 1);
-          const uint32_t y1 = __shfl_xor_sync(0xffffffff, odd ? b2 : b3, 1);
-          const uint4 chunk = odd ? make_uint4(y0, b1, y1, b3) : make_uint4(b0, y0, b2, y1);
-          if (row < params.seqlen_q)
-            *reinterpret_cast<uint4*>(o_row + 8 * (4 * g + q)) = chunk;
+          for (int g = 0; g < kWords / 4; ++g) {
+            const uint32_t a0 = word(r, 4 * g), a1 = word(r, 4 * g + 1), a2 = word(r, 4 * g + 2),
+                           a3 = word(r, 4 * g + 3);
+            // Threads 2 apart: the low one keeps words 0, 1 and takes the high one's 0, 1.
+            const uint32_t x0 = __shfl_xor_sync(0xffffffff, hi ? a0 : a2, 2);
+            const uint32_t x1 = __shfl_xor_sync(0xffffffff, hi ? a1 : a3, 2);
+            const uint32_t b0 = hi ? x0 : a0, b1 = hi ? x1 : a1, b2 = hi ? a2 : x0,
+                           b3 = hi ? a3 : x1;
+            // Neighbours: the even one keeps words 0, 2, the odd one 1, 3.
+            const uint32_t y0 = __shfl_xor_sync(0xffffffff, odd ? b0 : b1, 1);
+            const uint32_t y1 = __shfl_xor_sync(0xffffffff, odd ? b2 : b3, 1);
+            const uint4 chunk = odd ? make_uint4(y0, b1, y1, b3) : make_uint4(b0, y0, b2, y1);
+            if (row < params.seqlen_q)
+              *reinterpret_cast<uint4*>(o_row + 8 * (4 * g + q)) = chunk;
+          }
         }
       }
     };

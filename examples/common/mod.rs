@@ -28,9 +28,16 @@ impl Args {
             (false, false) => None,
         }
     }
+    /// The argument after `name`, if `name` is given; exits 2 when nothing follows it.
     pub fn value(&self, name: &str) -> Option<String> {
         let i = self.0.iter().position(|a| a == name)?;
-        self.0.get(i + 1).cloned()
+        match self.0.get(i + 1) {
+            Some(v) => Some(v.clone()),
+            None => {
+                eprintln!("{name} takes a value");
+                std::process::exit(2)
+            }
+        }
     }
     /// `--only D,S[,WORD...]`, one shape for profilers: D a head dim the kernels are built for
     /// (64, 128, 256), S > 0 dividing `tokens`, each WORD one of `words`; exits 2 on anything
