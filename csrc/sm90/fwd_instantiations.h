@@ -21,7 +21,7 @@ namespace flashattn::sm90 {
 // 2026-11-30); O by 16-byte stores (H200, 2026-12-01, 16k tokens: s2k d64 +1%, d128 +2%, d256
 // +4%, causal s2k d128 +3%, d256 +8.5%; s8k d64/d128 +-1%, d256 -1.5%).
 struct FwdShape16 {
-  static constexpr bool kUnmaskedLoop = true, kIeeeDescaleRatio = false, kTailSplit = true;
+  static constexpr bool kUnmaskedLoop = true, kTailSplit = true;
 };
 template <int kHeadDim> struct FwdTile;
 template <> struct FwdTile<64> : FwdShape16 {

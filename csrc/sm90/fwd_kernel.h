@@ -52,7 +52,7 @@ using namespace cute;
 #define FLASHATTN_INLINE __attribute__((always_inline))
 
 // Tile: kBlockN (keys per block), kStages (K/V pipeline depth), kQStages (Q buffers), and the
-// code-shape choices kUnmaskedLoop and kIeeeDescaleRatio (below).
+// code-shape choices kUnmaskedLoop, kTailSplit and, FP8 tiles only, kIeeeDescaleRatio (below).
 template <class Element_, int kHeadDim_, class Tile, bool kIntraWGOverlap_>
 struct FwdTraits {
   using Element = Element_;  // of Q, K and V
@@ -68,7 +68,13 @@ struct FwdTraits {
   // their loop has none of those tests (branches) in it; which kernels gain is measured.
   static constexpr bool kUnmaskedLoop = Tile::kUnmaskedLoop;
   // FP8: the V-descale ratio by IEEE division, whose slow path moves ptxas's P·V wait (below).
-  static constexpr bool kIeeeDescaleRatio = Tile::kIeeeDescaleRatio;
+  static constexpr bool kIeeeDescaleRatio = [] {
+    if constexpr (kFp8) {
+      return Tile::kIeeeDescaleRatio;
+    } else {
+      return false;
+    }
+  }();
   // Calls whose tiles all visit the same key blocks may split the last partial wave's tiles by
   // key blocks (fwd_tail.h): a second instantiation of the kernel, so not in the overlap
   // ablation.
