@@ -246,8 +246,8 @@ fn main() {
     }
     // --long-keys: fewer query tiles than SMs over many keys (batch 1, 16k keys, hidden 2048:
     // 512 queries, 128 causal ones (a chunk of a decode) and one (a decoded token)), where the
-    // tail split deals each tile's key blocks out to the idle SMs (csrc/sm90/fwd_tail.h): FP8 and bf16, each with and
-    // without it, in one run. FLOPs: 4·d per visible (query, key) pair.
+    // tail split deals each tile's key blocks out to the idle SMs (csrc/sm90/fwd_tail.h): FP8
+    // and bf16, each with and without it, in one run. FLOPs: 4·d per visible (query, key) pair.
     let long_keys: &[(usize, bool)] = if args.flag("--long-keys") {
         &[(512, false), (128, true), (1, true)]
     } else {

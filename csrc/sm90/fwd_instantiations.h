@@ -18,8 +18,9 @@ namespace flashattn::sm90 {
 // 240 of setmaxnreg with no local memory (ptxas report).
 // Code shape (FwdTraits): the loop copy for unmasked blocks (H200, 16k tokens, s8k: 3.6-5.2%
 // faster at each head dim; causal d64 s2k 6% slower, so not for that tile; benchmarks/README.md,
-// 2026-11-30); O by 16-byte stores (H200, 2026-12-01, 16k tokens: s2k d64 +1%, d128 +2%, d256
-// +4%, causal s2k d128 +3%, d256 +8.5%; s8k d64/d128 +-1%, d256 -1.5%).
+// 2026-11-30). O leaves every tile by 16-byte stores (fwd_kernel.h; against 4-byte ones, H200,
+// 2026-12-01, 16k tokens: s2k d64 +1%, d128 +2%, d256 +4%, causal s2k d128 +3%, d256 +8.5%; s8k
+// d64/d128 +-1%, d256 -1.5%).
 struct FwdShape16 {
   static constexpr bool kUnmaskedLoop = true, kTailSplit = true;
 };

@@ -46,7 +46,7 @@ pub fn v_key_column(key: usize) -> usize {
     key - j + 16 * (j / 16) + 4 * ((j / 2) % 4) + 2 * ((j / 8) % 2) + j % 2
 }
 
-/// The head-dim index that row `row` of V's key-major layout holds (csrc/sm90/fp8_layout.h; its
+/// The head-dim index that row `row` of V's key-major layout holds (csrc/sm90/fp8_v_rows.h; its
 /// own inverse): within each group of 32, row 8i + 2t + c (i, t < 4, c < 2) holds head dim
 /// 8t + 2i + c, so that each lane of the kernel's accumulator quads holds 8 consecutive head dims
 /// of O.
