@@ -117,6 +117,11 @@ mod cuda {
         }
 
         generate_bindings(&csrc.join("flash_api.h"), &out_dir, &cache);
+        // For the tests that compile csrc's host-side headers with the system's C++ compiler.
+        println!(
+            "cargo:rustc-env=FLASHATTN_CUDA_INCLUDE={}",
+            cuda_root.join("include").display()
+        );
     }
 
     fn python() -> String {

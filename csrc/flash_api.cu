@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "common/status.h"
+#include "common/views.h"
 #include "flash_api.h"
 #include "sm80/bwd_instantiations.h"
 #include "sm80/fwd_instantiations.h"
@@ -16,52 +17,160 @@
 namespace {
 
 using flashattn::status;
+using flashattn::View;
 
-bool valid_tensor(const flashattn_tensor_t& t) { return t.ptr != nullptr; }
+constexpr flashattn_result_t kInvalid = {FLASHATTN_INVALID_ARGUMENT, 0};
+constexpr flashattn_result_t kUnsupported = {FLASHATTN_UNSUPPORTED, 0};
+constexpr flashattn_result_t kOk = {FLASHATTN_OK, 0};
 
-// Checks every launcher shares: sizes, GQA ratio, element type, head dim.
+int elem_bytes(int32_t dtype) { return dtype == FLASHATTN_E4M3 ? 1 : 2; }
+
+bool finite(float x) { return x == x && x - x == 0.f; }
+
+// Sizes every kernel family indexes with 32-bit integers; src/tensor.rs checks the same
+// (Problem::check_gpu_limits).
+bool sizes_fit(const flashattn_params_t& p) {
+  if (p.batch <= 0 || p.seqlen_q <= 0 || p.seqlen_k <= 0 || p.heads_q <= 0 || p.heads_kv <= 0 ||
+      p.head_dim <= 0)
+    return false;
+  // Sequence lengths plus a block (or two) stay in int.
+  if (p.seqlen_q > FLASHATTN_MAX_SEQLEN || p.seqlen_k > FLASHATTN_MAX_SEQLEN) return false;
+  // Work items (block of 64 or more rows, batch · head) are numbered with ints (each factor
+  // below 2^31, so that no product here passes int64) ...
+  const int64_t heads = int64_t(p.batch) * p.heads_q;
+  if (heads > INT32_MAX || p.head_dim > 256) return false;
+  const int64_t longest = p.seqlen_q > p.seqlen_k ? p.seqlen_q : p.seqlen_k;
+  if ((longest / 64 + 1) * heads > INT32_MAX) return false;
+  // ... and so are the row passes' blocks of 2048 / head_dim rows (at most 2^42 elements).
+  if (heads * longest * p.head_dim > (int64_t(1) << 42)) return false;
+  // Grids sized by the SM count, whose products with each other stay in int.
+  return p.sm_count >= 1 && p.sm_count <= 4096;
+}
+
+// Windows that leave every row its whole key range are unbounded (-1): the kernels then never
+// add a window to a position, so no such sum can pass int. Left: row 0's diagonal is
+// seqlen_k - seqlen_q and the last row's seqlen_k - 1, so a left window of seqlen_k - 1 reaches
+// key 0 from every row; right: a right window of seqlen_q - 1 reaches the last key from row 0.
+flashattn_params_t with_unbounded_windows(const flashattn_params_t& p) {
+  flashattn_params_t q = p;
+  if (q.window_left >= q.seqlen_k - 1) q.window_left = -1;
+  if (q.window_right >= q.seqlen_q - 1) q.window_right = -1;
+  return q;
+}
+
+// Checks every launcher shares: sizes, GQA ratio, element type, head dim, options, and the
+// fields of paths not built yet.
 flashattn_result_t validate_common(const flashattn_params_t* p) {
-  if (p == nullptr) return status(FLASHATTN_INVALID_ARGUMENT);
-  if (p->batch <= 0 || p->seqlen_q <= 0 || p->seqlen_k <= 0 || p->heads_q <= 0 ||
-      p->heads_kv <= 0 || p->head_dim <= 0)
-    return status(FLASHATTN_INVALID_ARGUMENT);
-  if (p->heads_q % p->heads_kv != 0) return status(FLASHATTN_INVALID_ARGUMENT);
-  if (!(p->softmax_scale > 0.f)) return status(FLASHATTN_INVALID_ARGUMENT);
+  if (p == nullptr) return kInvalid;
+  if (!sizes_fit(*p) || p->heads_q % p->heads_kv != 0) return kInvalid;
+  if (!(p->softmax_scale > 0.f) || !finite(p->softmax_scale)) return kInvalid;
+  if (!(p->softcap >= 0.f) || !finite(p->softcap)) return kInvalid;
+  if (p->window_left < -1 || p->window_right < -1) return kInvalid;
+  // A left window is added to key positions in int: narrower than seqlen_k - 1 (wider is
+  // unbounded), it must leave a block's room below 2^31.
+  if (p->window_left >= 0 && p->window_left < p->seqlen_k - 1 &&
+      int64_t(p->seqlen_k) + p->window_left > INT32_MAX - 512)
+    return kInvalid;
   if (p->dtype != FLASHATTN_F16 && p->dtype != FLASHATTN_BF16 && p->dtype != FLASHATTN_E4M3)
-    return status(FLASHATTN_UNSUPPORTED);
-  if (p->head_dim != 64 && p->head_dim != 128 && p->head_dim != 256)
-    return status(FLASHATTN_UNSUPPORTED);
-  return flashattn::ok();
+    return kUnsupported;
+  if (p->head_dim != 64 && p->head_dim != 128 && p->head_dim != 256) return kUnsupported;
+  // Variable-length batches and paged KV are declared for the coming API, not built yet.
+  if (p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr || p->max_seqlen_q != 0 ||
+      p->max_seqlen_k != 0 || p->page_table != nullptr || p->page_table_batch_stride != 0 ||
+      p->page_size != 0)
+    return kUnsupported;
+  return kOk;
 }
 
+// The operands of one call: what it reads and what it writes.
+struct Operands {
+  View in[8];
+  int n_in = 0;
+  View out[5];
+  int n_out = 0;
+  void read(const View& v) { in[n_in++] = v; }
+  void write(const View& v) { out[n_out++] = v; }
+
+  // Every view addressable, outputs one-to-one, and no output sharing an element with an input
+  // or another output.
+  bool valid() const {
+    for (int i = 0; i < n_in; ++i)
+      if (!in[i].addressable()) return false;
+    for (int i = 0; i < n_out; ++i)
+      if (!out[i].addressable() || !out[i].one_to_one()) return false;
+    for (int i = 0; i < n_out; ++i) {
+      for (int j = 0; j < n_in; ++j)
+        if (flashattn::overlap(out[i], in[j])) return false;
+      for (int j = i + 1; j < n_out; ++j)
+        if (flashattn::overlap(out[i], out[j])) return false;
+    }
+    return true;
+  }
+};
+
+View lse_view(const flashattn_params_t& p) {
+  return View::packed(p.lse, 4, int64_t(p.batch) * p.heads_q * p.seqlen_q, 4);
+}
+
+// The 16-bit forward's operands, or the FP8 forward's (V key-major over whole key blocks).
 flashattn_result_t validate_fwd(const flashattn_params_t* p) {
-  flashattn_result_t r = validate_common(p);
-  if (r.status != FLASHATTN_OK) return r;
-  if (!valid_tensor(p->q) || !valid_tensor(p->k) || !valid_tensor(p->v) || !valid_tensor(p->o) ||
-      p->lse == nullptr)
-    return status(FLASHATTN_INVALID_ARGUMENT);
-  return flashattn::ok();
+  if (flashattn_result_t r = validate_common(p); r.status != FLASHATTN_OK) return r;
+  const int e = elem_bytes(p->dtype);
+  Operands ops;
+  ops.read(View::of(p->q, e, p->batch, p->seqlen_q, p->heads_q, p->head_dim));
+  ops.read(View::of(p->k, e, p->batch, p->seqlen_k, p->heads_kv, p->head_dim));
+  if (p->dtype == FLASHATTN_E4M3) {
+    const int key_block = flashattn::sm90::fp8_key_block(p->head_dim);
+    if (key_block <= 0) return kUnsupported;
+    const int64_t keys = (int64_t(p->seqlen_k) + key_block - 1) / key_block * key_block;
+    View v = View::of(p->v, 1, p->batch, p->head_dim, p->heads_kv, keys);
+    ops.read(v);
+    const int64_t q_blocks =
+        (int64_t(p->seqlen_q) + flashattn::sm90::kFp8QueryBlock - 1) / flashattn::sm90::kFp8QueryBlock;
+    const int64_t kv_descales = int64_t(p->batch) * p->heads_kv * (keys / key_block);
+    if (p->q_descale == nullptr || p->k_descale == nullptr || p->v_descale == nullptr)
+      return kInvalid;
+    ops.read(View::packed(p->q_descale, 4, int64_t(p->batch) * p->heads_q * q_blocks, 4));
+    ops.read(View::packed(p->k_descale, 4, kv_descales, 4));
+    ops.read(View::packed(p->v_descale, 4, kv_descales, 4));
+    if (p->out_dtype != FLASHATTN_F16 && p->out_dtype != FLASHATTN_BF16) return kInvalid;
+    ops.write(View::of(p->o, 2, p->batch, p->seqlen_q, p->heads_q, p->head_dim));
+  } else {
+    ops.read(View::of(p->v, e, p->batch, p->seqlen_k, p->heads_kv, p->head_dim));
+    ops.write(View::of(p->o, e, p->batch, p->seqlen_q, p->heads_q, p->head_dim));
+  }
+  ops.write(lse_view(*p));
+  return ops.valid() ? kOk : kInvalid;
 }
 
-// FP8 forward: descales, an output type, and no softcap (not built).
-flashattn_result_t validate_fp8(const flashattn_params_t& p) {
-  if (p.q_descale == nullptr || p.k_descale == nullptr || p.v_descale == nullptr)
-    return status(FLASHATTN_INVALID_ARGUMENT);
-  if (p.out_dtype != FLASHATTN_F16 && p.out_dtype != FLASHATTN_BF16)
-    return status(FLASHATTN_INVALID_ARGUMENT);
-  if (p.softcap != 0.f) return status(FLASHATTN_UNSUPPORTED);
-  return flashattn::ok();
-}
-
+// The backward's operands; the workspace's size is checked by the launchers, which carve it.
 flashattn_result_t validate_bwd(const flashattn_params_t* p) {
-  flashattn_result_t r = validate_fwd(p);
-  if (r.status != FLASHATTN_OK) return r;
-  if (p->dtype == FLASHATTN_E4M3) return status(FLASHATTN_UNSUPPORTED);
-  if (!valid_tensor(p->dout) || !valid_tensor(p->dq) || !valid_tensor(p->dk) ||
-      !valid_tensor(p->dv))
-    return status(FLASHATTN_INVALID_ARGUMENT);
-  return flashattn::ok();
+  if (flashattn_result_t r = validate_common(p); r.status != FLASHATTN_OK) return r;
+  if (p->dtype == FLASHATTN_E4M3) return kUnsupported;
+  const int e = elem_bytes(p->dtype);
+  const auto q_like = [&](const flashattn_tensor_t& t) {
+    return View::of(t, e, p->batch, p->seqlen_q, p->heads_q, p->head_dim);
+  };
+  const auto kv_like = [&](const flashattn_tensor_t& t) {
+    return View::of(t, e, p->batch, p->seqlen_k, p->heads_kv, p->head_dim);
+  };
+  Operands ops;
+  ops.read(q_like(p->q));
+  ops.read(kv_like(p->k));
+  ops.read(kv_like(p->v));
+  ops.read(q_like(p->o));
+  ops.read(q_like(p->dout));
+  ops.read(lse_view(*p));
+  ops.write(q_like(p->dq));
+  ops.write(kv_like(p->dk));
+  ops.write(kv_like(p->dv));
+  if (p->workspace_bytes <= 0) return kInvalid;
+  ops.write(View::packed(p->workspace, 1, p->workspace_bytes, 16));
+  return ops.valid() ? kOk : kInvalid;
 }
+
+// The FlashAttention-2 kernels put heads and batch entries on grid y and z.
+bool fits_sm80_grid(const flashattn_params_t& p) { return p.batch <= 65535 && p.heads_q <= 65535; }
 
 }  // namespace
 
@@ -95,8 +204,7 @@ extern "C" flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* param
                                                  void* stream) {
   flashattn_result_t r = validate_fwd(params);
   if (r.status != FLASHATTN_OK) return r;
-  const flashattn_params_t& p = *params;
-  if (p.softcap < 0.f) return status(FLASHATTN_INVALID_ARGUMENT);
+  const flashattn_params_t p = with_unbounded_windows(*params);
   flashattn::sm90::FwdOptions o;
   o.pingpong = !(p.sm90_flags & FLASHATTN_SM90_NO_PINGPONG);
   o.intra_wg_overlap = !(p.sm90_flags & FLASHATTN_SM90_NO_INTRA_WG_OVERLAP);
@@ -106,7 +214,7 @@ extern "C" flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* param
   auto s = static_cast<cudaStream_t>(stream);
   using namespace flashattn::sm90;
   if (p.dtype == FLASHATTN_E4M3) {
-    if (flashattn_result_t v = validate_fp8(p); v.status != FLASHATTN_OK) return v;
+    if (p.softcap != 0.f) return kUnsupported;  // not built for FP8
     switch (p.head_dim) {
       case 64: return run_fwd_fp8_d64(p, o, s);
       case 128: return run_fwd_fp8_d128(p, o, s);
@@ -126,8 +234,7 @@ extern "C" flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* param
                                                  void* stream) {
   flashattn_result_t r = validate_bwd(params);
   if (r.status != FLASHATTN_OK) return r;
-  const flashattn_params_t& p = *params;
-  if (p.softcap < 0.f) return status(FLASHATTN_INVALID_ARGUMENT);
+  const flashattn_params_t p = with_unbounded_windows(*params);
   // Softcap is not built for sm90: the dispatcher sends those calls to the sm80 backward.
   if (p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
   const bool bf16 = p.dtype == FLASHATTN_BF16;
@@ -145,8 +252,8 @@ extern "C" flashattn_result_t flashattn_fwd_sm80(const flashattn_params_t* param
                                                  void* stream) {
   flashattn_result_t r = validate_fwd(params);
   if (r.status != FLASHATTN_OK) return r;
-  const flashattn_params_t& p = *params;
-  if (p.softcap < 0.f) return status(FLASHATTN_INVALID_ARGUMENT);
+  if (!fits_sm80_grid(*params)) return kInvalid;
+  const flashattn_params_t p = with_unbounded_windows(*params);
   if (p.dtype == FLASHATTN_E4M3) return status(FLASHATTN_UNSUPPORTED);  // FP8 is sm90 only
   const bool bf16 = p.dtype == FLASHATTN_BF16;
   auto s = static_cast<cudaStream_t>(stream);
@@ -163,8 +270,8 @@ extern "C" flashattn_result_t flashattn_bwd_sm80(const flashattn_params_t* param
                                                  void* stream) {
   flashattn_result_t r = validate_bwd(params);
   if (r.status != FLASHATTN_OK) return r;
-  const flashattn_params_t& p = *params;
-  if (p.softcap < 0.f) return status(FLASHATTN_INVALID_ARGUMENT);
+  if (!fits_sm80_grid(*params)) return kInvalid;
+  const flashattn_params_t p = with_unbounded_windows(*params);
   const bool bf16 = p.dtype == FLASHATTN_BF16;
   auto s = static_cast<cudaStream_t>(stream);
   using namespace flashattn::sm80;
@@ -184,20 +291,43 @@ extern "C" int32_t flashattn_fp8_key_block(int32_t head_dim) {
 
 extern "C" flashattn_result_t flashattn_fp8_quantize(const flashattn_fp8_quantize_t* params,
                                                      void* stream) {
-  if (params == nullptr) return status(FLASHATTN_INVALID_ARGUMENT);
+  if (params == nullptr) return kInvalid;
   const flashattn_fp8_quantize_t& p = *params;
-  if (p.src.ptr == nullptr || p.dst == nullptr || p.batch <= 0 || p.seqlen <= 0 ||
-      p.heads <= 0 || p.block_rows <= 0 || p.batch > 65535 || p.heads > 65535)
-    return status(FLASHATTN_INVALID_ARGUMENT);
-  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
-    return status(FLASHATTN_UNSUPPORTED);
-  if (p.layout == FLASHATTN_FP8_KEY_MAJOR) {
+  // One CTA per (block, head, batch): grid y and z are at most 65535.
+  if (p.batch <= 0 || p.seqlen <= 0 || p.heads <= 0 || p.batch > 65535 || p.heads > 65535 ||
+      p.seqlen > FLASHATTN_MAX_SEQLEN || p.block_rows <= 0 || p.block_rows > 4096)
+    return kInvalid;
+  if (p.src_dtype != FLASHATTN_F16 && p.src_dtype != FLASHATTN_BF16 &&
+      p.src_dtype != FLASHATTN_E4M3)
+    return kInvalid;
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return kUnsupported;
+  const int64_t blocks = (int64_t(p.seqlen) + p.block_rows - 1) / p.block_rows;
+  flashattn_tensor_t dst{p.dst, p.dst_batch_stride, p.dst_row_stride, p.dst_head_stride};
+  Operands ops;
+  ops.read(View::of(p.src, elem_bytes(p.src_dtype), p.batch, p.seqlen, p.heads, p.head_dim));
+  if (p.layout == FLASHATTN_FP8_ROWS) {
+    ops.write(View::of(dst, 1, p.batch, p.seqlen, p.heads, p.head_dim));
+  } else if (p.layout == FLASHATTN_FP8_KEY_MAJOR) {
     // Whole 32-key groups, and the block's quantized rows in 32 KiB of shared memory (the
     // kernel's static shared memory on top must stay within the 48 KiB it gets without opt-in).
-    if (p.block_rows % 32 != 0 || p.head_dim * p.block_rows > 32 * 1024)
-      return status(FLASHATTN_INVALID_ARGUMENT);
-  } else if (p.layout != FLASHATTN_FP8_ROWS) {
-    return status(FLASHATTN_INVALID_ARGUMENT);
+    if (p.block_rows % 32 != 0 || int64_t(p.head_dim) * p.block_rows > 32 * 1024) return kInvalid;
+    ops.write(View::of(dst, 1, p.batch, p.head_dim, p.heads, blocks * p.block_rows));
+  } else {
+    return kInvalid;
   }
+  if (p.descale != nullptr)
+    ops.write(View::packed(p.descale, 4, int64_t(p.batch) * p.heads * blocks, 4));
+  if (!ops.valid()) return kInvalid;
   return flashattn::sm90::run_fp8_quantize(p, static_cast<cudaStream_t>(stream));
+}
+
+extern "C" flashattn_result_t flashattn_fp8_sanitize_descales(const float* src, float* dst,
+                                                              int64_t count, void* stream) {
+  if (count <= 0) return kInvalid;
+  const View in = View::packed(src, 4, count, 4), out = View::packed(dst, 4, count, 4);
+  // In place, or into a separate buffer.
+  if (!in.addressable() || !out.addressable() || (src != dst && flashattn::overlap(in, out)))
+    return kInvalid;
+  return flashattn::sm90::run_fp8_sanitize_descales(src, dst, count,
+                                                    static_cast<cudaStream_t>(stream));
 }

@@ -48,9 +48,15 @@ typedef enum {
   FLASHATTN_SM90_SPLIT_TAIL_ALWAYS = 32, // split it wherever it can be, paying or not
 } flashattn_sm90_flag_t;
 
+// Longest sequence (queries or keys) a call takes: the kernels number rows and blocks with 32-bit
+// integers, and this leaves every such number room.
+#define FLASHATTN_MAX_SEQLEN (1 << 30)
+
 // One strided 4-d operand (batch, seqlen, heads, head_dim); strides in elements, head_dim unit.
-// ptr and every stride used must be 16-byte aligned (TMA loads, 16-byte stores); the Rust API
-// checks this before a launch and returns Error::Misaligned.
+// ptr and every stride of a dimension longer than 1 must be 16-byte aligned (TMA loads, 16-byte
+// stores), non-negative and below 2^40 bytes; outputs must reach each element once (no zero or
+// overlapping strides) and share no element with an input or another output. Every entry point
+// checks this and returns FLASHATTN_INVALID_ARGUMENT otherwise.
 typedef struct {
   void* ptr;
   int64_t batch_stride;
@@ -75,19 +81,19 @@ typedef struct {
   int32_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
   int32_t dtype;  // flashattn_dtype_t
 
-  float softmax_scale;
-  float softcap;        // 0 = off
+  float softmax_scale;  // finite, > 0
+  float softcap;        // finite, >= 0; 0 = off
   int32_t causal;       // bottom-right aligned when seqlen_q != seqlen_k
-  int32_t window_left;  // -1 = unbounded
+  int32_t window_left;  // -1 = unbounded; wider than both sequences is unbounded too
   int32_t window_right; // -1 = unbounded
   int32_t deterministic;
 
-  // Variable-length batches: cumulative offsets (batch + 1 entries) or null.
+  // Variable-length batches and the paged KV cache are not built yet: these must be null and 0
+  // (FLASHATTN_UNSUPPORTED otherwise, so that a caller never gets dense attention silently).
   const int32_t* cu_seqlens_q;
   const int32_t* cu_seqlens_k;
   int32_t max_seqlen_q, max_seqlen_k;
 
-  // Paged KV cache: page table (batch, max_pages) or null.
   const int32_t* page_table;
   int64_t page_table_batch_stride;
   int32_t page_size;
@@ -96,6 +102,8 @@ typedef struct {
   // v key-major (FLASHATTN_FP8_KEY_MAJOR; its row_stride is between head_dim rows); descales
   // f32 (batch, heads, blocks) packed, Q per flashattn_fp8_query_block() rows, K and V per
   // flashattn_fp8_key_block(head_dim) keys; o in out_dtype (FLASHATTN_BF16 or FLASHATTN_F16).
+  // Descales are read on the device only and must be finite and > 0, as flashattn_fp8_quantize
+  // writes them; flashattn_fp8_sanitize_descales turns others into NaN (NaN rows out).
   const float* q_descale;
   const float* k_descale;
   const float* v_descale;
@@ -128,7 +136,8 @@ typedef struct {
   int64_t dst_batch_stride, dst_row_stride, dst_head_stride;  // bytes
   float* descale;          // (batch, heads, ceil(seqlen / block_rows)) or null
   int32_t batch, seqlen, heads, head_dim;
-  int32_t block_rows;      // a multiple of 32 for FLASHATTN_FP8_KEY_MAJOR
+  int32_t block_rows;      // 1..4096; a multiple of 32 with head_dim·block_rows <= 32768 for
+                           // FLASHATTN_FP8_KEY_MAJOR
   int32_t layout;          // flashattn_fp8_layout_t
   int32_t hadamard;
   uint64_t hadamard_signs[4];
@@ -166,6 +175,12 @@ int32_t flashattn_fp8_key_block(int32_t head_dim);
 
 // FP8 quantize step on `stream` (sm_90).
 flashattn_result_t flashattn_fp8_quantize(const flashattn_fp8_quantize_t* params, void* stream);
+
+// `count` FP8 descales from src to dst (in place when equal) on `stream`, every value that is not
+// finite and > 0 replaced by NaN: the FP8 forward then gives NaN in the rows such a descale
+// touches, instead of silently wrong numbers.
+flashattn_result_t flashattn_fp8_sanitize_descales(const float* src, float* dst, int64_t count,
+                                                   void* stream);
 
 // Toolchain self-test on sm_90a: one TMA load of A (64x16) and B (64x16) bf16 tiles (K-major)
 // into shared memory and one WGMMA computing C = A * B^T (64x64, f32), written to `c`.

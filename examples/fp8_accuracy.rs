@@ -119,7 +119,7 @@ fn error_floors(
         if rotated_v {
             for row in out.chunks_mut(d) {
                 let mut r: Vec<f32> = row.iter().map(|&x| x as f32).collect();
-                hadamard.invert(&mut r);
+                hadamard.invert(&mut r).unwrap();
                 row.iter_mut().zip(&r).for_each(|(o, &x)| *o = x as f64);
             }
         }
@@ -223,9 +223,9 @@ fn main() {
         let per_tensor = |x: &[bf16], op, block: usize| {
             let t =
                 Fp8Tensor::quantize(TensorRef::new(x, layout), Granularity::PerTensor, op).unwrap();
-            let descales = vec![t.scales[0]; 8 * seqlen.div_ceil(block)];
+            let descales = vec![t.scales()[0]; 8 * seqlen.div_ceil(block)];
             (
-                stream.clone_htod(&t.data).unwrap(),
+                stream.clone_htod(t.data()).unwrap(),
                 stream.clone_htod(&descales).unwrap(),
             )
         };

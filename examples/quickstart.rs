@@ -82,7 +82,7 @@ mod gpu {
         let (qd, kd, vd) = (up(&q), up(&k), up(&v));
         let mut od = up(&vec![bf16::NAN; n]);
         let mut lse = stream
-            .clone_htod(&vec![f32::NAN; problem.lse_len()])
+            .clone_htod(&vec![f32::NAN; problem.lse_len()?])
             .expect("upload");
         let mut launch = || {
             dev.forward_into(

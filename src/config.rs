@@ -205,17 +205,19 @@ pub struct Mask {
 }
 
 impl Mask {
-    /// Half-open key range `[lo, hi)` visible to query row `i` (empty when `lo >= hi`).
+    /// Half-open key range `[lo, hi)` visible to query row `i` (empty when `lo >= hi`). A
+    /// window wider than both sequences (`Some(usize::MAX)`, say) is unbounded, as `None` is:
+    /// the arithmetic is in i128, where no usize sum overflows.
     pub fn key_range(&self, i: usize) -> (usize, usize) {
         // Bottom-right alignment: row i sits on key diagonal i + s_k - s_q (may be negative).
-        let diag = i as i64 + self.seqlen_k as i64 - self.seqlen_q as i64;
-        let s_k = self.seqlen_k as i64;
+        let diag = i as i128 + self.seqlen_k as i128 - self.seqlen_q as i128;
+        let s_k = self.seqlen_k as i128;
         let lo = match self.left {
-            Some(l) => (diag - l as i64).clamp(0, s_k),
+            Some(l) => (diag - l as i128).clamp(0, s_k),
             None => 0,
         };
         let hi = match self.right {
-            Some(r) => (diag + r as i64 + 1).clamp(0, s_k),
+            Some(r) => (diag + r as i128 + 1).clamp(0, s_k),
             None => s_k,
         };
         (lo as usize, hi.max(lo) as usize)

@@ -99,7 +99,7 @@ pub fn check_backend(
                 });
             }
             match problem.dtype {
-                DType::F32 | DType::F16 | DType::BF16 => Ok(()),
+                DType::F32 | DType::F16 | DType::BF16 => problem.check_cpu_limits(),
                 DType::E4M3 => Err(Error::UnsupportedDtype {
                     dtype: problem.dtype,
                     backend: name,
@@ -172,14 +172,29 @@ pub fn check_backend(
                     backend: name,
                 });
             }
-            // Tiles of 128 query rows per (batch, head) are numbered with 32-bit integers.
-            let tiles = problem.seqlen_q.div_ceil(128) as u128
-                * problem.heads_q as u128
-                * problem.batch as u128;
-            if tiles > i32::MAX as u128 {
+            problem.check_gpu_limits()?;
+            // The kernels add a left window to key positions in 32 bits; one at least
+            // seqlen_k - 1 wide leaves every row all its keys, and is unbounded.
+            if let Some(left) = cfg.window_left {
+                let s_k = problem.seqlen_k;
+                if left < s_k - 1 && s_k + left > i32::MAX as usize - 512 {
+                    return Err(Error::IndexOverflow {
+                        operand: crate::error::Operand::K,
+                        detail: format!(
+                            "seqlen_k {s_k} plus a left window of {left} passes the GPU \
+                             kernels' 32-bit key positions"
+                        ),
+                    });
+                }
+            }
+            // The FlashAttention-2 kernels put heads and batch entries on grid y and z.
+            if backend == Backend::Sm80 && problem.heads_q.max(problem.batch) > 65535 {
                 return Err(Error::IndexOverflow {
                     operand: crate::error::Operand::Q,
-                    detail: format!("{tiles} query tiles exceed i32::MAX"),
+                    detail: format!(
+                        "batch {} and heads {} must be at most 65535 each on sm80",
+                        problem.batch, problem.heads_q
+                    ),
                 });
             }
             let sched = cfg.sm90_schedule;
@@ -208,6 +223,12 @@ pub fn plan(
     built: BuiltKernels,
 ) -> Result<Plan> {
     cfg.validate()?;
+    problem.validate()?;
+    // A size no backend for this memory takes is the caller's error, not a backend's refusal.
+    match memory {
+        Memory::Host => problem.check_cpu_limits()?,
+        Memory::Device(_) => problem.check_gpu_limits()?,
+    }
     let candidates: &[Backend] = match (cfg.backend, memory) {
         (Backend::Auto, Memory::Host) => &[Backend::Cpu],
         (Backend::Auto, Memory::Device(_)) => &[Backend::Sm90, Backend::Sm80],
@@ -222,9 +243,6 @@ pub fn plan(
     for &backend in candidates {
         match check_backend(backend, op, problem, cfg, memory, built) {
             Ok(()) => {
-                if backend != Backend::Cpu {
-                    problem_fits_gpu(problem)?;
-                }
                 let why = match (cfg.backend, memory) {
                     (Backend::Auto, Memory::Host) => "cpu: operands are in host memory".to_string(),
                     (Backend::Auto, Memory::Device(info)) => format!(
@@ -256,14 +274,4 @@ pub fn plan(
         (_, Some(e)) => Err(e),
         (_, None) => unreachable!("candidate list is never empty"),
     }
-}
-
-/// GPU kernels hold sizes in 32-bit integers.
-fn problem_fits_gpu(p: &Problem) -> Result<()> {
-    let q = crate::tensor::Layout::contiguous(p.q_shape());
-    let kv = crate::tensor::Layout::contiguous(p.kv_shape());
-    p.check_index_width(&[
-        (crate::error::Operand::Q, &q),
-        (crate::error::Operand::K, &kv),
-    ])
 }

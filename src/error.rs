@@ -55,6 +55,12 @@ pub enum Error {
         needed: usize,
         len: usize,
     },
+    /// An output whose strides reach some element from two index tuples (zero or overlapping
+    /// strides): its value would depend on which write came last.
+    OverlappingOutput {
+        operand: Operand,
+        strides: [usize; 4],
+    },
     /// Element offsets would overflow the index width a kernel uses.
     IndexOverflow { operand: Operand, detail: String },
     /// A head dimension the chosen backend does not implement.
@@ -75,6 +81,11 @@ pub enum Error {
     InvalidConfig(String),
     /// Device pointer not aligned as the kernels require.
     Misaligned { operand: Operand, align: usize },
+    /// A stream, view or FP8 input that belongs to another CUDA context than the device the
+    /// call was made on.
+    WrongDevice { what: String, detail: String },
+    /// A host allocation of this many bytes failed.
+    OutOfMemory { bytes: usize },
     /// No CUDA device or driver on this machine.
     NoDevice(String),
     /// A CUDA call failed: its numeric code and name.
@@ -107,6 +118,11 @@ impl fmt::Display for Error {
                 f,
                 "{operand}: buffer holds {len} elements, layout needs {needed}"
             ),
+            Error::OverlappingOutput { operand, strides } => write!(
+                f,
+                "{operand}: strides {strides:?} reach some element twice; an output needs one \
+                 element per index"
+            ),
             Error::IndexOverflow { operand, detail } => {
                 write!(f, "{operand}: index overflow: {detail}")
             }
@@ -135,6 +151,10 @@ impl fmt::Display for Error {
                     "{operand}: pointer or stride not aligned to {align} bytes"
                 )
             }
+            Error::WrongDevice { what, detail } => {
+                write!(f, "{what} is not on this call's device: {detail}")
+            }
+            Error::OutOfMemory { bytes } => write!(f, "could not allocate {bytes} bytes"),
             Error::NoDevice(msg) => write!(f, "no CUDA device: {msg}"),
             Error::Cuda { code, name } => write!(f, "CUDA error {code} ({name})"),
         }

@@ -10,7 +10,7 @@
 use float8::F8E4M3;
 
 use crate::error::{Error, Operand, Result};
-use crate::tensor::{check_len, Element, TensorRef};
+use crate::tensor::{check_len, host_numel, Element, TensorRef};
 
 /// Largest finite e4m3 magnitude (the e4m3fn format has no infinities).
 pub const E4M3_MAX: f32 = 448.0;
@@ -54,14 +54,28 @@ pub fn quantize(x: f32, scale: f32) -> F8E4M3 {
 /// `(b, s, h, d)` stands for `data · scale(b, s, h)`.
 #[derive(Clone, Debug)]
 pub struct Fp8Tensor {
-    pub data: Vec<F8E4M3>,
-    /// (batch, heads, blocks) for [`Granularity::PerBlock`]; one value for `PerTensor`.
-    pub scales: Vec<f32>,
-    pub shape: [usize; 4],
-    pub granularity: Granularity,
+    data: Vec<F8E4M3>,
+    scales: Vec<f32>,
+    shape: [usize; 4],
+    granularity: Granularity,
 }
 
 impl Fp8Tensor {
+    /// The e4m3 values, contiguous (batch, seqlen, heads, head_dim).
+    pub fn data(&self) -> &[F8E4M3] {
+        &self.data
+    }
+    /// (batch, heads, blocks) for [`Granularity::PerBlock`]; one value for `PerTensor`.
+    pub fn scales(&self) -> &[f32] {
+        &self.scales
+    }
+    pub fn shape(&self) -> [usize; 4] {
+        self.shape
+    }
+    pub fn granularity(&self) -> Granularity {
+        self.granularity
+    }
+
     /// Quantizes `x` with one scale per `granularity` block, chosen by [`scale_for`] from the
     /// block's largest finite magnitude.
     pub fn quantize<T: Element>(
@@ -82,6 +96,7 @@ impl Fp8Tensor {
             }
         };
         let blocks = seqlen.div_ceil(rows);
+        let count = host_numel(operand, &x.layout)?;
         let value = |b, s, h, d| x.data[x.layout.offset(b, s, h, d)].to_f32();
         let block_amax = |b, h, blk: usize| {
             let mut amax = 0f32;
@@ -112,8 +127,11 @@ impl Fp8Tensor {
                 })
                 .collect(),
         };
+        let mut data = Vec::new();
+        data.try_reserve_exact(count)
+            .map_err(|_| Error::OutOfMemory { bytes: count })?;
         let mut out = Fp8Tensor {
-            data: Vec::with_capacity(batch * seqlen * heads * head_dim),
+            data,
             scales,
             shape,
             granularity,
@@ -156,11 +174,16 @@ impl Fp8Tensor {
     }
 }
 
-/// In-place orthonormal fast Walsh–Hadamard transform, `x ← H·x / √n` (n a power of two): its
-/// own inverse.
-pub fn fwht(x: &mut [f32]) {
+/// In-place orthonormal fast Walsh–Hadamard transform, `x ← H·x / √n`: its own inverse. The
+/// length must be a power of two.
+pub fn fwht(x: &mut [f32]) -> Result<()> {
     let n = x.len();
-    debug_assert!(n.is_power_of_two());
+    if !n.is_power_of_two() {
+        return Err(Error::UnsupportedHeadDim {
+            head_dim: n,
+            backend: "fp8 (Hadamard transform of a length that is not a power of two)",
+        });
+    }
     let mut half = 1;
     while half < n {
         for block in x.chunks_exact_mut(2 * half) {
@@ -173,6 +196,7 @@ pub fn fwht(x: &mut [f32]) {
     }
     let norm = 1.0 / (n as f32).sqrt();
     x.iter_mut().for_each(|v| *v *= norm);
+    Ok(())
 }
 
 /// The random-sign Hadamard transform `x ← H·D·x / √n` of incoherent processing, `D` a diagonal
@@ -184,12 +208,16 @@ pub struct RandomSignHadamard {
 }
 
 impl RandomSignHadamard {
-    /// `head_dim` must be a power of two (every head dim the kernels build is).
+    /// Largest head dim a transform is built for.
+    pub const MAX_HEAD_DIM: usize = 1 << 16;
+
+    /// `head_dim` must be a power of two (every head dim the kernels build is), at most
+    /// [`RandomSignHadamard::MAX_HEAD_DIM`].
     pub fn new(head_dim: usize, seed: u64) -> Result<Self> {
-        if !head_dim.is_power_of_two() {
+        if !head_dim.is_power_of_two() || head_dim > Self::MAX_HEAD_DIM {
             return Err(Error::UnsupportedHeadDim {
                 head_dim,
-                backend: "fp8 (Hadamard transform)",
+                backend: "fp8 (Hadamard transform of a power of two up to 2^16)",
             });
         }
         // splitmix64: a fixed, documented sign sequence per seed, no RNG dependency.
@@ -219,18 +247,29 @@ impl RandomSignHadamard {
         &self.signs
     }
 
-    /// `row ← H·D·row / √n`.
-    pub fn apply(&self, row: &mut [f32]) {
-        debug_assert_eq!(row.len(), self.signs.len());
+    fn check_row(&self, row: &[f32]) -> Result<()> {
+        if row.len() != self.signs.len() {
+            return Err(Error::UnsupportedHeadDim {
+                head_dim: row.len(),
+                backend: "fp8 (Hadamard transform of another head dim)",
+            });
+        }
+        Ok(())
+    }
+
+    /// `row ← H·D·row / √n`; the row must have [`RandomSignHadamard::head_dim`] elements.
+    pub fn apply(&self, row: &mut [f32]) -> Result<()> {
+        self.check_row(row)?;
         row.iter_mut().zip(&self.signs).for_each(|(v, s)| *v *= s);
-        fwht(row);
+        fwht(row)
     }
 
     /// The inverse, `row ← D·H·row / √n`.
-    pub fn invert(&self, row: &mut [f32]) {
-        debug_assert_eq!(row.len(), self.signs.len());
-        fwht(row);
+    pub fn invert(&self, row: &mut [f32]) -> Result<()> {
+        self.check_row(row)?;
+        fwht(row)?;
         row.iter_mut().zip(&self.signs).for_each(|(v, s)| *v *= s);
+        Ok(())
     }
 
     /// Every row of `x`, transformed, as a contiguous f32 (batch, seqlen, heads, head_dim).
@@ -247,13 +286,18 @@ impl RandomSignHadamard {
                 backend: "fp8 (Hadamard transform of another head dim)",
             });
         }
-        let mut out = Vec::with_capacity(batch * seqlen * heads * head_dim);
+        let count = host_numel(operand, &x.layout)?;
+        let mut out = Vec::new();
+        out.try_reserve_exact(count)
+            .map_err(|_| Error::OutOfMemory {
+                bytes: count.saturating_mul(4),
+            })?;
         for b in 0..batch {
             for s in 0..seqlen {
                 for h in 0..heads {
                     let start = out.len();
                     out.extend((0..head_dim).map(|d| x.data[x.layout.offset(b, s, h, d)].to_f32()));
-                    self.apply(&mut out[start..]);
+                    self.apply(&mut out[start..])?;
                 }
             }
         }

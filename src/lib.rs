@@ -35,7 +35,7 @@
 //! assert_eq!(fwd.lse.len(), b * h * s);
 //! ```
 
-pub mod backend;
+mod backend;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -80,11 +80,27 @@ fn plan_host<T: Element>(
     k.check(Operand::K)?;
     v.check(Operand::V)?;
     let problem = Problem::from_layouts(&q.layout, &k.layout, &v.layout, T::DTYPE)?;
-    let plan = dispatch::plan(op, &problem, cfg, &Memory::Host, BuiltKernels::current())?;
+    let plan = host_plan(op, cfg, &problem)?;
     Ok((problem, plan))
 }
 
-/// Forward pass over host tensors into caller-owned outputs.
+fn host_plan(op: Op, cfg: &AttentionConfig, problem: &Problem) -> Result<Plan> {
+    dispatch::plan(op, problem, cfg, &Memory::Host, BuiltKernels::current())
+}
+
+/// A buffer of `len` default values, or [`Error::OutOfMemory`] where the allocator refuses
+/// (a broadcast input can stand for more elements than memory holds).
+fn alloc<T: Clone + Default>(len: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| Error::OutOfMemory {
+        bytes: len.saturating_mul(std::mem::size_of::<T>()),
+    })?;
+    v.resize(len, T::default());
+    Ok(v)
+}
+
+/// Forward pass over host tensors into caller-owned outputs. `out` must reach each element
+/// once (see [`Layout::validate_output`]).
 pub fn forward_into<T: Element>(
     cfg: &AttentionConfig,
     q: TensorRef<T>,
@@ -93,10 +109,13 @@ pub fn forward_into<T: Element>(
     out: TensorMut<T>,
     lse: &mut [f32],
 ) -> Result<Plan> {
-    let (problem, plan) = plan_host(Op::Forward, cfg, &q, &k, &v)?;
-    out.check(Operand::Out)?;
-    Problem::expect_shape(Operand::Out, &out.layout, problem.q_shape())?;
-    problem.check_lse_len(lse.len())?;
+    let problem = tensor::check_forward(
+        T::DTYPE,
+        [q.operand(), k.operand(), v.operand()],
+        (&out.layout, out.data.len()),
+        lse.len(),
+    )?;
+    let plan = host_plan(Op::Forward, cfg, &problem)?;
     backend::cpu::forward(cfg, &problem, q, k, v, out, lse);
     Ok(plan)
 }
@@ -109,8 +128,8 @@ pub fn forward<T: Element>(
     v: TensorRef<T>,
 ) -> Result<ForwardOutput<T>> {
     let (problem, _) = plan_host(Op::Forward, cfg, &q, &k, &v)?;
-    let mut out = vec![T::default(); problem.q_shape().iter().product()];
-    let mut lse = vec![0f32; problem.lse_len()];
+    let mut out = alloc(Layout::contiguous(problem.q_shape()).numel(Operand::Out)?)?;
+    let mut lse = alloc(problem.lse_len()?)?;
     let plan = forward_into(
         cfg,
         q,
@@ -122,9 +141,10 @@ pub fn forward<T: Element>(
     Ok(ForwardOutput { out, lse, plan })
 }
 
-/// Backward pass over host tensors: recomputes P from `lse` and returns dQ, dK, dV.
+/// Backward pass over host tensors into caller-owned gradients: recomputes P from `lse` and
+/// writes dQ (shaped like Q), dK and dV (shaped like K and V), each reaching every element once.
 #[allow(clippy::too_many_arguments)]
-pub fn backward<T: Element>(
+pub fn backward_into<T: Element>(
     cfg: &AttentionConfig,
     q: TensorRef<T>,
     k: TensorRef<T>,
@@ -132,16 +152,27 @@ pub fn backward<T: Element>(
     out: TensorRef<T>,
     dout: TensorRef<T>,
     lse: &[f32],
-) -> Result<Gradients<T>> {
-    let (problem, plan) = plan_host(Op::Backward, cfg, &q, &k, &v)?;
-    out.check(Operand::Out)?;
-    dout.check(Operand::DOut)?;
-    Problem::expect_shape(Operand::Out, &out.layout, problem.q_shape())?;
-    Problem::expect_shape(Operand::DOut, &dout.layout, problem.q_shape())?;
-    problem.check_lse_len(lse.len())?;
-    let mut dq = vec![T::default(); problem.q_shape().iter().product()];
-    let mut dk = vec![T::default(); problem.kv_shape().iter().product()];
-    let mut dv = vec![T::default(); problem.kv_shape().iter().product()];
+    dq: TensorMut<T>,
+    dk: TensorMut<T>,
+    dv: TensorMut<T>,
+) -> Result<Plan> {
+    let problem = tensor::check_backward(
+        T::DTYPE,
+        [
+            q.operand(),
+            k.operand(),
+            v.operand(),
+            out.operand(),
+            dout.operand(),
+        ],
+        lse.len(),
+        [
+            (&dq.layout, dq.data.len()),
+            (&dk.layout, dk.data.len()),
+            (&dv.layout, dv.data.len()),
+        ],
+    )?;
+    let plan = host_plan(Op::Backward, cfg, &problem)?;
     backend::cpu::backward(
         cfg,
         &problem,
@@ -153,9 +184,40 @@ pub fn backward<T: Element>(
             dout,
             lse,
         },
-        TensorMut::contiguous(&mut dq, problem.q_shape()),
-        TensorMut::contiguous(&mut dk, problem.kv_shape()),
-        TensorMut::contiguous(&mut dv, problem.kv_shape()),
+        dq,
+        dk,
+        dv,
     );
+    Ok(plan)
+}
+
+/// Backward pass over host tensors: recomputes P from `lse` and returns dQ, dK, dV packed.
+#[allow(clippy::too_many_arguments)]
+pub fn backward<T: Element>(
+    cfg: &AttentionConfig,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+    out: TensorRef<T>,
+    dout: TensorRef<T>,
+    lse: &[f32],
+) -> Result<Gradients<T>> {
+    let (problem, _) = plan_host(Op::Backward, cfg, &q, &k, &v)?;
+    let (q_shape, kv_shape) = (problem.q_shape(), problem.kv_shape());
+    let mut dq = alloc(Layout::contiguous(q_shape).numel(Operand::DQ)?)?;
+    let mut dk = alloc(Layout::contiguous(kv_shape).numel(Operand::DK)?)?;
+    let mut dv = alloc(Layout::contiguous(kv_shape).numel(Operand::DV)?)?;
+    let plan = backward_into(
+        cfg,
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        TensorMut::contiguous(&mut dq, q_shape),
+        TensorMut::contiguous(&mut dk, kv_shape),
+        TensorMut::contiguous(&mut dv, kv_shape),
+    )?;
     Ok(Gradients { dq, dk, dv, plan })
 }

@@ -3,11 +3,9 @@
 //! N(0,1) inputs, with every output poisoned (NaN) before the call. Then fully masked rows and
 //! bad inputs, each bad input matched to its error variant.
 
-use flashattn::backend::cpu::{self, BackwardInputs};
-use flashattn::dispatch::{self, BuiltKernels, DeviceInfo, Memory, Op};
 use flashattn::reference::{self, compare, pack_f32, Comparison};
 use flashattn::{
-    AttentionConfig, Backend, DType, Element, Error, Layout, Operand, Problem, TensorMut, TensorRef,
+    AttentionConfig, Backend, DType, Element, Error, Layout, Operand, TensorMut, TensorRef,
 };
 use half::{bf16, f16};
 use rand::rngs::StdRng;
@@ -233,25 +231,22 @@ fn run<T: Element>(c: &Case, seed: u64) -> Outcome {
     ];
 
     // Backward into poisoned gradients laid out like their inputs.
-    let problem = Problem::from_layouts(&ql, &kl, &vl, T::DTYPE).unwrap();
     let (mut dqb, dql) = poisoned::<T>(qs, c.storage);
     let (mut dkb, dkl) = poisoned::<T>(kvs, c.storage);
     let (mut dvb, dvl) = poisoned::<T>(kvs, c.storage);
-    cpu::backward(
+    flashattn::backward_into(
         &cfg,
-        &problem,
-        BackwardInputs {
-            q,
-            k,
-            v,
-            out,
-            dout,
-            lse: &lse[..lse_len],
-        },
+        q,
+        k,
+        v,
+        out,
+        dout,
+        &lse[..lse_len],
         TensorMut::new(&mut dqb, dql),
         TensorMut::new(&mut dkb, dkl),
         TensorMut::new(&mut dvb, dvl),
-    );
+    )
+    .unwrap();
     for (what, buf, l) in [("dQ", &dqb, &dql), ("dK", &dkb, &dkl), ("dV", &dvb, &dvl)] {
         let (nan, unaddressed) = untouched_nan(buf, l);
         assert_eq!(nan, unaddressed, "{}: {what} poison left", c.name());
@@ -576,25 +571,22 @@ fn public_backward_matches_backend_and_is_deterministic() {
     let g1 = flashattn::backward(&cfg, q, k, v, out, dout, &fwd.lse).unwrap();
     let g2 = flashattn::backward(&cfg, q, k, v, out, dout, &fwd.lse).unwrap();
     assert_eq!((&g1.dq, &g1.dk, &g1.dv), (&g2.dq, &g2.dk, &g2.dv));
-    let p = Problem::from_layouts(&q.layout, &k.layout, &v.layout, DType::BF16).unwrap();
     let mut dq = vec![bf16::from_f32(f32::NAN); g1.dq.len()];
     let mut dk = vec![bf16::from_f32(f32::NAN); g1.dk.len()];
     let mut dv = vec![bf16::from_f32(f32::NAN); g1.dv.len()];
-    cpu::backward(
+    flashattn::backward_into(
         &cfg,
-        &p,
-        BackwardInputs {
-            q,
-            k,
-            v,
-            out,
-            dout,
-            lse: &fwd.lse,
-        },
+        q,
+        k,
+        v,
+        out,
+        dout,
+        &fwd.lse,
         TensorMut::contiguous(&mut dq, c.q_shape()),
         TensorMut::contiguous(&mut dk, c.kv_shape()),
         TensorMut::contiguous(&mut dv, c.kv_shape()),
-    );
+    )
+    .unwrap();
     assert!(g1.dq.iter().any(|x| x.to_f32() != 0.0));
     assert_eq!((dq, dk, dv), (g1.dq, g1.dk, g1.dv));
 }
@@ -909,55 +901,4 @@ fn gpu_backend_on_host_data_is_unavailable() {
     // Forcing the CPU works and says so.
     let fwd = flashattn::forward(&AttentionConfig::new().backend(Backend::Cpu), q, q, q).unwrap();
     assert_eq!(fwd.plan.backend, Backend::Cpu);
-}
-
-#[test]
-fn index_overflow_is_detected_before_a_gpu_launch() {
-    let problem = Problem {
-        batch: 1,
-        seqlen_q: 1 << 31,
-        seqlen_k: 1024,
-        heads_q: 1,
-        heads_kv: 1,
-        head_dim: 128,
-        dtype: DType::BF16,
-    };
-    let device = Memory::Device(DeviceInfo {
-        ordinal: 0,
-        name: "fake H200".into(),
-        major: 9,
-        minor: 0,
-        sm_count: 132,
-        max_smem_per_block_optin: 232_448,
-        l2_bytes: 50 << 20,
-    });
-    let built = BuiltKernels {
-        sm90_fwd: true,
-        ..BuiltKernels::default()
-    };
-    let e = dispatch::plan(
-        Op::Forward,
-        &problem,
-        &AttentionConfig::new(),
-        &device,
-        built,
-    )
-    .unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::IndexOverflow {
-                operand: Operand::Q,
-                ..
-            }
-        ),
-        "{e:?}"
-    );
-    // The same problem one row shorter is accepted by the Sm90 backend.
-    let ok = Problem {
-        seqlen_q: (1 << 31) - 1,
-        ..problem
-    };
-    let plan = dispatch::plan(Op::Forward, &ok, &AttentionConfig::new(), &device, built).unwrap();
-    assert_eq!(plan.backend, Backend::Sm90);
 }

@@ -135,11 +135,11 @@ fn check_quantize_case<T: Element + DeviceRepr>(
     );
     stream.synchronize().unwrap();
     let what = format!("{case:?} {options:?} {}", std::any::type_name::<T>());
-    assert_eq!(qd, hq.scales, "{what}: Q descales");
-    assert_eq!(kd, hk.scales, "{what}: K descales");
-    assert_eq!(vd, hv.scales, "{what}: V descales");
-    assert!(bits(&q) == bits(&hq.data), "{what}: Q bytes");
-    assert!(bits(&k) == bits(&hk.data), "{what}: K bytes");
+    assert_eq!(qd, hq.scales(), "{what}: Q descales");
+    assert_eq!(kd, hk.scales(), "{what}: K descales");
+    assert_eq!(vd, hv.scales(), "{what}: V descales");
+    assert!(bits(&q) == bits(hq.data()), "{what}: Q bytes");
+    assert!(bits(&k) == bits(hk.data()), "{what}: K bytes");
     let (hkv, d, sk) = (case.heads_kv, case.head_dim, case.seqlen_k);
     let mut mismatches = 0;
     for b in 0..case.batch {
@@ -151,7 +151,7 @@ fn check_quantize_case<T: Element + DeviceRepr>(
                 );
                 for key in 0..keys {
                     let want = if key < sk {
-                        hv.data[((b * sk + key) * hkv + h) * d + c].to_bits()
+                        hv.data()[((b * sk + key) * hkv + h) * d + c].to_bits()
                     } else {
                         0
                     };
@@ -537,8 +537,8 @@ fn pre_quantized_inputs_give_the_same_output() {
         let lk = Layout::contiguous([case.batch, case.seqlen_k, case.heads_kv, d]);
         let up = |t: &Fp8Tensor| {
             (
-                stream.clone_htod(&t.data).unwrap(),
-                stream.clone_htod(&t.scales).unwrap(),
+                stream.clone_htod(t.data()).unwrap(),
+                stream.clone_htod(t.scales()).unwrap(),
             )
         };
         let ((q, qs), (k, ks), (v, vs)) = (up(&hq), up(&hk), up(&hv));

@@ -19,9 +19,13 @@ inline flashattn_result_t check_launch() { return cuda_status(cudaGetLastError()
 
 }  // namespace flashattn
 
+// A failing runtime call also sets the thread's last error; it is cleared here, so that the next
+// call's check_launch() does not report it a second time.
 #define FLASHATTN_TRY_CUDA(expr)                          \
   do {                                                    \
     cudaError_t flashattn_err_ = (expr);                  \
-    if (flashattn_err_ != cudaSuccess)                    \
+    if (flashattn_err_ != cudaSuccess) {                  \
+      (void)cudaGetLastError();                           \
       return ::flashattn::cuda_status(flashattn_err_);    \
+    }                                                     \
   } while (0)

@@ -17,31 +17,37 @@ namespace flashattn {
 struct TileOrder {
   int tiles;        // tiles per (batch, head)
   int heads_total;  // batch · heads
-  int group;        // heads per group; 0: natural order (one head's tiles after another's)
+  int group;        // heads per group, 1 .. heads_total; 0: natural order (one head's tiles after
+                    // another's)
 
-  // Heads per group for `bytes_per_head` of data the tiles of one head share, within `budget`
-  // bytes of L2; at least one head. Budgets measured on the H200 (60 MiB L2), causal bf16: the
-  // forward runs 5–11% faster at d128/d256 with 48 MiB than with 12 (d64 ±2%); the sm90
-  // backward best with 20 (a third of the L2) of 12, 20, 30, 50 and 100 (d128 within 0.3% of
-  // 30), the sm80 backward with 20 over 30 (the two sizes measured).
-  static int heads_per_group(int64_t bytes_per_head, int64_t budget) {
-    const int64_t g = bytes_per_head > 0 ? budget / bytes_per_head : 1;
-    return g < 1 ? 1 : (g > (1 << 20) ? (1 << 20) : int(g));
+  // The order of `tiles` tiles for each of `heads_total` heads: heavy-first when `heavy_first`,
+  // with as many heads per group as fit `bytes_per_head` of shared data within `budget` bytes of
+  // L2 (at least one head, at most all of them). The launchers' budgets were chosen by
+  // measurement (benchmarks/README.md).
+  static TileOrder make(int tiles, int heads_total, bool heavy_first, int64_t bytes_per_head,
+                        int64_t budget) {
+    if (!heavy_first) return {tiles, heads_total, 0};
+    int64_t g = bytes_per_head > 0 ? budget / bytes_per_head : 1;
+    if (g > heads_total) g = heads_total;
+    if (g < 1) g = 1;
+    return {tiles, heads_total, int(g)};
   }
 
-  // Work item of CTA `linear`: `rank` 0 is the heaviest tile in the heavy-first order (the
-  // caller maps rank to its tile index) and tile index itself in the natural order.
+  // Work item of CTA `linear` (< tiles · heads_total): `rank` 0 is the heaviest tile in the
+  // heavy-first order (the caller maps rank to its tile index) and tile index itself in the
+  // natural order. A group's span, group · tiles, can pass 2^31 where the grid does not (one
+  // group of many heads over long sequences), so it is 64-bit.
   __device__ void at(int linear, int& rank, int& bh) const {
     if (group == 0) {
       rank = linear % tiles;
       bh = linear / tiles;
       return;
     }
-    const int span = group * tiles;
-    const int g = linear / span;
+    const int64_t span = int64_t(group) * tiles;
+    const int g = int(linear / span);
     const int first = g * group;
     const int size = heads_total - first < group ? heads_total - first : group;
-    const int r = linear - g * span;
+    const int r = int(linear - g * span);
     rank = r / size;
     bh = first + r % size;
   }

@@ -112,8 +112,8 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     // grouped by the Q, dO and dQ accumulator they share within a third of the L2 (H200: d128
     // causal s4k/s8k, d64 s8k, d256 s2k/s4k +3–5% over half, the rest equal).
     const int64_t q_bytes = int64_t(p.seqlen_q) * kHeadDim * (2 * sizeof(Element) + sizeof(float));
-    const int group = TileOrder::heads_per_group(q_bytes, l2_bytes() / 3);
-    params.order = {n_blocks, p.batch * p.heads_q, params.keys.window_right >= 0 ? group : 0};
+    params.order = TileOrder::make(n_blocks, p.batch * p.heads_q, params.keys.window_right >= 0,
+                                   q_bytes, l2_bytes() / 3);
     kernel<<<dim3(n_blocks, p.heads_q, p.batch), Traits::kThreads, smem_bytes, stream>>>(params);
   }
   FLASHATTN_TRY_CUDA(cudaGetLastError());

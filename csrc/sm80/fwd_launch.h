@@ -52,11 +52,10 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   params.keys = key_range(p);
   // Causal (any right bound): later query blocks see more keys, so heaviest first, heads
-  // grouped by the K and V they share within 4/5 of the L2 (see TileOrder::heads_per_group).
+  // grouped by the K and V they share within 4/5 of the L2 (see TileOrder::make).
   const int64_t kv_bytes = int64_t(p.seqlen_k) * kHeadDim * 2 * int64_t(sizeof(Element));
-  const int group = TileOrder::heads_per_group(kv_bytes, l2_bytes() * 4 / 5);
-  params.order = {params.num_m_blocks, p.batch * p.heads_q,
-                  params.keys.window_right >= 0 ? group : 0};
+  params.order = TileOrder::make(params.num_m_blocks, p.batch * p.heads_q,
+                                 params.keys.window_right >= 0, kv_bytes, l2_bytes() * 4 / 5);
   const float log2e = float(M_LOG2E);
   params.softcap = p.softcap > 0.f;
   params.softcap_pre = params.softcap ? p.softmax_scale / p.softcap : 0.f;

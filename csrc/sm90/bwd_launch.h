@@ -59,6 +59,9 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.tma_do = load_q(p.dout);
   params.tma_k = load_k(p.k);
   params.tma_v = load_k(p.v);
+  if (!encoded(params.tma_q) || !encoded(params.tma_do) || !encoded(params.tma_k) ||
+      !encoded(params.tma_v))
+    return status(FLASHATTN_INVALID_ARGUMENT);
   params.dq_accum = reinterpret_cast<float*>(base + ws.dq_accum);
   float* lse_log2 = reinterpret_cast<float*>(base + ws.lse_log2);
   float* softmax_d = reinterpret_cast<float*>(base + ws.softmax_d);
@@ -93,8 +96,8 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   // grouped by the Q, dO and dQ accumulator they share within a third of the L2 (H200, causal
   // s2k: d256 +4.7% over half, d64/d128 equal; all heads in one group −3…−7%).
   const int64_t q_bytes = int64_t(p.seqlen_q) * kHeadDim * (2 * sizeof(Element) + sizeof(float));
-  const int group = TileOrder::heads_per_group(q_bytes, l2_bytes() / 3);
-  params.order = {n_blocks, p.batch * p.heads_q, params.keys.window_right >= 0 ? group : 0};
+  params.order = TileOrder::make(n_blocks, p.batch * p.heads_q, params.keys.window_right >= 0,
+                                 q_bytes, l2_bytes() / 3);
 
   if (gqa)
     FLASHATTN_TRY_CUDA(

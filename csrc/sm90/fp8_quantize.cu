@@ -9,6 +9,8 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
+
 #include <cstdint>
 
 #include "../common/status.h"
@@ -200,7 +202,25 @@ flashattn_result_t launch_dim(const flashattn_fp8_quantize_t& p, cudaStream_t st
   }
 }
 
+// Descales the FP8 forward can use are finite and > 0 (its row maxima assume a positive score
+// scale, and V's enters as a divisor); any other becomes NaN, so that the rows it touches are NaN
+// rather than silently wrong.
+__global__ void sanitize_descales_kernel(const float* src, float* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float x = src[i];
+    dst[i] = x > 0.f && x <= FLT_MAX ? x : __int_as_float(0x7fffffff);
+  }
+}
+
 }  // namespace
+
+flashattn_result_t run_fp8_sanitize_descales(const float* src, float* dst, int64_t n,
+                                             cudaStream_t stream) {
+  const int64_t blocks = (n + 255) / 256;
+  sanitize_descales_kernel<<<int(blocks < 1024 ? blocks : 1024), 256, 0, stream>>>(src, dst, n);
+  return check_launch();
+}
 
 flashattn_result_t run_fp8_quantize(const flashattn_fp8_quantize_t& p, cudaStream_t stream) {
   switch (p.src_dtype) {

@@ -66,5 +66,7 @@ flashattn_result_t run_fwd_fp8_d64(const flashattn_params_t& p, FwdOptions o, cu
 flashattn_result_t run_fwd_fp8_d128(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream);
 flashattn_result_t run_fwd_fp8_d256(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream);
 flashattn_result_t run_fp8_quantize(const flashattn_fp8_quantize_t& p, cudaStream_t stream);
+flashattn_result_t run_fp8_sanitize_descales(const float* src, float* dst, int64_t n,
+                                             cudaStream_t stream);
 
 }  // namespace flashattn::sm90

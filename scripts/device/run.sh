@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # There (GPU machine, no Rust): run every test (GPU tests included), the example, the sanitizer
 # on the small GPU tests, the benches and the peers. Logs and JSON go under $OUT.
-# Usage: [PEERS=0] bash .device/run.sh [--quick]   (--quick: fewer peer shapes; PEERS=0: none)
+# Usage: [PEERS=0] [BENCH=0] bash .device/run.sh [--quick]
+#   (--quick: fewer peer shapes; PEERS=0: no peers; BENCH=0: tests and sanitizers alone)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-$here/out}
@@ -34,7 +35,18 @@ for tool in memcheck racecheck synccheck; do
   step "sanitizer-$tool-fp8" compute-sanitizer --tool $tool --error-exitcode 9 \
     "$here/bin/test-gpu_fp8" --include-ignored --test-threads=1 pre_quantized
 done
+# Refused calls, broadcast inputs and the tile order over many blocks, under memcheck.
+step sanitizer-memcheck-validation compute-sanitizer --tool memcheck --error-exitcode 9 \
+  "$here/bin/test-gpu_validation" --include-ignored --test-threads=1
+step sanitizer-memcheck-tile-order compute-sanitizer --tool memcheck --error-exitcode 9 \
+  "$here/bin/test-gpu_tile_order" --include-ignored --test-threads=1
 step quickstart "$here/bin/example-quickstart"
+if [ "${BENCH:-1}" = 0 ]; then
+  grep -E "^(test result|selftest|device:|dispatch|backend|device forward)" "$log"
+  echo "commit $commit; failed steps: ${failures[*]:-none}"
+  [ ${#failures[@]} -eq 0 ]
+  exit
+fi
 step fp8-accuracy "$here/bin/example-fp8_accuracy" --out "$OUT/fp8_accuracy.json" --commit "$commit"
 step bench-fp8 "$here/bin/example-bench_fp8" --out "$OUT/fp8_fwd.json" --commit "$commit"
 step bench-table "$here/bin/example-bench_table" --out "$OUT/sm90_fwd.json" --commit "$commit"

@@ -23,7 +23,7 @@ use crate::config::{AttentionConfig, Mask};
 use crate::tensor::{Element, Problem, TensorMut, TensorRef};
 
 /// Everything [`backward`] reads besides the configuration.
-pub struct BackwardInputs<'a, T> {
+pub(crate) struct BackwardInputs<'a, T> {
     pub q: TensorRef<'a, T>,
     pub k: TensorRef<'a, T>,
     pub v: TensorRef<'a, T>,
@@ -714,7 +714,7 @@ fn store_rows<T: Element>(
 
 /// Forward pass: writes `out` (like Q) and `lse` (batch, heads_q, seqlen_q). Operands must
 /// have been validated (see [`crate::forward_into`]).
-pub fn forward<T: Element>(
+pub(crate) fn forward<T: Element>(
     cfg: &AttentionConfig,
     p: &Problem,
     q: TensorRef<T>,
@@ -735,7 +735,7 @@ pub fn forward<T: Element>(
             fwd_block_simd(&ctx, (&kt, &vr), b, h, qb)
         })
         .collect();
-    // Outputs may have any strides (even overlapping ones), so they are written by one thread.
+    // Outputs reach each element once, but may interleave with any strides: one thread writes.
     for (t, blk) in blocks.iter().enumerate() {
         let (bh, qb) = (t / nqb, t % nqb);
         let i0 = qb * ctx.br;
@@ -952,7 +952,7 @@ enum BwdTask {
 
 /// Backward pass: writes dQ (like Q), dK and dV (like K). Operands must have been validated
 /// (see [`crate::backward`]).
-pub fn backward<T: Element>(
+pub(crate) fn backward<T: Element>(
     cfg: &AttentionConfig,
     p: &Problem,
     inputs: BackwardInputs<T>,
@@ -1098,7 +1098,7 @@ mod tests {
         let kt = ctx.tiles(&ctx.k, ctx.bc, TileForm::Cols);
         let vr = ctx.tiles(&ctx.v, ctx.bc, TileForm::Rows);
         let mut out = vec![0f32; q.len()];
-        let mut lse = vec![0f32; p.lse_len()];
+        let mut lse = vec![0f32; p.lse_len().unwrap()];
         for (bi, h, qb) in (0..b)
             .flat_map(|x| (0..hq).map(move |h| (x, h)))
             .flat_map(|(x, h)| (0..ctx.q_blocks()).map(move |qb| (x, h, qb)))

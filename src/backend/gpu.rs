@@ -32,7 +32,11 @@ pub(crate) fn check_alignment(operand: Operand, t: &RawTensor, elem_bytes: usize
         .iter()
         .zip(&t.layout.shape[..3])
         // A stride of a dimension of extent 1 is never used.
-        .all(|(&s, &n)| n == 1 || (s * elem_bytes) % ALIGN_BYTES == 0);
+        .all(|(&s, &n)| {
+            n == 1
+                || s.checked_mul(elem_bytes)
+                    .is_some_and(|bytes| bytes % ALIGN_BYTES == 0)
+        });
     if t.ptr % ALIGN_BYTES as u64 != 0 || !strides_ok {
         return Err(Error::Misaligned {
             operand,

@@ -11,7 +11,9 @@
 use std::sync::Arc;
 
 use cudarc::driver::DeviceRepr;
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
+};
 use float8::F8E4M3;
 
 use super::{driver_error, Device, DeviceTensor, DeviceTensorMut};
@@ -21,7 +23,7 @@ use crate::dispatch::{Op, Plan};
 use crate::error::{Error, Operand, Result};
 use crate::ffi;
 use crate::fp8::RandomSignHadamard;
-use crate::tensor::{check_len, DType, Element, Layout, Problem};
+use crate::tensor::{check_len, check_output_len, DType, Element, Layout, Problem};
 
 /// Query rows per Q descale.
 pub fn fp8_query_block() -> usize {
@@ -215,16 +217,34 @@ impl Device {
         ffi::check(r, "sm90 fp8", "quantize")
     }
 
-    /// Allocates the quantized tensors and runs the quantize step over Q, K and V; `descales`
-    /// given means the sources are e4m3 already (copied with those descales).
+    /// Allocates the quantized tensors and runs the quantize step over Q, K and V (after the
+    /// random-sign Hadamard transform of `hadamard_seed`, if any); `descales` given means the
+    /// sources are e4m3 already (copied with those descales).
     fn build_fp8_inputs<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
         [q, k, v]: [&DeviceTensor<T>; 3],
-        hadamard: Option<&RandomSignHadamard>,
+        hadamard_seed: Option<u64>,
         descales: Option<[&CudaView<f32>; 3]>,
     ) -> Result<Fp8Inputs> {
         self.check_fp8_device()?;
+        let descale_contexts = descales.iter().flat_map(|[qd, kd, vd]| {
+            [
+                (Operand::Q, qd.stream().context()),
+                (Operand::K, kd.stream().context()),
+                (Operand::V, vd.stream().context()),
+            ]
+        });
+        self.check_same_context(
+            stream,
+            [
+                (Operand::Q, q.data.stream().context()),
+                (Operand::K, k.data.stream().context()),
+                (Operand::V, v.data.stream().context()),
+            ]
+            .into_iter()
+            .chain(descale_contexts),
+        )?;
         check_len(Operand::Q, &q.layout, q.data.len())?;
         check_len(Operand::K, &k.layout, k.data.len())?;
         check_len(Operand::V, &v.layout, v.data.len())?;
@@ -234,14 +254,34 @@ impl Device {
             (Operand::K, &k.layout),
             (Operand::V, &v.layout),
         ])?;
+        // The quantize step runs a CTA per (block, head, batch entry): grid y and z.
+        for (what, n) in [("batch", problem.batch), ("heads_q", problem.heads_q)] {
+            if n > 65535 {
+                return Err(Error::IndexOverflow {
+                    operand: Operand::Q,
+                    detail: format!("{what} {n} exceeds the FP8 quantize step's 65535"),
+                });
+            }
+        }
         let b = blocks(&problem)?;
+        let hadamard = hadamard_seed
+            .map(|seed| RandomSignHadamard::new(problem.head_dim, seed))
+            .transpose()?;
+        let hadamard = hadamard.as_ref();
         let v_keys = b.kv * b.key_block;
         let err = driver_error;
-        let q_len = problem.q_shape().iter().product();
-        let kv_len = problem.kv_shape().iter().product();
-        let v_len = problem.batch * problem.heads_kv * problem.head_dim * v_keys;
-        let q_desc_len = problem.batch * problem.heads_q * b.q;
-        let kv_desc_len = problem.batch * problem.heads_kv * b.kv;
+        let count = |operand, dims: [usize; 4]| Layout::contiguous(dims).numel(operand);
+        let q_len = count(Operand::Q, problem.q_shape())?;
+        let kv_len = count(Operand::K, problem.kv_shape())?;
+        let [batch, heads_q, heads_kv, d] = [
+            problem.batch,
+            problem.heads_q,
+            problem.heads_kv,
+            problem.head_dim,
+        ];
+        let v_len = count(Operand::V, [batch, heads_kv, d, v_keys])?;
+        let q_desc_len = count(Operand::Q, [batch, heads_q, b.q, 1])?;
+        let kv_desc_len = count(Operand::K, [batch, heads_kv, b.kv, 1])?;
         // SAFETY (the four allocations): the quantize step writes every element of the data,
         // and every descale when it computes them; given descales are copied in below.
         let mut out = Fp8Inputs {
@@ -268,7 +308,20 @@ impl Device {
                         len: given.len(),
                     });
                 }
-                stream.memcpy_dtod(given, dst).map_err(err)?;
+                let (src_ptr, _src_guard) = given.device_ptr(stream);
+                let (dst_ptr, _dst_guard) = dst.device_ptr_mut(stream);
+                self.ctx.bind_to_thread().map_err(err)?;
+                // SAFETY: both are live device buffers of `need` f32 on this context, their
+                // guards outlive the launch; the C side checks the count and alignment again.
+                let r = unsafe {
+                    ffi::flashattn_fp8_sanitize_descales(
+                        src_ptr as *const f32,
+                        dst_ptr as *mut f32,
+                        need as i64,
+                        stream.cu_stream() as *mut std::ffi::c_void,
+                    )
+                };
+                ffi::check(r, "sm90 fp8", "descale copy")?;
             }
         }
         let fp8_rows = fp8_query_block();
@@ -322,16 +375,14 @@ impl Device {
                 backend: "sm90 fp8 (quantize from bf16 or fp16)",
             });
         }
-        let hadamard = options
-            .hadamard_seed
-            .map(|seed| RandomSignHadamard::new(q.layout.shape[3], seed))
-            .transpose()?;
-        self.build_fp8_inputs(stream, [q, k, v], hadamard.as_ref(), None)
+        self.build_fp8_inputs(stream, [q, k, v], options.hadamard_seed, None)
     }
 
     /// Q, K, V quantized elsewhere: e4m3 (batch, seqlen, heads, head_dim) with their descales,
     /// f32 (batch, heads, blocks) packed — Q per [`fp8_query_block`] rows, K and V per
     /// [`fp8_key_block`] keys — copied on `stream` into the layouts the FP8 forward reads.
+    /// Descales must be finite and > 0 (they are read on the device only, never synchronized
+    /// to the host): any other value is copied as NaN, so that the rows it touches are NaN.
     #[allow(clippy::too_many_arguments)]
     pub fn fp8_inputs_from_e4m3(
         &self,
@@ -368,8 +419,18 @@ impl Device {
                 backend: "sm90 fp8 (output in bf16 or fp16)",
             });
         }
+        self.check_same_context(
+            stream,
+            [
+                (Operand::Q, inputs.q.context()),
+                (Operand::K, inputs.k.context()),
+                (Operand::V, inputs.v.context()),
+                (Operand::Out, out.data.stream().context()),
+                (Operand::Lse, lse.stream().context()),
+            ],
+        )?;
         let problem = inputs.problem;
-        check_len(Operand::Out, &out.layout, out.data.len())?;
+        check_output_len(Operand::Out, &out.layout, out.data.len())?;
         Problem::expect_shape(Operand::Out, &out.layout, problem.q_shape())?;
         problem.check_lse_len(lse.len())?;
         problem.check_index_width(&[(Operand::Out, &out.layout)])?;

@@ -8,7 +8,7 @@ mod fp8;
 use std::sync::Arc;
 
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
-use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, DriverError};
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, DriverError};
 pub use fp8::{
     fp8_key_block, fp8_query_block, v_key_column, v_row_head_dim, Fp8Inputs, Fp8Options,
 };
@@ -18,7 +18,7 @@ use crate::config::AttentionConfig;
 use crate::dispatch::{self, BuiltKernels, DeviceInfo, Memory, Op, Plan};
 use crate::error::{Error, Operand, Result};
 use crate::ffi;
-use crate::tensor::{check_len, Element, Layout, Problem};
+use crate::tensor::{check_backward, check_forward, DType, Element, Layout, Operand4, Problem};
 
 /// Is a CUDA driver (libcuda) loadable on this machine? Probed before any driver call, since
 /// cudarc panics when the library is missing.
@@ -57,8 +57,10 @@ pub fn query_device(ordinal: usize) -> Result<DeviceInfo> {
         total_mem_bytes: 0,
         name: [0; 256],
     };
+    let index = i32::try_from(ordinal)
+        .map_err(|_| Error::NoDevice(format!("device ordinal {ordinal} is out of range")))?;
     // SAFETY: `raw` is a valid out-pointer for the duration of the call.
-    let r = unsafe { ffi::flashattn_device_query(ordinal as i32, &mut raw) };
+    let r = unsafe { ffi::flashattn_device_query(index, &mut raw) };
     ffi::check(r, "cuda", "device query")?;
     let name: Vec<u8> = raw
         .name
@@ -67,7 +69,7 @@ pub fn query_device(ordinal: usize) -> Result<DeviceInfo> {
         .map(|&c| c as u8)
         .collect();
     Ok(DeviceInfo {
-        ordinal: ordinal as i32,
+        ordinal: index,
         name: String::from_utf8_lossy(&name).into_owned(),
         major: raw.major,
         minor: raw.minor,
@@ -95,6 +97,9 @@ impl<'a, T> DeviceTensor<'a, T> {
     pub fn new(data: CudaView<'a, T>, layout: Layout) -> Self {
         DeviceTensor { data, layout }
     }
+    fn operand(&self) -> Operand4<'_> {
+        (&self.layout, self.data.len())
+    }
     pub fn contiguous(data: &'a CudaSlice<T>, shape: [usize; 4]) -> Self {
         Self::new(data.as_view(), Layout::contiguous(shape))
     }
@@ -103,6 +108,9 @@ impl<'a, T> DeviceTensor<'a, T> {
 impl<'a, T> DeviceTensorMut<'a, T> {
     pub fn new(data: CudaViewMut<'a, T>, layout: Layout) -> Self {
         DeviceTensorMut { data, layout }
+    }
+    fn operand(&self) -> Operand4<'_> {
+        (&self.layout, self.data.len())
     }
     pub fn contiguous(data: &'a mut CudaSlice<T>, shape: [usize; 4]) -> Self {
         Self::new(data.as_view_mut(), Layout::contiguous(shape))
@@ -141,6 +149,34 @@ impl Device {
         self.ctx.new_stream().map_err(driver_error)
     }
 
+    /// Refuses a stream or view of another CUDA context: the kernels run in this device's
+    /// context, where another context's memory is an illegal address (which ends the context)
+    /// and another context's stream cannot order them.
+    fn check_same_context<'c>(
+        &self,
+        stream: &CudaStream,
+        views: impl IntoIterator<Item = (Operand, &'c Arc<CudaContext>)>,
+    ) -> Result<()> {
+        let mismatch = |what: String, ctx: &CudaContext| Error::WrongDevice {
+            what,
+            detail: format!(
+                "it belongs to a context of device {}, the call was made on device {}'s \
+                 primary context",
+                ctx.ordinal(),
+                self.info.ordinal
+            ),
+        };
+        if **stream.context() != *self.ctx {
+            return Err(mismatch("the stream".into(), stream.context()));
+        }
+        for (operand, ctx) in views {
+            if **ctx != *self.ctx {
+                return Err(mismatch(format!("{operand}"), ctx));
+            }
+        }
+        Ok(())
+    }
+
     /// The backend a call would take on this device, without running it.
     pub fn plan(&self, op: Op, problem: &Problem, cfg: &AttentionConfig) -> Result<Plan> {
         dispatch::plan(
@@ -165,13 +201,30 @@ impl Device {
         out: &mut DeviceTensorMut<T>,
         lse: &mut CudaViewMut<f32>,
     ) -> Result<Plan> {
-        check_len(Operand::Q, &q.layout, q.data.len())?;
-        check_len(Operand::K, &k.layout, k.data.len())?;
-        check_len(Operand::V, &v.layout, v.data.len())?;
-        check_len(Operand::Out, &out.layout, out.data.len())?;
-        let problem = Problem::from_layouts(&q.layout, &k.layout, &v.layout, T::DTYPE)?;
-        Problem::expect_shape(Operand::Out, &out.layout, problem.q_shape())?;
-        problem.check_lse_len(lse.len())?;
+        if T::DTYPE == DType::E4M3 {
+            return Err(Error::Unsupported {
+                what: "e4m3 operands in forward_into (the FP8 forward takes them through \
+                       fp8_inputs_from_e4m3 and forward_fp8_into)"
+                    .into(),
+                backend: "sm90",
+            });
+        }
+        self.check_same_context(
+            stream,
+            [
+                (Operand::Q, q.data.stream().context()),
+                (Operand::K, k.data.stream().context()),
+                (Operand::V, v.data.stream().context()),
+                (Operand::Out, out.data.stream().context()),
+                (Operand::Lse, lse.stream().context()),
+            ],
+        )?;
+        let problem = check_forward(
+            T::DTYPE,
+            [q.operand(), k.operand(), v.operand()],
+            out.operand(),
+            lse.len(),
+        )?;
         problem.check_index_width(&[
             (Operand::Q, &q.layout),
             (Operand::K, &k.layout),
@@ -255,29 +308,32 @@ impl Device {
         dk: &mut DeviceTensorMut<T>,
         dv: &mut DeviceTensorMut<T>,
     ) -> Result<Plan> {
-        for (operand, layout, len) in [
-            (Operand::Q, &q.layout, q.data.len()),
-            (Operand::K, &k.layout, k.data.len()),
-            (Operand::V, &v.layout, v.data.len()),
-            (Operand::Out, &out.layout, out.data.len()),
-            (Operand::DOut, &dout.layout, dout.data.len()),
-            (Operand::DQ, &dq.layout, dq.data.len()),
-            (Operand::DK, &dk.layout, dk.data.len()),
-            (Operand::DV, &dv.layout, dv.data.len()),
-        ] {
-            check_len(operand, layout, len)?;
-        }
-        let problem = Problem::from_layouts(&q.layout, &k.layout, &v.layout, T::DTYPE)?;
-        for (operand, layout, shape) in [
-            (Operand::Out, &out.layout, problem.q_shape()),
-            (Operand::DOut, &dout.layout, problem.q_shape()),
-            (Operand::DQ, &dq.layout, problem.q_shape()),
-            (Operand::DK, &dk.layout, problem.kv_shape()),
-            (Operand::DV, &dv.layout, problem.kv_shape()),
-        ] {
-            Problem::expect_shape(operand, layout, shape)?;
-        }
-        problem.check_lse_len(lse.len())?;
+        self.check_same_context(
+            stream,
+            [
+                (Operand::Q, q.data.stream().context()),
+                (Operand::K, k.data.stream().context()),
+                (Operand::V, v.data.stream().context()),
+                (Operand::Out, out.data.stream().context()),
+                (Operand::DOut, dout.data.stream().context()),
+                (Operand::Lse, lse.stream().context()),
+                (Operand::DQ, dq.data.stream().context()),
+                (Operand::DK, dk.data.stream().context()),
+                (Operand::DV, dv.data.stream().context()),
+            ],
+        )?;
+        let problem = check_backward(
+            T::DTYPE,
+            [
+                q.operand(),
+                k.operand(),
+                v.operand(),
+                out.operand(),
+                dout.operand(),
+            ],
+            lse.len(),
+            [dq.operand(), dk.operand(), dv.operand()],
+        )?;
         problem.check_index_width(&[
             (Operand::Q, &q.layout),
             (Operand::K, &k.layout),
@@ -392,6 +448,7 @@ pub fn selftest_tma_wgmma(device: &Device, stream: &Arc<CudaStream>) -> Result<S
     let b: Vec<half::bf16> = (0..N * K).map(|_| half::bf16::from_f32(next())).collect();
     let poison = f32::NAN;
 
+    device.check_same_context(stream, [])?;
     let err = driver_error;
     let a_dev = stream.clone_htod(&a).map_err(err)?;
     let b_dev = stream.clone_htod(&b).map_err(err)?;

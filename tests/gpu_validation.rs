@@ -1,0 +1,553 @@
+//! Hostile input through the device API (GPU; run with `--include-ignored`): views whose offsets
+//! wrap past usize::MAX, outputs that reach an element twice, streams and buffers of another
+//! CUDA context, broadcast inputs, short buffers, FP8 descales that are not positive numbers.
+//! Each is a typed error (buffers around the views unchanged) or the documented result.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use flashattn::cuda::{DeviceTensor, DeviceTensorMut, Fp8Options};
+use flashattn::fp8::{Fp8Tensor, Granularity};
+use flashattn::reference::{self, compare};
+use flashattn::{AttentionConfig, Backend, Error, Layout, Operand, TensorRef};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use common::{device, random};
+
+/// A sentinel the refused calls must leave in place.
+const UNTOUCHED: f32 = 7.25;
+
+fn sentinel(stream: &Arc<CudaStream>, n: usize) -> CudaSlice<bf16> {
+    stream
+        .clone_htod(&vec![bf16::from_f32(UNTOUCHED); n])
+        .unwrap()
+}
+
+fn assert_untouched(stream: &Arc<CudaStream>, buf: &CudaSlice<bf16>, what: &str) {
+    let host: Vec<bf16> = stream.clone_dtoh(buf).unwrap();
+    stream.synchronize().unwrap();
+    let changed = host.iter().filter(|x| x.to_f32() != UNTOUCHED).count();
+    assert_eq!(
+        changed, 0,
+        "{what}: a refused call wrote {changed} elements"
+    );
+}
+
+/// The review's construction: a [2,1,1,64] view of 64 elements in the middle of a buffer whose
+/// batch stride is usize::MAX - 63, so that batch 1's row would sit before the view.
+fn wrapping_layout() -> Layout {
+    Layout::with_strides([2, 1, 1, 64], [usize::MAX - 63, 0, 0, 1])
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn views_that_wrap_past_usize_max_are_refused_on_the_device() {
+    let (dev, stream) = device();
+    let mut rng = StdRng::seed_from_u64(1);
+    let x = stream.clone_htod(&random::<bf16>(128, &mut rng)).unwrap();
+    let lay = Layout::contiguous([2, 1, 1, 64]);
+    let t = DeviceTensor::new(x.as_view(), lay);
+    let mut lse = stream.clone_htod(&vec![f32::NAN; 2]).unwrap();
+    for backend in [Backend::Sm90, Backend::Sm80] {
+        let cfg = AttentionConfig::new().backend(backend);
+        // O.
+        let mut big = sentinel(&stream, 1024);
+        let e = dev
+            .forward_into(
+                &stream,
+                &cfg,
+                &t,
+                &t,
+                &t,
+                &mut DeviceTensorMut::new(big.slice_mut(512..576), wrapping_layout()),
+                &mut lse.as_view_mut(),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::IndexOverflow {
+                    operand: Operand::Out,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert_untouched(&stream, &big, "forward O");
+        // dQ, dK, dV in turn.
+        for which in 0..3 {
+            let mut big = sentinel(&stream, 1024);
+            let mut grads: Vec<CudaSlice<bf16>> = (0..3).map(|_| sentinel(&stream, 128)).collect();
+            let [g0, g1, g2] = &mut grads[..] else {
+                unreachable!()
+            };
+            let mut views: Vec<DeviceTensorMut<bf16>> = [g0, g1, g2]
+                .into_iter()
+                .map(|g| DeviceTensorMut::new(g.as_view_mut(), lay))
+                .collect();
+            views[which] = DeviceTensorMut::new(big.slice_mut(512..576), wrapping_layout());
+            let [dq, dk, dv] = &mut views[..] else {
+                unreachable!()
+            };
+            let e = dev
+                .backward_into(
+                    &stream,
+                    &cfg,
+                    &t,
+                    &t,
+                    &t,
+                    &t,
+                    &t,
+                    &lse.as_view(),
+                    dq,
+                    dk,
+                    dv,
+                )
+                .unwrap_err();
+            assert!(matches!(e, Error::IndexOverflow { .. }), "{e:?}");
+            drop(views);
+            assert_untouched(&stream, &big, "backward gradient");
+        }
+    }
+    // The quantize step's source.
+    let big = sentinel(&stream, 1024);
+    let src = DeviceTensor::new(big.slice(512..576), wrapping_layout());
+    let e = dev
+        .quantize_fp8(&stream, &src, &t, &t, Fp8Options::default())
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::IndexOverflow {
+                operand: Operand::Q,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn streams_and_buffers_of_another_context_are_refused() {
+    let (dev, stream) = device();
+    let other = CudaContext::new_non_primary(0, 0).unwrap();
+    let other_stream = other.default_stream();
+    let mut rng = StdRng::seed_from_u64(2);
+    let (s, h, d) = (128, 2, 64);
+    let lay = Layout::contiguous([1, s, h, d]);
+    let data = random::<bf16>(s * h * d, &mut rng);
+    let here = stream.clone_htod(&data).unwrap();
+    let there = other_stream.clone_htod(&data).unwrap();
+    let mut o = stream.clone_htod(&vec![bf16::NAN; s * h * d]).unwrap();
+    let mut lse = stream.clone_htod(&vec![f32::NAN; h * s]).unwrap();
+    let cfg = AttentionConfig::new();
+    let mine = DeviceTensor::new(here.as_view(), lay);
+    let theirs = DeviceTensor::new(there.as_view(), lay);
+    let mut forward = |stream: &Arc<CudaStream>, k: &DeviceTensor<bf16>| {
+        dev.forward_into(
+            stream,
+            &cfg,
+            &mine,
+            k,
+            &mine,
+            &mut DeviceTensorMut::new(o.as_view_mut(), lay),
+            &mut lse.as_view_mut(),
+        )
+    };
+    let e = forward(&other_stream, &mine).unwrap_err();
+    assert!(matches!(e, Error::WrongDevice { .. }), "stream: {e:?}");
+    let e = forward(&stream, &theirs).unwrap_err();
+    assert!(matches!(e, Error::WrongDevice { .. }), "K: {e:?}");
+    // The FP8 path: its quantize step on the other context's stream, then its forward into an
+    // output of the other context.
+    if dev.info().compute_capability() == (9, 0) {
+        let e = dev
+            .quantize_fp8(&other_stream, &mine, &mine, &mine, Fp8Options::default())
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::WrongDevice { .. }),
+            "quantize stream: {e:?}"
+        );
+        let e = dev
+            .quantize_fp8(&stream, &mine, &theirs, &mine, Fp8Options::default())
+            .unwrap_err();
+        assert!(matches!(e, Error::WrongDevice { .. }), "quantize K: {e:?}");
+        let inputs = dev
+            .quantize_fp8(&stream, &mine, &mine, &mine, Fp8Options::default())
+            .unwrap();
+        let mut o_there = other_stream
+            .clone_htod(&vec![bf16::NAN; s * h * d])
+            .unwrap();
+        let mut lse8 = stream.clone_htod(&vec![f32::NAN; h * s]).unwrap();
+        let e = dev
+            .forward_fp8_into(
+                &stream,
+                &cfg,
+                &inputs,
+                &mut DeviceTensorMut::new(o_there.as_view_mut(), lay),
+                &mut lse8.as_view_mut(),
+            )
+            .unwrap_err();
+        assert!(matches!(e, Error::WrongDevice { .. }), "FP8 output: {e:?}");
+    }
+    // The context survived: a correct call still runs.
+    forward(&stream, &mine).unwrap();
+    stream.synchronize().unwrap();
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn device_calls_refuse_bad_outputs_with_typed_errors() {
+    let (dev, stream) = device();
+    let mut rng = StdRng::seed_from_u64(3);
+    let (b, s, h, hkv, d) = (2, 96, 4, 2, 128);
+    let lq = Layout::contiguous([b, s, h, d]);
+    let lk = Layout::contiguous([b, s, hkv, d]);
+    let mut up = |n| stream.clone_htod(&random::<bf16>(n, &mut rng)).unwrap();
+    let (q, k, v) = (up(b * s * h * d), up(b * s * hkv * d), up(b * s * hkv * d));
+    let (tq, tk, tv) = (
+        DeviceTensor::new(q.as_view(), lq),
+        DeviceTensor::new(k.as_view(), lk),
+        DeviceTensor::new(v.as_view(), lk),
+    );
+    let mut o = sentinel(&stream, b * s * h * d);
+    let mut lse = stream.clone_htod(&vec![f32::NAN; b * h * s]).unwrap();
+    let cfg = AttentionConfig::new();
+    // Short LSE, short O, O rows on top of each other, misaligned Q rows.
+    let e = dev
+        .forward_into(
+            &stream,
+            &cfg,
+            &tq,
+            &tk,
+            &tv,
+            &mut DeviceTensorMut::new(o.as_view_mut(), lq),
+            &mut lse.slice_mut(1..),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::BufferTooSmall {
+                operand: Operand::Lse,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = dev
+        .forward_into(
+            &stream,
+            &cfg,
+            &tq,
+            &tk,
+            &tv,
+            &mut DeviceTensorMut::new(o.slice_mut(1..), lq),
+            &mut lse.as_view_mut(),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::BufferTooSmall {
+                operand: Operand::Out,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let zero_rows = Layout::with_strides([b, s, h, d], [s * h * d, 0, d, 1]);
+    let e = dev
+        .forward_into(
+            &stream,
+            &cfg,
+            &tq,
+            &tk,
+            &tv,
+            &mut DeviceTensorMut::new(o.as_view_mut(), zero_rows),
+            &mut lse.as_view_mut(),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::OverlappingOutput {
+                operand: Operand::Out,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let odd = Layout::with_strides([1, 2, 1, d], [2 * 130, 130, d, 1]);
+    let e = dev
+        .forward_into(
+            &stream,
+            &cfg,
+            &DeviceTensor::new(q.slice(0..2 * 130), odd),
+            &DeviceTensor::new(k.slice(0..2 * 130), odd),
+            &DeviceTensor::new(v.slice(0..2 * 130), odd),
+            &mut DeviceTensorMut::new(o.slice_mut(0..2 * 130), odd),
+            &mut lse.slice_mut(0..2),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::Misaligned { .. }),
+        "odd row stride: {e:?}"
+    );
+    assert_untouched(&stream, &o, "refused forwards");
+    // dQ shaped like K (GQA), dO of another shape.
+    let mut g = (0..3)
+        .map(|_| sentinel(&stream, b * s * h * d))
+        .collect::<Vec<_>>();
+    let [gq, gk, gv] = &mut g[..] else {
+        unreachable!()
+    };
+    let e = dev
+        .backward_into(
+            &stream,
+            &cfg,
+            &tq,
+            &tk,
+            &tv,
+            &tq,
+            &tq,
+            &lse.as_view(),
+            &mut DeviceTensorMut::new(gq.as_view_mut(), lk),
+            &mut DeviceTensorMut::new(gk.as_view_mut(), lk),
+            &mut DeviceTensorMut::new(gv.as_view_mut(), lk),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::ShapeMismatch {
+                operand: Operand::DQ,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = dev
+        .backward_into(
+            &stream,
+            &cfg,
+            &tq,
+            &tk,
+            &tv,
+            &tq,
+            &tk,
+            &lse.as_view(),
+            &mut DeviceTensorMut::new(gq.as_view_mut(), lq),
+            &mut DeviceTensorMut::new(gk.as_view_mut(), lk),
+            &mut DeviceTensorMut::new(gv.as_view_mut(), lk),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::ShapeMismatch {
+                operand: Operand::DOut,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    for (i, x) in g.iter().enumerate() {
+        assert_untouched(&stream, x, &format!("gradient {i} of refused backwards"));
+    }
+    // E4M3 is the FP8 forward's, not forward_into's.
+    let e8 = stream
+        .clone_htod(&vec![float8::F8E4M3::from_f32(1.0); b * s * h * d])
+        .unwrap();
+    let t8 = DeviceTensor::new(e8.as_view(), lq);
+    let mut o8 = stream
+        .clone_htod(&vec![float8::F8E4M3::from_f32(0.0); b * s * h * d])
+        .unwrap();
+    let e = dev
+        .forward_into(
+            &stream,
+            &cfg,
+            &t8,
+            &t8,
+            &t8,
+            &mut DeviceTensorMut::new(o8.as_view_mut(), lq),
+            &mut lse.as_view_mut(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
+}
+
+/// K and V broadcast over heads (head stride 0) and Q over batch entries (batch stride 0) read
+/// as the layouts say, on both GPU families, under DESIGN's rule against the f64 reference.
+#[test]
+#[ignore = "needs a GPU"]
+fn broadcast_inputs_read_as_their_layouts_say() {
+    let (dev, stream) = device();
+    let mut rng = StdRng::seed_from_u64(4);
+    let (b, s, h, d) = (2, 200, 4, 128);
+    let q = random::<bf16>(s * h * d, &mut rng);
+    let k = random::<bf16>(b * s * d, &mut rng);
+    let v = random::<bf16>(b * s * d, &mut rng);
+    let lq = Layout::with_strides([b, s, h, d], [0, h * d, d, 1]);
+    let lk = Layout::with_strides([b, s, h, d], [s * d, d, 0, 1]);
+    let lo = Layout::contiguous([b, s, h, d]);
+    let (qd, kd, vd) = (
+        stream.clone_htod(&q).unwrap(),
+        stream.clone_htod(&k).unwrap(),
+        stream.clone_htod(&v).unwrap(),
+    );
+    let (tq, tk, tv) = (
+        TensorRef::new(&q, lq),
+        TensorRef::new(&k, lk),
+        TensorRef::new(&v, lk),
+    );
+    for backend in [Backend::Sm90, Backend::Sm80] {
+        for causal in [false, true] {
+            let cfg = AttentionConfig::new().causal(causal).backend(backend);
+            let mut o = stream.clone_htod(&vec![bf16::NAN; b * s * h * d]).unwrap();
+            let mut lse = stream.clone_htod(&vec![f32::NAN; b * h * s]).unwrap();
+            dev.forward_into(
+                &stream,
+                &cfg,
+                &DeviceTensor::new(qd.as_view(), lq),
+                &DeviceTensor::new(kd.as_view(), lk),
+                &DeviceTensor::new(vd.as_view(), lk),
+                &mut DeviceTensorMut::new(o.as_view_mut(), lo),
+                &mut lse.as_view_mut(),
+            )
+            .unwrap_or_else(|e| panic!("{backend:?}: {e}"));
+            let o: Vec<bf16> = stream.clone_dtoh(&o).unwrap();
+            let lse: Vec<f32> = stream.clone_dtoh(&lse).unwrap();
+            stream.synchronize().unwrap();
+            let got: Vec<f32> = o.iter().map(|x| x.to_f32()).collect();
+            let want = reference::reference_forward(&cfg, tq, tk, tv);
+            let base = reference::baseline_forward(&cfg, tq, tk, tv);
+            let (co, cl) = (
+                compare(&got, &want.out, &base.out),
+                compare(&lse, &want.lse, &base.lse),
+            );
+            println!("broadcast {backend:?} causal={causal}: O {co}, LSE {cl}");
+            assert!(
+                co.pass && cl.pass,
+                "{backend:?} causal={causal}: O {co}; LSE {cl}"
+            );
+        }
+    }
+}
+
+/// Descales given with e4m3 inputs that are not positive finite numbers give NaN in the rows
+/// they touch, and leave the others as with valid descales.
+#[test]
+#[ignore = "needs an sm_90 GPU"]
+fn fp8_descales_that_are_not_positive_give_nan_rows() {
+    let (dev, stream) = device();
+    let mut rng = StdRng::seed_from_u64(5);
+    let (s, h, d) = (300, 2, 128);
+    let lay = Layout::contiguous([1, s, h, d]);
+    let x: Vec<Vec<bf16>> = (0..3)
+        .map(|_| random::<bf16>(s * h * d, &mut rng))
+        .collect();
+    let quantize = |i: usize, rows| {
+        Fp8Tensor::quantize(
+            TensorRef::new(&x[i], lay),
+            Granularity::PerBlock { rows },
+            Operand::Q,
+        )
+        .unwrap()
+    };
+    let block_k = flashattn::cuda::fp8_key_block(d).unwrap();
+    let (hq, hk, hv) = (
+        quantize(0, flashattn::cuda::fp8_query_block()),
+        quantize(1, block_k),
+        quantize(2, block_k),
+    );
+    let up8 = |t: &Fp8Tensor| stream.clone_htod(t.data()).unwrap();
+    let (q8, k8, v8) = (up8(&hq), up8(&hk), up8(&hv));
+    let run = |q_descale: &[f32]| -> Vec<f32> {
+        let qs = stream.clone_htod(q_descale).unwrap();
+        let ks = stream.clone_htod(hk.scales()).unwrap();
+        let vs = stream.clone_htod(hv.scales()).unwrap();
+        let inputs = dev
+            .fp8_inputs_from_e4m3(
+                &stream,
+                &DeviceTensor::new(q8.as_view(), lay),
+                &DeviceTensor::new(k8.as_view(), lay),
+                &DeviceTensor::new(v8.as_view(), lay),
+                &qs.as_view(),
+                &ks.as_view(),
+                &vs.as_view(),
+            )
+            .unwrap();
+        let mut o = stream.clone_htod(&vec![bf16::NAN; s * h * d]).unwrap();
+        let mut lse = stream.clone_htod(&vec![f32::NAN; h * s]).unwrap();
+        dev.forward_fp8_into(
+            &stream,
+            &AttentionConfig::new(),
+            &inputs,
+            &mut DeviceTensorMut::new(o.as_view_mut(), lay),
+            &mut lse.as_view_mut(),
+        )
+        .unwrap();
+        let o: Vec<bf16> = stream.clone_dtoh(&o).unwrap();
+        stream.synchronize().unwrap();
+        o.iter().map(|x| x.to_f32()).collect()
+    };
+    let good = run(hq.scales());
+    assert!(
+        good.iter().all(|x| x.is_finite()),
+        "valid descales gave a non-finite output"
+    );
+    let query_block = flashattn::cuda::fp8_query_block();
+    for bad in [0.0, -1.0, f32::INFINITY, f32::NAN] {
+        // Q descales are (batch, heads, query blocks): head 0's first block made bad.
+        let mut descales = hq.scales().to_vec();
+        descales[0] = bad;
+        let out = run(&descales);
+        for (row, (got, want)) in out.chunks(d).zip(good.chunks(d)).enumerate() {
+            let (i, head) = (row / h, row % h);
+            if head == 0 && i < query_block {
+                assert!(
+                    got.iter().all(|x| x.is_nan()),
+                    "descale {bad}: row {i} not NaN"
+                );
+            } else {
+                assert_eq!(got, want, "descale {bad}: row {i} head {head} changed");
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an sm_90 GPU"]
+fn fp8_quantize_refuses_sizes_before_allocating() {
+    let (dev, stream) = device();
+    let x = stream.clone_htod(&vec![bf16::from_f32(0.5); 4096]).unwrap();
+    // A head dim of 2^40 with a Hadamard seed: refused before a matrix of that size is built.
+    let wide = Layout::with_strides([1, 1, 1, 1 << 40], [0, 0, 0, 1]);
+    let t = DeviceTensor::new(x.as_view(), wide);
+    let e = dev
+        .quantize_fp8(
+            &stream,
+            &t,
+            &t,
+            &t,
+            Fp8Options {
+                hadamard_seed: Some(1),
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::BufferTooSmall { .. }), "{e:?}");
+    // 65536 batch entries (broadcast, so that memory stays small): past the quantize grid.
+    let many = Layout::with_strides([65536, 1, 1, 64], [0, 64, 64, 1]);
+    let t = DeviceTensor::new(x.slice(0..64), many);
+    let e = dev
+        .quantize_fp8(&stream, &t, &t, &t, Fp8Options::default())
+        .unwrap_err();
+    assert!(matches!(e, Error::IndexOverflow { .. }), "{e:?}");
+}
