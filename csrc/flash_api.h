@@ -49,8 +49,12 @@ typedef enum {
 } flashattn_sm90_flag_t;
 
 // Longest sequence (queries or keys) a call takes: the kernels number rows and blocks with 32-bit
-// integers, and this leaves every such number room.
-#define FLASHATTN_MAX_SEQLEN (1 << 30)
+// integers, and this leaves every such number room. For the same reason a call is refused where
+// batch · heads_q passes 2^31 - 1, (max(seqlen_q, seqlen_k) / 64 + 1) · batch · heads_q passes
+// 2^31 - 1, max(seqlen_q, seqlen_k) · batch · heads_q · head_dim passes 2^42, or a left window
+// narrower than seqlen_k - 1 plus seqlen_k passes 2^31 - 513; the sm80 entry points also take at
+// most 65535 batch entries and query heads (their grid's y and z).
+#define FLASHATTN_MAX_SEQLEN 1073741824  // 2^30
 
 // One strided 4-d operand (batch, seqlen, heads, head_dim); strides in elements, head_dim unit.
 // ptr and every stride of a dimension longer than 1 must be 16-byte aligned (TMA loads, 16-byte
@@ -84,8 +88,8 @@ typedef struct {
   float softmax_scale;  // finite, > 0
   float softcap;        // finite, >= 0; 0 = off
   int32_t causal;       // bottom-right aligned when seqlen_q != seqlen_k
-  int32_t window_left;  // -1 = unbounded; wider than both sequences is unbounded too
-  int32_t window_right; // -1 = unbounded
+  int32_t window_left;  // -1 = unbounded, as is any window >= seqlen_k - 1
+  int32_t window_right; // -1 = unbounded, as is any window >= seqlen_q - 1
   int32_t deterministic;
 
   // Variable-length batches and the paged KV cache are not built yet: these must be null and 0
@@ -109,7 +113,7 @@ typedef struct {
   const float* v_descale;
   int32_t out_dtype;
 
-  // Device properties the launcher may size grids with (from flashattn_device_query).
+  // The device's SM count (from flashattn_device_query), 1 .. 4096: grids are sized by it.
   int32_t sm_count;
   uint32_t sm90_flags;  // flashattn_sm90_flag_t bits
 } flashattn_params_t;

@@ -139,6 +139,14 @@ fn the_base_parameters_are_valid() {
 }
 
 #[test]
+fn the_rust_limits_are_the_c_limits() {
+    assert_eq!(
+        flashattn::tensor::MAX_GPU_SEQLEN,
+        FLASHATTN_MAX_SEQLEN as usize
+    );
+}
+
+#[test]
 fn null_params_and_null_operands() {
     for (name, entry) in FORWARDS.iter().chain(&BACKWARDS) {
         // SAFETY: a null params pointer is what is being refused.
@@ -230,10 +238,10 @@ fn sizes_and_options_out_of_range() {
         ("negative heads", |p| p.heads_q = -4),
         ("heads_q not a multiple of heads_kv", |p| p.heads_kv = 3),
         ("seqlen_q past the maximum", |p| {
-            p.seqlen_q = flashattn::tensor::MAX_GPU_SEQLEN as i32 + 1
+            p.seqlen_q = FLASHATTN_MAX_SEQLEN as i32 + 1
         }),
         ("seqlen_k past the maximum", |p| {
-            p.seqlen_k = flashattn::tensor::MAX_GPU_SEQLEN as i32 + 1
+            p.seqlen_k = FLASHATTN_MAX_SEQLEN as i32 + 1
         }),
         (
             "batch · heads past 2^31 (products past int64 further on)",
@@ -246,7 +254,7 @@ fn sizes_and_options_out_of_range() {
             (p.batch, p.heads_q, p.heads_kv) = (1 << 16, 1 << 15, 1 << 15)
         }),
         ("a left window that passes int beside seqlen_k", |p| {
-            (p.seqlen_k, p.window_left) = (flashattn::tensor::MAX_GPU_SEQLEN as i32, (1 << 30) - 16)
+            (p.seqlen_k, p.window_left) = (FLASHATTN_MAX_SEQLEN as i32, (1 << 30) - 16)
         }),
         ("window below -1", |p| p.window_left = -2),
         ("infinite scale", |p| p.softmax_scale = f32::INFINITY),

@@ -59,9 +59,6 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.tma_do = load_q(p.dout);
   params.tma_k = load_k(p.k);
   params.tma_v = load_k(p.v);
-  if (!encoded(params.tma_q) || !encoded(params.tma_do) || !encoded(params.tma_k) ||
-      !encoded(params.tma_v))
-    return status(FLASHATTN_INVALID_ARGUMENT);
   params.dq_accum = reinterpret_cast<float*>(base + ws.dq_accum);
   float* lse_log2 = reinterpret_cast<float*>(base + ws.lse_log2);
   float* softmax_d = reinterpret_cast<float*>(base + ws.softmax_d);

@@ -113,8 +113,6 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
                                typename Traits::TileKV{}, _1{});
   params.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutV{}),
                                typename Traits::TileV{}, _1{});
-  if (!encoded(params.tma_q) || !encoded(params.tma_k) || !encoded(params.tma_v))
-    return status(FLASHATTN_INVALID_ARGUMENT);
   params.o = p.o.ptr;
   params.o_batch_stride = p.o.batch_stride;
   params.o_row_stride = p.o.row_stride;

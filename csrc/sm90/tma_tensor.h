@@ -26,18 +26,6 @@ auto gmem_tensor(Ptr ptr, const flashattn_tensor_t& t, int seqlen, int heads, in
                                  tma_stride(t.batch_stride, batch, d)));
 }
 
-// Whether the driver encoded the copy's descriptor. One it refused stays zero, and CUTLASS
-// reports that only on stderr: the launchers check before launching. (The C ABI's operand checks
-// already refuse what TMA cannot describe; this keeps a refusal they missed from reaching the
-// device.)
-template <class TmaCopy>
-bool encoded(const TmaCopy& copy) {
-  const auto* words = reinterpret_cast<const uint64_t*>(copy.get_tma_descriptor());
-  for (size_t i = 0; i < sizeof(TmaDescriptor) / sizeof(uint64_t); ++i)
-    if (words[i] != 0) return true;
-  return false;
-}
-
 // The type of that view, for the kernel traits that spell their TMA copies' types.
 template <class Element>
 using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
