@@ -2,23 +2,33 @@
 //! 1. find nvcc (CUDA_HOME, CUDA_PATH, or nvcc on PATH), else provision the pinned CUDA 13.0
 //!    compiler from PyPI into a cache outside the repository;
 //! 2. unpack the pinned CUTLASS headers (cutlass/fetch.py, sha256-verified);
-//! 3. compile every csrc/**/*.cu with nvcc (flags from the `cc` crate plus ours), two at a time,
-//!    caching each object under a hash of its source, the csrc headers it includes, the flags
-//!    and the compiler;
-//! 4. archive the objects, link cudart statically, and generate the FFI with bindgen.
+//! 3. generate a translation unit per kernel of src/registry.rs that this build's features
+//!    select, and kernels.h (their declarations and the C entry points' dispatch);
+//! 4. compile those and every csrc/**/*.cu with nvcc (flags from the `cc` crate plus ours), two
+//!    at a time, caching each object under a hash of its source, the headers it includes, the
+//!    flags and the compiler;
+//! 5. archive the objects, link cudart statically, and generate the FFI with bindgen.
 //!
 //! Knobs: FLASHATTN_CACHE_DIR (default ~/.cache/flashattn), FLASHATTN_NVCC_JOBS (default 2),
 //! FLASHATTN_PTXAS_VERBOSE=1 (print ptxas resource reports), FLASHATTN_SM80_ARCH (machine code of
 //! the FlashAttention-2 family for that arch alone, see sm80_gencode), LIBCLANG_PATH.
 
+// The kernel registry, shared with the crate: build.rs generates the instantiation units and
+// the C dispatch from it.
+#[allow(dead_code)]
+#[path = "src/registry.rs"]
+mod registry;
+
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=src/registry.rs");
     #[cfg(feature = "cuda")]
     cuda::build();
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
+    use super::registry::{self, Family, Kernel, KernelDtype};
     use sha2::{Digest, Sha256};
     use std::env;
     use std::fs;
@@ -27,7 +37,7 @@ mod cuda {
     use std::sync::{Arc, Mutex};
 
     /// The CUDA 13.0 compiler packages verified to install together and to build sm_90a code
-    /// that runs on the H200's driver (DESIGN.md §2). nvvm is pinned: pip otherwise takes 13.5.
+    /// that runs on the H200's driver. nvvm is pinned: pip otherwise takes 13.5.
     const CUDA_PACKAGES: &[&str] = &[
         "nvidia-cuda-nvcc==13.0.88",
         "nvidia-cuda-runtime==13.0.96",
@@ -94,9 +104,24 @@ mod cuda {
         let mut headers = Vec::new();
         walk(&csrc, &mut sources, &mut headers);
         sources.sort();
+        let mut units: Vec<(PathBuf, String)> = sources
+            .iter()
+            .map(|src| {
+                let rel = src.strip_prefix(&csrc).unwrap();
+                (src.clone(), rel.to_string_lossy().replace('\\', "/"))
+            })
+            .collect();
+        let gen = out_dir.join("kernels");
+        let generated = generate_kernels(&gen);
+        headers.push(gen.join("kernels.h"));
         headers.sort();
+        units.extend(generated);
 
-        let objects = compile_all(&nvcc, &csrc, &cutlass_include, &sources, &headers, &cache);
+        let dirs = IncludeDirs {
+            csrc: csrc.clone(),
+            gen,
+        };
+        let objects = compile_all(&nvcc, &dirs, &cutlass_include, &units, &headers, &cache);
 
         let mut archive = cc::Build::new();
         archive.cargo_warnings(false);
@@ -196,6 +221,222 @@ mod cuda {
         root
     }
 
+    /// The C++ element type and the name suffix of a kernel's dtype.
+    fn element(dtype: KernelDtype) -> (&'static str, &'static str, &'static str) {
+        match dtype {
+            KernelDtype::Bf16 => ("cutlass::bfloat16_t", "<cutlass/bfloat16.h>", "bf16"),
+            KernelDtype::Fp16 => ("cutlass::half_t", "<cutlass/half.h>", "fp16"),
+            KernelDtype::E4m3 => ("cutlass::float_e4m3_t", "<cutlass/float8.h>", "e4m3"),
+        }
+    }
+
+    /// The C++ function a kernel's unit defines, and its parameters after the params.
+    fn entry(k: &Kernel) -> (String, &'static str) {
+        let (_, _, dt) = element(k.dtype);
+        let d = k.head_dim;
+        match k.family {
+            Family::Sm90Fwd => (
+                format!("run_fwd_d{d}_{dt}"),
+                "FwdOptions o, cudaStream_t stream",
+            ),
+            Family::Sm90Fp8Fwd => (
+                format!("run_fwd_fp8_d{d}"),
+                "FwdOptions o, cudaStream_t stream",
+            ),
+            Family::Sm90Bwd | Family::Sm80Fwd | Family::Sm80Bwd => {
+                (format!("run_{}_d{d}_{dt}", pass(k)), "cudaStream_t stream")
+            }
+        }
+    }
+
+    fn pass(k: &Kernel) -> &'static str {
+        match k.family {
+            Family::Sm90Fwd | Family::Sm90Fp8Fwd | Family::Sm80Fwd => "fwd",
+            Family::Sm90Bwd | Family::Sm80Bwd => "bwd",
+        }
+    }
+
+    fn arch(k: &Kernel) -> &'static str {
+        match k.family {
+            Family::Sm80Fwd | Family::Sm80Bwd => "sm80",
+            _ => "sm90",
+        }
+    }
+
+    /// The translation unit of one kernel: the family's launcher instantiated for its head dim
+    /// and element type.
+    fn kernel_unit(k: &Kernel) -> String {
+        let (elem, elem_header, _) = element(k.dtype);
+        let d = k.head_dim;
+        let (name, rest) = entry(k);
+        let (include, body) = match k.family {
+            Family::Sm90Fwd => {
+                let ablation = if k.ablation {
+                    format!(
+                        "  if (!o.intra_wg_overlap) {{\n    return run_fwd<FwdTraits<{elem}, {d}, \
+                         FwdTile<{d}>, false>>(p, o.pingpong, stream);\n  }}\n"
+                    )
+                } else {
+                    String::new()
+                };
+                (
+                    "sm90/fwd_launch.h",
+                    format!("{ablation}  return run_fwd_tiled<{elem}, {d}>(p, o, stream);"),
+                )
+            }
+            Family::Sm90Fp8Fwd => (
+                "sm90/fwd_fp8_launch.h",
+                format!("  return run_fwd_fp8<{d}>(p, o, stream);"),
+            ),
+            Family::Sm90Bwd => (
+                "sm90/bwd_launch.h",
+                format!("  return run_bwd<{elem}, {d}>(p, stream);"),
+            ),
+            Family::Sm80Fwd => (
+                "sm80/fwd_launch.h",
+                format!("  return run_fwd<{elem}, {d}>(p, stream);"),
+            ),
+            Family::Sm80Bwd => (
+                "sm80/bwd_launch.h",
+                format!("  return run_bwd<{elem}, {d}>(p, stream);"),
+            ),
+        };
+        let elem_include = match k.family {
+            Family::Sm90Fp8Fwd => String::new(),
+            _ => format!("#include {elem_header}\n\n"),
+        };
+        let ns = arch(k);
+        format!(
+            "// Generated by build.rs from src/registry.rs: {}.\n{elem_include}#include \"{include}\"\n\n\
+             namespace flashattn::{ns} {{\n\nflashattn_result_t {name}(const flashattn_params_t& p, \
+             {rest}) {{\n{body}\n}}\n\n}}  // namespace flashattn::{ns}\n",
+            k.name()
+        )
+    }
+
+    /// kernels.h: the built kernels' declarations and, for each C entry point, the dispatch on
+    /// element type and head dim (FLASHATTN_UNSUPPORTED for a kernel not in the registry or not
+    /// built).
+    fn kernels_header(built: &[&Kernel]) -> String {
+        let mut h = String::from(
+            "// Generated by build.rs from src/registry.rs: the kernels this build holds and the C \
+             entry points'\n// dispatch to them.\n#pragma once\n\n#include <cuda_runtime.h>\n\n\
+             #include \"flash_api.h\"\n#include \"sm90/fwd_tile.h\"\n\n",
+        );
+        for ns in ["sm90", "sm80"] {
+            h.push_str(&format!("namespace flashattn::{ns} {{\n"));
+            for k in built.iter().filter(|k| arch(k) == ns) {
+                let (name, rest) = entry(k);
+                h.push_str(&format!(
+                    "flashattn_result_t {name}(const flashattn_params_t& p, {rest});\n"
+                ));
+            }
+            h.push_str(&format!("}}  // namespace flashattn::{ns}\n\n"));
+        }
+        h.push_str("namespace flashattn::kernels {\n\n");
+        // Every head dim of the registry, built or not: others are refused as unsupported.
+        let mut dims: Vec<usize> = registry::KERNELS.iter().map(|k| k.head_dim).collect();
+        dims.sort();
+        dims.dedup();
+        let tests: Vec<String> = dims.iter().map(|d| format!("d == {d}")).collect();
+        h.push_str(&format!(
+            "inline bool head_dim_known(int d) {{ return {}; }}\n\n",
+            tests.join(" || ")
+        ));
+        let mut families = vec!["FLASHATTN_KERNEL_SM90_SELFTEST".to_string()];
+        for f in Family::ALL {
+            if built.iter().any(|k| k.family == f) {
+                families.push(
+                    match f {
+                        Family::Sm90Fwd => "FLASHATTN_KERNEL_SM90_FWD",
+                        Family::Sm90Fp8Fwd => "FLASHATTN_KERNEL_SM90_FP8_FWD",
+                        Family::Sm90Bwd => "FLASHATTN_KERNEL_SM90_BWD",
+                        Family::Sm80Fwd => "FLASHATTN_KERNEL_SM80_FWD",
+                        Family::Sm80Bwd => "FLASHATTN_KERNEL_SM80_BWD",
+                    }
+                    .to_string(),
+                );
+            }
+        }
+        h.push_str(&format!(
+            "inline uint32_t built_families() {{\n  return {};\n}}\n\n",
+            families.join(" | ")
+        ));
+        for (f, func, rest, args) in [
+            (
+                Family::Sm90Fwd,
+                "sm90_fwd",
+                "sm90::FwdOptions o, cudaStream_t s",
+                "p, o, s",
+            ),
+            (
+                Family::Sm90Fp8Fwd,
+                "sm90_fp8_fwd",
+                "sm90::FwdOptions o, cudaStream_t s",
+                "p, o, s",
+            ),
+            (Family::Sm90Bwd, "sm90_bwd", "cudaStream_t s", "p, s"),
+            (Family::Sm80Fwd, "sm80_fwd", "cudaStream_t s", "p, s"),
+            (Family::Sm80Bwd, "sm80_bwd", "cudaStream_t s", "p, s"),
+        ] {
+            h.push_str(&format!(
+                "inline flashattn_result_t {func}(const flashattn_params_t& p, {rest}) {{\n"
+            ));
+            let sm90_fwd = matches!(f, Family::Sm90Fwd | Family::Sm90Fp8Fwd);
+            if sm90_fwd {
+                h.push_str(
+                    "  // Without intra-warpgroup overlap: the kernels that also hold the ablation.\n\
+                     \x20 const bool ablation = !o.intra_wg_overlap;\n",
+                );
+            }
+            for k in built.iter().filter(|k| k.family == f) {
+                let dtype = match k.dtype {
+                    KernelDtype::Bf16 => "FLASHATTN_BF16",
+                    KernelDtype::Fp16 => "FLASHATTN_F16",
+                    KernelDtype::E4m3 => "FLASHATTN_E4M3",
+                };
+                let ablation = if sm90_fwd && !k.ablation {
+                    " && !ablation"
+                } else {
+                    ""
+                };
+                let (name, _) = entry(k);
+                h.push_str(&format!(
+                    "  if (p.dtype == {dtype} && p.head_dim == {}{ablation}) return {}::{name}({args});\n",
+                    k.head_dim,
+                    arch(k)
+                ));
+            }
+            h.push_str("  return {FLASHATTN_UNSUPPORTED, 0};\n}\n\n");
+        }
+        h.push_str("}  // namespace flashattn::kernels\n");
+        h
+    }
+
+    /// Writes the units of the kernels this build's features select, and kernels.h, under `gen`
+    /// (files rewritten only when their text changes); returns the units with their names.
+    fn generate_kernels(gen: &Path) -> Vec<(PathBuf, String)> {
+        let built: Vec<&Kernel> = registry::KERNELS.iter().filter(|k| k.built()).collect();
+        let write = |path: &Path, text: &str| {
+            fs::create_dir_all(path.parent().unwrap()).unwrap();
+            if fs::read_to_string(path).ok().as_deref() != Some(text) {
+                fs::write(path, text).unwrap();
+            }
+        };
+        write(&gen.join("kernels.h"), &kernels_header(&built));
+        built
+            .iter()
+            .map(|k| {
+                let (name, _) = entry(k);
+                let file = name.trim_start_matches("run_").to_string();
+                let rel = format!("{}/{file}.cu", arch(k));
+                let path = gen.join(&rel);
+                write(&path, &kernel_unit(k));
+                (path, rel)
+            })
+            .collect()
+    }
+
     fn walk(dir: &Path, sources: &mut Vec<PathBuf>, headers: &mut Vec<PathBuf>) {
         for entry in fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
@@ -217,7 +458,7 @@ mod cuda {
     fn nvcc_command(
         nvcc: &Path,
         cutlass_include: &Path,
-        csrc: &Path,
+        dirs: &IncludeDirs,
         gencode: &[String],
     ) -> Command {
         let host = cc::Build::new()
@@ -233,14 +474,22 @@ mod cuda {
             .arg("-I")
             .arg(cutlass_include)
             .arg("-I")
-            .arg(csrc);
+            .arg(&dirs.csrc)
+            .arg("-I")
+            .arg(&dirs.gen);
         cmd
     }
 
-    /// The csrc headers `src` reaches through quoted `#include`s (resolved against the including
-    /// file's directory), sorted; system and CUTLASS headers (angle brackets) are covered by the
-    /// compiler id and the CUTLASS pin.
-    fn included_headers(src: &Path, headers: &[PathBuf]) -> Vec<PathBuf> {
+    /// Where quoted includes are found: csrc/, and the generated units' directory (kernels.h).
+    struct IncludeDirs {
+        csrc: PathBuf,
+        gen: PathBuf,
+    }
+
+    /// The csrc and generated headers `src` reaches through quoted `#include`s (resolved against
+    /// the including file's directory, then csrc/ and the generated directory), sorted; system
+    /// and CUTLASS headers (angle brackets) are covered by the compiler id and the CUTLASS pin.
+    fn included_headers(src: &Path, dirs: &IncludeDirs, headers: &[PathBuf]) -> Vec<PathBuf> {
         let mut seen: Vec<PathBuf> = Vec::new();
         let mut stack = vec![src.to_path_buf()];
         while let Some(file) = stack.pop() {
@@ -257,7 +506,10 @@ mod cuda {
                 else {
                     continue;
                 };
-                let Ok(path) = dir.join(name).canonicalize() else {
+                let Some(path) = [dir, dirs.csrc.as_path(), dirs.gen.as_path()]
+                    .iter()
+                    .find_map(|d| d.join(name).canonicalize().ok())
+                else {
                     continue;
                 };
                 if headers
@@ -274,11 +526,12 @@ mod cuda {
         seen
     }
 
+    /// Compiles `units` (source, its name relative to csrc/ or the generated directory).
     fn compile_all(
         nvcc: &Path,
-        csrc: &Path,
+        dirs: &IncludeDirs,
         cutlass_include: &Path,
-        sources: &[PathBuf],
+        units: &[(PathBuf, String)],
         headers: &[PathBuf],
         cache: &Path,
     ) -> Vec<PathBuf> {
@@ -293,22 +546,22 @@ mod cuda {
                 .stdout,
         )
         .into_owned();
-        let repo = csrc.parent().unwrap();
-        let csrc_canonical = csrc.canonicalize().unwrap();
+        let repo = dirs.csrc.parent().unwrap();
+        let csrc_canonical = dirs.csrc.canonicalize().unwrap();
+        let gen_canonical = dirs.gen.canonicalize().unwrap();
         let mut shared = Sha256::new();
         shared.update(compiler_id.as_bytes());
         shared.update(fs::read(cutlass_include.join(".pin")).unwrap_or_default());
 
         // One job per translation unit: (source, command without its file arguments, object, log).
         let mut jobs = Vec::new();
-        for src in sources {
-            let rel = src.strip_prefix(csrc).unwrap();
+        for (src, rel) in units {
             let gencode: Vec<String> = if rel.starts_with("sm90") {
                 SM90_GENCODE.iter().map(|s| s.to_string()).collect()
             } else {
                 sm80_gencode()
             };
-            let mut cmd = nvcc_command(nvcc, cutlass_include, csrc, &gencode);
+            let mut cmd = nvcc_command(nvcc, cutlass_include, dirs, &gencode);
             if verbose {
                 cmd.arg("-Xptxas=-v");
             }
@@ -316,14 +569,20 @@ mod cuda {
             // headers by their pin), so a fresh clone elsewhere reuses the cached objects.
             let mut hasher = shared.clone();
             for arg in cmd.get_args() {
-                hasher.update(relative_to(&arg.to_string_lossy(), repo).as_bytes());
+                let arg = arg
+                    .to_string_lossy()
+                    .replace(&*dirs.gen.to_string_lossy(), "<gen>");
+                hasher.update(relative_to(&arg, repo).as_bytes());
                 hasher.update([0]);
             }
-            hasher.update(rel.to_string_lossy().as_bytes());
+            hasher.update(rel.as_bytes());
             hasher.update(fs::read(src).unwrap());
-            // Only the csrc headers this unit includes: a header change rebuilds its users only.
-            for h in included_headers(src, headers) {
-                let name = h.strip_prefix(&csrc_canonical).unwrap_or(&h);
+            // Only the headers this unit includes: a header change rebuilds its users only.
+            for h in included_headers(src, dirs, headers) {
+                let name = h
+                    .strip_prefix(&csrc_canonical)
+                    .or_else(|_| h.strip_prefix(&gen_canonical))
+                    .unwrap_or(&h);
                 hasher.update(name.to_string_lossy().as_bytes());
                 hasher.update(fs::read(&h).unwrap());
             }
@@ -332,7 +591,7 @@ mod cuda {
                 .iter()
                 .map(|b| format!("{b:02x}"))
                 .collect();
-            let stem = rel.to_string_lossy().replace(['/', '\\'], "_");
+            let stem = rel.replace('/', "_");
             let obj = obj_dir.join(format!("{stem}-{}.o", &hash[..16]));
             let log = obj.with_extension("log");
             jobs.push((src.clone(), cmd, obj, log));
@@ -434,6 +693,7 @@ mod cuda {
             .header(header.to_string_lossy())
             .allowlist_function("flashattn_.*")
             .allowlist_type("flashattn_.*")
+            .allowlist_var("FLASHATTN_.*")
             .prepend_enum_name(false)
             .derive_default(true)
             .layout_tests(false)

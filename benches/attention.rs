@@ -1,5 +1,5 @@
 //! Throughput per shape. `Throughput::Elements(flops)` makes criterion's "elem/s" read as
-//! FLOP/s (DESIGN.md §5: forward FLOPs = 4·b·s_q·s_k·h·d).
+//! FLOP/s (docs/ARCHITECTURE.md: forward FLOPs = 4·b·s_q·s_k·h·d).
 //!
 //! Group `cpu`: the CPU backend's forward against a naive three-pass attention (the full score
 //! rows S = Q·Kᵀ, a softmax over them, then P·V, all f32), parallelized with rayon over the

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Measure the peers of flashattn on one GPU: torch SDPA (FLASH and CUDNN backends) on the
-headline shapes of DESIGN.md §5, plus the ceilings (bf16 and FP8 GEMM, device copy bandwidth).
+headline shapes of docs/ARCHITECTURE.md, plus the ceilings (bf16 and FP8 GEMM, device copy bandwidth).
 
-Writes the results JSON of DESIGN.md §6 and prints a compact table.
+Writes the results JSON of docs/ARCHITECTURE.md and prints a compact table.
 
     python3 benchmarks/compare_torch.py --out $OUT/peers.json --commit $(git rev-parse --short HEAD)
     python3 benchmarks/compare_torch.py --quick
@@ -12,7 +12,7 @@ Writes the results JSON of DESIGN.md §6 and prints a compact table.
 Needs python >= 3.9, torch with CUDA; stdlib + torch only. torch is imported after the
 arguments are parsed, so --help and --dry-run work anywhere.
 
-Method (DESIGN.md §5):
+Method (docs/ARCHITECTURE.md):
   * shapes: total tokens T (default 16384), batch = T / seqlen; hidden H (default 2048),
     heads = H / head_dim; seqlen_q = seqlen_k; heads_kv = heads; bf16; softmax scale 1/sqrt(d).
   * inputs: N(0,1) in the (batch, seqlen, heads, dim) layout, handed to SDPA as
@@ -77,7 +77,7 @@ def backend_list(text):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Time torch SDPA (FLASH, CUDNN backends) and GEMM/copy ceilings on the "
-                    "headline shapes of DESIGN.md §5; write the results JSON of §6.",
+                    "headline shapes of docs/ARCHITECTURE.md; write the results JSON of docs/ARCHITECTURE.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", metavar="PATH", default=None,
                    help="results JSON path (default: $OUT/compare_torch.json if $OUT is set, "
@@ -124,7 +124,7 @@ def parse_args(argv=None):
     if args.min_reps < 1 or args.max_reps < args.min_reps:
         p.error("need 1 <= --min-reps <= --max-reps")
     if args.min_reps < 20:
-        print(f"note: --min-reps {args.min_reps} is below the 20 runs DESIGN.md §5 asks for",
+        print(f"note: --min-reps {args.min_reps} is below the 20 runs docs/ARCHITECTURE.md asks for",
               file=sys.stderr)
     if args.commit is None:
         args.commit = os.environ.get("FLASHATTN_COMMIT") or "unknown"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Print ours beside theirs: read results JSON files (DESIGN.md §6) and print, per shape,
+"""Print ours beside theirs: read results JSON files (docs/ARCHITECTURE.md) and print, per shape,
 each implementation's forward and backward TFLOP/s and the ratio of our best to the best peer.
 
     python3 benchmarks/table.py benchmarks/results/2026-11-29-h200-peers.json \\
@@ -243,7 +243,7 @@ def render_markdown(header, lines):
 def main(argv=None):
     ap = argparse.ArgumentParser(
         description="Print flashattn's TFLOP/s beside the peers' from results JSON files "
-                    "(DESIGN.md §6).")
+                    "(docs/ARCHITECTURE.md).")
     ap.add_argument("files", nargs="+", metavar="FILE", help="results JSON files (ours and peers)")
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table (for README.md)")
     ap.add_argument("--no-ceilings", action="store_true", help="leave out the GEMM/copy ceilings")

@@ -1,5 +1,6 @@
-// Entry points of the C ABI: validate the parameters, pick the instantiation by arch, dtype and
-// head dim, launch on the caller's stream. The Rust side validates first; these checks are the
+// Entry points of the C ABI: validate the parameters, then launch on the caller's stream the
+// kernel of the registry (src/registry.rs; the dispatch on element type and head dim is generated
+// into kernels.h) that this build holds. The Rust side validates first; these checks are the
 // second line so that a wrong call from C is refused rather than faulting.
 #include <cuda_runtime.h>
 
@@ -8,11 +9,9 @@
 #include "common/status.h"
 #include "common/views.h"
 #include "flash_api.h"
-#include "sm80/bwd_instantiations.h"
-#include "sm80/fwd_instantiations.h"
-#include "sm90/bwd_instantiations.h"
+#include "kernels.h"
 #include "sm90/fp8_layout.h"
-#include "sm90/fwd_instantiations.h"
+#include "sm90/fp8_quantize.h"
 
 namespace {
 
@@ -73,7 +72,7 @@ flashattn_result_t validate_common(const flashattn_params_t* p) {
     return kInvalid;
   if (p->dtype != FLASHATTN_F16 && p->dtype != FLASHATTN_BF16 && p->dtype != FLASHATTN_E4M3)
     return kUnsupported;
-  if (p->head_dim != 64 && p->head_dim != 128 && p->head_dim != 256) return kUnsupported;
+  if (!flashattn::kernels::head_dim_known(p->head_dim)) return kUnsupported;
   // Variable-length batches and paged KV are declared for the coming API, not built yet.
   if (p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr || p->max_seqlen_q != 0 ||
       p->max_seqlen_k != 0 || p->page_table != nullptr || p->page_table_batch_stride != 0 ||
@@ -174,11 +173,7 @@ bool fits_sm80_grid(const flashattn_params_t& p) { return p.batch <= 65535 && p.
 
 }  // namespace
 
-extern "C" uint32_t flashattn_built_kernels(void) {
-  // Kernel families land here as they are written (csrc/sm90, csrc/sm80).
-  return FLASHATTN_KERNEL_SM90_SELFTEST | FLASHATTN_KERNEL_SM90_FWD | FLASHATTN_KERNEL_SM90_BWD |
-         FLASHATTN_KERNEL_SM80_FWD | FLASHATTN_KERNEL_SM80_BWD | FLASHATTN_KERNEL_SM90_FP8_FWD;
-}
+extern "C" uint32_t flashattn_built_kernels(void) { return flashattn::kernels::built_families(); }
 
 extern "C" flashattn_result_t flashattn_device_query(int32_t ordinal,
                                                      flashattn_device_info_t* info) {
@@ -208,26 +203,12 @@ extern "C" flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* param
   flashattn::sm90::FwdOptions o;
   o.pingpong = !(p.sm90_flags & FLASHATTN_SM90_NO_PINGPONG);
   o.intra_wg_overlap = !(p.sm90_flags & FLASHATTN_SM90_NO_INTRA_WG_OVERLAP);
-  const bool bf16 = p.dtype == FLASHATTN_BF16;
-  // The variant without intra-warpgroup overlap exists for d128 bf16 only (ablation).
-  if (!o.intra_wg_overlap && !(bf16 && p.head_dim == 128)) return status(FLASHATTN_UNSUPPORTED);
   auto s = static_cast<cudaStream_t>(stream);
-  using namespace flashattn::sm90;
   if (p.dtype == FLASHATTN_E4M3) {
     if (p.softcap != 0.f) return kUnsupported;  // not built for FP8
-    switch (p.head_dim) {
-      case 64: return run_fwd_fp8_d64(p, o, s);
-      case 128: return run_fwd_fp8_d128(p, o, s);
-      case 256: return run_fwd_fp8_d256(p, o, s);
-      default: return status(FLASHATTN_UNSUPPORTED);
-    }
+    return flashattn::kernels::sm90_fp8_fwd(p, o, s);
   }
-  switch (p.head_dim) {
-    case 64: return bf16 ? run_fwd_d64_bf16(p, o, s) : run_fwd_d64_fp16(p, o, s);
-    case 128: return bf16 ? run_fwd_d128_bf16(p, o, s) : run_fwd_d128_fp16(p, o, s);
-    case 256: return bf16 ? run_fwd_d256_bf16(p, o, s) : run_fwd_d256_fp16(p, o, s);
-    default: return status(FLASHATTN_UNSUPPORTED);
-  }
+  return flashattn::kernels::sm90_fwd(p, o, s);
 }
 
 extern "C" flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* params,
@@ -236,16 +217,8 @@ extern "C" flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* param
   if (r.status != FLASHATTN_OK) return r;
   const flashattn_params_t p = with_unbounded_windows(*params);
   // Softcap is not built for sm90: the dispatcher sends those calls to the sm80 backward.
-  if (p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
-  const bool bf16 = p.dtype == FLASHATTN_BF16;
-  auto s = static_cast<cudaStream_t>(stream);
-  using namespace flashattn::sm90;
-  switch (p.head_dim) {
-    case 64: return bf16 ? run_bwd_d64_bf16(p, s) : run_bwd_d64_fp16(p, s);
-    case 128: return bf16 ? run_bwd_d128_bf16(p, s) : run_bwd_d128_fp16(p, s);
-    case 256: return bf16 ? run_bwd_d256_bf16(p, s) : run_bwd_d256_fp16(p, s);
-    default: return status(FLASHATTN_UNSUPPORTED);
-  }
+  if (p.softcap > 0.f) return kUnsupported;
+  return flashattn::kernels::sm90_bwd(p, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" flashattn_result_t flashattn_fwd_sm80(const flashattn_params_t* params,
@@ -254,16 +227,7 @@ extern "C" flashattn_result_t flashattn_fwd_sm80(const flashattn_params_t* param
   if (r.status != FLASHATTN_OK) return r;
   if (!fits_sm80_grid(*params)) return kInvalid;
   const flashattn_params_t p = with_unbounded_windows(*params);
-  if (p.dtype == FLASHATTN_E4M3) return status(FLASHATTN_UNSUPPORTED);  // FP8 is sm90 only
-  const bool bf16 = p.dtype == FLASHATTN_BF16;
-  auto s = static_cast<cudaStream_t>(stream);
-  using namespace flashattn::sm80;
-  switch (p.head_dim) {
-    case 64: return bf16 ? run_fwd_d64_bf16(p, s) : run_fwd_d64_fp16(p, s);
-    case 128: return bf16 ? run_fwd_d128_bf16(p, s) : run_fwd_d128_fp16(p, s);
-    case 256: return bf16 ? run_fwd_d256_bf16(p, s) : run_fwd_d256_fp16(p, s);
-    default: return status(FLASHATTN_UNSUPPORTED);
-  }
+  return flashattn::kernels::sm80_fwd(p, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" flashattn_result_t flashattn_bwd_sm80(const flashattn_params_t* params,
@@ -272,15 +236,7 @@ extern "C" flashattn_result_t flashattn_bwd_sm80(const flashattn_params_t* param
   if (r.status != FLASHATTN_OK) return r;
   if (!fits_sm80_grid(*params)) return kInvalid;
   const flashattn_params_t p = with_unbounded_windows(*params);
-  const bool bf16 = p.dtype == FLASHATTN_BF16;
-  auto s = static_cast<cudaStream_t>(stream);
-  using namespace flashattn::sm80;
-  switch (p.head_dim) {
-    case 64: return bf16 ? run_bwd_d64_bf16(p, s) : run_bwd_d64_fp16(p, s);
-    case 128: return bf16 ? run_bwd_d128_bf16(p, s) : run_bwd_d128_fp16(p, s);
-    case 256: return bf16 ? run_bwd_d256_bf16(p, s) : run_bwd_d256_fp16(p, s);
-    default: return status(FLASHATTN_UNSUPPORTED);
-  }
+  return flashattn::kernels::sm80_bwd(p, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int32_t flashattn_fp8_query_block(void) { return flashattn::sm90::kFp8QueryBlock; }

@@ -1,4 +1,4 @@
-//! The FP8 forward's speed on the headline shapes of DESIGN.md §5 (16k tokens, hidden 2048,
+//! The FP8 forward's speed on the headline shapes of docs/ARCHITECTURE.md (16k tokens, hidden 2048,
 //! head dim 64/128/256, causal and not), beside the bf16 sm90 forward on the same shapes in the
 //! same run, and the quantize step's time on its own (GB/s: bf16 Q, K, V read once, e4m3 and
 //! descales written). The FP8 row times the kernel over inputs quantized once (per-block

@@ -1,10 +1,11 @@
-//! GPU TFLOP/s on the headline shapes of DESIGN.md §5 (total tokens 16384, hidden 2048, seqlen
-//! 512…16384, head dim 64/128/256, causal and not, bf16): the Hopper forward with the
+//! GPU TFLOP/s on the headline shapes of docs/ARCHITECTURE.md (total tokens 16384, hidden 2048,
+//! seqlen 512…16384, head dim 64/128/256, causal and not, bf16): the Hopper forward with the
 //! FlashAttention-3 ablation at d128 s8192 and the Hopper backward where it is built, and the
 //! FlashAttention-2-style (sm80) forward and backward (atomic and deterministic) on the same
-//! shapes. CUDA events around each call, queued behind the warm-up as the peers are timed, median of the runs; the host's enqueue time per forward call is reported
-//! beside. Each forward is also checked on sampled rows against the f64 reference (`pass`); the
-//! backward's correctness is tests/gpu_bwd.rs's.
+//! shapes. CUDA events around each call, queued behind the warm-up as the peers are timed, median
+//! of the runs; the host's enqueue time per forward call is reported beside. Each forward is also
+//! checked on sampled rows against the f64 reference (`pass`); the backward's correctness is
+//! tests/gpu_bwd.rs's.
 //!
 //! Usage: bench_table [--quick] [--only D,S[,causal][,sm80]] [--out results.json] [--commit SHA]
 
@@ -163,7 +164,7 @@ fn time_backward(
     times
 }
 
-/// Error ratio on sampled rows of the last output (rule of DESIGN.md §4).
+/// Error ratio on sampled rows of the last output (the correctness rule of docs/ARCHITECTURE.md).
 fn check(stream: &Arc<CudaStream>, inp: &Inputs, cfg: &AttentionConfig, shape: [usize; 4]) -> f64 {
     let layout = Layout::contiguous(shape);
     let n = layout.span(flashattn::Operand::Q).unwrap();

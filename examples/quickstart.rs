@@ -1,6 +1,6 @@
-//! Attention on the best backend this machine has: prints the backend and why, the error
-//! against the f64 reference (DESIGN.md §4's rule) and the speed. Without a GPU it runs the CPU
-//! backend and says so.
+//! Attention on the best backend this machine has: prints the backend and why, the error against
+//! the f64 reference (the correctness rule of docs/ARCHITECTURE.md) and the speed. Without a GPU it
+//! runs the CPU backend and says so.
 
 use std::time::Instant;
 

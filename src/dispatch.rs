@@ -3,6 +3,7 @@
 
 use crate::config::{AttentionConfig, Backend};
 use crate::error::{Error, Result};
+use crate::registry::{self, Family, Kernel, KernelDtype};
 use crate::tensor::{DType, Problem};
 
 /// The operation being planned.
@@ -37,26 +38,28 @@ pub enum Memory {
     Device(DeviceInfo),
 }
 
-/// Kernels compiled into this build (bit flags reported by the C library).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct BuiltKernels {
-    pub sm90_fwd: bool,
-    pub sm90_bwd: bool,
-    pub sm80_fwd: bool,
-    pub sm80_bwd: bool,
-    pub sm90_fp8_fwd: bool,
+/// Which kernels of the registry ([`crate::registry`]) the dispatcher may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BuiltKernels {
+    /// The ones this build holds (its Cargo features).
+    Current,
+    /// Every kernel of the registry, as if built (to plan for another build).
+    All,
+    /// None (a build without the `cuda` feature, as seen from the planner).
+    Nothing,
 }
 
 impl BuiltKernels {
     /// What this build of the crate contains.
     pub fn current() -> Self {
-        #[cfg(feature = "cuda")]
-        {
-            crate::ffi::built_kernels()
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            BuiltKernels::default()
+        BuiltKernels::Current
+    }
+
+    pub fn contains(self, kernel: &Kernel) -> bool {
+        match self {
+            BuiltKernels::Current => kernel.built(),
+            BuiltKernels::All => true,
+            BuiltKernels::Nothing => false,
         }
     }
 }
@@ -65,19 +68,48 @@ impl BuiltKernels {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
     pub backend: Backend,
+    kernel: Option<&'static Kernel>,
     reasons: Vec<String>,
 }
 
 impl Plan {
-    /// Why this backend was chosen, and why each one tried before it was not.
+    /// Why this backend was chosen, and why each one tried before it was not; the kernel that
+    /// runs, on a GPU backend.
     pub fn explain(&self) -> String {
-        self.reasons.join("; ")
+        let mut text = self.reasons.join("; ");
+        if let Some(k) = self.kernel {
+            text.push_str(&format!("; kernel {}", k.name()));
+        }
+        text
+    }
+
+    /// The registry's kernel that runs the call (None on the CPU backend).
+    pub fn kernel(&self) -> Option<&'static Kernel> {
+        self.kernel
     }
 }
 
-const GPU_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// The registry's family that runs `op` on `backend` over `dtype`, and the kernel's element type.
+fn family_of(backend: Backend, op: Op, dtype: DType) -> Option<(Family, KernelDtype)> {
+    let kernel_dtype = match dtype {
+        DType::BF16 => KernelDtype::Bf16,
+        DType::F16 => KernelDtype::Fp16,
+        DType::E4M3 => KernelDtype::E4m3,
+        DType::F32 => return None,
+    };
+    let family = match (backend, op, kernel_dtype) {
+        (Backend::Sm90, Op::Forward, KernelDtype::E4m3) => Family::Sm90Fp8Fwd,
+        (Backend::Sm90, Op::Forward, _) => Family::Sm90Fwd,
+        (Backend::Sm90, Op::Backward, _) => Family::Sm90Bwd,
+        (Backend::Sm80, Op::Forward, _) => Family::Sm80Fwd,
+        (Backend::Sm80, Op::Backward, _) => Family::Sm80Bwd,
+        _ => return None,
+    };
+    Some((family, kernel_dtype))
+}
 
-/// Does `backend` accept this call? `Ok(())` or the error a forced call would get.
+/// Does `backend` accept this call? The kernel it would run (None on the CPU), or the error a
+/// forced call would get.
 pub fn check_backend(
     backend: Backend,
     op: Op,
@@ -85,7 +117,7 @@ pub fn check_backend(
     cfg: &AttentionConfig,
     memory: &Memory,
     built: BuiltKernels,
-) -> Result<()> {
+) -> Result<Option<&'static Kernel>> {
     let name = backend.name();
     match backend {
         Backend::Auto => Err(Error::InvalidConfig(
@@ -99,7 +131,7 @@ pub fn check_backend(
                 });
             }
             match problem.dtype {
-                DType::F32 | DType::F16 | DType::BF16 => problem.check_cpu_limits(),
+                DType::F32 | DType::F16 | DType::BF16 => problem.check_cpu_limits().map(|_| None),
                 DType::E4M3 => Err(Error::UnsupportedDtype {
                     dtype: problem.dtype,
                     backend: name,
@@ -131,42 +163,38 @@ pub fn check_backend(
                 });
             }
             // E4M3: the sm90 FP8 forward (inputs from the quantize step, src/cuda/fp8.rs).
-            let fp8 = problem.dtype == DType::E4M3;
-            let dtype_ok = matches!(problem.dtype, DType::F16 | DType::BF16)
-                || (fp8 && backend == Backend::Sm90 && op == Op::Forward);
-            if !dtype_ok {
-                return Err(Error::UnsupportedDtype {
-                    dtype: problem.dtype,
-                    backend: name,
-                });
-            }
-            if fp8 && cfg.softcap.is_some() {
+            let unsupported_dtype = Error::UnsupportedDtype {
+                dtype: problem.dtype,
+                backend: name,
+            };
+            let (family, dtype) =
+                family_of(backend, op, problem.dtype).ok_or(unsupported_dtype.clone())?;
+            if family == Family::Sm90Fp8Fwd && cfg.softcap.is_some() {
                 return Err(Error::Unsupported {
                     what: "the FP8 forward with softcap (not built)".into(),
                     backend: name,
                 });
             }
-            if !GPU_HEAD_DIMS.contains(&problem.head_dim) {
+            if !registry::head_dims(family).contains(&problem.head_dim) {
                 return Err(Error::UnsupportedHeadDim {
                     head_dim: problem.head_dim,
                     backend: name,
                 });
             }
-            let present = match (backend, op) {
-                (Backend::Sm90, Op::Forward) if fp8 => built.sm90_fp8_fwd,
-                (Backend::Sm90, Op::Forward) => built.sm90_fwd,
-                (Backend::Sm90, Op::Backward) => built.sm90_bwd,
-                (_, Op::Forward) => built.sm80_fwd,
-                (_, Op::Backward) => built.sm80_bwd,
-            };
-            if !present {
+            let kernel =
+                registry::find(family, problem.head_dim, dtype).ok_or(unsupported_dtype)?;
+            if !built.contains(kernel) {
                 return Err(Error::Unsupported {
-                    what: format!("{op:?} (kernel not in this build)"),
+                    what: format!(
+                        "{} (not in this build: it needs the Cargo features {})",
+                        kernel.name(),
+                        kernel.features().join(", ")
+                    ),
                     backend: name,
                 });
             }
             // The sm90 backward is built without softcap; Auto then takes the sm80 one.
-            if backend == Backend::Sm90 && op == Op::Backward && cfg.softcap.is_some() {
+            if family == Family::Sm90Bwd && cfg.softcap.is_some() {
                 return Err(Error::Unsupported {
                     what: "Backward with softcap (not built for sm90 yet)".into(),
                     backend: name,
@@ -197,18 +225,17 @@ pub fn check_backend(
                     ),
                 });
             }
-            let sched = cfg.sm90_schedule;
-            if backend == Backend::Sm90
-                && !sched.intra_wg_overlap
-                && !(problem.head_dim == 128 && problem.dtype == DType::BF16)
-            {
+            let forward_sm90 = matches!(family, Family::Sm90Fwd | Family::Sm90Fp8Fwd);
+            if forward_sm90 && !cfg.sm90_schedule.intra_wg_overlap && !kernel.ablation {
                 return Err(Error::Unsupported {
-                    what: "the schedule without intra-warpgroup overlap (built for d128 bf16 only)"
-                        .into(),
+                    what: format!(
+                        "the schedule without intra-warpgroup overlap (not built into {})",
+                        kernel.name()
+                    ),
                     backend: name,
                 });
             }
-            Ok(())
+            Ok(Some(kernel))
         }
     }
 }
@@ -242,7 +269,7 @@ pub fn plan(
     let mut last_err = None;
     for &backend in candidates {
         match check_backend(backend, op, problem, cfg, memory, built) {
-            Ok(()) => {
+            Ok(kernel) => {
                 let why = match (cfg.backend, memory) {
                     (Backend::Auto, Memory::Host) => "cpu: operands are in host memory".to_string(),
                     (Backend::Auto, Memory::Device(info)) => format!(
@@ -258,7 +285,11 @@ pub fn plan(
                     _ => format!("{}: forced by the caller", backend.name()),
                 };
                 reasons.push(why);
-                return Ok(Plan { backend, reasons });
+                return Ok(Plan {
+                    backend,
+                    kernel,
+                    reasons,
+                });
             }
             Err(e) => {
                 reasons.push(format!("{}: {e}", backend.name()));

@@ -6,6 +6,7 @@ use crate::tensor::DType;
 
 /// Which tensor an error is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Operand {
     Q,
     K,
@@ -35,7 +36,9 @@ impl fmt::Display for Operand {
     }
 }
 
+/// New variants may come in a minor release: match with a `_` arm.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub enum Error {
     /// A dimension is zero (attention over nothing is not a problem we accept).
     EmptyDimension { operand: Operand, dim: usize },

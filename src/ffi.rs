@@ -8,7 +8,6 @@
 
 include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 
-use crate::dispatch::BuiltKernels;
 use crate::error::Error;
 
 /// Turns a C ABI result into `Ok(())` or a typed error naming `backend`.
@@ -40,14 +39,25 @@ pub(crate) fn cuda_error(code: i32) -> Error {
     Error::Cuda { code, name }
 }
 
-pub(crate) fn built_kernels() -> BuiltKernels {
-    // SAFETY: a pure function of the compiled library.
-    let bits = unsafe { flashattn_built_kernels() };
-    BuiltKernels {
-        sm90_fwd: bits & FLASHATTN_KERNEL_SM90_FWD != 0,
-        sm90_bwd: bits & FLASHATTN_KERNEL_SM90_BWD != 0,
-        sm80_fwd: bits & FLASHATTN_KERNEL_SM80_FWD != 0,
-        sm80_bwd: bits & FLASHATTN_KERNEL_SM80_BWD != 0,
-        sm90_fp8_fwd: bits & FLASHATTN_KERNEL_SM90_FP8_FWD != 0,
+#[cfg(test)]
+mod tests {
+    use crate::registry::{Family, KERNELS};
+
+    /// The C library's families (generated from the registry by build.rs) are the ones the
+    /// registry says this build holds.
+    #[test]
+    fn the_c_library_holds_what_the_registry_says() {
+        // SAFETY: a pure function of the compiled library.
+        let bits = unsafe { super::flashattn_built_kernels() };
+        for (family, bit) in [
+            (Family::Sm90Fwd, super::FLASHATTN_KERNEL_SM90_FWD),
+            (Family::Sm90Fp8Fwd, super::FLASHATTN_KERNEL_SM90_FP8_FWD),
+            (Family::Sm90Bwd, super::FLASHATTN_KERNEL_SM90_BWD),
+            (Family::Sm80Fwd, super::FLASHATTN_KERNEL_SM80_FWD),
+            (Family::Sm80Bwd, super::FLASHATTN_KERNEL_SM80_BWD),
+        ] {
+            let built = KERNELS.iter().any(|k| k.family == family && k.built());
+            assert_eq!(bits & bit != 0, built, "{family:?}");
+        }
     }
 }

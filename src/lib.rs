@@ -45,7 +45,13 @@ pub mod error;
 mod ffi;
 pub mod fp8;
 pub mod reference;
+pub mod registry;
 pub mod tensor;
+
+/// The README's examples, compiled as doctests (the GPU one needs the `cuda` feature).
+#[cfg(all(doctest, feature = "cuda"))]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
 
 pub use config::{AttentionConfig, Backend, Mask, PingPong, Sm90Schedule, TailSplit};
 pub use dispatch::{BuiltKernels, DeviceInfo, Memory, Op, Plan};

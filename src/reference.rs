@@ -1,4 +1,4 @@
-//! What the backends are checked against (DESIGN.md §4):
+//! What the backends are checked against (the correctness rule of docs/ARCHITECTURE.md):
 //!
 //! - the **reference**: attention in f64 over the same dtype-rounded inputs
 //!   ([`reference_forward`], [`reference_backward`], and [`reference_row`] for one query row of

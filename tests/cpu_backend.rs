@@ -1,7 +1,7 @@
-//! The CPU backend against the f64 reference under FlashAttention's rule (DESIGN.md §4):
-//! `max|out − ref| ≤ 2·max|baseline − ref| + 1e-5` for O, LSE, dQ, dK and dV, over random
-//! N(0,1) inputs, with every output poisoned (NaN) before the call. Then fully masked rows and
-//! bad inputs, each bad input matched to its error variant.
+//! The CPU backend against the f64 reference under FlashAttention's rule (the correctness rule of
+//! docs/ARCHITECTURE.md): `max|out − ref| ≤ 2·max|baseline − ref| + 1e-5` for O, LSE, dQ, dK and
+//! dV, over random N(0,1) inputs, with every output poisoned (NaN) before the call. Then fully
+//! masked rows and bad inputs, each bad input matched to its error variant.
 
 use flashattn::reference::{self, compare, pack_f32, Comparison};
 use flashattn::{
@@ -593,8 +593,9 @@ fn public_backward_matches_backend_and_is_deterministic() {
 
 #[test]
 fn sampled_rows_of_a_larger_shape() {
-    // DESIGN.md §4 for shapes too large to check whole: no NaN or poison anywhere, and sampled
-    // rows against the f64 reference row (f32 inputs, so a tight absolute bound).
+    // the correctness rule of docs/ARCHITECTURE.md for shapes too large to check whole: no NaN or
+    // poison anywhere, and sampled rows against the f64 reference row (f32 inputs, so a tight
+    // absolute bound).
     let (b, s, h, d) = (1, 1536, 4, 64);
     let mut rng = StdRng::seed_from_u64(9);
     let qv = normal(&mut rng, b * s * h * d);

@@ -1,7 +1,8 @@
-//! Backward correctness of the GPU kernels against the f64 reference under DESIGN.md §4's rule:
-//! the GPU forward of the same backend gives O and LSE, the GPU backward dQ, dK, dV (poisoned
-//! with NaN before the launch), each compared whole with the reference and the dtype baseline.
-//! `#[ignore]`d: run on the device with `--include-ignored` (each test fails without a GPU).
+//! Backward correctness of the GPU kernels against the f64 reference under the correctness rule of
+//! docs/ARCHITECTURE.md: the GPU forward of the same backend gives O and LSE, the GPU backward dQ,
+//! dK, dV (poisoned with NaN before the launch), each compared whole with the reference and the
+//! dtype baseline. `#[ignore]`d: run on the device with `--include-ignored` (each test fails
+//! without a GPU).
 #![cfg(feature = "cuda")]
 
 mod common;

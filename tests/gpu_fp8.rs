@@ -1,7 +1,7 @@
 //! The FP8 forward on the GPU: the quantize step against its host definition (bit for bit), the
-//! forward against the f64 reference over the quantized inputs under DESIGN.md §4's rule with an
-//! FP8 baseline (also on rows whose scores all lie far below 0), and the refusals. `#[ignore]`d:
-//! run on the device with `--include-ignored`.
+//! forward against the f64 reference over the quantized inputs under the correctness rule of
+//! docs/ARCHITECTURE.md with an FP8 baseline (also on rows whose scores all lie far below 0), and
+//! the refusals. `#[ignore]`d: run on the device with `--include-ignored`.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -257,11 +257,12 @@ fn fp8_baseline<O: Element>(
     (out, lse, magnitude)
 }
 
-/// The LSE's rule: DESIGN.md §4's against the FP8 baseline, widened per row by 2^-8 of the
-/// row's largest Σ|q·k|·scale for the tensor cores' FP8 accumulation (see `fp8_baseline`; a
-/// wrong descale or block errs by whole percents of it). On the H200, cuBLASLt's own FP8 GEMM
-/// errs by up to 2^-9.6 of Σ|q·k| at d256 on these inputs, and this kernel by 2^-8.9 in one row
-/// of 54M scores (b2 h9 1000×3000; benchmarks/fp8_accumulation_probe.py, README 2026-12-01).
+/// The LSE's rule: docs/ARCHITECTURE.md's correctness rule, against the FP8 baseline, widened per
+/// row by 2^-8 of the row's largest Σ|q·k|·scale for the tensor cores' FP8 accumulation (see
+/// `fp8_baseline`; a wrong descale or block errs by whole percents of it). On the H200, cuBLASLt's
+/// own FP8 GEMM errs by up to 2^-9.6 of Σ|q·k| at d256 on these inputs, and this kernel by 2^-8.9
+/// in one row of 54M scores (b2 h9 1000×3000; benchmarks/fp8_accumulation_probe.py, README
+/// 2026-12-01).
 fn compare_lse(got: &[f32], reference: &[f64], baseline: &[f32], magnitude: &[f32]) -> Comparison {
     let base = compare(got, reference, baseline);
     let mut worst = Comparison { ratio: 0.0, ..base };

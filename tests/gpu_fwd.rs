@@ -1,7 +1,7 @@
-//! Forward correctness of the GPU kernels against the f64 reference under DESIGN.md §4's rule.
-//! `#[ignore]`d: run on the device with `--include-ignored` (each test fails without a GPU).
-//! Small problems are checked whole; large ones for NaN/poison everywhere and exactly on a
-//! sample of rows. Outputs are poisoned (NaN) before every launch.
+//! Forward correctness of the GPU kernels against the f64 reference under the correctness rule of
+//! docs/ARCHITECTURE.md. `#[ignore]`d: run on the device with `--include-ignored` (each test fails
+//! without a GPU). Small problems are checked whole; large ones for NaN/poison everywhere and
+//! exactly on a sample of rows. Outputs are poisoned (NaN) before every launch.
 #![cfg(feature = "cuda")]
 
 mod common;

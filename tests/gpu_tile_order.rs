@@ -23,7 +23,7 @@ fn plan_with_a_huge_l2() {
 }
 
 /// Causal forward of one head with `s_q` queries over `s_k` keys on `backend`, against the f64
-/// reference under DESIGN's rule; O and the LSE poisoned first.
+/// reference under the correctness rule (docs/ARCHITECTURE.md); O and the LSE poisoned first.
 fn forward_matches(backend: Backend, s_q: usize, s_k: usize) {
     plan_with_a_huge_l2();
     let (dev, stream) = device();
@@ -74,8 +74,9 @@ fn forward_matches(backend: Backend, s_q: usize, s_k: usize) {
     assert!(co.pass && cl.pass, "O {co}; LSE {cl}");
 }
 
-/// Causal backward of one query over `s_k` keys on `backend` (key blocks ordered heavy-first,
-/// all in one group), against the f64 reference's gradients under DESIGN's rule.
+/// Causal backward of one query over `s_k` keys on `backend` (key blocks ordered heavy-first, all
+/// in one group), against the f64 reference's gradients under the correctness rule
+/// (docs/ARCHITECTURE.md).
 fn backward_matches(backend: Backend, s_k: usize) {
     plan_with_a_huge_l2();
     let (dev, stream) = device();

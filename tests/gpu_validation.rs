@@ -383,8 +383,9 @@ fn device_calls_refuse_bad_outputs_with_typed_errors() {
     assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
 }
 
-/// K and V broadcast over heads (head stride 0) and Q over batch entries (batch stride 0) read
-/// as the layouts say, on both GPU families, under DESIGN's rule against the f64 reference.
+/// K and V broadcast over heads (head stride 0) and Q over batch entries (batch stride 0) read as
+/// the layouts say, on both GPU families, under the correctness rule (docs/ARCHITECTURE.md) against
+/// the f64 reference.
 #[test]
 #[ignore = "needs a GPU"]
 fn broadcast_inputs_read_as_their_layouts_say() {

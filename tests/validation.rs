@@ -6,6 +6,7 @@
 
 use flashattn::dispatch::{self, BuiltKernels, DeviceInfo, Memory, Op};
 use flashattn::fp8::{fwht, Fp8Tensor, Granularity, RandomSignHadamard};
+use flashattn::registry::{Family, KernelDtype};
 use flashattn::tensor::{check_backward, check_forward, MAX_GPU_SEQLEN};
 use flashattn::{
     AttentionConfig, Backend, DType, Error, Layout, Operand, Problem, TensorMut, TensorRef,
@@ -30,13 +31,7 @@ fn fake_h200() -> Memory {
 }
 
 fn all_gpu_kernels() -> BuiltKernels {
-    BuiltKernels {
-        sm90_fwd: true,
-        sm90_bwd: true,
-        sm80_fwd: true,
-        sm80_bwd: true,
-        sm90_fp8_fwd: true,
-    }
+    BuiltKernels::All
 }
 
 fn problem(batch: usize, seqlen_q: usize, seqlen_k: usize, heads: usize, d: usize) -> Problem {
@@ -254,6 +249,48 @@ fn gpu_sizes_are_refused_in_the_planner() {
     )
     .unwrap_err();
     assert!(matches!(forced, Error::IndexOverflow { .. }), "{forced:?}");
+}
+
+#[test]
+fn kernels_left_out_of_the_build_are_refused_by_name() {
+    // Every kernel of the registry: planned when this build holds it, otherwise refused with the
+    // Cargo features it needs (CI also runs this suite in a build of the d128 Hopper forwards).
+    let cfg = AttentionConfig::new();
+    for k in flashattn::registry::KERNELS {
+        let (op, backend) = match k.family {
+            Family::Sm90Fwd | Family::Sm90Fp8Fwd => (Op::Forward, Backend::Sm90),
+            Family::Sm90Bwd => (Op::Backward, Backend::Sm90),
+            Family::Sm80Fwd => (Op::Forward, Backend::Sm80),
+            Family::Sm80Bwd => (Op::Backward, Backend::Sm80),
+        };
+        let dtype = match k.dtype {
+            KernelDtype::Bf16 => DType::BF16,
+            KernelDtype::Fp16 => DType::F16,
+            KernelDtype::E4m3 => DType::E4M3,
+        };
+        let p = Problem {
+            dtype,
+            ..problem(2, 300, 300, 4, k.head_dim)
+        };
+        let r = dispatch::plan(
+            op,
+            &p,
+            &cfg.clone().backend(backend),
+            &fake_h200(),
+            BuiltKernels::current(),
+        );
+        if k.built() {
+            assert_eq!(r.unwrap().kernel(), Some(k), "{}", k.name());
+        } else {
+            let e = r.unwrap_err();
+            let text = e.to_string();
+            assert!(
+                k.features().iter().all(|f| text.contains(f)) && text.contains(&k.name()),
+                "{}: {text}",
+                k.name()
+            );
+        }
+    }
 }
 
 #[test]
@@ -581,7 +618,7 @@ fn accepted_call_stays_inside_its_buffers(call: Call) -> Result<(), TestCaseErro
     // The planner, for the host and for a GPU, answers without panicking; a GPU plan
     // keeps to the kernels' limits.
     let op = if backward { Op::Backward } else { Op::Forward };
-    let _ = dispatch::plan(op, &p, &cfg, &Memory::Host, BuiltKernels::default());
+    let _ = dispatch::plan(op, &p, &cfg, &Memory::Host, BuiltKernels::Nothing);
     let gpu = Problem {
         dtype: DType::BF16,
         ..p

@@ -14,7 +14,7 @@
 #include "../common/launch.h"
 #include "../common/status.h"
 #include "../flash_api.h"
-#include "bwd_instantiations.h"
+#include "bwd_tile.h"
 #include "bwd_kernel.h"
 
 namespace flashattn::sm80 {

@@ -10,7 +10,7 @@
 #include "../common/launch.h"
 #include "../common/status.h"
 #include "../flash_api.h"
-#include "fwd_instantiations.h"
+#include "fwd_tile.h"
 #include "fwd_kernel.h"
 
 namespace flashattn::sm80 {

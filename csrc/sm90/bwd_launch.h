@@ -15,7 +15,6 @@
 #include "../common/launch.h"
 #include "../common/status.h"
 #include "../flash_api.h"
-#include "bwd_instantiations.h"
 #include "bwd_kernel.h"
 #include "bwd_kernel_split_d.h"
 #include "tma_tensor.h"

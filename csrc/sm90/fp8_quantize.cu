@@ -16,6 +16,7 @@
 #include "../common/status.h"
 #include "../flash_api.h"
 #include "fp8_layout.h"
+#include "fp8_quantize.h"
 
 namespace flashattn::sm90 {
 

@@ -10,7 +10,7 @@
 #include "../common/status.h"
 #include "../common/workspace_pool.h"
 #include "../flash_api.h"
-#include "fwd_instantiations.h"
+#include "fwd_tile.h"
 #include "fwd_kernel.h"
 #include "fwd_tail_merge.h"
 #include "tma_tensor.h"

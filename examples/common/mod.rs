@@ -1,5 +1,5 @@
 //! What the device examples share: their arguments, the device, and the results file of
-//! DESIGN.md §6 (date, device, commit, rows).
+//! docs/ARCHITECTURE.md (date, device, commit, rows).
 #![allow(dead_code)] // each example uses its own part
 
 use flashattn::cuda::Device;

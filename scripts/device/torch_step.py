@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""There: one forward and one backward of torch SDPA's FLASH backend on a DESIGN.md §5 shape
+"""There: one forward and one backward of torch SDPA's FLASH backend on a docs/ARCHITECTURE.md shape
 (16k tokens, hidden 2048, bf16), for a profiler to catch its kernels.
 Usage: python3 torch_step.py D S [causal]"""
 import sys

@@ -132,8 +132,10 @@ fn sign_bits(hadamard: &RandomSignHadamard) -> [u64; 4] {
 
 impl Device {
     fn check_fp8_device(&self) -> Result<()> {
-        if self.info.compute_capability() != (9, 0) || !crate::BuiltKernels::current().sm90_fp8_fwd
-        {
+        let built = crate::registry::KERNELS
+            .iter()
+            .any(|k| k.family == crate::registry::Family::Sm90Fp8Fwd && k.built());
+        if self.info.compute_capability() != (9, 0) || !built {
             return Err(Error::BackendUnavailable {
                 backend: "sm90 fp8",
                 reason: format!(

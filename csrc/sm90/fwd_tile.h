@@ -1,5 +1,5 @@
-// The sm90 forward instantiations, one translation unit each (fwd_d{64,128,256}_{bf16,fp16}.cu),
-// and the tile table they share.
+// The sm90 forward's tile table and options, shared by the kernel units that build.rs generates
+// from src/registry.rs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -50,23 +50,5 @@ struct FwdOptions {
   bool pingpong = true;
   bool intra_wg_overlap = true;
 };
-
-#define FLASHATTN_SM90_FWD(D, DTYPE)                                                    \
-  flashattn_result_t run_fwd_d##D##_##DTYPE(const flashattn_params_t& p, FwdOptions o, \
-                                            cudaStream_t stream);
-FLASHATTN_SM90_FWD(64, bf16)
-FLASHATTN_SM90_FWD(128, bf16)
-FLASHATTN_SM90_FWD(256, bf16)
-FLASHATTN_SM90_FWD(64, fp16)
-FLASHATTN_SM90_FWD(128, fp16)
-FLASHATTN_SM90_FWD(256, fp16)
-#undef FLASHATTN_SM90_FWD
-// The FP8 forward (its tile: fwd_fp8_launch.h) and its quantize step.
-flashattn_result_t run_fwd_fp8_d64(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream);
-flashattn_result_t run_fwd_fp8_d128(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream);
-flashattn_result_t run_fwd_fp8_d256(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream);
-flashattn_result_t run_fp8_quantize(const flashattn_fp8_quantize_t& p, cudaStream_t stream);
-flashattn_result_t run_fp8_sanitize_descales(const float* src, float* dst, int64_t n,
-                                             cudaStream_t stream);
 
 }  // namespace flashattn::sm90

@@ -1,5 +1,5 @@
-// The sm80 backward instantiations, one translation unit each (bwd_d{64,128,256}_{bf16,fp16}.cu),
-// and the tile table they share.
+// The sm80 backward's tile table, shared by the kernel units that build.rs generates from
+// src/registry.rs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,15 +32,5 @@ template <> struct BwdTile<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 8, kAtomMSdP = 4, kAtomNdKV = 2,
                        kAtomMdQ = 2;
 };
-
-#define FLASHATTN_SM80_BWD(D, DTYPE) \
-  flashattn_result_t run_bwd_d##D##_##DTYPE(const flashattn_params_t& p, cudaStream_t stream);
-FLASHATTN_SM80_BWD(64, bf16)
-FLASHATTN_SM80_BWD(128, bf16)
-FLASHATTN_SM80_BWD(256, bf16)
-FLASHATTN_SM80_BWD(64, fp16)
-FLASHATTN_SM80_BWD(128, fp16)
-FLASHATTN_SM80_BWD(256, fp16)
-#undef FLASHATTN_SM80_BWD
 
 }  // namespace flashattn::sm80

@@ -1,5 +1,5 @@
-// The sm80 forward instantiations, one translation unit each (fwd_d{64,128,256}_{bf16,fp16}.cu),
-// and the tile table they share.
+// The sm80 forward's tile table, shared by the kernel units that build.rs generates from
+// src/registry.rs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -35,15 +35,5 @@ template <> struct FwdTile<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4, kStages = 1;
   static constexpr bool kQInRegs = false;
 };
-
-#define FLASHATTN_SM80_FWD(D, DTYPE) \
-  flashattn_result_t run_fwd_d##D##_##DTYPE(const flashattn_params_t& p, cudaStream_t stream);
-FLASHATTN_SM80_FWD(64, bf16)
-FLASHATTN_SM80_FWD(128, bf16)
-FLASHATTN_SM80_FWD(256, bf16)
-FLASHATTN_SM80_FWD(64, fp16)
-FLASHATTN_SM80_FWD(128, fp16)
-FLASHATTN_SM80_FWD(256, fp16)
-#undef FLASHATTN_SM80_FWD
 
 }  // namespace flashattn::sm80
