@@ -424,7 +424,7 @@ mod cuda {
             }
         };
         write(&gen.join("kernels.h"), &kernels_header(&built));
-        built
+        let units: Vec<(PathBuf, String)> = built
             .iter()
             .map(|k| {
                 let (name, _) = entry(k);
@@ -434,7 +434,20 @@ mod cuda {
                 write(&path, &kernel_unit(k));
                 (path, rel)
             })
-            .collect()
+            .collect();
+        // Units of kernels an earlier build with other features held.
+        for arch_dir in ["sm90", "sm80"] {
+            for entry in fs::read_dir(gen.join(arch_dir))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                if !units.iter().any(|(p, _)| *p == entry.path()) {
+                    let _ = fs::remove_file(entry.path());
+                }
+            }
+        }
+        units
     }
 
     fn walk(dir: &Path, sources: &mut Vec<PathBuf>, headers: &mut Vec<PathBuf>) {

@@ -5,6 +5,7 @@
 #   (--quick: fewer peer shapes; PEERS=0: no peers; BENCH=0: tests and sanitizers alone)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+[ -f "$here/bin.tar.xz" ] && [ ! -d "$here/bin" ] && tar -C "$here" -xJf "$here/bin.tar.xz"
 OUT=${OUT:-$here/out}
 mkdir -p "$OUT"
 commit=$(tr '\n' ' ' < "$here/COMMIT" | sed 's/ $//; s/ //g')

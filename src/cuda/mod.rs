@@ -5,6 +5,7 @@
 
 mod fp8;
 
+use std::ffi::c_void;
 use std::sync::Arc;
 
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
@@ -21,10 +22,28 @@ use crate::ffi;
 use crate::tensor::{check_backward, check_forward, DType, Element, Layout, Operand4, Problem};
 
 /// Is a CUDA driver (libcuda) loadable on this machine? Probed before any driver call, since
-/// cudarc panics when the library is missing.
+/// cudarc panics when the library is missing. Asked of the dynamic loader itself: cudarc's own
+/// probe exists only where it loads the driver at run time, and beside a crate that links the
+/// driver (candle-core) it links it instead.
 pub fn driver_present() -> bool {
-    // SAFETY: only tries to dlopen the driver library.
-    unsafe { cudarc::driver::sys::is_culib_present() }
+    extern "C" {
+        fn dlopen(filename: *const std::ffi::c_char, flag: std::ffi::c_int) -> *mut c_void;
+        fn dlclose(handle: *mut c_void) -> std::ffi::c_int;
+    }
+    const RTLD_LAZY: std::ffi::c_int = 1;
+    ["libcuda.so.1", "libcuda.so"].iter().any(|name| {
+        let name = std::ffi::CString::new(*name).expect("no interior nul");
+        // SAFETY: dlopen of a C string that lives across the call; a handle it returns is
+        // closed at once (the driver stays loaded if cudarc opened it too).
+        unsafe {
+            let handle = dlopen(name.as_ptr(), RTLD_LAZY);
+            if handle.is_null() {
+                return false;
+            }
+            dlclose(handle);
+            true
+        }
+    })
 }
 
 fn driver_error(e: DriverError) -> Error {
