@@ -383,7 +383,7 @@ mod cuda {
                 "inline flashattn_result_t {func}(const flashattn_params_t& p, {rest}) {{\n"
             ));
             let sm90_fwd = matches!(f, Family::Sm90Fwd | Family::Sm90Fp8Fwd);
-            if sm90_fwd {
+            if sm90_fwd && built.iter().any(|k| k.family == f) {
                 h.push_str(
                     "  // Without intra-warpgroup overlap: the kernels that also hold the ablation.\n\
                      \x20 const bool ablation = !o.intra_wg_overlap;\n",
@@ -416,6 +416,26 @@ mod cuda {
     /// Writes the units of the kernels this build's features select, and kernels.h, under `gen`
     /// (files rewritten only when their text changes); returns the units with their names.
     fn generate_kernels(gen: &Path) -> Vec<(PathBuf, String)> {
+        // What the generator can build: a row asking for more is a registry error.
+        for k in registry::KERNELS {
+            assert_eq!(
+                k.head_dim_v,
+                k.head_dim,
+                "{}: d_v != d is not built yet",
+                k.name()
+            );
+            assert!(
+                !k.ablation || k.family == Family::Sm90Fwd,
+                "{}: only the 16-bit sm90 forward holds the ablation",
+                k.name()
+            );
+            assert_eq!(
+                k.family == Family::Sm90Fp8Fwd,
+                k.dtype == KernelDtype::E4m3,
+                "{}: e4m3 is the FP8 forward's element type and only its",
+                k.name()
+            );
+        }
         let built: Vec<&Kernel> = registry::KERNELS.iter().filter(|k| k.built()).collect();
         let write = |path: &Path, text: &str| {
             fs::create_dir_all(path.parent().unwrap()).unwrap();

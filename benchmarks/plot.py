@@ -12,7 +12,6 @@ IMPLS = [  # (impl, label, colour)
     ("flashattn-sm90", "flashattn (Hopper kernels)", "#d62728"),
     ("flashattn-sm80", "flashattn (FA2-style kernels)", "#ff9896"),
     ("torch-cudnn", "cuDNN (torch SDPA)", "#1f77b4"),
-    ("fa3", "FlashAttention-3", "#2ca02c"),
     ("torch-flash", "FlashAttention-2 (torch SDPA)", "#7f7f7f"),
 ]
 

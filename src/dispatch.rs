@@ -99,6 +99,7 @@ fn family_of(backend: Backend, op: Op, dtype: DType) -> Option<(Family, KernelDt
     };
     let family = match (backend, op, kernel_dtype) {
         (Backend::Sm90, Op::Forward, KernelDtype::E4m3) => Family::Sm90Fp8Fwd,
+        (_, _, KernelDtype::E4m3) => return None,
         (Backend::Sm90, Op::Forward, _) => Family::Sm90Fwd,
         (Backend::Sm90, Op::Backward, _) => Family::Sm90Bwd,
         (Backend::Sm80, Op::Forward, _) => Family::Sm80Fwd,
@@ -186,7 +187,8 @@ pub fn check_backend(
             if !built.contains(kernel) {
                 return Err(Error::Unsupported {
                     what: format!(
-                        "{} (not in this build: it needs the Cargo features {})",
+                        "{} (not in this build: it needs the Cargo features {} and a CUDA \
+                         version feature)",
                         kernel.name(),
                         kernel.features().join(", ")
                     ),

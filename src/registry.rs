@@ -5,8 +5,9 @@
 //! one needs. A new kernel is a new row here, not a new file or a new switch.
 //!
 //! Build budget: each kernel is built only when every Cargo feature it names is on (`sm90`,
-//! `sm80`, `backward`, `fp8`, `hdim64`, `hdim128`, `hdim256`; all of them by default), so that
-//! `--no-default-features --features cuda,sm90,hdim128` builds the Hopper d128 kernels alone.
+//! `sm80`, `backward`, `fp8`, `hdim64`, `hdim128`, `hdim256`; all of them, the feature `kernels`,
+//! by default), so that `--no-default-features --features cuda,cuda-13000,sm90,hdim128` builds the
+//! Hopper d128 forwards alone (`cuda` needs one of the CUDA version features beside it).
 
 /// A kernel family: one algorithm, architecture and pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -149,7 +150,7 @@ fn feature_on(name: &str) -> bool {
         "hdim64" => cfg!(feature = "hdim64"),
         "hdim128" => cfg!(feature = "hdim128"),
         "hdim256" => cfg!(feature = "hdim256"),
-        _ => false,
+        _ => unreachable!("feature {name} is not one of the registry's"),
     }
 }
 
@@ -220,5 +221,14 @@ mod tests {
             assert_eq!(find(k.family, k.head_dim, k.dtype), Some(k));
         }
         assert_eq!(head_dims(Family::Sm90Fwd), vec![64, 128, 256]);
+    }
+
+    #[test]
+    fn every_feature_a_kernel_names_is_known() {
+        for k in KERNELS {
+            for f in k.features() {
+                let _ = feature_on(f); // unreachable!() on a name with no arm
+            }
+        }
     }
 }

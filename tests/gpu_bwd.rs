@@ -345,7 +345,7 @@ fn sm80_bwd_sanitizer_set() {
     run_all::<bf16>(&cases, Backend::Sm80, "sm80 bwd sanitizer set");
 }
 
-/// Deterministic mode, correct under §4 and bit-identical over two runs: cases for `dims` on
+/// Deterministic mode, correct under the correctness rule and bit-identical over two runs: cases for `dims` on
 /// `backend`.
 fn check_deterministic(dims: &[usize], backend: Backend, extra: Vec<Case>) {
     let (dev, stream) = device();

@@ -214,7 +214,7 @@ fn sweep(head_dim: usize) -> Vec<Case> {
     }
     // Causal tiles go heaviest first across heads, the heads in groups whose K and V fit 4/5 of
     // the L2: on an H200 (60 MiB) 16 heads of 16k keys make groups of 12 + 4 at d64, 6 + 6 + 4 at
-    // d128, 3 × 5 + 1 at d256. (At 32k keys the f32 row sums of fp16 inputs drift past §4's LSE
+    // d128, 3 × 5 + 1 at d256. (At 32k keys the f32 row sums of fp16 inputs drift past the rule's LSE
     // bound, on sm90 too.)
     cases.push(Case {
         batch: 2,

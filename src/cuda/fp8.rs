@@ -132,10 +132,21 @@ fn sign_bits(hadamard: &RandomSignHadamard) -> [u64; 4] {
 
 impl Device {
     fn check_fp8_device(&self) -> Result<()> {
-        let built = crate::registry::KERNELS
+        let family = crate::registry::Family::Sm90Fp8Fwd;
+        if !crate::registry::KERNELS
             .iter()
-            .any(|k| k.family == crate::registry::Family::Sm90Fp8Fwd && k.built());
-        if self.info.compute_capability() != (9, 0) || !built {
+            .any(|k| k.family == family && k.built())
+        {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "the FP8 forward (not in this build: it needs the Cargo features cuda, {} and \
+                     a head dim's)",
+                    family.features().join(", ")
+                ),
+                backend: "sm90 fp8",
+            });
+        }
+        if self.info.compute_capability() != (9, 0) {
             return Err(Error::BackendUnavailable {
                 backend: "sm90 fp8",
                 reason: format!(
