@@ -272,6 +272,10 @@ impl<'a, T> TensorMut<'a, T> {
     pub fn check(&self, operand: Operand) -> Result<()> {
         check_output_len(operand, &self.layout, self.data.len())
     }
+    /// Its layout and buffer length, as [`check_forward`] takes them.
+    pub fn operand(&self) -> Operand4<'_> {
+        (&self.layout, self.data.len())
+    }
     pub fn as_ref(&self) -> TensorRef<'_, T> {
         TensorRef {
             data: self.data,
