@@ -1,0 +1,274 @@
+//! The backward pass: dK and dV per (batch, kv head, key tile), dQ per (batch, query head,
+//! query block), each recomputing P tile by tile from the forward's LSE.
+
+use rayon::prelude::*;
+
+use super::arith::{dot, probs_row, transpose, Arith};
+use super::{store_rows, Ctx, TileForm, Tiles, LOG2_E};
+use crate::config::AttentionConfig;
+use crate::tensor::{Element, Problem, TensorMut, TensorRef};
+
+/// Everything [`backward`] reads besides the configuration.
+pub(crate) struct BackwardInputs<'a, T> {
+    pub q: TensorRef<'a, T>,
+    pub k: TensorRef<'a, T>,
+    pub v: TensorRef<'a, T>,
+    /// The forward output O (used for `D = rowsum(dO∘O)`).
+    pub out: TensorRef<'a, T>,
+    pub dout: TensorRef<'a, T>,
+    /// The forward LSE, (batch, heads_q, seqlen_q) natural log.
+    pub lse: &'a [f32],
+}
+
+/// Per query block: Q, dO (`br × dp`), LSE in the base-2 domain and `D = rowsum(dO∘O)`.
+struct QSide {
+    q: Vec<f32>,
+    dout: Vec<f32>,
+    lse2: Vec<f32>,
+    dd: Vec<f32>,
+}
+
+/// Everything the backward tasks read, converted to f32 once.
+pub(super) struct BwdCtx<'a, T> {
+    pub(super) base: Ctx<'a, T>,
+    /// Per (b, h_q, query block).
+    qside: Vec<QSide>,
+    kt: Tiles,
+    vt: Tiles,
+    kr: Tiles,
+}
+
+/// Scratch of one backward tile: P and dS (`br × bc`) and, with softcap, tanh of the scores.
+struct BwdScratch {
+    p: Vec<f32>,
+    ds: Vec<f32>,
+    th: Vec<f32>,
+}
+
+impl BwdScratch {
+    fn new<T>(c: &Ctx<T>) -> Self {
+        let n = c.br * c.bc;
+        BwdScratch {
+            p: vec![0.0; n],
+            ds: vec![0.0; n],
+            th: if c.softcap.is_some() {
+                vec![0.0; n]
+            } else {
+                Vec::new()
+            },
+        }
+    }
+}
+
+impl<'a, T: Element> BwdCtx<'a, T> {
+    pub(super) fn new(cfg: &AttentionConfig, p: &Problem, inputs: BackwardInputs<'a, T>) -> Self {
+        let base = Ctx::new(cfg, p, inputs.q, inputs.k, inputs.v);
+        let nqb = base.q_blocks();
+        let qside = (0..p.batch * p.heads_q * nqb)
+            .into_par_iter()
+            .map(|t| {
+                let (bh, qb) = (t / nqb, t % nqb);
+                let (b, h, i0) = (bh / p.heads_q, bh % p.heads_q, qb * base.br);
+                let dout = base.load_rows(&inputs.dout, b, h, i0, base.br);
+                let o = base.load_rows(&inputs.out, b, h, i0, base.br);
+                let dd = dout
+                    .chunks_exact(base.dp)
+                    .zip(o.chunks_exact(base.dp))
+                    .map(|(x, y)| dot(x, y))
+                    .collect();
+                let lse2 = (i0..i0 + base.br)
+                    .map(|i| match inputs.lse.get(bh * p.seqlen_q + i) {
+                        Some(&l) if i < p.seqlen_q => l * LOG2_E,
+                        _ => f32::INFINITY,
+                    })
+                    .collect();
+                QSide {
+                    q: base.load_rows(&base.q, b, h, i0, base.br),
+                    dout,
+                    lse2,
+                    dd,
+                }
+            })
+            .collect();
+        BwdCtx {
+            kt: base.tiles(&base.k, base.bc, TileForm::Cols),
+            vt: base.tiles(&base.v, base.bc, TileForm::Cols),
+            kr: base.tiles(&base.k, base.bc, TileForm::Rows),
+            qside,
+            base,
+        }
+    }
+
+    fn qside(&self, b: usize, h: usize, qb: usize) -> &QSide {
+        let c = &self.base;
+        &self.qside[(b * c.heads_q + h) * c.q_blocks() + qb]
+    }
+
+    /// P and dS (with respect to the raw dot products Q·Kᵀ, softcap included, scale not) of
+    /// query block `qb` of head `h` against key tile `t` into `sc`.
+    #[inline(always)]
+    fn tile_grads<A: Arith>(
+        &self,
+        (b, h, qb): (usize, usize, usize),
+        t: usize,
+        sc: &mut BwdScratch,
+    ) {
+        let c = &self.base;
+        let (br, bc, dp) = (c.br, c.bc, c.dp);
+        let hk = h / c.group;
+        let qs = self.qside(b, h, qb);
+        let ranges = c.tile_ranges(&c.row_ranges(qb).0, t);
+        let th = c.softcap.map(|_| sc.th.as_mut_slice());
+        let mult = c.scores::<A>(&qs.q, self.kt.get(b, hk, t), &ranges, &mut sc.p, th);
+        for (r, &(lo, hi)) in ranges.iter().enumerate() {
+            let row = &mut sc.p[r * bc..(r + 1) * bc];
+            // A row with LSE = +inf is fully masked (or had no keys): it contributes nothing.
+            if lo >= hi || !qs.lse2[r].is_finite() {
+                row.fill(0.0);
+            } else {
+                probs_row(row, (lo, hi), mult, qs.lse2[r]);
+            }
+        }
+        // dP = dO·Vᵀ, then dS = P∘(dP − D) (∘ (1 − tanh²) with softcap).
+        let vt = self.vt.get(b, hk, t);
+        A::gemm((br, bc, dp), &qs.dout, dp, vt, bc, &mut sc.ds, bc, false);
+        for r in 0..br {
+            let d = qs.dd[r];
+            let (p, ds) = (&sc.p[r * bc..][..bc], &mut sc.ds[r * bc..][..bc]);
+            for (x, &pv) in ds.iter_mut().zip(p) {
+                *x = pv * (*x - d);
+            }
+            if c.softcap.is_some() {
+                for (x, &t) in ds.iter_mut().zip(&sc.th[r * bc..][..bc]) {
+                    *x *= 1.0 - t * t;
+                }
+            }
+        }
+    }
+
+    /// dK and dV (`bc × dp` each, dK already scaled) of key tile `t` of kv head `hk`, summed
+    /// over the query heads of its group.
+    #[inline(always)]
+    pub(super) fn dkdv_block<A: Arith>(
+        &self,
+        b: usize,
+        hk: usize,
+        t: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let c = &self.base;
+        let (br, bc, dp) = (c.br, c.bc, c.dp);
+        let mut dk = vec![0f32; bc * dp];
+        let mut dv = vec![0f32; bc * dp];
+        let mut sc = BwdScratch::new(c);
+        let mut tr = vec![0f32; bc * br];
+        // Query rows that see any key of this tile: contiguous, as both ends of the key range
+        // are non-decreasing in the row index.
+        let (c0, end) = (t * bc, ((t + 1) * bc).min(c.s_k));
+        let sees = |i: usize| {
+            let (lo, hi) = c.mask.key_range(i);
+            lo < hi && lo < end && hi > c0
+        };
+        let Some(first) = (0..c.s_q).find(|&i| sees(i)) else {
+            return (dk, dv);
+        };
+        let last = (first..c.s_q).rev().find(|&i| sees(i)).unwrap_or(first);
+        for h in hk * c.group..(hk + 1) * c.group {
+            for qb in first / br..=last / br {
+                self.tile_grads::<A>((b, h, qb), t, &mut sc);
+                let qs = self.qside(b, h, qb);
+                // dV += Pᵀ·dO, dK += dSᵀ·Q.
+                transpose(&sc.p, br, bc, &mut tr);
+                A::gemm((bc, dp, br), &tr, br, &qs.dout, dp, &mut dv, dp, true);
+                transpose(&sc.ds, br, bc, &mut tr);
+                A::gemm((bc, dp, br), &tr, br, &qs.q, dp, &mut dk, dp, true);
+            }
+        }
+        dk.iter_mut().for_each(|x| *x *= c.scale);
+        (dk, dv)
+    }
+
+    /// dQ (`br × dp`, scaled) of query block `qb` of head `h`.
+    #[inline(always)]
+    pub(super) fn dq_block<A: Arith>(&self, b: usize, h: usize, qb: usize) -> Vec<f32> {
+        let c = &self.base;
+        let (br, bc, dp) = (c.br, c.bc, c.dp);
+        let mut dq = vec![0f32; br * dp];
+        let mut sc = BwdScratch::new(c);
+        for t in c.tiles_of(c.row_ranges(qb).1) {
+            self.tile_grads::<A>((b, h, qb), t, &mut sc);
+            let k = self.kr.get(b, h / c.group, t);
+            A::gemm((br, dp, bc), &sc.ds, bc, k, dp, &mut dq, dp, true);
+        }
+        dq.iter_mut().for_each(|x| *x *= c.scale);
+        dq
+    }
+}
+
+#[inline(always)]
+fn dkdv_block<T: Element, A: Arith>(
+    ctx: &BwdCtx<T>,
+    b: usize,
+    hk: usize,
+    t: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    ctx.dkdv_block::<A>(b, hk, t)
+}
+simd_dispatch!(pub(super) fn dkdv_simd(ctx: &BwdCtx<T>, b: usize, hk: usize, t: usize) -> (Vec<f32>, Vec<f32>) = dkdv_block);
+
+#[inline(always)]
+fn dq_block<T: Element, A: Arith>(ctx: &BwdCtx<T>, b: usize, h: usize, qb: usize) -> Vec<f32> {
+    ctx.dq_block::<A>(b, h, qb)
+}
+simd_dispatch!(pub(super) fn dq_simd(ctx: &BwdCtx<T>, b: usize, h: usize, qb: usize) -> Vec<f32> = dq_block);
+
+/// One backward task: a key tile's dK and dV, or a query block's dQ.
+enum BwdTask {
+    KeyTile { b: usize, hk: usize, t: usize },
+    QueryBlock { b: usize, h: usize, qb: usize },
+}
+
+/// Backward pass: writes dQ (like Q), dK and dV (like K). Operands must have been validated
+/// (see [`crate::backward`]).
+pub(crate) fn backward<T: Element>(
+    cfg: &AttentionConfig,
+    p: &Problem,
+    inputs: BackwardInputs<T>,
+    mut dq: TensorMut<T>,
+    mut dk: TensorMut<T>,
+    mut dv: TensorMut<T>,
+) {
+    let ctx = BwdCtx::new(cfg, p, inputs);
+    let c = &ctx.base;
+    let mut tasks = Vec::new();
+    for b in 0..p.batch {
+        for hk in 0..c.heads_kv {
+            tasks.extend((0..c.k_tiles()).map(|t| BwdTask::KeyTile { b, hk, t }));
+        }
+        for h in 0..p.heads_q {
+            tasks.extend((0..c.q_blocks()).map(|qb| BwdTask::QueryBlock { b, h, qb }));
+        }
+    }
+    let blocks: Vec<Vec<Vec<f32>>> = tasks
+        .par_iter()
+        .map(|task| match *task {
+            BwdTask::KeyTile { b, hk, t } => {
+                let (k, v) = dkdv_simd(&ctx, b, hk, t);
+                vec![k, v]
+            }
+            BwdTask::QueryBlock { b, h, qb } => {
+                vec![dq_simd(&ctx, b, h, qb)]
+            }
+        })
+        .collect();
+    for (task, blk) in tasks.iter().zip(&blocks) {
+        match *task {
+            BwdTask::KeyTile { b, hk, t } => {
+                store_rows(&mut dk, b, hk, t * c.bc, &blk[0], c.dp);
+                store_rows(&mut dv, b, hk, t * c.bc, &blk[1], c.dp);
+            }
+            BwdTask::QueryBlock { b, h, qb } => {
+                store_rows(&mut dq, b, h, qb * c.br, &blk[0], c.dp);
+            }
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! The forward pass: one task per (batch, query head, query block), with the online softmax
+//! over the key tiles its rows can see.
+
+use rayon::prelude::*;
+
+use super::arith::{max_of, probs_row, Arith};
+use super::{store_rows, Ctx, TileForm, Tiles};
+use crate::config::AttentionConfig;
+use crate::tensor::{Element, Problem, TensorMut, TensorRef};
+
+/// Output rows (`br × dp`, f32, already divided by the row sums) and the LSE of one task.
+pub(super) struct FwdBlock {
+    pub(super) o: Vec<f32>,
+    pub(super) lse: Vec<f32>,
+}
+
+#[inline(always)]
+pub(super) fn fwd_block<T: Element, A: Arith>(
+    ctx: &Ctx<T>,
+    (kt, v): (&Tiles, &Tiles),
+    b: usize,
+    h: usize,
+    qb: usize,
+) -> FwdBlock {
+    let (br, bc, dp) = (ctx.br, ctx.bc, ctx.dp);
+    let hk = h / ctx.group;
+    let q = ctx.load_rows(&ctx.q, b, h, qb * br, br);
+    let (rows, union) = ctx.row_ranges(qb);
+    let mut m = vec![f32::NEG_INFINITY; br];
+    let mut l = vec![0f32; br];
+    let mut acc = vec![0f32; br * dp];
+    let mut s = vec![0f32; br * bc];
+    for t in ctx.tiles_of(union) {
+        let ranges = ctx.tile_ranges(&rows, t);
+        let mult = ctx.scores::<A>(&q, kt.get(b, hk, t), &ranges, &mut s, None);
+        for (r, &(lo, hi)) in ranges.iter().enumerate() {
+            let row = &mut s[r * bc..(r + 1) * bc];
+            if lo >= hi {
+                row.fill(0.0);
+                continue;
+            }
+            // mult > 0, so the max of the scaled scores is the scaled max.
+            let m_new = m[r].max(max_of(&row[lo..hi]) * mult);
+            let alpha = (m[r] - m_new).exp2();
+            l[r] = l[r] * alpha + probs_row(row, (lo, hi), mult, m_new);
+            m[r] = m_new;
+            if alpha != 1.0 {
+                acc[r * dp..(r + 1) * dp]
+                    .iter_mut()
+                    .for_each(|x| *x *= alpha);
+            }
+        }
+        A::gemm(
+            (br, dp, bc),
+            &s,
+            bc,
+            v.get(b, hk, t),
+            dp,
+            &mut acc,
+            dp,
+            true,
+        );
+    }
+    // Rows that saw no key: O = 0, LSE = +inf. A NaN score makes l NaN, and O and the LSE with it.
+    let mut lse = vec![f32::INFINITY; br];
+    for r in 0..br {
+        let row = &mut acc[r * dp..(r + 1) * dp];
+        if l[r] != 0.0 {
+            let inv = 1.0 / l[r];
+            row.iter_mut().for_each(|x| *x *= inv);
+            lse[r] = ((m[r] as f64 + (l[r] as f64).log2()) * std::f64::consts::LN_2) as f32;
+        } else {
+            row.fill(0.0);
+        }
+    }
+    FwdBlock { o: acc, lse }
+}
+
+simd_dispatch!(pub(super) fn fwd_block_simd(ctx: &Ctx<T>, kv: (&Tiles, &Tiles), b: usize, h: usize, qb: usize) -> FwdBlock = fwd_block);
+
+/// Forward pass: writes `out` (like Q) and `lse` (batch, heads_q, seqlen_q). Operands must
+/// have been validated (see [`crate::forward_into`]).
+pub(crate) fn forward<T: Element>(
+    cfg: &AttentionConfig,
+    p: &Problem,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+    mut out: TensorMut<T>,
+    lse: &mut [f32],
+) {
+    let ctx = Ctx::new(cfg, p, q, k, v);
+    let kt = ctx.tiles(&ctx.k, ctx.bc, TileForm::Cols);
+    let vr = ctx.tiles(&ctx.v, ctx.bc, TileForm::Rows);
+    let nqb = ctx.q_blocks();
+    let blocks: Vec<FwdBlock> = (0..p.batch * p.heads_q * nqb)
+        .into_par_iter()
+        .map(|t| {
+            let (bh, qb) = (t / nqb, t % nqb);
+            let (b, h) = (bh / p.heads_q, bh % p.heads_q);
+            fwd_block_simd(&ctx, (&kt, &vr), b, h, qb)
+        })
+        .collect();
+    // Outputs reach each element once, but may interleave with any strides: one thread writes.
+    for (t, blk) in blocks.iter().enumerate() {
+        let (bh, qb) = (t / nqb, t % nqb);
+        let i0 = qb * ctx.br;
+        let n = ctx.br.min(p.seqlen_q - i0);
+        store_rows(&mut out, bh / p.heads_q, bh % p.heads_q, i0, &blk.o, ctx.dp);
+        lse[bh * p.seqlen_q + i0..][..n].copy_from_slice(&blk.lse[..n]);
+    }
+}

@@ -1,0 +1,237 @@
+//! The baseline: standard attention computed in the low precision `T` the way a framework
+//! does it, whose error against the reference sets the allowance of the rule.
+
+use rayon::prelude::*;
+
+use super::{forward_all_rows, forward_one_row, head, problem, scatter};
+use crate::config::{AttentionConfig, Mask};
+use crate::tensor::{Element, TensorRef};
+
+/// Baseline forward: O with values representable in `T` (held as f32), LSE in f32.
+#[derive(Clone, Debug)]
+pub struct BaselineForward {
+    pub out: Vec<f32>,
+    pub lse: Vec<f32>,
+}
+
+/// Baseline gradients, values representable in `T` (held as f32).
+#[derive(Clone, Debug)]
+pub struct BaselineGrads {
+    pub dq: Vec<f32>,
+    pub dk: Vec<f32>,
+    pub dv: Vec<f32>,
+}
+
+/// Rounds an f32 to the nearest `T` (identity for f32).
+fn rt<T: Element>(x: f32) -> f32 {
+    T::from_f32(x).to_f32()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dtype-emulating baseline.
+
+/// One query row of the baseline in `T`: visible range, P (rounded to `T`), the tanh values
+/// (rounded to `T`, softcap only) and the f32 LSE.
+struct RowLow {
+    lo: usize,
+    p: Vec<f32>,
+    th: Vec<f32>,
+    lse: f32,
+}
+
+fn row_low<T: Element>(
+    cfg: &AttentionConfig,
+    mask: &Mask,
+    q: &[f32],
+    k: &[f32],
+    i: usize,
+) -> RowLow {
+    let d = q.len();
+    let scale = cfg.scale_for(d);
+    let (lo, hi) = mask.key_range(i);
+    let mut th = Vec::new();
+    let s: Vec<f32> = (lo..hi)
+        .map(|j| {
+            // S = Q·Kᵀ in T, then S·scale in T, then softcap as three ops in T.
+            let raw: f32 = q
+                .iter()
+                .zip(&k[j * d..(j + 1) * d])
+                .map(|(a, b)| a * b)
+                .sum();
+            let s = rt::<T>(rt::<T>(raw) * scale);
+            match cfg.softcap {
+                None => s,
+                Some(cap) => {
+                    let t = rt::<T>(rt::<T>(s / cap).tanh());
+                    th.push(t);
+                    rt::<T>(t * cap)
+                }
+            }
+        })
+        .collect();
+    if s.is_empty() {
+        return RowLow {
+            lo,
+            p: Vec::new(),
+            th,
+            lse: f32::INFINITY,
+        };
+    }
+    // Softmax in f32, rounded to T.
+    let m = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
+    let l: f32 = e.iter().sum();
+    RowLow {
+        lo,
+        p: e.iter().map(|x| rt::<T>(x / l)).collect(),
+        th,
+        lse: m + l.ln(),
+    }
+}
+
+/// A baseline output row: `P·V` accumulated in f32, rounded to `T`.
+fn low_out_row<T: Element>(row: &RowLow, v: &[f32], d: usize) -> Vec<f32> {
+    let mut acc = vec![0f32; d];
+    for (j, &pj) in row.p.iter().enumerate() {
+        let vj = &v[(row.lo + j) * d..(row.lo + j + 1) * d];
+        for (a, x) in acc.iter_mut().zip(vj) {
+            *a += pj * x;
+        }
+    }
+    acc.into_iter().map(rt::<T>).collect()
+}
+
+/// Standard attention the way a framework computes it in `T` (for `T = f32` the roundings
+/// vanish and this is plain f32 attention). LSE is computed in f32.
+///
+/// # Panics
+/// On invalid operands.
+pub fn baseline_forward<T: Element>(
+    cfg: &AttentionConfig,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+) -> BaselineForward {
+    let (out, lse) = forward_all_rows(cfg, &q, &k, &v, T::to_f32, |mask, qi, kh, vh, i| {
+        let row = row_low::<T>(cfg, mask, qi, kh, i);
+        (low_out_row::<T>(&row, vh, qi.len()), row.lse)
+    });
+    BaselineForward { out, lse }
+}
+
+/// The baseline of one query row (as [`baseline_forward`] computes it): its output row and LSE,
+/// for checking sampled rows of shapes too large to compute whole.
+///
+/// # Panics
+/// On invalid operands or indices out of range.
+pub fn baseline_row<T: Element>(
+    cfg: &AttentionConfig,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+    b: usize,
+    h: usize,
+    i: usize,
+) -> (Vec<f32>, f32) {
+    forward_one_row(
+        cfg,
+        &q,
+        &k,
+        &v,
+        (b, h, i),
+        T::to_f32,
+        |mask, qi, kh, vh, i| {
+            let row = row_low::<T>(cfg, mask, qi, kh, i);
+            (low_out_row::<T>(&row, vh, qi.len()), row.lse)
+        },
+    )
+}
+
+/// The baseline's backward, as a framework's autograd would run it in `T`: dV = Pᵀ·dO,
+/// dP = dO·Vᵀ, the softmax backward dS = P∘(dP − rowsum(P∘dP)), the softcap and scale chain
+/// rule one op at a time, dQ = dS·K and dK = dSᵀ·Q; each product accumulated in f32 and
+/// rounded to `T`. GQA: each head's dK, dV rounded to `T`, then summed over the group in f32
+/// and rounded again (the gradient of repeating the kv heads).
+///
+/// # Panics
+/// On invalid operands or a `dout` not shaped like Q.
+pub fn baseline_backward<T: Element>(
+    cfg: &AttentionConfig,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+    dout: TensorRef<T>,
+) -> BaselineGrads {
+    let p = problem(&q, &k, &v);
+    assert_eq!(dout.layout.shape, p.q_shape(), "dout shape");
+    let (d, s_q, s_k) = (p.head_dim, p.seqlen_q, p.seqlen_k);
+    let mask = cfg.mask(s_q, s_k);
+    let scale = cfg.scale_for(d);
+    let per_head: Vec<[Vec<f32>; 3]> = (0..p.batch * p.heads_q)
+        .into_par_iter()
+        .map(|bh| {
+            let (b, h) = (bh / p.heads_q, bh % p.heads_q);
+            let qh = head(&q, b, h, T::to_f32);
+            let doh = head(&dout, b, h, T::to_f32);
+            let kh = head(&k, b, h / p.group_size(), T::to_f32);
+            let vh = head(&v, b, h / p.group_size(), T::to_f32);
+            // G = gradient with respect to the raw Q·Kᵀ, rounded to T, full (s_q × s_k).
+            let mut pm = vec![0f32; s_q * s_k];
+            let mut g = vec![0f32; s_q * s_k];
+            for i in 0..s_q {
+                let (qi, doi) = (&qh[i * d..(i + 1) * d], &doh[i * d..(i + 1) * d]);
+                let row = row_low::<T>(cfg, &mask, qi, &kh, i);
+                let dp: Vec<f32> = (0..row.p.len())
+                    .map(|j| {
+                        let vj = &vh[(row.lo + j) * d..(row.lo + j + 1) * d];
+                        rt::<T>(doi.iter().zip(vj).map(|(a, b)| a * b).sum())
+                    })
+                    .collect();
+                let dd: f32 = row.p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                for (j, &pj) in row.p.iter().enumerate() {
+                    let mut gs = rt::<T>(pj * (dp[j] - dd));
+                    if let Some(cap) = cfg.softcap {
+                        let t = row.th[j];
+                        gs = rt::<T>(rt::<T>(rt::<T>(gs * cap) * (1.0 - t * t)) / cap);
+                    }
+                    pm[i * s_k + row.lo + j] = pj;
+                    g[i * s_k + row.lo + j] = rt::<T>(gs * scale);
+                }
+            }
+            let mut dq = vec![0f32; s_q * d];
+            let mut dk = vec![0f32; s_k * d];
+            let mut dv = vec![0f32; s_k * d];
+            for i in 0..s_q {
+                for j in 0..s_k {
+                    let (pij, gij) = (pm[i * s_k + j], g[i * s_k + j]);
+                    for x in 0..d {
+                        dq[i * d + x] += gij * kh[j * d + x];
+                        dk[j * d + x] += gij * qh[i * d + x];
+                        dv[j * d + x] += pij * doh[i * d + x];
+                    }
+                }
+            }
+            [dq, dk, dv].map(|t| t.into_iter().map(rt::<T>).collect())
+        })
+        .collect();
+    let group_sum = |which: usize| -> Vec<Vec<f32>> {
+        (0..p.batch * p.heads_kv)
+            .map(|bhk| {
+                let (b, hk) = (bhk / p.heads_kv, bhk % p.heads_kv);
+                let mut acc = vec![0f32; s_k * d];
+                for h in hk * p.group_size()..(hk + 1) * p.group_size() {
+                    for (a, x) in acc.iter_mut().zip(&per_head[b * p.heads_q + h][which]) {
+                        *a += x;
+                    }
+                }
+                acc.into_iter().map(rt::<T>).collect()
+            })
+            .collect()
+    };
+    let dq: Vec<Vec<f32>> = per_head.iter().map(|g| g[0].clone()).collect();
+    BaselineGrads {
+        dq: scatter(&dq, p.q_shape()),
+        dk: scatter(&group_sum(1), p.kv_shape()),
+        dv: scatter(&group_sum(2), p.kv_shape()),
+    }
+}

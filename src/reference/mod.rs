@@ -1,0 +1,203 @@
+//! What the backends are checked against (the correctness rule of docs/ARCHITECTURE.md):
+//!
+//! - the **reference**: attention in f64 over the same dtype-rounded inputs
+//!   ([`reference_forward`], [`reference_backward`], and [`reference_row`] for one query row of
+//!   a shape too large to compute whole);
+//! - the **baseline**: standard attention computed the way a framework does it in the low
+//!   precision `T`: every matrix product accumulated in f32 and rounded to `T`, the softmax in
+//!   f32 rounded to `T` ([`baseline_forward`], [`baseline_backward`]);
+//! - the **rule** ([`compare`]): `max|got − ref| ≤ 2·max|baseline − ref| + 1e-5`.
+//!
+//! All of them follow the crate's semantics: masks from [`crate::config::Mask::key_range`],
+//! softcap `cap·tanh(s·scale/cap)` before masking, GQA (query head `h` reads kv head
+//! `h / group`), and fully masked rows giving `O = 0`, `LSE = +inf` and zero gradients.
+//! Outputs are packed: O and dQ as `(batch, seqlen_q, heads_q, head_dim)`, dK and dV as
+//! `(batch, seqlen_k, heads_kv, head_dim)`, LSE as `(batch, heads_q, seqlen_q)`.
+//!
+//! These are test utilities: they panic (with the crate's validation error) on operands that
+//! [`crate::forward`] would refuse.
+
+use rayon::prelude::*;
+
+use crate::config::{AttentionConfig, Mask};
+use crate::error::Operand;
+use crate::tensor::{Element, Problem, TensorRef};
+
+mod baseline;
+mod oracle;
+mod rule;
+
+pub use baseline::{
+    baseline_backward, baseline_forward, baseline_row, BaselineForward, BaselineGrads,
+};
+pub use oracle::{
+    reference_backward, reference_forward, reference_row, ReferenceForward, ReferenceGrads,
+};
+pub use rule::{compare, Comparison};
+
+/// Elements converted to f32.
+pub fn to_f32<T: Element>(x: &[T]) -> Vec<f32> {
+    x.iter().map(|v| v.to_f32()).collect()
+}
+
+/// A tensor of any strides gathered into packed `(b, s, h, d)` f32.
+pub fn pack_f32<T: Element>(t: TensorRef<T>) -> Vec<f32> {
+    let [nb, ns, nh, nd] = t.layout.shape;
+    let mut v = Vec::with_capacity(nb * ns * nh * nd);
+    for b in 0..nb {
+        for s in 0..ns {
+            for h in 0..nh {
+                let off = t.layout.offset(b, s, h, 0);
+                v.extend(t.data[off..off + nd].iter().map(|x| x.to_f32()));
+            }
+        }
+    }
+    v
+}
+
+fn problem<T: Element>(q: &TensorRef<T>, k: &TensorRef<T>, v: &TensorRef<T>) -> Problem {
+    let checked = q
+        .check(Operand::Q)
+        .and(k.check(Operand::K))
+        .and(v.check(Operand::V))
+        .and_then(|_| Problem::from_layouts(&q.layout, &k.layout, &v.layout, T::DTYPE));
+    checked.unwrap_or_else(|e| panic!("invalid reference operands: {e}"))
+}
+
+/// Head `h` of batch `b` of `t` as packed `(seqlen, d)` rows, converted by `conv`.
+fn head<T: Element, U>(t: &TensorRef<T>, b: usize, h: usize, conv: impl Fn(T) -> U) -> Vec<U> {
+    let (s, d) = (t.layout.seqlen(), t.layout.head_dim());
+    let mut out = Vec::with_capacity(s * d);
+    for i in 0..s {
+        let off = t.layout.offset(b, i, h, 0);
+        out.extend(t.data[off..off + d].iter().map(|&x| conv(x)));
+    }
+    out
+}
+
+/// Scatters per-(b, h) packed `(seqlen, d)` rows into a packed `(b, s, heads, d)` buffer.
+fn scatter<U: Copy + Default>(blocks: &[Vec<U>], shape: [usize; 4]) -> Vec<U> {
+    let [nb, ns, nh, nd] = shape;
+    let mut out = vec![U::default(); nb * ns * nh * nd];
+    for (bh, blk) in blocks.iter().enumerate() {
+        let (b, h) = (bh / nh, bh % nh);
+        for (i, row) in blk.chunks_exact(nd).enumerate() {
+            out[((b * ns + i) * nh + h) * nd..][..nd].copy_from_slice(row);
+        }
+    }
+    out
+}
+
+/// The forward of every query row, `row_out(mask, q_row, k_head, v_head, i) -> (o_row, lse)`,
+/// in parallel over (batch, head), elements converted by `conv`; O packed like Q, LSE packed
+/// (b, h, s). Shared by the reference (f64) and the baseline (f32 rounded to `T`).
+fn forward_all_rows<T: Element, U: Copy + Default + Send + Sync>(
+    cfg: &AttentionConfig,
+    q: &TensorRef<T>,
+    k: &TensorRef<T>,
+    v: &TensorRef<T>,
+    conv: fn(T) -> U,
+    row_out: impl Fn(&Mask, &[U], &[U], &[U], usize) -> (Vec<U>, U) + Sync,
+) -> (Vec<U>, Vec<U>) {
+    let p = problem(q, k, v);
+    let (d, mask) = (p.head_dim, cfg.mask(p.seqlen_q, p.seqlen_k));
+    let per_head: Vec<(Vec<U>, Vec<U>)> = (0..p.batch * p.heads_q)
+        .into_par_iter()
+        .map(|bh| {
+            let (b, h) = (bh / p.heads_q, bh % p.heads_q);
+            let qh = head(q, b, h, conv);
+            let kh = head(k, b, h / p.group_size(), conv);
+            let vh = head(v, b, h / p.group_size(), conv);
+            let mut o = Vec::with_capacity(p.seqlen_q * d);
+            let mut lse = Vec::with_capacity(p.seqlen_q);
+            for i in 0..p.seqlen_q {
+                let (row, l) = row_out(&mask, &qh[i * d..(i + 1) * d], &kh, &vh, i);
+                o.extend(row);
+                lse.push(l);
+            }
+            (o, lse)
+        })
+        .collect();
+    let (o, lse): (Vec<_>, Vec<_>) = per_head.into_iter().unzip();
+    (scatter(&o, p.q_shape()), lse.concat())
+}
+
+/// [`forward_all_rows`] for the single query row `i` of head `h`, batch `b`: needs only that
+/// row of Q (and all of K, V).
+fn forward_one_row<T: Element, U: Copy>(
+    cfg: &AttentionConfig,
+    q: &TensorRef<T>,
+    k: &TensorRef<T>,
+    v: &TensorRef<T>,
+    (b, h, i): (usize, usize, usize),
+    conv: fn(T) -> U,
+    row_out: impl Fn(&Mask, &[U], &[U], &[U], usize) -> (Vec<U>, U),
+) -> (Vec<U>, U) {
+    let p = problem(q, k, v);
+    assert!(
+        b < p.batch && h < p.heads_q && i < p.seqlen_q,
+        "row out of range"
+    );
+    let off = q.layout.offset(b, i, h, 0);
+    let q_row: Vec<U> = q.data[off..off + p.head_dim]
+        .iter()
+        .map(|&x| conv(x))
+        .collect();
+    let kh = head(k, b, h / p.group_size(), conv);
+    let vh = head(v, b, h / p.group_size(), conv);
+    row_out(&cfg.mask(p.seqlen_q, p.seqlen_k), &q_row, &kh, &vh, i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_match_whole_computations() {
+        let (b, s, h, d) = (2, 7, 4, 8);
+        let x: Vec<f32> = (0..b * s * h * d)
+            .map(|i| (i as f32 * 0.61).sin())
+            .collect();
+        let kv: Vec<f32> = (0..b * 5 * 2 * d)
+            .map(|i| (i as f32 * 0.29).cos())
+            .collect();
+        let q = TensorRef::contiguous(&x, [b, s, h, d]);
+        let k = TensorRef::contiguous(&kv, [b, 5, 2, d]);
+        let cfg = AttentionConfig::new().causal(true).softcap(3.0);
+        let full = reference_forward(&cfg, q, k, k);
+        for (bi, hi, i) in [(0, 0, 0), (1, 3, 6), (1, 2, 3)] {
+            let (o, lse) = reference_row(&cfg, q, k, k, bi, hi, i);
+            assert_eq!(lse, full.lse[(bi * h + hi) * s + i]);
+            assert_eq!(o, full.out[((bi * s + i) * h + hi) * d..][..d]);
+        }
+        let base = baseline_forward::<f32>(&cfg, q, k, k);
+        for (bi, hi, i) in [(0, 0, 0), (1, 3, 6), (1, 2, 3)] {
+            let (o, lse) = baseline_row(&cfg, q, k, k, bi, hi, i);
+            assert_eq!(lse, base.lse[(bi * h + hi) * s + i]);
+            assert_eq!(o, base.out[((bi * s + i) * h + hi) * d..][..d]);
+        }
+        // Causal with s_q > s_k: the first two rows see nothing.
+        let (o, lse) = baseline_row(&cfg, q, k, k, 0, 1, 1);
+        assert_eq!(lse, f32::INFINITY);
+        assert!(o.iter().all(|&x| x == 0.0));
+        let (o, lse) = reference_row(&cfg, q, k, k, 0, 1, 1);
+        assert_eq!(lse, f64::INFINITY);
+        assert!(o.iter().all(|&x| x == 0.0));
+    }
+
+    #[test]
+    fn baseline_f32_is_close_to_reference() {
+        let (s, d) = (9, 16);
+        let x: Vec<f32> = (0..s * d).map(|i| (i as f32 * 0.37).sin()).collect();
+        let t = TensorRef::contiguous(&x, [1, s, 1, d]);
+        let cfg = AttentionConfig::new();
+        let r = reference_forward(&cfg, t, t, t);
+        let bl = baseline_forward(&cfg, t, t, t);
+        let c = compare(&bl.out, &r.out, &bl.out);
+        assert!(c.max_err < 1e-5 && c.max_err > 0.0, "{c}");
+        let rb = reference_backward(&cfg, t, t, t, t);
+        let bb = baseline_backward(&cfg, t, t, t, t);
+        let c = compare(&bb.dq, &rb.dq, &bb.dq);
+        assert!(c.max_err < 1e-5, "{c}");
+    }
+}
