@@ -43,7 +43,7 @@ struct BwdRowsParams {
 
 // kHeadDim / 8 threads per (batch, head, row), 8 columns each: O and dO as 8-element arrays
 // (4-byte loads: cutlass::Array is aligned to its element; 16-byte ones made the whole backward
-// no faster, benchmarks/README.md 2026-11-30), the row's sum over its threads by shuffles, and
+// no faster, benchmarks/README.md), the row's sum over its threads by shuffles, and
 // the row's 8-float chunks of the dQ accumulator zeroed (whatever the accumulator's layout within
 // a head, a head's rows are dq_rows · head_dim contiguous floats, so row r's chunk c at
 // r · head_dim + 8c covers them all). Every lane of a warp is busy at every head dim, which one

@@ -46,9 +46,9 @@ __device__ __forceinline__ float thread_row_reduce(Tensor const& s, int r, Op op
   return part[0];
 }
 
-// kTreeReduce: row max and sum by thread_row_reduce. Measured on the H200: the
-// sm80 forward d128 +3–5%, d64 −0.4…+1.1%; the sm90 forwards, whose two warpgroups hide each
-// other's softmax, mixed (bf16 −3…+2%, FP8 d128 −5%), so they keep the running chain.
+// kTreeReduce: row max and sum by thread_row_reduce. Measured faster in the sm80 forward at d128
+// and neutral at d64; in the sm90 forwards, whose two warpgroups hide each other's softmax, mixed
+// and slower for FP8 (benchmarks/README.md), so they keep the running chain.
 template <int kRows, bool kTreeReduce = false>
 struct OnlineSoftmax {
   float row_max[kRows];

@@ -2,8 +2,8 @@
 // forward's split-KV pieces), from a memory pool of this library's, one per device, that keeps up
 // to kWorkspacePoolKeep bytes of freed memory for later calls. The device's default pool returns
 // freed memory to the system whenever the stream synchronizes (release threshold 0), and mapping
-// it again is paid by the next call: on the H200 (2026-12-01) a decoded d256 token synchronized
-// after every call took 0.12-0.16 ms with its workspace (35 MB then) from there, 0.05 from here.
+// it again is paid by the next call: a decoded token synchronized after every call ran much
+// slower with its workspace from there than from here (docs/PERFORMANCE.md, split-KV).
 #pragma once
 
 #include <cuda_runtime.h>

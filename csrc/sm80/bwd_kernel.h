@@ -181,7 +181,7 @@ __device__ void acc_to_smem(Acc const& acc, Thr const& thr, STensor& sTile) {
 }
 
 // kDeterministic: CTA s walks key blocks s, s + gridDim.x, ... (see BwdParams::deterministic);
-// otherwise one key block per CTA. Two instantiations: the loop costs the atomic path 2–4%.
+// otherwise one key block per CTA. Two instantiations: in one, the loop made the atomic path slower.
 template <class Traits, bool kDeterministic>
 __global__ void __launch_bounds__(Traits::kThreads)
     bwd_kernel(__grid_constant__ const BwdParams params) {
@@ -465,7 +465,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
     // Through shared memory (K and V are free once every warp is past its last GEMM), so that
     // each global store is a 16-byte piece of a row, not a 4-byte pair spread over 8 rows:
-    // measured d128 +1–4%, d256 +1–3%, but d64 −5–7% (ptxas then spills more in the main loop).
+    // measured faster at d128 and d256, but slower at d64 (ptxas then spills more in its loop).
     constexpr bool kStoreThroughSmem = kHeadDim >= 128;
     if (params.dk_accum == nullptr && kStoreThroughSmem) {
       // A key block that no query row sees never waited for its K and V: they must land first.

@@ -109,8 +109,8 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     using Tag = std::pair<Traits, std::false_type>;
     FLASHATTN_TRY_CUDA(allow_dynamic_smem<Tag>(kernel, smem_bytes));
     // Causal (any right bound): key block 0 sees the most query rows, so heaviest first, heads
-    // grouped by the Q, dO and dQ accumulator they share within a third of the L2 (H200: d128
-    // causal s4k/s8k, d64 s8k, d256 s2k/s4k +3–5% over half, the rest equal).
+    // grouped by the Q, dO and dQ accumulator they share within a third of the L2 (measured
+    // faster than half at several causal shapes, equal at the rest; benchmarks/README.md).
     const int64_t q_bytes = int64_t(p.seqlen_q) * kHeadDim * (2 * sizeof(Element) + sizeof(float));
     params.order = TileOrder::make(n_blocks, p.batch * p.heads_q, params.keys.window_right >= 0,
                                    q_bytes, l2_bytes() / 3);

@@ -14,11 +14,11 @@ namespace flashattn::sm80 {
 // Per head dim: query rows and keys per block, 8 warps laid out per GEMM: S/dP kAtomMSdP warps
 // down M, dK/dV kAtomNdKV down N, dQ kAtomMdQ down M (FlashAttention-2's choices for GPUs with
 // 144 KiB of shared memory or more). Registers: dK and dV accumulators kBlockN·d·2 over 256
-// threads plus S and dP kBlockM·kBlockN·2; ptxas spills d64 ~280 bytes, d128 24, d256 none
-// (d64 128×128 still ran 8% faster on the H200 than 64×128, which spills nothing). Shared
-// memory: K, V (kBlockN·d each), P, dS (kBlockM·kBlockN each), then per Q/dO buffer kBlockM·d·2
-// (+ LSE, D): with two buffers d64 162 KiB, d128 159 KiB, d256 209 KiB; d256 takes one buffer
-// (145 KiB) where the device offers less (A100: 163 KiB).
+// threads plus S and dP kBlockM·kBlockN·2; ptxas spills at d64, a little at d128, none at d256
+// (d64 128×128 still measured faster than 64×128, which spills nothing: benchmarks/README.md).
+// Shared memory: K, V (kBlockN·d each), P, dS (kBlockM·kBlockN each), then per Q/dO buffer
+// kBlockM·d·2 (+ LSE, D): with two buffers d64 162 KiB, d128 159 KiB, d256 209 KiB; d256 takes
+// one buffer (145 KiB) where the device offers less (A100: 163 KiB).
 template <int kHeadDim> struct BwdTile;
 template <> struct BwdTile<64> {
   static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 8, kAtomMSdP = 4, kAtomNdKV = 4,

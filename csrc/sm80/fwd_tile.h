@@ -14,14 +14,13 @@ namespace flashattn::sm80 {
 // d64 16 + 2·16 = 48 KiB, d128 32 + 2·32 = 96 KiB, d256 32 + 64 = 96 KiB of the 228), so that
 // one's barriers and loads hide under the other's MMAs. With two stages a K/V load has a whole
 // block to land and each block costs one barrier (fwd_kernel); d256 has no room for a second.
-// Measured on the H200 (bench_table, 16k tokens; the same call for every variant): d128 128×64
-// with two stages (180 bytes of ptxas spills) 3–12% over 128×32 with one stage (no spills;
-// s2k 363 vs 323, causal s2k 310 vs 289, s16k 377 vs 357 TFLOP/s), and over 128×32 with three
-// stages (s2k 341); d64 128×64 with two stages 1–4% over one stage (s2k 293 vs 283, causal s2k
-// 254 vs 242) and over 128×96 or 128×128 with two stages (s2k 281, 291; causal s2k 239, 236).
+// Measured (bench_table, the same call for every variant; benchmarks/README.md): d128 128×64
+// with two stages (some ptxas spills) faster than 128×32 with one stage (no spills) or with
+// three stages; d64 128×64 with two stages faster than with one stage and than 128×96 or
+// 128×128 with two stages.
 // kQInRegs: Q's fragments (32 registers at d64) loaded once instead of per key block, a third of
-// the Q·Kᵀ ldmatrix traffic: d64 +3.6–5.4% (s2k 291 → 305, causal s2k 243 → 252, s8k 307 → 324);
-// at d128 they would take 64 registers beside a kernel that already spills.
+// the Q·Kᵀ ldmatrix traffic, measured faster at d64 (docs/PERFORMANCE.md); at d128 they would
+// take 64 registers beside a kernel that already spills.
 template <int kHeadDim> struct FwdTile;
 template <> struct FwdTile<64> {
   static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4, kStages = 2;

@@ -205,10 +205,10 @@ __device__ inline void red_add_f32x2(float* dst, float a, float b) {
 // accumulator at slab_dst(m) and the buffer handed back once read (DqEmpty); the add is counted
 // once complete, and the warp whose count completes the block (key_blocks(m) key blocks) converts
 // the warpgroup's share of it (convert(m), the whole warp), so that no conversion pass runs. The
-// consumers never wait on the hand-over: 1.01–1.27× the deterministic mode with consumer thread 0
-// waiting, but 0.91× at d128 causal s2k (H200), before convert_dq_slab staged the slab by one
-// bulk copy (+3–14%). Atomic mode keeps its adds on the consumers: with
-// writer warps it ran 6–31% slower (benchmarks/README.md, 2026-11-30).
+// consumers never wait on the hand-over: faster than the deterministic mode with consumer thread 0
+// waiting, but at d128 causal s2k slower until convert_dq_slab staged the slab by one bulk copy
+// (faster again). Atomic mode keeps its adds on the consumers: with writer warps it ran slower
+// (benchmarks/README.md).
 template <class SlabDst, class Counter, class KeyBlocks, class AddsBefore, class Convert>
 __device__ void bwd_write_dq(const float* sdq, uint32_t slab_bytes, int wg, int m_first, int m_end,
                              SlabDst const& slab_dst, Counter const& counter,

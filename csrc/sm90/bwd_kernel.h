@@ -120,7 +120,7 @@ struct BwdTraits {
 };
 
 // kDeterministic: dQ through the semaphores (params.dq_semaphore), GQA dK/dV per query head. Its
-// own instantiation: the branches cost the atomic path registers (ptxas spills, ~5% at d128).
+// own instantiation: the branches cost the atomic path registers (ptxas spills, slower at d128).
 template <class Traits, bool kDeterministic>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_kernel(__grid_constant__ const BwdParams<Traits> params) {
@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (!kDeterministic && tid == 0) tma_store_wait<0>();
     // rdS holds dSᵀ register for register like the accumulator, stored by stmatrix: each
     // 16-byte row of 8 neighbouring queries of one key (the accumulator's column direction) is
-    // contiguous in the queries-contiguous dS layout (d64 loop 9% fewer instructions). Only
+    // contiguous in the queries-contiguous dS layout (fewer instructions in the d64 loop). Only
     // deterministic d64 spilled in its loop that way (ptxas): there one pair of neighbouring
     // queries at a time, indexed as (key, query).
     if constexpr (!kDeterministic || kHeadDim > 64) {

@@ -12,8 +12,9 @@
 //                    Each warpgroup's dQ columns leave in two 64 × 64 f32 slabs (DqSlabs) through
 //                    one shared buffer, by bulk reduce-adds: the first under dK, the second
 //                    under the next block's score GEMMs. (Per-thread vector reductions, the
-//                    first version, saturated the LSU and L2: ncu 22% of stall samples on REDG,
-//                    L2 78% busy; the two slabs back to back waited on the first one's read.)
+//                    first version, saturated the LSU and L2: in ncu many stall samples on REDG
+//                    and a busy L2, benchmarks/README.md; the two slabs back to back waited on
+//                    the first one's read.)
 //                    The buffer's 32 KiB come from single-buffering dO (as FA3 at d256).
 // setmaxnreg moves registers from the producer (24) to the consumers (240). kDeterministic: as
 // bwd_kernel.h's, each (query block, warpgroup)'s two slabs added in key-block order through a

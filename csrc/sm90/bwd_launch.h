@@ -89,8 +89,8 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.scale = p.softmax_scale;
   params.scale_log2 = p.softmax_scale * float(M_LOG2E);
   // Causal (any right bound): key block 0 sees the most query rows, so heaviest first, heads
-  // grouped by the Q, dO and dQ accumulator they share within a third of the L2 (H200, causal
-  // s2k: d256 +4.7% over half, d64/d128 equal; all heads in one group −3…−7%).
+  // grouped by the Q, dO and dQ accumulator they share within a third of the L2 (causal: faster
+  // than half at d256, equal at d64/d128; all heads in one group slower; benchmarks/README.md).
   const int64_t q_bytes = int64_t(p.seqlen_q) * kHeadDim * (2 * sizeof(Element) + sizeof(float));
   params.order = TileOrder::make(n_blocks, p.batch * p.heads_q, params.keys.window_right >= 0,
                                  q_bytes, l2_bytes() / 3);

@@ -16,10 +16,10 @@ namespace flashattn::sm90 {
 template <int kHeadDim> struct Fp8FwdTile {
   static constexpr int kBlockN = fp8_key_block(kHeadDim), kStages = 2;
   static constexpr int kQStages = kHeadDim == 256 ? 1 : 2;
-  // Measured on the H200 (benchmarks/README.md, 2026-11-30, 16k tokens, s8k): the unmasked-
-  // block loop is +1% at d256; at d64 -7% with the approximate division, -17% with the IEEE
-  // one; at d128 +-0 / -4.5%. The IEEE division (see the kernel) is faster at d64/d128 without
-  // the copy, the approximate one at d256.
+  // Measured (benchmarks/README.md): the unmasked-block loop pays at d256 only; at d64 it is
+  // slower with either division, at d128 no faster with the approximate one and slower with the
+  // IEEE one. The IEEE division (see the kernel) is faster at d64/d128 without the copy, the
+  // approximate one at d256.
   static constexpr bool kUnmaskedLoop = kHeadDim == 256;
   static constexpr bool kIeeeDescaleRatio = kHeadDim != 256;
   static constexpr bool kTailSplit = true;

@@ -44,13 +44,13 @@ struct FwdTail {
   __host__ __device__ int slots() const { return ctas + tiles - 1; }
 };
 
-// The split's model, in key blocks of the busiest CTA. Fitted on the H200 (FP8, 16k tokens, s8k):
-// a partial last wave runs its tiles in about 4/5 of the time a full one takes (d128, inferred:
-// 16 waves 1233 µs by CUDA events, 15 in ncu 1170 µs, so ~63 µs for the last against ~78);
-// serialized (ncu), the pieces' launch took 11-18 µs over their blocks' time and the merge
-// 10-20 µs, which the programmatic launches may partly hide (not measured apart); a cost of 10
-// key blocks (15-21 µs) predicts the A/Bs (split: d64 +1%, d128 ±0, d256 -1.3%; predicted
-// +1.6%, -0.1%, -1.6%). Below the predicted gain kTailMinGainPercent the tail runs whole.
+// The split's model, in key blocks of the busiest CTA, fitted to ncu's kernel durations
+// (docs/PERFORMANCE.md, split-KV): a partial last wave runs its tiles in about 4/5 of the time a
+// full one takes (inferred from the time of the whole waves with and without it); serialized
+// (ncu), the pieces' launch and the merge take time beyond their key blocks', which the
+// programmatic launches may partly hide (not measured apart); charged as kTailPieceCost key
+// blocks, that cost predicts the split's A/Bs. Below the predicted gain kTailMinGainPercent the
+// tail runs whole.
 constexpr int kTailPieceCost = 10;
 constexpr int kTailMinGainPercent = 2;
 

@@ -52,8 +52,7 @@ struct ScaledOnlineSoftmax {
   // `never` is false, but not known to be so at compile time (the kernel passes batch < 0): a
   // select through it makes every row's exponentials wait for the last row's maximum. Without
   // it ptxas starts row 0's exponentials among row 1's max reductions, and the FP8 forward ran
-  // 8% slower at d128 s8k (H200, 16k tokens: 855 against 933 TFLOP/s, s2k 716 against 756;
-  // d256 s8k 1243 against 1276; benchmarks/README.md, 2026-12-01).
+  // slower at d128 and d256 (docs/PERFORMANCE.md).
   template <class Tensor>
   __device__ void step(Tensor& s, float c, float (&factor)[kRows], bool never) {
     static_assert(decltype(size<0>(s))::value == kRows);
