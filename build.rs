@@ -656,9 +656,15 @@ mod cuda {
                     // no truncated object under the final name.
                     let tmp = obj.with_extension(format!("tmp{}", std::process::id()));
                     cmd.arg("-c").arg(&src).arg("-o").arg(&tmp);
+                    let started = std::time::Instant::now();
                     let out = cmd.output().expect("run nvcc");
                     let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
                     text.push_str(&String::from_utf8_lossy(&out.stderr));
+                    // Read back by scripts/compile_times.py: where the cold build's time goes.
+                    text.push_str(&format!(
+                        "flashattn: nvcc wall time {:.1} s ({jobs_n} jobs)\n",
+                        started.elapsed().as_secs_f64()
+                    ));
                     fs::write(&log, &text).unwrap();
                     if out.status.success() {
                         fs::rename(&tmp, &obj).unwrap();

@@ -1,4 +1,4 @@
-// What the FP8 quantize step (fp8_quantize.cu) and the FP8 forward (fwd_kernel.h) agree on: the
+// What the FP8 quantize step (fp8_quantize.cu) and the FP8 forward (fwd_mainloop.h) agree on: the
 // block of rows one descale covers and the order of V's keys; the order of its head dims is in
 // fp8_v_rows.h (which the forward kernel includes alone). Host and device.
 #pragma once

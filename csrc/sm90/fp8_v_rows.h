@@ -1,5 +1,5 @@
 // The order of V's head dims in the FP8 forward's key-major V (its rows), on which the quantize
-// step (fp8_quantize.cu, through fp8_layout.h) and the forward's epilogue (fwd_kernel.h) agree.
+// step (fp8_quantize.cu, through fp8_layout.h) and the forward's epilogue (fwd_epilogue.h) agree.
 // Host and device.
 #pragma once
 

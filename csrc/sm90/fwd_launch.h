@@ -49,7 +49,6 @@ flashattn_result_t run_fwd_split_tail(const flashattn_params_t& p, FwdParams<Tra
   if (tail.first_tile > 0) {  // whole waves, tiles_per_unit 1
     params.num_tiles = tail.first_tile;
     fwd_kernel<Traits><<<p.sm_count, Traits::kThreads, smem_bytes, stream>>>(params);
-    after_fwd_launch(stream);
     launched = check_launch();
   }
   auto pieces = fwd_kernel<Traits, true>;
@@ -174,7 +173,6 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
     }
   }
   kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
-  after_fwd_launch(stream);
   return check_launch();
 }
 

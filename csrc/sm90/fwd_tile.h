@@ -16,11 +16,9 @@ namespace flashattn::sm90 {
 // buffer: two would leave no room for K/V blocks worth the name).
 // Registers per consumer thread: O d/2, S kBlockN/2, P kBlockN/4; d128 with 160 keys fits the
 // 240 of setmaxnreg with no local memory (ptxas report).
-// Code shape (FwdTraits): the loop copy for unmasked blocks (H200, 16k tokens, s8k: 3.6-5.2%
-// faster at each head dim; causal d64 s2k 6% slower, so not for that tile; benchmarks/README.md,
-// 2026-11-30). O leaves every tile by 16-byte stores (fwd_kernel.h; against 4-byte ones, H200,
-// 2026-12-01, 16k tokens: s2k d64 +1%, d128 +2%, d256 +4%, causal s2k d128 +3%, d256 +8.5%; s8k
-// d64/d128 +-1%, d256 -1.5%).
+// Code shape (FwdTraits): the loop copy for unmasked blocks is measured faster at every head dim
+// but for causal d64, which takes the narrow tile without it; O leaves every tile by 16-byte
+// stores (fwd_epilogue.h). The measurements are in docs/PERFORMANCE.md.
 struct FwdShape16 {
   static constexpr bool kUnmaskedLoop = true, kTailSplit = true;
 };

@@ -1,0 +1,54 @@
+// The sm90 forward without intra-warpgroup overlap (the FlashAttention-3 paper's ablation, built
+// only where the registry asks for it): each key block's GEMMs wait on its softmax, and with
+// ping-pong each GEMM takes its own turn. Kept to measure what the overlap gains.
+#pragma once
+
+#include "fwd_mainloop.h"
+#include "fwd_scheduler.h"
+#include "fwd_traits.h"
+#include "pipeline.h"
+
+namespace flashattn::sm90 {
+
+// One tile whose Q the caller has waited for.
+template <class Traits, class Epilogue>
+__device__ __forceinline__ void fwd_serial_tile(FwdMainloop<Traits>& ml, Epilogue& epilogue,
+                                                 typename Traits::SharedStorage& smem,
+                                                 PipelineState<Traits::kQStages>& st_q,
+                                                 PipelineState<Traits::kStages>& st_k,
+                                                 PipelineState<Traits::kStages>& st_v,
+                                                 const WorkTile& t, int row0) {
+  constexpr int kRows = FwdMainloop<Traits>::kRows;
+  ml.softmax = typename FwdMainloop<Traits>::Softmax();
+  clear(ml.tOrO);
+#pragma unroll 1
+  for (int n = t.n_max - 1; n >= t.n_min; --n) {
+    const BlockScales scales = ml.block_scales(n);
+    smem.pipe_k.consumer_wait(st_k);
+    ml.turn_wait();
+    ml.gemm_qk(st_q.index, st_k.index);
+    ml.turn_pass();
+    warpgroup_wait<0>();
+    smem.pipe_k.consumer_release(st_k);
+    st_k.advance();
+    if (n == t.n_min) {
+      smem.pipe_q.consumer_release(st_q);
+      st_q.advance();
+    }
+    ml.template softmax_step<false>(n, row0, scales);
+    ml.rescale_o();
+    ml.convert_p();
+    smem.pipe_v.consumer_wait(st_v);
+    ml.turn_wait();
+    ml.gemm_pv(st_v.index);
+    ml.turn_pass();
+    warpgroup_wait<0>();
+    smem.pipe_v.consumer_release(st_v);
+    st_v.advance();
+  }
+  float inv_sum[kRows], lse[kRows];
+  ml.finalize(inv_sum, lse);
+  epilogue.store(t, ml.tOrO, inv_sum, lse);
+}
+
+}  // namespace flashattn::sm90

@@ -1,0 +1,102 @@
+// The sm90 forward's producer: warpgroup 0 gives its registers to the consumers, and one elected
+// thread of its first warp issues every TMA load. Per tile: the first K block, then Q (with one
+// Q buffer it waits for the last Q·Kᵀ of the tile before), then the first V block and the other
+// K/V blocks, last to first, into the two kStages-deep pipelines.
+#pragma once
+
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "fwd_scheduler.h"
+#include "fwd_traits.h"
+#include "grid_dependency.h"
+
+namespace flashattn::sm90 {
+
+template <class Traits, bool kTailPieces>
+struct FwdProducer {
+  __device__ static void run(const FwdParams<Traits>& params,
+                             typename Traits::SharedStorage& smem) {
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kStages = Traits::kStages;
+    constexpr int kQStages = Traits::kQStages;
+    constexpr int kConsumerWGs = Traits::kConsumerWGs;
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (threadIdx.x / 32 != 0) return;
+    if (!cute::elect_one_sync()) return;
+
+    Tensor mQ = params.tma_q.get_tma_tensor(
+        make_shape(params.seqlen_q, int(Traits::kHeadDim), params.heads_q, params.batch));
+    Tensor mK = params.tma_k.get_tma_tensor(
+        make_shape(params.seqlen_k, int(Traits::kHeadDim), params.heads_kv, params.batch));
+    Tensor mV = [&] {
+      if constexpr (Traits::kFp8) {
+        return params.tma_v.get_tma_tensor(make_shape(
+            int(Traits::kHeadDim), params.num_n_blocks * kBlockN, params.heads_kv, params.batch));
+      } else {
+        return params.tma_v.get_tma_tensor(
+            make_shape(params.seqlen_k, int(Traits::kHeadDim), params.heads_kv, params.batch));
+      }
+    }();
+    auto cta_q = params.tma_q.get_slice(0);
+    auto cta_k = params.tma_k.get_slice(0);
+    auto cta_v = params.tma_v.get_slice(0);
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutV{});
+    Tensor tKsK = group_modes<0, 3>(cta_k.partition_D(sK));  // (TMA, stage)
+    Tensor tVsV = group_modes<0, 3>(cta_v.partition_D(sV));
+
+    PipelineState<kStages> st;
+    PipelineState<kQStages> st_q;
+    WorkTile t;
+#pragma unroll 1
+    for (FwdTileScheduler<Traits, kTailPieces> walk{params}; walk.next(t);) {
+      if (t.n_blocks() == 0) continue;  // the consumers zero-fill it alone
+      const int head_kv = t.head / (params.heads_q / params.heads_kv);
+      Tensor tKgK = group_modes<0, 3>(cta_k.partition_S(local_tile(
+          mK(_, _, head_kv, t.batch), typename Traits::TileKV{}, make_coord(_, _0{}))));
+      Tensor tVgV = [&] {
+        if constexpr (Traits::kFp8) {  // (head_dim, keys): key blocks along mode 1
+          return group_modes<0, 3>(cta_v.partition_S(local_tile(
+              mV(_, _, head_kv, t.batch), typename Traits::TileV{}, make_coord(_0{}, _))));
+        } else {
+          return group_modes<0, 3>(cta_v.partition_S(local_tile(
+              mV(_, _, head_kv, t.batch), typename Traits::TileKV{}, make_coord(_, _0{}))));
+        }
+      }();
+      auto load_k = [&](int n) {
+        smem.pipe_k.producer_acquire(st, Traits::kBytesKV);
+        copy(params.tma_k.with(smem.pipe_k.full_barrier(st)), tKgK(_, n), tKsK(_, st.index));
+      };
+      auto load_v = [&](int n) {
+        smem.pipe_v.producer_acquire(st, Traits::kBytesKV);
+        copy(params.tma_v.with(smem.pipe_v.full_barrier(st)), tVgV(_, n), tVsV(_, st.index));
+      };
+      // The first K block first: with one Q buffer, Q waits for the last Q·Kᵀ of the tile before.
+      load_k(t.n_max - 1);
+      smem.pipe_q.producer_acquire(st_q, Traits::kBytesQ * kConsumerWGs);
+#pragma unroll
+      for (int wg = 0; wg < kConsumerWGs; ++wg) {
+        Tensor gQ = local_tile(mQ(_, _, t.head, t.batch), typename Traits::TileQ{},
+                               make_coord(t.m_block * kConsumerWGs + wg, _0{}));
+        Tensor sQ = make_tensor(make_smem_ptr(smem.q[wg].begin()), typename Traits::SmemLayoutQ{});
+        copy(params.tma_q.with(smem.pipe_q.full_barrier(st_q)), cta_q.partition_S(gQ),
+             cta_q.partition_D(sQ(_, _, st_q.index)));
+      }
+      st_q.advance();
+      load_v(t.n_max - 1);
+      st.advance();
+      // Not unrolled: the producer lives in 24 registers.
+#pragma unroll 1
+      for (int n = t.n_max - 2; n >= t.n_min; --n) {
+        load_k(n);
+        load_v(n);
+        st.advance();
+      }
+    }
+    // The pieces read nothing of the whole waves', which run beside them; this keeps the pieces'
+    // launch from completing before those.
+    if constexpr (kTailPieces) wait_for_prior_grids();
+  }
+};
+
+}  // namespace flashattn::sm90

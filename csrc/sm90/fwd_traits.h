@@ -1,0 +1,142 @@
+// The sm90 forward's compile-time shape (FwdTraits: tile, shared memory layouts, MMAs, TMA
+// copies) and its run-time parameters (FwdParams), shared by the kernel's parts.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "../common/block_range.h"
+#include "fwd_tail.h"
+#include "pipeline.h"
+#include "tma_tensor.h"
+
+namespace flashattn::sm90 {
+
+using namespace cute;
+
+// The consumer's lambdas run at several call sites; an outlined call would put the accumulators
+// on a local-memory stack.
+#define FLASHATTN_INLINE __attribute__((always_inline))
+
+// Tile: kBlockN (keys per block), kStages (K/V pipeline depth), kQStages (Q buffers), and the
+// code-shape choices kUnmaskedLoop, kTailSplit and, FP8 tiles only, kIeeeDescaleRatio (below).
+template <class Element_, int kHeadDim_, class Tile, bool kIntraWGOverlap_>
+struct FwdTraits {
+  using Element = Element_;  // of Q, K and V
+  static constexpr bool kFp8 = sizeof(Element) == 1;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
+  static constexpr int kRowsPerWG = 64;
+  static constexpr int kBlockN = Tile::kBlockN;
+  static constexpr int kStages = Tile::kStages;
+  static constexpr int kQStages = Tile::kQStages;
+  static constexpr bool kIntraWGOverlap = kIntraWGOverlap_;
+  // A second copy of the key-block loop for the blocks that need no mask or softcap, so that
+  // their loop has none of those tests (branches) in it; which kernels gain is measured.
+  static constexpr bool kUnmaskedLoop = Tile::kUnmaskedLoop;
+  // FP8: the V-descale ratio by IEEE division, whose slow path moves ptxas's P·V wait (below).
+  static constexpr bool kIeeeDescaleRatio = [] {
+    if constexpr (kFp8) {
+      return Tile::kIeeeDescaleRatio;
+    } else {
+      return false;
+    }
+  }();
+  // Calls whose tiles all visit the same key blocks may split the last partial wave's tiles by
+  // key blocks (fwd_tail.h): a second instantiation of the kernel, so not in the overlap
+  // ablation.
+  static constexpr bool kTailSplit = Tile::kTailSplit && kIntraWGOverlap_;
+  // The next tile's first Q·Kᵀ beside this tile's last P·V: needs the next Q in its own buffer.
+  static constexpr bool kCrossTileOverlap = kIntraWGOverlap && kQStages > 1;
+  static constexpr int kConsumerWGs = kBlockM / kRowsPerWG;
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  using TileQ = Shape<Int<kRowsPerWG>, Int<kHeadDim>>;
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+
+  // K-major rows swizzled over 128 bytes (64 for e4m3 at d64: a row has no more).
+  using SmemAtom = conditional_t<kHeadDim * sizeof(Element) % 128 == 0,
+                                 GMMA::Layout_K_SW128_Atom<Element>,
+                                 GMMA::Layout_K_SW64_Atom<Element>>;
+  using SmemLayoutQ = decltype(tile_to_shape(  // per consumer WG
+      SmemAtom{}, Shape<Int<kRowsPerWG>, Int<kHeadDim>, Int<kQStages>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(
+      SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // Vᵀ is the (head_dim, kBlockN) B operand of P·V. 16-bit: V is stored as it comes and Vᵀ is
+  // the same bytes, MN-major. FP8 WGMMA takes K-major operands only: the quantize step wrote V
+  // key-major (rows in fp8_v_row_head_dim order), and the TMA loads Vᵀ as it is.
+  using SmemLayoutVtOfV = decltype(composition(
+      SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                         Step<_2, _1, _3>{})));
+  using SmemAtomVtFp8 =
+      conditional_t<kBlockN % 128 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                    conditional_t<kBlockN % 64 == 0, GMMA::Layout_K_SW64_Atom<Element>,
+                                  GMMA::Layout_K_SW32_Atom<Element>>>;
+  using SmemLayoutVtFp8 = decltype(tile_to_shape(
+      SmemAtomVtFp8{}, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+  using SmemLayoutVt = conditional_t<kFp8, SmemLayoutVtFp8, SmemLayoutVtOfV>;
+  using SmemLayoutV = conditional_t<kFp8, SmemLayoutVtFp8, SmemLayoutK>;  // as the TMA writes it
+  using TileV = conditional_t<kFp8, Shape<Int<kHeadDim>, Int<kBlockN>>, TileKV>;
+
+  using MmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kRowsPerWG>, Int<kBlockN>, Int<kHeadDim>>>()));
+  using MmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float,
+                           Shape<Int<kRowsPerWG>, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, kFp8 ? GMMA::Major::K : GMMA::Major::MN>()));
+
+  // (seqlen, head_dim, heads, batch) with head_dim contiguous.
+  using GmemTensor = sm90::GmemTensor<Element>;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                      TileQ{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{},
+                                       take<0, 2>(SmemLayoutK{}), TileKV{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}),
+                                      TileV{}, _1{}));
+  static constexpr uint32_t kBytesQ = kRowsPerWG * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q[kConsumerWGs];
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutV>> v;
+    TmaPipeline<kQStages> pipe_q;
+    TmaPipeline<kStages> pipe_k;
+    TmaPipeline<kStages> pipe_v;
+  };
+  static_assert(sizeof(SharedStorage) <= 232448, "227 KiB of shared memory per CTA on sm_90");
+};
+
+template <class Traits>
+struct FwdParams {
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaV tma_v;
+  void* o;  // Element, or for FP8 bf16 (o_bf16) or fp16
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  float* lse;  // (batch, heads_q, seqlen_q)
+  // `batch < 0` is the FP8 softmax's run-time false (ScaledOnlineSoftmax::step): never let the
+  // compiler know batch is positive.
+  int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
+  int num_m_blocks, num_tiles;
+  int tiles_per_unit;  // 2 with a right bound on the keys over several query blocks, else 1
+  KeyRange keys;
+  float scale_log2;   // scale·log2(e), or softcap·log2(e) when softcap is on
+  float softcap_pre;  // scale/softcap when softcap is on (scores become tanh(s·scale/softcap))
+  bool softcap;
+  bool pingpong;
+  // FP8: descales (batch, heads, blocks): Q per query tile, K and V per key block.
+  const float* q_descale;
+  const float* k_descale;
+  const float* v_descale;
+  int num_n_blocks;  // key blocks per head (V's key-major rows hold num_n_blocks·kBlockN keys)
+  bool o_bf16;
+  FwdTail tail;  // the tail launch's pieces (fwd_tail.h)
+};
+
+}  // namespace flashattn::sm90
