@@ -314,7 +314,7 @@ fn main() {
                 });
                 non_finite(&out);
             }
-            let mask = AttentionConfig::new().causal(causal).mask(sq, sk);
+            let mask = AttentionConfig::new().causal(causal).key_rule(sq, sk);
             let pairs: usize = (0..sq)
                 .map(|i| {
                     let (lo, hi) = mask.key_range(i);

@@ -14,7 +14,10 @@ mod common;
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
-use flashattn::cuda::{CudaSlice, CudaStream, Device, DeviceTensor, DeviceTensorMut};
+use flashattn::cuda::{
+    CudaSlice, CudaStream, Device, DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor,
+    DeviceTensorMut,
+};
 use flashattn::reference::{self, compare};
 use flashattn::{
     AttentionConfig, Backend, DType, Layout, PingPong, Problem, Sm90Schedule, TensorRef,
@@ -129,15 +132,19 @@ fn time_backward(
         dev.backward_into(
             stream,
             cfg,
-            &t(q, n, layout),
-            &t(k, n, layout),
-            &t(v, n, layout),
-            &t(&inp.out, n, layout),
-            &t(&inp.dout, n, layout),
-            &inp.lse.slice(..),
-            &mut DeviceTensorMut::new(dq.slice_mut(..n), layout),
-            &mut DeviceTensorMut::new(dk.slice_mut(..n), layout),
-            &mut DeviceTensorMut::new(dv.slice_mut(..n), layout),
+            DeviceBackwardInputs {
+                q: &t(q, n, layout),
+                k: &t(k, n, layout),
+                v: &t(v, n, layout),
+                out: &t(&inp.out, n, layout),
+                dout: &t(&inp.dout, n, layout),
+                lse: &inp.lse.slice(..),
+            },
+            DeviceGradientsMut {
+                dq: &mut DeviceTensorMut::new(dq.slice_mut(..n), layout),
+                dk: &mut DeviceTensorMut::new(dk.slice_mut(..n), layout),
+                dv: &mut DeviceTensorMut::new(dv.slice_mut(..n), layout),
+            },
         )
         .expect("backward");
     };

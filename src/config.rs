@@ -1,4 +1,4 @@
-//! What to compute: scale, masks, softcap, and which backend the caller wants.
+//! What to compute: scale, mask, softcap, and which backend the caller wants.
 
 use crate::error::{Error, Result};
 
@@ -16,6 +16,7 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// The lower-case name errors and plans print (`"sm90"`, `"cpu"`, ...).
     pub fn name(self) -> &'static str {
         match self {
             Backend::Auto => "auto",
@@ -23,6 +24,12 @@ impl Backend {
             Backend::Sm80 => "sm80",
             Backend::Cpu => "cpu",
         }
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -101,17 +108,67 @@ impl Default for Sm90Schedule {
     }
 }
 
-/// Options of one attention call, following FlashAttention's conventions:
-/// causal masks are aligned bottom-right when `seqlen_q != seqlen_k`; a window `(left, right)`
-/// lets query `i` see keys `j` with `i + s_k - s_q - left <= j <= i + s_k - s_q + right`,
-/// `None` meaning unbounded on that side.
+/// Which keys each query may see, in FlashAttention's convention: masks are aligned
+/// bottom-right, so that when `seqlen_q != seqlen_k` the last query sits on the last key. Query
+/// `i` lies on the key diagonal `i + seqlen_k - seqlen_q`; a window `{ left, right }` lets it see
+/// keys `j` with `i + s_k - s_q - left <= j <= i + s_k - s_q + right`, `None` meaning unbounded
+/// on that side.
+///
+/// `Causal` is the window `{ left: None, right: Some(0) }` and runs exactly as it does on every
+/// backend; `Window { left: None, right: None }` is `Full`. A query row that sees no key gives
+/// `O = 0` and `lse = +inf`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum AttentionMask {
+    /// Every query sees every key.
+    #[default]
+    Full,
+    /// No key past the query's diagonal.
+    Causal,
+    /// A band around the diagonal (sliding-window or local attention).
+    Window {
+        left: Option<usize>,
+        right: Option<usize>,
+    },
+}
+
+impl AttentionMask {
+    /// The band `(left, right)` this mask stands for, `None` meaning unbounded: `Full` is
+    /// `(None, None)`, `Causal` is `(None, Some(0))`.
+    pub fn bounds(self) -> (Option<usize>, Option<usize>) {
+        match self {
+            AttentionMask::Full => (None, None),
+            AttentionMask::Causal => (None, Some(0)),
+            AttentionMask::Window { left, right } => (left, right),
+        }
+    }
+
+    /// Whether no query sees a key past its diagonal: `Causal`, and every window whose right
+    /// side is 0.
+    pub fn is_causal(self) -> bool {
+        self.bounds().1 == Some(0)
+    }
+
+    /// The keys each row sees for given sequence lengths.
+    pub fn key_rule(self, seqlen_q: usize, seqlen_k: usize) -> KeyRule {
+        let (left, right) = self.bounds();
+        KeyRule {
+            seqlen_q,
+            seqlen_k,
+            left,
+            right,
+        }
+    }
+}
+
+/// Options of one attention call, following FlashAttention's conventions (see
+/// [`AttentionMask`] for what each query sees).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct AttentionConfig {
     /// Multiplies Q·Kᵀ before the softmax; `None` means `1/sqrt(head_dim)`.
     pub softmax_scale: Option<f32>,
-    pub causal: bool,
-    pub window_left: Option<usize>,
-    pub window_right: Option<usize>,
+    /// Which keys each query sees.
+    pub mask: AttentionMask,
     /// `softcap * tanh(s / softcap)` applied to the scaled scores; `None` = off.
     pub softcap: Option<f32>,
     /// Ask for a fixed accumulation order in the backward (bit-identical runs).
@@ -124,17 +181,27 @@ impl AttentionConfig {
     pub fn new() -> Self {
         Self::default()
     }
-    pub fn causal(mut self, causal: bool) -> Self {
-        self.causal = causal;
+    /// Sets the mask. [`mask`](Self::mask), [`causal`](Self::causal) and
+    /// [`window`](Self::window) each replace the whole mask: the last one called wins.
+    pub fn mask(mut self, mask: AttentionMask) -> Self {
+        self.mask = mask;
         self
+    }
+    /// `true` sets [`AttentionMask::Causal`], `false` [`AttentionMask::Full`]. A causal mask
+    /// with a left window is `window(Some(left), Some(0))`.
+    pub fn causal(self, causal: bool) -> Self {
+        self.mask(if causal {
+            AttentionMask::Causal
+        } else {
+            AttentionMask::Full
+        })
+    }
+    /// Sets [`AttentionMask::Window`] `{ left, right }`.
+    pub fn window(self, left: Option<usize>, right: Option<usize>) -> Self {
+        self.mask(AttentionMask::Window { left, right })
     }
     pub fn softmax_scale(mut self, scale: f32) -> Self {
         self.softmax_scale = Some(scale);
-        self
-    }
-    pub fn window(mut self, left: Option<usize>, right: Option<usize>) -> Self {
-        self.window_left = left;
-        self.window_right = right;
         self
     }
     pub fn softcap(mut self, cap: f32) -> Self {
@@ -178,33 +245,23 @@ impl AttentionConfig {
         Ok(())
     }
 
-    /// The mask of this call for given sequence lengths.
-    pub fn mask(&self, seqlen_q: usize, seqlen_k: usize) -> Mask {
-        // Causal is a window with nothing to the right of the diagonal.
-        let right = if self.causal {
-            Some(0)
-        } else {
-            self.window_right
-        };
-        Mask {
-            seqlen_q,
-            seqlen_k,
-            left: self.window_left,
-            right,
-        }
+    /// The keys each row of this call sees for given sequence lengths.
+    pub fn key_rule(&self, seqlen_q: usize, seqlen_k: usize) -> KeyRule {
+        self.mask.key_rule(seqlen_q, seqlen_k)
     }
 }
 
-/// Which keys each query row may see: one place for the causal/window index arithmetic.
+/// Which keys each query row may see for given sequence lengths: one place for the mask's
+/// index arithmetic (the GPU kernels' counterpart is `KeyRange` in csrc/common/block_range.h).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Mask {
+pub struct KeyRule {
     pub seqlen_q: usize,
     pub seqlen_k: usize,
     pub left: Option<usize>,
     pub right: Option<usize>,
 }
 
-impl Mask {
+impl KeyRule {
     /// Half-open key range `[lo, hi)` visible to query row `i` (empty when `lo >= hi`). A
     /// window wider than both sequences (`Some(usize::MAX)`, say) is unbounded, as `None` is:
     /// the arithmetic is in i128, where no usize sum overflows.
@@ -244,11 +301,11 @@ mod tests {
 
     #[test]
     fn causal_is_bottom_right_aligned() {
-        let m = AttentionConfig::new().causal(true).mask(2, 5);
+        let m = AttentionConfig::new().causal(true).key_rule(2, 5);
         assert_eq!(m.key_range(0), (0, 4));
         assert_eq!(m.key_range(1), (0, 5));
         // More queries than keys: the first rows see nothing.
-        let m = AttentionConfig::new().causal(true).mask(5, 2);
+        let m = AttentionConfig::new().causal(true).key_rule(5, 2);
         assert_eq!(m.key_range(0), (0, 0));
         assert_eq!(m.key_range(2), (0, 0));
         assert_eq!(m.key_range(3), (0, 1));
@@ -257,10 +314,45 @@ mod tests {
 
     #[test]
     fn window_clamps_both_sides() {
-        let m = AttentionConfig::new().window(Some(2), Some(1)).mask(8, 8);
+        let m = AttentionConfig::new()
+            .window(Some(2), Some(1))
+            .key_rule(8, 8);
         assert_eq!(m.key_range(0), (0, 2));
         assert_eq!(m.key_range(4), (2, 6));
         assert_eq!(m.key_range(7), (5, 8));
+    }
+
+    #[test]
+    fn causal_is_the_window_with_nothing_right_of_the_diagonal() {
+        let window = AttentionMask::Window {
+            left: None,
+            right: Some(0),
+        };
+        assert_eq!(AttentionMask::Causal.bounds(), window.bounds());
+        assert!(AttentionMask::Causal.is_causal() && window.is_causal());
+        assert!(!AttentionMask::Full.is_causal());
+        for (s_q, s_k) in [(1, 7), (7, 7), (9, 4)] {
+            assert_eq!(
+                AttentionMask::Causal.key_rule(s_q, s_k),
+                window.key_rule(s_q, s_k)
+            );
+        }
+    }
+
+    #[test]
+    fn the_last_mask_setter_wins() {
+        let cfg = AttentionConfig::new().causal(true).window(Some(3), None);
+        assert_eq!(
+            cfg.mask,
+            AttentionMask::Window {
+                left: Some(3),
+                right: None
+            }
+        );
+        let cfg = cfg.causal(false);
+        assert_eq!(cfg.mask, AttentionMask::Full);
+        let cfg = cfg.mask(AttentionMask::Causal);
+        assert_eq!(cfg, AttentionConfig::new().causal(true));
     }
 
     #[test]

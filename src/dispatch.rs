@@ -119,7 +119,6 @@ pub fn check_backend(
     memory: &Memory,
     built: BuiltKernels,
 ) -> Result<Option<&'static Kernel>> {
-    let name = backend.name();
     match backend {
         Backend::Auto => Err(Error::InvalidConfig(
             "Auto is not a concrete backend".into(),
@@ -127,7 +126,7 @@ pub fn check_backend(
         Backend::Cpu => {
             if let Memory::Device(_) = memory {
                 return Err(Error::BackendUnavailable {
-                    backend: name,
+                    backend,
                     reason: "operands are in device memory".into(),
                 });
             }
@@ -135,7 +134,7 @@ pub fn check_backend(
                 DType::F32 | DType::F16 | DType::BF16 => problem.check_cpu_limits().map(|_| None),
                 DType::E4M3 => Err(Error::UnsupportedDtype {
                     dtype: problem.dtype,
-                    backend: name,
+                    backend,
                 }),
             }
         }
@@ -143,7 +142,7 @@ pub fn check_backend(
             let info = match memory {
                 Memory::Host => {
                     return Err(Error::BackendUnavailable {
-                        backend: name,
+                        backend,
                         reason: "operands are in host memory".into(),
                     })
                 }
@@ -156,7 +155,7 @@ pub fn check_backend(
             };
             if !arch_ok {
                 return Err(Error::BackendUnavailable {
-                    backend: name,
+                    backend,
                     reason: format!(
                         "device {} has compute capability {}.{}",
                         info.name, info.major, info.minor
@@ -166,20 +165,20 @@ pub fn check_backend(
             // E4M3: the sm90 FP8 forward (inputs from the quantize step, src/cuda/fp8.rs).
             let unsupported_dtype = Error::UnsupportedDtype {
                 dtype: problem.dtype,
-                backend: name,
+                backend,
             };
             let (family, dtype) =
                 family_of(backend, op, problem.dtype).ok_or(unsupported_dtype.clone())?;
             if family == Family::Sm90Fp8Fwd && cfg.softcap.is_some() {
                 return Err(Error::Unsupported {
                     what: "the FP8 forward with softcap (not built)".into(),
-                    backend: name,
+                    backend,
                 });
             }
             if !registry::head_dims(family).contains(&problem.head_dim) {
                 return Err(Error::UnsupportedHeadDim {
                     head_dim: problem.head_dim,
-                    backend: name,
+                    backend,
                 });
             }
             let kernel =
@@ -192,20 +191,20 @@ pub fn check_backend(
                         kernel.name(),
                         kernel.features().join(", ")
                     ),
-                    backend: name,
+                    backend,
                 });
             }
             // The sm90 backward is built without softcap; Auto then takes the sm80 one.
             if family == Family::Sm90Bwd && cfg.softcap.is_some() {
                 return Err(Error::Unsupported {
                     what: "Backward with softcap (not built for sm90 yet)".into(),
-                    backend: name,
+                    backend,
                 });
             }
             problem.check_gpu_limits()?;
             // The kernels add a left window to key positions in 32 bits; one at least
             // seqlen_k - 1 wide leaves every row all its keys, and is unbounded.
-            if let Some(left) = cfg.window_left {
+            if let (Some(left), _) = cfg.mask.bounds() {
                 let s_k = problem.seqlen_k;
                 if left < s_k - 1 && s_k + left > i32::MAX as usize - 512 {
                     return Err(Error::IndexOverflow {
@@ -234,7 +233,7 @@ pub fn check_backend(
                         "the schedule without intra-warpgroup overlap (not built into {})",
                         kernel.name()
                     ),
-                    backend: name,
+                    backend,
                 });
             }
             Ok(Some(kernel))
@@ -302,7 +301,7 @@ pub fn plan(
     match (cfg.backend, last_err) {
         (Backend::Auto, Some(_)) => Err(Error::Unsupported {
             what: format!("this call ({})", reasons.join("; ")),
-            backend: "auto",
+            backend: Backend::Auto,
         }),
         (_, Some(e)) => Err(e),
         (_, None) => unreachable!("candidate list is never empty"),

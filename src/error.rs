@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use crate::config::Backend;
 use crate::tensor::DType;
 
 /// Which tensor an error is about.
@@ -36,6 +37,23 @@ impl fmt::Display for Operand {
     }
 }
 
+/// What an [`Error::WrongDevice`] is about: the stream or one of the tensors of the call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CallPart {
+    Stream,
+    Tensor(Operand),
+}
+
+impl fmt::Display for CallPart {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CallPart::Stream => f.write_str("the stream"),
+            CallPart::Tensor(operand) => write!(f, "{operand}"),
+        }
+    }
+}
+
 /// New variants may come in a minor release: match with a `_` arm.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
@@ -66,27 +84,23 @@ pub enum Error {
     },
     /// Element offsets would overflow the index width a kernel uses.
     IndexOverflow { operand: Operand, detail: String },
-    /// A head dimension the chosen backend does not implement.
-    UnsupportedHeadDim {
-        head_dim: usize,
-        backend: &'static str,
-    },
-    /// An element type the chosen backend does not implement.
-    UnsupportedDtype { dtype: DType, backend: &'static str },
-    /// A feature (softcap, window, ...) or operation the chosen backend does not implement yet.
-    Unsupported { what: String, backend: &'static str },
+    /// A head dimension the backend does not implement (on `Sm90`, also a head dim the FP8
+    /// path's blocks or Hadamard transform do not take).
+    UnsupportedHeadDim { head_dim: usize, backend: Backend },
+    /// An element type the backend does not implement.
+    UnsupportedDtype { dtype: DType, backend: Backend },
+    /// A feature (softcap, window, ...) or operation the backend does not implement yet. With
+    /// `backend: Auto`, no backend took the call and `what` says why each refused.
+    Unsupported { what: String, backend: Backend },
     /// A backend was forced where it cannot run (no GPU, wrong architecture, host memory...).
-    BackendUnavailable {
-        backend: &'static str,
-        reason: String,
-    },
+    BackendUnavailable { backend: Backend, reason: String },
     /// A configuration value is out of range (negative scale, NaN softcap...).
     InvalidConfig(String),
     /// Device pointer not aligned as the kernels require.
     Misaligned { operand: Operand, align: usize },
     /// A stream, view or FP8 input that belongs to another CUDA context than the device the
     /// call was made on.
-    WrongDevice { what: String, detail: String },
+    WrongDevice { what: CallPart, detail: String },
     /// A host allocation of this many bytes failed.
     OutOfMemory { bytes: usize },
     /// No CUDA device or driver on this machine.

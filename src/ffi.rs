@@ -8,19 +8,28 @@
 
 include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 
+use crate::config::Backend;
 use crate::error::Error;
 
-/// Turns a C ABI result into `Ok(())` or a typed error naming `backend`.
-pub(crate) fn check(r: flashattn_result_t, backend: &'static str, what: &str) -> crate::Result<()> {
-    match r.status as u32 {
-        x if x == FLASHATTN_OK => Ok(()),
-        x if x == FLASHATTN_UNSUPPORTED => Err(Error::Unsupported {
+/// Turns the C ABI's result of a call into `backend`'s kernels or helpers into `Ok(())` or a
+/// typed error naming it.
+pub(crate) fn check(r: flashattn_result_t, backend: Backend, what: &str) -> crate::Result<()> {
+    if r.status as u32 == FLASHATTN_UNSUPPORTED {
+        return Err(Error::Unsupported {
             what: what.to_string(),
             backend,
-        }),
+        });
+    }
+    check_status(r, &format!("{backend} {what}"))
+}
+
+/// [`check`] for a call of no backend's (the device query), which answers no "unsupported".
+pub(crate) fn check_status(r: flashattn_result_t, what: &str) -> crate::Result<()> {
+    match r.status as u32 {
+        x if x == FLASHATTN_OK => Ok(()),
         x if x == FLASHATTN_CUDA_ERROR => Err(cuda_error(r.cuda_error)),
         _ => Err(Error::InvalidConfig(format!(
-            "{backend} refused {what}: invalid argument (status {})",
+            "{what} refused: invalid argument (status {})",
             r.status
         ))),
     }

@@ -4,11 +4,17 @@
 //! before they are rounded to 3 mantissa bits.
 //!
 //! This is the host definition of the quantize step: the GPU step (csrc/sm90/fp8_quantize.cu,
-//! [`crate::cuda::Device::quantize_fp8`]) agrees with it bit for bit (tests/gpu_fp8.rs), and the
-//! accuracy tests build their FP8 baselines from it.
+//! `Device::quantize_fp8`) agrees with it bit for bit (tests/gpu_fp8.rs), and the accuracy tests
+//! build their FP8 baselines from it.
+// The cuda module exists with its feature only: a link to it there.
+#![cfg_attr(
+    feature = "cuda",
+    doc = "\n\nThe GPU step: [`Device::quantize_fp8`](crate::cuda::Device::quantize_fp8)."
+)]
 
 use float8::F8E4M3;
 
+use crate::config::Backend;
 use crate::error::{Error, Operand, Result};
 use crate::tensor::{check_len, host_numel, Element, TensorRef};
 
@@ -181,7 +187,7 @@ pub fn fwht(x: &mut [f32]) -> Result<()> {
     if !n.is_power_of_two() {
         return Err(Error::UnsupportedHeadDim {
             head_dim: n,
-            backend: "fp8 (Hadamard transform of a length that is not a power of two)",
+            backend: Backend::Sm90,
         });
     }
     let mut half = 1;
@@ -217,7 +223,7 @@ impl RandomSignHadamard {
         if !head_dim.is_power_of_two() || head_dim > Self::MAX_HEAD_DIM {
             return Err(Error::UnsupportedHeadDim {
                 head_dim,
-                backend: "fp8 (Hadamard transform of a power of two up to 2^16)",
+                backend: Backend::Sm90,
             });
         }
         // splitmix64: a fixed, documented sign sequence per seed, no RNG dependency.
@@ -251,7 +257,7 @@ impl RandomSignHadamard {
         if row.len() != self.signs.len() {
             return Err(Error::UnsupportedHeadDim {
                 head_dim: row.len(),
-                backend: "fp8 (Hadamard transform of another head dim)",
+                backend: Backend::Sm90,
             });
         }
         Ok(())
@@ -283,7 +289,7 @@ impl RandomSignHadamard {
         if head_dim != self.head_dim() {
             return Err(Error::UnsupportedHeadDim {
                 head_dim,
-                backend: "fp8 (Hadamard transform of another head dim)",
+                backend: Backend::Sm90,
             });
         }
         let count = host_numel(operand, &x.layout)?;

@@ -11,12 +11,21 @@
 //! FlashAttention-2-style kernels on sm80..sm89 (`Sm80`), and a multithreaded CPU backend
 //! (`Cpu`) with the same semantics. [`dispatch::plan`] picks one and explains the choice.
 //!
-//! FP8 (e4m3) forward on `Sm90`: [`cuda::Device::forward_fp8`] quantizes bf16/fp16 Q, K, V
+//! FP8 (e4m3) forward on `Sm90`: `cuda::Device::forward_fp8` quantizes bf16/fp16 Q, K, V
 //! (one scale per block, optionally after a random-sign Hadamard transform of Q and K) and runs
-//! the QGMMA kernel; [`cuda::Device::quantize_fp8`] and [`cuda::Device::fp8_inputs_from_e4m3`]
+//! the QGMMA kernel; `cuda::Device::quantize_fp8` and `cuda::Device::fp8_inputs_from_e4m3`
 //! give inputs to reuse or quantized elsewhere. The quantize step's host definition: [`fp8`].
+// The cuda module exists with its feature only: links to it there.
+#![cfg_attr(
+    feature = "cuda",
+    doc = "\nThe GPU API: [`cuda::Device`] ([`forward_into`](cuda::Device::forward_into), \
+           [`backward_into`](cuda::Device::backward_into), \
+           [`forward_fp8`](cuda::Device::forward_fp8), \
+           [`quantize_fp8`](cuda::Device::quantize_fp8), \
+           [`fp8_inputs_from_e4m3`](cuda::Device::fp8_inputs_from_e4m3))."
+)]
 //!
-//! Fully masked query rows (a window or causal mask that leaves no key) give `O = 0` and
+//! Fully masked query rows (an [`AttentionMask`] that leaves a row no key) give `O = 0` and
 //! `lse = +inf`, so that a backward pass computes `exp(s - lse) = 0` and zero gradients. A row
 //! that sees a NaN score gets NaN in `O` and `lse`, on every backend.
 //!
@@ -53,9 +62,11 @@ pub mod tensor;
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
-pub use config::{AttentionConfig, Backend, Mask, PingPong, Sm90Schedule, TailSplit};
+pub use config::{
+    AttentionConfig, AttentionMask, Backend, KeyRule, PingPong, Sm90Schedule, TailSplit,
+};
 pub use dispatch::{BuiltKernels, DeviceInfo, Memory, Op, Plan};
-pub use error::{Error, Operand, Result};
+pub use error::{CallPart, Error, Operand, Result};
 pub use tensor::{DType, Element, Layout, Problem, TensorMut, TensorRef};
 
 /// Output of a host forward call: `out` packed like Q, `lse` packed (batch, heads_q, seqlen_q).
@@ -64,6 +75,29 @@ pub struct ForwardOutput<T> {
     pub out: Vec<T>,
     pub lse: Vec<f32>,
     pub plan: Plan,
+}
+
+/// What a host backward pass reads: the forward's inputs, its output and LSE, and dO.
+#[derive(Clone, Copy, Debug)]
+pub struct BackwardInputs<'a, T> {
+    pub q: TensorRef<'a, T>,
+    pub k: TensorRef<'a, T>,
+    pub v: TensorRef<'a, T>,
+    /// The forward's output O, shaped like Q.
+    pub out: TensorRef<'a, T>,
+    /// The gradient of the loss with respect to O, shaped like Q.
+    pub dout: TensorRef<'a, T>,
+    /// The forward's LSE: f32 (batch, heads_q, seqlen_q) packed, natural log.
+    pub lse: &'a [f32],
+}
+
+/// Where a host backward pass writes: dQ shaped like Q, dK and dV shaped like K and V, each
+/// reaching every element once (see [`Layout::validate_output`]).
+#[derive(Debug)]
+pub struct GradientsMut<'a, T> {
+    pub dq: TensorMut<'a, T>,
+    pub dk: TensorMut<'a, T>,
+    pub dv: TensorMut<'a, T>,
 }
 
 /// Gradients of a host backward call, each packed like its input.
@@ -142,21 +176,49 @@ pub fn forward<T: Element>(
     Ok(ForwardOutput { out, lse, plan })
 }
 
-/// Backward pass over host tensors into caller-owned gradients: recomputes P from `lse` and
-/// writes dQ (shaped like Q), dK and dV (shaped like K and V), each reaching every element once.
-#[allow(clippy::too_many_arguments)]
+/// Backward pass over host tensors into caller-owned gradients: recomputes P from the
+/// forward's `lse` and writes dQ (shaped like Q), dK and dV (shaped like K and V), each of which
+/// must reach every element once.
+///
+/// ```
+/// use flashattn::{AttentionConfig, BackwardInputs, GradientsMut, TensorMut, TensorRef};
+/// let shape = [1, 4, 2, 8];
+/// let x: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
+/// let t = TensorRef::contiguous(&x, shape);
+/// let cfg = AttentionConfig::new().causal(true);
+/// let fwd = flashattn::forward(&cfg, t, t, t)?;
+/// let (mut dq, mut dk, mut dv) = (vec![0.0; 64], vec![0.0; 64], vec![0.0; 64]);
+/// flashattn::backward_into(
+///     &cfg,
+///     BackwardInputs {
+///         q: t,
+///         k: t,
+///         v: t,
+///         out: TensorRef::contiguous(&fwd.out, shape),
+///         dout: t,
+///         lse: &fwd.lse,
+///     },
+///     GradientsMut {
+///         dq: TensorMut::contiguous(&mut dq, shape),
+///         dk: TensorMut::contiguous(&mut dk, shape),
+///         dv: TensorMut::contiguous(&mut dv, shape),
+///     },
+/// )?;
+/// # Ok::<(), flashattn::Error>(())
+/// ```
 pub fn backward_into<T: Element>(
     cfg: &AttentionConfig,
-    q: TensorRef<T>,
-    k: TensorRef<T>,
-    v: TensorRef<T>,
-    out: TensorRef<T>,
-    dout: TensorRef<T>,
-    lse: &[f32],
-    dq: TensorMut<T>,
-    dk: TensorMut<T>,
-    dv: TensorMut<T>,
+    inputs: BackwardInputs<'_, T>,
+    grads: GradientsMut<'_, T>,
 ) -> Result<Plan> {
+    let BackwardInputs {
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+    } = inputs;
     let problem = tensor::check_backward(
         T::DTYPE,
         [
@@ -167,54 +229,32 @@ pub fn backward_into<T: Element>(
             dout.operand(),
         ],
         lse.len(),
-        [dq.operand(), dk.operand(), dv.operand()],
+        [grads.dq.operand(), grads.dk.operand(), grads.dv.operand()],
     )?;
     let plan = host_plan(Op::Backward, cfg, &problem)?;
-    backend::cpu::backward(
-        cfg,
-        &problem,
-        backend::cpu::BackwardInputs {
-            q,
-            k,
-            v,
-            out,
-            dout,
-            lse,
-        },
-        dq,
-        dk,
-        dv,
-    );
+    backend::cpu::backward(cfg, &problem, inputs, grads);
     Ok(plan)
 }
 
-/// Backward pass over host tensors: recomputes P from `lse` and returns dQ, dK, dV packed.
-#[allow(clippy::too_many_arguments)]
+/// Backward pass over host tensors: recomputes P from the forward's `lse` and returns dQ, dK,
+/// dV packed.
 pub fn backward<T: Element>(
     cfg: &AttentionConfig,
-    q: TensorRef<T>,
-    k: TensorRef<T>,
-    v: TensorRef<T>,
-    out: TensorRef<T>,
-    dout: TensorRef<T>,
-    lse: &[f32],
+    inputs: BackwardInputs<'_, T>,
 ) -> Result<Gradients<T>> {
-    let (problem, _) = plan_host(Op::Backward, cfg, &q, &k, &v)?;
+    let (problem, _) = plan_host(Op::Backward, cfg, &inputs.q, &inputs.k, &inputs.v)?;
     let (q_shape, kv_shape) = (problem.q_shape(), problem.kv_shape());
     let mut dq = alloc(Layout::contiguous(q_shape).numel(Operand::DQ)?)?;
     let mut dk = alloc(Layout::contiguous(kv_shape).numel(Operand::DK)?)?;
     let mut dv = alloc(Layout::contiguous(kv_shape).numel(Operand::DV)?)?;
     let plan = backward_into(
         cfg,
-        q,
-        k,
-        v,
-        out,
-        dout,
-        lse,
-        TensorMut::contiguous(&mut dq, q_shape),
-        TensorMut::contiguous(&mut dk, kv_shape),
-        TensorMut::contiguous(&mut dv, kv_shape),
+        inputs,
+        GradientsMut {
+            dq: TensorMut::contiguous(&mut dq, q_shape),
+            dk: TensorMut::contiguous(&mut dk, kv_shape),
+            dv: TensorMut::contiguous(&mut dv, kv_shape),
+        },
     )?;
     Ok(Gradients { dq, dk, dv, plan })
 }

@@ -5,7 +5,8 @@
 
 use flashattn::reference::{self, compare, pack_f32, Comparison};
 use flashattn::{
-    AttentionConfig, Backend, DType, Element, Error, Layout, Operand, TensorMut, TensorRef,
+    AttentionConfig, AttentionMask, Backend, BackwardInputs, DType, Element, Error, GradientsMut,
+    Layout, Operand, TensorMut, TensorRef,
 };
 use half::{bf16, f16};
 use rand::rngs::StdRng;
@@ -45,8 +46,7 @@ struct Case {
     hkv: usize,
     d: usize,
     dtype: DType,
-    causal: bool,
-    window: (Option<usize>, Option<usize>),
+    mask: AttentionMask,
     softcap: Option<f32>,
     storage: Storage,
 }
@@ -60,8 +60,7 @@ fn case(b: usize, sq: usize, sk: usize, hq: usize, hkv: usize, d: usize, dtype: 
         hkv,
         d,
         dtype,
-        causal: false,
-        window: (None, None),
+        mask: AttentionMask::Full,
         softcap: None,
         storage: Storage::Packed,
     }
@@ -69,11 +68,11 @@ fn case(b: usize, sq: usize, sk: usize, hq: usize, hkv: usize, d: usize, dtype: 
 
 impl Case {
     fn causal(mut self) -> Self {
-        self.causal = true;
+        self.mask = AttentionMask::Causal;
         self
     }
     fn window(mut self, left: Option<usize>, right: Option<usize>) -> Self {
-        self.window = (left, right);
+        self.mask = AttentionMask::Window { left, right };
         self
     }
     fn softcap(mut self, cap: f32) -> Self {
@@ -85,9 +84,7 @@ impl Case {
         self
     }
     fn cfg(&self) -> AttentionConfig {
-        let mut cfg = AttentionConfig::new()
-            .causal(self.causal)
-            .window(self.window.0, self.window.1);
+        let mut cfg = AttentionConfig::new().mask(self.mask);
         cfg.softcap = self.softcap;
         cfg
     }
@@ -102,11 +99,10 @@ impl Case {
             "{:?} b{} sq{} sk{} h{}:{} d{}",
             self.dtype, self.b, self.sq, self.sk, self.hq, self.hkv, self.d
         );
-        if self.causal {
-            s += " causal";
-        }
-        if self.window != (None, None) {
-            s += &format!(" window{:?}", self.window);
+        match self.mask {
+            AttentionMask::Full => {}
+            AttentionMask::Causal => s += " causal",
+            mask => s += &format!(" window{:?}", mask.bounds()),
         }
         if let Some(c) = self.softcap {
             s += &format!(" softcap{c}");
@@ -236,15 +232,19 @@ fn run<T: Element>(c: &Case, seed: u64) -> Outcome {
     let (mut dvb, dvl) = poisoned::<T>(kvs, c.storage);
     flashattn::backward_into(
         &cfg,
-        q,
-        k,
-        v,
-        out,
-        dout,
-        &lse[..lse_len],
-        TensorMut::new(&mut dqb, dql),
-        TensorMut::new(&mut dkb, dkl),
-        TensorMut::new(&mut dvb, dvl),
+        BackwardInputs {
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse: &lse[..lse_len],
+        },
+        GradientsMut {
+            dq: TensorMut::new(&mut dqb, dql),
+            dk: TensorMut::new(&mut dkb, dkl),
+            dv: TensorMut::new(&mut dvb, dvl),
+        },
     )
     .unwrap();
     for (what, buf, l) in [("dQ", &dqb, &dql), ("dK", &dkb, &dkl), ("dV", &dvb, &dvl)] {
@@ -354,9 +354,8 @@ fn sliding_windows() {
             case(1, 113, 113, 2, 2, 64, F32).window(Some(10), None),
             case(1, 113, 113, 2, 2, 64, BF16).window(None, Some(7)),
             case(1, 113, 113, 2, 2, 64, F16).window(Some(20), Some(3)),
-            case(1, 113, 113, 2, 1, 64, F32)
-                .causal()
-                .window(Some(31), None),
+            // Causal with a left window.
+            case(1, 113, 113, 2, 1, 64, F32).window(Some(31), Some(0)),
             case(1, 50, 130, 2, 2, 64, BF16).window(Some(8), Some(8)),
             case(1, 130, 50, 2, 2, 64, F32).window(Some(5), Some(5)),
             case(1, 97, 97, 1, 1, 32, F16).window(Some(0), Some(0)),
@@ -430,9 +429,9 @@ fn check_fully_masked(cfg: &AttentionConfig, sq: usize, sk: usize, masked: usize
         TensorRef::contiguous(&kv, [1, sk, h, d]),
         TensorRef::contiguous(&vv, [1, sk, h, d]),
     );
-    let mask = cfg.mask(sq, sk);
+    let keys = cfg.key_rule(sq, sk);
     let is_masked = |i: usize| {
-        let (lo, hi) = mask.key_range(i);
+        let (lo, hi) = keys.key_range(i);
         lo >= hi
     };
     assert_eq!((0..sq).filter(|&i| is_masked(i)).count(), masked);
@@ -461,7 +460,18 @@ fn check_fully_masked(cfg: &AttentionConfig, sq: usize, sk: usize, masked: usize
     let out = TensorRef::contiguous(&fwd.out, [1, sq, h, d]);
     let dov = normal(&mut rng, sq * h * d);
     let dout = TensorRef::contiguous(&dov, [1, sq, h, d]);
-    let g = flashattn::backward(cfg, q, k, v, out, dout, &fwd.lse).unwrap();
+    let g = flashattn::backward(
+        cfg,
+        BackwardInputs {
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse: &fwd.lse,
+        },
+    )
+    .unwrap();
     let rg = reference::reference_backward(cfg, q, k, v, dout);
     let bg = reference::baseline_backward(cfg, q, k, v, dout);
     for (what, got, want, base) in [
@@ -482,7 +492,18 @@ fn check_fully_masked(cfg: &AttentionConfig, sq: usize, sk: usize, masked: usize
     }
     assert!(dov.iter().any(|&x| x != 0.0));
     let dout = TensorRef::contiguous(&dov, [1, sq, h, d]);
-    let g = flashattn::backward(cfg, q, k, v, out, dout, &fwd.lse).unwrap();
+    let g = flashattn::backward(
+        cfg,
+        BackwardInputs {
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse: &fwd.lse,
+        },
+    )
+    .unwrap();
     for (what, grad) in [("dQ", &g.dq), ("dK", &g.dk), ("dV", &g.dv)] {
         assert!(grad.iter().all(|&x| x == 0.0), "{what} not zero");
     }
@@ -568,23 +589,49 @@ fn public_backward_matches_backend_and_is_deterministic() {
     assert_eq!(o2, fwd.out);
     assert_eq!(lse2, fwd.lse);
     let out = TensorRef::contiguous(&fwd.out, c.q_shape());
-    let g1 = flashattn::backward(&cfg, q, k, v, out, dout, &fwd.lse).unwrap();
-    let g2 = flashattn::backward(&cfg, q, k, v, out, dout, &fwd.lse).unwrap();
+    let g1 = flashattn::backward(
+        &cfg,
+        BackwardInputs {
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse: &fwd.lse,
+        },
+    )
+    .unwrap();
+    let g2 = flashattn::backward(
+        &cfg,
+        BackwardInputs {
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse: &fwd.lse,
+        },
+    )
+    .unwrap();
     assert_eq!((&g1.dq, &g1.dk, &g1.dv), (&g2.dq, &g2.dk, &g2.dv));
     let mut dq = vec![bf16::from_f32(f32::NAN); g1.dq.len()];
     let mut dk = vec![bf16::from_f32(f32::NAN); g1.dk.len()];
     let mut dv = vec![bf16::from_f32(f32::NAN); g1.dv.len()];
     flashattn::backward_into(
         &cfg,
-        q,
-        k,
-        v,
-        out,
-        dout,
-        &fwd.lse,
-        TensorMut::contiguous(&mut dq, c.q_shape()),
-        TensorMut::contiguous(&mut dk, c.kv_shape()),
-        TensorMut::contiguous(&mut dv, c.kv_shape()),
+        BackwardInputs {
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse: &fwd.lse,
+        },
+        GradientsMut {
+            dq: TensorMut::contiguous(&mut dq, c.q_shape()),
+            dk: TensorMut::contiguous(&mut dk, c.kv_shape()),
+            dv: TensorMut::contiguous(&mut dv, c.kv_shape()),
+        },
     )
     .unwrap();
     assert!(g1.dq.iter().any(|x| x.to_f32() != 0.0));
@@ -833,7 +880,18 @@ fn wrong_out_shape_and_short_lse_are_refused() {
         }
     );
     // The backward checks its LSE and dO too.
-    let e = flashattn::backward(&cfg, q, q, q, q, q, &lse[..7]).unwrap_err();
+    let e = flashattn::backward(
+        &cfg,
+        BackwardInputs {
+            q,
+            k: q,
+            v: q,
+            out: q,
+            dout: q,
+            lse: &lse[..7],
+        },
+    )
+    .unwrap_err();
     assert!(
         matches!(
             e,
@@ -845,7 +903,18 @@ fn wrong_out_shape_and_short_lse_are_refused() {
         "{e:?}"
     );
     let wrong = TensorRef::contiguous(&a, [1, 2, 4, 8]);
-    let e = flashattn::backward(&cfg, q, q, q, q, wrong, &lse).unwrap_err();
+    let e = flashattn::backward(
+        &cfg,
+        BackwardInputs {
+            q,
+            k: q,
+            v: q,
+            out: q,
+            dout: wrong,
+            lse: &lse,
+        },
+    )
+    .unwrap_err();
     assert!(
         matches!(
             e,
@@ -869,13 +938,13 @@ fn e4m3_is_unsupported_on_cpu() {
         e,
         Error::UnsupportedDtype {
             dtype: DType::E4M3,
-            backend: "cpu"
+            backend: Backend::Cpu
         }
     );
     // Auto: no backend accepts the call, and the error says why the CPU refused.
     let e = flashattn::forward(&AttentionConfig::new(), q, q, q).unwrap_err();
     assert!(
-        matches!(&e, Error::Unsupported { what, backend: "auto" } if what.contains("E4M3")),
+        matches!(&e, Error::Unsupported { what, backend: Backend::Auto } if what.contains("E4M3")),
         "{e:?}"
     );
 }
@@ -895,7 +964,7 @@ fn gpu_backend_on_host_data_is_unavailable() {
     for backend in [Backend::Sm90, Backend::Sm80] {
         let e = flashattn::forward(&AttentionConfig::new().backend(backend), q, q, q).unwrap_err();
         assert!(
-            matches!(e, Error::BackendUnavailable { backend: name, .. } if name == backend.name()),
+            matches!(e, Error::BackendUnavailable { backend: b, .. } if b == backend),
             "{e:?}"
         );
     }

@@ -10,7 +10,9 @@ mod common;
 use std::sync::Arc;
 
 use cudarc::driver::DeviceRepr;
-use flashattn::cuda::{CudaStream, Device, DeviceTensor, DeviceTensorMut};
+use flashattn::cuda::{
+    CudaStream, Device, DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut,
+};
 use flashattn::reference::{self, compare, Comparison};
 use flashattn::{Backend, Element, Layout, TensorRef};
 use half::{bf16, f16};
@@ -56,15 +58,19 @@ fn run_case<T: Element + DeviceRepr>(
         .backward_into(
             stream,
             &cfg,
-            &DeviceTensor::new(q_dev.as_view(), lq),
-            &DeviceTensor::new(k_dev.as_view(), lk),
-            &DeviceTensor::new(v_dev.as_view(), lk),
-            &DeviceTensor::new(o_dev.as_view(), lq),
-            &DeviceTensor::new(do_dev.as_view(), lq),
-            &lse_dev.as_view(),
-            &mut DeviceTensorMut::new(dq_dev.as_view_mut(), lq),
-            &mut DeviceTensorMut::new(dk_dev.as_view_mut(), lk),
-            &mut DeviceTensorMut::new(dv_dev.as_view_mut(), lk),
+            DeviceBackwardInputs {
+                q: &DeviceTensor::new(q_dev.as_view(), lq),
+                k: &DeviceTensor::new(k_dev.as_view(), lk),
+                v: &DeviceTensor::new(v_dev.as_view(), lk),
+                out: &DeviceTensor::new(o_dev.as_view(), lq),
+                dout: &DeviceTensor::new(do_dev.as_view(), lq),
+                lse: &lse_dev.as_view(),
+            },
+            DeviceGradientsMut {
+                dq: &mut DeviceTensorMut::new(dq_dev.as_view_mut(), lq),
+                dk: &mut DeviceTensorMut::new(dk_dev.as_view_mut(), lk),
+                dv: &mut DeviceTensorMut::new(dv_dev.as_view_mut(), lk),
+            },
         )
         .unwrap_or_else(|e| panic!("{case:?} backward: {e}"));
     if backend != Backend::Auto {

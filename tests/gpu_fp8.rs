@@ -205,7 +205,7 @@ fn fp8_baseline<O: Element>(
         case.seqlen_k,
     );
     let scale = cfg.scale_for(d);
-    let mask = cfg.mask(sq, sk);
+    let mask = cfg.key_rule(sq, sk);
     let mut out = vec![0f32; case.batch * sq * hq * d];
     let mut lse = vec![0f32; case.batch * hq * sq];
     let mut magnitude = vec![0f32; case.batch * hq * sq];

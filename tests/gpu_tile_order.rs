@@ -8,7 +8,7 @@
 
 mod common;
 
-use flashattn::cuda::{DeviceTensor, DeviceTensorMut};
+use flashattn::cuda::{DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut};
 use flashattn::reference::{self, compare};
 use flashattn::{AttentionConfig, Backend, Layout, TensorRef};
 use half::bf16;
@@ -111,15 +111,19 @@ fn backward_matches(backend: Backend, s_k: usize) {
         .backward_into(
             &stream,
             &cfg,
-            &DeviceTensor::new(qd.as_view(), lq),
-            &DeviceTensor::new(kd.as_view(), lk),
-            &DeviceTensor::new(vd.as_view(), lk),
-            &DeviceTensor::new(od.as_view(), lq),
-            &DeviceTensor::new(dod.as_view(), lq),
-            &lsed.as_view(),
-            &mut DeviceTensorMut::new(dq.as_view_mut(), lq),
-            &mut DeviceTensorMut::new(dk.as_view_mut(), lk),
-            &mut DeviceTensorMut::new(dv.as_view_mut(), lk),
+            DeviceBackwardInputs {
+                q: &DeviceTensor::new(qd.as_view(), lq),
+                k: &DeviceTensor::new(kd.as_view(), lk),
+                v: &DeviceTensor::new(vd.as_view(), lk),
+                out: &DeviceTensor::new(od.as_view(), lq),
+                dout: &DeviceTensor::new(dod.as_view(), lq),
+                lse: &lsed.as_view(),
+            },
+            DeviceGradientsMut {
+                dq: &mut DeviceTensorMut::new(dq.as_view_mut(), lq),
+                dk: &mut DeviceTensorMut::new(dk.as_view_mut(), lk),
+                dv: &mut DeviceTensorMut::new(dv.as_view_mut(), lk),
+            },
         )
         .unwrap();
     assert_eq!(plan.backend, backend);

@@ -9,7 +9,9 @@ mod common;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use flashattn::cuda::{DeviceTensor, DeviceTensorMut, Fp8Options};
+use flashattn::cuda::{
+    DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut, Fp8Options,
+};
 use flashattn::fp8::{Fp8Tensor, Granularity};
 use flashattn::reference::{self, compare};
 use flashattn::{AttentionConfig, Backend, Error, Layout, Operand, TensorRef};
@@ -98,15 +100,15 @@ fn views_that_wrap_past_usize_max_are_refused_on_the_device() {
                 .backward_into(
                     &stream,
                     &cfg,
-                    &t,
-                    &t,
-                    &t,
-                    &t,
-                    &t,
-                    &lse.as_view(),
-                    dq,
-                    dk,
-                    dv,
+                    DeviceBackwardInputs {
+                        q: &t,
+                        k: &t,
+                        v: &t,
+                        out: &t,
+                        dout: &t,
+                        lse: &lse.as_view(),
+                    },
+                    DeviceGradientsMut { dq, dk, dv },
                 )
                 .unwrap_err();
             assert!(matches!(e, Error::IndexOverflow { .. }), "{e:?}");
@@ -312,15 +314,19 @@ fn device_calls_refuse_bad_outputs_with_typed_errors() {
         .backward_into(
             &stream,
             &cfg,
-            &tq,
-            &tk,
-            &tv,
-            &tq,
-            &tq,
-            &lse.as_view(),
-            &mut DeviceTensorMut::new(gq.as_view_mut(), lk),
-            &mut DeviceTensorMut::new(gk.as_view_mut(), lk),
-            &mut DeviceTensorMut::new(gv.as_view_mut(), lk),
+            DeviceBackwardInputs {
+                q: &tq,
+                k: &tk,
+                v: &tv,
+                out: &tq,
+                dout: &tq,
+                lse: &lse.as_view(),
+            },
+            DeviceGradientsMut {
+                dq: &mut DeviceTensorMut::new(gq.as_view_mut(), lk),
+                dk: &mut DeviceTensorMut::new(gk.as_view_mut(), lk),
+                dv: &mut DeviceTensorMut::new(gv.as_view_mut(), lk),
+            },
         )
         .unwrap_err();
     assert!(
@@ -337,15 +343,19 @@ fn device_calls_refuse_bad_outputs_with_typed_errors() {
         .backward_into(
             &stream,
             &cfg,
-            &tq,
-            &tk,
-            &tv,
-            &tq,
-            &tk,
-            &lse.as_view(),
-            &mut DeviceTensorMut::new(gq.as_view_mut(), lq),
-            &mut DeviceTensorMut::new(gk.as_view_mut(), lk),
-            &mut DeviceTensorMut::new(gv.as_view_mut(), lk),
+            DeviceBackwardInputs {
+                q: &tq,
+                k: &tk,
+                v: &tv,
+                out: &tq,
+                dout: &tk,
+                lse: &lse.as_view(),
+            },
+            DeviceGradientsMut {
+                dq: &mut DeviceTensorMut::new(gq.as_view_mut(), lq),
+                dk: &mut DeviceTensorMut::new(gk.as_view_mut(), lk),
+                dv: &mut DeviceTensorMut::new(gv.as_view_mut(), lk),
+            },
         )
         .unwrap_err();
     assert!(

@@ -9,7 +9,8 @@ use flashattn::fp8::{fwht, Fp8Tensor, Granularity, RandomSignHadamard};
 use flashattn::registry::{Family, KernelDtype};
 use flashattn::tensor::{check_backward, check_forward, MAX_GPU_SEQLEN};
 use flashattn::{
-    AttentionConfig, Backend, DType, Error, Layout, Operand, Problem, TensorMut, TensorRef,
+    AttentionConfig, Backend, BackwardInputs, DType, Error, GradientsMut, Layout, Operand, Problem,
+    TensorMut, TensorRef,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{TestCaseError, TestRunner};
@@ -147,15 +148,19 @@ fn outputs_that_reach_an_element_twice_are_refused() {
     let aliased = Layout::with_strides([2, 8, 2, 16], [256, 32, 0, 1]);
     let e = flashattn::backward_into(
         &AttentionConfig::new(),
-        t,
-        t,
-        t,
-        o,
-        o,
-        &fwd.lse,
-        TensorMut::new(&mut dq, contiguous),
-        TensorMut::new(&mut dk, aliased),
-        TensorMut::new(&mut dv, contiguous),
+        BackwardInputs {
+            q: t,
+            k: t,
+            v: t,
+            out: o,
+            dout: o,
+            lse: &fwd.lse,
+        },
+        GradientsMut {
+            dq: TensorMut::new(&mut dq, contiguous),
+            dk: TensorMut::new(&mut dk, aliased),
+            dv: TensorMut::new(&mut dv, contiguous),
+        },
     )
     .unwrap_err();
     assert!(
@@ -325,14 +330,16 @@ fn problems_built_by_hand_are_validated() {
 #[test]
 fn windows_wider_than_any_sequence_are_unbounded() {
     for (s_q, s_k) in [(33, 33), (5, 3), (3, 5), (1, 1)] {
-        let full = AttentionConfig::new().mask(s_q, s_k);
+        let full = AttentionConfig::new().key_rule(s_q, s_k);
         for (left, right) in [
             (Some(usize::MAX), None),
             (None, Some(usize::MAX)),
             (Some(usize::MAX), Some(usize::MAX)),
             (Some(1 << 63), Some(1 << 63)),
         ] {
-            let m = AttentionConfig::new().window(left, right).mask(s_q, s_k);
+            let m = AttentionConfig::new()
+                .window(left, right)
+                .key_rule(s_q, s_k);
             for i in 0..s_q {
                 assert_eq!(
                     m.key_range(i),
@@ -342,11 +349,10 @@ fn windows_wider_than_any_sequence_are_unbounded() {
             }
         }
         // Causal with an unbounded-by-saturation left window is plain causal.
-        let causal = AttentionConfig::new().causal(true).mask(s_q, s_k);
+        let causal = AttentionConfig::new().causal(true).key_rule(s_q, s_k);
         let wide = AttentionConfig::new()
-            .causal(true)
-            .window(Some(usize::MAX), Some(1 << 63))
-            .mask(s_q, s_k);
+            .window(Some(usize::MAX), Some(0))
+            .key_rule(s_q, s_k);
         for i in 0..s_q {
             assert_eq!(wide.key_range(i), causal.key_range(i));
         }
@@ -628,7 +634,7 @@ fn accepted_call_stays_inside_its_buffers(call: Call) -> Result<(), TestCaseErro
         prop_assert!(matches!(p.head_dim, 64 | 128 | 256));
     }
     for i in [0, p.seqlen_q / 2, p.seqlen_q - 1] {
-        let (lo, hi) = cfg.mask(p.seqlen_q, p.seqlen_k).key_range(i);
+        let (lo, hi) = cfg.key_rule(p.seqlen_q, p.seqlen_k).key_range(i);
         prop_assert!(lo <= hi && hi <= p.seqlen_k);
     }
     // Small accepted calls run on the CPU backend over buffers of exactly these lengths.

@@ -92,6 +92,12 @@ pub(crate) fn base_params(
     cfg: &AttentionConfig,
     sm_count: i32,
 ) -> ffi::flashattn_params_t {
+    let (left, right) = cfg.mask.bounds();
+    // A right side of 0 goes to the kernels as the causal flag with no right window, as
+    // `Causal` always has, so that a window with right 0 runs exactly as `Causal` does: sent as
+    // a window, flash_api.cu would drop it to unbounded when seqlen_q is 1 (same keys, another
+    // kernel path).
+    let causal = right == Some(0);
     ffi::flashattn_params_t {
         batch: problem.batch as i32,
         seqlen_q: problem.seqlen_q as i32,
@@ -102,9 +108,9 @@ pub(crate) fn base_params(
         dtype: ffi_dtype(problem.dtype),
         softmax_scale: cfg.scale_for(problem.head_dim),
         softcap: cfg.softcap.unwrap_or(0.0),
-        causal: cfg.causal as i32,
-        window_left: window(cfg.window_left),
-        window_right: window(cfg.window_right),
+        causal: causal as i32,
+        window_left: window(left),
+        window_right: if causal { -1 } else { window(right) },
         deterministic: cfg.deterministic as i32,
         sm_count,
         sm90_flags: sm90_flags(cfg, problem),
@@ -137,7 +143,7 @@ pub(crate) fn forward(
             _ => ffi::flashattn_fwd_sm80(&p, stream),
         }
     };
-    ffi::check(r, backend.name(), "forward")
+    ffi::check(r, backend, "forward")
 }
 
 /// Operands of the FP8 forward: e4m3 Q, K (rows) and V (key-major, see src/cuda/fp8.rs), O in
@@ -173,7 +179,7 @@ pub(crate) fn forward_fp8(
     // SAFETY: every pointer was taken from a live cudarc buffer whose guard outlives this call;
     // the quantized operands and descales were sized by the quantize step for this problem.
     let r = unsafe { ffi::flashattn_fwd_sm90(&p, stream) };
-    ffi::check(r, Backend::Sm90.name(), "FP8 forward")
+    ffi::check(r, Backend::Sm90, "FP8 forward")
 }
 
 /// Bytes of workspace the backward needs (layout in csrc/common/bwd_workspace.h, which
@@ -269,7 +275,7 @@ pub(crate) fn backward(
             _ => ffi::flashattn_bwd_sm80(&p, stream),
         }
     };
-    ffi::check(r, backend.name(), "backward")
+    ffi::check(r, backend, "backward")
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use float8::F8E4M3;
 
 use super::{driver_error, Device, DeviceTensor, DeviceTensorMut};
 use crate::backend::gpu::{self, RawTensor};
-use crate::config::AttentionConfig;
+use crate::config::{AttentionConfig, Backend};
 use crate::dispatch::{Op, Plan};
 use crate::error::{Error, Operand, Result};
 use crate::ffi;
@@ -110,7 +110,7 @@ struct Blocks {
 fn blocks(problem: &Problem) -> Result<Blocks> {
     let key_block = fp8_key_block(problem.head_dim).ok_or(Error::UnsupportedHeadDim {
         head_dim: problem.head_dim,
-        backend: "sm90 fp8",
+        backend: Backend::Sm90,
     })?;
     Ok(Blocks {
         q: problem.seqlen_q.div_ceil(fp8_query_block()),
@@ -143,12 +143,12 @@ impl Device {
                      a head dim's)",
                     family.features().join(", ")
                 ),
-                backend: "sm90 fp8",
+                backend: Backend::Sm90,
             });
         }
         if self.info.compute_capability() != (9, 0) {
             return Err(Error::BackendUnavailable {
-                backend: "sm90 fp8",
+                backend: Backend::Sm90,
                 reason: format!(
                     "the FP8 forward runs on compute capability 9.0 (device {} is {}.{})",
                     self.info.name, self.info.major, self.info.minor
@@ -227,7 +227,7 @@ impl Device {
         // bytes and descale batch·heads·ceil(seqlen / block_rows) f32.
         let r =
             unsafe { ffi::flashattn_fp8_quantize(&p, stream.cu_stream() as *mut std::ffi::c_void) };
-        ffi::check(r, "sm90 fp8", "quantize")
+        ffi::check(r, Backend::Sm90, "FP8 quantize")
     }
 
     /// Allocates the quantized tensors and runs the quantize step over Q, K and V (after the
@@ -334,7 +334,7 @@ impl Device {
                         stream.cu_stream() as *mut std::ffi::c_void,
                     )
                 };
-                ffi::check(r, "sm90 fp8", "descale copy")?;
+                ffi::check(r, Backend::Sm90, "FP8 descale copy")?;
             }
         }
         let fp8_rows = fp8_query_block();
@@ -385,7 +385,7 @@ impl Device {
         if !matches!(T::DTYPE, DType::BF16 | DType::F16) {
             return Err(Error::UnsupportedDtype {
                 dtype: T::DTYPE,
-                backend: "sm90 fp8 (quantize from bf16 or fp16)",
+                backend: Backend::Sm90,
             });
         }
         self.build_fp8_inputs(stream, [q, k, v], options.hadamard_seed, None)
@@ -429,7 +429,7 @@ impl Device {
         if !matches!(O::DTYPE, DType::BF16 | DType::F16) {
             return Err(Error::UnsupportedDtype {
                 dtype: O::DTYPE,
-                backend: "sm90 fp8 (output in bf16 or fp16)",
+                backend: Backend::Sm90,
             });
         }
         self.check_same_context(

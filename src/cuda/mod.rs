@@ -15,9 +15,9 @@ pub use fp8::{
 };
 
 use crate::backend::gpu::{self, RawTensor};
-use crate::config::AttentionConfig;
+use crate::config::{AttentionConfig, Backend};
 use crate::dispatch::{self, BuiltKernels, DeviceInfo, Memory, Op, Plan};
-use crate::error::{Error, Operand, Result};
+use crate::error::{CallPart, Error, Operand, Result};
 use crate::ffi;
 use crate::tensor::{check_backward, check_forward, DType, Element, Layout, Operand4, Problem};
 
@@ -80,7 +80,7 @@ pub fn query_device(ordinal: usize) -> Result<DeviceInfo> {
         .map_err(|_| Error::NoDevice(format!("device ordinal {ordinal} is out of range")))?;
     // SAFETY: `raw` is a valid out-pointer for the duration of the call.
     let r = unsafe { ffi::flashattn_device_query(index, &mut raw) };
-    ffi::check(r, "cuda", "device query")?;
+    ffi::check_status(r, "device query")?;
     let name: Vec<u8> = raw
         .name
         .iter()
@@ -136,6 +136,30 @@ impl<'a, T> DeviceTensorMut<'a, T> {
     }
 }
 
+/// What a device backward pass reads: the forward's inputs, its output and LSE, and dO.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceBackwardInputs<'a, T> {
+    pub q: &'a DeviceTensor<'a, T>,
+    pub k: &'a DeviceTensor<'a, T>,
+    pub v: &'a DeviceTensor<'a, T>,
+    /// The forward's output O, shaped like Q.
+    pub out: &'a DeviceTensor<'a, T>,
+    /// The gradient of the loss with respect to O, shaped like Q.
+    pub dout: &'a DeviceTensor<'a, T>,
+    /// The forward's LSE: f32 (batch, heads_q, seqlen_q) packed, natural log.
+    pub lse: &'a CudaView<'a, f32>,
+}
+
+/// Where a device backward pass writes: dQ shaped like Q, dK and dV shaped like K and V, each
+/// reaching every element once. `'a` is the borrow of the views, `'v` the views' own lifetime
+/// (two, so that a view can be lent to one call and reused by the next).
+#[derive(Debug)]
+pub struct DeviceGradientsMut<'a, 'v, T> {
+    pub dq: &'a mut DeviceTensorMut<'v, T>,
+    pub dk: &'a mut DeviceTensorMut<'v, T>,
+    pub dv: &'a mut DeviceTensorMut<'v, T>,
+}
+
 /// One CUDA device: its context and properties. Calls take the caller's stream.
 #[derive(Clone, Debug)]
 pub struct Device {
@@ -176,7 +200,7 @@ impl Device {
         stream: &CudaStream,
         views: impl IntoIterator<Item = (Operand, &'c Arc<CudaContext>)>,
     ) -> Result<()> {
-        let mismatch = |what: String, ctx: &CudaContext| Error::WrongDevice {
+        let mismatch = |what: CallPart, ctx: &CudaContext| Error::WrongDevice {
             what,
             detail: format!(
                 "it belongs to a context of device {}, the call was made on device {}'s \
@@ -186,11 +210,11 @@ impl Device {
             ),
         };
         if **stream.context() != *self.ctx {
-            return Err(mismatch("the stream".into(), stream.context()));
+            return Err(mismatch(CallPart::Stream, stream.context()));
         }
         for (operand, ctx) in views {
             if **ctx != *self.ctx {
-                return Err(mismatch(format!("{operand}"), ctx));
+                return Err(mismatch(CallPart::Tensor(operand), ctx));
             }
         }
         Ok(())
@@ -225,7 +249,7 @@ impl Device {
                 what: "e4m3 operands in forward_into (the FP8 forward takes them through \
                        fp8_inputs_from_e4m3 and forward_fp8_into)"
                     .into(),
-                backend: "sm90",
+                backend: Backend::Sm90,
             });
         }
         self.check_same_context(
@@ -309,24 +333,57 @@ impl Device {
 
 impl Device {
     /// Backward pass into caller-owned device gradients, ordered on `stream`: recomputes P from
-    /// `lse` (the forward's, f32 (batch, heads_q, seqlen_q), packed) and writes dQ (shaped like
-    /// Q), dK and dV (shaped like K and V). The f32 workspace is allocated on `stream` and freed
-    /// in stream order.
-    #[allow(clippy::too_many_arguments)]
+    /// the forward's LSE and writes dQ, dK and dV. The f32 workspace is allocated on `stream`
+    /// and freed in stream order.
+    ///
+    /// ```no_run
+    /// # use flashattn::cuda::{Device, DeviceBackwardInputs, DeviceGradientsMut};
+    /// # use flashattn::cuda::{DeviceTensor, DeviceTensorMut};
+    /// # use flashattn::AttentionConfig;
+    /// # fn run(dev: &Device, x: &[half::bf16], shape: [usize; 4]) -> flashattn::Result<()> {
+    /// # let stream = dev.new_stream()?;
+    /// # let up = |x: &[half::bf16]| stream.clone_htod(x).unwrap();
+    /// // Q, K, V, the forward's O and LSE, and dO, from earlier calls on `stream`:
+    /// # let (q, k, v, o, d_o) = (up(x), up(x), up(x), up(x), up(x));
+    /// # let lse = stream.alloc_zeros::<f32>(shape[0] * shape[1] * shape[2]).unwrap();
+    /// let (mut dq, mut dk, mut dv) = (up(x), up(x), up(x));
+    /// let plan = dev.backward_into(
+    ///     &stream,
+    ///     &AttentionConfig::new().causal(true),
+    ///     DeviceBackwardInputs {
+    ///         q: &DeviceTensor::contiguous(&q, shape),
+    ///         k: &DeviceTensor::contiguous(&k, shape),
+    ///         v: &DeviceTensor::contiguous(&v, shape),
+    ///         out: &DeviceTensor::contiguous(&o, shape),
+    ///         dout: &DeviceTensor::contiguous(&d_o, shape),
+    ///         lse: &lse.as_view(),
+    ///     },
+    ///     DeviceGradientsMut {
+    ///         dq: &mut DeviceTensorMut::contiguous(&mut dq, shape),
+    ///         dk: &mut DeviceTensorMut::contiguous(&mut dk, shape),
+    ///         dv: &mut DeviceTensorMut::contiguous(&mut dv, shape),
+    ///     },
+    /// )?;
+    /// println!("{}", plan.explain());
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn backward_into<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
         cfg: &AttentionConfig,
-        q: &DeviceTensor<T>,
-        k: &DeviceTensor<T>,
-        v: &DeviceTensor<T>,
-        out: &DeviceTensor<T>,
-        dout: &DeviceTensor<T>,
-        lse: &CudaView<f32>,
-        dq: &mut DeviceTensorMut<T>,
-        dk: &mut DeviceTensorMut<T>,
-        dv: &mut DeviceTensorMut<T>,
+        inputs: DeviceBackwardInputs<'_, T>,
+        grads: DeviceGradientsMut<'_, '_, T>,
     ) -> Result<Plan> {
+        let DeviceBackwardInputs {
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse,
+        } = inputs;
+        let DeviceGradientsMut { dq, dk, dv } = grads;
         self.check_same_context(
             stream,
             [
@@ -448,7 +505,7 @@ pub fn selftest_tma_wgmma(device: &Device, stream: &Arc<CudaStream>) -> Result<S
     const K: usize = 16;
     if device.info().compute_capability() != (9, 0) {
         return Err(Error::BackendUnavailable {
-            backend: "sm90",
+            backend: Backend::Sm90,
             reason: format!(
                 "device {} is not compute capability 9.0",
                 device.info().name
@@ -487,7 +544,7 @@ pub fn selftest_tma_wgmma(device: &Device, stream: &Arc<CudaStream>) -> Result<S
                 stream.cu_stream() as *mut std::ffi::c_void,
             )
         };
-        ffi::check(r, "sm90", "TMA + WGMMA self-test")?;
+        ffi::check(r, Backend::Sm90, "TMA + WGMMA self-test")?;
     }
     let c = stream.clone_dtoh(&c_dev).map_err(err)?;
     stream.synchronize().map_err(err)?;

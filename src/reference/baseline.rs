@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use super::{forward_all_rows, forward_one_row, head, problem, scatter};
-use crate::config::{AttentionConfig, Mask};
+use crate::config::{AttentionConfig, KeyRule};
 use crate::tensor::{Element, TensorRef};
 
 /// Baseline forward: O with values representable in `T` (held as f32), LSE in f32.
@@ -41,7 +41,7 @@ struct RowLow {
 
 fn row_low<T: Element>(
     cfg: &AttentionConfig,
-    mask: &Mask,
+    mask: &KeyRule,
     q: &[f32],
     k: &[f32],
     i: usize,
@@ -165,7 +165,7 @@ pub fn baseline_backward<T: Element>(
     let p = problem(&q, &k, &v);
     assert_eq!(dout.layout.shape, p.q_shape(), "dout shape");
     let (d, s_q, s_k) = (p.head_dim, p.seqlen_q, p.seqlen_k);
-    let mask = cfg.mask(s_q, s_k);
+    let mask = cfg.key_rule(s_q, s_k);
     let scale = cfg.scale_for(d);
     let per_head: Vec<[Vec<f32>; 3]> = (0..p.batch * p.heads_q)
         .into_par_iter()

@@ -8,7 +8,7 @@
 //!   f32 rounded to `T` ([`baseline_forward`], [`baseline_backward`]);
 //! - the **rule** ([`compare`]): `max|got − ref| ≤ 2·max|baseline − ref| + 1e-5`.
 //!
-//! All of them follow the crate's semantics: masks from [`crate::config::Mask::key_range`],
+//! All of them follow the crate's semantics: masks from [`crate::config::KeyRule::key_range`],
 //! softcap `cap·tanh(s·scale/cap)` before masking, GQA (query head `h` reads kv head
 //! `h / group`), and fully masked rows giving `O = 0`, `LSE = +inf` and zero gradients.
 //! Outputs are packed: O and dQ as `(batch, seqlen_q, heads_q, head_dim)`, dK and dV as
@@ -19,7 +19,7 @@
 
 use rayon::prelude::*;
 
-use crate::config::{AttentionConfig, Mask};
+use crate::config::{AttentionConfig, KeyRule};
 use crate::error::Operand;
 use crate::tensor::{Element, Problem, TensorRef};
 
@@ -97,10 +97,10 @@ fn forward_all_rows<T: Element, U: Copy + Default + Send + Sync>(
     k: &TensorRef<T>,
     v: &TensorRef<T>,
     conv: fn(T) -> U,
-    row_out: impl Fn(&Mask, &[U], &[U], &[U], usize) -> (Vec<U>, U) + Sync,
+    row_out: impl Fn(&KeyRule, &[U], &[U], &[U], usize) -> (Vec<U>, U) + Sync,
 ) -> (Vec<U>, Vec<U>) {
     let p = problem(q, k, v);
-    let (d, mask) = (p.head_dim, cfg.mask(p.seqlen_q, p.seqlen_k));
+    let (d, mask) = (p.head_dim, cfg.key_rule(p.seqlen_q, p.seqlen_k));
     let per_head: Vec<(Vec<U>, Vec<U>)> = (0..p.batch * p.heads_q)
         .into_par_iter()
         .map(|bh| {
@@ -131,7 +131,7 @@ fn forward_one_row<T: Element, U: Copy>(
     v: &TensorRef<T>,
     (b, h, i): (usize, usize, usize),
     conv: fn(T) -> U,
-    row_out: impl Fn(&Mask, &[U], &[U], &[U], usize) -> (Vec<U>, U),
+    row_out: impl Fn(&KeyRule, &[U], &[U], &[U], usize) -> (Vec<U>, U),
 ) -> (Vec<U>, U) {
     let p = problem(q, k, v);
     assert!(
@@ -145,7 +145,7 @@ fn forward_one_row<T: Element, U: Copy>(
         .collect();
     let kh = head(k, b, h / p.group_size(), conv);
     let vh = head(v, b, h / p.group_size(), conv);
-    row_out(&cfg.mask(p.seqlen_q, p.seqlen_k), &q_row, &kh, &vh, i)
+    row_out(&cfg.key_rule(p.seqlen_q, p.seqlen_k), &q_row, &kh, &vh, i)
 }
 
 #[cfg(test)]

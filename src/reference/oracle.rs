@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use super::{forward_all_rows, forward_one_row, head, problem, scatter};
-use crate::config::{AttentionConfig, Mask};
+use crate::config::{AttentionConfig, KeyRule};
 use crate::tensor::{Element, TensorRef};
 
 /// f64 reference forward: O `(b, s_q, h_q, d)` and LSE `(b, h_q, s_q)`, natural log.
@@ -37,7 +37,7 @@ struct RowF64 {
     lse: f64,
 }
 
-fn row_f64(cfg: &AttentionConfig, mask: &Mask, q: &[f64], k: &[f64], i: usize) -> RowF64 {
+fn row_f64(cfg: &AttentionConfig, mask: &KeyRule, q: &[f64], k: &[f64], i: usize) -> RowF64 {
     let d = q.len();
     let scale = cfg.scale_for(d) as f64;
     let (lo, hi) = mask.key_range(i);
@@ -139,7 +139,7 @@ pub fn reference_backward<T: Element>(
 ) -> ReferenceGrads {
     let p = problem(&q, &k, &v);
     assert_eq!(dout.layout.shape, p.q_shape(), "dout shape");
-    let (d, s_k, mask) = (p.head_dim, p.seqlen_k, cfg.mask(p.seqlen_q, p.seqlen_k));
+    let (d, s_k, mask) = (p.head_dim, p.seqlen_k, cfg.key_rule(p.seqlen_q, p.seqlen_k));
     let scale = cfg.scale_for(d) as f64;
     // Per query head: dQ, and this head's share of dK, dV.
     let per_head: Vec<[Vec<f64>; 3]> = (0..p.batch * p.heads_q)

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use flashattn::cuda::{CudaStream, Device, DeviceTensor, DeviceTensorMut};
-use flashattn::{AttentionConfig, Backend, Element, Layout};
+use flashattn::{AttentionConfig, AttentionMask, Backend, Element, Layout};
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
 
@@ -17,6 +17,7 @@ pub struct Case {
     pub heads_q: usize,
     pub heads_kv: usize,
     pub head_dim: usize,
+    /// With `window`, the case's mask (see [`Case::mask`]).
     pub causal: bool,
     pub window: (Option<usize>, Option<usize>),
     pub softcap: Option<f32>,
@@ -42,10 +43,22 @@ impl Case {
             deterministic: false,
         }
     }
+    /// `causal` closes the window's right side at the diagonal; a window of `(None, None)` is
+    /// none.
+    pub fn mask(&self) -> AttentionMask {
+        match (self.causal, self.window) {
+            (false, (None, None)) => AttentionMask::Full,
+            (true, (None, _)) => AttentionMask::Causal,
+            (true, (left, _)) => AttentionMask::Window {
+                left,
+                right: Some(0),
+            },
+            (false, (left, right)) => AttentionMask::Window { left, right },
+        }
+    }
     pub fn cfg(&self, backend: Backend) -> AttentionConfig {
         let mut cfg = AttentionConfig::new()
-            .causal(self.causal)
-            .window(self.window.0, self.window.1)
+            .mask(self.mask())
             .deterministic(self.deterministic)
             .backend(backend);
         cfg.softcap = self.softcap;

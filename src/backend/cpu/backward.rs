@@ -6,19 +6,8 @@ use rayon::prelude::*;
 use super::arith::{dot, probs_row, transpose, Arith};
 use super::{store_rows, Ctx, TileForm, Tiles, LOG2_E};
 use crate::config::AttentionConfig;
-use crate::tensor::{Element, Problem, TensorMut, TensorRef};
-
-/// Everything [`backward`] reads besides the configuration.
-pub(crate) struct BackwardInputs<'a, T> {
-    pub q: TensorRef<'a, T>,
-    pub k: TensorRef<'a, T>,
-    pub v: TensorRef<'a, T>,
-    /// The forward output O (used for `D = rowsum(dO∘O)`).
-    pub out: TensorRef<'a, T>,
-    pub dout: TensorRef<'a, T>,
-    /// The forward LSE, (batch, heads_q, seqlen_q) natural log.
-    pub lse: &'a [f32],
-}
+use crate::tensor::{Element, Problem};
+use crate::{BackwardInputs, GradientsMut};
 
 /// Per query block: Q, dO (`br × dp`), LSE in the base-2 domain and `D = rowsum(dO∘O)`.
 struct QSide {
@@ -233,10 +222,13 @@ pub(crate) fn backward<T: Element>(
     cfg: &AttentionConfig,
     p: &Problem,
     inputs: BackwardInputs<T>,
-    mut dq: TensorMut<T>,
-    mut dk: TensorMut<T>,
-    mut dv: TensorMut<T>,
+    grads: GradientsMut<T>,
 ) {
+    let GradientsMut {
+        mut dq,
+        mut dk,
+        mut dv,
+    } = grads;
     let ctx = BwdCtx::new(cfg, p, inputs);
     let c = &ctx.base;
     let mut tasks = Vec::new();

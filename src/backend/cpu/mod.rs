@@ -19,13 +19,13 @@
 
 use rayon::prelude::*;
 
-use crate::config::{AttentionConfig, Mask};
+use crate::config::{AttentionConfig, KeyRule};
 use crate::tensor::{Element, Problem, TensorMut, TensorRef};
 use arith::{transpose, Arith};
 
 mod arith;
 
-pub(crate) use backward::{backward, BackwardInputs};
+pub(crate) use backward::backward;
 pub(crate) use forward::forward;
 
 /// Query rows per tile (upper bound; small problems use fewer).
@@ -51,7 +51,7 @@ struct Ctx<'a, T> {
     q: TensorRef<'a, T>,
     k: TensorRef<'a, T>,
     v: TensorRef<'a, T>,
-    mask: Mask,
+    mask: KeyRule,
     group: usize,
     s_q: usize,
     s_k: usize,
@@ -103,7 +103,7 @@ impl<'a, T: Element> Ctx<'a, T> {
             q,
             k,
             v,
-            mask: cfg.mask(p.seqlen_q, p.seqlen_k),
+            mask: cfg.key_rule(p.seqlen_q, p.seqlen_k),
             group: p.group_size(),
             s_q: p.seqlen_q,
             s_k: p.seqlen_k,
@@ -309,6 +309,7 @@ mod tests {
     use super::backward::{dkdv_simd, dq_simd, BwdCtx};
     use super::forward::{fwd_block, fwd_block_simd};
     use super::*;
+    use crate::BackwardInputs;
 
     /// The portable task code (what runs without AVX2) against the dispatched one, on every
     /// block of a problem with GQA, a window, softcap and ragged tiles.
