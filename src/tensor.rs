@@ -1,5 +1,15 @@
 //! Views over host memory in the (batch, seqlen, heads, head_dim) layout, and all shape
-//! validation. Device views live in [`crate::cuda`] and reuse [`Layout`] and [`Problem`].
+//! validation.
+// The cuda module exists with its feature only: a link to it there, a plain name otherwise.
+#![cfg_attr(
+    feature = "cuda",
+    doc = "Device views live in [`crate::cuda`] and reuse [`Layout`] and [`Problem`]."
+)]
+#![cfg_attr(
+    not(feature = "cuda"),
+    doc = "Device views live in `flashattn::cuda` (the `cuda` feature) and reuse [`Layout`] and \
+           [`Problem`]."
+)]
 
 use crate::error::{Error, Operand, Result};
 
