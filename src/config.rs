@@ -62,9 +62,7 @@ pub struct Sm90Schedule {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum PingPong {
     /// On in the bf16/fp16 forwards, off in the FP8 forward, where the turns measured slower
-    /// on the H200 (benchmarks/README.md, 2026-12-01: FP8 d128 s8k +0.4–0.6% without them,
-    /// d64 +0.6%, d256 ±0.2%, only d128 causal s2k slower (noisy); bf16 d256 s8k −4% without
-    /// them).
+    /// (docs/PERFORMANCE.md; in the 16-bit forwards they pay).
     #[default]
     Auto,
     On,

@@ -259,10 +259,9 @@ fn fp8_baseline<O: Element>(
 
 /// The LSE's rule: docs/ARCHITECTURE.md's correctness rule, against the FP8 baseline, widened per
 /// row by 2^-8 of the row's largest Σ|q·k|·scale for the tensor cores' FP8 accumulation (see
-/// `fp8_baseline`; a wrong descale or block errs by whole percents of it). On the H200, cuBLASLt's
-/// own FP8 GEMM errs by up to 2^-9.6 of Σ|q·k| at d256 on these inputs, and this kernel by 2^-8.9
-/// in one row of 54M scores (b2 h9 1000×3000; benchmarks/fp8_accumulation_probe.py, README
-/// 2026-12-01).
+/// `fp8_baseline`; a wrong descale or block errs by whole percents of it). cuBLASLt's own FP8
+/// GEMM errs by a like fraction of Σ|q·k| on these inputs (benchmarks/fp8_accumulation_probe.py
+/// measures both; the numbers are in benchmarks/README.md).
 fn compare_lse(got: &[f32], reference: &[f64], baseline: &[f32], magnitude: &[f32]) -> Comparison {
     let base = compare(got, reference, baseline);
     let mut worst = Comparison { ratio: 0.0, ..base };

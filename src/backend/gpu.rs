@@ -60,8 +60,7 @@ fn window(side: Option<usize>) -> i32 {
 }
 
 /// Key lengths up to which the narrow (128-key) blocks are taken at d64/d128 whatever the mask:
-/// measured on the H200 (2026-11-29, v6): +17%/+12% at d64 s512/s1k, +7%/+2.5% at d128, equal at
-/// 2k, −2% at d128 4k.
+/// measured faster up to 1k keys, equal at 2k and slower beyond (docs/PERFORMANCE.md).
 const NARROW_KEY_BLOCKS_UP_TO: usize = 1024;
 
 fn sm90_flags(cfg: &AttentionConfig, problem: &Problem) -> u32 {
