@@ -45,6 +45,8 @@
 //! ```
 
 mod backend;
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -1,0 +1,610 @@
+//! Attention over [candle](https://crates.io/crates/candle-core) tensors, differentiable: the
+//! forward runs this crate's attention and candle's autograd (`loss.backward()`) runs this
+//! crate's fused backward for dQ, dK and dV.
+//!
+//! [`flash_attn`] takes Q `(batch, seqlen_q, heads_q, head_dim)` and K, V `(batch, seqlen_k,
+//! heads_kv, head_dim)` (GQA/MQA when `heads_kv < heads_q`), all of one dtype, and returns O
+//! shaped like Q. On the CPU it runs the CPU backend (f32, f16, bf16); on a candle CUDA device
+//! (the `cuda` feature, or `candle-cuda`, which names both) the GPU kernels (bf16, f16), ordered
+//! on candle's own stream. Strided views and views with a start offset are read in place where
+//! the kernels can (a unit head-dim stride; on the GPU also 16-byte aligned offsets and strides);
+//! others are copied to a packed tensor first, through candle, so gradients still reach them.
+//!
+//! ```
+//! use candle_core::{Device, Var};
+//! use flashattn::AttentionConfig;
+//!
+//! let dev = Device::Cpu;
+//! let q = Var::randn(0f32, 1.0, (2, 16, 4, 64), &dev)?;
+//! let k = Var::randn(0f32, 1.0, (2, 24, 2, 64), &dev)?; // 2 KV heads: GQA
+//! let v = Var::randn(0f32, 1.0, (2, 24, 2, 64), &dev)?;
+//! let out = flashattn::candle::flash_attn(&q, &k, &v, &AttentionConfig::new().causal(true))?;
+//! let grads = out.sqr()?.sum_all()?.backward()?;
+//! assert_eq!(grads.get(&k).unwrap().dims(), k.dims());
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+//!
+//! Errors of this crate reach the caller as a [`candle_core::Error`]; [`as_flash_error`] gives
+//! back the typed [`crate::Error`] inside.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Shape, Tensor};
+
+use crate::{AttentionConfig, BackwardInputs, Element, GradientsMut, Layout, TensorMut, TensorRef};
+
+/// Attention over candle tensors: `softmax(Q·Kᵀ·scale)·V` under `cfg`'s mask, scale and
+/// softcap, with this crate's fused backward as its gradient. See the [module docs](self).
+///
+/// `cfg.backend` is honoured as in the host and device APIs (`Auto` picks the CPU backend for
+/// CPU tensors and the best GPU family for CUDA ones).
+pub fn flash_attn(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cfg: &AttentionConfig,
+) -> candle_core::Result<Tensor> {
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        if t.rank() != 4 {
+            candle_core::bail!(
+                "flash_attn: {name} must be (batch, seqlen, heads, head_dim), got shape {:?}",
+                t.dims()
+            );
+        }
+    }
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        candle_core::bail!(
+            "flash_attn: q, k and v must have one dtype, got {:?}, {:?}, {:?}",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        );
+    }
+    let (q, k, v) = (readable(q)?, readable(k)?, readable(v)?);
+    q.apply_op3(
+        &k,
+        &v,
+        FlashAttn {
+            cfg: cfg.clone(),
+            lse: Mutex::new(None),
+        },
+    )
+}
+
+/// The typed error of this crate inside a [`candle_core::Error`] that [`flash_attn`] (or its
+/// backward) returned, looking through candle's backtrace and context wrappers.
+pub fn as_flash_error(e: &candle_core::Error) -> Option<&crate::Error> {
+    use candle_core::Error as E;
+    match e {
+        E::WithBacktrace { inner, .. } | E::Context { inner, .. } => as_flash_error(inner),
+        E::WrappedContext { wrapped, .. } => wrapped.downcast_ref(),
+        _ => None,
+    }
+}
+
+/// A candle error carrying `e`, typed (see [`as_flash_error`]) and with its message.
+fn wrap(e: crate::Error) -> candle_core::Error {
+    candle_core::Error::WrappedContext {
+        context: format!("flashattn: {e}"),
+        wrapped: Box::new(e),
+    }
+    .bt()
+}
+
+/// `t`, or a packed copy of it where the kernels cannot read it in place: a head-dim stride
+/// other than 1 (every backend), or on the GPU an offset or stride that is not a multiple of
+/// 16 bytes. The copy is a candle op, so gradients flow back through it to `t`.
+fn readable(t: &Tensor) -> candle_core::Result<Tensor> {
+    let layout = t.layout();
+    let (dims, strides) = (layout.dims(), layout.stride());
+    let unit_head_dim = dims[3] == 1 || strides[3] == 1;
+    let aligned = || {
+        const ALIGN: usize = 16;
+        let bytes = t.dtype().size_in_bytes();
+        layout.start_offset() * bytes % ALIGN == 0
+            && dims[..3]
+                .iter()
+                .zip(&strides[..3])
+                .all(|(&n, &s)| n == 1 || s * bytes % ALIGN == 0)
+    };
+    if unit_head_dim && (!t.device().is_cuda() || aligned()) {
+        Ok(t.clone())
+    } else {
+        t.force_contiguous()
+    }
+}
+
+/// Our layout of a candle layout (rank 4, strides in elements, the start offset applied to the
+/// buffer by the caller). A head dim of extent 1 gets stride 1: candle leaves any stride on a
+/// dimension of extent 1, and ours must be 1 there.
+fn our_layout(l: &candle_core::Layout) -> candle_core::Result<Layout> {
+    let (dims, strides) = (l.dims(), l.stride());
+    if dims.len() != 4 {
+        candle_core::bail!(
+            "flash_attn: tensors must be (batch, seqlen, heads, head_dim), got shape {dims:?}"
+        );
+    }
+    let mut s = [strides[0], strides[1], strides[2], strides[3]];
+    if dims[3] == 1 {
+        s[3] = 1;
+    }
+    Ok(Layout::with_strides(
+        [dims[0], dims[1], dims[2], dims[3]],
+        s,
+    ))
+}
+
+/// The forward's LSE, kept by the op for its backward.
+enum Lse {
+    Cpu(Vec<f32>),
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaSlice<f32>),
+}
+
+impl Lse {
+    fn host(&self) -> candle_core::Result<&[f32]> {
+        match self {
+            Lse::Cpu(lse) => Ok(lse),
+            #[cfg(feature = "cuda")]
+            Lse::Cuda(_) => Err(Self::elsewhere()),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn device(&self) -> candle_core::Result<&crate::cuda::CudaSlice<f32>> {
+        match self {
+            Lse::Cuda(lse) => Ok(lse),
+            Lse::Cpu(_) => Err(Self::elsewhere()),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn elsewhere() -> candle_core::Error {
+        candle_core::Error::msg("flash_attn: the backward runs on another device than the forward")
+    }
+}
+
+/// The op candle records in the graph: one per [`flash_attn`] call, so the LSE it keeps is that
+/// call's (candle hands the same instance to `bwd`).
+struct FlashAttn {
+    cfg: AttentionConfig,
+    lse: Mutex<Option<Lse>>,
+}
+
+fn lock_error<T>(_: T) -> candle_core::Error {
+    candle_core::Error::msg("flash_attn: the op's LSE lock was poisoned by a panic")
+}
+
+impl CustomOp3 for FlashAttn {
+    fn name(&self) -> &'static str {
+        "flash-attn"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        lq: &candle_core::Layout,
+        k: &CpuStorage,
+        lk: &candle_core::Layout,
+        v: &CpuStorage,
+        lv: &candle_core::Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        use candle_core::DType;
+        let ops = [(q, lq), (k, lk), (v, lv)];
+        let (out, lse) = match q.dtype() {
+            DType::F32 => cpu::forward::<f32>(&self.cfg, ops)?,
+            DType::F16 => cpu::forward::<half::f16>(&self.cfg, ops)?,
+            DType::BF16 => cpu::forward::<half::bf16>(&self.cfg, ops)?,
+            other => candle_core::bail!(
+                "flash_attn on the CPU takes f32, f16 or bf16 tensors, got {other:?}"
+            ),
+        };
+        *self.lse.lock().map_err(lock_error)? = Some(Lse::Cpu(lse));
+        Ok((out, lq.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        lq: &candle_core::Layout,
+        k: &CudaStorage,
+        lk: &candle_core::Layout,
+        v: &CudaStorage,
+        lv: &candle_core::Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        use candle_core::DType;
+        let ops = [(q, lq), (k, lk), (v, lv)];
+        let (out, lse) = match q.dtype() {
+            DType::BF16 => gpu::forward::<half::bf16>(&self.cfg, ops)?,
+            DType::F16 => gpu::forward::<half::f16>(&self.cfg, ops)?,
+            // f32 goes to the dispatcher, which refuses it with a typed error.
+            DType::F32 => gpu::forward::<f32>(&self.cfg, ops)?,
+            other => {
+                candle_core::bail!("flash_attn on CUDA takes bf16 or f16 tensors, got {other:?}")
+            }
+        };
+        *self.lse.lock().map_err(lock_error)? = Some(Lse::Cuda(lse));
+        Ok((out, lq.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // Held through the backward: a second backward of the same graph waits for this one.
+        let lse = self.lse.lock().map_err(lock_error)?;
+        let Some(lse) = lse.as_ref() else {
+            candle_core::bail!("flash_attn: backward before the forward ran");
+        };
+        // dO is whatever candle's autograd made of the loss, often a broadcast (zero strides).
+        let (out, dout) = (readable(out)?, readable(dout)?);
+        let packed = q.apply_op3_no_bwd(
+            k,
+            v,
+            &Backward {
+                cfg: &self.cfg,
+                lse,
+                out: &out,
+                dout: &dout,
+            },
+        )?;
+        let (nq, nk) = (q.elem_count(), k.elem_count());
+        let (kv_start, v_start) = grad_offsets(nq, nk);
+        let dq = packed.narrow(0, 0, nq)?.reshape(q.shape())?;
+        let dk = packed.narrow(0, kv_start, nk)?.reshape(k.shape())?;
+        let dv = packed.narrow(0, v_start, nk)?.reshape(k.shape())?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+/// Where dK and dV start in the packed gradient buffer (dQ at 0): on 128-element boundaries,
+/// so that on the GPU each gradient starts as aligned as the buffer.
+fn grad_offsets(nq: usize, nk: usize) -> (usize, usize) {
+    let round = |n: usize| n.div_ceil(128) * 128;
+    (round(nq), round(nq) + round(nk))
+}
+
+/// The backward as a candle op over Q, K and V (no gradient of its own): its output is dQ, dK
+/// and dV packed in one buffer (at 0 and [`grad_offsets`]), which `bwd` cuts into three views.
+/// O and dO come in through a nested op ([`WithOutputs`]), so that candle holds every operand's
+/// storage for the call in the way it holds the operands of its own ops.
+struct Backward<'a> {
+    cfg: &'a AttentionConfig,
+    lse: &'a Lse,
+    out: &'a Tensor,
+    dout: &'a Tensor,
+}
+
+/// The inner op over O and dO, holding the outer op's Q, K and V: it computes the gradients
+/// into `grads` and returns an empty placeholder, which is dropped (a custom op returns one
+/// storage, and the gradients must outlive the outer op's borrow of Q, K and V).
+struct WithOutputs<'a, S> {
+    bwd: &'a Backward<'a>,
+    qkv: [(&'a S, &'a candle_core::Layout); 3],
+    grads: Mutex<Option<S>>,
+}
+
+impl Backward<'_> {
+    fn run<S>(&self, qkv: [(&S, &candle_core::Layout); 3]) -> candle_core::Result<(S, Shape)>
+    where
+        for<'a> WithOutputs<'a, S>: CustomOp2,
+    {
+        let inner = WithOutputs {
+            bwd: self,
+            qkv,
+            grads: Mutex::new(None),
+        };
+        self.out.apply_op2_no_bwd(self.dout, &inner)?;
+        let grads = inner.grads.into_inner().map_err(lock_error)?;
+        let Some(grads) = grads else {
+            candle_core::bail!("flash_attn: the backward produced no gradients");
+        };
+        let (nq, nk) = (qkv[0].1.shape().elem_count(), qkv[1].1.shape().elem_count());
+        Ok((grads, Shape::from(grad_offsets(nq, nk).1 + nk)))
+    }
+}
+
+impl CustomOp3 for Backward<'_> {
+    fn name(&self) -> &'static str {
+        "flash-attn-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        lq: &candle_core::Layout,
+        k: &CpuStorage,
+        lk: &candle_core::Layout,
+        v: &CpuStorage,
+        lv: &candle_core::Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.run([(q, lq), (k, lk), (v, lv)])
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        lq: &candle_core::Layout,
+        k: &CudaStorage,
+        lk: &candle_core::Layout,
+        v: &CudaStorage,
+        lv: &candle_core::Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        self.run([(q, lq), (k, lk), (v, lv)])
+    }
+}
+
+impl CustomOp2 for WithOutputs<'_, CpuStorage> {
+    fn name(&self) -> &'static str {
+        "flash-attn-bwd-outputs"
+    }
+
+    fn cpu_fwd(
+        &self,
+        out: &CpuStorage,
+        lo: &candle_core::Layout,
+        dout: &CpuStorage,
+        ldo: &candle_core::Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        use candle_core::DType;
+        let lse = self.bwd.lse.host()?;
+        let [q, k, v] = self.qkv;
+        let ops = [q, k, v, (out, lo), (dout, ldo)];
+        let cfg = self.bwd.cfg;
+        let grads = match q.0.dtype() {
+            DType::F32 => cpu::backward::<f32>(cfg, ops, lse)?,
+            DType::F16 => cpu::backward::<half::f16>(cfg, ops, lse)?,
+            DType::BF16 => cpu::backward::<half::bf16>(cfg, ops, lse)?,
+            other => candle_core::bail!(
+                "flash_attn on the CPU takes f32, f16 or bf16 tensors, got {other:?}"
+            ),
+        };
+        *self.grads.lock().map_err(lock_error)? = Some(grads);
+        Ok((CpuStorage::F32(Vec::new()), Shape::from(0)))
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl CustomOp2 for WithOutputs<'_, CudaStorage> {
+    fn name(&self) -> &'static str {
+        "flash-attn-bwd-outputs"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &candle_core::Layout,
+        _: &CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        Err(Lse::elsewhere())
+    }
+
+    fn cuda_fwd(
+        &self,
+        out: &CudaStorage,
+        lo: &candle_core::Layout,
+        dout: &CudaStorage,
+        ldo: &candle_core::Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        use candle_core::DType;
+        let lse = self.bwd.lse.device()?;
+        let [q, k, v] = self.qkv;
+        let ops = [q, k, v, (out, lo), (dout, ldo)];
+        let cfg = self.bwd.cfg;
+        let grads = match q.0.dtype() {
+            DType::BF16 => gpu::backward::<half::bf16>(cfg, ops, lse)?,
+            DType::F16 => gpu::backward::<half::f16>(cfg, ops, lse)?,
+            DType::F32 => gpu::backward::<f32>(cfg, ops, lse)?,
+            other => {
+                candle_core::bail!("flash_attn on CUDA takes bf16 or f16 tensors, got {other:?}")
+            }
+        };
+        let placeholder = out.device.alloc_zeros::<f32>(1)?;
+        *self.grads.lock().map_err(lock_error)? = Some(grads);
+        Ok((
+            CudaStorage::wrap_cuda_slice(placeholder, out.device.clone()),
+            Shape::from(1),
+        ))
+    }
+}
+
+/// The CPU path: candle's CPU storages as host tensor views.
+mod cpu {
+    use super::*;
+    use candle_core::WithDType;
+
+    type Operand<'a> = (&'a CpuStorage, &'a candle_core::Layout);
+
+    fn view<'a, T: WithDType>(
+        (storage, layout): Operand<'a>,
+    ) -> candle_core::Result<TensorRef<'a, T>> {
+        let data = T::cpu_storage_as_slice(storage)?;
+        let data = data.get(layout.start_offset()..).ok_or_else(|| {
+            candle_core::Error::msg("flash_attn: a layout starts past its storage")
+        })?;
+        Ok(TensorRef::new(data, our_layout(layout)?))
+    }
+
+    pub(super) fn forward<T: Element + WithDType>(
+        cfg: &AttentionConfig,
+        [q, k, v]: [Operand; 3],
+    ) -> candle_core::Result<(CpuStorage, Vec<f32>)> {
+        let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
+        let [b, s, h, d] = q.layout.shape;
+        let mut out = vec![T::default(); b * s * h * d];
+        let mut lse = vec![0f32; b * h * s];
+        crate::forward_into(
+            cfg,
+            q,
+            k,
+            v,
+            TensorMut::contiguous(&mut out, q.layout.shape),
+            &mut lse,
+        )
+        .map_err(wrap)?;
+        Ok((T::to_cpu_storage_owned(out), lse))
+    }
+
+    pub(super) fn backward<T: Element + WithDType>(
+        cfg: &AttentionConfig,
+        [q, k, v, out, dout]: [Operand; 5],
+        lse: &[f32],
+    ) -> candle_core::Result<CpuStorage> {
+        let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
+        let (out, dout) = (view::<T>(out)?, view::<T>(dout)?);
+        let (nq, nk) = (
+            q.layout.shape.iter().product(),
+            k.layout.shape.iter().product(),
+        );
+        let (kv_start, v_start) = grad_offsets(nq, nk);
+        let mut grads = vec![T::default(); v_start + nk];
+        let (dq, rest) = grads.split_at_mut(kv_start);
+        let (dk, dv) = rest.split_at_mut(v_start - kv_start);
+        crate::backward_into(
+            cfg,
+            BackwardInputs {
+                q,
+                k,
+                v,
+                out,
+                dout,
+                lse,
+            },
+            GradientsMut {
+                dq: TensorMut::contiguous(&mut dq[..nq], q.layout.shape),
+                dk: TensorMut::contiguous(&mut dk[..nk], k.layout.shape),
+                dv: TensorMut::contiguous(&mut dv[..nk], k.layout.shape),
+            },
+        )
+        .map_err(wrap)?;
+        Ok(T::to_cpu_storage_owned(grads))
+    }
+}
+
+/// The CUDA path: candle's CUDA storages as device tensor views, on candle's stream.
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::collections::HashMap;
+    use std::sync::OnceLock;
+
+    use candle_core::cuda_backend::{CudaDType, CudaDevice};
+    use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
+
+    use super::*;
+    use crate::cuda::{CudaSlice, Device, DeviceBackwardInputs, DeviceGradientsMut};
+    use crate::cuda::{DeviceTensor, DeviceTensorMut};
+
+    type Operand<'a> = (&'a CudaStorage, &'a candle_core::Layout);
+
+    /// Our `Device` for candle's: one per ordinal, opened once (it queries the device's
+    /// properties), and refused unless candle's context is the primary context it uses.
+    fn device(dev: &CudaDevice) -> candle_core::Result<Device> {
+        static DEVICES: OnceLock<Mutex<HashMap<usize, Device>>> = OnceLock::new();
+        let stream = dev.cuda_stream();
+        let ordinal = stream.context().ordinal();
+        let ours = {
+            let mut devices = DEVICES
+                .get_or_init(Default::default)
+                .lock()
+                .map_err(lock_error)?;
+            match devices.get(&ordinal) {
+                Some(d) => d.clone(),
+                None => {
+                    let d = Device::new(ordinal).map_err(wrap)?;
+                    devices.insert(ordinal, d.clone());
+                    d
+                }
+            }
+        };
+        if **ours.context() != **stream.context() {
+            candle_core::bail!(
+                "flash_attn: candle's CUDA device {ordinal} runs in a context other than the \
+                 device's primary context, which the kernels use"
+            );
+        }
+        Ok(ours)
+    }
+
+    fn view<'a, T: CudaDType + DeviceRepr>(
+        (storage, layout): Operand<'a>,
+    ) -> candle_core::Result<DeviceTensor<'a, T>> {
+        let data = storage.as_cuda_slice::<T>()?;
+        let data = data.try_slice(layout.start_offset()..).ok_or_else(|| {
+            candle_core::Error::msg("flash_attn: a layout starts past its storage")
+        })?;
+        Ok(DeviceTensor::new(data, our_layout(layout)?))
+    }
+
+    pub(super) fn forward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
+        cfg: &AttentionConfig,
+        [q, k, v]: [Operand; 3],
+    ) -> candle_core::Result<(CudaStorage, CudaSlice<f32>)> {
+        let dev = &q.0.device;
+        let ours = device(dev)?;
+        let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
+        let [b, s, h, d] = q.layout.shape;
+        // Zeroed rather than uninitialized, to stay in safe code; the memset is small beside
+        // the attention.
+        let mut out = dev.alloc_zeros::<T>(b * s * h * d)?;
+        let mut lse = dev.alloc_zeros::<f32>(b * h * s)?;
+        ours.forward_into(
+            &dev.cuda_stream(),
+            cfg,
+            &q,
+            &k,
+            &v,
+            &mut DeviceTensorMut::new(out.as_view_mut(), Layout::contiguous(q.layout.shape)),
+            &mut lse.as_view_mut(),
+        )
+        .map_err(wrap)?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lse))
+    }
+
+    pub(super) fn backward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
+        cfg: &AttentionConfig,
+        [q, k, v, out, dout]: [Operand; 5],
+        lse: &CudaSlice<f32>,
+    ) -> candle_core::Result<CudaStorage> {
+        let dev = &q.0.device;
+        let ours = device(dev)?;
+        let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
+        let (out, dout) = (view::<T>(out)?, view::<T>(dout)?);
+        let (q_shape, kv_shape) = (q.layout.shape, k.layout.shape);
+        let (nq, nk) = (q_shape.iter().product(), kv_shape.iter().product());
+        let (kv_start, v_start) = grad_offsets(nq, nk);
+        let mut grads = dev.alloc_zeros::<T>(v_start + nk)?;
+        {
+            let (mut dq, mut rest) = grads.split_at_mut(kv_start);
+            let (mut dk, mut dv) = rest.split_at_mut(v_start - kv_start);
+            ours.backward_into(
+                &dev.cuda_stream(),
+                cfg,
+                DeviceBackwardInputs {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    out: &out,
+                    dout: &dout,
+                    lse: &lse.as_view(),
+                },
+                DeviceGradientsMut {
+                    dq: &mut DeviceTensorMut::new(dq.slice_mut(..nq), Layout::contiguous(q_shape)),
+                    dk: &mut DeviceTensorMut::new(dk.slice_mut(..nk), Layout::contiguous(kv_shape)),
+                    dv: &mut DeviceTensorMut::new(dv.slice_mut(..nk), Layout::contiguous(kv_shape)),
+                },
+            )
+            .map_err(wrap)?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(grads, dev.clone()))
+    }
+}

@@ -1,0 +1,360 @@
+//! `flashattn::candle::flash_attn` on the CPU against attention written with candle ops: the
+//! forward in f64, and the gradients of candle's autograd through that f64 attention against
+//! those of our op (its fused backward) in f32, under every mask, GQA, softcap, odd lengths and
+//! strided or offset views; f16 and bf16 against f32 with their rounding's tolerance.
+#![cfg(feature = "candle")]
+
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use flashattn::candle::{as_flash_error, flash_attn};
+use flashattn::{AttentionConfig, Error};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use rand_distr::{Distribution, Normal};
+
+/// N(0, 1) values (never all zeros) of `shape`, f32, from a seeded generator.
+fn randn(shape: &[usize], seed: u64) -> Tensor {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let normal = Normal::new(0f32, 1.0).unwrap();
+    let n = shape.iter().product();
+    let data: Vec<f32> = (0..n).map(|_| normal.sample(&mut rng)).collect();
+    Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
+}
+
+/// `(b, s, h_kv, d)` as `(b, h_q, s, d)`: each KV head repeated for the query heads it serves.
+fn heads_first(t: &Tensor, heads_q: usize) -> Result<Tensor> {
+    let (b, s, h, d) = t.dims4()?;
+    let t = t.transpose(1, 2)?.contiguous()?;
+    if h == heads_q {
+        return Ok(t);
+    }
+    t.unsqueeze(2)?
+        .broadcast_as((b, h, heads_q / h, s, d))?
+        .contiguous()?
+        .reshape((b, heads_q, s, d))
+}
+
+/// Attention as a framework writes it, in `q`'s dtype: `softmax(softcap(Q·Kᵀ·scale) + mask)·V`
+/// with the mask an additive `-inf` matrix from `cfg`'s key rule.
+fn naive(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttentionConfig) -> Result<Tensor> {
+    let (_, s_q, h_q, d) = q.dims4()?;
+    let s_k = k.dim(1)?;
+    let (qh, kh, vh) = (
+        heads_first(q, h_q)?,
+        heads_first(k, h_q)?,
+        heads_first(v, h_q)?,
+    );
+    let scale = cfg.scale_for(d) as f64;
+    let mut s = (qh.matmul(&kh.t()?.contiguous()?)? * scale)?;
+    if let Some(cap) = cfg.softcap {
+        let cap = cap as f64;
+        s = ((s / cap)?.tanh()? * cap)?;
+    }
+    let rule = cfg.key_rule(s_q, s_k);
+    let mut mask = vec![f32::NEG_INFINITY; s_q * s_k];
+    for i in 0..s_q {
+        let (lo, hi) = rule.key_range(i);
+        assert!(
+            lo < hi,
+            "row {i} sees no key: the naive softmax would be NaN"
+        );
+        mask[i * s_k + lo..i * s_k + hi].fill(0.0);
+    }
+    let mask = Tensor::from_vec(mask, (s_q, s_k), q.device())?.to_dtype(q.dtype())?;
+    let s = s.broadcast_add(&mask)?;
+    // The max only steadies the exponent; softmax does not depend on it.
+    let max = s.max_keepdim(D::Minus1)?.detach();
+    let e = s.broadcast_sub(&max)?.exp()?;
+    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+    p.matmul(&vh)?.transpose(1, 2)?.contiguous()
+}
+
+/// `max|got − want| ≤ rel · max|want| + 1e-6`, over f64 copies.
+fn assert_close(got: &Tensor, want: &Tensor, rel: f64, what: &str) {
+    assert_eq!(got.dims(), want.dims(), "{what}: shape");
+    let got = got.to_dtype(DType::F64).unwrap();
+    let want = want.to_dtype(DType::F64).unwrap();
+    let err: f64 = (&got - &want)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap();
+    let scale: f64 = want.abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+    assert!(scale > 0.0, "{what}: the reference is all zeros");
+    assert!(
+        err <= rel * scale + 1e-6,
+        "{what}: max error {err:.3e} against max |ref| {scale:.3e} (allowed {:.3e})",
+        rel * scale + 1e-6
+    );
+}
+
+/// Q, K and V made of a case's leaves.
+type Views = fn(&[Tensor]) -> Result<(Tensor, Tensor, Tensor)>;
+
+/// Leaf tensors of a case and how Q, K and V are made of them (views, for the strided cases).
+struct Case {
+    leaves: Vec<Tensor>,
+    views: Views,
+}
+
+impl Case {
+    /// Separate Q (b, s_q, h_q, d), K and V (b, s_k, h_kv, d).
+    fn packed(b: usize, s_q: usize, s_k: usize, h_q: usize, h_kv: usize, d: usize) -> Case {
+        Case {
+            leaves: vec![
+                randn(&[b, s_q, h_q, d], 1),
+                randn(&[b, s_k, h_kv, d], 2),
+                randn(&[b, s_k, h_kv, d], 3),
+            ],
+            views: |t| Ok((t[0].clone(), t[1].clone(), t[2].clone())),
+        }
+    }
+}
+
+/// Our op in f32 against the naive attention in f64 over the same values: O, and the gradients
+/// of `sum(O · W)` for a random W with respect to every leaf.
+fn grad_check(case: &Case, cfg: &AttentionConfig) {
+    // The reference: f64 leaves, the naive attention, candle's autograd.
+    let leaves64: Vec<Var> = case
+        .leaves
+        .iter()
+        .map(|t| Var::from_tensor(&t.to_dtype(DType::F64).unwrap()).unwrap())
+        .collect();
+    let tensors64: Vec<Tensor> = leaves64.iter().map(|v| v.as_tensor().clone()).collect();
+    let (q, k, v) = (case.views)(&tensors64).unwrap();
+    let want = naive(&q, &k, &v, cfg).unwrap();
+    let w = randn(want.dims(), 4);
+    let want_grads = (&want * w.to_dtype(DType::F64).unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+
+    // Ours: f32 leaves, the op, its fused backward.
+    let leaves: Vec<Var> = case
+        .leaves
+        .iter()
+        .map(|t| Var::from_tensor(t).unwrap())
+        .collect();
+    let tensors: Vec<Tensor> = leaves.iter().map(|v| v.as_tensor().clone()).collect();
+    let (q, k, v) = (case.views)(&tensors).unwrap();
+    let got = flash_attn(&q, &k, &v, cfg).unwrap();
+    assert_eq!(got.dtype(), DType::F32);
+    assert_close(&got, &want, 1e-5, "O");
+    let grads = (&got * &w).unwrap().sum_all().unwrap().backward().unwrap();
+
+    for (i, (ours, theirs)) in leaves.iter().zip(&leaves64).enumerate() {
+        let got = grads.get(ours).expect("a gradient for every leaf");
+        let want = want_grads.get(theirs).unwrap();
+        assert_close(got, want, 1e-4, &format!("gradient of leaf {i}"));
+    }
+}
+
+#[test]
+fn full_attention_with_odd_lengths_and_gqa() {
+    grad_check(&Case::packed(2, 37, 53, 4, 2, 64), &AttentionConfig::new());
+}
+
+#[test]
+fn causal_bottom_right() {
+    grad_check(
+        &Case::packed(2, 37, 53, 4, 2, 64),
+        &AttentionConfig::new().causal(true),
+    );
+}
+
+#[test]
+fn sliding_window() {
+    let case = Case::packed(1, 37, 53, 4, 2, 64);
+    grad_check(&case, &AttentionConfig::new().window(Some(7), Some(3)));
+    grad_check(&case, &AttentionConfig::new().window(Some(10), Some(0)));
+}
+
+#[test]
+fn softcap_with_causal_mask() {
+    grad_check(
+        &Case::packed(1, 37, 53, 4, 2, 64),
+        &AttentionConfig::new().causal(true).softcap(5.0),
+    );
+}
+
+#[test]
+fn multi_query_and_own_scale() {
+    grad_check(
+        &Case::packed(2, 19, 41, 4, 1, 32),
+        &AttentionConfig::new().softmax_scale(0.3),
+    );
+}
+
+#[test]
+fn strided_views_read_in_place() {
+    // Q, K, V stored (b, h, s, d) and transposed to (b, s, h, d): non-packed strides with a unit
+    // head-dim stride, which the op reads as they are.
+    let case = Case {
+        leaves: vec![
+            randn(&[2, 4, 37, 64], 5),
+            randn(&[2, 2, 53, 64], 6),
+            randn(&[2, 2, 53, 64], 7),
+        ],
+        views: |t| {
+            Ok((
+                t[0].transpose(1, 2)?,
+                t[1].transpose(1, 2)?,
+                t[2].transpose(1, 2)?,
+            ))
+        },
+    };
+    let (q, _, _) = (case.views)(&case.leaves).unwrap();
+    assert!(!q.is_contiguous());
+    grad_check(&case, &AttentionConfig::new().causal(true));
+}
+
+#[test]
+fn views_without_unit_head_dim_stride_are_copied() {
+    // Stored (b, s, d, h): the head dim has stride h, so the op reads a packed copy.
+    let case = Case {
+        leaves: vec![
+            randn(&[1, 37, 64, 4], 8),
+            randn(&[1, 53, 64, 2], 9),
+            randn(&[1, 53, 64, 2], 10),
+        ],
+        views: |t| {
+            Ok((
+                t[0].transpose(2, 3)?,
+                t[1].transpose(2, 3)?,
+                t[2].transpose(2, 3)?,
+            ))
+        },
+    };
+    grad_check(&case, &AttentionConfig::new().window(Some(9), Some(2)));
+}
+
+#[test]
+fn views_of_one_packed_qkv_tensor() {
+    // One projection output (b, s, 3·h, d), Q, K and V cut from it: start offsets and a heads
+    // stride of 3·h·d; the gradients meet in the packed tensor.
+    let case = Case {
+        leaves: vec![randn(&[2, 29, 9, 32], 11)],
+        views: |t| {
+            Ok((
+                t[0].narrow(2, 0, 3)?,
+                t[0].narrow(2, 3, 3)?,
+                t[0].narrow(2, 6, 3)?,
+            ))
+        },
+    };
+    grad_check(&case, &AttentionConfig::new().causal(true));
+}
+
+#[test]
+fn a_broadcast_output_gradient_and_two_backward_passes() {
+    // `sum(O)` makes dO a broadcast of ones (zero strides); a second backward of the same graph
+    // uses the LSE the op kept.
+    let (q, k, v) = (
+        Var::from_tensor(&randn(&[1, 21, 2, 16], 12)).unwrap(),
+        Var::from_tensor(&randn(&[1, 21, 2, 16], 13)).unwrap(),
+        Var::from_tensor(&randn(&[1, 21, 2, 16], 14)).unwrap(),
+    );
+    let cfg = AttentionConfig::new().causal(true);
+    let out = flash_attn(&q, &k, &v, &cfg).unwrap();
+    let loss = out.sum_all().unwrap();
+    let first = loss.backward().unwrap();
+    let second = loss.backward().unwrap();
+
+    let to64 = |t: &Var| Var::from_tensor(&t.to_dtype(DType::F64).unwrap()).unwrap();
+    let (q64, k64, v64) = (to64(&q), to64(&k), to64(&v));
+    let want = naive(&q64, &k64, &v64, &cfg)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    for (ours, theirs) in [(&q, &q64), (&k, &k64), (&v, &v64)] {
+        let got = first.get(ours).unwrap();
+        assert_close(got, want.get(theirs).unwrap(), 1e-4, "gradient of sum(O)");
+        let again = second.get(ours).unwrap();
+        assert_close(again, got, 0.0, "the second backward");
+    }
+}
+
+#[test]
+fn half_precision_forward_and_backward() {
+    let cfg = AttentionConfig::new().causal(true);
+    let shapes = [[1, 37, 4, 64], [1, 53, 2, 64], [1, 53, 2, 64]];
+    for dtype in [DType::BF16, DType::F16] {
+        // The same rounded values in both: the error left is the op's arithmetic and the
+        // rounding of its outputs.
+        let leaves: Vec<Tensor> = shapes
+            .iter()
+            .zip(20..)
+            .map(|(s, seed)| randn(s, seed).to_dtype(dtype).unwrap())
+            .collect();
+        let vars: Vec<Var> = leaves
+            .iter()
+            .map(|t| Var::from_tensor(t).unwrap())
+            .collect();
+        let vars64: Vec<Var> = leaves
+            .iter()
+            .map(|t| Var::from_tensor(&t.to_dtype(DType::F64).unwrap()).unwrap())
+            .collect();
+        let got = flash_attn(&vars[0], &vars[1], &vars[2], &cfg).unwrap();
+        assert_eq!(got.dtype(), dtype);
+        let want = naive(&vars64[0], &vars64[1], &vars64[2], &cfg).unwrap();
+        let label = format!("{dtype:?}");
+        assert_close(&got, &want, 1e-2, &format!("{label} O"));
+
+        let w = randn(got.dims(), 4);
+        let grads = (got.to_dtype(DType::F32).unwrap() * &w)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let want_grads = (want * w.to_dtype(DType::F64).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        for (i, (ours, theirs)) in vars.iter().zip(&vars64).enumerate() {
+            let got = grads.get(ours).unwrap();
+            assert_eq!(got.dtype(), dtype);
+            let want = want_grads.get(theirs).unwrap();
+            assert_close(got, want, 3e-2, &format!("{label} gradient of leaf {i}"));
+        }
+    }
+}
+
+#[test]
+fn bad_calls_are_errors() {
+    let cfg = AttentionConfig::new();
+    let q = randn(&[1, 8, 3, 16], 30);
+    let k = randn(&[1, 8, 2, 16], 31);
+    // Three query heads over two KV heads: this crate's typed error, inside candle's.
+    let e = flash_attn(&q, &k, &k, &cfg).unwrap_err();
+    assert!(
+        matches!(
+            as_flash_error(&e),
+            Some(Error::HeadsNotMultiple {
+                heads_q: 3,
+                heads_kv: 2
+            })
+        ),
+        "{e}"
+    );
+    // A rank other than 4, mixed dtypes, f64: refused before the op runs.
+    let flat = q.flatten_to(1).unwrap();
+    assert!(flash_attn(&flat, &flat, &flat, &cfg).is_err());
+    let k16 = q.to_dtype(DType::BF16).unwrap();
+    assert!(flash_attn(&q, &k16, &k16, &cfg).is_err());
+    let q64 = q.to_dtype(DType::F64).unwrap();
+    let e = flash_attn(&q64, &q64, &q64, &cfg).unwrap_err();
+    assert!(as_flash_error(&e).is_none(), "{e}");
+    // A backend other than the CPU for CPU tensors: the dispatcher's refusal.
+    let gpu = AttentionConfig::new().backend(flashattn::Backend::Sm90);
+    let e = flash_attn(&q, &q, &q, &gpu).unwrap_err();
+    assert!(as_flash_error(&e).is_some(), "{e}");
+}
