@@ -25,6 +25,9 @@
            [`fp8_inputs_from_e4m3`](cuda::Device::fp8_inputs_from_e4m3))."
 )]
 //!
+//! With the `candle` feature, `candle::flash_attn` is the attention as a differentiable op over
+//! candle tensors (its gradient is this crate's backward).
+//!
 //! Fully masked query rows (an [`AttentionMask`] that leaves a row no key) give `O = 0` and
 //! `lse = +inf`, so that a backward pass computes `exp(s - lse) = 0` and zero gradients. A row
 //! that sees a NaN score gets NaN in `O` and `lse`, on every backend.
