@@ -9,7 +9,8 @@ import os
 import re
 import sys
 
-args = [a for a in sys.argv[1:] if not a.startswith("--")]
+args = [a for i, a in enumerate(sys.argv[1:], 1)
+        if not a.startswith("--") and sys.argv[i - 1] != "--json"]
 cache = args[0] if args else os.environ.get(
     "FLASHATTN_CACHE_DIR", os.path.expanduser("~/.cache/flashattn"))
 obj_dir = os.path.join(cache, "obj")

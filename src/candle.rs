@@ -5,7 +5,8 @@
 //! [`flash_attn`] takes Q `(batch, seqlen_q, heads_q, head_dim)` and K, V `(batch, seqlen_k,
 //! heads_kv, head_dim)` (GQA/MQA when `heads_kv < heads_q`), all of one dtype, and returns O
 //! shaped like Q. On the CPU it runs the CPU backend (f32, f16, bf16); on a candle CUDA device
-//! (the `cuda` feature, or `candle-cuda`, which names both) the GPU kernels (bf16, f16), ordered
+//! (the `candle-cuda` feature: without it a CUDA tensor gets candle's refusal of an op with no
+//! CUDA implementation) the GPU kernels (bf16, f16), ordered
 //! on candle's own stream. Strided views and views with a start offset are read in place where
 //! the kernels can (a unit head-dim stride; on the GPU also 16-byte aligned offsets and strides);
 //! others are copied to a packed tensor first, through candle, so gradients still reach them.
@@ -30,7 +31,7 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "candle-cuda")]
 use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Shape, Tensor};
 
@@ -140,7 +141,7 @@ fn our_layout(l: &candle_core::Layout) -> candle_core::Result<Layout> {
 /// The forward's LSE, kept by the op for its backward.
 enum Lse {
     Cpu(Vec<f32>),
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "candle-cuda")]
     Cuda(crate::cuda::CudaSlice<f32>),
 }
 
@@ -148,12 +149,12 @@ impl Lse {
     fn host(&self) -> candle_core::Result<&[f32]> {
         match self {
             Lse::Cpu(lse) => Ok(lse),
-            #[cfg(feature = "cuda")]
+            #[cfg(feature = "candle-cuda")]
             Lse::Cuda(_) => Err(Self::elsewhere()),
         }
     }
 
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "candle-cuda")]
     fn device(&self) -> candle_core::Result<&crate::cuda::CudaSlice<f32>> {
         match self {
             Lse::Cuda(lse) => Ok(lse),
@@ -161,7 +162,7 @@ impl Lse {
         }
     }
 
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "candle-cuda")]
     fn elsewhere() -> candle_core::Error {
         candle_core::Error::msg("flash_attn: the backward runs on another device than the forward")
     }
@@ -206,7 +207,7 @@ impl CustomOp3 for FlashAttn {
         Ok((out, lq.shape().clone()))
     }
 
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "candle-cuda")]
     fn cuda_fwd(
         &self,
         q: &CudaStorage,
@@ -329,7 +330,7 @@ impl CustomOp3 for Backward<'_> {
         self.run([(q, lq), (k, lk), (v, lv)])
     }
 
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "candle-cuda")]
     fn cuda_fwd(
         &self,
         q: &CudaStorage,
@@ -373,7 +374,7 @@ impl CustomOp2 for WithOutputs<'_, CpuStorage> {
     }
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "candle-cuda")]
 impl CustomOp2 for WithOutputs<'_, CudaStorage> {
     fn name(&self) -> &'static str {
         "flash-attn-bwd-outputs"
@@ -492,7 +493,7 @@ mod cpu {
 }
 
 /// The CUDA path: candle's CUDA storages as device tensor views, on candle's stream.
-#[cfg(feature = "cuda")]
+#[cfg(feature = "candle-cuda")]
 mod gpu {
     use std::collections::HashMap;
     use std::sync::OnceLock;

@@ -4,7 +4,7 @@
 //! baseline the same attention in bf16; O and every gradient must be within twice the
 //! baseline's error of the reference. `#[ignore]`d: run on the device with `--include-ignored`
 //! (each test fails without a GPU).
-#![cfg(all(feature = "candle", feature = "cuda"))]
+#![cfg(feature = "candle-cuda")]
 
 mod candle_naive;
 

@@ -21,7 +21,7 @@ using namespace cute;
 #define FLASHATTN_INLINE __attribute__((always_inline))
 
 // Tile: kBlockN (keys per block), kStages (K/V pipeline depth), kQStages (Q buffers), and the
-// code-shape choices kUnmaskedLoop, kTailSplit and, FP8 tiles only, kIeeeDescaleRatio (below).
+// code-shape choices kUnmaskedLoop, kTailSplit and, FP8 tiles only, kIeeeDescaleRatio.
 template <class Element_, int kHeadDim_, class Tile, bool kIntraWGOverlap_>
 struct FwdTraits {
   using Element = Element_;  // of Q, K and V
@@ -36,7 +36,8 @@ struct FwdTraits {
   // A second copy of the key-block loop for the blocks that need no mask or softcap, so that
   // their loop has none of those tests (branches) in it; which kernels gain is measured.
   static constexpr bool kUnmaskedLoop = Tile::kUnmaskedLoop;
-  // FP8: the V-descale ratio by IEEE division, whose slow path moves ptxas's P·V wait (below).
+  // FP8: the V-descale ratio by IEEE division, whose slow path moves ptxas's P·V wait
+  // (FwdMainloop::softmax_step).
   static constexpr bool kIeeeDescaleRatio = [] {
     if constexpr (kFp8) {
       return Tile::kIeeeDescaleRatio;
