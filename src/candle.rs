@@ -609,3 +609,44 @@ mod gpu {
         Ok(CudaStorage::wrap_cuda_slice(grads, dev.clone()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::readable;
+    use candle_core::{DType, Device, Tensor};
+
+    /// Whether `a` and `b` are one storage seen through one layout (no copy was made).
+    fn same_view(a: &Tensor, b: &Tensor) -> bool {
+        let (sa, la) = a.storage_and_layout();
+        let (sb, lb) = b.storage_and_layout();
+        std::ptr::eq(&*sa, &*sb) && la == lb
+    }
+
+    #[test]
+    fn views_the_kernels_can_read_are_not_copied() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        // (b, h, s, d) transposed to (b, s, h, d): strided, unit head-dim stride: read in place.
+        let t = Tensor::randn(0f32, 1., (2, 3, 5, 8), &dev)?.transpose(1, 2)?;
+        assert!(!t.is_contiguous());
+        assert!(same_view(&readable(&t)?, &t));
+        // Q narrowed out of a packed QKV tensor: an offset and a wider row stride, in place.
+        let qkv = Tensor::randn(0f32, 1., (2, 5, 3, 24), &dev)?;
+        let k = qkv.narrow(3, 8, 8)?;
+        assert!(same_view(&readable(&k)?, &k));
+        Ok(())
+    }
+
+    #[test]
+    fn views_the_kernels_cannot_read_are_copied() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        // Head dim along a non-unit stride: copied to a packed tensor.
+        let t = Tensor::randn(0f32, 1., (2, 5, 8, 3), &dev)?.transpose(2, 3)?;
+        let r = readable(&t)?;
+        assert!(!same_view(&r, &t) && r.is_contiguous());
+        // A head dim broadcast from one element (stride 0): copied.
+        let b = Tensor::ones((2, 5, 3, 1), DType::F32, &dev)?.broadcast_as((2, 5, 3, 8))?;
+        let r = readable(&b)?;
+        assert!(!same_view(&r, &b) && r.is_contiguous());
+        Ok(())
+    }
+}
