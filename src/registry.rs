@@ -138,6 +138,198 @@ pub const KERNELS: &[Kernel] = &[
 pub const HEAD_DIM_FEATURES: &[(usize, &str)] =
     &[(64, "hdim64"), (128, "hdim128"), (256, "hdim256")];
 
+/// A kernel's tile: the work of one CTA step and the code-shape switches tuned with it. Each
+/// is chosen by its shared-memory and register budget and then measured (docs/PERFORMANCE.md).
+/// build.rs writes a kernel's tiles into its own unit as the family's tile struct, so that
+/// retuning one head dim recompiles that head dim's units alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Tile {
+    /// The sm90 forward, 16-bit and FP8: 128 query rows (two consumer warpgroups of 64), keys
+    /// per block, the K/V pipeline's depth, Q buffers (two let the next tile's first Q·Kᵀ go
+    /// out beside this tile's last P·V); a second copy of the key-block loop for blocks that
+    /// need no mask; the last partial wave split by key blocks; FP8: the V-descale ratio by
+    /// IEEE division (where ptxas then lets the softmax run beside P·V).
+    Sm90Fwd {
+        block_n: usize,
+        stages: usize,
+        q_stages: usize,
+        unmasked_loop: bool,
+        tail_split: bool,
+        ieee_descale_ratio: bool,
+    },
+    /// The sm90 backward: query rows per block, keys per CTA, the Q/dS and dO buffers; with
+    /// `split_head_dim` the two consumer warpgroups split the head dim instead of the keys.
+    Sm90Bwd {
+        block_m: usize,
+        block_n: usize,
+        stages: usize,
+        stages_do: usize,
+        split_head_dim: bool,
+    },
+    /// The sm80 forward: query rows and keys per block, warps, K/V buffers, Q kept in
+    /// registers.
+    Sm80Fwd {
+        block_m: usize,
+        block_n: usize,
+        warps: usize,
+        stages: usize,
+        q_in_regs: bool,
+    },
+    /// The sm80 backward: query rows and keys per block, warps, and how the warps tile the
+    /// S/dP, dK/dV and dQ products along M.
+    Sm80Bwd {
+        block_m: usize,
+        block_n: usize,
+        warps: usize,
+        atom_m_sdp: usize,
+        atom_n_dkv: usize,
+        atom_m_dq: usize,
+    },
+}
+
+/// Which calls a tile serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TileRole {
+    /// Every call its family's kernel takes, unless a `Masked` tile exists and applies.
+    Default,
+    /// sm90 forward: calls with a right bound on the keys (causal, windows), whose diagonal
+    /// blocks waste less work when narrower, and calls asking for narrow key blocks.
+    Masked,
+}
+
+/// One row of the tile table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TileRow {
+    pub family: Family,
+    pub head_dim: usize,
+    pub role: TileRole,
+    pub tile: Tile,
+}
+
+const fn sm90_fwd(block_n: usize, q_stages: usize, unmasked_loop: bool) -> Tile {
+    Tile::Sm90Fwd {
+        block_n,
+        stages: 2,
+        q_stages,
+        unmasked_loop,
+        tail_split: true,
+        ieee_descale_ratio: false,
+    }
+}
+
+const fn sm90_fp8_fwd(block_n: usize, q_stages: usize, unmasked_loop: bool, ieee: bool) -> Tile {
+    Tile::Sm90Fwd {
+        block_n,
+        stages: 2,
+        q_stages,
+        unmasked_loop,
+        tail_split: true,
+        ieee_descale_ratio: ieee,
+    }
+}
+
+/// Two Q/dS buffers; `stages_do` dO buffers.
+const fn sm90_bwd(block_m: usize, block_n: usize, stages_do: usize, split_head_dim: bool) -> Tile {
+    Tile::Sm90Bwd {
+        block_m,
+        block_n,
+        stages: 2,
+        stages_do,
+        split_head_dim,
+    }
+}
+
+/// Four warps (16 query rows per warp and MMA atom).
+const fn sm80_fwd(block_m: usize, block_n: usize, stages: usize, q_in_regs: bool) -> Tile {
+    Tile::Sm80Fwd {
+        block_m,
+        block_n,
+        warps: 4,
+        stages,
+        q_in_regs,
+    }
+}
+
+/// Eight warps; `atoms`: warps along M of S/dP, along N of dK/dV, along M of dQ.
+const fn sm80_bwd(block_m: usize, block_n: usize, atoms: [usize; 3]) -> Tile {
+    Tile::Sm80Bwd {
+        block_m,
+        block_n,
+        warps: 8,
+        atom_m_sdp: atoms[0],
+        atom_n_dkv: atoms[1],
+        atom_m_dq: atoms[2],
+    }
+}
+
+const fn row(family: Family, head_dim: usize, role: TileRole, tile: Tile) -> TileRow {
+    TileRow {
+        family,
+        head_dim,
+        role,
+        tile,
+    }
+}
+
+use TileRole::*;
+
+/// Every tile. Shared memory (≤ 227 KiB on sm90, ≤ 163 KiB on A100) and registers bound each:
+/// the sm90 forward holds Q q_stages·128·d and K, V 2·stages·block_n·d elements (d128 with 160
+/// keys: 224 KiB, and O d/2, S block_n/2, P block_n/4 registers per consumer thread within
+/// setmaxnreg's 240); d256 takes one Q buffer, as two would leave no room for K/V blocks worth
+/// the name. FP8 elements take half the bytes, so its key blocks are wider; its key block is
+/// also the block of K and V rows one descale covers (the quantize step's `fp8_key_block`, which
+/// the generated unit checks against it).
+pub const TILES: &[TileRow] = &[
+    row(Sm90Fwd, 64, Default, sm90_fwd(192, 2, true)),
+    row(Sm90Fwd, 64, Masked, sm90_fwd(128, 2, false)),
+    row(Sm90Fwd, 128, Default, sm90_fwd(160, 2, true)),
+    row(Sm90Fwd, 128, Masked, sm90_fwd(128, 2, true)),
+    row(Sm90Fwd, 256, Default, sm90_fwd(80, 1, true)),
+    row(Sm90Fp8Fwd, 64, Default, sm90_fp8_fwd(192, 2, false, true)),
+    row(Sm90Fp8Fwd, 128, Default, sm90_fp8_fwd(224, 2, false, true)),
+    row(Sm90Fp8Fwd, 256, Default, sm90_fp8_fwd(128, 1, true, false)),
+    row(Sm90Bwd, 64, Default, sm90_bwd(128, 128, 2, false)),
+    row(Sm90Bwd, 128, Default, sm90_bwd(64, 128, 2, false)),
+    row(Sm90Bwd, 256, Default, sm90_bwd(64, 64, 1, true)),
+    row(Sm80Fwd, 64, Default, sm80_fwd(128, 64, 2, true)),
+    row(Sm80Fwd, 128, Default, sm80_fwd(128, 64, 2, false)),
+    row(Sm80Fwd, 256, Default, sm80_fwd(64, 64, 1, false)),
+    row(Sm80Bwd, 64, Default, sm80_bwd(128, 128, [4, 4, 4])),
+    row(Sm80Bwd, 128, Default, sm80_bwd(64, 128, [2, 4, 2])),
+    row(Sm80Bwd, 256, Default, sm80_bwd(64, 64, [4, 2, 2])),
+];
+
+/// The tile `family` runs at `head_dim` for `role`: the `Masked` row if there is one, else the
+/// `Default` row.
+pub fn tile(family: Family, head_dim: usize, role: TileRole) -> Option<&'static Tile> {
+    let find = |role: TileRole| {
+        TILES
+            .iter()
+            .find(|r| r.family == family && r.head_dim == head_dim && r.role == role)
+            .map(|r| &r.tile)
+    };
+    find(role).or_else(|| find(Default))
+}
+
+impl Tile {
+    /// Query rows and keys per block, for messages ("128x160").
+    pub fn shape(&self) -> (usize, usize) {
+        match *self {
+            Tile::Sm90Fwd { block_n, .. } => (128, block_n),
+            Tile::Sm90Bwd {
+                block_m, block_n, ..
+            }
+            | Tile::Sm80Fwd {
+                block_m, block_n, ..
+            }
+            | Tile::Sm80Bwd {
+                block_m, block_n, ..
+            } => (block_m, block_n),
+        }
+    }
+}
+
 /// Whether Cargo feature `name` is on in this compilation (the crate's, or build.rs's: Cargo
 /// passes a package's features to both).
 fn feature_on(name: &str) -> bool {
@@ -221,6 +413,39 @@ mod tests {
             assert_eq!(find(k.family, k.head_dim, k.dtype), Some(k));
         }
         assert_eq!(head_dims(Family::Sm90Fwd), vec![64, 128, 256]);
+    }
+
+    #[test]
+    fn every_kernel_has_its_tile_and_every_tile_a_kernel() {
+        for k in KERNELS {
+            let t = tile(k.family, k.head_dim, TileRole::Default)
+                .unwrap_or_else(|| panic!("{}: no tile", k.name()));
+            let family_of_tile = match t {
+                Tile::Sm90Fwd { .. } => [Family::Sm90Fwd, Family::Sm90Fp8Fwd].contains(&k.family),
+                Tile::Sm90Bwd { .. } => k.family == Family::Sm90Bwd,
+                Tile::Sm80Fwd { .. } => k.family == Family::Sm80Fwd,
+                Tile::Sm80Bwd { .. } => k.family == Family::Sm80Bwd,
+            };
+            assert!(family_of_tile, "{}: a tile of another family", k.name());
+        }
+        for (i, r) in TILES.iter().enumerate() {
+            assert!(
+                KERNELS
+                    .iter()
+                    .any(|k| k.family == r.family && k.head_dim == r.head_dim),
+                "a tile of no kernel: {r:?}"
+            );
+            assert!(
+                TILES[..i]
+                    .iter()
+                    .all(|o| (o.family, o.head_dim, o.role) != (r.family, r.head_dim, r.role)),
+                "two tiles for one role: {r:?}"
+            );
+        }
+        assert_eq!(
+            tile(Family::Sm90Fwd, 256, TileRole::Masked),
+            tile(Family::Sm90Fwd, 256, TileRole::Default)
+        );
     }
 
     #[test]

@@ -1,5 +1,5 @@
-// The sm80 backward's tile table, shared by the kernel units that build.rs generates from
-// src/registry.rs.
+// The sm80 backward's tile struct. Each kernel unit that build.rs generates defines its head dim's
+// tile from the tile table in src/registry.rs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,17 +20,5 @@ namespace flashattn::sm80 {
 // kBlockM·d·2 (+ LSE, D): with two buffers d64 162 KiB, d128 159 KiB, d256 209 KiB; d256 takes
 // one buffer (145 KiB) where the device offers less (A100: 163 KiB).
 template <int kHeadDim> struct BwdTile;
-template <> struct BwdTile<64> {
-  static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 8, kAtomMSdP = 4, kAtomNdKV = 4,
-                       kAtomMdQ = 4;
-};
-template <> struct BwdTile<128> {
-  static constexpr int kBlockM = 64, kBlockN = 128, kWarps = 8, kAtomMSdP = 2, kAtomNdKV = 4,
-                       kAtomMdQ = 2;
-};
-template <> struct BwdTile<256> {
-  static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 8, kAtomMSdP = 4, kAtomNdKV = 2,
-                       kAtomMdQ = 2;
-};
 
 }  // namespace flashattn::sm80

@@ -1,5 +1,5 @@
-// The sm80 forward's tile table, shared by the kernel units that build.rs generates from
-// src/registry.rs.
+// The sm80 forward's tile struct. Each kernel unit that build.rs generates defines its head dim's
+// tile from the tile table in src/registry.rs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,17 +22,5 @@ namespace flashattn::sm80 {
 // the Q·Kᵀ ldmatrix traffic, measured faster at d64 (docs/PERFORMANCE.md); at d128 they would
 // take 64 registers beside a kernel that already spills.
 template <int kHeadDim> struct FwdTile;
-template <> struct FwdTile<64> {
-  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4, kStages = 2;
-  static constexpr bool kQInRegs = true;
-};
-template <> struct FwdTile<128> {
-  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4, kStages = 2;
-  static constexpr bool kQInRegs = false;
-};
-template <> struct FwdTile<256> {
-  static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4, kStages = 1;
-  static constexpr bool kQInRegs = false;
-};
 
 }  // namespace flashattn::sm80

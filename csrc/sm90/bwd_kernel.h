@@ -25,6 +25,7 @@
 
 #include "../common/bwd_passes.h"
 #include "bwd_common.h"
+#include "bwd_tile.h"
 #include "softmax.h"
 
 namespace flashattn::sm90 {
@@ -35,15 +36,18 @@ template <class Element_, int kHeadDim_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  // Query rows per block: 128 at d64 (FA3's tile there), so that the score GEMMs run with
-  // N = 128 and the per-block costs (waits, barriers, stats) spread over twice the FLOPs.
-  static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;
+  using Tile = BwdTile<kHeadDim>;
+  // Query rows per block (the tile table): 128 at d64 (FA3's tile there), so that the score
+  // GEMMs run with N = 128 and the per-block costs (waits, barriers, stats) spread over twice
+  // the FLOPs.
+  static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kKeysPerWG = 64;   // keys per consumer warpgroup (the WGMMA's M)
   static constexpr int kConsumerWGs = 2;
   static constexpr int kBlockN = kKeysPerWG * kConsumerWGs;
+  static_assert(Tile::kBlockN == kBlockN && !Tile::kSplitHeadDim, "a tile of this kernel");
   static constexpr int kKeyTiles = kConsumerWGs;  // K and V as one TileK per warpgroup
-  static constexpr int kStages = 2;       // Q, dO and dS buffers
-  static constexpr int kStagesdO = kStages;
+  static constexpr int kStages = Tile::kStages;  // Q, dO and dS buffers
+  static constexpr int kStagesdO = Tile::kStagesdO;
   // dQ = dS·K over the block's 128 keys is split between the warpgroups: by query rows when
   // there are 128 (d64), else by columns of the head dim (d128); a 64 × 64 slab each.
   static constexpr bool kDqSplitRows = kBlockM == 128;

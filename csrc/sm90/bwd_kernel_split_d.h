@@ -26,6 +26,7 @@
 
 #include "../common/bwd_passes.h"
 #include "bwd_common.h"
+#include "bwd_tile.h"
 #include "softmax.h"
 
 namespace flashattn::sm90 {
@@ -36,14 +37,16 @@ template <class Element_, int kHeadDim_>
 struct BwdSplitDTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;  // query rows per block
-  static constexpr int kBlockN = 64;  // keys per CTA (the score GEMMs' M)
+  using Tile = BwdTile<kHeadDim>;
+  static_assert(Tile::kSplitHeadDim, "a tile of this kernel");
+  static constexpr int kBlockM = Tile::kBlockM;  // query rows per block
+  static constexpr int kBlockN = Tile::kBlockN;  // keys per CTA (the score GEMMs' M)
   static constexpr int kConsumerWGs = 2;
   static constexpr int kQueriesPerWG = kBlockM / kConsumerWGs;  // the score GEMMs' N
   static constexpr int kColsPerWG = kHeadDim / kConsumerWGs;    // of dK, dV and dQ
   static constexpr int kKeyTiles = 1;
-  static constexpr int kStages = 2;    // Q, Pᵀ and dSᵀ buffers
-  static constexpr int kStagesdO = 1;  // shared memory: 227 KiB per CTA
+  static constexpr int kStages = Tile::kStages;      // Q, Pᵀ and dSᵀ buffers
+  static constexpr int kStagesdO = Tile::kStagesdO;  // shared memory: 227 KiB per CTA
   static constexpr int kDqSlabCols = 64;  // dQ leaves in slabs of kBlockM × 64 f32
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kProducerRegs = 24;

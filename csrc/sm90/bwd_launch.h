@@ -21,15 +21,16 @@
 
 namespace flashattn::sm90 {
 
-// d64/d128: the consumer warpgroups split the CTA's keys; d256: its head dim.
+// The consumer warpgroups split the CTA's keys, or (the tile says) its head dim.
 template <class Element, int kHeadDim>
-using BwdTraitsFor = std::conditional_t<kHeadDim == 256, BwdSplitDTraits<Element, kHeadDim>,
+using BwdTraitsFor = std::conditional_t<BwdTile<kHeadDim>::kSplitHeadDim,
+                                        BwdSplitDTraits<Element, kHeadDim>,
                                         BwdTraits<Element, kHeadDim>>;
 
 template <class Element, int kHeadDim>
 flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Traits = BwdTraitsFor<Element, kHeadDim>;
-  constexpr bool kSplitD = kHeadDim == 256;
+  constexpr bool kSplitD = BwdTile<kHeadDim>::kSplitHeadDim;
   if (p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
   const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   if (int64_t(n_blocks) * p.heads_q * p.batch > INT_MAX) return status(FLASHATTN_UNSUPPORTED);
