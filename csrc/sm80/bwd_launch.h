@@ -15,6 +15,7 @@
 #include "../common/status.h"
 #include "../flash_api.h"
 #include "bwd_tile.h"
+#include "bwd_convert.h"
 #include "bwd_kernel.h"
 
 namespace flashattn::sm80 {
