@@ -399,19 +399,19 @@ mod cuda {
         };
         match k.family {
             Family::Sm90Fwd => {
-                spec("FwdTile", tile(TileRole::Default))
+                spec("FwdTile", tile(TileRole::Base))
                     + &spec("FwdTileMasked", tile(TileRole::Masked))
             }
             Family::Sm90Fp8Fwd => {
-                let t = tile(TileRole::Default);
+                let t = tile(TileRole::Base);
                 spec("Fp8FwdTile", t)
                     + &format!(
                         "static_assert(Fp8FwdTile<{d}>::kBlockN == fp8_key_block({d}), \
                          \"the key block is the block one descale covers\");\n"
                     )
             }
-            Family::Sm90Bwd | Family::Sm80Bwd => spec("BwdTile", tile(TileRole::Default)),
-            Family::Sm80Fwd => spec("FwdTile", tile(TileRole::Default)),
+            Family::Sm90Bwd | Family::Sm80Bwd => spec("BwdTile", tile(TileRole::Base)),
+            Family::Sm80Fwd => spec("FwdTile", tile(TileRole::Base)),
         }
     }
 

@@ -191,7 +191,7 @@ pub enum Tile {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TileRole {
     /// Every call its family's kernel takes, unless a `Masked` tile exists and applies.
-    Default,
+    Base,
     /// sm90 forward: calls with a right bound on the keys (causal, windows), whose diagonal
     /// blocks waste less work when narrower, and calls asking for narrow key blocks.
     Masked,
@@ -281,27 +281,27 @@ use TileRole::*;
 /// also the block of K and V rows one descale covers (the quantize step's `fp8_key_block`, which
 /// the generated unit checks against it).
 pub const TILES: &[TileRow] = &[
-    row(Sm90Fwd, 64, Default, sm90_fwd(192, 2, true)),
+    row(Sm90Fwd, 64, Base, sm90_fwd(192, 2, true)),
     row(Sm90Fwd, 64, Masked, sm90_fwd(128, 2, false)),
-    row(Sm90Fwd, 128, Default, sm90_fwd(160, 2, true)),
+    row(Sm90Fwd, 128, Base, sm90_fwd(160, 2, true)),
     row(Sm90Fwd, 128, Masked, sm90_fwd(128, 2, true)),
-    row(Sm90Fwd, 256, Default, sm90_fwd(80, 1, true)),
-    row(Sm90Fp8Fwd, 64, Default, sm90_fp8_fwd(192, 2, false, true)),
-    row(Sm90Fp8Fwd, 128, Default, sm90_fp8_fwd(224, 2, false, true)),
-    row(Sm90Fp8Fwd, 256, Default, sm90_fp8_fwd(128, 1, true, false)),
-    row(Sm90Bwd, 64, Default, sm90_bwd(128, 128, 2, false)),
-    row(Sm90Bwd, 128, Default, sm90_bwd(64, 128, 2, false)),
-    row(Sm90Bwd, 256, Default, sm90_bwd(64, 64, 1, true)),
-    row(Sm80Fwd, 64, Default, sm80_fwd(128, 64, 2, true)),
-    row(Sm80Fwd, 128, Default, sm80_fwd(128, 64, 2, false)),
-    row(Sm80Fwd, 256, Default, sm80_fwd(64, 64, 1, false)),
-    row(Sm80Bwd, 64, Default, sm80_bwd(128, 128, [4, 4, 4])),
-    row(Sm80Bwd, 128, Default, sm80_bwd(64, 128, [2, 4, 2])),
-    row(Sm80Bwd, 256, Default, sm80_bwd(64, 64, [4, 2, 2])),
+    row(Sm90Fwd, 256, Base, sm90_fwd(80, 1, true)),
+    row(Sm90Fp8Fwd, 64, Base, sm90_fp8_fwd(192, 2, false, true)),
+    row(Sm90Fp8Fwd, 128, Base, sm90_fp8_fwd(224, 2, false, true)),
+    row(Sm90Fp8Fwd, 256, Base, sm90_fp8_fwd(128, 1, true, false)),
+    row(Sm90Bwd, 64, Base, sm90_bwd(128, 128, 2, false)),
+    row(Sm90Bwd, 128, Base, sm90_bwd(64, 128, 2, false)),
+    row(Sm90Bwd, 256, Base, sm90_bwd(64, 64, 1, true)),
+    row(Sm80Fwd, 64, Base, sm80_fwd(128, 64, 2, true)),
+    row(Sm80Fwd, 128, Base, sm80_fwd(128, 64, 2, false)),
+    row(Sm80Fwd, 256, Base, sm80_fwd(64, 64, 1, false)),
+    row(Sm80Bwd, 64, Base, sm80_bwd(128, 128, [4, 4, 4])),
+    row(Sm80Bwd, 128, Base, sm80_bwd(64, 128, [2, 4, 2])),
+    row(Sm80Bwd, 256, Base, sm80_bwd(64, 64, [4, 2, 2])),
 ];
 
 /// The tile `family` runs at `head_dim` for `role`: the `Masked` row if there is one, else the
-/// `Default` row.
+/// `Base` row.
 pub fn tile(family: Family, head_dim: usize, role: TileRole) -> Option<&'static Tile> {
     let find = |role: TileRole| {
         TILES
@@ -309,7 +309,7 @@ pub fn tile(family: Family, head_dim: usize, role: TileRole) -> Option<&'static 
             .find(|r| r.family == family && r.head_dim == head_dim && r.role == role)
             .map(|r| &r.tile)
     };
-    find(role).or_else(|| find(Default))
+    find(role).or_else(|| find(Base))
 }
 
 impl Tile {
@@ -418,7 +418,7 @@ mod tests {
     #[test]
     fn every_kernel_has_its_tile_and_every_tile_a_kernel() {
         for k in KERNELS {
-            let t = tile(k.family, k.head_dim, TileRole::Default)
+            let t = tile(k.family, k.head_dim, TileRole::Base)
                 .unwrap_or_else(|| panic!("{}: no tile", k.name()));
             let family_of_tile = match t {
                 Tile::Sm90Fwd { .. } => [Family::Sm90Fwd, Family::Sm90Fp8Fwd].contains(&k.family),
@@ -444,8 +444,33 @@ mod tests {
         }
         assert_eq!(
             tile(Family::Sm90Fwd, 256, TileRole::Masked),
-            tile(Family::Sm90Fwd, 256, TileRole::Default)
+            tile(Family::Sm90Fwd, 256, TileRole::Base)
         );
+        for r in TILES {
+            match (r.role, r.tile) {
+                // The launcher takes a masked tile only where its key block differs
+                // (csrc/sm90/fwd_launch.h), so any other difference would go unused.
+                (TileRole::Masked, t) => {
+                    let base = tile(r.family, r.head_dim, TileRole::Base).unwrap();
+                    assert_ne!(
+                        t.shape(),
+                        base.shape(),
+                        "a masked tile with the base's blocks: {r:?}"
+                    );
+                }
+                // The backward that splits the keys keeps dO in Q's stages.
+                (
+                    _,
+                    Tile::Sm90Bwd {
+                        stages,
+                        stages_do,
+                        split_head_dim: false,
+                        ..
+                    },
+                ) => assert_eq!(stages, stages_do, "{r:?}"),
+                _ => {}
+            }
+        }
     }
 
     #[test]
