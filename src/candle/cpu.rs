@@ -1,0 +1,69 @@
+//! The CPU path: candle's CPU storages as host tensor views.
+
+use super::*;
+use candle_core::WithDType;
+
+type Operand<'a> = (&'a CpuStorage, &'a candle_core::Layout);
+
+fn view<'a, T: WithDType>((storage, layout): Operand<'a>) -> candle_core::Result<TensorRef<'a, T>> {
+    let data = T::cpu_storage_as_slice(storage)?;
+    let data = data
+        .get(layout.start_offset()..)
+        .ok_or_else(|| candle_core::Error::msg("flash_attn: a layout starts past its storage"))?;
+    Ok(TensorRef::new(data, our_layout(layout)?))
+}
+
+pub(super) fn forward<T: Element + WithDType>(
+    cfg: &AttentionConfig,
+    [q, k, v]: [Operand; 3],
+) -> candle_core::Result<(CpuStorage, Vec<f32>)> {
+    let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
+    let [b, s, h, d] = q.layout.shape;
+    let mut out = vec![T::default(); b * s * h * d];
+    let mut lse = vec![0f32; b * h * s];
+    crate::forward_into(
+        cfg,
+        q,
+        k,
+        v,
+        TensorMut::contiguous(&mut out, q.layout.shape),
+        &mut lse,
+    )
+    .map_err(wrap)?;
+    Ok((T::to_cpu_storage_owned(out), lse))
+}
+
+pub(super) fn backward<T: Element + WithDType>(
+    cfg: &AttentionConfig,
+    [q, k, v, out, dout]: [Operand; 5],
+    lse: &[f32],
+) -> candle_core::Result<CpuStorage> {
+    let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
+    let (out, dout) = (view::<T>(out)?, view::<T>(dout)?);
+    let (nq, nk) = (
+        q.layout.shape.iter().product(),
+        k.layout.shape.iter().product(),
+    );
+    let (kv_start, v_start) = grad_offsets(nq, nk);
+    let mut grads = vec![T::default(); v_start + nk];
+    let (dq, rest) = grads.split_at_mut(kv_start);
+    let (dk, dv) = rest.split_at_mut(v_start - kv_start);
+    crate::backward_into(
+        cfg,
+        BackwardInputs {
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse,
+        },
+        GradientsMut {
+            dq: TensorMut::contiguous(&mut dq[..nq], q.layout.shape),
+            dk: TensorMut::contiguous(&mut dk[..nk], k.layout.shape),
+            dv: TensorMut::contiguous(&mut dv[..nk], k.layout.shape),
+        },
+    )
+    .map_err(wrap)?;
+    Ok(T::to_cpu_storage_owned(grads))
+}
