@@ -105,6 +105,20 @@ pub struct GradientsMut<'a, T> {
     pub dv: TensorMut<'a, T>,
 }
 
+impl<T> BackwardInputs<'_, T> {
+    /// Q, K, V, O and dO as the validation takes them.
+    fn operands(&self) -> [tensor::Operand4<'_>; 5] {
+        [&self.q, &self.k, &self.v, &self.out, &self.dout].map(|t| t.operand())
+    }
+}
+
+impl<T> GradientsMut<'_, T> {
+    /// dQ, dK and dV as the validation takes them.
+    fn operands(&self) -> [tensor::Operand4<'_>; 3] {
+        [&self.dq, &self.dk, &self.dv].map(|t| t.operand())
+    }
+}
+
 /// Gradients of a host backward call, each packed like its input.
 #[derive(Clone, Debug)]
 pub struct Gradients<T> {
@@ -216,25 +230,11 @@ pub fn backward_into<T: Element>(
     inputs: BackwardInputs<'_, T>,
     grads: GradientsMut<'_, T>,
 ) -> Result<Plan> {
-    let BackwardInputs {
-        q,
-        k,
-        v,
-        out,
-        dout,
-        lse,
-    } = inputs;
     let problem = tensor::check_backward(
         T::DTYPE,
-        [
-            q.operand(),
-            k.operand(),
-            v.operand(),
-            out.operand(),
-            dout.operand(),
-        ],
-        lse.len(),
-        [grads.dq.operand(), grads.dk.operand(), grads.dv.operand()],
+        inputs.operands(),
+        inputs.lse.len(),
+        grads.operands(),
     )?;
     let plan = host_plan(Op::Backward, cfg, &problem)?;
     backend::cpu::backward(cfg, &problem, inputs, grads);
