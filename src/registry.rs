@@ -206,17 +206,12 @@ pub struct TileRow {
     pub tile: Tile,
 }
 
+/// The 16-bit forward: the FP8 tile's fields, with no IEEE descale ratio (it has no descales).
 const fn sm90_fwd(block_n: usize, q_stages: usize, unmasked_loop: bool) -> Tile {
-    Tile::Sm90Fwd {
-        block_n,
-        stages: 2,
-        q_stages,
-        unmasked_loop,
-        tail_split: true,
-        ieee_descale_ratio: false,
-    }
+    sm90_fp8_fwd(block_n, q_stages, unmasked_loop, false)
 }
 
+/// Two K/V stages and the tail split, in both forwards.
 const fn sm90_fp8_fwd(block_n: usize, q_stages: usize, unmasked_loop: bool, ieee: bool) -> Tile {
     Tile::Sm90Fwd {
         block_n,
