@@ -271,7 +271,7 @@ mod cuda {
         let (name, rest) = entry(k);
         let (include, body) = match k.family {
             Family::Sm90Fwd => {
-                let ablation = if k.ablation {
+                let ablation = if k.ablation_built() {
                     format!(
                         "  if (!o.intra_wg_overlap) {{\n    return run_fwd<FwdTraits<{elem}, {d}, \
                          FwdTile<{d}>, false>>(p, o.pingpong, stream);\n  }}\n"
@@ -486,7 +486,7 @@ mod cuda {
             let sm90_fwd = matches!(f, Family::Sm90Fwd | Family::Sm90Fp8Fwd);
             if sm90_fwd && built.iter().any(|k| k.family == f) {
                 h.push_str(
-                    "  // Without intra-warpgroup overlap: the kernels that also hold the ablation.\n\
+                    "  // Without intra-warpgroup overlap: the kernels built with the ablation.\n\
                      \x20 const bool ablation = !o.intra_wg_overlap;\n",
                 );
             }
@@ -496,7 +496,7 @@ mod cuda {
                     KernelDtype::Fp16 => "FLASHATTN_F16",
                     KernelDtype::E4m3 => "FLASHATTN_E4M3",
                 };
-                let ablation = if sm90_fwd && !k.ablation {
+                let ablation = if sm90_fwd && !k.ablation_built() {
                     " && !ablation"
                 } else {
                     ""

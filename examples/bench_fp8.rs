@@ -15,9 +15,8 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
 use flashattn::cuda::{CudaStream, DeviceTensor, DeviceTensorMut, Fp8Options};
-use flashattn::{
-    AttentionConfig, Backend, DType, Layout, PingPong, Problem, Sm90Schedule, TailSplit,
-};
+use flashattn::unstable::{PingPong, Sm90Schedule, TailSplit};
+use flashattn::{AttentionConfig, Backend, DType, Layout, Problem};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::SeedableRng;

@@ -1,6 +1,7 @@
 //! What to compute: scale, mask, softcap, and which backend the caller wants.
 
 use crate::error::{Error, Result};
+use crate::unstable::Sm90Schedule;
 
 /// Where a call runs. `Auto` lets the dispatcher choose (see [`crate::dispatch`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -30,79 +31,6 @@ impl Backend {
 impl std::fmt::Display for Backend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
-    }
-}
-
-/// Scheduling switches of the Hopper forward kernel. Turning `pingpong` or `intra_wg_overlap`
-/// off reproduces the FlashAttention-3 paper's ablation (ping-pong between consumer warpgroups;
-/// overlap of the next block's Q·Kᵀ with the current softmax inside a warpgroup); `pingpong`'s
-/// default ([`PingPong::Auto`]) takes turns in the 16-bit forwards only.
-/// `persistent_causal` runs causal/windowed calls on the persistent schedule (the default: one
-/// CTA per SM, each taking pairs of a head's heaviest and lightest query blocks); off, one CTA
-/// per pair.
-/// `narrow_key_blocks` uses the causal tile (128-key blocks at d64/d128) for every call; it is
-/// also taken by itself when seqlen_k ≤ 1024, where it was measured faster.
-/// `split_tail` (forward with no window, or with one query block per head under any mask):
-/// whether the tiles of the last partial wave (or of a call with fewer tiles than SMs) are
-/// split by key blocks over the SMs and the pieces merged
-/// (split-KV; csrc/sm90/fwd_tail.h). A split call takes a workspace of up to 35 MB (d256, 132
-/// SMs) in stream order and gives it back at its end, to a memory pool of this library's that
-/// keeps up to 128 MiB per device across synchronizations (csrc/common/workspace_pool.h).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Sm90Schedule {
-    pub pingpong: PingPong,
-    pub intra_wg_overlap: bool,
-    pub persistent_causal: bool,
-    pub narrow_key_blocks: bool,
-    pub split_tail: TailSplit,
-}
-
-/// See [`Sm90Schedule`]'s `pingpong`: whether the two consumer warpgroups take turns issuing
-/// their GEMMs, so that one's softmax runs beside the other's GEMMs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum PingPong {
-    /// On in the bf16/fp16 forwards, off in the FP8 forward, where the turns measured slower
-    /// (docs/PERFORMANCE.md; in the 16-bit forwards they pay).
-    #[default]
-    Auto,
-    On,
-    Off,
-}
-
-impl PingPong {
-    /// Whether the warpgroups take turns in a forward whose Q, K and V are `dtype`.
-    pub fn takes_turns(self, dtype: crate::DType) -> bool {
-        match self {
-            PingPong::Auto => dtype != crate::DType::E4M3,
-            PingPong::On => true,
-            PingPong::Off => false,
-        }
-    }
-}
-
-/// See [`Sm90Schedule`]'s `split_tail`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum TailSplit {
-    /// Where it is predicted to pay (long keys over fewer tiles than SMs, mostly).
-    #[default]
-    Auto,
-    /// Every tile runs whole.
-    Off,
-    /// Wherever it can (for tests and measurements): not with a mask over several query blocks,
-    /// with `intra_wg_overlap` off, with one key block, or when the workspace cannot be
-    /// allocated.
-    Always,
-}
-
-impl Default for Sm90Schedule {
-    fn default() -> Self {
-        Sm90Schedule {
-            pingpong: PingPong::Auto,
-            intra_wg_overlap: true,
-            persistent_causal: true,
-            narrow_key_blocks: false,
-            split_tail: TailSplit::Auto,
-        }
     }
 }
 
@@ -172,6 +100,7 @@ pub struct AttentionConfig {
     /// Ask for a fixed accumulation order in the backward (bit-identical runs).
     pub deterministic: bool,
     pub backend: Backend,
+    /// The Hopper forward's scheduling switches: research apparatus, see [`crate::unstable`].
     pub sm90_schedule: Sm90Schedule,
 }
 
@@ -286,16 +215,6 @@ impl KeyRule {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn pingpong_auto_takes_turns_in_the_16_bit_forwards_only() {
-        use crate::DType;
-        assert!(PingPong::Auto.takes_turns(DType::BF16));
-        assert!(PingPong::Auto.takes_turns(DType::F16));
-        assert!(!PingPong::Auto.takes_turns(DType::E4M3));
-        assert!(PingPong::On.takes_turns(DType::E4M3));
-        assert!(!PingPong::Off.takes_turns(DType::BF16));
-    }
 
     #[test]
     fn causal_is_bottom_right_aligned() {

@@ -62,6 +62,15 @@ impl BuiltKernels {
             BuiltKernels::Nothing => false,
         }
     }
+
+    /// Whether `kernel`'s forward without intra-warpgroup overlap is there.
+    pub fn has_ablation(self, kernel: &Kernel) -> bool {
+        match self {
+            BuiltKernels::Current => kernel.ablation_built(),
+            BuiltKernels::All => kernel.ablation,
+            BuiltKernels::Nothing => false,
+        }
+    }
 }
 
 /// The dispatcher's decision.
@@ -227,12 +236,14 @@ pub fn check_backend(
                 });
             }
             let forward_sm90 = matches!(family, Family::Sm90Fwd | Family::Sm90Fp8Fwd);
-            if forward_sm90 && !cfg.sm90_schedule.intra_wg_overlap && !kernel.ablation {
+            if forward_sm90 && !cfg.sm90_schedule.intra_wg_overlap && !built.has_ablation(kernel) {
+                let why = if kernel.ablation {
+                    "built with the Cargo feature `ablation` only"
+                } else {
+                    "the registry has it for the 16-bit sm90 forward at d128 only"
+                };
                 return Err(Error::Unsupported {
-                    what: format!(
-                        "the schedule without intra-warpgroup overlap (not built into {})",
-                        kernel.name()
-                    ),
+                    what: format!("{} without intra-warpgroup overlap ({why})", kernel.name()),
                     backend,
                 });
             }

@@ -14,7 +14,6 @@
 
 use float8::F8E4M3;
 
-use crate::config::Backend;
 use crate::error::{Error, Operand, Result};
 use crate::tensor::{check_len, host_numel, Element, TensorRef};
 
@@ -185,10 +184,9 @@ impl Fp8Tensor {
 pub fn fwht(x: &mut [f32]) -> Result<()> {
     let n = x.len();
     if !n.is_power_of_two() {
-        return Err(Error::UnsupportedHeadDim {
-            head_dim: n,
-            backend: Backend::Sm90,
-        });
+        return Err(Error::InvalidConfig(format!(
+            "the Hadamard transform takes a power-of-two length, not {n}"
+        )));
     }
     let mut half = 1;
     while half < n {
@@ -221,10 +219,10 @@ impl RandomSignHadamard {
     /// [`RandomSignHadamard::MAX_HEAD_DIM`].
     pub fn new(head_dim: usize, seed: u64) -> Result<Self> {
         if !head_dim.is_power_of_two() || head_dim > Self::MAX_HEAD_DIM {
-            return Err(Error::UnsupportedHeadDim {
-                head_dim,
-                backend: Backend::Sm90,
-            });
+            return Err(Error::InvalidConfig(format!(
+                "the Hadamard transform takes a power-of-two head dim up to {}, not {head_dim}",
+                Self::MAX_HEAD_DIM
+            )));
         }
         // splitmix64: a fixed, documented sign sequence per seed, no RNG dependency.
         let mut state = seed;
@@ -255,10 +253,11 @@ impl RandomSignHadamard {
 
     fn check_row(&self, row: &[f32]) -> Result<()> {
         if row.len() != self.signs.len() {
-            return Err(Error::UnsupportedHeadDim {
-                head_dim: row.len(),
-                backend: Backend::Sm90,
-            });
+            return Err(Error::InvalidConfig(format!(
+                "a row of {} values given to the Hadamard transform of head dim {}",
+                row.len(),
+                self.signs.len()
+            )));
         }
         Ok(())
     }
@@ -287,10 +286,10 @@ impl RandomSignHadamard {
         check_len(operand, &x.layout, x.data.len())?;
         let [batch, seqlen, heads, head_dim] = x.layout.shape;
         if head_dim != self.head_dim() {
-            return Err(Error::UnsupportedHeadDim {
-                head_dim,
-                backend: Backend::Sm90,
-            });
+            return Err(Error::InvalidConfig(format!(
+                "{operand:?} has head dim {head_dim}, the Hadamard transform {}",
+                self.head_dim()
+            )));
         }
         let count = host_numel(operand, &x.layout)?;
         let mut out = Vec::new();

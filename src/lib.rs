@@ -61,15 +61,14 @@ pub mod fp8;
 pub mod reference;
 pub mod registry;
 pub mod tensor;
+pub mod unstable;
 
 /// The README's examples, compiled as doctests (the GPU one needs the `cuda` feature).
 #[cfg(all(doctest, feature = "cuda"))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
-pub use config::{
-    AttentionConfig, AttentionMask, Backend, KeyRule, PingPong, Sm90Schedule, TailSplit,
-};
+pub use config::{AttentionConfig, AttentionMask, Backend, KeyRule};
 pub use dispatch::{BuiltKernels, DeviceInfo, Memory, Op, Plan};
 pub use error::{CallPart, Error, Operand, Result};
 pub use tensor::{DType, Element, Layout, Problem, TensorMut, TensorRef};
@@ -247,19 +246,18 @@ pub fn backward<T: Element>(
     cfg: &AttentionConfig,
     inputs: BackwardInputs<'_, T>,
 ) -> Result<Gradients<T>> {
-    let (problem, _) = plan_host(Op::Backward, cfg, &inputs.q, &inputs.k, &inputs.v)?;
+    let problem = tensor::check_backward_inputs(T::DTYPE, inputs.operands(), inputs.lse.len())?;
+    let plan = host_plan(Op::Backward, cfg, &problem)?;
     let (q_shape, kv_shape) = (problem.q_shape(), problem.kv_shape());
     let mut dq = alloc(Layout::contiguous(q_shape).numel(Operand::DQ)?)?;
     let mut dk = alloc(Layout::contiguous(kv_shape).numel(Operand::DK)?)?;
     let mut dv = alloc(Layout::contiguous(kv_shape).numel(Operand::DV)?)?;
-    let plan = backward_into(
-        cfg,
-        inputs,
-        GradientsMut {
-            dq: TensorMut::contiguous(&mut dq, q_shape),
-            dk: TensorMut::contiguous(&mut dk, kv_shape),
-            dv: TensorMut::contiguous(&mut dv, kv_shape),
-        },
-    )?;
+    // Packed gradients of exactly the problem's sizes: nothing left to check.
+    let grads = GradientsMut {
+        dq: TensorMut::contiguous(&mut dq, q_shape),
+        dk: TensorMut::contiguous(&mut dk, kv_shape),
+        dv: TensorMut::contiguous(&mut dv, kv_shape),
+    };
+    backend::cpu::backward(cfg, &problem, inputs, grads);
     Ok(Gradients { dq, dk, dv, plan })
 }

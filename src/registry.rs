@@ -82,8 +82,8 @@ pub struct Kernel {
     pub head_dim: usize,
     pub head_dim_v: usize,
     pub dtype: KernelDtype,
-    /// Also holds the forward without intra-warpgroup overlap (the FlashAttention-3 paper's
-    /// ablation, `Sm90Schedule::intra_wg_overlap` off).
+    /// Has a forward without intra-warpgroup overlap (the FlashAttention-3 paper's ablation,
+    /// `unstable::Sm90Schedule::intra_wg_overlap` off), compiled with the `ablation` feature.
     pub ablation: bool,
 }
 
@@ -337,6 +337,7 @@ fn feature_on(name: &str) -> bool {
         "hdim64" => cfg!(feature = "hdim64"),
         "hdim128" => cfg!(feature = "hdim128"),
         "hdim256" => cfg!(feature = "hdim256"),
+        "ablation" => cfg!(feature = "ablation"),
         _ => unreachable!("feature {name} is not one of the registry's"),
     }
 }
@@ -367,6 +368,12 @@ impl Kernel {
     /// Whether this build holds it.
     pub fn built(&self) -> bool {
         self.features().iter().all(|f| feature_on(f))
+    }
+
+    /// Whether this build holds its forward without intra-warpgroup overlap: a kernel of the
+    /// registry that has one, built with the `ablation` feature.
+    pub fn ablation_built(&self) -> bool {
+        self.ablation && feature_on("ablation")
     }
 }
 

@@ -3,7 +3,7 @@
 //! when the GPU is missing.
 #![cfg(feature = "cuda")]
 
-use flashattn::cuda::{self, Device, DeviceTensor, DeviceTensorMut};
+use flashattn::cuda::{Device, DeviceTensor, DeviceTensorMut};
 use flashattn::{AttentionConfig, Backend, Error, Op, Problem};
 
 fn device() -> Device {
@@ -34,7 +34,7 @@ fn device_query_reports_hopper() {
 fn selftest_tma_wgmma_matches_cpu() {
     let dev = device();
     let stream = dev.new_stream().unwrap();
-    let report = cuda::selftest_tma_wgmma(&dev, &stream).expect("self-test launch");
+    let report = flashattn::unstable::selftest_tma_wgmma(&dev, &stream).expect("self-test launch");
     println!("selftest: {report:?}");
     assert_eq!(report.unwritten, 0, "kernel left poisoned outputs");
     assert!(

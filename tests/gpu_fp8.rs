@@ -15,10 +15,8 @@ use flashattn::cuda::{
 };
 use flashattn::fp8::{Fp8Tensor, Granularity, RandomSignHadamard};
 use flashattn::reference::{self, compare, Comparison};
-use flashattn::{
-    AttentionConfig, Backend, Element, Error, Layout, Operand, PingPong, Sm90Schedule, TailSplit,
-    TensorRef,
-};
+use flashattn::unstable::{PingPong, Sm90Schedule, TailSplit};
+use flashattn::{AttentionConfig, Backend, Element, Error, Layout, Operand, TensorRef};
 use float8::F8E4M3;
 use half::{bf16, f16};
 use rand::rngs::StdRng;

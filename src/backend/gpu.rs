@@ -1,10 +1,11 @@
 //! The CUDA backends (Sm90, Sm80): fill the C ABI's params from validated operands and launch
 //! through it. All raw pointers of the crate pass through here.
 
-use crate::config::{AttentionConfig, Backend, TailSplit};
+use crate::config::{AttentionConfig, Backend};
 use crate::error::{Error, Operand, Result};
 use crate::ffi;
 use crate::tensor::{DType, Layout, Problem};
+use crate::unstable::TailSplit;
 
 /// A device operand reduced to what the C ABI needs.
 #[derive(Clone, Copy, Debug)]

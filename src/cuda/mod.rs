@@ -4,6 +4,8 @@
 //! Nothing here synchronizes the stream: results are ready when the stream says so.
 
 mod fp8;
+pub(crate) mod selftest;
+mod views;
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -13,13 +15,14 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, DriverErr
 pub use fp8::{
     fp8_key_block, fp8_query_block, v_key_column, v_row_head_dim, Fp8Inputs, Fp8Options,
 };
+pub use views::{DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut};
 
 use crate::backend::gpu::{self, RawTensor};
 use crate::config::{AttentionConfig, Backend};
 use crate::dispatch::{self, BuiltKernels, DeviceInfo, Memory, Op, Plan};
 use crate::error::{CallPart, Error, Operand, Result};
 use crate::ffi;
-use crate::tensor::{check_backward, check_forward, DType, Element, Layout, Operand4, Problem};
+use crate::tensor::{check_backward, check_forward, DType, Element, Problem};
 
 /// Is a CUDA driver (libcuda) loadable on this machine? Probed before any driver call, since
 /// cudarc panics when the library is missing. Asked of the dynamic loader itself: cudarc's own
@@ -96,68 +99,6 @@ pub fn query_device(ordinal: usize) -> Result<DeviceInfo> {
         max_smem_per_block_optin: raw.max_smem_per_block_optin as usize,
         l2_bytes: raw.l2_bytes as usize,
     })
-}
-
-/// A read-only device tensor.
-#[derive(Debug)]
-pub struct DeviceTensor<'a, T> {
-    pub data: CudaView<'a, T>,
-    pub layout: Layout,
-}
-
-/// A writable device tensor.
-#[derive(Debug)]
-pub struct DeviceTensorMut<'a, T> {
-    pub data: CudaViewMut<'a, T>,
-    pub layout: Layout,
-}
-
-impl<'a, T> DeviceTensor<'a, T> {
-    pub fn new(data: CudaView<'a, T>, layout: Layout) -> Self {
-        DeviceTensor { data, layout }
-    }
-    fn operand(&self) -> Operand4<'_> {
-        (&self.layout, self.data.len())
-    }
-    pub fn contiguous(data: &'a CudaSlice<T>, shape: [usize; 4]) -> Self {
-        Self::new(data.as_view(), Layout::contiguous(shape))
-    }
-}
-
-impl<'a, T> DeviceTensorMut<'a, T> {
-    pub fn new(data: CudaViewMut<'a, T>, layout: Layout) -> Self {
-        DeviceTensorMut { data, layout }
-    }
-    fn operand(&self) -> Operand4<'_> {
-        (&self.layout, self.data.len())
-    }
-    pub fn contiguous(data: &'a mut CudaSlice<T>, shape: [usize; 4]) -> Self {
-        Self::new(data.as_view_mut(), Layout::contiguous(shape))
-    }
-}
-
-/// What a device backward pass reads: the forward's inputs, its output and LSE, and dO.
-#[derive(Clone, Copy, Debug)]
-pub struct DeviceBackwardInputs<'a, T> {
-    pub q: &'a DeviceTensor<'a, T>,
-    pub k: &'a DeviceTensor<'a, T>,
-    pub v: &'a DeviceTensor<'a, T>,
-    /// The forward's output O, shaped like Q.
-    pub out: &'a DeviceTensor<'a, T>,
-    /// The gradient of the loss with respect to O, shaped like Q.
-    pub dout: &'a DeviceTensor<'a, T>,
-    /// The forward's LSE: f32 (batch, heads_q, seqlen_q) packed, natural log.
-    pub lse: &'a CudaView<'a, f32>,
-}
-
-/// Where a device backward pass writes: dQ shaped like Q, dK and dV shaped like K and V, each
-/// reaching every element once. `'a` is the borrow of the views, `'v` the views' own lifetime
-/// (two, so that a view can be lent to one call and reused by the next).
-#[derive(Debug)]
-pub struct DeviceGradientsMut<'a, 'v, T> {
-    pub dq: &'a mut DeviceTensorMut<'v, T>,
-    pub dk: &'a mut DeviceTensorMut<'v, T>,
-    pub dv: &'a mut DeviceTensorMut<'v, T>,
 }
 
 /// One CUDA device: its context and properties. Calls take the caller's stream.
@@ -478,95 +419,4 @@ impl Device {
         )?;
         Ok(plan)
     }
-}
-
-/// Result of the toolchain self-test.
-#[derive(Clone, Debug)]
-pub struct SelfTestReport {
-    /// Largest |gpu − cpu| over the 64×64 product.
-    pub max_abs_err: f32,
-    /// Largest |cpu| (for scale).
-    pub max_abs_ref: f32,
-    /// Elements still holding the poison value after the kernel.
-    pub unwritten: usize,
-}
-
-impl SelfTestReport {
-    pub fn passed(&self) -> bool {
-        self.unwritten == 0 && self.max_abs_err <= 1e-4 * self.max_abs_ref.max(1.0)
-    }
-}
-
-/// Runs the sm_90a TMA + WGMMA self-test kernel on `stream` and checks it against the CPU:
-/// A (64×16) and B (64×16) bf16 from a seeded generator, C = A·Bᵀ in f32.
-pub fn selftest_tma_wgmma(device: &Device, stream: &Arc<CudaStream>) -> Result<SelfTestReport> {
-    const M: usize = 64;
-    const N: usize = 64;
-    const K: usize = 16;
-    if device.info().compute_capability() != (9, 0) {
-        return Err(Error::BackendUnavailable {
-            backend: Backend::Sm90,
-            reason: format!(
-                "device {} is not compute capability 9.0",
-                device.info().name
-            ),
-        });
-    }
-    // A small deterministic generator: values are exact in bf16 and products exact in f32.
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        ((state >> 40) % 17) as f32 / 4.0 - 2.0
-    };
-    let a: Vec<half::bf16> = (0..M * K).map(|_| half::bf16::from_f32(next())).collect();
-    let b: Vec<half::bf16> = (0..N * K).map(|_| half::bf16::from_f32(next())).collect();
-    let poison = f32::NAN;
-
-    device.check_same_context(stream, [])?;
-    let err = driver_error;
-    let a_dev = stream.clone_htod(&a).map_err(err)?;
-    let b_dev = stream.clone_htod(&b).map_err(err)?;
-    let mut c_dev = stream.clone_htod(&vec![poison; M * N]).map_err(err)?;
-    {
-        let (a_ptr, _ga) = a_dev.device_ptr(stream);
-        let (b_ptr, _gb) = b_dev.device_ptr(stream);
-        let (c_ptr, _gc) = c_dev.device_ptr_mut(stream);
-        device.context().bind_to_thread().map_err(err)?;
-        // SAFETY: the three buffers are live device allocations of the sizes the kernel reads
-        // and writes; their guards outlive the launch.
-        let r = unsafe {
-            ffi::flashattn_selftest_tma_wgmma(
-                a_ptr as *const std::ffi::c_void,
-                b_ptr as *const std::ffi::c_void,
-                c_ptr as *mut f32,
-                stream.cu_stream() as *mut std::ffi::c_void,
-            )
-        };
-        ffi::check(r, Backend::Sm90, "TMA + WGMMA self-test")?;
-    }
-    let c = stream.clone_dtoh(&c_dev).map_err(err)?;
-    stream.synchronize().map_err(err)?;
-
-    let mut report = SelfTestReport {
-        max_abs_err: 0.0,
-        max_abs_ref: 0.0,
-        unwritten: 0,
-    };
-    for i in 0..M {
-        for j in 0..N {
-            let want: f32 = (0..K)
-                .map(|kk| a[i * K + kk].to_f32() * b[j * K + kk].to_f32())
-                .sum();
-            let got = c[i * N + j];
-            if got.is_nan() {
-                report.unwritten += 1;
-                continue;
-            }
-            report.max_abs_err = report.max_abs_err.max((got - want).abs());
-            report.max_abs_ref = report.max_abs_ref.max(want.abs());
-        }
-    }
-    Ok(report)
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use flashattn::cuda::{CudaStream, Device, DeviceTensor, DeviceTensorMut};
-use flashattn::{AttentionConfig, AttentionMask, Backend, Element, Layout};
+use flashattn::{AttentionConfig, AttentionMask, Backend, DType, Element, Layout, Problem};
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
 
@@ -63,6 +63,18 @@ impl Case {
             .backend(backend);
         cfg.softcap = self.softcap;
         cfg
+    }
+    /// The problem the case poses in `dtype`.
+    pub fn problem(&self, dtype: DType) -> Problem {
+        Problem {
+            batch: self.batch,
+            seqlen_q: self.seqlen_q,
+            seqlen_k: self.seqlen_k,
+            heads_q: self.heads_q,
+            heads_kv: self.heads_kv,
+            head_dim: self.head_dim,
+            dtype,
+        }
     }
     /// Full reference when the score matrices are small enough for the CPU.
     pub fn checked_whole(&self) -> bool {
