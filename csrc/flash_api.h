@@ -43,7 +43,9 @@ typedef enum {
   FLASHATTN_SM90_NO_PINGPONG = 1,
   FLASHATTN_SM90_NO_INTRA_WG_OVERLAP = 2,
   FLASHATTN_SM90_PERSISTENT_CAUSAL = 4,  // persistent schedule also for causal/windows
-  FLASHATTN_SM90_NARROW_KEY_BLOCKS = 8,  // the causal tile (128 keys at d64/d128) for every call
+  // The tile table's Masked tile (narrow key blocks) where the head dim has one; the caller
+  // chooses it (the Rust planner: causal and windowed calls, short keys).
+  FLASHATTN_SM90_MASKED_TILE = 8,
   FLASHATTN_SM90_NO_SPLIT_TAIL = 16,     // the last partial wave's tiles run whole (fwd_tail.h)
   FLASHATTN_SM90_SPLIT_TAIL_ALWAYS = 32, // split it wherever it can be, paying or not
 } flashattn_sm90_flag_t;

@@ -3,7 +3,7 @@
 
 use crate::config::{AttentionConfig, Backend};
 use crate::error::{Error, Result};
-use crate::registry::{self, Family, Kernel, KernelDtype};
+use crate::registry::{self, Family, Kernel, KernelDtype, TileRole, TileRow};
 use crate::tensor::{DType, Problem};
 
 /// The operation being planned.
@@ -78,6 +78,7 @@ impl BuiltKernels {
 pub struct Plan {
     pub backend: Backend,
     kernel: Option<&'static Kernel>,
+    tile: Option<&'static TileRow>,
     reasons: Vec<String>,
 }
 
@@ -89,12 +90,25 @@ impl Plan {
         if let Some(k) = self.kernel {
             text.push_str(&format!("; kernel {}", k.name()));
         }
+        if let Some(row) = self.tile {
+            let (m, n) = row.tile.shape();
+            let role = match row.role {
+                TileRole::Base => "base",
+                TileRole::Masked => "masked",
+            };
+            text.push_str(&format!(", tile {m}x{n} ({role})"));
+        }
         text
     }
 
     /// The registry's kernel that runs the call (None on the CPU backend).
     pub fn kernel(&self) -> Option<&'static Kernel> {
         self.kernel
+    }
+
+    /// The row of the tile table the kernel runs with (None on the CPU backend).
+    pub fn tile(&self) -> Option<&'static TileRow> {
+        self.tile
     }
 }
 
@@ -252,6 +266,26 @@ pub fn check_backend(
     }
 }
 
+/// Key lengths up to which the sm90 forward takes its narrow (masked) tile whatever the mask:
+/// measured faster up to 1k keys, equal at 2k and slower beyond (docs/PERFORMANCE.md).
+const NARROW_KEY_BLOCKS_UP_TO: usize = 1024;
+
+/// Which of its tiles `kernel` runs the call with. The sm90 forward takes the `Masked` row (narrow
+/// key blocks, where it has one) when a right bound on the keys (causal, a window) makes diagonal
+/// blocks frequent, for short keys, or when the schedule asks for it; every other call, and
+/// every other family, the `Base` row.
+fn tile_role(kernel: &Kernel, problem: &Problem, cfg: &AttentionConfig) -> TileRole {
+    let masked = kernel.family == Family::Sm90Fwd
+        && (cfg.mask.bounds().1.is_some()
+            || cfg.sm90_schedule.narrow_key_blocks
+            || problem.seqlen_k <= NARROW_KEY_BLOCKS_UP_TO);
+    if masked {
+        TileRole::Masked
+    } else {
+        TileRole::Base
+    }
+}
+
 /// Chooses the backend for a call. A forced backend is checked and either accepted or
 /// refused with its error; `Auto` tries Sm90, Sm80 (device memory) or Cpu (host memory).
 pub fn plan(
@@ -297,9 +331,13 @@ pub fn plan(
                     _ => format!("{}: forced by the caller", backend.name()),
                 };
                 reasons.push(why);
+                let tile = kernel.and_then(|k| {
+                    registry::tile_row(k.family, k.head_dim, tile_role(k, problem, cfg))
+                });
                 return Ok(Plan {
                     backend,
                     kernel,
+                    tile,
                     reasons,
                 });
             }

@@ -298,11 +298,15 @@ pub const TILES: &[TileRow] = &[
 /// The tile `family` runs at `head_dim` for `role`: the `Masked` row if there is one, else the
 /// `Base` row.
 pub fn tile(family: Family, head_dim: usize, role: TileRole) -> Option<&'static Tile> {
+    tile_row(family, head_dim, role).map(|r| &r.tile)
+}
+
+/// [`tile`]'s row, whose `role` says which row it is.
+pub fn tile_row(family: Family, head_dim: usize, role: TileRole) -> Option<&'static TileRow> {
     let find = |role: TileRole| {
         TILES
             .iter()
             .find(|r| r.family == family && r.head_dim == head_dim && r.role == role)
-            .map(|r| &r.tile)
     };
     find(role).or_else(|| find(Base))
 }

@@ -47,6 +47,94 @@ fn problem(batch: usize, seqlen_q: usize, seqlen_k: usize, heads: usize, d: usiz
     }
 }
 
+/// The plan names the tile that runs: the sm90 forward's Masked row (narrow key blocks) for
+/// causal and windowed calls and for short keys, its Base row otherwise and where it has no
+/// Masked row; one Base row for every other family.
+#[test]
+fn the_plan_names_the_tile_the_planner_chose() {
+    use flashattn::registry::TileRole;
+    let plan = |p: Problem, cfg: AttentionConfig, op: Op| {
+        dispatch::plan(
+            op,
+            &p,
+            &cfg.backend(Backend::Sm90),
+            &fake_h200(),
+            all_gpu_kernels(),
+        )
+        .unwrap()
+    };
+    let full = AttentionConfig::new();
+    let causal = AttentionConfig::new().causal(true);
+    let window = AttentionConfig::new().window(Some(256), Some(64));
+    for (p, cfg, op, role, shape) in [
+        (
+            problem(2, 4096, 4096, 8, 128),
+            full.clone(),
+            Op::Forward,
+            TileRole::Base,
+            (128, 160),
+        ),
+        (
+            problem(2, 4096, 4096, 8, 128),
+            causal.clone(),
+            Op::Forward,
+            TileRole::Masked,
+            (128, 128),
+        ),
+        (
+            problem(2, 4096, 4096, 8, 64),
+            window,
+            Op::Forward,
+            TileRole::Masked,
+            (128, 128),
+        ),
+        (
+            problem(2, 1024, 1024, 8, 64),
+            full.clone(),
+            Op::Forward,
+            TileRole::Masked,
+            (128, 128),
+        ),
+        (
+            problem(2, 4096, 4096, 8, 256),
+            causal.clone(),
+            Op::Forward,
+            TileRole::Base,
+            (128, 80),
+        ),
+        (
+            problem(2, 4096, 4096, 8, 128),
+            causal,
+            Op::Backward,
+            TileRole::Base,
+            (64, 128),
+        ),
+    ] {
+        let plan = plan(p, cfg, op);
+        let row = plan.tile().expect("a GPU plan has a tile");
+        assert_eq!(
+            (row.role, row.tile.shape()),
+            (role, shape),
+            "{}",
+            plan.explain()
+        );
+        let role_name = if role == TileRole::Masked {
+            "masked"
+        } else {
+            "base"
+        };
+        let named = format!("tile {}x{} ({role_name})", shape.0, shape.1);
+        assert!(plan.explain().contains(&named), "{}", plan.explain());
+    }
+    let cpu = flashattn::forward(&AttentionConfig::new(), t4(), t4(), t4()).unwrap();
+    assert!(cpu.plan.tile().is_none());
+}
+
+fn t4() -> TensorRef<'static, f32> {
+    static X: [f32; 64] = [0.5; 64];
+    TensorRef::contiguous(&X, [1, 4, 2, 8])
+}
+
 // Finding 1: spans, negative strides cast to usize, outputs that reach an element twice.
 
 #[test]

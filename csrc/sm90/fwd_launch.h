@@ -176,14 +176,14 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   return check_launch();
 }
 
-// The tile table's instantiation for this call: the narrow-key-block tile when a right bound on
-// the keys (causal) makes diagonal blocks frequent or the caller asks for it, else the default.
+// The tile table's instantiation the caller chose (FLASHATTN_SM90_MASKED_TILE), where the head
+// dim has a Masked tile; else the Base one.
 template <class Element, int kHeadDim>
 flashattn_result_t run_fwd_tiled(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim>;
   using Masked = FwdTileMasked<kHeadDim>;
   if constexpr (Masked::kBlockN != Tile::kBlockN) {
-    if (key_range(p).window_right >= 0 || (p.sm90_flags & FLASHATTN_SM90_NARROW_KEY_BLOCKS))
+    if (p.sm90_flags & FLASHATTN_SM90_MASKED_TILE)
       return run_fwd<FwdTraits<Element, kHeadDim, Masked, true>>(p, o.pingpong, stream);
   }
   return run_fwd<FwdTraits<Element, kHeadDim, Tile, true>>(p, o.pingpong, stream);

@@ -2,8 +2,10 @@
 //! through it. All raw pointers of the crate pass through here.
 
 use crate::config::{AttentionConfig, Backend};
+use crate::dispatch::Plan;
 use crate::error::{Error, Operand, Result};
 use crate::ffi;
+use crate::registry::TileRole;
 use crate::tensor::{DType, Layout, Problem};
 use crate::unstable::TailSplit;
 
@@ -60,10 +62,6 @@ fn window(side: Option<usize>) -> i32 {
     side.map_or(-1, |w| w.min(i32::MAX as usize) as i32)
 }
 
-/// Key lengths up to which the narrow (128-key) blocks are taken at d64/d128 whatever the mask:
-/// measured faster up to 1k keys, equal at 2k and slower beyond (docs/PERFORMANCE.md).
-const NARROW_KEY_BLOCKS_UP_TO: usize = 1024;
-
 fn sm90_flags(cfg: &AttentionConfig, problem: &Problem) -> u32 {
     let mut flags = 0;
     if !cfg.sm90_schedule.pingpong.takes_turns(problem.dtype) {
@@ -74,9 +72,6 @@ fn sm90_flags(cfg: &AttentionConfig, problem: &Problem) -> u32 {
     }
     if cfg.sm90_schedule.persistent_causal {
         flags |= ffi::FLASHATTN_SM90_PERSISTENT_CAUSAL;
-    }
-    if cfg.sm90_schedule.narrow_key_blocks || problem.seqlen_k <= NARROW_KEY_BLOCKS_UP_TO {
-        flags |= ffi::FLASHATTN_SM90_NARROW_KEY_BLOCKS;
     }
     match cfg.sm90_schedule.split_tail {
         TailSplit::Auto => {}
@@ -118,10 +113,11 @@ pub(crate) fn base_params(
     }
 }
 
-/// Launches the forward of `backend` on `stream` (a CUstream).
+/// Launches the forward `plan` chose (its backend, and on sm90 its tile) on `stream` (a
+/// CUstream).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward(
-    backend: Backend,
+    plan: &Plan,
     problem: &Problem,
     cfg: &AttentionConfig,
     sm_count: i32,
@@ -135,6 +131,10 @@ pub(crate) fn forward(
     p.v = v.to_ffi();
     p.o = o.to_ffi();
     p.lse = lse as *mut f32;
+    if plan.tile().is_some_and(|row| row.role == TileRole::Masked) {
+        p.sm90_flags |= ffi::FLASHATTN_SM90_MASKED_TILE;
+    }
+    let backend = plan.backend;
     // SAFETY: every pointer was taken from a live cudarc buffer whose guard outlives this call,
     // and its layout was checked against the buffer length.
     let r = unsafe {

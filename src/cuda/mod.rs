@@ -260,7 +260,7 @@ impl Device {
         let plan = self.plan(Op::Forward, &problem, cfg)?;
         self.ctx.bind_to_thread().map_err(driver_error)?;
         gpu::forward(
-            plan.backend,
+            &plan,
             &problem,
             cfg,
             self.info.sm_count,
