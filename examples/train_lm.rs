@@ -491,15 +491,16 @@ fn main() -> Result<()> {
             println!("s{seqlen:<6} largest loss difference over {compared} steps: {max_gap:.4}");
         }
         rows.push(row(seqlen, &runs, max_gap));
-    }
-    if let Some(path) = arg("--out") {
-        let commit = arg("--commit").unwrap_or_default();
-        let json = format!(
+        // Written after each sequence length, so that a run cut short keeps what it measured.
+        if let Some(path) = arg("--out") {
+            let commit = arg("--commit").unwrap_or_default();
+            let json = format!(
             "{{\n\"example\": \"train_lm\", \"commit\": \"{commit}\", \"layers\": {layers}, \"width\": {width}, \"heads\": {heads}, \"tokens_per_step\": {tokens}, \"steps\": {steps}, \"dtype\": \"{:?}\",\n\"rows\": [\n{}\n]\n}}\n",
             compute_dtype(&dev),
             rows.join(",\n")
         );
-        std::fs::write(&path, json).expect("write --out");
+            std::fs::write(&path, json).expect("write --out");
+        }
     }
     Ok(())
 }
