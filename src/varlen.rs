@@ -138,6 +138,14 @@ impl<'a> Seqlens<'a> {
     pub fn batch(&self) -> usize {
         self.cu_q.len() - 1
     }
+    /// The bound on every sequence's query rows given to [`Seqlens::new`].
+    pub fn max_seqlen_q(&self) -> usize {
+        self.max_q
+    }
+    /// The bound on every sequence's key rows given to [`Seqlens::new`].
+    pub fn max_seqlen_k(&self) -> usize {
+        self.max_k
+    }
     /// Query rows of all sequences together.
     pub fn total_q(&self) -> usize {
         self.cu_q[self.batch()] as usize
@@ -160,12 +168,12 @@ impl<'a> Seqlens<'a> {
         start..end
     }
 
-    /// The dense problem each sequence's lengths stay within, as the planner checks it.
-    fn bounding_problem(&self, heads_q: usize, heads_kv: usize, d: usize, dtype: DType) -> Problem {
+    /// The packed operands as one problem (batch 1, every row), as the planner checks sizes.
+    fn packed_problem(&self, heads_q: usize, heads_kv: usize, d: usize, dtype: DType) -> Problem {
         Problem {
-            batch: self.batch(),
-            seqlen_q: self.max_q.max(1),
-            seqlen_k: self.max_k.max(1),
+            batch: 1,
+            seqlen_q: self.total_q(),
+            seqlen_k: self.total_k(),
             heads_q,
             heads_kv,
             head_dim: d,
@@ -189,8 +197,8 @@ fn packed(operand: Operand, layout: &Layout, len: usize, total: usize) -> Result
     Ok([heads, d])
 }
 
-/// Validates Q, K, V against `seqs` and plans the call on the host; the problem of sequence
-/// shapes (heads, head dim, dtype) and the plan.
+/// Validates Q, K, V against `seqs` and plans the call on the host; the packed problem (its
+/// heads, head dim and dtype are every sequence's) and the plan.
 fn plan<T: Element>(
     op: Op,
     cfg: &AttentionConfig,
@@ -216,7 +224,7 @@ fn plan<T: Element>(
             found: k.layout.shape,
         });
     }
-    let problem = seqs.bounding_problem(heads_q, heads_kv, d, T::DTYPE);
+    let problem = seqs.packed_problem(heads_q, heads_kv, d, T::DTYPE);
     let plan = dispatch::plan(op, &problem, cfg, &Memory::Host, BuiltKernels::current())?;
     Ok((problem, plan))
 }
@@ -315,7 +323,7 @@ pub fn backward<T: Element>(
         packed(operand, &t.layout, t.data.len(), total_q)?;
         Problem::expect_shape(operand, &t.layout, q.layout.shape)?;
     }
-    if lse.len() != heads * total_q {
+    if lse.len() < heads * total_q {
         return Err(Error::BufferTooSmall {
             operand: Operand::Lse,
             needed: heads * total_q,
