@@ -443,11 +443,21 @@ fn main() -> Result<()> {
         .collect();
     let (tokens, steps) = (num("--tokens", 16384), num("--steps", 300));
     let (layers, width, heads) = (num("--layers", 4), num("--width", 512), num("--heads", 8));
-    if seqlens.iter().any(|&s| s == 0 || tokens % s != 0) || width % heads != 0 || steps < 2 {
-        eprintln!("each seqlen must divide --tokens, --heads divide --width, --steps be 2 or more");
+    const TEXT_BYTES: usize = 4 << 20;
+    let bad_seqlen = |s: usize| s == 0 || tokens % s != 0 || s >= TEXT_BYTES;
+    if tokens == 0
+        || seqlens.iter().any(|&s| bad_seqlen(s))
+        || heads == 0
+        || width % heads != 0
+        || steps < 2
+    {
+        eprintln!(
+            "each seqlen must divide --tokens and be under {TEXT_BYTES}, --heads divide --width, \
+             --steps be 2 or more"
+        );
         std::process::exit(2);
     }
-    let text = corpus(4 << 20);
+    let text = corpus(TEXT_BYTES);
     println!(
         "{} layers, width {width}, {heads} heads of {}, {tokens} tokens a step, {steps} steps, {:?} in {:?}",
         layers,
@@ -484,18 +494,25 @@ fn main() -> Result<()> {
             }
         }
         let compared = ours.losses.len().min(theirs.losses.len());
+        // NaN when either run diverged (f32::max would skip it).
         let max_gap = (0..compared)
             .map(|i| (ours.losses[i] - theirs.losses[i]).abs())
-            .fold(0f32, f32::max);
+            .fold(0f32, |m, x| {
+                if x.is_nan() || m.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max(x)
+                }
+            });
         if compared > 0 {
             println!("s{seqlen:<6} largest loss difference over {compared} steps: {max_gap:.4}");
         }
         rows.push(row(seqlen, &runs, max_gap));
         // Written after each sequence length, so that a run cut short keeps what it measured.
         if let Some(path) = arg("--out") {
-            let commit = arg("--commit").unwrap_or_default();
+            let commit = json_string(&arg("--commit").unwrap_or_default());
             let json = format!(
-            "{{\n\"example\": \"train_lm\", \"commit\": \"{commit}\", \"layers\": {layers}, \"width\": {width}, \"heads\": {heads}, \"tokens_per_step\": {tokens}, \"steps\": {steps}, \"dtype\": \"{:?}\",\n\"rows\": [\n{}\n]\n}}\n",
+            "{{\n\"example\": \"train_lm\", \"commit\": {commit}, \"layers\": {layers}, \"width\": {width}, \"heads\": {heads}, \"tokens_per_step\": {tokens}, \"steps\": {steps}, \"dtype\": \"{:?}\",\n\"rows\": [\n{}\n]\n}}\n",
             compute_dtype(&dev),
             rows.join(",\n")
         );
@@ -503,6 +520,30 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A JSON string literal of `s`.
+fn json_string(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// A JSON number with 4 decimals, or null where `x` is not finite (a diverged run).
+fn json_number(x: f32) -> String {
+    if x.is_finite() {
+        format!("{x:.4}")
+    } else {
+        "null".into()
+    }
 }
 
 fn tail_mean(losses: &[f32]) -> f32 {
@@ -516,19 +557,20 @@ fn row(seqlen: usize, runs: &BTreeMap<&str, Run>, max_gap: f32) -> String {
             .losses
             .iter()
             .step_by(10)
-            .map(|l| format!("{l:.4}"))
+            .map(|&l| json_number(l))
             .collect();
         format!(
             "{{\"tokens_per_s\": {:.0}, \"peak_bytes\": {}, \"final_loss_mean20\": {}, \"error\": {}, \"loss_every_10_steps\": [{}]}}",
             r.tokens_per_s,
             r.peak_bytes.map_or("null".into(), |b| b.to_string()),
-            if r.losses.is_empty() { "null".into() } else { format!("{:.4}", tail_mean(&r.losses)) },
-            r.error.as_ref().map_or("null".into(), |e| format!("{e:?}")),
+            if r.losses.is_empty() { "null".into() } else { json_number(tail_mean(&r.losses)) },
+            r.error.as_ref().map_or("null".into(), |e| json_string(e)),
             every10.join(", ")
         )
     };
     format!(
-        "  {{\"seqlen\": {seqlen}, \"max_loss_gap\": {max_gap:.4}, \"flashattn\": {}, \"candle_ops\": {}}}",
+        "  {{\"seqlen\": {seqlen}, \"max_loss_gap\": {}, \"flashattn\": {}, \"candle_ops\": {}}}",
+        json_number(max_gap),
         one(&runs["flashattn"]),
         one(&runs["candle ops"])
     )

@@ -185,7 +185,7 @@ pub fn check_backend(
                     ),
                 });
             }
-            // E4M3: the sm90 FP8 forward (inputs from the quantize step, src/cuda/fp8.rs).
+            // E4M3: the sm90 FP8 forward (inputs from the quantize step, src/cuda/fp8/).
             let unsupported_dtype = Error::UnsupportedDtype {
                 dtype: problem.dtype,
                 backend,
@@ -254,7 +254,7 @@ pub fn check_backend(
                 let why = if kernel.ablation {
                     "built with the Cargo feature `ablation` only"
                 } else {
-                    "the registry has it for the 16-bit sm90 forward at d128 only"
+                    "the registry has it for the sm90 forward at d128 bf16 only"
                 };
                 return Err(Error::Unsupported {
                     what: format!("{} without intra-warpgroup overlap ({why})", kernel.name()),
@@ -271,12 +271,21 @@ pub fn check_backend(
 const NARROW_KEY_BLOCKS_UP_TO: usize = 1024;
 
 /// Which of its tiles `kernel` runs the call with. The sm90 forward takes the `Masked` row (narrow
-/// key blocks, where it has one) when a right bound on the keys (causal, a window) makes diagonal
-/// blocks frequent, for short keys, or when the schedule asks for it; every other call, and
-/// every other family, the `Base` row.
+/// key blocks, where it has one) when a right bound on the keys makes diagonal blocks frequent
+/// (causal; a right window that leaves some row short of the last key), for short keys, or when
+/// the schedule asks for it; its ablation (no intra-warpgroup overlap) and every other family
+/// run the `Base` row.
 fn tile_role(kernel: &Kernel, problem: &Problem, cfg: &AttentionConfig) -> TileRole {
+    // Row 0 sees keys up to seqlen_k − seqlen_q + right: a right window of seqlen_q − 1 or more
+    // bounds no row (the C side then drops it).
+    let right_bound = match cfg.mask.bounds().1 {
+        Some(0) => true,
+        Some(right) => right + 1 < problem.seqlen_q,
+        None => false,
+    };
     let masked = kernel.family == Family::Sm90Fwd
-        && (cfg.mask.bounds().1.is_some()
+        && cfg.sm90_schedule.intra_wg_overlap
+        && (right_bound
             || cfg.sm90_schedule.narrow_key_blocks
             || problem.seqlen_k <= NARROW_KEY_BLOCKS_UP_TO);
     if masked {

@@ -96,6 +96,9 @@ pub enum Error {
     BackendUnavailable { backend: Backend, reason: String },
     /// A configuration value is out of range (negative scale, NaN softcap...).
     InvalidConfig(String),
+    /// Sequence offsets or lengths of a packed (varlen) batch that describe no packing: not
+    /// starting at 0, decreasing, past their maximum, of the wrong count.
+    InvalidSeqlens(String),
     /// Device pointer not aligned as the kernels require.
     Misaligned { operand: Operand, align: usize },
     /// A stream, view or FP8 input that belongs to another CUDA context than the device the
@@ -162,6 +165,7 @@ impl fmt::Display for Error {
                 write!(f, "backend {backend} cannot run here: {reason}")
             }
             Error::InvalidConfig(msg) => write!(f, "invalid configuration: {msg}"),
+            Error::InvalidSeqlens(msg) => write!(f, "invalid sequence lengths: {msg}"),
             Error::Misaligned { operand, align } => {
                 write!(
                     f,

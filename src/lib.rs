@@ -62,6 +62,7 @@ pub mod reference;
 pub mod registry;
 pub mod tensor;
 pub mod unstable;
+pub mod varlen;
 
 /// The README's examples, compiled as doctests (the GPU one needs the `cuda` feature).
 #[cfg(all(doctest, feature = "cuda"))]
@@ -148,7 +149,7 @@ fn host_plan(op: Op, cfg: &AttentionConfig, problem: &Problem) -> Result<Plan> {
 
 /// A buffer of `len` default values, or [`Error::OutOfMemory`] where the allocator refuses
 /// (a broadcast input can stand for more elements than memory holds).
-fn alloc<T: Clone + Default>(len: usize) -> Result<Vec<T>> {
+pub(crate) fn alloc<T: Clone + Default>(len: usize) -> Result<Vec<T>> {
     let mut v = Vec::new();
     v.try_reserve_exact(len).map_err(|_| Error::OutOfMemory {
         bytes: len.saturating_mul(std::mem::size_of::<T>()),

@@ -12,6 +12,7 @@ use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, DeviceRepr};
 use flashattn::cuda::{CudaStream, Device};
 use flashattn::reference::{self, compare, Comparison};
+use flashattn::registry::TileRole;
 use flashattn::unstable::{PingPong, Sm90Schedule, TailSplit};
 use flashattn::{AttentionConfig, Backend, DType, Element, Error, Op, TensorRef};
 use half::{bf16, f16};
@@ -621,12 +622,13 @@ fn sm90_fwd_one_cta_per_tile_schedule() {
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn sm90_fwd_narrow_key_blocks() {
-    // Non-causal calls on the causal tile (128-key blocks at d64/d128).
+    // Non-causal calls on the causal tile (128-key blocks at d64/d128), with more keys than the
+    // planner takes it for by itself.
     let (dev, stream) = device();
     let mut cases = vec![];
     for d in [64, 128] {
-        cases.push(Case::new(1000, 1000, d, false));
-        cases.push(Case::new(113, 1000, d, false));
+        cases.push(Case::new(1500, 1500, d, false));
+        cases.push(Case::new(113, 1500, d, false));
         cases.push(Case {
             batch: 4,
             heads_q: 16,
@@ -637,6 +639,15 @@ fn sm90_fwd_narrow_key_blocks() {
     for (n, case) in cases.iter().enumerate() {
         let mut cfg = case.cfg(Backend::Sm90);
         cfg.sm90_schedule.narrow_key_blocks = true;
+        let plan = dev
+            .plan(Op::Forward, &case.problem(DType::BF16), &cfg)
+            .unwrap();
+        assert_eq!(
+            plan.tile().map(|t| t.role),
+            Some(TileRole::Masked),
+            "{}",
+            plan.explain()
+        );
         let (o, lse) = run_case::<bf16>(&dev, &stream, case, cfg, 900 + n as u64);
         println!("narrow key blocks {case:?}: O {o}; LSE {lse}");
         assert!(o.pass && lse.pass);

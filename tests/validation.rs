@@ -48,69 +48,62 @@ fn problem(batch: usize, seqlen_q: usize, seqlen_k: usize, heads: usize, d: usiz
 }
 
 /// The plan names the tile that runs: the sm90 forward's Masked row (narrow key blocks) for
-/// causal and windowed calls and for short keys, its Base row otherwise and where it has no
-/// Masked row; one Base row for every other family.
+/// causal calls, windows with a right side that bounds some row, and short keys; its Base row
+/// otherwise, in its ablation, and where it has no Masked row; one Base row for every other
+/// family.
 #[test]
 fn the_plan_names_the_tile_the_planner_chose() {
-    use flashattn::registry::TileRole;
-    let plan = |p: Problem, cfg: AttentionConfig, op: Op| {
-        dispatch::plan(
+    use flashattn::registry::TileRole::{Base, Masked};
+    let causal = || AttentionConfig::new().causal(true);
+    let mut ablation = causal();
+    ablation.sm90_schedule.intra_wg_overlap = false;
+    let (fwd, bwd) = (Op::Forward, Op::Backward);
+    let long = |d| problem(2, 4096, 4096, 8, d);
+    let cases = [
+        (long(128), AttentionConfig::new(), fwd, Base, (128, 160)),
+        (long(128), causal(), fwd, Masked, (128, 128)),
+        (
+            long(64),
+            AttentionConfig::new().window(Some(256), Some(64)),
+            fwd,
+            Masked,
+            (128, 128),
+        ),
+        // A right window of seqlen_q − 1 or more bounds no row.
+        (
+            long(128),
+            AttentionConfig::new().window(None, Some(4095)),
+            fwd,
+            Base,
+            (128, 160),
+        ),
+        (
+            problem(2, 1, 4096, 8, 128),
+            causal(),
+            fwd,
+            Masked,
+            (128, 128),
+        ),
+        (
+            problem(2, 1024, 1024, 8, 64),
+            AttentionConfig::new(),
+            fwd,
+            Masked,
+            (128, 128),
+        ),
+        (long(256), causal(), fwd, Base, (128, 80)),
+        (long(128), ablation, fwd, Base, (128, 160)),
+        (long(128), causal(), bwd, Base, (64, 128)),
+    ];
+    for (p, cfg, op, role, shape) in cases {
+        let plan = dispatch::plan(
             op,
             &p,
             &cfg.backend(Backend::Sm90),
             &fake_h200(),
             all_gpu_kernels(),
         )
-        .unwrap()
-    };
-    let full = AttentionConfig::new();
-    let causal = AttentionConfig::new().causal(true);
-    let window = AttentionConfig::new().window(Some(256), Some(64));
-    for (p, cfg, op, role, shape) in [
-        (
-            problem(2, 4096, 4096, 8, 128),
-            full.clone(),
-            Op::Forward,
-            TileRole::Base,
-            (128, 160),
-        ),
-        (
-            problem(2, 4096, 4096, 8, 128),
-            causal.clone(),
-            Op::Forward,
-            TileRole::Masked,
-            (128, 128),
-        ),
-        (
-            problem(2, 4096, 4096, 8, 64),
-            window,
-            Op::Forward,
-            TileRole::Masked,
-            (128, 128),
-        ),
-        (
-            problem(2, 1024, 1024, 8, 64),
-            full.clone(),
-            Op::Forward,
-            TileRole::Masked,
-            (128, 128),
-        ),
-        (
-            problem(2, 4096, 4096, 8, 256),
-            causal.clone(),
-            Op::Forward,
-            TileRole::Base,
-            (128, 80),
-        ),
-        (
-            problem(2, 4096, 4096, 8, 128),
-            causal,
-            Op::Backward,
-            TileRole::Base,
-            (64, 128),
-        ),
-    ] {
-        let plan = plan(p, cfg, op);
+        .unwrap();
         let row = plan.tile().expect("a GPU plan has a tile");
         assert_eq!(
             (row.role, row.tile.shape()),
@@ -118,11 +111,7 @@ fn the_plan_names_the_tile_the_planner_chose() {
             "{}",
             plan.explain()
         );
-        let role_name = if role == TileRole::Masked {
-            "masked"
-        } else {
-            "base"
-        };
+        let role_name = if role == Masked { "masked" } else { "base" };
         let named = format!("tile {}x{} ({role_name})", shape.0, shape.1);
         assert!(plan.explain().contains(&named), "{}", plan.explain());
     }

@@ -12,7 +12,7 @@ bin="$here/candle"
 cublas=$(find / -name 'libcublas.so.13' -path '*nvidia*' 2>/dev/null | head -1)
 [ -n "$cublas" ] || { echo "no libcublas.so.13 under an nvidia folder"; exit 1; }
 export LD_LIBRARY_PATH="$(dirname "$cublas"):${LD_LIBRARY_PATH:-}"
-commit=$(cat "$bin/COMMIT")
+commit=$(tr "\n" " " < "$bin/COMMIT" | sed "s/ $//; s/ //g")
 rc=0
 if [ "${TESTS:-1}" = 1 ]; then
   "$bin/test-gpu_candle" --include-ignored --show-output --test-threads=1 \

@@ -28,7 +28,7 @@ mkdir -p "$out"
   cp "$path" "$out/$kind-$name"
 done
 git rev-parse --short HEAD > "$out/COMMIT"
-git diff --quiet HEAD -- src csrc tests examples build.rs || echo "+dirty" >> "$out/COMMIT"
+git diff --quiet HEAD -- src csrc tests benches examples build.rs || echo "+dirty" >> "$out/COMMIT"
 ls -la "$out"
 tar -C .device -cf - candle | xz -6 -T2 > .device/candle.tar.xz
 rm -rf "$out"

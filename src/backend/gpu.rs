@@ -146,7 +146,7 @@ pub(crate) fn forward(
     ffi::check(r, backend, "forward")
 }
 
-/// Operands of the FP8 forward: e4m3 Q, K (rows) and V (key-major, see src/cuda/fp8.rs), O in
+/// Operands of the FP8 forward: e4m3 Q, K (rows) and V (key-major, see src/cuda/fp8/), O in
 /// `out_dtype`, the LSE and the Q, K, V descales.
 pub(crate) struct Fp8Operands {
     pub q: RawTensor,

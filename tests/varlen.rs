@@ -1,0 +1,422 @@
+//! Packed (varlen) batches on the CPU backend: each sequence against the f64 reference of its
+//! own dense problem under the correctness rule (O, LSE, dQ, dK, dV), equal lengths against the
+//! dense batch bit for bit, `seqused_k`, empty sequences, and malformed offsets as typed errors.
+
+use flashattn::reference::{self, compare};
+use flashattn::varlen::{self, Seqlens};
+use flashattn::{AttentionConfig, BackwardInputs, Element, Error, Layout, TensorRef};
+use half::bf16;
+use proptest::prelude::*;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use rand_distr::{Distribution, Normal};
+
+fn normal<T: Element>(rng: &mut StdRng, n: usize) -> Vec<T> {
+    let dist = Normal::new(0f32, 1.0).unwrap();
+    (0..n).map(|_| T::from_f32(dist.sample(rng))).collect()
+}
+
+fn offsets(lengths: &[usize]) -> Vec<i32> {
+    let mut cu = vec![0i32];
+    for &l in lengths {
+        cu.push(cu.last().unwrap() + l as i32);
+    }
+    cu
+}
+
+/// Rows `rows` of a packed `(1, total, heads, d)` buffer, copied as a dense `(1, n, heads, d)` one.
+fn rows<T: Copy>(x: &[T], rows: std::ops::Range<usize>, heads: usize, d: usize) -> Vec<T> {
+    x[rows.start * heads * d..rows.end * heads * d].to_vec()
+}
+
+/// One packed batch: lengths per sequence, its tensors, and a dO.
+struct Batch<T> {
+    q_lens: Vec<usize>,
+    k_lens: Vec<usize>,
+    heads_q: usize,
+    heads_kv: usize,
+    d: usize,
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+    dout: Vec<T>,
+}
+
+impl<T: Element> Batch<T> {
+    fn new(q_lens: &[usize], k_lens: &[usize], heads: (usize, usize), d: usize, seed: u64) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let (tq, tk): (usize, usize) = (q_lens.iter().sum(), k_lens.iter().sum());
+        Batch {
+            q_lens: q_lens.to_vec(),
+            k_lens: k_lens.to_vec(),
+            heads_q: heads.0,
+            heads_kv: heads.1,
+            d,
+            q: normal(&mut rng, tq * heads.0 * d),
+            k: normal(&mut rng, tk * heads.1 * d),
+            v: normal(&mut rng, tk * heads.1 * d),
+            dout: normal(&mut rng, tq * heads.0 * d),
+        }
+    }
+    fn cu(&self) -> (Vec<i32>, Vec<i32>) {
+        (offsets(&self.q_lens), offsets(&self.k_lens))
+    }
+    fn max(&self) -> (usize, usize) {
+        let m = |l: &[usize]| l.iter().copied().max().unwrap_or(0);
+        (m(&self.q_lens), m(&self.k_lens))
+    }
+    fn q_view<'a>(&self, x: &'a [T]) -> TensorRef<'a, T> {
+        TensorRef::contiguous(x, [1, self.q_lens.iter().sum(), self.heads_q, self.d])
+    }
+    fn k_view<'a>(&self, x: &'a [T]) -> TensorRef<'a, T> {
+        TensorRef::contiguous(x, [1, self.k_lens.iter().sum(), self.heads_kv, self.d])
+    }
+}
+
+/// Runs the batch through varlen forward and backward with `used` keys per sequence (all
+/// without), and checks each sequence against its own dense f64 reference under the rule.
+fn check<T: Element>(batch: &Batch<T>, cfg: &AttentionConfig, used: Option<&[i32]>) {
+    let (cu_q, cu_k) = batch.cu();
+    let (max_q, max_k) = batch.max();
+    let mut seqs = Seqlens::new(&cu_q, &cu_k, max_q, max_k).unwrap();
+    if let Some(used) = used {
+        seqs = seqs.with_seqused_k(used).unwrap();
+    }
+    let (q, k, v) = (
+        batch.q_view(&batch.q),
+        batch.k_view(&batch.k),
+        batch.k_view(&batch.v),
+    );
+    let fwd = varlen::forward(cfg, &seqs, q, k, v).unwrap();
+    let grads = varlen::backward(
+        cfg,
+        &seqs,
+        BackwardInputs {
+            q,
+            k,
+            v,
+            out: batch.q_view(&fwd.out),
+            dout: batch.q_view(&batch.dout),
+            lse: &fwd.lse,
+        },
+    )
+    .unwrap();
+    let (hq, hk, d) = (batch.heads_q, batch.heads_kv, batch.d);
+    let total_q = seqs.total_q();
+    let f32s = reference::to_f32;
+    for b in 0..batch.q_lens.len() {
+        // The test's own bookkeeping of which rows are whose, not the library's.
+        let q0: usize = batch.q_lens[..b].iter().sum();
+        let k0: usize = batch.k_lens[..b].iter().sum();
+        let all_keys = k0..k0 + batch.k_lens[b];
+        let qr = q0..q0 + batch.q_lens[b];
+        let kr = k0..k0 + used.map_or(batch.k_lens[b], |u| u[b] as usize);
+        // Keys past seqused_k: no query sees them, their gradients are 0.
+        for x in [&grads.dk, &grads.dv] {
+            let unused = &x[kr.end * hk * d..all_keys.end * hk * d];
+            assert!(
+                unused.iter().all(|g| g.to_f32() == 0.0),
+                "sequence {b}: unused keys"
+            );
+        }
+        if qr.is_empty() {
+            // No query: no gradient reaches this sequence's keys.
+            for x in [&grads.dk, &grads.dv] {
+                let keys = &x[all_keys.start * hk * d..all_keys.end * hk * d];
+                assert!(
+                    keys.iter().all(|g| g.to_f32() == 0.0),
+                    "sequence {b}: no queries"
+                );
+            }
+            continue;
+        }
+        let got_lse: Vec<f32> = (0..hq)
+            .flat_map(|h| fwd.lse[h * total_q + qr.start..h * total_q + qr.end].to_vec())
+            .collect();
+        let got_o = f32s(&rows(&fwd.out, qr.clone(), hq, d));
+        let got_dq = f32s(&rows(&grads.dq, qr.clone(), hq, d));
+        if kr.is_empty() {
+            // No key: O = 0, LSE = +inf, no gradient.
+            assert!(
+                got_o.iter().chain(&got_dq).all(|&x| x == 0.0),
+                "sequence {b}"
+            );
+            assert!(got_lse.iter().all(|&x| x == f32::INFINITY), "sequence {b}");
+            continue;
+        }
+        let (sq, sk) = (qr.len(), kr.len());
+        let (q_rows, k_rows, v_rows, do_rows) = (
+            rows(&batch.q, qr.clone(), hq, d),
+            rows(&batch.k, kr.clone(), hk, d),
+            rows(&batch.v, kr.clone(), hk, d),
+            rows(&batch.dout, qr.clone(), hq, d),
+        );
+        let tq = TensorRef::new(&q_rows, Layout::contiguous([1, sq, hq, d]));
+        let tk = TensorRef::new(&k_rows, Layout::contiguous([1, sk, hk, d]));
+        let tv = TensorRef::new(&v_rows, Layout::contiguous([1, sk, hk, d]));
+        let tdo = TensorRef::new(&do_rows, Layout::contiguous([1, sq, hq, d]));
+        let want = reference::reference_forward(cfg, tq, tk, tv);
+        let base = reference::baseline_forward(cfg, tq, tk, tv);
+        let o = compare(&got_o, &want.out, &base.out);
+        let lse = compare(&got_lse, &want.lse, &base.lse);
+        let want_g = reference::reference_backward(cfg, tq, tk, tv, tdo);
+        let base_g = reference::baseline_backward(cfg, tq, tk, tv, tdo);
+        let dq = compare(&got_dq, &want_g.dq, &base_g.dq);
+        let dk = compare(
+            &f32s(&rows(&grads.dk, kr.clone(), hk, d)),
+            &want_g.dk,
+            &base_g.dk,
+        );
+        let dv = compare(
+            &f32s(&rows(&grads.dv, kr.clone(), hk, d)),
+            &want_g.dv,
+            &base_g.dv,
+        );
+        for (name, c) in [("O", o), ("LSE", lse), ("dQ", dq), ("dK", dk), ("dV", dv)] {
+            assert!(c.pass, "sequence {b} ({sq}x{sk}) {cfg:?}: {name} {c}");
+        }
+    }
+}
+
+#[test]
+fn mixed_lengths_match_each_sequence_s_reference() {
+    // Empty sequences, single rows, lengths that are no block multiple, more queries than keys.
+    let q_lens = [37, 0, 1, 130, 64, 5, 0];
+    let k_lens = [37, 12, 3, 130, 70, 0, 9];
+    let configs = [
+        AttentionConfig::new(),
+        AttentionConfig::new().causal(true),
+        AttentionConfig::new().window(Some(20), Some(7)),
+        AttentionConfig::new().causal(true).softcap(5.0),
+    ];
+    for (i, cfg) in configs.iter().enumerate() {
+        check(
+            &Batch::<f32>::new(&q_lens, &k_lens, (4, 2), 32, i as u64),
+            cfg,
+            None,
+        );
+        check(
+            &Batch::<bf16>::new(&q_lens, &k_lens, (2, 2), 64, 10 + i as u64),
+            cfg,
+            None,
+        );
+    }
+}
+
+#[test]
+fn seqused_k_attends_to_the_first_keys_only() {
+    let batch = Batch::<f32>::new(&[20, 33, 8], &[40, 33, 16], (2, 1), 16, 3);
+    check(
+        &batch,
+        &AttentionConfig::new().causal(true),
+        Some(&[25, 33, 0]),
+    );
+    check(&batch, &AttentionConfig::new(), Some(&[1, 0, 16]));
+}
+
+#[test]
+fn equal_lengths_match_the_dense_batch_bit_for_bit() {
+    let (b, s, hq, hk, d) = (3, 45, 4, 2, 32);
+    let batch = Batch::<bf16>::new(&[s; 3], &[s; 3], (hq, hk), d, 9);
+    let cfg = AttentionConfig::new().causal(true);
+    let (cu, _) = batch.cu();
+    let seqs = Seqlens::new(&cu, &cu, s, s).unwrap();
+    let (pq, pk, pv) = (
+        batch.q_view(&batch.q),
+        batch.k_view(&batch.k),
+        batch.k_view(&batch.v),
+    );
+    let packed = varlen::forward(&cfg, &seqs, pq, pk, pv).unwrap();
+    // The same memory seen as a dense (b, s, h, d) batch.
+    let dq = TensorRef::contiguous(&batch.q[..], [b, s, hq, d]);
+    let dk = TensorRef::contiguous(&batch.k[..], [b, s, hk, d]);
+    let dv = TensorRef::contiguous(&batch.v[..], [b, s, hk, d]);
+    let dense = flashattn::forward(&cfg, dq, dk, dv).unwrap();
+    assert_eq!(packed.out, dense.out);
+    for bi in 0..b {
+        for h in 0..hq {
+            for i in 0..s {
+                // varlen (heads, total) against dense (batch, heads, seqlen)
+                assert_eq!(
+                    packed.lse[h * b * s + bi * s + i].to_bits(),
+                    dense.lse[(bi * hq + h) * s + i].to_bits()
+                );
+            }
+        }
+    }
+    let gp = varlen::backward(
+        &cfg,
+        &seqs,
+        BackwardInputs {
+            q: pq,
+            k: pk,
+            v: pv,
+            out: batch.q_view(&packed.out),
+            dout: batch.q_view(&batch.dout),
+            lse: &packed.lse,
+        },
+    )
+    .unwrap();
+    let gd = flashattn::backward(
+        &cfg,
+        BackwardInputs {
+            q: dq,
+            k: dk,
+            v: dv,
+            out: TensorRef::contiguous(&dense.out, [b, s, hq, d]),
+            dout: TensorRef::contiguous(&batch.dout, [b, s, hq, d]),
+            lse: &dense.lse,
+        },
+    )
+    .unwrap();
+    assert_eq!((gp.dq, gp.dk, gp.dv), (gd.dq, gd.dk, gd.dv));
+}
+
+#[test]
+fn malformed_offsets_are_typed_errors() {
+    let bad = |r: flashattn::Result<Seqlens>| matches!(r, Err(Error::InvalidSeqlens(_)));
+    assert!(bad(Seqlens::new(&[], &[], 4, 4)));
+    assert!(bad(Seqlens::new(&[1, 4], &[0, 4], 4, 4)), "not from 0");
+    assert!(
+        bad(Seqlens::new(&[0, 4, 2], &[0, 4, 8], 4, 4)),
+        "decreasing"
+    );
+    assert!(
+        bad(Seqlens::new(&[0, 5], &[0, 4], 4, 4)),
+        "past max_seqlen_q"
+    );
+    assert!(
+        bad(Seqlens::new(&[0, 4], &[0, 4, 8], 4, 4)),
+        "counts differ"
+    );
+    assert!(bad(Seqlens::new(
+        &[0, i32::MAX, i32::MIN],
+        &[0, 1, 2],
+        usize::MAX,
+        4
+    )));
+    let ok = Seqlens::new(&[0, 2, 4], &[0, 3, 6], 2, 3).unwrap();
+    assert!(matches!(
+        ok.with_seqused_k(&[3]),
+        Err(Error::InvalidSeqlens(_))
+    ));
+    assert!(matches!(
+        ok.with_seqused_k(&[4, 0]),
+        Err(Error::InvalidSeqlens(_))
+    ));
+    assert!(matches!(
+        ok.with_seqused_k(&[-1, 0]),
+        Err(Error::InvalidSeqlens(_))
+    ));
+    // Tensors that disagree with the offsets: the last offset is not their row count.
+    let x = vec![0.5f32; 5 * 2 * 8];
+    let t = TensorRef::contiguous(&x, [1, 5, 2, 8]);
+    let e = varlen::forward(&AttentionConfig::new(), &ok, t, t, t).unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e:?}");
+    // A batch axis other than 1.
+    let t2 = TensorRef::contiguous(&x[..4 * 2 * 8], [2, 2, 2, 8]);
+    let e = varlen::forward(&AttentionConfig::new(), &ok, t2, t2, t2).unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e:?}");
+}
+
+/// Q, K and V as strided views into one (total, 3, heads, d) buffer, as a fused QKV
+/// projection leaves them: read in place, the same answer as packed copies.
+#[test]
+fn views_into_a_fused_qkv_buffer_match_packed_copies() {
+    let (lens, h, d) = ([7usize, 0, 19, 4], 2, 16);
+    let total: usize = lens.iter().sum();
+    let mut rng = StdRng::seed_from_u64(21);
+    let qkv: Vec<f32> = normal(&mut rng, total * 3 * h * d);
+    let strides = [total * 3 * h * d, 3 * h * d, d, 1];
+    let view = |i: usize| {
+        TensorRef::new(
+            &qkv[i * h * d..],
+            Layout::with_strides([1, total, h, d], strides),
+        )
+    };
+    let packed = |i: usize| -> Vec<f32> {
+        (0..total)
+            .flat_map(|t| qkv[(t * 3 + i) * h * d..(t * 3 + i + 1) * h * d].to_vec())
+            .collect()
+    };
+    let cu = offsets(&lens);
+    let seqs = Seqlens::new(&cu, &cu, 19, 19).unwrap();
+    let cfg = AttentionConfig::new().causal(true);
+    let strided = varlen::forward(&cfg, &seqs, view(0), view(1), view(2)).unwrap();
+    let (pq, pk, pv) = (packed(0), packed(1), packed(2));
+    let shape = [1, total, h, d];
+    let copied = varlen::forward(
+        &cfg,
+        &seqs,
+        TensorRef::contiguous(&pq, shape),
+        TensorRef::contiguous(&pk, shape),
+        TensorRef::contiguous(&pv, shape),
+    )
+    .unwrap();
+    assert_eq!(strided.out, copied.out);
+    assert_eq!(strided.lse, copied.lse);
+}
+
+/// Valid offsets, or valid offsets with one value changed (most then malformed).
+fn offsets_maybe_corrupted() -> impl Strategy<Value = (Vec<i32>, Vec<i32>, usize, usize)> {
+    (
+        prop::collection::vec((0usize..10, 0usize..10), 1..5),
+        any::<bool>(),
+        any::<prop::sample::Index>(),
+        -3i32..3,
+    )
+        .prop_map(|(lens, corrupt, at, delta)| {
+            let q: Vec<usize> = lens.iter().map(|l| l.0).collect();
+            let k: Vec<usize> = lens.iter().map(|l| l.1).collect();
+            let (max_q, max_k) = (*q.iter().max().unwrap(), *k.iter().max().unwrap());
+            let (mut cu_q, cu_k) = (offsets(&q), offsets(&k));
+            if corrupt {
+                let i = at.index(cu_q.len());
+                cu_q[i] += delta;
+            }
+            (cu_q, cu_k, max_q, max_k)
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    /// Any offsets: an error, or every output row written with a finite O and an LSE that is
+    /// finite or +inf (+inf exactly on the rows of sequences without keys); never a panic.
+    #[test]
+    fn any_offsets_give_an_error_or_a_full_answer(
+        (cu_q, cu_k, max_q, max_k) in offsets_maybe_corrupted(),
+        causal in any::<bool>(),
+    ) {
+        let Ok(seqs) = Seqlens::new(&cu_q, &cu_k, max_q, max_k) else { return Ok(()); };
+        let (tq, tk) = (seqs.total_q().max(1), seqs.total_k().max(1));
+        let xq: Vec<f32> = (0..tq * 2 * 8).map(|i| (i as f32 * 0.37).sin()).collect();
+        let xk: Vec<f32> = (0..tk * 2 * 8).map(|i| (i as f32 * 0.21).cos()).collect();
+        let q = TensorRef::contiguous(&xq, [1, tq, 2, 8]);
+        let k = TensorRef::contiguous(&xk, [1, tk, 2, 8]);
+        let cfg = AttentionConfig::new().causal(causal);
+        match varlen::forward(&cfg, &seqs, q, k, k) {
+            Ok(f) => {
+                prop_assert!(seqs.total_q() > 0 && seqs.total_k() > 0);
+                prop_assert!(f.out.iter().all(|x| x.is_finite()));
+                for b in 0..seqs.batch() {
+                    let (rows, sk) = (seqs.queries(b), seqs.keys(b).len());
+                    for h in 0..2 {
+                        for (r, i) in rows.clone().enumerate() {
+                            // Bottom-right causal: row r sees keys up to r + sk − sq.
+                            let sees_none = sk == 0 || (causal && r + sk < rows.len());
+                            let lse = f.lse[h * seqs.total_q() + i];
+                            prop_assert!(
+                                if sees_none { lse == f32::INFINITY } else { lse.is_finite() },
+                                "sequence {b} row {r}: lse {lse}"
+                            );
+                        }
+                    }
+                }
+            }
+            Err(e) => prop_assert!(
+                matches!(e, Error::ShapeMismatch { .. } | Error::EmptyDimension { .. }),
+                "{e:?}"
+            ),
+        }
+    }
+}
