@@ -3,155 +3,22 @@
 //! dV, over random N(0,1) inputs, with every output poisoned (NaN) before the call. Then fully
 //! masked rows and bad inputs, each bad input matched to its error variant.
 
+mod harness;
+
 use flashattn::reference::{self, compare, pack_f32, Comparison};
 use flashattn::{
-    AttentionConfig, AttentionMask, Backend, BackwardInputs, DType, Element, Error, GradientsMut,
-    Layout, Operand, TensorMut, TensorRef,
+    AttentionConfig, Backend, BackwardInputs, DType, Element, Error, GradientsMut, Layout, Operand,
+    TensorMut, TensorRef,
 };
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use rand_distr::{Distribution, StandardNormal};
 
-/// How a (b, s, h, d) tensor is laid out in memory.
-#[derive(Clone, Copy, Debug)]
-enum Storage {
-    Packed,
-    /// Stored as (b, h, s, d): the flash-attn layout permuted.
-    HeadMajor,
-    /// Packed heads, with `n` unused elements after each row and after each batch.
-    Padded(usize),
-}
+use harness::{poisoned, random, random_in, untouched_nan, Case, Storage};
 
-impl Storage {
-    fn layout(self, shape: [usize; 4]) -> Layout {
-        let [_, s, h, d] = shape;
-        match self {
-            Storage::Packed => Layout::contiguous(shape),
-            Storage::HeadMajor => Layout::with_strides(shape, [h * s * d, d, s * d, 1]),
-            Storage::Padded(n) => {
-                let row = h * d + n;
-                Layout::with_strides(shape, [s * row + n, row, d, 1])
-            }
-        }
-    }
-}
-
-#[derive(Clone, Copy, Debug)]
-struct Case {
-    b: usize,
-    sq: usize,
-    sk: usize,
-    hq: usize,
-    hkv: usize,
-    d: usize,
-    dtype: DType,
-    mask: AttentionMask,
-    softcap: Option<f32>,
-    storage: Storage,
-}
-
+/// The tables' shorthand: batch, s_q, s_k, heads of Q and of K/V, head dim, dtype.
 fn case(b: usize, sq: usize, sk: usize, hq: usize, hkv: usize, d: usize, dtype: DType) -> Case {
-    Case {
-        b,
-        sq,
-        sk,
-        hq,
-        hkv,
-        d,
-        dtype,
-        mask: AttentionMask::Full,
-        softcap: None,
-        storage: Storage::Packed,
-    }
-}
-
-impl Case {
-    fn causal(mut self) -> Self {
-        self.mask = AttentionMask::Causal;
-        self
-    }
-    fn window(mut self, left: Option<usize>, right: Option<usize>) -> Self {
-        self.mask = AttentionMask::Window { left, right };
-        self
-    }
-    fn softcap(mut self, cap: f32) -> Self {
-        self.softcap = Some(cap);
-        self
-    }
-    fn storage(mut self, s: Storage) -> Self {
-        self.storage = s;
-        self
-    }
-    fn cfg(&self) -> AttentionConfig {
-        let mut cfg = AttentionConfig::new().mask(self.mask);
-        cfg.softcap = self.softcap;
-        cfg
-    }
-    fn q_shape(&self) -> [usize; 4] {
-        [self.b, self.sq, self.hq, self.d]
-    }
-    fn kv_shape(&self) -> [usize; 4] {
-        [self.b, self.sk, self.hkv, self.d]
-    }
-    fn name(&self) -> String {
-        let mut s = format!(
-            "{:?} b{} sq{} sk{} h{}:{} d{}",
-            self.dtype, self.b, self.sq, self.sk, self.hq, self.hkv, self.d
-        );
-        match self.mask {
-            AttentionMask::Full => {}
-            AttentionMask::Causal => s += " causal",
-            mask => s += &format!(" window{:?}", mask.bounds()),
-        }
-        if let Some(c) = self.softcap {
-            s += &format!(" softcap{c}");
-        }
-        if !matches!(self.storage, Storage::Packed) {
-            s += &format!(" {:?}", self.storage);
-        }
-        s
-    }
-}
-
-/// A buffer laid out by `storage`, holding `packed` (b, s, h, d) values rounded to `T` and NaN
-/// in every slot the layout does not address (so reading one shows up as NaN in the output).
-fn place<T: Element>(packed: &[f32], shape: [usize; 4], storage: Storage) -> (Vec<T>, Layout) {
-    let layout = storage.layout(shape);
-    let mut buf = vec![T::from_f32(f32::NAN); layout.span(Operand::Q).unwrap()];
-    let [nb, ns, nh, nd] = shape;
-    let mut it = packed.iter();
-    for b in 0..nb {
-        for s in 0..ns {
-            for h in 0..nh {
-                let off = layout.offset(b, s, h, 0);
-                for x in &mut buf[off..off + nd] {
-                    *x = T::from_f32(*it.next().unwrap());
-                }
-            }
-        }
-    }
-    (buf, layout)
-}
-
-fn normal(rng: &mut StdRng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| StandardNormal.sample(rng)).collect()
-}
-
-fn poisoned<T: Element>(shape: [usize; 4], storage: Storage) -> (Vec<T>, Layout) {
-    let layout = storage.layout(shape);
-    (
-        vec![T::from_f32(f32::NAN); layout.span(Operand::Out).unwrap()],
-        layout,
-    )
-}
-
-/// NaN count of the slots a layout does not address (they must stay poisoned).
-fn untouched_nan<T: Element>(buf: &[T], layout: &Layout) -> (usize, usize) {
-    let [nb, ns, nh, nd] = layout.shape;
-    let addressed = nb * ns * nh * nd;
-    let nan = buf.iter().filter(|x| x.to_f32().is_nan()).count();
-    (nan, buf.len() - addressed)
+    Case::new(sq, sk, d).batch(b).heads(hq, hkv).dtype(dtype)
 }
 
 struct Outcome {
@@ -187,37 +54,32 @@ impl Outcome {
 fn run<T: Element>(c: &Case, seed: u64) -> Outcome {
     assert_eq!(T::DTYPE, c.dtype);
     let mut rng = StdRng::seed_from_u64(seed);
-    let (qs, kvs) = (c.q_shape(), c.kv_shape());
-    let n_q: usize = qs.iter().product();
-    let n_kv: usize = kvs.iter().product();
-    let (qb, ql) = place::<T>(&normal(&mut rng, n_q), qs, c.storage);
-    let (kb, kl) = place::<T>(&normal(&mut rng, n_kv), kvs, c.storage);
-    let (vb, vl) = place::<T>(&normal(&mut rng, n_kv), kvs, c.storage);
-    let (dob, dol) = place::<T>(&normal(&mut rng, n_q), qs, c.storage);
+    let (lq, lk) = c.layouts();
+    let [qb, kb, vb, dob] = [lq, lk, lk, lq].map(|l| random_in::<T>(&l, &mut rng));
     let (q, k, v) = (
-        TensorRef::new(&qb, ql),
-        TensorRef::new(&kb, kl),
-        TensorRef::new(&vb, vl),
+        TensorRef::new(&qb, lq),
+        TensorRef::new(&kb, lk),
+        TensorRef::new(&vb, lk),
     );
-    let dout = TensorRef::new(&dob, dol);
-    let cfg = c.cfg();
+    let dout = TensorRef::new(&dob, lq);
+    let cfg = c.cfg(Backend::Auto);
 
     // Forward into poisoned outputs; one LSE slot past the end must stay untouched.
-    let (mut ob, ol) = poisoned::<T>(qs, c.storage);
-    let lse_len = c.b * c.hq * c.sq;
+    let mut ob = poisoned::<T>(&lq);
+    let lse_len = c.batch * c.heads_q * c.seqlen_q;
     let mut lse = vec![f32::NAN; lse_len + 1];
-    let plan = flashattn::forward_into(&cfg, q, k, v, TensorMut::new(&mut ob, ol), &mut lse)
+    let plan = flashattn::forward_into(&cfg, q, k, v, TensorMut::new(&mut ob, lq), &mut lse)
         .unwrap_or_else(|e| panic!("{}: {e}", c.name()));
     assert_eq!(plan.backend, Backend::Cpu);
     assert!(lse[lse_len].is_nan(), "{}: wrote past the LSE", c.name());
-    let (nan, unaddressed) = untouched_nan(&ob, &ol);
+    let (nan, unaddressed) = untouched_nan(&ob, &lq);
     assert_eq!(
         nan,
         unaddressed,
         "{}: out poison left or padding written",
         c.name()
     );
-    let out = TensorRef::new(&ob, ol);
+    let out = TensorRef::new(&ob, lq);
 
     let r = reference::reference_forward(&cfg, q, k, v);
     let bl = reference::baseline_forward(&cfg, q, k, v);
@@ -227,9 +89,7 @@ fn run<T: Element>(c: &Case, seed: u64) -> Outcome {
     ];
 
     // Backward into poisoned gradients laid out like their inputs.
-    let (mut dqb, dql) = poisoned::<T>(qs, c.storage);
-    let (mut dkb, dkl) = poisoned::<T>(kvs, c.storage);
-    let (mut dvb, dvl) = poisoned::<T>(kvs, c.storage);
+    let [mut dqb, mut dkb, mut dvb] = [lq, lk, lk].map(|l| poisoned::<T>(&l));
     flashattn::backward_into(
         &cfg,
         BackwardInputs {
@@ -241,13 +101,13 @@ fn run<T: Element>(c: &Case, seed: u64) -> Outcome {
             lse: &lse[..lse_len],
         },
         GradientsMut {
-            dq: TensorMut::new(&mut dqb, dql),
-            dk: TensorMut::new(&mut dkb, dkl),
-            dv: TensorMut::new(&mut dvb, dvl),
+            dq: TensorMut::new(&mut dqb, lq),
+            dk: TensorMut::new(&mut dkb, lk),
+            dv: TensorMut::new(&mut dvb, lk),
         },
     )
     .unwrap();
-    for (what, buf, l) in [("dQ", &dqb, &dql), ("dK", &dkb, &dkl), ("dV", &dvb, &dvl)] {
+    for (what, buf, l) in [("dQ", &dqb, &lq), ("dK", &dkb, &lk), ("dV", &dvb, &lk)] {
         let (nan, unaddressed) = untouched_nan(buf, l);
         assert_eq!(nan, unaddressed, "{}: {what} poison left", c.name());
     }
@@ -255,15 +115,15 @@ fn run<T: Element>(c: &Case, seed: u64) -> Outcome {
     let bg = reference::baseline_backward(&cfg, q, k, v, dout);
     results.push((
         "dQ",
-        compare(&pack_f32(TensorRef::new(&dqb, dql)), &rg.dq, &bg.dq),
+        compare(&pack_f32(TensorRef::new(&dqb, lq)), &rg.dq, &bg.dq),
     ));
     results.push((
         "dK",
-        compare(&pack_f32(TensorRef::new(&dkb, dkl)), &rg.dk, &bg.dk),
+        compare(&pack_f32(TensorRef::new(&dkb, lk)), &rg.dk, &bg.dk),
     ));
     results.push((
         "dV",
-        compare(&pack_f32(TensorRef::new(&dvb, dvl)), &rg.dv, &bg.dv),
+        compare(&pack_f32(TensorRef::new(&dvb, lk)), &rg.dv, &bg.dv),
     ));
     Outcome {
         name: c.name(),
@@ -306,11 +166,11 @@ fn seqlens_not_multiples_of_tiles() {
             case(1, 1, 1, 2, 2, 64, BF16),
             case(1, 1, 17, 2, 2, 64, F16),
             case(1, 17, 17, 2, 2, 64, F32),
-            case(1, 17, 17, 2, 2, 64, F16).causal(),
-            case(1, 17, 17, 2, 2, 64, BF16).causal(),
-            case(1, 113, 113, 2, 2, 128, F32).causal(),
+            case(1, 17, 17, 2, 2, 64, F16).causal(true),
+            case(1, 17, 17, 2, 2, 64, BF16).causal(true),
+            case(1, 113, 113, 2, 2, 128, F32).causal(true),
             case(1, 113, 113, 2, 2, 128, BF16),
-            case(1, 1000, 1000, 1, 1, 32, BF16).causal(),
+            case(1, 1000, 1000, 1, 1, 32, BF16).causal(true),
             case(1, 1000, 1000, 1, 1, 32, F32).window(Some(100), Some(50)),
         ],
     );
@@ -322,11 +182,11 @@ fn seqlen_q_differs_from_seqlen_k() {
         2,
         &[
             case(1, 1000, 17, 2, 1, 32, F16),
-            case(1, 17, 1000, 2, 1, 32, BF16).causal(),
-            case(1, 113, 17, 2, 2, 64, F32).causal(),
-            case(1, 17, 113, 2, 2, 64, F32).causal(),
+            case(1, 17, 1000, 2, 1, 32, BF16).causal(true),
+            case(1, 113, 17, 2, 2, 64, F32).causal(true),
+            case(1, 17, 113, 2, 2, 64, F32).causal(true),
             case(2, 113, 77, 2, 2, 64, F16),
-            case(1, 1, 113, 2, 2, 64, BF16).causal(),
+            case(1, 1, 113, 2, 2, 64, BF16).causal(true),
         ],
     );
 }
@@ -337,11 +197,11 @@ fn gqa_and_mqa() {
         3,
         &[
             case(1, 64, 64, 8, 1, 64, BF16),
-            case(1, 33, 65, 8, 1, 32, F32).causal(),
+            case(1, 33, 65, 8, 1, 32, F32).causal(true),
             case(2, 50, 50, 8, 2, 64, F16).window(Some(9), Some(4)),
             case(1, 17, 40, 8, 2, 128, BF16),
             case(1, 70, 70, 6, 1, 64, F32),
-            case(1, 70, 90, 3, 1, 40, BF16).causal(),
+            case(1, 70, 90, 3, 1, 40, BF16).causal(true),
         ],
     );
 }
@@ -369,7 +229,7 @@ fn softcap() {
         5,
         &[
             case(1, 113, 113, 2, 2, 64, F32).softcap(5.0),
-            case(1, 113, 113, 2, 2, 64, BF16).causal().softcap(2.0),
+            case(1, 113, 113, 2, 2, 64, BF16).causal(true).softcap(2.0),
             case(1, 70, 70, 8, 2, 64, F16)
                 .window(Some(16), Some(16))
                 .softcap(10.0),
@@ -385,13 +245,13 @@ fn batches_with_strides() {
     run_all(
         6,
         &[
-            case(3, 33, 33, 4, 2, 64, F32).storage(Storage::HeadMajor),
+            case(3, 33, 33, 4, 2, 64, F32).storage(Storage::HeadMajor(0)),
             case(2, 77, 100, 4, 4, 128, BF16)
-                .causal()
-                .storage(Storage::HeadMajor),
+                .causal(true)
+                .storage(Storage::HeadMajor(0)),
             case(2, 65, 65, 2, 2, 64, F16).storage(Storage::Padded(8)),
             case(2, 40, 19, 4, 1, 40, BF16)
-                .causal()
+                .causal(true)
                 .storage(Storage::Padded(3)),
             case(4, 17, 9, 2, 2, 32, F32).storage(Storage::Padded(1)),
         ],
@@ -404,12 +264,12 @@ fn head_dims() {
         7,
         &[
             case(2, 64, 64, 2, 2, 32, F16),
-            case(1, 128, 128, 2, 2, 128, F32).causal(),
+            case(1, 128, 128, 2, 2, 128, F32).causal(true),
             case(1, 65, 65, 2, 2, 256, BF16),
-            case(1, 33, 47, 2, 1, 256, F32).causal(),
+            case(1, 33, 47, 2, 1, 256, F32).causal(true),
             case(1, 113, 113, 2, 2, 40, F32),
             case(1, 80, 80, 2, 2, 40, BF16).window(Some(12), Some(12)),
-            case(1, 60, 60, 2, 2, 96, F16).causal(),
+            case(1, 60, 60, 2, 2, 96, F16).causal(true),
             case(1, 17, 17, 1, 1, 3, F32),
             case(1, 49, 49, 2, 2, 72, BF16),
         ],
@@ -421,9 +281,9 @@ fn head_dims() {
 fn check_fully_masked(cfg: &AttentionConfig, sq: usize, sk: usize, masked: usize) {
     let (h, d) = (2, 32);
     let mut rng = StdRng::seed_from_u64(77);
-    let qv = normal(&mut rng, sq * h * d);
-    let kv = normal(&mut rng, sk * h * d);
-    let vv = normal(&mut rng, sk * h * d);
+    let qv = random::<f32>(sq * h * d, &mut rng);
+    let kv = random::<f32>(sk * h * d, &mut rng);
+    let vv = random::<f32>(sk * h * d, &mut rng);
     let (q, k, v) = (
         TensorRef::contiguous(&qv, [1, sq, h, d]),
         TensorRef::contiguous(&kv, [1, sk, h, d]),
@@ -458,7 +318,7 @@ fn check_fully_masked(cfg: &AttentionConfig, sq: usize, sk: usize, masked: usize
     assert!(c.pass, "O {c}");
     assert!(compare(&fwd.lse, &r.lse, &bl.lse).pass);
     let out = TensorRef::contiguous(&fwd.out, [1, sq, h, d]);
-    let dov = normal(&mut rng, sq * h * d);
+    let dov = random::<f32>(sq * h * d, &mut rng);
     let dout = TensorRef::contiguous(&dov, [1, sq, h, d]);
     let g = flashattn::backward(
         cfg,
@@ -514,9 +374,9 @@ fn check_fully_masked(cfg: &AttentionConfig, sq: usize, sk: usize, masked: usize
 fn a_nan_key_poisons_the_rows_that_see_it() {
     let (sq, sk, h, d) = (40, 70, 2, 32);
     let mut rng = StdRng::seed_from_u64(5);
-    let qv = normal(&mut rng, sq * h * d);
-    let mut kv = normal(&mut rng, sk * h * d);
-    let vv = normal(&mut rng, sk * h * d);
+    let qv = random::<f32>(sq * h * d, &mut rng);
+    let mut kv = random::<f32>(sk * h * d, &mut rng);
+    let vv = random::<f32>(sk * h * d, &mut rng);
     kv[(50 * h) * d + 3] = f32::NAN; // key 50 of head 0
     let cfg = AttentionConfig::new().causal(true); // row i sees keys up to i + 30
     let fwd = flashattn::forward(
@@ -553,26 +413,15 @@ fn fully_masked_rows_causal_more_queries_than_keys() {
 
 #[test]
 fn public_backward_matches_backend_and_is_deterministic() {
-    let c = case(2, 45, 70, 4, 2, 64, BF16).causal();
+    let c = case(2, 45, 70, 4, 2, 64, BF16).causal(true);
     let mut rng = StdRng::seed_from_u64(5);
-    let mut make = |shape: [usize; 4]| -> Vec<bf16> {
-        let n = shape.iter().product();
-        normal(&mut rng, n)
-            .into_iter()
-            .map(bf16::from_f32)
-            .collect()
-    };
-    let (qv, kv, vv, dov) = (
-        make(c.q_shape()),
-        make(c.kv_shape()),
-        make(c.kv_shape()),
-        make(c.q_shape()),
-    );
+    let [qv, kv, vv] = c.random_qkv::<bf16>(&mut rng);
+    let dov = random::<bf16>(qv.len(), &mut rng);
     let q = TensorRef::contiguous(&qv, c.q_shape());
     let k = TensorRef::contiguous(&kv, c.kv_shape());
     let v = TensorRef::contiguous(&vv, c.kv_shape());
     let dout = TensorRef::contiguous(&dov, c.q_shape());
-    let cfg = c.cfg();
+    let cfg = c.cfg(Backend::Auto);
     let fwd = flashattn::forward(&cfg, q, k, v).unwrap();
     // forward() and forward_into() agree bit for bit.
     let mut o2 = vec![bf16::from_f32(f32::NAN); fwd.out.len()];
@@ -645,9 +494,9 @@ fn sampled_rows_of_a_larger_shape() {
     // absolute bound).
     let (b, s, h, d) = (1, 1536, 4, 64);
     let mut rng = StdRng::seed_from_u64(9);
-    let qv = normal(&mut rng, b * s * h * d);
-    let kv = normal(&mut rng, b * s * 2 * d);
-    let vv = normal(&mut rng, b * s * 2 * d);
+    let qv = random::<f32>(b * s * h * d, &mut rng);
+    let kv = random::<f32>(b * s * 2 * d, &mut rng);
+    let vv = random::<f32>(b * s * 2 * d, &mut rng);
     let q = TensorRef::contiguous(&qv, [b, s, h, d]);
     let k = TensorRef::contiguous(&kv, [b, s, 2, d]);
     let v = TensorRef::contiguous(&vv, [b, s, 2, d]);

@@ -6,6 +6,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+mod harness;
 
 use std::sync::Arc;
 
@@ -19,7 +20,8 @@ use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use common::{device, forward_into, poisoned_outputs, random, span, Case};
+use common::{device, forward_into, poisoned_outputs};
+use harness::{random, span, Case};
 
 struct Grads {
     dq: Comparison,
@@ -105,11 +107,14 @@ fn run_all<T: Element + DeviceRepr>(cases: &[Case], backend: Backend, label: &st
     let (dev, stream) = device();
     let mut failures = vec![];
     for (n, case) in cases.iter().enumerate() {
+        let case = &case.dtype(T::DTYPE);
         let g = run_case::<T>(&dev, &stream, case, backend, 2000 + n as u64);
         println!(
-            "{label} b{} sq{} sk{} h{}/{} d{} causal={} window={:?} softcap={:?} strided={}: dQ {}; dK {}; dV {}",
-            case.batch, case.seqlen_q, case.seqlen_k, case.heads_q, case.heads_kv, case.head_dim,
-            case.causal, case.window, case.softcap, case.strided, g.dq, g.dk, g.dv
+            "{label} {}: dQ {}; dK {}; dV {}",
+            case.name(),
+            g.dq,
+            g.dk,
+            g.dv
         );
         if !(g.dq.pass && g.dk.pass && g.dv.pass) {
             failures.push(format!("{case:?}"));
@@ -139,48 +144,22 @@ fn sweep(head_dim: usize) -> Vec<Case> {
     ];
     let mut cases = vec![];
     for causal in [false, true] {
+        let case = |sq, sk| Case::new(sq, sk, head_dim).causal(causal);
         for &(sq, sk) in &pairs {
-            cases.push(Case::new(sq, sk, head_dim, causal));
+            cases.push(case(sq, sk));
         }
-        cases.push(Case {
-            batch: 2,
-            heads_q: 8,
-            heads_kv: 2,
-            ..Case::new(200, 200, head_dim, causal)
-        });
-        cases.push(Case {
-            batch: 2,
-            heads_q: 4,
-            heads_kv: 1,
-            ..Case::new(157, 301, head_dim, causal)
-        });
-        cases.push(Case {
-            batch: 3,
-            strided: true,
-            ..Case::new(130, 250, head_dim, causal)
-        });
+        cases.push(case(200, 200).batch(2).heads(8, 2));
+        cases.push(case(157, 301).batch(2).heads(4, 1));
+        cases.push(case(130, 250).batch(3).strided());
     }
+    let case = |sq, sk| Case::new(sq, sk, head_dim);
     // Causal key blocks go heaviest first across heads, the heads in groups whose Q, dO and dQ
     // fit half the L2: queries long enough for several groups at every head dim on an H200
     // (60 MiB), the last one partial at d64/d128 (rows before the last 200 see no key).
-    cases.push(Case {
-        batch: 2,
-        heads_q: 4,
-        heads_kv: 2,
-        ..Case::new(8192, 200, head_dim, true)
-    });
-    cases.push(Case {
-        window: (Some(64), Some(16)),
-        ..Case::new(400, 400, head_dim, false)
-    });
-    cases.push(Case {
-        window: (Some(100), None),
-        ..Case::new(300, 500, head_dim, false)
-    });
-    cases.push(Case {
-        softcap: Some(30.0),
-        ..Case::new(257, 257, head_dim, true)
-    });
+    cases.push(case(8192, 200).causal(true).batch(2).heads(4, 2));
+    cases.push(case(400, 400).window(Some(64), Some(16)));
+    cases.push(case(300, 500).window(Some(100), None));
+    cases.push(case(257, 257).causal(true).softcap(30.0));
     cases
 }
 
@@ -259,37 +238,22 @@ fn sm90_bwd_d256_f16() {
 fn sm90_bwd_sanitizer_set() {
     let cases = [
         // Two query blocks per stage cycle, a partial key block, causal masks.
-        Case::new(200, 130, 64, true),
-        Case {
-            heads_q: 4,
-            heads_kv: 2,
-            ..Case::new(65, 300, 128, false)
-        },
+        Case::new(200, 130, 64).causal(true),
+        Case::new(65, 300, 128).heads(4, 2),
         // A key block no query row sees (window): the CTA loads nothing, writes zeros.
-        Case {
-            window: (Some(100), None),
-            ..Case::new(100, 400, 128, false)
-        },
+        Case::new(100, 400, 128).window(Some(100), None),
         // Deterministic: semaphores hand each dQ slab from key block to key block, GQA per head.
-        Case {
-            heads_q: 4,
-            heads_kv: 2,
-            deterministic: true,
-            ..Case::new(200, 300, 64, true)
-        },
+        Case::new(200, 300, 64)
+            .causal(true)
+            .heads(4, 2)
+            .deterministic(true),
         // d256 (head dim split between the warpgroups): Pᵀ/dSᵀ stages, GQA, causal; and its
         // deterministic variant.
-        Case {
-            heads_q: 4,
-            heads_kv: 2,
-            ..Case::new(150, 130, 256, true)
-        },
-        Case {
-            heads_q: 4,
-            heads_kv: 2,
-            deterministic: true,
-            ..Case::new(150, 200, 256, true)
-        },
+        Case::new(150, 130, 256).causal(true).heads(4, 2),
+        Case::new(150, 200, 256)
+            .causal(true)
+            .heads(4, 2)
+            .deterministic(true),
     ];
     run_all::<bf16>(&cases, Backend::Sm90, "sm90 bwd sanitizer set");
 }
@@ -300,29 +264,11 @@ fn sm90_bwd_sanitizer_set() {
 fn sm90_bwd_dispatch() {
     let (dev, stream) = device();
     for (case, want) in [
-        (Case::new(100, 100, 128, true), Backend::Sm90),
-        (Case::new(100, 100, 256, true), Backend::Sm90),
-        (
-            Case {
-                deterministic: true,
-                ..Case::new(100, 100, 256, false)
-            },
-            Backend::Sm90,
-        ),
-        (
-            Case {
-                softcap: Some(30.0),
-                ..Case::new(100, 100, 64, false)
-            },
-            Backend::Sm80,
-        ),
-        (
-            Case {
-                deterministic: true,
-                ..Case::new(100, 100, 64, false)
-            },
-            Backend::Sm90,
-        ),
+        (Case::new(100, 100, 128).causal(true), Backend::Sm90),
+        (Case::new(100, 100, 256).causal(true), Backend::Sm90),
+        (Case::new(100, 100, 256).deterministic(true), Backend::Sm90),
+        (Case::new(100, 100, 64).softcap(30.0), Backend::Sm80),
+        (Case::new(100, 100, 64).deterministic(true), Backend::Sm90),
     ] {
         let g = run_case::<bf16>(&dev, &stream, &case, Backend::Auto, 5000);
         assert_eq!(g.backend, want, "{case:?}");
@@ -334,19 +280,10 @@ fn sm90_bwd_dispatch() {
 #[ignore = "needs a GPU"]
 fn sm80_bwd_sanitizer_set() {
     let cases = [
-        Case::new(70, 130, 64, true),
-        Case {
-            heads_q: 4,
-            heads_kv: 2,
-            ..Case::new(65, 90, 128, false)
-        },
+        Case::new(70, 130, 64).causal(true),
+        Case::new(65, 90, 128).heads(4, 2),
         // Deterministic: 3 dQ slices over 5 key blocks of 64 (CTAs walk two), GQA per head.
-        Case {
-            heads_q: 4,
-            heads_kv: 2,
-            deterministic: true,
-            ..Case::new(100, 300, 256, false)
-        },
+        Case::new(100, 300, 256).heads(4, 2).deterministic(true),
     ];
     run_all::<bf16>(&cases, Backend::Sm80, "sm80 bwd sanitizer set");
 }
@@ -357,18 +294,10 @@ fn check_deterministic(dims: &[usize], backend: Backend, extra: Vec<Case>) {
     let (dev, stream) = device();
     let mut cases = vec![];
     for &d in dims {
-        let det = |c: Case| Case {
-            deterministic: true,
-            ..c
-        };
-        cases.push(det(Case::new(1000, 1000, d, false)));
-        cases.push(det(Case::new(700, 1100, d, true)));
-        cases.push(det(Case {
-            batch: 2,
-            heads_q: 8,
-            heads_kv: 2,
-            ..Case::new(300, 513, d, false)
-        }));
+        let case = |sq, sk| Case::new(sq, sk, d).deterministic(true);
+        cases.push(case(1000, 1000));
+        cases.push(case(700, 1100).causal(true));
+        cases.push(case(300, 513).batch(2).heads(8, 2));
     }
     cases.extend(extra);
     let mut failures = vec![];
@@ -377,16 +306,8 @@ fn check_deterministic(dims: &[usize], backend: Backend, extra: Vec<Case>) {
         let second = run_case::<bf16>(&dev, &stream, case, backend, 4000 + n as u64);
         let identical = first.bits == second.bits;
         println!(
-            "{backend:?} bwd deterministic b{} sq{} sk{} h{}/{} d{} causal={} window={:?}: dQ {}; \
-             dK {}; dV {}; bit-identical over two runs: {identical}",
-            case.batch,
-            case.seqlen_q,
-            case.seqlen_k,
-            case.heads_q,
-            case.heads_kv,
-            case.head_dim,
-            case.causal,
-            case.window,
+            "{backend:?} bwd {}: dQ {}; dK {}; dV {}; bit-identical over two runs: {identical}",
+            case.name(),
             first.dq,
             first.dk,
             first.dv
@@ -418,17 +339,9 @@ fn sm80_bwd_deterministic() {
 fn sm90_bwd_deterministic() {
     let mut extra = vec![];
     for d in [64, 128, 256] {
-        extra.push(Case {
-            deterministic: true,
-            window: (Some(200), Some(0)),
-            ..Case::new(900, 1000, d, false)
-        });
-        extra.push(Case {
-            deterministic: true,
-            heads_q: 2,
-            heads_kv: 2,
-            ..Case::new(3000, 3000, d, true)
-        });
+        let case = |sq, sk| Case::new(sq, sk, d).deterministic(true);
+        extra.push(case(900, 1000).window(Some(200), Some(0)));
+        extra.push(case(3000, 3000).causal(true).heads(2, 2));
     }
     check_deterministic(&[64, 128, 256], Backend::Sm90, extra);
 }

@@ -5,6 +5,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+mod harness;
 
 use std::sync::Arc;
 
@@ -16,13 +17,14 @@ use flashattn::cuda::{
 use flashattn::fp8::{Fp8Tensor, Granularity, RandomSignHadamard};
 use flashattn::reference::{self, compare, Comparison};
 use flashattn::unstable::{PingPong, Sm90Schedule, TailSplit};
-use flashattn::{AttentionConfig, Backend, Element, Error, Layout, Operand, TensorRef};
+use flashattn::{AttentionConfig, Backend, DType, Element, Error, Layout, Operand, TensorRef};
 use float8::F8E4M3;
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use common::{assert_nan_in_head_0, device, download, poisoned_outputs, random, Case};
+use common::{assert_nan_in_head_0, device, download, poisoned_outputs};
+use harness::{random, Case};
 
 /// Inputs of one case on the host and the device.
 struct Inputs<T> {
@@ -33,8 +35,7 @@ struct Inputs<T> {
 
 fn inputs<T: Element>(case: &Case, seed: u64) -> Inputs<T> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let nq = case.batch * case.seqlen_q * case.heads_q * case.head_dim;
-    let nk = case.batch * case.seqlen_k * case.heads_kv * case.head_dim;
+    let [nq, nk]: [usize; 2] = [case.q_shape(), case.kv_shape()].map(|s| s.iter().product());
     // A few large entries, so that block scales differ from block to block.
     let spike = |mut x: Vec<T>| {
         for i in (0..x.len()).step_by(997) {
@@ -56,8 +57,8 @@ fn quantize_on_device<T: Element + DeviceRepr>(
     x: &Inputs<T>,
     options: Fp8Options,
 ) -> Fp8Inputs {
-    let lq = Layout::contiguous([case.batch, case.seqlen_q, case.heads_q, case.head_dim]);
-    let lk = Layout::contiguous([case.batch, case.seqlen_k, case.heads_kv, case.head_dim]);
+    let lq = Layout::contiguous(case.q_shape());
+    let lk = Layout::contiguous(case.kv_shape());
     let q = stream.clone_htod(&x.q).unwrap();
     let k = stream.clone_htod(&x.k).unwrap();
     let v = stream.clone_htod(&x.v).unwrap();
@@ -74,8 +75,7 @@ fn quantize_on_device<T: Element + DeviceRepr>(
 /// The host's quantization of Q, K, V as the GPU step must do it.
 fn quantize_on_host<T: Element>(case: &Case, x: &Inputs<T>, options: Fp8Options) -> [Fp8Tensor; 3] {
     let d = case.head_dim;
-    let sq = [case.batch, case.seqlen_q, case.heads_q, d];
-    let sk = [case.batch, case.seqlen_k, case.heads_kv, d];
+    let (sq, sk) = (case.q_shape(), case.kv_shape());
     let f32s = |x: &[T]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
     let (mut q, mut k) = (f32s(&x.q), f32s(&x.k));
     if let Some(seed) = options.hadamard_seed {
@@ -132,7 +132,7 @@ fn check_quantize_case<T: Element + DeviceRepr>(
         stream.clone_dtoh(vd).unwrap(),
     );
     stream.synchronize().unwrap();
-    let what = format!("{case:?} {options:?} {}", std::any::type_name::<T>());
+    let what = format!("{:?} {options:?}", case.dtype(T::DTYPE));
     assert_eq!(qd, hq.scales(), "{what}: Q descales");
     assert_eq!(kd, hk.scales(), "{what}: K descales");
     assert_eq!(vd, hv.scales(), "{what}: V descales");
@@ -169,10 +169,7 @@ fn quantize_matches_the_host_definition() {
     for d in [64, 128, 256] {
         for (sq, sk) in [(1, 1), (128, 192), (300, 517), (1000, 77)] {
             for seed in [None, Some(5)] {
-                let mut case = Case::new(sq, sk, d, false);
-                case.batch = 2;
-                case.heads_q = 4;
-                case.heads_kv = 2;
+                let case = Case::new(sq, sk, d).batch(2).heads(4, 2);
                 let options = Fp8Options {
                     hadamard_seed: seed,
                 };
@@ -309,7 +306,7 @@ fn forward_on_device<T: Element + DeviceRepr>(
     schedule: Sm90Schedule,
 ) -> (Vec<T>, Vec<f32>) {
     let fp8 = quantize_on_device(dev, stream, case, x, options);
-    let lq = Layout::contiguous([case.batch, case.seqlen_q, case.heads_q, case.head_dim]);
+    let lq = Layout::contiguous(case.q_shape());
     let mut out = poisoned_outputs::<T>(stream, case, lq.shape.iter().product());
     let mut cfg = case.cfg(Backend::Sm90);
     cfg.sm90_schedule = schedule;
@@ -351,8 +348,7 @@ fn run_forward_case<T: Element + DeviceRepr>(
 
     let [hq, hk, hv] = quantize_on_host(case, &x, options);
     let (dq, dk, dv) = (hq.dequantize(), hk.dequantize(), hv.dequantize());
-    let sq = [case.batch, case.seqlen_q, case.heads_q, case.head_dim];
-    let sk = [case.batch, case.seqlen_k, case.heads_kv, case.head_dim];
+    let (sq, sk) = (case.q_shape(), case.kv_shape());
     let cpu = case.cfg(Backend::Cpu);
     let want = reference::reference_forward(
         &cpu,
@@ -380,41 +376,30 @@ fn forward_cases() -> Vec<Case> {
                 (640, 129),
                 (256, 1000),
             ] {
-                cases.push(Case::new(sq, sk, d, causal));
+                cases.push(Case::new(sq, sk, d).causal(causal));
             }
         }
         // The tail split (csrc/sm90/fwd_tail.h) on 132 SMs: 144 tiles, one whole wave and 12
         // tiles in pieces (GQA, odd lengths); two tiles (two heads) in one-block pieces (split
         // by the cost model too).
-        let mut tail = Case::new(1000, 3000, d, false);
-        tail.batch = 2;
-        tail.heads_q = 9;
-        tail.heads_kv = 3;
-        cases.push(tail);
-        cases.push(Case::new(100, 8192, d, false));
+        cases.push(Case::new(1000, 3000, d).batch(2).heads(9, 3));
+        cases.push(Case::new(100, 8192, d));
         // One query block per head: split when causal too.
-        cases.push(Case::new(100, 8192, d, true));
+        cases.push(Case::new(100, 8192, d).causal(true));
         // Sliding windows: banded, wide enough that middle tiles have unmasked key blocks
         // between masked ones, rows left with no key (O = 0, LSE = +inf), and one query block
         // under a window (split).
-        for (window, sq, sk) in [
+        for ((left, right), sq, sk) in [
             ((Some(100), Some(0)), 700, 700),
             ((Some(64), Some(32)), 500, 600),
             ((Some(700), Some(300)), 2000, 2000),
             ((Some(0), Some(0)), 300, 100),
             ((Some(3000), Some(0)), 100, 8192),
         ] {
-            cases.push(Case {
-                window,
-                ..Case::new(sq, sk, d, false)
-            });
+            cases.push(Case::new(sq, sk, d).window(left, right));
         }
         // GQA, batch > 1.
-        let mut gqa = Case::new(384, 517, d, true);
-        gqa.batch = 2;
-        gqa.heads_q = 4;
-        gqa.heads_kv = 1;
-        cases.push(gqa);
+        cases.push(Case::new(384, 517, d).causal(true).batch(2).heads(4, 1));
     }
     cases
 }
@@ -426,6 +411,8 @@ fn forward_matches_the_reference_over_quantized_inputs() {
     let mut failures = Vec::new();
     let mut n = 0;
     for (i, case) in forward_cases().iter().enumerate() {
+        // O in bf16 from bf16 inputs, in fp16 from fp16 ones, case by case in turn.
+        let case = &case.dtype(if i % 2 == 0 { DType::BF16 } else { DType::F16 });
         for hadamard_seed in [None, Some(3)] {
             let options = Fp8Options { hadamard_seed };
             // Without Hadamard, the tail split wherever it can be (csrc/sm90/fwd_tail.h): the
@@ -442,8 +429,7 @@ fn forward_matches_the_reference_over_quantized_inputs() {
                     ..Default::default()
                 }
             };
-            // O in bf16 from bf16 inputs, in fp16 from fp16 ones.
-            let (o, lse) = if i % 2 == 0 {
+            let (o, lse) = if case.dtype == DType::BF16 {
                 run_forward_case::<bf16>(&dev, &stream, case, options, split, i as u64, 0.0)
             } else {
                 run_forward_case::<f16>(&dev, &stream, case, options, split, i as u64, 0.0)
@@ -469,7 +455,7 @@ fn forward_matches_the_reference_over_quantized_inputs() {
 #[ignore = "needs an sm_90 GPU"]
 fn forward_passes_nan_on() {
     let (dev, stream) = device();
-    let case = Case::new(100, 4097, 128, false); // two heads, one query block each
+    let case = Case::new(100, 4097, 128); // two heads, one query block each
     let mut x = inputs::<bf16>(&case, 7);
     x.k[(2000 * case.heads_kv) * case.head_dim + 5] = bf16::NAN; // key 2000 of head 0
     let options = Fp8Options {
@@ -495,7 +481,7 @@ fn forward_holds_for_rows_of_only_negative_scores() {
     let mut failures = Vec::new();
     for d in [64, 128, 256] {
         for causal in [false, true] {
-            let case = Case::new(300, 517, d, causal);
+            let case = Case::new(300, 517, d).causal(causal);
             for hadamard_seed in [None, Some(3)] {
                 let options = Fp8Options { hadamard_seed };
                 let (o, lse) = run_forward_case::<bf16>(
@@ -524,15 +510,13 @@ fn forward_holds_for_rows_of_only_negative_scores() {
 fn pre_quantized_inputs_give_the_same_output() {
     let (dev, stream) = device();
     for d in [64, 128, 256] {
-        let mut case = Case::new(300, 517, d, true);
-        case.heads_q = 4;
-        case.heads_kv = 2;
+        let case = Case::new(300, 517, d).causal(true).heads(4, 2);
         let x = inputs::<bf16>(&case, 77);
         let options = Fp8Options::default();
         let own = quantize_on_device(&dev, &stream, &case, &x, options);
         let [hq, hk, hv] = quantize_on_host(&case, &x, options);
-        let lq = Layout::contiguous([case.batch, case.seqlen_q, case.heads_q, d]);
-        let lk = Layout::contiguous([case.batch, case.seqlen_k, case.heads_kv, d]);
+        let lq = Layout::contiguous(case.q_shape());
+        let lk = Layout::contiguous(case.kv_shape());
         let up = |t: &Fp8Tensor| {
             (
                 stream.clone_htod(t.data()).unwrap(),
@@ -579,7 +563,7 @@ fn pre_quantized_inputs_give_the_same_output() {
 #[ignore = "needs an sm_90 GPU"]
 fn fp8_refusals_are_typed_errors() {
     let (dev, stream) = device();
-    let case = Case::new(64, 64, 128, false);
+    let case = Case::new(64, 64, 128);
     let x = inputs::<bf16>(&case, 1);
     let fp8 = quantize_on_device(&dev, &stream, &case, &x, Fp8Options::default());
     let lq = Layout::contiguous([1, 64, 2, 128]);
@@ -609,7 +593,7 @@ fn fp8_refusals_are_typed_errors() {
     let e = forward(&case.cfg(Backend::Sm80), lq);
     assert!(matches!(e, Error::UnsupportedDtype { .. }), "sm80: {e:?}");
     // Head dim 96: no FP8 key block.
-    let odd = Case::new(64, 64, 96, false);
+    let odd = Case::new(64, 64, 96);
     let x = inputs::<bf16>(&odd, 2);
     let l = Layout::contiguous([1, 64, 2, 96]);
     let t = stream.clone_htod(&x.q).unwrap();

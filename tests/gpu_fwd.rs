@@ -5,6 +5,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+mod harness;
 
 use std::sync::Arc;
 
@@ -14,14 +15,13 @@ use flashattn::cuda::{CudaStream, Device};
 use flashattn::reference::{self, compare, Comparison};
 use flashattn::registry::TileRole;
 use flashattn::unstable::{PingPong, Sm90Schedule, TailSplit};
-use flashattn::{AttentionConfig, Backend, DType, Element, Error, Op, TensorRef};
+use flashattn::{AttentionConfig, Backend, Element, Error, Op, TensorRef};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use common::{
-    assert_nan_in_head_0, device, download, forward_into, poison, poisoned_outputs, Case,
-};
+use common::{assert_nan_in_head_0, device, download, forward_into, poison, poisoned_outputs};
+use harness::Case;
 
 /// The forward of `case` on the device over host inputs, outputs poisoned (NaN) before the
 /// launch; returns O and the LSE.
@@ -116,14 +116,11 @@ fn run_all_with<T: Element + DeviceRepr>(
     let (dev, stream) = device();
     let mut failures = vec![];
     for (n, case) in cases.iter().enumerate() {
+        let case = &case.dtype(T::DTYPE);
         let cfg = cfg(case);
         let backend = cfg.backend;
         let (o, lse) = run_case::<T>(&dev, &stream, case, cfg, 1000 + n as u64);
-        println!(
-            "{label} {:?} b{} sq{} sk{} h{}/{} d{} causal={} window={:?} softcap={:?} strided={}: O {o}; LSE {lse}",
-            backend, case.batch, case.seqlen_q, case.seqlen_k, case.heads_q, case.heads_kv,
-            case.head_dim, case.causal, case.window, case.softcap, case.strided
-        );
+        println!("{label} {backend:?} {}: O {o}; LSE {lse}", case.name());
         if !o.pass || !lse.pass {
             failures.push(format!("{case:?}"));
         }
@@ -154,89 +151,43 @@ fn sweep(head_dim: usize) -> Vec<Case> {
     let mut cases = vec![];
     for causal in [false, true] {
         for &(sq, sk) in &pairs {
-            cases.push(Case::new(sq, sk, head_dim, causal));
+            cases.push(Case::new(sq, sk, head_dim).causal(causal));
         }
     }
     // GQA, batch > 1, strided layouts, windows, softcap.
     for causal in [false, true] {
-        cases.push(Case {
-            batch: 2,
-            heads_q: 8,
-            heads_kv: 2,
-            ..Case::new(300, 300, head_dim, causal)
-        });
-        cases.push(Case {
-            batch: 2,
-            heads_q: 8,
-            heads_kv: 1,
-            ..Case::new(257, 515, head_dim, causal)
-        });
-        cases.push(Case {
-            batch: 3,
-            strided: true,
-            ..Case::new(200, 333, head_dim, causal)
-        });
-        cases.push(Case {
-            heads_q: 4,
-            heads_kv: 4,
-            softcap: Some(30.0),
-            ..Case::new(333, 333, head_dim, causal)
-        });
+        let case = |sq, sk| Case::new(sq, sk, head_dim).causal(causal);
+        cases.push(case(300, 300).batch(2).heads(8, 2));
+        cases.push(case(257, 515).batch(2).heads(8, 1));
+        cases.push(case(200, 333).batch(3).strided());
+        cases.push(case(333, 333).heads(4, 4).softcap(30.0));
     }
-    cases.push(Case {
-        window: (Some(100), Some(0)),
-        ..Case::new(700, 700, head_dim, false)
-    });
-    cases.push(Case {
-        window: (Some(64), Some(32)),
-        ..Case::new(500, 600, head_dim, false)
-    });
-    cases.push(Case {
-        window: (None, Some(17)),
-        ..Case::new(400, 300, head_dim, false)
-    });
-    cases.push(Case {
-        window: (Some(50), None),
-        ..Case::new(300, 400, head_dim, false)
-    });
+    let case = |sq, sk| Case::new(sq, sk, head_dim);
+    cases.push(case(700, 700).window(Some(100), Some(0)));
+    cases.push(case(500, 600).window(Some(64), Some(32)));
+    cases.push(case(400, 300).window(None, Some(17)));
+    cases.push(case(300, 400).window(Some(50), None));
     // Wide enough that middle tiles have masked key blocks above and below unmasked ones
     // (the kernels' loop copy for unmasked blocks runs between the two).
-    cases.push(Case {
-        window: (Some(1500), Some(700)),
-        ..Case::new(4000, 4000, head_dim, false)
-    });
+    cases.push(case(4000, 4000).window(Some(1500), Some(700)));
     // More tiles than SMs, so each persistent CTA walks several; with GQA and both masks.
     for causal in [false, true] {
-        cases.push(Case {
-            batch: 8,
-            heads_q: 16,
-            heads_kv: 4,
-            ..Case::new(200, 260, head_dim, causal)
-        });
+        cases.push(case(200, 260).causal(causal).batch(8).heads(16, 4));
     }
     // Causal tiles go heaviest first across heads, the heads in groups whose K and V fit 4/5 of
     // the L2: on an H200 (60 MiB) 16 heads of 16k keys make groups of 12 + 4 at d64, 6 + 6 + 4 at
     // d128, 3 × 5 + 1 at d256. (At 32k keys the f32 row sums of fp16 inputs drift past the rule's LSE
     // bound, on sm90 too.)
-    cases.push(Case {
-        batch: 2,
-        heads_q: 8,
-        heads_kv: 2,
-        ..Case::new(200, 16384, head_dim, true)
-    });
+    cases.push(case(200, 16384).causal(true).batch(2).heads(8, 2));
     // Many tiles, a third of which see no key (O = 0 from registers), interleaved with others.
-    cases.push(Case {
-        batch: 6,
-        heads_q: 24,
-        heads_kv: 24,
-        window: (Some(0), Some(0)),
-        ..Case::new(300, 100, head_dim, false)
-    });
+    cases.push(
+        case(300, 100)
+            .batch(6)
+            .heads(24, 24)
+            .window(Some(0), Some(0)),
+    );
     // Windows that leave some rows with no key at all: O = 0, LSE = +inf.
-    cases.push(Case {
-        window: (Some(0), Some(0)),
-        ..Case::new(300, 100, head_dim, false)
-    });
+    cases.push(case(300, 100).window(Some(0), Some(0)));
     cases
 }
 
@@ -275,13 +226,9 @@ fn sm80_fwd_d256_f16() {
 #[ignore = "needs a GPU"]
 fn sm80_fwd_sanitizer_set() {
     let cases = [
-        Case::new(17, 113, 64, false),
-        Case::new(130, 70, 128, true),
-        Case {
-            heads_q: 4,
-            heads_kv: 2,
-            ..Case::new(65, 200, 256, false)
-        },
+        Case::new(17, 113, 64),
+        Case::new(130, 70, 128).causal(true),
+        Case::new(65, 200, 256).heads(4, 2),
     ];
     run_all::<bf16>(&cases, Backend::Sm80, "sm80 sanitizer set");
 }
@@ -325,45 +272,26 @@ fn sm90_fwd_d256_f16() {
 fn sm90_fwd_tail_split() {
     let mut cases = vec![];
     for head_dim in [64, 128, 256] {
+        let case = |sq, sk| Case::new(sq, sk, head_dim);
         cases.extend([
-            Case::new(1000, 1500, head_dim, false),
-            Case::new(113, 2000, head_dim, false),
-            Case::new(1, 4097, head_dim, false),
-            Case::new(100, 8192, head_dim, false),
-            Case {
-                batch: 3,
-                strided: true,
-                ..Case::new(200, 1333, head_dim, false)
-            },
-            Case {
-                softcap: Some(30.0),
-                ..Case::new(333, 1100, head_dim, false)
-            },
+            case(1000, 1500),
+            case(113, 2000),
+            case(1, 4097),
+            case(100, 8192),
+            case(200, 1333).batch(3).strided(),
+            case(333, 1100).softcap(30.0),
             // 144 tiles on 132 SMs: one whole wave and 12 tiles in pieces, with GQA.
-            Case {
-                batch: 2,
-                heads_q: 9,
-                heads_kv: 3,
-                ..Case::new(1000, 3000, head_dim, false)
-            },
-            Case::new(1, 4097, head_dim, true),
-            Case {
-                batch: 2,
-                heads_q: 8,
-                heads_kv: 2,
-                ..Case::new(100, 5000, head_dim, true)
-            },
+            case(1000, 3000).batch(2).heads(9, 3),
+            case(1, 4097).causal(true),
+            case(100, 5000).causal(true).batch(2).heads(8, 2),
             // Non-causal with up to 1024 keys: the narrow key blocks (src/backend/gpu.rs).
-            Case::new(300, 1000, head_dim, false),
+            case(300, 1000),
             // More queries than keys, causal: rows 0..19 see no key, so every piece of theirs is
             // empty and the merge gives O = 0, LSE = +inf (two key blocks only at d256).
-            Case::new(120, 100, head_dim, true),
+            case(120, 100).causal(true),
             // Rows 0 and 63 see keys 2436..2936 and 2499..2999: the last block is a piece no
             // early row sees.
-            Case {
-                window: (Some(500), Some(0)),
-                ..Case::new(64, 3000, head_dim, false)
-            },
+            case(64, 3000).window(Some(500), Some(0)),
         ]);
     }
     let always = |case: &Case| {
@@ -381,7 +309,7 @@ fn sm90_fwd_tail_split() {
 #[ignore = "needs a Hopper GPU"]
 fn sm90_fwd_tail_split_passes_nan_on() {
     let (dev, stream) = device();
-    let case = Case::new(100, 4097, 128, false); // two heads, one query block each
+    let case = Case::new(100, 4097, 128); // two heads, one query block each
     let [q, mut k, v] = case.random_qkv::<bf16>(&mut StdRng::seed_from_u64(7));
     k[(2000 * case.heads_kv) * case.head_dim + 5] = bf16::NAN; // key 2000 of head 0
     for (backend, split) in [
@@ -449,29 +377,20 @@ fn sm90_fwd_tail_split_plans() {
     // Safety: every slice of this test lives on this one stream.
     unsafe { stream.context().disable_event_tracking() };
     let sms = dev.info().sm_count as usize;
-    let gqa = Case {
-        batch: 2,
-        heads_q: 9,
-        heads_kv: 3,
-        ..Case::new(1000, 3000, 128, false)
-    };
-    let headline = Case {
-        batch: 2,
-        heads_q: 16,
-        heads_kv: 16,
-        ..Case::new(8192, 8192, 128, false)
-    };
-    let windowed = Case {
-        window: (Some(500), Some(0)),
-        ..Case::new(1000, 3000, 128, false)
-    };
+    let gqa = Case::new(1000, 3000, 128).batch(2).heads(9, 3);
+    let headline = Case::new(8192, 8192, 128).batch(2).heads(16, 16);
+    let windowed = Case::new(1000, 3000, 128).window(Some(500), Some(0));
     let gqa_tiles = 2 * 9 * 8;
     let split = |tiles: usize| if tiles > sms { 3 } else { 2 };
     for (case, mode, want) in [
-        (Case::new(1, 4097, 128, false), TailSplit::Always, split(2)),
-        (Case::new(1, 4097, 128, false), TailSplit::Auto, split(2)),
-        (Case::new(1, 4097, 128, false), TailSplit::Off, 1),
-        (Case::new(100, 8192, 128, true), TailSplit::Auto, split(2)),
+        (Case::new(1, 4097, 128), TailSplit::Always, split(2)),
+        (Case::new(1, 4097, 128), TailSplit::Auto, split(2)),
+        (Case::new(1, 4097, 128), TailSplit::Off, 1),
+        (
+            Case::new(100, 8192, 128).causal(true),
+            TailSplit::Auto,
+            split(2),
+        ),
         (gqa, TailSplit::Always, split(gqa_tiles)),
         (gqa, TailSplit::Off, 1),
         // The cost model declines the 16k-token shape (measured ±0 at d128 s8k).
@@ -505,7 +424,7 @@ fn sm90_fwd_tail_split_in_a_cuda_graph() {
     let (dev, stream) = device();
     // Safety: every slice of this test lives on this one stream.
     unsafe { stream.context().disable_event_tracking() };
-    let case = Case::new(1, 4097, 128, false); // two tiles over 26 key blocks: split
+    let case = Case::new(1, 4097, 128); // two tiles over 26 key blocks: split
     let mut cfg = case.cfg(Backend::Sm90);
     cfg.sm90_schedule.split_tail = TailSplit::Always;
     let [q, k, v] = case.random_qkv::<bf16>(&mut StdRng::seed_from_u64(5));
@@ -552,12 +471,7 @@ fn sm90_fwd_ablation_schedules_agree() {
         (PingPong::Off, false),
     ] {
         let (dev, stream) = device();
-        let case = Case {
-            batch: 2,
-            heads_q: 4,
-            heads_kv: 2,
-            ..Case::new(777, 1029, 128, true)
-        };
+        let case = Case::new(777, 1029, 128).causal(true).batch(2).heads(4, 2);
         let mut cfg = case.cfg(Backend::Sm90);
         cfg.sm90_schedule = Sm90Schedule {
             pingpong,
@@ -566,7 +480,7 @@ fn sm90_fwd_ablation_schedules_agree() {
         };
         if !intra_wg_overlap && !cfg!(feature = "ablation") {
             // Not compiled: refused before anything runs, naming the feature.
-            match dev.plan(Op::Forward, &case.problem(DType::BF16), &cfg) {
+            match dev.plan(Op::Forward, &case.problem(), &cfg) {
                 Err(Error::Unsupported { what, .. }) if what.contains("`ablation`") => continue,
                 other => panic!("the ablation is not built, yet planned as {other:?}"),
             }
@@ -583,32 +497,16 @@ fn sm90_fwd_one_cta_per_tile_schedule() {
     // Masked problems on the one-CTA-per-tile grid (the default is the persistent schedule).
     let (dev, stream) = device();
     let cases = [
-        Case {
-            batch: 8,
-            heads_q: 16,
-            heads_kv: 4,
-            ..Case::new(700, 700, 128, true)
-        },
-        Case {
-            batch: 4,
-            heads_q: 32,
-            heads_kv: 8,
-            ..Case::new(300, 500, 64, true)
-        },
-        Case {
-            batch: 6,
-            heads_q: 24,
-            heads_kv: 24,
-            window: (Some(0), Some(0)),
-            ..Case::new(300, 100, 256, false)
-        },
-        Case {
-            batch: 3,
-            heads_q: 40,
-            heads_kv: 40,
-            window: (Some(90), Some(10)),
-            ..Case::new(400, 400, 128, false)
-        },
+        Case::new(700, 700, 128).causal(true).batch(8).heads(16, 4),
+        Case::new(300, 500, 64).causal(true).batch(4).heads(32, 8),
+        Case::new(300, 100, 256)
+            .batch(6)
+            .heads(24, 24)
+            .window(Some(0), Some(0)),
+        Case::new(400, 400, 128)
+            .batch(3)
+            .heads(40, 40)
+            .window(Some(90), Some(10)),
     ];
     for (n, case) in cases.iter().enumerate() {
         let mut cfg = case.cfg(Backend::Sm90);
@@ -627,21 +525,14 @@ fn sm90_fwd_narrow_key_blocks() {
     let (dev, stream) = device();
     let mut cases = vec![];
     for d in [64, 128] {
-        cases.push(Case::new(1500, 1500, d, false));
-        cases.push(Case::new(113, 1500, d, false));
-        cases.push(Case {
-            batch: 4,
-            heads_q: 16,
-            heads_kv: 2,
-            ..Case::new(300, 257, d, false)
-        });
+        cases.push(Case::new(1500, 1500, d));
+        cases.push(Case::new(113, 1500, d));
+        cases.push(Case::new(300, 257, d).batch(4).heads(16, 2));
     }
     for (n, case) in cases.iter().enumerate() {
         let mut cfg = case.cfg(Backend::Sm90);
         cfg.sm90_schedule.narrow_key_blocks = true;
-        let plan = dev
-            .plan(Op::Forward, &case.problem(DType::BF16), &cfg)
-            .unwrap();
+        let plan = dev.plan(Op::Forward, &case.problem(), &cfg).unwrap();
         assert_eq!(
             plan.tile().map(|t| t.role),
             Some(TileRole::Masked),
@@ -660,13 +551,8 @@ fn sm90_fwd_narrow_key_blocks() {
 fn sanitizer_sm90_fwd_small() {
     let mut cases = vec![];
     for d in [64, 128, 256] {
-        cases.push(Case::new(17, 200, d, true));
-        cases.push(Case {
-            batch: 2,
-            heads_q: 4,
-            heads_kv: 1,
-            ..Case::new(130, 77, d, false)
-        });
+        cases.push(Case::new(17, 200, d).causal(true));
+        cases.push(Case::new(130, 77, d).batch(2).heads(4, 1));
     }
     run_all::<bf16>(&cases, Backend::Sm90, "sanitizer");
 }

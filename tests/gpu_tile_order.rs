@@ -7,6 +7,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+mod harness;
 
 use flashattn::cuda::{DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut};
 use flashattn::reference::{self, compare};
@@ -15,7 +16,8 @@ use half::bf16;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use common::{device, random};
+use common::device;
+use harness::random;
 
 fn plan_with_a_huge_l2() {
     // Every test here sets the same value before its first launch, whichever runs first.

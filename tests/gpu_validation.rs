@@ -5,6 +5,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+mod harness;
 
 use std::sync::Arc;
 
@@ -19,7 +20,8 @@ use half::bf16;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use common::{device, random};
+use common::device;
+use harness::random;
 
 /// A sentinel the refused calls must leave in place.
 const UNTOUCHED: f32 = 7.25;

@@ -2,6 +2,8 @@
 //! own dense problem under the correctness rule (O, LSE, dQ, dK, dV), equal lengths against the
 //! dense batch bit for bit, `seqused_k`, empty sequences, and malformed offsets as typed errors.
 
+mod harness;
+
 use flashattn::reference::{self, compare};
 use flashattn::varlen::{self, Seqlens};
 use flashattn::{AttentionConfig, BackwardInputs, Element, Error, Layout, TensorRef};
@@ -9,12 +11,8 @@ use half::bf16;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use rand_distr::{Distribution, Normal};
 
-fn normal<T: Element>(rng: &mut StdRng, n: usize) -> Vec<T> {
-    let dist = Normal::new(0f32, 1.0).unwrap();
-    (0..n).map(|_| T::from_f32(dist.sample(rng))).collect()
-}
+use harness::random;
 
 fn offsets(lengths: &[usize]) -> Vec<i32> {
     let mut cu = vec![0i32];
@@ -52,10 +50,10 @@ impl<T: Element> Batch<T> {
             heads_q: heads.0,
             heads_kv: heads.1,
             d,
-            q: normal(&mut rng, tq * heads.0 * d),
-            k: normal(&mut rng, tk * heads.1 * d),
-            v: normal(&mut rng, tk * heads.1 * d),
-            dout: normal(&mut rng, tq * heads.0 * d),
+            q: random(tq * heads.0 * d, &mut rng),
+            k: random(tk * heads.1 * d, &mut rng),
+            v: random(tk * heads.1 * d, &mut rng),
+            dout: random(tq * heads.0 * d, &mut rng),
         }
     }
     fn cu(&self) -> (Vec<i32>, Vec<i32>) {
@@ -326,7 +324,7 @@ fn views_into_a_fused_qkv_buffer_match_packed_copies() {
     let (lens, h, d) = ([7usize, 0, 19, 4], 2, 16);
     let total: usize = lens.iter().sum();
     let mut rng = StdRng::seed_from_u64(21);
-    let qkv: Vec<f32> = normal(&mut rng, total * 3 * h * d);
+    let qkv: Vec<f32> = random(total * 3 * h * d, &mut rng);
     let strides = [total * 3 * h * d, 3 * h * d, d, 1];
     let view = |i: usize| {
         TensorRef::new(
