@@ -103,6 +103,10 @@ mod cuda {
         let mut sources = Vec::new();
         let mut headers = Vec::new();
         walk(&csrc, &mut sources, &mut headers);
+        // The toolchain self-test (research apparatus) only with its feature.
+        if !cfg!(feature = "selftest") {
+            sources.retain(|s| !s.ends_with("sm90/selftest_tma_wgmma.cu"));
+        }
         sources.sort();
         let mut units: Vec<(PathBuf, String)> = sources
             .iter()

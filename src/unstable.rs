@@ -2,10 +2,10 @@
 //! reproduce the FlashAttention-3 paper's ablations and that the benchmarks turn to measure one
 //! choice against another. The defaults are what the library runs; what a switch does, and
 //! whether it exists, may change between any two releases. The forward without intra-warpgroup
-//! overlap is compiled only with the `ablation` Cargo feature. The TMA + WGMMA self-test checks the
-//! toolchain on a Hopper GPU (the `cuda` feature).
+//! overlap is compiled only with the `ablation` Cargo feature, the TMA + WGMMA self-test (which
+//! checks the toolchain on a Hopper GPU) only with the `selftest` feature.
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "selftest")]
 pub use crate::cuda::selftest::{selftest_tma_wgmma, SelfTestReport};
 
 /// Scheduling switches of the Hopper forward kernel. Turning `pingpong` or `intra_wg_overlap`

@@ -29,6 +29,7 @@ fn device_query_reports_hopper() {
     assert!(info.max_smem_per_block_optin >= 96 * 1024);
 }
 
+#[cfg(feature = "selftest")]
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn selftest_tma_wgmma_matches_cpu() {

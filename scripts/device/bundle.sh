@@ -8,10 +8,11 @@ mkdir -p .device/bin
 
 # The H200 runs the sm80 family too: its machine code, so that no test run waits on the PTX JIT.
 export FLASHATTN_SM80_ARCH=90
+# With the toolchain self-test, which run.sh runs first (and under the sanitizers).
 {
-  cargo test --release --no-run --message-format=json
-  cargo bench --no-run --message-format=json
-  cargo build --release --examples --message-format=json
+  cargo test --release --features selftest --no-run --message-format=json
+  cargo bench --features selftest --no-run --message-format=json
+  cargo build --release --features selftest --examples --message-format=json
 } 2>/dev/null | python3 scripts/device/executables.py | while read -r name path; do
   # Only what run.sh runs there: the CPU-only tests run in CI, the criterion bench by hand
   # (every binary carries all the kernels, and the carry is limited to 64 MiB).

@@ -4,6 +4,7 @@
 //! Nothing here synchronizes the stream: results are ready when the stream says so.
 
 mod fp8;
+#[cfg(feature = "selftest")]
 pub(crate) mod selftest;
 mod views;
 
