@@ -448,7 +448,10 @@ mod cuda {
             "inline bool head_dim_known(int d) {{ return {}; }}\n\n",
             tests.join(" || ")
         ));
-        let mut families = vec!["FLASHATTN_KERNEL_SM90_SELFTEST".to_string()];
+        let mut families = Vec::new();
+        if cfg!(feature = "selftest") {
+            families.push("FLASHATTN_KERNEL_SM90_SELFTEST".to_string());
+        }
         for f in Family::ALL {
             if built.iter().any(|k| k.family == f) {
                 families.push(

@@ -68,5 +68,7 @@ mod tests {
             let built = KERNELS.iter().any(|k| k.family == family && k.built());
             assert_eq!(bits & bit != 0, built, "{family:?}");
         }
+        let selftest = bits & super::FLASHATTN_KERNEL_SM90_SELFTEST != 0;
+        assert_eq!(selftest, cfg!(feature = "selftest"), "the self-test kernel");
     }
 }

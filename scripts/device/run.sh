@@ -26,6 +26,9 @@ step nvidia-smi nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,
 for t in "$here"/bin/test-*; do
   step "$(basename "$t")" "$t" --include-ignored --show-output --test-threads=4
 done
+# The self-test steps below run it only in a bundle built with the `selftest` feature.
+"$here/bin/test-gpu" --list --include-ignored 2>/dev/null | grep -q '^selftest_tma_wgmma_matches_cpu: test' ||
+  failures+=("selftest-missing (bundle built without --features selftest)")
 for tool in memcheck racecheck synccheck; do
   step "sanitizer-$tool" compute-sanitizer --tool $tool --error-exitcode 9 \
     "$here/bin/test-gpu" --include-ignored --test-threads=1 selftest
