@@ -33,7 +33,7 @@ use crate::backend;
 use crate::config::AttentionConfig;
 use crate::dispatch::{self, BuiltKernels, Memory, Op, Plan};
 use crate::error::{Error, Operand, Result};
-use crate::tensor::{self, DType, Element, Layout, Problem, TensorMut, TensorRef};
+use crate::tensor::{Element, Layout, Problem, TensorMut, TensorRef};
 use crate::{alloc, BackwardInputs, ForwardOutput, Gradients, GradientsMut};
 
 /// The sequence boundaries of a packed batch, checked: `batch + 1` non-decreasing offsets from
@@ -167,38 +167,10 @@ impl<'a> Seqlens<'a> {
         };
         start..end
     }
-
-    /// The packed operands as one problem (batch 1, every row), as the planner checks sizes.
-    fn packed_problem(&self, heads_q: usize, heads_kv: usize, d: usize, dtype: DType) -> Problem {
-        Problem {
-            batch: 1,
-            seqlen_q: self.total_q(),
-            seqlen_k: self.total_k(),
-            heads_q,
-            heads_kv,
-            head_dim: d,
-            dtype,
-        }
-    }
 }
 
-/// Checks a packed operand against the sequences: batch extent 1, `total` rows; returns its
-/// (heads, head_dim).
-fn packed(operand: Operand, layout: &Layout, len: usize, total: usize) -> Result<[usize; 2]> {
-    tensor::check_len(operand, layout, len)?;
-    let [batch, rows, heads, d] = layout.shape;
-    if batch != 1 || rows != total {
-        return Err(Error::ShapeMismatch {
-            operand,
-            expected: [1, total, heads, d],
-            found: layout.shape,
-        });
-    }
-    Ok([heads, d])
-}
-
-/// Validates Q, K, V against `seqs` and plans the call on the host; the packed problem (its
-/// heads, head dim and dtype are every sequence's) and the plan.
+/// Validates Q, K, V against `seqs` and plans the call on the host; the packed problem (batch 1,
+/// every row: its heads, head dim and dtype are every sequence's) and the plan.
 fn plan<T: Element>(
     op: Op,
     cfg: &AttentionConfig,
@@ -207,24 +179,18 @@ fn plan<T: Element>(
     k: &TensorRef<T>,
     v: &TensorRef<T>,
 ) -> Result<(Problem, Plan)> {
-    let [heads_q, d] = packed(Operand::Q, &q.layout, q.data.len(), seqs.total_q())?;
-    let [heads_kv, dk] = packed(Operand::K, &k.layout, k.data.len(), seqs.total_k())?;
-    packed(Operand::V, &v.layout, v.data.len(), seqs.total_k())?;
-    if v.layout.shape != k.layout.shape {
-        return Err(Error::ShapeMismatch {
-            operand: Operand::V,
-            expected: k.layout.shape,
-            found: v.layout.shape,
-        });
+    q.check(Operand::Q)?;
+    k.check(Operand::K)?;
+    v.check(Operand::V)?;
+    let problem = Problem::from_layouts(&q.layout, &k.layout, &v.layout, T::DTYPE)?;
+    // Packed: a batch axis of 1 and the offsets' row counts.
+    for (operand, layout, rows) in [
+        (Operand::Q, &q.layout, seqs.total_q()),
+        (Operand::K, &k.layout, seqs.total_k()),
+    ] {
+        let [_, _, heads, d] = layout.shape;
+        Problem::expect_shape(operand, layout, [1, rows, heads, d])?;
     }
-    if dk != d {
-        return Err(Error::ShapeMismatch {
-            operand: Operand::K,
-            expected: [1, seqs.total_k(), heads_kv, d],
-            found: k.layout.shape,
-        });
-    }
-    let problem = seqs.packed_problem(heads_q, heads_kv, d, T::DTYPE);
     let plan = dispatch::plan(op, &problem, cfg, &Memory::Host, BuiltKernels::current())?;
     Ok((problem, plan))
 }
@@ -320,7 +286,7 @@ pub fn backward<T: Element>(
     let (heads, heads_kv, d) = (shape.heads_q, shape.heads_kv, shape.head_dim);
     let total_q = seqs.total_q();
     for (operand, t) in [(Operand::Out, &out), (Operand::DOut, &dout)] {
-        packed(operand, &t.layout, t.data.len(), total_q)?;
+        t.check(operand)?;
         Problem::expect_shape(operand, &t.layout, q.layout.shape)?;
     }
     if lse.len() < heads * total_q {
