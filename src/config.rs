@@ -210,11 +210,36 @@ impl KeyRule {
     pub fn is_full(&self) -> bool {
         self.left.is_none() && self.right.is_none()
     }
+
+    /// Whether the right bound hides a key from some row: row 0 sees keys up to
+    /// `seqlen_k − seqlen_q + right`, so a right window of `seqlen_q − 1` or more hides none.
+    pub fn bounds_some_row_on_the_right(&self) -> bool {
+        self.right
+            .is_some_and(|r| r.saturating_add(1) < self.seqlen_q)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_right_window_of_seqlen_q_minus_1_hides_no_key() {
+        let rule = |sq, right| AttentionMask::Window { left: None, right }.key_rule(sq, 50);
+        assert!(rule(8, Some(6)).bounds_some_row_on_the_right());
+        assert!(!rule(8, Some(7)).bounds_some_row_on_the_right());
+        assert!(!rule(8, Some(usize::MAX)).bounds_some_row_on_the_right());
+        assert!(!rule(8, None).bounds_some_row_on_the_right());
+        // What the rule says, row by row: row 0 misses the last key exactly when bounded.
+        for right in 0..10 {
+            let r = rule(8, Some(right));
+            assert_eq!(
+                r.key_range(0).1 < 50,
+                r.bounds_some_row_on_the_right(),
+                "{right}"
+            );
+        }
+    }
 
     #[test]
     fn causal_is_bottom_right_aligned() {

@@ -276,13 +276,12 @@ const NARROW_KEY_BLOCKS_UP_TO: usize = 1024;
 /// the schedule asks for it; its ablation (no intra-warpgroup overlap) and every other family
 /// run the `Base` row.
 fn tile_role(kernel: &Kernel, problem: &Problem, cfg: &AttentionConfig) -> TileRole {
-    // Row 0 sees keys up to seqlen_k − seqlen_q + right: a right window of seqlen_q − 1 or more
-    // bounds no row (the C side then drops it).
-    let right_bound = match cfg.mask.bounds().1 {
-        Some(0) => true,
-        Some(right) => right + 1 < problem.seqlen_q,
-        None => false,
-    };
+    // Causal goes to the kernels as their causal flag, which keeps the right bound even where
+    // it hides no key (one query row).
+    let right_bound = cfg.mask.is_causal()
+        || cfg
+            .key_rule(problem.seqlen_q, problem.seqlen_k)
+            .bounds_some_row_on_the_right();
     let masked = kernel.family == Family::Sm90Fwd
         && cfg.sm90_schedule.intra_wg_overlap
         && (right_bound
