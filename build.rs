@@ -468,7 +468,11 @@ mod cuda {
         }
         h.push_str(&format!(
             "inline uint32_t built_families() {{\n  return {};\n}}\n\n",
-            families.join(" | ")
+            if families.is_empty() {
+                "0".to_string()
+            } else {
+                families.join(" | ")
+            }
         ));
         for (f, func, rest, args) in [
             (

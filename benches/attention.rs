@@ -134,6 +134,7 @@ fn cpu(c: &mut Criterion) {
         heads_kv: h,
         head_dim: d,
         dtype: flashattn::DType::F32,
+        packed: false,
     };
     let flops = problem.forward_flops(false);
     let cfg = AttentionConfig::new();

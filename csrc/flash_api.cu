@@ -28,20 +28,29 @@ bool finite(float x) { return x == x && x - x == 0.f; }
 
 // Sizes every kernel family indexes with 32-bit integers; src/tensor.rs checks the same
 // (Problem::check_gpu_limits).
+// Packed batches: the entries' lengths are their bound, max_seqlen_q/k, and the tensors hold
+// one entry of seqlen_q/k rows.
 bool sizes_fit(const flashattn_params_t& p) {
   if (p.batch <= 0 || p.seqlen_q <= 0 || p.seqlen_k <= 0 || p.heads_q <= 0 || p.heads_kv <= 0 ||
       p.head_dim <= 0)
     return false;
   // Sequence lengths plus a block (or two) stay in int.
   if (p.seqlen_q > FLASHATTN_MAX_SEQLEN || p.seqlen_k > FLASHATTN_MAX_SEQLEN) return false;
+  const bool packed = p.cu_seqlens_q != nullptr;
+  const int entry_q = packed ? p.max_seqlen_q : p.seqlen_q;
+  const int entry_k = packed ? p.max_seqlen_k : p.seqlen_k;
   // Work items (block of 64 or more rows, batch · head) are numbered with ints (each factor
   // below 2^31, so that no product here passes int64) ...
   const int64_t heads = int64_t(p.batch) * p.heads_q;
   if (heads > INT32_MAX || p.head_dim > 256) return false;
-  const int64_t longest = p.seqlen_q > p.seqlen_k ? p.seqlen_q : p.seqlen_k;
+  const int64_t longest = entry_q > entry_k ? entry_q : entry_k;
   if ((longest / 64 + 1) * heads > INT32_MAX) return false;
-  // ... and so are the row passes' blocks of 2048 / head_dim rows (at most 2^42 elements).
-  if (heads * longest * p.head_dim > (int64_t(1) << 42)) return false;
+  // ... and so are the row passes' blocks of 2048 / head_dim rows (at most 2^42 elements); a
+  // packed backward's row passes also cover a 128-row pad per sequence.
+  const int64_t rows = packed ? (p.seqlen_q > p.seqlen_k ? p.seqlen_q : p.seqlen_k) +
+                                    int64_t(128) * p.batch
+                              : int64_t(p.batch) * longest;
+  if (rows * p.heads_q * p.head_dim > (int64_t(1) << 42)) return false;
   // Grids sized by the SM count, whose products with each other stay in int.
   return p.sm_count >= 1 && p.sm_count <= 4096;
 }
@@ -73,17 +82,24 @@ flashattn_result_t validate_common(const flashattn_params_t* p) {
   if (p->dtype != FLASHATTN_F16 && p->dtype != FLASHATTN_BF16 && p->dtype != FLASHATTN_E4M3)
     return kUnsupported;
   if (!flashattn::kernels::head_dim_known(p->head_dim)) return kUnsupported;
-  // Variable-length batches and paged KV are declared for the coming API, not built yet.
-  if (p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr || p->max_seqlen_q != 0 ||
-      p->max_seqlen_k != 0 || p->page_table != nullptr || p->page_table_batch_stride != 0 ||
-      p->page_size != 0)
+  // Packed batches: both offset arrays and bounds within the tensors' rows; dense: none of it.
+  if (p->cu_seqlens_q != nullptr) {
+    if (p->cu_seqlens_k == nullptr || p->max_seqlen_q < 1 || p->max_seqlen_q > p->seqlen_q ||
+        p->max_seqlen_k < 1 || p->max_seqlen_k > p->seqlen_k)
+      return kInvalid;
+  } else if (p->cu_seqlens_k != nullptr || p->seqused_k != nullptr || p->max_seqlen_q != 0 ||
+             p->max_seqlen_k != 0) {
+    return kInvalid;
+  }
+  // The paged KV cache is declared for the coming API, not built yet.
+  if (p->page_table != nullptr || p->page_table_batch_stride != 0 || p->page_size != 0)
     return kUnsupported;
   return kOk;
 }
 
 // The operands of one call: what it reads and what it writes.
 struct Operands {
-  View in[8];
+  View in[11];
   int n_in = 0;
   View out[5];
   int n_out = 0;
@@ -107,8 +123,21 @@ struct Operands {
   }
 };
 
+bool packed(const flashattn_params_t& p) { return p.cu_seqlens_q != nullptr; }
+
+// Entries on the tensors' batch axis: one when the sequences are packed along the rows.
+int tensor_batch(const flashattn_params_t& p) { return packed(p) ? 1 : p.batch; }
+
 View lse_view(const flashattn_params_t& p) {
-  return View::packed(p.lse, 4, int64_t(p.batch) * p.heads_q * p.seqlen_q, 4);
+  return View::packed(p.lse, 4, int64_t(tensor_batch(p)) * p.heads_q * p.seqlen_q, 4);
+}
+
+// A packed call's offsets and used-key counts, read by the kernels.
+void read_sequences(const flashattn_params_t& p, Operands& ops) {
+  if (!packed(p)) return;
+  ops.read(View::packed(p.cu_seqlens_q, 4, int64_t(p.batch) + 1, 4));
+  ops.read(View::packed(p.cu_seqlens_k, 4, int64_t(p.batch) + 1, 4));
+  if (p.seqused_k != nullptr) ops.read(View::packed(p.seqused_k, 4, p.batch, 4));
 }
 
 // The 16-bit forward's operands, or the FP8 forward's (V key-major over whole key blocks).
@@ -116,8 +145,8 @@ flashattn_result_t validate_fwd(const flashattn_params_t* p) {
   if (flashattn_result_t r = validate_common(p); r.status != FLASHATTN_OK) return r;
   const int e = elem_bytes(p->dtype);
   Operands ops;
-  ops.read(View::of(p->q, e, p->batch, p->seqlen_q, p->heads_q, p->head_dim));
-  ops.read(View::of(p->k, e, p->batch, p->seqlen_k, p->heads_kv, p->head_dim));
+  ops.read(View::of(p->q, e, tensor_batch(*p), p->seqlen_q, p->heads_q, p->head_dim));
+  ops.read(View::of(p->k, e, tensor_batch(*p), p->seqlen_k, p->heads_kv, p->head_dim));
   if (p->dtype == FLASHATTN_E4M3) {
     const int key_block = flashattn::sm90::fp8_key_block(p->head_dim);
     if (key_block <= 0) return kUnsupported;
@@ -133,11 +162,12 @@ flashattn_result_t validate_fwd(const flashattn_params_t* p) {
     ops.read(View::packed(p->k_descale, 4, kv_descales, 4));
     ops.read(View::packed(p->v_descale, 4, kv_descales, 4));
     if (p->out_dtype != FLASHATTN_F16 && p->out_dtype != FLASHATTN_BF16) return kInvalid;
-    ops.write(View::of(p->o, 2, p->batch, p->seqlen_q, p->heads_q, p->head_dim));
+    ops.write(View::of(p->o, 2, tensor_batch(*p), p->seqlen_q, p->heads_q, p->head_dim));
   } else {
-    ops.read(View::of(p->v, e, p->batch, p->seqlen_k, p->heads_kv, p->head_dim));
-    ops.write(View::of(p->o, e, p->batch, p->seqlen_q, p->heads_q, p->head_dim));
+    ops.read(View::of(p->v, e, tensor_batch(*p), p->seqlen_k, p->heads_kv, p->head_dim));
+    ops.write(View::of(p->o, e, tensor_batch(*p), p->seqlen_q, p->heads_q, p->head_dim));
   }
+  read_sequences(*p, ops);
   ops.write(lse_view(*p));
   return ops.valid() ? kOk : kInvalid;
 }
@@ -148,10 +178,10 @@ flashattn_result_t validate_bwd(const flashattn_params_t* p) {
   if (p->dtype == FLASHATTN_E4M3) return kUnsupported;
   const int e = elem_bytes(p->dtype);
   const auto q_like = [&](const flashattn_tensor_t& t) {
-    return View::of(t, e, p->batch, p->seqlen_q, p->heads_q, p->head_dim);
+    return View::of(t, e, tensor_batch(*p), p->seqlen_q, p->heads_q, p->head_dim);
   };
   const auto kv_like = [&](const flashattn_tensor_t& t) {
-    return View::of(t, e, p->batch, p->seqlen_k, p->heads_kv, p->head_dim);
+    return View::of(t, e, tensor_batch(*p), p->seqlen_k, p->heads_kv, p->head_dim);
   };
   Operands ops;
   ops.read(q_like(p->q));
@@ -160,6 +190,7 @@ flashattn_result_t validate_bwd(const flashattn_params_t* p) {
   ops.read(q_like(p->o));
   ops.read(q_like(p->dout));
   ops.read(lse_view(*p));
+  read_sequences(*p, ops);
   ops.write(q_like(p->dq));
   ops.write(kv_like(p->dk));
   ops.write(kv_like(p->dv));
@@ -205,7 +236,7 @@ extern "C" flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* param
   o.intra_wg_overlap = !(p.sm90_flags & FLASHATTN_SM90_NO_INTRA_WG_OVERLAP);
   auto s = static_cast<cudaStream_t>(stream);
   if (p.dtype == FLASHATTN_E4M3) {
-    if (p.softcap != 0.f) return kUnsupported;  // not built for FP8
+    if (p.softcap != 0.f || packed(p)) return kUnsupported;  // not built for FP8
     return flashattn::kernels::sm90_fp8_fwd(p, o, s);
   }
   return flashattn::kernels::sm90_fwd(p, o, s);
@@ -216,8 +247,9 @@ extern "C" flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* param
   flashattn_result_t r = validate_bwd(params);
   if (r.status != FLASHATTN_OK) return r;
   const flashattn_params_t p = with_unbounded_windows(*params);
-  // Softcap is not built for sm90: the dispatcher sends those calls to the sm80 backward.
-  if (p.softcap > 0.f) return kUnsupported;
+  // Softcap and packed batches are not built for sm90: the dispatcher sends those calls to the
+  // sm80 backward.
+  if (p.softcap > 0.f || packed(p)) return kUnsupported;
   return flashattn::kernels::sm90_bwd(p, static_cast<cudaStream_t>(stream));
 }
 

@@ -73,7 +73,7 @@ typedef struct {
 // Everything a forward or backward launch needs. Fields a path does not use are ignored;
 // pointers that are unused must be null.
 typedef struct {
-  // Forward operands. lse: f32 (batch, heads_q, seqlen_q), packed.
+  // Forward operands. lse: f32 (batch, heads_q, seqlen_q), packed (varlen: below).
   flashattn_tensor_t q, k, v, o;
   float* lse;
   // Backward operands: dout like o; dq like q; dk, dv like k, v.
@@ -94,12 +94,27 @@ typedef struct {
   int32_t window_right; // -1 = unbounded, as is any window >= seqlen_q - 1
   int32_t deterministic;
 
-  // Variable-length batches and the paged KV cache are not built yet: these must be null and 0
-  // (FLASHATTN_UNSUPPORTED otherwise, so that a caller never gets dense attention silently).
+  // Packed (variable-length, "varlen") batches, where cu_seqlens_q is not null: the tensors
+  // have one batch entry (batch strides ignored) of seqlen_q query rows and seqlen_k key rows,
+  // in which `batch` sequences lie one after another; sequence b owns query rows
+  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]),
+  // of which it attends to the first seqused_k[b] (null: all). Offsets (batch + 1 each) and
+  // seqused_k are int32 on the device; max_seqlen_q / max_seqlen_k (1 .. seqlen_q / seqlen_k)
+  // bound every sequence's lengths and size the grids. lse is then f32 (heads_q, seqlen_q).
+  // The offsets are read by the kernels only (no host synchronization), so they are not
+  // checked here: the kernels clamp each sequence into the tensors (start into [0, seqlen],
+  // end into [start, seqlen], length to max_seqlen, seqused_k into [0, length]), so that
+  // malformed offsets give unspecified values in the rows they name but never an access outside
+  // a buffer. Rows of the outputs (O, the LSE, dQ, dK, dV) that no sequence owns are not
+  // written; key rows a sequence owns past seqused_k get dK = dV = 0. Families without packed
+  // batches (sm90 backward, FP8 forward) refuse them with FLASHATTN_UNSUPPORTED.
   const int32_t* cu_seqlens_q;
   const int32_t* cu_seqlens_k;
+  const int32_t* seqused_k;
   int32_t max_seqlen_q, max_seqlen_k;
 
+  // The paged KV cache is not built yet: these must be null and 0 (FLASHATTN_UNSUPPORTED
+  // otherwise, so that a caller never gets dense attention silently).
   const int32_t* page_table;
   int64_t page_table_batch_stride;
   int32_t page_size;

@@ -214,6 +214,7 @@ fn main() {
                     heads_kv: shape[2],
                     head_dim: d,
                     dtype: DType::E4M3,
+                    packed: false,
                 };
                 let tflops = |ms: f64| problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
                 // Read bf16 Q, K, V once, write them in e4m3 (descales are negligible).

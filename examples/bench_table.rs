@@ -327,6 +327,7 @@ fn main() {
             heads_kv: shape[2],
             head_dim: d,
             dtype: flashattn::DType::BF16,
+            packed: false,
         };
         let tflops = problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
         let err_ratio = check(&stream, &inp, &cfg, shape);

@@ -224,6 +224,15 @@ pub fn check_backend(
                     backend,
                 });
             }
+            if problem.packed && !family.packed() {
+                return Err(Error::Unsupported {
+                    what: format!(
+                        "packed batches (varlen) in the {} (not built yet)",
+                        family.name()
+                    ),
+                    backend,
+                });
+            }
             problem.check_gpu_limits()?;
             // The kernels add a left window to key positions in 32 bits; one at least
             // seqlen_k - 1 wide leaves every row all its keys, and is unbounded.

@@ -37,12 +37,21 @@ impl fmt::Display for Operand {
     }
 }
 
-/// What an [`Error::WrongDevice`] is about: the stream or one of the tensors of the call.
+/// What an [`Error::WrongDevice`] is about: the stream, one of the tensors of the call, or a
+/// packed batch's sequence offsets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum CallPart {
     Stream,
     Tensor(Operand),
+    /// The sequence offsets (or used-key counts) of a packed batch.
+    Seqlens,
+}
+
+impl From<Operand> for CallPart {
+    fn from(operand: Operand) -> CallPart {
+        CallPart::Tensor(operand)
+    }
 }
 
 impl fmt::Display for CallPart {
@@ -50,6 +59,7 @@ impl fmt::Display for CallPart {
         match self {
             CallPart::Stream => f.write_str("the stream"),
             CallPart::Tensor(operand) => write!(f, "{operand}"),
+            CallPart::Seqlens => f.write_str("the sequence offsets"),
         }
     }
 }

@@ -73,6 +73,7 @@ fn params() -> flashattn_params_t {
         deterministic: 0,
         cu_seqlens_q: std::ptr::null(),
         cu_seqlens_k: std::ptr::null(),
+        seqused_k: std::ptr::null(),
         max_seqlen_q: 0,
         max_seqlen_k: 0,
         page_table: std::ptr::null(),
@@ -85,6 +86,24 @@ fn params() -> flashattn_params_t {
         sm_count: 132,
         sm90_flags: 0,
     }
+}
+
+/// A bf16 packed batch of 3 sequences in 512 query and 384 key rows (Q, K, V, O of one batch
+/// entry), valid but for what each test breaks.
+fn packed_params() -> flashattn_params_t {
+    let mut p = params();
+    let (h, d) = (4, 64);
+    for t in [&mut p.q, &mut p.o, &mut p.dout, &mut p.dq] {
+        *t = packed(t.ptr, 512, h, d);
+    }
+    for t in [&mut p.k, &mut p.v, &mut p.dk, &mut p.dv] {
+        *t = packed(t.ptr, 384, h, d);
+    }
+    (p.batch, p.seqlen_q, p.seqlen_k) = (3, 512, 384);
+    p.cu_seqlens_q = addr(20) as *const i32;
+    p.cu_seqlens_k = addr(21) as *const i32;
+    (p.max_seqlen_q, p.max_seqlen_k) = (300, 200);
+    p
 }
 
 type Entry = unsafe extern "C" fn(*const flashattn_params_t, *mut c_void) -> flashattn_result_t;
@@ -241,7 +260,7 @@ fn bad_strides_and_pointers() {
 #[test]
 fn sizes_and_options_out_of_range() {
     type Edit = fn(&mut flashattn_params_t);
-    let invalid: [(&str, Edit); 15] = [
+    let invalid: [(&str, Edit); 22] = [
         ("zero batch", |p| p.batch = 0),
         ("negative heads", |p| p.heads_q = -4),
         ("heads_q not a multiple of heads_kv", |p| p.heads_kv = 3),
@@ -271,16 +290,34 @@ fn sizes_and_options_out_of_range() {
         ("NaN softcap", |p| p.softcap = f32::NAN),
         ("infinite softcap", |p| p.softcap = f32::INFINITY),
         ("no SM count", |p| p.sm_count = 0),
+        // Packed batches: both offset arrays and both bounds, or none of them.
+        ("cu_seqlens_q alone", |p| {
+            p.cu_seqlens_q = addr(20) as *const i32
+        }),
+        ("cu_seqlens_k alone", |p| {
+            p.cu_seqlens_k = addr(21) as *const i32
+        }),
+        ("max_seqlen_k alone", |p| p.max_seqlen_k = 256),
+        ("seqused_k alone", |p| p.seqused_k = addr(23) as *const i32),
+        ("packed, max_seqlen_q 0", |p| {
+            *p = packed_params();
+            p.max_seqlen_q = 0;
+        }),
+        ("packed, max_seqlen_k past the rows", |p| {
+            *p = packed_params();
+            p.max_seqlen_k = p.seqlen_k + 1;
+        }),
+        ("packed, no cu_seqlens_k", |p| {
+            *p = packed_params();
+            p.cu_seqlens_k = std::ptr::null();
+        }),
     ];
     for (what, edit) in invalid {
         let mut p = params();
         edit(&mut p);
         refused_everywhere(&p, INVALID, what);
     }
-    let unsupported: [(&str, Edit); 6] = [
-        ("cu_seqlens_q", |p| p.cu_seqlens_q = addr(20) as *const i32),
-        ("cu_seqlens_k", |p| p.cu_seqlens_k = addr(21) as *const i32),
-        ("max_seqlen_k", |p| p.max_seqlen_k = 256),
+    let unsupported: [(&str, Edit); 3] = [
         ("page_table", |p| p.page_table = addr(22) as *const i32),
         ("page_size", |p| p.page_size = 16),
         ("head dim 96", |p| p.head_dim = 96),
@@ -293,6 +330,25 @@ fn sizes_and_options_out_of_range() {
     let mut p = params();
     p.dtype = 7;
     refused_everywhere(&p, UNSUPPORTED, "unknown dtype");
+    // Packed batches are not built for the Hopper backward (nor the FP8 forward, below).
+    expect(
+        "bwd_sm90",
+        flashattn_bwd_sm90,
+        &packed_params(),
+        UNSUPPORTED,
+        "packed batch",
+    );
+    // The offsets are inputs: a call's outputs must not overlap them.
+    let mut p = packed_params();
+    p.cu_seqlens_k = p.o.ptr as *const i32;
+    for (name, entry) in FORWARDS {
+        expect(name, entry, &p, INVALID, "offsets inside O");
+    }
+    let mut p = packed_params();
+    p.seqused_k = p.dk.ptr as *const i32;
+    for (name, entry) in BACKWARDS {
+        expect(name, entry, &p, INVALID, "used-key counts inside dK");
+    }
     // The FlashAttention-2 grid holds 65535 batch entries (the Hopper kernels take more).
     let mut p = params();
     (p.batch, p.seqlen_q, p.seqlen_k) = (70_000, 64, 64);
@@ -316,7 +372,7 @@ fn fp8_forward_checks_its_descales_and_output_type() {
         p
     };
     type Edit = fn(&mut flashattn_params_t);
-    let cases: [(&str, Edit, i32); 5] = [
+    let cases: [(&str, Edit, i32); 6] = [
         ("no Q descale", |p| p.q_descale = std::ptr::null(), INVALID),
         (
             "V descales inside O",
@@ -329,6 +385,14 @@ fn fp8_forward_checks_its_descales_and_output_type() {
             INVALID,
         ),
         ("softcap", |p| p.softcap = 30.0, UNSUPPORTED),
+        (
+            "packed batch",
+            |p| {
+                (p.cu_seqlens_q, p.cu_seqlens_k) = (addr(20) as *const i32, addr(21) as *const i32);
+                (p.max_seqlen_q, p.max_seqlen_k) = (128, 128);
+            },
+            UNSUPPORTED,
+        ),
         (
             "misaligned descale",
             |p| p.k_descale = (addr(11) as usize + 2) as *const f32,

@@ -60,6 +60,7 @@ fn dispatcher_explains_its_choice_on_the_device() {
         heads_kv: 8,
         head_dim: 128,
         dtype: flashattn::DType::BF16,
+        packed: false,
     };
     let cfg = AttentionConfig::new();
     let explained = match dev.plan(Op::Forward, &problem, &cfg) {

@@ -44,6 +44,7 @@ fn problem(batch: usize, seqlen_q: usize, seqlen_k: usize, heads: usize, d: usiz
         heads_kv: heads,
         head_dim: d,
         dtype: DType::BF16,
+        packed: false,
     }
 }
 

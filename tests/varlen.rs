@@ -4,7 +4,6 @@
 
 mod harness;
 
-use flashattn::reference::{self, compare};
 use flashattn::varlen::{self, Seqlens};
 use flashattn::{AttentionConfig, BackwardInputs, Element, Error, Layout, TensorRef};
 use half::bf16;
@@ -13,66 +12,10 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 use harness::random;
+use harness::varlen::{check_outputs, offsets, Batch, Outputs};
 
-fn offsets(lengths: &[usize]) -> Vec<i32> {
-    let mut cu = vec![0i32];
-    for &l in lengths {
-        cu.push(cu.last().unwrap() + l as i32);
-    }
-    cu
-}
-
-/// Rows `rows` of a packed `(1, total, heads, d)` buffer, copied as a dense `(1, n, heads, d)` one.
-fn rows<T: Copy>(x: &[T], rows: std::ops::Range<usize>, heads: usize, d: usize) -> Vec<T> {
-    x[rows.start * heads * d..rows.end * heads * d].to_vec()
-}
-
-/// One packed batch: lengths per sequence, its tensors, and a dO.
-struct Batch<T> {
-    q_lens: Vec<usize>,
-    k_lens: Vec<usize>,
-    heads_q: usize,
-    heads_kv: usize,
-    d: usize,
-    q: Vec<T>,
-    k: Vec<T>,
-    v: Vec<T>,
-    dout: Vec<T>,
-}
-
-impl<T: Element> Batch<T> {
-    fn new(q_lens: &[usize], k_lens: &[usize], heads: (usize, usize), d: usize, seed: u64) -> Self {
-        let mut rng = StdRng::seed_from_u64(seed);
-        let (tq, tk): (usize, usize) = (q_lens.iter().sum(), k_lens.iter().sum());
-        Batch {
-            q_lens: q_lens.to_vec(),
-            k_lens: k_lens.to_vec(),
-            heads_q: heads.0,
-            heads_kv: heads.1,
-            d,
-            q: random(tq * heads.0 * d, &mut rng),
-            k: random(tk * heads.1 * d, &mut rng),
-            v: random(tk * heads.1 * d, &mut rng),
-            dout: random(tq * heads.0 * d, &mut rng),
-        }
-    }
-    fn cu(&self) -> (Vec<i32>, Vec<i32>) {
-        (offsets(&self.q_lens), offsets(&self.k_lens))
-    }
-    fn max(&self) -> (usize, usize) {
-        let m = |l: &[usize]| l.iter().copied().max().unwrap_or(0);
-        (m(&self.q_lens), m(&self.k_lens))
-    }
-    fn q_view<'a>(&self, x: &'a [T]) -> TensorRef<'a, T> {
-        TensorRef::contiguous(x, [1, self.q_lens.iter().sum(), self.heads_q, self.d])
-    }
-    fn k_view<'a>(&self, x: &'a [T]) -> TensorRef<'a, T> {
-        TensorRef::contiguous(x, [1, self.k_lens.iter().sum(), self.heads_kv, self.d])
-    }
-}
-
-/// Runs the batch through varlen forward and backward with `used` keys per sequence (all
-/// without), and checks each sequence against its own dense f64 reference under the rule.
+/// Runs the batch through the CPU varlen forward and backward with `used` keys per sequence
+/// (all without) and checks every sequence.
 fn check<T: Element>(batch: &Batch<T>, cfg: &AttentionConfig, used: Option<&[i32]>) {
     let (cu_q, cu_k) = batch.cu();
     let (max_q, max_k) = batch.max();
@@ -99,81 +42,14 @@ fn check<T: Element>(batch: &Batch<T>, cfg: &AttentionConfig, used: Option<&[i32
         },
     )
     .unwrap();
-    let (hq, hk, d) = (batch.heads_q, batch.heads_kv, batch.d);
-    let total_q = seqs.total_q();
-    let f32s = reference::to_f32;
-    for b in 0..batch.q_lens.len() {
-        // The test's own bookkeeping of which rows are whose, not the library's.
-        let q0: usize = batch.q_lens[..b].iter().sum();
-        let k0: usize = batch.k_lens[..b].iter().sum();
-        let all_keys = k0..k0 + batch.k_lens[b];
-        let qr = q0..q0 + batch.q_lens[b];
-        let kr = k0..k0 + used.map_or(batch.k_lens[b], |u| u[b] as usize);
-        // Keys past seqused_k: no query sees them, their gradients are 0.
-        for x in [&grads.dk, &grads.dv] {
-            let unused = &x[kr.end * hk * d..all_keys.end * hk * d];
-            assert!(
-                unused.iter().all(|g| g.to_f32() == 0.0),
-                "sequence {b}: unused keys"
-            );
-        }
-        if qr.is_empty() {
-            // No query: no gradient reaches this sequence's keys.
-            for x in [&grads.dk, &grads.dv] {
-                let keys = &x[all_keys.start * hk * d..all_keys.end * hk * d];
-                assert!(
-                    keys.iter().all(|g| g.to_f32() == 0.0),
-                    "sequence {b}: no queries"
-                );
-            }
-            continue;
-        }
-        let got_lse: Vec<f32> = (0..hq)
-            .flat_map(|h| fwd.lse[h * total_q + qr.start..h * total_q + qr.end].to_vec())
-            .collect();
-        let got_o = f32s(&rows(&fwd.out, qr.clone(), hq, d));
-        let got_dq = f32s(&rows(&grads.dq, qr.clone(), hq, d));
-        if kr.is_empty() {
-            // No key: O = 0, LSE = +inf, no gradient.
-            assert!(
-                got_o.iter().chain(&got_dq).all(|&x| x == 0.0),
-                "sequence {b}"
-            );
-            assert!(got_lse.iter().all(|&x| x == f32::INFINITY), "sequence {b}");
-            continue;
-        }
-        let (sq, sk) = (qr.len(), kr.len());
-        let (q_rows, k_rows, v_rows, do_rows) = (
-            rows(&batch.q, qr.clone(), hq, d),
-            rows(&batch.k, kr.clone(), hk, d),
-            rows(&batch.v, kr.clone(), hk, d),
-            rows(&batch.dout, qr.clone(), hq, d),
-        );
-        let tq = TensorRef::new(&q_rows, Layout::contiguous([1, sq, hq, d]));
-        let tk = TensorRef::new(&k_rows, Layout::contiguous([1, sk, hk, d]));
-        let tv = TensorRef::new(&v_rows, Layout::contiguous([1, sk, hk, d]));
-        let tdo = TensorRef::new(&do_rows, Layout::contiguous([1, sq, hq, d]));
-        let want = reference::reference_forward(cfg, tq, tk, tv);
-        let base = reference::baseline_forward(cfg, tq, tk, tv);
-        let o = compare(&got_o, &want.out, &base.out);
-        let lse = compare(&got_lse, &want.lse, &base.lse);
-        let want_g = reference::reference_backward(cfg, tq, tk, tv, tdo);
-        let base_g = reference::baseline_backward(cfg, tq, tk, tv, tdo);
-        let dq = compare(&got_dq, &want_g.dq, &base_g.dq);
-        let dk = compare(
-            &f32s(&rows(&grads.dk, kr.clone(), hk, d)),
-            &want_g.dk,
-            &base_g.dk,
-        );
-        let dv = compare(
-            &f32s(&rows(&grads.dv, kr.clone(), hk, d)),
-            &want_g.dv,
-            &base_g.dv,
-        );
-        for (name, c) in [("O", o), ("LSE", lse), ("dQ", dq), ("dK", dk), ("dV", dv)] {
-            assert!(c.pass, "sequence {b} ({sq}x{sk}) {cfg:?}: {name} {c}");
-        }
-    }
+    let got = Outputs {
+        out: fwd.out,
+        lse: fwd.lse,
+        dq: grads.dq,
+        dk: grads.dk,
+        dv: grads.dv,
+    };
+    check_outputs(batch, cfg, used, &got);
 }
 
 #[test]

@@ -10,6 +10,8 @@
 #include <cstdint>
 
 #include "block_range.h"
+#include "bwd_workspace.h"
+#include "sequences.h"
 
 namespace flashattn {
 
@@ -18,6 +20,9 @@ namespace flashattn {
 // loads whole blocks and padded rows give P = 0. The f32 dQ accumulator (dq_slices slices of
 // (batch, heads_q, dq_rows, head_dim) floats, dq_slice_stride apart) is zeroed here too, instead
 // of by a memset of its own: one pass over memory fewer before the main kernel.
+// Packed calls (seqs.packed()): `batch` sequences, seqlen_q the tensors' rows, and dq_rows rows
+// per head in the packed layout of bwd_rows_start (batch 1 in the shapes below); rows of a head
+// that no sequence's run holds are written as padding too.
 struct BwdRowsParams {
   const void* o;
   const void* dout;
@@ -39,6 +44,7 @@ struct BwdRowsParams {
   // The sm90 deterministic backward's dQ semaphores (an int per 32 rows of (batch, heads_q,
   // dq_rows)), zeroed here instead of by a memset of their own; else null.
   int* dq_counters = nullptr;
+  Sequences seqs = Sequences{};  // default: dense
 };
 
 // kHeadDim / 8 threads per (batch, head, row), 8 columns each: O and dO as 8-element arrays
@@ -54,20 +60,37 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
   static_assert(kThreadsPerRow <= 32 && 32 % kThreadsPerRow == 0);
   const int64_t row_id = (int64_t(blockIdx.x) * 256 + threadIdx.x) / kThreadsPerRow;
   const int chunk = threadIdx.x % kThreadsPerRow;
-  const int64_t rows = int64_t(p.batch) * p.heads_q * p.dq_rows;
+  const int64_t rows = int64_t(p.seqs.packed() ? 1 : p.batch) * p.heads_q * p.dq_rows;
   // Threads past the last row stay for the shuffles (a row's threads share a warp) and store
   // nothing.
   const bool live = row_id < rows;
-  const int row = int(row_id % p.dq_rows);
+  const int w = int(row_id % p.dq_rows);  // row within the (batch entry, head)'s dq_rows
   const int64_t bh = row_id / p.dq_rows;
   const int head = int(bh % p.heads_q);
-  const int batch = int(bh / p.heads_q);
+  // The row's entry: dense, (batch, head) bh's; packed, the sequence whose run holds w, and the
+  // row within it (seqlen_q or more for padding and for rows of no run).
+  int batch = int(bh / p.heads_q), row = w, seqlen_q = p.seqlen_q, q_start = 0;
+  int64_t lse_at = bh * p.seqlen_q;  // the forward's LSE of (row 0, head)
+  KeyRange keys = p.keys;
+  if (p.seqs.packed()) {
+    const int b = bwd_entry_of_row(p.seqs, p.batch, w);
+    const Sequences::Entry e = p.seqs.at(b);
+    const int64_t r = w - bwd_rows_start(p.seqs, e, b, 0, p.heads_q, p.dq_rows);
+    seqlen_q = e.seqlen_q;
+    row = r >= 0 && r < seqlen_q ? int(r) : seqlen_q;
+    batch = e.batch;
+    q_start = e.q_start;
+    lse_at = e.rows_offset(head, p.heads_q, p.seqlen_q);
+    keys.seqlen_q = e.seqlen_q;
+    keys.seqlen_k = e.seqlen_k;
+  }
+  const int64_t at_row = int64_t(q_start) + row;  // on the tensors' row axis
   float sum = 0.f;
-  if (live && row < p.seqlen_q) {
+  if (live && row < seqlen_q) {
     auto o = static_cast<const Element*>(p.o) + batch * p.o_batch_stride +
-             head * p.o_head_stride + row * p.o_row_stride + chunk * 8;
+             head * p.o_head_stride + at_row * p.o_row_stride + chunk * 8;
     auto dout = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
-                head * p.do_head_stride + row * p.do_row_stride + chunk * 8;
+                head * p.do_head_stride + at_row * p.do_row_stride + chunk * 8;
     cutlass::Array<Element, 8> a = *reinterpret_cast<const cutlass::Array<Element, 8>*>(o);
     cutlass::Array<Element, 8> b = *reinterpret_cast<const cutlass::Array<Element, 8>*>(dout);
 #pragma unroll
@@ -83,23 +106,22 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
     dq[0] = make_float4(0.f, 0.f, 0.f, 0.f);
     dq[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  if (p.dq != nullptr && row < p.seqlen_q && p.keys.lo(row) >= p.keys.hi(row)) {
+  if (p.dq != nullptr && row < seqlen_q && keys.lo(row) >= keys.hi(row)) {
     auto dq = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride +
-              head * p.dq_head_stride + row * p.dq_row_stride + chunk * 8;
+              head * p.dq_head_stride + at_row * p.dq_row_stride + chunk * 8;
     *reinterpret_cast<cutlass::Array<Element, 8>*>(dq) = cutlass::Array<Element, 8>{};
   }
   if (p.dq_counters != nullptr && chunk == 0 && row_id % 32 == 0) p.dq_counters[row_id / 32] = 0;
   if (chunk == 0) {
     p.softmax_d[row_id] = sum;
-    p.lse_log2[row_id] =
-        row < p.seqlen_q ? p.lse[bh * p.seqlen_q + row] * float(M_LOG2E) : INFINITY;
+    p.lse_log2[row_id] = row < seqlen_q ? p.lse[lse_at + row] * float(M_LOG2E) : INFINITY;
   }
 }
 
 template <class Element, int kHeadDim>
 cudaError_t launch_bwd_preprocess(const BwdRowsParams& p, cudaStream_t stream) {
   constexpr int kRowsPerBlock = 256 / (kHeadDim / 8);
-  const int64_t rows = int64_t(p.batch) * p.heads_q * p.dq_rows;
+  const int64_t rows = int64_t(p.seqs.packed() ? 1 : p.batch) * p.heads_q * p.dq_rows;
   bwd_preprocess<Element, kHeadDim>
       <<<unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), 256, 0, stream>>>(p);
   return cudaGetLastError();
@@ -134,6 +156,24 @@ struct DqRowMajor {
   }
 };
 
+// The `group` consecutive heads of f32 sums from `src` (head g's (row, 0) at
+// src + g · head_floats + Layout::offset(row, 0)), summed in order, times `scale`, to 8 elements
+// of the element type at `dst`: columns [8c, 8c + 8).
+template <class Element, int kHeadDim, class Layout>
+__device__ void convert_chunk(const float* src, int64_t head_floats, int group, int64_t row,
+                              int c, Element* dst, float scale) {
+  float sum[8] = {};
+  for (int g = 0; g < group; ++g) {
+    const float* s = src + g * head_floats + Layout::offset(row, c * 8);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum[i] += s[i];
+  }
+  cutlass::Array<Element, 8> out;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = Element(sum[i] * scale);
+  *reinterpret_cast<cutlass::Array<Element, 8>*>(dst) = out;
+}
+
 // f32 sums to the element type, times `scale`: packed (batch, heads·group, src_rows, kHeadDim) in
 // the layout `Layout` gives (8 columns from a multiple of 8 are contiguous), the `group`
 // consecutive heads of each output head summed in order -> the first `seqlen` rows of each head,
@@ -151,18 +191,37 @@ __global__ void __launch_bounds__(256)
   const int row = int(row_id % seqlen);
   const int head = int(row_id / seqlen % heads);
   const int b = int(row_id / seqlen / heads);
-  float sum[8] = {};
-  for (int g = 0; g < group; ++g) {
-    const float* s = src + ((int64_t(b) * heads + head) * group + g) * src_rows * kHeadDim +
-                     Layout::offset(row, c * 8);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) sum[i] += s[i];
-  }
-  cutlass::Array<Element, 8> out;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = Element(sum[i] * scale);
-  *reinterpret_cast<cutlass::Array<Element, 8>*>(static_cast<Element*>(dst) + b * b_stride +
-                                                 head * h_stride + row * row_stride + c * 8) = out;
+  const int64_t head_floats = int64_t(src_rows) * kHeadDim;
+  convert_chunk<Element, kHeadDim, Layout>(
+      src + (int64_t(b) * heads + head) * group * head_floats, head_floats, group, row, c,
+      static_cast<Element*>(dst) + b * b_stride + head * h_stride + row * row_stride + c * 8,
+      scale);
+}
+
+// bwd_convert for packed calls, row-major sums over the tensors' `rows` key rows per head
+// ((heads·group, rows, kHeadDim), sequence b's rows at its k_start as the main kernel writes
+// them): each row that a sequence of `batch` owns (in [k_start, k_start + seqlen_k) of `owned`,
+// the Sequences without used-key counts: rows past a sequence's used keys hold the zeros the
+// main kernel left there) goes to `dst` (heads, strided; the batch stride is ignored). Rows that
+// no sequence owns are not written. One thread per 8 elements.
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(256)
+    bwd_convert_packed(const float* src, int rows, int group, void* dst, int64_t row_stride,
+                       int64_t h_stride, int heads, Sequences owned, int batch, float scale) {
+  const int64_t chunk = int64_t(blockIdx.x) * 256 + threadIdx.x;
+  constexpr int kChunks = kHeadDim / 8;
+  if (chunk >= int64_t(heads) * rows * kChunks) return;
+  const int64_t row_id = chunk / kChunks;  // (head, row) packed
+  const int c = int(chunk % kChunks);
+  const int row = int(row_id % rows);
+  const int head = int(row_id / rows);
+  const int b = last_start_at_most(batch, row, [&](int i) { return owned.at(i).k_start; });
+  const Sequences::Entry e = owned.at(b);
+  if (row < e.k_start || row - e.k_start >= e.seqlen_k) return;
+  const int64_t head_floats = int64_t(rows) * kHeadDim;
+  convert_chunk<Element, kHeadDim, DqRowMajor<kHeadDim>>(
+      src + int64_t(head) * group * head_floats, head_floats, group, row, c,
+      static_cast<Element*>(dst) + head * h_stride + row * row_stride + c * 8, scale);
 }
 
 }  // namespace flashattn

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "../flash_api.h"
+#include "sequences.h"
 
 namespace flashattn {
 
@@ -16,32 +17,97 @@ inline int dq_accum_rows(int seqlen_q) {
   return (seqlen_q + kDqRowAlign - 1) / kDqRowAlign * kDqRowAlign;
 }
 
+// Rows of the dQ accumulator, LSE·log2(e) and D, the "query workspace rows", per (tensor batch
+// entry, head). Dense: dq_accum_rows(seqlen_q) per (batch, head). Packed: per head (the tensors'
+// single batch entry) dq_accum_rows(seqlen_q) + kDqRowAlign · batch rows, in which sequence b's
+// run of dq_accum_rows(its length) rows starts at round_down(q_start, kDqRowAlign) +
+// kDqRowAlign · b (bwd_packed_run). That is the tensors' rows plus at most a pad per sequence,
+// where a run per (sequence, head) as long as the longest sequence would take
+// batch · max_seqlen_q. Each run stays clear of the next and of the end: with s = q_start and
+// n = length, round_down(s) + round_up(n) <= round_down(s + n) + kDqRowAlign, and s + n is at
+// most the next sequence's start (and at most seqlen_q), so run b ends by the next run's start,
+// round_down(s + n) + kDqRowAlign · (b + 1), and the last by dq_accum_rows(seqlen_q) +
+// kDqRowAlign · batch. Sequences::at clamps any offsets into that bound (malformed ones may
+// overlap runs, never pass the end). Runs start on multiples of kDqRowAlign, so a query block
+// (a divisor of it) never straddles two.
+inline int64_t bwd_rows_per_head(const flashattn_params_t& p) {
+  const int64_t rows = dq_accum_rows(p.seqlen_q);
+  return p.cu_seqlens_q == nullptr ? rows : rows + int64_t(kDqRowAlign) * p.batch;
+}
+
+// Packed: where sequence b (first row q_start on the tensors' rows) starts within a head's query
+// workspace rows.
+__host__ __device__ inline int64_t bwd_packed_run(int q_start, int b) {
+  return int64_t(q_start / kDqRowAlign * kDqRowAlign) + int64_t(kDqRowAlign) * b;
+}
+
+// Offset of (row 0, head `head`) of entry `b` (Sequences::at(b) is `e`) in the query workspace
+// rows (`rows` per (tensor batch entry, head): bwd_rows_per_head).
+__host__ __device__ inline int64_t bwd_rows_start(const Sequences& s, const Sequences::Entry& e,
+                                                  int b, int head, int heads, int rows) {
+  const int64_t at = (int64_t(e.batch) * heads + head) * rows;
+  return s.packed() ? at + bwd_packed_run(e.q_start, b) : at;
+}
+
+// The last b in [0, n) whose start(b) is at or before x (0 if none): a binary search, for starts
+// that grow with b, as well-formed offsets give them. For malformed offsets it returns some b in
+// [0, n), whose clamped Entry still keeps every access in bounds; the caller checks that x lies
+// inside what b owns.
+template <class Start>
+__device__ int last_start_at_most(int n, int64_t x, Start start) {
+  int lo = 0, hi = n;  // the answer lies in [lo, hi)
+  while (hi - lo > 1) {
+    const int mid = lo + (hi - lo) / 2;
+    if (start(mid) <= x) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// Packed calls: the sequence of `batch` whose run of query workspace rows (bwd_rows_start) holds
+// row `w` of a head, as far as any does (a row before run 0 or past a run's dq_accum_rows(length)
+// belongs to none: the caller checks).
+__device__ inline int bwd_entry_of_row(const Sequences& s, int batch, int64_t w) {
+  return last_start_at_most(batch, w, [&](int b) { return bwd_packed_run(s.at(b).q_start, b); });
+}
+
+// Rows of the GQA f32 dK/dV sums per (tensor batch entry, head): the key rows; sequence b's rows
+// at its k_start (the main kernel writes them under a row predicate, so no pad is needed).
+__host__ __device__ inline int64_t bwd_key_rows_start(const Sequences::Entry& e, int head,
+                                                      int heads, int rows_k) {
+  return (int64_t(e.batch) * heads + head) * rows_k + e.k_start;
+}
+
 // dQ slices in deterministic mode: as many CTAs per (batch, head) as fit in one wave on the SMs
-// (a second, partial wave would double the time), one slice each, at most one per 128 keys.
-// Atomic mode: one slice. src/backend/gpu.rs computes the same.
+// (a second, partial wave would double the time), one slice each, at most one per 128 keys of the
+// longest entry (packed: max_seqlen_k). Atomic mode: one slice. src/backend/gpu.rs computes the
+// same.
 inline int bwd_dq_splits(const flashattn_params_t& p) {
   if (!p.deterministic) return 1;
   const int64_t heads = int64_t(p.batch) * p.heads_q;
   const int64_t fill = p.sm_count / heads;
-  const int64_t most = (p.seqlen_k + 127) / 128;
+  const int seqlen_k = p.cu_seqlens_q == nullptr ? p.seqlen_k : p.max_seqlen_k;
+  const int64_t most = (seqlen_k + 127) / 128;
   return int(fill < 1 ? 1 : (fill > most ? most : fill));
 }
 
-// The caller's workspace (flashattn_params_t::workspace), byte offsets: the f32 dQ accumulator
-// (`dq_slices` of (batch, heads_q, dq_accum_rows(seqlen_q), d): the sm80 family's
-// bwd_dq_splits, the sm90 family's one), LSE·log2(e) and
-// rowsum(dO ∘ O) (batch, heads_q, dq_accum_rows(seqlen_q)) each, and with GQA the f32 dK and dV
-// sums (batch, heads_kv, seqlen_k, d), or in deterministic mode per query head (batch, heads_q,
-// seqlen_k, d); in deterministic mode last the sm90 backward's dQ semaphores (an int per
-// (batch, heads_q, 64-row query block, warpgroup of 2)). src/backend/gpu.rs sizes it the same way.
+// The caller's workspace (flashattn_params_t::workspace), byte offsets, with R =
+// bwd_rows_per_head(p) query workspace rows per (tensor batch entry, head) and B the tensors'
+// batch entries (dense: batch; packed: 1): the f32 dQ accumulator (`dq_slices` of
+// (B, heads_q, R, d): the sm80 family's bwd_dq_splits, the sm90 family's one), LSE·log2(e) and
+// rowsum(dO ∘ O) (B, heads_q, R) each, and with GQA the f32 dK and dV sums (B, heads_kv,
+// seqlen_k, d), or in deterministic mode per query head (B, heads_q, seqlen_k, d); in
+// deterministic mode last the sm90 backward's dQ semaphores (an int per (B, heads_q, 64-row query
+// block, warpgroup of 2)). Each region starts on a multiple of 256 bytes. src/backend/gpu.rs sizes
+// it the same way.
 struct BwdWorkspace {
   int64_t dq_accum, lse_log2, softmax_d, dk_accum, dv_accum, dq_semaphore, bytes;
 };
 inline BwdWorkspace bwd_workspace(const flashattn_params_t& p, int dq_slices) {
   auto align = [](int64_t x) { return (x + 255) / 256 * 256; };
-  const int64_t rows_dq = int64_t(p.batch) * p.heads_q * dq_accum_rows(p.seqlen_q);
-  const int64_t rows_k =
-      int64_t(p.batch) * (p.deterministic ? p.heads_q : p.heads_kv) * p.seqlen_k;
+  const int64_t batch = p.cu_seqlens_q == nullptr ? p.batch : 1;
+  const int64_t rows_dq = batch * p.heads_q * bwd_rows_per_head(p);
+  const int64_t rows_k = batch * (p.deterministic ? p.heads_q : p.heads_kv) * p.seqlen_k;
   BwdWorkspace w;
   w.dq_accum = 0;
   w.lse_log2 = dq_slices * align(rows_dq * p.head_dim * 4);

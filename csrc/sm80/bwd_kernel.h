@@ -1,7 +1,7 @@
 // The FlashAttention-2-style backward kernels (sm_80 and later: mma.sync, ldmatrix, cp.async).
 //
-// preprocess: D = rowsum(dO ∘ O) and LSE·log2(e) per query row (f32), one warp per row, padded
-//             with D = 0, LSE = +inf to whole query blocks.
+// preprocess: D = rowsum(dO ∘ O) and LSE·log2(e) per query row (f32), padded with D = 0,
+//             LSE = +inf to whole query blocks (common/bwd_passes.h).
 // main:       one CTA per (key block, head, batch) keeps its K and V blocks in shared memory and
 //             its dK, dV accumulators in registers, and walks the query blocks that see its keys:
 //               S = Q·Kᵀ and P = exp(S·scale − LSE) recomputed, dP = dO·Vᵀ, dS = P ∘ (dP − D),
@@ -15,6 +15,9 @@
 // postprocess: dQ (and the GQA dK, dV sums) from f32 to the element type, scaled; slices and
 //             heads summed in a fixed order.
 // The Q/dO buffer count is a run-time choice (two where the device's shared memory allows them).
+// Packed (varlen) calls run the same code: a CTA's batch index names a sequence, whose rows,
+// lengths and workspace rows its prologue looks up (Sequences, bwd_rows_start); the grid covers
+// the longest sequence's key blocks, and CTAs past their sequence's keys return at once.
 #pragma once
 
 #include "bwd_traits.h"
@@ -63,13 +66,35 @@ __global__ void __launch_bounds__(Traits::kThreads)
   }
   const int head_kv = head / (params.heads_q / params.heads_kv);
   const int tid = threadIdx.x;
+  // The entry (dense: batch entry `batch`; packed: a sequence) attends to its first seqlen_k
+  // keys, but writes dK and dV for every key it owns: a packed sequence's used keys (seqused_k)
+  // may stop short of its offsets' range, whose other keys get dK = dV = 0 here. Key rows that
+  // no sequence owns are not written. The entry is read again where it is needed, before and
+  // after the query block loop, rather than held in registers across the loops: the d64 kernels
+  // have none to spare there.
+  auto keys_owned = [&]() {
+    if (params.seqs.used_k == nullptr) return params.seqs.at(batch).seqlen_k;
+    Sequences owned = params.seqs;
+    owned.used_k = nullptr;
+    return owned.at(batch).seqlen_k;
+  };
   auto key_block = [&](const int n_block) {
     const int col_begin = n_block * kBlockN;
-    // Query rows that see any key of this block.
+    // The entry's rows and lengths, its keys, and where its rows lie in the query workspace rows.
+    const Sequences::Entry entry = params.seqs.at(batch);
+    const int seqlen_q = entry.seqlen_q, seqlen_k = entry.seqlen_k;
+    KeyRange keys = params.keys;
+    keys.seqlen_q = seqlen_q;
+    keys.seqlen_k = seqlen_k;
+    const int64_t rows_at_entry =
+        bwd_rows_start(params.seqs, entry, batch, head, params.heads_q, params.dq_rows);
+    // Query rows that see any key of this block (none past the used keys: rows_seeing knows
+    // only the windows).
     int row_lo, row_hi;
-    params.keys.rows_seeing(col_begin, col_begin + kBlockN, row_lo, row_hi);
+    keys.rows_seeing(col_begin, col_begin + kBlockN, row_lo, row_hi);
     const int m_first = row_lo / kBlockM;
-    const int m_count = row_hi > row_lo ? (row_hi - 1) / kBlockM + 1 - m_first : 0;
+    const int m_count =
+        row_hi > row_lo && col_begin < seqlen_k ? (row_hi - 1) / kBlockM + 1 - m_first : 0;
     // Step j visits query block m_first + (j + n_block) mod m_count: the key blocks of a head start
     // on different query blocks, so their dQ atomics do not all hit the same lines at once.
     auto block_at = [&](int j) {
@@ -77,25 +102,28 @@ __global__ void __launch_bounds__(Traits::kThreads)
       return m_first + (k < m_count ? k : k - m_count);
     };
 
+    // The entry's rows of head h from row `start` of the tensors' rows (64-bit: a packed start
+    // times the row stride can pass 2^31).
     auto gmem = [&](const void* ptr, int64_t b_stride, int64_t h_stride, int64_t row_stride, int h,
-                    int seqlen) {
-      auto base = static_cast<const Element*>(ptr) + batch * b_stride + h * h_stride;
+                    int start, int seqlen) {
+      auto base = static_cast<const Element*>(ptr) + entry.batch * b_stride + h * h_stride +
+                  int64_t(start) * row_stride;
       return make_tensor(make_gmem_ptr(base), make_shape(seqlen, Int<kHeadDim>{}),
                          make_stride(row_stride, _1{}));
     };
     using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
     using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
     Tensor gQ = local_tile(gmem(params.q, params.q_batch_stride, params.q_head_stride,
-                                params.q_row_stride, head, params.seqlen_q),
+                                params.q_row_stride, head, entry.q_start, seqlen_q),
                            TileQ{}, make_coord(_, 0));  // (M, d, m)
     Tensor gdO = local_tile(gmem(params.dout, params.do_batch_stride, params.do_head_stride,
-                                 params.do_row_stride, head, params.seqlen_q),
+                                 params.do_row_stride, head, entry.q_start, seqlen_q),
                             TileQ{}, make_coord(_, 0));
     Tensor gK = local_tile(gmem(params.k, params.k_batch_stride, params.k_head_stride,
-                                params.k_row_stride, head_kv, params.seqlen_k),
+                                params.k_row_stride, head_kv, entry.k_start, seqlen_k),
                            TileKV{}, make_coord(n_block, 0));
     Tensor gV = local_tile(gmem(params.v, params.v_batch_stride, params.v_head_stride,
-                                params.v_row_stride, head_kv, params.seqlen_k),
+                                params.v_row_stride, head_kv, entry.k_start, seqlen_k),
                            TileKV{}, make_coord(n_block, 0));
 
     // Q and dO of buffer 0; buffer s is QStage s (at_stage).
@@ -125,8 +153,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
     {
       Tensor tKsK = thr_gmem.partition_D(sK);
       Tensor tVsV = thr_gmem.partition_D(sV);
-      copy_rows(thr_gmem.partition_S(gK), tKsK, tKVc, params.seqlen_k - col_begin);
-      copy_rows(thr_gmem.partition_S(gV), tVsV, tKVc, params.seqlen_k - col_begin);
+      copy_rows(thr_gmem.partition_S(gK), tKsK, tKVc, seqlen_k - col_begin);
+      copy_rows(thr_gmem.partition_S(gV), tVsV, tKVc, seqlen_k - col_begin);
       cp_async_fence();
     }
 
@@ -175,8 +203,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
     Tensor tdQsdS = copy_dq_a.get_thread_slice(tid).partition_S(sdS);
     Tensor tdQsKt = copy_dq_b.get_thread_slice(tid).partition_S(sKt);
 
-    const int64_t bh_q = int64_t(batch) * params.heads_q + head;
-
     // Buffer `stage` of a partitioned Q or dO tensor of buffer 0.
     constexpr int kStageElems = int(sizeof(typename Traits::QStage) / sizeof(Element));
     static_assert(sizeof(typename Traits::QStage) % sizeof(Element) == 0);
@@ -188,11 +214,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
       const int row_begin = m * kBlockM;
       auto sq = at_stage(tQsQ, stage);
       auto sdo = at_stage(tdOsdO, stage);
-      copy_rows(tQgQ(_, _, _, m), sq, tQc, params.seqlen_q - row_begin);
-      copy_rows(tdOgdO(_, _, _, m), sdo, tQc, params.seqlen_q - row_begin);
+      copy_rows(tQgQ(_, _, _, m), sq, tQc, seqlen_q - row_begin);
+      copy_rows(tdOgdO(_, _, _, m), sdo, tQc, seqlen_q - row_begin);
       constexpr int kChunks = kBlockM / 4;  // 16-byte chunks per row vector
       static_assert(2 * kChunks <= Traits::kThreads);
-      const int64_t rows_at = bh_q * params.dq_rows + row_begin;
+      const int64_t rows_at = rows_at_entry + row_begin;
       if (tid < 2 * kChunks) {
         const int chunk = tid % kChunks;
         const bool is_lse = tid < kChunks;
@@ -217,8 +243,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
         const float d = smem.stage[stage].d[row_in];
         int lo = 0, hi = kBlockN;
         if constexpr (kSlow) {
-          lo = params.keys.lo(row_begin + row_in) - col_begin;
-          hi = params.keys.hi(row_begin + row_in) - col_begin;
+          lo = keys.lo(row_begin + row_in) - col_begin;
+          hi = keys.hi(row_begin + row_in) - col_begin;
         }
   #pragma unroll
         for (int c = 0; c < size<1>(rowcol); ++c) {
@@ -242,7 +268,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       gemm_smem(mma_sdp, acc_s, tSrQ, tSrK, at_stage(tSsQ, stage), tSsK, copy_sdp_a, copy_sdp_b);
       Tensor rowcol_s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       const bool masked =
-          params.keys.template block_needs_mask<kBlockN>(n_block, row_begin, row_begin + kBlockM);
+          keys.template block_needs_mask<kBlockN>(n_block, row_begin, row_begin + kBlockM);
 
       // P = exp2(s·c − lse·log2 e) to shared memory before the dP GEMM, so the stores drain
       // under it.
@@ -303,7 +329,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       clear(acc_dq);
       gemm_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b);
       // This CTA's dQ slice, recomputed here rather than held in registers across the loop.
-      float* dq_accum = params.dq_accum + (bh_q * params.dq_rows + row_begin) * kHeadDim + tid;
+      float* dq_accum = params.dq_accum + (rows_at_entry + row_begin) * kHeadDim + tid;
       if constexpr (kDeterministic) dq_accum += blockIdx.x * params.dq_split_stride;
   #pragma unroll
       for (int i = 0; i < size(acc_dq); ++i) atomicAdd(dq_accum + i * Traits::kThreads, acc_dq(i));
@@ -319,7 +345,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
       }
     }
 
-    // dK·scale and dV: rows of this key block inside the sequence.
+    // dK·scale and dV: rows of this key block that the entry owns (keys_out), from the entry's
+    // first key row.
+    const Sequences::Entry out = params.seqs.at(batch);
+    const int keys_out = keys_owned();
+    const int64_t k_start = out.k_start, k_batch = out.batch;
     Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
     // Through shared memory (K and V are free once every warp is past its last GEMM), so that
     // each global store is a 16-byte piece of a row, not a 4-byte pair spread over 8 rows:
@@ -341,22 +371,23 @@ __global__ void __launch_bounds__(Traits::kThreads)
         *reinterpret_cast<cutlass::Array<Element, 2>*>(&sV(row, col)) = v2;
       }
       __syncthreads();
-      auto out = [&](void* ptr, int64_t b_stride, int64_t h_stride, int64_t row_stride) {
-        Element* base = static_cast<Element*>(ptr) + batch * b_stride + head * h_stride;
+      auto out_rows = [&](void* ptr, int64_t b_stride, int64_t h_stride, int64_t row_stride) {
+        Element* base = static_cast<Element*>(ptr) + k_batch * b_stride + head * h_stride +
+                        k_start * row_stride;
         return thr_gmem.partition_D(local_tile(
-            make_tensor(make_gmem_ptr(base), make_shape(params.seqlen_k, Int<kHeadDim>{}),
+            make_tensor(make_gmem_ptr(base), make_shape(keys_out, Int<kHeadDim>{}),
                         make_stride(row_stride, _1{})),
             TileKV{}, make_coord(n_block, 0)));
       };
-      Tensor tdKgdK = out(params.dk, params.dk_batch_stride, params.dk_head_stride,
-                          params.dk_row_stride);
-      Tensor tdVgdV = out(params.dv, params.dv_batch_stride, params.dv_head_stride,
-                          params.dv_row_stride);
+      Tensor tdKgdK = out_rows(params.dk, params.dk_batch_stride, params.dk_head_stride,
+                               params.dk_row_stride);
+      Tensor tdVgdV = out_rows(params.dv, params.dv_batch_stride, params.dv_head_stride,
+                               params.dv_row_stride);
       Tensor tKsK = thr_gmem.partition_D(sK);
       Tensor tVsV = thr_gmem.partition_D(sV);
   #pragma unroll
       for (int m = 0; m < size<1>(tdKgdK); ++m) {
-        if (get<0>(tKVc(0, m, 0)) >= params.seqlen_k - col_begin) continue;
+        if (get<0>(tKVc(0, m, 0)) >= keys_out - col_begin) continue;
   #pragma unroll
         for (int k = 0; k < size<2>(tdKgdK); ++k) {
           *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(&tdKgdK(0, m, k))) =
@@ -366,14 +397,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
         }
       }
     } else if (params.dk_accum == nullptr) {
-      Element* dk = static_cast<Element*>(params.dk) + batch * params.dk_batch_stride +
-                    head * params.dk_head_stride;
-      Element* dv = static_cast<Element*>(params.dv) + batch * params.dv_batch_stride +
-                    head * params.dv_head_stride;
+      Element* dk = static_cast<Element*>(params.dk) + k_batch * params.dk_batch_stride +
+                    head * params.dk_head_stride + k_start * params.dk_row_stride;
+      Element* dv = static_cast<Element*>(params.dv) + k_batch * params.dv_batch_stride +
+                    head * params.dv_head_stride + k_start * params.dv_row_stride;
   #pragma unroll
       for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
         const int row = col_begin + get<0>(cKV(i));
-        if (row >= params.seqlen_k) continue;
+        if (row >= keys_out) continue;
         const int col = get<1>(cKV(i));
         cutlass::Array<Element, 2> k2, v2;
         k2[0] = Element(acc_dk(i) * params.scale);
@@ -384,21 +415,23 @@ __global__ void __launch_bounds__(Traits::kThreads)
         *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + row * params.dv_row_stride + col) = v2;
       }
     } else if (kDeterministic) {  // this query head's share, summed later in head order
-      const int64_t base = (int64_t(batch) * params.heads_q + head) * params.seqlen_k;
+      // Plain stores into an accumulator nothing zeroed: every owned row, the unused ones too.
+      const int64_t base = bwd_key_rows_start(out, head, params.heads_q, params.seqlen_k);
   #pragma unroll
       for (int i = 0; i < size(acc_dk); i += 2) {
         const int row = col_begin + get<0>(cKV(i));
-        if (row >= params.seqlen_k) continue;
+        if (row >= keys_out) continue;
         const int64_t at = (base + row) * kHeadDim + get<1>(cKV(i));
         *reinterpret_cast<float2*>(params.dk_accum + at) = make_float2(acc_dk(i), acc_dk(i + 1));
         *reinterpret_cast<float2*>(params.dv_accum + at) = make_float2(acc_dv(i), acc_dv(i + 1));
       }
     } else {
-      const int64_t base = (int64_t(batch) * params.heads_kv + head_kv) * params.seqlen_k;
+      // Sums zeroed before the kernel: the owned keys past the used ones keep their zeros.
+      const int64_t base = bwd_key_rows_start(out, head_kv, params.heads_kv, params.seqlen_k);
   #pragma unroll
       for (int i = 0; i < size(acc_dk); ++i) {
         const int row = col_begin + get<0>(cKV(i));
-        if (row >= params.seqlen_k) continue;
+        if (row >= out.seqlen_k) continue;
         const int64_t at = (base + row) * kHeadDim + get<1>(cKV(i));
         atomicAdd(params.dk_accum + at, acc_dk(i));
         atomicAdd(params.dv_accum + at, acc_dv(i));
@@ -407,13 +440,15 @@ __global__ void __launch_bounds__(Traits::kThreads)
   };
 
   if constexpr (kDeterministic) {
-    const int n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
+    const int n_blocks = (keys_owned() + kBlockN - 1) / kBlockN;
 #pragma unroll 1
     for (int n_block = first_block; n_block < n_blocks; n_block += gridDim.x) {
       if (n_block != first_block) __syncthreads();  // every warp is done with the last one
       key_block(n_block);
     }
   } else {
+    // The grid covers the longest entry's key blocks (packed: max_seqlen_k).
+    if (first_block * kBlockN >= keys_owned()) return;
     key_block(first_block);
   }
 }

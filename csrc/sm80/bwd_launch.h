@@ -1,6 +1,12 @@
 // Host side of the sm80 backward: workspace carving, kernel params, and the four launches
 // (preprocess, main, dQ conversion, and for GQA the dK/dV conversion), all on one stream.
-// Included by one small .cu per (head dim, dtype) instantiation.
+// Included by one small .cu per (head dim, dtype) instantiation. Packed (varlen) calls take the
+// same kernels: each CTA finds its sequence (Sequences) and the workspace's packed rows
+// (bwd_rows_start) in its prologue, and the grids cover the longest sequence (max_seqlen_q/k).
+// A packed call writes dQ for each sequence's query rows [q_start, q_start + seqlen_q) and dK, dV
+// for its key rows [k_start, k_start + its cu_seqlens_k length), zeros past its used keys
+// (seqused_k); rows that no sequence owns (before the first offset, past the last, or past a
+// sequence's max_seqlen bound) are left as they were.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,10 +31,12 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Tile = BwdTile<kHeadDim>;
   using Traits = BwdTraits<Element, kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kWarps,
                            Tile::kAtomMSdP, Tile::kAtomNdKV, Tile::kAtomMdQ>;
-  // Grid (key blocks, heads, batch): y and z stop at 65535; the tile order's linear block
-  // index is an int.
+  const Sequences seqs = sequences(p);
+  // Grid (key blocks of the longest entry, heads, batch): y and z stop at 65535; the tile order's
+  // linear block index is an int, and so are the query workspace rows of a head.
   if (p.heads_q > 65535 || p.batch > 65535 ||
-      int64_t(p.seqlen_k / Traits::kBlockN + 1) * p.heads_q * p.batch > INT_MAX)
+      int64_t(seqs.max_k / Traits::kBlockN + 1) * p.heads_q * p.batch > INT_MAX ||
+      bwd_rows_per_head(p) > INT_MAX)
     return status(FLASHATTN_UNSUPPORTED);
   const BwdWorkspace ws = bwd_workspace(p, bwd_dq_splits(p));
   if (p.workspace == nullptr || p.workspace_bytes < ws.bytes)
@@ -45,7 +53,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.dv = p.dv.ptr;
   params.dq_accum = reinterpret_cast<float*>(base + ws.dq_accum);
   static_assert(kDqRowAlign % Traits::kBlockM == 0);
-  params.dq_rows = dq_accum_rows(p.seqlen_q);
+  params.dq_rows = int(bwd_rows_per_head(p));
   params.deterministic = p.deterministic != 0;
   params.dq_splits = bwd_dq_splits(p);
   params.dq_split_stride =
@@ -73,6 +81,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.seqlen_q = p.seqlen_q;
   params.seqlen_k = p.seqlen_k;
   params.keys = key_range(p);
+  params.seqs = seqs;
   const float log2e = float(M_LOG2E);
   params.scale = p.softmax_scale;
   params.softcap = p.softcap > 0.f;
@@ -88,7 +97,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
                            p.dout.batch_stride, p.dout.row_stride, p.dout.head_stride,
                            p.batch, p.heads_q, p.seqlen_q, params.dq_rows,
                            params.dq_accum, params.dq_split_stride, params.dq_splits,
-                           nullptr, 0, 0, 0, KeyRange{}};  // dQ converted after
+                           nullptr, 0, 0, 0, KeyRange{}, nullptr, seqs};  // dQ converted after
   FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
 
   // Two Q/dO buffers where the device's shared memory holds them.
@@ -98,7 +107,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
       cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   params.q_stages = smem_optin >= Traits::smem_bytes(2) ? 2 : 1;
   const int smem_bytes = Traits::smem_bytes(params.q_stages);
-  const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  const int n_blocks = (seqs.max_k + Traits::kBlockN - 1) / Traits::kBlockN;
   if (params.deterministic) {
     auto kernel = bwd_kernel<Traits, true>;
     using Tag = std::pair<Traits, std::true_type>;  // one opt-in record per kernel
@@ -112,20 +121,31 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     // Causal (any right bound): key block 0 sees the most query rows, so heaviest first, heads
     // grouped by the Q, dO and dQ accumulator they share within a third of the L2 (measured
     // faster than half at several causal shapes, equal at the rest; benchmarks/README.md).
-    const int64_t q_bytes = int64_t(p.seqlen_q) * kHeadDim * (2 * sizeof(Element) + sizeof(float));
+    const int64_t q_bytes = int64_t(seqs.max_q) * kHeadDim * (2 * sizeof(Element) + sizeof(float));
     params.order = TileOrder::make(n_blocks, p.batch * p.heads_q, params.keys.window_right >= 0,
                                    q_bytes, l2_bytes() / 3);
     kernel<<<dim3(n_blocks, p.heads_q, p.batch), Traits::kThreads, smem_bytes, stream>>>(params);
   }
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 
-  bwd_convert_dq<Traits><<<dim3(params.dq_rows / Traits::kBlockM, p.heads_q, p.batch),
-                            Traits::kThreads, 0, stream>>>(params);
+  // Per query block of each (batch, head)'s workspace rows; packed, of each head's (batch 1).
+  bwd_convert_dq<Traits><<<dim3(params.dq_rows / Traits::kBlockM, p.heads_q,
+                                seqs.packed() ? 1 : p.batch),
+                           Traits::kThreads, 0, stream>>>(params);
   FLASHATTN_TRY_CUDA(cudaGetLastError());
   // GQA: the workspace sums per KV head, or in deterministic mode per query head (summed here).
   const int group = params.deterministic ? p.heads_q / p.heads_kv : 1;
   auto convert = [&](const float* src, const flashattn_tensor_t& dst, int heads, int seqlen,
                      float scale) {
+    if (seqs.packed()) {
+      Sequences owned = seqs;  // every key a sequence owns, its unused ones too
+      owned.used_k = nullptr;
+      const int64_t chunks = int64_t(heads) * seqlen * (kHeadDim / 8);
+      bwd_convert_packed<Element, kHeadDim><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
+          src, seqlen, group, dst.ptr, dst.row_stride, dst.head_stride, heads, owned, p.batch,
+          scale);
+      return cudaGetLastError();
+    }
     const int64_t chunks = int64_t(p.batch) * heads * seqlen * (kHeadDim / 8);
     bwd_convert<Element, kHeadDim><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
         src, seqlen, group, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride, p.batch, heads,

@@ -11,6 +11,8 @@
 
 #include "../common/block_range.h"
 #include "../common/bwd_passes.h"
+#include "../common/bwd_workspace.h"
+#include "../common/sequences.h"
 #include "../common/tile_order.h"
 #include "fwd_kernel.h"  // copy_rows, gemm_smem, acc_rowcol, the MMA choice
 
@@ -81,6 +83,9 @@ struct BwdTraits {
   }
 };
 
+// Shapes below are dense; packed calls (seqs.packed()) have one tensor batch entry of seqlen_q
+// query and seqlen_k key rows (the tensors' rows), `batch` sequences, and dq_rows rows per head in
+// the layout of bwd_rows_start.
 struct BwdParams {
   const void *q, *k, *v, *dout;
   void *dq, *dk, *dv;
@@ -89,7 +94,7 @@ struct BwdParams {
   float* dq_accum;
   float* lse_log2;    // (batch, heads_q, dq_rows): LSE·log2(e), +inf in the padding
   float* softmax_d;   // (batch, heads_q, dq_rows): rowsum(dO ∘ O), 0 in the padding
-  int dq_rows;        // seqlen_q rounded up to whole query blocks
+  int dq_rows;        // bwd_rows_per_head: seqlen_q rounded up to whole query blocks (dense)
   int q_stages;       // Q/dO buffers in shared memory: 1 or 2
   // Deterministic mode: CTA s of dq_splits walks key blocks s, s + dq_splits, ... alone in its dQ
   // slice (the same thread adds to an address in program order), GQA dK/dV go per query head
@@ -110,7 +115,8 @@ struct BwdParams {
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
   int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
-  KeyRange keys;
+  KeyRange keys;      // the call's; each entry's with its own lengths
+  Sequences seqs;     // where each entry's rows lie
   float scale;        // softmax scale
   float scale_log2;   // scale·log2(e), or softcap·log2(e) when softcap is on
   float softcap_pre;  // scale/softcap when softcap is on

@@ -19,6 +19,7 @@
 
 #include "../common/block_range.h"
 #include "../common/online_softmax.h"
+#include "../common/sequences.h"
 #include "../common/tile_order.h"
 
 namespace flashattn::sm80 {
@@ -76,15 +77,16 @@ struct FwdParams {
   const void* k;
   const void* v;
   void* o;
-  float* lse;  // (batch, heads_q, seqlen_q)
+  float* lse;  // (batch, heads_q, seqlen_q); packed: (heads_q, total_q)
   int64_t q_batch_stride, q_row_stride, q_head_stride;
   int64_t k_batch_stride, k_row_stride, k_head_stride;
   int64_t v_batch_stride, v_row_stride, v_head_stride;
   int64_t o_batch_stride, o_row_stride, o_head_stride;
-  int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
-  int num_m_blocks;
+  int heads_q, heads_kv;
+  Sequences seqs;
+  int num_m_blocks;  // of the longest entry
   TileOrder order;  // heavy-first (rank 0 = last query block) when a right bound makes costs differ
-  KeyRange keys;
+  KeyRange keys;    // lengths set per entry
   float scale_log2;   // scale·log2(e), or softcap·log2(e) when softcap is on
   float softcap_pre;  // scale/softcap when softcap is on
   bool softcap;
@@ -175,21 +177,28 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int head_kv = head / (params.heads_q / params.heads_kv);
   const int tid = threadIdx.x;
   const int row_begin = m_block * kBlockM;
+  // The grid covers the longest entry: a packed batch's shorter ones leave blocks with no rows.
+  const Sequences::Entry seq = params.seqs.at(batch);
+  if (row_begin >= seq.seqlen_q) return;
+  KeyRange keys = params.keys;
+  keys.seqlen_q = seq.seqlen_q;
+  keys.seqlen_k = seq.seqlen_k;
   int n_min, n_max;
-  params.keys.template blocks<kBlockN>(row_begin, row_begin + kBlockM, n_min, n_max);
+  keys.template blocks<kBlockN>(row_begin, row_begin + kBlockM, n_min, n_max);
 
   auto gmem = [&](const void* ptr, int64_t b_stride, int64_t h_stride, int64_t row_stride, int h,
-                  int seqlen) {
-    auto base = static_cast<const Element*>(ptr) + batch * b_stride + h * h_stride;
+                  int start, int seqlen) {
+    auto base = static_cast<const Element*>(ptr) + seq.batch * b_stride + h * h_stride +
+                start * row_stride;
     return make_tensor(make_gmem_ptr(base), make_shape(seqlen, Int<kHeadDim>{}),
                        make_stride(row_stride, _1{}));
   };
   Tensor mQ = gmem(params.q, params.q_batch_stride, params.q_head_stride, params.q_row_stride,
-                   head, params.seqlen_q);
+                   head, seq.q_start, seq.seqlen_q);
   Tensor mK = gmem(params.k, params.k_batch_stride, params.k_head_stride, params.k_row_stride,
-                   head_kv, params.seqlen_k);
+                   head_kv, seq.k_start, seq.seqlen_k);
   Tensor mV = gmem(params.v, params.v_batch_stride, params.v_head_stride, params.v_row_stride,
-                   head_kv, params.seqlen_k);
+                   head_kv, seq.k_start, seq.seqlen_k);
   Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
   // The first key block visited; the copies step one block back per iteration by moving the
   // pointer (per-block slices would keep a 64-bit address per copy alive across the loop).
@@ -247,18 +256,18 @@ __global__ void __launch_bounds__(Traits::kThreads)
   clear(tOrO);
 
   if (n_max > n_min) {
-    copy_rows(tQgQ, tQsQ, tQcQ, params.seqlen_q - row_begin);
+    copy_rows(tQgQ, tQsQ, tQcQ, seq.seqlen_q - row_begin);
     // K and V blocks are loaded in the order they are visited (n_max − 1 down to n_min), each
     // copy stepping its global pointer one block back.
     const int64_t k_step = int64_t(kBlockN) * params.k_row_stride;
     const int64_t v_step = int64_t(kBlockN) * params.v_row_stride;
     auto load_k = [&](int n, int stage) {
       Tensor dst = thr_gmem.partition_D(stage_k(stage));
-      copy_rows(tKgK, dst, tKVc, params.seqlen_k - n * kBlockN);
+      copy_rows(tKgK, dst, tKVc, seq.seqlen_k - n * kBlockN);
     };
     auto load_v = [&](int n, int stage) {
       Tensor dst = thr_gmem.partition_D(stage_v(stage));
-      copy_rows(tVgV, dst, tKVc, params.seqlen_k - n * kBlockN);
+      copy_rows(tVgV, dst, tKVc, seq.seqlen_k - n * kBlockN);
     };
     auto step_k = [&]() { tKgK.data() = tKgK.data() + (-k_step); };
     auto step_v = [&]() { tVgV.data() = tVgV.data() + (-v_step); };
@@ -333,8 +342,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
         for (int r = 0; r < size<0>(rowcol_S); ++r) {
           const int row = row_begin + get<0>(rowcol_cS(r, 0));
-          const int lo = params.keys.lo(row) - n * kBlockN;
-          const int hi = params.keys.hi(row) - n * kBlockN;
+          const int lo = keys.lo(row) - n * kBlockN;
+          const int hi = keys.hi(row) - n * kBlockN;
 #pragma unroll
           for (int c = 0; c < size<1>(rowcol_S); ++c) {
             const int col = get<1>(rowcol_cS(r, c));
@@ -347,7 +356,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
       for (int r = 0; r < kRows; ++r) max_before[r] = softmax.row_max[r];
       if (params.softcap ||
-          params.keys.template block_needs_mask<kBlockN>(n, row_begin, row_begin + kBlockM)) {
+          keys.template block_needs_mask<kBlockN>(n, row_begin, row_begin + kBlockM)) {
         cap_and_mask();
       } else {
         softmax.step(rowcol_S, params.scale_log2, factor);
@@ -377,11 +386,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
   softmax.finalize(params.scale_log2, inv_sum, lse);
   scale_rows(rowcol_O, inv_sum);
   if (tid % 4 == 0) {  // the thread holding column 0 of its rows' quads
+    float* lse_head = params.lse + seq.rows_offset(head, params.heads_q, params.seqs.rows_q);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int row = row_begin + get<0>(rowcol_cO(r, 0));
-      if (row < params.seqlen_q)
-        params.lse[(int64_t(batch) * params.heads_q + head) * params.seqlen_q + row] = lse[r];
+      if (row < seq.seqlen_q) lse_head[row] = lse[r];
     }
   }
   // O through shared memory (the Q buffer: free once every warp is past its last Q·Kᵀ), so
@@ -399,15 +408,15 @@ __global__ void __launch_bounds__(Traits::kThreads)
     }
   }
   __syncthreads();
-  Element* o = static_cast<Element*>(params.o) + batch * params.o_batch_stride +
-               head * params.o_head_stride;
-  Tensor gO = local_tile(make_tensor(make_gmem_ptr(o), make_shape(params.seqlen_q, Int<kHeadDim>{}),
+  Element* o = static_cast<Element*>(params.o) + seq.batch * params.o_batch_stride +
+               head * params.o_head_stride + seq.q_start * params.o_row_stride;
+  Tensor gO = local_tile(make_tensor(make_gmem_ptr(o), make_shape(seq.seqlen_q, Int<kHeadDim>{}),
                                      make_stride(params.o_row_stride, _1{})),
                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
   Tensor tOgO = thr_gmem.partition_D(gO);
 #pragma unroll
   for (int m = 0; m < size<1>(tOgO); ++m) {
-    if (get<0>(tQcQ(0, m, 0)) >= params.seqlen_q - row_begin) continue;
+    if (get<0>(tQcQ(0, m, 0)) >= seq.seqlen_q - row_begin) continue;
 #pragma unroll
     for (int k = 0; k < size<2>(tOgO); ++k) {
       *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(&tOgO(0, m, k))) =

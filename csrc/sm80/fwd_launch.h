@@ -21,10 +21,11 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Traits =
       FwdTraits<Element, kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kWarps, Tile::kStages,
                 Tile::kQInRegs>;
-  // Grid (query blocks, heads, batch): y and z stop at 65535; the tile order's linear block
-  // index is an int.
+  // Grid (query blocks of the longest entry, heads, batch): y and z stop at 65535; the tile
+  // order's linear block index is an int.
+  const Sequences seqs = sequences(p);
   if (p.heads_q > 65535 || p.batch > 65535 ||
-      int64_t(p.seqlen_q / Traits::kBlockM + 1) * p.heads_q * p.batch > INT_MAX)
+      int64_t(seqs.max_q / Traits::kBlockM + 1) * p.heads_q * p.batch > INT_MAX)
     return status(FLASHATTN_UNSUPPORTED);
   FwdParams params;
   params.q = p.q.ptr;
@@ -44,16 +45,14 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.o_batch_stride = p.o.batch_stride;
   params.o_row_stride = p.o.row_stride;
   params.o_head_stride = p.o.head_stride;
-  params.batch = p.batch;
   params.heads_q = p.heads_q;
   params.heads_kv = p.heads_kv;
-  params.seqlen_q = p.seqlen_q;
-  params.seqlen_k = p.seqlen_k;
-  params.num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  params.seqs = seqs;
+  params.num_m_blocks = (seqs.max_q + Traits::kBlockM - 1) / Traits::kBlockM;
   params.keys = key_range(p);
   // Causal (any right bound): later query blocks see more keys, so heaviest first, heads
   // grouped by the K and V they share within 4/5 of the L2 (see TileOrder::make).
-  const int64_t kv_bytes = int64_t(p.seqlen_k) * kHeadDim * 2 * int64_t(sizeof(Element));
+  const int64_t kv_bytes = int64_t(seqs.max_k) * kHeadDim * 2 * int64_t(sizeof(Element));
   params.order = TileOrder::make(params.num_m_blocks, p.batch * p.heads_q,
                                  params.keys.window_right >= 0, kv_bytes, l2_bytes() * 4 / 5);
   const float log2e = float(M_LOG2E);

@@ -1,5 +1,6 @@
 // The sm90 forward's epilogue: O·inv_sum and the LSE of a tile, straight from the consumer
-// warpgroup's registers; rows past seqlen_q are skipped. O leaves the registers by 16-byte stores
+// warpgroup's registers; rows past the entry's seqlen_q are skipped (in packed batches they are
+// the next sequence's). O leaves the registers by 16-byte stores
 // (the host checks O's alignment); staging it through shared memory instead was slower
 // (docs/PERFORMANCE.md). In the tail launch a piece's O and LSE go, in f32, to its workspace
 // slot (fwd_tail.h). O's accumulator column n holds head dim n, in the FP8 kernels
@@ -56,7 +57,8 @@ struct FwdEpilogue {
     Tensor cO = typename Traits::MmaPV{}.get_thread_slice(tid).partition_C(
         make_identity_tensor(typename Traits::TileQ{}));
     Tensor rowcol_cO = make_tensor(cO.data(), acc_rowcol(cO.layout()));
-    const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;
+    const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;  // within the entry
+    const int rows = t.seq.seqlen_q;
     scale_rows(rowcol_O, inv_sum);
     if constexpr (kTailPieces) {  // a piece: O and LSE in f32 to its slot (fwd_tail.h)
       float* slot = params.tail.partials + t.slot * tail_slot_floats(Traits::kHeadDim);
@@ -74,18 +76,19 @@ struct FwdEpilogue {
     }
     // LSE: the thread holding column 0 of a row's quad writes it.
     if (get<1>(rowcol_cO(0, 0)) == 0) {
+      float* lse_rows = params.lse + t.seq.rows_offset(t.head, params.heads_q, params.seqlen_q);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int row = row0 + get<0>(rowcol_cO(r, 0));
-        if (row < params.seqlen_q)
-          params.lse[(int64_t(t.batch) * params.heads_q + t.head) * params.seqlen_q + row] = lse[r];
+        if (row < rows) lse_rows[row] = lse[r];
       }
     }
     auto store = [&](auto* o) FLASHATTN_INLINE {
       using Out = remove_pointer_t<decltype(o)>;
       Tensor rO = convert_fragment<Out>(tOrO);
       Tensor rowcol_rO = make_tensor(rO.data(), acc_rowcol(rO.layout()));
-      o += t.batch * params.o_batch_stride + t.head * params.o_head_stride;
+      o += t.seq.batch * params.o_batch_stride + t.head * params.o_head_stride +
+           t.seq.q_start * params.o_row_stride;
       // Word j of row r: this thread's columns 2j, 2j + 1 of it, i.e. accumulator columns
       // 8j + 2q, 8j + 2q + 1 for quad thread q.
       auto word = [&](int r, int j) FLASHATTN_INLINE {
@@ -102,7 +105,7 @@ struct FwdEpilogue {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           const int row = row0 + get<0>(rowcol_cO(r, 0));
-          if (row >= params.seqlen_q) continue;
+          if (row >= rows) continue;
           Out* o_row = o + row * params.o_row_stride;
 #pragma unroll
           for (int g = 0; g < kWords / 4; ++g)
@@ -131,8 +134,7 @@ struct FwdEpilogue {
             const uint32_t y0 = __shfl_xor_sync(0xffffffff, odd ? b0 : b1, 1);
             const uint32_t y1 = __shfl_xor_sync(0xffffffff, odd ? b2 : b3, 1);
             const uint4 chunk = odd ? make_uint4(y0, b1, y1, b3) : make_uint4(b0, y0, b2, y1);
-            if (row < params.seqlen_q)
-              *reinterpret_cast<uint4*>(o_row + 8 * (4 * g + q)) = chunk;
+            if (row < rows) *reinterpret_cast<uint4*>(o_row + 8 * (4 * g + q)) = chunk;
           }
         }
       }

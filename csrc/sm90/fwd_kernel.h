@@ -1,6 +1,6 @@
 // The FlashAttention-3-style forward kernel for sm_90a: the shell that wires its parts.
 //
-// One CTA computes a kBlockM = 128 row tile of O for one (batch, head): three warpgroups.
+// One CTA computes a kBlockM = 128 row tile of O for one (batch entry, head): three warpgroups.
 //   producer (WG 0, fwd_producer.h): one elected thread issues TMA loads — Q into a
 //                    kQStages-deep ring, K and V blocks into two kStages-deep mbarrier pipelines
 //                    (pipeline.h), walking key blocks last to first so that only the first block
@@ -8,7 +8,9 @@
 //   consumers (WG 1, WG 2): 64 query rows each (fwd_mainloop.h: GEMMs, mask, softmax step;
 //                    fwd_epilogue.h: O and LSE stores).
 // Every CTA walks its share of the tiles (fwd_scheduler.h: persistent, the causal pairing, the
-// tail launch's pieces).
+// tail launch's pieces). In packed batches an entry is one sequence: its tile's WorkTile says
+// where its rows lie in the tensors and its key range has its lengths, and the parts take rows,
+// masks and stores from those alone.
 // Intra-warpgroup overlap (template): the next block's Q·Kᵀ is issued with this block's P·V,
 // before the softmax that needs only the former; with two Q buffers this runs on across tiles
 // (the next tile's first Q·Kᵀ goes out beside this tile's last P·V, and this tile's O is stored
@@ -103,6 +105,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     if (t.n_blocks() == 0) {  // no key for any row: O = 0, LSE = +inf
       if (pending) finish_pending();
+      if (!has_rows<Traits>(t)) continue;  // a packed entry's tiles past its end
       ml.softmax = typename Mainloop::Softmax();
       clear(ml.tOrO);
       float inv_sum[kRows], lse[kRows];
@@ -185,9 +188,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // uniform registers (per warpgroup they were slower than no copy at all).
     int plain_lo = 0, plain_hi = -1;
     if (Traits::kUnmaskedLoop && !params.softcap) {
-      params.keys.template unmasked_blocks<Traits::kBlockN>(t.m_block * Traits::kBlockM,
-                                                            (t.m_block + 1) * Traits::kBlockM,
-                                                            plain_lo, plain_hi);
+      t.keys.template unmasked_blocks<Traits::kBlockN>(t.m_block * Traits::kBlockM,
+                                                       (t.m_block + 1) * Traits::kBlockM,
+                                                       plain_lo, plain_hi);
       if (plain_lo <= t.n_min) plain_lo = t.n_min + 1;
     }
 #pragma unroll 1

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "../common/launch.h"
+#include "../common/sequences.h"
 #include "../common/status.h"
 #include "../common/workspace_pool.h"
 #include "../flash_api.h"
@@ -89,8 +90,14 @@ template <class Traits>
 flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStream_t stream) {
   using Element = typename Traits::Element;
   FwdParams<Traits> params;
-  auto q = gmem_tensor<Traits>(static_cast<Element const*>(p.q.ptr), p.q, p.seqlen_q, p.heads_q, p.batch);
-  auto k = gmem_tensor<Traits>(static_cast<Element const*>(p.k.ptr), p.k, p.seqlen_k, p.heads_kv, p.batch);
+  params.batch = p.batch;
+  params.seqs = sequences(p);
+  // Packed: Q, K and V over all sequences' rows, one batch entry (its stride ignored).
+  const int batch = params.tensor_batch();
+  auto q = gmem_tensor<Traits>(static_cast<Element const*>(p.q.ptr), p.q, p.seqlen_q, p.heads_q,
+                               batch);
+  auto k = gmem_tensor<Traits>(static_cast<Element const*>(p.k.ptr), p.k, p.seqlen_k, p.heads_kv,
+                               batch);
   const int num_n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   // FP8: V key-major, (head_dim, keys padded to whole key blocks), as the quantize step wrote it.
   auto v = [&] {
@@ -103,7 +110,7 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
                                      tma_stride(p.v.batch_stride, p.batch, d)));
     } else {
       return gmem_tensor<Traits>(static_cast<Element const*>(p.v.ptr), p.v, p.seqlen_k,
-                                 p.heads_kv, p.batch);
+                                 p.heads_kv, batch);
     }
   }();
   params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, take<0, 2>(typename Traits::SmemLayoutQ{}),
@@ -117,13 +124,12 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   params.o_row_stride = p.o.row_stride;
   params.o_head_stride = p.o.head_stride;
   params.lse = p.lse;
-  params.batch = p.batch;
   params.heads_q = p.heads_q;
   params.heads_kv = p.heads_kv;
   params.seqlen_q = p.seqlen_q;
   params.seqlen_k = p.seqlen_k;
   params.keys = key_range(p);
-  params.num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  params.num_m_blocks = (params.seqs.max_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t tiles = int64_t(params.num_m_blocks) * p.heads_q * p.batch;
   if (tiles > INT32_MAX) return status(FLASHATTN_UNSUPPORTED);
   params.num_tiles = int(tiles);
@@ -144,15 +150,18 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   // Persistent: one CTA per SM (shared memory allows no more) walking its share of the work
   // units (see decode_tile); on request, with a right bound on the keys, one CTA per unit.
   const bool uniform = params.keys.window_right < 0;
-  params.tiles_per_unit = uniform || params.num_m_blocks == 1 ? 1 : 2;  // one block: no pairs
+  const bool packed = params.seqs.packed();
+  // No pairs with one query block, nor in packed batches: the pairing balances a head's tiles
+  // when every head has M of them, and an entry has as many as its length asks.
+  params.tiles_per_unit = uniform || params.num_m_blocks == 1 || packed ? 1 : 2;
   const int units = (params.num_tiles + params.tiles_per_unit - 1) / params.tiles_per_unit;
   const bool persistent = uniform || (p.sm90_flags & FLASHATTN_SM90_PERSISTENT_CAUSAL);
   const int ctas = persistent && p.sm_count > 0 && p.sm_count < units ? p.sm_count : units;
   if constexpr (Traits::kTailSplit) {
     // Tiles that all visit the same key blocks: no window at all, or one query block per head
-    // (decoding, short chunks) under any mask.
+    // (decoding, short chunks) under any mask; never a packed batch's (their lengths differ).
     const bool equal_tiles =
-        (uniform && params.keys.window_left < 0) || params.num_m_blocks == 1;
+        !packed && ((uniform && params.keys.window_left < 0) || params.num_m_blocks == 1);
     if (equal_tiles && p.sm_count > 0 && !(p.sm90_flags & FLASHATTN_SM90_NO_SPLIT_TAIL)) {
       int n_min, n_max;
       params.keys.template blocks<Traits::kBlockN>(0, Traits::kBlockM, n_min, n_max);

@@ -92,6 +92,7 @@ struct FwdMainloop {
   const FwdBarrier my_turn, their_turn;
   Softmax softmax;
   float factor[kRows];  // what O is rescaled by after a softmax step
+  KeyRange keys;        // the tile's (its entry's lengths)
   // FP8: the tile's softmax scale with its Q descale, its K/V descales by key block, and the V
   // descale whose units O's accumulator is in (that of the last block whose P was converted).
   float tile_scale_log2;
@@ -121,15 +122,17 @@ struct FwdMainloop {
   __device__ auto rowcol_S() { return make_tensor(tSrS.data(), acc_rowcol(tSrS.layout())); }
   __device__ auto rowcol_O() { return make_tensor(tOrO.data(), acc_rowcol(tOrO.layout())); }
 
-  // The tile's descales (FP8; nothing to do otherwise).
+  // The tile's key range and (FP8) descales.
   __device__ FLASHATTN_INLINE void begin_tile(const WorkTile& t) {
+    keys = t.keys;
     if constexpr (Traits::kFp8) {
       const int head_kv = t.head / (params.heads_q / params.heads_kv);
+      const int batch = t.seq.batch;
       tile_scale_log2 =
           params.scale_log2 *
-          params.q_descale[(int64_t(t.batch) * params.heads_q + t.head) * params.num_m_blocks +
+          params.q_descale[(int64_t(batch) * params.heads_q + t.head) * params.num_m_blocks +
                            t.m_block];
-      const int64_t kv = (int64_t(t.batch) * params.heads_kv + head_kv) * params.num_n_blocks;
+      const int64_t kv = (int64_t(batch) * params.heads_kv + head_kv) * params.num_n_blocks;
       k_descale = params.k_descale + kv;
       v_descale = params.v_descale + kv;
     }
@@ -225,7 +228,7 @@ struct FwdMainloop {
 #pragma unroll
       for (int i = 0; i < size(tSrS); ++i) tSrS(i) = fast_tanh(tSrS(i) * params.softcap_pre);
     }
-    if (!kPlain && params.keys.template block_needs_mask<kBlockN>(n, row0, row0 + kRowsPerWG)) {
+    if (!kPlain && keys.template block_needs_mask<kBlockN>(n, row0, row0 + kRowsPerWG)) {
       Tensor rowcol_cS = make_tensor(cS.data(), acc_rowcol(cS.layout()));
       // Accumulator column c of this thread is key 8·(c/2) + c%2 + 2·(tid%4) of the block: a
       // compile-time offset plus a per-thread one, so each test is one compare.
@@ -233,8 +236,8 @@ struct FwdMainloop {
 #pragma unroll
       for (int r = 0; r < size<0>(rowcol_S); ++r) {
         const int row = row0 + get<0>(rowcol_cS(r, 0));
-        const int lo = params.keys.lo(row) - n * kBlockN - thread_col;
-        const int hi = params.keys.hi(row) - n * kBlockN - thread_col;
+        const int lo = keys.lo(row) - n * kBlockN - thread_col;
+        const int hi = keys.hi(row) - n * kBlockN - thread_col;
 #pragma unroll
         for (int c = 0; c < size<1>(rowcol_S); ++c) {
           const int col = 8 * (c / 2) + c % 2;

@@ -24,17 +24,18 @@ struct FwdProducer {
     if (threadIdx.x / 32 != 0) return;
     if (!cute::elect_one_sync()) return;
 
+    const int batch = params.tensor_batch();
     Tensor mQ = params.tma_q.get_tma_tensor(
-        make_shape(params.seqlen_q, int(Traits::kHeadDim), params.heads_q, params.batch));
+        make_shape(params.seqlen_q, int(Traits::kHeadDim), params.heads_q, batch));
     Tensor mK = params.tma_k.get_tma_tensor(
-        make_shape(params.seqlen_k, int(Traits::kHeadDim), params.heads_kv, params.batch));
+        make_shape(params.seqlen_k, int(Traits::kHeadDim), params.heads_kv, batch));
     Tensor mV = [&] {
       if constexpr (Traits::kFp8) {
         return params.tma_v.get_tma_tensor(make_shape(
-            int(Traits::kHeadDim), params.num_n_blocks * kBlockN, params.heads_kv, params.batch));
+            int(Traits::kHeadDim), params.num_n_blocks * kBlockN, params.heads_kv, batch));
       } else {
         return params.tma_v.get_tma_tensor(
-            make_shape(params.seqlen_k, int(Traits::kHeadDim), params.heads_kv, params.batch));
+            make_shape(params.seqlen_k, int(Traits::kHeadDim), params.heads_kv, batch));
       }
     }();
     auto cta_q = params.tma_q.get_slice(0);
@@ -52,15 +53,23 @@ struct FwdProducer {
     for (FwdTileScheduler<Traits, kTailPieces> walk{params}; walk.next(t);) {
       if (t.n_blocks() == 0) continue;  // the consumers zero-fill it alone
       const int head_kv = t.head / (params.heads_q / params.heads_kv);
-      Tensor tKgK = group_modes<0, 3>(cta_k.partition_S(local_tile(
-          mK(_, _, head_kv, t.batch), typename Traits::TileKV{}, make_coord(_, _0{}))));
+      // The entry's rows start at row q_start / k_start of the tensors (0 in dense calls). Blocks
+      // reaching past the entry's end read the next sequence's rows, or zeros past the tensor's
+      // end (TMA): keys there are masked, query rows there not stored.
+      auto entry_rows = [&](auto m, int start) {
+        return domain_offset(make_coord(start, _0{}), m);
+      };
+      Tensor tKgK = group_modes<0, 3>(cta_k.partition_S(
+          local_tile(entry_rows(mK(_, _, head_kv, t.seq.batch), t.seq.k_start),
+                     typename Traits::TileKV{}, make_coord(_, _0{}))));
       Tensor tVgV = [&] {
-        if constexpr (Traits::kFp8) {  // (head_dim, keys): key blocks along mode 1
+        if constexpr (Traits::kFp8) {  // (head_dim, keys): key blocks along mode 1; dense only
           return group_modes<0, 3>(cta_v.partition_S(local_tile(
-              mV(_, _, head_kv, t.batch), typename Traits::TileV{}, make_coord(_0{}, _))));
+              mV(_, _, head_kv, t.seq.batch), typename Traits::TileV{}, make_coord(_0{}, _))));
         } else {
-          return group_modes<0, 3>(cta_v.partition_S(local_tile(
-              mV(_, _, head_kv, t.batch), typename Traits::TileKV{}, make_coord(_, _0{}))));
+          return group_modes<0, 3>(cta_v.partition_S(
+              local_tile(entry_rows(mV(_, _, head_kv, t.seq.batch), t.seq.k_start),
+                         typename Traits::TileKV{}, make_coord(_, _0{}))));
         }
       }();
       auto load_k = [&](int n) {
@@ -76,7 +85,8 @@ struct FwdProducer {
       smem.pipe_q.producer_acquire(st_q, Traits::kBytesQ * kConsumerWGs);
 #pragma unroll
       for (int wg = 0; wg < kConsumerWGs; ++wg) {
-        Tensor gQ = local_tile(mQ(_, _, t.head, t.batch), typename Traits::TileQ{},
+        Tensor gQ = local_tile(entry_rows(mQ(_, _, t.head, t.seq.batch), t.seq.q_start),
+                               typename Traits::TileQ{},
                                make_coord(t.m_block * kConsumerWGs + wg, _0{}));
         Tensor sQ = make_tensor(make_smem_ptr(smem.q[wg].begin()), typename Traits::SmemLayoutQ{});
         copy(params.tma_q.with(smem.pipe_q.full_barrier(st_q)), cta_q.partition_S(gQ),

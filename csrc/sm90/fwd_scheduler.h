@@ -7,19 +7,31 @@
 
 namespace flashattn::sm90 {
 
-// The schedule. A tile is one 128-row query block of one (batch, head); a work unit is
+// The schedule. A tile is one 128-row query block of one (batch entry, head); a work unit is
 // tiles_per_unit consecutive tiles, and CTA b of G takes units b, b + G, b + 2G, ... Tiles of one
 // head are neighbours, so the CTAs running at one time share few heads' K/V in L2. Without a
 // right bound on the keys (or with one query block per head) every tile costs the same: one tile
 // per unit, query blocks in order. With one (causal), query block m sees about m + 1 key blocks:
 // a unit is two tiles, the head's heaviest block left with its lightest (M−1 with 0, M−2 with 1,
 // ...), so that every unit costs about M + 1 blocks and a static share is a balanced one.
+// Packed batches: M covers the longest sequence, a tile's rows and keys are its entry's
+// (Sequences::at, read on the device), and the tiles past an entry's last query block are empty;
+// their entries differ in length, so one tile per unit.
 struct WorkTile {
-  int m_block, head, batch;
-  int n_min, n_max;  // key blocks visited, last to first
-  int slot;          // a tail piece's workspace slot
+  int m_block, head;
+  Sequences::Entry seq;  // the tile's batch entry: where its rows lie, its lengths
+  KeyRange keys;         // the call's, over the entry's lengths
+  int n_min, n_max;      // key blocks visited, last to first
+  int slot;              // a tail piece's workspace slot
   __device__ int n_blocks() const { return n_max > n_min ? n_max - n_min : 0; }
 };
+
+// Whether the tile has a query row: not so a packed entry's tiles past its last row, which visit
+// no key block (below) and store nothing.
+template <class Traits>
+__device__ bool has_rows(const WorkTile& t) {
+  return t.m_block * Traits::kBlockM < t.seq.seqlen_q;
+}
 
 template <class Traits>
 __device__ WorkTile decode_tile(const FwdParams<Traits>& p, int tile) {
@@ -28,10 +40,14 @@ __device__ WorkTile decode_tile(const FwdParams<Traits>& p, int tile) {
   const int rest = tile / p.num_m_blocks;
   t.m_block = p.tiles_per_unit == 1 ? i : (i % 2 == 0 ? p.num_m_blocks - 1 - i / 2 : i / 2);
   t.head = rest % p.heads_q;
-  t.batch = rest / p.heads_q;
+  t.seq = p.seqs.at(rest / p.heads_q);
+  t.keys = p.keys;
+  t.keys.seqlen_q = t.seq.seqlen_q;
+  t.keys.seqlen_k = t.seq.seqlen_k;
   t.slot = -1;
-  p.keys.template blocks<Traits::kBlockN>(t.m_block * Traits::kBlockM,
+  t.keys.template blocks<Traits::kBlockN>(t.m_block * Traits::kBlockM,
                                           (t.m_block + 1) * Traits::kBlockM, t.n_min, t.n_max);
+  if (!has_rows<Traits>(t)) t.n_max = t.n_min;
   return t;
 }
 

@@ -8,6 +8,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "../common/block_range.h"
+#include "../common/sequences.h"
 #include "fwd_tail.h"
 #include "pipeline.h"
 #include "tma_tensor.h"
@@ -120,13 +121,17 @@ struct FwdParams {
   typename Traits::TmaV tma_v;
   void* o;  // Element, or for FP8 bf16 (o_bf16) or fp16
   int64_t o_batch_stride, o_row_stride, o_head_stride;
-  float* lse;  // (batch, heads_q, seqlen_q)
+  float* lse;  // (batch, heads_q, seqlen_q); packed: (heads_q, seqlen_q)
   // `batch < 0` is the FP8 softmax's run-time false (ScaledOnlineSoftmax::step): never let the
   // compiler know batch is positive.
-  int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
-  int num_m_blocks, num_tiles;
+  int batch;  // entries (packed: sequences)
+  int heads_q, heads_kv;
+  int seqlen_q, seqlen_k;  // the tensors' rows (packed: all sequences')
+  int num_m_blocks;        // query blocks of the longest entry
+  int num_tiles;
   int tiles_per_unit;  // 2 with a right bound on the keys over several query blocks, else 1
-  KeyRange keys;
+  KeyRange keys;       // the call's; each tile's has its entry's lengths (WorkTile::keys)
+  Sequences seqs;      // where each entry's rows lie (packed: the caller's offsets)
   float scale_log2;   // scale·log2(e), or softcap·log2(e) when softcap is on
   float softcap_pre;  // scale/softcap when softcap is on (scores become tanh(s·scale/softcap))
   bool softcap;
@@ -138,6 +143,9 @@ struct FwdParams {
   int num_n_blocks;  // key blocks per head (V's key-major rows hold num_n_blocks·kBlockN keys)
   bool o_bf16;
   FwdTail tail;  // the tail launch's pieces (fwd_tail.h)
+
+  // Entries on the tensors' batch axis: one when the sequences are packed along the rows.
+  __host__ __device__ int tensor_batch() const { return seqs.packed() ? 1 : batch; }
 };
 
 }  // namespace flashattn::sm90

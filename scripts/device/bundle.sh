@@ -16,7 +16,7 @@ export FLASHATTN_SM80_ARCH=90
 } 2>/dev/null | python3 scripts/device/executables.py | while read -r name path; do
   # Only what run.sh runs there: the CPU-only tests run in CI, the criterion bench by hand
   # (every binary carries all the kernels, and the carry is limited to 64 MiB).
-  case "$name" in attention | cpu_backend | fp8 | flashattn | validation | c_abi) continue ;; esac
+  case "$name" in attention | cpu_backend | fp8 | flashattn | validation | c_abi | varlen) continue ;; esac
   case "$path" in
     */deps/*) kind=test ;;
     *) kind=example ;;
@@ -24,7 +24,8 @@ export FLASHATTN_SM80_ARCH=90
   cp "$path" ".device/bin/$kind-$name"
 done
 cp scripts/device/run.sh scripts/device/profile.sh \
-  scripts/device/torch_step.py benchmarks/compare_torch.py benchmarks/table.py .device/
+  scripts/device/torch_step.py benchmarks/compare_torch.py benchmarks/varlen_peers.py \
+  benchmarks/table.py .device/
 git rev-parse --short HEAD > .device/COMMIT
 git diff --quiet HEAD -- src csrc tests benches examples build.rs || echo "+dirty" >> .device/COMMIT
 ls -la .device/bin

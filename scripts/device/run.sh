@@ -38,6 +38,8 @@ for tool in memcheck racecheck synccheck; do
     "$here/bin/test-gpu_bwd" --include-ignored --test-threads=1 sanitizer
   step "sanitizer-$tool-fp8" compute-sanitizer --tool $tool --error-exitcode 9 \
     "$here/bin/test-gpu_fp8" --include-ignored --test-threads=1 pre_quantized
+  step "sanitizer-$tool-varlen" compute-sanitizer --tool $tool --error-exitcode 9 \
+    "$here/bin/test-gpu_varlen" --include-ignored --test-threads=1 sanitizer
 done
 # Refused calls, broadcast inputs and the tile order over many blocks, under memcheck.
 step sanitizer-memcheck-validation compute-sanitizer --tool memcheck --error-exitcode 9 \
@@ -54,10 +56,14 @@ fi
 step fp8-accuracy "$here/bin/example-fp8_accuracy" --out "$OUT/fp8_accuracy.json" --commit "$commit"
 step bench-fp8 "$here/bin/example-bench_fp8" --out "$OUT/fp8_fwd.json" --commit "$commit"
 step bench-table "$here/bin/example-bench_table" --out "$OUT/sm90_fwd.json" --commit "$commit"
+step bench-varlen "$here/bin/example-bench_varlen" --out "$OUT/varlen.json" \
+  --mixes-out "$OUT/varlen_mixes.json" --commit "$commit"
 peers=()
 [ "${1:-}" = "--quick" ] && peers+=(--quick)
 if [ "${PEERS:-1}" = 1 ]; then
   step peers python3 "$here/compare_torch.py" --out "$OUT/peers.json" --commit "$commit" "${peers[@]}"
+  step varlen-peers python3 "$here/varlen_peers.py" --mixes "$OUT/varlen_mixes.json" \
+    --out "$OUT/varlen_peers.json" --commit "$commit"
 fi
 python3 "$here/table.py" "$OUT"/*.json >> "$log" 2>&1
 

@@ -27,6 +27,17 @@ impl RawTensor {
     }
 }
 
+/// A packed (varlen) call's sequences as the C ABI takes them: device addresses of the i32
+/// offsets (and of the used-key counts, 0 for none) and the packed tensors' row counts.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PackedRows {
+    pub cu_seqlens_q: u64,
+    pub cu_seqlens_k: u64,
+    pub seqused_k: u64,
+    pub total_q: usize,
+    pub total_k: usize,
+}
+
 /// TMA and 16-byte vector accesses need 16-byte aligned base pointers and strides.
 pub(crate) const ALIGN_BYTES: usize = 16;
 
@@ -81,9 +92,11 @@ fn sm90_flags(cfg: &AttentionConfig, problem: &Problem) -> u32 {
     flags
 }
 
-/// Parameters shared by forward and backward.
+/// Parameters shared by forward and backward; `packed` for a packed problem (`problem.packed`,
+/// whose lengths are then the longest sequence's).
 pub(crate) fn base_params(
     problem: &Problem,
+    packed: Option<&PackedRows>,
     cfg: &AttentionConfig,
     sm_count: i32,
 ) -> ffi::flashattn_params_t {
@@ -93,7 +106,7 @@ pub(crate) fn base_params(
     // a window, flash_api.cu would drop it to unbounded when seqlen_q is 1 (same keys, another
     // kernel path).
     let causal = right == Some(0);
-    ffi::flashattn_params_t {
+    let p = ffi::flashattn_params_t {
         batch: problem.batch as i32,
         seqlen_q: problem.seqlen_q as i32,
         seqlen_k: problem.seqlen_k as i32,
@@ -110,6 +123,19 @@ pub(crate) fn base_params(
         sm_count,
         sm90_flags: sm90_flags(cfg, problem),
         ..Default::default()
+    };
+    match packed {
+        None => p,
+        Some(rows) => ffi::flashattn_params_t {
+            seqlen_q: rows.total_q as i32,
+            seqlen_k: rows.total_k as i32,
+            cu_seqlens_q: rows.cu_seqlens_q as *const i32,
+            cu_seqlens_k: rows.cu_seqlens_k as *const i32,
+            seqused_k: rows.seqused_k as *const i32,
+            max_seqlen_q: problem.seqlen_q as i32,
+            max_seqlen_k: problem.seqlen_k as i32,
+            ..p
+        },
     }
 }
 
@@ -119,13 +145,14 @@ pub(crate) fn base_params(
 pub(crate) fn forward(
     plan: &Plan,
     problem: &Problem,
+    packed: Option<&PackedRows>,
     cfg: &AttentionConfig,
     sm_count: i32,
     [q, k, v, o]: [RawTensor; 4],
     lse: u64,
     stream: *mut std::ffi::c_void,
 ) -> Result<()> {
-    let mut p = base_params(problem, cfg, sm_count);
+    let mut p = base_params(problem, packed, cfg, sm_count);
     p.q = q.to_ffi();
     p.k = k.to_ffi();
     p.v = v.to_ffi();
@@ -166,7 +193,7 @@ pub(crate) fn forward_fp8(
     ops: Fp8Operands,
     stream: *mut std::ffi::c_void,
 ) -> Result<()> {
-    let mut p = base_params(problem, cfg, sm_count);
+    let mut p = base_params(problem, None, cfg, sm_count);
     p.q = ops.q.to_ffi();
     p.k = ops.k.to_ffi();
     p.v = ops.v.to_ffi();
@@ -188,20 +215,34 @@ pub(crate) fn forward_fp8(
 /// and rowsum(dO ∘ O) (each with seqlen_q rounded up to 128 rows per head), with GQA f32 dK
 /// and dV sums (per KV head, or per query head in deterministic mode), and in deterministic mode
 /// the sm90 backward's dQ semaphores (an i32 per 64 rows and warpgroup), each padded to 256 bytes.
+/// Packed (`packed`), the accumulator rows of a head are the packed rows rounded up to 128 plus
+/// 128 per sequence (each sequence's rows start on a multiple of 128), and the dK and dV sums
+/// have the packed key rows.
 pub(crate) fn bwd_workspace_bytes(
     problem: &Problem,
+    packed: Option<&PackedRows>,
     backend: Backend,
     deterministic: bool,
     sm_count: i32,
 ) -> usize {
     let align = |x: usize| x.div_ceil(256) * 256;
-    let rows_dq = problem.batch * problem.heads_q * problem.seqlen_q.div_ceil(128) * 128;
+    let (rows_dq_per_head, rows_k_per_head) = match packed {
+        None => (
+            problem.batch * problem.seqlen_q.div_ceil(128) * 128,
+            problem.batch * problem.seqlen_k,
+        ),
+        Some(rows) => (
+            rows.total_q.div_ceil(128) * 128 + 128 * problem.batch,
+            rows.total_k,
+        ),
+    };
+    let rows_dq = problem.heads_q * rows_dq_per_head;
     let heads_k = if deterministic {
         problem.heads_q
     } else {
         problem.heads_kv
     };
-    let rows_k = problem.batch * heads_k * problem.seqlen_k;
+    let rows_k = heads_k * rows_k_per_head;
     let d = problem.head_dim;
     let gqa = problem.heads_q != problem.heads_kv;
     let slices = if backend == Backend::Sm90 {
@@ -249,12 +290,13 @@ pub(crate) struct BackwardOperands {
 pub(crate) fn backward(
     backend: Backend,
     problem: &Problem,
+    packed: Option<&PackedRows>,
     cfg: &AttentionConfig,
     sm_count: i32,
     ops: &BackwardOperands,
     stream: *mut std::ffi::c_void,
 ) -> Result<()> {
-    let mut p = base_params(problem, cfg, sm_count);
+    let mut p = base_params(problem, packed, cfg, sm_count);
     p.q = ops.q.to_ffi();
     p.k = ops.k.to_ffi();
     p.v = ops.v.to_ffi();

@@ -6,6 +6,7 @@
 mod fp8;
 #[cfg(feature = "selftest")]
 pub(crate) mod selftest;
+mod varlen;
 mod views;
 
 use std::ffi::c_void;
@@ -16,6 +17,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, DriverErr
 pub use fp8::{
     fp8_key_block, fp8_query_block, v_key_column, v_row_head_dim, Fp8Inputs, Fp8Options,
 };
+pub use varlen::DeviceSeqlens;
 pub use views::{DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut};
 
 use crate::backend::gpu::{self, RawTensor};
@@ -137,10 +139,10 @@ impl Device {
     /// Refuses a stream or view of another CUDA context: the kernels run in this device's
     /// context, where another context's memory is an illegal address (which ends the context)
     /// and another context's stream cannot order them.
-    fn check_same_context<'c>(
+    fn check_same_context<'c, P: Into<CallPart>>(
         &self,
         stream: &CudaStream,
-        views: impl IntoIterator<Item = (Operand, &'c Arc<CudaContext>)>,
+        views: impl IntoIterator<Item = (P, &'c Arc<CudaContext>)>,
     ) -> Result<()> {
         let mismatch = |what: CallPart, ctx: &CudaContext| Error::WrongDevice {
             what,
@@ -156,7 +158,7 @@ impl Device {
         }
         for (operand, ctx) in views {
             if **ctx != *self.ctx {
-                return Err(mismatch(CallPart::Tensor(operand), ctx));
+                return Err(mismatch(operand.into(), ctx));
             }
         }
         Ok(())
@@ -186,6 +188,22 @@ impl Device {
         out: &mut DeviceTensorMut<T>,
         lse: &mut CudaViewMut<f32>,
     ) -> Result<Plan> {
+        self.forward_launch(stream, cfg, None, q, k, v, out, lse)
+    }
+
+    /// The forward of a dense batch, or of a packed one (`seqs`).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_launch<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        seqs: Option<&DeviceSeqlens>,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        out: &mut DeviceTensorMut<T>,
+        lse: &mut CudaViewMut<f32>,
+    ) -> Result<Plan> {
         if T::DTYPE == DType::E4M3 {
             return Err(Error::Unsupported {
                 what: "e4m3 operands in forward_into (the FP8 forward takes them through \
@@ -204,12 +222,19 @@ impl Device {
                 (Operand::Lse, lse.stream().context()),
             ],
         )?;
-        let problem = check_forward(
+        if let Some(seqs) = seqs {
+            self.check_same_context(stream, seqs.contexts())?;
+        }
+        let rows = check_forward(
             T::DTYPE,
             [q.operand(), k.operand(), v.operand()],
             out.operand(),
             lse.len(),
         )?;
+        let problem = match seqs {
+            Some(seqs) => seqs.problem(&rows)?,
+            None => rows,
+        };
         problem.check_index_width(&[
             (Operand::Q, &q.layout),
             (Operand::K, &k.layout),
@@ -224,6 +249,7 @@ impl Device {
         let (v_ptr, _v_guard) = v.data.device_ptr(stream);
         let (o_ptr, _o_guard) = out.data.device_ptr_mut(stream);
         let (lse_ptr, _lse_guard) = lse.device_ptr_mut(stream);
+        let (packed, _seqs_guards) = seqs.map(|s| s.rows(stream, &rows)).unzip();
         let size = std::mem::size_of::<T>();
         let operands = [
             (
@@ -263,6 +289,7 @@ impl Device {
         gpu::forward(
             &plan,
             &problem,
+            packed.as_ref(),
             cfg,
             self.info.sm_count,
             operands.map(|(_, t)| t),
@@ -317,6 +344,18 @@ impl Device {
         inputs: DeviceBackwardInputs<'_, T>,
         grads: DeviceGradientsMut<'_, '_, T>,
     ) -> Result<Plan> {
+        self.backward_launch(stream, cfg, None, inputs, grads)
+    }
+
+    /// The backward of a dense batch, or of a packed one (`seqs`).
+    fn backward_launch<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        seqs: Option<&DeviceSeqlens>,
+        inputs: DeviceBackwardInputs<'_, T>,
+        grads: DeviceGradientsMut<'_, '_, T>,
+    ) -> Result<Plan> {
         let DeviceBackwardInputs {
             q,
             k,
@@ -340,7 +379,10 @@ impl Device {
                 (Operand::DV, dv.data.stream().context()),
             ],
         )?;
-        let problem = check_backward(
+        if let Some(seqs) = seqs {
+            self.check_same_context(stream, seqs.contexts())?;
+        }
+        let rows = check_backward(
             T::DTYPE,
             [
                 q.operand(),
@@ -352,6 +394,10 @@ impl Device {
             lse.len(),
             [dq.operand(), dk.operand(), dv.operand()],
         )?;
+        let problem = match seqs {
+            Some(seqs) => seqs.problem(&rows)?,
+            None => rows,
+        };
         problem.check_index_width(&[
             (Operand::Q, &q.layout),
             (Operand::K, &k.layout),
@@ -364,8 +410,10 @@ impl Device {
         ])?;
         let plan = self.plan(Op::Backward, &problem, cfg)?;
         self.ctx.bind_to_thread().map_err(driver_error)?;
+        let (packed, _seqs_guards) = seqs.map(|s| s.rows(stream, &rows)).unzip();
         let workspace_bytes = gpu::bwd_workspace_bytes(
             &problem,
+            packed.as_ref(),
             plan.backend,
             cfg.deterministic,
             self.info.sm_count,
@@ -413,6 +461,7 @@ impl Device {
         gpu::backward(
             plan.backend,
             &problem,
+            packed.as_ref(),
             cfg,
             self.info.sm_count,
             &ops,

@@ -7,7 +7,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
 use super::{driver_error, Device};
 use crate::config::Backend;
-use crate::error::{Error, Result};
+use crate::error::{CallPart, Error, Result};
 use crate::ffi;
 
 /// Result of the toolchain self-test.
@@ -54,7 +54,7 @@ pub fn selftest_tma_wgmma(device: &Device, stream: &Arc<CudaStream>) -> Result<S
     let b: Vec<half::bf16> = (0..N * K).map(|_| half::bf16::from_f32(next())).collect();
     let poison = f32::NAN;
 
-    device.check_same_context(stream, [])?;
+    device.check_same_context(stream, std::iter::empty::<(CallPart, _)>())?;
     let err = driver_error;
     let a_dev = stream.clone_htod(&a).map_err(err)?;
     let b_dev = stream.clone_htod(&b).map_err(err)?;

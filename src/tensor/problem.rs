@@ -14,6 +14,9 @@ pub struct Problem {
     pub heads_kv: usize,
     pub head_dim: usize,
     pub dtype: DType,
+    /// The batch entries are sequences packed one after another along the tensors' rows
+    /// ([`crate::varlen`]); `seqlen_q` and `seqlen_k` are then the longest entry's lengths.
+    pub packed: bool,
 }
 
 impl Problem {
@@ -47,6 +50,7 @@ impl Problem {
             heads_kv,
             head_dim,
             dtype,
+            packed: false,
         };
         problem.validate()?;
         Ok(problem)
@@ -156,7 +160,9 @@ impl Problem {
                 detail: format!("{items} blocks of 64 rows over all heads exceed i32::MAX"),
             });
         }
-        let elements = longest * heads * self.head_dim as u128;
+        // Packed, the backward's row passes also cover a 128-row pad per sequence.
+        let pad = if self.packed { 128 } else { 0 };
+        let elements = (longest + pad) * heads * self.head_dim as u128;
         if elements > 1 << 42 {
             return Err(Error::IndexOverflow {
                 operand: Operand::Q,

@@ -4,6 +4,8 @@
 //! tests/common.
 #![allow(dead_code)] // each test crate uses its own part
 
+pub mod varlen;
+
 use flashattn::{
     AttentionConfig, AttentionMask, Backend, DType, Element, Layout, Operand, Problem,
 };
@@ -147,6 +149,7 @@ impl Case {
             heads_kv: self.heads_kv,
             head_dim: self.head_dim,
             dtype: self.dtype,
+            packed: false,
         }
     }
     /// Full reference when the score matrices are small enough for the CPU.

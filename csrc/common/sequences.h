@@ -1,0 +1,67 @@
+// Where each batch entry's rows lie, for every kernel family. Dense calls: entry b is slice b of
+// every tensor's batch axis, with seqlen_q query and seqlen_k key rows. Packed (varlen) calls:
+// the tensors have one batch entry, and entry b owns the rows its offsets name (flash_api.h).
+// The kernels ask `at(b)` once per work unit and then index every tensor, the LSE and the
+// workspace from the Entry it returns, so that the main loops are the same for both.
+#pragma once
+
+#include <cstdint>
+
+#include "../flash_api.h"
+
+namespace flashattn {
+
+struct Sequences {
+  const int32_t* cu_q = nullptr;  // null: dense
+  const int32_t* cu_k = nullptr;
+  const int32_t* used_k = nullptr;
+  int rows_q = 0, rows_k = 0;  // dense: every entry's lengths; packed: the tensors' rows
+  int max_q = 0, max_k = 0;    // the longest entry the grids cover
+
+  struct Entry {
+    int batch;             // index on the tensors' batch axis (0 when packed)
+    int q_start, k_start;  // first row on the tensors' row axis
+    int seqlen_q, seqlen_k;
+    // Offset of (row 0, head `head`) in a (batch, heads, rows) f32 array (the forward's LSE):
+    // dense entry b's rows follow entry b − 1's; packed, head h's rows are the tensors' rows.
+    __host__ __device__ int64_t rows_offset(int head, int heads, int rows_total) const {
+      return (int64_t(batch) * heads + head) * rows_total + q_start;
+    }
+  };
+
+  __host__ __device__ bool packed() const { return cu_q != nullptr; }
+
+  // Entry b. Packed offsets come from the caller's device arrays unchecked: each is clamped
+  // into the tensors (start into [0, rows], end into [start, rows], length to the grid's
+  // maximum, used keys into [0, length]), so a malformed array can give wrong rows but never
+  // an index outside the buffers.
+  __device__ Entry at(int b) const {
+    if (!packed()) return {b, 0, 0, rows_q, rows_k};
+    auto clamp = [](int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); };
+    const int q0 = clamp(cu_q[b], 0, rows_q), q1 = clamp(cu_q[b + 1], q0, rows_q);
+    const int k0 = clamp(cu_k[b], 0, rows_k), k1 = clamp(cu_k[b + 1], k0, rows_k);
+    int len_k = k1 - k0 < max_k ? k1 - k0 : max_k;
+    if (used_k != nullptr) len_k = clamp(used_k[b], 0, len_k);
+    return {0, q0, k0, q1 - q0 < max_q ? q1 - q0 : max_q, len_k};
+  }
+};
+
+// The call's entries: dense, or packed by its offsets.
+inline Sequences sequences(const flashattn_params_t& p) {
+  Sequences s;
+  s.rows_q = p.seqlen_q;
+  s.rows_k = p.seqlen_k;
+  if (p.cu_seqlens_q == nullptr) {
+    s.max_q = p.seqlen_q;
+    s.max_k = p.seqlen_k;
+    return s;
+  }
+  s.cu_q = p.cu_seqlens_q;
+  s.cu_k = p.cu_seqlens_k;
+  s.used_k = p.seqused_k;
+  s.max_q = p.max_seqlen_q;
+  s.max_k = p.max_seqlen_k;
+  return s;
+}
+
+}  // namespace flashattn

@@ -1,0 +1,262 @@
+//! Packed (varlen) batches on the device: forward and backward TFLOP/s over three length mixes of
+//! about 32k tokens (all 2k; uniform 128..8k; log-normal with median 600 and one 16k sequence),
+//! hidden 2048, d64 and d128, causal, bf16; and the same all-2k batch as a dense (16, 2048) call,
+//! the bound the packed one should stay within 3% of. CUDA events around each call, queued
+//! behind the warm-up, median of 20. Writes the mixes for benchmarks/varlen_peers.py
+//! (`--mixes-out PATH`) so that the peers time the very same sequences.
+//!
+//! `cargo run --release --example bench_varlen -- --out varlen.json --mixes-out mixes.json`
+
+mod common;
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaSlice;
+use flashattn::cuda::{
+    CudaStream, Device, DeviceBackwardInputs, DeviceGradientsMut, DeviceSeqlens, DeviceTensor,
+    DeviceTensorMut,
+};
+use flashattn::{AttentionConfig, Backend, Plan};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, LogNormal, Normal};
+
+const TOKENS: usize = 32768;
+const HIDDEN: usize = 2048;
+const REPS: usize = 20;
+
+/// The three mixes, each summing to TOKENS.
+fn mixes() -> Vec<(&'static str, Vec<usize>)> {
+    let mut rng = StdRng::seed_from_u64(33);
+    let fill = |draw: &mut dyn FnMut() -> usize, first: Vec<usize>| {
+        let mut lens = first;
+        while lens.iter().sum::<usize>() < TOKENS {
+            let left = TOKENS - lens.iter().sum::<usize>();
+            lens.push(draw().clamp(1, left));
+        }
+        lens
+    };
+    let uniform = fill(&mut || rng.random_range(128..=8192), vec![]);
+    let log_normal = LogNormal::new(600f64.ln(), 1.0).unwrap();
+    let mut rng2 = StdRng::seed_from_u64(34);
+    let heavy = fill(
+        &mut || (log_normal.sample(&mut rng2).round() as usize).min(16384),
+        vec![16384],
+    );
+    vec![
+        ("all-2k", vec![2048; TOKENS / 2048]),
+        ("uniform-128-8k", uniform),
+        ("lognormal-600-16k", heavy),
+    ]
+}
+
+/// Causal forward FLOPs of the packed batch: each sequence's half of 4·s²·h·d.
+fn causal_flops(lens: &[usize], heads: usize, d: usize) -> f64 {
+    lens.iter()
+        .map(|&s| 2.0 * (s * s) as f64 * (heads * d) as f64)
+        .sum()
+}
+
+struct Buffers {
+    q: CudaSlice<bf16>,
+    k: CudaSlice<bf16>,
+    v: CudaSlice<bf16>,
+    dout: CudaSlice<bf16>,
+    out: CudaSlice<bf16>,
+    lse: CudaSlice<f32>,
+    dq: CudaSlice<bf16>,
+    dk: CudaSlice<bf16>,
+    dv: CudaSlice<bf16>,
+}
+
+/// Median milliseconds of `REPS` calls of `call`, after 5 queued warm-up calls.
+fn median_ms(stream: &Arc<CudaStream>, mut call: impl FnMut()) -> f64 {
+    for _ in 0..5 {
+        call();
+    }
+    let event = || {
+        stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap()
+    };
+    let mut events = Vec::with_capacity(REPS);
+    for _ in 0..REPS {
+        let start = event();
+        call();
+        events.push((start, event()));
+    }
+    stream.synchronize().unwrap();
+    let mut times: Vec<f64> = events
+        .iter()
+        .map(|(start, end)| start.elapsed_ms(end).unwrap() as f64)
+        .collect();
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    times[REPS / 2]
+}
+
+/// Forward and backward medians of the batch: packed with `lens` (Some), or dense
+/// `(TOKENS / s, s)` with every length s (None: `lens` are then all equal).
+fn time(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    bufs: &mut Buffers,
+    cfg: &AttentionConfig,
+    lens: &[usize],
+    packed: bool,
+    d: usize,
+) -> (Plan, f64, Plan, f64) {
+    let heads = HIDDEN / d;
+    let shape = if packed {
+        [1, TOKENS, heads, d]
+    } else {
+        [TOKENS / lens[0], lens[0], heads, d]
+    };
+    let mut cu = vec![0i32];
+    for &l in lens {
+        cu.push(cu.last().unwrap() + l as i32);
+    }
+    let cu = stream.clone_htod(&cu).unwrap();
+    let max = lens.iter().copied().max().unwrap();
+    let seqs = DeviceSeqlens::new(cu.as_view(), cu.as_view(), max, max).unwrap();
+    let layout = flashattn::Layout::contiguous(shape);
+    fn view(x: &CudaSlice<bf16>, layout: flashattn::Layout) -> DeviceTensor<'_, bf16> {
+        DeviceTensor::new(x.slice(..TOKENS * HIDDEN), layout)
+    }
+    let mut fwd_plan = None;
+    let fwd = median_ms(stream, || {
+        let (q, k, v) = (
+            view(&bufs.q, layout),
+            view(&bufs.k, layout),
+            view(&bufs.v, layout),
+        );
+        let mut out = DeviceTensorMut::contiguous(&mut bufs.out, shape);
+        let mut lse = bufs.lse.as_view_mut();
+        let plan = if packed {
+            dev.varlen_forward_into(stream, cfg, &seqs, &q, &k, &v, &mut out, &mut lse)
+        } else {
+            dev.forward_into(stream, cfg, &q, &k, &v, &mut out, &mut lse)
+        };
+        fwd_plan = Some(plan.expect("forward"));
+    });
+    let mut bwd_plan = None;
+    let bwd = median_ms(stream, || {
+        let (q, k, v) = (
+            view(&bufs.q, layout),
+            view(&bufs.k, layout),
+            view(&bufs.v, layout),
+        );
+        let (out, dout) = (view(&bufs.out, layout), view(&bufs.dout, layout));
+        let lse = bufs.lse.as_view();
+        let inputs = DeviceBackwardInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &out,
+            dout: &dout,
+            lse: &lse,
+        };
+        let grads = DeviceGradientsMut {
+            dq: &mut DeviceTensorMut::contiguous(&mut bufs.dq, shape),
+            dk: &mut DeviceTensorMut::contiguous(&mut bufs.dk, shape),
+            dv: &mut DeviceTensorMut::contiguous(&mut bufs.dv, shape),
+        };
+        let plan = if packed {
+            dev.varlen_backward_into(stream, cfg, &seqs, inputs, grads)
+        } else {
+            dev.backward_into(stream, cfg, inputs, grads)
+        };
+        bwd_plan = Some(plan.expect("backward"));
+    });
+    (fwd_plan.unwrap(), fwd, bwd_plan.unwrap(), bwd)
+}
+
+fn main() {
+    let args = common::Args::parse();
+    let dev = common::device("bench_varlen");
+    let stream = dev.new_stream().unwrap();
+    let info = dev.info().clone();
+    let mixes = mixes();
+    if let Some(path) = args.value("--mixes-out") {
+        let list: Vec<String> = mixes
+            .iter()
+            .map(|(name, lens)| format!("{{\"name\": \"{name}\", \"lengths\": {lens:?}}}"))
+            .collect();
+        let json = format!(
+            "{{\"mixes\": [{}], \"head_dims\": [64, 128], \"hidden\": {HIDDEN}, \"causal\": true}}\n",
+            list.join(", ")
+        );
+        std::fs::write(&path, json).expect("write the mixes");
+    }
+
+    let n = TOKENS * HIDDEN;
+    let mut rng = StdRng::seed_from_u64(7);
+    let normal = Normal::new(0f32, 1.0).unwrap();
+    let mut random = || -> CudaSlice<bf16> {
+        let host: Vec<bf16> = (0..n)
+            .map(|_| bf16::from_f32(normal.sample(&mut rng)))
+            .collect();
+        stream.clone_htod(&host).unwrap()
+    };
+    let nan = |len: usize| stream.clone_htod(&vec![bf16::NAN; len]).unwrap();
+    let mut bufs = Buffers {
+        q: random(),
+        k: random(),
+        v: random(),
+        dout: random(),
+        out: nan(n),
+        lse: stream
+            .clone_htod(&vec![f32::NAN; TOKENS * HIDDEN / 64])
+            .unwrap(),
+        dq: nan(n),
+        dk: nan(n),
+        dv: nan(n),
+    };
+
+    let mut rows = vec![];
+    for d in [64, 128] {
+        let heads = HIDDEN / d;
+        for (name, lens) in &mixes {
+            let flops = causal_flops(lens, heads, d);
+            let mut runs = vec![(Backend::Auto, true), (Backend::Sm80, true)];
+            if *name == "all-2k" {
+                runs.push((Backend::Auto, false));
+            }
+            for (backend, packed) in runs {
+                let cfg = AttentionConfig::new().causal(true).backend(backend);
+                let (fp, fwd, bp, bwd) = time(&dev, &stream, &mut bufs, &cfg, lens, packed, d);
+                let tf = |ms: f64, f: f64| f / (ms * 1e-3) / 1e12;
+                let name_of = |p: &Plan| format!("flashattn-{}", p.backend.name());
+                println!(
+                    "d{d} {name:<18} {:>6} {} fwd {:.3} ms {:.0} TFLOP/s ({}), bwd {:.3} ms {:.0} TFLOP/s ({})",
+                    if packed { "varlen" } else { "dense" },
+                    lens.len(),
+                    fwd,
+                    tf(fwd, flops),
+                    fp.explain(),
+                    bwd,
+                    tf(bwd, 2.5 * flops),
+                    bp.explain()
+                );
+                rows.push(format!(
+                    "{{\"impl\": \"{}\", \"bwd_impl\": \"{}\", \"varlen\": {packed}, \"mix\": \"{name}\", \
+                     \"dtype\": \"bf16\", \"d\": {d}, \"heads\": {heads}, \"heads_kv\": {heads}, \
+                     \"batch\": {}, \"total_tokens\": {TOKENS}, \"max_seqlen\": {}, \"causal\": true, \
+                     \"forced\": \"{}\", \"fwd_ms\": {fwd:.4}, \"fwd_tflops\": {:.1}, \
+                     \"bwd_ms\": {bwd:.4}, \"bwd_tflops\": {:.1}}}",
+                    name_of(&fp),
+                    name_of(&bp),
+                    lens.len(),
+                    lens.iter().max().unwrap(),
+                    backend.name(),
+                    tf(fwd, flops),
+                    tf(bwd, 2.5 * flops),
+                ));
+            }
+        }
+    }
+    if let Some(path) = args.value("--out") {
+        common::write_results(&path, &common::describe(&info), &args.commit(), "", &rows);
+    }
+}

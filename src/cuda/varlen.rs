@@ -1,0 +1,180 @@
+//! Packed (variable-length) batches on the GPU: the sequence offsets as device arrays, and the
+//! forward and backward over them ([`crate::varlen`] has the layout and the CPU calls).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream, CudaView, CudaViewMut, DevicePtr, DeviceRepr};
+use cudarc::driver::{DeviceSlice, SyncOnDrop};
+
+use super::{Device, DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut};
+use crate::backend::gpu::PackedRows;
+use crate::config::AttentionConfig;
+use crate::dispatch::Plan;
+use crate::error::{CallPart, Error, Result};
+use crate::tensor::{Element, Problem};
+
+/// The sequence boundaries of a packed batch in device memory: `batch + 1` i32 offsets for
+/// queries and for keys (from 0, non-decreasing, the last one the tensors' row count), the
+/// bounds on every sequence's lengths, and optionally the keys each sequence uses.
+///
+/// The offsets stay on the device: checking their values would synchronize the stream, so only
+/// their counts are checked here. The kernels clamp every sequence into the tensors (start into
+/// `0..=rows`, end into `start..=rows`, lengths to the maxima given here, `seqused_k` into
+/// `0..=length`): offsets that describe no packing give unspecified values in the rows they
+/// name, never an access outside a buffer, and rows that no sequence names are not written.
+#[derive(Debug)]
+pub struct DeviceSeqlens<'a> {
+    cu_q: CudaView<'a, i32>,
+    cu_k: CudaView<'a, i32>,
+    used_k: Option<CudaView<'a, i32>>,
+    max_q: usize,
+    max_k: usize,
+}
+
+impl<'a> DeviceSeqlens<'a> {
+    /// `cu_seqlens_q` and `cu_seqlens_k`: `batch + 1` offsets each (at least one sequence);
+    /// `max_seqlen_q` and `max_seqlen_k`: at least 1, at least every sequence's lengths (the
+    /// grids are sized from them), at most the tensors' rows.
+    pub fn new(
+        cu_seqlens_q: CudaView<'a, i32>,
+        cu_seqlens_k: CudaView<'a, i32>,
+        max_seqlen_q: usize,
+        max_seqlen_k: usize,
+    ) -> Result<Self> {
+        if cu_seqlens_q.len() < 2 || cu_seqlens_k.len() != cu_seqlens_q.len() {
+            return Err(Error::InvalidSeqlens(format!(
+                "cu_seqlens_q has {} offsets and cu_seqlens_k {}: both need batch + 1, batch >= 1",
+                cu_seqlens_q.len(),
+                cu_seqlens_k.len()
+            )));
+        }
+        if max_seqlen_q == 0 || max_seqlen_k == 0 {
+            return Err(Error::InvalidSeqlens(
+                "max_seqlen_q and max_seqlen_k must be at least 1".into(),
+            ));
+        }
+        Ok(DeviceSeqlens {
+            cu_q: cu_seqlens_q,
+            cu_k: cu_seqlens_k,
+            used_k: None,
+            max_q: max_seqlen_q,
+            max_k: max_seqlen_k,
+        })
+    }
+
+    /// Each sequence attends to the first `seqused_k[b]` of its keys only; `batch` i32 values.
+    pub fn with_seqused_k(self, seqused_k: CudaView<'a, i32>) -> Result<Self> {
+        if seqused_k.len() != self.batch() {
+            return Err(Error::InvalidSeqlens(format!(
+                "seqused_k has {} values for {} sequences",
+                seqused_k.len(),
+                self.batch()
+            )));
+        }
+        Ok(DeviceSeqlens {
+            used_k: Some(seqused_k),
+            ..self
+        })
+    }
+
+    /// Number of sequences.
+    pub fn batch(&self) -> usize {
+        self.cu_q.len() - 1
+    }
+
+    pub(super) fn contexts(&self) -> impl Iterator<Item = (CallPart, &Arc<CudaContext>)> {
+        [Some(&self.cu_q), Some(&self.cu_k), self.used_k.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(|view| (CallPart::Seqlens, view.stream().context()))
+    }
+
+    /// The packed problem of tensors whose batch-1 `rows` problem is `dense`: one entry per
+    /// sequence, the maxima as lengths.
+    pub(super) fn problem(&self, dense: &Problem) -> Result<Problem> {
+        if dense.batch != 1 {
+            return Err(Error::InvalidSeqlens(format!(
+                "packed tensors have a batch axis of 1, not {}",
+                dense.batch
+            )));
+        }
+        for (name, max, rows) in [
+            ("max_seqlen_q", self.max_q, dense.seqlen_q),
+            ("max_seqlen_k", self.max_k, dense.seqlen_k),
+        ] {
+            if max > rows {
+                return Err(Error::InvalidSeqlens(format!(
+                    "{name} is {max}, more than the tensors' {rows} rows"
+                )));
+            }
+        }
+        Ok(Problem {
+            batch: self.batch(),
+            seqlen_q: self.max_q,
+            seqlen_k: self.max_k,
+            packed: true,
+            ..*dense
+        })
+    }
+
+    /// The C ABI's view of the sequences of tensors with `dense`'s rows, ordered on `stream`
+    /// while the guards live.
+    pub(super) fn rows<'s>(
+        &'s self,
+        stream: &'s CudaStream,
+        dense: &Problem,
+    ) -> (PackedRows, [Option<SyncOnDrop<'s>>; 3]) {
+        let (cu_q, g_q) = self.cu_q.device_ptr(stream);
+        let (cu_k, g_k) = self.cu_k.device_ptr(stream);
+        let (used_k, g_used) = match &self.used_k {
+            Some(view) => {
+                let (ptr, guard) = view.device_ptr(stream);
+                (ptr, Some(guard))
+            }
+            None => (0, None),
+        };
+        let rows = PackedRows {
+            cu_seqlens_q: cu_q,
+            cu_seqlens_k: cu_k,
+            seqused_k: used_k,
+            total_q: dense.seqlen_q,
+            total_k: dense.seqlen_k,
+        };
+        (rows, [Some(g_q), Some(g_k), g_used])
+    }
+}
+
+impl Device {
+    /// Forward pass over a packed batch into caller-owned device outputs, ordered on `stream`:
+    /// Q `(1, total_q, heads_q, head_dim)`, K and V `(1, total_k, heads_kv, head_dim)`, O like
+    /// Q, `lse` f32 `(heads_q, total_q)`; every sequence is its own problem (masks bottom-right
+    /// within it). A sequence whose queries see no key gets O = 0 and LSE = +inf.
+    #[allow(clippy::too_many_arguments)]
+    pub fn varlen_forward_into<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        seqs: &DeviceSeqlens,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        out: &mut DeviceTensorMut<T>,
+        lse: &mut CudaViewMut<f32>,
+    ) -> Result<Plan> {
+        self.forward_launch(stream, cfg, Some(seqs), q, k, v, out, lse)
+    }
+
+    /// Backward pass over a packed batch, ordered on `stream`: the tensors as in
+    /// [`Device::varlen_forward_into`], dQ like Q, dK and dV like K. Key rows a sequence does
+    /// not use (past `seqused_k`) get dK = dV = 0.
+    pub fn varlen_backward_into<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        seqs: &DeviceSeqlens,
+        inputs: DeviceBackwardInputs<'_, T>,
+        grads: DeviceGradientsMut<'_, '_, T>,
+    ) -> Result<Plan> {
+        self.backward_launch(stream, cfg, Some(seqs), inputs, grads)
+    }
+}

@@ -1,0 +1,417 @@
+//! Packed (varlen) batches on the GPU: every sequence's O, LSE, dQ, dK and dV against the f64
+//! reference of its own dense problem under the correctness rule (outputs poisoned with NaN
+//! before the launches), equal lengths against the dense kernels bit for bit, `seqused_k`, and
+//! malformed device offsets that must stay inside the buffers. `#[ignore]`d: run on the device
+//! with `--include-ignored` (each test fails without a GPU).
+#![cfg(feature = "cuda")]
+
+mod common;
+mod harness;
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, DeviceRepr};
+use flashattn::cuda::{
+    CudaStream, Device, DeviceBackwardInputs, DeviceGradientsMut, DeviceSeqlens, DeviceTensor,
+    DeviceTensorMut,
+};
+use flashattn::{AttentionConfig, Backend, Element, Plan};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use common::device;
+use harness::varlen::{check_outputs, Batch, Outputs};
+
+/// The batch's tensors on the device, the outputs poisoned with NaN.
+struct OnDevice<T> {
+    q: CudaSlice<T>,
+    k: CudaSlice<T>,
+    v: CudaSlice<T>,
+    dout: CudaSlice<T>,
+    out: CudaSlice<T>,
+    lse: CudaSlice<f32>,
+    dq: CudaSlice<T>,
+    dk: CudaSlice<T>,
+    dv: CudaSlice<T>,
+}
+
+fn upload<T: Element + DeviceRepr>(stream: &Arc<CudaStream>, batch: &Batch<T>) -> OnDevice<T> {
+    let up = |x: &Vec<T>| stream.clone_htod(x).unwrap();
+    let nan = |n: usize| stream.clone_htod(&vec![T::from_f32(f32::NAN); n]).unwrap();
+    let total_q: usize = batch.q_lens.iter().sum();
+    OnDevice {
+        q: up(&batch.q),
+        k: up(&batch.k),
+        v: up(&batch.v),
+        dout: up(&batch.dout),
+        out: nan(batch.q.len()),
+        lse: stream
+            .clone_htod(&vec![f32::NAN; batch.heads_q * total_q])
+            .unwrap(),
+        dq: nan(batch.q.len()),
+        dk: nan(batch.k.len()),
+        dv: nan(batch.k.len()),
+    }
+}
+
+/// Runs the varlen forward, then the backward from its O and LSE, with `cfg`, offsets `cu`
+/// (as given, well formed or not) and bounds `max`; returns the plans.
+#[allow(clippy::too_many_arguments)]
+fn run<T: Element + DeviceRepr>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    batch: &Batch<T>,
+    cfg: &AttentionConfig,
+    (cu_q, cu_k): (&[i32], &[i32]),
+    used: Option<&[i32]>,
+    max: (usize, usize),
+    t: &mut OnDevice<T>,
+) -> flashattn::Result<(Plan, Plan)> {
+    let cu_q = stream.clone_htod(cu_q).unwrap();
+    let cu_k = stream.clone_htod(cu_k).unwrap();
+    let used = used.map(|u| stream.clone_htod(u).unwrap());
+    let mut seqs = DeviceSeqlens::new(cu_q.as_view(), cu_k.as_view(), max.0, max.1)?;
+    if let Some(used) = &used {
+        seqs = seqs.with_seqused_k(used.as_view())?;
+    }
+    let total_q: usize = batch.q_lens.iter().sum();
+    let total_k: usize = batch.k_lens.iter().sum();
+    let q_shape = [1, total_q, batch.heads_q, batch.d];
+    let k_shape = [1, total_k, batch.heads_kv, batch.d];
+    let (q, k, v) = (
+        DeviceTensor::contiguous(&t.q, q_shape),
+        DeviceTensor::contiguous(&t.k, k_shape),
+        DeviceTensor::contiguous(&t.v, k_shape),
+    );
+    let fwd = dev.varlen_forward_into(
+        stream,
+        cfg,
+        &seqs,
+        &q,
+        &k,
+        &v,
+        &mut DeviceTensorMut::contiguous(&mut t.out, q_shape),
+        &mut t.lse.as_view_mut(),
+    )?;
+    let bwd = dev.varlen_backward_into(
+        stream,
+        cfg,
+        &seqs,
+        DeviceBackwardInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &DeviceTensor::contiguous(&t.out, q_shape),
+            dout: &DeviceTensor::contiguous(&t.dout, q_shape),
+            lse: &t.lse.as_view(),
+        },
+        DeviceGradientsMut {
+            dq: &mut DeviceTensorMut::contiguous(&mut t.dq, q_shape),
+            dk: &mut DeviceTensorMut::contiguous(&mut t.dk, k_shape),
+            dv: &mut DeviceTensorMut::contiguous(&mut t.dv, k_shape),
+        },
+    )?;
+    stream.synchronize().unwrap();
+    Ok((fwd, bwd))
+}
+
+fn download<T: Element + DeviceRepr>(stream: &Arc<CudaStream>, t: &OnDevice<T>) -> Outputs<T> {
+    let down = |x: &CudaSlice<T>| stream.clone_dtoh(x).unwrap();
+    let outputs = Outputs {
+        out: down(&t.out),
+        lse: stream.clone_dtoh(&t.lse).unwrap(),
+        dq: down(&t.dq),
+        dk: down(&t.dk),
+        dv: down(&t.dv),
+    };
+    stream.synchronize().unwrap();
+    outputs
+}
+
+/// Every sequence of `batch` through the GPU (backend `backend`, `used` keys per sequence)
+/// against its reference; no NaN poison left anywhere (every row belongs to a sequence).
+fn check<T: Element + DeviceRepr>(
+    batch: &Batch<T>,
+    cfg: &AttentionConfig,
+    used: Option<&[i32]>,
+    backend: Backend,
+) -> (Plan, Plan) {
+    let (dev, stream) = device();
+    let cfg = cfg.clone().backend(backend);
+    let mut t = upload(&stream, batch);
+    let (cu_q, cu_k) = batch.cu();
+    let plans = run(
+        &dev,
+        &stream,
+        batch,
+        &cfg,
+        (&cu_q, &cu_k),
+        used,
+        batch.max(),
+        &mut t,
+    )
+    .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
+    let got = download(&stream, &t);
+    for (name, x) in [
+        ("O", &got.out),
+        ("dQ", &got.dq),
+        ("dK", &got.dk),
+        ("dV", &got.dv),
+    ] {
+        assert!(
+            x.iter().all(|v| !v.to_f32().is_nan()),
+            "{name} has unwritten elements ({cfg:?})"
+        );
+    }
+    assert!(got.lse.iter().all(|v| !v.is_nan()), "LSE unwritten");
+    check_outputs(batch, &cfg, used, &got);
+    plans
+}
+
+const MIXED_Q: [usize; 7] = [37, 0, 1, 130, 64, 5, 0];
+const MIXED_K: [usize; 7] = [37, 12, 3, 130, 70, 0, 9];
+
+fn configs() -> [AttentionConfig; 4] {
+    [
+        AttentionConfig::new(),
+        AttentionConfig::new().causal(true),
+        AttentionConfig::new().window(Some(20), Some(7)),
+        AttentionConfig::new().causal(true).softcap(5.0),
+    ]
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn mixed_lengths_match_each_sequence_s_reference() {
+    for backend in [Backend::Sm80, Backend::Auto] {
+        for d in [64, 128, 256] {
+            for (i, cfg) in configs().iter().enumerate() {
+                let seed = (d + i) as u64;
+                let (fwd, bwd) = check(
+                    &Batch::<bf16>::new(&MIXED_Q, &MIXED_K, (4, 2), d, seed),
+                    cfg,
+                    None,
+                    backend,
+                );
+                println!("d{d} {cfg:?}: {} / {}", fwd.explain(), bwd.explain());
+                check(
+                    &Batch::<f16>::new(&MIXED_Q, &MIXED_K, (2, 2), d, seed + 100),
+                    cfg,
+                    None,
+                    backend,
+                );
+            }
+        }
+    }
+}
+
+/// 64 sequences of 0 to 400 rows and two long ones (not block multiples), GQA 8:2, d128.
+#[test]
+#[ignore = "needs a GPU"]
+fn many_sequences_and_long_ones() {
+    let mut rng = StdRng::seed_from_u64(64);
+    let mut lens: Vec<usize> = (0..62).map(|_| rng.random_range(0..=400)).collect();
+    lens.insert(10, 2047);
+    lens.push(1500);
+    for backend in [Backend::Sm80, Backend::Auto] {
+        for cfg in [
+            AttentionConfig::new().causal(true),
+            AttentionConfig::new().window(Some(300), Some(0)),
+        ] {
+            check(
+                &Batch::<bf16>::new(&lens, &lens, (8, 2), 128, 7),
+                &cfg,
+                None,
+                backend,
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn seqused_k_attends_to_the_first_keys_only() {
+    for backend in [Backend::Sm80, Backend::Auto] {
+        let batch = Batch::<bf16>::new(&[20, 33, 8, 150], &[40, 33, 16, 300], (2, 1), 64, 3);
+        let used = [25, 33, 0, 170];
+        check(
+            &batch,
+            &AttentionConfig::new().causal(true),
+            Some(&used),
+            backend,
+        );
+        check(
+            &batch,
+            &AttentionConfig::new(),
+            Some(&[1, 0, 16, 300]),
+            backend,
+        );
+    }
+}
+
+/// Equal lengths: the packed call and the dense `(batch, seqlen)` call over the same memory run
+/// the same kernels on the same rows, so every output is the same bits.
+#[test]
+#[ignore = "needs a GPU"]
+fn equal_lengths_match_the_dense_kernels_bit_for_bit() {
+    let (b, s, hq, hk, d) = (4, 300, 4, 2, 128);
+    let batch = Batch::<bf16>::new(&[s; 4], &[s; 4], (hq, hk), d, 9);
+    let (dev, stream) = device();
+    for backend in [Backend::Sm80, Backend::Auto] {
+        let cfg = AttentionConfig::new().causal(true).backend(backend);
+        let (cu, _) = batch.cu();
+        let mut packed = upload(&stream, &batch);
+        run(
+            &dev,
+            &stream,
+            &batch,
+            &cfg,
+            (&cu, &cu),
+            None,
+            (s, s),
+            &mut packed,
+        )
+        .unwrap();
+        let packed = download(&stream, &packed);
+
+        let mut t = upload(&stream, &batch);
+        let (q_shape, k_shape) = ([b, s, hq, d], [b, s, hk, d]);
+        let (q, k, v) = (
+            DeviceTensor::contiguous(&t.q, q_shape),
+            DeviceTensor::contiguous(&t.k, k_shape),
+            DeviceTensor::contiguous(&t.v, k_shape),
+        );
+        dev.forward_into(
+            &stream,
+            &cfg,
+            &q,
+            &k,
+            &v,
+            &mut DeviceTensorMut::contiguous(&mut t.out, q_shape),
+            &mut t.lse.as_view_mut(),
+        )
+        .unwrap();
+        dev.backward_into(
+            &stream,
+            &cfg,
+            DeviceBackwardInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                out: &DeviceTensor::contiguous(&t.out, q_shape),
+                dout: &DeviceTensor::contiguous(&t.dout, q_shape),
+                lse: &t.lse.as_view(),
+            },
+            DeviceGradientsMut {
+                dq: &mut DeviceTensorMut::contiguous(&mut t.dq, q_shape),
+                dk: &mut DeviceTensorMut::contiguous(&mut t.dk, k_shape),
+                dv: &mut DeviceTensorMut::contiguous(&mut t.dv, k_shape),
+            },
+        )
+        .unwrap();
+        let dense = download(&stream, &t);
+        let bits = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&packed.out), bits(&dense.out), "{backend:?} O");
+        for bi in 0..b {
+            for h in 0..hq {
+                for i in 0..s {
+                    // packed (heads, total) against dense (batch, heads, seqlen)
+                    assert_eq!(
+                        packed.lse[h * b * s + bi * s + i].to_bits(),
+                        dense.lse[(bi * hq + h) * s + i].to_bits(),
+                        "{backend:?} LSE"
+                    );
+                }
+            }
+        }
+        for (name, p, q) in [
+            ("dQ", &packed.dq, &dense.dq),
+            ("dK", &packed.dk, &dense.dk),
+            ("dV", &packed.dv, &dense.dv),
+        ] {
+            assert_eq!(bits(p), bits(q), "{backend:?} {name}");
+        }
+    }
+}
+
+/// Offsets that describe no packing (decreasing, negative, past the rows, past the maxima) and
+/// used-key counts past the keys: the kernels clamp them, so the calls complete, write nothing
+/// past the tensors (sentinel rows after each output stay as they were), and run clean under
+/// compute-sanitizer.
+#[test]
+#[ignore = "needs a GPU"]
+fn sanitizer_malformed_offsets_stay_in_bounds() {
+    let (dev, stream) = device();
+    // The call's tensors hold 256 query and 256 key rows; `padded`'s buffers, 64 more.
+    let batch = Batch::<bf16>::new(&[128, 128], &[128, 128], (2, 2), 64, 5);
+    let padded = Batch::<bf16>::new(&[192, 128], &[192, 128], (2, 2), 64, 5);
+    // (cu_seqlens_q, cu_seqlens_k, seqused_k)
+    type Offsets<'a> = (&'a [i32], &'a [i32], Option<&'a [i32]>);
+    let bad: [Offsets; 5] = [
+        (&[0, 200, 100], &[0, 100, 256], None),
+        (&[-50, 300, i32::MAX], &[i32::MIN, -1, 10_000], None),
+        (&[0, 256, 256], &[0, 0, 256], Some(&[1000, -3])),
+        (&[0, 128, 256], &[0, 128, 256], Some(&[i32::MAX, i32::MIN])),
+        (&[256, 0, 0], &[256, 256, 0], None),
+    ];
+    for backend in [Backend::Sm80, Backend::Auto] {
+        let cfg = AttentionConfig::new().causal(true).backend(backend);
+        for (cu_q, cu_k, used) in bad {
+            // Buffers of 320 rows, of which the call's tensors are the first 256.
+            let mut t = upload(&stream, &padded);
+            let before = download(&stream, &t);
+            run(
+                &dev,
+                &stream,
+                &batch,
+                &cfg,
+                (cu_q, cu_k),
+                used,
+                (128, 128),
+                &mut t,
+            )
+            .unwrap_or_else(|e| panic!("{cu_q:?} {cu_k:?}: {e}"));
+            let after = download(&stream, &t);
+            let tail = 256 * 2 * 64..;
+            for (name, x, y) in [
+                ("O", &after.out, &before.out),
+                ("dQ", &after.dq, &before.dq),
+                ("dK", &after.dk, &before.dk),
+                ("dV", &after.dv, &before.dv),
+            ] {
+                let same = x[tail.clone()]
+                    .iter()
+                    .zip(&y[tail.clone()])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{backend:?} {cu_q:?} {cu_k:?}: {name} written past the tensor"
+                );
+            }
+            let lse_same = after.lse[2 * 256..]
+                .iter()
+                .zip(&before.lse[2 * 256..])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                lse_same,
+                "{backend:?} {cu_q:?} {cu_k:?}: LSE written past the tensor"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn sanitizer_mixed_lengths_small() {
+    for backend in [Backend::Sm80, Backend::Auto] {
+        for cfg in [AttentionConfig::new().causal(true), AttentionConfig::new()] {
+            check(
+                &Batch::<bf16>::new(&MIXED_Q, &MIXED_K, (2, 1), 128, 1),
+                &cfg,
+                Some(&[37, 5, 3, 100, 70, 0, 9]),
+                backend,
+            );
+        }
+    }
+}
