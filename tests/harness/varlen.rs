@@ -99,6 +99,7 @@ pub fn check_outputs<T: Element>(
         dk,
         dv,
     } = got;
+    let mut failures = vec![];
     let (hq, hk, d) = (batch.heads_q, batch.heads_kv, batch.d);
     let total_q: usize = batch.q_lens.iter().sum();
     let f32s = reference::to_f32;
@@ -163,7 +164,10 @@ pub fn check_outputs<T: Element>(
         let dk = compare(&f32s(&rows(dk, kr.clone(), hk, d)), &want_g.dk, &base_g.dk);
         let dv = compare(&f32s(&rows(dv, kr.clone(), hk, d)), &want_g.dv, &base_g.dv);
         for (name, c) in [("O", o), ("LSE", lse), ("dQ", dq), ("dK", dk), ("dV", dv)] {
-            assert!(c.pass, "sequence {b} ({sq}x{sk}) {cfg:?}: {name} {c}");
+            if !c.pass {
+                failures.push(format!("sequence {b} ({sq}x{sk}) {cfg:?}: {name} {c}"));
+            }
         }
     }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
