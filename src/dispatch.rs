@@ -234,20 +234,7 @@ pub fn check_backend(
                 });
             }
             problem.check_gpu_limits()?;
-            // The kernels add a left window to key positions in 32 bits; one at least
-            // seqlen_k - 1 wide leaves every row all its keys, and is unbounded.
-            if let (Some(left), _) = cfg.mask.bounds() {
-                let s_k = problem.seqlen_k;
-                if left < s_k - 1 && s_k + left > i32::MAX as usize - 512 {
-                    return Err(Error::IndexOverflow {
-                        operand: crate::error::Operand::K,
-                        detail: format!(
-                            "seqlen_k {s_k} plus a left window of {left} passes the GPU \
-                             kernels' 32-bit key positions"
-                        ),
-                    });
-                }
-            }
+            check_left_window(cfg, problem.seqlen_k)?;
             // The FlashAttention-2 kernels put heads and batch entries on grid y and z.
             if backend == Backend::Sm80 && problem.heads_q.max(problem.batch) > 65535 {
                 return Err(Error::IndexOverflow {
@@ -273,6 +260,25 @@ pub fn check_backend(
             Ok(Some(kernel))
         }
     }
+}
+
+/// The kernels add a left window to key positions in 32 bits; one at least `seqlen_k - 1` wide
+/// leaves every row all its keys, and is unbounded. (Packed calls: `seqlen_k` is the tensors'
+/// key rows, as the C side checks.)
+pub(crate) fn check_left_window(cfg: &AttentionConfig, seqlen_k: usize) -> Result<()> {
+    if let (Some(left), _) = cfg.mask.bounds() {
+        let s_k = seqlen_k;
+        if left < s_k - 1 && s_k + left > i32::MAX as usize - 512 {
+            return Err(Error::IndexOverflow {
+                operand: crate::error::Operand::K,
+                detail: format!(
+                    "seqlen_k {s_k} plus a left window of {left} passes the GPU kernels' \
+                     32-bit key positions"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Key lengths up to which the sm90 forward takes its narrow (masked) tile whatever the mask:

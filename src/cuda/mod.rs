@@ -232,7 +232,7 @@ impl Device {
             lse.len(),
         )?;
         let problem = match seqs {
-            Some(seqs) => seqs.problem(&rows)?,
+            Some(seqs) => seqs.problem(&rows, cfg)?,
             None => rows,
         };
         problem.check_index_width(&[
@@ -395,7 +395,7 @@ impl Device {
             [dq.operand(), dk.operand(), dv.operand()],
         )?;
         let problem = match seqs {
-            Some(seqs) => seqs.problem(&rows)?,
+            Some(seqs) => seqs.problem(&rows, cfg)?,
             None => rows,
         };
         problem.check_index_width(&[

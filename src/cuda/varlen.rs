@@ -9,8 +9,8 @@ use cudarc::driver::{DeviceSlice, SyncOnDrop};
 use super::{Device, DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut};
 use crate::backend::gpu::PackedRows;
 use crate::config::AttentionConfig;
-use crate::dispatch::Plan;
-use crate::error::{CallPart, Error, Result};
+use crate::dispatch::{self, Plan};
+use crate::error::{CallPart, Error, Operand, Result};
 use crate::tensor::{Element, Problem};
 
 /// The sequence boundaries of a packed batch in device memory: `batch + 1` i32 offsets for
@@ -90,8 +90,22 @@ impl<'a> DeviceSeqlens<'a> {
     }
 
     /// The packed problem of tensors whose batch-1 `rows` problem is `dense`: one entry per
-    /// sequence, the maxima as lengths.
-    pub(super) fn problem(&self, dense: &Problem) -> Result<Problem> {
+    /// sequence, the maxima as lengths. Checks what the C side checks of the packed rows: the
+    /// rows as one sequence, the backward's 128-row pad per sequence, a left window against them.
+    pub(super) fn problem(&self, dense: &Problem, cfg: &AttentionConfig) -> Result<Problem> {
+        dense.check_gpu_limits()?;
+        dispatch::check_left_window(cfg, dense.seqlen_k)?;
+        let rows = dense.seqlen_q.max(dense.seqlen_k) as u128 + 128 * self.batch() as u128;
+        let elements = rows * dense.heads_q as u128 * dense.head_dim as u128;
+        if elements > 1 << 42 {
+            return Err(Error::IndexOverflow {
+                operand: Operand::Q,
+                detail: format!(
+                    "{elements} elements of packed rows with a 128-row pad per sequence exceed \
+                     the GPU kernels' 2^42"
+                ),
+            });
+        }
         if dense.batch != 1 {
             return Err(Error::InvalidSeqlens(format!(
                 "packed tensors have a batch axis of 1, not {}",
