@@ -61,13 +61,24 @@ import json
 import logging
 import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
 from datetime import datetime, timezone
+
+# The dense peer script's helpers (it sits beside this one, here and in the device bundle).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare_torch import (  # noqa: E402
+    driver_version,
+    fmt,
+    int_list,
+    percentile,
+    short_error,
+    summarize,
+    write_json,
+)
 
 PEERS = {
     "torch-flash-varlen": "aten._flash_attention_forward/_flash_attention_backward with cu_seqlens "
@@ -87,16 +98,6 @@ AUTOGRAD_BWD_NOTE = ("bwd = torch.autograd.grad(out, (q,k,v), dout, retain_graph
 
 
 # ----------------------------------------------------------------------------- arguments
-
-def int_list(text):
-    try:
-        vals = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
-
 
 def name_list(text):
     vals = [x for x in text.replace(" ", "").split(",") if x]
@@ -257,42 +258,8 @@ def error_row(impl, shp, error):
 
 # ----------------------------------------------------------------------------- statistics
 
-def percentile(sorted_xs, p):
-    if not sorted_xs:
-        return float("nan")
-    pos = (len(sorted_xs) - 1) * p / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
-
-
-def summarize(times_ms, prefix):
-    xs = sorted(times_ms)
-    r = lambda x: round(x, 5)
-    return {
-        f"{prefix}ms": r(percentile(xs, 50)),
-        f"{prefix}ms_min": r(xs[0]),
-        f"{prefix}ms_p10": r(percentile(xs, 10)),
-        f"{prefix}ms_p90": r(percentile(xs, 90)),
-        f"{prefix}ms_max": r(xs[-1]),
-        f"{prefix}reps": len(xs),
-    }
-
-
 def tflops(flops, ms):
     return round(flops / (ms * 1e-3) / 1e12, 2) if ms and ms > 0 else None
-
-
-def short_error(exc, caught_warnings=()):
-    msg = f"{type(exc).__name__}: {exc}".strip()
-    msg = " ".join(msg.split())
-    extra = []
-    for w in caught_warnings:
-        t = " ".join(str(w.message).split())
-        if t and t not in extra:
-            extra.append(t)
-    if extra:
-        msg += " | " + " | ".join(extra[:4])
-    return msg[:600]
 
 
 def max_finite(errs):
@@ -315,24 +282,6 @@ def add_note(row, text):
 
 
 # ----------------------------------------------------------------------------- environment
-
-def driver_version():
-    try:
-        with open("/proc/driver/nvidia/version") as f:
-            m = re.search(r"Kernel Module\s+(?:for\s+\S+\s+)?([0-9][0-9.]+)", f.read())
-            if m:
-                return m.group(1)
-    except OSError:
-        pass
-    try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=15)
-        if r.returncode == 0 and r.stdout.strip():
-            return r.stdout.strip().splitlines()[0].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return None
-
 
 def cudnn_frontend_info(timeout_s=120):
     """(version, None) of the cuDNN frontend Python package, or (None, why it does not import).
@@ -856,20 +805,6 @@ def fe_doc(cudnn, op):
 
 
 # ----------------------------------------------------------------------------- output
-
-def write_json(path, doc):
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def fmt(x, nd=1):
-    return "-" if x is None else f"{x:.{nd}f}"
-
 
 def print_table(doc, file=None):
     p = lambda *a: print(*a, file=file or sys.stdout)  # noqa: E731
