@@ -129,6 +129,52 @@ fn download<T: Element + DeviceRepr>(stream: &Arc<CudaStream>, t: &OnDevice<T>) 
     outputs
 }
 
+/// The dense forward (with `cfgs.0`), then the backward from its O and LSE (with `cfgs.1`), over
+/// `batch`'s buffers seen as Q `shapes.0` and K, V `shapes.1`; the outputs downloaded.
+fn dense_call<T: Element + DeviceRepr>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    batch: &Batch<T>,
+    cfgs: (&AttentionConfig, &AttentionConfig),
+    (q_shape, k_shape): ([usize; 4], [usize; 4]),
+) -> Outputs<T> {
+    let mut t = upload(stream, batch);
+    let (q, k, v) = (
+        DeviceTensor::contiguous(&t.q, q_shape),
+        DeviceTensor::contiguous(&t.k, k_shape),
+        DeviceTensor::contiguous(&t.v, k_shape),
+    );
+    dev.forward_into(
+        stream,
+        cfgs.0,
+        &q,
+        &k,
+        &v,
+        &mut DeviceTensorMut::contiguous(&mut t.out, q_shape),
+        &mut t.lse.as_view_mut(),
+    )
+    .unwrap();
+    dev.backward_into(
+        stream,
+        cfgs.1,
+        DeviceBackwardInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &DeviceTensor::contiguous(&t.out, q_shape),
+            dout: &DeviceTensor::contiguous(&t.dout, q_shape),
+            lse: &t.lse.as_view(),
+        },
+        DeviceGradientsMut {
+            dq: &mut DeviceTensorMut::contiguous(&mut t.dq, q_shape),
+            dk: &mut DeviceTensorMut::contiguous(&mut t.dk, k_shape),
+            dv: &mut DeviceTensorMut::contiguous(&mut t.dv, k_shape),
+        },
+    )
+    .unwrap();
+    download(stream, &t)
+}
+
 /// Every sequence of `batch` through the GPU (backend `backend`, `used` keys per sequence)
 /// against its reference; no NaN poison left anywhere (every row belongs to a sequence).
 fn check<T: Element + DeviceRepr>(
@@ -279,42 +325,13 @@ fn equal_lengths_match_the_dense_kernels_bit_for_bit() {
         // takes no packed batches, the sm80 one does).
         let bwd_cfg = cfg.clone().backend(bwd_plan.backend);
 
-        let mut t = upload(&stream, &batch);
-        let (q_shape, k_shape) = ([b, s, hq, d], [b, s, hk, d]);
-        let (q, k, v) = (
-            DeviceTensor::contiguous(&t.q, q_shape),
-            DeviceTensor::contiguous(&t.k, k_shape),
-            DeviceTensor::contiguous(&t.v, k_shape),
+        let dense = dense_call(
+            &dev,
+            &stream,
+            &batch,
+            (&cfg, &bwd_cfg),
+            ([b, s, hq, d], [b, s, hk, d]),
         );
-        dev.forward_into(
-            &stream,
-            &cfg,
-            &q,
-            &k,
-            &v,
-            &mut DeviceTensorMut::contiguous(&mut t.out, q_shape),
-            &mut t.lse.as_view_mut(),
-        )
-        .unwrap();
-        dev.backward_into(
-            &stream,
-            &bwd_cfg,
-            DeviceBackwardInputs {
-                q: &q,
-                k: &k,
-                v: &v,
-                out: &DeviceTensor::contiguous(&t.out, q_shape),
-                dout: &DeviceTensor::contiguous(&t.dout, q_shape),
-                lse: &t.lse.as_view(),
-            },
-            DeviceGradientsMut {
-                dq: &mut DeviceTensorMut::contiguous(&mut t.dq, q_shape),
-                dk: &mut DeviceTensorMut::contiguous(&mut t.dk, k_shape),
-                dv: &mut DeviceTensorMut::contiguous(&mut t.dv, k_shape),
-            },
-        )
-        .unwrap();
-        let dense = download(&stream, &t);
         let bits = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&packed.out), bits(&dense.out), "{backend:?} O");
         for bi in 0..b {
@@ -466,42 +483,13 @@ fn each_sequence_matches_a_dense_call_on_its_rows_bit_for_bit() {
             v: part(&batch.v, k0, sk, hk),
             dout: part(&batch.dout, q0, sq, hq),
         };
-        let mut u = upload(&stream, &one);
-        let (q_shape, k_shape) = ([1, sq, hq, d], [1, sk, hk, d]);
-        let (q, k, v) = (
-            DeviceTensor::contiguous(&u.q, q_shape),
-            DeviceTensor::contiguous(&u.k, k_shape),
-            DeviceTensor::contiguous(&u.v, k_shape),
+        let dense = dense_call(
+            &dev,
+            &stream,
+            &one,
+            (&cfg, &cfg),
+            ([1, sq, hq, d], [1, sk, hk, d]),
         );
-        dev.forward_into(
-            &stream,
-            &cfg,
-            &q,
-            &k,
-            &v,
-            &mut DeviceTensorMut::contiguous(&mut u.out, q_shape),
-            &mut u.lse.as_view_mut(),
-        )
-        .unwrap();
-        dev.backward_into(
-            &stream,
-            &cfg,
-            DeviceBackwardInputs {
-                q: &q,
-                k: &k,
-                v: &v,
-                out: &DeviceTensor::contiguous(&u.out, q_shape),
-                dout: &DeviceTensor::contiguous(&u.dout, q_shape),
-                lse: &u.lse.as_view(),
-            },
-            DeviceGradientsMut {
-                dq: &mut DeviceTensorMut::contiguous(&mut u.dq, q_shape),
-                dk: &mut DeviceTensorMut::contiguous(&mut u.dk, k_shape),
-                dv: &mut DeviceTensorMut::contiguous(&mut u.dv, k_shape),
-            },
-        )
-        .unwrap();
-        let dense = download(&stream, &u);
         assert_eq!(
             bits(&part(&packed.out, q0, sq, hq)),
             bits(&dense.out),
