@@ -13,7 +13,6 @@ mod common;
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUevent_flags;
 use flashattn::cuda::{CudaStream, DeviceTensor, DeviceTensorMut, Fp8Options};
 use flashattn::unstable::{PingPong, Sm90Schedule, TailSplit};
 use flashattn::{AttentionConfig, Backend, DType, Layout, Problem};
@@ -47,25 +46,7 @@ fn time(stream: &Arc<CudaStream>, reps: usize, synced: bool, mut run: impl FnMut
         ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
         return ms[ms.len() / 2];
     }
-    let events: Vec<_> = (0..reps)
-        .map(|_| {
-            let start = stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .unwrap();
-            run();
-            let end = stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .unwrap();
-            (start, end)
-        })
-        .collect();
-    stream.synchronize().unwrap();
-    let mut ms: Vec<f64> = events
-        .iter()
-        .map(|(a, b)| a.elapsed_ms(b).unwrap() as f64)
-        .collect();
-    ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    ms[ms.len() / 2]
+    common::queued_times_ms(stream, 0, reps, run)[reps / 2]
 }
 
 fn main() {

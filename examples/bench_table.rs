@@ -147,27 +147,7 @@ fn time_backward(
         )
         .expect("backward");
     };
-    for _ in 0..3 {
-        run(inp);
-    }
-    let mut events = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let start = stream
-            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .unwrap();
-        run(inp);
-        let end = stream
-            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .unwrap();
-        events.push((start, end));
-    }
-    stream.synchronize().unwrap();
-    let mut times: Vec<f64> = events
-        .iter()
-        .map(|(start, end)| start.elapsed_ms(end).unwrap() as f64)
-        .collect();
-    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    times
+    common::queued_times_ms(stream, 3, reps, || run(inp))
 }
 
 /// Error ratio on sampled rows of the last output (the correctness rule of docs/ARCHITECTURE.md).

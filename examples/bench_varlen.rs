@@ -11,7 +11,6 @@ mod common;
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
 use flashattn::cuda::{
     CudaStream, Device, DeviceBackwardInputs, DeviceGradientsMut, DeviceSeqlens, DeviceTensor,
@@ -72,28 +71,8 @@ struct Buffers {
 }
 
 /// Median milliseconds of `REPS` calls of `call`, after 5 queued warm-up calls.
-fn median_ms(stream: &Arc<CudaStream>, mut call: impl FnMut()) -> f64 {
-    for _ in 0..5 {
-        call();
-    }
-    let event = || {
-        stream
-            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .unwrap()
-    };
-    let mut events = Vec::with_capacity(REPS);
-    for _ in 0..REPS {
-        let start = event();
-        call();
-        events.push((start, event()));
-    }
-    stream.synchronize().unwrap();
-    let mut times: Vec<f64> = events
-        .iter()
-        .map(|(start, end)| start.elapsed_ms(end).unwrap() as f64)
-        .collect();
-    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    times[REPS / 2]
+fn median_ms(stream: &Arc<CudaStream>, call: impl FnMut()) -> f64 {
+    common::queued_times_ms(stream, 5, REPS, call)[REPS / 2]
 }
 
 /// Forward and backward medians of the batch: packed with `lens` (Some), or dense

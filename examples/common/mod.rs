@@ -2,7 +2,10 @@
 //! docs/ARCHITECTURE.md (date, device, commit, rows).
 #![allow(dead_code)] // each example uses its own part
 
-use flashattn::cuda::Device;
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUevent_flags;
+use flashattn::cuda::{CudaStream, Device};
 use flashattn::DeviceInfo;
 
 /// The command line: flags (`--quick`) and options with a value (`--out PATH`).
@@ -103,4 +106,37 @@ pub fn write_results(path: &str, device: &str, commit: &str, extra: &str, rows: 
     );
     std::fs::write(path, json).expect("write results");
     println!("wrote {path}");
+}
+
+/// Milliseconds of `reps` calls of `call`, sorted, each between CUDA events, after `warmup`
+/// calls; the calls stay queued (one synchronization at the end), so the host enqueues the timed
+/// calls while the GPU is still busy and no launch gap is timed, as the peers are timed.
+pub fn queued_times_ms(
+    stream: &Arc<CudaStream>,
+    warmup: usize,
+    reps: usize,
+    mut call: impl FnMut(),
+) -> Vec<f64> {
+    for _ in 0..warmup {
+        call();
+    }
+    let event = || {
+        stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap()
+    };
+    let events: Vec<_> = (0..reps)
+        .map(|_| {
+            let start = event();
+            call();
+            (start, event())
+        })
+        .collect();
+    stream.synchronize().unwrap();
+    let mut ms: Vec<f64> = events
+        .iter()
+        .map(|(start, end)| start.elapsed_ms(end).unwrap() as f64)
+        .collect();
+    ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    ms
 }
