@@ -160,9 +160,9 @@ impl Problem {
                 detail: format!("{items} blocks of 64 rows over all heads exceed i32::MAX"),
             });
         }
-        // Packed, the backward's row passes also cover a 128-row pad per sequence.
-        let pad = if self.packed { 128 } else { 0 };
-        let elements = (longest + pad) * heads * self.head_dim as u128;
+        // (Packed calls: their packed rows are checked against the same bound by
+        // `cuda::DeviceSeqlens`, which knows them.)
+        let elements = longest * heads * self.head_dim as u128;
         if elements > 1 << 42 {
             return Err(Error::IndexOverflow {
                 operand: Operand::Q,
