@@ -2,8 +2,9 @@
 //! 1. find nvcc (CUDA_HOME, CUDA_PATH, or nvcc on PATH), else provision the pinned CUDA 13.0
 //!    compiler from PyPI into a cache outside the repository;
 //! 2. unpack the pinned CUTLASS headers (cutlass/fetch.py, sha256-verified);
-//! 3. generate a translation unit per kernel of src/registry.rs that this build's features
-//!    select, and kernels.h (their declarations and the C entry points' dispatch);
+//! 3. generate the instantiation units of the kernels of src/registry.rs that this build's
+//!    features select (grouped, see generate_kernels), and kernels.h (their declarations and the
+//!    C entry points' dispatch);
 //! 4. compile those and every csrc/**/*.cu with nvcc (flags from the `cc` crate plus ours), two
 //!    at a time, caching each object under a hash of its source, the headers it includes, the
 //!    flags and the compiler;
@@ -11,7 +12,8 @@
 //!
 //! Knobs: FLASHATTN_CACHE_DIR (default ~/.cache/flashattn), FLASHATTN_NVCC_JOBS (default 2),
 //! FLASHATTN_PTXAS_VERBOSE=1 (print ptxas resource reports), FLASHATTN_SM80_ARCH (machine code of
-//! the FlashAttention-2 family for that arch alone, see sm80_gencode), LIBCLANG_PATH.
+//! the FlashAttention-2 family for that arch alone, see sm80_gencode), FLASHATTN_UNITS=tile-row
+//! (a unit per family and head dim, for tuning a tile), LIBCLANG_PATH.
 
 // The kernel registry, shared with the crate: build.rs generates the instantiation units and
 // the C dispatch from it.
@@ -54,11 +56,18 @@ mod cuda {
         "-DNDEBUG",
         "-Xcompiler=-fPIC",
     ];
-    // Extended WGMMA shapes: N = 80, 176... key blocks sized to fill shared memory.
-    const SM90_GENCODE: &[&str] = &[
-        "-gencode=arch=compute_90a,code=sm_90a",
-        "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
-    ];
+    const SM90_GENCODE: &[&str] = &["-gencode=arch=compute_90a,code=sm_90a"];
+    // CUTLASS's extended WGMMA shapes (N = 80, 160, 224...: key blocks sized to fill shared
+    // memory), for the units whose tiles take one (registry::extended_wgmma).
+    const EXTENDED_WGMMA: &str = "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED";
+
+    /// One translation unit: its source, its name under csrc/ or the generated directory (which
+    /// also says its architecture), and the defines it compiles with.
+    struct Unit {
+        src: PathBuf,
+        rel: String,
+        defines: Vec<String>,
+    }
     // The FlashAttention-2 family: sm_80 machine code for Ampere/Ada and compute_80 PTX, which
     // the driver compiles for any later GPU (Hopper included) at first use and caches.
     // FLASHATTN_SM80_ARCH=90 (or another arch) builds machine code for that arch alone instead:
@@ -80,6 +89,7 @@ mod cuda {
             "FLASHATTN_NVCC_JOBS",
             "FLASHATTN_PTXAS_VERBOSE",
             "FLASHATTN_SM80_ARCH",
+            "FLASHATTN_UNITS",
             "LIBCLANG_PATH",
         ] {
             println!("cargo:rerun-if-env-changed={var}");
@@ -108,18 +118,24 @@ mod cuda {
             sources.retain(|s| !s.ends_with("sm90/selftest_tma_wgmma.cu"));
         }
         sources.sort();
-        let mut units: Vec<(PathBuf, String)> = sources
-            .iter()
-            .map(|src| {
-                let rel = src.strip_prefix(&csrc).unwrap();
-                (src.clone(), rel.to_string_lossy().replace('\\', "/"))
-            })
-            .collect();
+        // The hand-written units (the C entry points, the FP8 quantize step, the self-test) take
+        // no WGMMA shape outside the default set.
+        let hand_written = sources.iter().map(|src| Unit {
+            src: src.clone(),
+            rel: src
+                .strip_prefix(&csrc)
+                .unwrap()
+                .to_string_lossy()
+                .replace('\\', "/"),
+            defines: Vec::new(),
+        });
         let gen = out_dir.join("kernels");
-        let generated = generate_kernels(&gen);
+        // The generated units first, in the registry's order (the sm90 families, the longest to
+        // compile, lead), so that two jobs at a time end close together.
+        let mut units = generate_kernels(&gen);
         headers.push(gen.join("kernels.h"));
         headers.sort();
-        units.extend(generated);
+        units.extend(hand_written);
 
         let dirs = IncludeDirs {
             csrc: csrc.clone(),
@@ -267,60 +283,69 @@ mod cuda {
         }
     }
 
-    /// The translation unit of one kernel: the family's launcher instantiated for its head dim
-    /// and element type.
-    fn kernel_unit(k: &Kernel) -> String {
-        let (elem, elem_header, _) = element(k.dtype);
-        let d = k.head_dim;
-        let (name, rest) = entry(k);
-        let (include, body) = match k.family {
-            Family::Sm90Fwd => {
-                let ablation = if k.ablation_built() {
-                    format!(
-                        "  if (!o.intra_wg_overlap) {{\n    return run_fwd<FwdTraits<{elem}, {d}, \
-                         FwdTile<{d}>, false>>(p, o.pingpong, stream);\n  }}\n"
-                    )
-                } else {
-                    String::new()
-                };
-                (
-                    "sm90/fwd_launch.h",
-                    format!("{ablation}  return run_fwd_tiled<{elem}, {d}>(p, o, stream);"),
-                )
+    /// A translation unit of kernels: their families' launchers instantiated for each kernel's
+    /// head dim and element type, with the tile structs of their tile rows.
+    fn unit_text(kernels: &[&Kernel]) -> String {
+        let mut includes: Vec<&str> = Vec::new();
+        let mut tiles = String::new();
+        let mut entries = String::new();
+        for (i, k) in kernels.iter().enumerate() {
+            let d = k.head_dim;
+            let (elem, elem_header, _) = element(k.dtype);
+            let launcher = match k.family {
+                Family::Sm90Fwd => "\"sm90/fwd_launch.h\"",
+                Family::Sm90Fp8Fwd => "\"sm90/fwd_fp8_launch.h\"",
+                Family::Sm90Bwd => "\"sm90/bwd_launch.h\"",
+                Family::Sm80Fwd => "\"sm80/fwd_launch.h\"",
+                Family::Sm80Bwd => "\"sm80/bwd_launch.h\"",
+            };
+            for header in [elem_header, launcher] {
+                if !includes.contains(&header) {
+                    includes.push(header);
+                }
             }
-            Family::Sm90Fp8Fwd => (
-                "sm90/fwd_fp8_launch.h",
-                format!("  return run_fwd_fp8<{d}>(p, o, stream);"),
-            ),
-            Family::Sm90Bwd => (
-                "sm90/bwd_launch.h",
-                format!("  return run_bwd<{elem}, {d}>(p, stream);"),
-            ),
-            Family::Sm80Fwd => (
-                "sm80/fwd_launch.h",
-                format!("  return run_fwd<{elem}, {d}>(p, stream);"),
-            ),
-            Family::Sm80Bwd => (
-                "sm80/bwd_launch.h",
-                format!("  return run_bwd<{elem}, {d}>(p, stream);"),
-            ),
-        };
-        let elem_include = match k.family {
-            Family::Sm90Fp8Fwd => String::new(),
-            _ => format!("#include {elem_header}\n\n"),
-        };
-        let ns = arch(k);
-        let tiles = tile_structs(k);
+            let first_of_row = !kernels[..i]
+                .iter()
+                .any(|o| o.family == k.family && o.head_dim == d);
+            if first_of_row {
+                tiles.push_str(&tile_structs(k));
+            }
+            let body = match k.family {
+                Family::Sm90Fwd => {
+                    let ablation = if k.ablation_built() {
+                        format!(
+                            "  if (!o.intra_wg_overlap) {{\n    return run_fwd<FwdTraits<{elem}, {d}, \
+                             FwdTile<{d}>, false>>(p, o.pingpong, stream);\n  }}\n"
+                        )
+                    } else {
+                        String::new()
+                    };
+                    format!("{ablation}  return run_fwd_tiled<{elem}, {d}>(p, o, stream);")
+                }
+                Family::Sm90Fp8Fwd => format!("  return run_fwd_fp8<{d}>(p, o, stream);"),
+                Family::Sm90Bwd | Family::Sm80Fwd | Family::Sm80Bwd => {
+                    format!("  return run_{}<{elem}, {d}>(p, stream);", pass(k))
+                }
+            };
+            let (name, rest) = entry(k);
+            entries.push_str(&format!(
+                "flashattn_result_t {name}(const flashattn_params_t& p, {rest}) {{\n{body}\n}}\n\n"
+            ));
+        }
+        // The element types' headers, then the launchers.
+        includes.sort_by_key(|h| h.starts_with('"'));
+        let includes: String = includes.iter().map(|h| format!("#include {h}\n")).collect();
+        let names: Vec<String> = kernels.iter().map(|k| k.name()).collect();
+        let ns = arch(kernels[0]);
         format!(
-            "// Generated by build.rs from src/registry.rs: {}.\n{elem_include}#include \"{include}\"\n\n\
-             namespace flashattn::{ns} {{\n\n{tiles}\nflashattn_result_t {name}(const flashattn_params_t& p, \
-             {rest}) {{\n{body}\n}}\n\n}}  // namespace flashattn::{ns}\n",
-            k.name()
+            "// Generated by build.rs from src/registry.rs: {}.\n{includes}\n\
+             namespace flashattn::{ns} {{\n\n{tiles}\n{entries}}}  // namespace flashattn::{ns}\n",
+            names.join(", ")
         )
     }
 
-    /// The tile structs of a kernel's unit, from the tile table: the family's tile struct
-    /// specialized for the kernel's head dim (the sm90 forward's also for masked calls).
+    /// The tile structs of a kernel's tile row, from the tile table: the family's tile struct
+    /// specialized for its head dim (the sm90 forward's also for masked calls).
     fn tile_structs(k: &Kernel) -> String {
         let d = k.head_dim;
         let tile = |role| {
@@ -527,7 +552,7 @@ mod cuda {
 
     /// Writes the units of the kernels this build's features select, and kernels.h, under `gen`
     /// (files rewritten only when their text changes); returns the units with their names.
-    fn generate_kernels(gen: &Path) -> Vec<(PathBuf, String)> {
+    fn generate_kernels(gen: &Path) -> Vec<Unit> {
         // What the generator can build: a row asking for more is a registry error.
         for k in registry::KERNELS {
             assert_eq!(
@@ -556,15 +581,55 @@ mod cuda {
             }
         };
         write(&gen.join("kernels.h"), &kernels_header(&built));
-        let units: Vec<(PathBuf, String)> = built
-            .iter()
-            .map(|k| {
-                let (name, _) = entry(k);
-                let file = name.trim_start_matches("run_").to_string();
-                let rel = format!("{}/{file}.cu", arch(k));
+        // Kernels that share most of their compile-time machinery share a unit: those of one
+        // architecture and pass that take the same CUTLASS WGMMA headers (a fresh build's time
+        // is mostly per unit); FLASHATTN_UNITS=tile-row gives each family and head dim its own
+        // unit instead, so that retuning one tile rebuilds only its kernels.
+        let per_tile_row = match env::var("FLASHATTN_UNITS").as_deref() {
+            Ok("tile-row") => true,
+            Ok("") | Ok("grouped") | Err(_) => false,
+            Ok(other) => panic!("FLASHATTN_UNITS={other}: expected grouped or tile-row"),
+        };
+        let unit_name = |k: &Kernel| {
+            let extended = registry::extended_wgmma(k.family, k.head_dim);
+            if per_tile_row {
+                let fp8 = if k.family == Family::Sm90Fp8Fwd {
+                    "_fp8"
+                } else {
+                    ""
+                };
+                format!("{}/{}{fp8}_d{}.cu", arch(k), pass(k), k.head_dim)
+            } else if extended {
+                format!("{}/{}_extended_wgmma.cu", arch(k), pass(k))
+            } else {
+                format!("{}/{}.cu", arch(k), pass(k))
+            }
+        };
+        let mut groups: Vec<(String, Vec<&Kernel>)> = Vec::new();
+        for k in &built {
+            let name = unit_name(k);
+            match groups.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, group)) => group.push(k),
+                None => groups.push((name, vec![k])),
+            }
+        }
+        let units: Vec<Unit> = groups
+            .into_iter()
+            .map(|(rel, group)| {
                 let path = gen.join(&rel);
-                write(&path, &kernel_unit(k));
-                (path, rel)
+                write(&path, &unit_text(&group));
+                let extended = group
+                    .iter()
+                    .any(|k| registry::extended_wgmma(k.family, k.head_dim));
+                Unit {
+                    src: path,
+                    rel,
+                    defines: if extended {
+                        vec![EXTENDED_WGMMA.to_string()]
+                    } else {
+                        Vec::new()
+                    },
+                }
             })
             .collect();
         // Units of kernels an earlier build with other features held.
@@ -574,7 +639,7 @@ mod cuda {
                 .flatten()
                 .flatten()
             {
-                if !units.iter().any(|(p, _)| *p == entry.path()) {
+                if !units.iter().any(|u| u.src == entry.path()) {
                     let _ = fs::remove_file(entry.path());
                 }
             }
@@ -671,12 +736,12 @@ mod cuda {
         seen
     }
 
-    /// Compiles `units` (source, its name relative to csrc/ or the generated directory).
+    /// Compiles `units`, each object cached under a hash of everything that goes into it.
     fn compile_all(
         nvcc: &Path,
         dirs: &IncludeDirs,
         cutlass_include: &Path,
-        units: &[(PathBuf, String)],
+        units: &[Unit],
         headers: &[PathBuf],
         cache: &Path,
     ) -> Vec<PathBuf> {
@@ -700,13 +765,14 @@ mod cuda {
 
         // One job per translation unit: (source, command without its file arguments, object, log).
         let mut jobs = Vec::new();
-        for (src, rel) in units {
+        for Unit { src, rel, defines } in units {
             let gencode: Vec<String> = if rel.starts_with("sm90") {
                 SM90_GENCODE.iter().map(|s| s.to_string()).collect()
             } else {
                 sm80_gencode()
             };
             let mut cmd = nvcc_command(nvcc, cutlass_include, dirs, &gencode);
+            cmd.args(defines);
             if verbose {
                 cmd.arg("-Xptxas=-v");
             }
@@ -748,6 +814,7 @@ mod cuda {
             .unwrap_or(2)
             .max(1);
         let objects: Vec<PathBuf> = jobs.iter().map(|j| j.2.clone()).collect();
+        jobs.reverse(); // taken from the back
         let queue = Arc::new(Mutex::new(jobs));
         let failures = Arc::new(Mutex::new(Vec::new()));
         let workers: Vec<_> = (0..jobs_n)

@@ -1,6 +1,6 @@
 //! The one table of the CUDA kernels this crate can build. build.rs reads it (the same file,
-//! through `#[path]`) to generate a translation unit per kernel, their declarations and the C
-//! entry points' dispatch; the Rust dispatcher reads it to know which head dims and element
+//! through `#[path]`) to generate a translation unit per tile row (a family's kernels for one
+//! head dim, every element type in one unit), their declarations and the C entry points' dispatch; the Rust dispatcher reads it to know which head dims and element
 //! types each family takes, which kernels this build holds, and which Cargo feature a missing
 //! one needs. A new kernel is a new row here, not a new file or a new switch.
 //!
@@ -314,6 +314,29 @@ pub fn tile_row(family: Family, head_dim: usize, role: TileRole) -> Option<&'sta
             .find(|r| r.family == family && r.head_dim == head_dim && r.role == role)
     };
     find(role).or_else(|| find(Base))
+}
+
+/// The N sizes of CUTLASS's default WGMMA atoms. Any other (the 80, 160 and 224 key blocks)
+/// needs its extended shapes, whose headers are most of a unit's compile time: build.rs turns
+/// them on only for the units that use one.
+const DEFAULT_WGMMA_N: [usize; 8] = [8, 16, 32, 64, 96, 128, 192, 256];
+
+/// Whether the kernels of `family` at `head_dim` take a WGMMA shape outside CUTLASS's default
+/// set: a key block, query block or head dim that is a GEMM's N and not one of its sizes.
+pub fn extended_wgmma(family: Family, head_dim: usize) -> bool {
+    TILES
+        .iter()
+        .filter(|r| r.family == family && r.head_dim == head_dim)
+        .any(|r| {
+            let dims = match r.tile {
+                Tile::Sm90Fwd { block_n, .. } => vec![block_n, head_dim],
+                Tile::Sm90Bwd {
+                    block_m, block_n, ..
+                } => vec![block_m, block_n, head_dim],
+                Tile::Sm80Fwd { .. } | Tile::Sm80Bwd { .. } => vec![],
+            };
+            dims.iter().any(|n| !DEFAULT_WGMMA_N.contains(n))
+        })
 }
 
 impl Tile {
