@@ -508,6 +508,23 @@ mod tests {
     }
 
     #[test]
+    fn extended_wgmma_shapes_only_where_a_tile_takes_one() {
+        // 160 and 80 keys (d128, d256), 224 (FP8 d128): outside CUTLASS's default N sizes.
+        assert!(extended_wgmma(Family::Sm90Fwd, 128));
+        assert!(extended_wgmma(Family::Sm90Fwd, 256));
+        assert!(extended_wgmma(Family::Sm90Fp8Fwd, 128));
+        // 192/128 keys, 128 keys, 64/128-row backward tiles: default sizes.
+        assert!(!extended_wgmma(Family::Sm90Fwd, 64));
+        assert!(!extended_wgmma(Family::Sm90Fp8Fwd, 64));
+        assert!(!extended_wgmma(Family::Sm90Fp8Fwd, 256));
+        for d in [64, 128, 256] {
+            assert!(!extended_wgmma(Family::Sm90Bwd, d));
+            assert!(!extended_wgmma(Family::Sm80Fwd, d));
+            assert!(!extended_wgmma(Family::Sm80Bwd, d));
+        }
+    }
+
+    #[test]
     fn every_feature_a_kernel_names_is_known() {
         for k in KERNELS {
             for f in k.features() {

@@ -151,9 +151,8 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   // units (see decode_tile); on request, with a right bound on the keys, one CTA per unit.
   const bool uniform = params.keys.window_right < 0;
   const bool packed = params.seqs.packed();
-  // No pairs with one query block, nor in packed batches: the pairing balances a head's tiles
-  // when every head has M of them, and an entry has as many as its length asks.
-  params.tiles_per_unit = uniform || params.num_m_blocks == 1 || packed ? 1 : 2;
+  // No pairs with one query block.
+  params.tiles_per_unit = uniform || params.num_m_blocks == 1 ? 1 : 2;
   const int units = (params.num_tiles + params.tiles_per_unit - 1) / params.tiles_per_unit;
   const bool persistent = uniform || (p.sm90_flags & FLASHATTN_SM90_PERSISTENT_CAUSAL);
   const int ctas = persistent && p.sm_count > 0 && p.sm_count < units ? p.sm_count : units;

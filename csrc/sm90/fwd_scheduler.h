@@ -15,8 +15,8 @@ namespace flashattn::sm90 {
 // a unit is two tiles, the head's heaviest block left with its lightest (M−1 with 0, M−2 with 1,
 // ...), so that every unit costs about M + 1 blocks and a static share is a balanced one.
 // Packed batches: M covers the longest sequence, a tile's rows and keys are its entry's
-// (Sequences::at, read on the device), and the tiles past an entry's last query block are empty;
-// their entries differ in length, so one tile per unit.
+// (Sequences::at, read on the device), the pairs are made over the entry's own query blocks, and
+// the tiles past them are empty.
 struct WorkTile {
   int m_block, head;
   Sequences::Entry seq;  // the tile's batch entry: where its rows lie, its lengths
@@ -38,9 +38,15 @@ __device__ WorkTile decode_tile(const FwdParams<Traits>& p, int tile) {
   WorkTile t;
   const int i = tile % p.num_m_blocks;  // position within the head's tiles
   const int rest = tile / p.num_m_blocks;
-  t.m_block = p.tiles_per_unit == 1 ? i : (i % 2 == 0 ? p.num_m_blocks - 1 - i / 2 : i / 2);
   t.head = rest % p.heads_q;
   t.seq = p.seqs.at(rest / p.heads_q);
+  if (p.tiles_per_unit == 1) {
+    t.m_block = i;
+  } else {  // pairs over the entry's own query blocks; a packed entry's past them are empty
+    const int blocks = (t.seq.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+    const int pair = i / 2, heavy = blocks - 1 - pair;
+    t.m_block = i % 2 == 0 ? (pair <= heavy ? heavy : blocks) : (pair < heavy ? pair : blocks);
+  }
   t.keys = p.keys;
   t.keys.seqlen_q = t.seq.seqlen_q;
   t.keys.seqlen_k = t.seq.seqlen_k;
