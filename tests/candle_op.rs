@@ -7,10 +7,10 @@
 mod candle_naive;
 
 use candle_core::{DType, Result, Tensor, Var};
-use flashattn::candle::{as_flash_error, flash_attn};
+use flashattn::candle::{as_flash_error, flash_attn, flash_attn_varlen};
 use flashattn::{AttentionConfig, Error};
 
-use candle_naive::naive;
+use candle_naive::{naive, naive_packed};
 
 /// N(0, 1) values of `shape`, f32 on the CPU, from a seeded generator.
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -312,4 +312,104 @@ fn bad_calls_are_errors() {
     let gpu = AttentionConfig::new().backend(flashattn::Backend::Sm90);
     let e = flash_attn(&q, &q, &q, &gpu).unwrap_err();
     assert!(as_flash_error(&e).is_some(), "{e}");
+}
+
+/// A packed batch through `flash_attn_varlen` against the naive attention of each sequence on
+/// its own rows (f64), O and every gradient: sequences of different lengths, one with no
+/// queries, GQA, under `cfg`.
+fn varlen_check(cfg: &AttentionConfig) {
+    let (lens_q, lens_k) = ([5usize, 0, 17, 1, 33], [9usize, 4, 17, 3, 40]);
+    let (h_q, h_kv, d) = (4, 2, 32);
+    let offsets = |lens: &[usize]| -> Vec<u32> {
+        std::iter::once(0)
+            .chain(lens.iter().scan(0, |acc, &l| {
+                *acc += l as u32;
+                Some(*acc)
+            }))
+            .collect()
+    };
+    let (cu_q, cu_k) = (offsets(&lens_q), offsets(&lens_k));
+    let (total_q, total_k) = (cu_q[5] as usize, cu_k[5] as usize);
+    let leaves = [
+        randn(&[total_q, h_q, d], 40),
+        randn(&[total_k, h_kv, d], 41),
+        randn(&[total_k, h_kv, d], 42),
+    ];
+    let w = randn(&[total_q, h_q, d], 43);
+
+    // The reference: each sequence alone through the naive attention, in f64.
+    let leaves64: Vec<Var> = leaves
+        .iter()
+        .map(|t| Var::from_tensor(&t.to_dtype(DType::F64).unwrap()).unwrap())
+        .collect();
+    let [q64, k64, v64] = [0, 1, 2].map(|i| leaves64[i].as_tensor().clone());
+    let want = naive_packed(&q64, &k64, &v64, &cu_q, &cu_k, cfg).unwrap();
+    let want_grads = (&want * w.to_dtype(DType::F64).unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+
+    // Ours: the packed op in f32, its fused backward.
+    let vars: Vec<Var> = leaves
+        .iter()
+        .map(|t| Var::from_tensor(t).unwrap())
+        .collect();
+    let dev = candle_core::Device::Cpu;
+    let (cu_q, cu_k) = (
+        Tensor::new(cu_q.as_slice(), &dev).unwrap(),
+        Tensor::new(cu_k.as_slice(), &dev).unwrap(),
+    );
+    let got = flash_attn_varlen(
+        vars[0].as_tensor(),
+        vars[1].as_tensor(),
+        vars[2].as_tensor(),
+        &cu_q,
+        &cu_k,
+        33,
+        40,
+        cfg,
+    )
+    .unwrap();
+    assert_close(&got, &want, 1e-5, "packed O");
+    let grads = (&got * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    for (i, (ours, theirs)) in vars.iter().zip(&leaves64).enumerate() {
+        let got = grads.get(ours).expect("a gradient for every leaf");
+        let want = want_grads.get(theirs).unwrap();
+        assert_close(got, want, 1e-4, &format!("packed gradient of leaf {i}"));
+    }
+}
+
+#[test]
+fn packed_sequences_causal() {
+    varlen_check(&AttentionConfig::new().causal(true));
+}
+
+#[test]
+fn packed_sequences_windowed_with_softcap() {
+    varlen_check(&AttentionConfig::new().window(Some(6), Some(2)).softcap(4.0));
+}
+
+#[test]
+fn packed_calls_with_bad_offsets_are_errors() {
+    let dev = candle_core::Device::Cpu;
+    let cfg = AttentionConfig::new();
+    let q = randn(&[8, 2, 16], 50);
+    let call = |cu: &[u32], max: usize| {
+        let cu = Tensor::new(cu, &dev).unwrap();
+        flash_attn_varlen(&q, &q, &q, &cu, &cu, max, max, &cfg)
+    };
+    assert!(call(&[0, 5, 8], 5).is_ok());
+    // Decreasing offsets, a length above the maximum, a last offset past the rows: typed errors.
+    for (cu, max) in [(&[0u32, 5, 3][..], 5), (&[0, 5, 8], 4), (&[0, 5, 9], 5)] {
+        let e = call(cu, max).unwrap_err();
+        assert!(as_flash_error(&e).is_some(), "{cu:?} max {max}: {e}");
+    }
+    // Offsets of the wrong dtype or rank, Q of rank 4: refused before the op runs.
+    let f = Tensor::new(&[0f32, 5., 8.], &dev).unwrap();
+    assert!(flash_attn_varlen(&q, &q, &q, &f, &f, 5, 5, &cfg).is_err());
+    let q4 = q.unsqueeze(0).unwrap();
+    let cu = Tensor::new(&[0u32, 5, 8], &dev).unwrap();
+    assert!(flash_attn_varlen(&q4, &q4, &q4, &cu, &cu, 5, 5, &cfg).is_err());
 }

@@ -9,11 +9,11 @@
 mod candle_naive;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use flashattn::candle::flash_attn;
+use flashattn::candle::{flash_attn, flash_attn_varlen};
 use flashattn::reference::compare;
 use flashattn::AttentionConfig;
 
-use candle_naive::{naive, randn};
+use candle_naive::{naive, naive_packed, randn};
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("a CUDA device (run these tests on the GPU machine)")
@@ -76,6 +76,20 @@ fn run(
 /// Our op in bf16 against the reference (f32) and the baseline (bf16) of the naive attention
 /// over the same bf16-rounded leaves, forward and gradients.
 fn check(label: &str, shapes: &[&[usize]], views: Views, cfg: &AttentionConfig) {
+    check_op(
+        label,
+        shapes,
+        views,
+        &|q, k, v| flash_attn(q, k, v, cfg),
+        &|q, k, v| naive(q, k, v, cfg),
+    );
+}
+
+/// Attention over Q, K and V.
+type Attention<'a> = &'a dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>;
+
+/// [`check`] of `ours` against `reference`.
+fn check_op(label: &str, shapes: &[&[usize]], views: Views, ours: Attention, reference: Attention) {
     let dev = gpu();
     let leaves: Vec<Tensor> = shapes
         .iter()
@@ -96,16 +110,10 @@ fn check(label: &str, shapes: &[&[usize]], views: Views, cfg: &AttentionConfig) 
         .to_dtype(DType::F32)
         .unwrap();
 
-    let (got, got_grads) = run(&leaves, DType::BF16, views, &w, |q, k, v| {
-        flash_attn(q, k, v, cfg)
-    });
+    let (got, got_grads) = run(&leaves, DType::BF16, views, &w, ours);
     assert_eq!(got.dtype(), DType::BF16);
-    let (want, want_grads) = run(&leaves, DType::F32, views, &w, |q, k, v| {
-        naive(q, k, v, cfg)
-    });
-    let (base, base_grads) = run(&leaves, DType::BF16, views, &w, |q, k, v| {
-        naive(q, k, v, cfg)
-    });
+    let (want, want_grads) = run(&leaves, DType::F32, views, &w, reference);
+    let (base, base_grads) = run(&leaves, DType::BF16, views, &w, reference);
 
     let c = compare(&host_f32(&got), &host_f64(&want), &host_f32(&base));
     assert!(c.pass, "{label} O: {c}");
@@ -177,6 +185,34 @@ fn bf16_strided_and_packed_views() {
         packed,
         &AttentionConfig::new().causal(true),
     );
+}
+
+#[test]
+#[ignore]
+fn bf16_packed_sequences() {
+    // Five sequences: 300 x 300, 1 query over 3 keys, no queries over 5 keys, 129 x 200, 77 x 77.
+    let (cu_q, cu_k): (&[u32], &[u32]) =
+        (&[0, 300, 301, 301, 430, 507], &[0, 300, 303, 308, 508, 585]);
+    let dev = gpu();
+    let (cu_q_dev, cu_k_dev) = (
+        Tensor::new(cu_q, &dev).unwrap(),
+        Tensor::new(cu_k, &dev).unwrap(),
+    );
+    for d in [64, 128] {
+        let shapes: [&[usize]; 3] = [&[507, 8, d], &[585, 2, d], &[585, 2, d]];
+        for (name, cfg) in [
+            ("causal", AttentionConfig::new().causal(true)),
+            ("window", AttentionConfig::new().window(Some(40), Some(8))),
+        ] {
+            check_op(
+                &format!("packed d{d} {name}"),
+                &shapes,
+                separate,
+                &|q, k, v| flash_attn_varlen(q, k, v, &cu_q_dev, &cu_k_dev, 300, 300, &cfg),
+                &|q, k, v| naive_packed(q, k, v, cu_q, cu_k, &cfg),
+            );
+        }
+    }
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! The CPU path: candle's CPU storages as host tensor views.
 
 use super::*;
+use crate::varlen::Seqlens;
 use candle_core::WithDType;
 
 type Operand<'a> = (&'a CpuStorage, &'a candle_core::Layout);
@@ -15,9 +16,16 @@ fn view<'a, T: WithDType>((storage, layout): Operand<'a>) -> candle_core::Result
 
 pub(super) fn forward<T: Element + WithDType>(
     cfg: &AttentionConfig,
+    packed: Option<&Packed>,
     [q, k, v]: [Operand; 3],
 ) -> candle_core::Result<(CpuStorage, Vec<f32>)> {
     let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
+    if let Some(p) = packed {
+        let (cu_q, cu_k) = p.host_offsets()?;
+        let seqs = Seqlens::new(&cu_q, &cu_k, p.max_q, p.max_k).map_err(wrap)?;
+        let fwd = crate::varlen::forward(cfg, &seqs, q, k, v).map_err(wrap)?;
+        return Ok((T::to_cpu_storage_owned(fwd.out), fwd.lse));
+    }
     let [b, s, h, d] = q.layout.shape;
     let mut out = vec![T::default(); b * s * h * d];
     let mut lse = vec![0f32; b * h * s];
@@ -35,6 +43,7 @@ pub(super) fn forward<T: Element + WithDType>(
 
 pub(super) fn backward<T: Element + WithDType>(
     cfg: &AttentionConfig,
+    packed: Option<&Packed>,
     [q, k, v, out, dout]: [Operand; 5],
     lse: &[f32],
 ) -> candle_core::Result<CpuStorage> {
@@ -46,6 +55,23 @@ pub(super) fn backward<T: Element + WithDType>(
     );
     let (kv_start, v_start) = grad_offsets(nq, nk);
     let mut grads = vec![T::default(); v_start + nk];
+    if let Some(p) = packed {
+        let (cu_q, cu_k) = p.host_offsets()?;
+        let seqs = Seqlens::new(&cu_q, &cu_k, p.max_q, p.max_k).map_err(wrap)?;
+        let inputs = BackwardInputs {
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse,
+        };
+        let g = crate::varlen::backward(cfg, &seqs, inputs).map_err(wrap)?;
+        grads[..nq].copy_from_slice(&g.dq);
+        grads[kv_start..kv_start + nk].copy_from_slice(&g.dk);
+        grads[v_start..v_start + nk].copy_from_slice(&g.dv);
+        return Ok(T::to_cpu_storage_owned(grads));
+    }
     let (dq, rest) = grads.split_at_mut(kv_start);
     let (dk, dv) = rest.split_at_mut(v_start - kv_start);
     crate::backward_into(

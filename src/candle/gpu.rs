@@ -4,11 +4,11 @@ use std::collections::HashMap;
 use std::sync::OnceLock;
 
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
-use cudarc::driver::DeviceRepr;
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 
 use super::*;
-use crate::cuda::{CudaSlice, Device, DeviceBackwardInputs, DeviceGradientsMut};
-use crate::cuda::{DeviceTensor, DeviceTensorMut};
+use crate::cuda::{CudaSlice, CudaView, Device, DeviceBackwardInputs, DeviceGradientsMut};
+use crate::cuda::{DeviceSeqlens, DeviceTensor, DeviceTensorMut};
 
 type Operand<'a> = (&'a CudaStorage, &'a candle_core::Layout);
 
@@ -51,14 +51,78 @@ fn view<'a, T: CudaDType + DeviceRepr>(
     Ok(DeviceTensor::new(data, our_layout(layout)?))
 }
 
-pub(super) fn forward<T: Element + CudaDType + DeviceRepr>(
+/// A packed call's offsets as the kernels read them, i32 views of the tensors' device memory
+/// (u32 offsets past `i32::MAX` read as negative, which the kernels clamp like any malformed
+/// offset), handed to `f` while candle's storages are held.
+fn with_seqlens<R>(
+    p: &Packed,
+    f: impl FnOnce(&DeviceSeqlens) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    fn offsets<'a>(
+        storage: &'a candle_core::Storage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<CudaView<'a, i32>> {
+        let candle_core::Storage::Cuda(storage) = storage else {
+            candle_core::bail!("flash_attn_varlen: the offsets are not on the CUDA device");
+        };
+        let range = layout.start_offset()..layout.start_offset() + layout.shape().elem_count();
+        let missing = || candle_core::Error::msg("flash_attn_varlen: offsets past their storage");
+        match storage.dtype() {
+            DType::I32 => storage
+                .as_cuda_slice::<i32>()?
+                .try_slice(range)
+                .ok_or_else(missing),
+            _ => {
+                let n = range.len();
+                let u = storage
+                    .as_cuda_slice::<u32>()?
+                    .try_slice(range)
+                    .ok_or_else(missing)?;
+                // SAFETY: u32 and i32 share size and alignment, and every bit pattern is an i32.
+                unsafe { u.transmute::<i32>(n) }.ok_or_else(missing)
+            }
+        }
+    }
+    let (storage_q, layout_q) = p.cu_q.storage_and_layout();
+    let (storage_k, layout_k) = p.cu_k.storage_and_layout();
+    let seqs = DeviceSeqlens::new(
+        offsets(&storage_q, layout_q)?,
+        offsets(&storage_k, layout_k)?,
+        p.max_q,
+        p.max_k,
+    )
+    .map_err(wrap)?;
+    f(&seqs)
+}
+
+pub(super) fn forward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
     cfg: &AttentionConfig,
+    packed: Option<&Packed>,
     [q, k, v]: [Operand; 3],
 ) -> candle_core::Result<(CudaStorage, CudaSlice<f32>)> {
     let dev = &q.0.device;
     let ours = device(dev)?;
     let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
     let [b, s, h, d] = q.layout.shape;
+    if let Some(p) = packed {
+        // Zeroed: rows that no sequence names (offsets short of the tensors) are not written.
+        let mut out = dev.alloc_zeros::<T>(b * s * h * d)?;
+        let mut lse = dev.alloc_zeros::<f32>(h * s)?;
+        with_seqlens(p, |seqs| {
+            ours.varlen_forward_into(
+                &dev.cuda_stream(),
+                cfg,
+                seqs,
+                &q,
+                &k,
+                &v,
+                &mut DeviceTensorMut::new(out.as_view_mut(), Layout::contiguous(q.layout.shape)),
+                &mut lse.as_view_mut(),
+            )
+            .map_err(wrap)
+        })?;
+        return Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lse));
+    }
     // SAFETY (both): the forward writes every element of O and the LSE (the GPU tests poison
     // them before each launch and find every one rewritten), and an error drops them unread;
     // no memset on a call that training makes at every layer.
@@ -77,8 +141,9 @@ pub(super) fn forward<T: Element + CudaDType + DeviceRepr>(
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lse))
 }
 
-pub(super) fn backward<T: Element + CudaDType + DeviceRepr>(
+pub(super) fn backward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
     cfg: &AttentionConfig,
+    packed: Option<&Packed>,
     [q, k, v, out, dout]: [Operand; 5],
     lse: &CudaSlice<f32>,
 ) -> candle_core::Result<CudaStorage> {
@@ -89,30 +154,40 @@ pub(super) fn backward<T: Element + CudaDType + DeviceRepr>(
     let (q_shape, kv_shape) = (q.layout.shape, k.layout.shape);
     let (nq, nk) = (q_shape.iter().product(), kv_shape.iter().product());
     let (kv_start, v_start) = grad_offsets(nq, nk);
-    // SAFETY: the backward writes every element of dQ, dK and dV (poisoned and checked whole in
-    // the GPU tests); the padding between them is never part of a tensor and never read.
-    let mut grads = unsafe { dev.alloc::<T>(v_start + nk) }?;
+    let mut grads = match packed {
+        // Zeroed: rows that no sequence names are not written.
+        Some(_) => dev.alloc_zeros::<T>(v_start + nk)?,
+        // SAFETY: the backward writes every element of dQ, dK and dV (poisoned and checked
+        // whole in the GPU tests); the padding between them is never part of a tensor and never
+        // read.
+        None => unsafe { dev.alloc::<T>(v_start + nk) }?,
+    };
     {
         let (mut dq, mut rest) = grads.split_at_mut(kv_start);
         let (mut dk, mut dv) = rest.split_at_mut(v_start - kv_start);
-        ours.backward_into(
-            &dev.cuda_stream(),
-            cfg,
-            DeviceBackwardInputs {
-                q: &q,
-                k: &k,
-                v: &v,
-                out: &out,
-                dout: &dout,
-                lse: &lse.as_view(),
-            },
-            DeviceGradientsMut {
-                dq: &mut DeviceTensorMut::new(dq.slice_mut(..nq), Layout::contiguous(q_shape)),
-                dk: &mut DeviceTensorMut::new(dk.slice_mut(..nk), Layout::contiguous(kv_shape)),
-                dv: &mut DeviceTensorMut::new(dv.slice_mut(..nk), Layout::contiguous(kv_shape)),
-            },
-        )
-        .map_err(wrap)?;
+        let inputs = DeviceBackwardInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &out,
+            dout: &dout,
+            lse: &lse.as_view(),
+        };
+        let grads = DeviceGradientsMut {
+            dq: &mut DeviceTensorMut::new(dq.slice_mut(..nq), Layout::contiguous(q_shape)),
+            dk: &mut DeviceTensorMut::new(dk.slice_mut(..nk), Layout::contiguous(kv_shape)),
+            dv: &mut DeviceTensorMut::new(dv.slice_mut(..nk), Layout::contiguous(kv_shape)),
+        };
+        let stream = dev.cuda_stream();
+        match packed {
+            Some(p) => with_seqlens(p, |seqs| {
+                ours.varlen_backward_into(&stream, cfg, seqs, inputs, grads)
+                    .map_err(wrap)
+            })?,
+            None => ours
+                .backward_into(&stream, cfg, inputs, grads)
+                .map_err(wrap)?,
+        };
     }
     Ok(CudaStorage::wrap_cuda_slice(grads, dev.clone()))
 }

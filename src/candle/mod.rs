@@ -25,6 +25,9 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 //!
+//! [`flash_attn_varlen`] takes packed batches of sequences of different lengths, with
+//! candle-flash-attn's shapes and `cu_seqlens` offsets.
+//!
 //! Errors of this crate reach the caller as a [`candle_core::Error`]; [`as_flash_error`] gives
 //! back the typed [`crate::Error`] inside.
 
@@ -33,7 +36,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 #[cfg(feature = "candle-cuda")]
 use candle_core::CudaStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Shape, Tensor};
 
 use crate::{AttentionConfig, BackwardInputs, Element, GradientsMut, Layout, TensorMut, TensorRef};
 
@@ -56,6 +59,89 @@ pub fn flash_attn(
             );
         }
     }
+    attention(q, k, v, cfg, None)
+}
+
+/// Attention over a packed batch of candle tensors (variable-length sequences, see
+/// [`crate::varlen`]), differentiable like [`flash_attn`], with candle-flash-attn's conventions:
+/// Q `(total_q, heads_q, head_dim)`, K and V `(total_k, heads_kv, head_dim)`, sequence `b`
+/// owning query rows `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` and key rows
+/// `cu_seqlens_k[b]..cu_seqlens_k[b + 1]` (`batch + 1` offsets each, u32 or i32, on Q's
+/// device), `max_seqlen_q` and `max_seqlen_k` at least every sequence's lengths. Returns O
+/// shaped like Q; masks are aligned bottom-right within each sequence.
+///
+/// On the CPU the offsets are read and checked ([`crate::Error::InvalidSeqlens`]); on a CUDA
+/// device they stay there (no synchronization) and the kernels clamp every sequence into the
+/// tensors, as [`crate::cuda::DeviceSeqlens`] says.
+///
+/// ```
+/// use candle_core::{Device, Tensor, Var};
+/// use flashattn::AttentionConfig;
+///
+/// let dev = Device::Cpu;
+/// // Two documents of 5 and 3 tokens, 4 heads of 16.
+/// let cu = Tensor::new(&[0u32, 5, 8], &dev)?;
+/// let q = Var::randn(0f32, 1.0, (8, 4, 16), &dev)?;
+/// let k = Var::randn(0f32, 1.0, (8, 4, 16), &dev)?;
+/// let v = Var::randn(0f32, 1.0, (8, 4, 16), &dev)?;
+/// let cfg = AttentionConfig::new().causal(true);
+/// let out = flashattn::candle::flash_attn_varlen(&q, &k, &v, &cu, &cu, 5, 5, &cfg)?;
+/// let grads = out.sqr()?.sum_all()?.backward()?;
+/// assert_eq!(grads.get(&q).unwrap().dims(), &[8, 4, 16]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_seqlens_q: &Tensor,
+    cu_seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    cfg: &AttentionConfig,
+) -> candle_core::Result<Tensor> {
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        if t.rank() != 3 {
+            candle_core::bail!(
+                "flash_attn_varlen: {name} must be (total, heads, head_dim), got shape {:?}",
+                t.dims()
+            );
+        }
+    }
+    for (name, t) in [
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("cu_seqlens_k", cu_seqlens_k),
+    ] {
+        if t.rank() != 1 || !matches!(t.dtype(), DType::U32 | DType::I32) {
+            candle_core::bail!(
+                "flash_attn_varlen: {name} must be a vector of u32 or i32 offsets, got {:?} {:?}",
+                t.dtype(),
+                t.dims()
+            );
+        }
+        if !t.device().same_device(q.device()) {
+            candle_core::bail!("flash_attn_varlen: {name} is on another device than q");
+        }
+    }
+    let packed = Packed {
+        cu_q: cu_seqlens_q.contiguous()?,
+        cu_k: cu_seqlens_k.contiguous()?,
+        max_q: max_seqlen_q,
+        max_k: max_seqlen_k,
+    };
+    let four = |t: &Tensor| t.unsqueeze(0);
+    attention(&four(q)?, &four(k)?, &four(v)?, cfg, Some(packed))?.squeeze(0)
+}
+
+/// The op over rank-4 Q, K, V, dense or packed.
+fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cfg: &AttentionConfig,
+    packed: Option<Packed>,
+) -> candle_core::Result<Tensor> {
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         candle_core::bail!(
             "flash_attn: q, k and v must have one dtype, got {:?}, {:?}, {:?}",
@@ -70,9 +156,41 @@ pub fn flash_attn(
         &v,
         FlashAttn {
             cfg: cfg.clone(),
+            packed,
             lse: Mutex::new(None),
         },
     )
+}
+
+/// A packed call's sequence boundaries ([`flash_attn_varlen`]), kept by its op for the backward.
+struct Packed {
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_q: usize,
+    max_k: usize,
+}
+
+impl Packed {
+    /// The offsets of CPU tensors, as i32 (an offset past `i32::MAX` is refused).
+    fn host_offsets(&self) -> candle_core::Result<(Vec<i32>, Vec<i32>)> {
+        let read = |t: &Tensor| -> candle_core::Result<Vec<i32>> {
+            match t.dtype() {
+                DType::I32 => t.to_vec1::<i32>(),
+                _ => t
+                    .to_vec1::<u32>()?
+                    .into_iter()
+                    .map(|x| {
+                        i32::try_from(x).map_err(|_| {
+                            wrap(crate::Error::InvalidSeqlens(format!(
+                                "offset {x} is past i32::MAX"
+                            )))
+                        })
+                    })
+                    .collect(),
+            }
+        };
+        Ok((read(&self.cu_q)?, read(&self.cu_k)?))
+    }
 }
 
 /// The typed error of this crate inside a [`candle_core::Error`] that [`flash_attn`] (or its
@@ -172,6 +290,7 @@ impl Lse {
 /// call's (candle hands the same instance to `bwd`).
 struct FlashAttn {
     cfg: AttentionConfig,
+    packed: Option<Packed>,
     lse: Mutex<Option<Lse>>,
 }
 
@@ -193,12 +312,11 @@ impl CustomOp3 for FlashAttn {
         v: &CpuStorage,
         lv: &candle_core::Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        use candle_core::DType;
         let ops = [(q, lq), (k, lk), (v, lv)];
         let (out, lse) = match q.dtype() {
-            DType::F32 => cpu::forward::<f32>(&self.cfg, ops)?,
-            DType::F16 => cpu::forward::<half::f16>(&self.cfg, ops)?,
-            DType::BF16 => cpu::forward::<half::bf16>(&self.cfg, ops)?,
+            DType::F32 => cpu::forward::<f32>(&self.cfg, self.packed.as_ref(), ops)?,
+            DType::F16 => cpu::forward::<half::f16>(&self.cfg, self.packed.as_ref(), ops)?,
+            DType::BF16 => cpu::forward::<half::bf16>(&self.cfg, self.packed.as_ref(), ops)?,
             other => candle_core::bail!(
                 "flash_attn on the CPU takes f32, f16 or bf16 tensors, got {other:?}"
             ),
@@ -217,13 +335,12 @@ impl CustomOp3 for FlashAttn {
         v: &CudaStorage,
         lv: &candle_core::Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        use candle_core::DType;
         let ops = [(q, lq), (k, lk), (v, lv)];
         let (out, lse) = match q.dtype() {
-            DType::BF16 => gpu::forward::<half::bf16>(&self.cfg, ops)?,
-            DType::F16 => gpu::forward::<half::f16>(&self.cfg, ops)?,
+            DType::BF16 => gpu::forward::<half::bf16>(&self.cfg, self.packed.as_ref(), ops)?,
+            DType::F16 => gpu::forward::<half::f16>(&self.cfg, self.packed.as_ref(), ops)?,
             // f32 goes to the dispatcher, which refuses it with a typed error.
-            DType::F32 => gpu::forward::<f32>(&self.cfg, ops)?,
+            DType::F32 => gpu::forward::<f32>(&self.cfg, self.packed.as_ref(), ops)?,
             other => {
                 candle_core::bail!("flash_attn on CUDA takes bf16 or f16 tensors, got {other:?}")
             }
@@ -252,6 +369,7 @@ impl CustomOp3 for FlashAttn {
             v,
             &Backward {
                 cfg: &self.cfg,
+                packed: self.packed.as_ref(),
                 lse,
                 out: &out,
                 dout: &dout,
@@ -279,6 +397,7 @@ fn grad_offsets(nq: usize, nk: usize) -> (usize, usize) {
 /// storage for the call in the way it holds the operands of its own ops.
 struct Backward<'a> {
     cfg: &'a AttentionConfig,
+    packed: Option<&'a Packed>,
     lse: &'a Lse,
     out: &'a Tensor,
     dout: &'a Tensor,
@@ -356,15 +475,14 @@ impl CustomOp2 for WithOutputs<'_, CpuStorage> {
         dout: &CpuStorage,
         ldo: &candle_core::Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        use candle_core::DType;
         let lse = self.bwd.lse.host()?;
         let [q, k, v] = self.qkv;
         let ops = [q, k, v, (out, lo), (dout, ldo)];
-        let cfg = self.bwd.cfg;
+        let (cfg, packed) = (self.bwd.cfg, self.bwd.packed);
         let grads = match q.0.dtype() {
-            DType::F32 => cpu::backward::<f32>(cfg, ops, lse)?,
-            DType::F16 => cpu::backward::<half::f16>(cfg, ops, lse)?,
-            DType::BF16 => cpu::backward::<half::bf16>(cfg, ops, lse)?,
+            DType::F32 => cpu::backward::<f32>(cfg, packed, ops, lse)?,
+            DType::F16 => cpu::backward::<half::f16>(cfg, packed, ops, lse)?,
+            DType::BF16 => cpu::backward::<half::bf16>(cfg, packed, ops, lse)?,
             other => candle_core::bail!(
                 "flash_attn on the CPU takes f32, f16 or bf16 tensors, got {other:?}"
             ),
@@ -397,15 +515,14 @@ impl CustomOp2 for WithOutputs<'_, CudaStorage> {
         dout: &CudaStorage,
         ldo: &candle_core::Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        use candle_core::DType;
         let lse = self.bwd.lse.device()?;
         let [q, k, v] = self.qkv;
         let ops = [q, k, v, (out, lo), (dout, ldo)];
-        let cfg = self.bwd.cfg;
+        let (cfg, packed) = (self.bwd.cfg, self.bwd.packed);
         let grads = match q.0.dtype() {
-            DType::BF16 => gpu::backward::<half::bf16>(cfg, ops, lse)?,
-            DType::F16 => gpu::backward::<half::f16>(cfg, ops, lse)?,
-            DType::F32 => gpu::backward::<f32>(cfg, ops, lse)?,
+            DType::BF16 => gpu::backward::<half::bf16>(cfg, packed, ops, lse)?,
+            DType::F16 => gpu::backward::<half::f16>(cfg, packed, ops, lse)?,
+            DType::F32 => gpu::backward::<f32>(cfg, packed, ops, lse)?,
             other => {
                 candle_core::bail!("flash_attn on CUDA takes bf16 or f16 tensors, got {other:?}")
             }

@@ -68,3 +68,28 @@ pub fn naive(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttentionConfig) -> Resul
     let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
     p.matmul(&vh)?.transpose(1, 2)?.contiguous()
 }
+
+/// [`naive`] over a packed batch: Q `(total_q, h_q, d)`, K and V `(total_k, h_kv, d)`, each
+/// sequence `b` on its own rows (`cu_q[b]..cu_q[b + 1]`, `cu_k[b]..cu_k[b + 1]`), O packed like
+/// Q. Every sequence with queries must have keys.
+pub fn naive_packed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_q: &[u32],
+    cu_k: &[u32],
+    cfg: &AttentionConfig,
+) -> Result<Tensor> {
+    let mut pieces = Vec::new();
+    for b in 0..cu_q.len() - 1 {
+        let rows = |t: &Tensor, cu: &[u32]| {
+            t.narrow(0, cu[b] as usize, (cu[b + 1] - cu[b]) as usize)?
+                .unsqueeze(0)
+        };
+        if cu_q[b + 1] > cu_q[b] {
+            let (q, k, v) = (rows(q, cu_q)?, rows(k, cu_k)?, rows(v, cu_k)?);
+            pieces.push(naive(&q, &k, &v, cfg)?.squeeze(0)?);
+        }
+    }
+    Tensor::cat(&pieces, 0)
+}
