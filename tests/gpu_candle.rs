@@ -193,11 +193,6 @@ fn bf16_packed_sequences() {
     // Five sequences: 300 x 300, 1 query over 3 keys, no queries over 5 keys, 129 x 200, 77 x 77.
     let (cu_q, cu_k): (&[u32], &[u32]) =
         (&[0, 300, 301, 301, 430, 507], &[0, 300, 303, 308, 508, 585]);
-    let dev = gpu();
-    let (cu_q_dev, cu_k_dev) = (
-        Tensor::new(cu_q, &dev).unwrap(),
-        Tensor::new(cu_k, &dev).unwrap(),
-    );
     for d in [64, 128] {
         let shapes: [&[usize]; 3] = [&[507, 8, d], &[585, 2, d], &[585, 2, d]];
         for (name, cfg) in [
@@ -208,7 +203,14 @@ fn bf16_packed_sequences() {
                 &format!("packed d{d} {name}"),
                 &shapes,
                 separate,
-                &|q, k, v| flash_attn_varlen(q, k, v, &cu_q_dev, &cu_k_dev, 300, 300, &cfg),
+                // The offsets on Q's device (a candle device is one stream).
+                &|q, k, v| {
+                    let (cq, ck) = (
+                        Tensor::new(cu_q, q.device())?,
+                        Tensor::new(cu_k, q.device())?,
+                    );
+                    flash_attn_varlen(q, k, v, &cq, &ck, 300, 300, &cfg)
+                },
                 &|q, k, v| naive_packed(q, k, v, cu_q, cu_k, &cfg),
             );
         }
