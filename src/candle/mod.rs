@@ -6,10 +6,11 @@
 //! heads_kv, head_dim)` (GQA/MQA when `heads_kv < heads_q`), all of one dtype, and returns O
 //! shaped like Q. On the CPU it runs the CPU backend (f32, f16, bf16); on a candle CUDA device
 //! (the `candle-cuda` feature: without it a CUDA tensor gets candle's refusal of an op with no
-//! CUDA implementation) the GPU kernels (bf16, f16), ordered
-//! on candle's own stream (not yet run on a GPU: `tests/gpu_candle.rs` is its test). Strided views and views with a start offset are read in place where
-//! the kernels can (a unit head-dim stride; on the GPU also 16-byte aligned offsets and strides);
-//! others are copied to a packed tensor first, through candle, so gradients still reach them.
+//! CUDA implementation) the GPU kernels (bf16, f16), ordered on candle's own stream
+//! (`tests/gpu_candle.rs` checks them there). Strided views and views with a start offset are
+//! read in place where the kernels can (a unit head-dim stride; on the GPU also 16-byte aligned
+//! offsets and strides); others are copied to a packed tensor first, through candle, so
+//! gradients still reach them.
 //!
 //! ```
 //! use candle_core::{Device, Var};
