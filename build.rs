@@ -130,8 +130,8 @@ mod cuda {
             defines: Vec::new(),
         });
         let gen = out_dir.join("kernels");
-        // The generated units first, in the registry's order (the sm90 families, the longest to
-        // compile, lead), so that two jobs at a time end close together.
+        // The generated units first, in the order of their first kernel in the registry (the sm90
+        // forwards, the longest to compile, lead), then the hand-written ones.
         let mut units = generate_kernels(&gen);
         headers.push(gen.join("kernels.h"));
         headers.sort();

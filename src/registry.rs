@@ -1,6 +1,6 @@
 //! The one table of the CUDA kernels this crate can build. build.rs reads it (the same file,
-//! through `#[path]`) to generate a translation unit per tile row (a family's kernels for one
-//! head dim, every element type in one unit), their declarations and the C entry points' dispatch; the Rust dispatcher reads it to know which head dims and element
+//! through `#[path]`) to generate the instantiation units (grouped, or one per tile row with
+//! `FLASHATTN_UNITS=tile-row`), the kernels' declarations and the C entry points' dispatch; the Rust dispatcher reads it to know which head dims and element
 //! types each family takes, which kernels this build holds, and which Cargo feature a missing
 //! one needs. A new kernel is a new row here, not a new file or a new switch.
 //!
@@ -145,8 +145,9 @@ pub const HEAD_DIM_FEATURES: &[(usize, &str)] =
 
 /// A kernel's tile: the work of one CTA step and the code-shape switches tuned with it. Each
 /// is chosen by its shared-memory and register budget and then measured (docs/PERFORMANCE.md).
-/// build.rs writes a kernel's tiles into its own unit as the family's tile struct, so that
-/// retuning one head dim recompiles that head dim's units alone.
+/// build.rs writes each row into the unit holding its kernels as the family's tile struct, so
+/// that retuning one head dim recompiles that unit alone (with `FLASHATTN_UNITS=tile-row`, a unit
+/// holding that head dim's kernels only).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Tile {
     /// The sm90 forward, 16-bit and FP8: 128 query rows (two consumer warpgroups of 64), keys
@@ -322,7 +323,10 @@ pub fn tile_row(family: Family, head_dim: usize, role: TileRole) -> Option<&'sta
 const DEFAULT_WGMMA_N: [usize; 8] = [8, 16, 32, 64, 96, 128, 192, 256];
 
 /// Whether the kernels of `family` at `head_dim` take a WGMMA shape outside CUTLASS's default
-/// set: a key block, query block or head dim that is a GEMM's N and not one of its sizes.
+/// set. The GEMMs' N: the forward's key block (S) and head dim (O); the backward's query block
+/// (Sᵀ, dPᵀ) and head dim (dK, dV, dQ), each of them whole or split between the two consumer
+/// warpgroups. (The kernels' traits assert that every atom covers its N, so a row this misses
+/// fails to build rather than running narrower GEMMs.)
 pub fn extended_wgmma(family: Family, head_dim: usize) -> bool {
     TILES
         .iter()
@@ -330,9 +334,9 @@ pub fn extended_wgmma(family: Family, head_dim: usize) -> bool {
         .any(|r| {
             let dims = match r.tile {
                 Tile::Sm90Fwd { block_n, .. } => vec![block_n, head_dim],
-                Tile::Sm90Bwd {
-                    block_m, block_n, ..
-                } => vec![block_m, block_n, head_dim],
+                Tile::Sm90Bwd { block_m, .. } => {
+                    vec![block_m, block_m / 2, head_dim, head_dim / 2]
+                }
                 Tile::Sm80Fwd { .. } | Tile::Sm80Bwd { .. } => vec![],
             };
             dims.iter().any(|n| !DEFAULT_WGMMA_N.contains(n))

@@ -406,6 +406,25 @@ fn packed_calls_with_bad_offsets_are_errors() {
         let e = call(cu, max).unwrap_err();
         assert!(as_flash_error(&e).is_some(), "{cu:?} max {max}: {e}");
     }
+    // An offset past i32::MAX: a typed error, not a wrapped-around one.
+    let e = call(&[0, 5, 1 << 31], 5).unwrap_err();
+    assert!(
+        matches!(as_flash_error(&e), Some(Error::InvalidSeqlens(_))),
+        "{e}"
+    );
+    // i32 offsets: the same call.
+    let cu32 = Tensor::new(&[0i32, 5, 8], &dev).unwrap();
+    let a = flash_attn_varlen(&q, &q, &q, &cu32, &cu32, 5, 5, &cfg).unwrap();
+    let b = call(&[0, 5, 8], 5).unwrap();
+    let diff: f32 = (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap();
+    assert_eq!(diff, 0.0, "i32 and u32 offsets");
     // Offsets of the wrong dtype or rank, Q of rank 4: refused before the op runs.
     let f = Tensor::new(&[0f32, 5., 8.], &dev).unwrap();
     assert!(flash_attn_varlen(&q, &q, &q, &f, &f, 5, 5, &cfg).is_err());

@@ -1,9 +1,9 @@
-//! `flashattn::candle::flash_attn` on a candle CUDA device, bf16, against attention written with
-//! candle ops on the GPU, under the correctness rule of docs/ARCHITECTURE.md: the reference is
-//! that attention in f32 over the same rounded inputs (and its autograd for dQ, dK, dV), the
-//! baseline the same attention in bf16; O and every gradient must be within twice the
-//! baseline's error of the reference. `#[ignore]`d: run on the device with `--include-ignored`
-//! (each test fails without a GPU).
+//! `flashattn::candle::flash_attn` and `flash_attn_varlen` on a candle CUDA device, bf16, against
+//! attention written with candle ops on the GPU, under the correctness rule of
+//! docs/ARCHITECTURE.md: the reference is that attention in f32 over the same rounded inputs (and
+//! its autograd for dQ, dK, dV), the baseline the same attention in bf16; O and every gradient
+//! must be within twice the baseline's error of the reference. `#[ignore]`d: run on the device
+//! with `--include-ignored` (each test fails without a GPU).
 #![cfg(feature = "candle-cuda")]
 
 mod candle_naive;

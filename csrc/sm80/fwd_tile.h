@@ -1,5 +1,5 @@
-// The sm80 forward's tile struct. Each kernel unit that build.rs generates defines its head dim's
-// tile from the tile table in src/registry.rs.
+// The sm80 forward's tile struct. The units build.rs generates define each head dim's tile from
+// the tile table in src/registry.rs.
 #pragma once
 
 #include <cuda_runtime.h>

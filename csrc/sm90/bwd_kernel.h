@@ -26,6 +26,7 @@
 #include "../common/bwd_passes.h"
 #include "bwd_common.h"
 #include "bwd_tile.h"
+#include "wgmma.h"
 #include "softmax.h"
 
 namespace flashattn::sm90 {
@@ -93,6 +94,9 @@ struct BwdTraits {
       GMMA::ss_op_selector<Element, Element, float,
                            Shape<Int<kDqRows>, Int<kDqCols>, Int<kKeysPerWG>>, GMMA::Major::MN,
                            GMMA::Major::MN>()));
+  static_assert(wgmma_atom_n<MmaSdP> == kBlockM && wgmma_atom_n<MmadKV> == kHeadDim &&
+                    wgmma_atom_n<MmadQ> == kDqCols,
+                "a WGMMA atom narrower than its GEMM (registry::extended_wgmma)");
 
   using TmaLoads = BwdTmaLoads<Element, SmemLayoutQ, TileQ, SmemLayoutK, TileK>;
   using TmaQ = typename TmaLoads::TmaQ;

@@ -27,6 +27,7 @@
 #include "../common/bwd_passes.h"
 #include "bwd_common.h"
 #include "bwd_tile.h"
+#include "wgmma.h"
 #include "softmax.h"
 
 namespace flashattn::sm90 {
@@ -94,6 +95,9 @@ struct BwdSplitDTraits {
       GMMA::ss_op_selector<Element, Element, float,
                            Shape<Int<kBlockM>, Int<kColsPerWG>, Int<kBlockN>>, GMMA::Major::MN,
                            GMMA::Major::MN>()));
+  static_assert(wgmma_atom_n<MmaSdP> == kQueriesPerWG && wgmma_atom_n<MmadKV> == kColsPerWG &&
+                    wgmma_atom_n<MmadQ> == kColsPerWG,
+                "a WGMMA atom narrower than its GEMM (registry::extended_wgmma)");
 
   using TmaLoads = BwdTmaLoads<Element, SmemLayoutQ, TileQ, SmemLayoutK, TileK>;
   using TmaQ = typename TmaLoads::TmaQ;

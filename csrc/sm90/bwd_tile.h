@@ -1,5 +1,5 @@
-// The sm90 backward's tile struct. Each kernel unit that build.rs generates defines its head
-// dim's tile from the tile table in src/registry.rs: kBlockM (query rows per block), kBlockN
+// The sm90 backward's tile struct. The units build.rs generates define each head dim's tile from
+// the tile table in src/registry.rs: kBlockM (query rows per block), kBlockN
 // (keys per CTA), kStages (Q and dS buffers), kStagesdO (dO buffers) and kSplitHeadDim (the
 // consumer warpgroups split the head dim, bwd_kernel_split_d.h, instead of the keys,
 // bwd_kernel.h).

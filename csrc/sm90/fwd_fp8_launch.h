@@ -1,4 +1,4 @@
-// Host side of the sm90 FP8 forward: its launch, included by the FP8 kernel units alone. Its
+// Host side of the sm90 FP8 forward: its launch, included by the units holding FP8 kernels. Its
 // tile (Fp8FwdTile, fwd_tile.h) comes from the tile table; the key block is also the block of K
 // and V rows one descale covers, which the quantize step reads from fp8_layout.h.
 #pragma once

@@ -1,5 +1,5 @@
-// The sm90 forward's tile structs and options. Each kernel unit that build.rs generates defines
-// its head dim's tiles from the tile table in src/registry.rs; FwdTraits reads them.
+// The sm90 forward's tile structs and options. The units build.rs generates define each head
+// dim's tiles from the tile table in src/registry.rs; FwdTraits reads them.
 #pragma once
 
 #include <cuda_runtime.h>

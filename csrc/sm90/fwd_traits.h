@@ -12,6 +12,7 @@
 #include "fwd_tail.h"
 #include "pipeline.h"
 #include "tma_tensor.h"
+#include "wgmma.h"
 
 namespace flashattn::sm90 {
 
@@ -91,6 +92,8 @@ struct FwdTraits {
       GMMA::rs_op_selector<Element, Element, float,
                            Shape<Int<kRowsPerWG>, Int<kHeadDim>, Int<kBlockN>>,
                            GMMA::Major::K, kFp8 ? GMMA::Major::K : GMMA::Major::MN>()));
+  static_assert(wgmma_atom_n<MmaQK> == kBlockN && wgmma_atom_n<MmaPV> == kHeadDim,
+                "a WGMMA atom narrower than its GEMM (registry::extended_wgmma)");
 
   // (seqlen, head_dim, heads, batch) with head_dim contiguous.
   using GmemTensor = sm90::GmemTensor<Element>;

@@ -194,8 +194,8 @@ impl Packed {
     }
 }
 
-/// The typed error of this crate inside a [`candle_core::Error`] that [`flash_attn`] (or its
-/// backward) returned, looking through candle's backtrace and context wrappers.
+/// The typed error of this crate inside a [`candle_core::Error`] that [`flash_attn`] or
+/// [`flash_attn_varlen`] (or their backward) returned, looking through candle's backtrace and context wrappers.
 pub fn as_flash_error(e: &candle_core::Error) -> Option<&crate::Error> {
     use candle_core::Error as E;
     match e {
