@@ -1,9 +1,9 @@
 //! Packed (varlen) batches on the device: forward and backward TFLOP/s over three length mixes of
 //! about 32k tokens (all 2k; uniform 128..8k; log-normal with median 600 and one 16k sequence),
-//! hidden 2048, d64 and d128, causal, bf16; and the same all-2k batch as a dense (16, 2048) call,
-//! the bound the packed one should stay within 3% of. CUDA events around each call, queued
-//! behind the warm-up, median of 20. Writes the mixes for benchmarks/varlen_peers.py
-//! (`--mixes-out PATH`) so that the peers time the very same sequences.
+//! hidden 2048, d64 and d128, causal, bf16; and each mix of equal lengths as a dense call too (the
+//! bound the packed one should stay within 3% of); `--long` adds two mixes with 16k sequences.
+//! CUDA events around each call, queued behind the warm-up, median of 20. Writes the mixes for
+//! benchmarks/varlen_peers.py (`--mixes-out PATH`) so that the peers time the very same sequences.
 //!
 //! `cargo run --release --example bench_varlen -- --out varlen.json --mixes-out mixes.json`
 
@@ -156,7 +156,15 @@ fn main() {
     let dev = common::device("bench_varlen");
     let stream = dev.new_stream().unwrap();
     let info = dev.info().clone();
-    let mixes = mixes();
+    let mut mixes = mixes();
+    // --long: where long sequences lose in a packed call — two of 16k (against the dense
+    // (2, 16384) call), and one of 16k beside eight of 2k.
+    if args.flag("--long") {
+        mixes.push(("two-16k", vec![16384; 2]));
+        let mut beside = vec![16384];
+        beside.extend([2048; 8]);
+        mixes.push(("16k-and-2k", beside));
+    }
     if let Some(path) = args.value("--mixes-out") {
         let list: Vec<String> = mixes
             .iter()
@@ -199,7 +207,7 @@ fn main() {
         for (name, lens) in &mixes {
             let flops = causal_flops(lens, heads, d);
             let mut runs = vec![(Backend::Auto, true), (Backend::Sm80, true)];
-            if *name == "all-2k" {
+            if lens.iter().all(|&l| l == lens[0]) {
                 runs.push((Backend::Auto, false));
             }
             for (backend, packed) in runs {
