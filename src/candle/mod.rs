@@ -73,7 +73,7 @@ pub fn flash_attn(
 ///
 /// On the CPU the offsets are read and checked ([`crate::Error::InvalidSeqlens`]); on a CUDA
 /// device they stay there (no synchronization) and the kernels clamp every sequence into the
-/// tensors, as [`crate::cuda::DeviceSeqlens`] says.
+/// tensors, as `cuda::DeviceSeqlens` says.
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};
