@@ -1,7 +1,8 @@
 //! Packed (varlen) batches on the device: forward and backward TFLOP/s over three length mixes of
 //! about 32k tokens (all 2k; uniform 128..8k; log-normal with median 600 and one 16k sequence),
 //! hidden 2048, d64 and d128, causal, bf16; and each mix of equal lengths as a dense call too (the
-//! bound the packed one should stay within 3% of); `--long` adds two mixes with 16k sequences.
+//! bound the packed one should stay within 3% of); `--long` adds two mixes with 16k sequences,
+//! `--mix NAME` times one mix, `--no-sm80` leaves out the forced sm80 rows.
 //! CUDA events around each call, queued behind the warm-up, median of 20. Writes the mixes for
 //! benchmarks/varlen_peers.py (`--mixes-out PATH`) so that the peers time the very same sequences.
 //!
@@ -206,7 +207,15 @@ fn main() {
         let heads = HIDDEN / d;
         for (name, lens) in &mixes {
             let flops = causal_flops(lens, heads, d);
-            let mut runs = vec![(Backend::Auto, true), (Backend::Sm80, true)];
+            // --mix NAME: that mix alone; --no-sm80: without the forced sm80 rows (whose long
+            // runs change the clocks the next row starts at).
+            if args.value("--mix").is_some_and(|m| m != *name) {
+                continue;
+            }
+            let mut runs = vec![(Backend::Auto, true)];
+            if !args.flag("--no-sm80") {
+                runs.push((Backend::Sm80, true));
+            }
             if lens.iter().all(|&l| l == lens[0]) {
                 runs.push((Backend::Auto, false));
             }
