@@ -74,16 +74,45 @@ def backend_list(text):
     return vals
 
 
+def add_output_args(p, name, per):
+    """--out and --commit, as every peer script takes them."""
+    p.add_argument("--out", metavar="PATH", default=None,
+                   help=f"results JSON path (default: $OUT/{name}.json if $OUT is set, "
+                        f"else ./{name}.json); rewritten after every {per}")
+    p.add_argument("--commit", default=None,
+                   help="commit recorded in the JSON (default: env FLASHATTN_COMMIT, else 'unknown')")
+
+
+def add_timing_args(p, warmup, min_reps, target_ms):
+    """How each measurement is timed, with this script's defaults."""
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed calls before timing")
+    p.add_argument("--min-reps", type=int, default=min_reps, help="fewest timed runs per measurement")
+    p.add_argument("--max-reps", type=int, default=100, help="most timed runs per measurement")
+    p.add_argument("--target-ms", type=float, default=target_ms,
+                   help="aim for about this much GPU time per measurement (between min and max reps)")
+
+
+def finish_run_args(p, args, name, quiet=False):
+    """Checks the timing arguments and fills --commit and --out from the environment."""
+    if args.min_reps < 1 or args.max_reps < args.min_reps:
+        p.error("need 1 <= --min-reps <= --max-reps")
+    if args.min_reps < 20 and not quiet:
+        print(f"note: --min-reps {args.min_reps} is below the 20 runs docs/ARCHITECTURE.md asks for",
+              file=sys.stderr)
+    if args.commit is None:
+        args.commit = os.environ.get("FLASHATTN_COMMIT") or "unknown"
+    if args.out is None:
+        out_dir = os.environ.get("OUT")
+        args.out = os.path.join(out_dir, f"{name}.json") if out_dir else f"{name}.json"
+    return args
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Time torch SDPA (FLASH, CUDNN backends) and GEMM/copy ceilings on the "
                     "headline shapes of docs/ARCHITECTURE.md; write the results JSON of docs/ARCHITECTURE.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", metavar="PATH", default=None,
-                   help="results JSON path (default: $OUT/compare_torch.json if $OUT is set, "
-                        "else ./compare_torch.json); rewritten after every shape")
-    p.add_argument("--commit", default=None,
-                   help="commit recorded in the JSON (default: env FLASHATTN_COMMIT, else 'unknown')")
+    add_output_args(p, "compare_torch", "shape")
     p.add_argument("--quick", action="store_true",
                    help=f"small subset: seqlens {QUICK_SEQLENS}, dims {QUICK_DIMS}, fewer runs "
                         "(--seqlens/--dims still override)")
@@ -101,11 +130,7 @@ def parse_args(argv=None):
     p.add_argument("--no-attention", action="store_true", help="measure the ceilings only")
     p.add_argument("--gemm-size", type=int, default=8192, help="M = N = K of the ceiling GEMMs")
     p.add_argument("--copy-mib", type=int, default=1024, help="bytes copied by the copy ceiling, MiB")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
-    p.add_argument("--min-reps", type=int, default=30, help="fewest timed runs per measurement")
-    p.add_argument("--max-reps", type=int, default=100, help="most timed runs per measurement")
-    p.add_argument("--target-ms", type=float, default=250.0,
-                   help="aim for about this much GPU time per measurement (between min and max reps)")
+    add_timing_args(p, warmup=3, min_reps=30, target_ms=250.0)
     p.add_argument("--budget-s", type=float, default=230.0,
                    help="stop starting new attention shapes after this many seconds (wall clock); "
                         "skipped shapes are listed under 'skipped' in the JSON")
@@ -121,17 +146,7 @@ def parse_args(argv=None):
         args.min_reps = min(args.min_reps, 20)
     args.seqlens = args.seqlens or DEFAULT_SEQLENS
     args.dims = args.dims or DEFAULT_DIMS
-    if args.min_reps < 1 or args.max_reps < args.min_reps:
-        p.error("need 1 <= --min-reps <= --max-reps")
-    if args.min_reps < 20:
-        print(f"note: --min-reps {args.min_reps} is below the 20 runs docs/ARCHITECTURE.md asks for",
-              file=sys.stderr)
-    if args.commit is None:
-        args.commit = os.environ.get("FLASHATTN_COMMIT") or "unknown"
-    if args.out is None:
-        out_dir = os.environ.get("OUT")
-        args.out = os.path.join(out_dir, "compare_torch.json") if out_dir else "compare_torch.json"
-    return args
+    return finish_run_args(p, args, "compare_torch")
 
 
 def shapes(args):

@@ -71,6 +71,9 @@ from datetime import datetime, timezone
 # The dense peer script's helpers (it sits beside this one, here and in the device bundle).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_torch import (  # noqa: E402
+    add_output_args,
+    add_timing_args,
+    finish_run_args,
     driver_version,
     fmt,
     int_list,
@@ -123,11 +126,7 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--mixes", metavar="PATH", required=True,
                    help="the mixes JSON written by our benchmark")
-    p.add_argument("--out", metavar="PATH", default=None,
-                   help="results JSON path (default: $OUT/varlen_peers.json if $OUT is set, "
-                        "else ./varlen_peers.json); rewritten after every peer")
-    p.add_argument("--commit", default=None,
-                   help="commit recorded in the JSON (default: env FLASHATTN_COMMIT, else 'unknown')")
+    add_output_args(p, "varlen_peers", "peer")
     p.add_argument("--peers", type=peer_list, default=list(DEFAULT_PEERS),
                    help="comma list of peers: " + ", ".join(PEERS))
     p.add_argument("--dims", type=int_list, default=None,
@@ -135,11 +134,7 @@ def parse_args(argv=None):
     p.add_argument("--mix-names", type=name_list, default=None,
                    help="comma list of mix names to run (default: all)")
     p.add_argument("--no-bwd", action="store_true", help="time the forward only")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
-    p.add_argument("--min-reps", type=int, default=20, help="fewest timed runs per measurement")
-    p.add_argument("--max-reps", type=int, default=100, help="most timed runs per measurement")
-    p.add_argument("--target-ms", type=float, default=200.0,
-                   help="aim for about this much GPU time per measurement (between min and max reps)")
+    add_timing_args(p, warmup=5, min_reps=20, target_ms=200.0)
     p.add_argument("--budget-s", type=float, default=400.0,
                    help="stop starting new shapes after this many seconds (wall clock, all peers); "
                         "shapes not run get a row with error 'skipped: ...'; a peer's child process "
@@ -158,19 +153,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
-    if args.min_reps < 1 or args.max_reps < args.min_reps:
-        p.error("need 1 <= --min-reps <= --max-reps")
     if args.child_peer is not None and args.child_peer not in PEERS:
         p.error(f"unknown child peer {args.child_peer!r}")
-    if args.min_reps < 20 and args.child_peer is None:
-        print(f"note: --min-reps {args.min_reps} is below the 20 runs docs/ARCHITECTURE.md asks for",
-              file=sys.stderr)
-    if args.commit is None:
-        args.commit = os.environ.get("FLASHATTN_COMMIT") or "unknown"
-    if args.out is None:
-        out_dir = os.environ.get("OUT")
-        args.out = os.path.join(out_dir, "varlen_peers.json") if out_dir else "varlen_peers.json"
-    return args
+    return finish_run_args(p, args, "varlen_peers", quiet=args.child_peer is not None)
 
 
 # ----------------------------------------------------------------------------- the mixes
