@@ -65,7 +65,17 @@ impl Case {
 /// Our op in f32 against the naive attention in f64 over the same values: O, and the gradients
 /// of `sum(O · W)` for a random W with respect to every leaf.
 fn grad_check(case: &Case, cfg: &AttentionConfig) {
-    // The reference: f64 leaves, the naive attention, candle's autograd.
+    grad_check_of(case, &|q, k, v| flash_attn(q, k, v, cfg), &|q, k, v| {
+        naive(q, k, v, cfg)
+    });
+}
+
+/// Attention over Q, K and V.
+type Attention<'a> = &'a dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>;
+
+/// [`grad_check`] of `ours` (run on f32 leaves) against `reference` (on f64 leaves).
+fn grad_check_of(case: &Case, ours: Attention, reference: Attention) {
+    // The reference: f64 leaves, candle's autograd.
     let leaves64: Vec<Var> = case
         .leaves
         .iter()
@@ -73,7 +83,7 @@ fn grad_check(case: &Case, cfg: &AttentionConfig) {
         .collect();
     let tensors64: Vec<Tensor> = leaves64.iter().map(|v| v.as_tensor().clone()).collect();
     let (q, k, v) = (case.views)(&tensors64).unwrap();
-    let want = naive(&q, &k, &v, cfg).unwrap();
+    let want = reference(&q, &k, &v).unwrap();
     let w = randn(want.dims(), 4);
     let want_grads = (&want * w.to_dtype(DType::F64).unwrap())
         .unwrap()
@@ -90,7 +100,7 @@ fn grad_check(case: &Case, cfg: &AttentionConfig) {
         .collect();
     let tensors: Vec<Tensor> = leaves.iter().map(|v| v.as_tensor().clone()).collect();
     let (q, k, v) = (case.views)(&tensors).unwrap();
-    let got = flash_attn(&q, &k, &v, cfg).unwrap();
+    let got = ours(&q, &k, &v).unwrap();
     assert_eq!(got.dtype(), DType::F32);
     assert_close(&got, &want, 1e-5, "O");
     let grads = (&got * &w).unwrap().sum_all().unwrap().backward().unwrap();
@@ -318,67 +328,36 @@ fn bad_calls_are_errors() {
 /// its own rows (f64), O and every gradient: sequences of different lengths, one with no
 /// queries, GQA, under `cfg`.
 fn varlen_check(cfg: &AttentionConfig) {
-    let (lens_q, lens_k) = ([5usize, 0, 17, 1, 33], [9usize, 4, 17, 3, 40]);
+    let (lens_q, lens_k) = ([5u32, 0, 17, 1, 33], [9u32, 4, 17, 3, 40]);
     let (h_q, h_kv, d) = (4, 2, 32);
-    let offsets = |lens: &[usize]| -> Vec<u32> {
+    let offsets = |lens: &[u32]| -> Vec<u32> {
         std::iter::once(0)
             .chain(lens.iter().scan(0, |acc, &l| {
-                *acc += l as u32;
+                *acc += l;
                 Some(*acc)
             }))
             .collect()
     };
     let (cu_q, cu_k) = (offsets(&lens_q), offsets(&lens_k));
     let (total_q, total_k) = (cu_q[5] as usize, cu_k[5] as usize);
-    let leaves = [
-        randn(&[total_q, h_q, d], 40),
-        randn(&[total_k, h_kv, d], 41),
-        randn(&[total_k, h_kv, d], 42),
-    ];
-    let w = randn(&[total_q, h_q, d], 43);
-
-    // The reference: each sequence alone through the naive attention, in f64.
-    let leaves64: Vec<Var> = leaves
-        .iter()
-        .map(|t| Var::from_tensor(&t.to_dtype(DType::F64).unwrap()).unwrap())
-        .collect();
-    let [q64, k64, v64] = [0, 1, 2].map(|i| leaves64[i].as_tensor().clone());
-    let want = naive_packed(&q64, &k64, &v64, &cu_q, &cu_k, cfg).unwrap();
-    let want_grads = (&want * w.to_dtype(DType::F64).unwrap())
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
-
-    // Ours: the packed op in f32, its fused backward.
-    let vars: Vec<Var> = leaves
-        .iter()
-        .map(|t| Var::from_tensor(t).unwrap())
-        .collect();
+    let case = Case {
+        leaves: vec![
+            randn(&[total_q, h_q, d], 40),
+            randn(&[total_k, h_kv, d], 41),
+            randn(&[total_k, h_kv, d], 42),
+        ],
+        views: |t| Ok((t[0].clone(), t[1].clone(), t[2].clone())),
+    };
     let dev = candle_core::Device::Cpu;
-    let (cu_q, cu_k) = (
+    let (cu_q_t, cu_k_t) = (
         Tensor::new(cu_q.as_slice(), &dev).unwrap(),
         Tensor::new(cu_k.as_slice(), &dev).unwrap(),
     );
-    let got = flash_attn_varlen(
-        vars[0].as_tensor(),
-        vars[1].as_tensor(),
-        vars[2].as_tensor(),
-        &cu_q,
-        &cu_k,
-        33,
-        40,
-        cfg,
-    )
-    .unwrap();
-    assert_close(&got, &want, 1e-5, "packed O");
-    let grads = (&got * &w).unwrap().sum_all().unwrap().backward().unwrap();
-    for (i, (ours, theirs)) in vars.iter().zip(&leaves64).enumerate() {
-        let got = grads.get(ours).expect("a gradient for every leaf");
-        let want = want_grads.get(theirs).unwrap();
-        assert_close(got, want, 1e-4, &format!("packed gradient of leaf {i}"));
-    }
+    grad_check_of(
+        &case,
+        &|q, k, v| flash_attn_varlen(q, k, v, &cu_q_t, &cu_k_t, 33, 40, cfg),
+        &|q, k, v| naive_packed(q, k, v, &cu_q, &cu_k, cfg),
+    );
 }
 
 #[test]
