@@ -81,8 +81,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
     batch = e.batch;
     q_start = e.q_start;
     lse_at = e.rows_offset(head, p.heads_q, p.seqlen_q);
-    keys.seqlen_q = e.seqlen_q;
-    keys.seqlen_k = e.seqlen_k;
+    keys = e.keys(keys);
   }
   const int64_t at_row = int64_t(q_start) + row;  // on the tensors' row axis
   float sum = 0.f;

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "../flash_api.h"
+#include "block_range.h"
 
 namespace flashattn {
 
@@ -26,6 +27,12 @@ struct Sequences {
     // dense entry b's rows follow entry b − 1's; packed, head h's rows are the tensors' rows.
     __host__ __device__ int64_t rows_offset(int head, int heads, int rows_total) const {
       return (int64_t(batch) * heads + head) * rows_total + q_start;
+    }
+    // The call's key rule (masks, windows) over this entry's lengths.
+    __host__ __device__ KeyRange keys(KeyRange call) const {
+      call.seqlen_q = seqlen_q;
+      call.seqlen_k = seqlen_k;
+      return call;
     }
   };
 

@@ -83,9 +83,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     // The entry's rows and lengths, its keys, and where its rows lie in the query workspace rows.
     const Sequences::Entry entry = params.seqs.at(batch);
     const int seqlen_q = entry.seqlen_q, seqlen_k = entry.seqlen_k;
-    KeyRange keys = params.keys;
-    keys.seqlen_q = seqlen_q;
-    keys.seqlen_k = seqlen_k;
+    const KeyRange keys = entry.keys(params.keys);
     const int64_t rows_at_entry =
         bwd_rows_start(params.seqs, entry, batch, head, params.heads_q, params.dq_rows);
     // Query rows that see any key of this block (none past the used keys: rows_seeing knows

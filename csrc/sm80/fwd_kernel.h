@@ -180,9 +180,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // The grid covers the longest entry: a packed batch's shorter ones leave blocks with no rows.
   const Sequences::Entry seq = params.seqs.at(batch);
   if (row_begin >= seq.seqlen_q) return;
-  KeyRange keys = params.keys;
-  keys.seqlen_q = seq.seqlen_q;
-  keys.seqlen_k = seq.seqlen_k;
+  const KeyRange keys = seq.keys(params.keys);
   int n_min, n_max;
   keys.template blocks<kBlockN>(row_begin, row_begin + kBlockM, n_min, n_max);
 

@@ -47,9 +47,7 @@ __device__ WorkTile decode_tile(const FwdParams<Traits>& p, int tile) {
     const int pair = i / 2, heavy = blocks - 1 - pair;
     t.m_block = i % 2 == 0 ? (pair <= heavy ? heavy : blocks) : (pair < heavy ? pair : blocks);
   }
-  t.keys = p.keys;
-  t.keys.seqlen_q = t.seq.seqlen_q;
-  t.keys.seqlen_k = t.seq.seqlen_k;
+  t.keys = t.seq.keys(p.keys);
   t.slot = -1;
   t.keys.template blocks<Traits::kBlockN>(t.m_block * Traits::kBlockM,
                                           (t.m_block + 1) * Traits::kBlockM, t.n_min, t.n_max);
