@@ -330,14 +330,6 @@ fn sizes_and_options_out_of_range() {
     let mut p = params();
     p.dtype = 7;
     refused_everywhere(&p, UNSUPPORTED, "unknown dtype");
-    // Packed batches are not built for the Hopper backward (nor the FP8 forward, below).
-    expect(
-        "bwd_sm90",
-        flashattn_bwd_sm90,
-        &packed_params(),
-        UNSUPPORTED,
-        "packed batch",
-    );
     // The offsets are inputs: a call's outputs must not overlap them.
     let mut p = packed_params();
     p.cu_seqlens_k = p.o.ptr as *const i32;

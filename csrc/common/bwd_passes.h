@@ -45,6 +45,11 @@ struct BwdRowsParams {
   // dq_rows)), zeroed here instead of by a memset of their own; else null.
   int* dq_counters = nullptr;
   Sequences seqs = Sequences{};  // default: dense
+  // Packed calls of the sm90 deterministic backward: a flag the launcher zeroed, set here where
+  // the offsets break the hand-over's layout (bwd_offsets_malformed, with key blocks of
+  // `key_block` keys); else null.
+  int* offsets_malformed = nullptr;
+  int key_block = 0;
 };
 
 // kHeadDim / 8 threads per (batch, head, row), 8 columns each: O and dO as 8-element arrays
@@ -111,6 +116,10 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
     *reinterpret_cast<cutlass::Array<Element, 8>*>(dq) = cutlass::Array<Element, 8>{};
   }
   if (p.dq_counters != nullptr && chunk == 0 && row_id % 32 == 0) p.dq_counters[row_id / 32] = 0;
+  // One thread per sequence (the rows outnumber the sequences: each has a 128-row pad).
+  if (p.offsets_malformed != nullptr && chunk == 0 && row_id < p.batch &&
+      bwd_offsets_malformed(p.seqs, p.batch, int(row_id), p.key_block))
+    *p.offsets_malformed = 1;
   if (chunk == 0) {
     p.softmax_d[row_id] = sum;
     p.lse_log2[row_id] = row < seqlen_q ? p.lse[lse_at + row] * float(M_LOG2E) : INFINITY;
@@ -197,16 +206,18 @@ __global__ void __launch_bounds__(256)
       scale);
 }
 
-// bwd_convert for packed calls, row-major sums over the tensors' `rows` key rows per head
-// ((heads·group, rows, kHeadDim), sequence b's rows at its k_start as the main kernel writes
-// them): each row that a sequence of `batch` owns (in [k_start, k_start + seqlen_k) of `owned`,
-// the Sequences without used-key counts: rows past a sequence's used keys hold the zeros the
-// main kernel left there) goes to `dst` (heads, strided; the batch stride is ignored). Rows that
-// no sequence owns are not written. One thread per 8 elements.
-template <class Element, int kHeadDim>
+// bwd_convert for packed calls, over one row axis of the tensors (`rows` rows per head): each row
+// that a sequence of `batch` owns goes from the f32 sums (`src_rows` rows per head, in `Layout`,
+// the `group` consecutive heads of each output head summed in order) to `dst` (heads, strided;
+// the batch stride is ignored). Query rows (kQueryRows, dQ): sequence b's seqlen_q rows from
+// q_start, summed at its run of the query workspace rows (bwd_packed_run). Key rows (GQA dK, dV):
+// its keys_owned rows from k_start, summed at the same rows (past its used keys they hold the
+// zeros nothing added to). Rows that no sequence owns are not written. One thread per 8 elements.
+template <class Element, int kHeadDim, class Layout, bool kQueryRows>
 __global__ void __launch_bounds__(256)
-    bwd_convert_packed(const float* src, int rows, int group, void* dst, int64_t row_stride,
-                       int64_t h_stride, int heads, Sequences owned, int batch, float scale) {
+    bwd_convert_packed(const float* src, int src_rows, int rows, int group, void* dst,
+                       int64_t row_stride, int64_t h_stride, int heads, Sequences seqs, int batch,
+                       float scale) {
   const int64_t chunk = int64_t(blockIdx.x) * 256 + threadIdx.x;
   constexpr int kChunks = kHeadDim / 8;
   if (chunk >= int64_t(heads) * rows * kChunks) return;
@@ -214,13 +225,34 @@ __global__ void __launch_bounds__(256)
   const int c = int(chunk % kChunks);
   const int row = int(row_id % rows);
   const int head = int(row_id / rows);
-  const int b = last_start_at_most(batch, row, [&](int i) { return owned.at(i).k_start; });
-  const Sequences::Entry e = owned.at(b);
-  if (row < e.k_start || row - e.k_start >= e.seqlen_k) return;
-  const int64_t head_floats = int64_t(rows) * kHeadDim;
-  convert_chunk<Element, kHeadDim, DqRowMajor<kHeadDim>>(
-      src + int64_t(head) * group * head_floats, head_floats, group, row, c,
+  int64_t sum_row = row;
+  if constexpr (kQueryRows) {
+    const int b = last_start_at_most(batch, row, [&](int i) { return seqs.at(i).q_start; });
+    const Sequences::Entry e = seqs.at(b);
+    if (row < e.q_start || row - e.q_start >= e.seqlen_q) return;
+    sum_row = bwd_packed_run(e.q_start, b) + (row - e.q_start);
+  } else {
+    const int b = last_start_at_most(batch, row, [&](int i) { return seqs.k_start(i); });
+    const Sequences::Entry e = seqs.at(b);
+    if (row < e.k_start || row - e.k_start >= e.keys_owned) return;
+  }
+  const int64_t head_floats = int64_t(src_rows) * kHeadDim;
+  convert_chunk<Element, kHeadDim, Layout>(
+      src + int64_t(head) * group * head_floats, head_floats, group, sum_row, c,
       static_cast<Element*>(dst) + head * h_stride + row * row_stride + c * 8, scale);
+}
+
+template <class Element, int kHeadDim, class Layout, bool kQueryRows>
+cudaError_t launch_bwd_convert_packed(const float* src, int src_rows, int rows, int group,
+                                      const flashattn_tensor_t& dst, int heads,
+                                      const Sequences& seqs, int batch, float scale,
+                                      cudaStream_t stream) {
+  const int64_t chunks = int64_t(heads) * rows * (kHeadDim / 8);
+  bwd_convert_packed<Element, kHeadDim, Layout, kQueryRows>
+      <<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(src, src_rows, rows, group, dst.ptr,
+                                                           dst.row_stride, dst.head_stride,
+                                                           heads, seqs, batch, scale);
+  return cudaGetLastError();
 }
 
 }  // namespace flashattn

@@ -13,7 +13,7 @@ namespace flashattn {
 // The dQ accumulator's rows per (batch, head) are seqlen_q rounded up to this, so that a query
 // block's atomics need no row predicate.
 constexpr int kDqRowAlign = 128;
-inline int dq_accum_rows(int seqlen_q) {
+__host__ __device__ inline int dq_accum_rows(int seqlen_q) {
   return (seqlen_q + kDqRowAlign - 1) / kDqRowAlign * kDqRowAlign;
 }
 
@@ -71,6 +71,17 @@ __device__ inline int bwd_entry_of_row(const Sequences& s, int batch, int64_t w)
   return last_start_at_most(batch, w, [&](int b) { return bwd_packed_run(s.at(b).q_start, b); });
 }
 
+// Packed calls: the sm90 backward's key blocks of block_n keys along one axis per head, sequence
+// b's from packed_key_block(k_start, b, block_n) on: the query runs' bound again (above), so with
+// well-formed offsets no two sequences' blocks overlap, and with any clamped ones all lie below
+// packed_key_blocks(rows_k, batch, block_n).
+__host__ __device__ inline int64_t packed_key_block(int k_start, int b, int block_n) {
+  return k_start / block_n + int64_t(b);
+}
+inline int64_t packed_key_blocks(int rows_k, int batch, int block_n) {
+  return rows_k / block_n + int64_t(batch);
+}
+
 // Rows of the GQA f32 dK/dV sums per (tensor batch entry, head): the key rows; sequence b's rows
 // at its k_start (the main kernel writes them under a row predicate, so no pad is needed).
 __host__ __device__ inline int64_t bwd_key_rows_start(const Sequences::Entry& e, int head,
@@ -97,11 +108,12 @@ inline int bwd_dq_splits(const flashattn_params_t& p) {
 // (B, heads_q, R, d): the sm80 family's bwd_dq_splits, the sm90 family's one), LSE·log2(e) and
 // rowsum(dO ∘ O) (B, heads_q, R) each, and with GQA the f32 dK and dV sums (B, heads_kv,
 // seqlen_k, d), or in deterministic mode per query head (B, heads_q, seqlen_k, d); in
-// deterministic mode last the sm90 backward's dQ semaphores (an int per (B, heads_q, 64-row query
-// block, warpgroup of 2)). Each region starts on a multiple of 256 bytes. src/backend/gpu.rs sizes
-// it the same way.
+// deterministic mode the sm90 backward's dQ semaphores (an int per (B, heads_q, 64-row query
+// block, warpgroup of 2)), and for packed calls in deterministic mode last the offsets' flag (an
+// int, bwd_offsets_malformed). Each region starts on a multiple of 256 bytes. src/backend/gpu.rs
+// sizes it the same way.
 struct BwdWorkspace {
-  int64_t dq_accum, lse_log2, softmax_d, dk_accum, dv_accum, dq_semaphore, bytes;
+  int64_t dq_accum, lse_log2, softmax_d, dk_accum, dv_accum, dq_semaphore, offsets_flag, bytes;
 };
 inline BwdWorkspace bwd_workspace(const flashattn_params_t& p, int dq_slices) {
   auto align = [](int64_t x) { return (x + 255) / 256 * 256; };
@@ -116,8 +128,27 @@ inline BwdWorkspace bwd_workspace(const flashattn_params_t& p, int dq_slices) {
   const bool gqa = p.heads_q != p.heads_kv;
   w.dv_accum = w.dk_accum + (gqa ? align(rows_k * p.head_dim * 4) : 0);
   w.dq_semaphore = w.dv_accum + (gqa ? align(rows_k * p.head_dim * 4) : 0);
-  w.bytes = w.dq_semaphore + (p.deterministic ? align(rows_dq / 64 * 2 * 4) : 0);
+  w.offsets_flag = w.dq_semaphore + (p.deterministic ? align(rows_dq / 64 * 2 * 4) : 0);
+  w.bytes = w.offsets_flag + (p.deterministic && p.cu_seqlens_q != nullptr ? 256 : 0);
   return w;
+}
+
+// Whether packed offsets, as Sequences::at clamps them, break the layout that the sm90
+// deterministic backward's dQ hand-over relies on, at sequence b and its successor: each
+// sequence's run of query workspace rows must end by the next one's start (else two sequences
+// share a semaphore), and its packed key blocks (of key_block keys) by the next one's first
+// (else a CTA meant for it finds another sequence, and the key block it should add never adds).
+// Well-formed offsets (non-decreasing, within the maxima) always pass; a failing pair turns the
+// hand-over off (bwd_write_dq), so a malformed array gives wrong dQ rows but never a CTA that
+// waits forever.
+__device__ inline bool bwd_offsets_malformed(const Sequences& s, int batch, int b, int key_block) {
+  if (b + 1 >= batch) return false;  // the last sequence's rows are clamped into the tensors
+  const Sequences::Entry e = s.at(b), next = s.at(b + 1);
+  const int64_t rows_end = bwd_packed_run(e.q_start, b) + dq_accum_rows(e.seqlen_q);
+  const int64_t blocks_end = packed_key_block(e.k_start, b, key_block) +
+                             (e.keys_owned + key_block - 1) / key_block;
+  return rows_end > bwd_packed_run(next.q_start, b + 1) ||
+         blocks_end > packed_key_block(next.k_start, b + 1, key_block);
 }
 
 }  // namespace flashattn

@@ -23,6 +23,9 @@ struct Sequences {
     int batch;             // index on the tensors' batch axis (0 when packed)
     int q_start, k_start;  // first row on the tensors' row axis
     int seqlen_q, seqlen_k;
+    // Key rows the entry owns (its offsets' range, within the grid's maximum): seqlen_k and,
+    // past a used-key count (seqused_k), the unused keys, whose dK and dV are zero.
+    int keys_owned;
     // Offset of (row 0, head `head`) in a (batch, heads, rows) f32 array (the forward's LSE):
     // dense entry b's rows follow entry b − 1's; packed, head h's rows are the tensors' rows.
     __host__ __device__ int64_t rows_offset(int head, int heads, int rows_total) const {
@@ -43,13 +46,18 @@ struct Sequences {
   // maximum, used keys into [0, length]), so a malformed array can give wrong rows but never
   // an index outside the buffers.
   __device__ Entry at(int b) const {
-    if (!packed()) return {b, 0, 0, rows_q, rows_k};
+    if (!packed()) return {b, 0, 0, rows_q, rows_k, rows_k};
     auto clamp = [](int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); };
     const int q0 = clamp(cu_q[b], 0, rows_q), q1 = clamp(cu_q[b + 1], q0, rows_q);
     const int k0 = clamp(cu_k[b], 0, rows_k), k1 = clamp(cu_k[b + 1], k0, rows_k);
-    int len_k = k1 - k0 < max_k ? k1 - k0 : max_k;
-    if (used_k != nullptr) len_k = clamp(used_k[b], 0, len_k);
-    return {0, q0, k0, q1 - q0 < max_q ? q1 - q0 : max_q, len_k};
+    const int owned = k1 - k0 < max_k ? k1 - k0 : max_k;
+    const int len_k = used_k != nullptr ? clamp(used_k[b], 0, owned) : owned;
+    return {0, q0, k0, q1 - q0 < max_q ? q1 - q0 : max_q, len_k, owned};
+  }
+  // Entry b's first key row, as at(b) gives it, alone.
+  __device__ int k_start(int b) const {
+    const int k0 = cu_k[b];
+    return k0 < 0 ? 0 : (k0 > rows_k ? rows_k : k0);
   }
 };
 

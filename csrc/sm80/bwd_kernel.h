@@ -72,12 +72,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // no sequence owns are not written. The entry is read again where it is needed, before and
   // after the query block loop, rather than held in registers across the loops: the d64 kernels
   // have none to spare there.
-  auto keys_owned = [&]() {
-    if (params.seqs.used_k == nullptr) return params.seqs.at(batch).seqlen_k;
-    Sequences owned = params.seqs;
-    owned.used_k = nullptr;
-    return owned.at(batch).seqlen_k;
-  };
+  auto keys_owned = [&]() { return params.seqs.at(batch).keys_owned; };
   auto key_block = [&](const int n_block) {
     const int col_begin = n_block * kBlockN;
     // The entry's rows and lengths, its keys, and where its rows lie in the query workspace rows.

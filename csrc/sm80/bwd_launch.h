@@ -137,15 +137,9 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   const int group = params.deterministic ? p.heads_q / p.heads_kv : 1;
   auto convert = [&](const float* src, const flashattn_tensor_t& dst, int heads, int seqlen,
                      float scale) {
-    if (seqs.packed()) {
-      Sequences owned = seqs;  // every key a sequence owns, its unused ones too
-      owned.used_k = nullptr;
-      const int64_t chunks = int64_t(heads) * seqlen * (kHeadDim / 8);
-      bwd_convert_packed<Element, kHeadDim><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
-          src, seqlen, group, dst.ptr, dst.row_stride, dst.head_stride, heads, owned, p.batch,
-          scale);
-      return cudaGetLastError();
-    }
+    if (seqs.packed())
+      return launch_bwd_convert_packed<Element, kHeadDim, DqRowMajor<kHeadDim>, false>(
+          src, seqlen, seqlen, group, dst, heads, seqs, p.batch, scale, stream);
     const int64_t chunks = int64_t(p.batch) * heads * seqlen * (kHeadDim / 8);
     bwd_convert<Element, kHeadDim><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
         src, seqlen, group, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride, p.batch, heads,

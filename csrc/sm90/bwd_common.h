@@ -14,6 +14,8 @@
 #include <climits>
 
 #include "../common/block_range.h"
+#include "../common/bwd_workspace.h"
+#include "../common/sequences.h"
 #include "../common/tile_order.h"
 #include "../common/online_softmax.h"
 #include "pipeline.h"
@@ -41,28 +43,42 @@ struct BwdParams {
   typename Traits::TmaQ tma_do;
   typename Traits::TmaK tma_k;
   typename Traits::TmaK tma_v;
-  float* dq_accum;         // (batch, heads_q, dq_rows, d) in Traits::DqLayout, zeroed
-  const float* lse_log2;   // (batch, heads_q, dq_rows): LSE·log2(e), +inf in the padding
-  const float* softmax_d;  // (batch, heads_q, dq_rows): rowsum(dO ∘ O), 0 in the padding
+  // The query workspace rows (bwd_rows_start): dq_rows per (tensor batch entry, head).
+  float* dq_accum;         // (B, heads_q, dq_rows, d) in Traits::DqLayout, zeroed
+  const float* lse_log2;   // (B, heads_q, dq_rows): LSE·log2(e), +inf in the padding
+  const float* softmax_d;  // (B, heads_q, dq_rows): rowsum(dO ∘ O), 0 in the padding
   typename Traits::Element* dq;  // written here in deterministic mode at d64/d128 (bwd_write_dq)
   typename Traits::Element* dk;
   typename Traits::Element* dv;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-  // GQA: (batch, heads_kv, seqlen_k, d) zeroed (deterministic: heads_q), else null.
+  // GQA: (B, heads_kv, seqlen_k, d) zeroed (deterministic: heads_q), else null.
   float* dk_accum;
   float* dv_accum;
-  // Deterministic mode: per (batch·head, query block, warpgroup) the number of key blocks whose
+  // Deterministic mode: per (query block of the query workspace rows, warpgroup) the number of key
+  // blocks whose
   // dQ adds have completed, zeroed by the preprocess; each CTA adds its slab when the key blocks
   // before it have (FA3's semaphore), so the sums run in key-block order, and at d64/d128 the
   // CTA whose count completes a block converts its share of dQ. Null otherwise.
   int* dq_semaphore;
-  int batch, heads_q, heads_kv, seqlen_q, seqlen_k, dq_rows;
-  TileOrder order;  // (key block, batch·head) of each CTA; heavy-first under a right bound
-  KeyRange keys;
+  // Packed calls in deterministic mode: nonzero where the preprocess found the offsets malformed
+  // (bwd_offsets_malformed), which turns the hand-over off; else null.
+  const int* offsets_malformed;
+  int batch;               // entries (packed: sequences)
+  int heads_q, heads_kv;
+  int seqlen_q, seqlen_k;  // the tensors' rows (packed: all sequences')
+  int dq_rows;
+  // Dense: (key block, batch·head) of each CTA, heavy-first under a right bound. Packed: (packed
+  // key block, head), bwd_cta_work.
+  TileOrder order;
+  Sequences seqs;  // where each entry's rows lie (packed: the caller's offsets)
+  KeyRange keys;   // the call's rule; each entry's is keys over its lengths (Entry::keys)
   float scale;       // softmax scale
   float scale_log2;  // scale·log2(e)
+
+  // Entries on the tensors' batch axis (B): one when the sequences are packed along the rows.
+  __host__ __device__ int tensor_batch() const { return seqs.packed() ? 1 : batch; }
 };
 
 // Named barriers per consumer warpgroup (CUTLASS's NamedBarrier adds its reserved offset).
@@ -82,8 +98,10 @@ __device__ inline void barrier_arrive(BwdBarrier b, int threads, int wg = 0) {
   cutlass::arch::NamedBarrier::arrive(threads, static_cast<uint32_t>(b) + wg);
 }
 
-// Deterministic mode's hand-over between the CTAs that add into one dQ slab.
+// Deterministic mode's hand-over between the CTAs that add into one dQ slab; a negative count
+// waits for nothing (no hand-over: hand_over_count).
 __device__ inline void wait_for_count(const int* counter, int count) {
+  if (count < 0) return;
   int seen;
   do {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
@@ -113,43 +131,51 @@ __device__ inline bool count_dq_adds_is_last(int* counter, int adds) {
   return last;
 }
 
-// Deterministic mode: the semaphore of (batch·head bh, query block m of kBlockM rows, consumer
-// warpgroup wg), and how many key blocks of kBlockN keys add into that block's dQ before key
-// block n_block does: the key blocks that see the rows are a contiguous run, from the first one
-// row q0 sees to the last one the block's last row sees (both bounds of a row's keys grow with
-// the row); keys_descending: the hand-over runs down from the diagonal, else up from the left.
+// Deterministic mode: the semaphore of (query block m of kBlockM rows of the entry and head whose
+// query workspace rows start at rows_base, consumer warpgroup wg), and how many key blocks of
+// kBlockN keys add into that block's dQ before key block n_block does: the key blocks that see
+// the rows are a contiguous run, from the first one row q0 sees to the last one the block's last
+// row sees (both bounds of a row's keys grow with the row; `keys`: the entry's rule);
+// keys_descending: the hand-over runs down from the diagonal, else up from the left.
 template <int kBlockM, int kConsumerWGs, class Params>
-__device__ int* dq_semaphore(Params const& params, int bh, int m, int wg) {
-  // The workspace and the preprocess's zeroing hold kConsumerWGs (2) ints per 64 rows.
-  static_assert(kBlockM >= 64 && kConsumerWGs <= 2);
-  const int64_t block = int64_t(bh) * (params.dq_rows / kBlockM) + m;
+__device__ int* dq_semaphore(Params const& params, int64_t rows_base, int m, int wg) {
+  // The workspace and the preprocess's zeroing hold kConsumerWGs (2) ints per 64 rows; an
+  // entry's rows start on a multiple of kDqRowAlign.
+  static_assert(kBlockM >= 64 && kConsumerWGs <= 2 && kDqRowAlign % kBlockM == 0);
+  const int64_t block = rows_base / kBlockM + m;
   return params.dq_semaphore + (block * kConsumerWGs + wg);
 }
-template <int kBlockN, int kBlockM, class Params>
-__device__ int dq_adds_before(Params const& params, int q0, int n_block, bool keys_descending) {
+// Whether this call's dQ hand-over runs: not where the preprocess found packed offsets that
+// break its layout, whose semaphores could then wait forever (the sums run in any order there).
+template <class Params>
+__device__ bool hand_over_runs(Params const& params) {
+  return params.offsets_malformed == nullptr || *params.offsets_malformed == 0;
+}
+template <int kBlockN, int kBlockM>
+__device__ int dq_adds_before(KeyRange const& keys, int q0, int n_block, bool keys_descending) {
   int n_min, n_max;
-  params.keys.template blocks<kBlockN>(q0, q0 + kBlockM, n_min, n_max);
+  keys.template blocks<kBlockN>(q0, q0 + kBlockM, n_min, n_max);
   return keys_descending ? n_max - 1 - n_block : n_block - n_min;
 }
 // The number of key blocks of kBlockN keys that add into the dQ of the query block from row q0.
-template <int kBlockN, int kBlockM, class Params>
-__device__ int dq_key_blocks(Params const& params, int q0) {
+template <int kBlockN, int kBlockM>
+__device__ int dq_key_blocks(KeyRange const& keys, int q0) {
   int n_min, n_max;
-  params.keys.template blocks<kBlockN>(q0, q0 + kBlockM, n_min, n_max);
+  keys.template blocks<kBlockN>(q0, q0 + kBlockM, n_min, n_max);
   return n_max - n_min;
 }
 // One warpgroup's slab (Traits::DqLayout) of a query block's dQ, complete in the f32 accumulator,
 // to the element type times the softmax scale by one warp, in place of a conversion pass over the
-// whole accumulator (which read it back from HBM): rows [row0, row0 + slab rows) of head bh,
-// columns [col0, col0 + slab columns). The slab comes into `staging` by one bulk copy (through
+// whole accumulator (which read it back from HBM): rows [row0, row0 + slab rows) of an entry's
+// head, whose row 0 is at `dq` and which has `seqlen_q` rows, columns [col0, col0 + slab columns). The slab comes into `staging` by one bulk copy (through
 // L2, where the adds happened; the warp has 24 registers, too few to keep enough loads of its own
 // in flight), whose completion `staged` counts (phase: its parity, flipped here); then eight
 // elements per lane and store (as four 4-byte stores: cutlass::Array is aligned to its element),
 // eight lanes per 128-byte row piece.
 template <class Traits>
 __device__ void convert_dq_slab(BwdParams<Traits> const& params, const float* slab,
-                                float* staging, uint64_t* staged, int& phase, int bh, int row0,
-                                int col0) {
+                                float* staging, uint64_t* staged, int& phase,
+                                typename Traits::Element* dq, int seqlen_q, int row0, int col0) {
   using Element = typename Traits::Element;
   using Layout = typename Traits::DqLayout;
   constexpr int kRows = Layout::kSlabRows, kChunks = Layout::kChunks;
@@ -163,12 +189,10 @@ __device__ void convert_dq_slab(BwdParams<Traits> const& params, const float* sl
   cutlass::arch::ClusterTransactionBarrier::wait(staged, phase);
   asm volatile("" ::: "memory");  // the reads of `staging` below stay after the wait
   phase ^= 1;
-  const int batch = bh / params.heads_q, head = bh % params.heads_q;
-  Element* dq = params.dq + batch * params.dq_batch_stride + head * params.dq_head_stride;
 #pragma unroll 2
   for (int k = threadIdx.x % 32; k < kRows * kChunks; k += 32) {
     const int row = row0 + k / kChunks, c = k % kChunks;
-    if (row >= params.seqlen_q) continue;
+    if (row >= seqlen_q) continue;
     const float4* src =
         reinterpret_cast<const float4*>(staging + Layout::in_slab(k / kChunks, c * 8));
     const float4 a = src[0], b = src[1];
@@ -177,7 +201,8 @@ __device__ void convert_dq_slab(BwdParams<Traits> const& params, const float* sl
     sums[4] = b.x, sums[5] = b.y, sums[6] = b.z, sums[7] = b.w;
 #pragma unroll
     for (int i = 0; i < 8; ++i) sums[i] *= params.scale;
-    *reinterpret_cast<cutlass::Array<Element, 8>*>(dq + row * params.dq_row_stride + col0 + c * 8) =
+    *reinterpret_cast<cutlass::Array<Element, 8>*>(dq + int64_t(row) * params.dq_row_stride +
+                                                   col0 + c * 8) =
         cutlass::NumericArrayConverter<Element, float, 8>{}(sums);
   }
   // Every lane's reads of `staging` (generic proxy) before the next bulk copy writes it.
@@ -239,24 +264,52 @@ __device__ void bwd_write_dq(const float* sdq, uint32_t slab_bytes, int wg, int 
   }
 }
 
-// A CTA's work: its key block of kBlockN keys and (batch, head) from the tile order, and the query
-// blocks [m_first, m_end) of kBlockM rows that see any of its keys. keys_descending: the key
-// blocks of a head run in reverse launch order (the deterministic causal hand-over).
+// A CTA's work: its key block of kBlockN keys of one (entry, head), the entry's rows and key rule,
+// where the entry's query workspace rows of the head start, and the query blocks [m_first,
+// m_end) of kBlockM rows that see any of its keys. Dense: the key block and (batch, head) come
+// from the tile order. Packed: the tile order's tiles are a head's packed key blocks
+// (packed_key_block): sequence b's from packed_key_block(k_start, b, kBlockN) on, so that the
+// grid covers the keys rather than batch × the longest sequence; a CTA on none of a sequence's
+// key blocks (at most one per sequence) has no work (`exists` false). keys_descending: an
+// entry's key blocks run in reverse launch order (the deterministic causal hand-over).
 struct BwdCtaWork {
-  int n_block, bh, head, batch, head_kv, m_first, m_end;
+  int n_block, head, batch, head_kv, m_first, m_end;
+  bool exists;
+  Sequences::Entry seq;
+  KeyRange keys;
+  int64_t rows_base;
 };
 template <int kBlockN, int kBlockM, class Params>
 __device__ BwdCtaWork bwd_cta_work(Params const& params, bool keys_descending) {
   BwdCtaWork w;
-  params.order.at(blockIdx.x, w.n_block, w.bh);
-  if (keys_descending) w.n_block = params.order.tiles - 1 - w.n_block;
-  w.head = w.bh % params.heads_q;
-  w.batch = w.bh / params.heads_q;
+  int block, bh, blocks;  // blocks: the entry's key blocks
+  params.order.at(blockIdx.x, block, bh);
+  w.head = bh % params.heads_q;
+  if (params.seqs.packed()) {
+    w.batch = last_start_at_most(params.batch, block, [&](int b) {
+      return packed_key_block(params.seqs.k_start(b), b, kBlockN);
+    });
+    w.seq = params.seqs.at(w.batch);
+    w.n_block = block - int(packed_key_block(w.seq.k_start, w.batch, kBlockN));
+    blocks = (w.seq.keys_owned + kBlockN - 1) / kBlockN;
+  } else {
+    w.batch = bh / params.heads_q;
+    w.seq = params.seqs.at(w.batch);
+    w.n_block = block;
+    blocks = params.order.tiles;
+  }
+  w.exists = w.n_block >= 0 && w.n_block < blocks;
+  if (keys_descending) w.n_block = blocks - 1 - w.n_block;
   w.head_kv = w.head / (params.heads_q / params.heads_kv);
+  w.keys = w.seq.keys(params.keys);
+  w.rows_base =
+      bwd_rows_start(params.seqs, w.seq, w.batch, w.head, params.heads_q, params.dq_rows);
   int row_lo, row_hi;
-  params.keys.rows_seeing(w.n_block * kBlockN, (w.n_block + 1) * kBlockN, row_lo, row_hi);
+  w.keys.rows_seeing(w.n_block * kBlockN, (w.n_block + 1) * kBlockN, row_lo, row_hi);
   w.m_first = row_lo / kBlockM;
-  w.m_end = row_hi > row_lo ? (row_hi - 1) / kBlockM + 1 : w.m_first;
+  // A packed entry's key blocks past its used keys see no row (rows_seeing knows the windows).
+  const bool seen = row_hi > row_lo && w.n_block * kBlockN < w.seq.seqlen_k;
+  w.m_end = seen ? (row_hi - 1) / kBlockM + 1 : w.m_first;
   return w;
 }
 
@@ -314,9 +367,9 @@ __device__ void convert_fragment(Acc const& acc, Dst& dst) {
 
 // On a transposed score tile (keys down the rows, queries across; `coords` gives each element's
 // (key, query) within the tile): Pᵀ = exp2(Sᵀ·scale_log2 − LSE·log2 e) in place, lse_of(c) being
-// column c's LSE·log2(e). Rows past seqlen_q have LSE +inf and keys past seqlen_k multiply
-// zero-filled rows of K and V, so only `masked` tiles (KeyRange::block_needs_mask) need the key
-// range of each query; key0 and q0 are the tile's first key and query.
+// column c's LSE·log2(e). Rows past seqlen_q have LSE +inf (P = 0), and every tile that reaches
+// past seqlen_k is `masked` (KeyRange::block_needs_mask), so only those tiles need the key range
+// of each query; key0 and q0 are the tile's first key and query.
 template <class RowCol, class Coords, class LseOf>
 __device__ void bwd_probabilities(RowCol& s, Coords const& coords, LseOf const& lse_of,
                                   KeyRange const& keys, int key0, int q0, float scale_log2,
@@ -375,14 +428,22 @@ template <class Traits, class Smem>
 __device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, BwdCtaWork const& work) {
   if (threadIdx.x / 32 != 0 || work.m_end == work.m_first || !cute::elect_one_sync()) return;
   const int n_block = work.n_block, head = work.head, head_kv = work.head_kv;
-  const int batch = work.batch, m_first = work.m_first, m_end = work.m_end;
+  const int batch = work.seq.batch, m_first = work.m_first, m_end = work.m_end;
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kKeyTiles = Traits::kKeyTiles;
-  auto tma_tensor = [&](auto const& tma, int seqlen, int heads) {
-    return tma.get_tma_tensor(make_shape(seqlen, kHeadDim, heads, params.batch));
+  // The entry's rows of one head, from row `start` of the tensors' rows (0 in dense calls).
+  // Blocks reaching past the entry's end read the next sequence's rows (or its own keys past its
+  // used ones), or zeros past the tensor's end (TMA): keys there are masked, and query rows
+  // there have LSE +inf, so P = dS = 0 on them; such rows must be finite all the same, since
+  // the GEMMs multiply them by those zeros (0·NaN is NaN).
+  auto entry_rows = [&](auto const& tma, int rows, int heads, int h, int start) {
+    Tensor m = tma.get_tma_tensor(make_shape(rows, kHeadDim, heads, params.tensor_batch()));
+    return domain_offset(make_coord(start, _0{}), m(_, _, h, batch));
   };
-  Tensor mK = tma_tensor(params.tma_k, params.seqlen_k, params.heads_kv);
-  Tensor mV = tma_tensor(params.tma_v, params.seqlen_k, params.heads_kv);
+  Tensor mK = entry_rows(params.tma_k, params.seqlen_k, params.heads_kv, head_kv,
+                         work.seq.k_start);
+  Tensor mV = entry_rows(params.tma_v, params.seqlen_k, params.heads_kv, head_kv,
+                         work.seq.k_start);
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.kv_full,
                                                                  2 * kKeyTiles * Traits::kBytesK);
 #pragma unroll
@@ -393,23 +454,23 @@ __device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, BwdCtaW
     auto cta_k = params.tma_k.get_slice(0);
     auto cta_v = params.tma_v.get_slice(0);
     copy(params.tma_k.with(smem.kv_full),
-         cta_k.partition_S(local_tile(mK(_, _, head_kv, batch), typename Traits::TileK{}, block)),
+         cta_k.partition_S(local_tile(mK, typename Traits::TileK{}, block)),
          cta_k.partition_D(sK));
     copy(params.tma_v.with(smem.kv_full),
-         cta_v.partition_S(local_tile(mV(_, _, head_kv, batch), typename Traits::TileK{}, block)),
+         cta_v.partition_S(local_tile(mV, typename Traits::TileK{}, block)),
          cta_v.partition_D(sV));
   }
 
-  Tensor mQ = tma_tensor(params.tma_q, params.seqlen_q, params.heads_q);
-  Tensor mdO = tma_tensor(params.tma_do, params.seqlen_q, params.heads_q);
+  Tensor mQ = entry_rows(params.tma_q, params.seqlen_q, params.heads_q, head, work.seq.q_start);
+  Tensor mdO = entry_rows(params.tma_do, params.seqlen_q, params.heads_q, head, work.seq.q_start);
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutdO{});
   auto cta_q = params.tma_q.get_slice(0);
   auto cta_do = params.tma_do.get_slice(0);
   Tensor tQgQ = group_modes<0, 3>(cta_q.partition_S(  // (TMA, query block)
-      local_tile(mQ(_, _, head, batch), typename Traits::TileQ{}, make_coord(_, _0{}))));
+      local_tile(mQ, typename Traits::TileQ{}, make_coord(_, _0{}))));
   Tensor tdOgdO = group_modes<0, 3>(cta_do.partition_S(
-      local_tile(mdO(_, _, head, batch), typename Traits::TileQ{}, make_coord(_, _0{}))));
+      local_tile(mdO, typename Traits::TileQ{}, make_coord(_, _0{}))));
   Tensor tQsQ = group_modes<0, 3>(cta_q.partition_D(sQ));  // (TMA, stage)
   Tensor tdOsdO = group_modes<0, 3>(cta_do.partition_D(sdO));
   PipelineState<Traits::kStages> st;
@@ -436,17 +497,20 @@ struct DkDvStage {
   int row0;  // this warpgroup's first key within the tile
 };
 
-// dK·scale and dV of one warpgroup's accumulators; cKV gives each element's (key, column) from
-// (key0, col0). Without GQA into dK and dV through shared memory (`stage`; both consumer
-// warpgroups call this), 16 bytes per store: the accumulators' own layout stores 4 bytes per
-// thread across 8 rows, four times the store instructions. GQA: f32 atomics into the KV head's
-// sums, or in deterministic mode plain stores into the query head's own rows, which the
-// conversion sums over the group in head order.
+// dK·scale and dV of one warpgroup's accumulators for the CTA's `work`; cKV gives each element's
+// (key, column) from (key0, col0). Without GQA into dK and dV through shared memory (`stage`;
+// both consumer warpgroups call this), 16 bytes per store: the accumulators' own layout stores 4
+// bytes per thread across 8 rows, four times the store instructions; every key row the entry
+// owns is written (past its used keys the accumulators hold zeros). GQA: f32 atomics into the KV
+// head's sums, or in deterministic mode plain stores into the query head's own rows, which the
+// conversion sums over the group in head order; rows past the used keys keep the zeros the
+// launcher wrote.
 template <bool kDeterministic, int kHeadDim, class Element, class Params, class Acc, class Coords,
           class Stage>
 __device__ void bwd_store_dkdv(Params const& params, Acc const& acc_dk, Acc const& acc_dv,
-                               Coords const& cKV, int key0, int col0, int bh, int batch, int head,
-                               int head_kv, Stage const& stage) {
+                               Coords const& cKV, int key0, int col0, BwdCtaWork const& work,
+                               Stage const& stage) {
+  const Sequences::Entry& e = work.seq;
   if (params.dk_accum == nullptr) {
     using Rows = StagedRows<kHeadDim, Element>;
     consumers_sync(BwdBarrier::DsReady, 256);  // every GEMM has read K and V
@@ -459,23 +523,24 @@ __device__ void bwd_store_dkdv(Params const& params, Acc const& acc_dk, Acc cons
     }
     consumers_sync(BwdBarrier::DsReady, 256);
     const int tile_key0 = key0 - stage.row0;
-    const int keys = params.seqlen_k - tile_key0;
+    const int keys = e.keys_owned - tile_key0;
     const int thread = threadIdx.x - 128;  // of the two consumer warpgroups
-    Element* dk = params.dk + batch * params.dk_batch_stride + head * params.dk_head_stride;
-    Element* dv = params.dv + batch * params.dv_batch_stride + head * params.dv_head_stride;
-    Rows::store(stage.k, dk + int64_t(tile_key0) * params.dk_row_stride, params.dk_row_stride,
-                Stage::kRows, keys, thread, 256);
-    Rows::store(stage.v, dv + int64_t(tile_key0) * params.dv_row_stride, params.dv_row_stride,
-                Stage::kRows, keys, thread, 256);
+    const int64_t row0 = int64_t(e.k_start) + tile_key0;
+    Element* dk = params.dk + e.batch * params.dk_batch_stride +
+                  work.head * params.dk_head_stride + row0 * params.dk_row_stride;
+    Element* dv = params.dv + e.batch * params.dv_batch_stride +
+                  work.head * params.dv_head_stride + row0 * params.dv_row_stride;
+    Rows::store(stage.k, dk, params.dk_row_stride, Stage::kRows, keys, thread, 256);
+    Rows::store(stage.v, dv, params.dv_row_stride, Stage::kRows, keys, thread, 256);
     return;
   }
-  const int64_t base = kDeterministic
-                           ? int64_t(bh) * params.seqlen_k
-                           : (int64_t(batch) * params.heads_kv + head_kv) * params.seqlen_k;
+  const int64_t base =
+      kDeterministic ? bwd_key_rows_start(e, work.head, params.heads_q, params.seqlen_k)
+                     : bwd_key_rows_start(e, work.head_kv, params.heads_kv, params.seqlen_k);
 #pragma unroll
   for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
     const int row = key0 + get<0>(cKV(i));
-    if (row >= params.seqlen_k) continue;
+    if (row >= e.seqlen_k) continue;
     const int64_t at = (base + row) * kHeadDim + col0 + get<1>(cKV(i));
     if constexpr (kDeterministic) {
       *reinterpret_cast<float2*>(params.dk_accum + at) = make_float2(acc_dk(i), acc_dk(i + 1));

@@ -1,6 +1,6 @@
 // The FlashAttention-3-style backward kernel for sm_90a.
 //
-// One CTA owns a block of kBlockN = 128 keys of one (batch, head) and walks the query blocks
+// One CTA owns a block of kBlockN = 128 keys of one (entry, head) and walks the query blocks
 // (kBlockM = 64 rows, 128 at d64) that see them. Three warpgroups:
 //   producer (WG 0): one elected thread loads K and V once, then per query block Q and dO into
 //                    two-stage mbarrier pipelines by TMA;
@@ -150,10 +150,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // not have started.
   const bool keys_descending = kDeterministic && params.keys.window_right >= 0;
   const BwdCtaWork work = bwd_cta_work<kBlockN, kBlockM>(params, keys_descending);
-  const int n_block = work.n_block, bh = work.bh, head = work.head, batch = work.batch;
-  const int head_kv = work.head_kv, m_first = work.m_first, m_end = work.m_end;
+  if (!work.exists) return;
+  const int n_block = work.n_block, m_first = work.m_first, m_end = work.m_end;
   const int col_begin = n_block * kBlockN;
-  const int64_t rows_base = int64_t(bh) * params.dq_rows;  // this head's LSE, D and dQ rows
+  const int64_t rows_base = work.rows_base;  // the entry's LSE, D and dQ rows of this head
 
   const int warp_group = threadIdx.x / 128;
   bwd_init_barriers(smem, 4 * kConsumerWGs, [&] {
@@ -178,19 +178,36 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     } else if (kDeterministic && warp <= kConsumerWGs) {  // dQ writer of warpgroup warp - 1
       const int wg = warp - 1;
       int phase = 0;  // of the staging copy's barrier
-      auto semaphore = [&](int m) {
-        return dq_semaphore<kBlockM, kConsumerWGs>(params, bh, m, wg);
+      const bool hand_over = hand_over_runs(params);
+      // The entry is read again where it is needed rather than held across the loop: the
+      // writer warp lives in the producer's 24 registers.
+      const int b = work.batch, head = work.head;
+      auto keys = [&] { return params.seqs.at(b).keys(params.keys); };
+      auto rows = [&] {
+        return bwd_rows_start(params.seqs, params.seqs.at(b), b, head, params.heads_q,
+                              params.dq_rows);
       };
       bwd_write_dq(
-          smem.dq[wg], Traits::kBytesdQ, wg, m_first, m_end, [&](int m) { return slab_of(m, wg); },
-          semaphore, [&](int m) { return dq_key_blocks<kBlockN, kBlockM>(params, m * kBlockM); },
+          smem.dq[wg], Traits::kBytesdQ, wg, m_first, m_end,
           [&](int m) {
-            return dq_adds_before<kBlockN, kBlockM>(params, m * kBlockM, n_block,
-                                                    keys_descending);
+            return params.dq_accum + (rows() + m * kBlockM) * kHeadDim + wg * kDqRows * kDqCols;
+          },
+          [&](int m) { return dq_semaphore<kBlockM, kConsumerWGs>(params, rows(), m, wg); },
+          [&](int m) { return dq_key_blocks<kBlockN, kBlockM>(keys(), m * kBlockM); },
+          [&](int m) {
+            return hand_over ? dq_adds_before<kBlockN, kBlockM>(keys(), m * kBlockM, n_block,
+                                                                keys_descending)
+                             : -1;
           },
           [&](int m) {
-            convert_dq_slab<Traits>(params, slab_of(m, wg), smem.dq_staging[wg],
-                                    &smem.dq_staged[wg], phase, bh,
+            const Sequences::Entry e = params.seqs.at(b);  // its dQ rows of this head
+            Element* dq = params.dq + e.batch * params.dq_batch_stride +
+                          head * params.dq_head_stride + int64_t(e.q_start) * params.dq_row_stride;
+            convert_dq_slab<Traits>(params,
+                                    params.dq_accum + (rows() + m * kBlockM) * kHeadDim +
+                                        wg * kDqRows * kDqCols,
+                                    smem.dq_staging[wg],
+                                    &smem.dq_staged[wg], phase, dq, e.seqlen_q,
                                     m * kBlockM + (kSplitRows ? wg * kDqRows : 0),
                                     kSplitRows ? 0 : wg * kDqCols);
           });
@@ -301,10 +318,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st.index), acc_dp);
     warpgroup_wait<1>();  // Sᵀ ready
     bwd_probabilities(
-        rowcol_s, rowcol_cS, [&](int c) { return row_value(lse_held, c); }, params.keys, key0, q0,
+        rowcol_s, rowcol_cS, [&](int c) { return row_value(lse_held, c); }, work.keys, key0, q0,
         params.scale_log2,
-        params.keys.template block_needs_mask<kKeysPerWG>(n_block * kConsumerWGs + wg, q0,
-                                                          q0 + kBlockM));
+        work.keys.template block_needs_mask<kKeysPerWG>(n_block * kConsumerWGs + wg, q0,
+                                                        q0 + kBlockM));
     // dV as soon as Pᵀ is ready, under dPᵀ; with 128-query blocks that holds Pᵀ twice (f32 for
     // dS, Element for dV) beside both score accumulators, too many registers: dV after dS then.
     if constexpr (Traits::kEarlyDv) {
@@ -399,7 +416,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(typename Traits::TileK{}));
   if (m_end > m_first || params.dk_accum == nullptr)
     bwd_store_dkdv<kDeterministic, kHeadDim, Element>(
-        params, acc_dk, acc_dv, cKV, key0, 0, bh, batch, head, head_kv,
+        params, acc_dk, acc_dv, cKV, key0, 0, work,
         DkDvStage<kBlockN, Element>{smem.k[0].begin(), smem.v[0].begin(), wg * kKeysPerWG});
 #endif
 }

@@ -142,9 +142,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // Deterministic with a right bound: the hand-over runs down from the diagonal (bwd_kernel.h).
   const bool keys_descending = kDeterministic && params.keys.window_right >= 0;
   const BwdCtaWork work = bwd_cta_work<kBlockN, kBlockM>(params, keys_descending);
-  const int n_block = work.n_block, bh = work.bh, m_first = work.m_first, m_end = work.m_end;
+  if (!work.exists) return;
+  const int n_block = work.n_block, m_first = work.m_first, m_end = work.m_end;
   const int key0 = n_block * kBlockN;
-  const int64_t rows_base = int64_t(bh) * params.dq_rows;  // this head's LSE, D and dQ rows
+  const int64_t rows_base = work.rows_base;  // the entry's LSE, D and dQ rows of this head
 
   const int warp_group = threadIdx.x / 128;
   bwd_init_barriers(smem, 4 * kConsumerWGs);
@@ -234,7 +235,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     consumers_sync(BwdBarrier::DqReady, 128, wg);
   };
   auto dq_semaphore_at = [&](int m) {
-    return dq_semaphore<kBlockM, kConsumerWGs>(params, bh, m, wg);
+    return dq_semaphore<kBlockM, kConsumerWGs>(params, rows_base, m, wg);
   };
   auto add_slab = [&](int m, int half) {  // one thread: the slab into global dQ
     const int slab = wg * 2 + half;         // DqSlabs: a query block's slabs in column order
@@ -279,9 +280,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (m > m_first) second_slab(m - 1);  // under this block's score GEMMs
     warpgroup_wait<1>();  // Sᵀ ready
     bwd_probabilities(rowcol_s, rowcol_cS, [&](int c) { return row_value(lse_held, c); },
-                      params.keys, key0, q0, params.scale_log2,
-                      params.keys.template block_needs_mask<kBlockN>(n_block, q0,
-                                                                     q0 + kQueriesPerWG));
+                      work.keys, key0, q0, params.scale_log2,
+                      work.keys.template block_needs_mask<kBlockN>(n_block, q0,
+                                                                   q0 + kQueriesPerWG));
     warpgroup_wait<0>();  // dPᵀ ready
     bwd_ds(rowcol_s, rowcol_dp, [&](int c) { return row_value(dsum_held, c); });
     convert_fragment(acc_s, rP);
@@ -328,8 +329,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     store_slab(0);
     if (tid == 0) {
       if constexpr (kDeterministic)  // after the key blocks before this one in hand-over order
-        wait_for_count(dq_semaphore_at(m), dq_adds_before<kBlockN, kBlockM>(
-                                               params, m * kBlockM, n_block, keys_descending));
+        if (hand_over_runs(params))
+          wait_for_count(dq_semaphore_at(m), dq_adds_before<kBlockN, kBlockM>(
+                                                 work.keys, m * kBlockM, n_block, keys_descending));
       add_slab(m, 0);
     }
     warpgroup_wait<0>();  // dK done: Q's last reader
@@ -350,7 +352,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
   if (m_end > m_first || params.dk_accum == nullptr)
     bwd_store_dkdv<kDeterministic, kHeadDim, Element>(
-        params, acc_dk, acc_dv, cKV, key0, col0, bh, work.batch, work.head, work.head_kv,
+        params, acc_dk, acc_dv, cKV, key0, col0, work,
         DkDvStage<kBlockN, Element>{smem.k[0].begin(), smem.v[0].begin(), 0});
 #endif
 }

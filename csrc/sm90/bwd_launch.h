@@ -1,6 +1,12 @@
 // Host side of the sm90 backward: TMA descriptors and workspace carving, then the four launches
 // (preprocess, main, dQ conversion, and for GQA the dK/dV conversion), all on one stream.
-// Included by one small .cu per (head dim, dtype) instantiation.
+// Packed (varlen) calls take the same kernels: the grid covers a head's packed key blocks
+// (bwd_cta_work), each CTA finds its sequence and the workspace's packed rows (bwd_rows_start) in
+// its prologue, and the conversions map the tensors' rows to their sequences. A packed call writes
+// dQ for each sequence's query rows [q_start, q_start + seqlen_q) and dK, dV for its key rows
+// [k_start, k_start + its cu_seqlens_k length), zeros past its used keys (seqused_k); rows that
+// no sequence owns (before the first offset, past the last, or past a sequence's max_seqlen
+// bound) are left as they were.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,19 +38,28 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Traits = BwdTraitsFor<Element, kHeadDim>;
   constexpr bool kSplitD = BwdTile<kHeadDim>::kSplitHeadDim;
   if (p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
-  const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  if (int64_t(n_blocks) * p.heads_q * p.batch > INT_MAX) return status(FLASHATTN_UNSUPPORTED);
-  // One dQ accumulator (batch, heads_q, dq_rows, d) in slabs (Traits::DqLayout), in either mode.
+  const Sequences seqs = sequences(p);
+  // Tiles of the tile order per head: dense, the key blocks of each (batch, head); packed, a
+  // head's packed key blocks. The CTA index and a head's query workspace rows are ints.
+  const int64_t tiles = seqs.packed() ? packed_key_blocks(p.seqlen_k, p.batch, Traits::kBlockN)
+                                      : (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  const int64_t heads_total = seqs.packed() ? p.heads_q : int64_t(p.heads_q) * p.batch;
+  if (tiles * heads_total > INT_MAX || bwd_rows_per_head(p) > INT_MAX)
+    return status(FLASHATTN_UNSUPPORTED);
+  // One dQ accumulator (B, heads_q, dq_rows, d) in slabs (Traits::DqLayout), in either mode.
   const BwdWorkspace ws = bwd_workspace(p, 1);
   if (p.workspace == nullptr || p.workspace_bytes < ws.bytes)
     return status(FLASHATTN_INVALID_ARGUMENT);
   char* base = static_cast<char*>(p.workspace);
-  const int dq_rows = dq_accum_rows(p.seqlen_q);
+  const int dq_rows = int(bwd_rows_per_head(p));
   static_assert(kDqRowAlign % Traits::kBlockM == 0);
 
   BwdParams<Traits> params;
+  params.seqs = seqs;
+  params.batch = p.batch;
   auto tensor = [&](const flashattn_tensor_t& t, int seqlen, int heads) {
-    return gmem_tensor<Traits>(static_cast<Element const*>(t.ptr), t, seqlen, heads, p.batch);
+    return gmem_tensor<Traits>(static_cast<Element const*>(t.ptr), t, seqlen, heads,
+                               params.tensor_batch());
   };
   auto load_q = [&](const flashattn_tensor_t& t) {
     return make_tma_copy(SM90_TMA_LOAD{}, tensor(t, p.seqlen_q, p.heads_q),
@@ -80,7 +95,10 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.dk_accum = gqa ? reinterpret_cast<float*>(base + ws.dk_accum) : nullptr;
   params.dv_accum = gqa ? reinterpret_cast<float*>(base + ws.dv_accum) : nullptr;
   params.dq_semaphore = p.deterministic ? reinterpret_cast<int*>(base + ws.dq_semaphore) : nullptr;
-  params.batch = p.batch;
+  int* offsets_malformed = p.deterministic && seqs.packed()
+                               ? reinterpret_cast<int*>(base + ws.offsets_flag)
+                               : nullptr;
+  params.offsets_malformed = offsets_malformed;
   params.heads_q = p.heads_q;
   params.heads_kv = p.heads_kv;
   params.seqlen_q = p.seqlen_q;
@@ -92,8 +110,10 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   // Causal (any right bound): key block 0 sees the most query rows, so heaviest first, heads
   // grouped by the Q, dO and dQ accumulator they share within a third of the L2 (causal: faster
   // than half at d256, equal at d64/d128; all heads in one group slower; benchmarks/README.md).
-  const int64_t q_bytes = int64_t(p.seqlen_q) * kHeadDim * (2 * sizeof(Element) + sizeof(float));
-  params.order = TileOrder::make(n_blocks, p.batch * p.heads_q, params.keys.window_right >= 0,
+  // Packed: a head's key blocks run sequence by sequence, in packing order (heaviest first within
+  // a sequence, not across them); those of one sequence share its rows, at most max_seqlen_q.
+  const int64_t q_bytes = int64_t(seqs.max_q) * kHeadDim * (2 * sizeof(Element) + sizeof(float));
+  params.order = TileOrder::make(int(tiles), int(heads_total), params.keys.window_right >= 0,
                                  q_bytes, l2_bytes() / 3);
 
   if (gqa)
@@ -109,10 +129,15 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
                      dq_in_kernel ? p.dq.ptr : nullptr,
                      p.dq.batch_stride, p.dq.row_stride, p.dq.head_stride, params.keys};
   rows.dq_counters = params.dq_semaphore;  // deterministic: zeroed there
+  rows.seqs = seqs;
+  rows.offsets_malformed = offsets_malformed;
+  rows.key_block = Traits::kBlockN;
+  if (offsets_malformed != nullptr)
+    FLASHATTN_TRY_CUDA(cudaMemsetAsync(offsets_malformed, 0, sizeof(int), stream));
   FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
 
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
-  const unsigned ctas = unsigned(int64_t(n_blocks) * p.heads_q * p.batch);
+  const unsigned ctas = unsigned(tiles * heads_total);
   // Each instantiation keeps its own record of the shared-memory opt-in (the Tag).
   auto launch = [&](auto kernel, auto tag) {
     FLASHATTN_TRY_CUDA(allow_dynamic_smem<decltype(tag)>(kernel, smem_bytes));
@@ -134,15 +159,22 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   const int kv_group = p.deterministic ? p.heads_q / p.heads_kv : 1;
   auto convert = [&](const float* src, const flashattn_tensor_t& dst, int heads, int seqlen,
                      float scale) {
+    if (seqs.packed())
+      return launch_bwd_convert_packed<Element, kHeadDim, DqRowMajor<kHeadDim>, false>(
+          src, seqlen, seqlen, kv_group, dst, heads, seqs, p.batch, scale, stream);
     const int64_t chunks = int64_t(p.batch) * heads * seqlen * (kHeadDim / 8);
     bwd_convert<Element, kHeadDim><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
         src, seqlen, kv_group, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride,
         p.batch, heads, seqlen, scale);
     return cudaGetLastError();
   };
-  if (!dq_in_kernel) {
+  using DqLayout = typename Traits::DqLayout;
+  if (!dq_in_kernel && seqs.packed()) {
+    FLASHATTN_TRY_CUDA((launch_bwd_convert_packed<Element, kHeadDim, DqLayout, true>(
+        params.dq_accum, dq_rows, p.seqlen_q, 1, p.dq, p.heads_q, seqs, p.batch, p.softmax_scale,
+        stream)));
+  } else if (!dq_in_kernel) {
     const int64_t dq_chunks = int64_t(p.batch) * p.heads_q * p.seqlen_q * (kHeadDim / 8);
-    using DqLayout = typename Traits::DqLayout;
     bwd_convert<Element, kHeadDim, DqLayout>
         <<<unsigned((dq_chunks + 255) / 256), 256, 0, stream>>>(
             params.dq_accum, dq_rows, 1, p.dq.ptr, p.dq.batch_stride, p.dq.row_stride,

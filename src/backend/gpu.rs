@@ -214,7 +214,8 @@ pub(crate) fn forward_fp8(
 /// one per `bwd_dq_splits`), LSE·log2(e)
 /// and rowsum(dO ∘ O) (each with seqlen_q rounded up to 128 rows per head), with GQA f32 dK
 /// and dV sums (per KV head, or per query head in deterministic mode), and in deterministic mode
-/// the sm90 backward's dQ semaphores (an i32 per 64 rows and warpgroup), each padded to 256 bytes.
+/// the sm90 backward's dQ semaphores (an i32 per 64 rows and warpgroup) and for packed calls a flag
+/// that says whether their offsets fit the semaphores' layout, each padded to 256 bytes.
 /// Packed (`packed`), the accumulator rows of a head are the packed rows rounded up to 128 plus
 /// 128 per sequence (each sequence's rows start on a multiple of 128), and the dK and dV sums
 /// have the packed key rows.
@@ -255,6 +256,11 @@ pub(crate) fn bwd_workspace_bytes(
         + if gqa { 2 * align(rows_k * d * 4) } else { 0 }
         + if deterministic {
             align(rows_dq / 64 * 2 * 4)
+        } else {
+            0
+        }
+        + if deterministic && packed.is_some() {
+            256
         } else {
             0
         }
