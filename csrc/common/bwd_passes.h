@@ -50,7 +50,55 @@ struct BwdRowsParams {
   // `key_block` keys); else null.
   int* offsets_malformed = nullptr;
   int key_block = 0;
+  // Packed calls: the sequence of each kDqRowAlign rows of a head's query workspace rows
+  // (bwd_packed_entries, -1: none).
+  const int* row_entries = nullptr;
 };
+
+// Packed calls: which sequence owns each kDqRowAlign-row block of a head's query workspace rows
+// (row_entries, row_blocks of them; its run holds the block's first row) and each packed key
+// block of kKeyBlock keys (key_entries, key_blocks of them; none where kKeyBlock is 0), -1 for
+// none. The binary searches over the offsets run here once per block, one thread each, so that
+// the kernels after this one read an int where they would search per thread or per CTA (and wait
+// on a chain of dependent loads before their first useful one).
+template <int kKeyBlock>
+__global__ void __launch_bounds__(256)
+    bwd_packed_entries(Sequences seqs, int batch, int row_blocks, int* row_entries,
+                       int key_blocks, int* key_entries) {
+  const int i = blockIdx.x * 256 + threadIdx.x;
+  if (i < row_blocks) {
+    const int64_t w = int64_t(i) * kDqRowAlign;
+    const int b = bwd_entry_of_row(seqs, batch, w);
+    const Sequences::Entry e = seqs.at(b);
+    const int64_t r = w - bwd_packed_run(e.q_start, b);
+    row_entries[i] = r >= 0 && r < e.seqlen_q ? b : -1;
+  }
+  if constexpr (kKeyBlock > 0) {
+    if (i < key_blocks) {
+      const int b = last_start_at_most(
+          batch, i, [&](int j) { return packed_key_block(seqs.k_start(j), j, kKeyBlock); });
+      const Sequences::Entry e = seqs.at(b);
+      const int64_t n = i - packed_key_block(e.k_start, b, kKeyBlock);
+      key_entries[i] = n >= 0 && n * kKeyBlock < e.keys_owned ? b : -1;
+    }
+  }
+}
+
+// The launch of bwd_packed_entries for call `p` (packed) into workspace `ws` at `base`; kKeyBlock
+// 0: the row table alone.
+template <int kKeyBlock>
+cudaError_t launch_bwd_packed_entries(const flashattn_params_t& p, const BwdWorkspace& ws,
+                                      char* base, cudaStream_t stream) {
+  static_assert(kKeyBlock == 0 || kKeyBlock >= kMinKeyBlock, "the key table's size");
+  const int64_t row_blocks = bwd_rows_per_head(p) / kDqRowAlign;
+  const int64_t key_blocks =
+      kKeyBlock > 0 ? packed_key_blocks(p.seqlen_k, p.batch, kKeyBlock) : 0;
+  const int64_t threads = row_blocks > key_blocks ? row_blocks : key_blocks;
+  bwd_packed_entries<kKeyBlock><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(
+      sequences(p), p.batch, int(row_blocks), reinterpret_cast<int*>(base + ws.row_entries),
+      int(key_blocks), reinterpret_cast<int*>(base + ws.key_entries));
+  return cudaGetLastError();
+}
 
 // kHeadDim / 8 threads per (batch, head, row), 8 columns each: O and dO as 8-element arrays
 // (4-byte loads: cutlass::Array is aligned to its element; 16-byte ones made the whole backward
@@ -78,10 +126,10 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
   int64_t lse_at = bh * p.seqlen_q;  // the forward's LSE of (row 0, head)
   KeyRange keys = p.keys;
   if (p.seqs.packed()) {
-    const int b = bwd_entry_of_row(p.seqs, p.batch, w);
-    const Sequences::Entry e = p.seqs.at(b);
+    const int b = p.row_entries[w / kDqRowAlign];
+    const Sequences::Entry e = p.seqs.at(b < 0 ? 0 : b);
     const int64_t r = w - bwd_rows_start(p.seqs, e, b, 0, p.heads_q, p.dq_rows);
-    seqlen_q = e.seqlen_q;
+    seqlen_q = b < 0 ? 0 : e.seqlen_q;
     row = r >= 0 && r < seqlen_q ? int(r) : seqlen_q;
     batch = e.batch;
     q_start = e.q_start;
@@ -206,31 +254,35 @@ __global__ void __launch_bounds__(256)
       scale);
 }
 
-// bwd_convert for packed calls, over one row axis of the tensors (`rows` rows per head): each row
-// that a sequence of `batch` owns goes from the f32 sums (`src_rows` rows per head, in `Layout`,
-// the `group` consecutive heads of each output head summed in order) to `dst` (heads, strided;
-// the batch stride is ignored). Query rows (kQueryRows, dQ): sequence b's seqlen_q rows from
-// q_start, summed at its run of the query workspace rows (bwd_packed_run). Key rows (GQA dK, dV):
-// its keys_owned rows from k_start, summed at the same rows (past its used keys they hold the
-// zeros nothing added to). Rows that no sequence owns are not written. One thread per 8 elements.
+// bwd_convert for packed calls: from the f32 sums (`src_rows` rows per head, in `Layout`, the
+// `group` consecutive heads of each output head summed in order) to `dst` (heads, strided; the
+// batch stride is ignored), every row that a sequence of `batch` owns. Query rows (kQueryRows,
+// dQ): the threads walk the sums' rows, the query workspace rows, whose sequence row_entries
+// names per kDqRowAlign rows: row r of sequence b's run goes to row q_start + r, if r <
+// seqlen_q. Key rows (GQA dK, dV): the threads walk the tensors' `src_rows` key rows, and each
+// of sequence b's keys_owned rows from k_start goes out as the same row (past its used keys
+// they hold the zeros nothing added to). Rows that no sequence owns are not written. One
+// thread per 8 elements.
 template <class Element, int kHeadDim, class Layout, bool kQueryRows>
 __global__ void __launch_bounds__(256)
-    bwd_convert_packed(const float* src, int src_rows, int rows, int group, void* dst,
-                       int64_t row_stride, int64_t h_stride, int heads, Sequences seqs, int batch,
-                       float scale) {
+    bwd_convert_packed(const float* src, int src_rows, int group, void* dst, int64_t row_stride,
+                       int64_t h_stride, int heads, Sequences seqs, int batch,
+                       const int* row_entries, float scale) {
   const int64_t chunk = int64_t(blockIdx.x) * 256 + threadIdx.x;
   constexpr int kChunks = kHeadDim / 8;
-  if (chunk >= int64_t(heads) * rows * kChunks) return;
-  const int64_t row_id = chunk / kChunks;  // (head, row) packed
+  if (chunk >= int64_t(heads) * src_rows * kChunks) return;
+  const int64_t row_id = chunk / kChunks;  // (head, row of the sums) packed
   const int c = int(chunk % kChunks);
-  const int row = int(row_id % rows);
-  const int head = int(row_id / rows);
-  int64_t sum_row = row;
+  const int row = int(row_id % src_rows);
+  const int head = int(row_id / src_rows);
+  int64_t out_row = row;
   if constexpr (kQueryRows) {
-    const int b = last_start_at_most(batch, row, [&](int i) { return seqs.at(i).q_start; });
+    const int b = row_entries[row / kDqRowAlign];
+    if (b < 0) return;
     const Sequences::Entry e = seqs.at(b);
-    if (row < e.q_start || row - e.q_start >= e.seqlen_q) return;
-    sum_row = bwd_packed_run(e.q_start, b) + (row - e.q_start);
+    const int64_t r = row - bwd_packed_run(e.q_start, b);
+    if (r < 0 || r >= e.seqlen_q) return;
+    out_row = e.q_start + r;
   } else {
     const int b = last_start_at_most(batch, row, [&](int i) { return seqs.k_start(i); });
     const Sequences::Entry e = seqs.at(b);
@@ -238,20 +290,21 @@ __global__ void __launch_bounds__(256)
   }
   const int64_t head_floats = int64_t(src_rows) * kHeadDim;
   convert_chunk<Element, kHeadDim, Layout>(
-      src + int64_t(head) * group * head_floats, head_floats, group, sum_row, c,
-      static_cast<Element*>(dst) + head * h_stride + row * row_stride + c * 8, scale);
+      src + int64_t(head) * group * head_floats, head_floats, group, row, c,
+      static_cast<Element*>(dst) + head * h_stride + out_row * row_stride + c * 8, scale);
 }
 
 template <class Element, int kHeadDim, class Layout, bool kQueryRows>
-cudaError_t launch_bwd_convert_packed(const float* src, int src_rows, int rows, int group,
+cudaError_t launch_bwd_convert_packed(const float* src, int src_rows, int group,
                                       const flashattn_tensor_t& dst, int heads,
-                                      const Sequences& seqs, int batch, float scale,
-                                      cudaStream_t stream) {
-  const int64_t chunks = int64_t(heads) * rows * (kHeadDim / 8);
+                                      const Sequences& seqs, int batch, const int* row_entries,
+                                      float scale, cudaStream_t stream) {
+  const int64_t chunks = int64_t(heads) * src_rows * (kHeadDim / 8);
   bwd_convert_packed<Element, kHeadDim, Layout, kQueryRows>
-      <<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(src, src_rows, rows, group, dst.ptr,
+      <<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(src, src_rows, group, dst.ptr,
                                                            dst.row_stride, dst.head_stride,
-                                                           heads, seqs, batch, scale);
+                                                           heads, seqs, batch, row_entries,
+                                                           scale);
   return cudaGetLastError();
 }
 

@@ -110,11 +110,16 @@ inline int bwd_dq_splits(const flashattn_params_t& p) {
 // seqlen_k, d), or in deterministic mode per query head (B, heads_q, seqlen_k, d); in
 // deterministic mode the sm90 backward's dQ semaphores (an int per (B, heads_q, 64-row query
 // block, warpgroup of 2)), and for packed calls in deterministic mode last the offsets' flag (an
-// int, bwd_offsets_malformed). Each region starts on a multiple of 256 bytes. src/backend/gpu.rs
-// sizes it the same way.
+// int, bwd_offsets_malformed); then for packed calls the entry tables (bwd_packed_entries): an
+// int per kDqRowAlign rows of a head's query workspace rows, and one per packed key block of
+// kMinKeyBlock keys (packed_key_blocks). Each region starts on a multiple of 256 bytes.
+// src/backend/gpu.rs sizes it the same way.
 struct BwdWorkspace {
-  int64_t dq_accum, lse_log2, softmax_d, dk_accum, dv_accum, dq_semaphore, offsets_flag, bytes;
+  int64_t dq_accum, lse_log2, softmax_d, dk_accum, dv_accum, dq_semaphore, offsets_flag,
+      row_entries, key_entries, bytes;
 };
+// The smallest key block of any backward's packed key blocks: the key table is sized for it.
+constexpr int kMinKeyBlock = 64;
 inline BwdWorkspace bwd_workspace(const flashattn_params_t& p, int dq_slices) {
   auto align = [](int64_t x) { return (x + 255) / 256 * 256; };
   const int64_t batch = p.cu_seqlens_q == nullptr ? p.batch : 1;
@@ -129,7 +134,11 @@ inline BwdWorkspace bwd_workspace(const flashattn_params_t& p, int dq_slices) {
   w.dv_accum = w.dk_accum + (gqa ? align(rows_k * p.head_dim * 4) : 0);
   w.dq_semaphore = w.dv_accum + (gqa ? align(rows_k * p.head_dim * 4) : 0);
   w.offsets_flag = w.dq_semaphore + (p.deterministic ? align(rows_dq / 64 * 2 * 4) : 0);
-  w.bytes = w.offsets_flag + (p.deterministic && p.cu_seqlens_q != nullptr ? 256 : 0);
+  const bool packed = p.cu_seqlens_q != nullptr;
+  w.row_entries = w.offsets_flag + (p.deterministic && packed ? 256 : 0);
+  w.key_entries = w.row_entries + (packed ? align(bwd_rows_per_head(p) / kDqRowAlign * 4) : 0);
+  w.bytes = w.key_entries +
+            (packed ? align(packed_key_blocks(p.seqlen_k, p.batch, kMinKeyBlock) * 4) : 0);
   return w;
 }
 

@@ -92,12 +92,14 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   if (gqa && !params.deterministic)
     FLASHATTN_TRY_CUDA(cudaMemsetAsync(base + ws.dk_accum, 0, ws.bytes - ws.dk_accum, stream));
 
-  const BwdRowsParams rows{p.o.ptr, p.dout.ptr, p.lse, params.lse_log2, params.softmax_d,
+  if (seqs.packed()) FLASHATTN_TRY_CUDA(launch_bwd_packed_entries<0>(p, ws, base, stream));
+  BwdRowsParams rows{p.o.ptr, p.dout.ptr, p.lse, params.lse_log2, params.softmax_d,
                            p.o.batch_stride, p.o.row_stride, p.o.head_stride,
                            p.dout.batch_stride, p.dout.row_stride, p.dout.head_stride,
                            p.batch, p.heads_q, p.seqlen_q, params.dq_rows,
                            params.dq_accum, params.dq_split_stride, params.dq_splits,
                            nullptr, 0, 0, 0, KeyRange{}, nullptr, seqs};  // dQ converted after
+  if (seqs.packed()) rows.row_entries = reinterpret_cast<const int*>(base + ws.row_entries);
   FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
 
   // Two Q/dO buffers where the device's shared memory holds them.
@@ -139,7 +141,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
                      float scale) {
     if (seqs.packed())
       return launch_bwd_convert_packed<Element, kHeadDim, DqRowMajor<kHeadDim>, false>(
-          src, seqlen, seqlen, group, dst, heads, seqs, p.batch, scale, stream);
+          src, seqlen, group, dst, heads, seqs, p.batch, nullptr, scale, stream);
     const int64_t chunks = int64_t(p.batch) * heads * seqlen * (kHeadDim / 8);
     bwd_convert<Element, kHeadDim><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
         src, seqlen, group, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride, p.batch, heads,

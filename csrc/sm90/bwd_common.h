@@ -65,6 +65,8 @@ struct BwdParams {
   // Packed calls in deterministic mode: nonzero where the preprocess found the offsets malformed
   // (bwd_offsets_malformed), which turns the hand-over off; else null.
   const int* offsets_malformed;
+  // Packed calls: the sequence of each packed key block, -1 for none (bwd_packed_entries).
+  const int* key_entries;
   int batch;               // entries (packed: sequences)
   int heads_q, heads_kv;
   int seqlen_q, seqlen_k;  // the tensors' rows (packed: all sequences')
@@ -270,7 +272,8 @@ __device__ void bwd_write_dq(const float* sdq, uint32_t slab_bytes, int wg, int 
 // from the tile order. Packed: the tile order's tiles are a head's packed key blocks
 // (packed_key_block): sequence b's from packed_key_block(k_start, b, kBlockN) on, so that the
 // grid covers the keys rather than batch × the longest sequence; a CTA on none of a sequence's
-// key blocks (at most one per sequence) has no work (`exists` false). keys_descending: an
+// key blocks (at most one per sequence) has no work (`exists` false). The block's sequence comes
+// from the table the launcher built before (bwd_packed_entries). keys_descending: an
 // entry's key blocks run in reverse launch order (the deterministic causal hand-over).
 struct BwdCtaWork {
   int n_block, head, batch, head_kv, m_first, m_end;
@@ -286,11 +289,10 @@ __device__ BwdCtaWork bwd_cta_work(Params const& params, bool keys_descending) {
   params.order.at(blockIdx.x, block, bh);
   w.head = bh % params.heads_q;
   if (params.seqs.packed()) {
-    w.batch = last_start_at_most(params.batch, block, [&](int b) {
-      return packed_key_block(params.seqs.k_start(b), b, kBlockN);
-    });
+    const int b = params.key_entries[block];
+    w.batch = b < 0 ? 0 : b;
     w.seq = params.seqs.at(w.batch);
-    w.n_block = block - int(packed_key_block(w.seq.k_start, w.batch, kBlockN));
+    w.n_block = b < 0 ? -1 : block - int(packed_key_block(w.seq.k_start, w.batch, kBlockN));
     blocks = (w.seq.keys_owned + kBlockN - 1) / kBlockN;
   } else {
     w.batch = bh / params.heads_q;

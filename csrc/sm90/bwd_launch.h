@@ -99,6 +99,12 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
                                ? reinterpret_cast<int*>(base + ws.offsets_flag)
                                : nullptr;
   params.offsets_malformed = offsets_malformed;
+  // Packed: each packed key block's and each query workspace row block's sequence, found once
+  // before the other passes (bwd_packed_entries).
+  const int* row_entries =
+      seqs.packed() ? reinterpret_cast<const int*>(base + ws.row_entries) : nullptr;
+  params.key_entries =
+      seqs.packed() ? reinterpret_cast<const int*>(base + ws.key_entries) : nullptr;
   params.heads_q = p.heads_q;
   params.heads_kv = p.heads_kv;
   params.seqlen_q = p.seqlen_q;
@@ -132,6 +138,9 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   rows.seqs = seqs;
   rows.offsets_malformed = offsets_malformed;
   rows.key_block = Traits::kBlockN;
+  rows.row_entries = row_entries;
+  if (seqs.packed())
+    FLASHATTN_TRY_CUDA(launch_bwd_packed_entries<Traits::kBlockN>(p, ws, base, stream));
   if (offsets_malformed != nullptr)
     FLASHATTN_TRY_CUDA(cudaMemsetAsync(offsets_malformed, 0, sizeof(int), stream));
   FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
@@ -161,7 +170,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
                      float scale) {
     if (seqs.packed())
       return launch_bwd_convert_packed<Element, kHeadDim, DqRowMajor<kHeadDim>, false>(
-          src, seqlen, seqlen, kv_group, dst, heads, seqs, p.batch, scale, stream);
+          src, seqlen, kv_group, dst, heads, seqs, p.batch, nullptr, scale, stream);
     const int64_t chunks = int64_t(p.batch) * heads * seqlen * (kHeadDim / 8);
     bwd_convert<Element, kHeadDim><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
         src, seqlen, kv_group, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride,
@@ -171,7 +180,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   using DqLayout = typename Traits::DqLayout;
   if (!dq_in_kernel && seqs.packed()) {
     FLASHATTN_TRY_CUDA((launch_bwd_convert_packed<Element, kHeadDim, DqLayout, true>(
-        params.dq_accum, dq_rows, p.seqlen_q, 1, p.dq, p.heads_q, seqs, p.batch, p.softmax_scale,
+        params.dq_accum, dq_rows, 1, p.dq, p.heads_q, seqs, p.batch, row_entries, p.softmax_scale,
         stream)));
   } else if (!dq_in_kernel) {
     const int64_t dq_chunks = int64_t(p.batch) * p.heads_q * p.seqlen_q * (kHeadDim / 8);

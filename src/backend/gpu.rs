@@ -215,7 +215,9 @@ pub(crate) fn forward_fp8(
 /// and rowsum(dO ∘ O) (each with seqlen_q rounded up to 128 rows per head), with GQA f32 dK
 /// and dV sums (per KV head, or per query head in deterministic mode), and in deterministic mode
 /// the sm90 backward's dQ semaphores (an i32 per 64 rows and warpgroup) and for packed calls a flag
-/// that says whether their offsets fit the semaphores' layout, each padded to 256 bytes.
+/// that says whether their offsets fit the semaphores' layout; for packed calls the tables of
+/// which sequence owns each 128 query workspace rows and each packed key block; each padded to
+/// 256 bytes.
 /// Packed (`packed`), the accumulator rows of a head are the packed rows rounded up to 128 plus
 /// 128 per sequence (each sequence's rows start on a multiple of 128), and the dK and dV sums
 /// have the packed key rows.
@@ -263,6 +265,14 @@ pub(crate) fn bwd_workspace_bytes(
             256
         } else {
             0
+        }
+        + match packed {
+            // The entry tables: an i32 per 128 query workspace rows of a head and per packed
+            // key block of 64 keys (`total_k / 64 + batch`).
+            Some(rows) => {
+                align(rows_dq_per_head / 128 * 4) + align((rows.total_k / 64 + problem.batch) * 4)
+            }
+            None => 0,
         }
 }
 
