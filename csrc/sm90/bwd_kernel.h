@@ -178,36 +178,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     } else if (kDeterministic && warp <= kConsumerWGs) {  // dQ writer of warpgroup warp - 1
       const int wg = warp - 1;
       int phase = 0;  // of the staging copy's barrier
-      const bool hand_over = hand_over_runs(params);
-      // The entry is read again where it is needed rather than held across the loop: the
-      // writer warp lives in the producer's 24 registers.
-      const int b = work.batch, head = work.head;
-      auto keys = [&] { return params.seqs.at(b).keys(params.keys); };
-      auto rows = [&] {
-        return bwd_rows_start(params.seqs, params.seqs.at(b), b, head, params.heads_q,
-                              params.dq_rows);
+      auto semaphore = [&](int m) {
+        return dq_semaphore<kBlockM, kConsumerWGs>(params, rows_base, m, wg);
       };
+      // The entry's dQ rows of this head.
+      Element* dq = params.dq + work.seq.batch * params.dq_batch_stride +
+                    work.head * params.dq_head_stride +
+                    int64_t(work.seq.q_start) * params.dq_row_stride;
       bwd_write_dq(
-          smem.dq[wg], Traits::kBytesdQ, wg, m_first, m_end,
-          [&](int m) {
-            return params.dq_accum + (rows() + m * kBlockM) * kHeadDim + wg * kDqRows * kDqCols;
-          },
-          [&](int m) { return dq_semaphore<kBlockM, kConsumerWGs>(params, rows(), m, wg); },
-          [&](int m) { return dq_key_blocks<kBlockN, kBlockM>(keys(), m * kBlockM); },
-          [&](int m) {
-            return hand_over ? dq_adds_before<kBlockN, kBlockM>(keys(), m * kBlockM, n_block,
+          smem.dq[wg], Traits::kBytesdQ, wg, m_first, m_end, [&](int m) { return slab_of(m, wg); },
+          semaphore,
+          [&](int m) { return dq_key_blocks<kBlockN, kBlockM>(work.keys, m * kBlockM); },
+          [&, hand_over = hand_over_runs(params)](int m) {
+            return hand_over ? dq_adds_before<kBlockN, kBlockM>(work.keys, m * kBlockM, n_block,
                                                                 keys_descending)
                              : -1;
           },
           [&](int m) {
-            const Sequences::Entry e = params.seqs.at(b);  // its dQ rows of this head
-            Element* dq = params.dq + e.batch * params.dq_batch_stride +
-                          head * params.dq_head_stride + int64_t(e.q_start) * params.dq_row_stride;
-            convert_dq_slab<Traits>(params,
-                                    params.dq_accum + (rows() + m * kBlockM) * kHeadDim +
-                                        wg * kDqRows * kDqCols,
-                                    smem.dq_staging[wg],
-                                    &smem.dq_staged[wg], phase, dq, e.seqlen_q,
+            convert_dq_slab<Traits>(params, slab_of(m, wg), smem.dq_staging[wg],
+                                    &smem.dq_staged[wg], phase, dq, work.seq.seqlen_q,
                                     m * kBlockM + (kSplitRows ? wg * kDqRows : 0),
                                     kSplitRows ? 0 : wg * kDqCols);
           });
