@@ -106,8 +106,10 @@ typedef struct {
   // end into [start, seqlen], length to max_seqlen, seqused_k into [0, length]), so that
   // malformed offsets give unspecified values in the rows they name but never an access outside
   // a buffer. Rows of the outputs (O, the LSE, dQ, dK, dV) that no sequence owns are not
-  // written; key rows a sequence owns past seqused_k get dK = dV = 0. Families without packed
-  // batches (sm90 backward, FP8 forward) refuse them with FLASHATTN_UNSUPPORTED.
+  // written; key rows a sequence owns past seqused_k get dK = dV = 0. The sm90 kernels load whole
+  // tiles, so rows beside a sequence (its keys past seqused_k, the next sequence's rows) must be
+  // finite: masked to a zero weight, 0·NaN is still NaN. The FP8 forward takes no packed batches
+  // (FLASHATTN_UNSUPPORTED).
   const int32_t* cu_seqlens_q;
   const int32_t* cu_seqlens_k;
   const int32_t* seqused_k;

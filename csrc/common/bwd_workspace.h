@@ -118,7 +118,8 @@ struct BwdWorkspace {
   int64_t dq_accum, lse_log2, softmax_d, dk_accum, dv_accum, dq_semaphore, offsets_flag,
       row_entries, key_entries, bytes;
 };
-// The smallest key block of any backward's packed key blocks: the key table is sized for it.
+// The smallest key block of the sm90 backward's packed key blocks: the key table is sized for it
+// (the sm80 family builds the row table alone).
 constexpr int kMinKeyBlock = 64;
 inline BwdWorkspace bwd_workspace(const flashattn_params_t& p, int dq_slices) {
   auto align = [](int64_t x) { return (x + 255) / 256 * 256; };

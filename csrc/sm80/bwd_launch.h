@@ -94,11 +94,11 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
 
   if (seqs.packed()) FLASHATTN_TRY_CUDA(launch_bwd_packed_entries<0>(p, ws, base, stream));
   BwdRowsParams rows{p.o.ptr, p.dout.ptr, p.lse, params.lse_log2, params.softmax_d,
-                           p.o.batch_stride, p.o.row_stride, p.o.head_stride,
-                           p.dout.batch_stride, p.dout.row_stride, p.dout.head_stride,
-                           p.batch, p.heads_q, p.seqlen_q, params.dq_rows,
-                           params.dq_accum, params.dq_split_stride, params.dq_splits,
-                           nullptr, 0, 0, 0, KeyRange{}, nullptr, seqs};  // dQ converted after
+                     p.o.batch_stride, p.o.row_stride, p.o.head_stride,
+                     p.dout.batch_stride, p.dout.row_stride, p.dout.head_stride,
+                     p.batch, p.heads_q, p.seqlen_q, params.dq_rows,
+                     params.dq_accum, params.dq_split_stride, params.dq_splits,
+                     nullptr, 0, 0, 0, KeyRange{}, nullptr, seqs};  // dQ converted after
   if (seqs.packed()) rows.row_entries = reinterpret_cast<const int*>(base + ws.row_entries);
   FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
 

@@ -56,11 +56,10 @@ struct BwdParams {
   // GQA: (B, heads_kv, seqlen_k, d) zeroed (deterministic: heads_q), else null.
   float* dk_accum;
   float* dv_accum;
-  // Deterministic mode: per (query block of the query workspace rows, warpgroup) the number of key
-  // blocks whose
-  // dQ adds have completed, zeroed by the preprocess; each CTA adds its slab when the key blocks
-  // before it have (FA3's semaphore), so the sums run in key-block order, and at d64/d128 the
-  // CTA whose count completes a block converts its share of dQ. Null otherwise.
+  // Deterministic mode: per (query block of the query workspace rows, warpgroup) the number of
+  // key blocks whose dQ adds have completed, zeroed by the preprocess; each CTA adds its slab when
+  // the key blocks before it have (FA3's semaphore), so the sums run in key-block order, and at
+  // d64/d128 the CTA whose count completes a block converts its share of dQ. Null otherwise.
   int* dq_semaphore;
   // Packed calls in deterministic mode: nonzero where the preprocess found the offsets malformed
   // (bwd_offsets_malformed), which turns the hand-over off; else null.
@@ -101,7 +100,7 @@ __device__ inline void barrier_arrive(BwdBarrier b, int threads, int wg = 0) {
 }
 
 // Deterministic mode's hand-over between the CTAs that add into one dQ slab; a negative count
-// waits for nothing (no hand-over: hand_over_count).
+// waits for nothing (no hand-over: hand_over_runs).
 __device__ inline void wait_for_count(const int* counter, int count) {
   if (count < 0) return;
   int seen;
@@ -169,7 +168,8 @@ __device__ int dq_key_blocks(KeyRange const& keys, int q0) {
 // One warpgroup's slab (Traits::DqLayout) of a query block's dQ, complete in the f32 accumulator,
 // to the element type times the softmax scale by one warp, in place of a conversion pass over the
 // whole accumulator (which read it back from HBM): rows [row0, row0 + slab rows) of an entry's
-// head, whose row 0 is at `dq` and which has `seqlen_q` rows, columns [col0, col0 + slab columns). The slab comes into `staging` by one bulk copy (through
+// head, whose row 0 is at `dq` and which has `seqlen_q` rows, columns [col0, col0 + slab
+// columns). The slab comes into `staging` by one bulk copy (through
 // L2, where the adds happened; the warp has 24 registers, too few to keep enough loads of its own
 // in flight), whose completion `staged` counts (phase: its parity, flipped here); then eight
 // elements per lane and store (as four 4-byte stores: cutlass::Array is aligned to its element),
@@ -272,11 +272,15 @@ __device__ void bwd_write_dq(const float* sdq, uint32_t slab_bytes, int wg, int 
 // from the tile order. Packed: the tile order's tiles are a head's packed key blocks
 // (packed_key_block): sequence b's from packed_key_block(k_start, b, kBlockN) on, so that the
 // grid covers the keys rather than batch × the longest sequence; a CTA on none of a sequence's
-// key blocks (at most one per sequence) has no work (`exists` false). The block's sequence comes
+// key blocks (with well-formed offsets at most one per sequence) has no work (`exists` false).
+// The block's sequence comes
 // from the table the launcher built before (bwd_packed_entries). keys_descending: an
 // entry's key blocks run in reverse launch order (the deterministic causal hand-over).
 struct BwdCtaWork {
-  int n_block, head, batch, head_kv, m_first, m_end;
+  int n_block, head;
+  int batch;  // the entry's index among the call's (packed: the sequence's); seq.batch is its
+              // index on the tensors' batch axis
+  int head_kv, m_first, m_end;
   bool exists;
   Sequences::Entry seq;
   KeyRange keys;

@@ -1,8 +1,9 @@
-// Host side of the sm90 backward: TMA descriptors and workspace carving, then the four launches
+// Host side of the sm90 backward: TMA descriptors and workspace carving, then the launches
 // (preprocess, main, dQ conversion, and for GQA the dK/dV conversion), all on one stream.
-// Packed (varlen) calls take the same kernels: the grid covers a head's packed key blocks
-// (bwd_cta_work), each CTA finds its sequence and the workspace's packed rows (bwd_rows_start) in
-// its prologue, and the conversions map the tensors' rows to their sequences. A packed call writes
+// Packed (varlen) calls take the same kernels after one more pass, the entry tables
+// (bwd_packed_entries): the grid covers a head's packed key blocks (bwd_cta_work), each CTA reads
+// its sequence from the table and finds the workspace's packed rows (bwd_rows_start) in its
+// prologue, and the conversions map the workspace's or the tensors' rows to their sequences. A packed call writes
 // dQ for each sequence's query rows [q_start, q_start + seqlen_q) and dK, dV for its key rows
 // [k_start, k_start + its cu_seqlens_k length), zeros past its used keys (seqused_k); rows that
 // no sequence owns (before the first offset, past the last, or past a sequence's max_seqlen
