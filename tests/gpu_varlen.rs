@@ -382,9 +382,6 @@ fn equal_lengths_match_the_dense_kernels_bit_for_bit() {
 #[ignore = "needs a GPU"]
 fn sanitizer_malformed_offsets_stay_in_bounds() {
     let (dev, stream) = device();
-    // The call's tensors hold 256 query and 256 key rows; `padded`'s buffers, 64 more.
-    let batch = Batch::<bf16>::new(&[128, 128], &[128, 128], (2, 2), 64, 5);
-    let padded = Batch::<bf16>::new(&[192, 128], &[192, 128], (2, 2), 64, 5);
     // (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q and _k)
     type Offsets<'a> = (&'a [i32], &'a [i32], Option<&'a [i32]>, usize);
     let bad: [Offsets; 6] = [
@@ -407,10 +404,19 @@ fn sanitizer_malformed_offsets_stay_in_bounds() {
         AttentionConfig::new().deterministic(true),
         AttentionConfig::new().causal(true).deterministic(true),
     ];
-    for (backend, cfg) in [Backend::Sm80, Backend::Auto]
-        .into_iter()
-        .flat_map(|b| configs.iter().map(move |c| (b, c.clone().backend(b))))
-    {
+    // d256: the Hopper backward's split-head-dim kernel, whose hand-over is the consumers'.
+    let mut cases = vec![];
+    for d in [64, 256] {
+        for backend in [Backend::Sm80, Backend::Auto] {
+            for cfg in &configs {
+                cases.push((d, backend, cfg.clone().backend(backend)));
+            }
+        }
+    }
+    for (d, backend, cfg) in cases {
+        // The call's tensors hold 256 query and 256 key rows; `padded`'s buffers, 64 more.
+        let batch = Batch::<bf16>::new(&[128, 128], &[128, 128], (2, 2), d, 5);
+        let padded = Batch::<bf16>::new(&[192, 128], &[192, 128], (2, 2), d, 5);
         for (cu_q, cu_k, used, max) in bad {
             // Buffers of 320 rows, of which the call's tensors are the first 256.
             let mut t = upload(&stream, &padded);
@@ -427,7 +433,7 @@ fn sanitizer_malformed_offsets_stay_in_bounds() {
             )
             .unwrap_or_else(|e| panic!("{cu_q:?} {cu_k:?}: {e}"));
             let after = download(&stream, &t);
-            let tail = 256 * 2 * 64..;
+            let tail = 256 * 2 * d..;
             for (name, x, y) in [
                 ("O", &after.out, &before.out),
                 ("dQ", &after.dq, &before.dq),
@@ -451,6 +457,61 @@ fn sanitizer_malformed_offsets_stay_in_bounds() {
                 lse_same,
                 "{backend:?} {cu_q:?} {cu_k:?}: LSE written past the tensor"
             );
+        }
+    }
+}
+
+/// Well-formed offsets that leave rows to no sequence (the first offset past 0, a gap, an empty
+/// sequence), GQA, deterministic mode: two runs give the same bits (the dQ hand-over stays on;
+/// were the offsets check to turn it off, the sums would add in any order), and the rows that no
+/// sequence owns keep their poison.
+#[test]
+#[ignore = "needs a GPU"]
+fn deterministic_calls_with_gaps_repeat_bit_for_bit() {
+    let (dev, stream) = device();
+    // 512 query and key rows; the offsets below give sequences of 183, 0 and 260 query rows.
+    let batch = Batch::<bf16>::new(&[300, 212], &[300, 212], (4, 2), 128, 11);
+    let (cu_q, cu_k) = ([7, 190, 190, 450], [0, 200, 260, 512]);
+    for backend in [Backend::Sm80, Backend::Auto] {
+        for cfg in [
+            AttentionConfig::new().causal(true).deterministic(true),
+            AttentionConfig::new().deterministic(true),
+        ] {
+            let cfg = cfg.backend(backend);
+            let mut runs = vec![];
+            for _ in 0..2 {
+                let mut t = upload(&stream, &batch);
+                run(
+                    &dev,
+                    &stream,
+                    &batch,
+                    &cfg,
+                    (&cu_q, &cu_k),
+                    None,
+                    (260, 260),
+                    &mut t,
+                )
+                .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
+                runs.push(download(&stream, &t));
+            }
+            let bits = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            for (name, a, b) in [
+                ("O", &runs[0].out, &runs[1].out),
+                ("dQ", &runs[0].dq, &runs[1].dq),
+                ("dK", &runs[0].dk, &runs[1].dk),
+                ("dV", &runs[0].dv, &runs[1].dv),
+            ] {
+                assert_eq!(bits(a), bits(b), "{cfg:?}: {name} differs between runs");
+            }
+            // Query rows 0..7 and 450..512 (4 heads of 128 columns each) belong to no sequence.
+            let row = 4 * 128;
+            for (name, x) in [("O", &runs[0].out), ("dQ", &runs[0].dq)] {
+                let mut unowned = x[..7 * row].iter().chain(&x[450 * row..]);
+                assert!(
+                    unowned.all(|v| v.to_f32().is_nan()),
+                    "{cfg:?}: {name} written on rows no sequence owns"
+                );
+            }
         }
     }
 }
