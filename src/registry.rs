@@ -320,30 +320,35 @@ pub fn tile_row(family: Family, head_dim: usize, role: TileRole) -> Option<&'sta
     find(role).or_else(|| find(Base))
 }
 
-/// The N sizes of CUTLASS's default WGMMA atoms. Any other (the 80, 160 and 224 key blocks)
-/// needs its extended shapes, whose headers are most of a unit's compile time: build.rs turns
-/// them on only for the units that use one.
+/// The N sizes of CUTLASS's default WGMMA atoms. Any other (the 80, 160 and 224 key blocks) is an
+/// extended shape: CUTLASS has them all in one header that costs a unit most of its compile
+/// time, so build.rs generates the few atoms the tiles take instead (wgmma_extended.h).
 const DEFAULT_WGMMA_N: [usize; 8] = [8, 16, 32, 64, 96, 128, 192, 256];
 
-/// Whether the kernels of `family` at `head_dim` take a WGMMA shape outside CUTLASS's default
-/// set. The GEMMs' N: the forward's key block (S) and head dim (O); the backward's query block
-/// (Sᵀ, dPᵀ) and head dim (dK, dV, dQ), each of them whole or split between the two consumer
-/// warpgroups. (The kernels' traits assert that every atom covers its N, so a row this misses
-/// fails to build rather than running narrower GEMMs.)
-pub fn extended_wgmma(family: Family, head_dim: usize) -> bool {
-    TILES
+/// The extended WGMMA N sizes (outside CUTLASS's default set) that the kernels of `family` at
+/// `head_dim` take, sorted. The GEMMs' N: the forward's key block (S) and head dim (O); the
+/// backward's query block (Sᵀ, dPᵀ) and head dim (dK, dV, dQ), each of them whole or split
+/// between the two consumer warpgroups. (The kernels' traits assert that every atom covers its
+/// N, so a size this misses fails to build rather than running narrower GEMMs.)
+pub fn extended_wgmma_n(family: Family, head_dim: usize) -> Vec<usize> {
+    let mut sizes: Vec<usize> = TILES
         .iter()
         .filter(|r| r.family == family && r.head_dim == head_dim)
-        .any(|r| {
-            let dims = match r.tile {
-                Tile::Sm90Fwd { block_n, .. } => vec![block_n, head_dim],
-                Tile::Sm90Bwd { block_m, .. } => {
-                    vec![block_m, block_m / 2, head_dim, head_dim / 2]
-                }
-                Tile::Sm80Fwd { .. } | Tile::Sm80Bwd { .. } => vec![],
-            };
-            dims.iter().any(|n| !DEFAULT_WGMMA_N.contains(n))
+        .flat_map(|r| match r.tile {
+            Tile::Sm90Fwd { block_n, .. } => vec![block_n, head_dim],
+            Tile::Sm90Bwd { block_m, .. } => vec![block_m, block_m / 2, head_dim, head_dim / 2],
+            Tile::Sm80Fwd { .. } | Tile::Sm80Bwd { .. } => vec![],
         })
+        .filter(|n| !DEFAULT_WGMMA_N.contains(n))
+        .collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    sizes
+}
+
+/// Whether the kernels of `family` at `head_dim` take an extended WGMMA shape.
+pub fn extended_wgmma(family: Family, head_dim: usize) -> bool {
+    !extended_wgmma_n(family, head_dim).is_empty()
 }
 
 impl Tile {

@@ -86,8 +86,7 @@ struct FwdTraits {
   using TileV = conditional_t<kFp8, Shape<Int<kHeadDim>, Int<kBlockN>>, TileKV>;
 
   using MmaQK = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float,
-                           Shape<Int<kRowsPerWG>, Int<kBlockN>, Int<kHeadDim>>>()));
+      ss_atom<Element, Shape<Int<kRowsPerWG>, Int<kBlockN>, Int<kHeadDim>>>()));
   using MmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float,
                            Shape<Int<kRowsPerWG>, Int<kHeadDim>, Int<kBlockN>>,

@@ -1,14 +1,33 @@
 // Which WGMMA atom a tiled MMA issues. CUTLASS's selector picks, for an N that is not one of its
-// atom sizes (an extended shape such as 160 or 224 in a unit built without them, see
-// registry::extended_wgmma), the widest size that divides N, and the kernel then runs as several
-// narrower GEMMs: correct and slow. The traits assert that each atom covers its whole N.
+// default atom sizes, the widest size that divides N, and the kernel then runs as several
+// narrower GEMMs: correct and slow. The extended sizes the tiles take (80, 160, 224 keys) come
+// from wgmma_extended.h, which build.rs generates from the registry (ss_atom picks them first),
+// and the traits assert that each atom covers its whole N.
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+#include <type_traits>
+
+#include "wgmma_extended.h"
 
 namespace flashattn::sm90 {
 
 template <class TiledMma>
 constexpr int wgmma_atom_n = decltype(cute::size<1>(typename TiledMma::AtomShape_MNK{}))::value;
+
+// The SS atom (both operands K-major, f32 accumulators) of a GEMM of tile TileShape (M, N, K):
+// the generated one of an extended N, else CUTLASS's.
+template <class Element, class TileShape>
+CUTE_HOST_DEVICE constexpr auto ss_atom() {
+  constexpr int kN = decltype(cute::size<1>(TileShape{}))::value;
+  using Extended = typename ExtendedSsAtom<Element, kN>::type;
+  if constexpr (!std::is_void_v<Extended>) {
+    return Extended{};
+  } else {
+    return cute::GMMA::ss_op_selector<Element, Element, float, TileShape>();
+  }
+}
 
 }  // namespace flashattn::sm90
