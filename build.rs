@@ -4,8 +4,8 @@
 //! 2. unpack the pinned CUTLASS headers (cutlass/fetch.py, sha256-verified);
 //! 3. generate the instantiation units of the kernels of src/registry.rs that this build's
 //!    features select (grouped, see generate_kernels), kernels.h (their declarations and the C
-//!    entry points' dispatch) and wgmma_extended.h (the WGMMA atoms of the extended N sizes
-//!    their tiles take);
+//!    entry points' dispatch) and a header per extended WGMMA shape their tiles take
+//!    (wgmma_atom_header);
 //! 4. compile those and every csrc/**/*.cu with nvcc (flags from the `cc` crate plus ours), two
 //!    at a time, caching each object under a hash of its source, the headers it includes, the
 //!    flags and the compiler;
@@ -128,7 +128,13 @@ mod cuda {
         // forwards, the longest to compile, lead), then the hand-written ones.
         let mut units = generate_kernels(&gen);
         headers.push(gen.join("kernels.h"));
-        headers.push(gen.join("wgmma_extended.h"));
+        // The extended WGMMA atoms' headers (wgmma_atom_header), this build's and earlier ones'.
+        for entry in fs::read_dir(&gen).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with("wgmma_") && name.ends_with(".h") {
+                headers.push(entry.path());
+            }
+        }
         headers.sort();
         units.extend(hand_written);
 
@@ -281,7 +287,7 @@ mod cuda {
     /// A translation unit of kernels: their families' launchers instantiated for each kernel's
     /// head dim and element type, with the tile structs of their tile rows.
     fn unit_text(kernels: &[&Kernel]) -> String {
-        let mut includes: Vec<&str> = Vec::new();
+        let mut includes: Vec<String> = Vec::new();
         let mut tiles = String::new();
         let mut entries = String::new();
         for (i, k) in kernels.iter().enumerate() {
@@ -294,7 +300,13 @@ mod cuda {
                 Family::Sm80Fwd => "\"sm80/fwd_launch.h\"",
                 Family::Sm80Bwd => "\"sm80/bwd_launch.h\"",
             };
-            for header in [elem_header, launcher] {
+            let atoms = wgmma_atoms(k)
+                .into_iter()
+                .map(|(_, _, file)| format!("\"{file}\""));
+            for header in [elem_header.to_string(), launcher.to_string()]
+                .into_iter()
+                .chain(atoms)
+            {
                 if !includes.contains(&header) {
                     includes.push(header);
                 }
@@ -545,116 +557,117 @@ mod cuda {
         h
     }
 
-    /// wgmma_extended.h: the WGMMA atoms of the extended N sizes (registry::extended_wgmma_n)
-    /// that the built kernels take, in place of CUTLASS's header of every extended shape, whose
-    /// parsing cost each unit that included it most of its compile time. Only the forward's
-    /// S = Q·Kᵀ takes one (its key block): an SS atom with both operands K-major, f32
-    /// accumulators. `ExtendedSsAtom<Element, N>::type` names it (void for every other pair);
-    /// csrc/sm90/wgmma.h picks it before CUTLASS's selector.
-    fn wgmma_extended_header(built: &[&Kernel]) -> String {
-        let mut pairs: Vec<(KernelDtype, usize)> = Vec::new();
-        for k in built {
-            for n in registry::extended_wgmma_n(k.family, k.head_dim) {
+    /// The extended WGMMA shapes (registry::extended_wgmma_n) kernel `k` takes, as (element
+    /// type, N) pairs, each with the generated header that holds its atom. Only the forward's
+    /// S = Q·Kᵀ takes one (its key block).
+    fn wgmma_atoms(k: &Kernel) -> Vec<(KernelDtype, usize, String)> {
+        registry::extended_wgmma_n(k.family, k.head_dim)
+            .into_iter()
+            .map(|n| {
                 assert!(
-                    matches!(k.family, Family::Sm90Fwd | Family::Sm90Fp8Fwd) && n != k.head_dim,
-                    "{}: an extended WGMMA N of {n} outside the forward's key block is not \
-                     generated",
+                    matches!(k.family, Family::Sm90Fwd | Family::Sm90Fp8Fwd)
+                        && n != k.head_dim
+                        && n % 8 == 0
+                        && n <= 256,
+                    "{}: an extended WGMMA N of {n} outside the forward's key block (a multiple \
+                     of 8 up to 256) is not generated",
                     k.name()
                 );
-                if !pairs.contains(&(k.dtype, n)) {
-                    pairs.push((k.dtype, n));
-                }
-            }
-        }
-        pairs.sort_by_key(|&(d, n)| (d.name(), n));
+                (k.dtype, n, format!("wgmma_{}_n{n}.h", k.dtype.name()))
+            })
+            .collect()
+    }
+
+    /// The header of one extended WGMMA atom: an SS atom (both operands K-major, f32
+    /// accumulators) of N keys for `dtype`, its ExtendedSsAtom entry (csrc/sm90/wgmma.h, whose
+    /// ss_atom picks it before CUTLASS's selector) and its MMA_Traits. In place of CUTLASS's
+    /// header of every extended shape, whose parsing cost each unit that included it; one header
+    /// per shape, included by the units whose kernels take it, so that a tile retune rebuilds only
+    /// its own units.
+    fn wgmma_atom_header(dtype: KernelDtype, n: usize) -> String {
         let mut h = String::from(
-            "// Generated by build.rs (wgmma_extended_header) from src/registry.rs: the SS WGMMA \
-             atoms of\n// the extended N sizes the built kernels take. Do not edit.\n\
+            "// Generated by build.rs (wgmma_atom_header) from src/registry.rs. Do not edit.\n\
              #pragma once\n\n#include <cute/atom/mma_traits_sm90_gmma.hpp>\n\n\
-             namespace flashattn::sm90 {\n\n\
-             // The SS atom (both operands K-major) of (Element, N) generated here, or void.\n\
-             template <class Element, int N>\nstruct ExtendedSsAtom {\n  using type = void;\n};\n",
+             #include \"sm90/wgmma.h\"\n\nnamespace flashattn::sm90 {\n",
         );
         let mut traits = String::new();
-        for (dtype, n) in pairs {
-            let (cute_type, ptx, k) = match dtype {
-                KernelDtype::Bf16 => ("cute::bfloat16_t", "bf16", 16),
-                KernelDtype::Fp16 => ("cute::half_t", "f16", 16),
-                KernelDtype::E4m3 => ("cute::float_e4m3_t", "e4m3", 32),
-            };
-            let name = format!("Wgmma64x{n}x{k}F32{}Ss", ptx.to_uppercase());
-            let regs = n / 2;
-            let params: Vec<String> = (0..regs).map(|i| format!("float& d{i}")).collect();
-            let outs: Vec<String> = (0..regs).map(|i| format!("\"+f\"(d{i})")).collect();
-            let regs_list: Vec<String> = (0..regs).map(|i| format!("%{i}")).collect();
-            // 16-bit inputs take the operands' majors as immediates; e4m3 is K-major only.
-            let (tail, imms) = if dtype == KernelDtype::E4m3 {
-                (
-                    format!("p, %{}, %{}", regs + 3, regs + 4),
-                    "\"n\"(int32_t(cute::GMMA::ScaleIn::One)), \
-                     \"n\"(int32_t(cute::GMMA::ScaleIn::One))"
-                        .to_string(),
-                )
-            } else {
-                (
-                    format!(
-                        "p, %{}, %{}, %{}, %{}",
-                        regs + 3,
-                        regs + 4,
-                        regs + 5,
-                        regs + 6
-                    ),
-                    "\"n\"(int32_t(cute::GMMA::ScaleIn::One)), \
-                     \"n\"(int32_t(cute::GMMA::ScaleIn::One)), \
-                     \"n\"(int32_t(cute::GMMA::Major::K)), \"n\"(int32_t(cute::GMMA::Major::K))"
-                        .to_string(),
-                )
-            };
-            h.push_str(&format!(
-                "\nstruct {name} {{\n\
-                 \x20 using DRegisters = void;\n\
-                 \x20 using ARegisters = uint64_t[1];\n\
-                 \x20 using BRegisters = uint64_t[1];\n\
-                 \x20 using CRegisters = float[{regs}];\n\
-                 \x20 CUTE_HOST_DEVICE static void fma(uint64_t const& desc_a, uint64_t const& desc_b, {},\n\
-                 \x20                                  cute::GMMA::ScaleOut const scale_D = cute::GMMA::ScaleOut::One) {{\n\
-                 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)\n\
-                 \x20   asm volatile(\n\
-                 \x20       \"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{}, 0;\\n\"\n\
-                 \x20       \"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ptx}.{ptx} {{{}}}, %{}, %{}, {tail};\\n}}\\n\"\n\
-                 \x20       : {}\n\
-                 \x20       : \"l\"(desc_a), \"l\"(desc_b), \"r\"(int32_t(scale_D)), {imms});\n\
-                 #else\n\
-                 \x20   CUTE_INVALID_CONTROL_PATH(\"{name} needs sm_90a\");\n\
-                 #endif\n\
-                 \x20 }}\n}};\n\
-                 template <>\nstruct ExtendedSsAtom<{cute_type}, {n}> {{\n  using type = {name};\n}};\n",
-                params.join(", "),
-                regs + 2,
-                regs_list.join(", "),
-                regs,
-                regs + 1,
-                outs.join(", "),
-            ));
-            traits.push_str(&format!(
-                "\ntemplate <>\nstruct MMA_Traits<flashattn::sm90::{name}> {{\n\
-                 \x20 using ValTypeD = float;\n\
-                 \x20 using ValTypeA = {cute_type};\n\
-                 \x20 using ValTypeB = {cute_type};\n\
-                 \x20 using ValTypeC = float;\n\
-                 \x20 using FrgTypeA = GMMA::smem_desc<GMMA::Major::K>;\n\
-                 \x20 using FrgTypeB = GMMA::smem_desc<GMMA::Major::K>;\n\
-                 \x20 using Shape_MNK = Shape<_64, Int<{n}>, Int<{k}>>;\n\
-                 \x20 using ThrID = Layout<_128>;\n\
-                 \x20 using ALayout = GMMA::ABLayout<64, {k}>;\n\
-                 \x20 using BLayout = GMMA::ABLayout<{n}, {k}>;\n\
-                 \x20 using CLayout = GMMA::CLayout_64xN<{n}>;\n\
-                 \x20 GMMA::ScaleOut accumulate_ = GMMA::ScaleOut::One;\n}};\n"
-            ));
-        }
+        let (cute_type, ptx, k) = match dtype {
+            KernelDtype::Bf16 => ("cute::bfloat16_t", "bf16", 16),
+            KernelDtype::Fp16 => ("cute::half_t", "f16", 16),
+            KernelDtype::E4m3 => ("cute::float_e4m3_t", "e4m3", 32),
+        };
+        let name = format!("Wgmma64x{n}x{k}F32{}Ss", ptx.to_uppercase());
+        let regs = n / 2;
+        let params: Vec<String> = (0..regs).map(|i| format!("float& d{i}")).collect();
+        let outs: Vec<String> = (0..regs).map(|i| format!("\"+f\"(d{i})")).collect();
+        let regs_list: Vec<String> = (0..regs).map(|i| format!("%{i}")).collect();
+        // 16-bit inputs take the operands' majors as immediates; e4m3 is K-major only.
+        let (tail, imms) = if dtype == KernelDtype::E4m3 {
+            (
+                format!("p, %{}, %{}", regs + 3, regs + 4),
+                "\"n\"(int32_t(cute::GMMA::ScaleIn::One)), \
+                 \"n\"(int32_t(cute::GMMA::ScaleIn::One))"
+                    .to_string(),
+            )
+        } else {
+            (
+                format!(
+                    "p, %{}, %{}, %{}, %{}",
+                    regs + 3,
+                    regs + 4,
+                    regs + 5,
+                    regs + 6
+                ),
+                "\"n\"(int32_t(cute::GMMA::ScaleIn::One)), \
+                 \"n\"(int32_t(cute::GMMA::ScaleIn::One)), \
+                 \"n\"(int32_t(cute::GMMA::Major::K)), \"n\"(int32_t(cute::GMMA::Major::K))"
+                    .to_string(),
+            )
+        };
+        h.push_str(&format!(
+            "\nstruct {name} {{\n\
+             \x20 using DRegisters = void;\n\
+             \x20 using ARegisters = uint64_t[1];\n\
+             \x20 using BRegisters = uint64_t[1];\n\
+             \x20 using CRegisters = float[{regs}];\n\
+             \x20 CUTE_HOST_DEVICE static void fma(uint64_t const& desc_a, uint64_t const& desc_b, {},\n\
+             \x20                                  cute::GMMA::ScaleOut const scale_D = cute::GMMA::ScaleOut::One) {{\n\
+             #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)\n\
+             \x20   asm volatile(\n\
+             \x20       \"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{}, 0;\\n\"\n\
+             \x20       \"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ptx}.{ptx} {{{}}}, %{}, %{}, {tail};\\n}}\\n\"\n\
+             \x20       : {}\n\
+             \x20       : \"l\"(desc_a), \"l\"(desc_b), \"r\"(int32_t(scale_D)), {imms});\n\
+             #else\n\
+             \x20   CUTE_INVALID_CONTROL_PATH(\"{name} needs sm_90a\");\n\
+             #endif\n\
+             \x20 }}\n}};\n\
+             template <>\nstruct ExtendedSsAtom<{cute_type}, {n}> {{\n  using type = {name};\n}};\n",
+            params.join(", "),
+            regs + 2,
+            regs_list.join(", "),
+            regs,
+            regs + 1,
+            outs.join(", "),
+        ));
+        traits.push_str(&format!(
+            "\ntemplate <>\nstruct MMA_Traits<flashattn::sm90::{name}> {{\n\
+             \x20 using ValTypeD = float;\n\
+             \x20 using ValTypeA = {cute_type};\n\
+             \x20 using ValTypeB = {cute_type};\n\
+             \x20 using ValTypeC = float;\n\
+             \x20 using FrgTypeA = GMMA::smem_desc<GMMA::Major::K>;\n\
+             \x20 using FrgTypeB = GMMA::smem_desc<GMMA::Major::K>;\n\
+             \x20 using Shape_MNK = Shape<_64, Int<{n}>, Int<{k}>>;\n\
+             \x20 using ThrID = Layout<_128>;\n\
+             \x20 using ALayout = GMMA::ABLayout<64, {k}>;\n\
+             \x20 using BLayout = GMMA::ABLayout<{n}, {k}>;\n\
+             \x20 using CLayout = GMMA::CLayout_64xN<{n}>;\n\
+             \x20 GMMA::ScaleOut accumulate_ = GMMA::ScaleOut::One;\n}};\n"
+        ));
         h.push_str("\n}  // namespace flashattn::sm90\n\nnamespace cute {\n");
         h.push_str(&traits);
-        h.push_str("\n}  // namespace cute\n");
+        h.push_str("}  // namespace cute\n");
         h
     }
 
@@ -689,10 +702,11 @@ mod cuda {
             }
         };
         write(&gen.join("kernels.h"), &kernels_header(&built));
-        write(
-            &gen.join("wgmma_extended.h"),
-            &wgmma_extended_header(&built),
-        );
+        for k in &built {
+            for (dtype, n, file) in wgmma_atoms(k) {
+                write(&gen.join(file), &wgmma_atom_header(dtype, n));
+            }
+        }
         // Kernels that share most of their compile-time machinery share a unit (a fresh build's
         // time is mostly per unit): those of one architecture and pass, the sm90 forwards split
         // in two by whether their tiles take an extended WGMMA shape, which halves the longest

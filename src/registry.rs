@@ -1,6 +1,7 @@
 //! The one table of the CUDA kernels this crate can build. build.rs reads it (the same file,
 //! through `#[path]`) to generate the instantiation units (grouped, or one per tile row with
-//! `FLASHATTN_UNITS=tile-row`), the kernels' declarations and the C entry points' dispatch; the Rust dispatcher reads it to know which head dims and element
+//! `FLASHATTN_UNITS=tile-row`), the kernels' declarations and the C entry points' dispatch, and
+//! the extended WGMMA atoms its tiles take; the Rust dispatcher reads it to know which head dims and element
 //! types each family takes, which kernels this build holds, and which Cargo feature a missing
 //! one needs. A new kernel is a new row here, not a new file or a new switch.
 //!

@@ -96,7 +96,7 @@ struct BwdTraits {
                            GMMA::Major::MN>()));
   static_assert(wgmma_atom_n<MmaSdP> == kBlockM && wgmma_atom_n<MmadKV> == kHeadDim &&
                     wgmma_atom_n<MmadQ> == kDqCols,
-                "a WGMMA atom narrower than its GEMM (registry::extended_wgmma)");
+                "a WGMMA atom narrower than its GEMM (registry::extended_wgmma_n)");
 
   using TmaLoads = BwdTmaLoads<Element, SmemLayoutQ, TileQ, SmemLayoutK, TileK>;
   using TmaQ = typename TmaLoads::TmaQ;

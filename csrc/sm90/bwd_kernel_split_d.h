@@ -97,7 +97,7 @@ struct BwdSplitDTraits {
                            GMMA::Major::MN>()));
   static_assert(wgmma_atom_n<MmaSdP> == kQueriesPerWG && wgmma_atom_n<MmadKV> == kColsPerWG &&
                     wgmma_atom_n<MmadQ> == kColsPerWG,
-                "a WGMMA atom narrower than its GEMM (registry::extended_wgmma)");
+                "a WGMMA atom narrower than its GEMM (registry::extended_wgmma_n)");
 
   using TmaLoads = BwdTmaLoads<Element, SmemLayoutQ, TileQ, SmemLayoutK, TileK>;
   using TmaQ = typename TmaLoads::TmaQ;

@@ -92,7 +92,7 @@ struct FwdTraits {
                            Shape<Int<kRowsPerWG>, Int<kHeadDim>, Int<kBlockN>>,
                            GMMA::Major::K, kFp8 ? GMMA::Major::K : GMMA::Major::MN>()));
   static_assert(wgmma_atom_n<MmaQK> == kBlockN && wgmma_atom_n<MmaPV> == kHeadDim,
-                "a WGMMA atom narrower than its GEMM (registry::extended_wgmma)");
+                "a WGMMA atom narrower than its GEMM (registry::extended_wgmma_n)");
 
   // (seqlen, head_dim, heads, batch) with head_dim contiguous.
   using GmemTensor = sm90::GmemTensor<Element>;

@@ -1,8 +1,9 @@
 // Which WGMMA atom a tiled MMA issues. CUTLASS's selector picks, for an N that is not one of its
 // default atom sizes, the widest size that divides N, and the kernel then runs as several
 // narrower GEMMs: correct and slow. The extended sizes the tiles take (80, 160, 224 keys) come
-// from wgmma_extended.h, which build.rs generates from the registry (ss_atom picks them first),
-// and the traits assert that each atom covers its whole N.
+// from a header per shape that build.rs generates from the registry and includes in the units
+// whose kernels take it (each specializes ExtendedSsAtom, which ss_atom picks first), and the
+// traits assert that each atom covers its whole N.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -10,9 +11,14 @@
 
 #include <type_traits>
 
-#include "wgmma_extended.h"
-
 namespace flashattn::sm90 {
+
+// The generated SS atom (both operands K-major) of (Element, N), where a unit includes one
+// (build.rs, wgmma_atom_header); void otherwise.
+template <class Element, int N>
+struct ExtendedSsAtom {
+  using type = void;
+};
 
 template <class TiledMma>
 constexpr int wgmma_atom_n = decltype(cute::size<1>(typename TiledMma::AtomShape_MNK{}))::value;
