@@ -535,6 +535,32 @@ mod tests {
             assert!(!extended_wgmma(Family::Sm80Fwd, d));
             assert!(!extended_wgmma(Family::Sm80Bwd, d));
         }
+        assert_eq!(extended_wgmma_n(Family::Sm90Fwd, 128), vec![160]);
+        assert_eq!(extended_wgmma_n(Family::Sm90Fwd, 256), vec![80]);
+        assert_eq!(extended_wgmma_n(Family::Sm90Fp8Fwd, 128), vec![224]);
+    }
+
+    /// build.rs generates an extended atom only for a forward's key block (the S GEMM's N), a
+    /// multiple of 8 up to 256: every extended size of every kernel is one, so that a row that
+    /// needs another fails here rather than in nvcc.
+    #[test]
+    fn extended_wgmma_sizes_are_forward_key_blocks() {
+        for k in KERNELS {
+            for n in extended_wgmma_n(k.family, k.head_dim) {
+                assert!(matches!(k.family, Family::Sm90Fwd | Family::Sm90Fp8Fwd));
+                assert!(
+                    n != k.head_dim && n % 8 == 0 && n <= 256,
+                    "{}: N {n}",
+                    k.name()
+                );
+                let key_block = TILES.iter().any(|r| {
+                    r.family == k.family
+                        && r.head_dim == k.head_dim
+                        && matches!(r.tile, Tile::Sm90Fwd { block_n, .. } if block_n == n)
+                });
+                assert!(key_block, "{}: N {n} is no key block", k.name());
+            }
+        }
     }
 
     #[test]
