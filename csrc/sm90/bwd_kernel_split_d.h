@@ -25,7 +25,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "../common/bwd_passes.h"
-#include "bwd_common.h"
+#include "bwd_dq_handover.h"
 #include "bwd_tile.h"
 #include "wgmma.h"
 #include "softmax.h"
