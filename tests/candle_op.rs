@@ -17,19 +17,25 @@ fn randn(shape: &[usize], seed: u64) -> Tensor {
     candle_naive::randn(shape, seed, &candle_core::Device::Cpu)
 }
 
-/// `max|got − want| ≤ rel · max|want| + 1e-6`, over f64 copies.
-fn assert_close(got: &Tensor, want: &Tensor, rel: f64, what: &str) {
-    assert_eq!(got.dims(), want.dims(), "{what}: shape");
-    let got = got.to_dtype(DType::F64).unwrap();
-    let want = want.to_dtype(DType::F64).unwrap();
-    let err: f64 = (&got - &want)
+/// max|a − b| over f64 copies.
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap();
+    let b = b.to_dtype(DType::F64).unwrap();
+    (&a - &b)
         .unwrap()
         .abs()
         .unwrap()
         .max_all()
         .unwrap()
         .to_scalar()
-        .unwrap();
+        .unwrap()
+}
+
+/// `max|got − want| ≤ rel · max|want| + 1e-6`, over f64 copies.
+fn assert_close(got: &Tensor, want: &Tensor, rel: f64, what: &str) {
+    assert_eq!(got.dims(), want.dims(), "{what}: shape");
+    let err = max_abs_diff(got, want);
+    let want = want.to_dtype(DType::F64).unwrap();
     let scale: f64 = want.abs().unwrap().max_all().unwrap().to_scalar().unwrap();
     assert!(scale > 0.0, "{what}: the reference is all zeros");
     assert!(
@@ -395,15 +401,7 @@ fn packed_calls_with_bad_offsets_are_errors() {
     let cu32 = Tensor::new(&[0i32, 5, 8], &dev).unwrap();
     let a = flash_attn_varlen(&q, &q, &q, &cu32, &cu32, 5, 5, &cfg).unwrap();
     let b = call(&[0, 5, 8], 5).unwrap();
-    let diff: f32 = (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap();
-    assert_eq!(diff, 0.0, "i32 and u32 offsets");
+    assert_eq!(max_abs_diff(&a, &b), 0.0, "i32 and u32 offsets");
     // Offsets of the wrong dtype or rank, Q of rank 4: refused before the op runs.
     let f = Tensor::new(&[0f32, 5., 8.], &dev).unwrap();
     assert!(flash_attn_varlen(&q, &q, &q, &f, &f, 5, 5, &cfg).is_err());
