@@ -60,6 +60,10 @@ mod ffi;
 pub mod fp8;
 pub mod reference;
 pub mod registry;
+// The registry's tests beside it: build.rs includes registry.rs alone.
+#[cfg(test)]
+#[path = "registry/tests.rs"]
+mod registry_tests;
 pub mod tensor;
 pub mod unstable;
 pub mod varlen;

@@ -37,7 +37,9 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 #[cfg(feature = "candle-cuda")]
 use candle_core::CudaStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Shape, Tensor};
+
+use backward::{grad_offsets, Backward};
 
 use crate::{AttentionConfig, BackwardInputs, Element, GradientsMut, Layout, TensorMut, TensorRef};
 
@@ -385,158 +387,7 @@ impl CustomOp3 for FlashAttn {
     }
 }
 
-/// Where dK and dV start in the packed gradient buffer (dQ at 0): on 128-element boundaries,
-/// so that on the GPU each gradient starts as aligned as the buffer.
-fn grad_offsets(nq: usize, nk: usize) -> (usize, usize) {
-    let round = |n: usize| n.div_ceil(128) * 128;
-    (round(nq), round(nq) + round(nk))
-}
-
-/// The backward as a candle op over Q, K and V (no gradient of its own): its output is dQ, dK
-/// and dV packed in one buffer (at 0 and [`grad_offsets`]), which `bwd` cuts into three views.
-/// O and dO come in through a nested op ([`WithOutputs`]), so that candle holds every operand's
-/// storage for the call in the way it holds the operands of its own ops.
-struct Backward<'a> {
-    cfg: &'a AttentionConfig,
-    packed: Option<&'a Packed>,
-    lse: &'a Lse,
-    out: &'a Tensor,
-    dout: &'a Tensor,
-}
-
-/// The inner op over O and dO, holding the outer op's Q, K and V: it computes the gradients
-/// into `grads` and returns an empty placeholder, which is dropped (a custom op returns one
-/// storage, and the gradients must outlive the outer op's borrow of Q, K and V).
-struct WithOutputs<'a, S> {
-    bwd: &'a Backward<'a>,
-    qkv: [(&'a S, &'a candle_core::Layout); 3],
-    grads: Mutex<Option<S>>,
-}
-
-impl Backward<'_> {
-    fn run<S>(&self, qkv: [(&S, &candle_core::Layout); 3]) -> candle_core::Result<(S, Shape)>
-    where
-        for<'a> WithOutputs<'a, S>: CustomOp2,
-    {
-        let inner = WithOutputs {
-            bwd: self,
-            qkv,
-            grads: Mutex::new(None),
-        };
-        self.out.apply_op2_no_bwd(self.dout, &inner)?;
-        let grads = inner.grads.into_inner().map_err(lock_error)?;
-        let Some(grads) = grads else {
-            candle_core::bail!("flash_attn: the backward produced no gradients");
-        };
-        let (nq, nk) = (qkv[0].1.shape().elem_count(), qkv[1].1.shape().elem_count());
-        Ok((grads, Shape::from(grad_offsets(nq, nk).1 + nk)))
-    }
-}
-
-impl CustomOp3 for Backward<'_> {
-    fn name(&self) -> &'static str {
-        "flash-attn-bwd"
-    }
-
-    fn cpu_fwd(
-        &self,
-        q: &CpuStorage,
-        lq: &candle_core::Layout,
-        k: &CpuStorage,
-        lk: &candle_core::Layout,
-        v: &CpuStorage,
-        lv: &candle_core::Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.run([(q, lq), (k, lk), (v, lv)])
-    }
-
-    #[cfg(feature = "candle-cuda")]
-    fn cuda_fwd(
-        &self,
-        q: &CudaStorage,
-        lq: &candle_core::Layout,
-        k: &CudaStorage,
-        lk: &candle_core::Layout,
-        v: &CudaStorage,
-        lv: &candle_core::Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        self.run([(q, lq), (k, lk), (v, lv)])
-    }
-}
-
-impl CustomOp2 for WithOutputs<'_, CpuStorage> {
-    fn name(&self) -> &'static str {
-        "flash-attn-bwd-outputs"
-    }
-
-    fn cpu_fwd(
-        &self,
-        out: &CpuStorage,
-        lo: &candle_core::Layout,
-        dout: &CpuStorage,
-        ldo: &candle_core::Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let lse = self.bwd.lse.host()?;
-        let [q, k, v] = self.qkv;
-        let ops = [q, k, v, (out, lo), (dout, ldo)];
-        let (cfg, packed) = (self.bwd.cfg, self.bwd.packed);
-        let grads = match q.0.dtype() {
-            DType::F32 => cpu::backward::<f32>(cfg, packed, ops, lse)?,
-            DType::F16 => cpu::backward::<half::f16>(cfg, packed, ops, lse)?,
-            DType::BF16 => cpu::backward::<half::bf16>(cfg, packed, ops, lse)?,
-            other => candle_core::bail!(
-                "flash_attn on the CPU takes f32, f16 or bf16 tensors, got {other:?}"
-            ),
-        };
-        *self.grads.lock().map_err(lock_error)? = Some(grads);
-        Ok((CpuStorage::F32(Vec::new()), Shape::from(0)))
-    }
-}
-
-#[cfg(feature = "candle-cuda")]
-impl CustomOp2 for WithOutputs<'_, CudaStorage> {
-    fn name(&self) -> &'static str {
-        "flash-attn-bwd-outputs"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &candle_core::Layout,
-        _: &CpuStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(Lse::elsewhere())
-    }
-
-    fn cuda_fwd(
-        &self,
-        out: &CudaStorage,
-        lo: &candle_core::Layout,
-        dout: &CudaStorage,
-        ldo: &candle_core::Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let lse = self.bwd.lse.device()?;
-        let [q, k, v] = self.qkv;
-        let ops = [q, k, v, (out, lo), (dout, ldo)];
-        let (cfg, packed) = (self.bwd.cfg, self.bwd.packed);
-        let grads = match q.0.dtype() {
-            DType::BF16 => gpu::backward::<half::bf16>(cfg, packed, ops, lse)?,
-            DType::F16 => gpu::backward::<half::f16>(cfg, packed, ops, lse)?,
-            DType::F32 => gpu::backward::<f32>(cfg, packed, ops, lse)?,
-            other => {
-                candle_core::bail!("flash_attn on CUDA takes bf16 or f16 tensors, got {other:?}")
-            }
-        };
-        let placeholder = out.device.alloc_zeros::<f32>(1)?;
-        *self.grads.lock().map_err(lock_error)? = Some(grads);
-        Ok((
-            CudaStorage::wrap_cuda_slice(placeholder, out.device.clone()),
-            Shape::from(1),
-        ))
-    }
-}
-
+mod backward;
 mod cpu;
 
 #[cfg(feature = "candle-cuda")]

@@ -1,0 +1,132 @@
+//! The registry's own checks: every kernel named once with known features, every kernel a tile
+//! and every tile a kernel, extended WGMMA shapes only where a forward tile takes one.
+
+use crate::registry::*;
+
+#[test]
+fn every_kernel_is_named_once_and_has_its_features() {
+    for (i, k) in KERNELS.iter().enumerate() {
+        assert!(
+            HEAD_DIM_FEATURES.iter().any(|(d, _)| *d == k.head_dim),
+            "{}: no head-dim feature",
+            k.name()
+        );
+        assert!(
+            KERNELS[..i].iter().all(|o| o.name() != k.name()),
+            "{} twice",
+            k.name()
+        );
+        assert_eq!(find(k.family, k.head_dim, k.dtype), Some(k));
+    }
+    assert_eq!(head_dims(Family::Sm90Fwd), vec![64, 128, 256]);
+}
+
+#[test]
+fn every_kernel_has_its_tile_and_every_tile_a_kernel() {
+    for k in KERNELS {
+        let t = tile(k.family, k.head_dim, TileRole::Base)
+            .unwrap_or_else(|| panic!("{}: no tile", k.name()));
+        let family_of_tile = match t {
+            Tile::Sm90Fwd { .. } => [Family::Sm90Fwd, Family::Sm90Fp8Fwd].contains(&k.family),
+            Tile::Sm90Bwd { .. } => k.family == Family::Sm90Bwd,
+            Tile::Sm80Fwd { .. } => k.family == Family::Sm80Fwd,
+            Tile::Sm80Bwd { .. } => k.family == Family::Sm80Bwd,
+        };
+        assert!(family_of_tile, "{}: a tile of another family", k.name());
+    }
+    for (i, r) in TILES.iter().enumerate() {
+        assert!(
+            KERNELS
+                .iter()
+                .any(|k| k.family == r.family && k.head_dim == r.head_dim),
+            "a tile of no kernel: {r:?}"
+        );
+        assert!(
+            TILES[..i]
+                .iter()
+                .all(|o| (o.family, o.head_dim, o.role) != (r.family, r.head_dim, r.role)),
+            "two tiles for one role: {r:?}"
+        );
+    }
+    assert_eq!(
+        tile(Family::Sm90Fwd, 256, TileRole::Masked),
+        tile(Family::Sm90Fwd, 256, TileRole::Base)
+    );
+    for r in TILES {
+        match (r.role, r.tile) {
+            // The launcher takes a masked tile only where its key block differs
+            // (csrc/sm90/fwd_launch.h), so any other difference would go unused.
+            (TileRole::Masked, t) => {
+                let base = tile(r.family, r.head_dim, TileRole::Base).unwrap();
+                assert_ne!(
+                    t.shape(),
+                    base.shape(),
+                    "a masked tile with the base's blocks: {r:?}"
+                );
+            }
+            // The backward that splits the keys keeps dO in Q's stages.
+            (
+                _,
+                Tile::Sm90Bwd {
+                    stages,
+                    stages_do,
+                    split_head_dim: false,
+                    ..
+                },
+            ) => assert_eq!(stages, stages_do, "{r:?}"),
+            _ => {}
+        }
+    }
+}
+
+#[test]
+fn extended_wgmma_shapes_only_where_a_tile_takes_one() {
+    // 160 and 80 keys (d128, d256), 224 (FP8 d128): outside CUTLASS's default N sizes.
+    assert!(extended_wgmma(Family::Sm90Fwd, 128));
+    assert!(extended_wgmma(Family::Sm90Fwd, 256));
+    assert!(extended_wgmma(Family::Sm90Fp8Fwd, 128));
+    // 192/128 keys, 128 keys, 64/128-row backward tiles: default sizes.
+    assert!(!extended_wgmma(Family::Sm90Fwd, 64));
+    assert!(!extended_wgmma(Family::Sm90Fp8Fwd, 64));
+    assert!(!extended_wgmma(Family::Sm90Fp8Fwd, 256));
+    for d in [64, 128, 256] {
+        assert!(!extended_wgmma(Family::Sm90Bwd, d));
+        assert!(!extended_wgmma(Family::Sm80Fwd, d));
+        assert!(!extended_wgmma(Family::Sm80Bwd, d));
+    }
+    assert_eq!(extended_wgmma_n(Family::Sm90Fwd, 128), vec![160]);
+    assert_eq!(extended_wgmma_n(Family::Sm90Fwd, 256), vec![80]);
+    assert_eq!(extended_wgmma_n(Family::Sm90Fp8Fwd, 128), vec![224]);
+}
+
+/// build.rs generates an extended atom only for a forward's key block (the S GEMM's N), a
+/// multiple of 8 up to 256: every extended size of every kernel is one, so that a row that
+/// needs another fails here rather than in nvcc.
+#[test]
+fn extended_wgmma_sizes_are_forward_key_blocks() {
+    for k in KERNELS {
+        for n in extended_wgmma_n(k.family, k.head_dim) {
+            assert!(matches!(k.family, Family::Sm90Fwd | Family::Sm90Fp8Fwd));
+            assert!(
+                n != k.head_dim && n % 8 == 0 && n <= 256,
+                "{}: N {n}",
+                k.name()
+            );
+            let key_block = TILES.iter().any(|r| {
+                r.family == k.family
+                    && r.head_dim == k.head_dim
+                    && matches!(r.tile, Tile::Sm90Fwd { block_n, .. } if block_n == n)
+            });
+            assert!(key_block, "{}: N {n} is no key block", k.name());
+        }
+    }
+}
+
+#[test]
+fn every_feature_a_kernel_names_is_known() {
+    for k in KERNELS {
+        for f in k.features() {
+            let _ = feature_on(f); // unreachable!() on a name with no arm
+        }
+    }
+}
