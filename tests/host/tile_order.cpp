@@ -1,7 +1,7 @@
 // TileOrder::at must give every CTA of a grid its own (tile, batch·head) work item: a bijection
 // of [0, tiles · heads_total) onto [0, tiles) × [0, heads_total), for every group size the
-// launchers can make, in the heavy-first and the natural order. Built by tests/c_abi.rs with the
-// system's C++ compiler (at() is host-callable there); exits non-zero on the first failure.
+// launchers can make, in the heavy-first and the natural order. Built by tests/c_abi/main.rs with
+// the system's C++ compiler (at() is host-callable there); exits non-zero on the first failure.
 #include <cstdint>
 #include <cstdio>
 #include <vector>

@@ -1,7 +1,7 @@
 // The C ABI's operand checks (csrc/common/views.h) on layouts callers really pass: dQ, dK, dV
 // interleaved in one packed buffer share no element, while views shifted into each other do;
-// zero, negative and misaligned strides; spans past int64. Built and run by tests/c_abi.rs with
-// the system's C++ compiler; exits non-zero on the first wrong answer.
+// zero, negative and misaligned strides; spans past int64. Built and run by tests/c_abi/main.rs
+// with the system's C++ compiler; exits non-zero on the first wrong answer.
 #include <cstdint>
 #include <cstdio>
 

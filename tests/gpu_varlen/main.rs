@@ -5,7 +5,9 @@
 //! with `--include-ignored` (each test fails without a GPU).
 #![cfg(feature = "cuda")]
 
+#[path = "../common/mod.rs"]
 mod common;
+#[path = "../harness/mod.rs"]
 mod harness;
 
 use std::sync::Arc;

@@ -1,0 +1,144 @@
+//! The FP8 entry points: the forward's descales and output type, quantize and descale-copy sizes.
+
+use std::ptr::null_mut;
+
+use crate::ffi::*;
+use crate::{addr, expect, packed, params, INVALID, UNSUPPORTED};
+
+#[test]
+fn fp8_forward_checks_its_descales_and_output_type() {
+    let fp8 = || {
+        let mut p = params();
+        p.dtype = FLASHATTN_E4M3 as i32;
+        p.out_dtype = FLASHATTN_BF16 as i32;
+        let (s, h, d) = (256, 4, 64);
+        p.q = packed(addr(0), s, h, d);
+        p.k = packed(addr(1), s, h, d);
+        p.q_descale = addr(10) as *const f32;
+        p.k_descale = addr(11) as *const f32;
+        p.v_descale = addr(12) as *const f32;
+        p
+    };
+    type Edit = fn(&mut flashattn_params_t);
+    let cases: [(&str, Edit, i32); 6] = [
+        ("no Q descale", |p| p.q_descale = std::ptr::null(), INVALID),
+        (
+            "V descales inside O",
+            |p| p.v_descale = p.o.ptr as *const f32,
+            INVALID,
+        ),
+        (
+            "e4m3 output",
+            |p| p.out_dtype = FLASHATTN_E4M3 as i32,
+            INVALID,
+        ),
+        ("softcap", |p| p.softcap = 30.0, UNSUPPORTED),
+        (
+            "packed batch",
+            |p| {
+                (p.cu_seqlens_q, p.cu_seqlens_k) = (addr(20) as *const i32, addr(21) as *const i32);
+                (p.max_seqlen_q, p.max_seqlen_k) = (128, 128);
+            },
+            UNSUPPORTED,
+        ),
+        (
+            "misaligned descale",
+            |p| p.k_descale = (addr(11) as usize + 2) as *const f32,
+            INVALID,
+        ),
+    ];
+    for (what, edit, status) in cases {
+        let mut p = fp8();
+        edit(&mut p);
+        expect("fwd_sm90 fp8", flashattn_fwd_sm90, &p, status, what);
+    }
+    let p = fp8();
+    expect(
+        "fwd_sm80 fp8",
+        flashattn_fwd_sm80,
+        &p,
+        UNSUPPORTED,
+        "FP8 on sm80",
+    );
+    expect(
+        "bwd_sm90 fp8",
+        flashattn_bwd_sm90,
+        &p,
+        UNSUPPORTED,
+        "FP8 backward",
+    );
+}
+
+#[test]
+fn fp8_quantize_and_descale_copy_refuse_bad_sizes() {
+    let base = || flashattn_fp8_quantize_t {
+        src: packed(addr(0), 256, 4, 256),
+        src_dtype: FLASHATTN_BF16 as i32,
+        dst: addr(1),
+        dst_batch_stride: 4 * 256 * 256,
+        dst_row_stride: 256,
+        dst_head_stride: 256 * 256,
+        descale: addr(2) as *mut f32,
+        batch: 2,
+        seqlen: 256,
+        heads: 4,
+        head_dim: 256,
+        block_rows: 128,
+        layout: FLASHATTN_FP8_KEY_MAJOR as i32,
+        hadamard: 0,
+        hadamard_signs: [0; 4],
+    };
+    type Edit = fn(&mut flashattn_fp8_quantize_t);
+    let cases: [(&str, Edit, i32); 10] = [
+        (
+            "block_rows 2^24 (head_dim · block_rows wraps to 0)",
+            |p| p.block_rows = 1 << 24,
+            INVALID,
+        ),
+        (
+            "block_rows 2^24 + 32",
+            |p| p.block_rows = (1 << 24) + 32,
+            INVALID,
+        ),
+        (
+            "block_rows not whole 32-key groups",
+            |p| p.block_rows = 100,
+            INVALID,
+        ),
+        ("batch past grid z", |p| p.batch = 65536, INVALID),
+        ("heads past grid y", |p| p.heads = 65536, INVALID),
+        ("unknown layout", |p| p.layout = 7, INVALID),
+        ("unknown source type", |p| p.src_dtype = 9, INVALID),
+        ("no destination", |p| p.dst = null_mut(), INVALID),
+        (
+            "negative source stride",
+            |p| p.src.row_stride = -1024,
+            INVALID,
+        ),
+        ("head dim 96", |p| p.head_dim = 96, UNSUPPORTED),
+    ];
+    // SAFETY (every call below): the params outlive the call; each is refused before launch.
+    let r = unsafe { flashattn_fp8_quantize(std::ptr::null(), null_mut()) };
+    assert_eq!(r.status, INVALID, "null params");
+    for (what, edit, status) in cases {
+        let mut p = base();
+        edit(&mut p);
+        let r = unsafe { flashattn_fp8_quantize(&p, null_mut()) };
+        assert_eq!((r.status, r.cuda_error), (status, 0), "quantize: {what}");
+    }
+    let (a, b) = (addr(3) as *mut f32, addr(4) as *mut f32);
+    for (what, src, dst, count) in [
+        ("no descales", a as *const f32, b, 0),
+        ("misaligned source", (a as usize + 2) as *const f32, b, 16),
+        (
+            "overlapping, not in place",
+            a as *const f32,
+            (a as usize + 16) as *mut f32,
+            16,
+        ),
+        ("null destination", a as *const f32, null_mut(), 16),
+    ] {
+        let r = unsafe { flashattn_fp8_sanitize_descales(src, dst, count, null_mut()) };
+        assert_eq!(r.status, INVALID, "descale copy: {what}");
+    }
+}
