@@ -6,6 +6,7 @@
 
 #include <cstring>
 
+#include "common/sequences.h"
 #include "common/status.h"
 #include "common/views.h"
 #include "flash_api.h"
@@ -150,15 +151,20 @@ flashattn_result_t validate_fwd(const flashattn_params_t* p) {
   if (p->dtype == FLASHATTN_E4M3) {
     const int key_block = flashattn::sm90::fp8_key_block(p->head_dim);
     if (key_block <= 0) return kUnsupported;
-    const int64_t keys = (int64_t(p->seqlen_k) + key_block - 1) / key_block * key_block;
-    View v = View::of(p->v, 1, p->batch, p->head_dim, p->heads_kv, keys);
-    ops.read(v);
-    const int64_t q_blocks =
-        (int64_t(p->seqlen_q) + flashattn::sm90::kFp8QueryBlock - 1) / flashattn::sm90::kFp8QueryBlock;
-    const int64_t kv_descales = int64_t(p->batch) * p->heads_kv * (keys / key_block);
+    // Descale blocks per head (and V's key blocks): packed, every sequence's from its
+    // packed_block on (common/sequences.h).
+    const auto blocks = [&](int rows, int block) {
+      return packed(*p) ? flashattn::packed_blocks(rows, p->batch, block)
+                        : (int64_t(rows) + block - 1) / block;
+    };
+    const int64_t kv_blocks = blocks(p->seqlen_k, key_block);
+    const int64_t q_blocks = blocks(p->seqlen_q, flashattn::sm90::kFp8QueryBlock);
+    const int batch = tensor_batch(*p);
+    ops.read(View::of(p->v, 1, batch, p->head_dim, p->heads_kv, kv_blocks * key_block));
+    const int64_t kv_descales = int64_t(batch) * p->heads_kv * kv_blocks;
     if (p->q_descale == nullptr || p->k_descale == nullptr || p->v_descale == nullptr)
       return kInvalid;
-    ops.read(View::packed(p->q_descale, 4, int64_t(p->batch) * p->heads_q * q_blocks, 4));
+    ops.read(View::packed(p->q_descale, 4, int64_t(batch) * p->heads_q * q_blocks, 4));
     ops.read(View::packed(p->k_descale, 4, kv_descales, 4));
     ops.read(View::packed(p->v_descale, 4, kv_descales, 4));
     if (p->out_dtype != FLASHATTN_F16 && p->out_dtype != FLASHATTN_BF16) return kInvalid;
@@ -236,7 +242,7 @@ extern "C" flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* param
   o.intra_wg_overlap = !(p.sm90_flags & FLASHATTN_SM90_NO_INTRA_WG_OVERLAP);
   auto s = static_cast<cudaStream_t>(stream);
   if (p.dtype == FLASHATTN_E4M3) {
-    if (p.softcap != 0.f || packed(p)) return kUnsupported;  // not built for FP8
+    if (p.softcap != 0.f) return kUnsupported;  // not built for FP8
     return flashattn::kernels::sm90_fp8_fwd(p, o, s);
   }
   return flashattn::kernels::sm90_fwd(p, o, s);
@@ -280,30 +286,36 @@ extern "C" flashattn_result_t flashattn_fp8_quantize(const flashattn_fp8_quantiz
                                                      void* stream) {
   if (params == nullptr) return kInvalid;
   const flashattn_fp8_quantize_t& p = *params;
-  // One CTA per (block, head, batch): grid y and z are at most 65535.
+  // One CTA per (block, head, batch entry or sequence): grid y and z are at most 65535.
   if (p.batch <= 0 || p.seqlen <= 0 || p.heads <= 0 || p.batch > 65535 || p.heads > 65535 ||
       p.seqlen > FLASHATTN_MAX_SEQLEN || p.block_rows <= 0 || p.block_rows > 4096)
     return kInvalid;
+  const bool packed = p.cu_seqlens != nullptr;
+  if (packed ? p.max_seqlen < 1 || p.max_seqlen > p.seqlen : p.max_seqlen != 0) return kInvalid;
   if (p.src_dtype != FLASHATTN_F16 && p.src_dtype != FLASHATTN_BF16 &&
       p.src_dtype != FLASHATTN_E4M3)
     return kInvalid;
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return kUnsupported;
-  const int64_t blocks = (int64_t(p.seqlen) + p.block_rows - 1) / p.block_rows;
+  // Blocks per head and batch entry: packed, every sequence's from its packed_block on.
+  const int64_t blocks = packed ? flashattn::packed_blocks(p.seqlen, p.batch, p.block_rows)
+                                : (int64_t(p.seqlen) + p.block_rows - 1) / p.block_rows;
+  const int batch = packed ? 1 : p.batch;
   flashattn_tensor_t dst{p.dst, p.dst_batch_stride, p.dst_row_stride, p.dst_head_stride};
   Operands ops;
-  ops.read(View::of(p.src, elem_bytes(p.src_dtype), p.batch, p.seqlen, p.heads, p.head_dim));
+  ops.read(View::of(p.src, elem_bytes(p.src_dtype), batch, p.seqlen, p.heads, p.head_dim));
+  if (packed) ops.read(View::packed(p.cu_seqlens, 4, int64_t(p.batch) + 1, 4));
   if (p.layout == FLASHATTN_FP8_ROWS) {
-    ops.write(View::of(dst, 1, p.batch, p.seqlen, p.heads, p.head_dim));
+    ops.write(View::of(dst, 1, batch, p.seqlen, p.heads, p.head_dim));
   } else if (p.layout == FLASHATTN_FP8_KEY_MAJOR) {
     // Whole 32-key groups, and the block's quantized rows in 32 KiB of shared memory (the
     // kernel's static shared memory on top must stay within the 48 KiB it gets without opt-in).
     if (p.block_rows % 32 != 0 || int64_t(p.head_dim) * p.block_rows > 32 * 1024) return kInvalid;
-    ops.write(View::of(dst, 1, p.batch, p.head_dim, p.heads, blocks * p.block_rows));
+    ops.write(View::of(dst, 1, batch, p.head_dim, p.heads, blocks * p.block_rows));
   } else {
     return kInvalid;
   }
   if (p.descale != nullptr)
-    ops.write(View::packed(p.descale, 4, int64_t(p.batch) * p.heads * blocks, 4));
+    ops.write(View::packed(p.descale, 4, int64_t(batch) * p.heads * blocks, 4));
   if (!ops.valid()) return kInvalid;
   return flashattn::sm90::run_fp8_quantize(p, static_cast<cudaStream_t>(stream));
 }

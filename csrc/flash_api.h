@@ -125,6 +125,8 @@ typedef struct {
   // v key-major (FLASHATTN_FP8_KEY_MAJOR; its row_stride is between head_dim rows); descales
   // f32 (batch, heads, blocks) packed, Q per flashattn_fp8_query_block() rows, K and V per
   // flashattn_fp8_key_block(head_dim) keys; o in out_dtype (FLASHATTN_BF16 or FLASHATTN_F16).
+  // Packed calls: descales and v as flashattn_fp8_quantize writes them for packed sources (with
+  // the same offsets: others give wrong rows, never an access outside the buffers).
   // Descales are read on the device only and must be finite and > 0, as flashattn_fp8_quantize
   // writes them; flashattn_fp8_sanitize_descales turns others into NaN (NaN rows out).
   const float* q_descale;
@@ -164,6 +166,14 @@ typedef struct {
   int32_t layout;          // flashattn_fp8_layout_t
   int32_t hadamard;
   uint64_t hadamard_signs[4];
+  // Packed (varlen) sources: `batch` sequences whose batch + 1 i32 offsets (device memory, as
+  // the forward's cu_seqlens_q or cu_seqlens_k, clamped as it clamps them) are cu_seqlens, each
+  // at most max_seqlen rows; src and rows-layout dst then have one batch entry of `seqlen` rows
+  // (the total), and every sequence is quantized in blocks of its own, numbered per head with
+  // P = seqlen / block_rows + batch blocks, sequence b's from cu_seqlens[b] / block_rows + b on:
+  // descale (heads, P), key-major dst (heads, head_dim, P · block_rows). Null: dense.
+  const int32_t* cu_seqlens;
+  int32_t max_seqlen;
 } flashattn_fp8_quantize_t;
 
 typedef struct {

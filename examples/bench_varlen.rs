@@ -2,7 +2,8 @@
 //! about 32k tokens (all 2k; uniform 128..8k; log-normal with median 600 and one 16k sequence),
 //! hidden 2048, d64 and d128, causal, bf16; and each mix of equal lengths as a dense call too (the
 //! bound the packed one should stay within 3% of); `--long` adds two mixes with 16k sequences,
-//! `--mix NAME` times one mix, `--no-sm80` leaves out the forced sm80 rows.
+//! `--mix NAME` times one mix, `--no-sm80` leaves out the forced sm80 rows, `--fp8` adds the FP8
+//! forward's rows (inputs quantized once, outside the timing; O in bf16).
 //! CUDA events around each call, queued behind the warm-up, median of 20. Writes the mixes for
 //! benchmarks/varlen_peers.py (`--mixes-out PATH`) so that the peers time the very same sequences.
 //!
@@ -15,7 +16,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 use flashattn::cuda::{
     CudaStream, Device, DeviceBackwardInputs, DeviceGradientsMut, DeviceSeqlens, DeviceTensor,
-    DeviceTensorMut,
+    DeviceTensorMut, Fp8Options,
 };
 use flashattn::{AttentionConfig, Backend, Plan};
 use half::bf16;
@@ -71,6 +72,11 @@ struct Buffers {
     dv: CudaSlice<bf16>,
 }
 
+/// The first TOKENS·HIDDEN elements of `x` as a tensor of `layout`.
+fn view(x: &CudaSlice<bf16>, layout: flashattn::Layout) -> DeviceTensor<'_, bf16> {
+    DeviceTensor::new(x.slice(..TOKENS * HIDDEN), layout)
+}
+
 /// Median milliseconds of `REPS` calls of `call`, after 5 queued warm-up calls.
 fn median_ms(stream: &Arc<CudaStream>, call: impl FnMut()) -> f64 {
     common::queued_times_ms(stream, 5, REPS, call)[REPS / 2]
@@ -101,9 +107,6 @@ fn time(
     let max = lens.iter().copied().max().unwrap();
     let seqs = DeviceSeqlens::new(cu.as_view(), cu.as_view(), max, max).unwrap();
     let layout = flashattn::Layout::contiguous(shape);
-    fn view(x: &CudaSlice<bf16>, layout: flashattn::Layout) -> DeviceTensor<'_, bf16> {
-        DeviceTensor::new(x.slice(..TOKENS * HIDDEN), layout)
-    }
     let mut fwd_plan = None;
     let fwd = median_ms(stream, || {
         let (q, k, v) = (
@@ -150,6 +153,57 @@ fn time(
         bwd_plan = Some(plan.expect("backward"));
     });
     (fwd_plan.unwrap(), fwd, bwd_plan.unwrap(), bwd)
+}
+
+/// The FP8 forward's median over the batch, packed or dense as in [`time`]; its inputs
+/// quantized once beforehand.
+fn time_fp8(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    bufs: &mut Buffers,
+    lens: &[usize],
+    packed: bool,
+    d: usize,
+) -> (Plan, f64) {
+    let heads = HIDDEN / d;
+    let shape = if packed {
+        [1, TOKENS, heads, d]
+    } else {
+        [TOKENS / lens[0], lens[0], heads, d]
+    };
+    let mut cu = vec![0i32];
+    for &l in lens {
+        cu.push(cu.last().unwrap() + l as i32);
+    }
+    let cu = stream.clone_htod(&cu).unwrap();
+    let max = lens.iter().copied().max().unwrap();
+    let seqs = DeviceSeqlens::new(cu.as_view(), cu.as_view(), max, max).unwrap();
+    let layout = flashattn::Layout::contiguous(shape);
+    let (q, k, v) = (
+        view(&bufs.q, layout),
+        view(&bufs.k, layout),
+        view(&bufs.v, layout),
+    );
+    let options = Fp8Options::default();
+    let inputs = if packed {
+        dev.varlen_quantize_fp8(stream, &seqs, &q, &k, &v, options)
+    } else {
+        dev.quantize_fp8(stream, &q, &k, &v, options)
+    }
+    .expect("quantize");
+    let cfg = AttentionConfig::new().causal(true);
+    let mut plan = None;
+    let ms = median_ms(stream, || {
+        let mut out = DeviceTensorMut::contiguous(&mut bufs.out, shape);
+        let mut lse = bufs.lse.as_view_mut();
+        let p = if packed {
+            dev.varlen_forward_fp8_into(stream, &cfg, &seqs, &inputs, &mut out, &mut lse)
+        } else {
+            dev.forward_fp8_into(stream, &cfg, &inputs, &mut out, &mut lse)
+        };
+        plan = Some(p.expect("FP8 forward"));
+    });
+    (plan.unwrap(), ms)
 }
 
 fn main() {
@@ -248,6 +302,37 @@ fn main() {
                     backend.name(),
                     tf(fwd, flops),
                     tf(bwd, 2.5 * flops),
+                ));
+            }
+        }
+    }
+    // --fp8: the FP8 forward over the same mixes, packed and (equal lengths) dense.
+    for d in [64, 128] {
+        let heads = HIDDEN / d;
+        for (name, lens) in mixes.iter().filter(|_| args.flag("--fp8")) {
+            if args.value("--mix").is_some_and(|m| m != *name) {
+                continue;
+            }
+            let flops = causal_flops(lens, heads, d);
+            let equal = lens.iter().all(|&l| l == lens[0]);
+            for packed in [true, false].into_iter().filter(|&p| p || equal) {
+                let (plan, fwd) = time_fp8(&dev, &stream, &mut bufs, lens, packed, d);
+                let tflops = flops / (fwd * 1e-3) / 1e12;
+                println!(
+                    "d{d} {name:<18} {:>6} {} fp8 fwd {fwd:.3} ms {tflops:.0} TFLOP/s ({})",
+                    if packed { "varlen" } else { "dense" },
+                    lens.len(),
+                    plan.explain()
+                );
+                rows.push(format!(
+                    "{{\"impl\": \"flashattn-{}\", \"varlen\": {packed}, \"mix\": \"{name}\", \
+                     \"dtype\": \"e4m3\", \"out_dtype\": \"bf16\", \"d\": {d}, \"heads\": {heads}, \
+                     \"heads_kv\": {heads}, \"batch\": {}, \"total_tokens\": {TOKENS}, \
+                     \"max_seqlen\": {}, \"causal\": true, \"fwd_ms\": {fwd:.4}, \
+                     \"fwd_tflops\": {tflops:.1}}}",
+                    plan.backend.name(),
+                    lens.len(),
+                    lens.iter().max().unwrap(),
                 ));
             }
         }

@@ -224,15 +224,6 @@ pub fn check_backend(
                     backend,
                 });
             }
-            if problem.packed && !family.packed() {
-                return Err(Error::Unsupported {
-                    what: format!(
-                        "packed batches (varlen) in the {} (not built yet)",
-                        family.name()
-                    ),
-                    backend,
-                });
-            }
             problem.check_gpu_limits()?;
             check_left_window(cfg, problem.seqlen_k)?;
             // The FlashAttention-2 kernels put heads and batch entries on grid y and z.

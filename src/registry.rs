@@ -45,14 +45,6 @@ impl Family {
         }
     }
 
-    /// Takes packed (variable-length) batches, [`crate::varlen`].
-    pub fn packed(self) -> bool {
-        matches!(
-            self,
-            Family::Sm90Fwd | Family::Sm90Bwd | Family::Sm80Fwd | Family::Sm80Bwd
-        )
-    }
-
     /// The Cargo features its kernels need besides their head dim's.
     pub fn features(self) -> &'static [&'static str] {
         match self {

@@ -76,9 +76,9 @@ __global__ void __launch_bounds__(256)
   if constexpr (kKeyBlock > 0) {
     if (i < key_blocks) {
       const int b = last_start_at_most(
-          batch, i, [&](int j) { return packed_key_block(seqs.k_start(j), j, kKeyBlock); });
+          batch, i, [&](int j) { return packed_block(seqs.k_start(j), j, kKeyBlock); });
       const Sequences::Entry e = seqs.at(b);
-      const int64_t n = i - packed_key_block(e.k_start, b, kKeyBlock);
+      const int64_t n = i - packed_block(e.k_start, b, kKeyBlock);
       key_entries[i] = n >= 0 && n * kKeyBlock < e.keys_owned ? b : -1;
     }
   }
@@ -92,7 +92,7 @@ cudaError_t launch_bwd_packed_entries(const flashattn_params_t& p, const BwdWork
   static_assert(kKeyBlock == 0 || kKeyBlock >= kMinKeyBlock, "the key table's size");
   const int64_t row_blocks = bwd_rows_per_head(p) / kDqRowAlign;
   const int64_t key_blocks =
-      kKeyBlock > 0 ? packed_key_blocks(p.seqlen_k, p.batch, kKeyBlock) : 0;
+      kKeyBlock > 0 ? packed_blocks(p.seqlen_k, p.batch, kKeyBlock) : 0;
   const int64_t threads = row_blocks > key_blocks ? row_blocks : key_blocks;
   bwd_packed_entries<kKeyBlock><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(
       sequences(p), p.batch, int(row_blocks), reinterpret_cast<int*>(base + ws.row_entries),

@@ -71,17 +71,6 @@ __device__ inline int bwd_entry_of_row(const Sequences& s, int batch, int64_t w)
   return last_start_at_most(batch, w, [&](int b) { return bwd_packed_run(s.at(b).q_start, b); });
 }
 
-// Packed calls: the sm90 backward's key blocks of block_n keys along one axis per head, sequence
-// b's from packed_key_block(k_start, b, block_n) on: the query runs' bound again (above), so with
-// well-formed offsets no two sequences' blocks overlap, and with any clamped ones all lie below
-// packed_key_blocks(rows_k, batch, block_n).
-__host__ __device__ inline int64_t packed_key_block(int k_start, int b, int block_n) {
-  return k_start / block_n + int64_t(b);
-}
-inline int64_t packed_key_blocks(int rows_k, int batch, int block_n) {
-  return rows_k / block_n + int64_t(batch);
-}
-
 // Rows of the GQA f32 dK/dV sums per (tensor batch entry, head): the key rows; sequence b's rows
 // at its k_start (the main kernel writes them under a row predicate, so no pad is needed).
 __host__ __device__ inline int64_t bwd_key_rows_start(const Sequences::Entry& e, int head,
@@ -112,7 +101,7 @@ inline int bwd_dq_splits(const flashattn_params_t& p) {
 // block, warpgroup of 2)), and for packed calls in deterministic mode last the offsets' flag (an
 // int, bwd_offsets_malformed); then for packed calls the entry tables (bwd_packed_entries): an
 // int per kDqRowAlign rows of a head's query workspace rows, and one per packed key block of
-// kMinKeyBlock keys (packed_key_blocks). Each region starts on a multiple of 256 bytes.
+// kMinKeyBlock keys (packed_blocks). Each region starts on a multiple of 256 bytes.
 // src/backend/gpu.rs sizes it the same way.
 struct BwdWorkspace {
   int64_t dq_accum, lse_log2, softmax_d, dk_accum, dv_accum, dq_semaphore, offsets_flag,
@@ -139,7 +128,7 @@ inline BwdWorkspace bwd_workspace(const flashattn_params_t& p, int dq_slices) {
   w.row_entries = w.offsets_flag + (p.deterministic && packed ? 256 : 0);
   w.key_entries = w.row_entries + (packed ? align(bwd_rows_per_head(p) / kDqRowAlign * 4) : 0);
   w.bytes = w.key_entries +
-            (packed ? align(packed_key_blocks(p.seqlen_k, p.batch, kMinKeyBlock) * 4) : 0);
+            (packed ? align(packed_blocks(p.seqlen_k, p.batch, kMinKeyBlock) * 4) : 0);
   return w;
 }
 
@@ -155,10 +144,10 @@ __device__ inline bool bwd_offsets_malformed(const Sequences& s, int batch, int 
   if (b + 1 >= batch) return false;  // the last sequence's rows are clamped into the tensors
   const Sequences::Entry e = s.at(b), next = s.at(b + 1);
   const int64_t rows_end = bwd_packed_run(e.q_start, b) + dq_accum_rows(e.seqlen_q);
-  const int64_t blocks_end = packed_key_block(e.k_start, b, key_block) +
+  const int64_t blocks_end = packed_block(e.k_start, b, key_block) +
                              (e.keys_owned + key_block - 1) / key_block;
   return rows_end > bwd_packed_run(next.q_start, b + 1) ||
-         blocks_end > packed_key_block(next.k_start, b + 1, key_block);
+         blocks_end > packed_block(next.k_start, b + 1, key_block);
 }
 
 }  // namespace flashattn

@@ -20,6 +20,7 @@ struct Sequences {
   int max_q = 0, max_k = 0;    // the longest entry the grids cover
 
   struct Entry {
+    int index;             // the entry's number b, dense or packed
     int batch;             // index on the tensors' batch axis (0 when packed)
     int q_start, k_start;  // first row on the tensors' row axis
     int seqlen_q, seqlen_k;
@@ -46,13 +47,13 @@ struct Sequences {
   // maximum, used keys into [0, length]), so a malformed array can give wrong rows but never
   // an index outside the buffers.
   __device__ Entry at(int b) const {
-    if (!packed()) return {b, 0, 0, rows_q, rows_k, rows_k};
+    if (!packed()) return {b, b, 0, 0, rows_q, rows_k, rows_k};
     auto clamp = [](int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); };
     const int q0 = clamp(cu_q[b], 0, rows_q), q1 = clamp(cu_q[b + 1], q0, rows_q);
     const int k0 = clamp(cu_k[b], 0, rows_k), k1 = clamp(cu_k[b + 1], k0, rows_k);
     const int owned = k1 - k0 < max_k ? k1 - k0 : max_k;
     const int len_k = used_k != nullptr ? clamp(used_k[b], 0, owned) : owned;
-    return {0, q0, k0, q1 - q0 < max_q ? q1 - q0 : max_q, len_k, owned};
+    return {b, 0, q0, k0, q1 - q0 < max_q ? q1 - q0 : max_q, len_k, owned};
   }
   // Entry b's first key row, as at(b) gives it, alone.
   __device__ int k_start(int b) const {
@@ -60,6 +61,19 @@ struct Sequences {
     return k0 < 0 ? 0 : (k0 > rows_k ? rows_k : k0);
   }
 };
+
+// Packed calls number each sequence's blocks of n rows per head along one axis, sequence b's
+// from packed_block(start, b, n) on (start: its first row): as floor(s / n) + ceil(len / n) is
+// at most floor((s + len) / n) + 1, no two sequences' blocks overlap when the offsets are well
+// formed, and with any clamped ones (start + len within the rows) all lie below
+// packed_blocks(rows, batch, n). The sm90 backward's key blocks and the FP8 forward's descale
+// blocks (and V's key-major columns) are numbered so.
+__host__ __device__ inline int64_t packed_block(int start, int b, int n) {
+  return start / n + int64_t(b);
+}
+__host__ __device__ inline int64_t packed_blocks(int rows, int batch, int n) {
+  return rows / n + int64_t(batch);
+}
 
 // The call's entries: dense, or packed by its offsets.
 inline Sequences sequences(const flashattn_params_t& p) {

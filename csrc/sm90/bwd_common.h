@@ -118,7 +118,7 @@ __device__ inline void red_add_f32x2(float* dst, float a, float b) {
 // where the entry's query workspace rows of the head start, and the query blocks [m_first,
 // m_end) of kBlockM rows that see any of its keys. Dense: the key block and (batch, head) come
 // from the tile order. Packed: the tile order's tiles are a head's packed key blocks
-// (packed_key_block): sequence b's from packed_key_block(k_start, b, kBlockN) on, so that the
+// (packed_block): sequence b's from packed_block(k_start, b, kBlockN) on, so that the
 // grid covers the keys rather than batch × the longest sequence; a CTA on none of a sequence's
 // key blocks (with well-formed offsets at most one per sequence) has no work (`exists` false).
 // The block's sequence comes
@@ -144,7 +144,7 @@ __device__ BwdCtaWork bwd_cta_work(Params const& params, bool keys_descending) {
     const int b = params.key_entries[block];
     w.batch = b < 0 ? 0 : b;
     w.seq = params.seqs.at(w.batch);
-    w.n_block = b < 0 ? -1 : block - int(packed_key_block(w.seq.k_start, w.batch, kBlockN));
+    w.n_block = b < 0 ? -1 : block - int(packed_block(w.seq.k_start, w.batch, kBlockN));
     blocks = (w.seq.keys_owned + kBlockN - 1) / kBlockN;
   } else {
     w.batch = bh / params.heads_q;

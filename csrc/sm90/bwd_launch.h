@@ -42,7 +42,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   const Sequences seqs = sequences(p);
   // Tiles of the tile order per head: dense, the key blocks of each (batch, head); packed, a
   // head's packed key blocks. The CTA index and a head's query workspace rows are ints.
-  const int64_t tiles = seqs.packed() ? packed_key_blocks(p.seqlen_k, p.batch, Traits::kBlockN)
+  const int64_t tiles = seqs.packed() ? packed_blocks(p.seqlen_k, p.batch, Traits::kBlockN)
                                       : (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const int64_t heads_total = seqs.packed() ? p.heads_q : int64_t(p.heads_q) * p.batch;
   if (tiles * heads_total > INT_MAX || bwd_rows_per_head(p) > INT_MAX)

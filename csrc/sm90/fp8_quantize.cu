@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "../common/sequences.h"
 #include "../common/status.h"
 #include "../flash_api.h"
 #include "fp8_layout.h"
@@ -88,8 +89,38 @@ __device__ __forceinline__ uint8_t to_e4m3(float x, float inv_scale) {
   return __nv_cvt_float_to_fp8(__fmul_rn(x, inv_scale), __NV_SATFINITE, __NV_E4M3);
 }
 
-// One CTA per (row block, head, batch). Pass 1 finds the block's largest finite magnitude (when
-// a descale is to be written); pass 2 reads the rows again (from L2), transforms and quantizes.
+// Where one CTA's block lies: its first row in the source (and rows-layout output), its rows, the
+// index of its descale and the first column of its key-major output.
+struct QuantizeBlock {
+  int64_t batch;  // on the tensors' batch axis (0 when packed)
+  int row_begin, rows;
+  int64_t descale_index, column;
+};
+
+// Dense: block x of batch entry z. Packed: block x of sequence z, clamped into the rows as the
+// forward's Sequences::at clamps it, numbered from its packed_block (common/sequences.h); rows
+// 0 when the sequence ends before it.
+__device__ QuantizeBlock quantize_block(const flashattn_fp8_quantize_t& p, int head) {
+  const int block = blockIdx.x, z = blockIdx.z;
+  if (p.cu_seqlens == nullptr) {
+    const int row_begin = block * p.block_rows;
+    return {z, row_begin, min(p.block_rows, p.seqlen - row_begin),
+            (int64_t(z) * p.heads + head) * gridDim.x + block, row_begin};
+  }
+  auto clamp = [](int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); };
+  const int start = clamp(p.cu_seqlens[z], 0, p.seqlen);
+  const int end = clamp(p.cu_seqlens[z + 1], start, p.seqlen);
+  const int len = min(end - start, p.max_seqlen);
+  const int64_t index = packed_block(start, z, p.block_rows) + block;
+  const int in_block = block * p.block_rows;
+  return {0, start + in_block, max(0, min(p.block_rows, len - in_block)),
+          int64_t(head) * packed_blocks(p.seqlen, p.batch, p.block_rows) + index,
+          index * p.block_rows};
+}
+
+// One CTA per (row block, head, batch entry or sequence). Pass 1 finds the block's largest
+// finite magnitude (when a descale is to be written); pass 2 reads the rows again (from L2),
+// transforms and quantizes.
 template <class In, int kHeadDim>
 __global__ void __launch_bounds__(kWarps * 32)
     quantize_kernel(const flashattn_fp8_quantize_t p) {
@@ -97,10 +128,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   extern __shared__ uint8_t tile[];  // key-major output: the block's rows, quantized
   __shared__ float warp_amax[kWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
-  const int row_begin = block * p.block_rows;
-  const int rows = min(p.block_rows, p.seqlen - row_begin);
-  const In* src = static_cast<const In*>(p.src.ptr) + batch * p.src.batch_stride +
+  const int head = blockIdx.y;
+  const QuantizeBlock at = quantize_block(p, head);
+  if (at.rows == 0) return;  // a packed sequence's blocks past its end
+  const int row_begin = at.row_begin, rows = at.rows;
+  const In* src = static_cast<const In*>(p.src.ptr) + at.batch * p.src.batch_stride +
                   head * p.src.head_stride;
   uint32_t lane_signs = 0;
   if (p.hadamard) {
@@ -115,7 +147,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   };
 
   float scale = 1.f;
-  const int64_t desc_index = (int64_t(batch) * p.heads + head) * gridDim.x + block;
   if (p.descale != nullptr) {
     float amax = 0.f;
     for (int r = warp; r < rows; r += kWarps) {
@@ -132,7 +163,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, warp_amax[w]);
     scale = scale_for(amax);
-    if (threadIdx.x == 0) p.descale[desc_index] = scale;
+    if (threadIdx.x == 0) p.descale[at.descale_index] = scale;
   }
 
   const float inv_scale = __fdiv_rn(1.f, scale);
@@ -150,7 +181,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int i = 0; i < kPerLane; ++i) u.byte[i] = to_e4m3(x[i], inv_scale);
     return u.word;
   };
-  uint8_t* dst = static_cast<uint8_t*>(p.dst) + batch * p.dst_batch_stride +
+  uint8_t* dst = static_cast<uint8_t*>(p.dst) + at.batch * p.dst_batch_stride +
                  head * p.dst_head_stride;
   if (p.layout == FLASHATTN_FP8_ROWS) {
     for (int r = warp; r < rows; r += kWarps)
@@ -179,7 +210,7 @@ __global__ void __launch_bounds__(kWarps * 32)
         word |= uint32_t(tile[(32 * g + fp8_key_at(4 * k + b)) * kHeadDim + column]) << (8 * b);
       packed[k] = word;
     }
-    uint4* out = reinterpret_cast<uint4*>(dst + int64_t(d) * p.dst_row_stride + row_begin + 32 * g);
+    uint4* out = reinterpret_cast<uint4*>(dst + int64_t(d) * p.dst_row_stride + at.column + 32 * g);
     out[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
   }
@@ -187,7 +218,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 template <class In, int kHeadDim>
 flashattn_result_t launch(const flashattn_fp8_quantize_t& p, cudaStream_t stream) {
-  const dim3 grid((p.seqlen + p.block_rows - 1) / p.block_rows, p.heads, p.batch);
+  const int rows = p.cu_seqlens != nullptr ? p.max_seqlen : p.seqlen;
+  const dim3 grid((rows + p.block_rows - 1) / p.block_rows, p.heads, p.batch);
   const int smem = p.layout == FLASHATTN_FP8_KEY_MAJOR ? kHeadDim * p.block_rows : 0;
   quantize_kernel<In, kHeadDim><<<grid, kWarps * 32, smem, stream>>>(p);
   return check_launch();

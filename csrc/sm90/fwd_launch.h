@@ -98,16 +98,20 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
                                batch);
   auto k = gmem_tensor<Traits>(static_cast<Element const*>(p.k.ptr), p.k, p.seqlen_k, p.heads_kv,
                                batch);
-  const int num_n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  // FP8: V key-major, (head_dim, keys padded to whole key blocks), as the quantize step wrote it.
+  // FP8: V key-major, (head_dim, keys padded to whole key blocks), as the quantize step wrote it;
+  // packed, every sequence's keys from its packed_block on (sequences.h).
+  const int num_n_blocks =
+      params.seqs.packed() && Traits::kFp8
+          ? int(packed_blocks(p.seqlen_k, p.batch, Traits::kBlockN))
+          : (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   auto v = [&] {
     if constexpr (Traits::kFp8) {
       constexpr int d = Traits::kHeadDim;
       return make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v.ptr)),
-                         make_shape(d, num_n_blocks * Traits::kBlockN, p.heads_kv, p.batch),
+                         make_shape(d, num_n_blocks * Traits::kBlockN, p.heads_kv, batch),
                          make_stride(int64_t(p.v.row_stride), _1{},
                                      tma_stride(p.v.head_stride, p.heads_kv, d),
-                                     tma_stride(p.v.batch_stride, p.batch, d)));
+                                     tma_stride(p.v.batch_stride, batch, d)));
     } else {
       return gmem_tensor<Traits>(static_cast<Element const*>(p.v.ptr), p.v, p.seqlen_k,
                                  p.heads_kv, batch);
@@ -142,6 +146,9 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   params.k_descale = p.k_descale;
   params.v_descale = p.v_descale;
   params.num_n_blocks = num_n_blocks;
+  params.num_q_blocks = params.seqs.packed() && Traits::kFp8
+                            ? int(packed_blocks(p.seqlen_q, p.batch, Traits::kBlockM))
+                            : params.num_m_blocks;
   params.o_bf16 = p.out_dtype == FLASHATTN_BF16;
 
   auto kernel = fwd_kernel<Traits>;

@@ -127,14 +127,21 @@ struct FwdMainloop {
     keys = t.keys;
     if constexpr (Traits::kFp8) {
       const int head_kv = t.head / (params.heads_q / params.heads_kv);
-      const int batch = t.seq.batch;
-      tile_scale_log2 =
-          params.scale_log2 *
-          params.q_descale[(int64_t(batch) * params.heads_q + t.head) * params.num_m_blocks +
-                           t.m_block];
-      const int64_t kv = (int64_t(batch) * params.heads_kv + head_kv) * params.num_n_blocks;
-      k_descale = params.k_descale + kv;
-      v_descale = params.v_descale + kv;
+      // (batch, heads, blocks): a packed call's one batch entry holds every sequence's blocks,
+      // sequence b's from its packed_block on (sequences.h), as the quantize step numbers them.
+      // (One formula for both: a branch between two made ptxas schedule the dense loop worse.)
+      const int b = params.seqs.packed() ? t.seq.index : 0;
+      const int64_t q_block =
+          (int64_t(t.seq.batch) * params.heads_q + t.head) * params.num_q_blocks +
+          packed_block(t.seq.q_start, b, Traits::kBlockM);
+      const int64_t kv_block =
+          (int64_t(t.seq.batch) * params.heads_kv + head_kv) * params.num_n_blocks +
+          packed_block(t.seq.k_start, b, kBlockN);
+      // A packed entry's tiles past its last row (which store nothing) read its first block's.
+      const int m_block = t.m_block * Traits::kBlockM < t.seq.seqlen_q ? t.m_block : 0;
+      tile_scale_log2 = params.scale_log2 * params.q_descale[q_block + m_block];
+      k_descale = params.k_descale + kv_block;
+      v_descale = params.v_descale + kv_block;
     }
   }
 

@@ -63,9 +63,15 @@ struct FwdProducer {
           local_tile(entry_rows(mK(_, _, head_kv, t.seq.batch), t.seq.k_start),
                      typename Traits::TileKV{}, make_coord(_, _0{}))));
       Tensor tVgV = [&] {
-        if constexpr (Traits::kFp8) {  // (head_dim, keys): key blocks along mode 1; dense only
-          return group_modes<0, 3>(cta_v.partition_S(local_tile(
-              mV(_, _, head_kv, t.seq.batch), typename Traits::TileV{}, make_coord(_0{}, _))));
+        if constexpr (Traits::kFp8) {
+          // (head_dim, keys): key blocks along mode 1; packed, the entry's from its packed_block
+          // on (sequences.h).
+          const int first_key = params.seqs.packed()
+                                    ? int(packed_block(t.seq.k_start, t.seq.index, kBlockN)) * kBlockN
+                                    : 0;
+          return group_modes<0, 3>(cta_v.partition_S(
+              local_tile(domain_offset(make_coord(_0{}, first_key), mV(_, _, head_kv, t.seq.batch)),
+                         typename Traits::TileV{}, make_coord(_0{}, _))));
         } else {
           return group_modes<0, 3>(cta_v.partition_S(
               local_tile(entry_rows(mV(_, _, head_kv, t.seq.batch), t.seq.k_start),

@@ -138,11 +138,14 @@ struct FwdParams {
   float softcap_pre;  // scale/softcap when softcap is on (scores become tanh(s·scale/softcap))
   bool softcap;
   bool pingpong;
-  // FP8: descales (batch, heads, blocks): Q per query tile, K and V per key block.
+  // FP8: descales (batch, heads, blocks), packed (heads, packed blocks): Q per query tile, K and
+  // V per key block.
   const float* q_descale;
   const float* k_descale;
   const float* v_descale;
-  int num_n_blocks;  // key blocks per head (V's key-major rows hold num_n_blocks·kBlockN keys)
+  // FP8: descale blocks per head of Q and of K and V (V's key-major rows hold
+  // num_n_blocks·kBlockN keys); packed, packed_blocks (sequences.h).
+  int num_q_blocks, num_n_blocks;
   bool o_bf16;
   FwdTail tail;  // the tail launch's pieces (fwd_tail.h)
 

@@ -185,15 +185,16 @@ pub(crate) struct Fp8Operands {
     pub descales: [u64; 3],
 }
 
-/// Launches the sm90 FP8 forward on `stream` (a CUstream).
+/// Launches the sm90 FP8 forward on `stream` (a CUstream); `packed` as in [`base_params`].
 pub(crate) fn forward_fp8(
     problem: &Problem,
+    packed: Option<&PackedRows>,
     cfg: &AttentionConfig,
     sm_count: i32,
     ops: Fp8Operands,
     stream: *mut std::ffi::c_void,
 ) -> Result<()> {
-    let mut p = base_params(problem, None, cfg, sm_count);
+    let mut p = base_params(problem, packed, cfg, sm_count);
     p.q = ops.q.to_ffi();
     p.k = ops.k.to_ffi();
     p.v = ops.v.to_ffi();

@@ -34,12 +34,12 @@ fn fp8_forward_checks_its_descales_and_output_type() {
         ),
         ("softcap", |p| p.softcap = 30.0, UNSUPPORTED),
         (
-            "packed batch",
+            "packed batch longer than its rows",
             |p| {
                 (p.cu_seqlens_q, p.cu_seqlens_k) = (addr(20) as *const i32, addr(21) as *const i32);
-                (p.max_seqlen_q, p.max_seqlen_k) = (128, 128);
+                (p.max_seqlen_q, p.max_seqlen_k) = (512, 128);
             },
-            UNSUPPORTED,
+            INVALID,
         ),
         (
             "misaligned descale",
@@ -87,9 +87,17 @@ fn fp8_quantize_and_descale_copy_refuse_bad_sizes() {
         layout: FLASHATTN_FP8_KEY_MAJOR as i32,
         hadamard: 0,
         hadamard_signs: [0; 4],
+        cu_seqlens: std::ptr::null(),
+        max_seqlen: 0,
     };
+    // Packed: one batch entry of 256 rows, two sequences, so 256 / 128 + 2 blocks per head
+    // (each sequence's last one partial): key-major rows of 512 keys.
+    fn packed_source(p: &mut flashattn_fp8_quantize_t) {
+        (p.dst_batch_stride, p.dst_row_stride, p.dst_head_stride) = (4 * 256 * 512, 512, 256 * 512);
+        (p.cu_seqlens, p.max_seqlen) = (addr(3) as *const i32, 200);
+    }
     type Edit = fn(&mut flashattn_fp8_quantize_t);
-    let cases: [(&str, Edit, i32); 10] = [
+    let cases: [(&str, Edit, i32); 14] = [
         (
             "block_rows 2^24 (head_dim · block_rows wraps to 0)",
             |p| p.block_rows = 1 << 24,
@@ -116,6 +124,31 @@ fn fp8_quantize_and_descale_copy_refuse_bad_sizes() {
             INVALID,
         ),
         ("head dim 96", |p| p.head_dim = 96, UNSUPPORTED),
+        ("dense with a max_seqlen", |p| p.max_seqlen = 256, INVALID),
+        (
+            "packed, max_seqlen past the rows",
+            |p| {
+                packed_source(p);
+                p.max_seqlen = 257;
+            },
+            INVALID,
+        ),
+        (
+            "packed, max_seqlen 0",
+            |p| {
+                packed_source(p);
+                p.max_seqlen = 0;
+            },
+            INVALID,
+        ),
+        (
+            "packed, misaligned offsets",
+            |p| {
+                packed_source(p);
+                p.cu_seqlens = (addr(3) as usize + 2) as *const i32;
+            },
+            INVALID,
+        ),
     ];
     // SAFETY (every call below): the params outlive the call; each is refused before launch.
     let r = unsafe { flashattn_fp8_quantize(std::ptr::null(), null_mut()) };

@@ -7,6 +7,13 @@
 //! the FP8 tensor-core GEMM reads both operands K-major. Descales: one per
 //! [`fp8_query_block`] query rows and per [`fp8_key_block`] keys of one head, chosen as
 //! [`crate::fp8::Fp8Tensor::quantize`] chooses them (the GPU step agrees with it bit for bit).
+//!
+//! Packed (varlen) batches ([`Device::varlen_quantize_fp8`], [`Device::varlen_forward_fp8_into`]):
+//! every sequence is quantized in blocks of its own, so that it gets the descales a dense call
+//! on its rows would. Per head, sequence b's blocks are numbered from `start / block + b` on
+//! (`start`: its first row), `total / block + batch` blocks in all (`total`: the tensors' rows),
+//! which leaves room for each sequence's last, partial block: the descales are (heads, blocks)
+//! and V's key-major rows hold `blocks · key_block` keys.
 
 use std::sync::Arc;
 
@@ -16,7 +23,7 @@ use float8::F8E4M3;
 
 mod quantize;
 
-use super::{driver_error, Device, DeviceTensor, DeviceTensorMut};
+use super::{driver_error, Device, DeviceSeqlens, DeviceTensor, DeviceTensorMut};
 use crate::backend::gpu::{self, RawTensor};
 use crate::config::{AttentionConfig, Backend};
 use crate::dispatch::{Op, Plan};
@@ -67,23 +74,28 @@ pub struct Fp8Options {
 /// Q, K and V in e4m3 in the FP8 forward's layouts, with their descales, on one device.
 #[derive(Debug)]
 pub struct Fp8Inputs {
+    /// The attention problem: dense, or packed (one entry per sequence, the longest lengths).
     problem: Problem,
+    /// The tensors' own (batch-1 for packed inputs) problem.
+    rows: Problem,
     q: CudaSlice<F8E4M3>,
     k: CudaSlice<F8E4M3>,
     v: CudaSlice<F8E4M3>,
     q_descale: CudaSlice<f32>,
     k_descale: CudaSlice<f32>,
     v_descale: CudaSlice<f32>,
-    /// Keys per V row (seqlen_k rounded up to whole key blocks).
+    /// Keys per V row (seqlen_k rounded up to whole key blocks; packed: the packed blocks').
     v_keys: usize,
 }
 
 impl Fp8Inputs {
-    /// The attention problem (dtype E4M3).
+    /// The attention problem (dtype E4M3); packed inputs: one batch entry per sequence, the
+    /// longest sequence's lengths.
     pub fn problem(&self) -> &Problem {
         &self.problem
     }
-    /// Descales of Q (batch, heads_q, query blocks), K and V (batch, heads_kv, key blocks).
+    /// Descales of Q (batch, heads_q, query blocks), K and V (batch, heads_kv, key blocks);
+    /// packed inputs: (heads, packed blocks), see the module docs.
     pub fn descales(&self) -> [&CudaSlice<f32>; 3] {
         [&self.q_descale, &self.k_descale, &self.v_descale]
     }
@@ -99,21 +111,27 @@ impl Fp8Inputs {
     }
 }
 
-/// The problem's block counts and the key-block padding of V.
+/// The descale blocks per head and batch entry of the tensors, and the key block (V's keys per
+/// row are `kv · key_block`).
 struct Blocks {
     q: usize,
     kv: usize,
     key_block: usize,
 }
 
-fn blocks(problem: &Problem) -> Result<Blocks> {
-    let key_block = fp8_key_block(problem.head_dim).ok_or(Error::UnsupportedHeadDim {
-        head_dim: problem.head_dim,
+/// The blocks of tensors with `rows`'s problem, dense or (`batch`: the sequences) packed.
+fn blocks(rows: &Problem, packed_batch: Option<usize>) -> Result<Blocks> {
+    let key_block = fp8_key_block(rows.head_dim).ok_or(Error::UnsupportedHeadDim {
+        head_dim: rows.head_dim,
         backend: Backend::Sm90,
     })?;
+    let count = |n: usize, block: usize| match packed_batch {
+        Some(batch) => n / block + batch,
+        None => n.div_ceil(block),
+    };
     Ok(Blocks {
-        q: problem.seqlen_q.div_ceil(fp8_query_block()),
-        kv: problem.seqlen_k.div_ceil(key_block),
+        q: count(rows.seqlen_q, fp8_query_block()),
+        kv: count(rows.seqlen_k, key_block),
         key_block,
     })
 }
@@ -156,7 +174,64 @@ impl Device {
         out: &mut DeviceTensorMut<O>,
         lse: &mut CudaViewMut<f32>,
     ) -> Result<Plan> {
+        self.fp8_forward_launch(stream, cfg, None, inputs, out, lse)
+    }
+
+    /// The FP8 forward over a packed batch on `stream`: `inputs` from
+    /// [`Device::varlen_quantize_fp8`] with the same `seqs`, O `(1, total_q, heads_q, head_dim)`
+    /// in bf16 or fp16, `lse` f32 `(heads_q, total_q)`, as in [`Device::varlen_forward_into`].
+    /// The offsets are not read on the host: other values than the quantize step's give wrong
+    /// rows, never an access outside a buffer.
+    pub fn varlen_forward_fp8_into<O: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        seqs: &DeviceSeqlens,
+        inputs: &Fp8Inputs,
+        out: &mut DeviceTensorMut<O>,
+        lse: &mut CudaViewMut<f32>,
+    ) -> Result<Plan> {
+        self.fp8_forward_launch(stream, cfg, Some(seqs), inputs, out, lse)
+    }
+
+    fn fp8_forward_launch<O: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        seqs: Option<&DeviceSeqlens>,
+        inputs: &Fp8Inputs,
+        out: &mut DeviceTensorMut<O>,
+        lse: &mut CudaViewMut<f32>,
+    ) -> Result<Plan> {
         self.check_fp8_device()?;
+        // The sequences must be those the inputs were quantized with, as far as the host sees.
+        let problem = inputs.problem;
+        match seqs {
+            Some(seqs) => {
+                let called = seqs.problem(&inputs.rows, cfg)?;
+                if called != problem {
+                    let quantized = if problem.packed {
+                        format!(
+                            "{} sequences of up to {}x{} rows",
+                            problem.batch, problem.seqlen_q, problem.seqlen_k
+                        )
+                    } else {
+                        "dense (quantize_fp8)".into()
+                    };
+                    return Err(Error::InvalidSeqlens(format!(
+                        "{} sequences of up to {}x{} rows, the FP8 inputs were quantized {quantized}",
+                        called.batch, called.seqlen_q, called.seqlen_k
+                    )));
+                }
+                self.check_same_context(stream, seqs.contexts())?;
+            }
+            None if problem.packed => {
+                return Err(Error::InvalidSeqlens(
+                    "FP8 inputs of packed sequences need them (varlen_forward_fp8_into)".into(),
+                ))
+            }
+            None => {}
+        }
         if !matches!(O::DTYPE, DType::BF16 | DType::F16) {
             return Err(Error::UnsupportedDtype {
                 dtype: O::DTYPE,
@@ -173,11 +248,11 @@ impl Device {
                 (Operand::Lse, lse.stream().context()),
             ],
         )?;
-        let problem = inputs.problem;
+        let rows = inputs.rows;
         check_output_len(Operand::Out, &out.layout, out.data.len())?;
-        Problem::expect_shape(Operand::Out, &out.layout, problem.q_shape())?;
-        problem.check_lse_len(lse.len())?;
-        problem.check_index_width(&[(Operand::Out, &out.layout)])?;
+        Problem::expect_shape(Operand::Out, &out.layout, rows.q_shape())?;
+        rows.check_lse_len(lse.len())?;
+        rows.check_index_width(&[(Operand::Out, &out.layout)])?;
         // The dispatcher takes E4M3 on Sm90's forward only (dispatch::check_backend).
         let plan = self.plan(Op::Forward, &problem, cfg)?;
         let d = problem.head_dim;
@@ -198,22 +273,24 @@ impl Device {
         // V key-major: (batch, heads_kv, d, keys) as (batch_stride, row_stride between d rows,
         // head_stride) in the C ABI's tensor.
         let v_layout = Layout::with_strides(
-            [problem.batch, d, problem.heads_kv, keys],
-            [problem.heads_kv * d * keys, keys, d * keys, 1],
+            [rows.batch, d, rows.heads_kv, keys],
+            [rows.heads_kv * d * keys, keys, d * keys, 1],
         );
+        let (packed, _seqs_guards) = seqs.map(|s| s.rows(stream, &rows)).unzip();
         self.ctx.bind_to_thread().map_err(driver_error)?;
         gpu::forward_fp8(
             &problem,
+            packed.as_ref(),
             cfg,
             self.info.sm_count,
             gpu::Fp8Operands {
                 q: RawTensor {
                     ptr: q_ptr,
-                    layout: Layout::contiguous(problem.q_shape()),
+                    layout: Layout::contiguous(rows.q_shape()),
                 },
                 k: RawTensor {
                     ptr: k_ptr,
-                    layout: Layout::contiguous(problem.kv_shape()),
+                    layout: Layout::contiguous(rows.kv_shape()),
                 },
                 v: RawTensor {
                     ptr: v_ptr,
@@ -246,6 +323,25 @@ impl Device {
     ) -> Result<Plan> {
         let inputs = self.quantize_fp8(stream, q, k, v, options)?;
         self.forward_fp8_into(stream, cfg, &inputs, out, lse)
+    }
+
+    /// [`Device::varlen_quantize_fp8`] and [`Device::varlen_forward_fp8_into`] in one call on
+    /// `stream`; O in the inputs' type.
+    #[allow(clippy::too_many_arguments)]
+    pub fn varlen_forward_fp8<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        seqs: &DeviceSeqlens,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        out: &mut DeviceTensorMut<T>,
+        lse: &mut CudaViewMut<f32>,
+        options: Fp8Options,
+    ) -> Result<Plan> {
+        let inputs = self.varlen_quantize_fp8(stream, seqs, q, k, v, options)?;
+        self.varlen_forward_fp8_into(stream, cfg, seqs, &inputs, out, lse)
     }
 }
 

@@ -9,8 +9,8 @@ use float8::F8E4M3;
 
 use super::{blocks, fp8_query_block, Fp8Inputs, Fp8Options};
 use crate::backend::gpu::{self, RawTensor};
-use crate::config::Backend;
-use crate::cuda::{driver_error, Device, DeviceTensor};
+use crate::config::{AttentionConfig, Backend};
+use crate::cuda::{driver_error, Device, DeviceSeqlens, DeviceTensor};
 use crate::error::{Error, Operand, Result};
 use crate::ffi;
 use crate::fp8::RandomSignHadamard;
@@ -27,6 +27,15 @@ fn sign_bits(hadamard: &RandomSignHadamard) -> [u64; 4] {
     bits
 }
 
+/// A packed source's sequences as the quantize step takes them: the device address of its
+/// `batch + 1` offsets, the sequences' count and the longest one's rows.
+#[derive(Clone, Copy)]
+struct PackedSource {
+    cu_seqlens: u64,
+    batch: usize,
+    max_seqlen: usize,
+}
+
 impl Device {
     /// One tensor through the quantize step into `dst`: rows like the source (packed), or
     /// key-major with `key_major` keys per row; its descales into `descale` when given.
@@ -36,6 +45,7 @@ impl Device {
         stream: &Arc<CudaStream>,
         operand: Operand,
         src: &DeviceTensor<T>,
+        packed: Option<PackedSource>,
         key_major: Option<usize>,
         block_rows: usize,
         hadamard: Option<&RandomSignHadamard>,
@@ -82,7 +92,7 @@ impl Device {
             dst_row_stride: rs as i64,
             dst_head_stride: hs as i64,
             descale: desc_ptr as *mut f32,
-            batch: batch as i32,
+            batch: packed.map_or(batch, |p| p.batch) as i32,
             seqlen: seqlen as i32,
             heads: heads as i32,
             head_dim: d as i32,
@@ -90,11 +100,13 @@ impl Device {
             layout: layout as i32,
             hadamard: hadamard.is_some() as i32,
             hadamard_signs: hadamard.map(sign_bits).unwrap_or_default(),
+            cu_seqlens: packed.map_or(0, |p| p.cu_seqlens) as *const i32,
+            max_seqlen: packed.map_or(0, |p| p.max_seqlen) as i32,
         };
         self.ctx.bind_to_thread().map_err(driver_error)?;
-        // SAFETY: src, dst and descale are live device buffers whose guards outlive the launch;
-        // src's layout was checked against its length, dst holds batch·heads·d·(keys or seqlen)
-        // bytes and descale batch·heads·ceil(seqlen / block_rows) f32.
+        // SAFETY: src, dst, descale and a packed source's offsets are live device buffers whose
+        // guards outlive the launch; src's layout was checked against its length, dst holds
+        // batch·heads·d·(keys or seqlen) bytes and descale batch·heads·blocks f32 (`blocks`).
         let r =
             unsafe { ffi::flashattn_fp8_quantize(&p, stream.cu_stream() as *mut std::ffi::c_void) };
         ffi::check(r, Backend::Sm90, "FP8 quantize")
@@ -106,11 +118,15 @@ impl Device {
     fn build_fp8_inputs<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
+        seqs: Option<&DeviceSeqlens>,
         [q, k, v]: [&DeviceTensor<T>; 3],
         hadamard_seed: Option<u64>,
         descales: Option<[&CudaView<f32>; 3]>,
     ) -> Result<Fp8Inputs> {
         self.check_fp8_device()?;
+        if let Some(seqs) = seqs {
+            self.check_same_context(stream, seqs.contexts())?;
+        }
         let descale_contexts = descales.iter().flat_map(|[qd, kd, vd]| {
             [
                 (Operand::Q, qd.stream().context()),
@@ -131,13 +147,18 @@ impl Device {
         check_len(Operand::Q, &q.layout, q.data.len())?;
         check_len(Operand::K, &k.layout, k.data.len())?;
         check_len(Operand::V, &v.layout, v.data.len())?;
-        let problem = Problem::from_layouts(&q.layout, &k.layout, &v.layout, DType::E4M3)?;
-        problem.check_index_width(&[
+        let rows = Problem::from_layouts(&q.layout, &k.layout, &v.layout, DType::E4M3)?;
+        rows.check_index_width(&[
             (Operand::Q, &q.layout),
             (Operand::K, &k.layout),
             (Operand::V, &v.layout),
         ])?;
-        // The quantize step runs a CTA per (block, head, batch entry): grid y and z.
+        // The quantize step has no mask: the sequences are checked against the rows alone.
+        let problem = match seqs {
+            Some(seqs) => seqs.problem(&rows, &AttentionConfig::new())?,
+            None => rows,
+        };
+        // The quantize step runs a CTA per (block, head, batch entry or sequence): grid y and z.
         for (what, n) in [("batch", problem.batch), ("heads_q", problem.heads_q)] {
             if n > 65535 {
                 return Err(Error::IndexOverflow {
@@ -146,7 +167,7 @@ impl Device {
                 });
             }
         }
-        let b = blocks(&problem)?;
+        let b = blocks(&rows, seqs.map(|s| s.batch()))?;
         let hadamard = hadamard_seed
             .map(|seed| RandomSignHadamard::new(problem.head_dim, seed))
             .transpose()?;
@@ -154,14 +175,10 @@ impl Device {
         let v_keys = b.kv * b.key_block;
         let err = driver_error;
         let count = |operand, dims: [usize; 4]| Layout::contiguous(dims).numel(operand);
-        let q_len = count(Operand::Q, problem.q_shape())?;
-        let kv_len = count(Operand::K, problem.kv_shape())?;
-        let [batch, heads_q, heads_kv, d] = [
-            problem.batch,
-            problem.heads_q,
-            problem.heads_kv,
-            problem.head_dim,
-        ];
+        let q_len = count(Operand::Q, rows.q_shape())?;
+        let kv_len = count(Operand::K, rows.kv_shape())?;
+        let [batch, heads_q, heads_kv, d] =
+            [rows.batch, rows.heads_q, rows.heads_kv, rows.head_dim];
         let v_len = count(Operand::V, [batch, heads_kv, d, v_keys])?;
         let q_desc_len = count(Operand::Q, [batch, heads_q, b.q, 1])?;
         let kv_desc_len = count(Operand::K, [batch, heads_kv, b.kv, 1])?;
@@ -169,6 +186,7 @@ impl Device {
         // and every descale when it computes them; given descales are copied in below.
         let mut out = Fp8Inputs {
             problem,
+            rows,
             q: unsafe { stream.alloc::<F8E4M3>(q_len) }.map_err(err)?,
             k: unsafe { stream.alloc::<F8E4M3>(kv_len) }.map_err(err)?,
             v: unsafe { stream.alloc::<F8E4M3>(v_len) }.map_err(err)?,
@@ -207,11 +225,28 @@ impl Device {
                 ffi::check(r, Backend::Sm90, "FP8 descale copy")?;
             }
         }
+        // Packed: each tensor's sequences by its own offsets (queries' for Q, keys' for K and V).
+        let rows_guards = seqs.map(|s| s.rows(stream, &rows));
+        let packed = |keys: bool| {
+            rows_guards
+                .as_ref()
+                .zip(seqs)
+                .map(|((r, _), s)| PackedSource {
+                    cu_seqlens: if keys { r.cu_seqlens_k } else { r.cu_seqlens_q },
+                    batch: s.batch(),
+                    max_seqlen: if keys {
+                        problem.seqlen_k
+                    } else {
+                        problem.seqlen_q
+                    },
+                })
+        };
         let fp8_rows = fp8_query_block();
         self.quantize_one(
             stream,
             Operand::Q,
             q,
+            packed(false),
             None,
             fp8_rows,
             hadamard,
@@ -222,6 +257,7 @@ impl Device {
             stream,
             Operand::K,
             k,
+            packed(true),
             None,
             b.key_block,
             hadamard,
@@ -232,6 +268,7 @@ impl Device {
             stream,
             Operand::V,
             v,
+            packed(true),
             Some(v_keys),
             b.key_block,
             None,
@@ -258,7 +295,29 @@ impl Device {
                 backend: Backend::Sm90,
             });
         }
-        self.build_fp8_inputs(stream, [q, k, v], options.hadamard_seed, None)
+        self.build_fp8_inputs(stream, None, [q, k, v], options.hadamard_seed, None)
+    }
+
+    /// The quantize step over a packed batch on `stream`: bf16 or fp16 Q `(1, total_q, heads_q,
+    /// head_dim)`, K and V `(1, total_k, heads_kv, head_dim)` with the sequences of `seqs`, each
+    /// sequence in descale blocks of its own (the descales a dense call on its rows gets), for
+    /// [`Device::varlen_forward_fp8_into`] with the same `seqs`.
+    pub fn varlen_quantize_fp8<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        seqs: &DeviceSeqlens,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        options: Fp8Options,
+    ) -> Result<Fp8Inputs> {
+        if !matches!(T::DTYPE, DType::BF16 | DType::F16) {
+            return Err(Error::UnsupportedDtype {
+                dtype: T::DTYPE,
+                backend: Backend::Sm90,
+            });
+        }
+        self.build_fp8_inputs(stream, Some(seqs), [q, k, v], options.hadamard_seed, None)
     }
 
     /// Q, K, V quantized elsewhere: e4m3 (batch, seqlen, heads, head_dim) with their descales,
@@ -279,6 +338,7 @@ impl Device {
     ) -> Result<Fp8Inputs> {
         self.build_fp8_inputs(
             stream,
+            None,
             [q, k, v],
             None,
             Some([q_descale, k_descale, v_descale]),

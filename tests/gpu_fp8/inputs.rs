@@ -1,0 +1,202 @@
+//! The quantize step against its host definition, bit for bit; inputs quantized elsewhere; the
+//! refusals.
+
+use super::*;
+
+/// Q, K and their descales byte for byte; V through its key-major layout (rows by
+/// `v_row_head_dim`, columns by `v_key_column`), padding zero.
+fn check_quantize_case<T: Element + DeviceRepr>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    options: Fp8Options,
+    seed: u64,
+) {
+    let x = inputs::<T>(case, seed);
+    let gpu = quantize_on_device(dev, stream, case, &x, options);
+    let [hq, hk, hv] = quantize_on_host(case, &x, options);
+    let [q, k] = gpu.q_k();
+    let [qd, kd, vd] = gpu.descales();
+    let (v, keys) = gpu.v_key_major();
+    let q = stream.clone_dtoh(q).unwrap();
+    let k = stream.clone_dtoh(k).unwrap();
+    let v = stream.clone_dtoh(v).unwrap();
+    let (qd, kd, vd) = (
+        stream.clone_dtoh(qd).unwrap(),
+        stream.clone_dtoh(kd).unwrap(),
+        stream.clone_dtoh(vd).unwrap(),
+    );
+    stream.synchronize().unwrap();
+    let what = format!("{:?} {options:?}", case.dtype(T::DTYPE));
+    assert_eq!(qd, hq.scales(), "{what}: Q descales");
+    assert_eq!(kd, hk.scales(), "{what}: K descales");
+    assert_eq!(vd, hv.scales(), "{what}: V descales");
+    assert!(bits(&q) == bits(hq.data()), "{what}: Q bytes");
+    assert!(bits(&k) == bits(hk.data()), "{what}: K bytes");
+    let (hkv, d, sk) = (case.heads_kv, case.head_dim, case.seqlen_k);
+    let mut mismatches = 0;
+    for b in 0..case.batch {
+        for h in 0..hkv {
+            for r in 0..d {
+                let (row, c) = (
+                    &v[((b * hkv + h) * d + r) * keys..][..keys],
+                    v_row_head_dim(r),
+                );
+                for key in 0..keys {
+                    let want = if key < sk {
+                        hv.data()[((b * sk + key) * hkv + h) * d + c].to_bits()
+                    } else {
+                        0
+                    };
+                    mismatches += (row[v_key_column(key)].to_bits() != want) as usize;
+                }
+            }
+        }
+    }
+    assert_eq!(mismatches, 0, "{what}: V key-major bytes");
+}
+
+#[test]
+#[ignore = "needs an sm_90 GPU"]
+fn quantize_matches_the_host_definition() {
+    let (dev, stream) = device();
+    let mut n = 0;
+    for d in [64, 128, 256] {
+        for (sq, sk) in [(1, 1), (128, 192), (300, 517), (1000, 77)] {
+            for seed in [None, Some(5)] {
+                let case = Case::new(sq, sk, d).batch(2).heads(4, 2);
+                let options = Fp8Options {
+                    hadamard_seed: seed,
+                };
+                check_quantize_case::<bf16>(&dev, &stream, &case, options, n);
+                check_quantize_case::<f16>(&dev, &stream, &case, options, n + 1000);
+                n += 1;
+            }
+        }
+    }
+    println!("quantize: {n} cases × bf16/fp16 match the host bit for bit");
+}
+
+/// E4M3 tensors quantized on the host, handed over with their descales, give the same O as the
+/// device's own quantize step (the same bytes reach the kernel).
+#[test]
+#[ignore = "needs an sm_90 GPU"]
+fn pre_quantized_inputs_give_the_same_output() {
+    let (dev, stream) = device();
+    for d in [64, 128, 256] {
+        let case = Case::new(300, 517, d).causal(true).heads(4, 2);
+        let x = inputs::<bf16>(&case, 77);
+        let options = Fp8Options::default();
+        let own = quantize_on_device(&dev, &stream, &case, &x, options);
+        let [hq, hk, hv] = quantize_on_host(&case, &x, options);
+        let lq = Layout::contiguous(case.q_shape());
+        let lk = Layout::contiguous(case.kv_shape());
+        let up = |t: &Fp8Tensor| {
+            (
+                stream.clone_htod(t.data()).unwrap(),
+                stream.clone_htod(t.scales()).unwrap(),
+            )
+        };
+        let ((q, qs), (k, ks), (v, vs)) = (up(&hq), up(&hk), up(&hv));
+        let given = dev
+            .fp8_inputs_from_e4m3(
+                &stream,
+                &DeviceTensor::new(q.as_view(), lq),
+                &DeviceTensor::new(k.as_view(), lk),
+                &DeviceTensor::new(v.as_view(), lk),
+                &qs.as_view(),
+                &ks.as_view(),
+                &vs.as_view(),
+            )
+            .unwrap();
+        let cfg = case.cfg(Backend::Sm90);
+        let run = |inputs: &Fp8Inputs| {
+            let mut o = stream
+                .clone_htod(&vec![bf16::NAN; lq.shape.iter().product()])
+                .unwrap();
+            let mut lse = stream.clone_htod(&vec![f32::NAN; 4 * 300]).unwrap();
+            dev.forward_fp8_into(
+                &stream,
+                &cfg,
+                inputs,
+                &mut DeviceTensorMut::new(o.as_view_mut(), lq),
+                &mut lse.as_view_mut(),
+            )
+            .unwrap();
+            let o: Vec<bf16> = stream.clone_dtoh(&o).unwrap();
+            stream.synchronize().unwrap();
+            o.iter().map(|x| x.to_bits()).collect::<Vec<u16>>()
+        };
+        let (a, b) = (run(&own), run(&given));
+        assert!(a == b, "d{d}: outputs differ");
+        assert!(!a.contains(&bf16::NAN.to_bits()), "d{d}: unwritten output");
+    }
+}
+
+#[test]
+#[ignore = "needs an sm_90 GPU"]
+fn fp8_refusals_are_typed_errors() {
+    let (dev, stream) = device();
+    let case = Case::new(64, 64, 128);
+    let x = inputs::<bf16>(&case, 1);
+    let fp8 = quantize_on_device(&dev, &stream, &case, &x, Fp8Options::default());
+    let lq = Layout::contiguous([1, 64, 2, 128]);
+    let mut o = stream.clone_htod(&vec![bf16::NAN; 64 * 2 * 128]).unwrap();
+    let mut lse = stream.clone_htod(&vec![f32::NAN; 2 * 64]).unwrap();
+    let mut forward = |cfg: &AttentionConfig, layout| {
+        dev.forward_fp8_into(
+            &stream,
+            cfg,
+            &fp8,
+            &mut DeviceTensorMut::new(o.as_view_mut(), layout),
+            &mut lse.as_view_mut(),
+        )
+        .unwrap_err()
+    };
+    let mut cfg = case.cfg(Backend::Sm90);
+    cfg.softcap = Some(30.0);
+    let e = forward(&cfg, lq);
+    assert!(matches!(e, Error::Unsupported { .. }), "softcap: {e:?}");
+    // O of the wrong shape.
+    let e = forward(
+        &case.cfg(Backend::Sm90),
+        Layout::contiguous([1, 63, 2, 128]),
+    );
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "shape: {e:?}");
+    // The sm80 backend has no FP8 forward.
+    let e = forward(&case.cfg(Backend::Sm80), lq);
+    assert!(matches!(e, Error::UnsupportedDtype { .. }), "sm80: {e:?}");
+    // Head dim 96: no FP8 key block.
+    let odd = Case::new(64, 64, 96);
+    let x = inputs::<bf16>(&odd, 2);
+    let l = Layout::contiguous([1, 64, 2, 96]);
+    let t = stream.clone_htod(&x.q).unwrap();
+    let e = dev
+        .quantize_fp8(
+            &stream,
+            &DeviceTensor::new(t.as_view(), l),
+            &DeviceTensor::new(t.as_view(), l),
+            &DeviceTensor::new(t.as_view(), l),
+            Fp8Options::default(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::UnsupportedHeadDim { .. }), "d96: {e:?}");
+    // Descales of the wrong length.
+    let short = stream.clone_htod(&[1f32]).unwrap();
+    let q8 = stream
+        .clone_htod(&vec![F8E4M3::from_f32(1.0); 64 * 2 * 128])
+        .unwrap();
+    let t = DeviceTensor::new(q8.as_view(), lq);
+    let e = dev
+        .fp8_inputs_from_e4m3(
+            &stream,
+            &t,
+            &t,
+            &t,
+            &short.as_view(),
+            &short.as_view(),
+            &short.as_view(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::BufferTooSmall { .. }), "descales: {e:?}");
+}
