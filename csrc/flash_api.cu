@@ -159,6 +159,8 @@ flashattn_result_t validate_fwd(const flashattn_params_t* p) {
     };
     const int64_t kv_blocks = blocks(p->seqlen_k, key_block);
     const int64_t q_blocks = blocks(p->seqlen_q, flashattn::sm90::kFp8QueryBlock);
+    // V's keys per row are the TMA tensor's (32-bit) extent.
+    if (kv_blocks * key_block > INT32_MAX) return kInvalid;
     const int batch = tensor_batch(*p);
     ops.read(View::of(p->v, 1, batch, p->head_dim, p->heads_kv, kv_blocks * key_block));
     const int64_t kv_descales = int64_t(batch) * p->heads_kv * kv_blocks;

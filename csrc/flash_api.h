@@ -108,8 +108,8 @@ typedef struct {
   // a buffer. Rows of the outputs (O, the LSE, dQ, dK, dV) that no sequence owns are not
   // written; key rows a sequence owns past seqused_k get dK = dV = 0. The sm90 kernels load whole
   // tiles, so rows beside a sequence (its keys past seqused_k, the next sequence's rows) must be
-  // finite: masked to a zero weight, 0·NaN is still NaN. The FP8 forward takes no packed batches
-  // (FLASHATTN_UNSUPPORTED).
+  // finite: masked to a zero weight, 0·NaN is still NaN. The FP8 forward takes packed batches
+  // quantized with the same offsets (flashattn_fp8_quantize_t's cu_seqlens).
   const int32_t* cu_seqlens_q;
   const int32_t* cu_seqlens_k;
   const int32_t* seqused_k;
@@ -141,7 +141,8 @@ typedef struct {
 
 // Where flashattn_fp8_quantize writes: rows like the source, (batch, seqlen, heads, head_dim)
 // with the dst strides; or key-major, (batch, heads, head_dim, keys) with dst_row_stride between
-// head_dim rows, keys padded with zeros to whole blocks and ordered within each 32-key group as
+// head_dim rows, keys padded with zeros to whole blocks (packed sources: every sequence's own
+// blocks; blocks no sequence owns are not written) and ordered within each 32-key group as
 // the FP8 forward's P, and row r holding head dim fp8_v_row_head_dim(r), a permutation within
 // each 32 rows (csrc/sm90/fp8_v_rows.h) that lets O leave by 16-byte stores (the layout the
 // kernel's V operand needs; build it with flashattn_fp8_quantize).
@@ -159,7 +160,7 @@ typedef struct {
   int32_t src_dtype;       // flashattn_dtype_t
   void* dst;
   int64_t dst_batch_stride, dst_row_stride, dst_head_stride;  // bytes
-  float* descale;          // (batch, heads, ceil(seqlen / block_rows)) or null
+  float* descale;          // (batch, heads, ceil(seqlen / block_rows)) or null; packed below
   int32_t batch, seqlen, heads, head_dim;
   int32_t block_rows;      // 1..4096; a multiple of 32 with head_dim·block_rows <= 32768 for
                            // FLASHATTN_FP8_KEY_MAJOR

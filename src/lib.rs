@@ -14,7 +14,8 @@
 //! FP8 (e4m3) forward on `Sm90`: `cuda::Device::forward_fp8` quantizes bf16/fp16 Q, K, V
 //! (one scale per block, optionally after a random-sign Hadamard transform of Q and K) and runs
 //! the QGMMA kernel; `cuda::Device::quantize_fp8` and `cuda::Device::fp8_inputs_from_e4m3`
-//! give inputs to reuse or quantized elsewhere. The quantize step's host definition: [`fp8`].
+//! give inputs to reuse or quantized elsewhere, `varlen_quantize_fp8` and `varlen_forward_fp8`
+//! the same over packed batches. The quantize step's host definition: [`fp8`].
 // The cuda module exists with its feature only: links to it there.
 #![cfg_attr(
     feature = "cuda",

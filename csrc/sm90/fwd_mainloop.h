@@ -137,7 +137,8 @@ struct FwdMainloop {
       const int64_t kv_block =
           (int64_t(t.seq.batch) * params.heads_kv + head_kv) * params.num_n_blocks +
           packed_block(t.seq.k_start, b, kBlockN);
-      // A packed entry's tiles past its last row (which store nothing) read its first block's.
+      // A packed entry's tiles past its last row store nothing: they read the descale slot of the
+      // entry's first block (in bounds; an empty entry's belongs to no sequence, and is unused).
       const int m_block = t.m_block * Traits::kBlockM < t.seq.seqlen_q ? t.m_block : 0;
       tile_scale_log2 = params.scale_log2 * params.q_descale[q_block + m_block];
       k_descale = params.k_descale + kv_block;

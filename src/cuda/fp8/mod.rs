@@ -104,8 +104,8 @@ impl Fp8Inputs {
         [&self.q, &self.k]
     }
     /// V key-major, (batch, heads_kv, head_dim, keys) packed, with its number of keys per row
-    /// (seqlen_k padded with zeros to whole key blocks; rows ordered by [`v_row_head_dim`],
-    /// columns by [`v_key_column`]).
+    /// (seqlen_k padded with zeros to whole key blocks, or for packed inputs each sequence's;
+    /// rows ordered by [`v_row_head_dim`], columns by [`v_key_column`]).
     pub fn v_key_major(&self) -> (&CudaSlice<F8E4M3>, usize) {
         (&self.v, self.v_keys)
     }
@@ -216,10 +216,11 @@ impl Device {
                             problem.batch, problem.seqlen_q, problem.seqlen_k
                         )
                     } else {
-                        "dense (quantize_fp8)".into()
+                        "a dense call (quantize_fp8)".into()
                     };
                     return Err(Error::InvalidSeqlens(format!(
-                        "{} sequences of up to {}x{} rows, the FP8 inputs were quantized {quantized}",
+                        "{} sequences of up to {}x{} rows, the FP8 inputs were quantized for \
+                         {quantized}",
                         called.batch, called.seqlen_q, called.seqlen_k
                     )));
                 }

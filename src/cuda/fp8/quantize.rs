@@ -182,17 +182,31 @@ impl Device {
         let v_len = count(Operand::V, [batch, heads_kv, d, v_keys])?;
         let q_desc_len = count(Operand::Q, [batch, heads_q, b.q, 1])?;
         let kv_desc_len = count(Operand::K, [batch, heads_kv, b.kv, 1])?;
-        // SAFETY (the four allocations): the quantize step writes every element of the data,
-        // and every descale when it computes them; given descales are copied in below.
+        // Dense: the quantize step writes every element of the data, and every descale when it
+        // computes them (given descales are copied in below). Packed: it writes the sequences'
+        // rows and blocks only, so the rest (rows and blocks no sequence owns) starts zeroed.
+        fn alloc<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+            stream: &Arc<CudaStream>,
+            n: usize,
+            zeroed: bool,
+        ) -> Result<CudaSlice<T>> {
+            if zeroed {
+                stream.alloc_zeros::<T>(n).map_err(driver_error)
+            } else {
+                // SAFETY: every element is written on the stream before any read (above).
+                unsafe { stream.alloc::<T>(n) }.map_err(driver_error)
+            }
+        }
+        let zeroed = seqs.is_some();
         let mut out = Fp8Inputs {
             problem,
             rows,
-            q: unsafe { stream.alloc::<F8E4M3>(q_len) }.map_err(err)?,
-            k: unsafe { stream.alloc::<F8E4M3>(kv_len) }.map_err(err)?,
-            v: unsafe { stream.alloc::<F8E4M3>(v_len) }.map_err(err)?,
-            q_descale: unsafe { stream.alloc::<f32>(q_desc_len) }.map_err(err)?,
-            k_descale: unsafe { stream.alloc::<f32>(kv_desc_len) }.map_err(err)?,
-            v_descale: unsafe { stream.alloc::<f32>(kv_desc_len) }.map_err(err)?,
+            q: alloc(stream, q_len, zeroed)?,
+            k: alloc(stream, kv_len, zeroed)?,
+            v: alloc(stream, v_len, zeroed)?,
+            q_descale: alloc(stream, q_desc_len, zeroed)?,
+            k_descale: alloc(stream, kv_desc_len, zeroed)?,
+            v_descale: alloc(stream, kv_desc_len, zeroed)?,
             v_keys,
         };
         let computed = descales.is_none();
@@ -301,7 +315,9 @@ impl Device {
     /// The quantize step over a packed batch on `stream`: bf16 or fp16 Q `(1, total_q, heads_q,
     /// head_dim)`, K and V `(1, total_k, heads_kv, head_dim)` with the sequences of `seqs`, each
     /// sequence in descale blocks of its own (the descales a dense call on its rows gets), for
-    /// [`Device::varlen_forward_fp8_into`] with the same `seqs`.
+    /// [`Device::varlen_forward_fp8_into`] with the same `seqs`. A sequence's K and V blocks cover
+    /// every key its offsets give it, `seqused_k` or not. Rows and blocks that no sequence owns
+    /// are zeros.
     pub fn varlen_quantize_fp8<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
