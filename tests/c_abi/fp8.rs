@@ -20,7 +20,7 @@ fn fp8_forward_checks_its_descales_and_output_type() {
         p
     };
     type Edit = fn(&mut flashattn_params_t);
-    let cases: [(&str, Edit, i32); 6] = [
+    let cases: [(&str, Edit, i32); 7] = [
         ("no Q descale", |p| p.q_descale = std::ptr::null(), INVALID),
         (
             "V descales inside O",
@@ -38,6 +38,29 @@ fn fp8_forward_checks_its_descales_and_output_type() {
             |p| {
                 (p.cu_seqlens_q, p.cu_seqlens_k) = (addr(20) as *const i32, addr(21) as *const i32);
                 (p.max_seqlen_q, p.max_seqlen_k) = (512, 128);
+            },
+            INVALID,
+        ),
+        (
+            // 11,184,811 one-row sequences: V's keys per row, (64 / 192 + batch) · 192, pass the
+            // 32-bit extent of the kernel's TMA tensor (everything else about the call fits).
+            "packed V wider than 2^31 keys",
+            |p| {
+                let (batch, keys) = (11_184_811i64, 11_184_811i64 * 192);
+                (p.batch, p.seqlen_q, p.seqlen_k) = (batch as i32, 64, 64);
+                (p.cu_seqlens_q, p.cu_seqlens_k) = (addr(20) as *const i32, addr(21) as *const i32);
+                (p.max_seqlen_q, p.max_seqlen_k) = (1, 1);
+                (p.q, p.k, p.o) = (
+                    packed(addr(0), 64, 4, 64),
+                    packed(addr(1), 64, 4, 64),
+                    packed(addr(3), 64, 4, 64),
+                );
+                p.v = flashattn_tensor_t {
+                    ptr: addr(2),
+                    batch_stride: 4 * 64 * keys,
+                    row_stride: keys,
+                    head_stride: 64 * keys,
+                };
             },
             INVALID,
         ),
