@@ -82,6 +82,28 @@ fn median_ms(stream: &Arc<CudaStream>, call: impl FnMut()) -> f64 {
     common::queued_times_ms(stream, 5, REPS, call)[REPS / 2]
 }
 
+/// The tensors' shape: packed `(1, TOKENS)` rows, or dense `(TOKENS / s, s)` when every length
+/// is s.
+fn tensor_shape(lens: &[usize], packed: bool, d: usize) -> [usize; 4] {
+    if packed {
+        [1, TOKENS, HIDDEN / d, d]
+    } else {
+        [TOKENS / lens[0], lens[0], HIDDEN / d, d]
+    }
+}
+
+/// The lengths' offsets on the device (for queries and keys alike), and the longest.
+fn offsets(stream: &Arc<CudaStream>, lens: &[usize]) -> (CudaSlice<i32>, usize) {
+    let mut cu = vec![0i32];
+    for &l in lens {
+        cu.push(cu.last().unwrap() + l as i32);
+    }
+    (
+        stream.clone_htod(&cu).unwrap(),
+        lens.iter().copied().max().unwrap(),
+    )
+}
+
 /// Forward and backward medians of the batch: packed with `lens` (Some), or dense
 /// `(TOKENS / s, s)` with every length s (None: `lens` are then all equal).
 fn time(
@@ -93,18 +115,8 @@ fn time(
     packed: bool,
     d: usize,
 ) -> (Plan, f64, Plan, f64) {
-    let heads = HIDDEN / d;
-    let shape = if packed {
-        [1, TOKENS, heads, d]
-    } else {
-        [TOKENS / lens[0], lens[0], heads, d]
-    };
-    let mut cu = vec![0i32];
-    for &l in lens {
-        cu.push(cu.last().unwrap() + l as i32);
-    }
-    let cu = stream.clone_htod(&cu).unwrap();
-    let max = lens.iter().copied().max().unwrap();
+    let shape = tensor_shape(lens, packed, d);
+    let (cu, max) = offsets(stream, lens);
     let seqs = DeviceSeqlens::new(cu.as_view(), cu.as_view(), max, max).unwrap();
     let layout = flashattn::Layout::contiguous(shape);
     let mut fwd_plan = None;
@@ -165,18 +177,8 @@ fn time_fp8(
     packed: bool,
     d: usize,
 ) -> (Plan, f64) {
-    let heads = HIDDEN / d;
-    let shape = if packed {
-        [1, TOKENS, heads, d]
-    } else {
-        [TOKENS / lens[0], lens[0], heads, d]
-    };
-    let mut cu = vec![0i32];
-    for &l in lens {
-        cu.push(cu.last().unwrap() + l as i32);
-    }
-    let cu = stream.clone_htod(&cu).unwrap();
-    let max = lens.iter().copied().max().unwrap();
+    let shape = tensor_shape(lens, packed, d);
+    let (cu, max) = offsets(stream, lens);
     let seqs = DeviceSeqlens::new(cu.as_view(), cu.as_view(), max, max).unwrap();
     let layout = flashattn::Layout::contiguous(shape);
     let (q, k, v) = (
