@@ -97,9 +97,9 @@ struct QuantizeBlock {
   int64_t descale_index, column;
 };
 
-// Dense: block x of batch entry z. Packed: block x of sequence z, clamped into the rows as the
-// forward's Sequences::at clamps it, numbered from its packed_block (common/sequences.h); rows
-// 0 when the sequence ends before it.
+// Dense: block x of batch entry z. Packed: block x of sequence z, clamped into the rows by the
+// forward's own Sequences::at, numbered from its packed_block (common/sequences.h); rows 0 when
+// the sequence ends before it.
 __device__ QuantizeBlock quantize_block(const flashattn_fp8_quantize_t& p, int head) {
   const int block = blockIdx.x, z = blockIdx.z;
   if (p.cu_seqlens == nullptr) {
@@ -107,10 +107,13 @@ __device__ QuantizeBlock quantize_block(const flashattn_fp8_quantize_t& p, int h
     return {z, row_begin, min(p.block_rows, p.seqlen - row_begin),
             (int64_t(z) * p.heads + head) * gridDim.x + block, row_begin};
   }
-  auto clamp = [](int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); };
-  const int start = clamp(p.cu_seqlens[z], 0, p.seqlen);
-  const int end = clamp(p.cu_seqlens[z + 1], start, p.seqlen);
-  const int len = min(end - start, p.max_seqlen);
+  // The one axis's offsets as both of a Sequences' (its query side is read).
+  Sequences seqs;
+  seqs.cu_q = seqs.cu_k = p.cu_seqlens;
+  seqs.rows_q = seqs.rows_k = p.seqlen;
+  seqs.max_q = seqs.max_k = p.max_seqlen;
+  const Sequences::Entry e = seqs.at(z);
+  const int start = e.q_start, len = e.seqlen_q;
   const int64_t index = packed_block(start, z, p.block_rows) + block;
   const int in_block = block * p.block_rows;
   return {0, start + in_block, max(0, min(p.block_rows, len - in_block)),
