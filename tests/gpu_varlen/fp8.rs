@@ -28,45 +28,50 @@ struct Fp8Out {
     lse: Vec<f32>,
 }
 
-/// The packed FP8 forward over `q_rows` query rows (the sequences' and any beyond them) and the
-/// keys of `batch`, offsets `cu` as given; its outputs downloaded.
-#[allow(clippy::too_many_arguments)]
-fn packed_fp8(
+/// Offsets of a packed call (queries, keys) and its maxima, as given (well formed or not).
+type Packing<'a> = ((&'a [i32], &'a [i32]), (usize, usize));
+
+/// The FP8 forward over host tensors Q `shapes[0]`, K and V `shapes[1]`: packed with `packing`,
+/// else dense; O (bf16) and the LSE poisoned with NaN before it, downloaded after.
+fn fp8_forward(
     dev: &Device,
     stream: &Arc<CudaStream>,
-    batch: &Batch<bf16>,
-    q_rows: usize,
+    [q, k, v]: [&[bf16]; 3],
+    [q_shape, k_shape]: [[usize; 4]; 2],
     cfg: &AttentionConfig,
     options: Fp8Options,
-    (cu_q, cu_k): (&[i32], &[i32]),
-    max: (usize, usize),
+    packing: Option<Packing>,
 ) -> flashattn::Result<Fp8Out> {
-    let (hq, hk, d) = (batch.heads_q, batch.heads_kv, batch.d);
-    let total_k: usize = batch.k_lens.iter().sum();
-    let mut q = batch.q.clone();
-    q.resize(q_rows * hq * d, bf16::from_f32(0.5));
     let up = |x: &[bf16]| stream.clone_htod(x).unwrap();
-    let (q, k, v) = (up(&q), up(&batch.k), up(&batch.v));
-    let mut out: CudaSlice<bf16> = up(&vec![bf16::NAN; q_rows * hq * d]);
-    let mut lse = stream.clone_htod(&vec![f32::NAN; hq * q_rows]).unwrap();
-    let (cu_q, cu_k) = (
-        stream.clone_htod(cu_q).unwrap(),
-        stream.clone_htod(cu_k).unwrap(),
+    let (q, k, v) = (up(q), up(k), up(v));
+    let mut out: CudaSlice<bf16> = up(&vec![bf16::NAN; q.len()]);
+    let mut lse = stream
+        .clone_htod(&vec![f32::NAN; q_shape[0] * q_shape[1] * q_shape[2]])
+        .unwrap();
+    let (q, k, v) = (
+        DeviceTensor::contiguous(&q, q_shape),
+        DeviceTensor::contiguous(&k, k_shape),
+        DeviceTensor::contiguous(&v, k_shape),
     );
-    let seqs = DeviceSeqlens::new(cu_q.as_view(), cu_k.as_view(), max.0, max.1)?;
-    let q_shape = [1, q_rows, hq, d];
-    let k_shape = [1, total_k, hk, d];
-    dev.varlen_forward_fp8(
-        stream,
-        cfg,
-        &seqs,
-        &DeviceTensor::contiguous(&q, q_shape),
-        &DeviceTensor::contiguous(&k, k_shape),
-        &DeviceTensor::contiguous(&v, k_shape),
-        &mut DeviceTensorMut::contiguous(&mut out, q_shape),
-        &mut lse.as_view_mut(),
-        options,
-    )?;
+    let mut o = DeviceTensorMut::contiguous(&mut out, q_shape);
+    match packing {
+        Some(((cu_q, cu_k), max)) => {
+            let (cu_q, cu_k) = (up_i32(stream, cu_q), up_i32(stream, cu_k));
+            let seqs = DeviceSeqlens::new(cu_q.as_view(), cu_k.as_view(), max.0, max.1)?;
+            let mut lse = lse.as_view_mut();
+            dev.varlen_forward_fp8(stream, cfg, &seqs, &q, &k, &v, &mut o, &mut lse, options)?
+        }
+        None => dev.forward_fp8(
+            stream,
+            cfg,
+            &q,
+            &k,
+            &v,
+            &mut o,
+            &mut lse.as_view_mut(),
+            options,
+        )?,
+    };
     let got = Fp8Out {
         out: stream.clone_dtoh(&out).unwrap(),
         lse: stream.clone_dtoh(&lse).unwrap(),
@@ -75,37 +80,27 @@ fn packed_fp8(
     Ok(got)
 }
 
-/// The dense FP8 forward on one sequence's rows.
-fn dense_fp8(
+fn up_i32(stream: &Arc<CudaStream>, x: &[i32]) -> CudaSlice<i32> {
+    stream.clone_htod(x).unwrap()
+}
+
+/// The packed FP8 forward over `q_rows` query rows (the sequences' and any beyond them) and the
+/// keys of `batch`.
+fn packed_fp8(
     dev: &Device,
     stream: &Arc<CudaStream>,
-    (q, k, v): (&[bf16], &[bf16], &[bf16]),
-    [sq, sk, hq, hk, d]: [usize; 5],
-    cfg: &AttentionConfig,
-    options: Fp8Options,
-) -> Fp8Out {
-    let up = |x: &[bf16]| stream.clone_htod(x).unwrap();
-    let (q, k, v) = (up(q), up(k), up(v));
-    let mut out: CudaSlice<bf16> = up(&vec![bf16::NAN; sq * hq * d]);
-    let mut lse = stream.clone_htod(&vec![f32::NAN; hq * sq]).unwrap();
-    let (q_shape, k_shape) = ([1, sq, hq, d], [1, sk, hk, d]);
-    dev.forward_fp8(
-        stream,
-        cfg,
-        &DeviceTensor::contiguous(&q, q_shape),
-        &DeviceTensor::contiguous(&k, k_shape),
-        &DeviceTensor::contiguous(&v, k_shape),
-        &mut DeviceTensorMut::contiguous(&mut out, q_shape),
-        &mut lse.as_view_mut(),
-        options,
-    )
-    .unwrap();
-    let got = Fp8Out {
-        out: stream.clone_dtoh(&out).unwrap(),
-        lse: stream.clone_dtoh(&lse).unwrap(),
-    };
-    stream.synchronize().unwrap();
-    got
+    batch: &Batch<bf16>,
+    q_rows: usize,
+    (cfg, options): (&AttentionConfig, Fp8Options),
+    packing: Packing,
+) -> flashattn::Result<Fp8Out> {
+    let (hq, hk, d) = (batch.heads_q, batch.heads_kv, batch.d);
+    let total_k: usize = batch.k_lens.iter().sum();
+    let mut q = batch.q.clone();
+    q.resize(q_rows * hq * d, bf16::from_f32(0.5));
+    let shapes = [[1, q_rows, hq, d], [1, total_k, hk, d]];
+    let qkv = [&q[..], &batch.k[..], &batch.v[..]];
+    fp8_forward(dev, stream, qkv, shapes, cfg, options, Some(packing))
 }
 
 #[test]
@@ -141,10 +136,8 @@ fn fp8_each_sequence_matches_the_dense_fp8_forward_bit_for_bit() {
                 &stream,
                 &batch,
                 q_rows,
-                &cfg,
-                options,
-                (&cu_q, &cu_k),
-                max,
+                (&cfg, options),
+                ((&cu_q, &cu_k), max),
             )
             .unwrap_or_else(|e| panic!("d{d} {cfg:?}: {e}"));
             for b in 0..FP8_Q.len() {
@@ -165,18 +158,20 @@ fn fp8_each_sequence_matches_the_dense_fp8_forward_bit_for_bit() {
                     );
                     continue;
                 }
-                let dense = dense_fp8(
+                let dense = fp8_forward(
                     &dev,
                     &stream,
-                    (
+                    [
                         &rows(&batch.q, q0..q0 + sq, hq, d),
                         &rows(&batch.k, k0..k0 + sk, hk, d),
                         &rows(&batch.v, k0..k0 + sk, hk, d),
-                    ),
-                    [sq, sk, hq, hk, d],
+                    ],
+                    [[1, sq, hq, d], [1, sk, hk, d]],
                     &cfg,
                     options,
-                );
+                    None,
+                )
+                .unwrap();
                 assert_eq!(
                     bits(&got_o),
                     bits(&dense.out),
@@ -223,10 +218,8 @@ fn sanitizer_fp8_malformed_offsets_stay_in_bounds() {
                     &stream,
                     &batch,
                     256,
-                    &cfg,
-                    options,
-                    (cu_q, cu_k),
-                    (128, 128),
+                    (&cfg, options),
+                    ((cu_q, cu_k), (128, 128)),
                 )
                 .unwrap_or_else(|e| panic!("d{d} {cu_q:?} {cu_k:?}: {e}"));
             }
