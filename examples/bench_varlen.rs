@@ -2,6 +2,7 @@
 //! about 32k tokens (all 2k; uniform 128..8k; log-normal with median 600 and one 16k sequence),
 //! hidden 2048, d64 and d128, causal, bf16; and each mix of equal lengths as a dense call too (the
 //! bound the packed one should stay within 3% of); `--long` adds two mixes with 16k sequences,
+//! `--parts` adds the log-normal mix's 16k sequence and its short ones as mixes of their own,
 //! `--mix NAME` times one mix, `--no-sm80` leaves out the forced sm80 rows, `--fp8` adds the FP8
 //! forward's rows (inputs quantized once, outside the timing; O in bf16).
 //! CUDA events around each call, queued behind the warm-up, median of 20. Writes the mixes for
@@ -28,7 +29,7 @@ const TOKENS: usize = 32768;
 const HIDDEN: usize = 2048;
 const REPS: usize = 20;
 
-/// The three mixes, each summing to TOKENS.
+/// The three mixes, each summing to TOKENS (the buffers' rows; other mixes take fewer).
 fn mixes() -> Vec<(&'static str, Vec<usize>)> {
     let mut rng = StdRng::seed_from_u64(33);
     let fill = |draw: &mut dyn FnMut() -> usize, first: Vec<usize>| {
@@ -72,9 +73,9 @@ struct Buffers {
     dv: CudaSlice<bf16>,
 }
 
-/// The first TOKENS·HIDDEN elements of `x` as a tensor of `layout`.
+/// The first elements of `x` as a tensor of `layout` (as many as it spans).
 fn view(x: &CudaSlice<bf16>, layout: flashattn::Layout) -> DeviceTensor<'_, bf16> {
-    DeviceTensor::new(x.slice(..TOKENS * HIDDEN), layout)
+    DeviceTensor::new(x.slice(..layout.shape.iter().product::<usize>()), layout)
 }
 
 /// Median milliseconds of `REPS` calls of `call`, after 5 queued warm-up calls.
@@ -82,13 +83,13 @@ fn median_ms(stream: &Arc<CudaStream>, call: impl FnMut()) -> f64 {
     common::queued_times_ms(stream, 5, REPS, call)[REPS / 2]
 }
 
-/// The tensors' shape: packed `(1, TOKENS)` rows, or dense `(TOKENS / s, s)` when every length
+/// The tensors' shape: packed `(1, Σ lens)` rows, or dense `(lens.len(), s)` when every length
 /// is s.
 fn tensor_shape(lens: &[usize], packed: bool, d: usize) -> [usize; 4] {
     if packed {
-        [1, TOKENS, HIDDEN / d, d]
+        [1, lens.iter().sum(), HIDDEN / d, d]
     } else {
-        [TOKENS / lens[0], lens[0], HIDDEN / d, d]
+        [lens.len(), lens[0], HIDDEN / d, d]
     }
 }
 
@@ -222,6 +223,13 @@ fn main() {
         beside.extend([2048; 8]);
         mixes.push(("16k-and-2k", beside));
     }
+    // --parts: the log-normal mix's two parts alone — its 16k sequence, and the short ones
+    // without it — to see which of them holds its rate down.
+    if args.flag("--parts") {
+        let heavy = mixes[2].1.clone();
+        mixes.push(("lognormal-short", heavy[1..].to_vec()));
+        mixes.push(("lognormal-16k", heavy[..1].to_vec()));
+    }
     if let Some(path) = args.value("--mixes-out") {
         let list: Vec<String> = mixes
             .iter()
@@ -294,12 +302,13 @@ fn main() {
                 rows.push(format!(
                     "{{\"impl\": \"{}\", \"bwd_impl\": \"{}\", \"varlen\": {packed}, \"mix\": \"{name}\", \
                      \"dtype\": \"bf16\", \"d\": {d}, \"heads\": {heads}, \"heads_kv\": {heads}, \
-                     \"batch\": {}, \"total_tokens\": {TOKENS}, \"max_seqlen\": {}, \"causal\": true, \
+                     \"batch\": {}, \"total_tokens\": {}, \"max_seqlen\": {}, \"causal\": true, \
                      \"forced\": \"{}\", \"fwd_ms\": {fwd:.4}, \"fwd_tflops\": {:.1}, \
                      \"bwd_ms\": {bwd:.4}, \"bwd_tflops\": {:.1}}}",
                     name_of(&fp),
                     name_of(&bp),
                     lens.len(),
+                    lens.iter().sum::<usize>(),
                     lens.iter().max().unwrap(),
                     backend.name(),
                     tf(fwd, flops),
@@ -329,11 +338,12 @@ fn main() {
                 rows.push(format!(
                     "{{\"impl\": \"flashattn-{}\", \"varlen\": {packed}, \"mix\": \"{name}\", \
                      \"dtype\": \"e4m3\", \"out_dtype\": \"bf16\", \"d\": {d}, \"heads\": {heads}, \
-                     \"heads_kv\": {heads}, \"batch\": {}, \"total_tokens\": {TOKENS}, \
+                     \"heads_kv\": {heads}, \"batch\": {}, \"total_tokens\": {}, \
                      \"max_seqlen\": {}, \"causal\": true, \"fwd_ms\": {fwd:.4}, \
                      \"fwd_tflops\": {tflops:.1}}}",
                     plan.backend.name(),
                     lens.len(),
+                    lens.iter().sum::<usize>(),
                     lens.iter().max().unwrap(),
                 ));
             }
