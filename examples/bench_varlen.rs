@@ -1,10 +1,11 @@
 //! Packed (varlen) batches on the device: forward and backward TFLOP/s over three length mixes of
 //! about 32k tokens (all 2k; uniform 128..8k; log-normal with median 600 and one 16k sequence),
 //! hidden 2048, d64 and d128, causal, bf16; and each mix of equal lengths as a dense call too (the
-//! bound the packed one should stay within 3% of); `--long` adds two mixes with 16k sequences,
-//! `--parts` adds the log-normal mix's 16k sequence and its short ones as mixes of their own,
-//! `--mix NAME` times one mix, `--no-sm80` leaves out the forced sm80 rows, `--fp8` adds the FP8
-//! forward's rows (inputs quantized once, outside the timing; O in bf16).
+//! bound the packed one should stay within 3% of). `--long` adds two mixes with 16k sequences,
+//! `--parts` the log-normal mix's 16k sequence and its short ones as mixes of their own;
+//! `--sorted` orders each mix's sequences longest first; `--mix NAME` times one mix; `--no-sm80`
+//! leaves out the forced sm80 rows; `--fp8` adds the FP8 forward's rows (inputs quantized once,
+//! outside the timing; O in bf16).
 //! CUDA events around each call, queued behind the warm-up, median of 20. Writes the mixes for
 //! benchmarks/varlen_peers.py (`--mixes-out PATH`) so that the peers time the very same sequences.
 //!
@@ -229,6 +230,13 @@ fn main() {
         let heavy = mixes[2].1.clone();
         mixes.push(("lognormal-short", heavy[1..].to_vec()));
         mixes.push(("lognormal-16k", heavy[..1].to_vec()));
+    }
+    // --sorted: each mix's sequences longest first, the order a longest-first schedule would
+    // take them in (against the drawn order, to see what the order costs).
+    if args.flag("--sorted") {
+        for (_, lens) in &mut mixes {
+            lens.sort_unstable_by(|a, b| b.cmp(a));
+        }
     }
     if let Some(path) = args.value("--mixes-out") {
         let list: Vec<String> = mixes

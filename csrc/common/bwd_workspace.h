@@ -49,21 +49,6 @@ __host__ __device__ inline int64_t bwd_rows_start(const Sequences& s, const Sequ
   return s.packed() ? at + bwd_packed_run(e.q_start, b) : at;
 }
 
-// The last b in [0, n) whose start(b) is at or before x (0 if none): a binary search, for starts
-// that grow with b, as well-formed offsets give them. For malformed offsets it returns some b in
-// [0, n), whose clamped Entry still keeps every access in bounds; the caller checks that x lies
-// inside what b owns.
-template <class Start>
-__device__ int last_start_at_most(int n, int64_t x, Start start) {
-  int lo = 0, hi = n;  // the answer lies in [lo, hi)
-  while (hi - lo > 1) {
-    const int mid = lo + (hi - lo) / 2;
-    if (start(mid) <= x) lo = mid;
-    else hi = mid;
-  }
-  return lo;
-}
-
 // Packed calls: the sequence of `batch` whose run of query workspace rows (bwd_rows_start) holds
 // row `w` of a head, as far as any does (a row before run 0 or past a run's dq_accum_rows(length)
 // belongs to none: the caller checks).

@@ -55,7 +55,11 @@ struct Sequences {
     const int len_k = used_k != nullptr ? clamp(used_k[b], 0, owned) : owned;
     return {b, 0, q0, k0, q1 - q0 < max_q ? q1 - q0 : max_q, len_k, owned};
   }
-  // Entry b's first key row, as at(b) gives it, alone.
+  // Entry b's first query or key row, as at(b) gives it, alone.
+  __device__ int q_start(int b) const {
+    const int q0 = cu_q[b];
+    return q0 < 0 ? 0 : (q0 > rows_q ? rows_q : q0);
+  }
   __device__ int k_start(int b) const {
     const int k0 = cu_k[b];
     return k0 < 0 ? 0 : (k0 > rows_k ? rows_k : k0);
@@ -73,6 +77,21 @@ __host__ __device__ inline int64_t packed_block(int start, int b, int n) {
 }
 __host__ __device__ inline int64_t packed_blocks(int rows, int batch, int n) {
   return rows / n + int64_t(batch);
+}
+
+// The last b in [0, n) whose start(b) is at or before x (0 if none): a binary search, for starts
+// that grow with b, as well-formed offsets give them. For malformed offsets it returns some b in
+// [0, n), whose clamped Entry still keeps every access in bounds; the caller checks that x lies
+// inside what b owns.
+template <class Start>
+__device__ int last_start_at_most(int n, int64_t x, Start start) {
+  int lo = 0, hi = n;  // the answer lies in [lo, hi)
+  while (hi - lo > 1) {
+    const int mid = lo + (hi - lo) / 2;
+    if (start(mid) <= x) lo = mid;
+    else hi = mid;
+  }
+  return lo;
 }
 
 // The call's entries: dense, or packed by its offsets.

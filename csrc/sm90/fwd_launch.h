@@ -134,9 +134,15 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   params.seqlen_k = p.seqlen_k;
   params.keys = key_range(p);
   params.num_m_blocks = (params.seqs.max_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  const int64_t tiles = int64_t(params.num_m_blocks) * p.heads_q * p.batch;
-  if (tiles > INT32_MAX) return status(FLASHATTN_UNSUPPORTED);
+  // Packed: each head's query slots (decode_tile), whose rows stay within int as every block's.
+  const int64_t slots = packed_blocks(p.seqlen_q, p.batch, Traits::kBlockM);
+  const int64_t tiles = params.seqs.packed() ? slots * p.heads_q
+                                             : int64_t(params.num_m_blocks) * p.heads_q * p.batch;
+  if (tiles > INT32_MAX || slots * Traits::kBlockM > INT32_MAX)
+    return status(FLASHATTN_UNSUPPORTED);
   params.num_tiles = int(tiles);
+  params.num_slots = int(slots);
+  params.slot_entries = nullptr;
   const float log2e = float(M_LOG2E);
   params.softcap = p.softcap > 0.f;
   params.softcap_pre = params.softcap ? p.softmax_scale / p.softcap : 0.f;
@@ -187,8 +193,24 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
       }
     }
   }
-  kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
-  return check_launch();
+  if (!packed) {
+    kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
+    return check_launch();
+  }
+  // Packed: the slots' entries first, in a workspace taken and given back in stream order.
+  int* entries = nullptr;
+  FLASHATTN_TRY_CUDA(
+      workspace_alloc(reinterpret_cast<void**>(&entries), size_t(slots) * sizeof(int), stream));
+  params.slot_entries = entries;
+  fwd_slot_entries<Traits::kBlockM><<<unsigned((slots + 255) / 256), 256, 0, stream>>>(
+      params.seqs, p.batch, params.num_slots, entries);
+  flashattn_result_t launched = check_launch();
+  if (launched.status == FLASHATTN_OK) {
+    kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
+    launched = check_launch();
+  }
+  const cudaError_t freed = cudaFreeAsync(entries, stream);
+  return launched.status == FLASHATTN_OK ? cuda_status(freed) : launched;
 }
 
 // The tile table's instantiation the caller chose (FLASHATTN_SM90_MASKED_TILE), where the head

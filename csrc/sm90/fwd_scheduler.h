@@ -14,9 +14,13 @@ namespace flashattn::sm90 {
 // per unit, query blocks in order. With one (causal), query block m sees about m + 1 key blocks:
 // a unit is two tiles, the head's heaviest block left with its lightest (M−1 with 0, M−2 with 1,
 // ...), so that every unit costs about M + 1 blocks and a static share is a balanced one.
-// Packed batches: M covers the longest sequence, a tile's rows and keys are its entry's
-// (Sequences::at, read on the device), the pairs are made over the entry's own query blocks, and
-// the tiles past them are empty.
+// Packed batches: a tile's rows and keys are its entry's (Sequences::at, read on the device).
+// Each entry b takes span_b consecutive query slots (packed_block numbering, sequences.h: its
+// blocks and at most one slot past them), and its tiles are the span_b slots of each head in
+// turn, tile = heads·first_b + head·span_b + slot, so that no entry pads to the longest one's
+// blocks (all the empty tiles of a call are at most one per entry and head). The pairs are made
+// over the entry's own query blocks; a pair may straddle two heads or entries, and costs about
+// the same then (the light block of one run beside the heavy one of the next).
 struct WorkTile {
   int m_block, head;
   Sequences::Entry seq;  // the tile's batch entry: where its rows lie, its lengths
@@ -36,10 +40,30 @@ __device__ bool has_rows(const WorkTile& t) {
 template <class Traits>
 __device__ WorkTile decode_tile(const FwdParams<Traits>& p, int tile) {
   WorkTile t;
-  const int i = tile % p.num_m_blocks;  // position within the head's tiles
-  const int rest = tile / p.num_m_blocks;
-  t.head = rest % p.heads_q;
-  t.seq = p.seqs.at(rest / p.heads_q);
+  int i;  // position within the (entry, head)'s tiles
+  if (p.slot_entries == nullptr) {
+    i = tile % p.num_m_blocks;
+    const int rest = tile / p.num_m_blocks;
+    t.head = rest % p.heads_q;
+    t.seq = p.seqs.at(rest / p.heads_q);
+  } else {
+    // Malformed offsets may give a span that does not hold the tile: then it is empty.
+    const int b = p.slot_entries[tile / p.heads_q];
+    const int first = int(packed_block(p.seqs.q_start(b), b, Traits::kBlockM));
+    const int next = b + 1 < p.batch
+                         ? int(packed_block(p.seqs.q_start(b + 1), b + 1, Traits::kBlockM))
+                         : p.num_slots;
+    const int span = next - first, r = tile - p.heads_q * first;
+    t.seq = p.seqs.at(b);
+    if (span > 0 && r >= 0 && r < p.heads_q * span) {
+      t.head = r / span;
+      i = r % span;
+    } else {  // malformed offsets: a span that does not hold the tile; it is left empty
+      t.head = 0;
+      i = 0;
+      t.seq.seqlen_q = 0;
+    }
+  }
   if (p.tiles_per_unit == 1) {
     t.m_block = i;
   } else {  // pairs over the entry's own query blocks; a packed entry's past them are empty
@@ -96,6 +120,18 @@ struct TailPieceWalk {
     return true;
   }
 };
+
+// Packed calls: the entry whose query slots (blocks of kBlockM rows, packed_block numbering) hold
+// slot i, for each of `slots`: computed on the stream before the forward, so that each tile reads
+// one int where it would search the offsets.
+template <int kBlockM>
+__global__ void __launch_bounds__(256)
+    fwd_slot_entries(Sequences seqs, int batch, int slots, int* entries) {
+  const int i = blockIdx.x * 256 + threadIdx.x;
+  if (i < slots)
+    entries[i] = last_start_at_most(
+        batch, i, [&](int b) { return packed_block(seqs.q_start(b), b, kBlockM); });
+}
 
 // kTailPieces: the tail launch's pieces (fwd_tail.h); else whole tiles.
 template <class Traits, bool kTailPieces>

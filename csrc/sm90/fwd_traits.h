@@ -131,6 +131,10 @@ struct FwdParams {
   int seqlen_q, seqlen_k;  // the tensors' rows (packed: all sequences')
   int num_m_blocks;        // query blocks of the longest entry
   int num_tiles;
+  // Packed calls: the entry of each query slot (fwd_slot_entries), num_slots per head
+  // (packed_blocks of the query rows); null when dense.
+  const int* slot_entries;
+  int num_slots;
   int tiles_per_unit;  // 2 with a right bound on the keys over several query blocks, else 1
   KeyRange keys;       // the call's; each tile's has its entry's lengths (WorkTile::keys)
   Sequences seqs;      // where each entry's rows lie (packed: the caller's offsets)
