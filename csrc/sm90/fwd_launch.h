@@ -134,7 +134,8 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   params.seqlen_k = p.seqlen_k;
   params.keys = key_range(p);
   params.num_m_blocks = (params.seqs.max_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  // Packed: each head's query slots (decode_tile), whose rows stay within int as every block's.
+  // Packed: each head's query slots, at most one per 128 rows and entry (decode_tile), whose
+  // rows stay within int as every block's.
   const int64_t slots = packed_blocks(p.seqlen_q, p.batch, Traits::kBlockM);
   const int64_t tiles = params.seqs.packed() ? slots * p.heads_q
                                              : int64_t(params.num_m_blocks) * p.heads_q * p.batch;
@@ -197,19 +198,22 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
     kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
     return check_launch();
   }
-  // Packed: the slots' entries first, in a workspace taken and given back in stream order.
-  int* entries = nullptr;
-  FLASHATTN_TRY_CUDA(
-      workspace_alloc(reinterpret_cast<void**>(&entries), size_t(slots) * sizeof(int), stream));
-  params.slot_entries = entries;
-  fwd_slot_entries<Traits::kBlockM><<<unsigned((slots + 255) / 256), 256, 0, stream>>>(
-      params.seqs, p.batch, params.num_slots, entries);
+  // Packed: the schedule first (fwd_packed_schedule), in a workspace taken and given back in
+  // stream order.
+  int2* schedule = nullptr;
+  FLASHATTN_TRY_CUDA(workspace_alloc(reinterpret_cast<void**>(&schedule),
+                                     size_t(slots) * sizeof(int2), stream));
+  params.slot_entries = schedule;
+  int threads = 32;
+  while (threads < kScheduleChunk && threads < p.batch) threads *= 2;
+  fwd_packed_schedule<Traits::kBlockM><<<(p.batch + threads - 1) / threads, threads, 0, stream>>>(
+      params.seqs, p.batch, params.num_slots, schedule);
   flashattn_result_t launched = check_launch();
   if (launched.status == FLASHATTN_OK) {
     kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
     launched = check_launch();
   }
-  const cudaError_t freed = cudaFreeAsync(entries, stream);
+  const cudaError_t freed = cudaFreeAsync(schedule, stream);
   return launched.status == FLASHATTN_OK ? cuda_status(freed) : launched;
 }
 

@@ -15,12 +15,13 @@ namespace flashattn::sm90 {
 // a unit is two tiles, the head's heaviest block left with its lightest (M−1 with 0, M−2 with 1,
 // ...), so that every unit costs about M + 1 blocks and a static share is a balanced one.
 // Packed batches: a tile's rows and keys are its entry's (Sequences::at, read on the device).
-// Each entry b takes span_b consecutive query slots (packed_block numbering, sequences.h: its
-// blocks and at most one slot past them), and its tiles are the span_b slots of each head in
-// turn, tile = heads·first_b + head·span_b + slot, so that no entry pads to the longest one's
-// blocks (all the empty tiles of a call are at most one per entry and head). The pairs are made
-// over the entry's own query blocks; a pair may straddle two heads or entries, and costs about
-// the same then (the light block of one run beside the heavy one of the next).
+// The entries take consecutive query slots, one per 128-row block, longest first (ties, and
+// beyond a chunk of kScheduleChunk entries, in the caller's order), and an entry's tiles are its
+// slots of each head in turn, tile = heads·first_b + head·blocks_b + i: no entry pads to the
+// longest one's blocks, and the heaviest work starts first. A pass before the forward
+// (fwd_packed_schedule) writes each slot's entry and that entry's first slot. The pairs are
+// made over the entry's own query blocks; a pair may straddle two heads or entries, and costs
+// about the same then (the light block of one run beside the heavy one of the next).
 struct WorkTile {
   int m_block, head;
   Sequences::Entry seq;  // the tile's batch entry: where its rows lie, its lengths
@@ -46,19 +47,15 @@ __device__ WorkTile decode_tile(const FwdParams<Traits>& p, int tile) {
     const int rest = tile / p.num_m_blocks;
     t.head = rest % p.heads_q;
     t.seq = p.seqs.at(rest / p.heads_q);
-  } else {
-    // Malformed offsets may give a span that does not hold the tile: then it is empty.
-    const int b = p.slot_entries[tile / p.heads_q];
-    const int first = int(packed_block(p.seqs.q_start(b), b, Traits::kBlockM));
-    const int next = b + 1 < p.batch
-                         ? int(packed_block(p.seqs.q_start(b + 1), b + 1, Traits::kBlockM))
-                         : p.num_slots;
-    const int span = next - first, r = tile - p.heads_q * first;
-    t.seq = p.seqs.at(b);
-    if (span > 0 && r >= 0 && r < p.heads_q * span) {
-      t.head = r / span;
-      i = r % span;
-    } else {  // malformed offsets: a span that does not hold the tile; it is left empty
+  } else {  // slots past the last entry's (a bound the host takes) hold no tile
+    const int2 slot = p.slot_entries[tile / p.heads_q];
+    t.seq = p.seqs.at(slot.x >= 0 ? slot.x : 0);
+    const int blocks = (t.seq.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+    const int r = tile - p.heads_q * slot.y;  // in [0, heads·blocks) for a slot of the entry's
+    if (slot.x >= 0 && r >= 0 && r < p.heads_q * blocks) {
+      t.head = r / blocks;
+      i = r % blocks;
+    } else {
       t.head = 0;
       i = 0;
       t.seq.seqlen_q = 0;
@@ -121,16 +118,68 @@ struct TailPieceWalk {
   }
 };
 
-// Packed calls: the entry whose query slots (blocks of kBlockM rows, packed_block numbering) hold
-// slot i, for each of `slots`: computed on the stream before the forward, so that each tile reads
-// one int where it would search the offsets.
+// Entries the packed schedule orders longest first at a time (one CTA's sort).
+constexpr int kScheduleChunk = 1024;
+
+// Packed calls: the schedule decode_tile reads, (entry, the entry's first slot) for each of
+// `slots` query slots, entry −1 past the last entry's. CTA c of a power of two threads n (at
+// most kScheduleChunk) orders entries [c·n, (c + 1)·n) by blocks (more first, ties in order)
+// with a bitonic network in shared memory; their slots follow those of every entry before the
+// chunk (which the CTA counts for itself), and each slot finds its entry by a binary search over
+// the chunk's sorted first slots. Malformed offsets give clamped entries whose blocks may add up
+// past `slots`: the slots past it are not written (their tiles never run).
 template <int kBlockM>
-__global__ void __launch_bounds__(256)
-    fwd_slot_entries(Sequences seqs, int batch, int slots, int* entries) {
-  const int i = blockIdx.x * 256 + threadIdx.x;
-  if (i < slots)
-    entries[i] = last_start_at_most(
-        batch, i, [&](int b) { return packed_block(seqs.q_start(b), b, kBlockM); });
+__global__ void __launch_bounds__(kScheduleChunk)
+    fwd_packed_schedule(Sequences seqs, int batch, int slots, int2* table) {
+  __shared__ uint64_t order[kScheduleChunk];     // (blocks descending, entry) keys
+  __shared__ int64_t first[kScheduleChunk + 1];  // the sorted entries' first slots, and the end
+  __shared__ unsigned long long before;          // slots of the entries before the chunk
+  const int n = blockDim.x, t = threadIdx.x, base = blockIdx.x * n;
+  auto blocks_of = [&](int b) { return (seqs.at(b).seqlen_q + kBlockM - 1) / kBlockM; };
+  if (t == 0) before = 0;
+  __syncthreads();
+  unsigned long long mine_before = 0;
+  for (int b = t; b < base; b += n) mine_before += blocks_of(b);
+  atomicAdd(&before, mine_before);
+  const int b = base + t;
+  const int blocks = b < batch ? blocks_of(b) : 0;
+  order[t] = (uint64_t(uint32_t(INT32_MAX - blocks)) << 32) | uint32_t(b);
+  __syncthreads();
+  for (int k = 2; k <= n; k *= 2) {
+    for (int j = k / 2; j > 0; j /= 2) {
+      const int partner = t ^ j;
+      if (partner > t) {
+        const uint64_t x = order[t], y = order[partner];
+        if ((x > y) == ((t & k) == 0)) {
+          order[t] = y;
+          order[partner] = x;
+        }
+      }
+      __syncthreads();
+    }
+  }
+  // Inclusive sums of the sorted blocks in first[1..n] (Hillis-Steele), first[0] = 0.
+  first[t + 1] = uint32_t(order[t]) < uint32_t(batch) ? INT32_MAX - int(order[t] >> 32) : 0;
+  if (t == 0) first[0] = 0;
+  __syncthreads();
+  for (int step = 1; step < n; step *= 2) {
+    const int64_t add = t + 1 > step ? first[t + 1 - step] : 0;
+    __syncthreads();
+    first[t + 1] += add;
+    __syncthreads();
+  }
+  const int64_t done = int64_t(before), chunk_slots = first[n];
+  for (int64_t s = t; s < chunk_slots && done + s < slots; s += n) {
+    int lo = 0, hi = n;  // the last sorted entry whose first slot is at or before s
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (first[mid] <= s) lo = mid;
+      else hi = mid;
+    }
+    table[done + s] = make_int2(int(uint32_t(order[lo])), int(done + first[lo]));
+  }
+  if (blockIdx.x == gridDim.x - 1)
+    for (int64_t s = done + chunk_slots + t; s < slots; s += n) table[s] = make_int2(-1, 0);
 }
 
 // kTailPieces: the tail launch's pieces (fwd_tail.h); else whole tiles.

@@ -248,6 +248,26 @@ fn many_sequences_and_long_ones() {
     }
 }
 
+/// More sequences than the Hopper forward's schedule sorts at once (1024): 1500 of 0 to 40 rows
+/// with a few longer ones in the second chunk, GQA 2:1, d64.
+#[test]
+#[ignore = "needs a GPU"]
+fn more_sequences_than_one_schedule_chunk() {
+    let mut rng = StdRng::seed_from_u64(1500);
+    let mut lens: Vec<usize> = (0..1500).map(|_| rng.random_range(0..=40)).collect();
+    for (at, len) in [(1100, 300), (1300, 129), (1499, 257)] {
+        lens[at] = len;
+    }
+    for cfg in [AttentionConfig::new(), AttentionConfig::new().causal(true)] {
+        check(
+            &Batch::<bf16>::new(&lens, &lens, (2, 1), 64, 15),
+            &cfg,
+            None,
+            Backend::Auto,
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn seqused_k_attends_to_the_first_keys_only() {
