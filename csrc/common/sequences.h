@@ -55,11 +55,7 @@ struct Sequences {
     const int len_k = used_k != nullptr ? clamp(used_k[b], 0, owned) : owned;
     return {b, 0, q0, k0, q1 - q0 < max_q ? q1 - q0 : max_q, len_k, owned};
   }
-  // Entry b's first query or key row, as at(b) gives it, alone.
-  __device__ int q_start(int b) const {
-    const int q0 = cu_q[b];
-    return q0 < 0 ? 0 : (q0 > rows_q ? rows_q : q0);
-  }
+  // Entry b's first key row, as at(b) gives it, alone.
   __device__ int k_start(int b) const {
     const int k0 = cu_k[b];
     return k0 < 0 ? 0 : (k0 > rows_k ? rows_k : k0);

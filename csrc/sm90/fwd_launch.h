@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "../common/launch.h"
@@ -37,6 +38,15 @@ cudaError_t launch_dependent(void (*kernel)(Params...), int grid, int threads, i
   const cudaError_t e = cudaLaunchKernelEx(&config, kernel, params...);
   if (e != cudaSuccess) (void)cudaGetLastError();  // returned here, not left for the next check
   return e;
+}
+
+// A stream-ordered workspace given back after the launches that use it: their result, else the
+// free's (whose error is then taken off the thread, so that the next call does not report it).
+inline flashattn_result_t freed_after(flashattn_result_t launched, void* workspace,
+                                      cudaStream_t stream) {
+  const cudaError_t freed = cudaFreeAsync(workspace, stream);
+  if (freed != cudaSuccess) (void)cudaGetLastError();
+  return launched.status == FLASHATTN_OK ? cuda_status(freed) : launched;
 }
 
 // The forward with its tail split (fwd_tail.h): the whole waves, the pieces, their merge; then
@@ -82,8 +92,7 @@ flashattn_result_t run_fwd_split_tail(const flashattn_params_t& p, FwdParams<Tra
       launched = merge(static_cast<typename Traits::Element*>(p.o.ptr));
     }
   }
-  const cudaError_t freed = cudaFreeAsync(tail.partials, stream);
-  return launched.status == FLASHATTN_OK ? cuda_status(freed) : launched;
+  return freed_after(launched, tail.partials, stream);
 }
 
 template <class Traits>
@@ -134,14 +143,14 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   params.seqlen_k = p.seqlen_k;
   params.keys = key_range(p);
   params.num_m_blocks = (params.seqs.max_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  // Packed: each head's query slots, at most one per 128 rows and entry (decode_tile), whose
-  // rows stay within int as every block's.
-  const int64_t slots = packed_blocks(p.seqlen_q, p.batch, Traits::kBlockM);
-  const int64_t tiles = params.seqs.packed() ? slots * p.heads_q
-                                             : int64_t(params.num_m_blocks) * p.heads_q * p.batch;
-  if (tiles > INT32_MAX || slots * Traits::kBlockM > INT32_MAX)
-    return status(FLASHATTN_UNSUPPORTED);
-  params.num_tiles = int(tiles);
+  // Every entry padded to the longest one's blocks (dense calls, and packed ones without the
+  // schedule's workspace); packed, each head's query slots (decode_tile): at most one per 128
+  // rows and entry, and at most the padded count, as Sequences::at caps every length.
+  const int64_t padded_tiles = int64_t(params.num_m_blocks) * p.heads_q * p.batch;
+  const int64_t slots = std::min(packed_blocks(p.seqlen_q, p.batch, Traits::kBlockM),
+                                 int64_t(params.num_m_blocks) * p.batch);
+  if (padded_tiles > INT32_MAX) return status(FLASHATTN_UNSUPPORTED);
+  params.num_tiles = int(params.seqs.packed() ? slots * p.heads_q : padded_tiles);
   params.num_slots = int(slots);
   params.slot_entries = nullptr;
   const float log2e = float(M_LOG2E);
@@ -167,9 +176,11 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   const bool packed = params.seqs.packed();
   // No pairs with one query block.
   params.tiles_per_unit = uniform || params.num_m_blocks == 1 ? 1 : 2;
-  const int units = (params.num_tiles + params.tiles_per_unit - 1) / params.tiles_per_unit;
   const bool persistent = uniform || (p.sm90_flags & FLASHATTN_SM90_PERSISTENT_CAUSAL);
-  const int ctas = persistent && p.sm_count > 0 && p.sm_count < units ? p.sm_count : units;
+  auto ctas_for = [&](int tiles) {
+    const int units = (tiles + params.tiles_per_unit - 1) / params.tiles_per_unit;
+    return persistent && p.sm_count > 0 && p.sm_count < units ? p.sm_count : units;
+  };
   if constexpr (Traits::kTailSplit) {
     // Tiles that all visit the same key blocks: no window at all, or one query block per head
     // (decoding, short chunks) under any mask; never a packed batch's (their lengths differ).
@@ -194,27 +205,31 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
       }
     }
   }
-  if (!packed) {
-    kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
+  // Packed: the schedule first (fwd_packed_schedule), in a workspace taken and given back in
+  // stream order. Without it (out of memory, say) the call runs with every entry padded: the
+  // error is not this call's failure (a sticky one shows at the launch below).
+  int2* schedule = nullptr;
+  if (packed && workspace_alloc(reinterpret_cast<void**>(&schedule),
+                                size_t(slots) * sizeof(int2), stream) != cudaSuccess) {
+    (void)cudaGetLastError();
+    schedule = nullptr;
+    params.num_tiles = int(padded_tiles);
+  }
+  if (schedule == nullptr) {
+    kernel<<<ctas_for(params.num_tiles), Traits::kThreads, smem_bytes, stream>>>(params);
     return check_launch();
   }
-  // Packed: the schedule first (fwd_packed_schedule), in a workspace taken and given back in
-  // stream order.
-  int2* schedule = nullptr;
-  FLASHATTN_TRY_CUDA(workspace_alloc(reinterpret_cast<void**>(&schedule),
-                                     size_t(slots) * sizeof(int2), stream));
   params.slot_entries = schedule;
-  int threads = 32;
+  int threads = 32;  // a power of two (the schedule's sort), one per entry up to kScheduleChunk
   while (threads < kScheduleChunk && threads < p.batch) threads *= 2;
   fwd_packed_schedule<Traits::kBlockM><<<(p.batch + threads - 1) / threads, threads, 0, stream>>>(
       params.seqs, p.batch, params.num_slots, schedule);
   flashattn_result_t launched = check_launch();
   if (launched.status == FLASHATTN_OK) {
-    kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
+    kernel<<<ctas_for(params.num_tiles), Traits::kThreads, smem_bytes, stream>>>(params);
     launched = check_launch();
   }
-  const cudaError_t freed = cudaFreeAsync(schedule, stream);
-  return launched.status == FLASHATTN_OK ? cuda_status(freed) : launched;
+  return freed_after(launched, schedule, stream);
 }
 
 // The tile table's instantiation the caller chose (FLASHATTN_SM90_MASKED_TILE), where the head
