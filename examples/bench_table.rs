@@ -7,7 +7,11 @@
 //! checked on sampled rows against the f64 reference (`pass`); the backward's correctness is
 //! tests/gpu_bwd.rs's.
 //!
-//! Usage: bench_table [--quick] [--only D,S[,causal][,sm80]] [--out results.json] [--commit SHA]
+//! `--dims D,...` times other head dims than 64, 128 and 256 (those this build has; the hidden
+//! size `--hidden H` must be a multiple of each), a backward only where one is built.
+//!
+//! Usage: bench_table [--quick] [--only D,S[,causal][,sm80]] [--dims D,...] [--hidden H]
+//!                    [--out results.json] [--commit SHA]
 
 mod common;
 
@@ -19,6 +23,7 @@ use flashattn::cuda::{
     DeviceTensorMut,
 };
 use flashattn::reference::{self, compare};
+use flashattn::registry::{self, Family, KernelDtype};
 use flashattn::unstable::{PingPong, Sm90Schedule};
 use flashattn::{AttentionConfig, Backend, DType, Layout, Problem, TensorRef};
 use half::bf16;
@@ -27,7 +32,6 @@ use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
 
 const TOKENS: usize = 16384;
-const HIDDEN: usize = 2048;
 
 struct Inputs {
     host: [Vec<bf16>; 3],
@@ -174,6 +178,11 @@ fn check(stream: &Arc<CudaStream>, inp: &Inputs, cfg: &AttentionConfig, shape: [
     compare(&got, &want, &base).ratio
 }
 
+/// Whether this build holds `family`'s bf16 kernel at head dim `d`.
+fn built(family: Family, d: usize) -> bool {
+    registry::find(family, d, KernelDtype::Bf16).is_some_and(|k| k.built())
+}
+
 fn main() {
     let args = common::Args::parse();
     let quick = args.flag("--quick");
@@ -181,7 +190,19 @@ fn main() {
     let stream = dev.new_stream().unwrap();
     let info = dev.info().clone();
 
-    let n = TOKENS * HIDDEN;
+    let hidden: usize = args
+        .value("--hidden")
+        .map_or(2048, |h| h.parse().expect("--hidden H"));
+    let dims: Vec<usize> = args.value("--dims").map_or(vec![64, 128, 256], |v| {
+        v.split(',')
+            .map(|d| d.parse().expect("--dims D,..."))
+            .collect()
+    });
+    assert!(
+        dims.iter().all(|d| hidden % d == 0),
+        "--hidden {hidden} is not a multiple of each head dim"
+    );
+    let n = TOKENS * hidden;
     let mut rng = StdRng::seed_from_u64(7);
     let normal = Normal::new(0f32, 1.0).unwrap();
     let mut gen = || -> Vec<bf16> {
@@ -196,7 +217,10 @@ fn main() {
         dev: dev_bufs,
         out: stream.clone_htod(&vec![bf16::NAN; n]).unwrap(),
         lse: stream
-            .clone_htod(&vec![f32::NAN; TOKENS * HIDDEN / 64])
+            .clone_htod(&vec![
+                f32::NAN;
+                TOKENS * hidden / dims.iter().min().unwrap()
+            ])
             .unwrap(),
         dout: upload(&gen()),
         grads: [
@@ -214,7 +238,7 @@ fn main() {
     };
     let full = Sm90Schedule::default();
     let mut plan = vec![];
-    for &d in &[64, 128, 256] {
+    for &d in &dims {
         for &causal in &[false, true] {
             for &s in seqlens {
                 plan.push((Backend::Sm90, d, s, causal, full));
@@ -222,7 +246,7 @@ fn main() {
         }
     }
     // The FlashAttention-2-style kernels on the same shapes (forced: Hopper would take sm90).
-    for &d in &[64, 128, 256] {
+    for &d in dims.iter().filter(|&&d| built(Family::Sm80Fwd, d)) {
         for &causal in &[false, true] {
             for &s in seqlens {
                 plan.push((Backend::Sm80, d, s, causal, full));
@@ -284,7 +308,7 @@ fn main() {
 
     let mut rows = vec![];
     for (backend, d, s, causal, schedule) in plan {
-        let shape = [TOKENS / s, s, HIDDEN / d, d];
+        let shape = [TOKENS / s, s, hidden / d, d];
         let cfg = AttentionConfig::new()
             .causal(causal)
             .backend(backend)
@@ -324,8 +348,8 @@ fn main() {
             t[t.len() / 2]
         };
         // sm90: the default schedule's rows.
-        let sm80 = backend == Backend::Sm80;
-        let sm90_bwd = backend == Backend::Sm90 && schedule == full;
+        let sm80 = backend == Backend::Sm80 && built(Family::Sm80Bwd, d);
+        let sm90_bwd = backend == Backend::Sm90 && schedule == full && built(Family::Sm90Bwd, d);
         let bwd_ms = (sm80 || sm90_bwd).then(|| median_backward(&cfg));
         let bwd_det_ms =
             (sm80 || sm90_bwd).then(|| median_backward(&cfg.clone().deterministic(true)));
@@ -390,7 +414,7 @@ fn main() {
             };
             json_rows.push(format!(
                 "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}, \"host_us_per_call\": {:.1}{}{}}}",
-                r.backend.name(), r.backend.name(), r.d, r.seqlen, r.seqlen, TOKENS / r.seqlen, HIDDEN / r.d, HIDDEN / r.d, r.causal,
+                r.backend.name(), r.backend.name(), r.d, r.seqlen, r.seqlen, TOKENS / r.seqlen, hidden / r.d, hidden / r.d, r.causal,
                 r.pass, r.err_ratio, r.tflops, r.ms, r.ms_p10, r.ms_p90, r.host_us, variant,
                 match (r.bwd_tflops, r.bwd_ms) {
                     (Some(tf), Some(ms)) => format!(", \"bwd_tflops\": {tf:.1}, \"bwd_ms\": {ms:.4}"),

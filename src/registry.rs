@@ -6,9 +6,10 @@
 //! a missing one needs. A new kernel is a new row here, not a new file or a new switch.
 //!
 //! Build budget: each kernel is built only when every Cargo feature it names is on (`sm90`,
-//! `sm80`, `backward`, `fp8`, `hdim64`, `hdim128`, `hdim256`; all of them, the feature `kernels`,
-//! by default), so that `--no-default-features --features cuda,cuda-13000,sm90,hdim128` builds the
-//! Hopper d128 forwards alone (`cuda` needs one of the CUDA version features beside it).
+//! `sm80`, `backward`, `fp8`, `hdim64`, `hdim128`, `hdim256`: the feature `kernels`, on by
+//! default; and `hdim96`, `hdim192`, off by default), so that `--no-default-features --features
+//! cuda,cuda-13000,sm90,hdim128` builds the Hopper d128 forwards alone (`cuda` needs one of the
+//! CUDA version features beside it).
 
 /// A kernel family: one algorithm, architecture and pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -112,6 +113,10 @@ pub const KERNELS: &[Kernel] = &[
     kernel(Sm90Fwd, 64, Fp16),
     kernel(Sm90Fwd, 128, Fp16),
     kernel(Sm90Fwd, 256, Fp16),
+    kernel(Sm90Fwd, 96, Bf16),
+    kernel(Sm90Fwd, 96, Fp16),
+    kernel(Sm90Fwd, 192, Bf16),
+    kernel(Sm90Fwd, 192, Fp16),
     kernel(Sm90Fp8Fwd, 64, E4m3),
     kernel(Sm90Fp8Fwd, 128, E4m3),
     kernel(Sm90Fp8Fwd, 256, E4m3),
@@ -136,8 +141,13 @@ pub const KERNELS: &[Kernel] = &[
 ];
 
 /// The Cargo feature of each head dim.
-pub const HEAD_DIM_FEATURES: &[(usize, &str)] =
-    &[(64, "hdim64"), (128, "hdim128"), (256, "hdim256")];
+pub const HEAD_DIM_FEATURES: &[(usize, &str)] = &[
+    (64, "hdim64"),
+    (96, "hdim96"),
+    (128, "hdim128"),
+    (192, "hdim192"),
+    (256, "hdim256"),
+];
 
 /// A kernel's tile: the work of one CTA step and the code-shape switches tuned with it. Each
 /// is chosen by its shared-memory and register budget and then measured (docs/PERFORMANCE.md).
@@ -273,8 +283,8 @@ use TileRole::*;
 /// Every tile. Shared memory (≤ 227 KiB on sm90, ≤ 163 KiB on A100) and registers bound each:
 /// the sm90 forward holds Q q_stages·128·d and K, V 2·stages·block_n·d elements (d128 with 160
 /// keys: 224 KiB, and O d/2, S block_n/2, P block_n/4 registers per consumer thread within
-/// setmaxnreg's 240); d256 takes one Q buffer, as two would leave no room for K/V blocks worth
-/// the name. FP8 elements take half the bytes, so its key blocks are wider; its key block is
+/// setmaxnreg's 240); d192 and d256 take one Q buffer, as two would leave no room for K/V blocks
+/// worth the name (d192 with 128 keys would need 240 KiB, so 112). FP8 elements take half the bytes, so its key blocks are wider; its key block is
 /// also the block of K and V rows one descale covers (the quantize step's `fp8_key_block`, which
 /// the generated unit checks against it).
 pub const TILES: &[TileRow] = &[
@@ -283,6 +293,9 @@ pub const TILES: &[TileRow] = &[
     row(Sm90Fwd, 128, Base, sm90_fwd(160, 2, true)),
     row(Sm90Fwd, 128, Masked, sm90_fwd(128, 2, true)),
     row(Sm90Fwd, 256, Base, sm90_fwd(80, 1, true)),
+    row(Sm90Fwd, 96, Base, sm90_fwd(192, 2, true)),
+    row(Sm90Fwd, 96, Masked, sm90_fwd(128, 2, true)),
+    row(Sm90Fwd, 192, Base, sm90_fwd(112, 1, true)),
     row(Sm90Fp8Fwd, 64, Base, sm90_fp8_fwd(192, 2, false, true)),
     row(Sm90Fp8Fwd, 128, Base, sm90_fp8_fwd(224, 2, false, true)),
     row(Sm90Fp8Fwd, 256, Base, sm90_fp8_fwd(128, 1, true, false)),
@@ -374,6 +387,8 @@ pub(crate) fn feature_on(name: &str) -> bool {
         "hdim64" => cfg!(feature = "hdim64"),
         "hdim128" => cfg!(feature = "hdim128"),
         "hdim256" => cfg!(feature = "hdim256"),
+        "hdim96" => cfg!(feature = "hdim96"),
+        "hdim192" => cfg!(feature = "hdim192"),
         "ablation" => cfg!(feature = "ablation"),
         _ => unreachable!("feature {name} is not one of the registry's"),
     }

@@ -18,7 +18,7 @@ fn every_kernel_is_named_once_and_has_its_features() {
         );
         assert_eq!(find(k.family, k.head_dim, k.dtype), Some(k));
     }
-    assert_eq!(head_dims(Family::Sm90Fwd), vec![64, 128, 256]);
+    assert_eq!(head_dims(Family::Sm90Fwd), vec![64, 128, 256, 96, 192]);
 }
 
 #[test]
@@ -96,6 +96,8 @@ fn extended_wgmma_shapes_only_where_a_tile_takes_one() {
     }
     assert_eq!(extended_wgmma_n(Family::Sm90Fwd, 128), vec![160]);
     assert_eq!(extended_wgmma_n(Family::Sm90Fwd, 256), vec![80]);
+    assert_eq!(extended_wgmma_n(Family::Sm90Fwd, 192), vec![112]);
+    assert!(!extended_wgmma(Family::Sm90Fwd, 96));
     assert_eq!(extended_wgmma_n(Family::Sm90Fp8Fwd, 128), vec![224]);
 }
 

@@ -11,6 +11,19 @@ use flashattn::{AttentionConfig, Element};
 
 use crate::harness::Case;
 
+/// The head dims outside the default build that this one has (`hdim96`, `hdim192`; the Hopper
+/// forward's).
+pub fn optional_head_dims() -> Vec<usize> {
+    let mut dims = vec![];
+    if cfg!(feature = "hdim96") {
+        dims.push(96);
+    }
+    if cfg!(feature = "hdim192") {
+        dims.push(192);
+    }
+    dims
+}
+
 /// Device 0 and a new stream on it; panics without a GPU.
 pub fn device() -> (Device, Arc<CudaStream>) {
     let dev = Device::new(0).expect("a CUDA device (run these tests on the GPU machine)");

@@ -266,12 +266,26 @@ fn sm90_fwd_d256_f16() {
     run_all::<f16>(&sweep(256), Backend::Sm90, "sm90 d256 f16");
 }
 
+/// The head dims outside the default build (`hdim96`, `hdim192`), where this build has them.
+#[test]
+#[ignore = "needs a Hopper GPU"]
+#[cfg(any(feature = "hdim96", feature = "hdim192"))]
+fn sm90_fwd_optional_head_dims() {
+    for d in common::optional_head_dims() {
+        run_all::<bf16>(&sweep(d), Backend::Sm90, &format!("sm90 d{d} bf16"));
+        run_all::<f16>(&sweep(d), Backend::Sm90, &format!("sm90 d{d} f16"));
+    }
+}
+
 /// A few small cases for compute-sanitizer (memcheck, racecheck), which slows kernels a lot.
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn sanitizer_sm90_fwd_small() {
     let mut cases = vec![];
-    for d in [64, 128, 256] {
+    for d in [64, 128, 256]
+        .into_iter()
+        .chain(common::optional_head_dims())
+    {
         cases.push(Case::new(17, 200, d).causal(true));
         cases.push(Case::new(130, 77, d).batch(2).heads(4, 1));
     }

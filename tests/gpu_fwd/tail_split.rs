@@ -24,7 +24,10 @@ use crate::{forward_on_device, run_all_with};
 #[ignore = "needs a Hopper GPU"]
 fn sm90_fwd_tail_split() {
     let mut cases = vec![];
-    for head_dim in [64, 128, 256] {
+    for head_dim in [64, 128, 256]
+        .into_iter()
+        .chain(crate::common::optional_head_dims())
+    {
         let case = |sq, sk| Case::new(sq, sk, head_dim);
         cases.extend([
             case(1000, 1500),
