@@ -39,7 +39,7 @@ struct FwdTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = kWarps * 32;
-  static_assert(kHeadDim % 64 == 0 && kBlockM % (16 * kWarps) == 0 && kBlockN % 16 == 0);
+  static_assert(kHeadDim % 32 == 0 && kBlockM % (16 * kWarps) == 0 && kBlockN % 16 == 0);
 
   using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
                                    SM80_16x8x16_F32F16F16F32_TN, SM80_16x8x16_F32BF16BF16F32_TN>;
@@ -47,20 +47,26 @@ struct FwdTraits {
   using TiledMma = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<kWarps>, _1, _1>>,
                             Tile<Int<16 * kWarps>, _16, _16>>;
 
-  // Rows of 64 elements (128 bytes) in 8-row swizzled atoms: ldmatrix reads without bank
-  // conflicts, cp.async writes 16 bytes per thread.
-  using SmemAtom = decltype(composition(Swizzle<3, 3, 3>{},
-                                        Layout<Shape<_8, _64>, Stride<_64, _1>>{}));
+  // Rows of 64 elements (128 bytes) in 8-row swizzled atoms, or of 32 (64 bytes) where the head
+  // dim is no multiple of 64: ldmatrix reads without bank conflicts, cp.async writes 16 bytes
+  // per thread.
+  static constexpr int kAtomCols = kHeadDim % 64 == 0 ? 64 : 32;
+  using SmemAtom =
+      decltype(composition(Swizzle<kAtomCols == 64 ? 3 : 2, 3, 3>{},
+                           Layout<Shape<_8, Int<kAtomCols>>, Stride<Int<kAtomCols>, _1>>{}));
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // Vᵀ as the (head_dim, kBlockN) B operand of P·V: the same bytes, read with ldmatrix.trans.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
 
-  // Global -> shared: 8 threads per 64-element row, 16 bytes each.
+  // Global -> shared: a thread per 8 elements (16 bytes) of an atom's row.
+  static constexpr int kThreadsPerRow = kAtomCols / 8;
   using GmemCopy = decltype(make_tiled_copy(
       Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{},
-      Layout<Shape<Int<kThreads / 8>, _8>, Stride<_8, _1>>{}, Layout<Shape<_1, _8>>{}));
+      Layout<Shape<Int<kThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
+             Stride<Int<kThreadsPerRow>, _1>>{},
+      Layout<Shape<_1, _8>>{}));
   using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
   using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
 

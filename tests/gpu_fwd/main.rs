@@ -227,11 +227,14 @@ fn sm80_fwd_d256_f16() {
 #[test]
 #[ignore = "needs a GPU"]
 fn sm80_fwd_sanitizer_set() {
-    let cases = [
+    let mut cases = vec![
         Case::new(17, 113, 64),
         Case::new(130, 70, 128).causal(true),
         Case::new(65, 200, 256).heads(4, 2),
     ];
+    for d in common::optional_head_dims() {
+        cases.push(Case::new(77, 150, d).causal(true).heads(4, 2));
+    }
     run_all::<bf16>(&cases, Backend::Sm80, "sm80 sanitizer set");
 }
 
@@ -266,14 +269,18 @@ fn sm90_fwd_d256_f16() {
     run_all::<f16>(&sweep(256), Backend::Sm90, "sm90 d256 f16");
 }
 
-/// The head dims outside the default build (`hdim96`, `hdim192`), where this build has them.
+/// The head dims outside the default build (`hdim96`, `hdim192`), where this build has them, on
+/// both forward families.
 #[test]
 #[ignore = "needs a Hopper GPU"]
 #[cfg(any(feature = "hdim96", feature = "hdim192"))]
-fn sm90_fwd_optional_head_dims() {
+fn fwd_optional_head_dims() {
     for d in common::optional_head_dims() {
-        run_all::<bf16>(&sweep(d), Backend::Sm90, &format!("sm90 d{d} bf16"));
-        run_all::<f16>(&sweep(d), Backend::Sm90, &format!("sm90 d{d} f16"));
+        for backend in [Backend::Sm90, Backend::Sm80] {
+            let name = backend.name();
+            run_all::<bf16>(&sweep(d), backend, &format!("{name} d{d} bf16"));
+            run_all::<f16>(&sweep(d), backend, &format!("{name} d{d} f16"));
+        }
     }
 }
 
