@@ -156,7 +156,7 @@ fn sizes_and_options_out_of_range() {
     let unsupported: [(&str, Edit); 3] = [
         ("page_table", |p| p.page_table = addr(22) as *const i32),
         ("page_size", |p| p.page_size = 16),
-        ("head dim 96", |p| p.head_dim = 96),
+        ("head dim 80 (in no registry row)", |p| p.head_dim = 80),
     ];
     for (what, edit) in unsupported {
         let mut p = params();
