@@ -8,7 +8,8 @@ mkdir -p .device/bin
 
 # The H200 runs the sm80 family too: its machine code, so that no test run waits on the PTX JIT.
 export FLASHATTN_SM80_ARCH=90
-# With the toolchain self-test, which run.sh runs first (and under the sanitizers).
+# With the toolchain self-test, which run.sh runs first (and under the sanitizers), and the head
+# dims outside the default build (hdim96, hdim192), which the GPU tests then cover.
 {
   cargo test --release --features selftest,hdim96,hdim192 --no-run --message-format=json
   cargo bench --features selftest,hdim96,hdim192 --no-run --message-format=json
