@@ -199,8 +199,25 @@ pub fn check_backend(
                 });
             }
             if !registry::head_dims(family).contains(&problem.head_dim) {
-                return Err(Error::UnsupportedHeadDim {
-                    head_dim: problem.head_dim,
+                // A head dim that other families have (the forward's 96 and 192): say which.
+                let others: Vec<&str> = Family::ALL
+                    .into_iter()
+                    .filter(|f| registry::head_dims(*f).contains(&problem.head_dim))
+                    .map(Family::name)
+                    .collect();
+                if others.is_empty() {
+                    return Err(Error::UnsupportedHeadDim {
+                        head_dim: problem.head_dim,
+                        backend,
+                    });
+                }
+                return Err(Error::Unsupported {
+                    what: format!(
+                        "the {} at head_dim {} (not built yet; at this head dim: {})",
+                        family.name(),
+                        problem.head_dim,
+                        others.join(", ")
+                    ),
                     backend,
                 });
             }

@@ -15,7 +15,7 @@ pub use crate::cuda::selftest::{selftest_tma_wgmma, SelfTestReport};
 /// `persistent_causal` runs causal/windowed calls on the persistent schedule (the default: one
 /// CTA per SM, each taking pairs of a head's heaviest and lightest query blocks); off, one CTA
 /// per pair.
-/// `narrow_key_blocks` uses the causal tile (128-key blocks at d64/d128) for every call; it is
+/// `narrow_key_blocks` uses the causal tile (128-key blocks at d64/d96/d128) for every call; it is
 /// also taken by itself when seqlen_k ≤ 1024, where it was measured faster.
 /// `split_tail` (forward with no window, or with one query block per head under any mask):
 /// whether the tiles of the last partial wave (or of a call with fewer tiles than SMs) are

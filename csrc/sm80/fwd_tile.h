@@ -10,9 +10,10 @@ namespace flashattn::sm80 {
 
 // Per head dim: query rows and keys per block, warps (16 query rows per warp and MMA atom; each
 // warp has kBlockM / (16·kWarps) row atoms, so every K/V fragment feeds that many MMAs) and K/V
-// stages. Two CTAs share an SM (255 registers per thread; shared memory Q + stages·(K + V):
-// d64 16 + 2·16 = 48 KiB, d128 32 + 2·32 = 96 KiB, d256 32 + 64 = 96 KiB of the 228), so that
-// one's barriers and loads hide under the other's MMAs. With two stages a K/V load has a whole
+// stages. Two CTAs share an SM where registers allow (255 per thread; shared memory Q +
+// stages·(K + V): d64 16 + 2·16 = 48 KiB, d128 32 + 2·32 = 96 KiB, d256 32 + 64 = 96 KiB of the
+// 228), so that one's barriers and loads hide under the other's MMAs; d192's eight warps fill
+// an SM's registers alone. With two stages a K/V load has a whole
 // block to land and each block costs one barrier (fwd_kernel); d256 has no room for a second.
 // Measured (bench_table, the same call for every variant; benchmarks/README.md): d128 128×64
 // with two stages (some ptxas spills) faster than 128×32 with one stage (no spills) or with

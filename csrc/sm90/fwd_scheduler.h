@@ -20,8 +20,8 @@ namespace flashattn::sm90 {
 // slots of each head in turn, tile = heads·first_b + head·blocks_b + i: no entry pads to the
 // longest one's blocks, and the heaviest work starts first. A pass before the forward
 // (fwd_packed_schedule) writes each slot's entry and that entry's first slot. The pairs are
-// made over the entry's own query blocks; a pair may straddle two heads or entries, and costs
-// about the same then (the light block of one run beside the heavy one of the next).
+// made over the entry's own query blocks; a pair may straddle two heads or entries (a run's
+// last tile, its middle block, beside the next run's heaviest), which costs about as much.
 struct WorkTile {
   int m_block, head;
   Sequences::Entry seq;  // the tile's batch entry: where its rows lie, its lengths

@@ -11,8 +11,8 @@ use flashattn::{AttentionConfig, Element};
 
 use crate::harness::Case;
 
-/// The head dims outside the default build that this one has (`hdim96`, `hdim192`; the Hopper
-/// forward's).
+/// The head dims outside the default build that this one has (`hdim96`, `hdim192`; the
+/// forwards').
 pub fn optional_head_dims() -> Vec<usize> {
     let mut dims = vec![];
     if cfg!(feature = "hdim96") {

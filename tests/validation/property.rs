@@ -194,7 +194,7 @@ fn accepted_call_stays_inside_its_buffers(call: Call) -> Result<(), TestCaseErro
     };
     if dispatch::plan(op, &gpu, &cfg, &fake_h200(), all_gpu_kernels()).is_ok() {
         prop_assert!(p.seqlen_q.max(p.seqlen_k) <= MAX_GPU_SEQLEN);
-        prop_assert!(matches!(p.head_dim, 64 | 128 | 256));
+        prop_assert!(matches!(p.head_dim, 64 | 96 | 128 | 192 | 256));
     }
     for i in [0, p.seqlen_q / 2, p.seqlen_q - 1] {
         let (lo, hi) = cfg.key_rule(p.seqlen_q, p.seqlen_k).key_range(i);
