@@ -108,6 +108,36 @@ fn kernels_left_out_of_the_build_are_refused_by_name() {
 }
 
 #[test]
+fn a_backward_at_a_forward_only_head_dim_is_refused_naming_the_forwards() {
+    // d96 and d192 have forwards only: the backward's refusal names the families that have them.
+    for d in [96, 192] {
+        for backend in [Backend::Sm90, Backend::Sm80, Backend::Auto] {
+            let e = dispatch::plan(
+                Op::Backward,
+                &problem(2, 300, 300, 4, d),
+                &AttentionConfig::new().backend(backend),
+                &fake_h200(),
+                all_gpu_kernels(),
+            )
+            .unwrap_err();
+            let text = e.to_string();
+            assert!(
+                matches!(e, Error::Unsupported { .. }) && text.contains("sm90 fwd"),
+                "d{d} {backend:?}: {text}"
+            );
+        }
+        let fwd = dispatch::plan(
+            Op::Forward,
+            &problem(2, 300, 300, 4, d),
+            &AttentionConfig::new(),
+            &fake_h200(),
+            all_gpu_kernels(),
+        );
+        assert_eq!(fwd.unwrap().backend, Backend::Sm90, "d{d}");
+    }
+}
+
+#[test]
 fn problems_built_by_hand_are_validated() {
     let cfg = AttentionConfig::new();
     let mut p = problem(1, 8, 8, 4, 64);
