@@ -151,7 +151,6 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
                                  int64_t(params.num_m_blocks) * p.batch);
   if (padded_tiles > INT32_MAX) return status(FLASHATTN_UNSUPPORTED);
   params.num_tiles = int(params.seqs.packed() ? slots * p.heads_q : padded_tiles);
-  params.num_slots = int(slots);
   params.slot_entries = nullptr;
   const float log2e = float(M_LOG2E);
   params.softcap = p.softcap > 0.f;
@@ -223,7 +222,7 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   int threads = 32;  // a power of two (the schedule's sort), one per entry up to kScheduleChunk
   while (threads < kScheduleChunk && threads < p.batch) threads *= 2;
   fwd_packed_schedule<Traits::kBlockM><<<(p.batch + threads - 1) / threads, threads, 0, stream>>>(
-      params.seqs, p.batch, params.num_slots, schedule);
+      params.seqs, p.batch, int(slots), schedule);
   flashattn_result_t launched = check_launch();
   if (launched.status == FLASHATTN_OK) {
     kernel<<<ctas_for(params.num_tiles), Traits::kThreads, smem_bytes, stream>>>(params);

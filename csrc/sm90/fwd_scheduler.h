@@ -170,13 +170,8 @@ __global__ void __launch_bounds__(kScheduleChunk)
   }
   const int64_t done = int64_t(before), chunk_slots = first[n];
   for (int64_t s = t; s < chunk_slots && done + s < slots; s += n) {
-    int lo = 0, hi = n;  // the last sorted entry whose first slot is at or before s
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (first[mid] <= s) lo = mid;
-      else hi = mid;
-    }
-    table[done + s] = make_int2(int(uint32_t(order[lo])), int(done + first[lo]));
+    const int k = last_start_at_most(n, s, [&](int i) { return first[i]; });
+    table[done + s] = make_int2(int(uint32_t(order[k])), int(done + first[k]));
   }
   if (blockIdx.x == gridDim.x - 1)
     for (int64_t s = done + chunk_slots + t; s < slots; s += n) table[s] = make_int2(-1, 0);

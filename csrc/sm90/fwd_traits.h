@@ -131,10 +131,9 @@ struct FwdParams {
   int seqlen_q, seqlen_k;  // the tensors' rows (packed: all sequences')
   int num_m_blocks;        // query blocks of the longest entry
   int num_tiles;
-  // Packed calls: each query slot's entry and the entry's first slot (fwd_packed_schedule), for
-  // num_slots slots per head; null when dense.
+  // Packed calls: each query slot's entry and the entry's first slot (fwd_packed_schedule);
+  // null when dense.
   const int2* slot_entries;
-  int num_slots;
   int tiles_per_unit;  // 2 with a right bound on the keys over several query blocks, else 1
   KeyRange keys;       // the call's; each tile's has its entry's lengths (WorkTile::keys)
   Sequences seqs;      // where each entry's rows lie (packed: the caller's offsets)
