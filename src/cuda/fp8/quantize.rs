@@ -123,6 +123,13 @@ impl Device {
         hadamard_seed: Option<u64>,
         descales: Option<[&CudaView<f32>; 3]>,
     ) -> Result<Fp8Inputs> {
+        // Sources to quantize are bf16 or fp16 (e4m3 ones come with their descales).
+        if descales.is_none() && !matches!(T::DTYPE, DType::BF16 | DType::F16) {
+            return Err(Error::UnsupportedDtype {
+                dtype: T::DTYPE,
+                backend: Backend::Sm90,
+            });
+        }
         self.check_fp8_device()?;
         if let Some(seqs) = seqs {
             self.check_same_context(stream, seqs.contexts())?;
@@ -303,12 +310,6 @@ impl Device {
         v: &DeviceTensor<T>,
         options: Fp8Options,
     ) -> Result<Fp8Inputs> {
-        if !matches!(T::DTYPE, DType::BF16 | DType::F16) {
-            return Err(Error::UnsupportedDtype {
-                dtype: T::DTYPE,
-                backend: Backend::Sm90,
-            });
-        }
         self.build_fp8_inputs(stream, None, [q, k, v], options.hadamard_seed, None)
     }
 
@@ -327,12 +328,6 @@ impl Device {
         v: &DeviceTensor<T>,
         options: Fp8Options,
     ) -> Result<Fp8Inputs> {
-        if !matches!(T::DTYPE, DType::BF16 | DType::F16) {
-            return Err(Error::UnsupportedDtype {
-                dtype: T::DTYPE,
-                backend: Backend::Sm90,
-            });
-        }
         self.build_fp8_inputs(stream, Some(seqs), [q, k, v], options.hadamard_seed, None)
     }
 
