@@ -65,6 +65,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
+  // A packed call's schedule (fwd_packed_schedule) may still be running: every warp decodes tiles.
+  if (params.slot_entries != nullptr) wait_for_prior_grids();
 
   if (warp_group == 0) {
     FwdProducer<Traits, kTailPieces>::run(params, smem);

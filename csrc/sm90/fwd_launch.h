@@ -207,9 +207,9 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   // Packed: the schedule first (fwd_packed_schedule), in a workspace taken and given back in
   // stream order. Without it (out of memory, say) the call runs with every entry padded: the
   // error is not this call's failure (a sticky one shows at the launch below).
-  int2* schedule = nullptr;
+  PackedSlot* schedule = nullptr;
   if (packed && workspace_alloc(reinterpret_cast<void**>(&schedule),
-                                size_t(slots) * sizeof(int2), stream) != cudaSuccess) {
+                                size_t(slots) * sizeof(PackedSlot), stream) != cudaSuccess) {
     (void)cudaGetLastError();
     schedule = nullptr;
     params.num_tiles = int(padded_tiles);
@@ -224,10 +224,9 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   fwd_packed_schedule<Traits::kBlockM><<<(p.batch + threads - 1) / threads, threads, 0, stream>>>(
       params.seqs, p.batch, int(slots), schedule);
   flashattn_result_t launched = check_launch();
-  if (launched.status == FLASHATTN_OK) {
-    kernel<<<ctas_for(params.num_tiles), Traits::kThreads, smem_bytes, stream>>>(params);
-    launched = check_launch();
-  }
+  if (launched.status == FLASHATTN_OK)  // beside the schedule's end: it waits for the table
+    launched = cuda_status(launch_dependent(kernel, ctas_for(params.num_tiles), Traits::kThreads,
+                                            smem_bytes, stream, params));
   return freed_after(launched, schedule, stream);
 }
 

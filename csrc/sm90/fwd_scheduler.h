@@ -4,6 +4,7 @@
 
 #include "fwd_tail.h"
 #include "fwd_traits.h"
+#include "grid_dependency.h"
 
 namespace flashattn::sm90 {
 
@@ -47,12 +48,12 @@ __device__ WorkTile decode_tile(const FwdParams<Traits>& p, int tile) {
     const int rest = tile / p.num_m_blocks;
     t.head = rest % p.heads_q;
     t.seq = p.seqs.at(rest / p.heads_q);
-  } else {  // slots past the last entry's (a bound the host takes) hold no tile
-    const int2 slot = p.slot_entries[tile / p.heads_q];
-    t.seq = p.seqs.at(slot.x >= 0 ? slot.x : 0);
+  } else {
+    const PackedSlot slot = p.slot_entries[tile / p.heads_q];
+    t.seq = slot.seq;
     const int blocks = (t.seq.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-    const int r = tile - p.heads_q * slot.y;  // in [0, heads·blocks) for a slot of the entry's
-    if (slot.x >= 0 && r >= 0 && r < p.heads_q * blocks) {
+    const int r = tile - p.heads_q * slot.first;  // in [0, heads·blocks) for a slot of the entry's
+    if (r >= 0 && r < p.heads_q * blocks) {
       t.head = r / blocks;
       i = r % blocks;
     } else {
@@ -121,8 +122,8 @@ struct TailPieceWalk {
 // Entries the packed schedule orders longest first at a time (one CTA's sort).
 constexpr int kScheduleChunk = 1024;
 
-// Packed calls: the schedule decode_tile reads, (entry, the entry's first slot) for each of
-// `slots` query slots, entry −1 past the last entry's. CTA c of a power of two threads n (at
+// Packed calls: the schedule decode_tile reads, a PackedSlot for each of `slots` query slots.
+// CTA c of a power of two threads n (at
 // most kScheduleChunk) orders entries [c·n, (c + 1)·n) by blocks (more first, ties in order)
 // with a bitonic network in shared memory; their slots follow those of every entry before the
 // chunk (which the CTA counts for itself), and each slot finds its entry by a binary search over
@@ -130,10 +131,12 @@ constexpr int kScheduleChunk = 1024;
 // past `slots`: the slots past it are not written (their tiles never run).
 template <int kBlockM>
 __global__ void __launch_bounds__(kScheduleChunk)
-    fwd_packed_schedule(Sequences seqs, int batch, int slots, int2* table) {
+    fwd_packed_schedule(Sequences seqs, int batch, int slots, PackedSlot* table) {
   __shared__ uint64_t order[kScheduleChunk];     // (blocks descending, entry) keys
   __shared__ int64_t first[kScheduleChunk + 1];  // the sorted entries' first slots, and the end
   __shared__ unsigned long long before;          // slots of the entries before the chunk
+  // The forward may start now: it waits for the table before its first tile (fwd_kernel).
+  launch_dependent_grids();
   const int n = blockDim.x, t = threadIdx.x, base = blockIdx.x * n;
   auto blocks_of = [&](int b) { return (seqs.at(b).seqlen_q + kBlockM - 1) / kBlockM; };
   if (t == 0) before = 0;
@@ -171,10 +174,10 @@ __global__ void __launch_bounds__(kScheduleChunk)
   const int64_t done = int64_t(before), chunk_slots = first[n];
   for (int64_t s = t; s < chunk_slots && done + s < slots; s += n) {
     const int k = last_start_at_most(n, s, [&](int i) { return first[i]; });
-    table[done + s] = make_int2(int(uint32_t(order[k])), int(done + first[k]));
+    table[done + s] = {seqs.at(int(uint32_t(order[k]))), int(done + first[k])};
   }
   if (blockIdx.x == gridDim.x - 1)
-    for (int64_t s = done + chunk_slots + t; s < slots; s += n) table[s] = make_int2(-1, 0);
+    for (int64_t s = done + chunk_slots + t; s < slots; s += n) table[s] = PackedSlot{};
 }
 
 // kTailPieces: the tail launch's pieces (fwd_tail.h); else whole tiles.

@@ -116,6 +116,14 @@ struct FwdTraits {
   static_assert(sizeof(SharedStorage) <= 232448, "227 KiB of shared memory per CTA on sm_90");
 };
 
+// One query slot of a packed call's schedule: its entry, whole (as Sequences::at gives it, so
+// that decoding a tile is one load and not a load of the slot and then of the offsets), and the
+// entry's first slot. Slots past the last entry's hold an entry without rows.
+struct alignas(16) PackedSlot {
+  Sequences::Entry seq;
+  int first;
+};
+
 template <class Traits>
 struct FwdParams {
   typename Traits::TmaQ tma_q;
@@ -133,7 +141,7 @@ struct FwdParams {
   int num_tiles;
   // Packed calls: each query slot's entry and the entry's first slot (fwd_packed_schedule);
   // null when dense.
-  const int2* slot_entries;
+  const PackedSlot* slot_entries;
   int tiles_per_unit;  // 2 with a right bound on the keys over several query blocks, else 1
   KeyRange keys;       // the call's; each tile's has its entry's lengths (WorkTile::keys)
   Sequences seqs;      // where each entry's rows lie (packed: the caller's offsets)
