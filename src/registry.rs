@@ -142,6 +142,10 @@ pub const KERNELS: &[Kernel] = &[
     kernel(Sm80Bwd, 64, Fp16),
     kernel(Sm80Bwd, 128, Fp16),
     kernel(Sm80Bwd, 256, Fp16),
+    kernel(Sm80Bwd, 96, Bf16),
+    kernel(Sm80Bwd, 96, Fp16),
+    kernel(Sm80Bwd, 192, Bf16),
+    kernel(Sm80Bwd, 192, Fp16),
 ];
 
 /// The Cargo feature of each head dim.
@@ -326,6 +330,8 @@ pub const TILES: &[TileRow] = &[
     row(Sm80Bwd, 64, Base, sm80_bwd(128, 128, [4, 4, 4])),
     row(Sm80Bwd, 128, Base, sm80_bwd(64, 128, [2, 4, 2])),
     row(Sm80Bwd, 256, Base, sm80_bwd(64, 64, [4, 2, 2])),
+    row(Sm80Bwd, 96, Base, sm80_bwd(64, 128, [2, 4, 4])),
+    row(Sm80Bwd, 192, Base, sm80_bwd(64, 64, [4, 2, 2])),
 ];
 
 /// The tile `family` runs at `head_dim` for `role`: the `Masked` row if there is one, else the

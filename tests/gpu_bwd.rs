@@ -276,15 +276,41 @@ fn sm90_bwd_dispatch() {
     }
 }
 
+/// The head dims outside the default build (`hdim96`, `hdim192`), where this build has them: the
+/// sm80 backward (the sm90 one has no kernel at these head dims), its deterministic mode, and
+/// Auto taking it on a Hopper GPU.
+#[test]
+#[ignore = "needs a GPU"]
+#[cfg(any(feature = "hdim96", feature = "hdim192"))]
+fn sm80_bwd_optional_head_dims() {
+    let dims = common::optional_head_dims();
+    for &d in &dims {
+        run_all::<bf16>(&sweep(d), Backend::Sm80, &format!("sm80 bwd d{d} bf16"));
+        run_all::<f16>(&sweep(d), Backend::Sm80, &format!("sm80 bwd d{d} f16"));
+    }
+    check_deterministic(&dims, Backend::Sm80, vec![]);
+    let (dev, stream) = device();
+    for &d in &dims {
+        let case = Case::new(100, 150, d).causal(true).heads(4, 2);
+        let g = run_case::<bf16>(&dev, &stream, &case, Backend::Auto, 5100);
+        assert_eq!(g.backend, Backend::Sm80, "{case:?}");
+        assert!(g.dq.pass && g.dk.pass && g.dv.pass, "{case:?}");
+    }
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn sm80_bwd_sanitizer_set() {
-    let cases = [
+    let mut cases = vec![
         Case::new(70, 130, 64).causal(true),
         Case::new(65, 90, 128).heads(4, 2),
         // Deterministic: 3 dQ slices over 5 key blocks of 64 (CTAs walk two), GQA per head.
         Case::new(100, 300, 256).heads(4, 2).deterministic(true),
     ];
+    for d in common::optional_head_dims() {
+        cases.push(Case::new(77, 150, d).causal(true).heads(4, 2));
+        cases.push(Case::new(90, 200, d).heads(4, 2).deterministic(true));
+    }
     run_all::<bf16>(&cases, Backend::Sm80, "sm80 bwd sanitizer set");
 }
 

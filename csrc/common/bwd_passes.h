@@ -100,19 +100,29 @@ cudaError_t launch_bwd_packed_entries(const flashattn_params_t& p, const BwdWork
   return cudaGetLastError();
 }
 
-// kHeadDim / 8 threads per (batch, head, row), 8 columns each: O and dO as 8-element arrays
-// (4-byte loads: cutlass::Array is aligned to its element; 16-byte ones made the whole backward
-// no faster, benchmarks/README.md), the row's sum over its threads by shuffles, and
+// Threads per row of the backward's row passes: one per 8 columns, rounded up to a power of two
+// so that a row's threads share a warp (head dims 96 and 192 leave 4 and 8 of 16 and 32 idle).
+template <int kHeadDim>
+constexpr int bwd_threads_per_row() {
+  int n = 1;
+  while (n < kHeadDim / 8) n *= 2;
+  return n;
+}
+
+// bwd_threads_per_row threads per (batch, head, row), 8 columns each: O and dO as 8-element
+// arrays (4-byte loads: cutlass::Array is aligned to its element; 16-byte ones made the whole
+// backward no faster, benchmarks/README.md), the row's sum over its threads by shuffles, and
 // the row's 8-float chunks of the dQ accumulator zeroed (whatever the accumulator's layout within
 // a head, a head's rows are dq_rows · head_dim contiguous floats, so row r's chunk c at
-// r · head_dim + 8c covers them all). Every lane of a warp is busy at every head dim, which one
-// warp per row was not.
+// r · head_dim + 8c covers them all). Every lane of a warp is busy at the power-of-two head dims,
+// which one warp per row was not.
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const BwdRowsParams p) {
-  constexpr int kThreadsPerRow = kHeadDim / 8;
-  static_assert(kThreadsPerRow <= 32 && 32 % kThreadsPerRow == 0);
+  constexpr int kThreadsPerRow = bwd_threads_per_row<kHeadDim>();
+  static_assert(kThreadsPerRow <= 32 && kHeadDim % 8 == 0);
   const int64_t row_id = (int64_t(blockIdx.x) * 256 + threadIdx.x) / kThreadsPerRow;
   const int chunk = threadIdx.x % kThreadsPerRow;
+  const bool has_columns = chunk < kHeadDim / 8;  // else a lane that pads the row's threads
   const int64_t rows = int64_t(p.seqs.packed() ? 1 : p.batch) * p.heads_q * p.dq_rows;
   // Threads past the last row stay for the shuffles (a row's threads share a warp) and store
   // nothing.
@@ -138,7 +148,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
   }
   const int64_t at_row = int64_t(q_start) + row;  // on the tensors' row axis
   float sum = 0.f;
-  if (live && row < seqlen_q) {
+  if (live && has_columns && row < seqlen_q) {
     auto o = static_cast<const Element*>(p.o) + batch * p.o_batch_stride +
              head * p.o_head_stride + at_row * p.o_row_stride + chunk * 8;
     auto dout = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
@@ -152,13 +162,13 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
   for (int off = kThreadsPerRow / 2; off > 0; off /= 2)
     sum += __shfl_xor_sync(0xffffffff, sum, off);
   if (!live) return;
-  for (int s = 0; s < p.dq_slices; ++s) {
+  for (int s = 0; s < p.dq_slices && has_columns; ++s) {
     float4* dq = reinterpret_cast<float4*>(p.dq_accum + s * p.dq_slice_stride +
                                            row_id * kHeadDim + chunk * 8);
     dq[0] = make_float4(0.f, 0.f, 0.f, 0.f);
     dq[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  if (p.dq != nullptr && row < seqlen_q && keys.lo(row) >= keys.hi(row)) {
+  if (p.dq != nullptr && has_columns && row < seqlen_q && keys.lo(row) >= keys.hi(row)) {
     auto dq = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride +
               head * p.dq_head_stride + at_row * p.dq_row_stride + chunk * 8;
     *reinterpret_cast<cutlass::Array<Element, 8>*>(dq) = cutlass::Array<Element, 8>{};
@@ -176,7 +186,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
 
 template <class Element, int kHeadDim>
 cudaError_t launch_bwd_preprocess(const BwdRowsParams& p, cudaStream_t stream) {
-  constexpr int kRowsPerBlock = 256 / (kHeadDim / 8);
+  constexpr int kRowsPerBlock = 256 / bwd_threads_per_row<kHeadDim>();
   const int64_t rows = int64_t(p.seqs.packed() ? 1 : p.batch) * p.heads_q * p.dq_rows;
   bwd_preprocess<Element, kHeadDim>
       <<<unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), 256, 0, stream>>>(p);

@@ -32,7 +32,7 @@ struct BwdTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = kWarps * 32;
-  static_assert(kHeadDim % 64 == 0 && kBlockN % 64 == 0 && kBlockM % 64 == 0);
+  static_assert(kHeadDim % 32 == 0 && kBlockN % 64 == 0 && kBlockM % 64 == 0);
 
   using MmaOp = typename FwdTraits<Element, 64, 64, 64, 4>::MmaOp;
   template <int kWarpsM>
@@ -42,23 +42,31 @@ struct BwdTraits {
   using MmadKV = Mma<kAtomNdKV>;
   using MmadQ = Mma<kAtomMdQ>;
 
-  using SmemAtom = typename FwdTraits<Element, 64, 64, 64, 4>::SmemAtom;
-  template <int kRows, int kCols>
-  using Smem = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kRows>, Int<kCols>>{}));
+  // Tiles with head-dim rows (Q, dO, K, V) take the forward's atom for the head dim (rows of
+  // 32 elements where it is no multiple of 64); P and dS rows are key blocks, multiples of 64.
+  using HeadDimRows = FwdTraits<Element, kHeadDim, 64, 64, 4>;
+  using SmemAtom = typename HeadDimRows::SmemAtom;
+  using SmemAtomP = typename FwdTraits<Element, 64, 64, 64, 4>::SmemAtom;
+  template <int kRows, int kCols, class Atom = SmemAtom>
+  using Smem = decltype(tile_to_shape(Atom{}, Shape<Int<kRows>, Int<kCols>>{}));
   // (cols, rows) view of a (rows, cols) tile: the same bytes, read with ldmatrix.trans.
   template <class L, int kRows, int kCols>
   using Transposed = decltype(composition(
       L{}, make_layout(Shape<Int<kCols>, Int<kRows>>{}, GenRowMajor{})));
   using SmemLayoutQ = Smem<kBlockM, kHeadDim>;  // Q and dO
   using SmemLayoutKV = Smem<kBlockN, kHeadDim>;
-  using SmemLayoutP = Smem<kBlockM, kBlockN>;   // P and dS
+  using SmemLayoutP = Smem<kBlockM, kBlockN, SmemAtomP>;  // P and dS
   using SmemLayoutQt = Transposed<SmemLayoutQ, kBlockM, kHeadDim>;
   using SmemLayoutKt = Transposed<SmemLayoutKV, kBlockN, kHeadDim>;
   using SmemLayoutPt = Transposed<SmemLayoutP, kBlockM, kBlockN>;
 
+  // Global <-> shared: a thread per 8 elements of an atom's row.
+  static constexpr int kThreadsPerRow = HeadDimRows::kAtomCols / 8;
   using GmemCopy = decltype(make_tiled_copy(
       Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{},
-      Layout<Shape<Int<kThreads / 8>, _8>, Stride<_8, _1>>{}, Layout<Shape<_1, _8>>{}));
+      Layout<Shape<Int<kThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
+             Stride<Int<kThreadsPerRow>, _1>>{},
+      Layout<Shape<_1, _8>>{}));
   using LoadN = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
   using LoadT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
 

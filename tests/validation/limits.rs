@@ -108,32 +108,34 @@ fn kernels_left_out_of_the_build_are_refused_by_name() {
 }
 
 #[test]
-fn a_backward_at_a_forward_only_head_dim_is_refused_naming_the_forwards() {
-    // d96 and d192 have forwards only: the backward's refusal names the families that have them.
+fn the_backward_at_d96_and_d192_is_the_sm80_one_and_sm90_refuses_naming_it() {
+    // d96 and d192 have no sm90 backward: forced, its refusal names the families that have the
+    // head dim; Auto takes the sm80 backward, and the forward stays on sm90.
     for d in [96, 192] {
-        for backend in [Backend::Sm90, Backend::Sm80, Backend::Auto] {
-            let e = dispatch::plan(
-                Op::Backward,
+        let plan = |op, backend| {
+            dispatch::plan(
+                op,
                 &problem(2, 300, 300, 4, d),
                 &AttentionConfig::new().backend(backend),
                 &fake_h200(),
                 all_gpu_kernels(),
             )
-            .unwrap_err();
-            let text = e.to_string();
-            assert!(
-                matches!(e, Error::Unsupported { .. }) && text.contains("sm90 fwd"),
-                "d{d} {backend:?}: {text}"
-            );
-        }
-        let fwd = dispatch::plan(
-            Op::Forward,
-            &problem(2, 300, 300, 4, d),
-            &AttentionConfig::new(),
-            &fake_h200(),
-            all_gpu_kernels(),
+        };
+        let e = plan(Op::Backward, Backend::Sm90).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            matches!(e, Error::Unsupported { .. }) && text.contains("sm80 bwd"),
+            "d{d}: {text}"
         );
-        assert_eq!(fwd.unwrap().backend, Backend::Sm90, "d{d}");
+        for backend in [Backend::Sm80, Backend::Auto] {
+            let bwd = plan(Op::Backward, backend).unwrap();
+            assert_eq!(bwd.backend, Backend::Sm80, "d{d} {backend:?}");
+        }
+        assert_eq!(
+            plan(Op::Forward, Backend::Auto).unwrap().backend,
+            Backend::Sm90,
+            "d{d}"
+        );
     }
 }
 
