@@ -5,7 +5,8 @@
 //! `--parts` the log-normal mix's 16k sequence and its short ones as mixes of their own;
 //! `--sorted` orders each mix's sequences longest first; `--mix NAME` times one mix; `--no-sm80`
 //! leaves out the forced sm80 rows; `--fp8` adds the FP8 forward's rows (inputs quantized once,
-//! outside the timing; O in bf16).
+//! outside the timing; O in bf16); `--dense-first` times an equal-length mix's dense call before
+//! its packed one (the order's effect on the comparison).
 //! CUDA events around each call, queued behind the warm-up, median of 20. Writes the mixes for
 //! benchmarks/varlen_peers.py (`--mixes-out PATH`) so that the peers time the very same sequences.
 //!
@@ -290,6 +291,9 @@ fn main() {
             }
             if lens.iter().all(|&l| l == lens[0]) {
                 runs.push((Backend::Auto, false));
+                if args.flag("--dense-first") {
+                    runs.rotate_right(1);
+                }
             }
             for (backend, packed) in runs {
                 let cfg = AttentionConfig::new().causal(true).backend(backend);
@@ -334,7 +338,12 @@ fn main() {
             }
             let flops = causal_flops(lens, heads, d);
             let equal = lens.iter().all(|&l| l == lens[0]);
-            for packed in [true, false].into_iter().filter(|&p| p || equal) {
+            let order = if args.flag("--dense-first") {
+                [false, true]
+            } else {
+                [true, false]
+            };
+            for packed in order.into_iter().filter(|&p| p || equal) {
                 let (plan, fwd) = time_fp8(&dev, &stream, &mut bufs, lens, packed, d);
                 let tflops = flops / (fwd * 1e-3) / 1e12;
                 println!(
