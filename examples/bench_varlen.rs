@@ -6,8 +6,10 @@
 //! `--sorted` orders each mix's sequences longest first; `--mix NAME` times one mix; `--no-sm80`
 //! leaves out the forced sm80 rows; `--fp8` adds the FP8 forward's rows (inputs quantized once,
 //! outside the timing; O in bf16); `--dense-first` times an equal-length mix's dense call before
-//! its packed one (the order's effect on the comparison).
-//! CUDA events around each call, queued behind the warm-up, median of 20. Writes the mixes for
+//! its packed one; `--rounds N` times everything N times, the order of each equal-length mix's
+//! packed and dense calls swapped from round to round (a row's place changes its clocks).
+//! CUDA events around each call, queued behind about 100 ms of warm-up calls, median of about
+//! 200 ms of calls (at least 20). Writes the mixes for
 //! benchmarks/varlen_peers.py (`--mixes-out PATH`) so that the peers time the very same sequences.
 //!
 //! `cargo run --release --example bench_varlen -- --out varlen.json --mixes-out mixes.json`
@@ -29,7 +31,9 @@ use rand_distr::{Distribution, LogNormal, Normal};
 
 const TOKENS: usize = 32768;
 const HIDDEN: usize = 2048;
-const REPS: usize = 20;
+const MIN_REPS: usize = 20;
+const WARMUP_MS: f64 = 100.0;
+const MEASURE_MS: f64 = 200.0;
 
 /// The three mixes, each summing to TOKENS (the buffers' rows; other mixes take fewer).
 fn mixes() -> Vec<(&'static str, Vec<usize>)> {
@@ -80,9 +84,14 @@ fn view(x: &CudaSlice<bf16>, layout: flashattn::Layout) -> DeviceTensor<'_, bf16
     DeviceTensor::new(x.slice(..layout.shape.iter().product::<usize>()), layout)
 }
 
-/// Median milliseconds of `REPS` calls of `call`, after 5 queued warm-up calls.
-fn median_ms(stream: &Arc<CudaStream>, call: impl FnMut()) -> f64 {
-    common::queued_times_ms(stream, 5, REPS, call)[REPS / 2]
+/// Median milliseconds of about `MEASURE_MS` of calls of `call` (at least `MIN_REPS`), queued
+/// behind about `WARMUP_MS` of warm-up calls: long enough that the clocks settle to this call's
+/// load rather than the last row's.
+fn median_ms(stream: &Arc<CudaStream>, mut call: impl FnMut()) -> f64 {
+    let probe = common::queued_times_ms(stream, 3, 3, &mut call)[1];
+    let calls = |ms: f64| (ms / probe.max(1e-3)).ceil() as usize;
+    let reps = calls(MEASURE_MS).clamp(MIN_REPS, 2000);
+    common::queued_times_ms(stream, calls(WARMUP_MS).clamp(5, 2000), reps, call)[reps / 2]
 }
 
 /// The tensors' shape: packed `(1, Σ lens)` rows, or dense `(lens.len(), s)` when every length
@@ -276,93 +285,99 @@ fn main() {
     };
 
     let mut rows = vec![];
-    for d in [64, 128] {
-        let heads = HIDDEN / d;
-        for (name, lens) in &mixes {
-            let flops = causal_flops(lens, heads, d);
-            // --mix NAME: that mix alone; --no-sm80: without the forced sm80 rows (whose long
-            // runs change the clocks the next row starts at).
-            if args.value("--mix").is_some_and(|m| m != *name) {
-                continue;
-            }
-            let mut runs = vec![(Backend::Auto, true)];
-            if !args.flag("--no-sm80") {
-                runs.push((Backend::Sm80, true));
-            }
-            if lens.iter().all(|&l| l == lens[0]) {
-                runs.push((Backend::Auto, false));
-                if args.flag("--dense-first") {
-                    runs.rotate_right(1);
+    let rounds: usize = args
+        .value("--rounds")
+        .map_or(1, |r| r.parse().expect("--rounds N"));
+    for round in 0..rounds {
+        let dense_first = args.flag("--dense-first") != (round % 2 == 1);
+        for d in [64, 128] {
+            let heads = HIDDEN / d;
+            for (name, lens) in &mixes {
+                let flops = causal_flops(lens, heads, d);
+                // --mix NAME: that mix alone; --no-sm80: without the forced sm80 rows (whose long
+                // runs change the clocks the next row starts at).
+                if args.value("--mix").is_some_and(|m| m != *name) {
+                    continue;
+                }
+                let mut runs = vec![(Backend::Auto, true)];
+                if !args.flag("--no-sm80") {
+                    runs.push((Backend::Sm80, true));
+                }
+                if lens.iter().all(|&l| l == lens[0]) {
+                    runs.push((Backend::Auto, false));
+                    if dense_first {
+                        runs.rotate_right(1);
+                    }
+                }
+                for (backend, packed) in runs {
+                    let cfg = AttentionConfig::new().causal(true).backend(backend);
+                    let (fp, fwd, bp, bwd) = time(&dev, &stream, &mut bufs, &cfg, lens, packed, d);
+                    let tf = |ms: f64, f: f64| f / (ms * 1e-3) / 1e12;
+                    let name_of = |p: &Plan| format!("flashattn-{}", p.backend.name());
+                    println!(
+                        "d{d} {name:<18} {:>6} {} fwd {:.3} ms {:.0} TFLOP/s ({}), bwd {:.3} ms {:.0} TFLOP/s ({})",
+                        if packed { "varlen" } else { "dense" },
+                        lens.len(),
+                        fwd,
+                        tf(fwd, flops),
+                        fp.explain(),
+                        bwd,
+                        tf(bwd, 2.5 * flops),
+                        bp.explain()
+                    );
+                    rows.push(format!(
+                        "{{\"impl\": \"{}\", \"bwd_impl\": \"{}\", \"varlen\": {packed}, \"round\": {round}, \"mix\": \"{name}\", \
+                         \"dtype\": \"bf16\", \"d\": {d}, \"heads\": {heads}, \"heads_kv\": {heads}, \
+                         \"batch\": {}, \"total_tokens\": {}, \"max_seqlen\": {}, \"causal\": true, \
+                         \"forced\": \"{}\", \"fwd_ms\": {fwd:.4}, \"fwd_tflops\": {:.1}, \
+                         \"bwd_ms\": {bwd:.4}, \"bwd_tflops\": {:.1}}}",
+                        name_of(&fp),
+                        name_of(&bp),
+                        lens.len(),
+                        lens.iter().sum::<usize>(),
+                        lens.iter().max().unwrap(),
+                        backend.name(),
+                        tf(fwd, flops),
+                        tf(bwd, 2.5 * flops),
+                    ));
                 }
             }
-            for (backend, packed) in runs {
-                let cfg = AttentionConfig::new().causal(true).backend(backend);
-                let (fp, fwd, bp, bwd) = time(&dev, &stream, &mut bufs, &cfg, lens, packed, d);
-                let tf = |ms: f64, f: f64| f / (ms * 1e-3) / 1e12;
-                let name_of = |p: &Plan| format!("flashattn-{}", p.backend.name());
-                println!(
-                    "d{d} {name:<18} {:>6} {} fwd {:.3} ms {:.0} TFLOP/s ({}), bwd {:.3} ms {:.0} TFLOP/s ({})",
-                    if packed { "varlen" } else { "dense" },
-                    lens.len(),
-                    fwd,
-                    tf(fwd, flops),
-                    fp.explain(),
-                    bwd,
-                    tf(bwd, 2.5 * flops),
-                    bp.explain()
-                );
-                rows.push(format!(
-                    "{{\"impl\": \"{}\", \"bwd_impl\": \"{}\", \"varlen\": {packed}, \"mix\": \"{name}\", \
-                     \"dtype\": \"bf16\", \"d\": {d}, \"heads\": {heads}, \"heads_kv\": {heads}, \
-                     \"batch\": {}, \"total_tokens\": {}, \"max_seqlen\": {}, \"causal\": true, \
-                     \"forced\": \"{}\", \"fwd_ms\": {fwd:.4}, \"fwd_tflops\": {:.1}, \
-                     \"bwd_ms\": {bwd:.4}, \"bwd_tflops\": {:.1}}}",
-                    name_of(&fp),
-                    name_of(&bp),
-                    lens.len(),
-                    lens.iter().sum::<usize>(),
-                    lens.iter().max().unwrap(),
-                    backend.name(),
-                    tf(fwd, flops),
-                    tf(bwd, 2.5 * flops),
-                ));
-            }
         }
-    }
-    // --fp8: the FP8 forward over the same mixes, packed and (equal lengths) dense.
-    for d in [64, 128] {
-        let heads = HIDDEN / d;
-        for (name, lens) in mixes.iter().filter(|_| args.flag("--fp8")) {
-            if args.value("--mix").is_some_and(|m| m != *name) {
-                continue;
-            }
-            let flops = causal_flops(lens, heads, d);
-            let equal = lens.iter().all(|&l| l == lens[0]);
-            let order = if args.flag("--dense-first") {
-                [false, true]
-            } else {
-                [true, false]
-            };
-            for packed in order.into_iter().filter(|&p| p || equal) {
-                let (plan, fwd) = time_fp8(&dev, &stream, &mut bufs, lens, packed, d);
-                let tflops = flops / (fwd * 1e-3) / 1e12;
-                println!(
-                    "d{d} {name:<18} {:>6} {} fp8 fwd {fwd:.3} ms {tflops:.0} TFLOP/s ({})",
-                    if packed { "varlen" } else { "dense" },
-                    lens.len(),
-                    plan.explain()
-                );
-                rows.push(format!(
-                    "{{\"impl\": \"flashattn-{}\", \"varlen\": {packed}, \"mix\": \"{name}\", \
-                     \"dtype\": \"e4m3\", \"out_dtype\": \"bf16\", \"d\": {d}, \"heads\": {heads}, \
-                     \"heads_kv\": {heads}, \"batch\": {}, \"total_tokens\": {}, \
-                     \"max_seqlen\": {}, \"causal\": true, \"fwd_ms\": {fwd:.4}, \
-                     \"fwd_tflops\": {tflops:.1}}}",
-                    plan.backend.name(),
-                    lens.len(),
-                    lens.iter().sum::<usize>(),
-                    lens.iter().max().unwrap(),
-                ));
+        // --fp8: the FP8 forward over the same mixes, packed and (equal lengths) dense.
+        for d in [64, 128] {
+            let heads = HIDDEN / d;
+            for (name, lens) in mixes.iter().filter(|_| args.flag("--fp8")) {
+                if args.value("--mix").is_some_and(|m| m != *name) {
+                    continue;
+                }
+                let flops = causal_flops(lens, heads, d);
+                let equal = lens.iter().all(|&l| l == lens[0]);
+                let order = if dense_first {
+                    [false, true]
+                } else {
+                    [true, false]
+                };
+                for packed in order.into_iter().filter(|&p| p || equal) {
+                    let (plan, fwd) = time_fp8(&dev, &stream, &mut bufs, lens, packed, d);
+                    let tflops = flops / (fwd * 1e-3) / 1e12;
+                    println!(
+                        "d{d} {name:<18} {:>6} {} fp8 fwd {fwd:.3} ms {tflops:.0} TFLOP/s ({})",
+                        if packed { "varlen" } else { "dense" },
+                        lens.len(),
+                        plan.explain()
+                    );
+                    rows.push(format!(
+                        "{{\"impl\": \"flashattn-{}\", \"varlen\": {packed}, \"round\": {round}, \"mix\": \"{name}\", \
+                         \"dtype\": \"e4m3\", \"out_dtype\": \"bf16\", \"d\": {d}, \"heads\": {heads}, \
+                         \"heads_kv\": {heads}, \"batch\": {}, \"total_tokens\": {}, \
+                         \"max_seqlen\": {}, \"causal\": true, \"fwd_ms\": {fwd:.4}, \
+                         \"fwd_tflops\": {tflops:.1}}}",
+                        plan.backend.name(),
+                        lens.len(),
+                        lens.iter().sum::<usize>(),
+                        lens.iter().max().unwrap(),
+                    ));
+                }
             }
         }
     }
