@@ -8,8 +8,8 @@
 //! outside the timing; O in bf16); `--dense-first` times an equal-length mix's dense call before
 //! its packed one; `--rounds N` times everything N times, the order of each equal-length mix's
 //! packed and dense calls swapped from round to round (a row's place changes its clocks).
-//! CUDA events around each call, queued behind about 100 ms of warm-up calls, median of about
-//! 200 ms of calls (at least 20). Writes the mixes for
+//! CUDA events around each call, queued behind 5 warm-up calls, median of about 200 ms of calls
+//! (20 to 100 of them), as the peers are timed. Writes the mixes for
 //! benchmarks/varlen_peers.py (`--mixes-out PATH`) so that the peers time the very same sequences.
 //!
 //! `cargo run --release --example bench_varlen -- --out varlen.json --mixes-out mixes.json`
@@ -32,7 +32,8 @@ use rand_distr::{Distribution, LogNormal, Normal};
 const TOKENS: usize = 32768;
 const HIDDEN: usize = 2048;
 const MIN_REPS: usize = 20;
-const WARMUP_MS: f64 = 100.0;
+const MAX_REPS: usize = 100;
+const WARMUP: usize = 5;
 const MEASURE_MS: f64 = 200.0;
 
 /// The three mixes, each summing to TOKENS (the buffers' rows; other mixes take fewer).
@@ -84,14 +85,13 @@ fn view(x: &CudaSlice<bf16>, layout: flashattn::Layout) -> DeviceTensor<'_, bf16
     DeviceTensor::new(x.slice(..layout.shape.iter().product::<usize>()), layout)
 }
 
-/// Median milliseconds of about `MEASURE_MS` of calls of `call` (at least `MIN_REPS`), queued
-/// behind about `WARMUP_MS` of warm-up calls: long enough that the clocks settle to this call's
-/// load rather than the last row's.
+/// Median milliseconds of about `MEASURE_MS` of calls of `call` (`MIN_REPS` to `MAX_REPS` of them) after
+/// `WARMUP` queued warm-up calls: the peers' protocol (benchmarks/peers_common.py), so that both
+/// are timed at the same point of a load.
 fn median_ms(stream: &Arc<CudaStream>, mut call: impl FnMut()) -> f64 {
-    let probe = common::queued_times_ms(stream, 3, 3, &mut call)[1];
-    let calls = |ms: f64| (ms / probe.max(1e-3)).ceil() as usize;
-    let reps = calls(MEASURE_MS).clamp(MIN_REPS, 2000);
-    common::queued_times_ms(stream, calls(WARMUP_MS).clamp(5, 2000), reps, call)[reps / 2]
+    let probe = common::queued_times_ms(stream, WARMUP, 3, &mut call)[1];
+    let reps = ((MEASURE_MS / probe.max(1e-3)).ceil() as usize).clamp(MIN_REPS, MAX_REPS);
+    common::queued_times_ms(stream, WARMUP, reps, call)[reps / 2]
 }
 
 /// The tensors' shape: packed `(1, Σ lens)` rows, or dense `(lens.len(), s)` when every length
