@@ -85,9 +85,9 @@ fn view(x: &CudaSlice<bf16>, layout: flashattn::Layout) -> DeviceTensor<'_, bf16
     DeviceTensor::new(x.slice(..layout.shape.iter().product::<usize>()), layout)
 }
 
-/// Median milliseconds of about `MEASURE_MS` of calls of `call` (`MIN_REPS` to `MAX_REPS` of them) after
-/// `WARMUP` queued warm-up calls: the peers' protocol (benchmarks/peers_common.py), so that both
-/// are timed at the same point of a load.
+/// Median milliseconds of about `MEASURE_MS` of calls of `call` (`MIN_REPS` to `MAX_REPS` of
+/// them) after `WARMUP` queued warm-up calls: the peers' protocol (benchmarks/peers_common.py), so
+/// that both are timed at the same point of a load.
 fn median_ms(stream: &Arc<CudaStream>, mut call: impl FnMut()) -> f64 {
     let probe = common::queued_times_ms(stream, WARMUP, 3, &mut call)[1];
     let reps = ((MEASURE_MS / probe.max(1e-3)).ceil() as usize).clamp(MIN_REPS, MAX_REPS);
