@@ -277,8 +277,8 @@ fn sm90_bwd_dispatch() {
 }
 
 /// The head dims outside the default build (`hdim96`, `hdim192`), where this build has them: the
-/// sm80 backward (the sm90 one has no kernel at these head dims), its deterministic mode, and
-/// Auto taking it on a Hopper GPU.
+/// sm80 backward, its deterministic mode, and the backend Auto takes on a Hopper GPU (the sm90
+/// backward at d192, the sm80 one at d96, where the sm90 family has no kernel).
 #[test]
 #[ignore = "needs a GPU"]
 #[cfg(any(feature = "hdim96", feature = "hdim192"))]
@@ -293,9 +293,48 @@ fn sm80_bwd_optional_head_dims() {
     for &d in &dims {
         let case = Case::new(100, 150, d).causal(true).heads(4, 2);
         let g = run_case::<bf16>(&dev, &stream, &case, Backend::Auto, 5100);
-        assert_eq!(g.backend, Backend::Sm80, "{case:?}");
+        let want = if d == 192 {
+            Backend::Sm90
+        } else {
+            Backend::Sm80
+        };
+        assert_eq!(g.backend, want, "{case:?}");
         assert!(g.dq.pass && g.dk.pass && g.dv.pass, "{case:?}");
     }
+}
+
+/// The sm90 backward at d192 (`hdim192`): the head-dim-split kernel with 96 columns per
+/// warpgroup, its sweep in both dtypes, deterministic mode, and a sanitizer set.
+#[test]
+#[ignore = "needs a Hopper GPU"]
+#[cfg(feature = "hdim192")]
+fn sm90_bwd_d192() {
+    run_all::<bf16>(&sweep_sm90(192), Backend::Sm90, "sm90 bwd d192 bf16");
+    run_all::<f16>(&sweep_sm90(192), Backend::Sm90, "sm90 bwd d192 f16");
+    let case = |sq, sk| Case::new(sq, sk, 192).deterministic(true);
+    check_deterministic(
+        &[192],
+        Backend::Sm90,
+        vec![
+            case(900, 1000).window(Some(200), Some(0)),
+            case(3000, 3000).causal(true).heads(2, 2),
+        ],
+    );
+}
+
+#[test]
+#[ignore = "needs a Hopper GPU"]
+#[cfg(feature = "hdim192")]
+fn sanitizer_sm90_bwd_d192() {
+    let cases = [
+        Case::new(150, 130, 192).causal(true).heads(4, 2),
+        Case::new(150, 200, 192)
+            .causal(true)
+            .heads(4, 2)
+            .deterministic(true),
+        Case::new(100, 400, 192).window(Some(100), None),
+    ];
+    run_all::<bf16>(&cases, Backend::Sm90, "sm90 bwd d192 sanitizer set");
 }
 
 #[test]

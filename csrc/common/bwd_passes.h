@@ -196,7 +196,8 @@ cudaError_t launch_bwd_preprocess(const BwdRowsParams& p, cudaStream_t stream) {
 // A blocked f32 dQ accumulator (the sm90 backward's): per block of kRows query rows, kParts slabs
 // of kRows × (kHeadDim / kParts) floats, slab p holding columns [p·w, (p+1)·w). Each consumer
 // warpgroup owns one slab, so its bulk add is one contiguous run. Within a slab row the 8-float
-// chunks are permuted by the row (chunk c at c ^ row % chunks, at most 8), so that the rows one
+// chunks are permuted by the row (chunk c at c ^ row % chunks, at most 8; where the chunks are no
+// power of two, at (c + row) % chunks, which stays within the row), so that the rows one
 // accumulator store touches fall on different shared-memory banks. Offset of (row, col) from the
 // head's first row; rows of a head start on a multiple of kRows.
 template <int kHeadDim, int kRows, int kParts>
@@ -205,8 +206,14 @@ struct DqSlabs {
   static constexpr int kCols = kHeadDim / kParts;
   static constexpr int kChunks = kCols / 8;
   static_assert(kCols % 8 == 0 && kRows % 8 == 0);
+  __host__ __device__ static constexpr int chunk_at(int row, int chunk) {
+    if constexpr ((kChunks & (kChunks - 1)) == 0)
+      return chunk ^ (row % (kChunks < 8 ? kChunks : 8));
+    else
+      return (chunk + row) % kChunks;
+  }
   __host__ __device__ static constexpr int in_slab(int row, int col) {  // row < kRows, col < kCols
-    return row * kCols + ((col / 8) ^ (row % (kChunks < 8 ? kChunks : 8))) * 8 + col % 8;
+    return row * kCols + chunk_at(row, col / 8) * 8 + col % 8;
   }
   __host__ __device__ static constexpr int64_t offset(int64_t row, int col) {
     return ((row / kRows) * kParts + col / kCols) * (kRows * kCols) +

@@ -1,7 +1,8 @@
-// The sm_90a backward kernel for head dim 256, its two consumer warpgroups splitting the head dim.
+// The sm_90a backward kernel for head dims 192 and 256, its two consumer warpgroups splitting
+// the head dim.
 //
 // At d256 a warpgroup that owned 64 keys (bwd_kernel.h) would hold dK and dV as 256 f32
-// registers per thread. Here one CTA owns kBlockN = 64 keys and walks the 64-row query blocks
+// registers per thread (at d192, 192). Here one CTA owns kBlockN = 64 keys and walks the 64-row query blocks
 // that see them; each consumer warpgroup owns half of the head dim of dK, dV and dQ (FA3's
 // layout at d256), 64 + 64 accumulator registers:
 //   producer (WG 0): K and V once, then per query block Q (two stages) and dO (one) by TMA;
@@ -9,7 +10,7 @@
 //                    queries each (N = 32), Pᵀ and dSᵀ from them into shared memory (two
 //                    stages); after one barrier, each warpgroup computes its columns of
 //                    dQ = dS·K, dV += Pᵀ·dO and dK += dSᵀ·Q with every operand in shared memory.
-//                    Each warpgroup's dQ columns leave in two 64 × 64 f32 slabs (DqSlabs) through
+//                    Each warpgroup's dQ columns leave in two 64-row f32 slabs (DqSlabs) through
 //                    one shared buffer, by bulk reduce-adds: the first under dK, the second
 //                    under the next block's score GEMMs. (Per-thread vector reductions, the
 //                    first version, saturated the LSU and L2: in ncu many stall samples on REDG
@@ -48,7 +49,7 @@ struct BwdSplitDTraits {
   static constexpr int kKeyTiles = 1;
   static constexpr int kStages = Tile::kStages;      // Q, Pᵀ and dSᵀ buffers
   static constexpr int kStagesdO = Tile::kStagesdO;  // shared memory: 227 KiB per CTA
-  static constexpr int kDqSlabCols = 64;  // dQ leaves in slabs of kBlockM × 64 f32
+  static constexpr int kDqSlabCols = kColsPerWG / 2;  // dQ leaves in two slabs per warpgroup
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -57,8 +58,13 @@ struct BwdSplitDTraits {
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
 
-  // 128-byte swizzled K-major rows; transposed views are MN-major.
-  using SmemAtom = decltype(GMMA::Layout_K_SW128_Atom<Element>{});
+  // Swizzled K-major rows (transposed views are MN-major): of 128 bytes, or of 64 where a
+  // warpgroup's columns of the head dim (which the dQ, dK and dV GEMMs take from the transposed
+  // views) would start inside a 128-byte atom (d192: 96 columns each).
+  using SmemAtom = conditional_t<kColsPerWG % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                                 GMMA::Layout_K_SW64_Atom<Element>>;
+  // Pᵀ and dSᵀ: key and query blocks of 64.
+  using SmemAtomP = GMMA::Layout_K_SW128_Atom<Element>;
   template <int kBuffers>  // (queries, d, stage)
   using SmemLayoutRows = decltype(tile_to_shape(
       SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBuffers>>{}));
@@ -78,7 +84,7 @@ struct BwdSplitDTraits {
   // where the accumulator's neighbouring query columns are neighbours; dS as (queries, keys,
   // stage) is the MN-major A operand of dQ.
   using SmemLayoutPt = decltype(tile_to_shape(
-      SmemAtom{}, Shape<Int<kBlockN>, Int<kBlockM>, Int<kStages>>{}));
+      SmemAtomP{}, Shape<Int<kBlockN>, Int<kBlockM>, Int<kStages>>{}));
   using SmemLayoutP = decltype(composition(
       SmemLayoutPt{}, make_ordered_layout(Shape<Int<kBlockM>, Int<kBlockN>, Int<kStages>>{},
                                           Step<_2, _1, _3>{})));

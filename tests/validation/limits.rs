@@ -108,35 +108,37 @@ fn kernels_left_out_of_the_build_are_refused_by_name() {
 }
 
 #[test]
-fn the_backward_at_d96_and_d192_is_the_sm80_one_and_sm90_refuses_naming_it() {
-    // d96 and d192 have no sm90 backward: forced, its refusal names the families that have the
-    // head dim; Auto takes the sm80 backward, and the forward stays on sm90.
-    for d in [96, 192] {
-        let plan = |op, backend| {
-            dispatch::plan(
-                op,
-                &problem(2, 300, 300, 4, d),
-                &AttentionConfig::new().backend(backend),
-                &fake_h200(),
-                all_gpu_kernels(),
-            )
-        };
-        let e = plan(Op::Backward, Backend::Sm90).unwrap_err();
-        let text = e.to_string();
-        assert!(
-            matches!(e, Error::Unsupported { .. }) && text.contains("sm80 bwd"),
-            "d{d}: {text}"
-        );
-        for backend in [Backend::Sm80, Backend::Auto] {
-            let bwd = plan(Op::Backward, backend).unwrap();
-            assert_eq!(bwd.backend, Backend::Sm80, "d{d} {backend:?}");
-        }
-        assert_eq!(
-            plan(Op::Forward, Backend::Auto).unwrap().backend,
-            Backend::Sm90,
-            "d{d}"
-        );
+fn the_backward_at_d96_is_the_sm80_one_and_sm90_refuses_naming_it() {
+    let plan = |op, d, backend| {
+        dispatch::plan(
+            op,
+            &problem(2, 300, 300, 4, d),
+            &AttentionConfig::new().backend(backend),
+            &fake_h200(),
+            all_gpu_kernels(),
+        )
+    };
+    // d96 has no sm90 backward: forced, its refusal names the families that have the head dim;
+    // Auto takes the sm80 backward, and the forward stays on sm90.
+    let e = plan(Op::Backward, 96, Backend::Sm90).unwrap_err();
+    let text = e.to_string();
+    assert!(
+        matches!(e, Error::Unsupported { .. }) && text.contains("sm80 bwd"),
+        "{text}"
+    );
+    for backend in [Backend::Sm80, Backend::Auto] {
+        let bwd = plan(Op::Backward, 96, backend).unwrap();
+        assert_eq!(bwd.backend, Backend::Sm80, "{backend:?}");
     }
+    assert_eq!(
+        plan(Op::Forward, 96, Backend::Auto).unwrap().backend,
+        Backend::Sm90
+    );
+    // d192 has both backwards: Auto takes the sm90 one.
+    assert_eq!(
+        plan(Op::Backward, 192, Backend::Auto).unwrap().backend,
+        Backend::Sm90
+    );
 }
 
 #[test]
