@@ -10,8 +10,10 @@
 //! `--dims D,...` times other head dims than 64, 128 and 256 (those this build has; the hidden
 //! size `--hidden H` must be a multiple of each), a backward only where one is built.
 //!
+//! `--softcap C` caps every row's scores at C (the results file says so).
+//!
 //! Usage: bench_table [--quick] [--only D,S[,causal][,sm80]] [--dims D,...] [--hidden H]
-//!                    [--out results.json] [--commit SHA]
+//!                    [--softcap C] [--out results.json] [--commit SHA]
 
 mod common;
 
@@ -193,6 +195,9 @@ fn main() {
     let hidden: usize = args
         .value("--hidden")
         .map_or(2048, |h| h.parse().expect("--hidden H"));
+    let softcap: Option<f32> = args
+        .value("--softcap")
+        .map(|c| c.parse().expect("--softcap C"));
     let dims: Vec<usize> = args.value("--dims").map_or(vec![64, 128, 256], |v| {
         v.split(',')
             .map(|d| d.parse().expect("--dims D,..."))
@@ -310,10 +315,13 @@ fn main() {
     let mut rows = vec![];
     for (backend, d, s, causal, schedule) in plan {
         let shape = [TOKENS / s, s, hidden / d, d];
-        let cfg = AttentionConfig::new()
+        let mut cfg = AttentionConfig::new()
             .causal(causal)
             .backend(backend)
             .sm90_schedule(schedule);
+        if let Some(c) = softcap {
+            cfg = cfg.softcap(c);
+        }
         let (times, host_us) = time_forward(
             &dev,
             &stream,
@@ -426,7 +434,8 @@ fn main() {
                 },
             ));
         }
-        common::write_results(&path, &common::describe(&info), &commit, "", &json_rows);
+        let extra = softcap.map_or(String::new(), |c| format!(", \"softcap\": {c}"));
+        common::write_results(&path, &common::describe(&info), &commit, &extra, &json_rows);
     }
     if rows.iter().any(|r| !r.pass) {
         std::process::exit(1);

@@ -234,13 +234,6 @@ pub fn check_backend(
                     backend,
                 });
             }
-            // The sm90 backward is built without softcap; Auto then takes the sm80 one.
-            if family == Family::Sm90Bwd && cfg.softcap.is_some() {
-                return Err(Error::Unsupported {
-                    what: "Backward with softcap (not built for sm90 yet)".into(),
-                    backend,
-                });
-            }
             problem.check_gpu_limits()?;
             check_left_window(cfg, problem.seqlen_k)?;
             // The FlashAttention-2 kernels put heads and batch entries on grid y and z.

@@ -194,43 +194,35 @@ fn sm80_bwd_d256_f16() {
     run_all::<f16>(&sweep(256), Backend::Sm80, "sm80 bwd d256 f16");
 }
 
-/// The sm90 backward is built without softcap: its sweep is the rest of the sm80 one.
-fn sweep_sm90(head_dim: usize) -> Vec<Case> {
-    sweep(head_dim)
-        .into_iter()
-        .filter(|c| c.softcap.is_none())
-        .collect()
-}
-
 #[test]
 #[ignore = "needs a GPU"]
 fn sm90_bwd_d64_bf16() {
-    run_all::<bf16>(&sweep_sm90(64), Backend::Sm90, "sm90 bwd d64 bf16");
+    run_all::<bf16>(&sweep(64), Backend::Sm90, "sm90 bwd d64 bf16");
 }
 #[test]
 #[ignore = "needs a GPU"]
 fn sm90_bwd_d128_bf16() {
-    run_all::<bf16>(&sweep_sm90(128), Backend::Sm90, "sm90 bwd d128 bf16");
+    run_all::<bf16>(&sweep(128), Backend::Sm90, "sm90 bwd d128 bf16");
 }
 #[test]
 #[ignore = "needs a GPU"]
 fn sm90_bwd_d256_bf16() {
-    run_all::<bf16>(&sweep_sm90(256), Backend::Sm90, "sm90 bwd d256 bf16");
+    run_all::<bf16>(&sweep(256), Backend::Sm90, "sm90 bwd d256 bf16");
 }
 #[test]
 #[ignore = "needs a GPU"]
 fn sm90_bwd_d64_f16() {
-    run_all::<f16>(&sweep_sm90(64), Backend::Sm90, "sm90 bwd d64 f16");
+    run_all::<f16>(&sweep(64), Backend::Sm90, "sm90 bwd d64 f16");
 }
 #[test]
 #[ignore = "needs a GPU"]
 fn sm90_bwd_d128_f16() {
-    run_all::<f16>(&sweep_sm90(128), Backend::Sm90, "sm90 bwd d128 f16");
+    run_all::<f16>(&sweep(128), Backend::Sm90, "sm90 bwd d128 f16");
 }
 #[test]
 #[ignore = "needs a GPU"]
 fn sm90_bwd_d256_f16() {
-    run_all::<f16>(&sweep_sm90(256), Backend::Sm90, "sm90 bwd d256 f16");
+    run_all::<f16>(&sweep(256), Backend::Sm90, "sm90 bwd d256 f16");
 }
 
 #[test]
@@ -242,6 +234,8 @@ fn sm90_bwd_sanitizer_set() {
         Case::new(65, 300, 128).heads(4, 2),
         // A key block no query row sees (window): the CTA loads nothing, writes zeros.
         Case::new(100, 400, 128).window(Some(100), None),
+        // Softcap: the cap's derivative from P, masked scores (P = 0) left at dS = 0.
+        Case::new(130, 200, 64).causal(true).softcap(30.0),
         // Deterministic: semaphores hand each dQ slab from key block to key block, GQA per head.
         Case::new(200, 300, 64)
             .causal(true)
@@ -258,7 +252,7 @@ fn sm90_bwd_sanitizer_set() {
     run_all::<bf16>(&cases, Backend::Sm90, "sm90 bwd sanitizer set");
 }
 
-/// Auto takes the sm90 backward where it is built and the sm80 one for the rest.
+/// Auto takes the sm90 backward where it is built (softcap too).
 #[test]
 #[ignore = "needs a GPU"]
 fn sm90_bwd_dispatch() {
@@ -267,7 +261,7 @@ fn sm90_bwd_dispatch() {
         (Case::new(100, 100, 128).causal(true), Backend::Sm90),
         (Case::new(100, 100, 256).causal(true), Backend::Sm90),
         (Case::new(100, 100, 256).deterministic(true), Backend::Sm90),
-        (Case::new(100, 100, 64).softcap(30.0), Backend::Sm80),
+        (Case::new(100, 100, 64).softcap(30.0), Backend::Sm90),
         (Case::new(100, 100, 64).deterministic(true), Backend::Sm90),
     ] {
         let g = run_case::<bf16>(&dev, &stream, &case, Backend::Auto, 5000);
@@ -309,8 +303,8 @@ fn sm80_bwd_optional_head_dims() {
 #[ignore = "needs a Hopper GPU"]
 #[cfg(feature = "hdim192")]
 fn sm90_bwd_d192() {
-    run_all::<bf16>(&sweep_sm90(192), Backend::Sm90, "sm90 bwd d192 bf16");
-    run_all::<f16>(&sweep_sm90(192), Backend::Sm90, "sm90 bwd d192 f16");
+    run_all::<bf16>(&sweep(192), Backend::Sm90, "sm90 bwd d192 bf16");
+    run_all::<f16>(&sweep(192), Backend::Sm90, "sm90 bwd d192 f16");
     let case = |sq, sk| Case::new(sq, sk, 192).deterministic(true);
     check_deterministic(
         &[192],

@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     warpgroup_wait<1>();  // Sᵀ ready
     bwd_probabilities(
         rowcol_s, rowcol_cS, [&](int c) { return row_value(lse_held, c); }, work.keys, key0, q0,
-        params.scale_log2,
+        params.scale_log2, params.softcap_pre,
         work.keys.template block_needs_mask<kKeysPerWG>(n_block * kConsumerWGs + wg, q0,
                                                         q0 + kBlockM));
     // dV as soon as Pᵀ is ready, under dPᵀ; with 128-query blocks that holds Pᵀ twice (f32 for
@@ -320,7 +320,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     } else {
       warpgroup_wait<0>();  // dPᵀ ready
     }
-    bwd_ds(rowcol_s, rowcol_dp, [&](int c) { return row_value(dsum_held, c); });
+    bwd_ds(
+        rowcol_s, rowcol_dp, [&](int c) { return row_value(dsum_held, c); },
+        [&](int c) { return row_value(lse_held, c); }, params.scale_log2, params.softcap_pre);
     if constexpr (!Traits::kEarlyDv) convert_fragment(acc_s, rP);
     convert_fragment(acc_dp, rdS);
 

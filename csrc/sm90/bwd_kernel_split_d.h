@@ -286,11 +286,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (m > m_first) second_slab(m - 1);  // under this block's score GEMMs
     warpgroup_wait<1>();  // Sᵀ ready
     bwd_probabilities(rowcol_s, rowcol_cS, [&](int c) { return row_value(lse_held, c); },
-                      work.keys, key0, q0, params.scale_log2,
+                      work.keys, key0, q0, params.scale_log2, params.softcap_pre,
                       work.keys.template block_needs_mask<kBlockN>(n_block, q0,
                                                                    q0 + kQueriesPerWG));
     warpgroup_wait<0>();  // dPᵀ ready
-    bwd_ds(rowcol_s, rowcol_dp, [&](int c) { return row_value(dsum_held, c); });
+    bwd_ds(
+        rowcol_s, rowcol_dp, [&](int c) { return row_value(dsum_held, c); },
+        [&](int c) { return row_value(lse_held, c); }, params.scale_log2, params.softcap_pre);
     convert_fragment(acc_s, rP);
     convert_fragment(acc_dp, rdS);
     // Pᵀ and dSᵀ into this block's stage, as (key, query). The other warpgroup's GEMMs read the

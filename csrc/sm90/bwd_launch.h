@@ -38,7 +38,6 @@ template <class Element, int kHeadDim>
 flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Traits = BwdTraitsFor<Element, kHeadDim>;
   constexpr bool kSplitD = BwdTile<kHeadDim>::kSplitHeadDim;
-  if (p.softcap > 0.f) return status(FLASHATTN_UNSUPPORTED);
   const Sequences seqs = sequences(p);
   // Tiles of the tile order per head: dense, the key blocks of each (batch, head); packed, a
   // head's packed key blocks. The CTA index and a head's query workspace rows are ints.
@@ -113,7 +112,9 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.dq_rows = dq_rows;
   params.keys = key_range(p);
   params.scale = p.softmax_scale;
-  params.scale_log2 = p.softmax_scale * float(M_LOG2E);
+  const bool softcap = p.softcap > 0.f;
+  params.softcap_pre = softcap ? p.softmax_scale / p.softcap : 0.f;
+  params.scale_log2 = (softcap ? p.softcap : p.softmax_scale) * float(M_LOG2E);
   // Causal (any right bound): key block 0 sees the most query rows, so heaviest first, heads
   // grouped by the Q, dO and dQ accumulator they share within a third of the L2 (causal: faster
   // than half at d256, equal at d64/d128; all heads in one group slower; benchmarks/README.md).
