@@ -234,6 +234,14 @@ pub fn check_backend(
                     backend,
                 });
             }
+            // The sm90 backward's softcap kernels have no deterministic mode; Auto then takes
+            // the sm80 one.
+            if family == Family::Sm90Bwd && cfg.softcap.is_some() && cfg.deterministic {
+                return Err(Error::Unsupported {
+                    what: "the deterministic backward with softcap (not built for sm90)".into(),
+                    backend,
+                });
+            }
             problem.check_gpu_limits()?;
             check_left_window(cfg, problem.seqlen_k)?;
             // The FlashAttention-2 kernels put heads and batch entries on grid y and z.

@@ -252,7 +252,8 @@ fn sm90_bwd_sanitizer_set() {
     run_all::<bf16>(&cases, Backend::Sm90, "sm90 bwd sanitizer set");
 }
 
-/// Auto takes the sm90 backward where it is built (softcap too).
+/// Auto takes the sm90 backward where it is built (softcap too, but not softcap's deterministic
+/// mode).
 #[test]
 #[ignore = "needs a GPU"]
 fn sm90_bwd_dispatch() {
@@ -262,6 +263,10 @@ fn sm90_bwd_dispatch() {
         (Case::new(100, 100, 256).causal(true), Backend::Sm90),
         (Case::new(100, 100, 256).deterministic(true), Backend::Sm90),
         (Case::new(100, 100, 64).softcap(30.0), Backend::Sm90),
+        (
+            Case::new(100, 100, 64).softcap(30.0).deterministic(true),
+            Backend::Sm80,
+        ),
         (Case::new(100, 100, 64).deterministic(true), Backend::Sm90),
     ] {
         let g = run_case::<bf16>(&dev, &stream, &case, Backend::Auto, 5000);

@@ -78,8 +78,8 @@ struct BwdParams {
   KeyRange keys;   // the call's rule; each entry's is keys over its lengths (Entry::keys)
   float scale;        // softmax scale
   float scale_log2;   // scale·log2(e), or softcap·log2(e) when softcap is on
-  float softcap_pre;  // scale/softcap when softcap is on (scores become tanh(s·scale/softcap)),
-                      // else 0
+  float softcap_pre;  // scale/softcap with softcap (the kernels' kSoftcap): scores become
+                      // tanh(s·scale/softcap)
 
   // Entries on the tensors' batch axis (B): one when the sequences are packed along the rows.
   __host__ __device__ int tensor_batch() const { return seqs.packed() ? 1 : batch; }
@@ -223,72 +223,65 @@ __device__ void convert_fragment(Acc const& acc, Dst& dst) {
 
 // On a transposed score tile (keys down the rows, queries across; `coords` gives each element's
 // (key, query) within the tile): Pᵀ = exp2(Sᵀ·scale_log2 − LSE·log2 e) in place, lse_of(c) being
-// column c's LSE·log2(e); with softcap (softcap_pre > 0) Sᵀ is first capped to
-// tanh(Sᵀ·softcap_pre), as the forward did. Rows past seqlen_q have LSE +inf (P = 0), and every
-// tile that reaches past seqlen_k is `masked` (KeyRange::block_needs_mask), so only those tiles
-// need the key range of each query; key0 and q0 are the tile's first key and query.
-template <class RowCol, class Coords, class LseOf>
+// column c's LSE·log2(e); with softcap (kSoftcap) Sᵀ is first capped to tanh(Sᵀ·softcap_pre), as
+// the forward did. Rows past seqlen_q have LSE +inf (P = 0), and every tile that reaches past
+// seqlen_k is `masked` (KeyRange::block_needs_mask), so only those tiles need the key range of
+// each query; key0 and q0 are the tile's first key and query.
+template <bool kSoftcap, class RowCol, class Coords, class LseOf>
 __device__ void bwd_probabilities(RowCol& s, Coords const& coords, LseOf const& lse_of,
                                   KeyRange const& keys, int key0, int q0, float scale_log2,
                                   float softcap_pre, bool masked) {
   constexpr int kRows = decltype(size<0>(s))::value;
   constexpr int kCols = decltype(size<1>(s))::value;
-  // The loops once per softcap mode, so that the mode is not a test per score.
-  auto run = [&](auto softcap) {
-    auto logit = [&](float x) {  // the score times scale_log2
-      if constexpr (decltype(softcap)::value)
-        return fast_tanh(x * softcap_pre) * scale_log2;
-      else
-        return x * scale_log2;
+  auto logit = [&](float x) {  // the score times scale_log2
+    if constexpr (kSoftcap)
+      return fast_tanh(x * softcap_pre) * scale_log2;
+    else
+      return x * scale_log2;
+  };
+  if (masked) {
+    // Row q sees key k when k - q lies in [shift - window_left, shift + window_right] and
+    // k < seqlen_k (KeyRange::lo/hi with k >= 0; shift = seqlen_k - seqlen_q): bounds on the
+    // tile's own (key - query), formed once per tile instead of per column. Formed in 64 bits
+    // and clamped to int, which keeps every comparison with the tile's small differences.
+    const int64_t shift = int64_t(keys.seqlen_k) - keys.seqlen_q - (int64_t(key0) - q0);
+    auto to_int = [](int64_t x) {
+      return int(x < INT_MIN ? int64_t(INT_MIN) : (x > INT_MAX ? int64_t(INT_MAX) : x));
     };
-    if (masked) {
-      // Row q sees key k when k - q lies in [shift - window_left, shift + window_right] and
-      // k < seqlen_k (KeyRange::lo/hi with k >= 0; shift = seqlen_k - seqlen_q): bounds on the
-      // tile's own (key - query), formed once per tile instead of per column. Formed in 64 bits
-      // and clamped to int, which keeps every comparison with the tile's small differences.
-      const int64_t shift = int64_t(keys.seqlen_k) - keys.seqlen_q - (int64_t(key0) - q0);
-      auto to_int = [](int64_t x) {
-        return int(x < INT_MIN ? int64_t(INT_MIN) : (x > INT_MAX ? int64_t(INT_MAX) : x));
-      };
-      const int d_lo = keys.window_left < 0 ? INT_MIN : to_int(shift - keys.window_left);
-      const int d_hi = keys.window_right < 0 ? INT_MAX : to_int(shift + keys.window_right);
-      const int key_end = keys.seqlen_k - key0;
+    const int d_lo = keys.window_left < 0 ? INT_MIN : to_int(shift - keys.window_left);
+    const int d_hi = keys.window_right < 0 ? INT_MAX : to_int(shift + keys.window_right);
+    const int key_end = keys.seqlen_k - key0;
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const float lse = lse_of(c);
+    for (int c = 0; c < kCols; ++c) {
+      const float lse = lse_of(c);
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const int key = get<0>(coords(r, c)), d = key - get<1>(coords(r, c));
-          s(r, c) = d >= d_lo && d <= d_hi && key < key_end ? fast_exp2(logit(s(r, c)) - lse)
-                                                            : 0.f;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const float lse = lse_of(c);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) s(r, c) = fast_exp2(logit(s(r, c)) - lse);
+      for (int r = 0; r < kRows; ++r) {
+        const int key = get<0>(coords(r, c)), d = key - get<1>(coords(r, c));
+        s(r, c) = d >= d_lo && d <= d_hi && key < key_end ? fast_exp2(logit(s(r, c)) - lse)
+                                                          : 0.f;
       }
     }
-  };
-  if (softcap_pre > 0.f)
-    run(cute::true_type{});
-  else
-    run(cute::false_type{});
+  } else {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float lse = lse_of(c);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) s(r, c) = fast_exp2(logit(s(r, c)) - lse);
+    }
+  }
 }
 
 // dSᵀ = Pᵀ ∘ (dPᵀ − D) in place over dPᵀ, dsum_of(c) being column c's D = rowsum(dO ∘ O). With
-// softcap (softcap_pre > 0) times the cap's derivative 1 − t², t = tanh(s·softcap_pre): t comes
+// softcap (kSoftcap) times the cap's derivative 1 − t², t = tanh(s·softcap_pre): t comes
 // back from P itself, log2(P) = t·scale_log2 − LSE·log2 e (lse_of(c) as in bwd_probabilities),
 // which costs a logarithm per score instead of t's registers beside P and dP; P = 0 (masked,
 // or underflowed) gives dS = 0 as without the cap.
-template <class RowCol, class DsumOf, class LseOf>
+template <bool kSoftcap, class RowCol, class DsumOf, class LseOf>
 __device__ void bwd_ds(RowCol const& p, RowCol& dp, DsumOf const& dsum_of, LseOf const& lse_of,
-                       float scale_log2, float softcap_pre) {
+                       float scale_log2) {
   constexpr int kRows = decltype(size<0>(p))::value;
   constexpr int kCols = decltype(size<1>(p))::value;
-  if (softcap_pre > 0.f) {
+  if constexpr (kSoftcap) {
     const float inv_scale_log2 = 1.f / scale_log2;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {

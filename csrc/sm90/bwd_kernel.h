@@ -129,7 +129,9 @@ struct BwdTraits {
 
 // kDeterministic: dQ through the semaphores (params.dq_semaphore), GQA dK/dV per query head. Its
 // own instantiation: the branches cost the atomic path registers (ptxas spills, slower at d128).
-template <class Traits, bool kDeterministic>
+// kSoftcap: scores capped (bwd_probabilities, bwd_ds); its own instantiation too, as a run-time
+// test around the score loops slowed the plain d64 kernel by a fifth (benchmarks/README.md).
+template <class Traits, bool kDeterministic, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_kernel(__grid_constant__ const BwdParams<Traits> params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -306,7 +308,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     smem.pipe_do.consumer_wait(st);
     gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st.index), acc_dp);
     warpgroup_wait<1>();  // Sᵀ ready
-    bwd_probabilities(
+    bwd_probabilities<kSoftcap>(
         rowcol_s, rowcol_cS, [&](int c) { return row_value(lse_held, c); }, work.keys, key0, q0,
         params.scale_log2, params.softcap_pre,
         work.keys.template block_needs_mask<kKeysPerWG>(n_block * kConsumerWGs + wg, q0,
@@ -320,9 +322,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     } else {
       warpgroup_wait<0>();  // dPᵀ ready
     }
-    bwd_ds(
+    bwd_ds<kSoftcap>(
         rowcol_s, rowcol_dp, [&](int c) { return row_value(dsum_held, c); },
-        [&](int c) { return row_value(lse_held, c); }, params.scale_log2, params.softcap_pre);
+        [&](int c) { return row_value(lse_held, c); }, params.scale_log2);
     if constexpr (!Traits::kEarlyDv) convert_fragment(acc_s, rP);
     convert_fragment(acc_dp, rdS);
 

@@ -19,7 +19,7 @@
 //                    The buffer's 32 KiB come from single-buffering dO (as FA3 at d256).
 // setmaxnreg moves registers from the producer (24) to the consumers (240). kDeterministic: as
 // bwd_kernel.h's, each (query block, warpgroup)'s two slabs added in key-block order through a
-// semaphore, GQA dK/dV per query head.
+// semaphore, GQA dK/dV per query head; kSoftcap as bwd_kernel.h's.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -129,7 +129,7 @@ struct BwdSplitDTraits {
                 sizeof(SharedStorage::v) == sizeof(SharedStorage::k));
 };
 
-template <class Traits, bool kDeterministic>
+template <class Traits, bool kDeterministic, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_kernel_split_d(__grid_constant__ const BwdParams<Traits> params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -285,14 +285,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st_do.index), acc_dp);
     if (m > m_first) second_slab(m - 1);  // under this block's score GEMMs
     warpgroup_wait<1>();  // Sᵀ ready
-    bwd_probabilities(rowcol_s, rowcol_cS, [&](int c) { return row_value(lse_held, c); },
+    bwd_probabilities<kSoftcap>(rowcol_s, rowcol_cS, [&](int c) { return row_value(lse_held, c); },
                       work.keys, key0, q0, params.scale_log2, params.softcap_pre,
                       work.keys.template block_needs_mask<kBlockN>(n_block, q0,
                                                                    q0 + kQueriesPerWG));
     warpgroup_wait<0>();  // dPᵀ ready
-    bwd_ds(
+    bwd_ds<kSoftcap>(
         rowcol_s, rowcol_dp, [&](int c) { return row_value(dsum_held, c); },
-        [&](int c) { return row_value(lse_held, c); }, params.scale_log2, params.softcap_pre);
+        [&](int c) { return row_value(lse_held, c); }, params.scale_log2);
     convert_fragment(acc_s, rP);
     convert_fragment(acc_dp, rdS);
     // Pᵀ and dSᵀ into this block's stage, as (key, query). The other warpgroup's GEMMs read the

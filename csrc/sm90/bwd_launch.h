@@ -38,6 +38,9 @@ template <class Element, int kHeadDim>
 flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Traits = BwdTraitsFor<Element, kHeadDim>;
   constexpr bool kSplitD = BwdTile<kHeadDim>::kSplitHeadDim;
+  // Softcap's deterministic mode is not instantiated (the dispatcher sends it to sm80).
+  const bool softcap = p.softcap > 0.f;
+  if (softcap && p.deterministic) return status(FLASHATTN_UNSUPPORTED);
   const Sequences seqs = sequences(p);
   // Tiles of the tile order per head: dense, the key blocks of each (batch, head); packed, a
   // head's packed key blocks. The CTA index and a head's query workspace rows are ints.
@@ -112,7 +115,6 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.dq_rows = dq_rows;
   params.keys = key_range(p);
   params.scale = p.softmax_scale;
-  const bool softcap = p.softcap > 0.f;
   params.softcap_pre = softcap ? p.softmax_scale / p.softcap : 0.f;
   params.scale_log2 = (softcap ? p.softcap : p.softmax_scale) * float(M_LOG2E);
   // Causal (any right bound): key block 0 sees the most query rows, so heaviest first, heads
@@ -155,14 +157,19 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
     return ok();
   };
+  // Three instantiations: plain, deterministic, softcap (whose deterministic mode the caller
+  // refused above).
   flashattn_result_t launched;
   using DeterministicTag = std::pair<Traits, std::true_type>;
+  using SoftcapTag = std::pair<Traits, std::false_type>;
   if constexpr (kSplitD)
-    launched = p.deterministic ? launch(bwd_kernel_split_d<Traits, true>, DeterministicTag{})
-                               : launch(bwd_kernel_split_d<Traits, false>, Traits{});
+    launched = softcap         ? launch(bwd_kernel_split_d<Traits, false, true>, SoftcapTag{})
+               : p.deterministic ? launch(bwd_kernel_split_d<Traits, true, false>, DeterministicTag{})
+                               : launch(bwd_kernel_split_d<Traits, false, false>, Traits{});
   else
-    launched = p.deterministic ? launch(bwd_kernel<Traits, true>, DeterministicTag{})
-                               : launch(bwd_kernel<Traits, false>, Traits{});
+    launched = softcap         ? launch(bwd_kernel<Traits, false, true>, SoftcapTag{})
+               : p.deterministic ? launch(bwd_kernel<Traits, true, false>, DeterministicTag{})
+                               : launch(bwd_kernel<Traits, false, false>, Traits{});
   if (launched.status != FLASHATTN_OK) return launched;
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 
