@@ -360,8 +360,9 @@ fn main() {
         let sm80 = backend == Backend::Sm80 && built(Family::Sm80Bwd, d);
         let sm90_bwd = backend == Backend::Sm90 && schedule == full && built(Family::Sm90Bwd, d);
         let bwd_ms = (sm80 || sm90_bwd).then(|| median_backward(&cfg));
-        let bwd_det_ms =
-            (sm80 || sm90_bwd).then(|| median_backward(&cfg.clone().deterministic(true)));
+        // (The sm90 backward has no deterministic mode with softcap.)
+        let bwd_det_ms = (sm80 || (sm90_bwd && softcap.is_none()))
+            .then(|| median_backward(&cfg.clone().deterministic(true)));
         let bwd_tflops = |ms: f64| 2.5 * problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
         let row = Row {
             d,
