@@ -160,6 +160,9 @@ fn sweep(head_dim: usize) -> Vec<Case> {
     cases.push(case(400, 400).window(Some(64), Some(16)));
     cases.push(case(300, 500).window(Some(100), None));
     cases.push(case(257, 257).causal(true).softcap(30.0));
+    // A cap the scores reach (scaled scores of about ±3 against 3): the cap's derivative
+    // 1 − tanh² moves dS by a large part, which a cap of 30 (1 − tanh² ≥ 0.98) would not show.
+    cases.push(case(200, 300).causal(true).softcap(3.0));
     cases
 }
 
@@ -292,7 +295,8 @@ fn sm80_bwd_optional_head_dims() {
     for &d in &dims {
         let case = Case::new(100, 150, d).causal(true).heads(4, 2);
         let g = run_case::<bf16>(&dev, &stream, &case, Backend::Auto, 5100);
-        let want = if d == 192 {
+        let hopper = dev.info().compute_capability() == (9, 0);
+        let want = if d == 192 && hopper {
             Backend::Sm90
         } else {
             Backend::Sm80

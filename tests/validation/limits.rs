@@ -142,6 +142,29 @@ fn the_backward_at_d96_is_the_sm80_one_and_sm90_refuses_naming_it() {
 }
 
 #[test]
+fn softcap_in_the_deterministic_backward_is_refused_on_sm90_and_taken_by_sm80() {
+    let plan = |cfg: AttentionConfig| {
+        dispatch::plan(
+            Op::Backward,
+            &problem(2, 300, 300, 4, 128),
+            &cfg,
+            &fake_h200(),
+            all_gpu_kernels(),
+        )
+    };
+    let cfg = AttentionConfig::new().softcap(30.0).deterministic(true);
+    let e = plan(cfg.clone().backend(Backend::Sm90)).unwrap_err();
+    assert!(
+        matches!(e, Error::Unsupported { .. }) && e.to_string().contains("softcap"),
+        "{e}"
+    );
+    assert_eq!(plan(cfg).unwrap().backend, Backend::Sm80);
+    // Without deterministic mode the sm90 backward takes softcap.
+    let plain = plan(AttentionConfig::new().softcap(30.0)).unwrap();
+    assert_eq!(plain.backend, Backend::Sm90);
+}
+
+#[test]
 fn problems_built_by_hand_are_validated() {
     let cfg = AttentionConfig::new();
     let mut p = problem(1, 8, 8, 4, 64);
