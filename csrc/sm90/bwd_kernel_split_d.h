@@ -4,7 +4,7 @@
 // At d256 a warpgroup that owned 64 keys (bwd_kernel.h) would hold dK and dV as 256 f32
 // registers per thread (at d192, 192). Here one CTA owns kBlockN = 64 keys and walks the 64-row query blocks
 // that see them; each consumer warpgroup owns half of the head dim of dK, dV and dQ (FA3's
-// layout at d256), 64 + 64 accumulator registers:
+// layout at d256), 64 + 64 accumulator registers (48 + 48 at d192):
 //   producer (WG 0): K and V once, then per query block Q (two stages) and dO (one) by TMA;
 //   consumers (WG 1, WG 2): Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for all 64 keys and half of the block's
 //                    queries each (N = 32), Pᵀ and dSᵀ from them into shared memory (two
@@ -16,7 +16,8 @@
 //                    first version, saturated the LSU and L2: in ncu many stall samples on REDG
 //                    and a busy L2, benchmarks/README.md; the two slabs back to back waited on
 //                    the first one's read.)
-//                    The buffer's 32 KiB come from single-buffering dO (as FA3 at d256).
+//                    At d256 the buffer's 32 KiB come from single-buffering dO (as FA3);
+//                    d192 has room for two dO buffers.
 // setmaxnreg moves registers from the producer (24) to the consumers (240). kDeterministic: as
 // bwd_kernel.h's, each (query block, warpgroup)'s two slabs added in key-block order through a
 // semaphore, GQA dK/dV per query head; kSoftcap as bwd_kernel.h's.
@@ -226,7 +227,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   float* sdq = smem.dq[wg];
   // dQ's two slabs: the accumulator's first and second half of elements hold the warpgroup's
-  // first and second 64 columns (its 8-column groups in order, 4 elements each).
+  // first and second kDqSlabCols columns (its 8-column groups in order, 4 elements each).
   constexpr int kSlabElems = decltype(size(acc_dq))::value / 2;
   static_assert(kColsPerWG == 2 * Traits::kDqSlabCols && kSlabElems % 4 == 0);
   auto store_slab = [&](int half) {
@@ -322,7 +323,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
     consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
 
-    // This warpgroup's columns: dV first, so that the single dO buffer is released early for
+    // This warpgroup's columns: dV first, so that dO's buffer is released early for
     // the next block's load; then dQ, whose bulk adds run under dK.
     gemm_accumulate(mma_dkv, tdVrPt(_, _, _, st.index), tdVrdOt(_, _, _, st_do.index), acc_dv);
     gemm_ss(mma_dq, tdQrdS(_, _, _, st.index), tdQrKt, acc_dq);
