@@ -255,9 +255,6 @@ extern "C" flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* param
   flashattn_result_t r = validate_bwd(params);
   if (r.status != FLASHATTN_OK) return r;
   const flashattn_params_t p = with_unbounded_windows(*params);
-  // Softcap in deterministic mode is not built for sm90: the dispatcher sends those calls to the
-  // sm80 backward.
-  if (p.softcap > 0.f && p.deterministic) return kUnsupported;
   return flashattn::kernels::sm90_bwd(p, static_cast<cudaStream_t>(stream));
 }
 

@@ -199,7 +199,8 @@ pub fn check_backend(
                 });
             }
             if !registry::head_dims(family).contains(&problem.head_dim) {
-                // A head dim that other families have (d96: the forwards, the sm80 backward): say which.
+                // A head dim that other families have (d96: the forwards, the sm80 backward):
+                // say which.
                 let others: Vec<&str> = Family::ALL
                     .into_iter()
                     .filter(|f| registry::head_dims(*f).contains(&problem.head_dim))

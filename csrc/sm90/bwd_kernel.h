@@ -130,7 +130,7 @@ struct BwdTraits {
 // kDeterministic: dQ through the semaphores (params.dq_semaphore), GQA dK/dV per query head. Its
 // own instantiation: the branches cost the atomic path registers (ptxas spills, slower at d128).
 // kSoftcap: scores capped (bwd_probabilities, bwd_ds); its own instantiation too, as a run-time
-// test around the score loops slowed the plain d64 kernel by a fifth (benchmarks/README.md).
+// test around the score loops slowed the plain kernels (benchmarks/README.md).
 template <class Traits, bool kDeterministic, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_kernel(__grid_constant__ const BwdParams<Traits> params) {

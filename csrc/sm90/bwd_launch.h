@@ -15,6 +15,7 @@
 #include <climits>
 #include <cmath>
 #include <type_traits>
+#include <tuple>
 #include <utility>
 
 #include "../common/bwd_passes.h"
@@ -151,25 +152,26 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
 
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
   const unsigned ctas = unsigned(tiles * heads_total);
-  // Each instantiation keeps its own record of the shared-memory opt-in (the Tag).
-  auto launch = [&](auto kernel, auto tag) {
-    FLASHATTN_TRY_CUDA(allow_dynamic_smem<decltype(tag)>(kernel, smem_bytes));
+  // Three instantiations: plain, deterministic, softcap (whose deterministic mode is refused
+  // above). Each keeps its own record of the shared-memory opt-in (its modes' tag).
+  auto launch = [&](auto deterministic, auto capped) {
+    constexpr bool kDeterministic = decltype(deterministic)::value;
+    constexpr bool kSoftcap = decltype(capped)::value;
+    auto kernel = [] {
+      if constexpr (kSplitD)
+        return bwd_kernel_split_d<Traits, kDeterministic, kSoftcap>;
+      else
+        return bwd_kernel<Traits, kDeterministic, kSoftcap>;
+    }();
+    using Tag = std::tuple<Traits, decltype(deterministic), decltype(capped)>;
+    FLASHATTN_TRY_CUDA(allow_dynamic_smem<Tag>(kernel, smem_bytes));
     kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
     return ok();
   };
-  // Three instantiations: plain, deterministic, softcap (whose deterministic mode the caller
-  // refused above).
-  flashattn_result_t launched;
-  using DeterministicTag = std::pair<Traits, std::true_type>;
-  using SoftcapTag = std::pair<Traits, std::false_type>;
-  if constexpr (kSplitD)
-    launched = softcap         ? launch(bwd_kernel_split_d<Traits, false, true>, SoftcapTag{})
-               : p.deterministic ? launch(bwd_kernel_split_d<Traits, true, false>, DeterministicTag{})
-                               : launch(bwd_kernel_split_d<Traits, false, false>, Traits{});
-  else
-    launched = softcap         ? launch(bwd_kernel<Traits, false, true>, SoftcapTag{})
-               : p.deterministic ? launch(bwd_kernel<Traits, true, false>, DeterministicTag{})
-                               : launch(bwd_kernel<Traits, false, false>, Traits{});
+  const flashattn_result_t launched =
+      softcap           ? launch(std::false_type{}, std::true_type{})
+      : p.deterministic ? launch(std::true_type{}, std::false_type{})
+                        : launch(std::false_type{}, std::false_type{});
   if (launched.status != FLASHATTN_OK) return launched;
   FLASHATTN_TRY_CUDA(cudaGetLastError());
 

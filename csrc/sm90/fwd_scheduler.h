@@ -123,12 +123,12 @@ struct TailPieceWalk {
 constexpr int kScheduleChunk = 1024;
 
 // Packed calls: the schedule decode_tile reads, a PackedSlot for each of `slots` query slots.
-// CTA c of a power of two threads n (at
-// most kScheduleChunk) orders entries [c·n, (c + 1)·n) by blocks (more first, ties in order)
-// with a bitonic network in shared memory; their slots follow those of every entry before the
-// chunk (which the CTA counts for itself), and each slot finds its entry by a binary search over
-// the chunk's sorted first slots. Malformed offsets give clamped entries whose blocks may add up
-// past `slots`: the slots past it are not written (their tiles never run).
+// CTA c of a power of two threads n (at most kScheduleChunk) orders entries [c·n, (c + 1)·n) by
+// blocks (more first, ties in order) with a bitonic network in shared memory; their slots follow
+// those of every entry before the chunk (which the CTA counts for itself), and each slot finds its
+// entry by a binary search over the chunk's sorted first slots. Malformed offsets give clamped
+// entries whose blocks may add up past `slots`: the slots past it are not written (their tiles
+// never run).
 template <int kBlockM>
 __global__ void __launch_bounds__(kScheduleChunk)
     fwd_packed_schedule(Sequences seqs, int batch, int slots, PackedSlot* table) {
