@@ -220,6 +220,103 @@ fn time_fp8(
     (plan.unwrap(), ms)
 }
 
+/// One round of rows: its place in the run (`round`, and whether an equal-length mix's dense call
+/// goes before its packed one), and where the rows go.
+struct Round<'a> {
+    dev: &'a Device,
+    stream: &'a Arc<CudaStream>,
+    bufs: &'a mut Buffers,
+    args: &'a common::Args,
+    round: usize,
+    dense_first: bool,
+    rows: &'a mut Vec<String>,
+}
+
+impl Round<'_> {
+    /// Packed (true) and, for equal lengths, dense (false), in this round's order.
+    fn calls(&self, lens: &[usize]) -> Vec<bool> {
+        match (lens.iter().all(|&l| l == lens[0]), self.dense_first) {
+            (false, _) => vec![true],
+            (true, false) => vec![true, false],
+            (true, true) => vec![false, true],
+        }
+    }
+
+    /// The 16-bit forward and backward of one mix at head dim `d`: Auto packed and dense, and
+    /// (without `--no-sm80`, whose long runs change the clocks the next row starts at) the sm80
+    /// kernels packed beside Auto's packed call.
+    fn bf16_rows(&mut self, name: &str, lens: &[usize], d: usize) {
+        let (heads, round) = (HIDDEN / d, self.round);
+        let flops = causal_flops(lens, heads, d);
+        let mut runs = vec![];
+        for packed in self.calls(lens) {
+            runs.push((Backend::Auto, packed));
+            if packed && !self.args.flag("--no-sm80") {
+                runs.push((Backend::Sm80, true));
+            }
+        }
+        for (backend, packed) in runs {
+            let cfg = AttentionConfig::new().causal(true).backend(backend);
+            let (fp, fwd, bp, bwd) = time(self.dev, self.stream, self.bufs, &cfg, lens, packed, d);
+            let tf = |ms: f64, f: f64| f / (ms * 1e-3) / 1e12;
+            let name_of = |p: &Plan| format!("flashattn-{}", p.backend.name());
+            println!(
+                "d{d} {name:<18} {:>6} {} fwd {:.3} ms {:.0} TFLOP/s ({}), bwd {:.3} ms {:.0} TFLOP/s ({})",
+                if packed { "varlen" } else { "dense" },
+                lens.len(),
+                fwd,
+                tf(fwd, flops),
+                fp.explain(),
+                bwd,
+                tf(bwd, 2.5 * flops),
+                bp.explain()
+            );
+            self.rows.push(format!(
+                "{{\"impl\": \"{}\", \"bwd_impl\": \"{}\", \"varlen\": {packed}, \"round\": {round}, \"mix\": \"{name}\", \
+                 \"dtype\": \"bf16\", \"d\": {d}, \"heads\": {heads}, \"heads_kv\": {heads}, \
+                 \"batch\": {}, \"total_tokens\": {}, \"max_seqlen\": {}, \"causal\": true, \
+                 \"forced\": \"{}\", \"fwd_ms\": {fwd:.4}, \"fwd_tflops\": {:.1}, \
+                 \"bwd_ms\": {bwd:.4}, \"bwd_tflops\": {:.1}}}",
+                name_of(&fp),
+                name_of(&bp),
+                lens.len(),
+                lens.iter().sum::<usize>(),
+                lens.iter().max().unwrap(),
+                backend.name(),
+                tf(fwd, flops),
+                tf(bwd, 2.5 * flops),
+            ));
+        }
+    }
+
+    /// The FP8 forward of one mix at head dim `d`, packed and (equal lengths) dense.
+    fn fp8_rows(&mut self, name: &str, lens: &[usize], d: usize) {
+        let (heads, round) = (HIDDEN / d, self.round);
+        let flops = causal_flops(lens, heads, d);
+        for packed in self.calls(lens) {
+            let (plan, fwd) = time_fp8(self.dev, self.stream, self.bufs, lens, packed, d);
+            let tflops = flops / (fwd * 1e-3) / 1e12;
+            println!(
+                "d{d} {name:<18} {:>6} {} fp8 fwd {fwd:.3} ms {tflops:.0} TFLOP/s ({})",
+                if packed { "varlen" } else { "dense" },
+                lens.len(),
+                plan.explain()
+            );
+            self.rows.push(format!(
+                "{{\"impl\": \"flashattn-{}\", \"varlen\": {packed}, \"round\": {round}, \"mix\": \"{name}\", \
+                 \"dtype\": \"e4m3\", \"out_dtype\": \"bf16\", \"d\": {d}, \"heads\": {heads}, \
+                 \"heads_kv\": {heads}, \"batch\": {}, \"total_tokens\": {}, \
+                 \"max_seqlen\": {}, \"causal\": true, \"fwd_ms\": {fwd:.4}, \
+                 \"fwd_tflops\": {tflops:.1}}}",
+                plan.backend.name(),
+                lens.len(),
+                lens.iter().sum::<usize>(),
+                lens.iter().max().unwrap(),
+            ));
+        }
+    }
+}
+
 fn main() {
     let args = common::Args::parse();
     let dev = common::device("bench_varlen");
@@ -288,96 +385,31 @@ fn main() {
     let rounds: usize = args
         .value("--rounds")
         .map_or(1, |r| r.parse().expect("--rounds N"));
+    // --mix NAME: that mix alone.
+    let timed: Vec<_> = mixes
+        .iter()
+        .filter(|(name, _)| args.value("--mix").is_none_or(|m| m == *name))
+        .collect();
     for round in 0..rounds {
         let dense_first = args.flag("--dense-first") != (round % 2 == 1);
+        let mut bench = Round {
+            dev: &dev,
+            stream: &stream,
+            bufs: &mut bufs,
+            args: &args,
+            round,
+            dense_first,
+            rows: &mut rows,
+        };
         for d in [64, 128] {
-            let heads = HIDDEN / d;
-            for (name, lens) in &mixes {
-                let flops = causal_flops(lens, heads, d);
-                // --mix NAME: that mix alone; --no-sm80: without the forced sm80 rows (whose long
-                // runs change the clocks the next row starts at).
-                if args.value("--mix").is_some_and(|m| m != *name) {
-                    continue;
-                }
-                let mut runs = vec![(Backend::Auto, true)];
-                if !args.flag("--no-sm80") {
-                    runs.push((Backend::Sm80, true));
-                }
-                if lens.iter().all(|&l| l == lens[0]) {
-                    runs.push((Backend::Auto, false));
-                    if dense_first {
-                        runs.rotate_right(1);
-                    }
-                }
-                for (backend, packed) in runs {
-                    let cfg = AttentionConfig::new().causal(true).backend(backend);
-                    let (fp, fwd, bp, bwd) = time(&dev, &stream, &mut bufs, &cfg, lens, packed, d);
-                    let tf = |ms: f64, f: f64| f / (ms * 1e-3) / 1e12;
-                    let name_of = |p: &Plan| format!("flashattn-{}", p.backend.name());
-                    println!(
-                        "d{d} {name:<18} {:>6} {} fwd {:.3} ms {:.0} TFLOP/s ({}), bwd {:.3} ms {:.0} TFLOP/s ({})",
-                        if packed { "varlen" } else { "dense" },
-                        lens.len(),
-                        fwd,
-                        tf(fwd, flops),
-                        fp.explain(),
-                        bwd,
-                        tf(bwd, 2.5 * flops),
-                        bp.explain()
-                    );
-                    rows.push(format!(
-                        "{{\"impl\": \"{}\", \"bwd_impl\": \"{}\", \"varlen\": {packed}, \"round\": {round}, \"mix\": \"{name}\", \
-                         \"dtype\": \"bf16\", \"d\": {d}, \"heads\": {heads}, \"heads_kv\": {heads}, \
-                         \"batch\": {}, \"total_tokens\": {}, \"max_seqlen\": {}, \"causal\": true, \
-                         \"forced\": \"{}\", \"fwd_ms\": {fwd:.4}, \"fwd_tflops\": {:.1}, \
-                         \"bwd_ms\": {bwd:.4}, \"bwd_tflops\": {:.1}}}",
-                        name_of(&fp),
-                        name_of(&bp),
-                        lens.len(),
-                        lens.iter().sum::<usize>(),
-                        lens.iter().max().unwrap(),
-                        backend.name(),
-                        tf(fwd, flops),
-                        tf(bwd, 2.5 * flops),
-                    ));
-                }
+            for (name, lens) in &timed {
+                bench.bf16_rows(name, lens, d);
             }
         }
         // --fp8: the FP8 forward over the same mixes, packed and (equal lengths) dense.
-        for d in [64, 128] {
-            let heads = HIDDEN / d;
-            for (name, lens) in mixes.iter().filter(|_| args.flag("--fp8")) {
-                if args.value("--mix").is_some_and(|m| m != *name) {
-                    continue;
-                }
-                let flops = causal_flops(lens, heads, d);
-                let equal = lens.iter().all(|&l| l == lens[0]);
-                let order = if dense_first {
-                    [false, true]
-                } else {
-                    [true, false]
-                };
-                for packed in order.into_iter().filter(|&p| p || equal) {
-                    let (plan, fwd) = time_fp8(&dev, &stream, &mut bufs, lens, packed, d);
-                    let tflops = flops / (fwd * 1e-3) / 1e12;
-                    println!(
-                        "d{d} {name:<18} {:>6} {} fp8 fwd {fwd:.3} ms {tflops:.0} TFLOP/s ({})",
-                        if packed { "varlen" } else { "dense" },
-                        lens.len(),
-                        plan.explain()
-                    );
-                    rows.push(format!(
-                        "{{\"impl\": \"flashattn-{}\", \"varlen\": {packed}, \"round\": {round}, \"mix\": \"{name}\", \
-                         \"dtype\": \"e4m3\", \"out_dtype\": \"bf16\", \"d\": {d}, \"heads\": {heads}, \
-                         \"heads_kv\": {heads}, \"batch\": {}, \"total_tokens\": {}, \
-                         \"max_seqlen\": {}, \"causal\": true, \"fwd_ms\": {fwd:.4}, \
-                         \"fwd_tflops\": {tflops:.1}}}",
-                        plan.backend.name(),
-                        lens.len(),
-                        lens.iter().sum::<usize>(),
-                        lens.iter().max().unwrap(),
-                    ));
-                }
+        for d in [64, 128].into_iter().filter(|_| args.flag("--fp8")) {
+            for (name, lens) in &timed {
+                bench.fp8_rows(name, lens, d);
             }
         }
     }
