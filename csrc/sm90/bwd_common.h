@@ -221,24 +221,46 @@ __device__ void convert_fragment(Acc const& acc, Dst& dst) {
       conv(*reinterpret_cast<cutlass::Array<float, N> const*>(acc.data()));
 }
 
+// How a backward kernel applies softcap's derivative 1 − t² (t = tanh(s·softcap_pre)) to dS.
+enum class CapSlope {
+  kNone,    // no softcap
+  kFolded,  // bwd_probabilities writes Pᵀ in 16 bits (dV's operand) and keeps Pᵀ·(1 − t²)
+  kFromP,   // bwd_ds takes t back from P by a logarithm: for kernels without registers to hold
+            // Pᵀ in 16 bits before dS (128-query blocks at d64)
+};
+
 // On a transposed score tile (keys down the rows, queries across; `coords` gives each element's
 // (key, query) within the tile): Pᵀ = exp2(Sᵀ·scale_log2 − LSE·log2 e) in place, lse_of(c) being
-// column c's LSE·log2(e); with softcap (kSoftcap) Sᵀ is first capped to tanh(Sᵀ·softcap_pre), as
-// the forward did. Rows past seqlen_q have LSE +inf (P = 0), and every tile that reaches past
-// seqlen_k is `masked` (KeyRange::block_needs_mask), so only those tiles need the key range of
-// each query; key0 and q0 are the tile's first key and query.
-template <bool kSoftcap, class RowCol, class Coords, class LseOf>
+// column c's LSE·log2(e). Rows past seqlen_q have LSE +inf (P = 0), and every tile that reaches
+// past seqlen_k is `masked` (KeyRange::block_needs_mask), so only those tiles need the key range
+// of each query; key0 and q0 are the tile's first key and query.
+// With softcap Sᵀ is first capped to t = tanh(Sᵀ·softcap_pre), as the forward did. kFolded:
+// Pᵀ goes to `p16` (the 16-bit A operand of dV, element for element as the accumulator) and the
+// tile keeps Pᵀ·(1 − t²), the factor dS takes, which saves the logarithm of kFromP. Until its P
+// exists, the derivative of each pair of neighbouring scores waits in their p16 register as an
+// f16 pair: held beside t and P in registers of its own, it spilled (ptxas). Otherwise `p16` is
+// not written.
+template <CapSlope kCap, class RowCol, class Coords, class LseOf, class Frag16>
 __device__ void bwd_probabilities(RowCol& s, Coords const& coords, LseOf const& lse_of,
                                   KeyRange const& keys, int key0, int q0, float scale_log2,
-                                  float softcap_pre, bool masked) {
+                                  float softcap_pre, bool masked, Frag16& p16) {
   constexpr int kRows = decltype(size<0>(s))::value;
   constexpr int kCols = decltype(size<1>(s))::value;
-  auto logit = [&](float x) {  // the score times scale_log2
-    if constexpr (kSoftcap)
-      return fast_tanh(x * softcap_pre) * scale_log2;
-    else
-      return x * scale_log2;
-  };
+  constexpr int kPairs = kRows * kCols / 2;
+  float* acc = raw_pointer_cast(s.data());  // the accumulator's registers in order
+  using Pair16 = cutlass::Array<typename Frag16::value_type, 2>;
+  Pair16* pairs16 = reinterpret_cast<Pair16*>(raw_pointer_cast(p16.data()));
+  if constexpr (kCap != CapSlope::kNone) {
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) {
+      const float t0 = fast_tanh(acc[2 * j] * softcap_pre);
+      const float t1 = fast_tanh(acc[2 * j + 1] * softcap_pre);
+      acc[2 * j] = t0;
+      acc[2 * j + 1] = t1;
+      if constexpr (kCap == CapSlope::kFolded)
+        reinterpret_cast<__half2&>(pairs16[j]) = __floats2half2_rn(1.f - t0 * t0, 1.f - t1 * t1);
+    }
+  }
   if (masked) {
     // Row q sees key k when k - q lies in [shift - window_left, shift + window_right] and
     // k < seqlen_k (KeyRange::lo/hi with k >= 0; shift = seqlen_k - seqlen_q): bounds on the
@@ -257,8 +279,9 @@ __device__ void bwd_probabilities(RowCol& s, Coords const& coords, LseOf const& 
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int key = get<0>(coords(r, c)), d = key - get<1>(coords(r, c));
-        s(r, c) = d >= d_lo && d <= d_hi && key < key_end ? fast_exp2(logit(s(r, c)) - lse)
-                                                          : 0.f;
+        s(r, c) = d >= d_lo && d <= d_hi && key < key_end
+                      ? fast_exp2(s(r, c) * scale_log2 - lse)
+                      : 0.f;
       }
     }
   } else {
@@ -266,22 +289,31 @@ __device__ void bwd_probabilities(RowCol& s, Coords const& coords, LseOf const& 
     for (int c = 0; c < kCols; ++c) {
       const float lse = lse_of(c);
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) s(r, c) = fast_exp2(logit(s(r, c)) - lse);
+      for (int r = 0; r < kRows; ++r) s(r, c) = fast_exp2(s(r, c) * scale_log2 - lse);
+    }
+  }
+  if constexpr (kCap == CapSlope::kFolded) {
+    cutlass::NumericArrayConverter<typename Frag16::value_type, float, 2> to16;
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) {
+      const float2 slope = __half22float2(reinterpret_cast<__half2 const&>(pairs16[j]));
+      pairs16[j] = to16(*reinterpret_cast<cutlass::Array<float, 2> const*>(&acc[2 * j]));
+      acc[2 * j] *= slope.x;
+      acc[2 * j + 1] *= slope.y;
     }
   }
 }
 
-// dSᵀ = Pᵀ ∘ (dPᵀ − D) in place over dPᵀ, dsum_of(c) being column c's D = rowsum(dO ∘ O). With
-// softcap (kSoftcap) times the cap's derivative 1 − t², t = tanh(s·softcap_pre): t comes
-// back from P itself, log2(P) = t·scale_log2 − LSE·log2 e (lse_of(c) as in bwd_probabilities),
-// which costs a logarithm per score instead of t's registers beside P and dP; P = 0 (masked,
-// or underflowed) gives dS = 0 as without the cap.
-template <bool kSoftcap, class RowCol, class DsumOf, class LseOf>
+// dSᵀ = Pᵀ ∘ (dPᵀ − D) in place over dPᵀ, dsum_of(c) being column c's D = rowsum(dO ∘ O). kFolded:
+// `p` holds Pᵀ·(1 − t²) already. kFromP: times 1 − t², t back from P itself,
+// log2(P) = t·scale_log2 − LSE·log2 e (lse_of(c) as in bwd_probabilities); P = 0 (masked, or
+// underflowed) gives dS = 0 as without the cap.
+template <CapSlope kCap, class RowCol, class DsumOf, class LseOf>
 __device__ void bwd_ds(RowCol const& p, RowCol& dp, DsumOf const& dsum_of, LseOf const& lse_of,
                        float scale_log2) {
   constexpr int kRows = decltype(size<0>(p))::value;
   constexpr int kCols = decltype(size<1>(p))::value;
-  if constexpr (kSoftcap) {
+  if constexpr (kCap == CapSlope::kFromP) {
     const float inv_scale_log2 = 1.f / scale_log2;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {

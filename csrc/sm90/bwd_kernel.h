@@ -267,6 +267,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor rowcol_cS = make_tensor(cS.data(), acc_rowcol(cS.layout()));
   // Pᵀ and dSᵀ in Element as the register A operands of dV and dK.
   auto rP = make_tensor<Element>(acc_as_operand_a(acc_s.layout()));
+  // Pᵀ in 16 bits is made before dS where dV is issued early; at d64 there are no registers to
+  // hold it that long.
+  constexpr CapSlope kCap = !kSoftcap           ? CapSlope::kNone
+                            : Traits::kEarlyDv ? CapSlope::kFolded
+                                               : CapSlope::kFromP;
   auto rdS = make_tensor<Element>(acc_as_operand_a(acc_dp.layout()));
   float* sdq = smem.dq[wg];
 
@@ -308,21 +313,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     smem.pipe_do.consumer_wait(st);
     gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st.index), acc_dp);
     warpgroup_wait<1>();  // Sᵀ ready
-    bwd_probabilities<kSoftcap>(
+    bwd_probabilities<kCap>(
         rowcol_s, rowcol_cS, [&](int c) { return row_value(lse_held, c); }, work.keys, key0, q0,
         params.scale_log2, params.softcap_pre,
         work.keys.template block_needs_mask<kKeysPerWG>(n_block * kConsumerWGs + wg, q0,
-                                                        q0 + kBlockM));
+                                                        q0 + kBlockM),
+        rP);
     // dV as soon as Pᵀ is ready, under dPᵀ; with 128-query blocks that holds Pᵀ twice (f32 for
     // dS, Element for dV) beside both score accumulators, too many registers: dV after dS then.
     if constexpr (Traits::kEarlyDv) {
-      convert_fragment(acc_s, rP);
+      if constexpr (kCap != CapSlope::kFolded) convert_fragment(acc_s, rP);
       gemm_accumulate(mma_dkv, rP, tdVrdOt(_, _, _, st.index), acc_dv);
       warpgroup_wait<1>();  // dPᵀ ready (dV may still run)
     } else {
       warpgroup_wait<0>();  // dPᵀ ready
     }
-    bwd_ds<kSoftcap>(
+    bwd_ds<kCap>(
         rowcol_s, rowcol_dp, [&](int c) { return row_value(dsum_held, c); },
         [&](int c) { return row_value(lse_held, c); }, params.scale_log2);
     if constexpr (!Traits::kEarlyDv) convert_fragment(acc_s, rP);

@@ -222,6 +222,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(TileS{}));
   Tensor rowcol_cS = make_tensor(cS.data(), acc_rowcol(cS.layout()));
   Tensor rP = make_tensor<Element>(acc_s.layout());
+  constexpr CapSlope kCap = kSoftcap ? CapSlope::kFolded : CapSlope::kNone;
   Tensor rdS = make_tensor<Element>(acc_dp.layout());
   Tensor cdQ = thr_dq.partition_C(make_identity_tensor(TiledQ{}));
 
@@ -286,15 +287,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st_do.index), acc_dp);
     if (m > m_first) second_slab(m - 1);  // under this block's score GEMMs
     warpgroup_wait<1>();  // Sᵀ ready
-    bwd_probabilities<kSoftcap>(rowcol_s, rowcol_cS, [&](int c) { return row_value(lse_held, c); },
+    bwd_probabilities<kCap>(rowcol_s, rowcol_cS, [&](int c) { return row_value(lse_held, c); },
                       work.keys, key0, q0, params.scale_log2, params.softcap_pre,
                       work.keys.template block_needs_mask<kBlockN>(n_block, q0,
-                                                                   q0 + kQueriesPerWG));
+                                                                   q0 + kQueriesPerWG),
+                      rP);
     warpgroup_wait<0>();  // dPᵀ ready
-    bwd_ds<kSoftcap>(
+    bwd_ds<kCap>(
         rowcol_s, rowcol_dp, [&](int c) { return row_value(dsum_held, c); },
         [&](int c) { return row_value(lse_held, c); }, params.scale_log2);
-    convert_fragment(acc_s, rP);
+    if constexpr (kCap != CapSlope::kFolded) convert_fragment(acc_s, rP);
     convert_fragment(acc_dp, rdS);
     // Pᵀ and dSᵀ into this block's stage, as (key, query). The other warpgroup's GEMMs read the
     // stage two blocks ago and completed before it passed the barrier below last block.
