@@ -313,6 +313,7 @@ pub const TILES: &[TileRow] = &[
     row(Sm90Bwd, 128, Base, sm90_bwd(64, 128, 2, false)),
     row(Sm90Bwd, 256, Base, sm90_bwd(64, 64, 1, true)),
     row(Sm90Bwd, 192, Base, sm90_bwd(64, 64, 2, true)),
+    row(Sm90Bwd, 96, Base, sm90_bwd(64, 128, 2, false)),
     row(Sm80Fwd, 64, Base, sm80_fwd(128, 64, 2, true)),
     row(Sm80Fwd, 128, Base, sm80_fwd(128, 64, 2, false)),
     row(Sm80Fwd, 256, Base, sm80_fwd(64, 64, 1, false)),
@@ -360,16 +361,24 @@ const DEFAULT_WGMMA_N: [usize; 8] = [8, 16, 32, 64, 96, 128, 192, 256];
 
 /// The extended WGMMA N sizes (outside CUTLASS's default set) that the kernels of `family` at
 /// `head_dim` take, sorted. The GEMMs' N: the forward's key block (S) and head dim (O); the
-/// backward's query block (Sᵀ, dPᵀ) and head dim (dK, dV, dQ), each of them whole or split
-/// between the two consumer warpgroups. (The kernels' traits assert that every atom covers its
-/// N, so a size this misses fails to build rather than running narrower GEMMs.)
+/// backward's query block (Sᵀ, dPᵀ) and head dim (dK, dV), whole or (split_head_dim) split
+/// between the two consumer warpgroups, and its dQ slab's columns (sm90_bwd_dq_cols). (The
+/// kernels' traits assert that every atom covers its N, so a size this misses fails to build
+/// rather than running narrower GEMMs.)
 pub fn extended_wgmma_n(family: Family, head_dim: usize) -> Vec<usize> {
     let mut sizes: Vec<usize> = TILES
         .iter()
         .filter(|r| r.family == family && r.head_dim == head_dim)
         .flat_map(|r| match r.tile {
             Tile::Sm90Fwd { block_n, .. } => vec![block_n, head_dim],
-            Tile::Sm90Bwd { block_m, .. } => vec![block_m, block_m / 2, head_dim, head_dim / 2],
+            Tile::Sm90Bwd {
+                block_m,
+                split_head_dim: true,
+                ..
+            } => vec![block_m / 2, head_dim / 2],
+            Tile::Sm90Bwd { block_m, .. } => {
+                vec![block_m, head_dim, sm90_bwd_dq_cols(head_dim, block_m)]
+            }
             Tile::Sm80Fwd { .. } | Tile::Sm80Bwd { .. } => vec![],
         })
         .filter(|n| !DEFAULT_WGMMA_N.contains(n))
@@ -377,6 +386,19 @@ pub fn extended_wgmma_n(family: Family, head_dim: usize) -> Vec<usize> {
     sizes.sort_unstable();
     sizes.dedup();
     sizes
+}
+
+/// The columns of one dQ slab in the sm90 backward that splits the keys (its traits' kDqCols):
+/// all of the head dim with 128-query blocks (the warpgroups split the rows), half of it where
+/// that is a whole number of 64-column swizzle atoms, else 32 (d96: 48 would start inside one).
+const fn sm90_bwd_dq_cols(head_dim: usize, block_m: usize) -> usize {
+    if block_m == 128 {
+        head_dim
+    } else if head_dim % 128 == 0 {
+        head_dim / 2
+    } else {
+        32
+    }
 }
 
 /// Whether the kernels of `family` at `head_dim` take an extended WGMMA shape.

@@ -279,8 +279,7 @@ fn sm90_bwd_dispatch() {
 }
 
 /// The head dims outside the default build (`hdim96`, `hdim192`), where this build has them: the
-/// sm80 backward, its deterministic mode, and the backend Auto takes on a Hopper GPU (the sm90
-/// backward at d192, the sm80 one at d96, where the sm90 family has no kernel).
+/// sm80 backward, its deterministic mode, and the backend Auto takes (sm90 on a Hopper GPU).
 #[test]
 #[ignore = "needs a GPU"]
 #[cfg(any(feature = "hdim96", feature = "hdim192"))]
@@ -296,48 +295,56 @@ fn sm80_bwd_optional_head_dims() {
         let case = Case::new(100, 150, d).causal(true).heads(4, 2);
         let g = run_case::<bf16>(&dev, &stream, &case, Backend::Auto, 5100);
         let hopper = dev.info().compute_capability() == (9, 0);
-        let want = if d == 192 && hopper {
-            Backend::Sm90
-        } else {
-            Backend::Sm80
-        };
+        let want = if hopper { Backend::Sm90 } else { Backend::Sm80 };
         assert_eq!(g.backend, want, "{case:?}");
         assert!(g.dq.pass && g.dk.pass && g.dv.pass, "{case:?}");
     }
 }
 
-/// The sm90 backward at d192 (`hdim192`): the head-dim-split kernel with 96 columns per
-/// warpgroup, its sweep in both dtypes, deterministic mode, and a sanitizer set.
+/// The sm90 backward at the optional head dims: d96 (`hdim96`; the kernel that splits the keys,
+/// with three 32-column dQ slabs) and d192 (`hdim192`; the head-dim-split kernel with 96
+/// columns per warpgroup), their sweeps in both dtypes and deterministic mode.
 #[test]
 #[ignore = "needs a Hopper GPU"]
-#[cfg(feature = "hdim192")]
-fn sm90_bwd_d192() {
-    run_all::<bf16>(&sweep(192), Backend::Sm90, "sm90 bwd d192 bf16");
-    run_all::<f16>(&sweep(192), Backend::Sm90, "sm90 bwd d192 f16");
-    let case = |sq, sk| Case::new(sq, sk, 192).deterministic(true);
-    check_deterministic(
-        &[192],
-        Backend::Sm90,
-        vec![
-            case(900, 1000).window(Some(200), Some(0)),
-            case(3000, 3000).causal(true).heads(2, 2),
-        ],
-    );
+#[cfg(any(feature = "hdim96", feature = "hdim192"))]
+fn sm90_bwd_optional_head_dims() {
+    let dims = common::optional_head_dims();
+    for &d in &dims {
+        run_all::<bf16>(&sweep(d), Backend::Sm90, &format!("sm90 bwd d{d} bf16"));
+        run_all::<f16>(&sweep(d), Backend::Sm90, &format!("sm90 bwd d{d} f16"));
+    }
+    let extra = dims
+        .iter()
+        .flat_map(|&d| {
+            let case = |sq, sk| Case::new(sq, sk, d).deterministic(true);
+            [
+                case(900, 1000).window(Some(200), Some(0)),
+                case(3000, 3000).causal(true).heads(2, 2),
+            ]
+        })
+        .collect();
+    check_deterministic(&dims, Backend::Sm90, extra);
 }
 
 #[test]
 #[ignore = "needs a Hopper GPU"]
-#[cfg(feature = "hdim192")]
-fn sanitizer_sm90_bwd_d192() {
-    let cases = [
-        Case::new(150, 130, 192).causal(true).heads(4, 2),
-        Case::new(150, 200, 192)
-            .causal(true)
-            .heads(4, 2)
-            .deterministic(true),
-        Case::new(100, 400, 192).window(Some(100), None),
-    ];
-    run_all::<bf16>(&cases, Backend::Sm90, "sm90 bwd d192 sanitizer set");
+#[cfg(any(feature = "hdim96", feature = "hdim192"))]
+fn sanitizer_sm90_bwd_optional_head_dims() {
+    for d in common::optional_head_dims() {
+        let cases = [
+            Case::new(150, 130, d).causal(true).heads(4, 2),
+            Case::new(150, 200, d)
+                .causal(true)
+                .heads(4, 2)
+                .deterministic(true),
+            Case::new(100, 400, d).window(Some(100), None),
+        ];
+        run_all::<bf16>(
+            &cases,
+            Backend::Sm90,
+            &format!("sm90 bwd d{d} sanitizer set"),
+        );
+    }
 }
 
 #[test]

@@ -49,11 +49,27 @@ struct BwdTraits {
   static constexpr int kKeyTiles = kConsumerWGs;  // K and V as one TileK per warpgroup
   static constexpr int kStages = Tile::kStages;  // Q, dO and dS buffers
   static constexpr int kStagesdO = Tile::kStagesdO;
-  // dQ = dS·K over the block's 128 keys is split between the warpgroups: by query rows when
-  // there are 128 (d64), else by columns of the head dim (d128); a 64 × 64 slab each.
+  // dQ = dS·K over the block's 128 keys is split between the warpgroups in slabs of kDqRows ×
+  // kDqCols: by query rows when there are 128 (d64), else by columns of the head dim, one 64 ×
+  // 64 slab each at d128; at d96, whose halves would start inside a swizzle atom (48 columns of
+  // 64-byte rows, SmemAtom), three 32-column slabs, two for the first warpgroup. A warpgroup's
+  // slabs are neighbours, in shared memory and in the accumulator (DqSlabs).
   static constexpr bool kDqSplitRows = kBlockM == 128;
   static constexpr int kDqRows = kDqSplitRows ? kBlockM / kConsumerWGs : kBlockM;
-  static constexpr int kDqCols = kDqSplitRows ? kHeadDim : kHeadDim / kConsumerWGs;
+  static constexpr int kDqCols = kDqSplitRows                ? kHeadDim
+                                 : kHeadDim % (64 * kConsumerWGs) == 0 ? kHeadDim / kConsumerWGs
+                                                                       : 32;
+  static constexpr int kDqSlabs = kDqSplitRows ? kConsumerWGs : kHeadDim / kDqCols;  // per block
+  static constexpr int kDqSlabsPerWG = (kDqSlabs + kConsumerWGs - 1) / kConsumerWGs;  // at most
+  static_assert(kHeadDim % kDqCols == 0 && kDqSlabs > (kConsumerWGs - 1) * kDqSlabsPerWG);
+  __device__ static constexpr int dq_first_slab(int wg) { return wg * kDqSlabsPerWG; }
+  __device__ static constexpr int dq_slabs(int wg) {
+    if constexpr (kDqSlabs % kConsumerWGs == 0)
+      return kDqSlabsPerWG;
+    else
+      return kDqSlabs - wg * kDqSlabsPerWG < kDqSlabsPerWG ? kDqSlabs - wg * kDqSlabsPerWG
+                                                           : kDqSlabsPerWG;
+  }
   static constexpr bool kEarlyDv = kBlockM == 64;  // dV issued before dPᵀ is read
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kProducerRegs = 24;
@@ -62,8 +78,10 @@ struct BwdTraits {
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using TileK = Shape<Int<kKeysPerWG>, Int<kHeadDim>>;  // one warpgroup's keys
 
-  // 128-byte swizzled K-major rows for Q, dO, K, V; their transposed views are MN-major.
-  using SmemAtom = decltype(GMMA::Layout_K_SW128_Atom<Element>{});
+  // Swizzled K-major rows for Q, dO, K, V (of 128 bytes, or of 64 where the head dim is no
+  // multiple of 64 columns: d96); their transposed views are MN-major.
+  using SmemAtom = conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                                 GMMA::Layout_K_SW64_Atom<Element>>;
   using SmemLayoutQ = decltype(tile_to_shape(  // Q and dO
       SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutdO = SmemLayoutQ;
@@ -82,6 +100,7 @@ struct BwdTraits {
       SmemLayoutdS{}, make_ordered_layout(Shape<Int<kKeysPerWG>, Int<kBlockM>, Int<kStages>>{},
                                           Step<_2, _1, _3>{})));
   using DqLayout = DqSlabs<kHeadDim, kDqRows, kHeadDim / kDqCols>;
+  static constexpr int kDqSlabFloats = kDqRows * kDqCols;
 
   using MmaSdP = decltype(make_tiled_mma(  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ
       GMMA::ss_op_selector<Element, Element, float,
@@ -90,7 +109,7 @@ struct BwdTraits {
       GMMA::rs_op_selector<Element, Element, float,
                            Shape<Int<kKeysPerWG>, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
                            GMMA::Major::MN>()));
-  using MmadQ = decltype(make_tiled_mma(  // this warpgroup's columns of dQ = dS·K, per 64 keys
+  using MmadQ = decltype(make_tiled_mma(  // one slab of dQ = dS·K, per 64 keys
       GMMA::ss_op_selector<Element, Element, float,
                            Shape<Int<kDqRows>, Int<kDqCols>, Int<kKeysPerWG>>, GMMA::Major::MN,
                            GMMA::Major::MN>()));
@@ -103,7 +122,7 @@ struct BwdTraits {
   using TmaK = typename TmaLoads::TmaK;
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = kKeysPerWG * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesdQ = kDqRows * kDqCols * sizeof(float);  // one slab
+  static constexpr uint32_t kBytesdQSlab = kDqSlabFloats * sizeof(float);
 
   struct SharedStorage {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> k[kConsumerWGs];
@@ -111,11 +130,11 @@ struct BwdTraits {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> dout;
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds[kConsumerWGs];
-    // Each warpgroup's slab of dQ for the current query block, as in global memory.
-    alignas(128) float dq[kConsumerWGs][kDqRows * kDqCols];
+    // Each warpgroup's slabs of dQ for the current query block, as in global memory.
+    alignas(128) float dq[kConsumerWGs][kDqSlabsPerWG * kDqSlabFloats];
     // Deterministic mode: each dQ writer warp's copy of a complete slab (convert_dq_slab) and
     // the copy's barrier.
-    alignas(128) float dq_staging[kConsumerWGs][kDqRows * kDqCols];
+    alignas(128) float dq_staging[kConsumerWGs][kDqSlabFloats];
     uint64_t dq_staged[kConsumerWGs];
     uint64_t kv_full;
     TmaPipeline<kStages> pipe_q;
@@ -164,12 +183,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       cutlass::arch::ClusterTransactionBarrier::init(&smem.dq_staged[w], 1);
   });
 
-  // This warpgroup's share of dQ: its slab of query block m in the accumulator, and where the
-  // slab's rows and columns start.
+  // The slabs of dQ: slab j of query block m in the accumulator, and where its rows and columns
+  // start within the block.
   constexpr bool kSplitRows = Traits::kDqSplitRows;
   constexpr int kDqRows = Traits::kDqRows, kDqCols = Traits::kDqCols;
-  auto slab_of = [&](int m, int wg) {
-    return params.dq_accum + (rows_base + m * kBlockM) * kHeadDim + wg * kDqRows * kDqCols;
+  auto slab_of = [&](int m, int j) {
+    return params.dq_accum + (rows_base + m * kBlockM) * kHeadDim + j * Traits::kDqSlabFloats;
   };
 
   if (warp_group == 0) {  // producer: setmaxnreg gives its registers to the consumers
@@ -187,8 +206,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Element* dq = params.dq + work.seq.batch * params.dq_batch_stride +
                     work.head * params.dq_head_stride +
                     int64_t(work.seq.q_start) * params.dq_row_stride;
+      const int first_slab = Traits::dq_first_slab(wg), slabs = Traits::dq_slabs(wg);
       bwd_write_dq(
-          smem.dq[wg], Traits::kBytesdQ, wg, m_first, m_end, [&](int m) { return slab_of(m, wg); },
+          smem.dq[wg], slabs * Traits::kBytesdQSlab, wg, m_first, m_end,
+          [&](int m) { return slab_of(m, first_slab); },
           semaphore,
           [&](int m) { return dq_key_blocks<kBlockN, kBlockM>(work.keys, m * kBlockM); },
           [&, hand_over = hand_over_runs(params)](int m) {
@@ -197,10 +218,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                              : -1;
           },
           [&](int m) {
-            convert_dq_slab<Traits>(params, slab_of(m, wg), smem.dq_staging[wg],
-                                    &smem.dq_staged[wg], phase, dq, work.seq.seqlen_q,
-                                    m * kBlockM + (kSplitRows ? wg * kDqRows : 0),
-                                    kSplitRows ? 0 : wg * kDqCols);
+#pragma unroll 1
+            for (int j = first_slab; j < first_slab + slabs; ++j)
+              convert_dq_slab<Traits>(params, slab_of(m, j), smem.dq_staging[wg],
+                                      &smem.dq_staged[wg], phase, dq, work.seq.seqlen_q,
+                                      m * kBlockM + (kSplitRows ? j * kDqRows : 0),
+                                      kSplitRows ? 0 : j * kDqCols);
           });
     }
     return;
@@ -219,18 +242,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sQt = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQt{});
   Tensor sdS = make_tensor(make_smem_ptr(smem.ds[wg].begin()), typename Traits::SmemLayoutdS{});
-  // This warpgroup's share of dQ: its rows of warpgroup w's dS, its columns of w's keys.
+  // This warpgroup's share of dQ: its rows of warpgroup w's dS; slab b's columns of w's keys.
+  const int first_slab = Traits::dq_first_slab(wg), slabs = Traits::dq_slabs(wg);
   auto sdS_of = [&](int w) {
     return local_tile(
         make_tensor(make_smem_ptr(smem.ds[w].begin()), typename Traits::SmemLayoutdS{}),
         Shape<Int<kDqRows>, Int<kKeysPerWG>, Int<kStages>>{},
         make_coord(Traits::kDqSplitRows ? wg : 0, _0{}, _0{}));
   };
-  auto sKt_of = [&](int w) {
+  auto sKt_of = [&](int w, int b) {
+    const int slab = first_slab + b < Traits::kDqSlabs ? first_slab + b : Traits::kDqSlabs - 1;
     return local_tile(
         make_tensor(make_smem_ptr(smem.k[w].begin()), typename Traits::SmemLayoutKt{}),
-        Shape<Int<kDqCols>, Int<kKeysPerWG>>{},
-        make_coord(Traits::kDqSplitRows ? 0 : wg, _0{}));
+        Shape<Int<kDqCols>, Int<kKeysPerWG>>{}, make_coord(Traits::kDqSplitRows ? 0 : slab, _0{}));
   };
 
   typename Traits::MmaSdP mma_sdp;
@@ -245,11 +269,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO));
   Tensor tdKrQt = thr_dkv.make_fragment_B(thr_dkv.partition_B(sQt));  // (MMA, N, K, stage)
   Tensor tdVrdOt = thr_dkv.make_fragment_B(thr_dkv.partition_B(sdOt));
-  // dQ's operands per 64 keys: dS (MMA, 1, K, stage) and Kᵀ (MMA, 1, K).
+  // dQ's operands per 64 keys: dS (MMA, 1, K, stage) and slab b's Kᵀ (MMA, 1, K).
   Tensor tdQrdS0 = thr_dq.make_fragment_A(thr_dq.partition_A(sdS_of(0)));
   Tensor tdQrdS1 = thr_dq.make_fragment_A(thr_dq.partition_A(sdS_of(1)));
-  Tensor tdQrKt0 = thr_dq.make_fragment_B(thr_dq.partition_B(sKt_of(0)));
-  Tensor tdQrKt1 = thr_dq.make_fragment_B(thr_dq.partition_B(sKt_of(1)));
+  auto tdQrKt_of = [&](int w, int b) {
+    return thr_dq.make_fragment_B(thr_dq.partition_B(sKt_of(w, b)));
+  };
   static_assert(kConsumerWGs == 2);
 
   using TileS = Shape<Int<kKeysPerWG>, Int<kBlockM>>;
@@ -257,7 +282,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});  // dPᵀ, then dSᵀ
   Tensor acc_dk = partition_fragment_C(mma_dkv, typename Traits::TileK{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, typename Traits::TileK{});
-  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kDqRows>, Int<kDqCols>>{});
+  using AccDq = decltype(partition_fragment_C(mma_dq, Shape<Int<kDqRows>, Int<kDqCols>>{}));
+  AccDq acc_dq[Traits::kDqSlabsPerWG];  // the warpgroup's slabs; the first `slabs` computed
   clear(acc_dk);
   clear(acc_dv);
   Tensor rowcol_s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
@@ -370,20 +396,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
     consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
 
-    // This warpgroup's dQ columns over both warpgroups' keys, then dK; dQ leaves under dK.
-    mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
-    warpgroup_fence_operand(acc_dq);
+    // This warpgroup's dQ slabs over both warpgroups' keys, then dK; dQ leaves under dK.
+#pragma unroll
+    for (int b = 0; b < Traits::kDqSlabsPerWG; ++b) warpgroup_fence_operand(acc_dq[b]);
     warpgroup_arrive();
 #pragma unroll
-    for (int k = 0; k < size<2>(tdQrKt0); ++k) {
-      gemm(mma_dq, tdQrdS0(_, _, k, st.index), tdQrKt0(_, _, k), acc_dq);
-      mma_dq.accumulate_ = GMMA::ScaleOut::One;
-    }
+    for (int b = 0; b < Traits::kDqSlabsPerWG; ++b) {
+      if (b >= slabs) break;
+      Tensor tdQrKt0 = tdQrKt_of(0, b), tdQrKt1 = tdQrKt_of(1, b);
+      mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
 #pragma unroll
-    for (int k = 0; k < size<2>(tdQrKt1); ++k)
-      gemm(mma_dq, tdQrdS1(_, _, k, st.index), tdQrKt1(_, _, k), acc_dq);
+      for (int k = 0; k < size<2>(tdQrKt0); ++k) {
+        gemm(mma_dq, tdQrdS0(_, _, k, st.index), tdQrKt0(_, _, k), acc_dq[b]);
+        mma_dq.accumulate_ = GMMA::ScaleOut::One;
+      }
+#pragma unroll
+      for (int k = 0; k < size<2>(tdQrKt1); ++k)
+        gemm(mma_dq, tdQrdS1(_, _, k, st.index), tdQrKt1(_, _, k), acc_dq[b]);
+    }
     warpgroup_commit_batch();
-    warpgroup_fence_operand(acc_dq);
+#pragma unroll
+    for (int b = 0; b < Traits::kDqSlabsPerWG; ++b) warpgroup_fence_operand(acc_dq[b]);
     gemm_accumulate(mma_dkv, rdS, tdKrQt(_, _, _, st.index), acc_dk);
     if (m + 1 < m_end) load_rows(m + 1);
     warpgroup_wait<1>();  // dV and dQ done: dO's last reader
@@ -391,9 +424,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kDqRows>, Int<kDqCols>>{}));
     if constexpr (kDeterministic) consumers_sync(BwdBarrier::DqEmpty, kDqSlabThreads, wg);
 #pragma unroll
-    for (int i = 0; i < size(acc_dq); i += 2) {  // elements i, i+1 are neighbouring columns
-      const int at = Traits::DqLayout::in_slab(get<0>(cdQ(i)), get<1>(cdQ(i)));
-      *reinterpret_cast<float2*>(&sdq[at]) = make_float2(acc_dq(i), acc_dq(i + 1));
+    for (int b = 0; b < Traits::kDqSlabsPerWG; ++b) {
+      if (b >= slabs) break;
+#pragma unroll
+      for (int i = 0; i < size(acc_dq[b]); i += 2) {  // elements i, i+1: neighbouring columns
+        const int at = b * Traits::kDqSlabFloats +
+                       Traits::DqLayout::in_slab(get<0>(cdQ(i)), get<1>(cdQ(i)));
+        *reinterpret_cast<float2*>(&sdq[at]) = make_float2(acc_dq[b](i), acc_dq[b](i + 1));
+      }
     }
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
     if constexpr (kDeterministic) {  // to the writer warp
@@ -401,7 +439,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     } else {
       consumers_sync(BwdBarrier::DqReady, 128, wg);
       if (tid == 0) {  // the slabs of a query block follow each other (DqSlabs)
-        bulk_reduce_add_f32(slab_of(m, wg), sdq, Traits::kBytesdQ);
+        bulk_reduce_add_f32(slab_of(m, first_slab), sdq, slabs * Traits::kBytesdQSlab);
         tma_store_arrive();  // commit the bulk group
       }
     }

@@ -1,8 +1,9 @@
 // A tile of rows staged in shared memory so that it leaves by 16-byte coalesced stores: WGMMA
 // accumulators hold, per thread, pairs of neighbouring columns in 8 rows at once, so stores
 // straight from them write 4 bytes per thread spread over 8 rows (4x the store instructions).
-// Row-major, with 16-byte chunk c of row r at chunk c ^ (r % 8): the 8 rows one accumulator
-// store spans fall in different banks, and a row reads back as one contiguous run.
+// Row-major, with 16-byte chunk c of row r at chunk c ^ (r % 8) (rows of a multiple of 8
+// chunks; else at (c + r) % chunks, which stays within the row: d96's 12): the 8 rows one
+// accumulator store spans fall in different banks, and a row reads back as one contiguous run.
 #pragma once
 
 #include <cutlass/array.h>
@@ -15,10 +16,16 @@ template <int kCols, class Element>
 struct StagedRows {
   static constexpr int kChunk = 16 / sizeof(Element);  // elements per 16-byte chunk
   static constexpr int kChunksPerRow = kCols / kChunk;
-  static_assert(kChunksPerRow % 8 == 0, "the swizzle permutes 8 chunks of a row");
+  static_assert(kCols % kChunk == 0 && kChunksPerRow >= 8, "8 chunks of a row to permute");
 
+  __device__ static int chunk_at(int row, int chunk) {
+    if constexpr (kChunksPerRow % 8 == 0)
+      return chunk ^ (row % 8);
+    else
+      return (chunk + row) % kChunksPerRow;
+  }
   __device__ static int at(int row, int col) {
-    return row * kCols + ((col / kChunk) ^ (row % 8)) * kChunk + col % kChunk;
+    return row * kCols + chunk_at(row, col / kChunk) * kChunk + col % kChunk;
   }
 
   // Columns col, col + 1 of `row` (an accumulator's pair of neighbouring columns) as one word.

@@ -91,6 +91,7 @@ fn extended_wgmma_shapes_only_where_a_tile_takes_one() {
     assert!(!extended_wgmma(Family::Sm90Fp8Fwd, 256));
     for d in [64, 128, 256] {
         assert!(!extended_wgmma(Family::Sm90Bwd, d));
+        assert!(!extended_wgmma(Family::Sm90Bwd, d * 3 / 2)); // d96, d192, d384 (no tile)
         assert!(!extended_wgmma(Family::Sm80Fwd, d));
         assert!(!extended_wgmma(Family::Sm80Bwd, d));
     }
