@@ -128,6 +128,8 @@ pub const KERNELS: &[Kernel] = &[
     kernel(Sm90Bwd, 256, Fp16),
     kernel(Sm90Bwd, 192, Bf16),
     kernel(Sm90Bwd, 192, Fp16),
+    kernel(Sm90Bwd, 96, Bf16),
+    kernel(Sm90Bwd, 96, Fp16),
     kernel(Sm80Fwd, 64, Bf16),
     kernel(Sm80Fwd, 128, Bf16),
     kernel(Sm80Fwd, 256, Bf16),
