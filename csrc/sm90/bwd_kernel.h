@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor acc_dk = partition_fragment_C(mma_dkv, typename Traits::TileK{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, typename Traits::TileK{});
   using AccDq = decltype(partition_fragment_C(mma_dq, Shape<Int<kDqRows>, Int<kDqCols>>{}));
-  AccDq acc_dq[Traits::kDqSlabsPerWG];  // the warpgroup's slabs; the first `slabs` computed
+  AccDq acc_dq[Traits::kDqSlabsPerWG];  // the warpgroup's slabs; the first `slabs` stored
   clear(acc_dk);
   clear(acc_dv);
   Tensor rowcol_s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
@@ -396,13 +396,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
     consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
 
-    // This warpgroup's dQ slabs over both warpgroups' keys, then dK; dQ leaves under dK.
+    // This warpgroup's dQ slabs over both warpgroups' keys, then dK; dQ leaves under dK. A
+    // warpgroup with fewer slabs than kDqSlabsPerWG (d96's second) computes its last one again
+    // rather than branch around the GEMMs: WGMMAs on a path that ptxas cannot prove uniform are
+    // serialized, every one in the kernel (C7520). The copy is never stored, and costs the
+    // tensor cores a slab's GEMM, not the block: the other warpgroup is then at its second slab.
 #pragma unroll
     for (int b = 0; b < Traits::kDqSlabsPerWG; ++b) warpgroup_fence_operand(acc_dq[b]);
     warpgroup_arrive();
 #pragma unroll
     for (int b = 0; b < Traits::kDqSlabsPerWG; ++b) {
-      if (b >= slabs) break;
       Tensor tdQrKt0 = tdQrKt_of(0, b), tdQrKt1 = tdQrKt_of(1, b);
       mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
 #pragma unroll
