@@ -48,7 +48,7 @@ struct BwdParams {
   float* dq_accum;         // (B, heads_q, dq_rows, d) in Traits::DqLayout, zeroed
   const float* lse_log2;   // (B, heads_q, dq_rows): LSE·log2(e), +inf in the padding
   const float* softmax_d;  // (B, heads_q, dq_rows): rowsum(dO ∘ O), 0 in the padding
-  typename Traits::Element* dq;  // written here in deterministic mode at d64/d128 (bwd_write_dq)
+  typename Traits::Element* dq;  // written here in deterministic mode (bwd_write_dq; not d192/256)
   typename Traits::Element* dk;
   typename Traits::Element* dv;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
@@ -59,8 +59,9 @@ struct BwdParams {
   float* dv_accum;
   // Deterministic mode: per (query block of the query workspace rows, warpgroup) the number of
   // key blocks whose dQ adds have completed, zeroed by the preprocess; each CTA adds its slab when
-  // the key blocks before it have (FA3's semaphore), so the sums run in key-block order, and at
-  // d64/d128 the CTA whose count completes a block converts its share of dQ. Null otherwise.
+  // the key blocks before it have (FA3's semaphore), so the sums run in key-block order, and in
+  // the kernel that splits the keys (d64, d96, d128) the CTA whose count completes a block
+  // converts its share of dQ. Null otherwise.
   int* dq_semaphore;
   // Packed calls in deterministic mode: nonzero where the preprocess found the offsets malformed
   // (bwd_offsets_malformed), which turns the hand-over off; else null.
@@ -238,8 +239,8 @@ enum class CapSlope {
 // Pᵀ goes to `p16` (the 16-bit A operand of dV, element for element as the accumulator) and the
 // tile keeps Pᵀ·(1 − t²), the factor dS takes, which saves the logarithm of kFromP. Until its P
 // exists, the derivative of each pair of neighbouring scores waits in their p16 register as an
-// f16 pair: held beside t and P in registers of its own, it spilled (ptxas). Otherwise `p16` is
-// not written.
+// f16 pair: in registers of its own beside t and P it spilled several times more (ptxas).
+// Otherwise `p16` is not written.
 template <CapSlope kCap, class RowCol, class Coords, class LseOf, class Frag16>
 __device__ void bwd_probabilities(RowCol& s, Coords const& coords, LseOf const& lse_of,
                                   KeyRange const& keys, int key0, int q0, float scale_log2,
@@ -247,6 +248,8 @@ __device__ void bwd_probabilities(RowCol& s, Coords const& coords, LseOf const& 
   constexpr int kRows = decltype(size<0>(s))::value;
   constexpr int kCols = decltype(size<1>(s))::value;
   constexpr int kPairs = kRows * kCols / 2;
+  static_assert(decltype(size(p16))::value == kRows * kCols &&
+                sizeof(typename Frag16::value_type) == sizeof(__half));
   float* acc = raw_pointer_cast(s.data());  // the accumulator's registers in order
   using Pair16 = cutlass::Array<typename Frag16::value_type, 2>;
   Pair16* pairs16 = reinterpret_cast<Pair16*>(raw_pointer_cast(p16.data()));

@@ -1,6 +1,7 @@
 // The sm90 backward's deterministic dQ: the hand-over between the CTAs that add into one dQ
-// slab (FA3's semaphores, in key-block order), the dQ writer warps that run it at d64/d128, and
-// their conversion of each finished slab to the element type.
+// slab (FA3's semaphores, in key-block order), the dQ writer warps that run it in the kernel that
+// splits the keys (d64, d96, d128), and their conversion of each finished slab to the element
+// type.
 #pragma once
 
 #include "bwd_common.h"
@@ -75,7 +76,7 @@ __device__ int dq_key_blocks(KeyRange const& keys, int q0) {
   keys.template blocks<kBlockN>(q0, q0 + kBlockM, n_min, n_max);
   return n_max - n_min;
 }
-// One warpgroup's slab (Traits::DqLayout) of a query block's dQ, complete in the f32 accumulator,
+// One slab (Traits::DqLayout) of a query block's dQ, complete in the f32 accumulator,
 // to the element type times the softmax scale by one warp, in place of a conversion pass over the
 // whole accumulator (which read it back from HBM): rows [row0, row0 + slab rows) of an entry's
 // head, whose row 0 is at `dq` and which has `seqlen_q` rows, columns [col0, col0 + slab
@@ -122,10 +123,11 @@ __device__ void convert_dq_slab(BwdParams<Traits> const& params, const float* sl
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// Deterministic mode at d64/d128: a dQ writer warp of the producer warpgroup, serving consumer
-// warpgroup wg (FA3's dQ writer). For every query block [m_first, m_end) the warpgroup stores its
-// slab of slab_bytes into its shared buffer `sdq` (DqFull); once the key blocks before this one
-// have counted theirs (adds_before(m) of them, counter(m)), the slab is bulk-added into the
+// Deterministic mode in the kernel that splits the keys: a dQ writer warp of the producer
+// warpgroup, serving consumer warpgroup wg (FA3's dQ writer). For every query block
+// [m_first, m_end) the warpgroup stores its slabs, slab_bytes together, into its shared buffer
+// `sdq` (DqFull); once the key blocks before this one have counted theirs (adds_before(m) of
+// them, counter(m)), the slabs are bulk-added into the
 // accumulator at slab_dst(m) and the buffer handed back once read (DqEmpty); the add is counted
 // once complete, and the warp whose count completes the block (key_blocks(m) key blocks) converts
 // the warpgroup's share of it (convert(m), the whole warp), so that no conversion pass runs. The

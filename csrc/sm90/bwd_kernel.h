@@ -9,9 +9,9 @@
 //                    accumulators already as the register A operands of dV += Pᵀ·dO and
 //                    dK += dSᵀ·Q. dS also goes to shared memory (two stages): once both
 //                    warpgroups' dS are there, each computes dQ = dS·K for all 128 keys and
-//                    its half of the block's rows (d64) or of the head dim (d128), into an f32
-//                    slab (DqSlabs) that one thread adds to the global dQ accumulator with a
-//                    bulk reduce-add. Deterministic mode: the producer's warps 1 and 2 add the
+//                    its share of the block: half of its rows (d64), of the head dim (d128), or
+//                    two and one of three 32-column slabs (d96), into f32 slabs (DqSlabs) that
+//                    one thread adds to the global dQ accumulator with a bulk reduce-add. Deterministic mode: the producer's warps 1 and 2 add the
 //                    slabs, in key-block order, and convert each query block's dQ once its
 //                    last key block has added (bwd_write_dq).
 //                    The rows' LSE·log2(e) and D = rowsum(dO ∘ O) come from global memory.
@@ -298,6 +298,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr CapSlope kCap = !kSoftcap           ? CapSlope::kNone
                             : Traits::kEarlyDv ? CapSlope::kFolded
                                                : CapSlope::kFromP;
+  // Folded, acc_s holds P·(1 − t²) after bwd_probabilities: rP must come from there only.
+  static_assert(kCap != CapSlope::kFolded || Traits::kEarlyDv);
   auto rdS = make_tensor<Element>(acc_as_operand_a(acc_dp.layout()));
   float* sdq = smem.dq[wg];
 
@@ -362,7 +364,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     // dS to shared memory as (query, key) in this block's stage. The other warpgroup read the
     // stage two blocks ago (its dQ GEMM completed before it passed the barrier below last
-    // block); the slab must be free: the previous block's bulk add has read it once its
+    // block); the slabs must be free: the previous block's bulk add has read them once its
     // thread's wait returns (deterministic: the writer warp's DqEmpty, below).
     if (!kDeterministic && tid == 0) tma_store_wait<0>();
     // rdS holds dSᵀ register for register like the accumulator, stored by stmatrix: each

@@ -130,7 +130,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   if (gqa)
     FLASHATTN_TRY_CUDA(
         cudaMemsetAsync(base + ws.dk_accum, 0, ws.dq_semaphore - ws.dk_accum, stream));
-  // Deterministic at d64/d128 the main kernel's writer warps convert dQ (bwd_write_dq).
+  // Deterministic, the writer warps of the kernel that splits the keys convert dQ (bwd_write_dq).
   const bool dq_in_kernel = p.deterministic && !kSplitD;
   BwdRowsParams rows{p.o.ptr, p.dout.ptr, p.lse, lse_log2, softmax_d,
                      p.o.batch_stride, p.o.row_stride, p.o.head_stride,

@@ -1,9 +1,10 @@
 // A tile of rows staged in shared memory so that it leaves by 16-byte coalesced stores: WGMMA
 // accumulators hold, per thread, pairs of neighbouring columns in 8 rows at once, so stores
 // straight from them write 4 bytes per thread spread over 8 rows (4x the store instructions).
-// Row-major, with 16-byte chunk c of row r at chunk c ^ (r % 8) (rows of a multiple of 8
-// chunks; else at (c + r) % chunks, which stays within the row: d96's 12): the 8 rows one
-// accumulator store spans fall in different banks, and a row reads back as one contiguous run.
+// Row-major, with 16-byte chunk c of row r at chunk c ^ (r % 8): the 8 rows one accumulator store
+// spans fall in different banks, and a row reads back as one contiguous run. Rows of no multiple
+// of 8 chunks (d96's 12) take chunk (c + r) % chunks instead, which stays within the row, at
+// two-way conflicts where the XOR would leave the row.
 #pragma once
 
 #include <cutlass/array.h>
