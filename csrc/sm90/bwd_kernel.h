@@ -176,7 +176,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int col_begin = n_block * kBlockN;
   const int64_t rows_base = work.rows_base;  // the entry's LSE, D and dQ rows of this head
 
-  const int warp_group = threadIdx.x / 128;
+  // Warp-uniform by a shuffle (CUTLASS's canonical index), which ptxas can see; threadIdx.x / 128
+  // it cannot, and the kernel compiled to more instructions with it (and spilled at d128 softcap).
+  const int warp_group = cutlass::canonical_warp_group_idx();
   bwd_init_barriers(smem, 4 * kConsumerWGs, [&] {
 #pragma unroll
     for (int w = 0; w < kConsumerWGs; ++w)
