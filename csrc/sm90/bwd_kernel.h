@@ -71,6 +71,7 @@ struct BwdTraits {
                                                            : kDqSlabsPerWG;
   }
   static constexpr bool kEarlyDv = kBlockM == 64;  // dV issued before dPᵀ is read
+  static constexpr bool kShuffledWarpGroup = !kDqSplitRows;  // the kernel's warpgroup index
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -176,9 +177,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int col_begin = n_block * kBlockN;
   const int64_t rows_base = work.rows_base;  // the entry's LSE, D and dQ rows of this head
 
-  // Warp-uniform by a shuffle (CUTLASS's canonical index), which ptxas can see; threadIdx.x / 128
-  // it cannot, and the kernel compiled to more instructions with it (and spilled at d128 softcap).
-  const int warp_group = cutlass::canonical_warp_group_idx();
+  // Warp-uniform by a shuffle (CUTLASS's canonical index), which ptxas can see, at d96 and d128:
+  // from threadIdx.x / 128 it compiled them to more instructions (and spilled at d128 softcap)
+  // and ran them slower; d64 ran faster from threadIdx.x (benchmarks/README.md).
+  const int warp_group = Traits::kShuffledWarpGroup ? cutlass::canonical_warp_group_idx()
+                                                    : int(threadIdx.x / 128);
   bwd_init_barriers(smem, 4 * kConsumerWGs, [&] {
 #pragma unroll
     for (int w = 0; w < kConsumerWGs; ++w)
