@@ -100,9 +100,9 @@ flashattn_result_t validate_common(const flashattn_params_t* p) {
 
 // The operands of one call: what it reads and what it writes.
 struct Operands {
-  View in[11];
+  View in[12];
   int n_in = 0;
-  View out[5];
+  View out[6];
   int n_out = 0;
   void read(const View& v) { in[n_in++] = v; }
   void write(const View& v) { out[n_out++] = v; }
@@ -141,6 +141,11 @@ void read_sequences(const flashattn_params_t& p, Operands& ops) {
   if (p.seqused_k != nullptr) ops.read(View::packed(p.seqused_k, 4, p.batch, 4));
 }
 
+// The sinks, one f32 per query head, where the call has them.
+void read_sinks(const flashattn_params_t& p, Operands& ops) {
+  if (p.sinks != nullptr) ops.read(View::packed(p.sinks, 4, p.heads_q, 4));
+}
+
 // The 16-bit forward's operands, or the FP8 forward's (V key-major over whole key blocks).
 flashattn_result_t validate_fwd(const flashattn_params_t* p) {
   if (flashattn_result_t r = validate_common(p); r.status != FLASHATTN_OK) return r;
@@ -176,6 +181,7 @@ flashattn_result_t validate_fwd(const flashattn_params_t* p) {
     ops.write(View::of(p->o, e, tensor_batch(*p), p->seqlen_q, p->heads_q, p->head_dim));
   }
   read_sequences(*p, ops);
+  read_sinks(*p, ops);
   ops.write(lse_view(*p));
   return ops.valid() ? kOk : kInvalid;
 }
@@ -199,6 +205,11 @@ flashattn_result_t validate_bwd(const flashattn_params_t* p) {
   ops.read(q_like(p->dout));
   ops.read(lse_view(*p));
   read_sequences(*p, ops);
+  read_sinks(*p, ops);
+  if (p->dsinks != nullptr) {
+    if (p->sinks == nullptr) return kInvalid;
+    ops.write(View::packed(p->dsinks, 4, p->heads_q, 4));
+  }
   ops.write(q_like(p->dq));
   ops.write(kv_like(p->dk));
   ops.write(kv_like(p->dv));

@@ -94,6 +94,17 @@ typedef struct {
   int32_t window_right; // -1 = unbounded, as is any window >= seqlen_q - 1
   int32_t deterministic;
 
+  // Attention sinks (optional): one f32 logit per query head (heads_q, device memory) that joins
+  // every row's softmax in the units of the scaled (and capped) scores and takes no value row:
+  // LSE = log(exp(sink) + Σ exp(s)), so that a row that sees no key gets O = 0 and LSE = sink.
+  // The backward takes the same sinks (its P comes from the forward's LSE, which holds them)
+  // and, where dsinks (heads_q f32, device memory, overwritten) is not null, writes
+  // d_sink = −Σ exp(sink − LSE)·rowsum(dO ∘ O) over every row of the head in every batch entry
+  // or sequence, summed in a fixed order (bit-identical run to run). dsinks without sinks is
+  // refused (FLASHATTN_INVALID_ARGUMENT).
+  const float* sinks;
+  float* dsinks;
+
   // Packed (variable-length, "varlen") batches, where cu_seqlens_q is not null: the tensors
   // have one batch entry (batch strides ignored) of seqlen_q query rows and seqlen_k key rows,
   // in which `batch` sequences lie one after another; sequence b owns query rows

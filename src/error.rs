@@ -18,6 +18,10 @@ pub enum Operand {
     DQ,
     DK,
     DV,
+    /// The attention sinks (one f32 logit per query head).
+    Sinks,
+    /// The attention sinks' gradient.
+    DSinks,
 }
 
 impl fmt::Display for Operand {
@@ -32,6 +36,8 @@ impl fmt::Display for Operand {
             Operand::DQ => "dq",
             Operand::DK => "dk",
             Operand::DV => "dv",
+            Operand::Sinks => "sinks",
+            Operand::DSinks => "dsinks",
         };
         f.write_str(name)
     }

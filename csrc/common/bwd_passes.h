@@ -35,7 +35,7 @@ struct BwdRowsParams {
   float* dq_accum;
   int64_t dq_slice_stride;
   int dq_slices;
-  // Where the main kernel converts dQ itself (the sm90 deterministic mode at d64/d128), dQ, written
+  // Where the main kernel converts dQ itself (the sm90 deterministic mode), dQ, written
   // as 0 here for the rows that see no key: the main kernel converts a query block once its last
   // key block has added, so rows that no key block visits are not written there. Else null.
   void* dq;
@@ -190,6 +190,44 @@ cudaError_t launch_bwd_preprocess(const BwdRowsParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.seqs.packed() ? 1 : p.batch) * p.heads_q * p.dq_rows;
   bwd_preprocess<Element, kHeadDim>
       <<<unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The attention sinks' gradient, after the preprocess: d_sink[h] = −Σ exp(sink_h − LSE)·D over
+// head h's rows of every entry (padding rows have LSE +inf and D 0, and add nothing). One CTA per
+// head: its threads stride the rows in f64, then a tree in shared memory, so that the sum runs in
+// the same order every call (bit-identical run to run, in either mode).
+constexpr int kSinkGradThreads = 256;
+
+__global__ void __launch_bounds__(kSinkGradThreads)
+    bwd_sink_grad(const float* lse_log2, const float* softmax_d, const float* sinks,
+                  float* dsinks, int entries, int heads_q, int dq_rows) {
+  const int head = blockIdx.x;
+  const float sink_log2 = sinks[head] * float(M_LOG2E);
+  double sum = 0.0;
+  for (int b = 0; b < entries; ++b) {
+    const int64_t base = (int64_t(b) * heads_q + head) * dq_rows;
+    for (int r = threadIdx.x; r < dq_rows; r += kSinkGradThreads)
+      sum += double(exp2f(sink_log2 - lse_log2[base + r])) * double(softmax_d[base + r]);
+  }
+  __shared__ double part[kSinkGradThreads];
+  part[threadIdx.x] = sum;
+  __syncthreads();
+#pragma unroll
+  for (int s = kSinkGradThreads / 2; s > 0; s /= 2) {
+    if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) dsinks[head] = float(-part[0]);
+}
+
+// d_sink into `dsinks` where the call asks for it (null: nothing to do).
+inline cudaError_t launch_bwd_sink_grad(const BwdRowsParams& p, const float* sinks,
+                                        float* dsinks, cudaStream_t stream) {
+  if (dsinks == nullptr) return cudaSuccess;
+  bwd_sink_grad<<<unsigned(p.heads_q), kSinkGradThreads, 0, stream>>>(
+      p.lse_log2, p.softmax_d, sinks, dsinks, p.seqs.packed() ? 1 : p.batch, p.heads_q,
+      p.dq_rows);
   return cudaGetLastError();
 }
 

@@ -101,6 +101,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
                      nullptr, 0, 0, 0, KeyRange{}, nullptr, seqs};  // dQ converted after
   if (seqs.packed()) rows.row_entries = reinterpret_cast<const int*>(base + ws.row_entries);
   FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
+  FLASHATTN_TRY_CUDA(launch_bwd_sink_grad(rows, p.sinks, p.dsinks, stream));
 
   // Two Q/dO buffers where the device's shared memory holds them.
   int device = 0, smem_optin = 0;

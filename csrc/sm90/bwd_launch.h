@@ -149,6 +149,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   if (offsets_malformed != nullptr)
     FLASHATTN_TRY_CUDA(cudaMemsetAsync(offsets_malformed, 0, sizeof(int), stream));
   FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
+  FLASHATTN_TRY_CUDA(launch_bwd_sink_grad(rows, p.sinks, p.dsinks, stream));
 
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
   const unsigned ctas = unsigned(tiles * heads_total);

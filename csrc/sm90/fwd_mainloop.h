@@ -278,14 +278,19 @@ struct FwdMainloop {
     scale_rows(rowcol_O, factor);
   }
 
-  // All keys seen: what O's rows are multiplied by, and the LSE.
-  __device__ FLASHATTN_INLINE void finalize(float (&inv_sum)[kRows], float (&lse)[kRows]) {
+  // All keys of tile `t` seen: what O's rows are multiplied by, and the LSE; with its head's
+  // attention sink, unless `t` is a tail piece (fwd_tail.h: the merge adds the sink once).
+  __device__ FLASHATTN_INLINE void finalize(const WorkTile& t, float (&inv_sum)[kRows],
+                                            float (&lse)[kRows]) {
+    const float sink_log2 = params.sinks != nullptr && t.slot < 0
+                                ? params.sinks[t.head] * float(M_LOG2E)
+                                : -INFINITY;
     if constexpr (Traits::kFp8) {
-      softmax.finalize(inv_sum, lse);
+      softmax.finalize(inv_sum, lse, sink_log2);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) inv_sum[r] *= v_unit;
     } else {
-      softmax.finalize(params.scale_log2, inv_sum, lse);
+      softmax.finalize(params.scale_log2, inv_sum, lse, sink_log2);
     }
   }
 };

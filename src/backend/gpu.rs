@@ -150,6 +150,7 @@ pub(crate) fn forward(
     sm_count: i32,
     [q, k, v, o]: [RawTensor; 4],
     lse: u64,
+    sinks: u64,
     stream: *mut std::ffi::c_void,
 ) -> Result<()> {
     let mut p = base_params(problem, packed, cfg, sm_count);
@@ -158,6 +159,7 @@ pub(crate) fn forward(
     p.v = v.to_ffi();
     p.o = o.to_ffi();
     p.lse = lse as *mut f32;
+    p.sinks = sinks as *const f32;
     if plan.tile().is_some_and(|row| row.role == TileRole::Masked) {
         p.sm90_flags |= ffi::FLASHATTN_SM90_MASKED_TILE;
     }
@@ -299,6 +301,9 @@ pub(crate) struct BackwardOperands {
     pub dk: RawTensor,
     pub dv: RawTensor,
     pub lse: u64,
+    /// The attention sinks and their gradient's buffer (0: none).
+    pub sinks: u64,
+    pub dsinks: u64,
     pub workspace: u64,
     pub workspace_bytes: usize,
 }
@@ -323,6 +328,8 @@ pub(crate) fn backward(
     p.dk = ops.dk.to_ffi();
     p.dv = ops.dv.to_ffi();
     p.lse = ops.lse as *mut f32;
+    p.sinks = ops.sinks as *const f32;
+    p.dsinks = ops.dsinks as *mut f32;
     p.workspace = ops.workspace as *mut std::ffi::c_void;
     p.workspace_bytes = ops.workspace_bytes as i64;
     // SAFETY: every pointer was taken from a live cudarc buffer whose guard outlives this call,

@@ -188,16 +188,36 @@ impl Device {
         out: &mut DeviceTensorMut<T>,
         lse: &mut CudaViewMut<f32>,
     ) -> Result<Plan> {
-        self.forward_launch(stream, cfg, None, q, k, v, out, lse)
+        self.forward_launch(stream, cfg, None, None, q, k, v, out, lse)
     }
 
-    /// The forward of a dense batch, or of a packed one (`seqs`).
+    /// [`Device::forward_into`] with attention sinks: `sinks` holds one f32 logit per query
+    /// head (its first heads_q values), which joins every row's softmax in the units of the
+    /// scaled (and capped) scores and takes no value row, so that
+    /// LSE = log(exp(sink) + Σ exp(s)) and a row that sees no key gets O = 0 and LSE = sink.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_sinks_into<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        sinks: &CudaView<f32>,
+        out: &mut DeviceTensorMut<T>,
+        lse: &mut CudaViewMut<f32>,
+    ) -> Result<Plan> {
+        self.forward_launch(stream, cfg, None, Some(sinks), q, k, v, out, lse)
+    }
+
+    /// The forward of a dense batch, or of a packed one (`seqs`), with or without sinks.
     #[allow(clippy::too_many_arguments)]
     fn forward_launch<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
         cfg: &AttentionConfig,
         seqs: Option<&DeviceSeqlens>,
+        sinks: Option<&CudaView<f32>>,
         q: &DeviceTensor<T>,
         k: &DeviceTensor<T>,
         v: &DeviceTensor<T>,
@@ -225,6 +245,9 @@ impl Device {
         if let Some(seqs) = seqs {
             self.check_same_context(stream, seqs.contexts())?;
         }
+        if let Some(sinks) = sinks {
+            self.check_same_context(stream, [(Operand::Sinks, sinks.stream().context())])?;
+        }
         let rows = check_forward(
             T::DTYPE,
             [q.operand(), k.operand(), v.operand()],
@@ -250,6 +273,10 @@ impl Device {
         let (o_ptr, _o_guard) = out.data.device_ptr_mut(stream);
         let (lse_ptr, _lse_guard) = lse.device_ptr_mut(stream);
         let (packed, _seqs_guards) = seqs.map(|s| s.rows(stream, &rows)).unzip();
+        if let Some(sinks) = sinks {
+            check_per_head(Operand::Sinks, sinks.len(), &problem)?;
+        }
+        let (sinks_ptr, _sinks_guard) = sinks.map(|s| s.device_ptr(stream)).unzip();
         let size = std::mem::size_of::<T>();
         let operands = [
             (
@@ -294,10 +321,23 @@ impl Device {
             self.info.sm_count,
             operands.map(|(_, t)| t),
             lse_ptr,
+            sinks_ptr.unwrap_or(0),
             stream.cu_stream() as *mut std::ffi::c_void,
         )?;
         Ok(plan)
     }
+}
+
+/// A per-query-head vector (the sinks, their gradient) holds at least heads_q values.
+fn check_per_head(operand: Operand, len: usize, problem: &Problem) -> Result<()> {
+    if len < problem.heads_q {
+        return Err(Error::BufferTooSmall {
+            operand,
+            needed: problem.heads_q,
+            len,
+        });
+    }
+    Ok(())
 }
 
 impl Device {
@@ -344,10 +384,28 @@ impl Device {
         inputs: DeviceBackwardInputs<'_, T>,
         grads: DeviceGradientsMut<'_, '_, T>,
     ) -> Result<Plan> {
-        self.backward_launch(stream, cfg, None, inputs, grads)
+        self.backward_launch(stream, cfg, None, inputs, grads, None)
     }
 
-    /// The backward of a dense batch, or of a packed one (`seqs`).
+    /// [`Device::backward_into`] of a forward with attention sinks
+    /// ([`Device::forward_sinks_into`]; `inputs.lse` is its LSE, which holds them): dQ, dK, dV
+    /// as without sinks, and where `dsinks` is given, the sinks' gradient
+    /// d_sink = −Σ exp(sink − LSE)·rowsum(dO ∘ O) over each query head's rows of every batch
+    /// entry into its first heads_q values, summed in a fixed order (bit-identical run to run).
+    pub fn backward_sinks_into<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        inputs: DeviceBackwardInputs<'_, T>,
+        grads: DeviceGradientsMut<'_, '_, T>,
+        sinks: &CudaView<f32>,
+        dsinks: Option<&mut CudaViewMut<f32>>,
+    ) -> Result<Plan> {
+        self.backward_launch(stream, cfg, None, inputs, grads, Some((sinks, dsinks)))
+    }
+
+    /// The backward of a dense batch, or of a packed one (`seqs`), with or without sinks (and
+    /// their gradient's buffer).
     fn backward_launch<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
@@ -355,6 +413,7 @@ impl Device {
         seqs: Option<&DeviceSeqlens>,
         inputs: DeviceBackwardInputs<'_, T>,
         grads: DeviceGradientsMut<'_, '_, T>,
+        sinks: Option<(&CudaView<f32>, Option<&mut CudaViewMut<f32>>)>,
     ) -> Result<Plan> {
         let DeviceBackwardInputs {
             q,
@@ -382,6 +441,14 @@ impl Device {
         if let Some(seqs) = seqs {
             self.check_same_context(stream, seqs.contexts())?;
         }
+        let (sinks, dsinks) = sinks.unzip();
+        let dsinks = dsinks.flatten();
+        if let Some(sinks) = sinks {
+            self.check_same_context(stream, [(Operand::Sinks, sinks.stream().context())])?;
+        }
+        if let Some(dsinks) = &dsinks {
+            self.check_same_context(stream, [(Operand::DSinks, dsinks.stream().context())])?;
+        }
         let rows = check_backward(
             T::DTYPE,
             [
@@ -408,6 +475,12 @@ impl Device {
             (Operand::DK, &dk.layout),
             (Operand::DV, &dv.layout),
         ])?;
+        if let Some(sinks) = sinks {
+            check_per_head(Operand::Sinks, sinks.len(), &problem)?;
+        }
+        if let Some(dsinks) = &dsinks {
+            check_per_head(Operand::DSinks, dsinks.len(), &problem)?;
+        }
         let plan = self.plan(Op::Backward, &problem, cfg)?;
         self.ctx.bind_to_thread().map_err(driver_error)?;
         let (packed, _seqs_guards) = seqs.map(|s| s.rows(stream, &rows)).unzip();
@@ -431,6 +504,8 @@ impl Device {
         let (dk_ptr, _dk_guard) = dk.data.device_ptr_mut(stream);
         let (dv_ptr, _dv_guard) = dv.data.device_ptr_mut(stream);
         let (ws_ptr, _ws_guard) = workspace.device_ptr_mut(stream);
+        let (sinks_ptr, _sinks_guard) = sinks.map(|s| s.device_ptr(stream)).unzip();
+        let (dsinks_ptr, _dsinks_guard) = dsinks.map(|s| s.device_ptr_mut(stream)).unzip();
         let raw = |ptr, layout| RawTensor { ptr, layout };
         let ops = gpu::BackwardOperands {
             q: raw(q_ptr, q.layout),
@@ -442,6 +517,8 @@ impl Device {
             dk: raw(dk_ptr, dk.layout),
             dv: raw(dv_ptr, dv.layout),
             lse: lse_ptr,
+            sinks: sinks_ptr.unwrap_or(0),
+            dsinks: dsinks_ptr.unwrap_or(0),
             workspace: ws_ptr,
             workspace_bytes,
         };

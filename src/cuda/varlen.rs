@@ -175,7 +175,7 @@ impl Device {
         out: &mut DeviceTensorMut<T>,
         lse: &mut CudaViewMut<f32>,
     ) -> Result<Plan> {
-        self.forward_launch(stream, cfg, Some(seqs), q, k, v, out, lse)
+        self.forward_launch(stream, cfg, Some(seqs), None, q, k, v, out, lse)
     }
 
     /// Backward pass over a packed batch, ordered on `stream`: the tensors as in
@@ -189,6 +189,6 @@ impl Device {
         inputs: DeviceBackwardInputs<'_, T>,
         grads: DeviceGradientsMut<'_, '_, T>,
     ) -> Result<Plan> {
-        self.backward_launch(stream, cfg, Some(seqs), inputs, grads)
+        self.backward_launch(stream, cfg, Some(seqs), inputs, grads, None)
     }
 }

@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::{forward_all_rows, forward_one_row, head, problem, scatter};
+use super::{check_sinks, forward_all_rows, forward_one_row, head, problem, scatter};
 use crate::config::{AttentionConfig, KeyRule};
 use crate::tensor::{Element, TensorRef};
 
@@ -31,20 +31,26 @@ fn rt<T: Element>(x: f32) -> f32 {
 // Dtype-emulating baseline.
 
 /// One query row of the baseline in `T`: visible range, P (rounded to `T`), the tanh values
-/// (rounded to `T`, softcap only) and the f32 LSE.
+/// (rounded to `T`, softcap only), the sink's probability in f32 (0 without a sink) and the
+/// f32 LSE.
 struct RowLow {
     lo: usize,
     p: Vec<f32>,
     th: Vec<f32>,
+    p_sink: f32,
     lse: f32,
 }
 
+/// The sink, where there is one, is one more column of the f32 softmax, taken as given: it is
+/// an f32 parameter, which a framework promotes the scores to rather than rounding it to `T`
+/// (and so a row that sees no key has exactly the sink's logit as its LSE).
 fn row_low<T: Element>(
     cfg: &AttentionConfig,
     mask: &KeyRule,
     q: &[f32],
     k: &[f32],
     i: usize,
+    sink: Option<f32>,
 ) -> RowLow {
     let d = q.len();
     let scale = cfg.scale_for(d);
@@ -74,17 +80,22 @@ fn row_low<T: Element>(
             lo,
             p: Vec::new(),
             th,
-            lse: f32::INFINITY,
+            p_sink: if sink.is_some() { 1.0 } else { 0.0 },
+            lse: sink.unwrap_or(f32::INFINITY),
         };
     }
-    // Softmax in f32, rounded to T.
+    // Softmax in f32, rounded to T (the sink's column is dropped before anything reads it in T).
     let m = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let m = sink.map_or(m, |x| m.max(x));
     let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
-    let l: f32 = e.iter().sum();
+    let e_sink = sink.map_or(0.0, |x| (x - m).exp());
+    // Adding the 0 of no sink leaves the (positive) sum exactly as it was.
+    let l: f32 = e.iter().sum::<f32>() + e_sink;
     RowLow {
         lo,
         p: e.iter().map(|x| rt::<T>(x / l)).collect(),
         th,
+        p_sink: e_sink / l,
         lse: m + l.ln(),
     }
 }
@@ -101,6 +112,35 @@ fn low_out_row<T: Element>(row: &RowLow, v: &[f32], d: usize) -> Vec<f32> {
     acc.into_iter().map(rt::<T>).collect()
 }
 
+/// The output row and LSE of one row of the baseline.
+fn out_low<T: Element>(
+    cfg: &AttentionConfig,
+    mask: &KeyRule,
+    (qi, kh, vh): (&[f32], &[f32], &[f32]),
+    i: usize,
+    sink: Option<f32>,
+) -> (Vec<f32>, f32) {
+    let row = row_low::<T>(cfg, mask, qi, kh, i, sink);
+    (low_out_row::<T>(&row, vh, qi.len()), row.lse)
+}
+
+fn forward_impl<T: Element>(
+    cfg: &AttentionConfig,
+    (q, k, v): (TensorRef<T>, TensorRef<T>, TensorRef<T>),
+    sinks: Option<&[f32]>,
+) -> BaselineForward {
+    let (out, lse) = forward_all_rows(
+        cfg,
+        &q,
+        &k,
+        &v,
+        sinks,
+        T::to_f32,
+        |mask, qi, kh, vh, i, sink| out_low::<T>(cfg, mask, (qi, kh, vh), i, sink),
+    );
+    BaselineForward { out, lse }
+}
+
 /// Standard attention the way a framework computes it in `T` (for `T = f32` the roundings
 /// vanish and this is plain f32 attention). LSE is computed in f32.
 ///
@@ -112,11 +152,23 @@ pub fn baseline_forward<T: Element>(
     k: TensorRef<T>,
     v: TensorRef<T>,
 ) -> BaselineForward {
-    let (out, lse) = forward_all_rows(cfg, &q, &k, &v, T::to_f32, |mask, qi, kh, vh, i| {
-        let row = row_low::<T>(cfg, mask, qi, kh, i);
-        (low_out_row::<T>(&row, vh, qi.len()), row.lse)
-    });
-    BaselineForward { out, lse }
+    forward_impl(cfg, (q, k, v), None)
+}
+
+/// [`baseline_forward`] with attention sinks: `sinks[h]` joins query head `h`'s f32 softmax as
+/// one more column that has no value row. A row that sees no key gets `O = 0` and
+/// `LSE = sinks[h]`.
+///
+/// # Panics
+/// On invalid operands or `sinks.len() != heads_q`.
+pub fn baseline_forward_sinks<T: Element>(
+    cfg: &AttentionConfig,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+    sinks: &[f32],
+) -> BaselineForward {
+    forward_impl(cfg, (q, k, v), Some(sinks))
 }
 
 /// The baseline of one query row (as [`baseline_forward`] computes it): its output row and LSE,
@@ -133,17 +185,42 @@ pub fn baseline_row<T: Element>(
     h: usize,
     i: usize,
 ) -> (Vec<f32>, f32) {
+    row_impl(cfg, (q, k, v), None, (b, h, i))
+}
+
+/// [`baseline_row`] with attention sinks, as [`baseline_forward_sinks`] computes it.
+///
+/// # Panics
+/// On invalid operands, indices out of range, or `sinks.len() != heads_q`.
+#[allow(clippy::too_many_arguments)]
+pub fn baseline_row_sinks<T: Element>(
+    cfg: &AttentionConfig,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+    sinks: &[f32],
+    b: usize,
+    h: usize,
+    i: usize,
+) -> (Vec<f32>, f32) {
+    row_impl(cfg, (q, k, v), Some(sinks), (b, h, i))
+}
+
+fn row_impl<T: Element>(
+    cfg: &AttentionConfig,
+    (q, k, v): (TensorRef<T>, TensorRef<T>, TensorRef<T>),
+    sinks: Option<&[f32]>,
+    bhi: (usize, usize, usize),
+) -> (Vec<f32>, f32) {
     forward_one_row(
         cfg,
         &q,
         &k,
         &v,
-        (b, h, i),
+        sinks,
+        bhi,
         T::to_f32,
-        |mask, qi, kh, vh, i| {
-            let row = row_low::<T>(cfg, mask, qi, kh, i);
-            (low_out_row::<T>(&row, vh, qi.len()), row.lse)
-        },
+        |mask, qi, kh, vh, i, sink| out_low::<T>(cfg, mask, (qi, kh, vh), i, sink),
     )
 }
 
@@ -162,12 +239,42 @@ pub fn baseline_backward<T: Element>(
     v: TensorRef<T>,
     dout: TensorRef<T>,
 ) -> BaselineGrads {
+    backward_impl(cfg, (q, k, v), dout, None).0
+}
+
+/// [`baseline_backward`] with attention sinks, and the gradient with respect to each sink (one
+/// per query head, f32 like the sinks), as autograd runs the softmax backward over the sink's
+/// column: its dP is 0 (the column was dropped before P·V), so its dS is `−P_sink,i·D_i`, with
+/// `P_sink` the f32 softmax's and `D_i = rowsum(P∘dP)` from the rounded P and dP; summed over
+/// the batch and the rows in f32 (the gradient of broadcasting the sink).
+///
+/// # Panics
+/// On invalid operands, a `dout` not shaped like Q, or `sinks.len() != heads_q`.
+pub fn baseline_backward_sinks<T: Element>(
+    cfg: &AttentionConfig,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+    dout: TensorRef<T>,
+    sinks: &[f32],
+) -> (BaselineGrads, Vec<f32>) {
+    backward_impl(cfg, (q, k, v), dout, Some(sinks))
+}
+
+/// The backward, with the sinks' gradients (zeros without sinks).
+fn backward_impl<T: Element>(
+    cfg: &AttentionConfig,
+    (q, k, v): (TensorRef<T>, TensorRef<T>, TensorRef<T>),
+    dout: TensorRef<T>,
+    sinks: Option<&[f32]>,
+) -> (BaselineGrads, Vec<f32>) {
     let p = problem(&q, &k, &v);
     assert_eq!(dout.layout.shape, p.q_shape(), "dout shape");
+    check_sinks(sinks, &p);
     let (d, s_q, s_k) = (p.head_dim, p.seqlen_q, p.seqlen_k);
     let mask = cfg.key_rule(s_q, s_k);
     let scale = cfg.scale_for(d);
-    let per_head: Vec<[Vec<f32>; 3]> = (0..p.batch * p.heads_q)
+    let per_head: Vec<([Vec<f32>; 3], f32)> = (0..p.batch * p.heads_q)
         .into_par_iter()
         .map(|bh| {
             let (b, h) = (bh / p.heads_q, bh % p.heads_q);
@@ -178,9 +285,11 @@ pub fn baseline_backward<T: Element>(
             // G = gradient with respect to the raw Q·Kᵀ, rounded to T, full (s_q × s_k).
             let mut pm = vec![0f32; s_q * s_k];
             let mut g = vec![0f32; s_q * s_k];
+            let sink = sinks.map(|s| s[h]);
+            let mut d_sink = 0f32;
             for i in 0..s_q {
                 let (qi, doi) = (&qh[i * d..(i + 1) * d], &doh[i * d..(i + 1) * d]);
-                let row = row_low::<T>(cfg, &mask, qi, &kh, i);
+                let row = row_low::<T>(cfg, &mask, qi, &kh, i, sink);
                 let dp: Vec<f32> = (0..row.p.len())
                     .map(|j| {
                         let vj = &vh[(row.lo + j) * d..(row.lo + j + 1) * d];
@@ -188,6 +297,7 @@ pub fn baseline_backward<T: Element>(
                     })
                     .collect();
                 let dd: f32 = row.p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                d_sink -= row.p_sink * dd;
                 for (j, &pj) in row.p.iter().enumerate() {
                     let mut gs = rt::<T>(pj * (dp[j] - dd));
                     if let Some(cap) = cfg.softcap {
@@ -211,7 +321,8 @@ pub fn baseline_backward<T: Element>(
                     }
                 }
             }
-            [dq, dk, dv].map(|t| t.into_iter().map(rt::<T>).collect())
+            let grads = [dq, dk, dv].map(|t| t.into_iter().map(rt::<T>).collect());
+            (grads, d_sink)
         })
         .collect();
     let group_sum = |which: usize| -> Vec<Vec<f32>> {
@@ -220,7 +331,7 @@ pub fn baseline_backward<T: Element>(
                 let (b, hk) = (bhk / p.heads_kv, bhk % p.heads_kv);
                 let mut acc = vec![0f32; s_k * d];
                 for h in hk * p.group_size()..(hk + 1) * p.group_size() {
-                    for (a, x) in acc.iter_mut().zip(&per_head[b * p.heads_q + h][which]) {
+                    for (a, x) in acc.iter_mut().zip(&per_head[b * p.heads_q + h].0[which]) {
                         *a += x;
                     }
                 }
@@ -228,10 +339,14 @@ pub fn baseline_backward<T: Element>(
             })
             .collect()
     };
-    let dq: Vec<Vec<f32>> = per_head.iter().map(|g| g[0].clone()).collect();
-    BaselineGrads {
+    let dq: Vec<Vec<f32>> = per_head.iter().map(|g| g.0[0].clone()).collect();
+    let d_sink = (0..p.heads_q)
+        .map(|h| (0..p.batch).map(|b| per_head[b * p.heads_q + h].1).sum())
+        .collect();
+    let grads = BaselineGrads {
         dq: scatter(&dq, p.q_shape()),
         dk: scatter(&group_sum(1), p.kv_shape()),
         dv: scatter(&group_sum(2), p.kv_shape()),
-    }
+    };
+    (grads, d_sink)
 }

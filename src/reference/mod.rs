@@ -14,6 +14,14 @@
 //! Outputs are packed: O and dQ as `(batch, seqlen_q, heads_q, head_dim)`, dK and dV as
 //! `(batch, seqlen_k, heads_kv, head_dim)`, LSE as `(batch, heads_q, seqlen_q)`.
 //!
+//! The `_sinks` variants add learnable attention sinks (GPT-OSS style): one f32 logit per query
+//! head that joins every row's softmax beside the (scaled, capped) scores but carries no value
+//! row, `LSE_i = log(exp(sink_h) + Σ_j exp(s_ij))`; a row that sees no key gives `O = 0` and
+//! `LSE = sink_h`. Their backwards also return the gradient with respect to each sink (one per
+//! query head, summed over the batch), `−Σ_{b,i} exp(sink_h − LSE_i)·(dO_i·O_i)`. The functions
+//! without `_sinks` run the same code with no sink column, bit for bit the attention without
+//! one.
+//!
 //! These are test utilities: they panic (with the crate's validation error) on operands that
 //! [`crate::forward`] would refuse.
 
@@ -28,10 +36,12 @@ mod oracle;
 mod rule;
 
 pub use baseline::{
-    baseline_backward, baseline_forward, baseline_row, BaselineForward, BaselineGrads,
+    baseline_backward, baseline_backward_sinks, baseline_forward, baseline_forward_sinks,
+    baseline_row, baseline_row_sinks, BaselineForward, BaselineGrads,
 };
 pub use oracle::{
-    reference_backward, reference_forward, reference_row, ReferenceForward, ReferenceGrads,
+    reference_backward, reference_backward_sinks, reference_forward, reference_forward_sinks,
+    reference_row, reference_row_sinks, ReferenceForward, ReferenceGrads,
 };
 pub use rule::{compare, Comparison};
 
@@ -64,6 +74,18 @@ fn problem<T: Element>(q: &TensorRef<T>, k: &TensorRef<T>, v: &TensorRef<T>) -> 
     checked.unwrap_or_else(|e| panic!("invalid reference operands: {e}"))
 }
 
+/// Checks that `sinks`, where given, hold one logit per query head.
+fn check_sinks(sinks: Option<&[f32]>, p: &Problem) {
+    if let Some(s) = sinks {
+        assert_eq!(
+            s.len(),
+            p.heads_q,
+            "sinks: one logit per query head (heads_q = {})",
+            p.heads_q
+        );
+    }
+}
+
 /// Head `h` of batch `b` of `t` as packed `(seqlen, d)` rows, converted by `conv`.
 fn head<T: Element, U>(t: &TensorRef<T>, b: usize, h: usize, conv: impl Fn(T) -> U) -> Vec<U> {
     let (s, d) = (t.layout.seqlen(), t.layout.head_dim());
@@ -88,18 +110,22 @@ fn scatter<U: Copy + Default>(blocks: &[Vec<U>], shape: [usize; 4]) -> Vec<U> {
     out
 }
 
-/// The forward of every query row, `row_out(mask, q_row, k_head, v_head, i) -> (o_row, lse)`,
-/// in parallel over (batch, head), elements converted by `conv`; O packed like Q, LSE packed
-/// (b, h, s). Shared by the reference (f64) and the baseline (f32 rounded to `T`).
+/// The forward of every query row,
+/// `row_out(mask, q_row, k_head, v_head, i, sink) -> (o_row, lse)` with `sink` the row's head's
+/// logit (`None` without sinks), in parallel over (batch, head), elements converted by `conv`;
+/// O packed like Q, LSE packed (b, h, s). Shared by the reference (f64) and the baseline (f32
+/// rounded to `T`).
 fn forward_all_rows<T: Element, U: Copy + Default + Send + Sync>(
     cfg: &AttentionConfig,
     q: &TensorRef<T>,
     k: &TensorRef<T>,
     v: &TensorRef<T>,
+    sinks: Option<&[f32]>,
     conv: fn(T) -> U,
-    row_out: impl Fn(&KeyRule, &[U], &[U], &[U], usize) -> (Vec<U>, U) + Sync,
+    row_out: impl Fn(&KeyRule, &[U], &[U], &[U], usize, Option<f32>) -> (Vec<U>, U) + Sync,
 ) -> (Vec<U>, Vec<U>) {
     let p = problem(q, k, v);
+    check_sinks(sinks, &p);
     let (d, mask) = (p.head_dim, cfg.key_rule(p.seqlen_q, p.seqlen_k));
     let per_head: Vec<(Vec<U>, Vec<U>)> = (0..p.batch * p.heads_q)
         .into_par_iter()
@@ -110,8 +136,9 @@ fn forward_all_rows<T: Element, U: Copy + Default + Send + Sync>(
             let vh = head(v, b, h / p.group_size(), conv);
             let mut o = Vec::with_capacity(p.seqlen_q * d);
             let mut lse = Vec::with_capacity(p.seqlen_q);
+            let sink = sinks.map(|s| s[h]);
             for i in 0..p.seqlen_q {
-                let (row, l) = row_out(&mask, &qh[i * d..(i + 1) * d], &kh, &vh, i);
+                let (row, l) = row_out(&mask, &qh[i * d..(i + 1) * d], &kh, &vh, i, sink);
                 o.extend(row);
                 lse.push(l);
             }
@@ -124,16 +151,19 @@ fn forward_all_rows<T: Element, U: Copy + Default + Send + Sync>(
 
 /// [`forward_all_rows`] for the single query row `i` of head `h`, batch `b`: needs only that
 /// row of Q (and all of K, V).
+#[allow(clippy::too_many_arguments)]
 fn forward_one_row<T: Element, U: Copy>(
     cfg: &AttentionConfig,
     q: &TensorRef<T>,
     k: &TensorRef<T>,
     v: &TensorRef<T>,
+    sinks: Option<&[f32]>,
     (b, h, i): (usize, usize, usize),
     conv: fn(T) -> U,
-    row_out: impl Fn(&KeyRule, &[U], &[U], &[U], usize) -> (Vec<U>, U),
+    row_out: impl Fn(&KeyRule, &[U], &[U], &[U], usize, Option<f32>) -> (Vec<U>, U),
 ) -> (Vec<U>, U) {
     let p = problem(q, k, v);
+    check_sinks(sinks, &p);
     assert!(
         b < p.batch && h < p.heads_q && i < p.seqlen_q,
         "row out of range"
@@ -145,7 +175,8 @@ fn forward_one_row<T: Element, U: Copy>(
         .collect();
     let kh = head(k, b, h / p.group_size(), conv);
     let vh = head(v, b, h / p.group_size(), conv);
-    row_out(&cfg.key_rule(p.seqlen_q, p.seqlen_k), &q_row, &kh, &vh, i)
+    let mask = cfg.key_rule(p.seqlen_q, p.seqlen_k);
+    row_out(&mask, &q_row, &kh, &vh, i, sinks.map(|s| s[h]))
 }
 
 #[cfg(test)]

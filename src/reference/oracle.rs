@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::{forward_all_rows, forward_one_row, head, problem, scatter};
+use super::{check_sinks, forward_all_rows, forward_one_row, head, problem, scatter};
 use crate::config::{AttentionConfig, KeyRule};
 use crate::tensor::{Element, TensorRef};
 
@@ -29,15 +29,24 @@ fn f64_of<T: Element>(x: T) -> f64 {
 // f64 reference.
 
 /// One query row's softmax in f64: visible key range, probabilities over it, tanh of the
-/// scaled scores (softcap only), and the LSE (+inf when no key is visible).
+/// scaled scores (softcap only), the sink's probability (0 without a sink) and the LSE (+inf
+/// when no key is visible, the sink's logit when there is one).
 struct RowF64 {
     lo: usize,
     p: Vec<f64>,
     th: Vec<f64>,
+    p_sink: f64,
     lse: f64,
 }
 
-fn row_f64(cfg: &AttentionConfig, mask: &KeyRule, q: &[f64], k: &[f64], i: usize) -> RowF64 {
+fn row_f64(
+    cfg: &AttentionConfig,
+    mask: &KeyRule,
+    q: &[f64],
+    k: &[f64],
+    i: usize,
+    sink: Option<f32>,
+) -> RowF64 {
     let d = q.len();
     let scale = cfg.scale_for(d) as f64;
     let (lo, hi) = mask.key_range(i);
@@ -59,21 +68,28 @@ fn row_f64(cfg: &AttentionConfig, mask: &KeyRule, q: &[f64], k: &[f64], i: usize
             }
         })
         .collect();
+    let sink = sink.map(f64::from);
     if s.is_empty() {
+        // The sink alone (when there is one) makes up the row's sum, and it has no value row.
         return RowF64 {
             lo,
             p: s,
             th,
-            lse: f64::INFINITY,
+            p_sink: if sink.is_some() { 1.0 } else { 0.0 },
+            lse: sink.unwrap_or(f64::INFINITY),
         };
     }
     let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let m = sink.map_or(m, |x| m.max(x));
     let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
-    let l: f64 = e.iter().sum();
+    let e_sink = sink.map_or(0.0, |x| (x - m).exp());
+    // Adding the 0 of no sink leaves the (positive) sum exactly as it was.
+    let l: f64 = e.iter().sum::<f64>() + e_sink;
     RowF64 {
         lo,
         p: e.iter().map(|x| x / l).collect(),
         th,
+        p_sink: e_sink / l,
         lse: m + l.ln(),
     }
 }
@@ -87,6 +103,36 @@ fn weighted_rows(p: &[f64], lo: usize, v: &[f64], d: usize) -> Vec<f64> {
         }
     }
     o
+}
+
+/// The output row and LSE of one row's f64 softmax.
+fn out_f64(
+    cfg: &AttentionConfig,
+    mask: &KeyRule,
+    (qi, kh, vh): (&[f64], &[f64], &[f64]),
+    i: usize,
+    sink: Option<f32>,
+) -> (Vec<f64>, f64) {
+    let row = row_f64(cfg, mask, qi, kh, i, sink);
+    (weighted_rows(&row.p, row.lo, vh, qi.len()), row.lse)
+}
+
+fn row_impl<T: Element>(
+    cfg: &AttentionConfig,
+    (q, k, v): (TensorRef<T>, TensorRef<T>, TensorRef<T>),
+    sinks: Option<&[f32]>,
+    bhi: (usize, usize, usize),
+) -> (Vec<f64>, f64) {
+    forward_one_row(
+        cfg,
+        &q,
+        &k,
+        &v,
+        sinks,
+        bhi,
+        f64_of,
+        |mask, qi, kh, vh, i, sink| out_f64(cfg, mask, (qi, kh, vh), i, sink),
+    )
 }
 
 /// f64 attention of row `i` of query head `h`, batch `b`: its output row and LSE. Needs only
@@ -103,10 +149,43 @@ pub fn reference_row<T: Element>(
     h: usize,
     i: usize,
 ) -> (Vec<f64>, f64) {
-    forward_one_row(cfg, &q, &k, &v, (b, h, i), f64_of, |mask, qi, kh, vh, i| {
-        let row = row_f64(cfg, mask, qi, kh, i);
-        (weighted_rows(&row.p, row.lo, vh, qi.len()), row.lse)
-    })
+    row_impl(cfg, (q, k, v), None, (b, h, i))
+}
+
+/// [`reference_row`] with attention sinks: `sinks[h]` is query head `h`'s logit (see the module
+/// documentation).
+///
+/// # Panics
+/// On invalid operands, indices out of range, or `sinks.len() != heads_q`.
+#[allow(clippy::too_many_arguments)]
+pub fn reference_row_sinks<T: Element>(
+    cfg: &AttentionConfig,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+    sinks: &[f32],
+    b: usize,
+    h: usize,
+    i: usize,
+) -> (Vec<f64>, f64) {
+    row_impl(cfg, (q, k, v), Some(sinks), (b, h, i))
+}
+
+fn forward_impl<T: Element>(
+    cfg: &AttentionConfig,
+    (q, k, v): (TensorRef<T>, TensorRef<T>, TensorRef<T>),
+    sinks: Option<&[f32]>,
+) -> ReferenceForward {
+    let (out, lse) = forward_all_rows(
+        cfg,
+        &q,
+        &k,
+        &v,
+        sinks,
+        f64_of,
+        |mask, qi, kh, vh, i, sink| out_f64(cfg, mask, (qi, kh, vh), i, sink),
+    );
+    ReferenceForward { out, lse }
 }
 
 /// f64 attention forward over the dtype-rounded inputs.
@@ -119,11 +198,23 @@ pub fn reference_forward<T: Element>(
     k: TensorRef<T>,
     v: TensorRef<T>,
 ) -> ReferenceForward {
-    let (out, lse) = forward_all_rows(cfg, &q, &k, &v, f64_of, |mask, qi, kh, vh, i| {
-        let row = row_f64(cfg, mask, qi, kh, i);
-        (weighted_rows(&row.p, row.lo, vh, qi.len()), row.lse)
-    });
-    ReferenceForward { out, lse }
+    forward_impl(cfg, (q, k, v), None)
+}
+
+/// [`reference_forward`] with attention sinks: `sinks[h]` is query head `h`'s logit, in the
+/// units of the scaled (and capped) scores. A row that sees no key gets `O = 0` and
+/// `LSE = sinks[h]`.
+///
+/// # Panics
+/// On invalid operands or `sinks.len() != heads_q`.
+pub fn reference_forward_sinks<T: Element>(
+    cfg: &AttentionConfig,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+    sinks: &[f32],
+) -> ReferenceForward {
+    forward_impl(cfg, (q, k, v), Some(sinks))
 }
 
 /// f64 gradients of `Σ dO∘O` with respect to Q, K, V (GQA: dK, dV summed over each group).
@@ -137,12 +228,41 @@ pub fn reference_backward<T: Element>(
     v: TensorRef<T>,
     dout: TensorRef<T>,
 ) -> ReferenceGrads {
+    backward_impl(cfg, (q, k, v), dout, None).0
+}
+
+/// [`reference_backward`] with attention sinks, and the f64 gradient with respect to each sink
+/// (one per query head): `d_sink[h] = −Σ_{b,i} P_sink,i·D_i` with `P_sink,i = exp(sink_h −
+/// LSE_i)` and `D_i = Σ_j P_ij·dP_ij = dO_i·O_i`. dS keeps its form `P_ij(dP_ij − D_i)`: the
+/// sink enters it only through the LSE that P is normalized by.
+///
+/// # Panics
+/// On invalid operands, a `dout` not shaped like Q, or `sinks.len() != heads_q`.
+pub fn reference_backward_sinks<T: Element>(
+    cfg: &AttentionConfig,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+    dout: TensorRef<T>,
+    sinks: &[f32],
+) -> (ReferenceGrads, Vec<f64>) {
+    backward_impl(cfg, (q, k, v), dout, Some(sinks))
+}
+
+/// The backward, with the sinks' gradients (zeros without sinks).
+fn backward_impl<T: Element>(
+    cfg: &AttentionConfig,
+    (q, k, v): (TensorRef<T>, TensorRef<T>, TensorRef<T>),
+    dout: TensorRef<T>,
+    sinks: Option<&[f32]>,
+) -> (ReferenceGrads, Vec<f64>) {
     let p = problem(&q, &k, &v);
     assert_eq!(dout.layout.shape, p.q_shape(), "dout shape");
+    check_sinks(sinks, &p);
     let (d, s_k, mask) = (p.head_dim, p.seqlen_k, cfg.key_rule(p.seqlen_q, p.seqlen_k));
     let scale = cfg.scale_for(d) as f64;
-    // Per query head: dQ, and this head's share of dK, dV.
-    let per_head: Vec<[Vec<f64>; 3]> = (0..p.batch * p.heads_q)
+    // Per query head: dQ, this head's share of dK, dV, and its batch entry's share of d_sink.
+    let per_head: Vec<([Vec<f64>; 3], f64)> = (0..p.batch * p.heads_q)
         .into_par_iter()
         .map(|bh| {
             let (b, h) = (bh / p.heads_q, bh % p.heads_q);
@@ -153,9 +273,11 @@ pub fn reference_backward<T: Element>(
             let mut dq = vec![0f64; p.seqlen_q * d];
             let mut dk = vec![0f64; s_k * d];
             let mut dv = vec![0f64; s_k * d];
+            let sink = sinks.map(|s| s[h]);
+            let mut d_sink = 0f64;
             for i in 0..p.seqlen_q {
                 let (qi, doi) = (&qh[i * d..(i + 1) * d], &doh[i * d..(i + 1) * d]);
-                let row = row_f64(cfg, &mask, qi, &kh, i);
+                let row = row_f64(cfg, &mask, qi, &kh, i, sink);
                 let dp: Vec<f64> = (0..row.p.len())
                     .map(|j| {
                         let vj = &vh[(row.lo + j) * d..(row.lo + j + 1) * d];
@@ -163,6 +285,8 @@ pub fn reference_backward<T: Element>(
                     })
                     .collect();
                 let dd: f64 = row.p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                // The sink's column has no value, so its dP is 0 and its dS is P_sink(0 − D).
+                d_sink -= row.p_sink * dd;
                 for (j, &pj) in row.p.iter().enumerate() {
                     let kj = row.lo + j;
                     let mut ds = pj * (dp[j] - dd) * scale;
@@ -176,7 +300,7 @@ pub fn reference_backward<T: Element>(
                     }
                 }
             }
-            [dq, dk, dv]
+            ([dq, dk, dv], d_sink)
         })
         .collect();
     let group_sum = |which: usize| -> Vec<Vec<f64>> {
@@ -185,7 +309,7 @@ pub fn reference_backward<T: Element>(
                 let (b, hk) = (bhk / p.heads_kv, bhk % p.heads_kv);
                 let mut acc = vec![0f64; s_k * d];
                 for h in hk * p.group_size()..(hk + 1) * p.group_size() {
-                    for (a, x) in acc.iter_mut().zip(&per_head[b * p.heads_q + h][which]) {
+                    for (a, x) in acc.iter_mut().zip(&per_head[b * p.heads_q + h].0[which]) {
                         *a += x;
                     }
                 }
@@ -193,10 +317,14 @@ pub fn reference_backward<T: Element>(
             })
             .collect()
     };
-    let dq: Vec<Vec<f64>> = per_head.iter().map(|g| g[0].clone()).collect();
-    ReferenceGrads {
+    let dq: Vec<Vec<f64>> = per_head.iter().map(|g| g.0[0].clone()).collect();
+    let d_sink = (0..p.heads_q)
+        .map(|h| (0..p.batch).map(|b| per_head[b * p.heads_q + h].1).sum())
+        .collect();
+    let grads = ReferenceGrads {
         dq: scatter(&dq, p.q_shape()),
         dk: scatter(&group_sum(1), p.kv_shape()),
         dv: scatter(&group_sum(2), p.kv_shape()),
-    }
+    };
+    (grads, d_sink)
 }

@@ -184,3 +184,27 @@ fn sizes_and_options_out_of_range() {
         expect(name, entry, &p, INVALID, "batch past grid z");
     }
 }
+
+/// Attention sinks: their gradient without them, misaligned, or sharing bytes with an output.
+#[test]
+fn bad_sinks() {
+    let mut p = params();
+    p.dsinks = addr(10) as *mut f32;
+    for (name, entry) in &BACKWARDS {
+        expect(name, *entry, &p, INVALID, "dsinks without sinks");
+    }
+    let mut p = params();
+    p.sinks = (addr(10) as usize + 2) as *const f32;
+    refused_everywhere(&p, INVALID, "sinks not 4-byte aligned");
+    let mut p = params();
+    p.sinks = p.lse; // the forward writes the LSE over them
+    for (name, entry) in &FORWARDS {
+        expect(name, *entry, &p, INVALID, "sinks inside the LSE");
+    }
+    let mut p = params();
+    p.sinks = addr(10) as *const f32;
+    p.dsinks = (addr(10) as usize + 8) as *mut f32; // heads_q = 4: bytes 8..16 of the sinks
+    for (name, entry) in &BACKWARDS {
+        expect(name, *entry, &p, INVALID, "dsinks over the sinks");
+    }
+}

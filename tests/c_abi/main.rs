@@ -74,6 +74,8 @@ fn params() -> flashattn_params_t {
         window_left: -1,
         window_right: -1,
         deterministic: 0,
+        sinks: std::ptr::null(),
+        dsinks: null_mut(),
         cu_seqlens_q: std::ptr::null(),
         cu_seqlens_k: std::ptr::null(),
         seqused_k: std::ptr::null(),

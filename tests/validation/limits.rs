@@ -108,36 +108,36 @@ fn kernels_left_out_of_the_build_are_refused_by_name() {
 }
 
 #[test]
-fn the_backward_at_d96_is_the_sm80_one_and_sm90_refuses_naming_it() {
-    let plan = |op, d, backend| {
+fn the_optional_head_dims_take_the_sm90_backward_and_the_fp8_forward_refuses_naming_others() {
+    let plan = |op, d, backend, dtype| {
         dispatch::plan(
             op,
-            &problem(2, 300, 300, 4, d),
+            &Problem {
+                dtype,
+                ..problem(2, 300, 300, 4, d)
+            },
             &AttentionConfig::new().backend(backend),
             &fake_h200(),
             all_gpu_kernels(),
         )
     };
-    // d96 has no sm90 backward: forced, its refusal names the families that have the head dim;
-    // Auto takes the sm80 backward, and the forward stays on sm90.
-    let e = plan(Op::Backward, 96, Backend::Sm90).unwrap_err();
+    // d96 and d192 have both backwards: Auto takes the sm90 one, forced sm80 its own.
+    for d in [96, 192] {
+        for (backend, want) in [
+            (Backend::Auto, Backend::Sm90),
+            (Backend::Sm90, Backend::Sm90),
+            (Backend::Sm80, Backend::Sm80),
+        ] {
+            let bwd = plan(Op::Backward, d, backend, DType::BF16).unwrap();
+            assert_eq!(bwd.backend, want, "d{d} {backend:?}");
+        }
+    }
+    // The FP8 forward has no d96 kernel: its refusal names the families that have the head dim.
+    let e = plan(Op::Forward, 96, Backend::Sm90, DType::E4M3).unwrap_err();
     let text = e.to_string();
     assert!(
-        matches!(e, Error::Unsupported { .. }) && text.contains("sm80 bwd"),
+        matches!(e, Error::Unsupported { .. }) && text.contains("sm90 fwd"),
         "{text}"
-    );
-    for backend in [Backend::Sm80, Backend::Auto] {
-        let bwd = plan(Op::Backward, 96, backend).unwrap();
-        assert_eq!(bwd.backend, Backend::Sm80, "{backend:?}");
-    }
-    assert_eq!(
-        plan(Op::Forward, 96, Backend::Auto).unwrap().backend,
-        Backend::Sm90
-    );
-    // d192 has both backwards: Auto takes the sm90 one.
-    assert_eq!(
-        plan(Op::Backward, 192, Backend::Auto).unwrap().backend,
-        Backend::Sm90
     );
 }
 

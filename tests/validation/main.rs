@@ -2,10 +2,12 @@
 //! broadcast (zero-stride) views, overlapping outputs, windows meaning "unbounded", sizes past
 //! what the GPU kernels index, problems built by hand. Each must be a typed error or the
 //! documented result, never a panic, an abort or a write outside a buffer; a property test
-//! checks that every accepted call stays inside its buffers.
+//! checks that every accepted call stays inside its buffers. `sinks` checks the CPU oracles
+//! (reference and baseline) of attention sinks.
 
 mod limits;
 mod property;
+mod sinks;
 
 use flashattn::dispatch::{self, BuiltKernels, DeviceInfo, Memory, Op};
 use flashattn::{

@@ -1,0 +1,283 @@
+//! Attention sinks on the GPU kernels against the f64 reference under the correctness rule
+//! (docs/ARCHITECTURE.md): O and the LSE of `Device::forward_sinks_into`, dQ, dK, dV and the sinks'
+//! gradient of `Device::backward_sinks_into`, every output poisoned with NaN before its launch.
+//! `#[ignore]`d: run on the device with `--include-ignored`.
+#![cfg(feature = "cuda")]
+
+mod common;
+mod harness;
+
+use std::sync::Arc;
+
+use cudarc::driver::DeviceRepr;
+use flashattn::cuda::{
+    CudaStream, Device, DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut,
+};
+use flashattn::reference::{self, compare, Comparison};
+use flashattn::unstable::TailSplit;
+use flashattn::{AttentionConfig, Backend, Element, Layout, TensorRef};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use common::{device, poisoned_outputs};
+use harness::{random, span, Case};
+
+/// One case's comparisons, and the sinks' gradient as bits for run-to-run checks.
+struct Outcome {
+    o: Comparison,
+    lse: Comparison,
+    dq: Comparison,
+    dk: Comparison,
+    dv: Comparison,
+    dsinks: Comparison,
+    dsink_bits: Vec<u32>,
+}
+
+impl Outcome {
+    fn pass(&self) -> bool {
+        [
+            &self.o,
+            &self.lse,
+            &self.dq,
+            &self.dk,
+            &self.dv,
+            &self.dsinks,
+        ]
+        .iter()
+        .all(|c| c.pass)
+    }
+}
+
+/// Sinks around the scores' own range (the scaled scores of N(0,1) inputs are about ±3), one
+/// far above it, one far below.
+fn random_sinks(heads: usize, rng: &mut StdRng) -> Vec<f32> {
+    (0..heads)
+        .map(|h| match h % 4 {
+            2 => 9.0,
+            3 => -30.0,
+            _ => rng.random_range(-2.0..4.0),
+        })
+        .collect()
+}
+
+fn run_case<T: Element + DeviceRepr>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    cfg: &AttentionConfig,
+    seed: u64,
+) -> Outcome {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (lq, lk) = case.layouts();
+    let [q, k, v] = case.random_qkv::<T>(&mut rng);
+    let dout: Vec<T> = random(span(&lq), &mut rng);
+    let sinks = random_sinks(case.heads_q, &mut rng);
+    let nan = T::from_f32(f32::NAN);
+
+    let up = |x: &Vec<T>| stream.clone_htod(x).unwrap();
+    let (q_dev, k_dev, v_dev, do_dev) = (up(&q), up(&k), up(&v), up(&dout));
+    let sinks_dev = stream.clone_htod(&sinks).unwrap();
+    let (mut o_dev, mut lse_dev) = poisoned_outputs::<T>(stream, case, span(&lq));
+    dev.forward_sinks_into(
+        stream,
+        cfg,
+        &DeviceTensor::new(q_dev.as_view(), lq),
+        &DeviceTensor::new(k_dev.as_view(), lk),
+        &DeviceTensor::new(v_dev.as_view(), lk),
+        &sinks_dev.as_view(),
+        &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
+        &mut lse_dev.as_view_mut(),
+    )
+    .unwrap_or_else(|e| panic!("{case:?} forward: {e}"));
+    let mut dq_dev = stream.clone_htod(&vec![nan; span(&lq)]).unwrap();
+    let mut dk_dev = stream.clone_htod(&vec![nan; span(&lk)]).unwrap();
+    let mut dv_dev = stream.clone_htod(&vec![nan; span(&lk)]).unwrap();
+    let mut dsinks_dev = stream.clone_htod(&vec![f32::NAN; case.heads_q]).unwrap();
+    dev.backward_sinks_into(
+        stream,
+        cfg,
+        DeviceBackwardInputs {
+            q: &DeviceTensor::new(q_dev.as_view(), lq),
+            k: &DeviceTensor::new(k_dev.as_view(), lk),
+            v: &DeviceTensor::new(v_dev.as_view(), lk),
+            out: &DeviceTensor::new(o_dev.as_view(), lq),
+            dout: &DeviceTensor::new(do_dev.as_view(), lq),
+            lse: &lse_dev.as_view(),
+        },
+        DeviceGradientsMut {
+            dq: &mut DeviceTensorMut::new(dq_dev.as_view_mut(), lq),
+            dk: &mut DeviceTensorMut::new(dk_dev.as_view_mut(), lk),
+            dv: &mut DeviceTensorMut::new(dv_dev.as_view_mut(), lk),
+        },
+        &sinks_dev.as_view(),
+        Some(&mut dsinks_dev.as_view_mut()),
+    )
+    .unwrap_or_else(|e| panic!("{case:?} backward: {e}"));
+    let o: Vec<T> = stream.clone_dtoh(&o_dev).unwrap();
+    let lse: Vec<f32> = stream.clone_dtoh(&lse_dev).unwrap();
+    let dq: Vec<T> = stream.clone_dtoh(&dq_dev).unwrap();
+    let dk: Vec<T> = stream.clone_dtoh(&dk_dev).unwrap();
+    let dv: Vec<T> = stream.clone_dtoh(&dv_dev).unwrap();
+    let dsinks: Vec<f32> = stream.clone_dtoh(&dsinks_dev).unwrap();
+    stream.synchronize().unwrap();
+
+    let cpu = case.cfg(Backend::Cpu);
+    let (tq, tk, tv, tdo) = (
+        TensorRef::new(&q, lq),
+        TensorRef::new(&k, lk),
+        TensorRef::new(&v, lk),
+        TensorRef::new(&dout, lq),
+    );
+    let want = reference::reference_forward_sinks(&cpu, tq, tk, tv, &sinks);
+    let base = reference::baseline_forward_sinks(&cpu, tq, tk, tv, &sinks);
+    let (want_g, want_ds) = reference::reference_backward_sinks(&cpu, tq, tk, tv, tdo, &sinks);
+    let (base_g, base_ds) = reference::baseline_backward_sinks(&cpu, tq, tk, tv, tdo, &sinks);
+    let got = |x: &Vec<T>, l: Layout| reference::pack_f32(TensorRef::new(x, l));
+    Outcome {
+        o: compare(&got(&o, lq), &want.out, &base.out),
+        lse: compare(&lse, &want.lse, &base.lse),
+        dq: compare(&got(&dq, lq), &want_g.dq, &base_g.dq),
+        dk: compare(&got(&dk, lk), &want_g.dk, &base_g.dk),
+        dv: compare(&got(&dv, lk), &want_g.dv, &base_g.dv),
+        dsinks: compare(&dsinks, &want_ds, &base_ds),
+        dsink_bits: dsinks.iter().map(|x| x.to_bits()).collect(),
+    }
+}
+
+/// Four query heads over two KV heads (sinks per query head), each head with its own kind of
+/// sink; more queries than keys under the causal mask, so that rows 0..99 see no key (O = 0,
+/// LSE = the sink); windows; softcap, whose cap the sinks do not take.
+fn cases(head_dim: usize) -> Vec<Case> {
+    let case = |sq, sk| Case::new(sq, sk, head_dim).heads(4, 2);
+    vec![
+        case(257, 257),
+        case(300, 200).causal(true).batch(2),
+        case(113, 700),
+        case(400, 400).window(Some(64), Some(16)),
+        case(257, 257).causal(true).softcap(30.0),
+        case(1000, 1000).causal(true).deterministic(true),
+    ]
+}
+
+fn run_all<T: Element + DeviceRepr>(
+    cases: &[Case],
+    label: &str,
+    cfg_of: impl Fn(&Case) -> AttentionConfig,
+) {
+    let (dev, stream) = device();
+    let mut failures = vec![];
+    for (n, case) in cases.iter().enumerate() {
+        let case = &case.dtype(T::DTYPE);
+        let r = run_case::<T>(&dev, &stream, case, &cfg_of(case), 3000 + n as u64);
+        println!(
+            "{label} {}: O {}; LSE {}; dQ {}; dK {}; dV {}; d_sink {}",
+            case.name(),
+            r.o,
+            r.lse,
+            r.dq,
+            r.dk,
+            r.dv,
+            r.dsinks
+        );
+        if !r.pass() {
+            failures.push(format!("{case:?}"));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "failed cases:\n{}",
+        failures.join("\n")
+    );
+}
+
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_sinks() {
+    for d in [64, 128, 256] {
+        let cases = cases(d);
+        run_all::<bf16>(&cases, &format!("sm90 d{d} bf16"), |c| c.cfg(Backend::Sm90));
+        run_all::<f16>(&cases, &format!("sm90 d{d} f16"), |c| c.cfg(Backend::Sm90));
+    }
+}
+
+/// The tail split's pieces leave the sink out and its merge adds it once.
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_sinks_tail_split() {
+    let always = |case: &Case| {
+        let mut cfg = case.cfg(Backend::Sm90);
+        cfg.sm90_schedule.split_tail = TailSplit::Always;
+        cfg
+    };
+    for d in [64, 128] {
+        let cases = [
+            Case::new(1000, 3000, d).batch(2).heads(4, 2),
+            Case::new(120, 100, d).causal(true).heads(4, 2),
+        ];
+        run_all::<bf16>(&cases, &format!("sm90 tail split d{d}"), always);
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_sinks() {
+    for d in [64, 128] {
+        let cases = cases(d);
+        run_all::<bf16>(&cases, &format!("sm80 d{d} bf16"), |c| c.cfg(Backend::Sm80));
+        run_all::<f16>(&cases, &format!("sm80 d{d} f16"), |c| c.cfg(Backend::Sm80));
+    }
+}
+
+/// The sinks' gradient sums in a fixed order: two runs give the same bits, in either mode.
+#[test]
+#[ignore = "needs a GPU"]
+fn sink_gradient_repeats_bit_for_bit() {
+    let (dev, stream) = device();
+    for backend in [Backend::Sm90, Backend::Sm80] {
+        let case = Case::new(2000, 2000, 128).heads(4, 2).batch(3).causal(true);
+        let cfg = case.cfg(backend);
+        let first = run_case::<bf16>(&dev, &stream, &case, &cfg, 77);
+        let second = run_case::<bf16>(&dev, &stream, &case, &cfg, 77);
+        assert!(first.pass(), "{backend:?}: {}", first.dsinks);
+        assert_eq!(first.dsink_bits, second.dsink_bits, "{backend:?}");
+    }
+}
+
+/// A sinks vector shorter than heads_q is refused before any launch; dsinks without sinks
+/// cannot be expressed.
+#[test]
+#[ignore = "needs a GPU"]
+fn short_sinks_are_refused() {
+    let (dev, stream) = device();
+    let case = Case::new(64, 64, 64).heads(4, 2);
+    let (lq, lk) = case.layouts();
+    let [q, k, v] = case.random_qkv::<bf16>(&mut StdRng::seed_from_u64(1));
+    let up = |x: &Vec<bf16>| stream.clone_htod(x).unwrap();
+    let (q_dev, k_dev, v_dev) = (up(&q), up(&k), up(&v));
+    let short = stream.clone_htod(&[0.5f32; 3]).unwrap();
+    let (mut o_dev, mut lse_dev) = poisoned_outputs::<bf16>(&stream, &case, span(&lq));
+    let err = dev
+        .forward_sinks_into(
+            &stream,
+            &case.cfg(Backend::Auto),
+            &DeviceTensor::new(q_dev.as_view(), lq),
+            &DeviceTensor::new(k_dev.as_view(), lk),
+            &DeviceTensor::new(v_dev.as_view(), lk),
+            &short.as_view(),
+            &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
+            &mut lse_dev.as_view_mut(),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            flashattn::Error::BufferTooSmall {
+                needed: 4,
+                len: 3,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
