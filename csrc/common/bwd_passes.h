@@ -197,9 +197,10 @@ cudaError_t launch_bwd_preprocess(const BwdRowsParams& p, cudaStream_t stream) {
 // head h's rows of every entry (padding rows have LSE +inf and D 0, and add nothing). One CTA per
 // head: its threads stride the rows in f64, then a tree in shared memory, so that the sum runs in
 // the same order every call (bit-identical run to run, in either mode).
-constexpr int kSinkGradThreads = 256;
-
-__global__ void __launch_bounds__(kSinkGradThreads)
+// A template: both families' units include this header, and a plain kernel defined here would be
+// defined twice at link time.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
     bwd_sink_grad(const float* lse_log2, const float* softmax_d, const float* sinks,
                   float* dsinks, int entries, int heads_q, int dq_rows) {
   const int head = blockIdx.x;
@@ -207,14 +208,14 @@ __global__ void __launch_bounds__(kSinkGradThreads)
   double sum = 0.0;
   for (int b = 0; b < entries; ++b) {
     const int64_t base = (int64_t(b) * heads_q + head) * dq_rows;
-    for (int r = threadIdx.x; r < dq_rows; r += kSinkGradThreads)
+    for (int r = threadIdx.x; r < dq_rows; r += kThreads)
       sum += double(exp2f(sink_log2 - lse_log2[base + r])) * double(softmax_d[base + r]);
   }
-  __shared__ double part[kSinkGradThreads];
+  __shared__ double part[kThreads];
   part[threadIdx.x] = sum;
   __syncthreads();
 #pragma unroll
-  for (int s = kSinkGradThreads / 2; s > 0; s /= 2) {
+  for (int s = kThreads / 2; s > 0; s /= 2) {
     if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
     __syncthreads();
   }
@@ -225,7 +226,8 @@ __global__ void __launch_bounds__(kSinkGradThreads)
 inline cudaError_t launch_bwd_sink_grad(const BwdRowsParams& p, const float* sinks,
                                         float* dsinks, cudaStream_t stream) {
   if (dsinks == nullptr) return cudaSuccess;
-  bwd_sink_grad<<<unsigned(p.heads_q), kSinkGradThreads, 0, stream>>>(
+  constexpr int kThreads = 256;
+  bwd_sink_grad<kThreads><<<unsigned(p.heads_q), kThreads, 0, stream>>>(
       p.lse_log2, p.softmax_d, sinks, dsinks, p.seqs.packed() ? 1 : p.batch, p.heads_q,
       p.dq_rows);
   return cudaGetLastError();
