@@ -33,6 +33,11 @@
 //! `lse = +inf`, so that a backward pass computes `exp(s - lse) = 0` and zero gradients. A row
 //! that sees a NaN score gets NaN in `O` and `lse`, on every backend.
 //!
+//! Attention sinks (GPT-OSS style): [`forward_sinks_into`] takes one f32 logit per query head
+//! that joins each of its rows' softmax as one more score without a value row, and
+//! [`backward_sinks_into`] also gives the sinks' gradient. There a row with no key gets `O = 0`
+//! and `lse` = its head's sink.
+//!
 //! The sm90 forward's split-KV workspace comes, in stream order, from a memory pool of this
 //! library's that keeps up to 128 MiB per device across synchronizations. Calls can be captured
 //! into CUDA graphs; with cudarc, capture with its event tracking off
@@ -180,7 +185,66 @@ pub fn forward_into<T: Element>(
         lse.len(),
     )?;
     let plan = host_plan(Op::Forward, cfg, &problem)?;
-    backend::cpu::forward(cfg, &problem, q, k, v, out, lse);
+    backend::cpu::forward(cfg, &problem, q, k, v, out, lse, None);
+    Ok(plan)
+}
+
+/// A per-query-head vector (the attention sinks, their gradient) holds at least heads_q values
+/// (the first heads_q are the ones used).
+fn check_per_head(operand: Operand, len: usize, problem: &Problem) -> Result<()> {
+    if len < problem.heads_q {
+        return Err(Error::BufferTooSmall {
+            operand,
+            needed: problem.heads_q,
+            len,
+        });
+    }
+    Ok(())
+}
+
+/// [`forward_into`] with attention sinks (learnable, GPT-OSS style): `sinks` holds one f32
+/// logit per query head (its first heads_q values are used; a shorter one is refused with
+/// [`Error::BufferTooSmall`] for [`Operand::Sinks`]). Query head `h`'s sink joins every one of
+/// its rows' softmax as one more score, in the units of the scaled (and, with softcap, capped)
+/// scores, that takes no value row: `lse_i = log(exp(sinks[h]) + Σ_j exp(s_ij))` and
+/// `O_i = Σ_j exp(s_ij − lse_i)·V_j`, so the sink draws probability away from the keys. With
+/// GQA the sinks are per query head. A row that sees no key gets `O = 0` and
+/// `lse = sinks[h]` (instead of `+inf`). A sink of `−inf` is the same as none; `+inf` or NaN
+/// makes its head's LSE NaN. The backward of this forward is [`backward_sinks_into`].
+///
+/// ```
+/// use flashattn::{AttentionConfig, TensorMut, TensorRef};
+/// let shape = [1, 4, 2, 8];
+/// let x: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
+/// let t = TensorRef::contiguous(&x, shape);
+/// let (mut out, mut lse) = (vec![0.0; 64], vec![0.0; 8]);
+/// let sinks = [0.5, -1.0];
+/// let cfg = AttentionConfig::new().causal(true);
+/// let o = TensorMut::contiguous(&mut out, shape);
+/// flashattn::forward_sinks_into(&cfg, t, t, t, &sinks, o, &mut lse)?;
+/// // Each row's LSE counts its sink: it exceeds the sink's logit.
+/// assert!(lse[..4].iter().all(|&l| l > 0.5) && lse[4..].iter().all(|&l| l > -1.0));
+/// # Ok::<(), flashattn::Error>(())
+/// ```
+pub fn forward_sinks_into<T: Element>(
+    cfg: &AttentionConfig,
+    q: TensorRef<T>,
+    k: TensorRef<T>,
+    v: TensorRef<T>,
+    sinks: &[f32],
+    out: TensorMut<T>,
+    lse: &mut [f32],
+) -> Result<Plan> {
+    let problem = tensor::check_forward(
+        T::DTYPE,
+        [q.operand(), k.operand(), v.operand()],
+        out.operand(),
+        lse.len(),
+    )?;
+    check_per_head(Operand::Sinks, sinks.len(), &problem)?;
+    let plan = host_plan(Op::Forward, cfg, &problem)?;
+    let sinks = &sinks[..problem.heads_q];
+    backend::cpu::forward(cfg, &problem, q, k, v, out, lse, Some(sinks));
     Ok(plan)
 }
 
@@ -196,7 +260,7 @@ pub fn forward<T: Element>(
     let mut lse = alloc(problem.lse_len()?)?;
     // Packed outputs of exactly the problem's sizes: nothing left to check.
     let o = TensorMut::contiguous(&mut out, problem.q_shape());
-    backend::cpu::forward(cfg, &problem, q, k, v, o, &mut lse);
+    backend::cpu::forward(cfg, &problem, q, k, v, o, &mut lse, None);
     Ok(ForwardOutput { out, lse, plan })
 }
 
@@ -242,7 +306,75 @@ pub fn backward_into<T: Element>(
         grads.operands(),
     )?;
     let plan = host_plan(Op::Backward, cfg, &problem)?;
-    backend::cpu::backward(cfg, &problem, inputs, grads);
+    backend::cpu::backward(cfg, &problem, inputs, grads, None);
+    Ok(plan)
+}
+
+/// [`backward_into`] of a forward with attention sinks ([`forward_sinks_into`]; `inputs.lse`
+/// is its LSE, which holds them): dQ, dK and dV as without sinks, from `P = exp(s − lse)`, and
+/// where `dsinks` is given, the sinks' gradient
+/// `dsinks[h] = −Σ_{b,i} exp(sinks[h] − lse_i)·rowsum(dO_i ∘ O_i)` over query head `h`'s rows
+/// `i` of every batch entry `b`, into its first heads_q values (the rest are left as they
+/// are), summed in f64 in a fixed order (the same bits every call). `sinks` and `dsinks` each
+/// hold at least heads_q values (a shorter one is refused with [`Error::BufferTooSmall`] for
+/// [`Operand::Sinks`] or [`Operand::DSinks`]); `sinks` must be those the forward used. With
+/// `dsinks` = `None`, this is [`backward_into`] (the sinks are only checked). `D_i` is summed
+/// from the recomputed P and dP (`Σ_j P_ij·dP_ij`, equal to `rowsum(dO_i ∘ O_i)` in exact
+/// arithmetic), not from O as stored, whose rounding to a 16-bit type would enter every term.
+///
+/// ```
+/// use flashattn::{AttentionConfig, BackwardInputs, GradientsMut, TensorMut, TensorRef};
+/// let shape = [1, 4, 2, 8];
+/// let x: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
+/// let t = TensorRef::contiguous(&x, shape);
+/// let cfg = AttentionConfig::new().causal(true);
+/// let sinks = [0.5, -1.0];
+/// let (mut out, mut lse) = (vec![0.0; 64], vec![0.0; 8]);
+/// let o = TensorMut::contiguous(&mut out, shape);
+/// flashattn::forward_sinks_into(&cfg, t, t, t, &sinks, o, &mut lse)?;
+/// let (mut dq, mut dk, mut dv) = (vec![0.0; 64], vec![0.0; 64], vec![0.0; 64]);
+/// let mut dsinks = [0.0f32; 2];
+/// flashattn::backward_sinks_into(
+///     &cfg,
+///     BackwardInputs {
+///         q: t,
+///         k: t,
+///         v: t,
+///         out: TensorRef::contiguous(&out, shape),
+///         dout: t,
+///         lse: &lse,
+///     },
+///     GradientsMut {
+///         dq: TensorMut::contiguous(&mut dq, shape),
+///         dk: TensorMut::contiguous(&mut dk, shape),
+///         dv: TensorMut::contiguous(&mut dv, shape),
+///     },
+///     &sinks,
+///     Some(&mut dsinks),
+/// )?;
+/// assert!(dsinks.iter().all(|g| g.is_finite()));
+/// # Ok::<(), flashattn::Error>(())
+/// ```
+pub fn backward_sinks_into<T: Element>(
+    cfg: &AttentionConfig,
+    inputs: BackwardInputs<'_, T>,
+    grads: GradientsMut<'_, T>,
+    sinks: &[f32],
+    dsinks: Option<&mut [f32]>,
+) -> Result<Plan> {
+    let problem = tensor::check_backward(
+        T::DTYPE,
+        inputs.operands(),
+        inputs.lse.len(),
+        grads.operands(),
+    )?;
+    check_per_head(Operand::Sinks, sinks.len(), &problem)?;
+    if let Some(dsinks) = &dsinks {
+        check_per_head(Operand::DSinks, dsinks.len(), &problem)?;
+    }
+    let plan = host_plan(Op::Backward, cfg, &problem)?;
+    let sinks = dsinks.map(|dsinks| (sinks, dsinks));
+    backend::cpu::backward(cfg, &problem, inputs, grads, sinks);
     Ok(plan)
 }
 
@@ -264,6 +396,6 @@ pub fn backward<T: Element>(
         dk: TensorMut::contiguous(&mut dk, kv_shape),
         dv: TensorMut::contiguous(&mut dv, kv_shape),
     };
-    backend::cpu::backward(cfg, &problem, inputs, grads);
+    backend::cpu::backward(cfg, &problem, inputs, grads, None);
     Ok(Gradients { dq, dk, dv, plan })
 }

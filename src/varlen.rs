@@ -257,6 +257,7 @@ pub fn forward<T: Element>(
             rows_of(&v, &keys),
             o,
             &mut seq_lse,
+            None,
         );
         for h in 0..heads {
             lse[h * total + rows.start..h * total + rows.end]
@@ -325,7 +326,7 @@ pub fn backward<T: Element>(
             dout: rows_of(&dout, &rows),
             lse: &seq_lse,
         };
-        backend::cpu::backward(cfg, &p, inputs, grads);
+        backend::cpu::backward(cfg, &p, inputs, grads, None);
     }
     Ok(Gradients { dq, dk, dv, plan })
 }

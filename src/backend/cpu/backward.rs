@@ -1,5 +1,8 @@
 //! The backward pass: dK and dV per (batch, kv head, key tile), dQ per (batch, query head,
-//! query block), each recomputing P tile by tile from the forward's LSE.
+//! query block), each recomputing P tile by tile from the forward's LSE (which, after a forward
+//! with attention sinks, holds them: dQ, dK and dV need nothing else). Where the sinks' gradient
+//! is asked for, the dQ tasks also sum `D_i = Σ_j P_ij·dP_ij` of their rows from the recomputed
+//! P and dP, which the gradient is summed from afterwards.
 
 use rayon::prelude::*;
 
@@ -94,13 +97,15 @@ impl<'a, T: Element> BwdCtx<'a, T> {
     }
 
     /// P and dS (with respect to the raw dot products Q·Kᵀ, softcap included, scale not) of
-    /// query block `qb` of head `h` against key tile `t` into `sc`.
+    /// query block `qb` of head `h` against key tile `t` into `sc`; where `rowsums` is given,
+    /// adds each row's `Σ_j P_ij·dP_ij` over the tile to it.
     #[inline(always)]
     fn tile_grads<A: Arith>(
         &self,
         (b, h, qb): (usize, usize, usize),
         t: usize,
         sc: &mut BwdScratch,
+        mut rowsums: Option<&mut [f64]>,
     ) {
         let c = &self.base;
         let (br, bc, dp) = (c.br, c.bc, c.dp);
@@ -124,6 +129,9 @@ impl<'a, T: Element> BwdCtx<'a, T> {
         for r in 0..br {
             let d = qs.dd[r];
             let (p, ds) = (&sc.p[r * bc..][..bc], &mut sc.ds[r * bc..][..bc]);
+            if let Some(sums) = rowsums.as_deref_mut() {
+                sums[r] += dot(p, ds) as f64;
+            }
             for (x, &pv) in ds.iter_mut().zip(p) {
                 *x = pv * (*x - d);
             }
@@ -163,7 +171,7 @@ impl<'a, T: Element> BwdCtx<'a, T> {
         let last = (first..c.s_q).rev().find(|&i| sees(i)).unwrap_or(first);
         for h in hk * c.group..(hk + 1) * c.group {
             for qb in first / br..=last / br {
-                self.tile_grads::<A>((b, h, qb), t, &mut sc);
+                self.tile_grads::<A>((b, h, qb), t, &mut sc, None);
                 let qs = self.qside(b, h, qb);
                 // dV += Pᵀ·dO, dK += dSᵀ·Q.
                 transpose(&sc.p, br, bc, &mut tr);
@@ -176,20 +184,29 @@ impl<'a, T: Element> BwdCtx<'a, T> {
         (dk, dv)
     }
 
-    /// dQ (`br × dp`, scaled) of query block `qb` of head `h`.
+    /// dQ (`br × dp`, scaled) of query block `qb` of head `h`, and where `rowsums` is set, its
+    /// rows' `D_i = Σ_j P_ij·dP_ij` (`br`, summed over the key tiles in order; 0 for rows that
+    /// see no key).
     #[inline(always)]
-    pub(super) fn dq_block<A: Arith>(&self, b: usize, h: usize, qb: usize) -> Vec<f32> {
+    pub(super) fn dq_block<A: Arith>(
+        &self,
+        b: usize,
+        h: usize,
+        qb: usize,
+        rowsums: bool,
+    ) -> (Vec<f32>, Option<Vec<f64>>) {
         let c = &self.base;
         let (br, bc, dp) = (c.br, c.bc, c.dp);
         let mut dq = vec![0f32; br * dp];
+        let mut sums = rowsums.then(|| vec![0f64; br]);
         let mut sc = BwdScratch::new(c);
         for t in c.tiles_of(c.row_ranges(qb).1) {
-            self.tile_grads::<A>((b, h, qb), t, &mut sc);
+            self.tile_grads::<A>((b, h, qb), t, &mut sc, sums.as_deref_mut());
             let k = self.kr.get(b, h / c.group, t);
             A::gemm((br, dp, bc), &sc.ds, bc, k, dp, &mut dq, dp, true);
         }
         dq.iter_mut().for_each(|x| *x *= c.scale);
-        dq
+        (dq, sums)
     }
 }
 
@@ -205,10 +222,16 @@ fn dkdv_block<T: Element, A: Arith>(
 simd_dispatch!(pub(super) fn dkdv_simd(ctx: &BwdCtx<T>, b: usize, hk: usize, t: usize) -> (Vec<f32>, Vec<f32>) = dkdv_block);
 
 #[inline(always)]
-fn dq_block<T: Element, A: Arith>(ctx: &BwdCtx<T>, b: usize, h: usize, qb: usize) -> Vec<f32> {
-    ctx.dq_block::<A>(b, h, qb)
+fn dq_block<T: Element, A: Arith>(
+    ctx: &BwdCtx<T>,
+    b: usize,
+    h: usize,
+    qb: usize,
+    rowsums: bool,
+) -> (Vec<f32>, Option<Vec<f64>>) {
+    ctx.dq_block::<A>(b, h, qb, rowsums)
 }
-simd_dispatch!(pub(super) fn dq_simd(ctx: &BwdCtx<T>, b: usize, h: usize, qb: usize) -> Vec<f32> = dq_block);
+simd_dispatch!(pub(super) fn dq_simd(ctx: &BwdCtx<T>, b: usize, h: usize, qb: usize, rowsums: bool) -> (Vec<f32>, Option<Vec<f64>>) = dq_block);
 
 /// One backward task: a key tile's dK and dV, or a query block's dQ.
 enum BwdTask {
@@ -216,13 +239,29 @@ enum BwdTask {
     QueryBlock { b: usize, h: usize, qb: usize },
 }
 
-/// Backward pass: writes dQ (like Q), dK and dV (like K). Operands must have been validated
-/// (see [`crate::backward`]).
+/// What a [`BwdTask`] gives: `dk`, `dv` (`bc × dp`) of a key tile, or `dq` (`br × dp`) and,
+/// where asked for, the rows' `Σ P∘dP` of a query block.
+enum BwdBlock {
+    KeyTile {
+        dk: Vec<f32>,
+        dv: Vec<f32>,
+    },
+    QueryBlock {
+        dq: Vec<f32>,
+        rowsums: Option<Vec<f64>>,
+    },
+}
+
+/// Backward pass: writes dQ (like Q), dK and dV (like K), and where `sinks` is given, the
+/// attention sinks' gradient into its second slice (see [`sink_grads`]). Operands must have been
+/// validated (see [`crate::backward`], [`crate::backward_sinks_into`]); both slices of `sinks`
+/// hold at least heads_q values.
 pub(crate) fn backward<T: Element>(
     cfg: &AttentionConfig,
     p: &Problem,
     inputs: BackwardInputs<T>,
     grads: GradientsMut<T>,
+    sinks: Option<(&[f32], &mut [f32])>,
 ) {
     let GradientsMut {
         mut dq,
@@ -231,6 +270,7 @@ pub(crate) fn backward<T: Element>(
     } = grads;
     let ctx = BwdCtx::new(cfg, p, inputs);
     let c = &ctx.base;
+    let rowsums = sinks.is_some();
     let mut tasks = Vec::new();
     for b in 0..p.batch {
         for hk in 0..c.heads_kv {
@@ -240,27 +280,66 @@ pub(crate) fn backward<T: Element>(
             tasks.extend((0..c.q_blocks()).map(|qb| BwdTask::QueryBlock { b, h, qb }));
         }
     }
-    let blocks: Vec<Vec<Vec<f32>>> = tasks
+    let blocks: Vec<BwdBlock> = tasks
         .par_iter()
         .map(|task| match *task {
             BwdTask::KeyTile { b, hk, t } => {
-                let (k, v) = dkdv_simd(&ctx, b, hk, t);
-                vec![k, v]
+                let (dk, dv) = dkdv_simd(&ctx, b, hk, t);
+                BwdBlock::KeyTile { dk, dv }
             }
             BwdTask::QueryBlock { b, h, qb } => {
-                vec![dq_simd(&ctx, b, h, qb)]
+                let (dq, rowsums) = dq_simd(&ctx, b, h, qb, rowsums);
+                BwdBlock::QueryBlock { dq, rowsums }
             }
         })
         .collect();
+    // D of every row, (batch, heads_q, seqlen_q) packed like the LSE (where asked for).
+    let mut dd = vec![0f64; if rowsums { inputs.lse.len() } else { 0 }];
     for (task, blk) in tasks.iter().zip(&blocks) {
-        match *task {
-            BwdTask::KeyTile { b, hk, t } => {
-                store_rows(&mut dk, b, hk, t * c.bc, &blk[0], c.dp);
-                store_rows(&mut dv, b, hk, t * c.bc, &blk[1], c.dp);
+        match (task, blk) {
+            (&BwdTask::KeyTile { b, hk, t }, BwdBlock::KeyTile { dk: bk, dv: bv }) => {
+                store_rows(&mut dk, b, hk, t * c.bc, bk, c.dp);
+                store_rows(&mut dv, b, hk, t * c.bc, bv, c.dp);
             }
-            BwdTask::QueryBlock { b, h, qb } => {
-                store_rows(&mut dq, b, h, qb * c.br, &blk[0], c.dp);
+            (&BwdTask::QueryBlock { b, h, qb }, BwdBlock::QueryBlock { dq: bq, rowsums }) => {
+                store_rows(&mut dq, b, h, qb * c.br, bq, c.dp);
+                if let Some(sums) = rowsums {
+                    let i0 = qb * c.br;
+                    let n = c.br.min(p.seqlen_q - i0);
+                    dd[(b * p.heads_q + h) * p.seqlen_q + i0..][..n].copy_from_slice(&sums[..n]);
+                }
             }
+            _ => unreachable!("each task gives its own kind of block"),
         }
+    }
+    if let Some((sinks, dsinks)) = sinks {
+        sink_grads(p, inputs.lse, &dd, sinks, dsinks);
+    }
+}
+
+/// The attention sinks' gradient: `dsinks[h] = −Σ_{b,i} exp(sinks[h] − LSE_i)·D_i` over query
+/// head `h`'s rows `i` of every batch entry `b`, with the forward's LSE (with the sinks) and
+/// `D_i = Σ_j P_ij·dP_ij` (`= rowsum(dO_i ∘ O_i)` in exact arithmetic) as the dQ tasks summed it
+/// from the recomputed f32 P and dP, rather than from O as stored: O rounded to a 16-bit type
+/// would put its rounding error into every term. In f64, one task per head summing its rows in
+/// order (batch entry, then row), so that the result does not depend on scheduling; rounded to
+/// f32 once. Writes `dsinks[..heads_q]`.
+fn sink_grads(p: &Problem, lse: &[f32], dd: &[f64], sinks: &[f32], dsinks: &mut [f32]) {
+    let grads: Vec<f64> = (0..p.heads_q)
+        .into_par_iter()
+        .map(|h| {
+            let sink = sinks[h] as f64;
+            let mut sum = 0f64;
+            for b in 0..p.batch {
+                let rows = (b * p.heads_q + h) * p.seqlen_q..(b * p.heads_q + h + 1) * p.seqlen_q;
+                for (&l, &d) in lse[rows.clone()].iter().zip(&dd[rows]) {
+                    sum += (sink - l as f64).exp() * d;
+                }
+            }
+            -sum
+        })
+        .collect();
+    for (x, g) in dsinks[..p.heads_q].iter_mut().zip(grads) {
+        *x = g as f32;
     }
 }

@@ -1,5 +1,6 @@
 //! The forward pass: one task per (batch, query head, query block), with the online softmax
-//! over the key tiles its rows can see.
+//! over the key tiles its rows can see, and the head's attention sink, where there is one, as
+//! one more score without a value row when the rows are finalized.
 
 use rayon::prelude::*;
 
@@ -14,6 +15,7 @@ pub(super) struct FwdBlock {
     pub(super) lse: Vec<f32>,
 }
 
+/// One task's rows; `sink` is head `h`'s attention sink logit (`None`: no sink).
 #[inline(always)]
 pub(super) fn fwd_block<T: Element, A: Arith>(
     ctx: &Ctx<T>,
@@ -21,6 +23,7 @@ pub(super) fn fwd_block<T: Element, A: Arith>(
     b: usize,
     h: usize,
     qb: usize,
+    sink: Option<f32>,
 ) -> FwdBlock {
     let (br, bc, dp) = (ctx.br, ctx.bc, ctx.dp);
     let hk = h / ctx.group;
@@ -61,10 +64,27 @@ pub(super) fn fwd_block<T: Element, A: Arith>(
             true,
         );
     }
-    // Rows that saw no key: O = 0, LSE = +inf. A NaN score makes l NaN, and O and the LSE with it.
+    // A sink of −inf weighs nothing: the rows are finalized as without one (as on the GPU).
+    let sink_log2 = sink
+        .map(|x| x as f64 * std::f64::consts::LOG2_E)
+        .filter(|&x| x != f64::NEG_INFINITY);
     let mut lse = vec![f32::INFINITY; br];
     for r in 0..br {
         let row = &mut acc[r * dp..(r + 1) * dp];
+        if let Some(sink_log2) = sink_log2 {
+            let (inv, row_lse) = sink_share(m[r], l[r], sink_log2);
+            if l[r] != 0.0 {
+                row.iter_mut().for_each(|x| *x *= inv);
+            } else {
+                // No key: O = 0 (NaN where the sink made the LSE NaN), whatever the value rows
+                // of the tiles it skipped held.
+                row.fill(0.0 * inv);
+            }
+            lse[r] = row_lse;
+            continue;
+        }
+        // Rows that saw no key: O = 0, LSE = +inf. A NaN score makes l NaN, and O and the LSE
+        // with it.
         if l[r] != 0.0 {
             let inv = 1.0 / l[r];
             row.iter_mut().for_each(|x| *x *= inv);
@@ -76,10 +96,27 @@ pub(super) fn fwd_block<T: Element, A: Arith>(
     FwdBlock { o: acc, lse }
 }
 
-simd_dispatch!(pub(super) fn fwd_block_simd(ctx: &Ctx<T>, kv: (&Tiles, &Tiles), b: usize, h: usize, qb: usize) -> FwdBlock = fwd_block);
+/// A row's softmax with an attention sink (the GPU kernels' `sink_share`, in f64): the row's
+/// running max `m` and sum `l` (of `2^(s − m)` over its keys; `l` = 0 and `m` = −inf where it
+/// saw none) and the sink's logit in the same base-2 units, both rescaled to the larger of the
+/// max and the sink so that neither overflows. Returns what the row's accumulator (kept against
+/// `m`) is multiplied by and the natural-log LSE over the keys and the sink. A row that saw no
+/// key gets a factor of 0 (O = 0) and LSE = the sink; a NaN score or sink makes both NaN.
+fn sink_share(m: f32, l: f32, sink_log2: f64) -> (f32, f32) {
+    // f64::max, like fmaxf, leaves the sink where the max is NaN (the sum is NaN then).
+    let top = (m as f64).max(sink_log2);
+    let keep = (m as f64 - top).exp2();
+    let total = l as f64 * keep + (sink_log2 - top).exp2();
+    let lse = (top + total.log2()) * std::f64::consts::LN_2;
+    ((keep / total) as f32, lse as f32)
+}
 
-/// Forward pass: writes `out` (like Q) and `lse` (batch, heads_q, seqlen_q). Operands must
-/// have been validated (see [`crate::forward_into`]).
+simd_dispatch!(pub(super) fn fwd_block_simd(ctx: &Ctx<T>, kv: (&Tiles, &Tiles), b: usize, h: usize, qb: usize, sink: Option<f32>) -> FwdBlock = fwd_block);
+
+/// Forward pass: writes `out` (like Q) and `lse` (batch, heads_q, seqlen_q). `sinks`, where
+/// given, holds (at least) one attention sink logit per query head. Operands must have been
+/// validated (see [`crate::forward_into`], [`crate::forward_sinks_into`]).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<T: Element>(
     cfg: &AttentionConfig,
     p: &Problem,
@@ -88,6 +125,7 @@ pub(crate) fn forward<T: Element>(
     v: TensorRef<T>,
     mut out: TensorMut<T>,
     lse: &mut [f32],
+    sinks: Option<&[f32]>,
 ) {
     let ctx = Ctx::new(cfg, p, q, k, v);
     let kt = ctx.tiles(&ctx.k, ctx.bc, TileForm::Cols);
@@ -98,7 +136,7 @@ pub(crate) fn forward<T: Element>(
         .map(|t| {
             let (bh, qb) = (t / nqb, t % nqb);
             let (b, h) = (bh / p.heads_q, bh % p.heads_q);
-            fwd_block_simd(&ctx, (&kt, &vr), b, h, qb)
+            fwd_block_simd(&ctx, (&kt, &vr), b, h, qb, sinks.map(|s| s[h]))
         })
         .collect();
     // Outputs reach each element once, but may interleave with any strides: one thread writes.

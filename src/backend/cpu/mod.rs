@@ -4,12 +4,15 @@
 //! that its rows can see, keeping a running row max `m` and running sum `l` (online softmax) and
 //! an f32 output accumulator that is rescaled when the max grows; one division at the end.
 //! Scores live in the base-2 domain (`log2(e)·scale` folded into one multiply) so that every
-//! exponential is an `exp2`.
+//! exponential is an `exp2`. An attention sink joins each row's softmax at that division, as one
+//! more score without a value row.
 //!
 //! Backward: recomputes `P = exp(S·scale − LSE)` tile by tile. One parallel pass over
 //! (batch, kv head, key block) accumulates dK and dV over every query head of the group and
 //! every query block; a second pass over (batch, query head, query block) accumulates dQ. No
 //! task writes another's rows, so the result does not depend on scheduling (deterministic).
+//! The sinks' gradient, where asked for, is summed per head afterwards from each row's
+//! `Σ P∘dP`, which the dQ pass adds up.
 //!
 //! K and V (and, for the backward, the query side) are converted to f32 once, tile by tile,
 //! zero-padded to whole micro-kernel blocks; all arithmetic is f32, and results are rounded to
@@ -355,13 +358,24 @@ mod tests {
             .flat_map(|x| (0..hq).map(move |h| (x, h)))
             .flat_map(|(x, h)| (0..ctx.q_blocks()).map(move |qb| (x, h, qb)))
         {
-            let fast = fwd_block_simd(&ctx, (&kt, &vr), bi, h, qb);
-            let slow = fwd_block::<f32, Split>(&ctx, (&kt, &vr), bi, h, qb);
-            close(&slow.o, &fast.o);
-            assert_eq!(slow.lse.len(), fast.lse.len());
-            close(&slow.lse, &fast.lse);
+            for sink in [None, Some(1.5)] {
+                let fast = fwd_block_simd(&ctx, (&kt, &vr), bi, h, qb, sink);
+                let slow = fwd_block::<f32, Split>(&ctx, (&kt, &vr), bi, h, qb, sink);
+                close(&slow.o, &fast.o);
+                assert_eq!(slow.lse.len(), fast.lse.len());
+                close(&slow.lse, &fast.lse);
+            }
         }
-        forward(&cfg, &p, tq, tk, tv, TensorMut::new(&mut out, lq), &mut lse);
+        forward(
+            &cfg,
+            &p,
+            tq,
+            tk,
+            tv,
+            TensorMut::new(&mut out, lq),
+            &mut lse,
+            None,
+        );
         let inputs = BackwardInputs {
             q: tq,
             k: tk,
@@ -382,7 +396,13 @@ mod tests {
             }
             for h in 0..hq {
                 for qb in 0..ctx.base.q_blocks() {
-                    close(&ctx.dq_block::<Split>(bi, h, qb), &dq_simd(&ctx, bi, h, qb));
+                    let (slow, slow_d) = ctx.dq_block::<Split>(bi, h, qb, true);
+                    let (fast, fast_d) = dq_simd(&ctx, bi, h, qb, true);
+                    close(&slow, &fast);
+                    let [slow_d, fast_d] = [slow_d, fast_d]
+                        .map(|d| d.unwrap().into_iter().map(|x| x as f32).collect::<Vec<_>>());
+                    close(&slow_d, &fast_d);
+                    assert_eq!(ctx.dq_block::<Split>(bi, h, qb, false).1, None);
                 }
             }
         }
