@@ -1,13 +1,15 @@
 //! The CPU backend against the f64 reference under FlashAttention's rule (the correctness rule of
 //! docs/ARCHITECTURE.md): `max|out − ref| ≤ 2·max|baseline − ref| + 1e-5` for O, LSE, dQ, dK and
 //! dV, over random N(0,1) inputs, with every output poisoned (NaN) before the call. Then fully
-//! masked rows and bad inputs, each bad input matched to its error variant.
+//! masked rows and bad inputs, each bad input matched to its error variant, and attention sinks
+//! (with their gradient).
 
 #[path = "../harness/mod.rs"]
 mod harness;
 
 mod bad_inputs;
 mod rows;
+mod sinks;
 
 use flashattn::reference::{self, compare, pack_f32, Comparison};
 use flashattn::{Backend, BackwardInputs, DType, Element, GradientsMut, TensorMut, TensorRef};
