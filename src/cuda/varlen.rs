@@ -191,4 +191,47 @@ impl Device {
     ) -> Result<Plan> {
         self.backward_launch(stream, cfg, Some(seqs), inputs, grads, None)
     }
+
+    /// [`Device::varlen_forward_into`] with attention sinks, one f32 logit per query head, as
+    /// [`Device::forward_sinks_into`] takes them: a sequence's row that sees no key gets O = 0
+    /// and LSE = its head's sink.
+    #[allow(clippy::too_many_arguments)]
+    pub fn varlen_forward_sinks_into<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        seqs: &DeviceSeqlens,
+        q: &DeviceTensor<T>,
+        k: &DeviceTensor<T>,
+        v: &DeviceTensor<T>,
+        sinks: &CudaView<f32>,
+        out: &mut DeviceTensorMut<T>,
+        lse: &mut CudaViewMut<f32>,
+    ) -> Result<Plan> {
+        self.forward_launch(stream, cfg, Some(seqs), Some(sinks), q, k, v, out, lse)
+    }
+
+    /// [`Device::varlen_backward_into`] of a forward with sinks, and where `dsinks` is given
+    /// their gradient summed over every sequence's rows of each query head
+    /// ([`Device::backward_sinks_into`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn varlen_backward_sinks_into<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        seqs: &DeviceSeqlens,
+        inputs: DeviceBackwardInputs<'_, T>,
+        grads: DeviceGradientsMut<'_, '_, T>,
+        sinks: &CudaView<f32>,
+        dsinks: Option<&mut CudaViewMut<f32>>,
+    ) -> Result<Plan> {
+        self.backward_launch(
+            stream,
+            cfg,
+            Some(seqs),
+            inputs,
+            grads,
+            Some((sinks, dsinks)),
+        )
+    }
 }
