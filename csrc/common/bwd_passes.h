@@ -35,7 +35,8 @@ struct BwdRowsParams {
   float* dq_accum;
   int64_t dq_slice_stride;
   int dq_slices;
-  // Where the main kernel converts dQ itself (the sm90 deterministic mode), dQ, written
+  // Where the main kernel converts dQ itself (the sm90 deterministic mode of the kernel that
+  // splits the keys), dQ, written
   // as 0 here for the rows that see no key: the main kernel converts a query block once its last
   // key block has added, so rows that no key block visits are not written there. Else null.
   void* dq;

@@ -46,9 +46,6 @@ __device__ __forceinline__ float thread_row_reduce(Tensor const& s, int r, Op op
   return part[0];
 }
 
-// kTreeReduce: row max and sum by thread_row_reduce. Measured faster in the sm80 forward at d128
-// and neutral at d64; in the sm90 forwards, whose two warpgroups hide each other's softmax, mixed
-// and slower for FP8 (benchmarks/README.md), so they keep the running chain.
 // A row's softmax with an attention sink: the row's maximum `top_log2` and sum of
 // 2^(s − top_log2 + offset) over its keys (sum 0 and top −inf where it saw none), and the sink's
 // logit in the same log2 units; both rescaled to the larger of the maximum and the sink, so that
@@ -63,6 +60,9 @@ __device__ inline void sink_share(float top_log2, float sum, float sink_log2, fl
   lse = (top + log2f(total) - offset) * float(M_LN2);
 }
 
+// kTreeReduce: row max and sum by thread_row_reduce. Measured faster in the sm80 forward at d128
+// and neutral at d64; in the sm90 forwards, whose two warpgroups hide each other's softmax, mixed
+// and slower for FP8 (benchmarks/README.md), so they keep the running chain.
 template <int kRows, bool kTreeReduce = false>
 struct OnlineSoftmax {
   float row_max[kRows];

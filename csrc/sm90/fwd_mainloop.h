@@ -279,7 +279,7 @@ struct FwdMainloop {
   }
 
   // All keys of tile `t` seen: what O's rows are multiplied by, and the LSE; with its head's
-  // attention sink, unless `t` is a tail piece (fwd_tail.h: the merge adds the sink once).
+  // attention sink, unless `t` is a tail piece (fwd_tail_merge.h adds the sink once).
   __device__ FLASHATTN_INLINE void finalize(const WorkTile& t, float (&inv_sum)[kRows],
                                             float (&lse)[kRows]) {
     const float sink_log2 = params.sinks != nullptr && t.slot < 0

@@ -62,8 +62,10 @@ __global__ void __launch_bounds__(kTailMergeThreads) fwd_tail_merge(const TailMe
     const float w = expf(lse - max_lse);
     acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w, sum += w;
   }
-  if (p.sinks != nullptr) {
-    const float sink = p.sinks[bh % p.heads_q];
+  // A sink of −inf is none (as the finalizes take it): with rows whose pieces all saw no key,
+  // max_lse is −inf too, and exp(−inf − −inf) would be NaN.
+  if (const float sink = p.sinks != nullptr ? p.sinks[bh % p.heads_q] : -INFINITY;
+      sink != -INFINITY) {
     if (sink > max_lse) {
       const float r = expf(max_lse - sink);
       acc.x *= r, acc.y *= r, acc.z *= r, acc.w *= r, sum *= r;

@@ -75,6 +75,8 @@ fn row_low<T: Element>(
             }
         })
         .collect();
+    // A sink of −inf takes no part, as no sink (as in the reference).
+    let sink = sink.filter(|x| *x != f32::NEG_INFINITY);
     if s.is_empty() {
         return RowLow {
             lo,

@@ -68,7 +68,9 @@ fn row_f64(
             }
         })
         .collect();
-    let sink = sink.map(f64::from);
+    // A sink of −inf takes no part, as no sink (the kernels' convention: a row without keys
+    // keeps LSE = +inf).
+    let sink = sink.map(f64::from).filter(|x| *x != f64::NEG_INFINITY);
     if s.is_empty() {
         // The sink alone (when there is one) makes up the row's sum, and it has no value row.
         return RowF64 {
