@@ -125,16 +125,20 @@ struct OnlineSoftmax {
   // with no value row (sink_share).
   __device__ void finalize(float scale_log2, float (&inv_sum)[kRows], float (&lse)[kRows],
                            float sink_log2 = -INFINITY) {
+    // One test per tile, around the rows: the path without a sink stays the plain loop.
+    if (sink_log2 == -INFINITY) {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const float sum = quad_sum(row_sum[r]);
-      if (sink_log2 == -INFINITY) {
+      for (int r = 0; r < kRows; ++r) {
+        const float sum = quad_sum(row_sum[r]);
         const bool empty = sum == 0.f;
         inv_sum[r] = empty ? 0.f : 1.f / sum;
         lse[r] = empty ? INFINITY : (row_max[r] * scale_log2 + log2f(sum)) * float(M_LN2);
-      } else {
-        sink_share(row_max[r] * scale_log2, sum, sink_log2, 0.f, inv_sum[r], lse[r]);
       }
+    } else {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        sink_share(row_max[r] * scale_log2, quad_sum(row_sum[r]), sink_log2, 0.f, inv_sum[r],
+                   lse[r]);
     }
   }
 };

@@ -88,16 +88,19 @@ struct ScaledOnlineSoftmax {
   // NaN with O for a row with a NaN score; the sink as OnlineSoftmax::finalize).
   __device__ void finalize(float (&inv_sum)[kRows], float (&lse)[kRows],
                            float sink_log2 = -INFINITY) {
+    if (sink_log2 == -INFINITY) {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const float sum = OnlineSoftmax<kRows>::quad_sum(row_sum[r]);
-      if (sink_log2 == -INFINITY) {
+      for (int r = 0; r < kRows; ++r) {
+        const float sum = OnlineSoftmax<kRows>::quad_sum(row_sum[r]);
         const bool empty = sum == 0.f;
         inv_sum[r] = empty ? 0.f : 1.f / sum;
         lse[r] = empty ? INFINITY : (row_max[r] + log2f(sum) - kOffset) * float(M_LN2);
-      } else {
-        sink_share(row_max[r], sum, sink_log2, kOffset, inv_sum[r], lse[r]);
       }
+    } else {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        sink_share(row_max[r], OnlineSoftmax<kRows>::quad_sum(row_sum[r]), sink_log2, kOffset,
+                   inv_sum[r], lse[r]);
     }
   }
 };
