@@ -98,9 +98,12 @@ struct ScaledOnlineSoftmax {
       }
     } else {
 #pragma unroll
-      for (int r = 0; r < kRows; ++r)
-        sink_share(row_max[r], OnlineSoftmax<kRows>::quad_sum(row_sum[r]), sink_log2, kOffset,
-                   inv_sum[r], lse[r]);
+      for (int r = 0; r < kRows; ++r) {
+        const float2 share = sink_share(row_max[r], OnlineSoftmax<kRows>::quad_sum(row_sum[r]),
+                                        sink_log2, kOffset);
+        inv_sum[r] = share.x;
+        lse[r] = share.y;
+      }
     }
   }
 };
