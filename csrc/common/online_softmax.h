@@ -53,8 +53,8 @@ __device__ __forceinline__ float thread_row_reduce(Tensor const& s, int r, Op op
 // natural-log LSE, over the keys and the sink. A row with no key gets O = 0 and LSE = sink. Not
 // inlined: the finalizes are inlined at every place a tile ends, and this code at each of them
 // made the forward kernels a tenth longer.
-__device__ __noinline__ float2 sink_share(float top_log2, float sum, float sink_log2,
-                                          float offset) {
+inline __device__ __noinline__ float2 sink_share(float top_log2, float sum, float sink_log2,
+                                                 float offset) {
   const float top = fmaxf(top_log2, sink_log2);  // a NaN maximum leaves the sink, and NaN sums
   const float keep = exp2f(top_log2 - top);
   const float total = sum * keep + exp2f(sink_log2 - top + offset);
