@@ -97,6 +97,7 @@ typedef struct {
   // Attention sinks (optional): one f32 logit per query head (heads_q, device memory) that joins
   // every row's softmax in the units of the scaled (and capped) scores and takes no value row:
   // LSE = log(exp(sink) + Σ exp(s)), so that a row that sees no key gets O = 0 and LSE = sink.
+  // The forward adds them after its kernels, by one pass over O (which rounds O once more).
   // The backward takes the same sinks (its P comes from the forward's LSE, which holds them)
   // and, where dsinks (heads_q f32, device memory, overwritten) is not null, writes
   // d_sink = −Σ exp(sink − LSE)·rowsum(dO ∘ O) over every row of the head in every batch entry

@@ -46,21 +46,6 @@ __device__ __forceinline__ float thread_row_reduce(Tensor const& s, int r, Op op
   return part[0];
 }
 
-// A row's softmax with an attention sink: the row's maximum `top_log2` and sum of
-// 2^(s − top_log2 + offset) over its keys (sum 0 and top −inf where it saw none), and the sink's
-// logit in the same log2 units; both rescaled to the larger of the maximum and the sink, so that
-// neither overflows. .x: what O's rows (accumulated against top_log2) are multiplied by; .y: the
-// natural-log LSE, over the keys and the sink. A row with no key gets O = 0 and LSE = sink. Not
-// inlined: the finalizes are inlined at every place a tile ends, and this code at each of them
-// made the forward kernels a tenth longer.
-inline __device__ __noinline__ float2 sink_share(float top_log2, float sum, float sink_log2,
-                                                 float offset) {
-  const float top = fmaxf(top_log2, sink_log2);  // a NaN maximum leaves the sink, and NaN sums
-  const float keep = exp2f(top_log2 - top);
-  const float total = sum * keep + exp2f(sink_log2 - top + offset);
-  return make_float2(keep / total, (top + log2f(total) - offset) * float(M_LN2));
-}
-
 // kTreeReduce: row max and sum by thread_row_reduce. Measured faster in the sm80 forward at d128
 // and neutral at d64; in the sm90 forwards, whose two warpgroups hide each other's softmax, mixed
 // and slower for FP8 (benchmarks/README.md), so they keep the running chain.
@@ -119,30 +104,16 @@ struct OnlineSoftmax {
     }
   }
 
-  // What O's rows are multiplied by (1/sum, 0 for rows that saw no key) and the natural-log
-  // LSE (+inf for those rows, so that a backward pass computes exp(s − lse) = 0). A NaN score
-  // makes the sum NaN, and with it 1/sum (so O) and the LSE, as in the reference. An attention
-  // sink (sink_log2: its logit times log2 e; −inf for none) joins the sum as one more score
-  // with no value row (sink_share).
-  __device__ void finalize(float scale_log2, float (&inv_sum)[kRows], float (&lse)[kRows],
-                           float sink_log2 = -INFINITY) {
-    // One test per tile, around the rows: the path without a sink stays the plain loop.
-    if (sink_log2 == -INFINITY) {
+  // 1/sum per row (0 for rows that saw no key) and the natural-log LSE (+inf for those rows,
+  // so that a backward pass computes exp(s − lse) = 0). A NaN score makes the sum NaN, and with
+  // it 1/sum (so O) and the LSE, as in the reference.
+  __device__ void finalize(float scale_log2, float (&inv_sum)[kRows], float (&lse)[kRows]) {
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float sum = quad_sum(row_sum[r]);
-        const bool empty = sum == 0.f;
-        inv_sum[r] = empty ? 0.f : 1.f / sum;
-        lse[r] = empty ? INFINITY : (row_max[r] * scale_log2 + log2f(sum)) * float(M_LN2);
-      }
-    } else {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float2 share =
-            sink_share(row_max[r] * scale_log2, quad_sum(row_sum[r]), sink_log2, 0.f);
-        inv_sum[r] = share.x;
-        lse[r] = share.y;
-      }
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = quad_sum(row_sum[r]);
+      const bool empty = sum == 0.f;
+      inv_sum[r] = empty ? 0.f : 1.f / sum;
+      lse[r] = empty ? INFINITY : (row_max[r] * scale_log2 + log2f(sum)) * float(M_LN2);
     }
   }
 };

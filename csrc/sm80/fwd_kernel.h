@@ -96,7 +96,6 @@ struct FwdParams {
   float scale_log2;   // scale·log2(e), or softcap·log2(e) when softcap is on
   float softcap_pre;  // scale/softcap when softcap is on
   bool softcap;
-  const float* sinks;  // one logit per query head (flashattn_params_t::sinks), or null
 };
 
 // mma.sync accumulator ((2 cols, 2 rows), MMA_M, MMA_N) -> (rows, cols) = ((2, MMA_M), (2, MMA_N)).
@@ -388,8 +387,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   // ---------------- epilogue: O·(1/sum) and LSE ----------------
   float inv_sum[kRows], lse[kRows];
-  softmax.finalize(params.scale_log2, inv_sum, lse,
-                   params.sinks != nullptr ? params.sinks[head] * float(M_LOG2E) : -INFINITY);
+  softmax.finalize(params.scale_log2, inv_sum, lse);
   scale_rows(rowcol_O, inv_sum);
   if (tid % 4 == 0) {  // the thread holding column 0 of its rows' quads
     float* lse_head = params.lse + seq.rows_offset(head, params.heads_q, params.seqs.rows_q);

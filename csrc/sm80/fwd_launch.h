@@ -58,7 +58,6 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
   const float log2e = float(M_LOG2E);
   params.softcap = p.softcap > 0.f;
   params.softcap_pre = params.softcap ? p.softmax_scale / p.softcap : 0.f;
-  params.sinks = p.sinks;
   params.scale_log2 = params.softcap ? p.softcap * log2e : p.softmax_scale * log2e;
 
   auto kernel = fwd_kernel<Traits>;

@@ -47,7 +47,7 @@ __device__ __forceinline__ void fwd_serial_tile(FwdMainloop<Traits>& ml, Epilogu
     st_v.advance();
   }
   float inv_sum[kRows], lse[kRows];
-  ml.finalize(t, inv_sum, lse);
+  ml.finalize(inv_sum, lse);
   epilogue.store(t, ml.tOrO, inv_sum, lse);
 }
 

@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     smem.pipe_v.consumer_release(st_v);
     st_v.advance();
     float inv_sum[kRows], lse[kRows];
-    ml.finalize(pending_tile, inv_sum, lse);
+    ml.finalize(inv_sum, lse);
     epilogue.store(pending_tile, ml.tOrO, inv_sum, lse);
     pending = false;
   };
@@ -105,13 +105,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;  // first query row of this WG
     ml.begin_tile(t);
 
-    if (t.n_blocks() == 0) {  // no key for any row: O = 0, LSE = +inf (or the sink)
+    if (t.n_blocks() == 0) {  // no key for any row: O = 0, LSE = +inf
       if (pending) finish_pending();
       if (!has_rows<Traits>(t)) continue;  // a packed entry's tiles past its end
       ml.softmax = typename Mainloop::Softmax();
       clear(ml.tOrO);
       float inv_sum[kRows], lse[kRows];
-      ml.finalize(t, inv_sum, lse);
+      ml.finalize(inv_sum, lse);
       epilogue.store(t, ml.tOrO, inv_sum, lse);
       continue;
     }
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ml.turn_pass();
       warpgroup_wait<1>();
       float inv_sum[kRows], lse[kRows];
-      ml.finalize(pending_tile, inv_sum, lse);  // the tile before: all keys seen
+      ml.finalize(inv_sum, lse);  // the tile before: all keys seen
       release_k_first();
       ml.template softmax_step<false>(t.n_max - 1, row0, first);
       warpgroup_wait<0>();

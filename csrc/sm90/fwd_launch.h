@@ -79,7 +79,7 @@ flashattn_result_t run_fwd_split_tail(const flashattn_params_t& p, FwdParams<Tra
       using Out = remove_pointer_t<decltype(o)>;
       const TailMergeParams<Out> m{tail,           o,     p.o.batch_stride, p.o.row_stride,
                                    p.o.head_stride, p.lse, p.heads_q,        p.seqlen_q,
-                                   params.num_m_blocks, p.sinks};
+                                   params.num_m_blocks};
       const int64_t threads = int64_t(tail.tiles) * kTailRows * (Traits::kHeadDim / 4);
       const int grid = int((threads + kTailMergeThreads - 1) / kTailMergeThreads);
       return cuda_status(launch_dependent(fwd_tail_merge<Traits::kHeadDim, Out>, grid,
@@ -157,7 +157,6 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
   params.softcap_pre = params.softcap ? p.softmax_scale / p.softcap : 0.f;
   params.scale_log2 = params.softcap ? p.softcap * log2e : p.softmax_scale * log2e;
   params.pingpong = pingpong;
-  params.sinks = p.sinks;
   params.q_descale = p.q_descale;
   params.k_descale = p.k_descale;
   params.v_descale = p.v_descale;

@@ -278,19 +278,14 @@ struct FwdMainloop {
     scale_rows(rowcol_O, factor);
   }
 
-  // All keys of tile `t` seen: what O's rows are multiplied by, and the LSE; with its head's
-  // attention sink, unless `t` is a tail piece (fwd_tail_merge.h adds the sink once).
-  __device__ FLASHATTN_INLINE void finalize(const WorkTile& t, float (&inv_sum)[kRows],
-                                            float (&lse)[kRows]) {
-    const float sink_log2 = params.sinks != nullptr && t.slot < 0
-                                ? params.sinks[t.head] * float(M_LOG2E)
-                                : -INFINITY;
+  // All keys seen: what O's rows are multiplied by, and the LSE.
+  __device__ FLASHATTN_INLINE void finalize(float (&inv_sum)[kRows], float (&lse)[kRows]) {
     if constexpr (Traits::kFp8) {
-      softmax.finalize(inv_sum, lse, sink_log2);
+      softmax.finalize(inv_sum, lse);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) inv_sum[r] *= v_unit;
     } else {
-      softmax.finalize(params.scale_log2, inv_sum, lse, sink_log2);
+      softmax.finalize(params.scale_log2, inv_sum, lse);
     }
   }
 };

@@ -5,8 +5,7 @@
 // piece with LSE +inf saw no key of the row: its O is 0, or NaN where V holds a NaN or inf at a
 // key the row does not see (0·NaN), which is added, as the whole-tile kernel's O would carry it.
 // A row that sees no key at all gets O = 0 and LSE = +inf. A piece with a NaN score has LSE and
-// O NaN, which pass on to the row's O and LSE. An attention sink joins as one more piece, of LSE
-// the sink and O = 0 (the pieces leave it out).
+// O NaN, which pass on to the row's O and LSE.
 #pragma once
 
 #include <cutlass/array.h>
@@ -23,7 +22,6 @@ struct TailMergeParams {
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   float* lse;
   int heads_q, seqlen_q, num_m_blocks;
-  const float* sinks;  // per query head, or null
 };
 
 constexpr int kTailMergeThreads = 256;
@@ -61,17 +59,6 @@ __global__ void __launch_bounds__(kTailMergeThreads) fwd_tail_merge(const TailMe
     }
     const float w = expf(lse - max_lse);
     acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w, sum += w;
-  }
-  // A sink of −inf is none (as the finalizes take it): with rows whose pieces all saw no key,
-  // max_lse is −inf too, and exp(−inf − −inf) would be NaN.
-  if (const float sink = p.sinks != nullptr ? p.sinks[bh % p.heads_q] : -INFINITY;
-      sink != -INFINITY) {
-    if (sink > max_lse) {
-      const float r = expf(max_lse - sink);
-      acc.x *= r, acc.y *= r, acc.z *= r, acc.w *= r, sum *= r;
-      max_lse = sink;
-    }
-    sum += expf(sink - max_lse);
   }
   const float inv = sum == 0.f ? 0.f : 1.f / sum;
   cutlass::Array<Out, 4> out;

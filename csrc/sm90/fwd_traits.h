@@ -149,7 +149,6 @@ struct FwdParams {
   float softcap_pre;  // scale/softcap when softcap is on (scores become tanh(s·scale/softcap))
   bool softcap;
   bool pingpong;
-  const float* sinks;  // one logit per query head (flashattn_params_t::sinks), or null
   // FP8: descales (batch, heads, blocks), packed (heads, packed blocks): Q per query tile, K and
   // V per key block.
   const float* q_descale;

@@ -85,25 +85,14 @@ struct ScaledOnlineSoftmax {
   }
 
   // 1/sum per row (0 for rows that saw no key) and the natural-log LSE (+inf for those rows;
-  // NaN with O for a row with a NaN score; the sink as OnlineSoftmax::finalize).
-  __device__ void finalize(float (&inv_sum)[kRows], float (&lse)[kRows],
-                           float sink_log2 = -INFINITY) {
-    if (sink_log2 == -INFINITY) {
+  // NaN with O for a row with a NaN score, as OnlineSoftmax::finalize).
+  __device__ void finalize(float (&inv_sum)[kRows], float (&lse)[kRows]) {
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float sum = OnlineSoftmax<kRows>::quad_sum(row_sum[r]);
-        const bool empty = sum == 0.f;
-        inv_sum[r] = empty ? 0.f : 1.f / sum;
-        lse[r] = empty ? INFINITY : (row_max[r] + log2f(sum) - kOffset) * float(M_LN2);
-      }
-    } else {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float2 share = sink_share(row_max[r], OnlineSoftmax<kRows>::quad_sum(row_sum[r]),
-                                        sink_log2, kOffset);
-        inv_sum[r] = share.x;
-        lse[r] = share.y;
-      }
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = OnlineSoftmax<kRows>::quad_sum(row_sum[r]);
+      const bool empty = sum == 0.f;
+      inv_sum[r] = empty ? 0.f : 1.f / sum;
+      lse[r] = empty ? INFINITY : (row_max[r] + log2f(sum) - kOffset) * float(M_LN2);
     }
   }
 };
