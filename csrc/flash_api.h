@@ -100,9 +100,10 @@ typedef struct {
   // The forward adds them after its kernels, by one pass over O (which rounds O once more).
   // The backward takes the same sinks (its P comes from the forward's LSE, which holds them)
   // and, where dsinks (heads_q f32, device memory, overwritten) is not null, writes
-  // d_sink = −Σ exp(sink − LSE)·rowsum(dO ∘ O) over every row of the head in every batch entry
-  // or sequence, summed in a fixed order (bit-identical run to run). dsinks without sinks is
-  // refused (FLASHATTN_INVALID_ARGUMENT).
+  // d_sink = −Σ exp(sink − LSE)·Σ_j P_j·dP_j over every row of the head in every batch entry or
+  // sequence, summed in a fixed order (bit-identical run to run); with softcap, rowsum(dO ∘ O)
+  // stands for Σ_j P_j·dP_j (it differs by the rounding of O). dsinks without sinks is refused
+  // (FLASHATTN_INVALID_ARGUMENT). The workspace grows by bwd_sink_parts (bwd_workspace.h).
   const float* sinks;
   float* dsinks;
 

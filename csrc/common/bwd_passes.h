@@ -194,23 +194,55 @@ cudaError_t launch_bwd_preprocess(const BwdRowsParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The attention sinks' gradient, after the preprocess: d_sink[h] = −Σ exp(sink_h − LSE)·D over
-// head h's rows of every entry (padding rows have LSE +inf and D 0, and add nothing). One CTA per
-// head: its threads stride the rows in f64, then a tree in shared memory, so that the sum runs in
-// the same order every call (bit-identical run to run, in either mode).
+// The attention sinks' gradient, d_sink = −Σ_i w_i·D*_i over a head's rows i, with w_i =
+// exp(sink − LSE_i) the sink's share of row i and D*_i = Σ_j P_ij·dP_ij. D_i = rowsum(dO ∘ O),
+// which dS takes, equals D*_i only up to O's rounding to 16 bits, which summed over every row
+// would dominate d_sink's error. But as Σ_j P_ij = 1 − w_i and the same D_i is inside every
+// dS_ij = P_ij·(dP_ij − D_i), D*_i = Σ_j dS_ij + (1 − w_i)·D_i, in which the rounding cancels:
+// so each main-kernel CTA sums Σ_i w_i·Σ_j dS_ij over its keys, warp by warp, into its parts
+// (BwdSinkParts), and bwd_sink_grad adds them to Σ_i w_i·(1 − w_i)·D_i. Where the kernels leave
+// the parts out (softcap, whose dS holds the cap's derivative), D_i stands for D*_i.
+
+// Where the main kernels leave their parts (BwdWorkspace::sink_parts): for query head h,
+// `groups` runs of `run` floats, run g at (g·heads_q + h)·run, each a CTA's kSinkWarps warp sums
+// after the other. Zeroed before the main kernel: CTAs with no rows leave theirs.
+struct BwdSinkParts {
+  float* parts = nullptr;  // null: D_i stands for D*_i
+  int groups = 0;
+  int64_t run = 0;
+};
+
+// A warp's sum of its lanes' `part` into slot `warp` of its CTA's run of parts (a fixed shuffle
+// order: the same bits every call).
+__device__ inline void store_sink_part(float* cta_parts, int warp, float part) {
+#pragma unroll
+  for (int lane_mask = 16; lane_mask > 0; lane_mask /= 2)
+    part += __shfl_xor_sync(0xffffffffu, part, lane_mask);
+  if (threadIdx.x % 32 == 0) cta_parts[warp] = part;
+}
+
+// One CTA per head: its threads stride the rows and the parts in f64, then a tree in shared
+// memory, so that the sum runs in the same order every call (bit-identical run to run, in either
+// mode). Padding rows have LSE +inf and D 0, and add nothing.
 // A template: both families' units include this header, and a plain kernel defined here would be
 // defined twice at link time.
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
     bwd_sink_grad(const float* lse_log2, const float* softmax_d, const float* sinks,
-                  float* dsinks, int entries, int heads_q, int dq_rows) {
+                  BwdSinkParts parts, float* dsinks, int entries, int heads_q, int dq_rows) {
   const int head = blockIdx.x;
   const float sink_log2 = sinks[head] * float(M_LOG2E);
   double sum = 0.0;
   for (int b = 0; b < entries; ++b) {
     const int64_t base = (int64_t(b) * heads_q + head) * dq_rows;
-    for (int r = threadIdx.x; r < dq_rows; r += kThreads)
-      sum += double(exp2f(sink_log2 - lse_log2[base + r])) * double(softmax_d[base + r]);
+    for (int r = threadIdx.x; r < dq_rows; r += kThreads) {
+      const double w = exp2f(sink_log2 - lse_log2[base + r]);
+      sum += (parts.parts != nullptr ? w * (1.0 - w) : w) * double(softmax_d[base + r]);
+    }
+  }
+  for (int g = 0; g < parts.groups; ++g) {
+    const float* run = parts.parts + (int64_t(g) * heads_q + head) * parts.run;
+    for (int64_t i = threadIdx.x; i < parts.run; i += kThreads) sum += double(run[i]);
   }
   __shared__ double part[kThreads];
   part[threadIdx.x] = sum;
@@ -223,13 +255,14 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) dsinks[head] = float(-part[0]);
 }
 
-// d_sink into `dsinks` where the call asks for it (null: nothing to do).
+// d_sink into `dsinks` where the call asks for it (null: nothing to do), after the main kernel.
 inline cudaError_t launch_bwd_sink_grad(const BwdRowsParams& p, const float* sinks,
-                                        float* dsinks, cudaStream_t stream) {
+                                        const BwdSinkParts& parts, float* dsinks,
+                                        cudaStream_t stream) {
   if (dsinks == nullptr) return cudaSuccess;
   constexpr int kThreads = 256;
   bwd_sink_grad<kThreads><<<unsigned(p.heads_q), kThreads, 0, stream>>>(
-      p.lse_log2, p.softmax_d, sinks, dsinks, p.seqs.packed() ? 1 : p.batch, p.heads_q,
+      p.lse_log2, p.softmax_d, sinks, parts, dsinks, p.seqs.packed() ? 1 : p.batch, p.heads_q,
       p.dq_rows);
   return cudaGetLastError();
 }

@@ -86,15 +86,31 @@ inline int bwd_dq_splits(const flashattn_params_t& p) {
 // block, warpgroup of 2)), and for packed calls in deterministic mode last the offsets' flag (an
 // int, bwd_offsets_malformed); then for packed calls the entry tables (bwd_packed_entries): an
 // int per kDqRowAlign rows of a head's query workspace rows, and one per packed key block of
-// kMinKeyBlock keys (packed_blocks). Each region starts on a multiple of 256 bytes.
+// kMinKeyBlock keys (packed_blocks); where the call asks for the sinks' gradient, its parts
+// (bwd_sink_parts floats). Each region starts on a multiple of 256 bytes.
 // src/backend/gpu.rs sizes it the same way.
 struct BwdWorkspace {
   int64_t dq_accum, lse_log2, softmax_d, dk_accum, dv_accum, dq_semaphore, offsets_flag,
-      row_entries, key_entries, bytes;
+      row_entries, key_entries, sink_parts, bytes;
 };
-// The smallest key block of the sm90 backward's packed key blocks: the key table is sized for it
-// (the sm80 family builds the row table alone).
+// The smallest key block of the backward kernels: the sm90 family's packed key table and the
+// sinks' parts are sized for it (the sm80 family builds the row table alone).
 constexpr int kMinKeyBlock = 64;
+
+// The sinks' gradient parts (bwd_sink_grad): kSinkWarps floats per key block of every entry and
+// query head, or of the packed key blocks, where the call asks for the gradient.
+constexpr int kSinkWarps = 8;  // at most so many warps of a CTA sum dS
+inline int64_t bwd_sink_parts(const flashattn_params_t& p) {
+  if (p.dsinks == nullptr) return 0;
+  const bool packed = p.cu_seqlens_q != nullptr;
+  const int64_t longest = packed ? p.max_seqlen_k : p.seqlen_k;
+  int64_t blocks = p.batch * ((longest + kMinKeyBlock - 1) / kMinKeyBlock);
+  if (packed) {
+    const int64_t packed_keys = packed_blocks(p.seqlen_k, p.batch, kMinKeyBlock);
+    blocks = blocks > packed_keys ? blocks : packed_keys;
+  }
+  return blocks * p.heads_q * kSinkWarps;
+}
 inline BwdWorkspace bwd_workspace(const flashattn_params_t& p, int dq_slices) {
   auto align = [](int64_t x) { return (x + 255) / 256 * 256; };
   const int64_t batch = p.cu_seqlens_q == nullptr ? p.batch : 1;
@@ -112,8 +128,9 @@ inline BwdWorkspace bwd_workspace(const flashattn_params_t& p, int dq_slices) {
   const bool packed = p.cu_seqlens_q != nullptr;
   w.row_entries = w.offsets_flag + (p.deterministic && packed ? 256 : 0);
   w.key_entries = w.row_entries + (packed ? align(bwd_rows_per_head(p) / kDqRowAlign * 4) : 0);
-  w.bytes = w.key_entries +
-            (packed ? align(packed_blocks(p.seqlen_k, p.batch, kMinKeyBlock) * 4) : 0);
+  w.sink_parts = w.key_entries +
+                 (packed ? align(packed_blocks(p.seqlen_k, p.batch, kMinKeyBlock) * 4) : 0);
+  w.bytes = w.sink_parts + align(bwd_sink_parts(p) * 4);
   return w;
 }
 

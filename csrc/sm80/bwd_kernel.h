@@ -248,6 +248,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
     };
 
     int stage = 0;
+    // The sinks' gradient: this thread's share over the block's keys (bwd_sink_grad); the
+    // softcap path leaves it to D.
+    float sink_part = 0.f;
     if (m_count > 0) load_q_block(block_at(0), 0);
   #pragma unroll 1
     for (int j = 0; j < m_count; ++j) {
@@ -308,6 +311,17 @@ __global__ void __launch_bounds__(Traits::kThreads)
                      [&](int r, int c, float, float d, bool) {
                        rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - d);
                      });
+        if (params.sink_parts != nullptr) {  // w_i·Σ_j dS_ij of this thread's rows
+          const float sink_log2 = params.sinks[head] * float(M_LOG2E);
+  #pragma unroll
+          for (int r = 0; r < size<0>(rowcol_dp); ++r) {
+            float row = 0.f;
+  #pragma unroll
+            for (int c = 0; c < size<1>(rowcol_dp); ++c) row += rowcol_dp(r, c);
+            const float lse = smem.stage[stage].lse[get<0>(rowcol_cS(r, 0))];
+            sink_part += exp2f(sink_log2 - lse) * row;
+          }
+        }
       }
       acc_to_smem<Element>(acc_dp, thr_sdp, sdS);
       __syncthreads();
@@ -337,6 +351,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
         stage ^= 1;
       }
     }
+
+    static_assert(Traits::kThreads / 32 <= kSinkWarps);
+    if (params.sink_parts != nullptr)
+      store_sink_part(params.sink_parts + ((int64_t(batch) * params.heads_q + head) *
+                                               params.sink_blocks + n_block) * kSinkWarps,
+                      tid / 32, sink_part);
 
     // dK·scale and dV: rows of this key block that the entry owns (keys_out), from the entry's
     // first key row.

@@ -101,7 +101,6 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
                      nullptr, 0, 0, 0, KeyRange{}, nullptr, seqs};  // dQ converted after
   if (seqs.packed()) rows.row_entries = reinterpret_cast<const int*>(base + ws.row_entries);
   FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
-  FLASHATTN_TRY_CUDA(launch_bwd_sink_grad(rows, p.sinks, p.dsinks, stream));
 
   // Two Q/dO buffers where the device's shared memory holds them.
   int device = 0, smem_optin = 0;
@@ -111,6 +110,18 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.q_stages = smem_optin >= Traits::smem_bytes(2) ? 2 : 1;
   const int smem_bytes = Traits::smem_bytes(params.q_stages);
   const int n_blocks = (seqs.max_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  // The sinks' gradient: the kernels (not with softcap) leave each key block's parts.
+  BwdSinkParts sink_parts;
+  if (p.dsinks != nullptr && !params.softcap) {
+    sink_parts = {reinterpret_cast<float*>(base + ws.sink_parts), p.batch,
+                  int64_t(n_blocks) * kSinkWarps};
+    FLASHATTN_TRY_CUDA(cudaMemsetAsync(
+        sink_parts.parts, 0, int64_t(p.batch) * p.heads_q * sink_parts.run * sizeof(float),
+        stream));
+  }
+  params.sinks = p.sinks;
+  params.sink_parts = sink_parts.parts;
+  params.sink_blocks = n_blocks;
   if (params.deterministic) {
     auto kernel = bwd_kernel<Traits, true>;
     using Tag = std::pair<Traits, std::true_type>;  // one opt-in record per kernel
@@ -130,6 +141,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     kernel<<<dim3(n_blocks, p.heads_q, p.batch), Traits::kThreads, smem_bytes, stream>>>(params);
   }
   FLASHATTN_TRY_CUDA(cudaGetLastError());
+  FLASHATTN_TRY_CUDA(launch_bwd_sink_grad(rows, p.sinks, sink_parts, p.dsinks, stream));
 
   // Per query block of each (batch, head)'s workspace rows; packed, of each head's (batch 1).
   bwd_convert_dq<Traits><<<dim3(params.dq_rows / Traits::kBlockM, p.heads_q,

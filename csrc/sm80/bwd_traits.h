@@ -112,6 +112,11 @@ struct BwdParams {
   int dq_splits;
   int64_t dq_split_stride;  // floats between dQ slices
   TileOrder order;          // atomic mode: (key block, batch·head) of each CTA
+  // The sinks' gradient (not with softcap): the sinks, and kSinkWarps parts per (entry, head,
+  // key block of sink_blocks) (bwd_sink_grad); else null.
+  const float* sinks;
+  float* sink_parts;
+  int sink_blocks;
   float* dk_accum;    // GQA only: (batch, heads_kv, seqlen_k, d) zeroed, or deterministic
                       // (batch, heads_q, seqlen_k, d); else null
   float* dv_accum;

@@ -68,6 +68,10 @@ struct BwdParams {
   const int* offsets_malformed;
   // Packed calls: the sequence of each packed key block, -1 for none (bwd_packed_entries).
   const int* key_entries;
+  // The sinks' gradient (not with softcap): the sinks, and each CTA's kSinkWarps parts at
+  // BwdCtaWork::sink_slot (bwd_sink_grad); else null.
+  const float* sinks;
+  float* sink_parts;
   int batch;               // entries (packed: sequences)
   int heads_q, heads_kv;
   int seqlen_q, seqlen_k;  // the tensors' rows (packed: all sequences')
@@ -136,6 +140,7 @@ struct BwdCtaWork {
   Sequences::Entry seq;
   KeyRange keys;
   int64_t rows_base;
+  int64_t sink_slot;  // the CTA's parts of the sinks' gradient: (batch·head, key block) of order
 };
 template <int kBlockN, int kBlockM, class Params>
 __device__ BwdCtaWork bwd_cta_work(Params const& params, bool keys_descending) {
@@ -143,6 +148,7 @@ __device__ BwdCtaWork bwd_cta_work(Params const& params, bool keys_descending) {
   int block, bh, blocks;  // blocks: the entry's key blocks
   params.order.at(blockIdx.x, block, bh);
   w.head = bh % params.heads_q;
+  w.sink_slot = (int64_t(bh) * params.order.tiles + block) * kSinkWarps;
   if (params.seqs.packed()) {
     const int b = params.key_entries[block];
     w.batch = b < 0 ? 0 : b;
@@ -335,6 +341,21 @@ __device__ void bwd_ds(RowCol const& p, RowCol& dp, DsumOf const& dsum_of, LseOf
       for (int r = 0; r < kRows; ++r) dp(r, c) = p(r, c) * (dp(r, c) - dsum);
     }
   }
+}
+
+// This thread's share of Σ_i w_i·Σ_j dS_ij (bwd_sink_grad) over its elements of dSᵀ (keys ×
+// queries): w_i = 2^(sink_log2 − LSE_i·log2 e), lse_of(c) giving column c's LSE·log2 e.
+template <class RowCol, class LseOf>
+__device__ float bwd_sink_share(RowCol const& ds, LseOf const& lse_of, float sink_log2) {
+  float share = 0.f;
+#pragma unroll
+  for (int c = 0; c < size<1>(ds); ++c) {
+    float column = 0.f;
+#pragma unroll
+    for (int r = 0; r < size<0>(ds); ++r) column += ds(r, c);
+    share += exp2f(sink_log2 - lse_of(c)) * column;
+  }
+  return share;
 }
 
 // The producer warpgroup's first warp (the caller has given the warpgroup's registers to the

@@ -262,6 +262,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (tid == 0) add_slab(m, 1);
   };
 
+  // The sinks' gradient: this thread's share over the CTA's keys (bwd_sink_grad); the softcap
+  // kernels leave it to D. Only the share is held across the loop (registers are scarce there).
+  constexpr bool kSinkShare = kCap == CapSlope::kNone;
+  float sink_part = 0.f;
   PipelineState<kStages> st;
   PipelineState<Traits::kStagesdO> st_do;
   if (m_end > m_first) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, 0);
@@ -296,6 +300,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_ds<kCap>(
         rowcol_s, rowcol_dp, [&](int c) { return row_value(dsum_held, c); },
         [&](int c) { return row_value(lse_held, c); }, params.scale_log2);
+    if constexpr (kSinkShare)
+      if (params.sink_parts != nullptr)
+        sink_part += bwd_sink_share(rowcol_dp, [&](int c) { return row_value(lse_held, c); },
+                                    params.sinks[work.head] * float(M_LOG2E));
     if constexpr (kCap != CapSlope::kFolded) convert_fragment(acc_s, rP);
     convert_fragment(acc_dp, rdS);
     // Pᵀ and dSᵀ into this block's stage, as (key, query). The other warpgroup's GEMMs read the
@@ -358,6 +366,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     else
       tma_store_wait<0>();
   }
+
+  static_assert(Traits::kConsumerWGs * 4 <= kSinkWarps);
+  if (kSinkShare && params.sink_parts != nullptr)
+    store_sink_part(params.sink_parts + work.sink_slot, wg * 4 + tid / 32, sink_part);
 
   // ---------------- dK·scale and dV ----------------
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));

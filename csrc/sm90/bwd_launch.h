@@ -109,6 +109,16 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
       seqs.packed() ? reinterpret_cast<const int*>(base + ws.row_entries) : nullptr;
   params.key_entries =
       seqs.packed() ? reinterpret_cast<const int*>(base + ws.key_entries) : nullptr;
+  // The sinks' gradient: the kernels (not softcap's) leave each CTA's parts, in tile-order slots.
+  BwdSinkParts sink_parts;
+  if (p.dsinks != nullptr && !softcap) {
+    sink_parts = {reinterpret_cast<float*>(base + ws.sink_parts),
+                  seqs.packed() ? 1 : p.batch, tiles * kSinkWarps};
+    FLASHATTN_TRY_CUDA(cudaMemsetAsync(sink_parts.parts, 0,
+                                       heads_total * tiles * kSinkWarps * sizeof(float), stream));
+  }
+  params.sinks = p.sinks;
+  params.sink_parts = sink_parts.parts;
   params.heads_q = p.heads_q;
   params.heads_kv = p.heads_kv;
   params.seqlen_q = p.seqlen_q;
@@ -149,7 +159,6 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   if (offsets_malformed != nullptr)
     FLASHATTN_TRY_CUDA(cudaMemsetAsync(offsets_malformed, 0, sizeof(int), stream));
   FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
-  FLASHATTN_TRY_CUDA(launch_bwd_sink_grad(rows, p.sinks, p.dsinks, stream));
 
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
   const unsigned ctas = unsigned(tiles * heads_total);
@@ -175,6 +184,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
                         : launch(std::false_type{}, std::false_type{});
   if (launched.status != FLASHATTN_OK) return launched;
   FLASHATTN_TRY_CUDA(cudaGetLastError());
+  FLASHATTN_TRY_CUDA(launch_bwd_sink_grad(rows, p.sinks, sink_parts, p.dsinks, stream));
 
   // GQA dK/dV: per KV head, or in deterministic mode per query head, summed here in head order.
   const int kv_group = p.deterministic ? p.heads_q / p.heads_kv : 1;

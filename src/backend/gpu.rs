@@ -219,7 +219,8 @@ pub(crate) fn forward_fp8(
 /// and dV sums (per KV head, or per query head in deterministic mode), and in deterministic mode
 /// the sm90 backward's dQ semaphores (an i32 per 64 rows and warpgroup) and for packed calls a flag
 /// that says whether their offsets fit the semaphores' layout; for packed calls the tables of
-/// which sequence owns each 128 query workspace rows and each packed key block; each padded to
+/// which sequence owns each 128 query workspace rows and each packed key block; where the call
+/// asks for the sinks' gradient (`sink_grad`), its parts ([`bwd_sink_parts`]); each padded to
 /// 256 bytes.
 /// Packed (`packed`), the accumulator rows of a head are the packed rows rounded up to 128 plus
 /// 128 per sequence (each sequence's rows start on a multiple of 128), and the dK and dV sums
@@ -230,6 +231,7 @@ pub(crate) fn bwd_workspace_bytes(
     backend: Backend,
     deterministic: bool,
     sm_count: i32,
+    sink_grad: bool,
 ) -> usize {
     let align = |x: usize| x.div_ceil(256) * 256;
     let (rows_dq_per_head, rows_k_per_head) = match packed {
@@ -277,6 +279,23 @@ pub(crate) fn bwd_workspace_bytes(
             }
             None => 0,
         }
+        + if sink_grad {
+            align(bwd_sink_parts(problem, packed) * 4)
+        } else {
+            0
+        }
+}
+
+/// Floats of the sinks' gradient parts (the kernels' sums of dS weighted by the sink's share,
+/// which keep O's rounding out of d_sink): 8 per query head and key block of 64 keys of every
+/// entry, or packed, of the packed key blocks where they are more (csrc/common/bwd_workspace.h,
+/// bwd_sink_parts).
+fn bwd_sink_parts(problem: &Problem, packed: Option<&PackedRows>) -> usize {
+    let mut blocks = problem.batch * problem.seqlen_k.div_ceil(64);
+    if let Some(rows) = packed {
+        blocks = blocks.max(rows.total_k / 64 + problem.batch);
+    }
+    blocks * problem.heads_q * 8
 }
 
 /// dQ slices of the deterministic backward: as many CTAs per (batch, head) as fit in one wave on

@@ -490,6 +490,7 @@ impl Device {
             plan.backend,
             cfg.deterministic,
             self.info.sm_count,
+            dsinks.is_some(),
         );
         // SAFETY: the kernels zero what they accumulate into and write the rest before reading.
         let mut workspace = unsafe { stream.alloc::<u8>(workspace_bytes) }.map_err(driver_error)?;
