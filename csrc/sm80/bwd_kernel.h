@@ -43,7 +43,10 @@ __device__ void acc_to_smem(Acc const& acc, Thr const& thr, STensor& sTile) {
 
 // kDeterministic: CTA s walks key blocks s, s + gridDim.x, ... (see BwdParams::deterministic);
 // otherwise one key block per CTA. Two instantiations: in one, the loop made the atomic path slower.
-template <class Traits, bool kDeterministic>
+// kSinkParts: sums the sinks' gradient parts where the call has them (bwd_sink_grad; not on the
+// softcap path); the plain kernel has an instantiation without, so that calls without sinks run
+// its code as it was.
+template <class Traits, bool kDeterministic, bool kSinkParts>
 __global__ void __launch_bounds__(Traits::kThreads)
     bwd_kernel(__grid_constant__ const BwdParams params) {
   using Element = typename Traits::Element;
@@ -250,6 +253,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     int stage = 0;
     // The sinks' gradient: this thread's share over the block's keys (bwd_sink_grad); the
     // softcap path leaves it to D.
+    const bool sink_grad = kSinkParts && params.sink_parts != nullptr;
     float sink_part = 0.f;
     if (m_count > 0) load_q_block(block_at(0), 0);
   #pragma unroll 1
@@ -311,7 +315,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
                      [&](int r, int c, float, float d, bool) {
                        rowcol_dp(r, c) = rowcol_s(r, c) * (rowcol_dp(r, c) - d);
                      });
-        if (params.sink_parts != nullptr) {  // w_i·Σ_j dS_ij of this thread's rows
+        if (kSinkParts && sink_grad) {  // w_i·Σ_j dS_ij of this thread's rows
           const float sink_log2 = params.sinks[head] * float(M_LOG2E);
   #pragma unroll
           for (int r = 0; r < size<0>(rowcol_dp); ++r) {
@@ -353,7 +357,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     }
 
     static_assert(Traits::kThreads / 32 <= kSinkWarps);
-    if (params.sink_parts != nullptr)
+    if (kSinkParts && sink_grad)
       store_sink_part(params.sink_parts + ((int64_t(batch) * params.heads_q + head) *
                                                params.sink_blocks + n_block) * kSinkWarps,
                       tid / 32, sink_part);

@@ -14,6 +14,7 @@
 #include <climits>
 
 #include <cmath>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -122,23 +123,32 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.sinks = p.sinks;
   params.sink_parts = sink_parts.parts;
   params.sink_blocks = n_blocks;
+  // Three instantiations: plain, plain with the sinks' gradient parts, deterministic (parts where
+  // the call has them). Each keeps its own record of the shared-memory opt-in (its tag).
+  auto launch = [&](auto deterministic, auto sink_parts_summed, dim3 grid) {
+    auto kernel = bwd_kernel<Traits, decltype(deterministic)::value,
+                             decltype(sink_parts_summed)::value>;
+    using Tag = std::tuple<Traits, decltype(deterministic), decltype(sink_parts_summed)>;
+    if (const cudaError_t e = allow_dynamic_smem<Tag>(kernel, smem_bytes); e != cudaSuccess)
+      return e;
+    kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(params);
+    return cudaGetLastError();
+  };
   if (params.deterministic) {
-    auto kernel = bwd_kernel<Traits, true>;
-    using Tag = std::pair<Traits, std::true_type>;  // one opt-in record per kernel
-    FLASHATTN_TRY_CUDA(allow_dynamic_smem<Tag>(kernel, smem_bytes));
-    kernel<<<dim3(params.dq_splits, p.heads_q, p.batch), Traits::kThreads, smem_bytes, stream>>>(
-        params);
+    FLASHATTN_TRY_CUDA(launch(std::true_type{}, std::true_type{},
+                              dim3(params.dq_splits, p.heads_q, p.batch)));
   } else {
-    auto kernel = bwd_kernel<Traits, false>;
-    using Tag = std::pair<Traits, std::false_type>;
-    FLASHATTN_TRY_CUDA(allow_dynamic_smem<Tag>(kernel, smem_bytes));
     // Causal (any right bound): key block 0 sees the most query rows, so heaviest first, heads
     // grouped by the Q, dO and dQ accumulator they share within a third of the L2 (measured
     // faster than half at several causal shapes, equal at the rest; benchmarks/README.md).
     const int64_t q_bytes = int64_t(seqs.max_q) * kHeadDim * (2 * sizeof(Element) + sizeof(float));
     params.order = TileOrder::make(n_blocks, p.batch * p.heads_q, params.keys.window_right >= 0,
                                    q_bytes, l2_bytes() / 3);
-    kernel<<<dim3(n_blocks, p.heads_q, p.batch), Traits::kThreads, smem_bytes, stream>>>(params);
+    const dim3 grid(n_blocks, p.heads_q, p.batch);
+    if (sink_parts.parts != nullptr)
+      FLASHATTN_TRY_CUDA(launch(std::false_type{}, std::true_type{}, grid));
+    else
+      FLASHATTN_TRY_CUDA(launch(std::false_type{}, std::false_type{}, grid));
   }
   FLASHATTN_TRY_CUDA(cudaGetLastError());
   FLASHATTN_TRY_CUDA(launch_bwd_sink_grad(rows, p.sinks, sink_parts, p.dsinks, stream));

@@ -150,8 +150,11 @@ struct BwdTraits {
 // kDeterministic: dQ through the semaphores (params.dq_semaphore), GQA dK/dV per query head. Its
 // own instantiation: the branches cost the atomic path registers (ptxas spills, slower at d128).
 // kSoftcap: scores capped (bwd_probabilities, bwd_ds); its own instantiation too, as a run-time
-// test around the score loops slowed the plain kernels (benchmarks/README.md).
-template <class Traits, bool kDeterministic, bool kSoftcap>
+// test around the score loops slowed the plain kernels (benchmarks/README.md). kSinkParts: sums
+// the sinks' gradient parts where the call has them (bwd_sink_grad; not with softcap, whose dS
+// holds the cap's derivative: it leaves the gradient to D); the plain kernel has an instantiation
+// without, so that calls without sinks run its code as it was.
+template <class Traits, bool kDeterministic, bool kSoftcap, bool kSinkParts>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_kernel(__grid_constant__ const BwdParams<Traits> params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -308,9 +311,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto rdS = make_tensor<Element>(acc_as_operand_a(acc_dp.layout()));
   float* sdq = smem.dq[wg];
 
-  // The sinks' gradient: this thread's share over the CTA's keys (bwd_sink_grad); the softcap
-  // kernels leave it to D. Only the share is held across the loop (registers are scarce there).
-  constexpr bool kSinkShare = kCap == CapSlope::kNone;
+  // The sinks' gradient: this thread's share over the CTA's keys (bwd_sink_grad).
+  static_assert(!kSinkParts || kCap == CapSlope::kNone);
+  const bool sink_grad = kSinkParts && params.sink_parts != nullptr;
   float sink_part = 0.f;
   PipelineState<kStages> st;
   if (m_end > m_first) cutlass::arch::ClusterTransactionBarrier::wait(&smem.kv_full, 0);
@@ -368,8 +371,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_ds<kCap>(
         rowcol_s, rowcol_dp, [&](int c) { return row_value(dsum_held, c); },
         [&](int c) { return row_value(lse_held, c); }, params.scale_log2);
-    if constexpr (kSinkShare)
-      if (params.sink_parts != nullptr)
+    if constexpr (kSinkParts)
+      if (sink_grad)
         sink_part += bwd_sink_share(rowcol_dp, [&](int c) { return row_value(lse_held, c); },
                                     params.sinks[work.head] * float(M_LOG2E));
     if constexpr (!Traits::kEarlyDv) convert_fragment(acc_s, rP);
@@ -468,7 +471,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (!kDeterministic && tid == 0) tma_store_wait<0>();  // the slab stays until the add read it
 
   static_assert(Traits::kConsumerWGs * 4 <= kSinkWarps);
-  if (kSinkShare && params.sink_parts != nullptr)
+  if (kSinkParts && sink_grad)
     store_sink_part(params.sink_parts + work.sink_slot, wg * 4 + tid / 32, sink_part);
 
   // ---------------- dK·scale and dV ----------------

@@ -130,7 +130,8 @@ struct BwdSplitDTraits {
                 sizeof(SharedStorage::v) == sizeof(SharedStorage::k));
 };
 
-template <class Traits, bool kDeterministic, bool kSoftcap>
+// The template parameters are bwd_kernel's (bwd_kernel.h).
+template <class Traits, bool kDeterministic, bool kSoftcap, bool kSinkParts>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_kernel_split_d(__grid_constant__ const BwdParams<Traits> params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -262,9 +263,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (tid == 0) add_slab(m, 1);
   };
 
-  // The sinks' gradient: this thread's share over the CTA's keys (bwd_sink_grad); the softcap
-  // kernels leave it to D. Only the share is held across the loop (registers are scarce there).
-  constexpr bool kSinkShare = kCap == CapSlope::kNone;
+  // The sinks' gradient: this thread's share over the CTA's keys (bwd_sink_grad).
+  static_assert(!kSinkParts || kCap == CapSlope::kNone);
+  const bool sink_grad = kSinkParts && params.sink_parts != nullptr;
   float sink_part = 0.f;
   PipelineState<kStages> st;
   PipelineState<Traits::kStagesdO> st_do;
@@ -300,8 +301,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_ds<kCap>(
         rowcol_s, rowcol_dp, [&](int c) { return row_value(dsum_held, c); },
         [&](int c) { return row_value(lse_held, c); }, params.scale_log2);
-    if constexpr (kSinkShare)
-      if (params.sink_parts != nullptr)
+    if constexpr (kSinkParts)
+      if (sink_grad)
         sink_part += bwd_sink_share(rowcol_dp, [&](int c) { return row_value(lse_held, c); },
                                     params.sinks[work.head] * float(M_LOG2E));
     if constexpr (kCap != CapSlope::kFolded) convert_fragment(acc_s, rP);
@@ -368,7 +369,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   static_assert(Traits::kConsumerWGs * 4 <= kSinkWarps);
-  if (kSinkShare && params.sink_parts != nullptr)
+  if (kSinkParts && sink_grad)
     store_sink_part(params.sink_parts + work.sink_slot, wg * 4 + tid / 32, sink_part);
 
   // ---------------- dK·scale and dV ----------------

@@ -162,26 +162,31 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
 
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
   const unsigned ctas = unsigned(tiles * heads_total);
-  // Three instantiations: plain, deterministic, softcap (whose deterministic mode is refused
-  // above). Each keeps its own record of the shared-memory opt-in (its modes' tag).
-  auto launch = [&](auto deterministic, auto capped) {
+  // Four instantiations: plain, plain with the sinks' gradient parts, deterministic (parts where
+  // the call has them), softcap (whose deterministic mode is refused above; no parts). Each keeps
+  // its own record of the shared-memory opt-in (its modes' tag).
+  auto launch = [&](auto deterministic, auto capped, auto sink_parts_summed) {
     constexpr bool kDeterministic = decltype(deterministic)::value;
     constexpr bool kSoftcap = decltype(capped)::value;
+    constexpr bool kSinkParts = decltype(sink_parts_summed)::value;
     auto kernel = [] {
       if constexpr (kSplitD)
-        return bwd_kernel_split_d<Traits, kDeterministic, kSoftcap>;
+        return bwd_kernel_split_d<Traits, kDeterministic, kSoftcap, kSinkParts>;
       else
-        return bwd_kernel<Traits, kDeterministic, kSoftcap>;
+        return bwd_kernel<Traits, kDeterministic, kSoftcap, kSinkParts>;
     }();
-    using Tag = std::tuple<Traits, decltype(deterministic), decltype(capped)>;
+    using Tag = std::tuple<Traits, decltype(deterministic), decltype(capped),
+                           decltype(sink_parts_summed)>;
     FLASHATTN_TRY_CUDA(allow_dynamic_smem<Tag>(kernel, smem_bytes));
     kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
     return ok();
   };
   const flashattn_result_t launched =
-      softcap           ? launch(std::false_type{}, std::true_type{})
-      : p.deterministic ? launch(std::true_type{}, std::false_type{})
-                        : launch(std::false_type{}, std::false_type{});
+      softcap           ? launch(std::false_type{}, std::true_type{}, std::false_type{})
+      : p.deterministic ? launch(std::true_type{}, std::false_type{}, std::true_type{})
+      : sink_parts.parts != nullptr
+          ? launch(std::false_type{}, std::false_type{}, std::true_type{})
+          : launch(std::false_type{}, std::false_type{}, std::false_type{});
   if (launched.status != FLASHATTN_OK) return launched;
   FLASHATTN_TRY_CUDA(cudaGetLastError());
   FLASHATTN_TRY_CUDA(launch_bwd_sink_grad(rows, p.sinks, sink_parts, p.dsinks, stream));
