@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use flashattn::{AttentionConfig, Element, Problem, TensorMut, TensorRef};
+use flashattn::{AttentionConfig, Element, ForwardInputs, Problem, TensorMut, TensorRef};
 use half::bf16;
 use rayon::prelude::*;
 
@@ -98,9 +98,11 @@ impl<T: Element> Fwd<T> {
         let s = self.shape;
         flashattn::forward_into(
             cfg,
-            TensorRef::contiguous(&self.q, s),
-            TensorRef::contiguous(&self.k, s),
-            TensorRef::contiguous(&self.v, s),
+            ForwardInputs::new(
+                TensorRef::contiguous(&self.q, s),
+                TensorRef::contiguous(&self.k, s),
+                TensorRef::contiguous(&self.v, s),
+            ),
             TensorMut::contiguous(&mut self.out, s),
             &mut self.lse,
         )

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use flashattn::reference::{self, compare};
-use flashattn::{AttentionConfig, Layout, Problem, TensorRef};
+use flashattn::{AttentionConfig, ForwardInputs, Layout, Problem, TensorRef};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -39,7 +39,11 @@ fn cpu(cfg: &AttentionConfig) {
         TensorRef::new(x, Layout::contiguous(shape))
     }
     let start = Instant::now();
-    let fwd = flashattn::forward(cfg, t(&q, shape), t(&k, shape), t(&v, shape)).expect("forward");
+    let fwd = flashattn::forward(
+        cfg,
+        ForwardInputs::new(t(&q, shape), t(&k, shape), t(&v, shape)),
+    )
+    .expect("forward");
     let secs = start.elapsed().as_secs_f64();
     let want = reference::reference_forward(cfg, t(&q, shape), t(&k, shape), t(&v, shape));
     let base = reference::baseline_forward(cfg, t(&q, shape), t(&k, shape), t(&v, shape));

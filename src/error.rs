@@ -110,7 +110,9 @@ pub enum Error {
     Unsupported { what: String, backend: Backend },
     /// A backend was forced where it cannot run (no GPU, wrong architecture, host memory...).
     BackendUnavailable { backend: Backend, reason: String },
-    /// A configuration value is out of range (negative scale, NaN softcap...).
+    /// A configuration value is out of range (negative scale, NaN softcap...), or optional
+    /// inputs of a call that do not go together (the sinks' gradient asked for without the
+    /// sinks). The C ABI's refusals of an argument come as this too.
     InvalidConfig(String),
     /// Sequence offsets or lengths of a packed (varlen) batch that describe no packing: not
     /// starting at 0, decreasing, past their maximum, of the wrong count.

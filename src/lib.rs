@@ -33,10 +33,10 @@
 //! `lse = +inf`, so that a backward pass computes `exp(s - lse) = 0` and zero gradients. A row
 //! that sees a NaN score gets NaN in `O` and `lse`, on every backend.
 //!
-//! Attention sinks (GPT-OSS style): [`forward_sinks_into`] takes one f32 logit per query head
+//! Attention sinks (GPT-OSS style): [`ForwardInputs::sinks`] holds one f32 logit per query head
 //! that joins each of its rows' softmax as one more score without a value row, and
-//! [`backward_sinks_into`] also gives the sinks' gradient. There a row with no key gets `O = 0`
-//! and `lse` = its head's sink.
+//! [`GradientsMut::dsinks`] asks the backward for the sinks' gradient. There a row with no key
+//! gets `O = 0` and `lse` = its head's sink.
 //!
 //! The sm90 forward's split-KV workspace comes, in stream order, from a memory pool of this
 //! library's that keeps up to 128 MiB per device across synchronizations. Calls can be captured
@@ -44,11 +44,12 @@
 //! (`CudaContext::disable_event_tracking`) for the slices the captured calls use.
 //!
 //! ```
-//! use flashattn::{AttentionConfig, TensorRef};
+//! use flashattn::{AttentionConfig, ForwardInputs, TensorRef};
 //! let (b, s, h, d) = (1, 4, 2, 8);
 //! let x: Vec<f32> = (0..b * s * h * d).map(|i| (i as f32 * 0.37).sin()).collect();
 //! let t = TensorRef::contiguous(&x, [b, s, h, d]);
-//! let fwd = flashattn::forward(&AttentionConfig::new().causal(true), t, t, t).unwrap();
+//! let fwd = flashattn::forward(&AttentionConfig::new().causal(true), ForwardInputs::new(t, t, t))
+//!     .unwrap();
 //! assert_eq!(fwd.out.len(), x.len());
 //! assert_eq!(fwd.lse.len(), b * h * s);
 //! ```
@@ -92,6 +93,45 @@ pub struct ForwardOutput<T> {
     pub plan: Plan,
 }
 
+/// What a host forward pass reads: Q, K, V and, where the model has them, the attention sinks.
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardInputs<'a, T> {
+    pub q: TensorRef<'a, T>,
+    pub k: TensorRef<'a, T>,
+    pub v: TensorRef<'a, T>,
+    /// Attention sinks (learnable, GPT-OSS style), where given: one f32 logit per query head
+    /// (its first heads_q values are used; a shorter one is refused with
+    /// [`Error::BufferTooSmall`] for [`Operand::Sinks`]). Query head `h`'s sink joins every one
+    /// of its rows' softmax as one more score, in the units of the scaled (and, with softcap,
+    /// capped) scores, that takes no value row: `lse_i = log(exp(sinks[h]) + Σ_j exp(s_ij))` and
+    /// `O_i = Σ_j exp(s_ij − lse_i)·V_j`, so the sink draws probability away from the keys. With
+    /// GQA the sinks are per query head. A row that sees no key gets `O = 0` and
+    /// `lse = sinks[h]` (instead of `+inf`). A sink of `−inf` is the same as none; `+inf` or NaN
+    /// makes its head's LSE NaN. The backward of such a forward takes them as
+    /// [`BackwardInputs::sinks`].
+    pub sinks: Option<&'a [f32]>,
+}
+
+impl<'a, T> ForwardInputs<'a, T> {
+    /// Q, K and V, without sinks.
+    pub fn new(q: TensorRef<'a, T>, k: TensorRef<'a, T>, v: TensorRef<'a, T>) -> Self {
+        ForwardInputs {
+            q,
+            k,
+            v,
+            sinks: None,
+        }
+    }
+
+    /// The same inputs with attention sinks ([`ForwardInputs::sinks`]).
+    pub fn with_sinks(self, sinks: &'a [f32]) -> Self {
+        ForwardInputs {
+            sinks: Some(sinks),
+            ..self
+        }
+    }
+}
+
 /// What a host backward pass reads: the forward's inputs, its output and LSE, and dO.
 #[derive(Clone, Copy, Debug)]
 pub struct BackwardInputs<'a, T> {
@@ -104,6 +144,11 @@ pub struct BackwardInputs<'a, T> {
     pub dout: TensorRef<'a, T>,
     /// The forward's LSE: f32 (batch, heads_q, seqlen_q) packed, natural log.
     pub lse: &'a [f32],
+    /// The attention sinks the forward took ([`ForwardInputs::sinks`]), where it took them: at
+    /// least heads_q values (a shorter vector is refused with [`Error::BufferTooSmall`] for
+    /// [`Operand::Sinks`]). dQ, dK and dV need only the LSE, which holds them; the sinks'
+    /// gradient ([`GradientsMut::dsinks`]) is computed from them.
+    pub sinks: Option<&'a [f32]>,
 }
 
 /// Where a host backward pass writes: dQ shaped like Q, dK and dV shaped like K and V, each
@@ -113,6 +158,23 @@ pub struct GradientsMut<'a, T> {
     pub dq: TensorMut<'a, T>,
     pub dk: TensorMut<'a, T>,
     pub dv: TensorMut<'a, T>,
+    /// Where given, the attention sinks' gradient
+    /// `dsinks[h] = −Σ_{b,i} exp(sinks[h] − lse_i)·rowsum(dO_i ∘ O_i)` over query head `h`'s rows
+    /// `i` of every batch entry `b`, into its first heads_q values (the rest are left as they
+    /// are), summed in f64 in a fixed order (the same bits every call). It needs
+    /// [`BackwardInputs::sinks`] (without them it is refused with [`Error::InvalidConfig`]) and at
+    /// least heads_q values (a shorter one is refused with [`Error::BufferTooSmall`] for
+    /// [`Operand::DSinks`]). `D_i` is summed from the recomputed P and dP
+    /// (`Σ_j P_ij·dP_ij`, equal to `rowsum(dO_i ∘ O_i)` in exact arithmetic), not from O as
+    /// stored, whose rounding to a 16-bit type would enter every term.
+    pub dsinks: Option<&'a mut [f32]>,
+}
+
+impl<T> ForwardInputs<'_, T> {
+    /// Q, K and V as the validation takes them.
+    fn operands(&self) -> [tensor::Operand4<'_>; 3] {
+        [&self.q, &self.k, &self.v].map(|t| t.operand())
+    }
 }
 
 impl<T> BackwardInputs<'_, T> {
@@ -135,21 +197,24 @@ pub struct Gradients<T> {
     pub dq: Vec<T>,
     pub dk: Vec<T>,
     pub dv: Vec<T>,
+    /// The attention sinks' gradient (heads_q values, see [`GradientsMut::dsinks`]) where the
+    /// inputs had sinks.
+    pub dsinks: Option<Vec<f32>>,
     pub plan: Plan,
 }
 
+/// The problem of an allocating forward's inputs, checked, and its plan.
 fn plan_host<T: Element>(
-    op: Op,
     cfg: &AttentionConfig,
-    q: &TensorRef<T>,
-    k: &TensorRef<T>,
-    v: &TensorRef<T>,
+    inputs: &ForwardInputs<T>,
 ) -> Result<(Problem, Plan)> {
+    let ForwardInputs { q, k, v, sinks } = inputs;
     q.check(Operand::Q)?;
     k.check(Operand::K)?;
     v.check(Operand::V)?;
     let problem = Problem::from_layouts(&q.layout, &k.layout, &v.layout, T::DTYPE)?;
-    let plan = host_plan(op, cfg, &problem)?;
+    tensor::check_sinks(&problem, sinks.map(<[f32]>::len), None)?;
+    let plan = host_plan(Op::Forward, cfg, &problem)?;
     Ok((problem, plan))
 }
 
@@ -169,51 +234,10 @@ pub(crate) fn alloc<T: Clone + Default>(len: usize) -> Result<Vec<T>> {
 }
 
 /// Forward pass over host tensors into caller-owned outputs. `out` must reach each element
-/// once (see [`Layout::validate_output`]).
-pub fn forward_into<T: Element>(
-    cfg: &AttentionConfig,
-    q: TensorRef<T>,
-    k: TensorRef<T>,
-    v: TensorRef<T>,
-    out: TensorMut<T>,
-    lse: &mut [f32],
-) -> Result<Plan> {
-    let problem = tensor::check_forward(
-        T::DTYPE,
-        [q.operand(), k.operand(), v.operand()],
-        out.operand(),
-        lse.len(),
-    )?;
-    let plan = host_plan(Op::Forward, cfg, &problem)?;
-    backend::cpu::forward(cfg, &problem, q, k, v, out, lse, None);
-    Ok(plan)
-}
-
-/// A per-query-head vector (the attention sinks, their gradient) holds at least heads_q values
-/// (the first heads_q are the ones used).
-fn check_per_head(operand: Operand, len: usize, problem: &Problem) -> Result<()> {
-    if len < problem.heads_q {
-        return Err(Error::BufferTooSmall {
-            operand,
-            needed: problem.heads_q,
-            len,
-        });
-    }
-    Ok(())
-}
-
-/// [`forward_into`] with attention sinks (learnable, GPT-OSS style): `sinks` holds one f32
-/// logit per query head (its first heads_q values are used; a shorter one is refused with
-/// [`Error::BufferTooSmall`] for [`Operand::Sinks`]). Query head `h`'s sink joins every one of
-/// its rows' softmax as one more score, in the units of the scaled (and, with softcap, capped)
-/// scores, that takes no value row: `lse_i = log(exp(sinks[h]) + Σ_j exp(s_ij))` and
-/// `O_i = Σ_j exp(s_ij − lse_i)·V_j`, so the sink draws probability away from the keys. With
-/// GQA the sinks are per query head. A row that sees no key gets `O = 0` and
-/// `lse = sinks[h]` (instead of `+inf`). A sink of `−inf` is the same as none; `+inf` or NaN
-/// makes its head's LSE NaN. The backward of this forward is [`backward_sinks_into`].
+/// once (see [`Layout::validate_output`]). With sinks, see [`ForwardInputs::sinks`].
 ///
 /// ```
-/// use flashattn::{AttentionConfig, TensorMut, TensorRef};
+/// use flashattn::{AttentionConfig, ForwardInputs, TensorMut, TensorRef};
 /// let shape = [1, 4, 2, 8];
 /// let x: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
 /// let t = TensorRef::contiguous(&x, shape);
@@ -221,60 +245,51 @@ fn check_per_head(operand: Operand, len: usize, problem: &Problem) -> Result<()>
 /// let sinks = [0.5, -1.0];
 /// let cfg = AttentionConfig::new().causal(true);
 /// let o = TensorMut::contiguous(&mut out, shape);
-/// flashattn::forward_sinks_into(&cfg, t, t, t, &sinks, o, &mut lse)?;
+/// flashattn::forward_into(&cfg, ForwardInputs::new(t, t, t).with_sinks(&sinks), o, &mut lse)?;
 /// // Each row's LSE counts its sink: it exceeds the sink's logit.
 /// assert!(lse[..4].iter().all(|&l| l > 0.5) && lse[4..].iter().all(|&l| l > -1.0));
 /// # Ok::<(), flashattn::Error>(())
 /// ```
-pub fn forward_sinks_into<T: Element>(
+pub fn forward_into<T: Element>(
     cfg: &AttentionConfig,
-    q: TensorRef<T>,
-    k: TensorRef<T>,
-    v: TensorRef<T>,
-    sinks: &[f32],
+    inputs: ForwardInputs<'_, T>,
     out: TensorMut<T>,
     lse: &mut [f32],
 ) -> Result<Plan> {
-    let problem = tensor::check_forward(
-        T::DTYPE,
-        [q.operand(), k.operand(), v.operand()],
-        out.operand(),
-        lse.len(),
-    )?;
-    check_per_head(Operand::Sinks, sinks.len(), &problem)?;
+    let problem = tensor::check_forward(T::DTYPE, inputs.operands(), out.operand(), lse.len())?;
+    tensor::check_sinks(&problem, inputs.sinks.map(<[f32]>::len), None)?;
     let plan = host_plan(Op::Forward, cfg, &problem)?;
-    let sinks = &sinks[..problem.heads_q];
-    backend::cpu::forward(cfg, &problem, q, k, v, out, lse, Some(sinks));
+    backend::cpu::forward(cfg, &problem, inputs, out, lse);
     Ok(plan)
 }
 
 /// Forward pass over host tensors; allocates the outputs.
 pub fn forward<T: Element>(
     cfg: &AttentionConfig,
-    q: TensorRef<T>,
-    k: TensorRef<T>,
-    v: TensorRef<T>,
+    inputs: ForwardInputs<'_, T>,
 ) -> Result<ForwardOutput<T>> {
-    let (problem, plan) = plan_host(Op::Forward, cfg, &q, &k, &v)?;
+    let (problem, plan) = plan_host(cfg, &inputs)?;
     let mut out = alloc(Layout::contiguous(problem.q_shape()).numel(Operand::Out)?)?;
     let mut lse = alloc(problem.lse_len()?)?;
     // Packed outputs of exactly the problem's sizes: nothing left to check.
     let o = TensorMut::contiguous(&mut out, problem.q_shape());
-    backend::cpu::forward(cfg, &problem, q, k, v, o, &mut lse, None);
+    backend::cpu::forward(cfg, &problem, inputs, o, &mut lse);
     Ok(ForwardOutput { out, lse, plan })
 }
 
 /// Backward pass over host tensors into caller-owned gradients: recomputes P from the
 /// forward's `lse` and writes dQ (shaped like Q), dK and dV (shaped like K and V), each of which
-/// must reach every element once.
+/// must reach every element once, and where `grads.dsinks` is given, the attention sinks'
+/// gradient ([`GradientsMut::dsinks`]; `inputs.sinks` must be those the forward took).
 ///
 /// ```
-/// use flashattn::{AttentionConfig, BackwardInputs, GradientsMut, TensorMut, TensorRef};
+/// use flashattn::{AttentionConfig, BackwardInputs, ForwardInputs, GradientsMut};
+/// use flashattn::{TensorMut, TensorRef};
 /// let shape = [1, 4, 2, 8];
 /// let x: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
 /// let t = TensorRef::contiguous(&x, shape);
 /// let cfg = AttentionConfig::new().causal(true);
-/// let fwd = flashattn::forward(&cfg, t, t, t)?;
+/// let fwd = flashattn::forward(&cfg, ForwardInputs::new(t, t, t))?;
 /// let (mut dq, mut dk, mut dv) = (vec![0.0; 64], vec![0.0; 64], vec![0.0; 64]);
 /// flashattn::backward_into(
 ///     &cfg,
@@ -285,13 +300,50 @@ pub fn forward<T: Element>(
 ///         out: TensorRef::contiguous(&fwd.out, shape),
 ///         dout: t,
 ///         lse: &fwd.lse,
+///         sinks: None,
 ///     },
 ///     GradientsMut {
 ///         dq: TensorMut::contiguous(&mut dq, shape),
 ///         dk: TensorMut::contiguous(&mut dk, shape),
 ///         dv: TensorMut::contiguous(&mut dv, shape),
+///         dsinks: None,
 ///     },
 /// )?;
+/// # Ok::<(), flashattn::Error>(())
+/// ```
+///
+/// With attention sinks, and their gradient:
+///
+/// ```
+/// use flashattn::{AttentionConfig, BackwardInputs, ForwardInputs, GradientsMut};
+/// use flashattn::{TensorMut, TensorRef};
+/// let shape = [1, 4, 2, 8];
+/// let x: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
+/// let t = TensorRef::contiguous(&x, shape);
+/// let cfg = AttentionConfig::new().causal(true);
+/// let sinks = [0.5, -1.0];
+/// let fwd = flashattn::forward(&cfg, ForwardInputs::new(t, t, t).with_sinks(&sinks))?;
+/// let (mut dq, mut dk, mut dv) = (vec![0.0; 64], vec![0.0; 64], vec![0.0; 64]);
+/// let mut dsinks = [0.0f32; 2];
+/// flashattn::backward_into(
+///     &cfg,
+///     BackwardInputs {
+///         q: t,
+///         k: t,
+///         v: t,
+///         out: TensorRef::contiguous(&fwd.out, shape),
+///         dout: t,
+///         lse: &fwd.lse,
+///         sinks: Some(&sinks),
+///     },
+///     GradientsMut {
+///         dq: TensorMut::contiguous(&mut dq, shape),
+///         dk: TensorMut::contiguous(&mut dk, shape),
+///         dv: TensorMut::contiguous(&mut dv, shape),
+///         dsinks: Some(&mut dsinks),
+///     },
+/// )?;
+/// assert!(dsinks.iter().all(|g| g.is_finite()));
 /// # Ok::<(), flashattn::Error>(())
 /// ```
 pub fn backward_into<T: Element>(
@@ -305,97 +357,47 @@ pub fn backward_into<T: Element>(
         inputs.lse.len(),
         grads.operands(),
     )?;
-    let plan = host_plan(Op::Backward, cfg, &problem)?;
-    backend::cpu::backward(cfg, &problem, inputs, grads, None);
-    Ok(plan)
-}
-
-/// [`backward_into`] of a forward with attention sinks ([`forward_sinks_into`]; `inputs.lse`
-/// is its LSE, which holds them): dQ, dK and dV as without sinks, from `P = exp(s − lse)`, and
-/// where `dsinks` is given, the sinks' gradient
-/// `dsinks[h] = −Σ_{b,i} exp(sinks[h] − lse_i)·rowsum(dO_i ∘ O_i)` over query head `h`'s rows
-/// `i` of every batch entry `b`, into its first heads_q values (the rest are left as they
-/// are), summed in f64 in a fixed order (the same bits every call). `sinks` and `dsinks` each
-/// hold at least heads_q values (a shorter one is refused with [`Error::BufferTooSmall`] for
-/// [`Operand::Sinks`] or [`Operand::DSinks`]); `sinks` must be those the forward used. With
-/// `dsinks` = `None`, this is [`backward_into`] (the sinks are only checked). `D_i` is summed
-/// from the recomputed P and dP (`Σ_j P_ij·dP_ij`, equal to `rowsum(dO_i ∘ O_i)` in exact
-/// arithmetic), not from O as stored, whose rounding to a 16-bit type would enter every term.
-///
-/// ```
-/// use flashattn::{AttentionConfig, BackwardInputs, GradientsMut, TensorMut, TensorRef};
-/// let shape = [1, 4, 2, 8];
-/// let x: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
-/// let t = TensorRef::contiguous(&x, shape);
-/// let cfg = AttentionConfig::new().causal(true);
-/// let sinks = [0.5, -1.0];
-/// let (mut out, mut lse) = (vec![0.0; 64], vec![0.0; 8]);
-/// let o = TensorMut::contiguous(&mut out, shape);
-/// flashattn::forward_sinks_into(&cfg, t, t, t, &sinks, o, &mut lse)?;
-/// let (mut dq, mut dk, mut dv) = (vec![0.0; 64], vec![0.0; 64], vec![0.0; 64]);
-/// let mut dsinks = [0.0f32; 2];
-/// flashattn::backward_sinks_into(
-///     &cfg,
-///     BackwardInputs {
-///         q: t,
-///         k: t,
-///         v: t,
-///         out: TensorRef::contiguous(&out, shape),
-///         dout: t,
-///         lse: &lse,
-///     },
-///     GradientsMut {
-///         dq: TensorMut::contiguous(&mut dq, shape),
-///         dk: TensorMut::contiguous(&mut dk, shape),
-///         dv: TensorMut::contiguous(&mut dv, shape),
-///     },
-///     &sinks,
-///     Some(&mut dsinks),
-/// )?;
-/// assert!(dsinks.iter().all(|g| g.is_finite()));
-/// # Ok::<(), flashattn::Error>(())
-/// ```
-pub fn backward_sinks_into<T: Element>(
-    cfg: &AttentionConfig,
-    inputs: BackwardInputs<'_, T>,
-    grads: GradientsMut<'_, T>,
-    sinks: &[f32],
-    dsinks: Option<&mut [f32]>,
-) -> Result<Plan> {
-    let problem = tensor::check_backward(
-        T::DTYPE,
-        inputs.operands(),
-        inputs.lse.len(),
-        grads.operands(),
+    tensor::check_sinks(
+        &problem,
+        inputs.sinks.map(<[f32]>::len),
+        grads.dsinks.as_deref().map(<[f32]>::len),
     )?;
-    check_per_head(Operand::Sinks, sinks.len(), &problem)?;
-    if let Some(dsinks) = &dsinks {
-        check_per_head(Operand::DSinks, dsinks.len(), &problem)?;
-    }
     let plan = host_plan(Op::Backward, cfg, &problem)?;
-    let sinks = dsinks.map(|dsinks| (sinks, dsinks));
-    backend::cpu::backward(cfg, &problem, inputs, grads, sinks);
+    backend::cpu::backward(cfg, &problem, inputs, grads);
     Ok(plan)
 }
 
 /// Backward pass over host tensors: recomputes P from the forward's `lse` and returns dQ, dK,
-/// dV packed.
+/// dV packed, and where `inputs.sinks` is given, the sinks' gradient too (as
+/// [`GradientsMut::dsinks`] computes it).
 pub fn backward<T: Element>(
     cfg: &AttentionConfig,
     inputs: BackwardInputs<'_, T>,
 ) -> Result<Gradients<T>> {
     let problem = tensor::check_backward_inputs(T::DTYPE, inputs.operands(), inputs.lse.len())?;
+    tensor::check_sinks(&problem, inputs.sinks.map(<[f32]>::len), None)?;
     let plan = host_plan(Op::Backward, cfg, &problem)?;
     let (q_shape, kv_shape) = (problem.q_shape(), problem.kv_shape());
     let mut dq = alloc(Layout::contiguous(q_shape).numel(Operand::DQ)?)?;
     let mut dk = alloc(Layout::contiguous(kv_shape).numel(Operand::DK)?)?;
     let mut dv = alloc(Layout::contiguous(kv_shape).numel(Operand::DV)?)?;
+    let mut dsinks = match inputs.sinks {
+        Some(_) => Some(alloc(problem.heads_q)?),
+        None => None,
+    };
     // Packed gradients of exactly the problem's sizes: nothing left to check.
     let grads = GradientsMut {
         dq: TensorMut::contiguous(&mut dq, q_shape),
         dk: TensorMut::contiguous(&mut dk, kv_shape),
         dv: TensorMut::contiguous(&mut dv, kv_shape),
+        dsinks: dsinks.as_deref_mut(),
     };
-    backend::cpu::backward(cfg, &problem, inputs, grads, None);
-    Ok(Gradients { dq, dk, dv, plan })
+    backend::cpu::backward(cfg, &problem, inputs, grads);
+    Ok(Gradients {
+        dq,
+        dk,
+        dv,
+        dsinks,
+        plan,
+    })
 }

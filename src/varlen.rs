@@ -30,11 +30,11 @@
 use std::ops::Range;
 
 use crate::backend;
-use crate::config::AttentionConfig;
+use crate::config::{AttentionConfig, Backend};
 use crate::dispatch::{self, BuiltKernels, Memory, Op, Plan};
 use crate::error::{Error, Operand, Result};
 use crate::tensor::{Element, Layout, Problem, TensorMut, TensorRef};
-use crate::{alloc, BackwardInputs, ForwardOutput, Gradients, GradientsMut};
+use crate::{alloc, BackwardInputs, ForwardInputs, ForwardOutput, Gradients, GradientsMut};
 
 /// The sequence boundaries of a packed batch, checked: `batch + 1` non-decreasing offsets from
 /// 0 for queries and for keys, each sequence within the stated maximum lengths, and the keys
@@ -249,16 +249,8 @@ pub fn forward<T: Element>(
             &mut out[rows.start * row..rows.end * row],
             [1, rows.len(), heads, d],
         );
-        backend::cpu::forward(
-            cfg,
-            &p,
-            rows_of(&q, &rows),
-            rows_of(&k, &keys),
-            rows_of(&v, &keys),
-            o,
-            &mut seq_lse,
-            None,
-        );
+        let inputs = ForwardInputs::new(rows_of(&q, &rows), rows_of(&k, &keys), rows_of(&v, &keys));
+        backend::cpu::forward(cfg, &p, inputs, o, &mut seq_lse);
         for h in 0..heads {
             lse[h * total + rows.start..h * total + rows.end]
                 .copy_from_slice(&seq_lse[h * rows.len()..(h + 1) * rows.len()]);
@@ -269,7 +261,8 @@ pub fn forward<T: Element>(
 
 /// Backward pass over a packed batch: recomputes P from the forward's LSE `(heads_q, total_q)`
 /// and returns dQ packed like Q, dK and dV packed like K (zero on keys no query sees, those past
-/// `seqused_k` among them).
+/// `seqused_k` among them). Attention sinks (`inputs.sinks`) are not implemented over packed
+/// host batches: they are refused with [`Error::Unsupported`].
 pub fn backward<T: Element>(
     cfg: &AttentionConfig,
     seqs: &Seqlens,
@@ -282,7 +275,14 @@ pub fn backward<T: Element>(
         out,
         dout,
         lse,
+        sinks,
     } = inputs;
+    if sinks.is_some() {
+        return Err(Error::Unsupported {
+            what: "attention sinks over a packed host batch".into(),
+            backend: Backend::Cpu,
+        });
+    }
     let (shape, plan) = plan(Op::Backward, cfg, seqs, &q, &k, &v)?;
     let (heads, heads_kv, d) = (shape.heads_q, shape.heads_kv, shape.head_dim);
     let total_q = seqs.total_q();
@@ -317,6 +317,7 @@ pub fn backward<T: Element>(
             dq: TensorMut::contiguous(&mut dq[rows.start * row_q..rows.end * row_q], q_shape),
             dk: TensorMut::contiguous(&mut dk[keys.start * row_k..keys.end * row_k], kv_shape),
             dv: TensorMut::contiguous(&mut dv[keys.start * row_k..keys.end * row_k], kv_shape),
+            dsinks: None,
         };
         let inputs = BackwardInputs {
             q: rows_of(&q, &rows),
@@ -325,8 +326,15 @@ pub fn backward<T: Element>(
             out: rows_of(&out, &rows),
             dout: rows_of(&dout, &rows),
             lse: &seq_lse,
+            sinks: None,
         };
-        backend::cpu::backward(cfg, &p, inputs, grads, None);
+        backend::cpu::backward(cfg, &p, inputs, grads);
     }
-    Ok(Gradients { dq, dk, dv, plan })
+    Ok(Gradients {
+        dq,
+        dk,
+        dv,
+        dsinks: None,
+        plan,
+    })
 }

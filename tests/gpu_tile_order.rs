@@ -11,7 +11,7 @@ mod harness;
 
 use flashattn::cuda::{DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut};
 use flashattn::reference::{self, compare};
-use flashattn::{AttentionConfig, Backend, Layout, TensorRef};
+use flashattn::{AttentionConfig, Backend, ForwardInputs, Layout, TensorRef};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -102,7 +102,11 @@ fn backward_matches(backend: Backend, s_k: usize) {
         TensorRef::new(&dout, lq),
     );
     // O and the LSE from the CPU backend, the forward this backward belongs to.
-    let fwd = flashattn::forward(&cfg.clone().backend(Backend::Cpu), tq, tk, tv).unwrap();
+    let fwd = flashattn::forward(
+        &cfg.clone().backend(Backend::Cpu),
+        ForwardInputs::new(tq, tk, tv),
+    )
+    .unwrap();
     let up = |x: &Vec<bf16>| stream.clone_htod(x).unwrap();
     let (qd, kd, vd, od, dod) = (up(&q), up(&k), up(&v), up(&fwd.out), up(&dout));
     let lsed = stream.clone_htod(&fwd.lse).unwrap();

@@ -5,7 +5,9 @@
 mod harness;
 
 use flashattn::varlen::{self, Seqlens};
-use flashattn::{AttentionConfig, BackwardInputs, Element, Error, Layout, TensorRef};
+use flashattn::{
+    AttentionConfig, BackwardInputs, Element, Error, ForwardInputs, Layout, TensorRef,
+};
 use half::bf16;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
@@ -39,6 +41,7 @@ fn check<T: Element>(batch: &Batch<T>, cfg: &AttentionConfig, used: Option<&[i32
             out: batch.q_view(&fwd.out),
             dout: batch.q_view(&batch.dout),
             lse: &fwd.lse,
+            sinks: None,
         },
     )
     .unwrap();
@@ -105,7 +108,7 @@ fn equal_lengths_match_the_dense_batch_bit_for_bit() {
     let dq = TensorRef::contiguous(&batch.q[..], [b, s, hq, d]);
     let dk = TensorRef::contiguous(&batch.k[..], [b, s, hk, d]);
     let dv = TensorRef::contiguous(&batch.v[..], [b, s, hk, d]);
-    let dense = flashattn::forward(&cfg, dq, dk, dv).unwrap();
+    let dense = flashattn::forward(&cfg, ForwardInputs::new(dq, dk, dv)).unwrap();
     assert_eq!(packed.out, dense.out);
     for bi in 0..b {
         for h in 0..hq {
@@ -128,6 +131,7 @@ fn equal_lengths_match_the_dense_batch_bit_for_bit() {
             out: batch.q_view(&packed.out),
             dout: batch.q_view(&batch.dout),
             lse: &packed.lse,
+            sinks: None,
         },
     )
     .unwrap();
@@ -140,10 +144,42 @@ fn equal_lengths_match_the_dense_batch_bit_for_bit() {
             out: TensorRef::contiguous(&dense.out, [b, s, hq, d]),
             dout: TensorRef::contiguous(&batch.dout, [b, s, hq, d]),
             lse: &dense.lse,
+            sinks: None,
         },
     )
     .unwrap();
     assert_eq!((gp.dq, gp.dk, gp.dv), (gd.dq, gd.dk, gd.dv));
+}
+
+/// Attention sinks are not implemented over packed host batches: the backward refuses them
+/// with a typed error.
+#[test]
+fn sinks_over_a_packed_host_batch_are_refused() {
+    let batch = Batch::<f32>::new(&[5, 3], &[5, 3], (2, 2), 8, 3);
+    let (cu, _) = batch.cu();
+    let seqs = Seqlens::new(&cu, &cu, 5, 5).unwrap();
+    let cfg = AttentionConfig::new();
+    let (q, k, v) = (
+        batch.q_view(&batch.q),
+        batch.k_view(&batch.k),
+        batch.k_view(&batch.v),
+    );
+    let fwd = varlen::forward(&cfg, &seqs, q, k, v).unwrap();
+    let e = varlen::backward(
+        &cfg,
+        &seqs,
+        BackwardInputs {
+            q,
+            k,
+            v,
+            out: batch.q_view(&fwd.out),
+            dout: batch.q_view(&batch.dout),
+            lse: &fwd.lse,
+            sinks: Some(&[0.5, 0.5]),
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
 }
 
 #[test]

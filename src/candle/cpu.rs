@@ -31,9 +31,7 @@ pub(super) fn forward<T: Element + WithDType>(
     let mut lse = vec![0f32; b * h * s];
     crate::forward_into(
         cfg,
-        q,
-        k,
-        v,
+        ForwardInputs::new(q, k, v),
         TensorMut::contiguous(&mut out, q.layout.shape),
         &mut lse,
     )
@@ -65,6 +63,7 @@ pub(super) fn backward<T: Element + WithDType>(
             out,
             dout,
             lse,
+            sinks: None,
         };
         let g = crate::varlen::backward(cfg, &seqs, inputs).map_err(wrap)?;
         grads[..nq].copy_from_slice(&g.dq);
@@ -83,11 +82,13 @@ pub(super) fn backward<T: Element + WithDType>(
             out,
             dout,
             lse,
+            sinks: None,
         },
         GradientsMut {
             dq: TensorMut::contiguous(&mut dq[..nq], q.layout.shape),
             dk: TensorMut::contiguous(&mut dk[..nk], k.layout.shape),
             dv: TensorMut::contiguous(&mut dv[..nk], k.layout.shape),
+            dsinks: None,
         },
     )
     .map_err(wrap)?;

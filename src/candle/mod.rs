@@ -41,7 +41,10 @@ use candle_core::{CpuStorage, CustomOp3, DType, Shape, Tensor};
 
 use backward::{grad_offsets, Backward};
 
-use crate::{AttentionConfig, BackwardInputs, Element, GradientsMut, Layout, TensorMut, TensorRef};
+use crate::{
+    AttentionConfig, BackwardInputs, Element, ForwardInputs, GradientsMut, Layout, TensorMut,
+    TensorRef,
+};
 
 /// Attention over candle tensors: `softmax(Q·Kᵀ·scale)·V` under `cfg`'s mask, scale and
 /// softcap, with this crate's fused backward as its gradient. See the [module docs](self).

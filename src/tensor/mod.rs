@@ -359,3 +359,32 @@ pub(crate) fn check_backward_inputs(
     problem.check_lse_len(lse_len)?;
     Ok(problem)
 }
+
+/// Validates a call's attention sinks and their gradient's buffer, given by their lengths where
+/// the call has them: each holds at least heads_q values (the first heads_q are the ones used),
+/// and the gradient is only asked for beside the sinks it is the gradient of (as the C ABI has
+/// it: `dsinks` without `sinks` is refused).
+pub(crate) fn check_sinks(
+    problem: &Problem,
+    sinks: Option<usize>,
+    dsinks: Option<usize>,
+) -> Result<()> {
+    if dsinks.is_some() && sinks.is_none() {
+        return Err(Error::InvalidConfig(
+            "the sinks' gradient (dsinks) was asked for without the sinks".into(),
+        ));
+    }
+    for (operand, len) in [(Operand::Sinks, sinks), (Operand::DSinks, dsinks)] {
+        match len {
+            Some(len) if len < problem.heads_q => {
+                return Err(Error::BufferTooSmall {
+                    operand,
+                    needed: problem.heads_q,
+                    len,
+                })
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}

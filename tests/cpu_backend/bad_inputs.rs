@@ -1,7 +1,8 @@
 //! Bad inputs: each a typed error.
 
 use flashattn::{
-    AttentionConfig, Backend, BackwardInputs, DType, Error, Layout, Operand, TensorMut, TensorRef,
+    AttentionConfig, Backend, BackwardInputs, DType, Error, ForwardInputs, Layout, Operand,
+    TensorMut, TensorRef,
 };
 use half::bf16;
 
@@ -15,7 +16,7 @@ fn fwd_err(
     k: TensorRef<f32>,
     v: TensorRef<f32>,
 ) -> Error {
-    flashattn::forward(cfg, q, k, v).expect_err("bad input must be refused")
+    flashattn::forward(cfg, ForwardInputs::new(q, k, v)).expect_err("bad input must be refused")
 }
 
 #[test]
@@ -162,9 +163,7 @@ fn wrong_out_shape_and_short_lse_are_refused() {
     let mut lse = vec![0f32; 8];
     let e = flashattn::forward_into(
         &cfg,
-        q,
-        q,
-        q,
+        ForwardInputs::new(q, q, q),
         TensorMut::contiguous(&mut o, [1, 2, 4, 8]),
         &mut lse,
     )
@@ -182,9 +181,7 @@ fn wrong_out_shape_and_short_lse_are_refused() {
     );
     let e = flashattn::forward_into(
         &cfg,
-        q,
-        q,
-        q,
+        ForwardInputs::new(q, q, q),
         TensorMut::contiguous(&mut o, [1, 4, 2, 8]),
         &mut lse[..7],
     )
@@ -207,6 +204,7 @@ fn wrong_out_shape_and_short_lse_are_refused() {
             out: q,
             dout: q,
             lse: &lse[..7],
+            sinks: None,
         },
     )
     .unwrap_err();
@@ -230,6 +228,7 @@ fn wrong_out_shape_and_short_lse_are_refused() {
             out: q,
             dout: wrong,
             lse: &lse,
+            sinks: None,
         },
     )
     .unwrap_err();
@@ -251,7 +250,7 @@ fn e4m3_is_unsupported_on_cpu() {
     let q = TensorRef::contiguous(&a, [1, 4, 2, 8]);
     // Forced onto the CPU: the backend's own error.
     let cfg = AttentionConfig::new().backend(Backend::Cpu);
-    let e = flashattn::forward(&cfg, q, q, q).unwrap_err();
+    let e = flashattn::forward(&cfg, ForwardInputs::new(q, q, q)).unwrap_err();
     assert_eq!(
         e,
         Error::UnsupportedDtype {
@@ -260,7 +259,7 @@ fn e4m3_is_unsupported_on_cpu() {
         }
     );
     // Auto: no backend accepts the call, and the error says why the CPU refused.
-    let e = flashattn::forward(&AttentionConfig::new(), q, q, q).unwrap_err();
+    let e = flashattn::forward(&AttentionConfig::new(), ForwardInputs::new(q, q, q)).unwrap_err();
     assert!(
         matches!(&e, Error::Unsupported { what, backend: Backend::Auto } if what.contains("E4M3")),
         "{e:?}"
@@ -280,13 +279,21 @@ fn gpu_backend_on_host_data_is_unavailable() {
     let a = vec![bf16::from_f32(1.0); 4 * 2 * 64];
     let q = TensorRef::contiguous(&a, [1, 4, 2, 64]);
     for backend in [Backend::Sm90, Backend::Sm80] {
-        let e = flashattn::forward(&AttentionConfig::new().backend(backend), q, q, q).unwrap_err();
+        let e = flashattn::forward(
+            &AttentionConfig::new().backend(backend),
+            ForwardInputs::new(q, q, q),
+        )
+        .unwrap_err();
         assert!(
             matches!(e, Error::BackendUnavailable { backend: b, .. } if b == backend),
             "{e:?}"
         );
     }
     // Forcing the CPU works and says so.
-    let fwd = flashattn::forward(&AttentionConfig::new().backend(Backend::Cpu), q, q, q).unwrap();
+    let fwd = flashattn::forward(
+        &AttentionConfig::new().backend(Backend::Cpu),
+        ForwardInputs::new(q, q, q),
+    )
+    .unwrap();
     assert_eq!(fwd.plan.backend, Backend::Cpu);
 }

@@ -12,7 +12,9 @@ mod rows;
 mod sinks;
 
 use flashattn::reference::{self, compare, pack_f32, Comparison};
-use flashattn::{Backend, BackwardInputs, DType, Element, GradientsMut, TensorMut, TensorRef};
+use flashattn::{
+    Backend, BackwardInputs, DType, Element, ForwardInputs, GradientsMut, TensorMut, TensorRef,
+};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -71,8 +73,13 @@ fn run<T: Element>(c: &Case, seed: u64) -> Outcome {
     let mut ob = poisoned::<T>(&lq);
     let lse_len = c.batch * c.heads_q * c.seqlen_q;
     let mut lse = vec![f32::NAN; lse_len + 1];
-    let plan = flashattn::forward_into(&cfg, q, k, v, TensorMut::new(&mut ob, lq), &mut lse)
-        .unwrap_or_else(|e| panic!("{}: {e}", c.name()));
+    let plan = flashattn::forward_into(
+        &cfg,
+        ForwardInputs::new(q, k, v),
+        TensorMut::new(&mut ob, lq),
+        &mut lse,
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", c.name()));
     assert_eq!(plan.backend, Backend::Cpu);
     assert!(lse[lse_len].is_nan(), "{}: wrote past the LSE", c.name());
     let (nan, unaddressed) = untouched_nan(&ob, &lq);
@@ -102,11 +109,13 @@ fn run<T: Element>(c: &Case, seed: u64) -> Outcome {
             out,
             dout,
             lse: &lse[..lse_len],
+            sinks: None,
         },
         GradientsMut {
             dq: TensorMut::new(&mut dqb, lq),
             dk: TensorMut::new(&mut dkb, lk),
             dv: TensorMut::new(&mut dvb, lk),
+            dsinks: None,
         },
     )
     .unwrap();

@@ -1,7 +1,9 @@
 //! Fully masked and NaN-poisoned rows, the entry points agreeing, sampled rows of a large shape.
 
 use flashattn::reference::{self, compare};
-use flashattn::{AttentionConfig, Backend, BackwardInputs, GradientsMut, TensorMut, TensorRef};
+use flashattn::{
+    AttentionConfig, Backend, BackwardInputs, ForwardInputs, GradientsMut, TensorMut, TensorRef,
+};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -30,7 +32,7 @@ fn check_fully_masked(cfg: &AttentionConfig, sq: usize, sk: usize, masked: usize
     };
     assert_eq!((0..sq).filter(|&i| is_masked(i)).count(), masked);
 
-    let fwd = flashattn::forward(cfg, q, k, v).unwrap();
+    let fwd = flashattn::forward(cfg, ForwardInputs::new(q, k, v)).unwrap();
     assert!(fwd.out.iter().all(|x| !x.is_nan()));
     for hh in 0..h {
         for i in 0..sq {
@@ -63,6 +65,7 @@ fn check_fully_masked(cfg: &AttentionConfig, sq: usize, sk: usize, masked: usize
             out,
             dout,
             lse: &fwd.lse,
+            sinks: None,
         },
     )
     .unwrap();
@@ -95,6 +98,7 @@ fn check_fully_masked(cfg: &AttentionConfig, sq: usize, sk: usize, masked: usize
             out,
             dout,
             lse: &fwd.lse,
+            sinks: None,
         },
     )
     .unwrap();
@@ -115,9 +119,11 @@ fn a_nan_key_poisons_the_rows_that_see_it() {
     let cfg = AttentionConfig::new().causal(true); // row i sees keys up to i + 30
     let fwd = flashattn::forward(
         &cfg,
-        TensorRef::contiguous(&qv, [1, sq, h, d]),
-        TensorRef::contiguous(&kv, [1, sk, h, d]),
-        TensorRef::contiguous(&vv, [1, sk, h, d]),
+        ForwardInputs::new(
+            TensorRef::contiguous(&qv, [1, sq, h, d]),
+            TensorRef::contiguous(&kv, [1, sk, h, d]),
+            TensorRef::contiguous(&vv, [1, sk, h, d]),
+        ),
     )
     .unwrap();
     for hh in 0..h {
@@ -156,15 +162,13 @@ fn public_backward_matches_backend_and_is_deterministic() {
     let v = TensorRef::contiguous(&vv, c.kv_shape());
     let dout = TensorRef::contiguous(&dov, c.q_shape());
     let cfg = c.cfg(Backend::Auto);
-    let fwd = flashattn::forward(&cfg, q, k, v).unwrap();
+    let fwd = flashattn::forward(&cfg, ForwardInputs::new(q, k, v)).unwrap();
     // forward() and forward_into() agree bit for bit.
     let mut o2 = vec![bf16::from_f32(f32::NAN); fwd.out.len()];
     let mut lse2 = vec![f32::NAN; fwd.lse.len()];
     flashattn::forward_into(
         &cfg,
-        q,
-        k,
-        v,
+        ForwardInputs::new(q, k, v),
         TensorMut::contiguous(&mut o2, c.q_shape()),
         &mut lse2,
     )
@@ -181,6 +185,7 @@ fn public_backward_matches_backend_and_is_deterministic() {
             out,
             dout,
             lse: &fwd.lse,
+            sinks: None,
         },
     )
     .unwrap();
@@ -193,6 +198,7 @@ fn public_backward_matches_backend_and_is_deterministic() {
             out,
             dout,
             lse: &fwd.lse,
+            sinks: None,
         },
     )
     .unwrap();
@@ -209,11 +215,13 @@ fn public_backward_matches_backend_and_is_deterministic() {
             out,
             dout,
             lse: &fwd.lse,
+            sinks: None,
         },
         GradientsMut {
             dq: TensorMut::contiguous(&mut dq, c.q_shape()),
             dk: TensorMut::contiguous(&mut dk, c.kv_shape()),
             dv: TensorMut::contiguous(&mut dv, c.kv_shape()),
+            dsinks: None,
         },
     )
     .unwrap();
@@ -239,9 +247,7 @@ fn sampled_rows_of_a_larger_shape() {
     let mut lse = vec![f32::NAN; b * h * s];
     flashattn::forward_into(
         &cfg,
-        q,
-        k,
-        v,
+        ForwardInputs::new(q, k, v),
         TensorMut::contiguous(&mut out, [b, s, h, d]),
         &mut lse,
     )

@@ -1,12 +1,13 @@
-//! Attention sinks on the CPU backend: `forward_sinks_into` and `backward_sinks_into` against
-//! the f64 reference (`reference_*_sinks`) under the correctness rule, with the baseline's
-//! `baseline_*_sinks` as the allowance, for O, the LSE, dQ, dK, dV and the sinks' gradient; rows
-//! with no key; sinks that weigh nothing or are not finite; and the refusals of short vectors.
+//! Attention sinks on the CPU backend: `forward_into` and `backward_into` with sinks (and their
+//! gradient) against the f64 reference (`reference_*_sinks`) under the correctness rule, with
+//! the baseline's `baseline_*_sinks` as the allowance, for O, the LSE, dQ, dK, dV and the sinks'
+//! gradient; rows with no key; sinks that weigh nothing or are not finite; the allocating calls
+//! against the others; and the refusals of short vectors and of a gradient without sinks.
 
 use flashattn::reference::{self, compare, pack_f32, Comparison};
 use flashattn::{
-    AttentionConfig, Backend, BackwardInputs, DType, Element, Error, GradientsMut, Layout, Operand,
-    TensorMut, TensorRef,
+    AttentionConfig, Backend, BackwardInputs, DType, Element, Error, ForwardInputs, GradientsMut,
+    Layout, Operand, TensorMut, TensorRef,
 };
 use half::bf16;
 use rand::rngs::StdRng;
@@ -38,7 +39,7 @@ struct Run<T> {
     dsinks: Vec<f32>,
 }
 
-/// `forward_sinks_into` then `backward_sinks_into` into poisoned (NaN) outputs, each of the
+/// `forward_into` then `backward_into` with sinks into poisoned (NaN) outputs, each of the
 /// LSE and dsinks one slot longer than needed; that slot must stay untouched. With `finite`
 /// (finite sinks and inputs), every element of O and of the gradients must have been written.
 fn forward_backward<T: Element>(
@@ -52,9 +53,9 @@ fn forward_backward<T: Element>(
     let mut ob = poisoned::<T>(&lq);
     let lse_len = c.batch * c.heads_q * c.seqlen_q;
     let mut lse = vec![f32::NAN; lse_len + 1];
-    let plan =
-        flashattn::forward_sinks_into(&cfg, q, k, v, sinks, TensorMut::new(&mut ob, lq), &mut lse)
-            .unwrap_or_else(|e| panic!("{}: {e}", c.name()));
+    let inputs = ForwardInputs::new(q, k, v).with_sinks(sinks);
+    let plan = flashattn::forward_into(&cfg, inputs, TensorMut::new(&mut ob, lq), &mut lse)
+        .unwrap_or_else(|e| panic!("{}: {e}", c.name()));
     assert_eq!(plan.backend, Backend::Cpu);
     assert!(lse[lse_len].is_nan(), "{}: wrote past the LSE", c.name());
     lse.truncate(lse_len);
@@ -67,7 +68,7 @@ fn forward_backward<T: Element>(
 
     let [mut dq, mut dk, mut dv] = [lq, lk, lk].map(|l| poisoned::<T>(&l));
     let mut dsinks = vec![f32::NAN; c.heads_q + 1];
-    flashattn::backward_sinks_into(
+    flashattn::backward_into(
         &cfg,
         BackwardInputs {
             q,
@@ -76,14 +77,14 @@ fn forward_backward<T: Element>(
             out: TensorRef::new(&ob, lq),
             dout,
             lse: &lse,
+            sinks: Some(sinks),
         },
         GradientsMut {
             dq: TensorMut::new(&mut dq, lq),
             dk: TensorMut::new(&mut dk, lk),
             dv: TensorMut::new(&mut dv, lk),
+            dsinks: Some(&mut dsinks),
         },
-        sinks,
-        Some(&mut dsinks),
     )
     .unwrap_or_else(|e| panic!("{}: {e}", c.name()));
     assert!(
@@ -245,7 +246,7 @@ fn sinks_of_minus_infinity_change_nothing_and_results_repeat() {
     );
     let cfg = c.cfg(Backend::Auto);
     let none = forward_backward(&c, [q, k, v, dout], &[f32::NEG_INFINITY; 4], true);
-    let fwd = flashattn::forward(&cfg, q, k, v).unwrap();
+    let fwd = flashattn::forward(&cfg, ForwardInputs::new(q, k, v)).unwrap();
     assert_eq!(pack_f32(TensorRef::new(&none.out, lq)), fwd.out);
     assert_eq!(none.lse, fwd.lse);
     let g = flashattn::backward(
@@ -257,9 +258,11 @@ fn sinks_of_minus_infinity_change_nothing_and_results_repeat() {
             out: TensorRef::contiguous(&fwd.out, c.q_shape()),
             dout,
             lse: &fwd.lse,
+            sinks: None,
         },
     )
     .unwrap();
+    assert_eq!(g.dsinks, None);
     assert_eq!(none.dq, g.dq);
     assert_eq!((&none.dk, &none.dv), (&g.dk, &g.dv));
     assert!(none.dsinks.iter().all(|&x| x == 0.0), "{:?}", none.dsinks);
@@ -280,27 +283,81 @@ fn sinks_of_minus_infinity_change_nothing_and_results_repeat() {
     assert!(first.dsinks.iter().all(|&x| x != 0.0 && x.is_finite()));
 
     // Without dsinks: the same dQ, dK, dV.
+    let inputs = BackwardInputs {
+        q,
+        k,
+        v,
+        out: TensorRef::new(&first.out, lq),
+        dout,
+        lse: &first.lse,
+        sinks: Some(&sinks),
+    };
     let [mut dq, mut dk, mut dv] = [lq, lk, lk].map(|l| poisoned::<f32>(&l));
-    flashattn::backward_sinks_into(
+    flashattn::backward_into(
+        &cfg,
+        inputs,
+        GradientsMut {
+            dq: TensorMut::new(&mut dq, lq),
+            dk: TensorMut::new(&mut dk, lk),
+            dv: TensorMut::new(&mut dv, lk),
+            dsinks: None,
+        },
+    )
+    .unwrap();
+    assert_eq!((&first.dq, &first.dk, &first.dv), (&dq, &dk, &dv));
+}
+
+/// The allocating calls with sinks give the bits of the calls into caller-owned buffers: O and
+/// the LSE, and dQ, dK, dV with the sinks' gradient.
+#[test]
+fn allocating_calls_with_sinks_match_the_calls_into_buffers() {
+    let c = case(2, 50, 30, 4, 2, 64, BF16).causal(true);
+    let mut rng = StdRng::seed_from_u64(25);
+    let (lq, lk) = c.layouts();
+    let [qb, kb, vb, dob] = [lq, lk, lk, lq].map(|l| random_in::<bf16>(&l, &mut rng));
+    let (q, k, v, dout) = (
+        TensorRef::new(&qb, lq),
+        TensorRef::new(&kb, lk),
+        TensorRef::new(&vb, lk),
+        TensorRef::new(&dob, lq),
+    );
+    let sinks = random_sinks(c.heads_q, &mut rng);
+    let into = forward_backward(&c, [q, k, v, dout], &sinks, true);
+    let cfg = c.cfg(Backend::Auto);
+    let fwd = flashattn::forward(&cfg, ForwardInputs::new(q, k, v).with_sinks(&sinks)).unwrap();
+    assert_eq!(into.lse, fwd.lse);
+    let packed = |x: &[bf16], l: Layout| pack_f32(TensorRef::new(x, l));
+    assert_eq!(
+        packed(&into.out, lq),
+        packed(&fwd.out, Layout::contiguous(c.q_shape()))
+    );
+    let g = flashattn::backward(
         &cfg,
         BackwardInputs {
             q,
             k,
             v,
-            out: TensorRef::new(&first.out, lq),
+            out: TensorRef::contiguous(&fwd.out, c.q_shape()),
             dout,
-            lse: &first.lse,
+            lse: &fwd.lse,
+            sinks: Some(&sinks),
         },
-        GradientsMut {
-            dq: TensorMut::new(&mut dq, lq),
-            dk: TensorMut::new(&mut dk, lk),
-            dv: TensorMut::new(&mut dv, lk),
-        },
-        &sinks,
-        None,
     )
     .unwrap();
-    assert_eq!((&first.dq, &first.dk, &first.dv), (&dq, &dk, &dv));
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&into.dsinks), bits(g.dsinks.as_deref().unwrap()));
+    assert_eq!(
+        packed(&into.dq, lq),
+        packed(&g.dq, Layout::contiguous(c.q_shape()))
+    );
+    assert_eq!(
+        packed(&into.dk, lk),
+        packed(&g.dk, Layout::contiguous(c.kv_shape()))
+    );
+    assert_eq!(
+        packed(&into.dv, lk),
+        packed(&g.dv, Layout::contiguous(c.kv_shape()))
+    );
 }
 
 /// A NaN or +inf sink makes its head's LSE (and O) NaN, as the math says, and nothing panics;
@@ -338,8 +395,8 @@ fn non_finite_sinks_propagate_without_panics() {
     }
 }
 
-/// Sinks or a dsinks buffer shorter than heads_q: [`Error::BufferTooSmall`] for the operand,
-/// nothing written.
+/// Sinks or a dsinks buffer shorter than heads_q: [`Error::BufferTooSmall`] for the operand;
+/// dsinks without sinks: [`Error::InvalidConfig`]; nothing written.
 #[test]
 fn short_sinks_and_dsinks_are_refused() {
     let (b, s, hq, hkv, d) = (1, 8, 4, 2, 16);
@@ -365,31 +422,19 @@ fn short_sinks_and_dsinks_are_refused() {
     let mut out = vec![f32::NAN; qv.len()];
     let mut lse = vec![f32::NAN; b * hq * s];
     for short in [&[][..], &[0.5; 3][..]] {
-        let e = flashattn::forward_sinks_into(
-            &cfg,
-            q,
-            k,
-            v,
-            short,
-            TensorMut::contiguous(&mut out, sq),
-            &mut lse,
-        )
-        .unwrap_err();
+        let inputs = ForwardInputs::new(q, k, v).with_sinks(short);
+        let e =
+            flashattn::forward_into(&cfg, inputs, TensorMut::contiguous(&mut out, sq), &mut lse)
+                .unwrap_err();
+        too_small(e, Operand::Sinks, short.len());
+        let e = flashattn::forward(&cfg, inputs).unwrap_err();
         too_small(e, Operand::Sinks, short.len());
     }
     assert!(out.iter().chain(&lse).all(|x| x.is_nan()));
 
     let sinks = [0.5f32; 4];
-    flashattn::forward_sinks_into(
-        &cfg,
-        q,
-        k,
-        v,
-        &sinks,
-        TensorMut::contiguous(&mut out, sq),
-        &mut lse,
-    )
-    .unwrap();
+    let inputs = ForwardInputs::new(q, k, v).with_sinks(&sinks);
+    flashattn::forward_into(&cfg, inputs, TensorMut::contiguous(&mut out, sq), &mut lse).unwrap();
     let inputs = BackwardInputs {
         q,
         k,
@@ -397,36 +442,60 @@ fn short_sinks_and_dsinks_are_refused() {
         out: TensorRef::contiguous(&out, sq),
         dout: q,
         lse: &lse,
+        sinks: None,
     };
     // The call into fresh poisoned gradients; whether they were left untouched.
-    let backward = |sinks: &[f32], dsinks: Option<&mut [f32]>| {
+    let backward = |sinks: Option<&[f32]>, dsinks: Option<&mut [f32]>| {
         let [mut dq, mut dk, mut dv] = [qv.len(), kv.len(), vv.len()].map(|n| vec![f32::NAN; n]);
-        let r = flashattn::backward_sinks_into(
+        let r = flashattn::backward_into(
             &cfg,
-            inputs,
+            BackwardInputs { sinks, ..inputs },
             GradientsMut {
                 dq: TensorMut::contiguous(&mut dq, sq),
                 dk: TensorMut::contiguous(&mut dk, sk),
                 dv: TensorMut::contiguous(&mut dv, sk),
+                dsinks,
             },
-            sinks,
-            dsinks,
         );
         (r, dq.iter().chain(&dk).chain(&dv).all(|x| x.is_nan()))
     };
     let mut dsinks = vec![f32::NAN; 4];
     let refused = [
-        (backward(&sinks[..3], Some(&mut dsinks)), Operand::Sinks, 3),
-        (backward(&sinks[..2], None), Operand::Sinks, 2),
-        (backward(&sinks, Some(&mut dsinks[..3])), Operand::DSinks, 3),
-        (backward(&sinks, Some(&mut [][..])), Operand::DSinks, 0),
+        (
+            backward(Some(&sinks[..3]), Some(&mut dsinks)),
+            Operand::Sinks,
+            3,
+        ),
+        (backward(Some(&sinks[..2]), None), Operand::Sinks, 2),
+        (
+            backward(Some(&sinks), Some(&mut dsinks[..3])),
+            Operand::DSinks,
+            3,
+        ),
+        (
+            backward(Some(&sinks), Some(&mut [][..])),
+            Operand::DSinks,
+            0,
+        ),
     ];
     for ((r, untouched), operand, len) in refused {
         too_small(r.unwrap_err(), operand, len);
         assert!(untouched);
     }
+    let e = flashattn::backward(
+        &cfg,
+        BackwardInputs {
+            sinks: Some(&sinks[..2]),
+            ..inputs
+        },
+    )
+    .unwrap_err();
+    too_small(e, Operand::Sinks, 2);
+    let (r, untouched) = backward(None, Some(&mut dsinks));
+    assert!(matches!(r, Err(Error::InvalidConfig(_))), "{r:?}");
+    assert!(untouched);
     assert!(dsinks.iter().all(|x| x.is_nan()));
-    let (r, _) = backward(&sinks, Some(&mut dsinks));
+    let (r, _) = backward(Some(&sinks), Some(&mut dsinks));
     r.unwrap();
     assert!(dsinks.iter().all(|x| x.is_finite()));
 }

@@ -5,7 +5,8 @@ use flashattn::fp8::{fwht, Fp8Tensor, Granularity, RandomSignHadamard};
 use flashattn::registry::{Family, KernelDtype};
 use flashattn::tensor::MAX_GPU_SEQLEN;
 use flashattn::{
-    AttentionConfig, Backend, DType, Error, Layout, Operand, Problem, TensorMut, TensorRef,
+    AttentionConfig, Backend, DType, Error, ForwardInputs, Layout, Operand, Problem, TensorMut,
+    TensorRef,
 };
 
 use crate::{all_gpu_kernels, fake_h200, problem, ramp};
@@ -226,9 +227,9 @@ fn windows_wider_than_any_sequence_are_unbounded() {
     // And the CPU backend and the reference compute the unbounded result bit for bit.
     let x = ramp(33 * 2 * 16);
     let t = TensorRef::contiguous(&x, [1, 33, 2, 16]);
-    let plain = flashattn::forward(&AttentionConfig::new(), t, t, t).unwrap();
+    let plain = flashattn::forward(&AttentionConfig::new(), ForwardInputs::new(t, t, t)).unwrap();
     let wide = AttentionConfig::new().window(Some(usize::MAX), Some(usize::MAX));
-    let w = flashattn::forward(&wide, t, t, t).unwrap();
+    let w = flashattn::forward(&wide, ForwardInputs::new(t, t, t)).unwrap();
     assert_eq!(w.out, plain.out);
     let r_plain = flashattn::reference::reference_forward(&AttentionConfig::new(), t, t, t);
     let r_wide = flashattn::reference::reference_forward(&wide, t, t, t);
@@ -245,7 +246,8 @@ fn a_broadcast_input_larger_than_memory_is_an_error_not_an_abort() {
     let kv = ramp(8);
     let big_q = TensorRef::new(&q, Layout::with_strides([1, 1 << 36, 1, 8], [0, 0, 0, 1]));
     let k = TensorRef::contiguous(&kv, [1, 1, 1, 8]);
-    let e = flashattn::forward(&AttentionConfig::new(), big_q, k, k).unwrap_err();
+    let e =
+        flashattn::forward(&AttentionConfig::new(), ForwardInputs::new(big_q, k, k)).unwrap_err();
     assert!(
         matches!(
             e,
@@ -261,7 +263,11 @@ fn a_broadcast_input_larger_than_memory_is_an_error_not_an_abort() {
         &kv[..1],
         Layout::with_strides([1, usize::MAX, 1, 1], [0, 0, 0, 1]),
     );
-    let e = flashattn::forward(&AttentionConfig::new(), one, endless, endless).unwrap_err();
+    let e = flashattn::forward(
+        &AttentionConfig::new(),
+        ForwardInputs::new(one, endless, endless),
+    )
+    .unwrap_err();
     assert!(
         matches!(
             e,
@@ -283,9 +289,7 @@ fn a_broadcast_input_larger_than_memory_is_an_error_not_an_abort() {
     let mut lse = vec![0.0f32; 8];
     let e = flashattn::forward_into(
         &AttentionConfig::new(),
-        t,
-        t,
-        t,
+        ForwardInputs::new(t, t, t),
         TensorMut::new(&mut out, Layout::contiguous([1, 1, 1, 8])),
         &mut lse,
     )

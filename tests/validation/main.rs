@@ -11,8 +11,8 @@ mod sinks;
 
 use flashattn::dispatch::{self, BuiltKernels, DeviceInfo, Memory, Op};
 use flashattn::{
-    AttentionConfig, Backend, BackwardInputs, DType, Error, GradientsMut, Layout, Operand, Problem,
-    TensorMut, TensorRef,
+    AttentionConfig, Backend, BackwardInputs, DType, Error, ForwardInputs, GradientsMut, Layout,
+    Operand, Problem, TensorMut, TensorRef,
 };
 
 fn ramp(n: usize) -> Vec<f32> {
@@ -116,7 +116,11 @@ fn the_plan_names_the_tile_the_planner_chose() {
         let named = format!("tile {}x{} ({role_name})", shape.0, shape.1);
         assert!(plan.explain().contains(&named), "{}", plan.explain());
     }
-    let cpu = flashattn::forward(&AttentionConfig::new(), t4(), t4(), t4()).unwrap();
+    let cpu = flashattn::forward(
+        &AttentionConfig::new(),
+        ForwardInputs::new(t4(), t4(), t4()),
+    )
+    .unwrap();
     assert!(cpu.plan.tile().is_none());
 }
 
@@ -158,7 +162,7 @@ fn a_batch_flipped_by_a_negative_stride_is_refused() {
     let x = ramp(2 * 4 * 2 * 8);
     let flipped = Layout::with_strides([2, 4, 2, 8], [(-64i64) as usize, 16, 8, 1]);
     let t = TensorRef::new(&x[64..], flipped);
-    let e = flashattn::forward(&AttentionConfig::new(), t, t, t).unwrap_err();
+    let e = flashattn::forward(&AttentionConfig::new(), ForwardInputs::new(t, t, t)).unwrap_err();
     assert!(matches!(e, Error::IndexOverflow { .. }), "{e:?}");
 }
 
@@ -173,9 +177,7 @@ fn the_output_wrap_of_the_review_is_refused_before_any_write() {
     let mut lse = vec![0.0f32; 2];
     let e = flashattn::forward_into(
         &AttentionConfig::new(),
-        qt,
-        qt,
-        qt,
+        ForwardInputs::new(qt, qt, qt),
         TensorMut::new(&mut big[512..576], bad),
         &mut lse,
     )
@@ -200,9 +202,7 @@ fn outputs_that_reach_an_element_twice_are_refused() {
         let layout = Layout::with_strides([2, 8, 2, 16], strides);
         let e = flashattn::forward_into(
             &AttentionConfig::new(),
-            t,
-            t,
-            t,
+            ForwardInputs::new(t, t, t),
             TensorMut::new(&mut out, layout),
             &mut lse,
         )
@@ -219,7 +219,7 @@ fn outputs_that_reach_an_element_twice_are_refused() {
         }
     }
     // The same for a gradient, after the forward.
-    let fwd = flashattn::forward(&AttentionConfig::new(), t, t, t).unwrap();
+    let fwd = flashattn::forward(&AttentionConfig::new(), ForwardInputs::new(t, t, t)).unwrap();
     let o = TensorRef::contiguous(&fwd.out, [2, 8, 2, 16]);
     let (mut dq, mut dk, mut dv) = (vec![0.0f32; 512], vec![0.0f32; 512], vec![0.0f32; 512]);
     let contiguous = Layout::contiguous([2, 8, 2, 16]);
@@ -233,11 +233,13 @@ fn outputs_that_reach_an_element_twice_are_refused() {
             out: o,
             dout: o,
             lse: &fwd.lse,
+            sinks: None,
         },
         GradientsMut {
             dq: TensorMut::new(&mut dq, contiguous),
             dk: TensorMut::new(&mut dk, aliased),
             dv: TensorMut::new(&mut dv, contiguous),
+            dsinks: None,
         },
     )
     .unwrap_err();
@@ -268,13 +270,15 @@ fn broadcast_inputs_mean_what_they_say() {
     let qt = TensorRef::contiguous(&q, [b, s, h, d]);
     let a = flashattn::forward(
         &cfg,
-        qt,
-        TensorRef::new(&kv, broadcast),
-        TensorRef::new(&kv, broadcast),
+        ForwardInputs::new(
+            qt,
+            TensorRef::new(&kv, broadcast),
+            TensorRef::new(&kv, broadcast),
+        ),
     )
     .unwrap();
     let c = TensorRef::contiguous(&copied, [b, s, h, d]);
-    let e = flashattn::forward(&cfg, qt, c, c).unwrap();
+    let e = flashattn::forward(&cfg, ForwardInputs::new(qt, c, c)).unwrap();
     assert_eq!(a.out, e.out);
     assert_eq!(a.lse, e.lse);
 }

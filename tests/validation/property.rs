@@ -2,7 +2,7 @@
 
 use flashattn::dispatch::{self, BuiltKernels, Memory, Op};
 use flashattn::tensor::{check_backward, check_forward, MAX_GPU_SEQLEN};
-use flashattn::{AttentionConfig, DType, Layout, Problem, TensorMut, TensorRef};
+use flashattn::{AttentionConfig, DType, ForwardInputs, Layout, Problem, TensorMut, TensorRef};
 use proptest::prelude::*;
 use proptest::test_runner::{TestCaseError, TestRunner};
 
@@ -211,9 +211,11 @@ fn accepted_call_stays_inside_its_buffers(call: Call) -> Result<(), TestCaseErro
         let mut lse = vec![f32::NAN; llse];
         let r = flashattn::forward_into(
             &cfg,
-            TensorRef::new(&qb, q),
-            TensorRef::new(&kb, k),
-            TensorRef::new(&vb, v),
+            ForwardInputs::new(
+                TensorRef::new(&qb, q),
+                TensorRef::new(&kb, k),
+                TensorRef::new(&vb, v),
+            ),
             TensorMut::new(&mut ob, o),
             &mut lse,
         );

@@ -252,22 +252,23 @@ enum BwdBlock {
     },
 }
 
-/// Backward pass: writes dQ (like Q), dK and dV (like K), and where `sinks` is given, the
-/// attention sinks' gradient into its second slice (see [`sink_grads`]). Operands must have been
-/// validated (see [`crate::backward`], [`crate::backward_sinks_into`]); both slices of `sinks`
-/// hold at least heads_q values.
+/// Backward pass: writes dQ (like Q), dK and dV (like K), and where `grads.dsinks` is given,
+/// the attention sinks' gradient into it (see [`sink_grads`]). Operands must have been
+/// validated (see [`crate::backward_into`]): `dsinks` comes with `inputs.sinks`, and both hold
+/// at least heads_q values.
 pub(crate) fn backward<T: Element>(
     cfg: &AttentionConfig,
     p: &Problem,
     inputs: BackwardInputs<T>,
     grads: GradientsMut<T>,
-    sinks: Option<(&[f32], &mut [f32])>,
 ) {
     let GradientsMut {
         mut dq,
         mut dk,
         mut dv,
+        dsinks,
     } = grads;
+    let sinks = inputs.sinks.zip(dsinks);
     let ctx = BwdCtx::new(cfg, p, inputs);
     let c = &ctx.base;
     let rowsums = sinks.is_some();

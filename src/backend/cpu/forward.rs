@@ -7,7 +7,8 @@ use rayon::prelude::*;
 use super::arith::{max_of, probs_row, Arith};
 use super::{store_rows, Ctx, TileForm, Tiles};
 use crate::config::AttentionConfig;
-use crate::tensor::{Element, Problem, TensorMut, TensorRef};
+use crate::tensor::{Element, Problem, TensorMut};
+use crate::ForwardInputs;
 
 /// Output rows (`br × dp`, f32, already divided by the row sums) and the LSE of one task.
 pub(super) struct FwdBlock {
@@ -113,20 +114,17 @@ fn sink_share(m: f32, l: f32, sink_log2: f64) -> (f32, f32) {
 
 simd_dispatch!(pub(super) fn fwd_block_simd(ctx: &Ctx<T>, kv: (&Tiles, &Tiles), b: usize, h: usize, qb: usize, sink: Option<f32>) -> FwdBlock = fwd_block);
 
-/// Forward pass: writes `out` (like Q) and `lse` (batch, heads_q, seqlen_q). `sinks`, where
-/// given, holds (at least) one attention sink logit per query head. Operands must have been
-/// validated (see [`crate::forward_into`], [`crate::forward_sinks_into`]).
-#[allow(clippy::too_many_arguments)]
+/// Forward pass: writes `out` (like Q) and `lse` (batch, heads_q, seqlen_q). `inputs.sinks`,
+/// where given, holds (at least) one attention sink logit per query head. Operands must have
+/// been validated (see [`crate::forward_into`]).
 pub(crate) fn forward<T: Element>(
     cfg: &AttentionConfig,
     p: &Problem,
-    q: TensorRef<T>,
-    k: TensorRef<T>,
-    v: TensorRef<T>,
+    inputs: ForwardInputs<T>,
     mut out: TensorMut<T>,
     lse: &mut [f32],
-    sinks: Option<&[f32]>,
 ) {
+    let ForwardInputs { q, k, v, sinks } = inputs;
     let ctx = Ctx::new(cfg, p, q, k, v);
     let kt = ctx.tiles(&ctx.k, ctx.bc, TileForm::Cols);
     let vr = ctx.tiles(&ctx.v, ctx.bc, TileForm::Rows);

@@ -312,7 +312,7 @@ mod tests {
     use super::backward::{dkdv_simd, dq_simd, BwdCtx};
     use super::forward::{fwd_block, fwd_block_simd};
     use super::*;
-    use crate::BackwardInputs;
+    use crate::{BackwardInputs, ForwardInputs};
 
     /// The portable task code (what runs without AVX2) against the dispatched one, on every
     /// block of a problem with GQA, a window, softcap and ragged tiles.
@@ -369,12 +369,9 @@ mod tests {
         forward(
             &cfg,
             &p,
-            tq,
-            tk,
-            tv,
+            ForwardInputs::new(tq, tk, tv),
             TensorMut::new(&mut out, lq),
             &mut lse,
-            None,
         );
         let inputs = BackwardInputs {
             q: tq,
@@ -383,6 +380,7 @@ mod tests {
             out: TensorRef::new(&out[..], lq),
             dout: TensorRef::new(&dout[..], lq),
             lse: &lse,
+            sinks: None,
         };
         let ctx = BwdCtx::new(&cfg, &p, inputs);
         for bi in 0..b {
