@@ -13,7 +13,7 @@ mod common;
 
 use std::sync::Arc;
 
-use flashattn::cuda::{CudaStream, DeviceTensor, DeviceTensorMut, Fp8Options};
+use flashattn::cuda::{CudaStream, DeviceForwardInputs, DeviceTensor, DeviceTensorMut, Fp8Options};
 use flashattn::unstable::{PingPong, Sm90Schedule, TailSplit};
 use flashattn::{AttentionConfig, Backend, DType, Layout, Problem};
 use half::bf16;
@@ -179,9 +179,7 @@ fn main() {
                     dev.forward_into(
                         &stream,
                         &cfg,
-                        &t(q.as_view()),
-                        &t(k.as_view()),
-                        &t(v.as_view()),
+                        DeviceForwardInputs::new(&t(q.as_view()), &t(k.as_view()), &t(v.as_view())),
                         &mut DeviceTensorMut::new(out.as_view_mut(), layout),
                         &mut lse.as_view_mut(),
                     )
@@ -285,9 +283,11 @@ fn main() {
                     dev.forward_into(
                         &stream,
                         &cfg,
-                        &DeviceTensor::new(q.slice(0..nq), lq),
-                        &DeviceTensor::new(k.as_view(), lk),
-                        &DeviceTensor::new(v.as_view(), lk),
+                        DeviceForwardInputs::new(
+                            &DeviceTensor::new(q.slice(0..nq), lq),
+                            &DeviceTensor::new(k.as_view(), lk),
+                            &DeviceTensor::new(v.as_view(), lk),
+                        ),
                         &mut DeviceTensorMut::new(out.slice_mut(0..nq), lq),
                         &mut lse.slice_mut(0..nl),
                     )

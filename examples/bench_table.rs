@@ -21,8 +21,8 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
 use flashattn::cuda::{
-    CudaSlice, CudaStream, Device, DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor,
-    DeviceTensorMut,
+    CudaSlice, CudaStream, Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut,
+    DeviceTensor, DeviceTensorMut,
 };
 use flashattn::reference::{self, compare};
 use flashattn::registry::{self, Family, KernelDtype};
@@ -79,12 +79,14 @@ fn time_forward(
         dev.forward_into(
             stream,
             cfg,
-            &DeviceTensor::new(
-                q.slice(..layout.span(flashattn::Operand::Q).unwrap()),
-                layout,
+            DeviceForwardInputs::new(
+                &DeviceTensor::new(
+                    q.slice(..layout.span(flashattn::Operand::Q).unwrap()),
+                    layout,
+                ),
+                &DeviceTensor::new(k.slice(..), layout),
+                &DeviceTensor::new(v.slice(..), layout),
             ),
-            &DeviceTensor::new(k.slice(..), layout),
-            &DeviceTensor::new(v.slice(..), layout),
             &mut DeviceTensorMut::new(inp.out.as_view_mut(), layout),
             &mut inp.lse.as_view_mut(),
         )
@@ -144,11 +146,13 @@ fn time_backward(
                 out: &t(&inp.out, n, layout),
                 dout: &t(&inp.dout, n, layout),
                 lse: &inp.lse.slice(..),
+                sinks: None,
             },
             DeviceGradientsMut {
                 dq: &mut DeviceTensorMut::new(dq.slice_mut(..n), layout),
                 dk: &mut DeviceTensorMut::new(dk.slice_mut(..n), layout),
                 dv: &mut DeviceTensorMut::new(dv.slice_mut(..n), layout),
+                dsinks: None,
             },
         )
         .expect("backward");

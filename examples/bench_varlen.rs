@@ -20,8 +20,8 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 use flashattn::cuda::{
-    CudaStream, Device, DeviceBackwardInputs, DeviceGradientsMut, DeviceSeqlens, DeviceTensor,
-    DeviceTensorMut, Fp8Options,
+    CudaStream, Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut,
+    DeviceSeqlens, DeviceTensor, DeviceTensorMut, Fp8Options,
 };
 use flashattn::{AttentionConfig, Backend, Plan};
 use half::bf16;
@@ -141,9 +141,22 @@ fn time(
         let mut out = DeviceTensorMut::contiguous(&mut bufs.out, shape);
         let mut lse = bufs.lse.as_view_mut();
         let plan = if packed {
-            dev.varlen_forward_into(stream, cfg, &seqs, &q, &k, &v, &mut out, &mut lse)
+            dev.varlen_forward_into(
+                stream,
+                cfg,
+                &seqs,
+                DeviceForwardInputs::new(&q, &k, &v),
+                &mut out,
+                &mut lse,
+            )
         } else {
-            dev.forward_into(stream, cfg, &q, &k, &v, &mut out, &mut lse)
+            dev.forward_into(
+                stream,
+                cfg,
+                DeviceForwardInputs::new(&q, &k, &v),
+                &mut out,
+                &mut lse,
+            )
         };
         fwd_plan = Some(plan.expect("forward"));
     });
@@ -163,11 +176,13 @@ fn time(
             out: &out,
             dout: &dout,
             lse: &lse,
+            sinks: None,
         };
         let grads = DeviceGradientsMut {
             dq: &mut DeviceTensorMut::contiguous(&mut bufs.dq, shape),
             dk: &mut DeviceTensorMut::contiguous(&mut bufs.dk, shape),
             dv: &mut DeviceTensorMut::contiguous(&mut bufs.dv, shape),
+            dsinks: None,
         };
         let plan = if packed {
             dev.varlen_backward_into(stream, cfg, &seqs, inputs, grads)

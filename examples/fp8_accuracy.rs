@@ -14,7 +14,8 @@
 mod common;
 
 use flashattn::cuda::{
-    fp8_key_block, fp8_query_block, CudaSlice, DeviceTensor, DeviceTensorMut, Fp8Inputs, Fp8Options,
+    fp8_key_block, fp8_query_block, CudaSlice, DeviceForwardInputs, DeviceTensor, DeviceTensorMut,
+    Fp8Inputs, Fp8Options,
 };
 use flashattn::fp8::{Fp8Tensor, Granularity, RandomSignHadamard};
 use flashattn::reference::reference_forward;
@@ -199,9 +200,7 @@ fn main() {
         dev.forward_into(
             &stream,
             &cfg,
-            &t(&qd),
-            &t(&kd),
-            &t(&vd),
+            DeviceForwardInputs::new(&t(&qd), &t(&kd), &t(&vd)),
             &mut DeviceTensorMut::new(out.as_view_mut(), layout),
             &mut lse.as_view_mut(),
         )

@@ -70,7 +70,7 @@ fn cpu(cfg: &AttentionConfig) {
 mod gpu {
     use super::*;
     use cudarc::driver::sys::CUevent_flags;
-    use flashattn::cuda::{Device, DeviceTensor, DeviceTensorMut};
+    use flashattn::cuda::{Device, DeviceForwardInputs, DeviceTensor, DeviceTensorMut};
     use flashattn::{Backend, Op};
 
     pub fn run(cfg: &AttentionConfig) -> flashattn::Result<()> {
@@ -92,9 +92,11 @@ mod gpu {
             dev.forward_into(
                 &stream,
                 cfg,
-                &DeviceTensor::new(qd.as_view(), layout),
-                &DeviceTensor::new(kd.as_view(), layout),
-                &DeviceTensor::new(vd.as_view(), layout),
+                DeviceForwardInputs::new(
+                    &DeviceTensor::new(qd.as_view(), layout),
+                    &DeviceTensor::new(kd.as_view(), layout),
+                    &DeviceTensor::new(vd.as_view(), layout),
+                ),
                 &mut DeviceTensorMut::new(od.as_view_mut(), layout),
                 &mut lse.as_view_mut(),
             )

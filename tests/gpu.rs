@@ -3,7 +3,7 @@
 //! when the GPU is missing.
 #![cfg(feature = "cuda")]
 
-use flashattn::cuda::{Device, DeviceTensor, DeviceTensorMut};
+use flashattn::cuda::{Device, DeviceForwardInputs, DeviceTensor, DeviceTensorMut};
 use flashattn::{AttentionConfig, Backend, Error, Op, Problem};
 
 fn device() -> Device {
@@ -107,9 +107,7 @@ fn device_forward_writes_every_output_on_the_callers_stream() {
         .forward_into(
             &stream,
             &AttentionConfig::new(),
-            &t,
-            &t,
-            &t,
+            DeviceForwardInputs::new(&t, &t, &t),
             &mut DeviceTensorMut::contiguous(&mut o, shape),
             &mut lse.as_view_mut(),
         )
@@ -146,9 +144,7 @@ fn misaligned_device_pointer_is_an_error() {
     let r = dev.forward_into(
         &stream,
         &cfg,
-        &shifted,
-        &aligned,
-        &aligned,
+        DeviceForwardInputs::new(&shifted, &aligned, &aligned),
         &mut DeviceTensorMut::contiguous(&mut o, shape),
         &mut lse.as_view_mut(),
     );

@@ -67,11 +67,13 @@ fn run_case<T: Element + DeviceRepr>(
                 out: &DeviceTensor::new(o_dev.as_view(), lq),
                 dout: &DeviceTensor::new(do_dev.as_view(), lq),
                 lse: &lse_dev.as_view(),
+                sinks: None,
             },
             DeviceGradientsMut {
                 dq: &mut DeviceTensorMut::new(dq_dev.as_view_mut(), lq),
                 dk: &mut DeviceTensorMut::new(dk_dev.as_view_mut(), lk),
                 dv: &mut DeviceTensorMut::new(dv_dev.as_view_mut(), lk),
+                dsinks: None,
             },
         )
         .unwrap_or_else(|e| panic!("{case:?} backward: {e}"));

@@ -1,6 +1,6 @@
 //! Attention sinks on the GPU kernels against the f64 reference under the correctness rule
-//! (docs/ARCHITECTURE.md): O and the LSE of `Device::forward_sinks_into`, dQ, dK, dV and the sinks'
-//! gradient of `Device::backward_sinks_into`, every output poisoned with NaN before its launch.
+//! (docs/ARCHITECTURE.md): O and the LSE of `Device::forward_into` with sinks, dQ, dK, dV and the
+//! sinks' gradient of `Device::backward_into`, every output poisoned with NaN before its launch.
 //! `#[ignore]`d: run on the device with `--include-ignored`.
 #![cfg(feature = "cuda")]
 
@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use cudarc::driver::DeviceRepr;
 use flashattn::cuda::{
-    CudaStream, Device, DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut,
+    CudaStream, Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut,
+    DeviceTensor, DeviceTensorMut,
 };
 use flashattn::reference::{self, compare, Comparison};
 use flashattn::unstable::TailSplit;
@@ -79,13 +80,16 @@ fn run_case<T: Element + DeviceRepr>(
     let (q_dev, k_dev, v_dev, do_dev) = (up(&q), up(&k), up(&v), up(&dout));
     let sinks_dev = stream.clone_htod(&sinks).unwrap();
     let (mut o_dev, mut lse_dev) = poisoned_outputs::<T>(stream, case, span(&lq));
-    dev.forward_sinks_into(
+    let (q_t, k_t, v_t) = (
+        DeviceTensor::new(q_dev.as_view(), lq),
+        DeviceTensor::new(k_dev.as_view(), lk),
+        DeviceTensor::new(v_dev.as_view(), lk),
+    );
+    let sinks_view = sinks_dev.as_view();
+    dev.forward_into(
         stream,
         cfg,
-        &DeviceTensor::new(q_dev.as_view(), lq),
-        &DeviceTensor::new(k_dev.as_view(), lk),
-        &DeviceTensor::new(v_dev.as_view(), lk),
-        &sinks_dev.as_view(),
+        DeviceForwardInputs::new(&q_t, &k_t, &v_t).with_sinks(&sinks_view),
         &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
         &mut lse_dev.as_view_mut(),
     )
@@ -94,24 +98,24 @@ fn run_case<T: Element + DeviceRepr>(
     let mut dk_dev = stream.clone_htod(&vec![nan; span(&lk)]).unwrap();
     let mut dv_dev = stream.clone_htod(&vec![nan; span(&lk)]).unwrap();
     let mut dsinks_dev = stream.clone_htod(&vec![f32::NAN; case.heads_q]).unwrap();
-    dev.backward_sinks_into(
+    dev.backward_into(
         stream,
         cfg,
         DeviceBackwardInputs {
-            q: &DeviceTensor::new(q_dev.as_view(), lq),
-            k: &DeviceTensor::new(k_dev.as_view(), lk),
-            v: &DeviceTensor::new(v_dev.as_view(), lk),
+            q: &q_t,
+            k: &k_t,
+            v: &v_t,
             out: &DeviceTensor::new(o_dev.as_view(), lq),
             dout: &DeviceTensor::new(do_dev.as_view(), lq),
             lse: &lse_dev.as_view(),
+            sinks: Some(&sinks_view),
         },
         DeviceGradientsMut {
             dq: &mut DeviceTensorMut::new(dq_dev.as_view_mut(), lq),
             dk: &mut DeviceTensorMut::new(dk_dev.as_view_mut(), lk),
             dv: &mut DeviceTensorMut::new(dv_dev.as_view_mut(), lk),
+            dsinks: Some(&mut dsinks_dev.as_view_mut()),
         },
-        &sinks_dev.as_view(),
-        Some(&mut dsinks_dev.as_view_mut()),
     )
     .unwrap_or_else(|e| panic!("{case:?} backward: {e}"));
     let o: Vec<T> = stream.clone_dtoh(&o_dev).unwrap();
@@ -246,8 +250,7 @@ fn sink_gradient_repeats_bit_for_bit() {
     }
 }
 
-/// A sinks vector shorter than heads_q is refused before any launch; dsinks without sinks
-/// cannot be expressed.
+/// A sinks vector shorter than heads_q is refused before any launch.
 #[test]
 #[ignore = "needs a GPU"]
 fn short_sinks_are_refused() {
@@ -259,14 +262,16 @@ fn short_sinks_are_refused() {
     let (q_dev, k_dev, v_dev) = (up(&q), up(&k), up(&v));
     let short = stream.clone_htod(&[0.5f32; 3]).unwrap();
     let (mut o_dev, mut lse_dev) = poisoned_outputs::<bf16>(&stream, &case, span(&lq));
+    let (q_t, k_t, v_t) = (
+        DeviceTensor::new(q_dev.as_view(), lq),
+        DeviceTensor::new(k_dev.as_view(), lk),
+        DeviceTensor::new(v_dev.as_view(), lk),
+    );
     let err = dev
-        .forward_sinks_into(
+        .forward_into(
             &stream,
             &case.cfg(Backend::Auto),
-            &DeviceTensor::new(q_dev.as_view(), lq),
-            &DeviceTensor::new(k_dev.as_view(), lk),
-            &DeviceTensor::new(v_dev.as_view(), lk),
-            &short.as_view(),
+            DeviceForwardInputs::new(&q_t, &k_t, &v_t).with_sinks(&short.as_view()),
             &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
             &mut lse_dev.as_view_mut(),
         )
@@ -319,14 +324,17 @@ fn packed_batches_with_sinks() {
             let nan = bf16::NAN;
             let mut o = stream.clone_htod(&vec![nan; tq * h * d]).unwrap();
             let mut lse = stream.clone_htod(&vec![f32::NAN; tq * h]).unwrap();
-            dev.varlen_forward_sinks_into(
+            let (q_t, k_t, v_t) = (
+                DeviceTensor::new(q.as_view(), lq),
+                DeviceTensor::new(k.as_view(), lk),
+                DeviceTensor::new(v.as_view(), lk),
+            );
+            let sinks_view = sinks_dev.as_view();
+            dev.varlen_forward_into(
                 &stream,
                 &cfg,
                 &seqs,
-                &DeviceTensor::new(q.as_view(), lq),
-                &DeviceTensor::new(k.as_view(), lk),
-                &DeviceTensor::new(v.as_view(), lk),
-                &sinks_dev.as_view(),
+                DeviceForwardInputs::new(&q_t, &k_t, &v_t).with_sinks(&sinks_view),
                 &mut DeviceTensorMut::new(o.as_view_mut(), lq),
                 &mut lse.as_view_mut(),
             )
@@ -335,25 +343,25 @@ fn packed_batches_with_sinks() {
             let mut dk = stream.clone_htod(&vec![nan; tk * hk * d]).unwrap();
             let mut dv = stream.clone_htod(&vec![nan; tk * hk * d]).unwrap();
             let mut dsinks = stream.clone_htod(&vec![f32::NAN; h]).unwrap();
-            dev.varlen_backward_sinks_into(
+            dev.varlen_backward_into(
                 &stream,
                 &cfg,
                 &seqs,
                 DeviceBackwardInputs {
-                    q: &DeviceTensor::new(q.as_view(), lq),
-                    k: &DeviceTensor::new(k.as_view(), lk),
-                    v: &DeviceTensor::new(v.as_view(), lk),
+                    q: &q_t,
+                    k: &k_t,
+                    v: &v_t,
                     out: &DeviceTensor::new(o.as_view(), lq),
                     dout: &DeviceTensor::new(dout.as_view(), lq),
                     lse: &lse.as_view(),
+                    sinks: Some(&sinks_view),
                 },
                 DeviceGradientsMut {
                     dq: &mut DeviceTensorMut::new(dq.as_view_mut(), lq),
                     dk: &mut DeviceTensorMut::new(dk.as_view_mut(), lk),
                     dv: &mut DeviceTensorMut::new(dv.as_view_mut(), lk),
+                    dsinks: Some(&mut dsinks.as_view_mut()),
                 },
-                &sinks_dev.as_view(),
-                Some(&mut dsinks.as_view_mut()),
             )
             .unwrap();
             let host = |x: &cudarc::driver::CudaSlice<bf16>| -> Vec<bf16> {

@@ -9,7 +9,9 @@
 mod common;
 mod harness;
 
-use flashattn::cuda::{DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut};
+use flashattn::cuda::{
+    DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut,
+};
 use flashattn::reference::{self, compare};
 use flashattn::{AttentionConfig, Backend, ForwardInputs, Layout, TensorRef};
 use half::bf16;
@@ -49,9 +51,11 @@ fn forward_matches(backend: Backend, s_q: usize, s_k: usize) {
         .forward_into(
             &stream,
             &cfg,
-            &DeviceTensor::new(qd.as_view(), lq),
-            &DeviceTensor::new(kd.as_view(), lk),
-            &DeviceTensor::new(vd.as_view(), lk),
+            DeviceForwardInputs::new(
+                &DeviceTensor::new(qd.as_view(), lq),
+                &DeviceTensor::new(kd.as_view(), lk),
+                &DeviceTensor::new(vd.as_view(), lk),
+            ),
             &mut DeviceTensorMut::new(o.as_view_mut(), lq),
             &mut lse.as_view_mut(),
         )
@@ -124,11 +128,13 @@ fn backward_matches(backend: Backend, s_k: usize) {
                 out: &DeviceTensor::new(od.as_view(), lq),
                 dout: &DeviceTensor::new(dod.as_view(), lq),
                 lse: &lsed.as_view(),
+                sinks: None,
             },
             DeviceGradientsMut {
                 dq: &mut DeviceTensorMut::new(dq.as_view_mut(), lq),
                 dk: &mut DeviceTensorMut::new(dk.as_view_mut(), lk),
                 dv: &mut DeviceTensorMut::new(dv.as_view_mut(), lk),
+                dsinks: None,
             },
         )
         .unwrap();

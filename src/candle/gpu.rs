@@ -7,7 +7,9 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 
 use super::*;
-use crate::cuda::{CudaSlice, CudaView, Device, DeviceBackwardInputs, DeviceGradientsMut};
+use crate::cuda::{
+    CudaSlice, CudaView, Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut,
+};
 use crate::cuda::{DeviceSeqlens, DeviceTensor, DeviceTensorMut};
 
 type Operand<'a> = (&'a CudaStorage, &'a candle_core::Layout);
@@ -113,9 +115,7 @@ pub(super) fn forward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
                 &dev.cuda_stream(),
                 cfg,
                 seqs,
-                &q,
-                &k,
-                &v,
+                DeviceForwardInputs::new(&q, &k, &v),
                 &mut DeviceTensorMut::new(out.as_view_mut(), Layout::contiguous(q.layout.shape)),
                 &mut lse.as_view_mut(),
             )
@@ -131,9 +131,7 @@ pub(super) fn forward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
     ours.forward_into(
         &dev.cuda_stream(),
         cfg,
-        &q,
-        &k,
-        &v,
+        DeviceForwardInputs::new(&q, &k, &v),
         &mut DeviceTensorMut::new(out.as_view_mut(), Layout::contiguous(q.layout.shape)),
         &mut lse.as_view_mut(),
     )
@@ -172,11 +170,13 @@ pub(super) fn backward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
             out: &out,
             dout: &dout,
             lse: &lse.as_view(),
+            sinks: None,
         };
         let grads = DeviceGradientsMut {
             dq: &mut DeviceTensorMut::new(dq.slice_mut(..nq), Layout::contiguous(q_shape)),
             dk: &mut DeviceTensorMut::new(dk.slice_mut(..nk), Layout::contiguous(kv_shape)),
             dv: &mut DeviceTensorMut::new(dv.slice_mut(..nk), Layout::contiguous(kv_shape)),
+            dsinks: None,
         };
         let stream = dev.cuda_stream();
         match packed {

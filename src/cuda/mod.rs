@@ -18,14 +18,16 @@ pub use fp8::{
     fp8_key_block, fp8_query_block, v_key_column, v_row_head_dim, Fp8Inputs, Fp8Options,
 };
 pub use varlen::DeviceSeqlens;
-pub use views::{DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut};
+pub use views::{
+    DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut,
+};
 
 use crate::backend::gpu::{self, RawTensor};
 use crate::config::{AttentionConfig, Backend};
 use crate::dispatch::{self, BuiltKernels, DeviceInfo, Memory, Op, Plan};
 use crate::error::{CallPart, Error, Operand, Result};
 use crate::ffi;
-use crate::tensor::{check_backward, check_forward, DType, Element, Problem};
+use crate::tensor::{check_backward, check_forward, check_sinks, DType, Element, Problem};
 
 /// Is a CUDA driver (libcuda) loadable on this machine? Probed before any driver call, since
 /// cudarc panics when the library is missing. Asked of the dynamic loader itself: cudarc's own
@@ -176,54 +178,56 @@ impl Device {
     }
 
     /// Forward pass into caller-owned device outputs, ordered on `stream`.
-    /// `lse` is f32 (batch, heads_q, seqlen_q), packed.
-    #[allow(clippy::too_many_arguments)]
+    /// `lse` is f32 (batch, heads_q, seqlen_q), packed. With sinks, see
+    /// [`DeviceForwardInputs::sinks`].
+    ///
+    /// ```no_run
+    /// # use flashattn::cuda::{Device, DeviceForwardInputs, DeviceTensor, DeviceTensorMut};
+    /// # use flashattn::AttentionConfig;
+    /// # fn run(dev: &Device, x: &[half::bf16], shape: [usize; 4]) -> flashattn::Result<()> {
+    /// # let stream = dev.new_stream()?;
+    /// # let up = |x: &[half::bf16]| stream.clone_htod(x).unwrap();
+    /// let (q, k, v, mut o) = (up(x), up(x), up(x), up(x));
+    /// let mut lse = stream.alloc_zeros::<f32>(shape[0] * shape[1] * shape[2]).unwrap();
+    /// // One sink logit per query head.
+    /// let sinks = stream.clone_htod(&vec![0.5f32; shape[2]]).unwrap();
+    /// let (q, k, v) = (
+    ///     DeviceTensor::contiguous(&q, shape),
+    ///     DeviceTensor::contiguous(&k, shape),
+    ///     DeviceTensor::contiguous(&v, shape),
+    /// );
+    /// dev.forward_into(
+    ///     &stream,
+    ///     &AttentionConfig::new().causal(true),
+    ///     DeviceForwardInputs::new(&q, &k, &v).with_sinks(&sinks.as_view()),
+    ///     &mut DeviceTensorMut::contiguous(&mut o, shape),
+    ///     &mut lse.as_view_mut(),
+    /// )?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn forward_into<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
         cfg: &AttentionConfig,
-        q: &DeviceTensor<T>,
-        k: &DeviceTensor<T>,
-        v: &DeviceTensor<T>,
+        inputs: DeviceForwardInputs<'_, T>,
         out: &mut DeviceTensorMut<T>,
         lse: &mut CudaViewMut<f32>,
     ) -> Result<Plan> {
-        self.forward_launch(stream, cfg, None, None, q, k, v, out, lse)
-    }
-
-    /// [`Device::forward_into`] with attention sinks: `sinks` holds one f32 logit per query
-    /// head (its first heads_q values), which joins every row's softmax in the units of the
-    /// scaled (and capped) scores and takes no value row, so that
-    /// LSE = log(exp(sink) + Σ exp(s)) and a row that sees no key gets O = 0 and LSE = sink.
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_sinks_into<T: Element + DeviceRepr>(
-        &self,
-        stream: &Arc<CudaStream>,
-        cfg: &AttentionConfig,
-        q: &DeviceTensor<T>,
-        k: &DeviceTensor<T>,
-        v: &DeviceTensor<T>,
-        sinks: &CudaView<f32>,
-        out: &mut DeviceTensorMut<T>,
-        lse: &mut CudaViewMut<f32>,
-    ) -> Result<Plan> {
-        self.forward_launch(stream, cfg, None, Some(sinks), q, k, v, out, lse)
+        self.forward_launch(stream, cfg, None, inputs, out, lse)
     }
 
     /// The forward of a dense batch, or of a packed one (`seqs`), with or without sinks.
-    #[allow(clippy::too_many_arguments)]
     fn forward_launch<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
         cfg: &AttentionConfig,
         seqs: Option<&DeviceSeqlens>,
-        sinks: Option<&CudaView<f32>>,
-        q: &DeviceTensor<T>,
-        k: &DeviceTensor<T>,
-        v: &DeviceTensor<T>,
+        inputs: DeviceForwardInputs<'_, T>,
         out: &mut DeviceTensorMut<T>,
         lse: &mut CudaViewMut<f32>,
     ) -> Result<Plan> {
+        let DeviceForwardInputs { q, k, v, sinks } = inputs;
         if T::DTYPE == DType::E4M3 {
             return Err(Error::Unsupported {
                 what: "e4m3 operands in forward_into (the FP8 forward takes them through \
@@ -264,6 +268,7 @@ impl Device {
             (Operand::V, &v.layout),
             (Operand::Out, &out.layout),
         ])?;
+        check_sinks(&problem, sinks.map(|s| s.len()), None)?;
 
         // The guards make `stream` wait for earlier writers and record this use; they must
         // live until the launch has been enqueued.
@@ -273,9 +278,6 @@ impl Device {
         let (o_ptr, _o_guard) = out.data.device_ptr_mut(stream);
         let (lse_ptr, _lse_guard) = lse.device_ptr_mut(stream);
         let (packed, _seqs_guards) = seqs.map(|s| s.rows(stream, &rows)).unzip();
-        if let Some(sinks) = sinks {
-            check_per_head(Operand::Sinks, sinks.len(), &problem)?;
-        }
         let (sinks_ptr, _sinks_guard) = sinks.map(|s| s.device_ptr(stream)).unzip();
         let size = std::mem::size_of::<T>();
         let operands = [
@@ -328,22 +330,11 @@ impl Device {
     }
 }
 
-/// A per-query-head vector (the sinks, their gradient) holds at least heads_q values.
-fn check_per_head(operand: Operand, len: usize, problem: &Problem) -> Result<()> {
-    if len < problem.heads_q {
-        return Err(Error::BufferTooSmall {
-            operand,
-            needed: problem.heads_q,
-            len,
-        });
-    }
-    Ok(())
-}
-
 impl Device {
     /// Backward pass into caller-owned device gradients, ordered on `stream`: recomputes P from
-    /// the forward's LSE and writes dQ, dK and dV. The f32 workspace is allocated on `stream`
-    /// and freed in stream order.
+    /// the forward's LSE and writes dQ, dK and dV, and where `grads.dsinks` is given, the
+    /// attention sinks' gradient ([`DeviceGradientsMut::dsinks`]; `inputs.sinks` must be those
+    /// the forward took). The f32 workspace is allocated on `stream` and freed in stream order.
     ///
     /// ```no_run
     /// # use flashattn::cuda::{Device, DeviceBackwardInputs, DeviceGradientsMut};
@@ -366,11 +357,13 @@ impl Device {
     ///         out: &DeviceTensor::contiguous(&o, shape),
     ///         dout: &DeviceTensor::contiguous(&d_o, shape),
     ///         lse: &lse.as_view(),
+    ///         sinks: None,
     ///     },
     ///     DeviceGradientsMut {
     ///         dq: &mut DeviceTensorMut::contiguous(&mut dq, shape),
     ///         dk: &mut DeviceTensorMut::contiguous(&mut dk, shape),
     ///         dv: &mut DeviceTensorMut::contiguous(&mut dv, shape),
+    ///         dsinks: None,
     ///     },
     /// )?;
     /// println!("{}", plan.explain());
@@ -384,24 +377,7 @@ impl Device {
         inputs: DeviceBackwardInputs<'_, T>,
         grads: DeviceGradientsMut<'_, '_, T>,
     ) -> Result<Plan> {
-        self.backward_launch(stream, cfg, None, inputs, grads, None)
-    }
-
-    /// [`Device::backward_into`] of a forward with attention sinks
-    /// ([`Device::forward_sinks_into`]; `inputs.lse` is its LSE, which holds them): dQ, dK, dV
-    /// as without sinks, and where `dsinks` is given, the sinks' gradient
-    /// d_sink = −Σ exp(sink − LSE)·rowsum(dO ∘ O) over each query head's rows of every batch
-    /// entry into its first heads_q values, summed in a fixed order (bit-identical run to run).
-    pub fn backward_sinks_into<T: Element + DeviceRepr>(
-        &self,
-        stream: &Arc<CudaStream>,
-        cfg: &AttentionConfig,
-        inputs: DeviceBackwardInputs<'_, T>,
-        grads: DeviceGradientsMut<'_, '_, T>,
-        sinks: &CudaView<f32>,
-        dsinks: Option<&mut CudaViewMut<f32>>,
-    ) -> Result<Plan> {
-        self.backward_launch(stream, cfg, None, inputs, grads, Some((sinks, dsinks)))
+        self.backward_launch(stream, cfg, None, inputs, grads)
     }
 
     /// The backward of a dense batch, or of a packed one (`seqs`), with or without sinks (and
@@ -413,7 +389,6 @@ impl Device {
         seqs: Option<&DeviceSeqlens>,
         inputs: DeviceBackwardInputs<'_, T>,
         grads: DeviceGradientsMut<'_, '_, T>,
-        sinks: Option<(&CudaView<f32>, Option<&mut CudaViewMut<f32>>)>,
     ) -> Result<Plan> {
         let DeviceBackwardInputs {
             q,
@@ -422,8 +397,9 @@ impl Device {
             out,
             dout,
             lse,
+            sinks,
         } = inputs;
-        let DeviceGradientsMut { dq, dk, dv } = grads;
+        let DeviceGradientsMut { dq, dk, dv, dsinks } = grads;
         self.check_same_context(
             stream,
             [
@@ -441,8 +417,6 @@ impl Device {
         if let Some(seqs) = seqs {
             self.check_same_context(stream, seqs.contexts())?;
         }
-        let (sinks, dsinks) = sinks.unzip();
-        let dsinks = dsinks.flatten();
         if let Some(sinks) = sinks {
             self.check_same_context(stream, [(Operand::Sinks, sinks.stream().context())])?;
         }
@@ -475,12 +449,11 @@ impl Device {
             (Operand::DK, &dk.layout),
             (Operand::DV, &dv.layout),
         ])?;
-        if let Some(sinks) = sinks {
-            check_per_head(Operand::Sinks, sinks.len(), &problem)?;
-        }
-        if let Some(dsinks) = &dsinks {
-            check_per_head(Operand::DSinks, dsinks.len(), &problem)?;
-        }
+        check_sinks(
+            &problem,
+            sinks.map(|s| s.len()),
+            dsinks.as_ref().map(|s| s.len()),
+        )?;
         let plan = self.plan(Op::Backward, &problem, cfg)?;
         self.ctx.bind_to_thread().map_err(driver_error)?;
         let (packed, _seqs_guards) = seqs.map(|s| s.rows(stream, &rows)).unzip();

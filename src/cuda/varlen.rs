@@ -6,7 +6,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaStream, CudaView, CudaViewMut, DevicePtr, DeviceRepr};
 use cudarc::driver::{DeviceSlice, SyncOnDrop};
 
-use super::{Device, DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut};
+use super::{
+    Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut, DeviceTensorMut,
+};
 use crate::backend::gpu::PackedRows;
 use crate::config::AttentionConfig;
 use crate::dispatch::{self, Plan};
@@ -162,25 +164,24 @@ impl Device {
     /// Forward pass over a packed batch into caller-owned device outputs, ordered on `stream`:
     /// Q `(1, total_q, heads_q, head_dim)`, K and V `(1, total_k, heads_kv, head_dim)`, O like
     /// Q, `lse` f32 `(heads_q, total_q)`; every sequence is its own problem (masks bottom-right
-    /// within it). A sequence whose queries see no key gets O = 0 and LSE = +inf.
-    #[allow(clippy::too_many_arguments)]
+    /// within it). A sequence whose queries see no key gets O = 0 and LSE = +inf, or with
+    /// sinks ([`DeviceForwardInputs::sinks`]), LSE = its head's sink.
     pub fn varlen_forward_into<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
         cfg: &AttentionConfig,
         seqs: &DeviceSeqlens,
-        q: &DeviceTensor<T>,
-        k: &DeviceTensor<T>,
-        v: &DeviceTensor<T>,
+        inputs: DeviceForwardInputs<'_, T>,
         out: &mut DeviceTensorMut<T>,
         lse: &mut CudaViewMut<f32>,
     ) -> Result<Plan> {
-        self.forward_launch(stream, cfg, Some(seqs), None, q, k, v, out, lse)
+        self.forward_launch(stream, cfg, Some(seqs), inputs, out, lse)
     }
 
     /// Backward pass over a packed batch, ordered on `stream`: the tensors as in
     /// [`Device::varlen_forward_into`], dQ like Q, dK and dV like K. Key rows a sequence does
-    /// not use (past `seqused_k`) get dK = dV = 0.
+    /// not use (past `seqused_k`) get dK = dV = 0. The sinks' gradient, where `grads.dsinks` is
+    /// given, sums every sequence's rows of each query head ([`DeviceGradientsMut::dsinks`]).
     pub fn varlen_backward_into<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
@@ -189,49 +190,6 @@ impl Device {
         inputs: DeviceBackwardInputs<'_, T>,
         grads: DeviceGradientsMut<'_, '_, T>,
     ) -> Result<Plan> {
-        self.backward_launch(stream, cfg, Some(seqs), inputs, grads, None)
-    }
-
-    /// [`Device::varlen_forward_into`] with attention sinks, one f32 logit per query head, as
-    /// [`Device::forward_sinks_into`] takes them: a sequence's row that sees no key gets O = 0
-    /// and LSE = its head's sink.
-    #[allow(clippy::too_many_arguments)]
-    pub fn varlen_forward_sinks_into<T: Element + DeviceRepr>(
-        &self,
-        stream: &Arc<CudaStream>,
-        cfg: &AttentionConfig,
-        seqs: &DeviceSeqlens,
-        q: &DeviceTensor<T>,
-        k: &DeviceTensor<T>,
-        v: &DeviceTensor<T>,
-        sinks: &CudaView<f32>,
-        out: &mut DeviceTensorMut<T>,
-        lse: &mut CudaViewMut<f32>,
-    ) -> Result<Plan> {
-        self.forward_launch(stream, cfg, Some(seqs), Some(sinks), q, k, v, out, lse)
-    }
-
-    /// [`Device::varlen_backward_into`] of a forward with sinks, and where `dsinks` is given
-    /// their gradient summed over every sequence's rows of each query head
-    /// ([`Device::backward_sinks_into`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn varlen_backward_sinks_into<T: Element + DeviceRepr>(
-        &self,
-        stream: &Arc<CudaStream>,
-        cfg: &AttentionConfig,
-        seqs: &DeviceSeqlens,
-        inputs: DeviceBackwardInputs<'_, T>,
-        grads: DeviceGradientsMut<'_, '_, T>,
-        sinks: &CudaView<f32>,
-        dsinks: Option<&mut CudaViewMut<f32>>,
-    ) -> Result<Plan> {
-        self.backward_launch(
-            stream,
-            cfg,
-            Some(seqs),
-            inputs,
-            grads,
-            Some((sinks, dsinks)),
-        )
+        self.backward_launch(stream, cfg, Some(seqs), inputs, grads)
     }
 }

@@ -1,8 +1,11 @@
 //! Views over device memory in the (batch, seqlen, heads, head_dim) layout, and the operand
-//! bundles of the backward pass.
+//! bundles of the forward and backward passes.
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 
+// The errors the docs name.
+#[cfg(doc)]
+use crate::error::{Error, Operand};
 use crate::tensor::{Layout, Operand4};
 
 /// A read-only device tensor.
@@ -43,6 +46,46 @@ impl<'a, T> DeviceTensorMut<'a, T> {
     }
 }
 
+/// What a device forward pass reads: Q, K, V and, where the model has them, the attention sinks.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceForwardInputs<'a, T> {
+    pub q: &'a DeviceTensor<'a, T>,
+    pub k: &'a DeviceTensor<'a, T>,
+    pub v: &'a DeviceTensor<'a, T>,
+    /// Attention sinks, where given: one f32 logit per query head (its first heads_q values are
+    /// used; a shorter vector is refused with [`Error::BufferTooSmall`] for
+    /// [`Operand::Sinks`]), which joins every row's softmax in the units of the scaled (and
+    /// capped) scores and takes no value row, so that LSE = log(exp(sink) + Σ exp(s)) and a row
+    /// that sees no key gets O = 0 and LSE = sink. The forward adds them in a pass over O and
+    /// the LSE after its kernels. The backward of such a forward takes them as
+    /// [`DeviceBackwardInputs::sinks`].
+    pub sinks: Option<&'a CudaView<'a, f32>>,
+}
+
+impl<'a, T> DeviceForwardInputs<'a, T> {
+    /// Q, K and V, without sinks.
+    pub fn new(
+        q: &'a DeviceTensor<'a, T>,
+        k: &'a DeviceTensor<'a, T>,
+        v: &'a DeviceTensor<'a, T>,
+    ) -> Self {
+        DeviceForwardInputs {
+            q,
+            k,
+            v,
+            sinks: None,
+        }
+    }
+
+    /// The same inputs with attention sinks ([`DeviceForwardInputs::sinks`]).
+    pub fn with_sinks(self, sinks: &'a CudaView<'a, f32>) -> Self {
+        DeviceForwardInputs {
+            sinks: Some(sinks),
+            ..self
+        }
+    }
+}
+
 /// What a device backward pass reads: the forward's inputs, its output and LSE, and dO.
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceBackwardInputs<'a, T> {
@@ -55,6 +98,12 @@ pub struct DeviceBackwardInputs<'a, T> {
     pub dout: &'a DeviceTensor<'a, T>,
     /// The forward's LSE: f32 (batch, heads_q, seqlen_q) packed, natural log.
     pub lse: &'a CudaView<'a, f32>,
+    /// The attention sinks the forward took ([`DeviceForwardInputs::sinks`]), where it took
+    /// them: at least heads_q values (a shorter vector is refused with
+    /// [`Error::BufferTooSmall`] for [`Operand::Sinks`]). dQ, dK and dV need only the LSE,
+    /// which holds them; the sinks' gradient ([`DeviceGradientsMut::dsinks`]) is computed from
+    /// them.
+    pub sinks: Option<&'a CudaView<'a, f32>>,
 }
 
 /// Where a device backward pass writes: dQ shaped like Q, dK and dV shaped like K and V, each
@@ -65,4 +114,11 @@ pub struct DeviceGradientsMut<'a, 'v, T> {
     pub dq: &'a mut DeviceTensorMut<'v, T>,
     pub dk: &'a mut DeviceTensorMut<'v, T>,
     pub dv: &'a mut DeviceTensorMut<'v, T>,
+    /// Where given, the attention sinks' gradient
+    /// d_sink = −Σ exp(sink − LSE)·rowsum(dO ∘ O) over each query head's rows of every batch
+    /// entry (of a packed batch: every sequence) into its first heads_q values, summed in a
+    /// fixed order (bit-identical run to run). It needs [`DeviceBackwardInputs::sinks`]
+    /// (without them it is refused with [`Error::InvalidConfig`]) and at least heads_q values
+    /// (a shorter vector is refused with [`Error::BufferTooSmall`] for [`Operand::DSinks`]).
+    pub dsinks: Option<&'a mut CudaViewMut<'v, f32>>,
 }

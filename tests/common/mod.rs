@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
-use flashattn::cuda::{CudaStream, Device, DeviceTensor, DeviceTensorMut};
+use flashattn::cuda::{CudaStream, Device, DeviceForwardInputs, DeviceTensor, DeviceTensorMut};
 use flashattn::{AttentionConfig, Element};
 
 use crate::harness::Case;
@@ -68,12 +68,15 @@ pub fn forward_into<T: Element + DeviceRepr>(
     (o, lse): &mut (CudaSlice<T>, CudaSlice<f32>),
 ) -> flashattn::Result<flashattn::Plan> {
     let (lq, lk) = case.layouts();
+    let (q, k, v) = (
+        DeviceTensor::new(q.as_view(), lq),
+        DeviceTensor::new(k.as_view(), lk),
+        DeviceTensor::new(v.as_view(), lk),
+    );
     dev.forward_into(
         stream,
         cfg,
-        &DeviceTensor::new(q.as_view(), lq),
-        &DeviceTensor::new(k.as_view(), lk),
-        &DeviceTensor::new(v.as_view(), lk),
+        DeviceForwardInputs::new(&q, &k, &v),
         &mut DeviceTensorMut::new(o.as_view_mut(), lq),
         &mut lse.as_view_mut(),
     )

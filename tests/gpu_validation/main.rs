@@ -16,7 +16,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use flashattn::cuda::{
-    DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut, Fp8Options,
+    DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut,
+    Fp8Options,
 };
 use flashattn::reference::{self, compare};
 use flashattn::{AttentionConfig, Backend, Error, Layout, Operand, TensorRef};
@@ -69,9 +70,7 @@ fn views_that_wrap_past_usize_max_are_refused_on_the_device() {
             .forward_into(
                 &stream,
                 &cfg,
-                &t,
-                &t,
-                &t,
+                DeviceForwardInputs::new(&t, &t, &t),
                 &mut DeviceTensorMut::new(big.slice_mut(512..576), wrapping_layout()),
                 &mut lse.as_view_mut(),
             )
@@ -113,8 +112,14 @@ fn views_that_wrap_past_usize_max_are_refused_on_the_device() {
                         out: &t,
                         dout: &t,
                         lse: &lse.as_view(),
+                        sinks: None,
                     },
-                    DeviceGradientsMut { dq, dk, dv },
+                    DeviceGradientsMut {
+                        dq,
+                        dk,
+                        dv,
+                        dsinks: None,
+                    },
                 )
                 .unwrap_err();
             assert!(matches!(e, Error::IndexOverflow { .. }), "{e:?}");
@@ -161,9 +166,7 @@ fn streams_and_buffers_of_another_context_are_refused() {
         dev.forward_into(
             stream,
             &cfg,
-            &mine,
-            k,
-            &mine,
+            DeviceForwardInputs::new(&mine, k, &mine),
             &mut DeviceTensorMut::new(o.as_view_mut(), lay),
             &mut lse.as_view_mut(),
         )
@@ -242,9 +245,11 @@ fn broadcast_inputs_read_as_their_layouts_say() {
             dev.forward_into(
                 &stream,
                 &cfg,
-                &DeviceTensor::new(qd.as_view(), lq),
-                &DeviceTensor::new(kd.as_view(), lk),
-                &DeviceTensor::new(vd.as_view(), lk),
+                DeviceForwardInputs::new(
+                    &DeviceTensor::new(qd.as_view(), lq),
+                    &DeviceTensor::new(kd.as_view(), lk),
+                    &DeviceTensor::new(vd.as_view(), lk),
+                ),
                 &mut DeviceTensorMut::new(o.as_view_mut(), lo),
                 &mut lse.as_view_mut(),
             )

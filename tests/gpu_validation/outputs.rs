@@ -1,6 +1,8 @@
 //! Bad outputs (short, overlapping, misaligned) refused with typed errors, buffers left untouched.
 
-use flashattn::cuda::{DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut};
+use flashattn::cuda::{
+    DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut,
+};
 use flashattn::{AttentionConfig, Error, Layout, Operand};
 use half::bf16;
 use rand::rngs::StdRng;
@@ -33,9 +35,7 @@ fn device_calls_refuse_bad_outputs_with_typed_errors() {
         .forward_into(
             &stream,
             &cfg,
-            &tq,
-            &tk,
-            &tv,
+            DeviceForwardInputs::new(&tq, &tk, &tv),
             &mut DeviceTensorMut::new(o.as_view_mut(), lq),
             &mut lse.slice_mut(1..),
         )
@@ -54,9 +54,7 @@ fn device_calls_refuse_bad_outputs_with_typed_errors() {
         .forward_into(
             &stream,
             &cfg,
-            &tq,
-            &tk,
-            &tv,
+            DeviceForwardInputs::new(&tq, &tk, &tv),
             &mut DeviceTensorMut::new(o.slice_mut(1..), lq),
             &mut lse.as_view_mut(),
         )
@@ -76,9 +74,7 @@ fn device_calls_refuse_bad_outputs_with_typed_errors() {
         .forward_into(
             &stream,
             &cfg,
-            &tq,
-            &tk,
-            &tv,
+            DeviceForwardInputs::new(&tq, &tk, &tv),
             &mut DeviceTensorMut::new(o.as_view_mut(), zero_rows),
             &mut lse.as_view_mut(),
         )
@@ -98,9 +94,11 @@ fn device_calls_refuse_bad_outputs_with_typed_errors() {
         .forward_into(
             &stream,
             &cfg,
-            &DeviceTensor::new(q.slice(0..2 * 130), odd),
-            &DeviceTensor::new(k.slice(0..2 * 130), odd),
-            &DeviceTensor::new(v.slice(0..2 * 130), odd),
+            DeviceForwardInputs::new(
+                &DeviceTensor::new(q.slice(0..2 * 130), odd),
+                &DeviceTensor::new(k.slice(0..2 * 130), odd),
+                &DeviceTensor::new(v.slice(0..2 * 130), odd),
+            ),
             &mut DeviceTensorMut::new(o.slice_mut(0..2 * 130), odd),
             &mut lse.slice_mut(0..2),
         )
@@ -128,11 +126,13 @@ fn device_calls_refuse_bad_outputs_with_typed_errors() {
                 out: &tq,
                 dout: &tq,
                 lse: &lse.as_view(),
+                sinks: None,
             },
             DeviceGradientsMut {
                 dq: &mut DeviceTensorMut::new(gq.as_view_mut(), lk),
                 dk: &mut DeviceTensorMut::new(gk.as_view_mut(), lk),
                 dv: &mut DeviceTensorMut::new(gv.as_view_mut(), lk),
+                dsinks: None,
             },
         )
         .unwrap_err();
@@ -157,11 +157,13 @@ fn device_calls_refuse_bad_outputs_with_typed_errors() {
                 out: &tq,
                 dout: &tk,
                 lse: &lse.as_view(),
+                sinks: None,
             },
             DeviceGradientsMut {
                 dq: &mut DeviceTensorMut::new(gq.as_view_mut(), lq),
                 dk: &mut DeviceTensorMut::new(gk.as_view_mut(), lk),
                 dv: &mut DeviceTensorMut::new(gv.as_view_mut(), lk),
+                dsinks: None,
             },
         )
         .unwrap_err();
@@ -190,9 +192,7 @@ fn device_calls_refuse_bad_outputs_with_typed_errors() {
         .forward_into(
             &stream,
             &cfg,
-            &t8,
-            &t8,
-            &t8,
+            DeviceForwardInputs::new(&t8, &t8, &t8),
             &mut DeviceTensorMut::new(o8.as_view_mut(), lq),
             &mut lse.as_view_mut(),
         )

@@ -21,9 +21,7 @@ fn dense_call<T: Element + DeviceRepr>(
     dev.forward_into(
         stream,
         cfgs.0,
-        &q,
-        &k,
-        &v,
+        DeviceForwardInputs::new(&q, &k, &v),
         &mut DeviceTensorMut::contiguous(&mut t.out, q_shape),
         &mut t.lse.as_view_mut(),
     )
@@ -38,11 +36,13 @@ fn dense_call<T: Element + DeviceRepr>(
             out: &DeviceTensor::contiguous(&t.out, q_shape),
             dout: &DeviceTensor::contiguous(&t.dout, q_shape),
             lse: &t.lse.as_view(),
+            sinks: None,
         },
         DeviceGradientsMut {
             dq: &mut DeviceTensorMut::contiguous(&mut t.dq, q_shape),
             dk: &mut DeviceTensorMut::contiguous(&mut t.dk, k_shape),
             dv: &mut DeviceTensorMut::contiguous(&mut t.dv, k_shape),
+            dsinks: None,
         },
     )
     .unwrap();

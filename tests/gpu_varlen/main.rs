@@ -16,8 +16,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use flashattn::cuda::{
-    CudaStream, Device, DeviceBackwardInputs, DeviceGradientsMut, DeviceSeqlens, DeviceTensor,
-    DeviceTensorMut,
+    CudaStream, Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut,
+    DeviceSeqlens, DeviceTensor, DeviceTensorMut,
 };
 use flashattn::{AttentionConfig, Backend, Element, Plan};
 use half::{bf16, f16};
@@ -92,9 +92,7 @@ fn run<T: Element + DeviceRepr>(
         stream,
         cfg,
         &seqs,
-        &q,
-        &k,
-        &v,
+        DeviceForwardInputs::new(&q, &k, &v),
         &mut DeviceTensorMut::contiguous(&mut t.out, q_shape),
         &mut t.lse.as_view_mut(),
     )?;
@@ -109,11 +107,13 @@ fn run<T: Element + DeviceRepr>(
             out: &DeviceTensor::contiguous(&t.out, q_shape),
             dout: &DeviceTensor::contiguous(&t.dout, q_shape),
             lse: &t.lse.as_view(),
+            sinks: None,
         },
         DeviceGradientsMut {
             dq: &mut DeviceTensorMut::contiguous(&mut t.dq, q_shape),
             dk: &mut DeviceTensorMut::contiguous(&mut t.dk, k_shape),
             dv: &mut DeviceTensorMut::contiguous(&mut t.dv, k_shape),
+            dsinks: None,
         },
     )?;
     stream.synchronize().unwrap();
