@@ -13,7 +13,9 @@ mod common;
 
 use std::sync::Arc;
 
-use flashattn::cuda::{CudaStream, DeviceForwardInputs, DeviceTensor, DeviceTensorMut, Fp8Options};
+use flashattn::cuda::{
+    CudaStream, DeviceForwardInputs, DeviceTensor, DeviceTensorMut, Fp8ForwardInputs, Fp8Options,
+};
 use flashattn::unstable::{PingPong, Sm90Schedule, TailSplit};
 use flashattn::{AttentionConfig, Backend, DType, Layout, Problem};
 use half::bf16;
@@ -166,7 +168,7 @@ fn main() {
                     dev.forward_fp8_into(
                         &stream,
                         &cfg,
-                        &fp8,
+                        Fp8ForwardInputs::new(&fp8),
                         &mut DeviceTensorMut::new(out.as_view_mut(), layout),
                         &mut lse.as_view_mut(),
                     )
@@ -271,7 +273,7 @@ fn main() {
                     dev.forward_fp8_into(
                         &stream,
                         &cfg,
-                        &fp8,
+                        Fp8ForwardInputs::new(&fp8),
                         &mut DeviceTensorMut::new(out.slice_mut(0..nq), lq),
                         &mut lse.slice_mut(0..nl),
                     )

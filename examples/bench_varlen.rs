@@ -21,7 +21,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 use flashattn::cuda::{
     CudaStream, Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut,
-    DeviceSeqlens, DeviceTensor, DeviceTensorMut, Fp8Options,
+    DeviceSeqlens, DeviceTensor, DeviceTensorMut, Fp8ForwardInputs, Fp8Options,
 };
 use flashattn::{AttentionConfig, Backend, Plan};
 use half::bf16;
@@ -226,9 +226,22 @@ fn time_fp8(
         let mut out = DeviceTensorMut::contiguous(&mut bufs.out, shape);
         let mut lse = bufs.lse.as_view_mut();
         let p = if packed {
-            dev.varlen_forward_fp8_into(stream, &cfg, &seqs, &inputs, &mut out, &mut lse)
+            dev.varlen_forward_fp8_into(
+                stream,
+                &cfg,
+                &seqs,
+                Fp8ForwardInputs::new(&inputs),
+                &mut out,
+                &mut lse,
+            )
         } else {
-            dev.forward_fp8_into(stream, &cfg, &inputs, &mut out, &mut lse)
+            dev.forward_fp8_into(
+                stream,
+                &cfg,
+                Fp8ForwardInputs::new(&inputs),
+                &mut out,
+                &mut lse,
+            )
         };
         plan = Some(p.expect("FP8 forward"));
     });

@@ -15,7 +15,7 @@ mod common;
 
 use flashattn::cuda::{
     fp8_key_block, fp8_query_block, CudaSlice, DeviceForwardInputs, DeviceTensor, DeviceTensorMut,
-    Fp8Inputs, Fp8Options,
+    Fp8ForwardInputs, Fp8Inputs, Fp8Options,
 };
 use flashattn::fp8::{Fp8Tensor, Granularity, RandomSignHadamard};
 use flashattn::reference::reference_forward;
@@ -212,7 +212,7 @@ fn main() {
             dev.forward_fp8_into(
                 &stream,
                 &cfg,
-                inputs,
+                Fp8ForwardInputs::new(inputs),
                 &mut DeviceTensorMut::new(out.as_view_mut(), layout),
                 &mut lse.as_view_mut(),
             )

@@ -1,6 +1,7 @@
 //! Attention sinks on the GPU kernels against the f64 reference under the correctness rule
 //! (docs/ARCHITECTURE.md): O and the LSE of `Device::forward_into` with sinks, dQ, dK, dV and the
-//! sinks' gradient of `Device::backward_into`, every output poisoned with NaN before its launch.
+//! sinks' gradient of `Device::backward_into`, every output poisoned with NaN before its launch;
+//! the FP8 forward's sinks.
 //! `#[ignore]`d: run on the device with `--include-ignored`.
 #![cfg(feature = "cuda")]
 
@@ -12,7 +13,7 @@ use std::sync::Arc;
 use cudarc::driver::DeviceRepr;
 use flashattn::cuda::{
     CudaStream, Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut,
-    DeviceTensor, DeviceTensorMut,
+    DeviceTensor, DeviceTensorMut, Fp8ForwardInputs, Fp8Options,
 };
 use flashattn::reference::{self, compare, Comparison};
 use flashattn::unstable::TailSplit;
@@ -21,7 +22,7 @@ use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use common::{device, poisoned_outputs};
+use common::{device, download, poisoned_outputs};
 use harness::{random, span, Case};
 
 /// One case's comparisons, and the sinks' gradient as bits for run-to-run checks.
@@ -287,6 +288,104 @@ fn short_sinks_are_refused() {
         ),
         "{err}"
     );
+}
+
+/// The FP8 forward's sinks: the pass after its kernel turns O and the LSE of the same call
+/// without sinks into O' = O·e^(LSE − LSE') and LSE' = log(e^LSE + e^sink) (O' rounded to bf16
+/// once more), so that a row that sees no key gets O = 0 and the sink as its LSE exactly; the
+/// one-call `forward_fp8` passes its sinks on, bit for bit.
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn fp8_forward_adds_the_sinks() {
+    let (dev, stream) = device();
+    // More queries than keys under the causal mask: rows 0..99 see no key.
+    let case = Case::new(300, 200, 128).heads(4, 2).causal(true);
+    let (lq, lk) = (
+        Layout::contiguous(case.q_shape()),
+        Layout::contiguous(case.kv_shape()),
+    );
+    let mut rng = StdRng::seed_from_u64(5);
+    let [q, k, v] = [lq, lk, lk].map(|l| random::<bf16>(span(&l), &mut rng));
+    let sinks = random_sinks(case.heads_q, &mut rng);
+    let up = |x: &Vec<bf16>| stream.clone_htod(x).unwrap();
+    let (q_dev, k_dev, v_dev) = (up(&q), up(&k), up(&v));
+    let (q_t, k_t, v_t) = (
+        DeviceTensor::new(q_dev.as_view(), lq),
+        DeviceTensor::new(k_dev.as_view(), lk),
+        DeviceTensor::new(v_dev.as_view(), lk),
+    );
+    let options = Fp8Options::default();
+    let fp8 = dev
+        .quantize_fp8(&stream, &q_t, &k_t, &v_t, options)
+        .unwrap();
+    let sinks_dev = stream.clone_htod(&sinks).unwrap();
+    let sinks_view = sinks_dev.as_view();
+    let cfg = case.cfg(Backend::Sm90);
+    let run = |inputs: Fp8ForwardInputs| {
+        let mut out = poisoned_outputs::<bf16>(&stream, &case, span(&lq));
+        dev.forward_fp8_into(
+            &stream,
+            &cfg,
+            inputs,
+            &mut DeviceTensorMut::new(out.0.as_view_mut(), lq),
+            &mut out.1.as_view_mut(),
+        )
+        .unwrap();
+        download(&stream, &out)
+    };
+    let (o, lse) = run(Fp8ForwardInputs::new(&fp8));
+    let (o_s, lse_s) = run(Fp8ForwardInputs::new(&fp8).with_sinks(&sinks_view));
+
+    let (sq, h, d) = (case.seqlen_q, case.heads_q, case.head_dim);
+    let mut without_key = 0;
+    for (head, &sink) in sinks.iter().enumerate() {
+        for i in 0..sq {
+            let (l, l_s) = (lse[head * sq + i], lse_s[head * sq + i]);
+            let row = |x: &[bf16]| x[(i * h + head) * d..][..d].to_vec();
+            let (row, row_s) = (row(&o), row(&o_s));
+            if l == f32::INFINITY {
+                without_key += 1;
+                assert_eq!(l_s, sink, "head {head} row {i}");
+                assert!(
+                    row_s.iter().all(|x| x.to_f32() == 0.0),
+                    "head {head} row {i}"
+                );
+                continue;
+            }
+            let (l, s) = (l as f64, sink as f64);
+            let want = l.max(s) + (-(l - s).abs()).exp().ln_1p();
+            let err = (l_s as f64 - want).abs();
+            assert!(
+                err <= 1e-5 * (1.0 + want.abs()),
+                "head {head} row {i}: LSE {l_s}, want {want}"
+            );
+            let scale = (l - l_s as f64).exp();
+            for (x, y) in row.iter().zip(&row_s) {
+                let want = x.to_f32() as f64 * scale;
+                // O' is rounded to bf16 from an f32 product: within one unit in its last place.
+                let err = (y.to_f32() as f64 - want).abs();
+                assert!(
+                    err <= want.abs() / 128.0,
+                    "head {head} row {i}: O {y}, want {want}"
+                );
+            }
+        }
+    }
+    assert_eq!(without_key, h * (case.seqlen_q - case.seqlen_k));
+
+    let mut out = poisoned_outputs::<bf16>(&stream, &case, span(&lq));
+    dev.forward_fp8(
+        &stream,
+        &cfg,
+        DeviceForwardInputs::new(&q_t, &k_t, &v_t).with_sinks(&sinks_view),
+        &mut DeviceTensorMut::new(out.0.as_view_mut(), lq),
+        &mut out.1.as_view_mut(),
+        options,
+    )
+    .unwrap();
+    let (o_one, lse_one) = download(&stream, &out);
+    assert_eq!(o_one, o_s);
+    assert_eq!(lse_one, lse_s);
 }
 
 /// A packed batch with sinks (sequences of 1–300 rows, one whose first rows see no key under

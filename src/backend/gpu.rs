@@ -176,7 +176,7 @@ pub(crate) fn forward(
 }
 
 /// Operands of the FP8 forward: e4m3 Q, K (rows) and V (key-major, see src/cuda/fp8/), O in
-/// `out_dtype`, the LSE and the Q, K, V descales.
+/// `out_dtype`, the LSE, the Q, K, V descales and the attention sinks (0: none).
 pub(crate) struct Fp8Operands {
     pub q: RawTensor,
     pub k: RawTensor,
@@ -185,6 +185,7 @@ pub(crate) struct Fp8Operands {
     pub out_dtype: DType,
     pub lse: u64,
     pub descales: [u64; 3],
+    pub sinks: u64,
 }
 
 /// Launches the sm90 FP8 forward on `stream` (a CUstream); `packed` as in [`base_params`].
@@ -206,6 +207,7 @@ pub(crate) fn forward_fp8(
     p.q_descale = ops.descales[0] as *const f32;
     p.k_descale = ops.descales[1] as *const f32;
     p.v_descale = ops.descales[2] as *const f32;
+    p.sinks = ops.sinks as *const f32;
     // SAFETY: every pointer was taken from a live cudarc buffer whose guard outlives this call;
     // the quantized operands and descales were sized by the quantize step for this problem.
     let r = unsafe { ffi::flashattn_fwd_sm90(&p, stream) };

@@ -15,7 +15,8 @@ use std::sync::Arc;
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, DriverError};
 pub use fp8::{
-    fp8_key_block, fp8_query_block, v_key_column, v_row_head_dim, Fp8Inputs, Fp8Options,
+    fp8_key_block, fp8_query_block, v_key_column, v_row_head_dim, Fp8ForwardInputs, Fp8Inputs,
+    Fp8Options,
 };
 pub use varlen::DeviceSeqlens;
 pub use views::{

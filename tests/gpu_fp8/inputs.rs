@@ -118,7 +118,7 @@ fn pre_quantized_inputs_give_the_same_output() {
             dev.forward_fp8_into(
                 &stream,
                 &cfg,
-                inputs,
+                Fp8ForwardInputs::new(inputs),
                 &mut DeviceTensorMut::new(o.as_view_mut(), lq),
                 &mut lse.as_view_mut(),
             )
@@ -147,7 +147,7 @@ fn fp8_refusals_are_typed_errors() {
         dev.forward_fp8_into(
             &stream,
             cfg,
-            &fp8,
+            Fp8ForwardInputs::new(&fp8),
             &mut DeviceTensorMut::new(o.as_view_mut(), layout),
             &mut lse.as_view_mut(),
         )

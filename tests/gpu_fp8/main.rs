@@ -17,7 +17,7 @@ use std::sync::Arc;
 use cudarc::driver::DeviceRepr;
 use flashattn::cuda::{
     fp8_key_block, fp8_query_block, v_key_column, v_row_head_dim, CudaStream, Device, DeviceTensor,
-    DeviceTensorMut, Fp8Inputs, Fp8Options,
+    DeviceTensorMut, Fp8ForwardInputs, Fp8Inputs, Fp8Options,
 };
 use flashattn::fp8::{Fp8Tensor, Granularity, RandomSignHadamard};
 use flashattn::reference::{self, compare, Comparison};
@@ -132,7 +132,7 @@ fn forward_on_device<T: Element + DeviceRepr>(
     dev.forward_fp8_into(
         stream,
         &cfg,
-        &fp8,
+        Fp8ForwardInputs::new(&fp8),
         &mut DeviceTensorMut::new(out.0.as_view_mut(), lq),
         &mut out.1.as_view_mut(),
     )

@@ -1,6 +1,6 @@
 //! FP8 through the device API: descales that are not positive numbers, quantize sizes refused.
 
-use flashattn::cuda::{DeviceTensor, DeviceTensorMut, Fp8Options};
+use flashattn::cuda::{DeviceTensor, DeviceTensorMut, Fp8ForwardInputs, Fp8Options};
 use flashattn::fp8::{Fp8Tensor, Granularity};
 use flashattn::{AttentionConfig, Error, Layout, Operand, TensorRef};
 use half::bf16;
@@ -58,7 +58,7 @@ fn fp8_descales_that_are_not_positive_give_nan_rows() {
         dev.forward_fp8_into(
             &stream,
             &AttentionConfig::new(),
-            &inputs,
+            Fp8ForwardInputs::new(&inputs),
             &mut DeviceTensorMut::new(o.as_view_mut(), lay),
             &mut lse.as_view_mut(),
         )

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use flashattn::cuda::{
     DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut,
-    Fp8Options,
+    Fp8ForwardInputs, Fp8Options,
 };
 use flashattn::reference::{self, compare};
 use flashattn::{AttentionConfig, Backend, Error, Layout, Operand, TensorRef};
@@ -200,7 +200,7 @@ fn streams_and_buffers_of_another_context_are_refused() {
             .forward_fp8_into(
                 &stream,
                 &cfg,
-                &inputs,
+                Fp8ForwardInputs::new(&inputs),
                 &mut DeviceTensorMut::new(o_there.as_view_mut(), lay),
                 &mut lse8.as_view_mut(),
             )

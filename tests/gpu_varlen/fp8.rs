@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 use flashattn::cuda::{
-    CudaStream, Device, DeviceSeqlens, DeviceTensor, DeviceTensorMut, Fp8Options,
+    CudaStream, Device, DeviceForwardInputs, DeviceSeqlens, DeviceTensor, DeviceTensorMut,
+    Fp8Options,
 };
 use flashattn::unstable::{Sm90Schedule, TailSplit};
 use flashattn::AttentionConfig;
@@ -59,14 +60,20 @@ fn fp8_forward(
             let (cu_q, cu_k) = (up_i32(stream, cu_q), up_i32(stream, cu_k));
             let seqs = DeviceSeqlens::new(cu_q.as_view(), cu_k.as_view(), max.0, max.1)?;
             let mut lse = lse.as_view_mut();
-            dev.varlen_forward_fp8(stream, cfg, &seqs, &q, &k, &v, &mut o, &mut lse, options)?
+            dev.varlen_forward_fp8(
+                stream,
+                cfg,
+                &seqs,
+                DeviceForwardInputs::new(&q, &k, &v),
+                &mut o,
+                &mut lse,
+                options,
+            )?
         }
         None => dev.forward_fp8(
             stream,
             cfg,
-            &q,
-            &k,
-            &v,
+            DeviceForwardInputs::new(&q, &k, &v),
             &mut o,
             &mut lse.as_view_mut(),
             options,

@@ -18,18 +18,20 @@
 use std::sync::Arc;
 
 use cudarc::driver::DeviceRepr;
-use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
+};
 use float8::F8E4M3;
 
 mod quantize;
 
-use super::{driver_error, Device, DeviceSeqlens, DeviceTensor, DeviceTensorMut};
+use super::{driver_error, Device, DeviceForwardInputs, DeviceSeqlens, DeviceTensorMut};
 use crate::backend::gpu::{self, RawTensor};
 use crate::config::{AttentionConfig, Backend};
 use crate::dispatch::{Op, Plan};
 use crate::error::{Error, Operand, Result};
 use crate::ffi;
-use crate::tensor::{check_output_len, DType, Element, Layout, Problem};
+use crate::tensor::{check_output_len, check_sinks, DType, Element, Layout, Problem};
 
 /// Query rows per Q descale.
 pub fn fp8_query_block() -> usize {
@@ -111,6 +113,33 @@ impl Fp8Inputs {
     }
 }
 
+/// What the FP8 forward reads: Q, K and V quantized, and where the model has them, the
+/// attention sinks.
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8ForwardInputs<'a> {
+    /// Q, K and V in e4m3 with their descales.
+    pub qkv: &'a Fp8Inputs,
+    /// Attention sinks, one f32 logit per query head, as the 16-bit forward takes them
+    /// ([`DeviceForwardInputs::sinks`]): added to O (bf16 or fp16) and the LSE in a pass after
+    /// the kernel.
+    pub sinks: Option<&'a CudaView<'a, f32>>,
+}
+
+impl<'a> Fp8ForwardInputs<'a> {
+    /// The quantized Q, K and V, without sinks.
+    pub fn new(qkv: &'a Fp8Inputs) -> Self {
+        Fp8ForwardInputs { qkv, sinks: None }
+    }
+
+    /// The same inputs with attention sinks ([`Fp8ForwardInputs::sinks`]).
+    pub fn with_sinks(self, sinks: &'a CudaView<'a, f32>) -> Self {
+        Fp8ForwardInputs {
+            sinks: Some(sinks),
+            ..self
+        }
+    }
+}
+
 /// The descale blocks per head and batch entry of the tensors, and the key block (V's keys per
 /// row are `kv · key_block`).
 struct Blocks {
@@ -170,7 +199,7 @@ impl Device {
         &self,
         stream: &Arc<CudaStream>,
         cfg: &AttentionConfig,
-        inputs: &Fp8Inputs,
+        inputs: Fp8ForwardInputs<'_>,
         out: &mut DeviceTensorMut<O>,
         lse: &mut CudaViewMut<f32>,
     ) -> Result<Plan> {
@@ -187,7 +216,7 @@ impl Device {
         stream: &Arc<CudaStream>,
         cfg: &AttentionConfig,
         seqs: &DeviceSeqlens,
-        inputs: &Fp8Inputs,
+        inputs: Fp8ForwardInputs<'_>,
         out: &mut DeviceTensorMut<O>,
         lse: &mut CudaViewMut<f32>,
     ) -> Result<Plan> {
@@ -199,10 +228,11 @@ impl Device {
         stream: &Arc<CudaStream>,
         cfg: &AttentionConfig,
         seqs: Option<&DeviceSeqlens>,
-        inputs: &Fp8Inputs,
+        inputs: Fp8ForwardInputs<'_>,
         out: &mut DeviceTensorMut<O>,
         lse: &mut CudaViewMut<f32>,
     ) -> Result<Plan> {
+        let Fp8ForwardInputs { qkv: inputs, sinks } = inputs;
         self.check_fp8_device()?;
         // The sequences must be those the inputs were quantized with, as far as the host sees.
         let problem = inputs.problem;
@@ -249,11 +279,15 @@ impl Device {
                 (Operand::Lse, lse.stream().context()),
             ],
         )?;
+        if let Some(sinks) = sinks {
+            self.check_same_context(stream, [(Operand::Sinks, sinks.stream().context())])?;
+        }
         let rows = inputs.rows;
         check_output_len(Operand::Out, &out.layout, out.data.len())?;
         Problem::expect_shape(Operand::Out, &out.layout, rows.q_shape())?;
         rows.check_lse_len(lse.len())?;
         rows.check_index_width(&[(Operand::Out, &out.layout)])?;
+        check_sinks(&problem, sinks.map(|s| s.len()), None)?;
         // The dispatcher takes E4M3 on Sm90's forward only (dispatch::check_backend).
         let plan = self.plan(Op::Forward, &problem, cfg)?;
         let d = problem.head_dim;
@@ -265,6 +299,7 @@ impl Device {
         let (vd_ptr, _g6) = inputs.v_descale.device_ptr(stream);
         let (o_ptr, _g7) = out.data.device_ptr_mut(stream);
         let (lse_ptr, _g8) = lse.device_ptr_mut(stream);
+        let (sinks_ptr, _g9) = sinks.map(|s| s.device_ptr(stream)).unzip();
         let o = RawTensor {
             ptr: o_ptr,
             layout: out.layout,
@@ -301,6 +336,7 @@ impl Device {
                 out_dtype: O::DTYPE,
                 lse: lse_ptr,
                 descales: [qd_ptr, kd_ptr, vd_ptr],
+                sinks: sinks_ptr.unwrap_or(0),
             },
             stream.cu_stream() as *mut std::ffi::c_void,
         )?;
@@ -309,21 +345,21 @@ impl Device {
 
     /// Quantize (per-block descales, optionally with incoherent processing) and the FP8 forward
     /// in one call on `stream`; O in the inputs' type. The quantized inputs are freed in stream
-    /// order; keep them with [`Device::quantize_fp8`] to reuse K and V.
-    #[allow(clippy::too_many_arguments)]
+    /// order; keep them with [`Device::quantize_fp8`] to reuse K and V. `inputs.sinks`, where
+    /// given, as in [`Fp8ForwardInputs::sinks`].
     pub fn forward_fp8<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
         cfg: &AttentionConfig,
-        q: &DeviceTensor<T>,
-        k: &DeviceTensor<T>,
-        v: &DeviceTensor<T>,
+        inputs: DeviceForwardInputs<'_, T>,
         out: &mut DeviceTensorMut<T>,
         lse: &mut CudaViewMut<f32>,
         options: Fp8Options,
     ) -> Result<Plan> {
-        let inputs = self.quantize_fp8(stream, q, k, v, options)?;
-        self.forward_fp8_into(stream, cfg, &inputs, out, lse)
+        let DeviceForwardInputs { q, k, v, sinks } = inputs;
+        let qkv = self.quantize_fp8(stream, q, k, v, options)?;
+        let inputs = Fp8ForwardInputs { qkv: &qkv, sinks };
+        self.forward_fp8_into(stream, cfg, inputs, out, lse)
     }
 
     /// [`Device::varlen_quantize_fp8`] and [`Device::varlen_forward_fp8_into`] in one call on
@@ -334,15 +370,15 @@ impl Device {
         stream: &Arc<CudaStream>,
         cfg: &AttentionConfig,
         seqs: &DeviceSeqlens,
-        q: &DeviceTensor<T>,
-        k: &DeviceTensor<T>,
-        v: &DeviceTensor<T>,
+        inputs: DeviceForwardInputs<'_, T>,
         out: &mut DeviceTensorMut<T>,
         lse: &mut CudaViewMut<f32>,
         options: Fp8Options,
     ) -> Result<Plan> {
-        let inputs = self.varlen_quantize_fp8(stream, seqs, q, k, v, options)?;
-        self.varlen_forward_fp8_into(stream, cfg, seqs, &inputs, out, lse)
+        let DeviceForwardInputs { q, k, v, sinks } = inputs;
+        let qkv = self.varlen_quantize_fp8(stream, seqs, q, k, v, options)?;
+        let inputs = Fp8ForwardInputs { qkv: &qkv, sinks };
+        self.varlen_forward_fp8_into(stream, cfg, seqs, inputs, out, lse)
     }
 }
 
