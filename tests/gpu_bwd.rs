@@ -11,17 +11,15 @@ mod harness;
 use std::sync::Arc;
 
 use cudarc::driver::DeviceRepr;
-use flashattn::cuda::{
-    CudaStream, Device, DeviceBackwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut,
-};
+use flashattn::cuda::{CudaStream, Device};
 use flashattn::reference::{self, compare, Comparison};
 use flashattn::{Backend, Element, Layout, TensorRef};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use common::{device, forward_into, poisoned_outputs};
-use harness::{random, span, Case};
+use common::{device, OnDevice};
+use harness::{random, span, Case, Outputs};
 
 struct Grads {
     dq: Comparison,
@@ -44,46 +42,19 @@ fn run_case<T: Element + DeviceRepr>(
     let (lq, lk) = case.layouts();
     let [q, k, v] = case.random_qkv::<T>(&mut rng);
     let dout: Vec<T> = random(span(&lq), &mut rng);
-    let nan = T::from_f32(f32::NAN);
     let cfg = case.cfg(backend);
+    let lse_len = case.batch * case.heads_q * case.seqlen_q;
 
-    let up = |x: &Vec<T>| stream.clone_htod(x).unwrap();
-    let (q_dev, k_dev, v_dev, do_dev) = (up(&q), up(&k), up(&v), up(&dout));
-    let mut out = poisoned_outputs::<T>(stream, case, span(&lq));
-    forward_into(dev, stream, case, &cfg, [&q_dev, &k_dev, &v_dev], &mut out)
+    let mut t = OnDevice::upload(stream, [&q, &k, &v, &dout], lse_len, None);
+    t.forward(dev, stream, &cfg, None, (lq, lk))
         .unwrap_or_else(|e| panic!("{case:?} forward: {e}"));
-    let (o_dev, lse_dev) = &out;
-    let mut dq_dev = stream.clone_htod(&vec![nan; span(&lq)]).unwrap();
-    let mut dk_dev = stream.clone_htod(&vec![nan; span(&lk)]).unwrap();
-    let mut dv_dev = stream.clone_htod(&vec![nan; span(&lk)]).unwrap();
-    let plan = dev
-        .backward_into(
-            stream,
-            &cfg,
-            DeviceBackwardInputs {
-                q: &DeviceTensor::new(q_dev.as_view(), lq),
-                k: &DeviceTensor::new(k_dev.as_view(), lk),
-                v: &DeviceTensor::new(v_dev.as_view(), lk),
-                out: &DeviceTensor::new(o_dev.as_view(), lq),
-                dout: &DeviceTensor::new(do_dev.as_view(), lq),
-                lse: &lse_dev.as_view(),
-                sinks: None,
-            },
-            DeviceGradientsMut {
-                dq: &mut DeviceTensorMut::new(dq_dev.as_view_mut(), lq),
-                dk: &mut DeviceTensorMut::new(dk_dev.as_view_mut(), lk),
-                dv: &mut DeviceTensorMut::new(dv_dev.as_view_mut(), lk),
-                dsinks: None,
-            },
-        )
+    let plan = t
+        .backward(dev, stream, &cfg, None, (lq, lk))
         .unwrap_or_else(|e| panic!("{case:?} backward: {e}"));
     if backend != Backend::Auto {
         assert_eq!(plan.backend, backend);
     }
-    let dq: Vec<T> = stream.clone_dtoh(&dq_dev).unwrap();
-    let dk: Vec<T> = stream.clone_dtoh(&dk_dev).unwrap();
-    let dv: Vec<T> = stream.clone_dtoh(&dv_dev).unwrap();
-    stream.synchronize().unwrap();
+    let Outputs { dq, dk, dv, .. } = t.download(stream);
 
     let cpu = case.cfg(Backend::Cpu);
     let (tq, tk, tv, tdo) = (

@@ -1,7 +1,7 @@
 //! Attention sinks on the GPU kernels against the f64 reference under the correctness rule
 //! (docs/ARCHITECTURE.md): O and the LSE of `Device::forward_into` with sinks, dQ, dK, dV and the
 //! sinks' gradient of `Device::backward_into`, every output poisoned with NaN before its launch;
-//! the FP8 forward's sinks.
+//! the FP8 forward's sinks; and the refusals of short vectors and of a gradient without sinks.
 //! `#[ignore]`d: run on the device with `--include-ignored`.
 #![cfg(feature = "cuda")]
 
@@ -12,18 +12,18 @@ use std::sync::Arc;
 
 use cudarc::driver::DeviceRepr;
 use flashattn::cuda::{
-    CudaStream, Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut,
-    DeviceTensor, DeviceTensorMut, Fp8ForwardInputs, Fp8Options,
+    CudaStream, Device, DeviceForwardInputs, DeviceTensor, DeviceTensorMut, Fp8ForwardInputs,
+    Fp8Options,
 };
 use flashattn::reference::{self, compare, Comparison};
 use flashattn::unstable::TailSplit;
-use flashattn::{AttentionConfig, Backend, Element, Layout, TensorRef};
+use flashattn::{AttentionConfig, Backend, Element, Error, Layout, Operand, TensorRef};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use common::{device, download, poisoned_outputs};
-use harness::{random, span, Case};
+use common::{device, download, poisoned_outputs, OnDevice};
+use harness::{random, span, Case, Outputs};
 
 /// One case's comparisons, and the sinks' gradient as bits for run-to-run checks.
 struct Outcome {
@@ -75,57 +75,22 @@ fn run_case<T: Element + DeviceRepr>(
     let [q, k, v] = case.random_qkv::<T>(&mut rng);
     let dout: Vec<T> = random(span(&lq), &mut rng);
     let sinks = random_sinks(case.heads_q, &mut rng);
-    let nan = T::from_f32(f32::NAN);
+    let lse_len = case.batch * case.heads_q * case.seqlen_q;
 
-    let up = |x: &Vec<T>| stream.clone_htod(x).unwrap();
-    let (q_dev, k_dev, v_dev, do_dev) = (up(&q), up(&k), up(&v), up(&dout));
-    let sinks_dev = stream.clone_htod(&sinks).unwrap();
-    let (mut o_dev, mut lse_dev) = poisoned_outputs::<T>(stream, case, span(&lq));
-    let (q_t, k_t, v_t) = (
-        DeviceTensor::new(q_dev.as_view(), lq),
-        DeviceTensor::new(k_dev.as_view(), lk),
-        DeviceTensor::new(v_dev.as_view(), lk),
-    );
-    let sinks_view = sinks_dev.as_view();
-    dev.forward_into(
-        stream,
-        cfg,
-        DeviceForwardInputs::new(&q_t, &k_t, &v_t).with_sinks(&sinks_view),
-        &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
-        &mut lse_dev.as_view_mut(),
-    )
-    .unwrap_or_else(|e| panic!("{case:?} forward: {e}"));
-    let mut dq_dev = stream.clone_htod(&vec![nan; span(&lq)]).unwrap();
-    let mut dk_dev = stream.clone_htod(&vec![nan; span(&lk)]).unwrap();
-    let mut dv_dev = stream.clone_htod(&vec![nan; span(&lk)]).unwrap();
-    let mut dsinks_dev = stream.clone_htod(&vec![f32::NAN; case.heads_q]).unwrap();
-    dev.backward_into(
-        stream,
-        cfg,
-        DeviceBackwardInputs {
-            q: &q_t,
-            k: &k_t,
-            v: &v_t,
-            out: &DeviceTensor::new(o_dev.as_view(), lq),
-            dout: &DeviceTensor::new(do_dev.as_view(), lq),
-            lse: &lse_dev.as_view(),
-            sinks: Some(&sinks_view),
-        },
-        DeviceGradientsMut {
-            dq: &mut DeviceTensorMut::new(dq_dev.as_view_mut(), lq),
-            dk: &mut DeviceTensorMut::new(dk_dev.as_view_mut(), lk),
-            dv: &mut DeviceTensorMut::new(dv_dev.as_view_mut(), lk),
-            dsinks: Some(&mut dsinks_dev.as_view_mut()),
-        },
-    )
-    .unwrap_or_else(|e| panic!("{case:?} backward: {e}"));
-    let o: Vec<T> = stream.clone_dtoh(&o_dev).unwrap();
-    let lse: Vec<f32> = stream.clone_dtoh(&lse_dev).unwrap();
-    let dq: Vec<T> = stream.clone_dtoh(&dq_dev).unwrap();
-    let dk: Vec<T> = stream.clone_dtoh(&dk_dev).unwrap();
-    let dv: Vec<T> = stream.clone_dtoh(&dv_dev).unwrap();
-    let dsinks: Vec<f32> = stream.clone_dtoh(&dsinks_dev).unwrap();
-    stream.synchronize().unwrap();
+    let mut t = OnDevice::upload(stream, [&q, &k, &v, &dout], lse_len, Some(&sinks));
+    t.forward(dev, stream, cfg, None, (lq, lk))
+        .unwrap_or_else(|e| panic!("{case:?} forward: {e}"));
+    t.backward(dev, stream, cfg, None, (lq, lk))
+        .unwrap_or_else(|e| panic!("{case:?} backward: {e}"));
+    let Outputs {
+        out: o,
+        lse,
+        dq,
+        dk,
+        dv,
+        dsinks,
+    } = t.download(stream);
+    let dsinks = dsinks.expect("the sinks' gradient");
 
     let cpu = case.cfg(Backend::Cpu);
     let (tq, tk, tv, tdo) = (
@@ -251,43 +216,61 @@ fn sink_gradient_repeats_bit_for_bit() {
     }
 }
 
-/// A sinks vector shorter than heads_q is refused before any launch.
+/// A sinks vector shorter than heads_q, or a dsinks one, is refused before any launch, and so is
+/// dsinks without sinks: nothing written.
 #[test]
 #[ignore = "needs a GPU"]
-fn short_sinks_are_refused() {
+fn short_sinks_and_dsinks_without_sinks_are_refused() {
     let (dev, stream) = device();
     let case = Case::new(64, 64, 64).heads(4, 2);
-    let (lq, lk) = case.layouts();
-    let [q, k, v] = case.random_qkv::<bf16>(&mut StdRng::seed_from_u64(1));
-    let up = |x: &Vec<bf16>| stream.clone_htod(x).unwrap();
-    let (q_dev, k_dev, v_dev) = (up(&q), up(&k), up(&v));
-    let short = stream.clone_htod(&[0.5f32; 3]).unwrap();
-    let (mut o_dev, mut lse_dev) = poisoned_outputs::<bf16>(&stream, &case, span(&lq));
-    let (q_t, k_t, v_t) = (
-        DeviceTensor::new(q_dev.as_view(), lq),
-        DeviceTensor::new(k_dev.as_view(), lk),
-        DeviceTensor::new(v_dev.as_view(), lk),
-    );
-    let err = dev
-        .forward_into(
-            &stream,
-            &case.cfg(Backend::Auto),
-            DeviceForwardInputs::new(&q_t, &k_t, &v_t).with_sinks(&short.as_view()),
-            &mut DeviceTensorMut::new(o_dev.as_view_mut(), lq),
-            &mut lse_dev.as_view_mut(),
-        )
+    let layouts = case.layouts();
+    let cfg = case.cfg(Backend::Auto);
+    let mut rng = StdRng::seed_from_u64(1);
+    let [q, k, v] = case.random_qkv::<bf16>(&mut rng);
+    let dout: Vec<bf16> = random(span(&layouts.0), &mut rng);
+    let lse_len = case.heads_q * case.seqlen_q;
+    let upload =
+        |sinks: &[f32]| OnDevice::upload(&stream, [&q, &k, &v, &dout], lse_len, Some(sinks));
+    let untouched = |t: &OnDevice<bf16>| {
+        let got = t.download(&stream);
+        let nan = |x: &[bf16]| x.iter().all(|x| x.is_nan());
+        nan(&got.out) && nan(&got.dq) && nan(&got.dk) && nan(&got.dv)
+    };
+    let too_small = |e: Error, operand: Operand, len: usize| {
+        assert!(
+            matches!(e, Error::BufferTooSmall { operand: o, needed: 4, len: l } if o == operand && l == len),
+            "{e:?}"
+        );
+    };
+
+    let mut short = upload(&[0.5; 3]);
+    let e = short
+        .forward(&dev, &stream, &cfg, None, layouts)
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            flashattn::Error::BufferTooSmall {
-                needed: 4,
-                len: 3,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    too_small(e, Operand::Sinks, 3);
+    let e = short
+        .backward(&dev, &stream, &cfg, None, layouts)
+        .unwrap_err();
+    too_small(e, Operand::Sinks, 3);
+    assert!(untouched(&short));
+
+    let mut t = upload(&[0.5; 4]);
+    t.forward(&dev, &stream, &cfg, None, layouts).unwrap();
+    t.dsinks = Some(stream.clone_htod(&[f32::NAN; 3]).unwrap());
+    let e = t.backward(&dev, &stream, &cfg, None, layouts).unwrap_err();
+    too_small(e, Operand::DSinks, 3);
+    t.dsinks = Some(stream.clone_htod(&[f32::NAN; 4]).unwrap());
+    t.sinks = None;
+    let e = t.backward(&dev, &stream, &cfg, None, layouts).unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
+    let got = t.download(&stream);
+    assert!(got
+        .dq
+        .iter()
+        .chain(&got.dk)
+        .chain(&got.dv)
+        .all(|x| x.is_nan()));
+    assert!(got.dsinks.unwrap().iter().all(|x| x.is_nan()));
 }
 
 /// The FP8 forward's sinks: the pass after its kernel turns O and the LSE of the same call
@@ -407,69 +390,31 @@ fn packed_batches_with_sinks() {
             let cfg = AttentionConfig::new().causal(true).backend(backend);
             let (cu_q, cu_k) = batch.cu();
             let (max_q, max_k) = batch.max();
-            let up = |x: &Vec<bf16>| stream.clone_htod(x).unwrap();
-            let (q, k, v, dout) = (up(&batch.q), up(&batch.k), up(&batch.v), up(&batch.dout));
             let (cu_q_dev, cu_k_dev) = (
                 stream.clone_htod(&cu_q).unwrap(),
                 stream.clone_htod(&cu_k).unwrap(),
             );
-            let sinks_dev = stream.clone_htod(&sinks).unwrap();
             let seqs =
                 DeviceSeqlens::new(cu_q_dev.as_view(), cu_k_dev.as_view(), max_q, max_k).unwrap();
-            let (lq, lk) = (
+            let layouts = (
                 Layout::contiguous([1, tq, h, d]),
                 Layout::contiguous([1, tk, hk, d]),
             );
-            let nan = bf16::NAN;
-            let mut o = stream.clone_htod(&vec![nan; tq * h * d]).unwrap();
-            let mut lse = stream.clone_htod(&vec![f32::NAN; tq * h]).unwrap();
-            let (q_t, k_t, v_t) = (
-                DeviceTensor::new(q.as_view(), lq),
-                DeviceTensor::new(k.as_view(), lk),
-                DeviceTensor::new(v.as_view(), lk),
-            );
-            let sinks_view = sinks_dev.as_view();
-            dev.varlen_forward_into(
-                &stream,
-                &cfg,
-                &seqs,
-                DeviceForwardInputs::new(&q_t, &k_t, &v_t).with_sinks(&sinks_view),
-                &mut DeviceTensorMut::new(o.as_view_mut(), lq),
-                &mut lse.as_view_mut(),
-            )
-            .unwrap();
-            let mut dq = stream.clone_htod(&vec![nan; tq * h * d]).unwrap();
-            let mut dk = stream.clone_htod(&vec![nan; tk * hk * d]).unwrap();
-            let mut dv = stream.clone_htod(&vec![nan; tk * hk * d]).unwrap();
-            let mut dsinks = stream.clone_htod(&vec![f32::NAN; h]).unwrap();
-            dev.varlen_backward_into(
-                &stream,
-                &cfg,
-                &seqs,
-                DeviceBackwardInputs {
-                    q: &q_t,
-                    k: &k_t,
-                    v: &v_t,
-                    out: &DeviceTensor::new(o.as_view(), lq),
-                    dout: &DeviceTensor::new(dout.as_view(), lq),
-                    lse: &lse.as_view(),
-                    sinks: Some(&sinks_view),
-                },
-                DeviceGradientsMut {
-                    dq: &mut DeviceTensorMut::new(dq.as_view_mut(), lq),
-                    dk: &mut DeviceTensorMut::new(dk.as_view_mut(), lk),
-                    dv: &mut DeviceTensorMut::new(dv.as_view_mut(), lk),
-                    dsinks: Some(&mut dsinks.as_view_mut()),
-                },
-            )
-            .unwrap();
-            let host = |x: &cudarc::driver::CudaSlice<bf16>| -> Vec<bf16> {
-                stream.clone_dtoh(x).unwrap()
-            };
-            let (o, dq, dk, dv) = (host(&o), host(&dq), host(&dk), host(&dv));
-            let lse: Vec<f32> = stream.clone_dtoh(&lse).unwrap();
-            let dsinks: Vec<f32> = stream.clone_dtoh(&dsinks).unwrap();
-            stream.synchronize().unwrap();
+            let tensors = [&batch.q, &batch.k, &batch.v, &batch.dout].map(|x| &x[..]);
+            let mut t = OnDevice::upload(&stream, tensors, tq * h, Some(&sinks));
+            t.forward(&dev, &stream, &cfg, Some(&seqs), layouts)
+                .unwrap();
+            t.backward(&dev, &stream, &cfg, Some(&seqs), layouts)
+                .unwrap();
+            let Outputs {
+                out: o,
+                lse,
+                dq,
+                dk,
+                dv,
+                dsinks,
+            } = t.download(&stream);
+            let dsinks = dsinks.expect("the sinks' gradient");
 
             let cpu = AttentionConfig::new().causal(true).backend(Backend::Cpu);
             let (mut want_ds, mut base_ds) = (vec![0f64; h], vec![0f32; h]);

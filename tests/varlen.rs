@@ -14,7 +14,8 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 use harness::random;
-use harness::varlen::{check_outputs, offsets, Batch, Outputs};
+use harness::varlen::{check_outputs, offsets, Batch};
+use harness::Outputs;
 
 /// Runs the batch through the CPU varlen forward and backward with `used` keys per sequence
 /// (all without) and checks every sequence.
@@ -51,6 +52,7 @@ fn check<T: Element>(batch: &Batch<T>, cfg: &AttentionConfig, used: Option<&[i32
         dq: grads.dq,
         dk: grads.dk,
         dv: grads.dv,
+        dsinks: grads.dsinks,
     };
     check_outputs(batch, cfg, used, &got);
 }

@@ -1,15 +1,19 @@
 //! What the GPU correctness tests share on the device side: the device, poisoned outputs, the
-//! forward call of a case and its download. The case itself and the host side are in
-//! tests/harness, which each test crate declares beside this module.
+//! forward call of a case and its download, and a forward and backward's tensors on the device
+//! with the calls over them. The case itself and the host side are in tests/harness, which each
+//! test crate declares beside this module.
 #![allow(dead_code)] // each test crate uses its own part
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
-use flashattn::cuda::{CudaStream, Device, DeviceForwardInputs, DeviceTensor, DeviceTensorMut};
-use flashattn::{AttentionConfig, Element};
+use flashattn::cuda::{
+    CudaStream, Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut,
+    DeviceSeqlens, DeviceTensor, DeviceTensorMut,
+};
+use flashattn::{AttentionConfig, Element, Layout, Plan};
 
-use crate::harness::Case;
+use crate::harness::{Case, Outputs};
 
 /// The head dims outside the default build that this one has (`hdim96`, `hdim192`; the
 /// forwards').
@@ -66,7 +70,7 @@ pub fn forward_into<T: Element + DeviceRepr>(
     cfg: &AttentionConfig,
     [q, k, v]: [&CudaSlice<T>; 3],
     (o, lse): &mut (CudaSlice<T>, CudaSlice<f32>),
-) -> flashattn::Result<flashattn::Plan> {
+) -> flashattn::Result<Plan> {
     let (lq, lk) = case.layouts();
     let (q, k, v) = (
         DeviceTensor::new(q.as_view(), lq),
@@ -80,6 +84,135 @@ pub fn forward_into<T: Element + DeviceRepr>(
         &mut DeviceTensorMut::new(o.as_view_mut(), lq),
         &mut lse.as_view_mut(),
     )
+}
+
+/// The tensors of a forward and its backward on the device: Q, K, V, dO and the sinks (where
+/// the calls have them) as given; O, the LSE, dQ, dK, dV and (with sinks) the sinks' gradient
+/// poisoned with NaN, so that an element a kernel leaves unwritten shows.
+pub struct OnDevice<T> {
+    pub q: CudaSlice<T>,
+    pub k: CudaSlice<T>,
+    pub v: CudaSlice<T>,
+    pub dout: CudaSlice<T>,
+    pub sinks: Option<CudaSlice<f32>>,
+    pub out: CudaSlice<T>,
+    pub lse: CudaSlice<f32>,
+    pub dq: CudaSlice<T>,
+    pub dk: CudaSlice<T>,
+    pub dv: CudaSlice<T>,
+    pub dsinks: Option<CudaSlice<f32>>,
+}
+
+impl<T: Element + DeviceRepr> OnDevice<T> {
+    /// Q, K, V and dO (O and dQ as long as Q, dK and dV as K), an LSE of `lse_len` values, and
+    /// the sinks with their gradient where `sinks` is given.
+    pub fn upload(
+        stream: &Arc<CudaStream>,
+        [q, k, v, dout]: [&[T]; 4],
+        lse_len: usize,
+        sinks: Option<&[f32]>,
+    ) -> Self {
+        let up = |x: &[T]| stream.clone_htod(x).unwrap();
+        let nan = |n: usize| stream.clone_htod(&vec![T::from_f32(f32::NAN); n]).unwrap();
+        let nan_f32 = |n: usize| stream.clone_htod(&vec![f32::NAN; n]).unwrap();
+        OnDevice {
+            q: up(q),
+            k: up(k),
+            v: up(v),
+            dout: up(dout),
+            sinks: sinks.map(|s| stream.clone_htod(s).unwrap()),
+            out: nan(q.len()),
+            lse: nan_f32(lse_len),
+            dq: nan(q.len()),
+            dk: nan(k.len()),
+            dv: nan(k.len()),
+            dsinks: sinks.map(|s| nan_f32(s.len())),
+        }
+    }
+
+    /// The forward, `dev.forward_into` or with `seqs` `dev.varlen_forward_into`, over the
+    /// tensors seen in `(lq, lk)`: Q's layout (O's) and K's (V's).
+    pub fn forward(
+        &mut self,
+        dev: &Device,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        seqs: Option<&DeviceSeqlens>,
+        (lq, lk): (Layout, Layout),
+    ) -> flashattn::Result<Plan> {
+        let (q, k, v) = (
+            DeviceTensor::new(self.q.as_view(), lq),
+            DeviceTensor::new(self.k.as_view(), lk),
+            DeviceTensor::new(self.v.as_view(), lk),
+        );
+        let sinks = self.sinks.as_ref().map(|s| s.as_view());
+        let inputs = DeviceForwardInputs {
+            sinks: sinks.as_ref(),
+            ..DeviceForwardInputs::new(&q, &k, &v)
+        };
+        let out = &mut DeviceTensorMut::new(self.out.as_view_mut(), lq);
+        let lse = &mut self.lse.as_view_mut();
+        match seqs {
+            Some(seqs) => dev.varlen_forward_into(stream, cfg, seqs, inputs, out, lse),
+            None => dev.forward_into(stream, cfg, inputs, out, lse),
+        }
+    }
+
+    /// The backward from the forward's O and LSE, `dev.backward_into` or with `seqs`
+    /// `dev.varlen_backward_into`, in the same layouts as [`OnDevice::forward`]: dQ, dK, dV and
+    /// (with sinks) the sinks' gradient.
+    pub fn backward(
+        &mut self,
+        dev: &Device,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        seqs: Option<&DeviceSeqlens>,
+        (lq, lk): (Layout, Layout),
+    ) -> flashattn::Result<Plan> {
+        let (q, k, v) = (
+            DeviceTensor::new(self.q.as_view(), lq),
+            DeviceTensor::new(self.k.as_view(), lk),
+            DeviceTensor::new(self.v.as_view(), lk),
+        );
+        let out = DeviceTensor::new(self.out.as_view(), lq);
+        let dout = DeviceTensor::new(self.dout.as_view(), lq);
+        let (lse, sinks) = (self.lse.as_view(), self.sinks.as_ref().map(|s| s.as_view()));
+        let inputs = DeviceBackwardInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &out,
+            dout: &dout,
+            lse: &lse,
+            sinks: sinks.as_ref(),
+        };
+        let mut dsinks = self.dsinks.as_mut().map(|s| s.as_view_mut());
+        let grads = DeviceGradientsMut {
+            dq: &mut DeviceTensorMut::new(self.dq.as_view_mut(), lq),
+            dk: &mut DeviceTensorMut::new(self.dk.as_view_mut(), lk),
+            dv: &mut DeviceTensorMut::new(self.dv.as_view_mut(), lk),
+            dsinks: dsinks.as_mut(),
+        };
+        match seqs {
+            Some(seqs) => dev.varlen_backward_into(stream, cfg, seqs, inputs, grads),
+            None => dev.backward_into(stream, cfg, inputs, grads),
+        }
+    }
+
+    /// Every output back on the host, after everything queued on `stream` before.
+    pub fn download(&self, stream: &Arc<CudaStream>) -> Outputs<T> {
+        let down = |x: &CudaSlice<T>| stream.clone_dtoh(x).unwrap();
+        let outputs = Outputs {
+            out: down(&self.out),
+            lse: stream.clone_dtoh(&self.lse).unwrap(),
+            dq: down(&self.dq),
+            dk: down(&self.dk),
+            dv: down(&self.dv),
+            dsinks: self.dsinks.as_ref().map(|s| stream.clone_dtoh(s).unwrap()),
+        };
+        stream.synchronize().unwrap();
+        outputs
+    }
 }
 
 /// O and the LSE back on the host, after everything queued on `stream` before.

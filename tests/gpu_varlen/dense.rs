@@ -13,40 +13,10 @@ fn dense_call<T: Element + DeviceRepr>(
     (q_shape, k_shape): ([usize; 4], [usize; 4]),
 ) -> Outputs<T> {
     let mut t = upload(stream, batch);
-    let (q, k, v) = (
-        DeviceTensor::contiguous(&t.q, q_shape),
-        DeviceTensor::contiguous(&t.k, k_shape),
-        DeviceTensor::contiguous(&t.v, k_shape),
-    );
-    dev.forward_into(
-        stream,
-        cfgs.0,
-        DeviceForwardInputs::new(&q, &k, &v),
-        &mut DeviceTensorMut::contiguous(&mut t.out, q_shape),
-        &mut t.lse.as_view_mut(),
-    )
-    .unwrap();
-    dev.backward_into(
-        stream,
-        cfgs.1,
-        DeviceBackwardInputs {
-            q: &q,
-            k: &k,
-            v: &v,
-            out: &DeviceTensor::contiguous(&t.out, q_shape),
-            dout: &DeviceTensor::contiguous(&t.dout, q_shape),
-            lse: &t.lse.as_view(),
-            sinks: None,
-        },
-        DeviceGradientsMut {
-            dq: &mut DeviceTensorMut::contiguous(&mut t.dq, q_shape),
-            dk: &mut DeviceTensorMut::contiguous(&mut t.dk, k_shape),
-            dv: &mut DeviceTensorMut::contiguous(&mut t.dv, k_shape),
-            dsinks: None,
-        },
-    )
-    .unwrap();
-    download(stream, &t)
+    let layouts = (Layout::contiguous(q_shape), Layout::contiguous(k_shape));
+    t.forward(dev, stream, cfgs.0, None, layouts).unwrap();
+    t.backward(dev, stream, cfgs.1, None, layouts).unwrap();
+    t.download(stream)
 }
 
 /// Equal lengths: the packed call and the dense `(batch, seqlen)` call over the same memory run
@@ -76,7 +46,7 @@ fn equal_lengths_match_the_dense_kernels_bit_for_bit() {
             &mut packed,
         )
         .unwrap();
-        let packed = download(&stream, &packed);
+        let packed = packed.download(&stream);
         // The dense backward on the backend the packed one ran on.
         let bwd_cfg = cfg.clone().backend(bwd_plan.backend);
 
@@ -135,7 +105,7 @@ fn each_sequence_matches_a_dense_call_on_its_rows_bit_for_bit() {
         &mut t,
     )
     .unwrap();
-    let packed = download(&stream, &t);
+    let packed = t.download(&stream);
     let total_q: usize = MIXED_Q.iter().sum();
     let bits = |x: &[f16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     for b in 0..MIXED_Q.len() {

@@ -14,49 +14,22 @@ mod harness;
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, DeviceRepr};
-use flashattn::cuda::{
-    CudaStream, Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut,
-    DeviceSeqlens, DeviceTensor, DeviceTensorMut,
-};
-use flashattn::{AttentionConfig, Backend, Element, Plan};
+use cudarc::driver::DeviceRepr;
+use flashattn::cuda::{CudaStream, Device, DeviceSeqlens};
+use flashattn::{AttentionConfig, Backend, Element, Layout, Plan};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use common::device;
-use harness::varlen::{check_outputs, Batch, Outputs};
+use common::{device, OnDevice};
+use harness::varlen::{check_outputs, Batch};
+use harness::Outputs;
 
 /// The batch's tensors on the device, the outputs poisoned with NaN.
-struct OnDevice<T> {
-    q: CudaSlice<T>,
-    k: CudaSlice<T>,
-    v: CudaSlice<T>,
-    dout: CudaSlice<T>,
-    out: CudaSlice<T>,
-    lse: CudaSlice<f32>,
-    dq: CudaSlice<T>,
-    dk: CudaSlice<T>,
-    dv: CudaSlice<T>,
-}
-
 fn upload<T: Element + DeviceRepr>(stream: &Arc<CudaStream>, batch: &Batch<T>) -> OnDevice<T> {
-    let up = |x: &Vec<T>| stream.clone_htod(x).unwrap();
-    let nan = |n: usize| stream.clone_htod(&vec![T::from_f32(f32::NAN); n]).unwrap();
     let total_q: usize = batch.q_lens.iter().sum();
-    OnDevice {
-        q: up(&batch.q),
-        k: up(&batch.k),
-        v: up(&batch.v),
-        dout: up(&batch.dout),
-        out: nan(batch.q.len()),
-        lse: stream
-            .clone_htod(&vec![f32::NAN; batch.heads_q * total_q])
-            .unwrap(),
-        dq: nan(batch.q.len()),
-        dk: nan(batch.k.len()),
-        dv: nan(batch.k.len()),
-    }
+    let tensors = [&batch.q, &batch.k, &batch.v, &batch.dout].map(|x| &x[..]);
+    OnDevice::upload(stream, tensors, batch.heads_q * total_q, None)
 }
 
 /// Runs the varlen forward, then the backward from its O and LSE, with `cfg`, offsets `cu`
@@ -81,56 +54,14 @@ fn run<T: Element + DeviceRepr>(
     }
     let total_q: usize = batch.q_lens.iter().sum();
     let total_k: usize = batch.k_lens.iter().sum();
-    let q_shape = [1, total_q, batch.heads_q, batch.d];
-    let k_shape = [1, total_k, batch.heads_kv, batch.d];
-    let (q, k, v) = (
-        DeviceTensor::contiguous(&t.q, q_shape),
-        DeviceTensor::contiguous(&t.k, k_shape),
-        DeviceTensor::contiguous(&t.v, k_shape),
+    let layouts = (
+        Layout::contiguous([1, total_q, batch.heads_q, batch.d]),
+        Layout::contiguous([1, total_k, batch.heads_kv, batch.d]),
     );
-    let fwd = dev.varlen_forward_into(
-        stream,
-        cfg,
-        &seqs,
-        DeviceForwardInputs::new(&q, &k, &v),
-        &mut DeviceTensorMut::contiguous(&mut t.out, q_shape),
-        &mut t.lse.as_view_mut(),
-    )?;
-    let bwd = dev.varlen_backward_into(
-        stream,
-        cfg,
-        &seqs,
-        DeviceBackwardInputs {
-            q: &q,
-            k: &k,
-            v: &v,
-            out: &DeviceTensor::contiguous(&t.out, q_shape),
-            dout: &DeviceTensor::contiguous(&t.dout, q_shape),
-            lse: &t.lse.as_view(),
-            sinks: None,
-        },
-        DeviceGradientsMut {
-            dq: &mut DeviceTensorMut::contiguous(&mut t.dq, q_shape),
-            dk: &mut DeviceTensorMut::contiguous(&mut t.dk, k_shape),
-            dv: &mut DeviceTensorMut::contiguous(&mut t.dv, k_shape),
-            dsinks: None,
-        },
-    )?;
+    let fwd = t.forward(dev, stream, cfg, Some(&seqs), layouts)?;
+    let bwd = t.backward(dev, stream, cfg, Some(&seqs), layouts)?;
     stream.synchronize().unwrap();
     Ok((fwd, bwd))
-}
-
-fn download<T: Element + DeviceRepr>(stream: &Arc<CudaStream>, t: &OnDevice<T>) -> Outputs<T> {
-    let down = |x: &CudaSlice<T>| stream.clone_dtoh(x).unwrap();
-    let outputs = Outputs {
-        out: down(&t.out),
-        lse: stream.clone_dtoh(&t.lse).unwrap(),
-        dq: down(&t.dq),
-        dk: down(&t.dk),
-        dv: down(&t.dv),
-    };
-    stream.synchronize().unwrap();
-    outputs
 }
 
 /// Every sequence of `batch` through the GPU (backend `backend`, `used` keys per sequence)
@@ -156,7 +87,7 @@ fn check<T: Element + DeviceRepr>(
         &mut t,
     )
     .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
-    let got = download(&stream, &t);
+    let got = t.download(&stream);
     for (name, x) in [
         ("O", &got.out),
         ("dQ", &got.dq),
@@ -350,7 +281,7 @@ fn sanitizer_malformed_offsets_stay_in_bounds() {
         for (cu_q, cu_k, used, max) in bad {
             // Buffers of 320 rows, of which the call's tensors are the first 256.
             let mut t = upload(&stream, &padded);
-            let before = download(&stream, &t);
+            let before = t.download(&stream);
             run(
                 &dev,
                 &stream,
@@ -362,7 +293,7 @@ fn sanitizer_malformed_offsets_stay_in_bounds() {
                 &mut t,
             )
             .unwrap_or_else(|e| panic!("{cu_q:?} {cu_k:?}: {e}"));
-            let after = download(&stream, &t);
+            let after = t.download(&stream);
             let tail = 256 * 2 * d..;
             for (name, x, y) in [
                 ("O", &after.out, &before.out),
@@ -422,7 +353,7 @@ fn deterministic_calls_with_gaps_repeat_bit_for_bit() {
                     &mut t,
                 )
                 .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
-                runs.push(download(&stream, &t));
+                runs.push(t.download(&stream));
             }
             let bits = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             for (name, a, b) in [

@@ -239,6 +239,17 @@ pub fn random_in<T: Element>(layout: &Layout, rng: &mut StdRng) -> Vec<T> {
     buf
 }
 
+/// What a forward and its backward produced: O and dQ in Q's layout, dK and dV in K's, the LSE
+/// (packed: `(heads_q, total_q)`), and the sinks' gradient where the calls had sinks.
+pub struct Outputs<T> {
+    pub out: Vec<T>,
+    pub lse: Vec<f32>,
+    pub dq: Vec<T>,
+    pub dk: Vec<T>,
+    pub dv: Vec<T>,
+    pub dsinks: Option<Vec<f32>>,
+}
+
 /// NaN over the span of `layout`: an output whose unwritten elements show.
 pub fn poisoned<T: Element>(layout: &Layout) -> Vec<T> {
     vec![T::from_f32(f32::NAN); span(layout)]

@@ -7,17 +7,7 @@ use flashattn::{AttentionConfig, Element, Layout, TensorRef};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use super::random;
-
-/// What a varlen forward and backward produced: O and dQ packed like Q, dK and dV like K, the
-/// LSE `(heads_q, total_q)`.
-pub struct Outputs<T> {
-    pub out: Vec<T>,
-    pub lse: Vec<f32>,
-    pub dq: Vec<T>,
-    pub dk: Vec<T>,
-    pub dv: Vec<T>,
-}
+use super::{random, Outputs};
 
 pub fn offsets(lengths: &[usize]) -> Vec<i32> {
     let mut cu = vec![0i32];
@@ -98,6 +88,7 @@ pub fn check_outputs<T: Element>(
         dq,
         dk,
         dv,
+        ..
     } = got;
     let mut failures = vec![];
     let (hq, hk, d) = (batch.heads_q, batch.heads_kv, batch.d);
