@@ -17,10 +17,28 @@ fn element(dtype: KernelDtype) -> (&'static str, &'static str, &'static str) {
     }
 }
 
+/// A kernel's head dims in C++ names: "192", or "192v128" where V's differs.
+fn dims_name(k: &Kernel) -> String {
+    if k.head_dim_v == k.head_dim {
+        k.head_dim.to_string()
+    } else {
+        format!("{}v{}", k.head_dim, k.head_dim_v)
+    }
+}
+
+/// A kernel's head dims as C++ template arguments: "192", or "192, 128" where V's differs.
+fn dims_args(k: &Kernel) -> String {
+    if k.head_dim_v == k.head_dim {
+        k.head_dim.to_string()
+    } else {
+        format!("{}, {}", k.head_dim, k.head_dim_v)
+    }
+}
+
 /// The C++ function a kernel's unit defines, and its parameters after the params.
 fn entry(k: &Kernel) -> (String, &'static str) {
     let (_, _, dt) = element(k.dtype);
-    let d = k.head_dim;
+    let d = dims_name(k);
     match k.family {
         Family::Sm90Fwd => (
             format!("run_fwd_d{d}_{dt}"),
@@ -58,6 +76,7 @@ fn unit_text(kernels: &[&Kernel]) -> String {
     let mut entries = String::new();
     for (i, k) in kernels.iter().enumerate() {
         let d = k.head_dim;
+        let dims = dims_args(k);
         let (elem, elem_header, _) = element(k.dtype);
         let launcher = match k.family {
             Family::Sm90Fwd => "\"sm90/fwd_launch.h\"",
@@ -79,7 +98,7 @@ fn unit_text(kernels: &[&Kernel]) -> String {
         }
         let first_of_row = !kernels[..i]
             .iter()
-            .any(|o| o.family == k.family && o.head_dim == d);
+            .any(|o| o.family == k.family && o.head_dim == d && o.head_dim_v == k.head_dim_v);
         if first_of_row {
             tiles.push_str(&tile_structs(k));
         }
@@ -93,7 +112,7 @@ fn unit_text(kernels: &[&Kernel]) -> String {
                 } else {
                     String::new()
                 };
-                format!("{ablation}  return run_fwd_tiled<{elem}, {d}>(p, o, stream);")
+                format!("{ablation}  return run_fwd_tiled<{elem}, {dims}>(p, o, stream);")
             }
             Family::Sm90Fp8Fwd => format!("  return run_fwd_fp8<{d}>(p, o, stream);"),
             Family::Sm90Bwd | Family::Sm80Fwd | Family::Sm80Bwd => {
@@ -118,11 +137,12 @@ fn unit_text(kernels: &[&Kernel]) -> String {
 }
 
 /// The tile structs of a kernel's tile row, from the tile table: the family's tile struct
-/// specialized for its head dim (the sm90 forward's also for masked calls).
+/// specialized for its head dims (the sm90 forward's also for masked calls).
 fn tile_structs(k: &Kernel) -> String {
     let d = k.head_dim;
+    let dims = dims_args(k);
     let tile = |role| {
-        *registry::tile(k.family, d, role)
+        *registry::tile(k, role)
             .unwrap_or_else(|| panic!("{}: no tile in the tile table", k.name()))
     };
     let ints = |v: &[(&str, usize)]| {
@@ -197,7 +217,7 @@ fn tile_structs(k: &Kernel) -> String {
                 ("kAtomMdQ", atom_m_dq),
             ]),
         };
-        format!("template <> struct {name}<{d}> {{\n{members}}};\n")
+        format!("template <> struct {name}<{dims}> {{\n{members}}};\n")
     };
     match k.family {
         Family::Sm90Fwd => {
@@ -311,8 +331,10 @@ fn kernels_header(built: &[&Kernel]) -> String {
             };
             let (name, _) = entry(k);
             h.push_str(&format!(
-                "  if (p.dtype == {dtype} && p.head_dim == {}{ablation}) return {}::{name}({args});\n",
+                "  if (p.dtype == {dtype} && p.head_dim == {} && p.head_dim_v == {}{ablation}) \
+                 return {}::{name}({args});\n",
                 k.head_dim,
+                k.head_dim_v,
                 arch(k)
             ));
         }
@@ -327,10 +349,9 @@ fn kernels_header(built: &[&Kernel]) -> String {
 pub(crate) fn generate_kernels(gen: &Path) -> Vec<Unit> {
     // What the generator can build: a row asking for more is a registry error.
     for k in registry::KERNELS {
-        assert_eq!(
-            k.head_dim_v,
-            k.head_dim,
-            "{}: d_v != d is not built yet",
+        assert!(
+            k.head_dim_v == k.head_dim || k.family == Family::Sm90Fwd,
+            "{}: d_v != d is built by the 16-bit sm90 forward alone so far",
             k.name()
         );
         assert!(
@@ -369,14 +390,14 @@ pub(crate) fn generate_kernels(gen: &Path) -> Vec<Unit> {
         Ok(other) => panic!("FLASHATTN_UNITS={other}: expected grouped or tile-row"),
     };
     let unit_name = |k: &Kernel| {
-        let extended = registry::extended_wgmma(k.family, k.head_dim);
+        let extended = registry::extended_wgmma(k);
         if per_tile_row {
             let fp8 = if k.family == Family::Sm90Fp8Fwd {
                 "_fp8"
             } else {
                 ""
             };
-            format!("{}/{}{fp8}_d{}.cu", arch(k), pass(k), k.head_dim)
+            format!("{}/{}{fp8}_d{}.cu", arch(k), pass(k), dims_name(k))
         } else if extended {
             format!("{}/{}_extended_wgmma.cu", arch(k), pass(k))
         } else {

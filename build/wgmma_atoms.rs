@@ -7,12 +7,13 @@ use crate::registry::{self, Family, Kernel, KernelDtype};
 /// type, N) pairs, each with the generated header that holds its atom. Only the forward's
 /// S = Q·Kᵀ takes one (its key block).
 pub(crate) fn wgmma_atoms(k: &Kernel) -> Vec<(KernelDtype, usize, String)> {
-    registry::extended_wgmma_n(k.family, k.head_dim)
+    registry::extended_wgmma_n(k)
         .into_iter()
         .map(|n| {
             assert!(
                 matches!(k.family, Family::Sm90Fwd | Family::Sm90Fp8Fwd)
                     && n != k.head_dim
+                    && n != k.head_dim_v
                     && n % 8 == 0
                     && n <= 256,
                 "{}: an extended WGMMA N of {n} outside the forward's key block (a multiple \

@@ -29,14 +29,18 @@ int elem_bytes(int32_t dtype) { return dtype == FLASHATTN_E4M3 ? 1 : 2; }
 
 bool finite(float x) { return x == x && x - x == 0.f; }
 
+// V's (and O's, dO's, dV's) head dim: head_dim_v, or head_dim where it is 0.
+int head_dim_v(const flashattn_params_t& p) { return p.head_dim_v != 0 ? p.head_dim_v : p.head_dim; }
+
 // Sizes every kernel family indexes with 32-bit integers; src/tensor.rs checks the same
 // (Problem::check_gpu_limits).
 // Packed batches: the entries' lengths are their bound, max_seqlen_q/k, and the tensors hold
 // one entry of seqlen_q/k rows.
 bool sizes_fit(const flashattn_params_t& p) {
   if (p.batch <= 0 || p.seqlen_q <= 0 || p.seqlen_k <= 0 || p.heads_q <= 0 || p.heads_kv <= 0 ||
-      p.head_dim <= 0)
+      p.head_dim <= 0 || p.head_dim_v < 0)
     return false;
+  const int widest = p.head_dim > head_dim_v(p) ? p.head_dim : head_dim_v(p);
   // Sequence lengths plus a block (or two) stay in int.
   if (p.seqlen_q > FLASHATTN_MAX_SEQLEN || p.seqlen_k > FLASHATTN_MAX_SEQLEN) return false;
   const bool packed = p.cu_seqlens_q != nullptr;
@@ -45,7 +49,7 @@ bool sizes_fit(const flashattn_params_t& p) {
   // Work items (block of 64 or more rows, batch · head) are numbered with ints (each factor
   // below 2^31, so that no product here passes int64) ...
   const int64_t heads = int64_t(p.batch) * p.heads_q;
-  if (heads > INT32_MAX || p.head_dim > 256) return false;
+  if (heads > INT32_MAX || widest > 256) return false;
   const int64_t longest = entry_q > entry_k ? entry_q : entry_k;
   if ((longest / 64 + 1) * heads > INT32_MAX) return false;
   // ... and so are the row passes' blocks of 2048 / head_dim rows (at most 2^42 elements); a
@@ -53,17 +57,19 @@ bool sizes_fit(const flashattn_params_t& p) {
   const int64_t rows = packed ? (p.seqlen_q > p.seqlen_k ? p.seqlen_q : p.seqlen_k) +
                                     int64_t(128) * p.batch
                               : int64_t(p.batch) * longest;
-  if (rows * p.heads_q * p.head_dim > (int64_t(1) << 42)) return false;
+  if (rows * p.heads_q * widest > (int64_t(1) << 42)) return false;
   // Grids sized by the SM count, whose products with each other stay in int.
   return p.sm_count >= 1 && p.sm_count <= 4096;
 }
 
-// Windows that leave every row its whole key range are unbounded (-1): the kernels then never
-// add a window to a position, so no such sum can pass int. Left: row 0's diagonal is
-// seqlen_k - seqlen_q and the last row's seqlen_k - 1, so a left window of seqlen_k - 1 reaches
-// key 0 from every row; right: a right window of seqlen_q - 1 reaches the last key from row 0.
-flashattn_params_t with_unbounded_windows(const flashattn_params_t& p) {
+// The parameters as the launchers take them: V's head dim spelled out (head_dim_v), and windows
+// that leave every row its whole key range unbounded (-1): the kernels then never add a window to
+// a position, so no such sum can pass int. Left: row 0's diagonal is seqlen_k - seqlen_q and the
+// last row's seqlen_k - 1, so a left window of seqlen_k - 1 reaches key 0 from every row; right:
+// a right window of seqlen_q - 1 reaches the last key from row 0.
+flashattn_params_t normalized(const flashattn_params_t& p) {
   flashattn_params_t q = p;
+  q.head_dim_v = head_dim_v(p);
   if (q.window_left >= q.seqlen_k - 1) q.window_left = -1;
   if (q.window_right >= q.seqlen_q - 1) q.window_right = -1;
   return q;
@@ -84,7 +90,9 @@ flashattn_result_t validate_common(const flashattn_params_t* p) {
     return kInvalid;
   if (p->dtype != FLASHATTN_F16 && p->dtype != FLASHATTN_BF16 && p->dtype != FLASHATTN_E4M3)
     return kUnsupported;
-  if (!flashattn::kernels::head_dim_known(p->head_dim)) return kUnsupported;
+  if (!flashattn::kernels::head_dim_known(p->head_dim) ||
+      !flashattn::kernels::head_dim_known(head_dim_v(*p)))
+    return kUnsupported;
   // Packed batches: both offset arrays and bounds within the tensors' rows; dense: none of it.
   if (p->cu_seqlens_q != nullptr) {
     if (p->cu_seqlens_k == nullptr || p->max_seqlen_q < 1 || p->max_seqlen_q > p->seqlen_q ||
@@ -177,10 +185,12 @@ flashattn_result_t validate_fwd(const flashattn_params_t* p) {
     ops.read(View::packed(p->k_descale, 4, kv_descales, 4));
     ops.read(View::packed(p->v_descale, 4, kv_descales, 4));
     if (p->out_dtype != FLASHATTN_F16 && p->out_dtype != FLASHATTN_BF16) return kInvalid;
+    if (head_dim_v(*p) != p->head_dim) return kUnsupported;
     ops.write(View::of(p->o, 2, tensor_batch(*p), p->seqlen_q, p->heads_q, p->head_dim));
   } else {
-    ops.read(View::of(p->v, e, tensor_batch(*p), p->seqlen_k, p->heads_kv, p->head_dim));
-    ops.write(View::of(p->o, e, tensor_batch(*p), p->seqlen_q, p->heads_q, p->head_dim));
+    const int dv = head_dim_v(*p);
+    ops.read(View::of(p->v, e, tensor_batch(*p), p->seqlen_k, p->heads_kv, dv));
+    ops.write(View::of(p->o, e, tensor_batch(*p), p->seqlen_q, p->heads_q, dv));
   }
   read_sequences(*p, ops);
   read_sinks(*p, ops);
@@ -193,18 +203,20 @@ flashattn_result_t validate_bwd(const flashattn_params_t* p) {
   if (flashattn_result_t r = validate_common(p); r.status != FLASHATTN_OK) return r;
   if (p->dtype == FLASHATTN_E4M3) return kUnsupported;
   const int e = elem_bytes(p->dtype);
-  const auto q_like = [&](const flashattn_tensor_t& t) {
-    return View::of(t, e, tensor_batch(*p), p->seqlen_q, p->heads_q, p->head_dim);
+  // Q-like and K-like views with head dim d: Q, dQ, K, dK take head_dim; V, dV, O, dO V's.
+  const auto q_like = [&](const flashattn_tensor_t& t, int d) {
+    return View::of(t, e, tensor_batch(*p), p->seqlen_q, p->heads_q, d);
   };
-  const auto kv_like = [&](const flashattn_tensor_t& t) {
-    return View::of(t, e, tensor_batch(*p), p->seqlen_k, p->heads_kv, p->head_dim);
+  const auto kv_like = [&](const flashattn_tensor_t& t, int d) {
+    return View::of(t, e, tensor_batch(*p), p->seqlen_k, p->heads_kv, d);
   };
+  const int d = p->head_dim, dv = head_dim_v(*p);
   Operands ops;
-  ops.read(q_like(p->q));
-  ops.read(kv_like(p->k));
-  ops.read(kv_like(p->v));
-  ops.read(q_like(p->o));
-  ops.read(q_like(p->dout));
+  ops.read(q_like(p->q, d));
+  ops.read(kv_like(p->k, d));
+  ops.read(kv_like(p->v, dv));
+  ops.read(q_like(p->o, dv));
+  ops.read(q_like(p->dout, dv));
   ops.read(lse_view(*p));
   read_sequences(*p, ops);
   read_sinks(*p, ops);
@@ -212,9 +224,9 @@ flashattn_result_t validate_bwd(const flashattn_params_t* p) {
     if (p->sinks == nullptr) return kInvalid;
     ops.write(View::packed(p->dsinks, 4, p->heads_q, 4));
   }
-  ops.write(q_like(p->dq));
-  ops.write(kv_like(p->dk));
-  ops.write(kv_like(p->dv));
+  ops.write(q_like(p->dq, d));
+  ops.write(kv_like(p->dk, d));
+  ops.write(kv_like(p->dv, dv));
   if (p->workspace_bytes <= 0) return kInvalid;
   ops.write(View::packed(p->workspace, 1, p->workspace_bytes, 16));
   return ops.valid() ? kOk : kInvalid;
@@ -261,7 +273,7 @@ extern "C" flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* param
                                                  void* stream) {
   flashattn_result_t r = validate_fwd(params);
   if (r.status != FLASHATTN_OK) return r;
-  const flashattn_params_t p = with_unbounded_windows(*params);
+  const flashattn_params_t p = normalized(*params);
   flashattn::sm90::FwdOptions o;
   o.pingpong = !(p.sm90_flags & FLASHATTN_SM90_NO_PINGPONG);
   o.intra_wg_overlap = !(p.sm90_flags & FLASHATTN_SM90_NO_INTRA_WG_OVERLAP);
@@ -277,7 +289,7 @@ extern "C" flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* param
                                                  void* stream) {
   flashattn_result_t r = validate_bwd(params);
   if (r.status != FLASHATTN_OK) return r;
-  const flashattn_params_t p = with_unbounded_windows(*params);
+  const flashattn_params_t p = normalized(*params);
   return flashattn::kernels::sm90_bwd(p, static_cast<cudaStream_t>(stream));
 }
 
@@ -286,7 +298,7 @@ extern "C" flashattn_result_t flashattn_fwd_sm80(const flashattn_params_t* param
   flashattn_result_t r = validate_fwd(params);
   if (r.status != FLASHATTN_OK) return r;
   if (!fits_sm80_grid(*params)) return kInvalid;
-  const flashattn_params_t p = with_unbounded_windows(*params);
+  const flashattn_params_t p = normalized(*params);
   return with_sinks(flashattn::kernels::sm80_fwd(p, static_cast<cudaStream_t>(stream)), p,
                     stream);
 }
@@ -296,7 +308,7 @@ extern "C" flashattn_result_t flashattn_bwd_sm80(const flashattn_params_t* param
   flashattn_result_t r = validate_bwd(params);
   if (r.status != FLASHATTN_OK) return r;
   if (!fits_sm80_grid(*params)) return kInvalid;
-  const flashattn_params_t p = with_unbounded_windows(*params);
+  const flashattn_params_t p = normalized(*params);
   return flashattn::kernels::sm80_bwd(p, static_cast<cudaStream_t>(stream));
 }
 

@@ -85,6 +85,10 @@ typedef struct {
   int64_t workspace_bytes;
 
   int32_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
+  // Head dim of V, O, dO and dV where it differs from Q's and K's (head_dim); 0 = the same.
+  // Built for the pairs the kernel registry lists (src/registry.rs); others are refused with
+  // FLASHATTN_UNSUPPORTED.
+  int32_t head_dim_v;
   int32_t dtype;  // flashattn_dtype_t
 
   float softmax_scale;  // finite, > 0

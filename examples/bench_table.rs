@@ -186,7 +186,7 @@ fn check(stream: &Arc<CudaStream>, inp: &Inputs, cfg: &AttentionConfig, shape: [
 
 /// Whether this build holds `family`'s bf16 kernel at head dim `d`.
 fn built(family: Family, d: usize) -> bool {
-    registry::find(family, d, KernelDtype::Bf16).is_some_and(|k| k.built())
+    registry::find(family, d, d, KernelDtype::Bf16).is_some_and(|k| k.built())
 }
 
 fn main() {

@@ -222,8 +222,8 @@ pub fn check_backend(
                     backend,
                 });
             }
-            let kernel =
-                registry::find(family, problem.head_dim, dtype).ok_or(unsupported_dtype)?;
+            let kernel = registry::find(family, problem.head_dim, problem.head_dim, dtype)
+                .ok_or(unsupported_dtype)?;
             if !built.contains(kernel) {
                 return Err(Error::Unsupported {
                     what: format!(
@@ -364,9 +364,7 @@ pub fn plan(
                     _ => format!("{}: forced by the caller", backend.name()),
                 };
                 reasons.push(why);
-                let tile = kernel.and_then(|k| {
-                    registry::tile_row(k.family, k.head_dim, tile_role(k, problem, cfg))
-                });
+                let tile = kernel.and_then(|k| registry::tile_row(k, tile_role(k, problem, cfg)));
                 return Ok(Plan {
                     backend,
                     kernel,

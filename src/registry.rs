@@ -80,8 +80,9 @@ impl KernelDtype {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Kernel {
     pub family: Family,
-    /// Head dim of Q and K, and of V (equal in every kernel built so far).
+    /// Head dim of Q and K.
     pub head_dim: usize,
+    /// Head dim of V and O (and dO, dV): the same, or another where a row says so.
     pub head_dim_v: usize,
     pub dtype: KernelDtype,
     /// Has a forward without intra-warpgroup overlap (the FlashAttention-3 paper's ablation,
@@ -89,11 +90,21 @@ pub struct Kernel {
     pub ablation: bool,
 }
 
-const fn kernel(family: Family, head_dim: usize, dtype: KernelDtype) -> Kernel {
+pub(crate) const fn kernel(family: Family, head_dim: usize, dtype: KernelDtype) -> Kernel {
+    kernel_v(family, head_dim, head_dim, dtype)
+}
+
+/// A kernel whose V and O have head dim `head_dim_v`.
+pub(crate) const fn kernel_v(
+    family: Family,
+    head_dim: usize,
+    head_dim_v: usize,
+    dtype: KernelDtype,
+) -> Kernel {
     Kernel {
         family,
         head_dim,
-        head_dim_v: head_dim,
+        head_dim_v,
         dtype,
         ablation: false,
     }
@@ -117,6 +128,8 @@ pub const KERNELS: &[Kernel] = &[
     kernel(Sm90Fwd, 96, Fp16),
     kernel(Sm90Fwd, 192, Bf16),
     kernel(Sm90Fwd, 192, Fp16),
+    kernel_v(Sm90Fwd, 192, 128, Bf16),
+    kernel_v(Sm90Fwd, 192, 128, Fp16),
     kernel(Sm90Fp8Fwd, 64, E4m3),
     kernel(Sm90Fp8Fwd, 128, E4m3),
     kernel(Sm90Fp8Fwd, 256, E4m3),
@@ -226,6 +239,7 @@ pub enum TileRole {
 pub struct TileRow {
     pub family: Family,
     pub head_dim: usize,
+    pub head_dim_v: usize,
     pub role: TileRole,
     pub tile: Tile,
 }
@@ -282,9 +296,21 @@ const fn sm80_bwd(block_m: usize, block_n: usize, atoms: [usize; 3]) -> Tile {
 }
 
 const fn row(family: Family, head_dim: usize, role: TileRole, tile: Tile) -> TileRow {
+    row_v(family, head_dim, head_dim, role, tile)
+}
+
+/// A row of kernels whose V and O have head dim `head_dim_v`.
+const fn row_v(
+    family: Family,
+    head_dim: usize,
+    head_dim_v: usize,
+    role: TileRole,
+    tile: Tile,
+) -> TileRow {
     TileRow {
         family,
         head_dim,
+        head_dim_v,
         role,
         tile,
     }
@@ -308,6 +334,8 @@ pub const TILES: &[TileRow] = &[
     row(Sm90Fwd, 96, Base, sm90_fwd(192, 2, true)),
     row(Sm90Fwd, 96, Masked, sm90_fwd(128, 2, true)),
     row(Sm90Fwd, 192, Base, sm90_fwd(112, 1, true)),
+    // DeepSeek's (192, 128): V's narrower rows leave room for 128 keys (Q 48 KiB, K 96, V 64).
+    row_v(Sm90Fwd, 192, 128, Base, sm90_fwd(128, 1, true)),
     row(Sm90Fp8Fwd, 64, Base, sm90_fp8_fwd(192, 2, false, true)),
     row(Sm90Fp8Fwd, 128, Base, sm90_fp8_fwd(224, 2, false, true)),
     row(Sm90Fp8Fwd, 256, Base, sm90_fp8_fwd(128, 1, true, false)),
@@ -340,18 +368,21 @@ pub const TILES: &[TileRow] = &[
     row(Sm80Bwd, 192, Base, sm80_bwd(64, 64, [4, 2, 2])),
 ];
 
-/// The tile `family` runs at `head_dim` for `role`: the `Masked` row if there is one, else the
-/// `Base` row.
-pub fn tile(family: Family, head_dim: usize, role: TileRole) -> Option<&'static Tile> {
-    tile_row(family, head_dim, role).map(|r| &r.tile)
+/// The tile `k`'s family runs at its head dims for `role`: the `Masked` row if there is one,
+/// else the `Base` row.
+pub fn tile(k: &Kernel, role: TileRole) -> Option<&'static Tile> {
+    tile_row(k, role).map(|r| &r.tile)
 }
 
 /// [`tile`]'s row, whose `role` says which row it is.
-pub fn tile_row(family: Family, head_dim: usize, role: TileRole) -> Option<&'static TileRow> {
+pub fn tile_row(k: &Kernel, role: TileRole) -> Option<&'static TileRow> {
     let find = |role: TileRole| {
-        TILES
-            .iter()
-            .find(|r| r.family == family && r.head_dim == head_dim && r.role == role)
+        TILES.iter().find(|r| {
+            r.family == k.family
+                && r.head_dim == k.head_dim
+                && r.head_dim_v == k.head_dim_v
+                && r.role == role
+        })
     };
     find(role).or_else(|| find(Base))
 }
@@ -361,18 +392,19 @@ pub fn tile_row(family: Family, head_dim: usize, role: TileRole) -> Option<&'sta
 /// time, so build.rs generates the few atoms the tiles take instead (build/wgmma_atoms.rs).
 const DEFAULT_WGMMA_N: [usize; 8] = [8, 16, 32, 64, 96, 128, 192, 256];
 
-/// The extended WGMMA N sizes (outside CUTLASS's default set) that the kernels of `family` at
-/// `head_dim` take, sorted. The GEMMs' N: the forward's key block (S) and head dim (O); the
+/// The extended WGMMA N sizes (outside CUTLASS's default set) that the kernels of `k`'s family
+/// at its head dims take, sorted. The GEMMs' N: the forward's key block (S) and V's head dim (O); the
 /// backward's query block (Sᵀ, dPᵀ) and head dim (dK, dV), whole or (split_head_dim) split
 /// between the two consumer warpgroups, and its dQ slab's columns (sm90_bwd_dq_cols). (The
 /// kernels' traits assert that every atom covers its N, so a size this misses fails to build
 /// rather than running narrower GEMMs.)
-pub fn extended_wgmma_n(family: Family, head_dim: usize) -> Vec<usize> {
+pub fn extended_wgmma_n(k: &Kernel) -> Vec<usize> {
+    let head_dim = k.head_dim;
     let mut sizes: Vec<usize> = TILES
         .iter()
-        .filter(|r| r.family == family && r.head_dim == head_dim)
+        .filter(|r| r.family == k.family && r.head_dim == head_dim && r.head_dim_v == k.head_dim_v)
         .flat_map(|r| match r.tile {
-            Tile::Sm90Fwd { block_n, .. } => vec![block_n, head_dim],
+            Tile::Sm90Fwd { block_n, .. } => vec![block_n, r.head_dim_v],
             Tile::Sm90Bwd {
                 block_m,
                 split_head_dim: true,
@@ -403,9 +435,9 @@ const fn sm90_bwd_dq_cols(head_dim: usize, block_m: usize) -> usize {
     }
 }
 
-/// Whether the kernels of `family` at `head_dim` take an extended WGMMA shape.
-pub fn extended_wgmma(family: Family, head_dim: usize) -> bool {
-    !extended_wgmma_n(family, head_dim).is_empty()
+/// Whether `k` takes an extended WGMMA shape.
+pub fn extended_wgmma(k: &Kernel) -> bool {
+    !extended_wgmma_n(k).is_empty()
 }
 
 impl Tile {
@@ -480,11 +512,20 @@ impl Kernel {
     }
 }
 
-/// The kernel of `family` for `head_dim` and `dtype`, built or not.
-pub fn find(family: Family, head_dim: usize, dtype: KernelDtype) -> Option<&'static Kernel> {
-    KERNELS
-        .iter()
-        .find(|k| k.family == family && k.head_dim == head_dim && k.dtype == dtype)
+/// The kernel of `family` for head dims `head_dim` (Q, K) and `head_dim_v` (V, O) and `dtype`,
+/// built or not.
+pub fn find(
+    family: Family,
+    head_dim: usize,
+    head_dim_v: usize,
+    dtype: KernelDtype,
+) -> Option<&'static Kernel> {
+    KERNELS.iter().find(|k| {
+        k.family == family
+            && k.head_dim == head_dim
+            && k.head_dim_v == head_dim_v
+            && k.dtype == dtype
+    })
 }
 
 /// The head dims any kernel of `family` takes, in the table's order.

@@ -83,7 +83,7 @@ cudaError_t launch_fwd_add_sinks(const flashattn_params_t& p, cudaStream_t strea
   const int entries = p.cu_seqlens_q != nullptr ? 1 : p.batch;  // packed: one entry of all rows
   s.rows = p.seqlen_q;
   s.heads_q = p.heads_q;
-  s.head_dim = p.head_dim;
+  s.head_dim = p.head_dim_v;  // O's (the launchers take normalized parameters)
   s.rows_total = int64_t(entries) * p.heads_q * p.seqlen_q;
   if (s.rows_total == 0) return cudaSuccess;
   constexpr int kWarps = kFwdSinksThreads / 32;

@@ -55,20 +55,20 @@ struct FwdEpilogue {
                                          const float (&lse)[kRows]) {
     Tensor rowcol_O = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
     Tensor cO = typename Traits::MmaPV{}.get_thread_slice(tid).partition_C(
-        make_identity_tensor(typename Traits::TileQ{}));
+        make_identity_tensor(typename Traits::TileO{}));
     Tensor rowcol_cO = make_tensor(cO.data(), acc_rowcol(cO.layout()));
     const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;  // within the entry
     const int rows = t.seq.seqlen_q;
     scale_rows(rowcol_O, inv_sum);
     if constexpr (kTailPieces) {  // a piece: O and LSE in f32 to its slot (fwd_tail.h)
-      float* slot = params.tail.partials + t.slot * tail_slot_floats(Traits::kHeadDim);
+      float* slot = params.tail.partials + t.slot * tail_slot_floats(Traits::kHeadDimV);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int row = wg * kRowsPerWG + get<0>(rowcol_cO(r, 0));
-        if (get<1>(rowcol_cO(0, 0)) == 0) slot[kTailRows * Traits::kHeadDim + row] = lse[r];
+        if (get<1>(rowcol_cO(0, 0)) == 0) slot[kTailRows * Traits::kHeadDimV + row] = lse[r];
 #pragma unroll
         for (int c = 0; c < size<1>(rowcol_O); c += 2)
-          *reinterpret_cast<float2*>(slot + row * Traits::kHeadDim +
+          *reinterpret_cast<float2*>(slot + row * Traits::kHeadDimV +
                                      head_dim_of(get<1>(rowcol_cO(r, c)))) =
               make_float2(rowcol_O(r, c), rowcol_O(r, c + 1));
       }

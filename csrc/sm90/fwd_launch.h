@@ -80,9 +80,9 @@ flashattn_result_t run_fwd_split_tail(const flashattn_params_t& p, FwdParams<Tra
       const TailMergeParams<Out> m{tail,           o,     p.o.batch_stride, p.o.row_stride,
                                    p.o.head_stride, p.lse, p.heads_q,        p.seqlen_q,
                                    params.num_m_blocks};
-      const int64_t threads = int64_t(tail.tiles) * kTailRows * (Traits::kHeadDim / 4);
+      const int64_t threads = int64_t(tail.tiles) * kTailRows * (Traits::kHeadDimV / 4);
       const int grid = int((threads + kTailMergeThreads - 1) / kTailMergeThreads);
-      return cuda_status(launch_dependent(fwd_tail_merge<Traits::kHeadDim, Out>, grid,
+      return cuda_status(launch_dependent(fwd_tail_merge<Traits::kHeadDimV, Out>, grid,
                                           kTailMergeThreads, 0, stream, m));
     };
     if constexpr (Traits::kFp8) {
@@ -122,8 +122,8 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
                                      tma_stride(p.v.head_stride, p.heads_kv, d),
                                      tma_stride(p.v.batch_stride, batch, d)));
     } else {
-      return gmem_tensor<Traits>(static_cast<Element const*>(p.v.ptr), p.v, p.seqlen_k,
-                                 p.heads_kv, batch);
+      return gmem_tensor<Traits, Traits::kHeadDimV>(static_cast<Element const*>(p.v.ptr), p.v,
+                                                    p.seqlen_k, p.heads_kv, batch);
     }
   }();
   params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, take<0, 2>(typename Traits::SmemLayoutQ{}),
@@ -196,7 +196,7 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
         // (out of memory, say) the call runs unsplit: the error is not this call's failure (a
         // sticky one shows at the launch below).
         const size_t bytes =
-            size_t(tail.slots()) * tail_slot_floats(Traits::kHeadDim) * sizeof(float);
+            size_t(tail.slots()) * tail_slot_floats(Traits::kHeadDimV) * sizeof(float);
         if (workspace_alloc(reinterpret_cast<void**>(&tail.partials), bytes, stream) ==
             cudaSuccess)
           return run_fwd_split_tail(p, params, tail, stream);
@@ -231,16 +231,17 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
 }
 
 // The tile table's instantiation the caller chose (FLASHATTN_SM90_MASKED_TILE), where the head
-// dim has a Masked tile; else the Base one.
-template <class Element, int kHeadDim>
+// dims have a Masked tile; else the Base one.
+template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
 flashattn_result_t run_fwd_tiled(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream) {
-  using Tile = FwdTile<kHeadDim>;
-  using Masked = FwdTileMasked<kHeadDim>;
+  using Tile = FwdTile<kHeadDim, kHeadDimV>;
+  using Masked = FwdTileMasked<kHeadDim, kHeadDimV>;
   if constexpr (Masked::kBlockN != Tile::kBlockN) {
     if (p.sm90_flags & FLASHATTN_SM90_MASKED_TILE)
-      return run_fwd<FwdTraits<Element, kHeadDim, Masked, true>>(p, o.pingpong, stream);
+      return run_fwd<FwdTraits<Element, kHeadDim, Masked, true, kHeadDimV>>(p, o.pingpong,
+                                                                            stream);
   }
-  return run_fwd<FwdTraits<Element, kHeadDim, Tile, true>>(p, o.pingpong, stream);
+  return run_fwd<FwdTraits<Element, kHeadDim, Tile, true, kHeadDimV>>(p, o.pingpong, stream);
 }
 
 }  // namespace flashattn::sm90

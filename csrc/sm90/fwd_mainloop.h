@@ -60,7 +60,7 @@ struct FwdMainloop {
       std::declval<SmemTensor<typename Traits::SmemLayoutK>&>())));
   using FragVt = decltype(std::declval<ThrPV&>().make_fragment_B(std::declval<ThrPV&>().partition_B(
       std::declval<SmemTensor<typename Traits::SmemLayoutVt>&>())));
-  using FragO = decltype(partition_fragment_C(std::declval<MmaPV&>(), typename Traits::TileQ{}));
+  using FragO = decltype(partition_fragment_C(std::declval<MmaPV&>(), typename Traits::TileO{}));
   using FragS = decltype(partition_fragment_C(std::declval<MmaQK&>(), TileS{}));
   using CoordS = decltype(std::declval<ThrQK&>().partition_C(make_identity_tensor(TileS{})));
   static constexpr int kRows = decltype(size<0>(

@@ -35,7 +35,7 @@ struct FwdProducer {
             int(Traits::kHeadDim), params.num_n_blocks * kBlockN, params.heads_kv, batch));
       } else {
         return params.tma_v.get_tma_tensor(
-            make_shape(params.seqlen_k, int(Traits::kHeadDim), params.heads_kv, batch));
+            make_shape(params.seqlen_k, int(Traits::kHeadDimV), params.heads_kv, batch));
       }
     }();
     auto cta_q = params.tma_q.get_slice(0);
@@ -75,15 +75,15 @@ struct FwdProducer {
         } else {
           return group_modes<0, 3>(cta_v.partition_S(
               local_tile(entry_rows(mV(_, _, head_kv, t.seq.batch), t.seq.k_start),
-                         typename Traits::TileKV{}, make_coord(_, _0{}))));
+                         typename Traits::TileV{}, make_coord(_, _0{}))));
         }
       }();
       auto load_k = [&](int n) {
-        smem.pipe_k.producer_acquire(st, Traits::kBytesKV);
+        smem.pipe_k.producer_acquire(st, Traits::kBytesK);
         copy(params.tma_k.with(smem.pipe_k.full_barrier(st)), tKgK(_, n), tKsK(_, st.index));
       };
       auto load_v = [&](int n) {
-        smem.pipe_v.producer_acquire(st, Traits::kBytesKV);
+        smem.pipe_v.producer_acquire(st, Traits::kBytesV);
         copy(params.tma_v.with(smem.pipe_v.full_barrier(st)), tVgV(_, n), tVsV(_, st.index));
       };
       // The first K block first: with one Q buffer, Q waits for the last Q·Kᵀ of the tile before.

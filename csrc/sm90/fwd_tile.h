@@ -9,11 +9,12 @@
 namespace flashattn::sm90 {
 
 // kBlockN (keys per block), kStages (K/V pipeline depth), kQStages (Q buffers), kUnmaskedLoop,
-// kTailSplit, and, read by the FP8 kernels alone, kIeeeDescaleRatio.
-template <int kHeadDim> struct FwdTile;
+// kTailSplit, and, read by the FP8 kernels alone, kIeeeDescaleRatio; per head dim of Q and K,
+// and of V and O where it differs.
+template <int kHeadDim, int kHeadDimV = kHeadDim> struct FwdTile;
 // Causal and windowed calls (and calls asking for narrow key blocks): narrower key blocks waste
 // less work on the masked diagonal blocks.
-template <int kHeadDim> struct FwdTileMasked;
+template <int kHeadDim, int kHeadDimV = kHeadDim> struct FwdTileMasked;
 // The FP8 forward's tile (the same members).
 template <int kHeadDim> struct Fp8FwdTile;
 

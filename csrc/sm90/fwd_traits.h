@@ -24,11 +24,15 @@ using namespace cute;
 
 // Tile: kBlockN (keys per block), kStages (K/V pipeline depth), kQStages (Q buffers), and the
 // code-shape choices kUnmaskedLoop, kTailSplit and, FP8 tiles only, kIeeeDescaleRatio.
-template <class Element_, int kHeadDim_, class Tile, bool kIntraWGOverlap_>
+// kHeadDim: of Q and K; kHeadDimV: of V and O (the 16-bit kernels only may take another).
+template <class Element_, int kHeadDim_, class Tile, bool kIntraWGOverlap_,
+          int kHeadDimV_ = kHeadDim_>
 struct FwdTraits {
   using Element = Element_;  // of Q, K and V
   static constexpr bool kFp8 = sizeof(Element) == 1;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static_assert(!kFp8 || kHeadDimV == kHeadDim, "the FP8 forward has one head dim");
   static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
   static constexpr int kRowsPerWG = 64;
   static constexpr int kBlockN = Tile::kBlockN;
@@ -60,11 +64,14 @@ struct FwdTraits {
 
   using TileQ = Shape<Int<kRowsPerWG>, Int<kHeadDim>>;
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using TileO = Shape<Int<kRowsPerWG>, Int<kHeadDimV>>;
 
   // K-major rows swizzled over 128 bytes (64 for e4m3 at d64: a row has no more).
-  using SmemAtom = conditional_t<kHeadDim * sizeof(Element) % 128 == 0,
-                                 GMMA::Layout_K_SW128_Atom<Element>,
-                                 GMMA::Layout_K_SW64_Atom<Element>>;
+  template <int kDim>
+  using SmemAtomOf = conditional_t<kDim * sizeof(Element) % 128 == 0,
+                                   GMMA::Layout_K_SW128_Atom<Element>,
+                                   GMMA::Layout_K_SW64_Atom<Element>>;
+  using SmemAtom = SmemAtomOf<kHeadDim>;
   using SmemLayoutQ = decltype(tile_to_shape(  // per consumer WG
       SmemAtom{}, Shape<Int<kRowsPerWG>, Int<kHeadDim>, Int<kQStages>>{}));
   using SmemLayoutK = decltype(tile_to_shape(
@@ -72,9 +79,11 @@ struct FwdTraits {
   // Vᵀ is the (head_dim, kBlockN) B operand of P·V. 16-bit: V is stored as it comes and Vᵀ is
   // the same bytes, MN-major. FP8 WGMMA takes K-major operands only: the quantize step wrote V
   // key-major (rows in fp8_v_row_head_dim order), and the TMA loads Vᵀ as it is.
+  using SmemLayoutVRows = decltype(tile_to_shape(
+      SmemAtomOf<kHeadDimV>{}, Shape<Int<kBlockN>, Int<kHeadDimV>, Int<kStages>>{}));
   using SmemLayoutVtOfV = decltype(composition(
-      SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
-                                         Step<_2, _1, _3>{})));
+      SmemLayoutVRows{}, make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{},
+                                             Step<_2, _1, _3>{})));
   using SmemAtomVtFp8 =
       conditional_t<kBlockN % 128 == 0, GMMA::Layout_K_SW128_Atom<Element>,
                     conditional_t<kBlockN % 64 == 0, GMMA::Layout_K_SW64_Atom<Element>,
@@ -82,16 +91,17 @@ struct FwdTraits {
   using SmemLayoutVtFp8 = decltype(tile_to_shape(
       SmemAtomVtFp8{}, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
   using SmemLayoutVt = conditional_t<kFp8, SmemLayoutVtFp8, SmemLayoutVtOfV>;
-  using SmemLayoutV = conditional_t<kFp8, SmemLayoutVtFp8, SmemLayoutK>;  // as the TMA writes it
-  using TileV = conditional_t<kFp8, Shape<Int<kHeadDim>, Int<kBlockN>>, TileKV>;
+  using SmemLayoutV = conditional_t<kFp8, SmemLayoutVtFp8, SmemLayoutVRows>;  // as the TMA writes it
+  using TileV = conditional_t<kFp8, Shape<Int<kHeadDim>, Int<kBlockN>>,
+                              Shape<Int<kBlockN>, Int<kHeadDimV>>>;
 
   using MmaQK = decltype(make_tiled_mma(
       ss_atom<Element, Shape<Int<kRowsPerWG>, Int<kBlockN>, Int<kHeadDim>>>()));
   using MmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float,
-                           Shape<Int<kRowsPerWG>, Int<kHeadDim>, Int<kBlockN>>,
+                           Shape<Int<kRowsPerWG>, Int<kHeadDimV>, Int<kBlockN>>,
                            GMMA::Major::K, kFp8 ? GMMA::Major::K : GMMA::Major::MN>()));
-  static_assert(wgmma_atom_n<MmaQK> == kBlockN && wgmma_atom_n<MmaPV> == kHeadDim,
+  static_assert(wgmma_atom_n<MmaQK> == kBlockN && wgmma_atom_n<MmaPV> == kHeadDimV,
                 "a WGMMA atom narrower than its GEMM (registry::extended_wgmma_n)");
 
   // (seqlen, head_dim, heads, batch) with head_dim contiguous.
@@ -103,7 +113,8 @@ struct FwdTraits {
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}),
                                       TileV{}, _1{}));
   static constexpr uint32_t kBytesQ = kRowsPerWG * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesV = kBlockN * kHeadDimV * sizeof(Element);
 
   struct SharedStorage {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q[kConsumerWGs];

@@ -17,9 +17,10 @@ inline int64_t tma_stride(int64_t stride, int extent, int head_dim) {
   return extent == 1 ? head_dim : stride;
 }
 
-template <class Traits, class Ptr>
+// kDim: the tensor's head dim, the kernel's kHeadDim unless given (V and O may have another).
+template <class Traits, int kDim = Traits::kHeadDim, class Ptr>
 auto gmem_tensor(Ptr ptr, const flashattn_tensor_t& t, int seqlen, int heads, int batch) {
-  constexpr int d = Traits::kHeadDim;
+  constexpr int d = kDim;
   return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, d, heads, batch),
                      make_stride(tma_stride(t.row_stride, seqlen, d), _1{},
                                  tma_stride(t.head_stride, heads, d),

@@ -16,7 +16,7 @@ fn every_kernel_is_named_once_and_has_its_features() {
             "{} twice",
             k.name()
         );
-        assert_eq!(find(k.family, k.head_dim, k.dtype), Some(k));
+        assert_eq!(find(k.family, k.head_dim, k.head_dim_v, k.dtype), Some(k));
     }
     assert_eq!(head_dims(Family::Sm90Fwd), vec![64, 128, 256, 96, 192]);
 }
@@ -24,8 +24,7 @@ fn every_kernel_is_named_once_and_has_its_features() {
 #[test]
 fn every_kernel_has_its_tile_and_every_tile_a_kernel() {
     for k in KERNELS {
-        let t = tile(k.family, k.head_dim, TileRole::Base)
-            .unwrap_or_else(|| panic!("{}: no tile", k.name()));
+        let t = tile(k, TileRole::Base).unwrap_or_else(|| panic!("{}: no tile", k.name()));
         let family_of_tile = match t {
             Tile::Sm90Fwd { .. } => [Family::Sm90Fwd, Family::Sm90Fp8Fwd].contains(&k.family),
             Tile::Sm90Bwd { .. } => k.family == Family::Sm90Bwd,
@@ -36,28 +35,28 @@ fn every_kernel_has_its_tile_and_every_tile_a_kernel() {
     }
     for (i, r) in TILES.iter().enumerate() {
         assert!(
-            KERNELS
-                .iter()
-                .any(|k| k.family == r.family && k.head_dim == r.head_dim),
+            KERNELS.iter().any(|k| k.family == r.family
+                && k.head_dim == r.head_dim
+                && k.head_dim_v == r.head_dim_v),
             "a tile of no kernel: {r:?}"
         );
         assert!(
             TILES[..i]
                 .iter()
-                .all(|o| (o.family, o.head_dim, o.role) != (r.family, r.head_dim, r.role)),
+                .all(|o| (o.family, o.head_dim, o.head_dim_v, o.role)
+                    != (r.family, r.head_dim, r.head_dim_v, r.role)),
             "two tiles for one role: {r:?}"
         );
     }
-    assert_eq!(
-        tile(Family::Sm90Fwd, 256, TileRole::Masked),
-        tile(Family::Sm90Fwd, 256, TileRole::Base)
-    );
+    let d256 = kernel(Family::Sm90Fwd, 256, KernelDtype::Bf16);
+    assert_eq!(tile(&d256, TileRole::Masked), tile(&d256, TileRole::Base));
     for r in TILES {
         match (r.role, r.tile) {
             // The launcher takes a masked tile only where its key block differs
             // (csrc/sm90/fwd_launch.h), so any other difference would go unused.
             (TileRole::Masked, t) => {
-                let base = tile(r.family, r.head_dim, TileRole::Base).unwrap();
+                let k = kernel_v(r.family, r.head_dim, r.head_dim_v, KernelDtype::Bf16);
+                let base = tile(&k, TileRole::Base).unwrap();
                 assert_ne!(
                     t.shape(),
                     base.shape(),
@@ -77,6 +76,14 @@ fn every_kernel_has_its_tile_and_every_tile_a_kernel() {
             _ => {}
         }
     }
+}
+
+/// `family`'s kernel at head dim `d` (V's too), as a registry row would name it.
+fn extended_wgmma(family: Family, d: usize) -> bool {
+    crate::registry::extended_wgmma(&kernel(family, d, KernelDtype::Bf16))
+}
+fn extended_wgmma_n(family: Family, d: usize) -> Vec<usize> {
+    crate::registry::extended_wgmma_n(&kernel(family, d, KernelDtype::Bf16))
 }
 
 #[test]
@@ -100,6 +107,9 @@ fn extended_wgmma_shapes_only_where_a_tile_takes_one() {
     assert_eq!(extended_wgmma_n(Family::Sm90Fwd, 192), vec![112]);
     assert!(!extended_wgmma(Family::Sm90Fwd, 96));
     assert_eq!(extended_wgmma_n(Family::Sm90Fp8Fwd, 128), vec![224]);
+    // (192, 128): 128 keys and an O of 128 columns, both default sizes.
+    let mla = kernel_v(Family::Sm90Fwd, 192, 128, KernelDtype::Bf16);
+    assert!(!crate::registry::extended_wgmma(&mla));
 }
 
 /// build.rs generates an extended atom only for a forward's key block (the S GEMM's N), a
@@ -108,16 +118,17 @@ fn extended_wgmma_shapes_only_where_a_tile_takes_one() {
 #[test]
 fn extended_wgmma_sizes_are_forward_key_blocks() {
     for k in KERNELS {
-        for n in extended_wgmma_n(k.family, k.head_dim) {
+        for n in crate::registry::extended_wgmma_n(k) {
             assert!(matches!(k.family, Family::Sm90Fwd | Family::Sm90Fp8Fwd));
             assert!(
-                n != k.head_dim && n % 8 == 0 && n <= 256,
+                n != k.head_dim && n != k.head_dim_v && n % 8 == 0 && n <= 256,
                 "{}: N {n}",
                 k.name()
             );
             let key_block = TILES.iter().any(|r| {
                 r.family == k.family
                     && r.head_dim == k.head_dim
+                    && r.head_dim_v == k.head_dim_v
                     && matches!(r.tile, Tile::Sm90Fwd { block_n, .. } if block_n == n)
             });
             assert!(key_block, "{}: N {n} is no key block", k.name());

@@ -5,7 +5,7 @@ use std::ptr::null_mut;
 
 use crate::ffi::*;
 use crate::{
-    addr, expect, packed_params, params, refused_everywhere, BACKWARDS, FORWARDS, INVALID,
+    addr, expect, packed, packed_params, params, refused_everywhere, BACKWARDS, FORWARDS, INVALID,
     UNSUPPORTED,
 };
 
@@ -96,7 +96,7 @@ fn bad_strides_and_pointers() {
 #[test]
 fn sizes_and_options_out_of_range() {
     type Edit = fn(&mut flashattn_params_t);
-    let invalid: [(&str, Edit); 22] = [
+    let invalid: [(&str, Edit); 24] = [
         ("zero batch", |p| p.batch = 0),
         ("negative heads", |p| p.heads_q = -4),
         ("heads_q not a multiple of heads_kv", |p| p.heads_kv = 3),
@@ -119,6 +119,8 @@ fn sizes_and_options_out_of_range() {
         ("a left window that passes int beside seqlen_k", |p| {
             (p.seqlen_k, p.window_left) = (FLASHATTN_MAX_SEQLEN as i32, (1 << 30) - 16)
         }),
+        ("negative head dim of V", |p| p.head_dim_v = -64),
+        ("head dim of V past 256", |p| p.head_dim_v = 320),
         ("window below -1", |p| p.window_left = -2),
         ("infinite scale", |p| p.softmax_scale = f32::INFINITY),
         ("NaN scale", |p| p.softmax_scale = f32::NAN),
@@ -153,10 +155,16 @@ fn sizes_and_options_out_of_range() {
         edit(&mut p);
         refused_everywhere(&p, INVALID, what);
     }
-    let unsupported: [(&str, Edit); 3] = [
+    let unsupported: [(&str, Edit); 5] = [
         ("page_table", |p| p.page_table = addr(22) as *const i32),
         ("page_size", |p| p.page_size = 16),
         ("head dim 80 (in no registry row)", |p| p.head_dim = 80),
+        ("head dim of V 80 (in no registry row)", |p| {
+            with_head_dim_v(p, 80)
+        }),
+        ("head dims (64, 128): a pair in no registry row", |p| {
+            with_head_dim_v(p, 128)
+        }),
     ];
     for (what, edit) in unsupported {
         let mut p = params();
@@ -182,6 +190,20 @@ fn sizes_and_options_out_of_range() {
     (p.batch, p.seqlen_q, p.seqlen_k) = (70_000, 64, 64);
     for (name, entry) in [FORWARDS[1], BACKWARDS[1]] {
         expect(name, entry, &p, INVALID, "batch past grid z");
+    }
+}
+
+/// `p` with V, O, dO and dV of head dim `dv` (packed, as `params` lays them out).
+fn with_head_dim_v(p: &mut flashattn_params_t, dv: i64) {
+    p.head_dim_v = dv as i32;
+    let (s, h) = (p.seqlen_q as i64, p.heads_q as i64);
+    for (t, slot) in [
+        (&mut p.v, 2),
+        (&mut p.o, 3),
+        (&mut p.dout, 5),
+        (&mut p.dv, 8),
+    ] {
+        *t = packed(addr(slot), s, h, dv);
     }
 }
 

@@ -67,6 +67,7 @@ fn params() -> flashattn_params_t {
         heads_q: h as i32,
         heads_kv: h as i32,
         head_dim: d as i32,
+        head_dim_v: 0,
         dtype: FLASHATTN_BF16 as i32,
         softmax_scale: 0.125,
         softcap: 0.0,
@@ -158,7 +159,7 @@ fn the_base_parameters_are_valid() {
         (Family::Sm80Fwd, flashattn_fwd_sm80 as Entry),
         (Family::Sm80Bwd, flashattn_bwd_sm80),
     ] {
-        let built = find(family, 64, KernelDtype::Bf16).unwrap().built();
+        let built = find(family, 64, 64, KernelDtype::Bf16).unwrap().built();
         let want = if built {
             FLASHATTN_CUDA_ERROR
         } else {
