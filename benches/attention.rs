@@ -135,6 +135,7 @@ fn cpu(c: &mut Criterion) {
         heads_q: h,
         heads_kv: h,
         head_dim: d,
+        head_dim_v: d,
         dtype: flashattn::DType::F32,
         packed: false,
     };

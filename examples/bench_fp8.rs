@@ -194,6 +194,7 @@ fn main() {
                     heads_q: shape[2],
                     heads_kv: shape[2],
                     head_dim: d,
+                    head_dim_v: d,
                     dtype: DType::E4M3,
                     packed: false,
                 };

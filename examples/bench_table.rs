@@ -343,6 +343,7 @@ fn main() {
             heads_q: shape[2],
             heads_kv: shape[2],
             head_dim: d,
+            head_dim_v: d,
             dtype: flashattn::DType::BF16,
             packed: false,
         };

@@ -153,6 +153,12 @@ pub fn check_backend(
                     reason: "operands are in device memory".into(),
                 });
             }
+            if problem.head_dim_v != problem.head_dim {
+                return Err(Error::Unsupported {
+                    what: "V's head dim apart from Q's (not built yet)".into(),
+                    backend,
+                });
+            }
             match problem.dtype {
                 DType::F32 | DType::F16 | DType::BF16 => problem.check_cpu_limits().map(|_| None),
                 DType::E4M3 => Err(Error::UnsupportedDtype {
@@ -222,8 +228,34 @@ pub fn check_backend(
                     backend,
                 });
             }
-            let kernel = registry::find(family, problem.head_dim, problem.head_dim, dtype)
-                .ok_or(unsupported_dtype)?;
+            let dims = (problem.head_dim, problem.head_dim_v);
+            let kernel =
+                match registry::find(family, dims.0, dims.1, dtype) {
+                    Some(k) => k,
+                    None if dims.0 == dims.1 => return Err(unsupported_dtype),
+                    // V's head dim apart from Q's: the families that have the pair, if any.
+                    None => {
+                        let others: Vec<&str> = Family::ALL
+                            .into_iter()
+                            .filter(|f| {
+                                registry::KERNELS
+                                    .iter()
+                                    .any(|k| k.family == *f && (k.head_dim, k.head_dim_v) == dims)
+                            })
+                            .map(Family::name)
+                            .collect();
+                        return Err(Error::Unsupported {
+                            what: format!(
+                            "the {} at head dims {}/{} of Q and V (not built yet; with these: {})",
+                            family.name(),
+                            dims.0,
+                            dims.1,
+                            if others.is_empty() { "none".to_string() } else { others.join(", ") }
+                        ),
+                            backend,
+                        });
+                    }
+                };
             if !built.contains(kernel) {
                 return Err(Error::Unsupported {
                     what: format!(

@@ -269,10 +269,10 @@ pub fn forward<T: Element>(
     inputs: ForwardInputs<'_, T>,
 ) -> Result<ForwardOutput<T>> {
     let (problem, plan) = plan_host(cfg, &inputs)?;
-    let mut out = alloc(Layout::contiguous(problem.q_shape()).numel(Operand::Out)?)?;
+    let mut out = alloc(Layout::contiguous(problem.o_shape()).numel(Operand::Out)?)?;
     let mut lse = alloc(problem.lse_len()?)?;
     // Packed outputs of exactly the problem's sizes: nothing left to check.
-    let o = TensorMut::contiguous(&mut out, problem.q_shape());
+    let o = TensorMut::contiguous(&mut out, problem.o_shape());
     backend::cpu::forward(cfg, &problem, inputs, o, &mut lse);
     Ok(ForwardOutput { out, lse, plan })
 }
@@ -377,10 +377,10 @@ pub fn backward<T: Element>(
     let problem = tensor::check_backward_inputs(T::DTYPE, inputs.operands(), inputs.lse.len())?;
     tensor::check_sinks(&problem, inputs.sinks.map(<[f32]>::len), None)?;
     let plan = host_plan(Op::Backward, cfg, &problem)?;
-    let (q_shape, kv_shape) = (problem.q_shape(), problem.kv_shape());
+    let (q_shape, kv_shape, v_shape) = (problem.q_shape(), problem.kv_shape(), problem.v_shape());
     let mut dq = alloc(Layout::contiguous(q_shape).numel(Operand::DQ)?)?;
     let mut dk = alloc(Layout::contiguous(kv_shape).numel(Operand::DK)?)?;
-    let mut dv = alloc(Layout::contiguous(kv_shape).numel(Operand::DV)?)?;
+    let mut dv = alloc(Layout::contiguous(v_shape).numel(Operand::DV)?)?;
     let mut dsinks = match inputs.sinks {
         Some(_) => Some(alloc(problem.heads_q)?),
         None => None,
@@ -389,7 +389,7 @@ pub fn backward<T: Element>(
     let grads = GradientsMut {
         dq: TensorMut::contiguous(&mut dq, q_shape),
         dk: TensorMut::contiguous(&mut dk, kv_shape),
-        dv: TensorMut::contiguous(&mut dv, kv_shape),
+        dv: TensorMut::contiguous(&mut dv, v_shape),
         dsinks: dsinks.as_deref_mut(),
     };
     backend::cpu::backward(cfg, &problem, inputs, grads);

@@ -59,6 +59,7 @@ fn dispatcher_explains_its_choice_on_the_device() {
         heads_q: 8,
         heads_kv: 8,
         head_dim: 128,
+        head_dim_v: 128,
         dtype: flashattn::DType::BF16,
         packed: false,
     };

@@ -113,6 +113,7 @@ pub(crate) fn base_params(
         heads_q: problem.heads_q as i32,
         heads_kv: problem.heads_kv as i32,
         head_dim: problem.head_dim as i32,
+        head_dim_v: problem.head_dim_v as i32,
         dtype: ffi_dtype(problem.dtype),
         softmax_scale: cfg.scale_for(problem.head_dim),
         softcap: cfg.softcap.unwrap_or(0.0),

@@ -302,7 +302,8 @@ impl<'a, T> TensorMut<'a, T> {
 pub type Operand4<'a> = (&'a Layout, usize);
 
 /// Validates the operands of a forward call, on every backend before anything runs: Q, K, V
-/// readable within their buffers, `out` shaped like Q and writable (one element per index),
+/// readable within their buffers, `out` shaped like Q but with V's head dim and writable (one
+/// element per index),
 /// the LSE buffer long enough. Returns the problem they describe.
 pub fn check_forward(
     dtype: DType,
@@ -315,13 +316,13 @@ pub fn check_forward(
     check_len(Operand::V, v.0, v.1)?;
     let problem = Problem::from_layouts(q.0, k.0, v.0, dtype)?;
     check_output_len(Operand::Out, out.0, out.1)?;
-    Problem::expect_shape(Operand::Out, out.0, problem.q_shape())?;
+    Problem::expect_shape(Operand::Out, out.0, problem.o_shape())?;
     problem.check_lse_len(lse_len)?;
     Ok(problem)
 }
 
 /// Validates the operands of a backward call as [`check_forward`] does: Q, K, V, O and dO
-/// readable, dQ (shaped like Q), dK and dV (shaped like K) writable, the LSE long enough.
+/// readable, dQ (shaped like Q), dK (like K) and dV (like V) writable, the LSE long enough.
 pub fn check_backward(
     dtype: DType,
     inputs: [Operand4; 5],
@@ -329,11 +330,10 @@ pub fn check_backward(
     [dq, dk, dv]: [Operand4; 3],
 ) -> Result<Problem> {
     let problem = check_backward_inputs(dtype, inputs, lse_len)?;
-    let (q_shape, kv_shape) = (problem.q_shape(), problem.kv_shape());
     for (operand, (layout, len), shape) in [
-        (Operand::DQ, dq, q_shape),
-        (Operand::DK, dk, kv_shape),
-        (Operand::DV, dv, kv_shape),
+        (Operand::DQ, dq, problem.q_shape()),
+        (Operand::DK, dk, problem.kv_shape()),
+        (Operand::DV, dv, problem.v_shape()),
     ] {
         check_output_len(operand, layout, len)?;
         Problem::expect_shape(operand, layout, shape)?;
@@ -351,10 +351,9 @@ pub(crate) fn check_backward_inputs(
     check_len(Operand::K, k.0, k.1)?;
     check_len(Operand::V, v.0, v.1)?;
     let problem = Problem::from_layouts(q.0, k.0, v.0, dtype)?;
-    let q_shape = problem.q_shape();
     for (operand, (layout, len)) in [(Operand::Out, out), (Operand::DOut, dout)] {
         check_len(operand, layout, len)?;
-        Problem::expect_shape(operand, layout, q_shape)?;
+        Problem::expect_shape(operand, layout, problem.o_shape())?;
     }
     problem.check_lse_len(lse_len)?;
     Ok(problem)

@@ -12,7 +12,11 @@ pub struct Problem {
     pub seqlen_k: usize,
     pub heads_q: usize,
     pub heads_kv: usize,
+    /// Head dim of Q and K.
     pub head_dim: usize,
+    /// Head dim of V, and so of O, dO and dV: `head_dim`, or another (DeepSeek's MLA trains with
+    /// 192 and 128).
+    pub head_dim_v: usize,
     pub dtype: DType,
     /// The batch entries are sequences packed one after another along the tensors' rows
     /// ([`crate::varlen`]); `seqlen_q` and `seqlen_k` are then the longest entry's lengths.
@@ -20,7 +24,8 @@ pub struct Problem {
 }
 
 impl Problem {
-    /// Validates Q (b, s_q, h_q, d), K and V (b, s_k, h_kv, d) and derives the problem.
+    /// Validates Q (b, s_q, h_q, d), K (b, s_k, h_kv, d) and V (b, s_k, h_kv, d_v) and derives
+    /// the problem.
     pub fn from_layouts(q: &Layout, k: &Layout, v: &Layout, dtype: DType) -> Result<Problem> {
         q.validate(Operand::Q)?;
         k.validate(Operand::K)?;
@@ -35,10 +40,12 @@ impl Problem {
                 found: k.shape,
             });
         }
-        if v.shape != expected_k {
+        let head_dim_v = v.shape[3];
+        let expected_v = [batch, seqlen_k, heads_kv, head_dim_v];
+        if v.shape != expected_v {
             return Err(Error::ShapeMismatch {
                 operand: Operand::V,
-                expected: expected_k,
+                expected: expected_v,
                 found: v.shape,
             });
         }
@@ -49,6 +56,7 @@ impl Problem {
             heads_q,
             heads_kv,
             head_dim,
+            head_dim_v,
             dtype,
             packed: false,
         };
@@ -57,9 +65,14 @@ impl Problem {
     }
 
     /// Checks a problem built by hand (its fields are public): no zero size, heads_q a
-    /// multiple of heads_kv, and element counts of Q, K and the LSE that fit in a usize.
+    /// multiple of heads_kv, and element counts of Q, K, V, O and the LSE that fit in a usize.
     pub fn validate(&self) -> Result<()> {
-        for (operand, shape) in [(Operand::Q, self.q_shape()), (Operand::K, self.kv_shape())] {
+        for (operand, shape) in [
+            (Operand::Q, self.q_shape()),
+            (Operand::K, self.kv_shape()),
+            (Operand::V, self.v_shape()),
+            (Operand::Out, self.o_shape()),
+        ] {
             let layout = Layout::contiguous(shape);
             layout.validate(operand)?;
         }
@@ -72,11 +85,21 @@ impl Problem {
         self.lse_len().map(|_| ())
     }
 
+    /// Q's shape, and dQ's.
     pub fn q_shape(&self) -> [usize; 4] {
         [self.batch, self.seqlen_q, self.heads_q, self.head_dim]
     }
+    /// K's shape, and dK's.
     pub fn kv_shape(&self) -> [usize; 4] {
         [self.batch, self.seqlen_k, self.heads_kv, self.head_dim]
+    }
+    /// V's shape, and dV's.
+    pub fn v_shape(&self) -> [usize; 4] {
+        [self.batch, self.seqlen_k, self.heads_kv, self.head_dim_v]
+    }
+    /// O's shape, and dO's.
+    pub fn o_shape(&self) -> [usize; 4] {
+        [self.batch, self.seqlen_q, self.heads_q, self.head_dim_v]
     }
     /// LSE is (batch, heads_q, seqlen_q), f32, packed: its length, or an error when that does
     /// not fit in a usize.
@@ -101,14 +124,15 @@ impl Problem {
         self.heads_q.checked_div(self.heads_kv).unwrap_or(0)
     }
 
-    /// Forward FLOPs by the FlashAttention convention (4·b·s_q·s_k·h·d, half when causal).
+    /// Forward FLOPs by the FlashAttention convention (2·b·s_q·s_k·h·(d + d_v): 4·b·s_q·s_k·h·d
+    /// where V's head dim is Q's; half when causal).
     pub fn forward_flops(&self, causal: bool) -> f64 {
-        let f = 4.0
+        let f = 2.0
             * self.batch as f64
             * self.seqlen_q as f64
             * self.seqlen_k as f64
             * self.heads_q as f64
-            * self.head_dim as f64;
+            * (self.head_dim + self.head_dim_v) as f64;
         if causal {
             f / 2.0
         } else {
@@ -129,18 +153,21 @@ impl Problem {
         Ok(())
     }
 
-    /// The sizes the CPU backend takes: at most [`MAX_HOST_ELEMENTS`] logical elements in Q
-    /// and in K (it converts them, and V, to f32 whole).
+    /// The sizes the CPU backend takes: at most [`MAX_HOST_ELEMENTS`] logical elements in each
+    /// of Q, K, V and O (it converts the inputs to f32 whole).
     pub fn check_cpu_limits(&self) -> Result<()> {
         self.validate()?;
         host_numel(Operand::Q, &Layout::contiguous(self.q_shape()))?;
-        host_numel(Operand::K, &Layout::contiguous(self.kv_shape())).map(|_| ())
+        host_numel(Operand::K, &Layout::contiguous(self.kv_shape()))?;
+        host_numel(Operand::V, &Layout::contiguous(self.v_shape()))?;
+        host_numel(Operand::Out, &Layout::contiguous(self.o_shape())).map(|_| ())
     }
 
     /// The sizes the GPU kernels take, which number rows, blocks and grid blocks with 32-bit
     /// integers (the C ABI checks the same): sequences of at most [`MAX_GPU_SEQLEN`],
     /// `(max(seqlen_q, seqlen_k) / 64 + 1) · batch · heads_q` work items within i32, and
-    /// `max(seqlen_q, seqlen_k) · batch · heads_q · head_dim` within 2^42 elements.
+    /// `max(seqlen_q, seqlen_k) · batch · heads_q · max(head_dim, head_dim_v)` within 2^42
+    /// elements.
     pub fn check_gpu_limits(&self) -> Result<()> {
         self.validate()?;
         for (operand, seqlen) in [(Operand::Q, self.seqlen_q), (Operand::K, self.seqlen_k)] {
@@ -162,7 +189,7 @@ impl Problem {
         }
         // (Packed calls: their packed rows are checked against the same bound by
         // `cuda::DeviceSeqlens`, which knows them.)
-        let elements = longest * heads * self.head_dim as u128;
+        let elements = longest * heads * self.head_dim.max(self.head_dim_v) as u128;
         if elements > 1 << 42 {
             return Err(Error::IndexOverflow {
                 operand: Operand::Q,

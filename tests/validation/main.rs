@@ -43,6 +43,7 @@ fn problem(batch: usize, seqlen_q: usize, seqlen_k: usize, heads: usize, d: usiz
         heads_q: heads,
         heads_kv: heads,
         head_dim: d,
+        head_dim_v: d,
         dtype: DType::BF16,
         packed: false,
     }

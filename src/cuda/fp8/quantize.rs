@@ -155,6 +155,15 @@ impl Device {
         check_len(Operand::K, &k.layout, k.data.len())?;
         check_len(Operand::V, &v.layout, v.data.len())?;
         let rows = Problem::from_layouts(&q.layout, &k.layout, &v.layout, DType::E4M3)?;
+        if rows.head_dim_v != rows.head_dim {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "the FP8 forward with V's head dim {} apart from Q's {} (not built)",
+                    rows.head_dim_v, rows.head_dim
+                ),
+                backend: Backend::Sm90,
+            });
+        }
         rows.check_index_width(&[
             (Operand::Q, &q.layout),
             (Operand::K, &k.layout),
