@@ -85,6 +85,7 @@ fn kernels_left_out_of_the_build_are_refused_by_name() {
         };
         let p = Problem {
             dtype,
+            head_dim_v: k.head_dim_v,
             ..problem(2, 300, 300, 4, k.head_dim)
         };
         let r = dispatch::plan(
