@@ -102,7 +102,7 @@ fn row_low<T: Element>(
     }
 }
 
-/// A baseline output row: `P·V` accumulated in f32, rounded to `T`.
+/// A baseline output row: `P·V` over V's `d` columns, accumulated in f32, rounded to `T`.
 fn low_out_row<T: Element>(row: &RowLow, v: &[f32], d: usize) -> Vec<f32> {
     let mut acc = vec![0f32; d];
     for (j, &pj) in row.p.iter().enumerate() {
@@ -114,16 +114,17 @@ fn low_out_row<T: Element>(row: &RowLow, v: &[f32], d: usize) -> Vec<f32> {
     acc.into_iter().map(rt::<T>).collect()
 }
 
-/// The output row and LSE of one row of the baseline.
+/// The output row and LSE of one row of the baseline (`dv`: V's head dim).
 fn out_low<T: Element>(
     cfg: &AttentionConfig,
     mask: &KeyRule,
     (qi, kh, vh): (&[f32], &[f32], &[f32]),
+    dv: usize,
     i: usize,
     sink: Option<f32>,
 ) -> (Vec<f32>, f32) {
     let row = row_low::<T>(cfg, mask, qi, kh, i, sink);
-    (low_out_row::<T>(&row, vh, qi.len()), row.lse)
+    (low_out_row::<T>(&row, vh, dv), row.lse)
 }
 
 fn forward_impl<T: Element>(
@@ -138,7 +139,7 @@ fn forward_impl<T: Element>(
         &v,
         sinks,
         T::to_f32,
-        |mask, qi, kh, vh, i, sink| out_low::<T>(cfg, mask, (qi, kh, vh), i, sink),
+        |mask, qi, kh, (vh, dv), i, sink| out_low::<T>(cfg, mask, (qi, kh, vh), dv, i, sink),
     );
     BaselineForward { out, lse }
 }
@@ -222,7 +223,7 @@ fn row_impl<T: Element>(
         sinks,
         bhi,
         T::to_f32,
-        |mask, qi, kh, vh, i, sink| out_low::<T>(cfg, mask, (qi, kh, vh), i, sink),
+        |mask, qi, kh, (vh, dv), i, sink| out_low::<T>(cfg, mask, (qi, kh, vh), dv, i, sink),
     )
 }
 
@@ -233,7 +234,7 @@ fn row_impl<T: Element>(
 /// and rounded again (the gradient of repeating the kv heads).
 ///
 /// # Panics
-/// On invalid operands or a `dout` not shaped like Q.
+/// On invalid operands or a `dout` not shaped like O.
 pub fn baseline_backward<T: Element>(
     cfg: &AttentionConfig,
     q: TensorRef<T>,
@@ -251,7 +252,7 @@ pub fn baseline_backward<T: Element>(
 /// the batch and the rows in f32 (the gradient of broadcasting the sink).
 ///
 /// # Panics
-/// On invalid operands, a `dout` not shaped like Q, or `sinks.len() != heads_q`.
+/// On invalid operands, a `dout` not shaped like O, or `sinks.len() != heads_q`.
 pub fn baseline_backward_sinks<T: Element>(
     cfg: &AttentionConfig,
     q: TensorRef<T>,
@@ -271,9 +272,9 @@ fn backward_impl<T: Element>(
     sinks: Option<&[f32]>,
 ) -> (BaselineGrads, Vec<f32>) {
     let p = problem(&q, &k, &v);
-    assert_eq!(dout.layout.shape, p.q_shape(), "dout shape");
+    assert_eq!(dout.layout.shape, p.o_shape(), "dout shape");
     check_sinks(sinks, &p);
-    let (d, s_q, s_k) = (p.head_dim, p.seqlen_q, p.seqlen_k);
+    let (d, d_v, s_q, s_k) = (p.head_dim, p.head_dim_v, p.seqlen_q, p.seqlen_k);
     let mask = cfg.key_rule(s_q, s_k);
     let scale = cfg.scale_for(d);
     let per_head: Vec<([Vec<f32>; 3], f32)> = (0..p.batch * p.heads_q)
@@ -290,11 +291,11 @@ fn backward_impl<T: Element>(
             let sink = sinks.map(|s| s[h]);
             let mut d_sink = 0f32;
             for i in 0..s_q {
-                let (qi, doi) = (&qh[i * d..(i + 1) * d], &doh[i * d..(i + 1) * d]);
+                let (qi, doi) = (&qh[i * d..(i + 1) * d], &doh[i * d_v..(i + 1) * d_v]);
                 let row = row_low::<T>(cfg, &mask, qi, &kh, i, sink);
                 let dp: Vec<f32> = (0..row.p.len())
                     .map(|j| {
-                        let vj = &vh[(row.lo + j) * d..(row.lo + j + 1) * d];
+                        let vj = &vh[(row.lo + j) * d_v..(row.lo + j + 1) * d_v];
                         rt::<T>(doi.iter().zip(vj).map(|(a, b)| a * b).sum())
                     })
                     .collect();
@@ -312,14 +313,16 @@ fn backward_impl<T: Element>(
             }
             let mut dq = vec![0f32; s_q * d];
             let mut dk = vec![0f32; s_k * d];
-            let mut dv = vec![0f32; s_k * d];
+            let mut dv = vec![0f32; s_k * d_v];
             for i in 0..s_q {
                 for j in 0..s_k {
                     let (pij, gij) = (pm[i * s_k + j], g[i * s_k + j]);
                     for x in 0..d {
                         dq[i * d + x] += gij * kh[j * d + x];
                         dk[j * d + x] += gij * qh[i * d + x];
-                        dv[j * d + x] += pij * doh[i * d + x];
+                    }
+                    for x in 0..d_v {
+                        dv[j * d_v + x] += pij * doh[i * d_v + x];
                     }
                 }
             }
@@ -327,11 +330,12 @@ fn backward_impl<T: Element>(
             (grads, d_sink)
         })
         .collect();
-    let group_sum = |which: usize| -> Vec<Vec<f32>> {
+    // dK (which = 1, d wide) or dV (2, d_v wide) of each kv head, summed over its group.
+    let group_sum = |which: usize, width: usize| -> Vec<Vec<f32>> {
         (0..p.batch * p.heads_kv)
             .map(|bhk| {
                 let (b, hk) = (bhk / p.heads_kv, bhk % p.heads_kv);
-                let mut acc = vec![0f32; s_k * d];
+                let mut acc = vec![0f32; s_k * width];
                 for h in hk * p.group_size()..(hk + 1) * p.group_size() {
                     for (a, x) in acc.iter_mut().zip(&per_head[b * p.heads_q + h].0[which]) {
                         *a += x;
@@ -347,8 +351,8 @@ fn backward_impl<T: Element>(
         .collect();
     let grads = BaselineGrads {
         dq: scatter(&dq, p.q_shape()),
-        dk: scatter(&group_sum(1), p.kv_shape()),
-        dv: scatter(&group_sum(2), p.kv_shape()),
+        dk: scatter(&group_sum(1, d), p.kv_shape()),
+        dv: scatter(&group_sum(2, d_v), p.v_shape()),
     };
     (grads, d_sink)
 }

@@ -11,8 +11,10 @@
 //! All of them follow the crate's semantics: masks from [`crate::config::KeyRule::key_range`],
 //! softcap `cap·tanh(s·scale/cap)` before masking, GQA (query head `h` reads kv head
 //! `h / group`), and fully masked rows giving `O = 0`, `LSE = +inf` and zero gradients.
-//! Outputs are packed: O and dQ as `(batch, seqlen_q, heads_q, head_dim)`, dK and dV as
-//! `(batch, seqlen_k, heads_kv, head_dim)`, LSE as `(batch, heads_q, seqlen_q)`.
+//! V's head dim may differ from Q's and K's (`head_dim_v`): the scores and the default scale
+//! take Q's, O, dO and dV V's. Outputs are packed: dQ as `(batch, seqlen_q, heads_q, head_dim)`,
+//! O as `(batch, seqlen_q, heads_q, head_dim_v)`, dK as `(batch, seqlen_k, heads_kv, head_dim)`,
+//! dV as `(batch, seqlen_k, heads_kv, head_dim_v)`, LSE as `(batch, heads_q, seqlen_q)`.
 //!
 //! The `_sinks` variants add learnable attention sinks (GPT-OSS style): one f32 logit per query
 //! head that joins every row's softmax beside the (scaled, capped) scores but carries no value
@@ -111,10 +113,10 @@ fn scatter<U: Copy + Default>(blocks: &[Vec<U>], shape: [usize; 4]) -> Vec<U> {
 }
 
 /// The forward of every query row,
-/// `row_out(mask, q_row, k_head, v_head, i, sink) -> (o_row, lse)` with `sink` the row's head's
-/// logit (`None` without sinks), in parallel over (batch, head), elements converted by `conv`;
-/// O packed like Q, LSE packed (b, h, s). Shared by the reference (f64) and the baseline (f32
-/// rounded to `T`).
+/// `row_out(mask, q_row, k_head, (v_head, d_v), i, sink) -> (o_row, lse)` with `d_v` V's head
+/// dim and `sink` the row's head's logit (`None` without sinks), in parallel over (batch, head),
+/// elements converted by `conv`; O packed `(b, s_q, h_q, d_v)`, LSE packed (b, h, s). Shared by
+/// the reference (f64) and the baseline (f32 rounded to `T`).
 fn forward_all_rows<T: Element, U: Copy + Default + Send + Sync>(
     cfg: &AttentionConfig,
     q: &TensorRef<T>,
@@ -122,11 +124,15 @@ fn forward_all_rows<T: Element, U: Copy + Default + Send + Sync>(
     v: &TensorRef<T>,
     sinks: Option<&[f32]>,
     conv: fn(T) -> U,
-    row_out: impl Fn(&KeyRule, &[U], &[U], &[U], usize, Option<f32>) -> (Vec<U>, U) + Sync,
+    row_out: impl Fn(&KeyRule, &[U], &[U], (&[U], usize), usize, Option<f32>) -> (Vec<U>, U) + Sync,
 ) -> (Vec<U>, Vec<U>) {
     let p = problem(q, k, v);
     check_sinks(sinks, &p);
-    let (d, mask) = (p.head_dim, cfg.key_rule(p.seqlen_q, p.seqlen_k));
+    let (d, dv, mask) = (
+        p.head_dim,
+        p.head_dim_v,
+        cfg.key_rule(p.seqlen_q, p.seqlen_k),
+    );
     let per_head: Vec<(Vec<U>, Vec<U>)> = (0..p.batch * p.heads_q)
         .into_par_iter()
         .map(|bh| {
@@ -134,11 +140,11 @@ fn forward_all_rows<T: Element, U: Copy + Default + Send + Sync>(
             let qh = head(q, b, h, conv);
             let kh = head(k, b, h / p.group_size(), conv);
             let vh = head(v, b, h / p.group_size(), conv);
-            let mut o = Vec::with_capacity(p.seqlen_q * d);
+            let mut o = Vec::with_capacity(p.seqlen_q * dv);
             let mut lse = Vec::with_capacity(p.seqlen_q);
             let sink = sinks.map(|s| s[h]);
             for i in 0..p.seqlen_q {
-                let (row, l) = row_out(&mask, &qh[i * d..(i + 1) * d], &kh, &vh, i, sink);
+                let (row, l) = row_out(&mask, &qh[i * d..(i + 1) * d], &kh, (&vh, dv), i, sink);
                 o.extend(row);
                 lse.push(l);
             }
@@ -146,7 +152,7 @@ fn forward_all_rows<T: Element, U: Copy + Default + Send + Sync>(
         })
         .collect();
     let (o, lse): (Vec<_>, Vec<_>) = per_head.into_iter().unzip();
-    (scatter(&o, p.q_shape()), lse.concat())
+    (scatter(&o, p.o_shape()), lse.concat())
 }
 
 /// [`forward_all_rows`] for the single query row `i` of head `h`, batch `b`: needs only that
@@ -160,7 +166,7 @@ fn forward_one_row<T: Element, U: Copy>(
     sinks: Option<&[f32]>,
     (b, h, i): (usize, usize, usize),
     conv: fn(T) -> U,
-    row_out: impl Fn(&KeyRule, &[U], &[U], &[U], usize, Option<f32>) -> (Vec<U>, U),
+    row_out: impl Fn(&KeyRule, &[U], &[U], (&[U], usize), usize, Option<f32>) -> (Vec<U>, U),
 ) -> (Vec<U>, U) {
     let p = problem(q, k, v);
     check_sinks(sinks, &p);
@@ -176,7 +182,8 @@ fn forward_one_row<T: Element, U: Copy>(
     let kh = head(k, b, h / p.group_size(), conv);
     let vh = head(v, b, h / p.group_size(), conv);
     let mask = cfg.key_rule(p.seqlen_q, p.seqlen_k);
-    row_out(&mask, &q_row, &kh, &vh, i, sinks.map(|s| s[h]))
+    let sink = sinks.map(|s| s[h]);
+    row_out(&mask, &q_row, &kh, (&vh, p.head_dim_v), i, sink)
 }
 
 #[cfg(test)]
@@ -214,6 +221,34 @@ mod tests {
         let (o, lse) = reference_row(&cfg, q, k, k, 0, 1, 1);
         assert_eq!(lse, f64::INFINITY);
         assert!(o.iter().all(|&x| x == 0.0));
+    }
+
+    /// One row, as the row functions compute it, against the whole computation, with V of
+    /// another head dim than Q and K (narrower and wider): O's rows are V's width.
+    #[test]
+    fn rows_match_whole_computations_with_v_head_dim_apart() {
+        let (b, sq, sk, h, hkv, d) = (2, 7, 5, 4, 2, 8);
+        let gen = |n: usize, f: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * f).sin()).collect() };
+        let (x, kv) = (gen(b * sq * h * d, 0.61), gen(b * sk * hkv * d, 0.29));
+        let q = TensorRef::contiguous(&x, [b, sq, h, d]);
+        let k = TensorRef::contiguous(&kv, [b, sk, hkv, d]);
+        let cfg = AttentionConfig::new().window(Some(3), Some(1)).softcap(3.0);
+        for dv in [3, 12] {
+            let vv = gen(b * sk * hkv * dv, 0.47);
+            let v = TensorRef::contiguous(&vv, [b, sk, hkv, dv]);
+            let full = reference_forward(&cfg, q, k, v);
+            let base = baseline_forward::<f32>(&cfg, q, k, v);
+            assert_eq!(full.out.len(), b * sq * h * dv);
+            for (bi, hi, i) in [(0, 0, 0), (1, 3, 6), (1, 2, 3)] {
+                let at = ((bi * sq + i) * h + hi) * dv;
+                let (o, lse) = reference_row(&cfg, q, k, v, bi, hi, i);
+                assert_eq!(lse, full.lse[(bi * h + hi) * sq + i]);
+                assert_eq!(o, full.out[at..][..dv]);
+                let (o, lse) = baseline_row(&cfg, q, k, v, bi, hi, i);
+                assert_eq!(lse, base.lse[(bi * h + hi) * sq + i]);
+                assert_eq!(o, base.out[at..][..dv]);
+            }
+        }
     }
 
     #[test]

@@ -6,14 +6,14 @@ use super::{check_sinks, forward_all_rows, forward_one_row, head, problem, scatt
 use crate::config::{AttentionConfig, KeyRule};
 use crate::tensor::{Element, TensorRef};
 
-/// f64 reference forward: O `(b, s_q, h_q, d)` and LSE `(b, h_q, s_q)`, natural log.
+/// f64 reference forward: O `(b, s_q, h_q, d_v)` and LSE `(b, h_q, s_q)`, natural log.
 #[derive(Clone, Debug)]
 pub struct ReferenceForward {
     pub out: Vec<f64>,
     pub lse: Vec<f64>,
 }
 
-/// f64 reference gradients, packed like Q (dq) and K/V (dk, dv).
+/// f64 reference gradients, packed like Q (dq), K (dk) and V (dv).
 #[derive(Clone, Debug)]
 pub struct ReferenceGrads {
     pub dq: Vec<f64>,
@@ -96,7 +96,7 @@ fn row_f64(
     }
 }
 
-/// `Σ_j p_j · v[lo + j]` over d columns.
+/// `Σ_j p_j · v[lo + j]` over V's `d` columns.
 fn weighted_rows(p: &[f64], lo: usize, v: &[f64], d: usize) -> Vec<f64> {
     let mut o = vec![0f64; d];
     for (j, &pj) in p.iter().enumerate() {
@@ -107,16 +107,17 @@ fn weighted_rows(p: &[f64], lo: usize, v: &[f64], d: usize) -> Vec<f64> {
     o
 }
 
-/// The output row and LSE of one row's f64 softmax.
+/// The output row and LSE of one row's f64 softmax (`dv`: V's head dim).
 fn out_f64(
     cfg: &AttentionConfig,
     mask: &KeyRule,
     (qi, kh, vh): (&[f64], &[f64], &[f64]),
+    dv: usize,
     i: usize,
     sink: Option<f32>,
 ) -> (Vec<f64>, f64) {
     let row = row_f64(cfg, mask, qi, kh, i, sink);
-    (weighted_rows(&row.p, row.lo, vh, qi.len()), row.lse)
+    (weighted_rows(&row.p, row.lo, vh, dv), row.lse)
 }
 
 fn row_impl<T: Element>(
@@ -133,7 +134,7 @@ fn row_impl<T: Element>(
         sinks,
         bhi,
         f64_of,
-        |mask, qi, kh, vh, i, sink| out_f64(cfg, mask, (qi, kh, vh), i, sink),
+        |mask, qi, kh, (vh, dv), i, sink| out_f64(cfg, mask, (qi, kh, vh), dv, i, sink),
     )
 }
 
@@ -185,7 +186,7 @@ fn forward_impl<T: Element>(
         &v,
         sinks,
         f64_of,
-        |mask, qi, kh, vh, i, sink| out_f64(cfg, mask, (qi, kh, vh), i, sink),
+        |mask, qi, kh, (vh, dv), i, sink| out_f64(cfg, mask, (qi, kh, vh), dv, i, sink),
     );
     ReferenceForward { out, lse }
 }
@@ -222,7 +223,7 @@ pub fn reference_forward_sinks<T: Element>(
 /// f64 gradients of `Σ dO∘O` with respect to Q, K, V (GQA: dK, dV summed over each group).
 ///
 /// # Panics
-/// On invalid operands or a `dout` not shaped like Q.
+/// On invalid operands or a `dout` not shaped like O.
 pub fn reference_backward<T: Element>(
     cfg: &AttentionConfig,
     q: TensorRef<T>,
@@ -239,7 +240,7 @@ pub fn reference_backward<T: Element>(
 /// sink enters it only through the LSE that P is normalized by.
 ///
 /// # Panics
-/// On invalid operands, a `dout` not shaped like Q, or `sinks.len() != heads_q`.
+/// On invalid operands, a `dout` not shaped like O, or `sinks.len() != heads_q`.
 pub fn reference_backward_sinks<T: Element>(
     cfg: &AttentionConfig,
     q: TensorRef<T>,
@@ -259,9 +260,10 @@ fn backward_impl<T: Element>(
     sinks: Option<&[f32]>,
 ) -> (ReferenceGrads, Vec<f64>) {
     let p = problem(&q, &k, &v);
-    assert_eq!(dout.layout.shape, p.q_shape(), "dout shape");
+    assert_eq!(dout.layout.shape, p.o_shape(), "dout shape");
     check_sinks(sinks, &p);
-    let (d, s_k, mask) = (p.head_dim, p.seqlen_k, cfg.key_rule(p.seqlen_q, p.seqlen_k));
+    let (d, d_v, s_k) = (p.head_dim, p.head_dim_v, p.seqlen_k);
+    let mask = cfg.key_rule(p.seqlen_q, p.seqlen_k);
     let scale = cfg.scale_for(d) as f64;
     // Per query head: dQ, this head's share of dK, dV, and its batch entry's share of d_sink.
     let per_head: Vec<([Vec<f64>; 3], f64)> = (0..p.batch * p.heads_q)
@@ -274,15 +276,15 @@ fn backward_impl<T: Element>(
             let vh = head(&v, b, h / p.group_size(), f64_of);
             let mut dq = vec![0f64; p.seqlen_q * d];
             let mut dk = vec![0f64; s_k * d];
-            let mut dv = vec![0f64; s_k * d];
+            let mut dv = vec![0f64; s_k * d_v];
             let sink = sinks.map(|s| s[h]);
             let mut d_sink = 0f64;
             for i in 0..p.seqlen_q {
-                let (qi, doi) = (&qh[i * d..(i + 1) * d], &doh[i * d..(i + 1) * d]);
+                let (qi, doi) = (&qh[i * d..(i + 1) * d], &doh[i * d_v..(i + 1) * d_v]);
                 let row = row_f64(cfg, &mask, qi, &kh, i, sink);
                 let dp: Vec<f64> = (0..row.p.len())
                     .map(|j| {
-                        let vj = &vh[(row.lo + j) * d..(row.lo + j + 1) * d];
+                        let vj = &vh[(row.lo + j) * d_v..(row.lo + j + 1) * d_v];
                         doi.iter().zip(vj).map(|(a, b)| a * b).sum()
                     })
                     .collect();
@@ -295,8 +297,10 @@ fn backward_impl<T: Element>(
                     if cfg.softcap.is_some() {
                         ds *= 1.0 - row.th[j] * row.th[j];
                     }
+                    for (x, &g) in dv[kj * d_v..(kj + 1) * d_v].iter_mut().zip(doi) {
+                        *x += pj * g;
+                    }
                     for x in 0..d {
-                        dv[kj * d + x] += pj * doi[x];
                         dq[i * d + x] += ds * kh[kj * d + x];
                         dk[kj * d + x] += ds * qi[x];
                     }
@@ -305,11 +309,12 @@ fn backward_impl<T: Element>(
             ([dq, dk, dv], d_sink)
         })
         .collect();
-    let group_sum = |which: usize| -> Vec<Vec<f64>> {
+    // dK (which = 1, d wide) or dV (2, d_v wide) of each kv head, summed over its group.
+    let group_sum = |which: usize, width: usize| -> Vec<Vec<f64>> {
         (0..p.batch * p.heads_kv)
             .map(|bhk| {
                 let (b, hk) = (bhk / p.heads_kv, bhk % p.heads_kv);
-                let mut acc = vec![0f64; s_k * d];
+                let mut acc = vec![0f64; s_k * width];
                 for h in hk * p.group_size()..(hk + 1) * p.group_size() {
                     for (a, x) in acc.iter_mut().zip(&per_head[b * p.heads_q + h].0[which]) {
                         *a += x;
@@ -325,8 +330,8 @@ fn backward_impl<T: Element>(
         .collect();
     let grads = ReferenceGrads {
         dq: scatter(&dq, p.q_shape()),
-        dk: scatter(&group_sum(1), p.kv_shape()),
-        dv: scatter(&group_sum(2), p.kv_shape()),
+        dk: scatter(&group_sum(1, d), p.kv_shape()),
+        dv: scatter(&group_sum(2, d_v), p.v_shape()),
     };
     (grads, d_sink)
 }

@@ -1,0 +1,233 @@
+//! V's head dim apart from Q's and K's in the oracles the backends are judged by (no GPU
+//! needed): the f64 reference's gradients against finite differences of `Σ dO∘O`, and zero
+//! columns appended to V (or to Q and K) changing nothing in the reference and the baseline.
+
+use flashattn::reference::{
+    baseline_backward, baseline_forward, reference_backward, reference_backward_sinks,
+    reference_forward, reference_forward_sinks,
+};
+use flashattn::{AttentionConfig, TensorRef};
+
+/// `n` values `amp·sin(f·i + phase)`: deterministic inputs that differ per operand.
+fn wave(n: usize, f: f32, phase: f32, amp: f32) -> Vec<f32> {
+    (0..n).map(|i| amp * (f * i as f32 + phase).sin()).collect()
+}
+
+/// GQA (4 query heads over 2 kv heads), more queries than keys, Q and K of head dim 8, V of 12.
+const B: usize = 2;
+const SQ: usize = 7;
+const SK: usize = 5;
+const HQ: usize = 4;
+const HKV: usize = 2;
+const D: usize = 8;
+const DV: usize = 12;
+
+/// The finite-difference step: 2⁻¹⁷ (about 1e-5), exact in f32 beside every value it is added
+/// to here.
+const STEP: f32 = 1.0 / 131_072.0;
+
+struct Inputs {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    dout: Vec<f32>,
+}
+
+impl Inputs {
+    fn new() -> Self {
+        Inputs {
+            q: wave(B * SQ * HQ * D, 0.61, 0.3, 1.1),
+            k: wave(B * SK * HKV * D, 0.29, 1.1, 1.3),
+            v: wave(B * SK * HKV * DV, 0.47, 2.0, 1.0),
+            dout: wave(B * SQ * HQ * DV, 0.83, 0.7, 1.0),
+        }
+    }
+
+    fn tensors(&self) -> [TensorRef<'_, f32>; 4] {
+        [
+            TensorRef::contiguous(&self.q, [B, SQ, HQ, D]),
+            TensorRef::contiguous(&self.k, [B, SK, HKV, D]),
+            TensorRef::contiguous(&self.v, [B, SK, HKV, DV]),
+            TensorRef::contiguous(&self.dout, [B, SQ, HQ, DV]),
+        ]
+    }
+
+    /// `Σ dO∘O` in f64, the loss whose gradients the backward computes.
+    fn loss(&self, cfg: &AttentionConfig, sinks: &[f32]) -> f64 {
+        let [q, k, v, _] = self.tensors();
+        let out = reference_forward_sinks(cfg, q, k, v, sinks).out;
+        assert_eq!(out.len(), self.dout.len());
+        out.iter().zip(&self.dout).map(|(o, g)| o * *g as f64).sum()
+    }
+}
+
+/// The reference's dQ, dK, dV (one element each, in the last columns of each head dim, which a
+/// gradient of the wrong width would leave out or misplace) and sink gradient against central
+/// differences of the loss, with a mask that leaves rows without a key, softcap and a window.
+#[test]
+fn the_reference_gradients_are_finite_differences_of_the_loss() {
+    let sinks = [0.5, -0.25, 1.0, -1.5];
+    let configs = [
+        AttentionConfig::new().causal(true),
+        AttentionConfig::new().causal(true).softcap(2.0),
+        AttentionConfig::new().window(Some(2), Some(1)),
+    ];
+    let dq_at = ((SQ + 5) * HQ + 2) * D + D - 1;
+    let dk_at = ((SK + 2) * HKV + 1) * D + D - 2;
+    let dv_at = ((SK + 3) * HKV + 1) * DV + DV - 1;
+    for cfg in configs {
+        let x = Inputs::new();
+        let [q, k, v, dout] = x.tensors();
+        let (g, d_sink) = reference_backward_sinks(&cfg, q, k, v, dout, &sinks);
+        // Without sinks the backward is the same code with no sink column.
+        let [q0, k0, v0, dout0] = x.tensors();
+        let plain = reference_backward(&cfg, q0, k0, v0, dout0);
+        assert_eq!(plain.dv.len(), B * SK * HKV * DV);
+        for h in 0..HQ {
+            let (mut up, mut down) = (sinks, sinks);
+            up[h] += STEP;
+            down[h] -= STEP;
+            let fd = (x.loss(&cfg, &up) - x.loss(&cfg, &down)) / (2.0 * STEP as f64);
+            let rel = (fd - d_sink[h]).abs() / d_sink[h].abs();
+            assert!(rel < 1e-6, "{cfg:?} d_sink[{h}]: {} vs {fd}", d_sink[h]);
+        }
+        for (what, idx) in [("dQ", dq_at), ("dK", dk_at), ("dV", dv_at)] {
+            // The inputs with the checked element set to `value` (0.375 ± STEP is exact).
+            let with = |value: f32| {
+                let mut y = Inputs::new();
+                match what {
+                    "dQ" => y.q[idx] = value,
+                    "dK" => y.k[idx] = value,
+                    _ => y.v[idx] = value,
+                }
+                y
+            };
+            let y = with(0.375);
+            let [q, k, v, dout] = y.tensors();
+            let (g, _) = reference_backward_sinks(&cfg, q, k, v, dout, &sinks);
+            let analytic = match what {
+                "dQ" => g.dq[idx],
+                "dK" => g.dk[idx],
+                _ => g.dv[idx],
+            };
+            let fd = (with(0.375 + STEP).loss(&cfg, &sinks)
+                - with(0.375 - STEP).loss(&cfg, &sinks))
+                / (2.0 * STEP as f64);
+            let rel = (fd - analytic).abs() / analytic.abs();
+            assert!(
+                rel < 1e-6,
+                "{cfg:?} {what}[{idx}]: {analytic} vs finite difference {fd} (rel {rel:.2e})"
+            );
+            // Not an element whose gradient vanishes, which would pass trivially.
+            assert!(analytic.abs() > 1e-4, "{cfg:?} {what}: {analytic}");
+        }
+        assert!(g.dq.iter().chain(&g.dk).chain(&g.dv).all(|x| x.is_finite()));
+    }
+}
+
+/// `x`, a packed `(…, w)` buffer, with zero columns appended to `w_to`.
+fn widen(x: &[f32], w: usize, w_to: usize) -> Vec<f32> {
+    x.chunks_exact(w)
+        .flat_map(|row| {
+            row.iter()
+                .copied()
+                .chain(std::iter::repeat_n(0.0, w_to - w))
+        })
+        .collect()
+}
+
+/// The first `w` of every `w_from` columns of `x`.
+fn narrow<T: Copy>(x: &[T], w_from: usize, w: usize) -> Vec<T> {
+    x.chunks_exact(w_from)
+        .flat_map(|r| r[..w].to_vec())
+        .collect()
+}
+
+/// Zero columns appended to V and dO (where V is narrower than Q) or to Q and K (where it is
+/// wider), under a fixed scale, make the problem one of equal head dims whose results are the
+/// narrower problem's padded with zeros: every sum only gains `+ 0` terms, so the reference and
+/// the bf16 baseline must agree bit for bit, O, the LSE and every gradient.
+#[test]
+fn zero_columns_change_nothing_in_the_oracles() {
+    let cfgs = [
+        AttentionConfig::new().causal(true).softmax_scale(0.3),
+        AttentionConfig::new()
+            .window(Some(3), Some(1))
+            .softcap(2.0)
+            .softmax_scale(0.3),
+    ];
+    for (d, dv) in [(8, 12), (12, 8)] {
+        let w = d.max(dv);
+        let q = wave(B * SQ * HQ * d, 0.61, 0.3, 1.1);
+        let k = wave(B * SK * HKV * d, 0.29, 1.1, 1.3);
+        let v = wave(B * SK * HKV * dv, 0.47, 2.0, 1.0);
+        let dout = wave(B * SQ * HQ * dv, 0.83, 0.7, 1.0);
+        let bf =
+            |x: &[f32]| -> Vec<half::bf16> { x.iter().map(|&y| half::bf16::from_f32(y)).collect() };
+        let (qw, kw, vw, dow) = (
+            widen(&q, d, w),
+            widen(&k, d, w),
+            widen(&v, dv, w),
+            widen(&dout, dv, w),
+        );
+        let apart = [
+            TensorRef::contiguous(&q, [B, SQ, HQ, d]),
+            TensorRef::contiguous(&k, [B, SK, HKV, d]),
+            TensorRef::contiguous(&v, [B, SK, HKV, dv]),
+            TensorRef::contiguous(&dout, [B, SQ, HQ, dv]),
+        ];
+        let equal = [
+            TensorRef::contiguous(&qw, [B, SQ, HQ, w]),
+            TensorRef::contiguous(&kw, [B, SK, HKV, w]),
+            TensorRef::contiguous(&vw, [B, SK, HKV, w]),
+            TensorRef::contiguous(&dow, [B, SQ, HQ, w]),
+        ];
+        let (qb, kb, vb, dob) = (bf(&q), bf(&k), bf(&v), bf(&dout));
+        let (qwb, kwb, vwb, dowb) = (bf(&qw), bf(&kw), bf(&vw), bf(&dow));
+        let apart_bf = [
+            TensorRef::contiguous(&qb, [B, SQ, HQ, d]),
+            TensorRef::contiguous(&kb, [B, SK, HKV, d]),
+            TensorRef::contiguous(&vb, [B, SK, HKV, dv]),
+            TensorRef::contiguous(&dob, [B, SQ, HQ, dv]),
+        ];
+        let equal_bf = [
+            TensorRef::contiguous(&qwb, [B, SQ, HQ, w]),
+            TensorRef::contiguous(&kwb, [B, SK, HKV, w]),
+            TensorRef::contiguous(&vwb, [B, SK, HKV, w]),
+            TensorRef::contiguous(&dowb, [B, SQ, HQ, w]),
+        ];
+        for cfg in &cfgs {
+            let [q1, k1, v1, do1] = apart;
+            let [q2, k2, v2, do2] = equal;
+            let (f1, f2) = (
+                reference_forward(cfg, q1, k1, v1),
+                reference_forward(cfg, q2, k2, v2),
+            );
+            assert_eq!(f1.out, narrow(&f2.out, w, dv), "d{d} dv{dv} O");
+            assert_eq!(f1.lse, f2.lse, "d{d} dv{dv} LSE");
+            let (g1, g2) = (
+                reference_backward(cfg, q1, k1, v1, do1),
+                reference_backward(cfg, q2, k2, v2, do2),
+            );
+            assert_eq!(g1.dq, narrow(&g2.dq, w, d), "d{d} dv{dv} dQ");
+            assert_eq!(g1.dk, narrow(&g2.dk, w, d), "d{d} dv{dv} dK");
+            assert_eq!(g1.dv, narrow(&g2.dv, w, dv), "d{d} dv{dv} dV");
+
+            let [q1, k1, v1, do1] = apart_bf;
+            let [q2, k2, v2, do2] = equal_bf;
+            let (f1, f2) = (
+                baseline_forward(cfg, q1, k1, v1),
+                baseline_forward(cfg, q2, k2, v2),
+            );
+            assert_eq!(f1.out, narrow(&f2.out, w, dv), "d{d} dv{dv} baseline O");
+            assert_eq!(f1.lse, f2.lse, "d{d} dv{dv} baseline LSE");
+            let (g1, g2) = (
+                baseline_backward(cfg, q1, k1, v1, do1),
+                baseline_backward(cfg, q2, k2, v2, do2),
+            );
+            assert_eq!(g1.dq, narrow(&g2.dq, w, d), "d{d} dv{dv} baseline dQ");
+            assert_eq!(g1.dk, narrow(&g2.dk, w, d), "d{d} dv{dv} baseline dK");
+            assert_eq!(g1.dv, narrow(&g2.dv, w, dv), "d{d} dv{dv} baseline dV");
+        }
+    }
+}
