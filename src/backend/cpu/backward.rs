@@ -12,7 +12,8 @@ use crate::config::AttentionConfig;
 use crate::tensor::{Element, Problem};
 use crate::{BackwardInputs, GradientsMut};
 
-/// Per query block: Q, dO (`br × dp`), LSE in the base-2 domain and `D = rowsum(dO∘O)`.
+/// Per query block: Q (`br × dp`), dO (`br × dvp`), LSE in the base-2 domain and
+/// `D = rowsum(dO∘O)` (over V's head dim).
 struct QSide {
     q: Vec<f32>,
     dout: Vec<f32>,
@@ -64,8 +65,8 @@ impl<'a, T: Element> BwdCtx<'a, T> {
                 let dout = base.load_rows(&inputs.dout, b, h, i0, base.br);
                 let o = base.load_rows(&inputs.out, b, h, i0, base.br);
                 let dd = dout
-                    .chunks_exact(base.dp)
-                    .zip(o.chunks_exact(base.dp))
+                    .chunks_exact(base.dvp)
+                    .zip(o.chunks_exact(base.dvp))
                     .map(|(x, y)| dot(x, y))
                     .collect();
                 let lse2 = (i0..i0 + base.br)
@@ -108,7 +109,7 @@ impl<'a, T: Element> BwdCtx<'a, T> {
         mut rowsums: Option<&mut [f64]>,
     ) {
         let c = &self.base;
-        let (br, bc, dp) = (c.br, c.bc, c.dp);
+        let (br, bc, dvp) = (c.br, c.bc, c.dvp);
         let hk = h / c.group;
         let qs = self.qside(b, h, qb);
         let ranges = c.tile_ranges(&c.row_ranges(qb).0, t);
@@ -125,7 +126,7 @@ impl<'a, T: Element> BwdCtx<'a, T> {
         }
         // dP = dO·Vᵀ, then dS = P∘(dP − D) (∘ (1 − tanh²) with softcap).
         let vt = self.vt.get(b, hk, t);
-        A::gemm((br, bc, dp), &qs.dout, dp, vt, bc, &mut sc.ds, bc, false);
+        A::gemm((br, bc, dvp), &qs.dout, dvp, vt, bc, &mut sc.ds, bc, false);
         for r in 0..br {
             let d = qs.dd[r];
             let (p, ds) = (&sc.p[r * bc..][..bc], &mut sc.ds[r * bc..][..bc]);
@@ -143,8 +144,8 @@ impl<'a, T: Element> BwdCtx<'a, T> {
         }
     }
 
-    /// dK and dV (`bc × dp` each, dK already scaled) of key tile `t` of kv head `hk`, summed
-    /// over the query heads of its group.
+    /// dK (`bc × dp`, already scaled) and dV (`bc × dvp`) of key tile `t` of kv head `hk`,
+    /// summed over the query heads of its group.
     #[inline(always)]
     pub(super) fn dkdv_block<A: Arith>(
         &self,
@@ -153,9 +154,9 @@ impl<'a, T: Element> BwdCtx<'a, T> {
         t: usize,
     ) -> (Vec<f32>, Vec<f32>) {
         let c = &self.base;
-        let (br, bc, dp) = (c.br, c.bc, c.dp);
+        let (br, bc, dp, dvp) = (c.br, c.bc, c.dp, c.dvp);
         let mut dk = vec![0f32; bc * dp];
-        let mut dv = vec![0f32; bc * dp];
+        let mut dv = vec![0f32; bc * dvp];
         let mut sc = BwdScratch::new(c);
         let mut tr = vec![0f32; bc * br];
         // Query rows that see any key of this tile: contiguous, as both ends of the key range
@@ -175,7 +176,7 @@ impl<'a, T: Element> BwdCtx<'a, T> {
                 let qs = self.qside(b, h, qb);
                 // dV += Pᵀ·dO, dK += dSᵀ·Q.
                 transpose(&sc.p, br, bc, &mut tr);
-                A::gemm((bc, dp, br), &tr, br, &qs.dout, dp, &mut dv, dp, true);
+                A::gemm((bc, dvp, br), &tr, br, &qs.dout, dvp, &mut dv, dvp, true);
                 transpose(&sc.ds, br, bc, &mut tr);
                 A::gemm((bc, dp, br), &tr, br, &qs.q, dp, &mut dk, dp, true);
             }
@@ -239,8 +240,8 @@ enum BwdTask {
     QueryBlock { b: usize, h: usize, qb: usize },
 }
 
-/// What a [`BwdTask`] gives: `dk`, `dv` (`bc × dp`) of a key tile, or `dq` (`br × dp`) and,
-/// where asked for, the rows' `Σ P∘dP` of a query block.
+/// What a [`BwdTask`] gives: `dk` (`bc × dp`) and `dv` (`bc × dvp`) of a key tile, or `dq`
+/// (`br × dp`) and, where asked for, the rows' `Σ P∘dP` of a query block.
 enum BwdBlock {
     KeyTile {
         dk: Vec<f32>,
@@ -252,8 +253,8 @@ enum BwdBlock {
     },
 }
 
-/// Backward pass: writes dQ (like Q), dK and dV (like K), and where `grads.dsinks` is given,
-/// the attention sinks' gradient into it (see [`sink_grads`]). Operands must have been
+/// Backward pass: writes dQ (like Q), dK (like K) and dV (like V), and where `grads.dsinks` is
+/// given, the attention sinks' gradient into it (see [`sink_grads`]). Operands must have been
 /// validated (see [`crate::backward_into`]): `dsinks` comes with `inputs.sinks`, and both hold
 /// at least heads_q values.
 pub(crate) fn backward<T: Element>(
@@ -300,7 +301,7 @@ pub(crate) fn backward<T: Element>(
         match (task, blk) {
             (&BwdTask::KeyTile { b, hk, t }, BwdBlock::KeyTile { dk: bk, dv: bv }) => {
                 store_rows(&mut dk, b, hk, t * c.bc, bk, c.dp);
-                store_rows(&mut dv, b, hk, t * c.bc, bv, c.dp);
+                store_rows(&mut dv, b, hk, t * c.bc, bv, c.dvp);
             }
             (&BwdTask::QueryBlock { b, h, qb }, BwdBlock::QueryBlock { dq: bq, rowsums }) => {
                 store_rows(&mut dq, b, h, qb * c.br, bq, c.dp);

@@ -10,7 +10,7 @@ use crate::config::AttentionConfig;
 use crate::tensor::{Element, Problem, TensorMut};
 use crate::ForwardInputs;
 
-/// Output rows (`br × dp`, f32, already divided by the row sums) and the LSE of one task.
+/// Output rows (`br × dvp`, f32, already divided by the row sums) and the LSE of one task.
 pub(super) struct FwdBlock {
     pub(super) o: Vec<f32>,
     pub(super) lse: Vec<f32>,
@@ -26,13 +26,13 @@ pub(super) fn fwd_block<T: Element, A: Arith>(
     qb: usize,
     sink: Option<f32>,
 ) -> FwdBlock {
-    let (br, bc, dp) = (ctx.br, ctx.bc, ctx.dp);
+    let (br, bc, dvp) = (ctx.br, ctx.bc, ctx.dvp);
     let hk = h / ctx.group;
     let q = ctx.load_rows(&ctx.q, b, h, qb * br, br);
     let (rows, union) = ctx.row_ranges(qb);
     let mut m = vec![f32::NEG_INFINITY; br];
     let mut l = vec![0f32; br];
-    let mut acc = vec![0f32; br * dp];
+    let mut acc = vec![0f32; br * dvp];
     let mut s = vec![0f32; br * bc];
     for t in ctx.tiles_of(union) {
         let ranges = ctx.tile_ranges(&rows, t);
@@ -49,19 +49,19 @@ pub(super) fn fwd_block<T: Element, A: Arith>(
             l[r] = l[r] * alpha + probs_row(row, (lo, hi), mult, m_new);
             m[r] = m_new;
             if alpha != 1.0 {
-                acc[r * dp..(r + 1) * dp]
+                acc[r * dvp..(r + 1) * dvp]
                     .iter_mut()
                     .for_each(|x| *x *= alpha);
             }
         }
         A::gemm(
-            (br, dp, bc),
+            (br, dvp, bc),
             &s,
             bc,
             v.get(b, hk, t),
-            dp,
+            dvp,
             &mut acc,
-            dp,
+            dvp,
             true,
         );
     }
@@ -71,7 +71,7 @@ pub(super) fn fwd_block<T: Element, A: Arith>(
         .filter(|&x| x != f64::NEG_INFINITY);
     let mut lse = vec![f32::INFINITY; br];
     for r in 0..br {
-        let row = &mut acc[r * dp..(r + 1) * dp];
+        let row = &mut acc[r * dvp..(r + 1) * dvp];
         if let Some(sink_log2) = sink_log2 {
             let (inv, row_lse) = sink_share(m[r], l[r], sink_log2);
             if l[r] != 0.0 {
@@ -114,9 +114,9 @@ fn sink_share(m: f32, l: f32, sink_log2: f64) -> (f32, f32) {
 
 simd_dispatch!(pub(super) fn fwd_block_simd(ctx: &Ctx<T>, kv: (&Tiles, &Tiles), b: usize, h: usize, qb: usize, sink: Option<f32>) -> FwdBlock = fwd_block);
 
-/// Forward pass: writes `out` (like Q) and `lse` (batch, heads_q, seqlen_q). `inputs.sinks`,
-/// where given, holds (at least) one attention sink logit per query head. Operands must have
-/// been validated (see [`crate::forward_into`]).
+/// Forward pass: writes `out` (like Q, with V's head dim) and `lse` (batch, heads_q, seqlen_q).
+/// `inputs.sinks`, where given, holds (at least) one attention sink logit per query head.
+/// Operands must have been validated (see [`crate::forward_into`]).
 pub(crate) fn forward<T: Element>(
     cfg: &AttentionConfig,
     p: &Problem,
@@ -142,7 +142,14 @@ pub(crate) fn forward<T: Element>(
         let (bh, qb) = (t / nqb, t % nqb);
         let i0 = qb * ctx.br;
         let n = ctx.br.min(p.seqlen_q - i0);
-        store_rows(&mut out, bh / p.heads_q, bh % p.heads_q, i0, &blk.o, ctx.dp);
+        store_rows(
+            &mut out,
+            bh / p.heads_q,
+            bh % p.heads_q,
+            i0,
+            &blk.o,
+            ctx.dvp,
+        );
         lse[bh * p.seqlen_q + i0..][..n].copy_from_slice(&blk.lse[..n]);
     }
 }

@@ -14,6 +14,9 @@
 //! The sinks' gradient, where asked for, is summed per head afterwards from each row's
 //! `Σ P∘dP`, which the dQ pass adds up.
 //!
+//! V's head dim may differ from Q's and K's (`d_v`, DeepSeek's MLA trains with 192 and 128):
+//! Q, K, dQ and dK are `d` wide, V, O, dO and dV `d_v`, each padded on its own.
+//!
 //! K and V (and, for the backward, the query side) are converted to f32 once, tile by tile,
 //! zero-padded to whole micro-kernel blocks; all arithmetic is f32, and results are rounded to
 //! `T` when written. Tasks return their blocks and one thread writes them, so outputs may have
@@ -37,8 +40,8 @@ const BLOCK_Q: usize = 64;
 const BLOCK_K: usize = 64;
 /// Query tiles are padded to a multiple of this (the matrix product takes rows in pairs).
 const ROW_PAD: usize = 4;
-/// Micro-kernel: columns of B per step (two AVX registers); key tiles and head_dim are padded
-/// to a multiple of it.
+/// Micro-kernel: columns of B per step (two AVX registers); key tiles and both head dims are
+/// padded to a multiple of it.
 const NR: usize = 16;
 
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
@@ -60,9 +63,10 @@ struct Ctx<'a, T> {
     s_k: usize,
     heads_q: usize,
     heads_kv: usize,
-    d: usize,
-    /// head_dim rounded up to [`NR`].
+    /// head_dim (Q's and K's) rounded up to [`NR`]: the width of Q, K, dQ and dK rows.
     dp: usize,
+    /// head_dim_v rounded up to [`NR`]: the width of V, O, dO and dV rows.
+    dvp: usize,
     /// Query rows per tile for this problem.
     br: usize,
     /// Keys per tile for this problem.
@@ -71,12 +75,13 @@ struct Ctx<'a, T> {
     softcap: Option<f32>,
 }
 
-/// How a tile of a (b, s, h, d) tensor is laid out once converted to f32.
+/// How a tile of a (b, s, h, d) tensor is laid out once converted to f32, with `w` its head dim
+/// padded (`dp` or `dvp`).
 #[derive(Clone, Copy)]
 enum TileForm {
-    /// `rows × dp`, row-major.
+    /// `rows × w`, row-major.
     Rows,
-    /// `dp × rows`: the transpose (keys as columns for `Q·Kᵀ` and `dO·Vᵀ`).
+    /// `w × rows`: the transpose (keys as columns for `Q·Kᵀ` and `dO·Vᵀ`).
     Cols,
 }
 
@@ -112,8 +117,8 @@ impl<'a, T: Element> Ctx<'a, T> {
             s_k: p.seqlen_k,
             heads_q: p.heads_q,
             heads_kv: p.heads_kv,
-            d: p.head_dim,
             dp: round_up(p.head_dim, NR),
+            dvp: round_up(p.head_dim_v, NR),
             br: BLOCK_Q.min(round_up(p.seqlen_q, ROW_PAD)),
             bc: BLOCK_K.min(round_up(p.seqlen_k, NR)),
             scale: cfg.scale_for(p.head_dim),
@@ -173,16 +178,18 @@ impl<'a, T: Element> Ctx<'a, T> {
             .collect()
     }
 
-    /// `rows × dp` f32 block of positions `i0..` of head `h` of `t` (zero padding).
+    /// `rows × w` f32 block of positions `i0..` of head `h` of `t`, with `w` its head dim
+    /// rounded up to [`NR`] (`dp` for Q and K, `dvp` for V, O and dO; zero padding).
     fn load_rows(&self, t: &TensorRef<T>, b: usize, h: usize, i0: usize, rows: usize) -> Vec<f32> {
-        let mut buf = vec![0f32; rows * self.dp];
-        let seqlen = t.layout.seqlen();
-        for (r, dst) in buf.chunks_exact_mut(self.dp).enumerate() {
+        let (d, seqlen) = (t.layout.head_dim(), t.layout.seqlen());
+        let w = round_up(d, NR);
+        let mut buf = vec![0f32; rows * w];
+        for (r, dst) in buf.chunks_exact_mut(w).enumerate() {
             let i = i0 + r;
             if i >= seqlen {
                 break;
             }
-            let src = &t.data[t.layout.offset(b, i, h, 0)..][..self.d];
+            let src = &t.data[t.layout.offset(b, i, h, 0)..][..d];
             for (x, y) in dst.iter_mut().zip(src) {
                 *x = y.to_f32();
             }
@@ -190,9 +197,11 @@ impl<'a, T: Element> Ctx<'a, T> {
         buf
     }
 
-    /// Every tile of `rows` positions of `t` in f32, converted in parallel.
+    /// Every tile of `rows` positions of `t` in f32 (as wide as [`Ctx::load_rows`] makes them),
+    /// converted in parallel.
     fn tiles(&self, t: &TensorRef<T>, rows: usize, form: TileForm) -> Tiles {
-        let [batch, seqlen, heads, _] = t.layout.shape;
+        let [batch, seqlen, heads, d] = t.layout.shape;
+        let w = round_up(d, NR);
         let per_head = seqlen.div_ceil(rows);
         let tiles = (0..batch * heads * per_head)
             .into_par_iter()
@@ -203,7 +212,7 @@ impl<'a, T: Element> Ctx<'a, T> {
                     TileForm::Rows => buf,
                     TileForm::Cols => {
                         let mut tr = vec![0f32; buf.len()];
-                        transpose(&buf, rows, self.dp, &mut tr);
+                        transpose(&buf, rows, w, &mut tr);
                         tr
                     }
                 }
@@ -249,18 +258,19 @@ impl<'a, T: Element> Ctx<'a, T> {
     }
 }
 
-/// Writes `rows × dp` f32 rows (the first `d` columns) into head `h` of `t` from row `i0` on,
-/// stopping at the tensor's seqlen.
+/// Writes `rows × w` f32 rows (the first `d` columns, `d` being `t`'s head dim and `w` its
+/// padded width, `dp` or `dvp`) into head `h` of `t` from row `i0` on, stopping at the tensor's
+/// seqlen.
 fn store_rows<T: Element>(
     t: &mut TensorMut<T>,
     b: usize,
     h: usize,
     i0: usize,
     src: &[f32],
-    dp: usize,
+    w: usize,
 ) {
     let (d, seqlen) = (t.layout.head_dim(), t.layout.seqlen());
-    for (r, row) in src.chunks_exact(dp).enumerate() {
+    for (r, row) in src.chunks_exact(w).enumerate() {
         let i = i0 + r;
         if i >= seqlen {
             break;
@@ -315,30 +325,39 @@ mod tests {
     use crate::{BackwardInputs, ForwardInputs};
 
     /// The portable task code (what runs without AVX2) against the dispatched one, on every
-    /// block of a problem with GQA, a window, softcap and ragged tiles.
+    /// block of a problem with GQA, a window, softcap and ragged tiles, with V's head dim equal
+    /// to Q's, wider and narrower.
     #[test]
     fn portable_path_matches_dispatched_path() {
+        for dv in [40, 72, 24] {
+            portable_matches_dispatched(40, dv);
+        }
+    }
+
+    fn portable_matches_dispatched(d: usize, dv: usize) {
         use crate::tensor::Layout;
-        let (b, sq, sk, hq, hkv, d) = (2, 70, 90, 4, 2, 40);
+        let (b, sq, sk, hq, hkv) = (2, 70, 90, 4, 2);
         let gen = |n: usize, f: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * f).sin()).collect() };
         let (q, k, v, dout) = (
             gen(b * sq * hq * d, 0.37),
             gen(b * sk * hkv * d, 0.71),
-            gen(b * sk * hkv * d, 0.13),
-            gen(b * sq * hq * d, 0.29),
+            gen(b * sk * hkv * dv, 0.13),
+            gen(b * sq * hq * dv, 0.29),
         );
-        let (lq, lk) = (
+        let (lq, lk, lv, lo) = (
             Layout::contiguous([b, sq, hq, d]),
             Layout::contiguous([b, sk, hkv, d]),
+            Layout::contiguous([b, sk, hkv, dv]),
+            Layout::contiguous([b, sq, hq, dv]),
         );
-        let p = Problem::from_layouts(&lq, &lk, &lk, crate::tensor::DType::F32).unwrap();
+        let p = Problem::from_layouts(&lq, &lk, &lv, crate::tensor::DType::F32).unwrap();
         let cfg = AttentionConfig::new()
             .window(Some(30), Some(5))
             .softcap(4.0);
         let (tq, tk, tv) = (
             TensorRef::new(&q[..], lq),
             TensorRef::new(&k[..], lk),
-            TensorRef::new(&v[..], lk),
+            TensorRef::new(&v[..], lv),
         );
         let close = |x: &[f32], y: &[f32]| {
             assert_eq!(x.len(), y.len());
@@ -352,7 +371,7 @@ mod tests {
         let ctx = Ctx::new(&cfg, &p, tq, tk, tv);
         let kt = ctx.tiles(&ctx.k, ctx.bc, TileForm::Cols);
         let vr = ctx.tiles(&ctx.v, ctx.bc, TileForm::Rows);
-        let mut out = vec![0f32; q.len()];
+        let mut out = vec![0f32; dout.len()];
         let mut lse = vec![0f32; p.lse_len().unwrap()];
         for (bi, h, qb) in (0..b)
             .flat_map(|x| (0..hq).map(move |h| (x, h)))
@@ -370,15 +389,15 @@ mod tests {
             &cfg,
             &p,
             ForwardInputs::new(tq, tk, tv),
-            TensorMut::new(&mut out, lq),
+            TensorMut::new(&mut out, lo),
             &mut lse,
         );
         let inputs = BackwardInputs {
             q: tq,
             k: tk,
             v: tv,
-            out: TensorRef::new(&out[..], lq),
-            dout: TensorRef::new(&dout[..], lq),
+            out: TensorRef::new(&out[..], lo),
+            dout: TensorRef::new(&dout[..], lo),
             lse: &lse,
             sinks: None,
         };
