@@ -3,13 +3,15 @@
 //! conventions.
 //!
 //! Q is `(1, total_q, heads_q, head_dim)` — the batch axis has extent 1, the sequences follow
-//! one another along the token axis — and K, V are `(1, total_k, heads_kv, head_dim)`. Sequence
+//! one another along the token axis — K is `(1, total_k, heads_kv, head_dim)` and V
+//! `(1, total_k, heads_kv, head_dim_v)` (V's head dim may differ from Q's and K's). Sequence
 //! `b` owns query rows `cu_seqlens_q[b] .. cu_seqlens_q[b + 1]` and key rows `cu_seqlens_k[b] ..
 //! cu_seqlens_k[b + 1]`, of which it attends to the first `seqused_k[b]` (all of them without
 //! `seqused_k`). Each sequence is its own attention problem: the mask (causal, windows) is
-//! aligned bottom-right within it, and no query sees another sequence's keys. O is packed like
-//! Q; the LSE is f32 `(heads_q, total_q)` packed. A sequence with no query rows contributes
-//! nothing; one whose queries see no key gives O = 0 and LSE = +inf, as in the dense calls.
+//! aligned bottom-right within it, and no query sees another sequence's keys. O is packed
+//! `(1, total_q, heads_q, head_dim_v)`; the LSE is f32 `(heads_q, total_q)` packed. A sequence
+//! with no query rows contributes nothing; one whose queries see no key gives O = 0 and
+//! LSE = +inf, as in the dense calls.
 //!
 //! This module runs on the CPU backend (host memory, offsets on the host).
 //!
@@ -170,7 +172,7 @@ impl<'a> Seqlens<'a> {
 }
 
 /// Validates Q, K, V against `seqs` and plans the call on the host; the packed problem (batch 1,
-/// every row: its heads, head dim and dtype are every sequence's) and the plan.
+/// every row: its heads, head dims and dtype are every sequence's) and the plan.
 fn plan<T: Element>(
     op: Op,
     cfg: &AttentionConfig,
@@ -195,7 +197,8 @@ fn plan<T: Element>(
     Ok((problem, plan))
 }
 
-/// Rows `rows` of a packed view, as a batch-1 view of their own.
+/// Rows `rows` of a packed view, as a batch-1 view of their own (with the view's heads and head
+/// dim).
 fn rows_of<'t, T>(t: &TensorRef<'t, T>, rows: &Range<usize>) -> TensorRef<'t, T> {
     let [_, _, heads, d] = t.layout.shape;
     let strides = t.layout.strides;
@@ -213,7 +216,8 @@ fn sequence(shape: &Problem, seqs: &Seqlens, b: usize) -> Problem {
     }
 }
 
-/// Forward pass over a packed batch: O packed like Q, the LSE `(heads_q, total_q)`.
+/// Forward pass over a packed batch: O packed `(1, total_q, heads_q, head_dim_v)`, the LSE
+/// `(heads_q, total_q)`.
 pub fn forward<T: Element>(
     cfg: &AttentionConfig,
     seqs: &Seqlens,
@@ -222,13 +226,13 @@ pub fn forward<T: Element>(
     v: TensorRef<T>,
 ) -> Result<ForwardOutput<T>> {
     let (shape, plan) = plan(Op::Forward, cfg, seqs, &q, &k, &v)?;
-    let (heads, d, total) = (shape.heads_q, shape.head_dim, seqs.total_q());
-    let mut out = alloc::<T>(Layout::contiguous([1, total, heads, d]).numel(Operand::Out)?)?;
+    let (heads, d_v, total) = (shape.heads_q, shape.head_dim_v, seqs.total_q());
+    let mut out = alloc::<T>(Layout::contiguous([1, total, heads, d_v]).numel(Operand::Out)?)?;
     let mut lse = alloc::<f32>(heads.checked_mul(total).ok_or(Error::IndexOverflow {
         operand: Operand::Lse,
         detail: format!("{heads} heads of {total} rows"),
     })?)?;
-    let row = heads * d;
+    let row = heads * d_v;
     let mut seq_lse = Vec::new();
     for b in 0..seqs.batch() {
         let (rows, keys) = (seqs.queries(b), seqs.keys(b));
@@ -245,10 +249,7 @@ pub fn forward<T: Element>(
         let p = sequence(&shape, seqs, b);
         seq_lse.clear();
         seq_lse.resize(heads * rows.len(), 0.0);
-        let o = TensorMut::contiguous(
-            &mut out[rows.start * row..rows.end * row],
-            [1, rows.len(), heads, d],
-        );
+        let o = TensorMut::contiguous(&mut out[rows.start * row..rows.end * row], p.o_shape());
         let inputs = ForwardInputs::new(rows_of(&q, &rows), rows_of(&k, &keys), rows_of(&v, &keys));
         backend::cpu::forward(cfg, &p, inputs, o, &mut seq_lse);
         for h in 0..heads {
@@ -260,9 +261,10 @@ pub fn forward<T: Element>(
 }
 
 /// Backward pass over a packed batch: recomputes P from the forward's LSE `(heads_q, total_q)`
-/// and returns dQ packed like Q, dK and dV packed like K (zero on keys no query sees, those past
-/// `seqused_k` among them). Attention sinks (`inputs.sinks`) are not implemented over packed
-/// host batches: they are refused with [`Error::Unsupported`].
+/// and returns dQ packed like Q, dK like K and dV like V (zero on keys no query sees, those past
+/// `seqused_k` among them); O and dO are `(1, total_q, heads_q, head_dim_v)`. Attention sinks
+/// (`inputs.sinks`) are not implemented over packed host batches: they are refused with
+/// [`Error::Unsupported`].
 pub fn backward<T: Element>(
     cfg: &AttentionConfig,
     seqs: &Seqlens,
@@ -284,11 +286,12 @@ pub fn backward<T: Element>(
         });
     }
     let (shape, plan) = plan(Op::Backward, cfg, seqs, &q, &k, &v)?;
-    let (heads, heads_kv, d) = (shape.heads_q, shape.heads_kv, shape.head_dim);
+    let (heads, heads_kv) = (shape.heads_q, shape.heads_kv);
+    let (d, d_v) = (shape.head_dim, shape.head_dim_v);
     let total_q = seqs.total_q();
     for (operand, t) in [(Operand::Out, &out), (Operand::DOut, &dout)] {
         t.check(operand)?;
-        Problem::expect_shape(operand, &t.layout, q.layout.shape)?;
+        Problem::expect_shape(operand, &t.layout, [1, total_q, heads, d_v])?;
     }
     if lse.len() < heads * total_q {
         return Err(Error::BufferTooSmall {
@@ -299,8 +302,8 @@ pub fn backward<T: Element>(
     }
     let mut dq = alloc::<T>(Layout::contiguous(q.layout.shape).numel(Operand::DQ)?)?;
     let mut dk = alloc::<T>(Layout::contiguous(k.layout.shape).numel(Operand::DK)?)?;
-    let mut dv = alloc::<T>(Layout::contiguous(k.layout.shape).numel(Operand::DV)?)?;
-    let (row_q, row_k) = (heads * d, heads_kv * d);
+    let mut dv = alloc::<T>(Layout::contiguous(v.layout.shape).numel(Operand::DV)?)?;
+    let (row_q, row_k, row_v) = (heads * d, heads_kv * d, heads_kv * d_v);
     let mut seq_lse = Vec::new();
     for b in 0..seqs.batch() {
         let (rows, keys) = (seqs.queries(b), seqs.keys(b));
@@ -312,11 +315,11 @@ pub fn backward<T: Element>(
         for h in 0..heads {
             seq_lse.extend_from_slice(&lse[h * total_q + rows.start..h * total_q + rows.end]);
         }
-        let (q_shape, kv_shape) = (p.q_shape(), p.kv_shape());
+        let (q_shape, kv_shape, v_shape) = (p.q_shape(), p.kv_shape(), p.v_shape());
         let grads = GradientsMut {
             dq: TensorMut::contiguous(&mut dq[rows.start * row_q..rows.end * row_q], q_shape),
             dk: TensorMut::contiguous(&mut dk[keys.start * row_k..keys.end * row_k], kv_shape),
-            dv: TensorMut::contiguous(&mut dv[keys.start * row_k..keys.end * row_k], kv_shape),
+            dv: TensorMut::contiguous(&mut dv[keys.start * row_v..keys.end * row_v], v_shape),
             dsinks: None,
         };
         let inputs = BackwardInputs {

@@ -162,10 +162,11 @@ impl<'a> DeviceSeqlens<'a> {
 
 impl Device {
     /// Forward pass over a packed batch into caller-owned device outputs, ordered on `stream`:
-    /// Q `(1, total_q, heads_q, head_dim)`, K and V `(1, total_k, heads_kv, head_dim)`, O like
-    /// Q, `lse` f32 `(heads_q, total_q)`; every sequence is its own problem (masks bottom-right
-    /// within it). A sequence whose queries see no key gets O = 0 and LSE = +inf, or with
-    /// sinks ([`DeviceForwardInputs::sinks`]), LSE = its head's sink.
+    /// Q `(1, total_q, heads_q, head_dim)`, K `(1, total_k, heads_kv, head_dim)`, V
+    /// `(1, total_k, heads_kv, head_dim_v)`, O like Q with V's head dim, `lse` f32
+    /// `(heads_q, total_q)`; every sequence is its own problem (masks bottom-right within it).
+    /// A sequence whose queries see no key gets O = 0 and LSE = +inf, or with sinks
+    /// ([`DeviceForwardInputs::sinks`]), LSE = its head's sink.
     pub fn varlen_forward_into<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
@@ -179,9 +180,10 @@ impl Device {
     }
 
     /// Backward pass over a packed batch, ordered on `stream`: the tensors as in
-    /// [`Device::varlen_forward_into`], dQ like Q, dK and dV like K. Key rows a sequence does
-    /// not use (past `seqused_k`) get dK = dV = 0. The sinks' gradient, where `grads.dsinks` is
-    /// given, sums every sequence's rows of each query head ([`DeviceGradientsMut::dsinks`]).
+    /// [`Device::varlen_forward_into`], dQ like Q, dK like K and dV like V. Key rows a sequence
+    /// does not use (past `seqused_k`) get dK = dV = 0. The sinks' gradient, where
+    /// `grads.dsinks` is given, sums every sequence's rows of each query head
+    /// ([`DeviceGradientsMut::dsinks`]).
     pub fn varlen_backward_into<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,

@@ -122,6 +122,7 @@ fn each_sequence_matches_a_dense_call_on_its_rows_bit_for_bit() {
             heads_q: hq,
             heads_kv: hk,
             d,
+            dv: d,
             q: part(&batch.q, q0, sq, hq),
             k: part(&batch.k, k0, sk, hk),
             v: part(&batch.v, k0, sk, hk),

@@ -28,7 +28,10 @@ pub struct Batch<T> {
     pub k_lens: Vec<usize>,
     pub heads_q: usize,
     pub heads_kv: usize,
+    /// Q's and K's head dim.
     pub d: usize,
+    /// V's head dim, and so O's, dO's and dV's.
+    pub dv: usize,
     pub q: Vec<T>,
     pub k: Vec<T>,
     pub v: Vec<T>,
@@ -36,11 +39,23 @@ pub struct Batch<T> {
 }
 
 impl<T: Element> Batch<T> {
+    /// A batch whose V has Q's and K's head dim `d`.
     pub fn new(
         q_lens: &[usize],
         k_lens: &[usize],
         heads: (usize, usize),
         d: usize,
+        seed: u64,
+    ) -> Self {
+        Self::with_head_dim_v(q_lens, k_lens, heads, (d, d), seed)
+    }
+    /// A batch with Q and K of head dim `d`, V (and O, dO) of `dv`: Q, K, V and dO drawn in
+    /// that order (as [`Batch::new`] draws them).
+    pub fn with_head_dim_v(
+        q_lens: &[usize],
+        k_lens: &[usize],
+        heads: (usize, usize),
+        (d, dv): (usize, usize),
         seed: u64,
     ) -> Self {
         let mut rng = StdRng::seed_from_u64(seed);
@@ -51,10 +66,11 @@ impl<T: Element> Batch<T> {
             heads_q: heads.0,
             heads_kv: heads.1,
             d,
+            dv,
             q: random(tq * heads.0 * d, &mut rng),
             k: random(tk * heads.1 * d, &mut rng),
-            v: random(tk * heads.1 * d, &mut rng),
-            dout: random(tq * heads.0 * d, &mut rng),
+            v: random(tk * heads.1 * dv, &mut rng),
+            dout: random(tq * heads.0 * dv, &mut rng),
         }
     }
     pub fn cu(&self) -> (Vec<i32>, Vec<i32>) {
@@ -69,6 +85,14 @@ impl<T: Element> Batch<T> {
     }
     pub fn k_view<'a>(&self, x: &'a [T]) -> TensorRef<'a, T> {
         TensorRef::contiguous(x, [1, self.k_lens.iter().sum(), self.heads_kv, self.d])
+    }
+    /// A packed V (or dV) of the batch.
+    pub fn v_view<'a>(&self, x: &'a [T]) -> TensorRef<'a, T> {
+        TensorRef::contiguous(x, [1, self.k_lens.iter().sum(), self.heads_kv, self.dv])
+    }
+    /// A packed O (or dO) of the batch.
+    pub fn o_view<'a>(&self, x: &'a [T]) -> TensorRef<'a, T> {
+        TensorRef::contiguous(x, [1, self.q_lens.iter().sum(), self.heads_q, self.dv])
     }
 }
 
@@ -87,11 +111,11 @@ pub fn check_outputs<T: Element>(
         lse,
         dq,
         dk,
-        dv,
+        dv: dv_got,
         ..
     } = got;
     let mut failures = vec![];
-    let (hq, hk, d) = (batch.heads_q, batch.heads_kv, batch.d);
+    let (hq, hk, d, dv) = (batch.heads_q, batch.heads_kv, batch.d, batch.dv);
     let total_q: usize = batch.q_lens.iter().sum();
     let f32s = reference::to_f32;
     for b in 0..batch.q_lens.len() {
@@ -102,8 +126,8 @@ pub fn check_outputs<T: Element>(
         let qr = q0..q0 + batch.q_lens[b];
         let kr = k0..k0 + used.map_or(batch.k_lens[b], |u| u[b] as usize);
         // Keys past seqused_k: no query sees them, their gradients are 0.
-        for x in [dk, dv] {
-            let unused = &x[kr.end * hk * d..all_keys.end * hk * d];
+        for (x, w) in [(dk, d), (dv_got, dv)] {
+            let unused = &x[kr.end * hk * w..all_keys.end * hk * w];
             assert!(
                 unused.iter().all(|g| g.to_f32() == 0.0),
                 "sequence {b}: unused keys"
@@ -111,8 +135,8 @@ pub fn check_outputs<T: Element>(
         }
         if qr.is_empty() {
             // No query: no gradient reaches this sequence's keys.
-            for x in [dk, dv] {
-                let keys = &x[all_keys.start * hk * d..all_keys.end * hk * d];
+            for (x, w) in [(dk, d), (dv_got, dv)] {
+                let keys = &x[all_keys.start * hk * w..all_keys.end * hk * w];
                 assert!(
                     keys.iter().all(|g| g.to_f32() == 0.0),
                     "sequence {b}: no queries"
@@ -123,7 +147,7 @@ pub fn check_outputs<T: Element>(
         let got_lse: Vec<f32> = (0..hq)
             .flat_map(|h| lse[h * total_q + qr.start..h * total_q + qr.end].to_vec())
             .collect();
-        let got_o = f32s(&rows(out, qr.clone(), hq, d));
+        let got_o = f32s(&rows(out, qr.clone(), hq, dv));
         let got_dq = f32s(&rows(dq, qr.clone(), hq, d));
         if kr.is_empty() {
             // No key: O = 0, LSE = +inf, no gradient.
@@ -138,13 +162,13 @@ pub fn check_outputs<T: Element>(
         let (q_rows, k_rows, v_rows, do_rows) = (
             rows(&batch.q, qr.clone(), hq, d),
             rows(&batch.k, kr.clone(), hk, d),
-            rows(&batch.v, kr.clone(), hk, d),
-            rows(&batch.dout, qr.clone(), hq, d),
+            rows(&batch.v, kr.clone(), hk, dv),
+            rows(&batch.dout, qr.clone(), hq, dv),
         );
         let tq = TensorRef::new(&q_rows, Layout::contiguous([1, sq, hq, d]));
         let tk = TensorRef::new(&k_rows, Layout::contiguous([1, sk, hk, d]));
-        let tv = TensorRef::new(&v_rows, Layout::contiguous([1, sk, hk, d]));
-        let tdo = TensorRef::new(&do_rows, Layout::contiguous([1, sq, hq, d]));
+        let tv = TensorRef::new(&v_rows, Layout::contiguous([1, sk, hk, dv]));
+        let tdo = TensorRef::new(&do_rows, Layout::contiguous([1, sq, hq, dv]));
         let want = reference::reference_forward(cfg, tq, tk, tv);
         let base = reference::baseline_forward(cfg, tq, tk, tv);
         let o = compare(&got_o, &want.out, &base.out);
@@ -153,8 +177,18 @@ pub fn check_outputs<T: Element>(
         let base_g = reference::baseline_backward(cfg, tq, tk, tv, tdo);
         let dq = compare(&got_dq, &want_g.dq, &base_g.dq);
         let dk = compare(&f32s(&rows(dk, kr.clone(), hk, d)), &want_g.dk, &base_g.dk);
-        let dv = compare(&f32s(&rows(dv, kr.clone(), hk, d)), &want_g.dv, &base_g.dv);
-        for (name, c) in [("O", o), ("LSE", lse), ("dQ", dq), ("dK", dk), ("dV", dv)] {
+        let grad_v = compare(
+            &f32s(&rows(dv_got, kr.clone(), hk, dv)),
+            &want_g.dv,
+            &base_g.dv,
+        );
+        for (name, c) in [
+            ("O", o),
+            ("LSE", lse),
+            ("dQ", dq),
+            ("dK", dk),
+            ("dV", grad_v),
+        ] {
             if !c.pass {
                 failures.push(format!("sequence {b} ({sq}x{sk}) {cfg:?}: {name} {c}"));
             }
