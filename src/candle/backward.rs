@@ -13,8 +13,9 @@ use super::gpu;
 use super::{cpu, lock_error, Lse, Packed};
 use crate::AttentionConfig;
 
-/// Where dK and dV start in the packed gradient buffer (dQ at 0): on 128-element boundaries,
-/// so that on the GPU each gradient starts as aligned as the buffer.
+/// Where dK and dV start in the packed gradient buffer (dQ at 0), from dQ's and dK's element
+/// counts: on 128-element boundaries, so that on the GPU each gradient starts as aligned as the
+/// buffer. dV (V's element count) follows from the second.
 pub(super) fn grad_offsets(nq: usize, nk: usize) -> (usize, usize) {
     let round = |n: usize| n.div_ceil(128) * 128;
     (round(nq), round(nq) + round(nk))
@@ -56,8 +57,8 @@ impl Backward<'_> {
         let Some(grads) = grads else {
             candle_core::bail!("flash_attn: the backward produced no gradients");
         };
-        let (nq, nk) = (qkv[0].1.shape().elem_count(), qkv[1].1.shape().elem_count());
-        Ok((grads, Shape::from(grad_offsets(nq, nk).1 + nk)))
+        let [nq, nk, nv] = qkv.map(|(_, l)| l.shape().elem_count());
+        Ok((grads, Shape::from(grad_offsets(nq, nk).1 + nv)))
     }
 }
 

@@ -26,13 +26,13 @@ pub(super) fn forward<T: Element + WithDType>(
         let fwd = crate::varlen::forward(cfg, &seqs, q, k, v).map_err(wrap)?;
         return Ok((T::to_cpu_storage_owned(fwd.out), fwd.lse));
     }
-    let [b, s, h, d] = q.layout.shape;
-    let mut out = vec![T::default(); b * s * h * d];
+    let ([b, s, h, _], dv) = (q.layout.shape, v.layout.head_dim());
+    let mut out = vec![T::default(); b * s * h * dv];
     let mut lse = vec![0f32; b * h * s];
     crate::forward_into(
         cfg,
         ForwardInputs::new(q, k, v),
-        TensorMut::contiguous(&mut out, q.layout.shape),
+        TensorMut::contiguous(&mut out, [b, s, h, dv]),
         &mut lse,
     )
     .map_err(wrap)?;
@@ -47,12 +47,9 @@ pub(super) fn backward<T: Element + WithDType>(
 ) -> candle_core::Result<CpuStorage> {
     let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
     let (out, dout) = (view::<T>(out)?, view::<T>(dout)?);
-    let (nq, nk) = (
-        q.layout.shape.iter().product(),
-        k.layout.shape.iter().product(),
-    );
+    let [nq, nk, nv] = [&q, &k, &v].map(|t| t.layout.shape.iter().product());
     let (kv_start, v_start) = grad_offsets(nq, nk);
-    let mut grads = vec![T::default(); v_start + nk];
+    let mut grads = vec![T::default(); v_start + nv];
     if let Some(p) = packed {
         let (cu_q, cu_k) = p.host_offsets()?;
         let seqs = Seqlens::new(&cu_q, &cu_k, p.max_q, p.max_k).map_err(wrap)?;
@@ -68,7 +65,7 @@ pub(super) fn backward<T: Element + WithDType>(
         let g = crate::varlen::backward(cfg, &seqs, inputs).map_err(wrap)?;
         grads[..nq].copy_from_slice(&g.dq);
         grads[kv_start..kv_start + nk].copy_from_slice(&g.dk);
-        grads[v_start..v_start + nk].copy_from_slice(&g.dv);
+        grads[v_start..v_start + nv].copy_from_slice(&g.dv);
         return Ok(T::to_cpu_storage_owned(grads));
     }
     let (dq, rest) = grads.split_at_mut(kv_start);
@@ -87,7 +84,7 @@ pub(super) fn backward<T: Element + WithDType>(
         GradientsMut {
             dq: TensorMut::contiguous(&mut dq[..nq], q.layout.shape),
             dk: TensorMut::contiguous(&mut dk[..nk], k.layout.shape),
-            dv: TensorMut::contiguous(&mut dv[..nk], k.layout.shape),
+            dv: TensorMut::contiguous(&mut dv[..nv], v.layout.shape),
             dsinks: None,
         },
     )

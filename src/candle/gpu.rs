@@ -105,10 +105,11 @@ pub(super) fn forward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
     let dev = &q.0.device;
     let ours = device(dev)?;
     let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
-    let [b, s, h, d] = q.layout.shape;
+    let ([b, s, h, _], dv) = (q.layout.shape, v.layout.head_dim());
+    let o_layout = Layout::contiguous([b, s, h, dv]);
     if let Some(p) = packed {
         // Zeroed: rows that no sequence names (offsets short of the tensors) are not written.
-        let mut out = dev.alloc_zeros::<T>(b * s * h * d)?;
+        let mut out = dev.alloc_zeros::<T>(b * s * h * dv)?;
         let mut lse = dev.alloc_zeros::<f32>(h * s)?;
         with_seqlens(p, |seqs| {
             ours.varlen_forward_into(
@@ -116,7 +117,7 @@ pub(super) fn forward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
                 cfg,
                 seqs,
                 DeviceForwardInputs::new(&q, &k, &v),
-                &mut DeviceTensorMut::new(out.as_view_mut(), Layout::contiguous(q.layout.shape)),
+                &mut DeviceTensorMut::new(out.as_view_mut(), o_layout),
                 &mut lse.as_view_mut(),
             )
             .map_err(wrap)
@@ -126,13 +127,13 @@ pub(super) fn forward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
     // SAFETY (both): the forward writes every element of O and the LSE (the GPU tests poison
     // them before each launch and find every one rewritten), and an error drops them unread;
     // no memset on a call that training makes at every layer.
-    let mut out = unsafe { dev.alloc::<T>(b * s * h * d) }?;
+    let mut out = unsafe { dev.alloc::<T>(b * s * h * dv) }?;
     let mut lse = unsafe { dev.alloc::<f32>(b * h * s) }?;
     ours.forward_into(
         &dev.cuda_stream(),
         cfg,
         DeviceForwardInputs::new(&q, &k, &v),
-        &mut DeviceTensorMut::new(out.as_view_mut(), Layout::contiguous(q.layout.shape)),
+        &mut DeviceTensorMut::new(out.as_view_mut(), o_layout),
         &mut lse.as_view_mut(),
     )
     .map_err(wrap)?;
@@ -149,16 +150,16 @@ pub(super) fn backward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
     let ours = device(dev)?;
     let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
     let (out, dout) = (view::<T>(out)?, view::<T>(dout)?);
-    let (q_shape, kv_shape) = (q.layout.shape, k.layout.shape);
-    let (nq, nk) = (q_shape.iter().product(), kv_shape.iter().product());
+    let (q_shape, kv_shape, v_shape) = (q.layout.shape, k.layout.shape, v.layout.shape);
+    let [nq, nk, nv] = [q_shape, kv_shape, v_shape].map(|s| s.iter().product());
     let (kv_start, v_start) = grad_offsets(nq, nk);
     let mut grads = match packed {
         // Zeroed: rows that no sequence names are not written.
-        Some(_) => dev.alloc_zeros::<T>(v_start + nk)?,
+        Some(_) => dev.alloc_zeros::<T>(v_start + nv)?,
         // SAFETY: the backward writes every element of dQ, dK and dV (poisoned and checked
         // whole in the GPU tests); the padding between them is never part of a tensor and never
         // read.
-        None => unsafe { dev.alloc::<T>(v_start + nk) }?,
+        None => unsafe { dev.alloc::<T>(v_start + nv) }?,
     };
     {
         let (mut dq, mut rest) = grads.split_at_mut(kv_start);
@@ -175,7 +176,7 @@ pub(super) fn backward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
         let grads = DeviceGradientsMut {
             dq: &mut DeviceTensorMut::new(dq.slice_mut(..nq), Layout::contiguous(q_shape)),
             dk: &mut DeviceTensorMut::new(dk.slice_mut(..nk), Layout::contiguous(kv_shape)),
-            dv: &mut DeviceTensorMut::new(dv.slice_mut(..nk), Layout::contiguous(kv_shape)),
+            dv: &mut DeviceTensorMut::new(dv.slice_mut(..nv), Layout::contiguous(v_shape)),
             dsinks: None,
         };
         let stream = dev.cuda_stream();

@@ -2,11 +2,13 @@
 //! forward runs this crate's attention and candle's autograd (`loss.backward()`) runs this
 //! crate's fused backward for dQ, dK and dV.
 //!
-//! [`flash_attn`] takes Q `(batch, seqlen_q, heads_q, head_dim)` and K, V `(batch, seqlen_k,
-//! heads_kv, head_dim)` (GQA/MQA when `heads_kv < heads_q`), all of one dtype, and returns O
-//! shaped like Q. On the CPU it runs the CPU backend (f32, f16, bf16); on a candle CUDA device
-//! (the `candle-cuda` feature: without it a CUDA tensor gets candle's refusal of an op with no
-//! CUDA implementation) the GPU kernels (bf16, f16), ordered on candle's own stream
+//! [`flash_attn`] takes Q `(batch, seqlen_q, heads_q, head_dim)`, K `(batch, seqlen_k,
+//! heads_kv, head_dim)` and V `(batch, seqlen_k, heads_kv, head_dim_v)` (GQA/MQA when
+//! `heads_kv < heads_q`; V's head dim may differ from Q's and K's), all of one dtype, and
+//! returns O `(batch, seqlen_q, heads_q, head_dim_v)`: Q's shape with V's head dim. On the CPU
+//! it runs the CPU backend (f32, f16, bf16); on a candle CUDA device (the `candle-cuda` feature:
+//! without it a CUDA tensor gets candle's refusal of an op with no CUDA implementation) the GPU
+//! kernels (bf16, f16), ordered on candle's own stream
 //! (`tests/gpu_candle.rs` checks them there). Strided views and views with a start offset are
 //! read in place where the kernels can (a unit head-dim stride; on the GPU also 16-byte aligned
 //! offsets and strides); others are copied to a packed tensor first, through candle, so
@@ -70,11 +72,12 @@ pub fn flash_attn(
 
 /// Attention over a packed batch of candle tensors (variable-length sequences, see
 /// [`crate::varlen`]), differentiable like [`flash_attn`], with candle-flash-attn's conventions:
-/// Q `(total_q, heads_q, head_dim)`, K and V `(total_k, heads_kv, head_dim)`, sequence `b`
+/// Q `(total_q, heads_q, head_dim)`, K `(total_k, heads_kv, head_dim)` and V `(total_k,
+/// heads_kv, head_dim_v)`, sequence `b`
 /// owning query rows `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` and key rows
 /// `cu_seqlens_k[b]..cu_seqlens_k[b + 1]` (`batch + 1` offsets each, u32 or i32, on Q's
 /// device), `max_seqlen_q` and `max_seqlen_k` at least every sequence's lengths. Returns O
-/// shaped like Q; masks are aligned bottom-right within each sequence.
+/// `(total_q, heads_q, head_dim_v)`; masks are aligned bottom-right within each sequence.
 ///
 /// On the CPU the offsets are read and checked ([`crate::Error::InvalidSeqlens`]); on a CUDA
 /// device they stay there (no synchronization) and the kernels clamp every sequence into the
@@ -262,6 +265,15 @@ fn our_layout(l: &candle_core::Layout) -> candle_core::Result<Layout> {
     ))
 }
 
+/// O's shape: Q's, with V's head dim (its last dimension; the op runs over rank-4 tensors).
+fn out_shape(lq: &candle_core::Layout, lv: &candle_core::Layout) -> Shape {
+    let mut dims = lq.dims().to_vec();
+    if let (Some(d), Some(&dv)) = (dims.last_mut(), lv.dims().last()) {
+        *d = dv;
+    }
+    Shape::from(dims)
+}
+
 /// The forward's LSE, kept by the op for its backward.
 enum Lse {
     Cpu(Vec<f32>),
@@ -328,7 +340,7 @@ impl CustomOp3 for FlashAttn {
             ),
         };
         *self.lse.lock().map_err(lock_error)? = Some(Lse::Cpu(lse));
-        Ok((out, lq.shape().clone()))
+        Ok((out, out_shape(lq, lv)))
     }
 
     #[cfg(feature = "candle-cuda")]
@@ -352,7 +364,7 @@ impl CustomOp3 for FlashAttn {
             }
         };
         *self.lse.lock().map_err(lock_error)? = Some(Lse::Cuda(lse));
-        Ok((out, lq.shape().clone()))
+        Ok((out, out_shape(lq, lv)))
     }
 
     fn bwd(
@@ -381,11 +393,11 @@ impl CustomOp3 for FlashAttn {
                 dout: &dout,
             },
         )?;
-        let (nq, nk) = (q.elem_count(), k.elem_count());
+        let (nq, nk, nv) = (q.elem_count(), k.elem_count(), v.elem_count());
         let (kv_start, v_start) = grad_offsets(nq, nk);
         let dq = packed.narrow(0, 0, nq)?.reshape(q.shape())?;
         let dk = packed.narrow(0, kv_start, nk)?.reshape(k.shape())?;
-        let dv = packed.narrow(0, v_start, nk)?.reshape(k.shape())?;
+        let dv = packed.narrow(0, v_start, nv)?.reshape(v.shape())?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }

@@ -69,9 +69,9 @@ pub fn naive(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttentionConfig) -> Resul
     p.matmul(&vh)?.transpose(1, 2)?.contiguous()
 }
 
-/// [`naive`] over a packed batch: Q `(total_q, h_q, d)`, K and V `(total_k, h_kv, d)`, each
-/// sequence `b` on its own rows (`cu_q[b]..cu_q[b + 1]`, `cu_k[b]..cu_k[b + 1]`), O packed like
-/// Q. Every sequence with queries must have keys.
+/// [`naive`] over a packed batch: Q `(total_q, h_q, d)`, K `(total_k, h_kv, d)` and V
+/// `(total_k, h_kv, d_v)`, each sequence `b` on its own rows (`cu_q[b]..cu_q[b + 1]`,
+/// `cu_k[b]..cu_k[b + 1]`), O `(total_q, h_q, d_v)`. Every sequence with queries must have keys.
 pub fn naive_packed(
     q: &Tensor,
     k: &Tensor,
