@@ -153,12 +153,6 @@ pub fn check_backend(
                     reason: "operands are in device memory".into(),
                 });
             }
-            if problem.head_dim_v != problem.head_dim {
-                return Err(Error::Unsupported {
-                    what: "V's head dim apart from Q's (not built yet)".into(),
-                    backend,
-                });
-            }
             match problem.dtype {
                 DType::F32 | DType::F16 | DType::BF16 => problem.check_cpu_limits().map(|_| None),
                 DType::E4M3 => Err(Error::UnsupportedDtype {

@@ -4,8 +4,9 @@
 //! score matrix (the FlashAttention algorithm), with its backward pass.
 //!
 //! Tensors are `(batch, seqlen, heads, head_dim)` with a unit head_dim stride and free other
-//! strides; K and V may have fewer heads than Q (GQA/MQA, `heads_q % heads_kv == 0`). The
-//! log-sum-exp `lse` is `(batch, heads_q, seqlen_q)` f32 in natural log.
+//! strides; K and V may have fewer heads than Q (GQA/MQA, `heads_q % heads_kv == 0`), and V
+//! another head dim than Q and K (`head_dim_v`, as DeepSeek's MLA's 192 and 128), which O, dO
+//! and dV share. The log-sum-exp `lse` is `(batch, heads_q, seqlen_q)` f32 in natural log.
 //!
 //! Backends: FlashAttention-3-style CUDA kernels on compute capability 9.0 (`Sm90`),
 //! FlashAttention-2-style kernels on sm80..sm89 (`Sm80`), and a multithreaded CPU backend
@@ -85,7 +86,8 @@ pub use dispatch::{BuiltKernels, DeviceInfo, Memory, Op, Plan};
 pub use error::{CallPart, Error, Operand, Result};
 pub use tensor::{DType, Element, Layout, Problem, TensorMut, TensorRef};
 
-/// Output of a host forward call: `out` packed like Q, `lse` packed (batch, heads_q, seqlen_q).
+/// Output of a host forward call: `out` packed (batch, seqlen_q, heads_q, head_dim_v), `lse`
+/// packed (batch, heads_q, seqlen_q).
 #[derive(Clone, Debug)]
 pub struct ForwardOutput<T> {
     pub out: Vec<T>,
@@ -138,9 +140,9 @@ pub struct BackwardInputs<'a, T> {
     pub q: TensorRef<'a, T>,
     pub k: TensorRef<'a, T>,
     pub v: TensorRef<'a, T>,
-    /// The forward's output O, shaped like Q.
+    /// The forward's output O, shaped like Q with V's head dim.
     pub out: TensorRef<'a, T>,
-    /// The gradient of the loss with respect to O, shaped like Q.
+    /// The gradient of the loss with respect to O, shaped like O.
     pub dout: TensorRef<'a, T>,
     /// The forward's LSE: f32 (batch, heads_q, seqlen_q) packed, natural log.
     pub lse: &'a [f32],

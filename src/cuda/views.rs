@@ -92,9 +92,9 @@ pub struct DeviceBackwardInputs<'a, T> {
     pub q: &'a DeviceTensor<'a, T>,
     pub k: &'a DeviceTensor<'a, T>,
     pub v: &'a DeviceTensor<'a, T>,
-    /// The forward's output O, shaped like Q.
+    /// The forward's output O, shaped like Q with V's head dim.
     pub out: &'a DeviceTensor<'a, T>,
-    /// The gradient of the loss with respect to O, shaped like Q.
+    /// The gradient of the loss with respect to O, shaped like O.
     pub dout: &'a DeviceTensor<'a, T>,
     /// The forward's LSE: f32 (batch, heads_q, seqlen_q) packed, natural log.
     pub lse: &'a CudaView<'a, f32>,

@@ -59,37 +59,37 @@ impl Outcome {
 fn run<T: Element>(c: &Case, seed: u64) -> Outcome {
     assert_eq!(T::DTYPE, c.dtype);
     let mut rng = StdRng::seed_from_u64(seed);
-    let (lq, lk) = c.layouts();
-    let [qb, kb, vb, dob] = [lq, lk, lk, lq].map(|l| random_in::<T>(&l, &mut rng));
+    let ((lq, lk), (lv, lo)) = (c.layouts(), c.v_layouts());
+    let [qb, kb, vb, dob] = [lq, lk, lv, lo].map(|l| random_in::<T>(&l, &mut rng));
     let (q, k, v) = (
         TensorRef::new(&qb, lq),
         TensorRef::new(&kb, lk),
-        TensorRef::new(&vb, lk),
+        TensorRef::new(&vb, lv),
     );
-    let dout = TensorRef::new(&dob, lq);
+    let dout = TensorRef::new(&dob, lo);
     let cfg = c.cfg(Backend::Auto);
 
     // Forward into poisoned outputs; one LSE slot past the end must stay untouched.
-    let mut ob = poisoned::<T>(&lq);
+    let mut ob = poisoned::<T>(&lo);
     let lse_len = c.batch * c.heads_q * c.seqlen_q;
     let mut lse = vec![f32::NAN; lse_len + 1];
     let plan = flashattn::forward_into(
         &cfg,
         ForwardInputs::new(q, k, v),
-        TensorMut::new(&mut ob, lq),
+        TensorMut::new(&mut ob, lo),
         &mut lse,
     )
     .unwrap_or_else(|e| panic!("{}: {e}", c.name()));
     assert_eq!(plan.backend, Backend::Cpu);
     assert!(lse[lse_len].is_nan(), "{}: wrote past the LSE", c.name());
-    let (nan, unaddressed) = untouched_nan(&ob, &lq);
+    let (nan, unaddressed) = untouched_nan(&ob, &lo);
     assert_eq!(
         nan,
         unaddressed,
         "{}: out poison left or padding written",
         c.name()
     );
-    let out = TensorRef::new(&ob, lq);
+    let out = TensorRef::new(&ob, lo);
 
     let r = reference::reference_forward(&cfg, q, k, v);
     let bl = reference::baseline_forward(&cfg, q, k, v);
@@ -99,7 +99,7 @@ fn run<T: Element>(c: &Case, seed: u64) -> Outcome {
     ];
 
     // Backward into poisoned gradients laid out like their inputs.
-    let [mut dqb, mut dkb, mut dvb] = [lq, lk, lk].map(|l| poisoned::<T>(&l));
+    let [mut dqb, mut dkb, mut dvb] = [lq, lk, lv].map(|l| poisoned::<T>(&l));
     flashattn::backward_into(
         &cfg,
         BackwardInputs {
@@ -114,12 +114,12 @@ fn run<T: Element>(c: &Case, seed: u64) -> Outcome {
         GradientsMut {
             dq: TensorMut::new(&mut dqb, lq),
             dk: TensorMut::new(&mut dkb, lk),
-            dv: TensorMut::new(&mut dvb, lk),
+            dv: TensorMut::new(&mut dvb, lv),
             dsinks: None,
         },
     )
     .unwrap();
-    for (what, buf, l) in [("dQ", &dqb, &lq), ("dK", &dkb, &lk), ("dV", &dvb, &lk)] {
+    for (what, buf, l) in [("dQ", &dqb, &lq), ("dK", &dkb, &lk), ("dV", &dvb, &lv)] {
         let (nan, unaddressed) = untouched_nan(buf, l);
         assert_eq!(nan, unaddressed, "{}: {what} poison left", c.name());
     }
@@ -135,7 +135,7 @@ fn run<T: Element>(c: &Case, seed: u64) -> Outcome {
     ));
     results.push((
         "dV",
-        compare(&pack_f32(TensorRef::new(&dvb, lk)), &rg.dv, &bg.dv),
+        compare(&pack_f32(TensorRef::new(&dvb, lv)), &rg.dv, &bg.dv),
     ));
     Outcome {
         name: c.name(),
@@ -284,6 +284,45 @@ fn head_dims() {
             case(1, 60, 60, 2, 2, 96, F16).causal(true),
             case(1, 17, 17, 1, 1, 3, F32),
             case(1, 49, 49, 2, 2, 72, BF16),
+        ],
+    );
+}
+
+/// V's head dim apart from Q's and K's (DeepSeek's MLA: 192 and 128; a narrower and a wider V,
+/// head dims that are not multiples of the tiles): O, dO and dV of V's head dim, dQ and dK of
+/// Q's, with odd seqlens, masks, GQA, softcap and strided storage.
+#[test]
+fn v_head_dim_apart_from_q() {
+    run_all(
+        8,
+        &[
+            case(1, 1, 1, 2, 2, 192, BF16).head_dim_v(128),
+            case(1, 17, 17, 2, 2, 192, F32).head_dim_v(128).causal(true),
+            case(1, 113, 113, 2, 2, 192, BF16)
+                .head_dim_v(128)
+                .causal(true),
+            case(2, 113, 77, 4, 1, 192, F16).head_dim_v(128),
+            case(1, 113, 113, 2, 2, 192, F32)
+                .head_dim_v(128)
+                .softcap(5.0)
+                .deterministic(true),
+            case(1, 113, 113, 2, 2, 64, F32)
+                .head_dim_v(32)
+                .window(Some(20), Some(3)),
+            case(1, 17, 113, 8, 2, 64, BF16).head_dim_v(32).causal(true),
+            case(1, 113, 17, 2, 2, 40, F16).head_dim_v(72).causal(true),
+            case(2, 70, 70, 8, 2, 40, BF16)
+                .head_dim_v(72)
+                .window(Some(16), Some(16))
+                .softcap(10.0),
+            case(2, 40, 19, 4, 1, 40, BF16)
+                .head_dim_v(72)
+                .causal(true)
+                .storage(Storage::Padded(3)),
+            case(3, 33, 33, 4, 2, 64, F32)
+                .head_dim_v(32)
+                .storage(Storage::HeadMajor(0)),
+            case(1, 17, 17, 1, 1, 3, F32).head_dim_v(5),
         ],
     );
 }

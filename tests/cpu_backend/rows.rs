@@ -9,7 +9,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 use crate::case;
-use crate::harness::random;
+use crate::harness::{random, Case};
 use flashattn::DType::BF16;
 
 /// Fully masked rows: O = 0 exactly, LSE = +inf, no NaN; a dO nonzero only on those rows gives
@@ -153,29 +153,47 @@ fn fully_masked_rows_causal_more_queries_than_keys() {
 
 #[test]
 fn public_backward_matches_backend_and_is_deterministic() {
-    let c = case(2, 45, 70, 4, 2, 64, BF16).causal(true);
+    allocating_calls_match_the_others(case(2, 45, 70, 4, 2, 64, BF16).causal(true));
+}
+
+/// The allocating calls with V's head dim apart from Q's: O and dV shaped by it.
+#[test]
+fn allocating_calls_with_v_head_dim_apart() {
+    allocating_calls_match_the_others(
+        case(2, 45, 70, 4, 2, 192, BF16)
+            .head_dim_v(128)
+            .causal(true),
+    );
+    allocating_calls_match_the_others(case(1, 17, 33, 4, 1, 40, BF16).head_dim_v(72));
+}
+
+/// `forward()` and `backward()` (which allocate) against the reference under the rule and
+/// against `forward_into()` and `backward_into()` bit for bit, twice (the backward repeats
+/// itself).
+fn allocating_calls_match_the_others(c: Case) {
     let mut rng = StdRng::seed_from_u64(5);
     let [qv, kv, vv] = c.random_qkv::<bf16>(&mut rng);
-    let dov = random::<bf16>(qv.len(), &mut rng);
+    let dov = random::<bf16>(c.o_shape().iter().product(), &mut rng);
     let q = TensorRef::contiguous(&qv, c.q_shape());
     let k = TensorRef::contiguous(&kv, c.kv_shape());
-    let v = TensorRef::contiguous(&vv, c.kv_shape());
-    let dout = TensorRef::contiguous(&dov, c.q_shape());
+    let v = TensorRef::contiguous(&vv, c.v_shape());
+    let dout = TensorRef::contiguous(&dov, c.o_shape());
     let cfg = c.cfg(Backend::Auto);
     let fwd = flashattn::forward(&cfg, ForwardInputs::new(q, k, v)).unwrap();
+    assert_eq!(fwd.out.len(), c.o_shape().iter().product::<usize>());
     // forward() and forward_into() agree bit for bit.
     let mut o2 = vec![bf16::from_f32(f32::NAN); fwd.out.len()];
     let mut lse2 = vec![f32::NAN; fwd.lse.len()];
     flashattn::forward_into(
         &cfg,
         ForwardInputs::new(q, k, v),
-        TensorMut::contiguous(&mut o2, c.q_shape()),
+        TensorMut::contiguous(&mut o2, c.o_shape()),
         &mut lse2,
     )
     .unwrap();
     assert_eq!(o2, fwd.out);
     assert_eq!(lse2, fwd.lse);
-    let out = TensorRef::contiguous(&fwd.out, c.q_shape());
+    let out = TensorRef::contiguous(&fwd.out, c.o_shape());
     let g1 = flashattn::backward(
         &cfg,
         BackwardInputs {
@@ -203,6 +221,27 @@ fn public_backward_matches_backend_and_is_deterministic() {
     )
     .unwrap();
     assert_eq!((&g1.dq, &g1.dk, &g1.dv), (&g2.dq, &g2.dk, &g2.dv));
+    assert_eq!(g1.dv.len(), c.v_shape().iter().product::<usize>());
+    let (r, bl) = (
+        reference::reference_forward(&cfg, q, k, v),
+        reference::baseline_forward(&cfg, q, k, v),
+    );
+    let (rg, bg) = (
+        reference::reference_backward(&cfg, q, k, v, dout),
+        reference::baseline_backward(&cfg, q, k, v, dout),
+    );
+    let f32s = reference::to_f32;
+    for (what, got, want, base) in [
+        ("O", f32s(&fwd.out), &r.out, &bl.out),
+        ("dQ", f32s(&g1.dq), &rg.dq, &bg.dq),
+        ("dK", f32s(&g1.dk), &rg.dk, &bg.dk),
+        ("dV", f32s(&g1.dv), &rg.dv, &bg.dv),
+    ] {
+        let cmp = compare(&got, want, base);
+        assert!(cmp.pass, "{} {what}: {cmp}", c.name());
+    }
+    let cmp = compare(&fwd.lse, &r.lse, &bl.lse);
+    assert!(cmp.pass, "{} LSE: {cmp}", c.name());
     let mut dq = vec![bf16::from_f32(f32::NAN); g1.dq.len()];
     let mut dk = vec![bf16::from_f32(f32::NAN); g1.dk.len()];
     let mut dv = vec![bf16::from_f32(f32::NAN); g1.dv.len()];
@@ -220,7 +259,7 @@ fn public_backward_matches_backend_and_is_deterministic() {
         GradientsMut {
             dq: TensorMut::contiguous(&mut dq, c.q_shape()),
             dk: TensorMut::contiguous(&mut dk, c.kv_shape()),
-            dv: TensorMut::contiguous(&mut dv, c.kv_shape()),
+            dv: TensorMut::contiguous(&mut dv, c.v_shape()),
             dsinks: None,
         },
     )

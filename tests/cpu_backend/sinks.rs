@@ -48,25 +48,25 @@ fn forward_backward<T: Element>(
     sinks: &[f32],
     finite: bool,
 ) -> Run<T> {
-    let (lq, lk) = c.layouts();
+    let ((lq, lk), (lv, lo)) = (c.layouts(), c.v_layouts());
     let cfg = c.cfg(Backend::Auto);
-    let mut ob = poisoned::<T>(&lq);
+    let mut ob = poisoned::<T>(&lo);
     let lse_len = c.batch * c.heads_q * c.seqlen_q;
     let mut lse = vec![f32::NAN; lse_len + 1];
     let inputs = ForwardInputs::new(q, k, v).with_sinks(sinks);
-    let plan = flashattn::forward_into(&cfg, inputs, TensorMut::new(&mut ob, lq), &mut lse)
+    let plan = flashattn::forward_into(&cfg, inputs, TensorMut::new(&mut ob, lo), &mut lse)
         .unwrap_or_else(|e| panic!("{}: {e}", c.name()));
     assert_eq!(plan.backend, Backend::Cpu);
     assert!(lse[lse_len].is_nan(), "{}: wrote past the LSE", c.name());
     lse.truncate(lse_len);
-    let (nan, unaddressed) = untouched_nan(&ob, &lq);
+    let (nan, unaddressed) = untouched_nan(&ob, &lo);
     assert!(
         !finite || nan == unaddressed,
         "{}: out poison left",
         c.name()
     );
 
-    let [mut dq, mut dk, mut dv] = [lq, lk, lk].map(|l| poisoned::<T>(&l));
+    let [mut dq, mut dk, mut dv] = [lq, lk, lv].map(|l| poisoned::<T>(&l));
     let mut dsinks = vec![f32::NAN; c.heads_q + 1];
     flashattn::backward_into(
         &cfg,
@@ -74,7 +74,7 @@ fn forward_backward<T: Element>(
             q,
             k,
             v,
-            out: TensorRef::new(&ob, lq),
+            out: TensorRef::new(&ob, lo),
             dout,
             lse: &lse,
             sinks: Some(sinks),
@@ -82,7 +82,7 @@ fn forward_backward<T: Element>(
         GradientsMut {
             dq: TensorMut::new(&mut dq, lq),
             dk: TensorMut::new(&mut dk, lk),
-            dv: TensorMut::new(&mut dv, lk),
+            dv: TensorMut::new(&mut dv, lv),
             dsinks: Some(&mut dsinks),
         },
     )
@@ -93,7 +93,7 @@ fn forward_backward<T: Element>(
         c.name()
     );
     dsinks.truncate(c.heads_q);
-    for (what, buf, l) in [("dQ", &dq, &lq), ("dK", &dk, &lk), ("dV", &dv, &lk)] {
+    for (what, buf, l) in [("dQ", &dq, &lq), ("dK", &dk, &lk), ("dV", &dv, &lv)] {
         let (nan, unaddressed) = untouched_nan(buf, l);
         assert!(
             !finite || nan == unaddressed,
@@ -115,14 +115,14 @@ fn forward_backward<T: Element>(
 fn run<T: Element>(c: &Case, seed: u64) -> Outcome {
     assert_eq!(T::DTYPE, c.dtype);
     let mut rng = StdRng::seed_from_u64(seed);
-    let (lq, lk) = c.layouts();
-    let [qb, kb, vb, dob] = [lq, lk, lk, lq].map(|l| random_in::<T>(&l, &mut rng));
+    let ((lq, lk), (lv, lo)) = (c.layouts(), c.v_layouts());
+    let [qb, kb, vb, dob] = [lq, lk, lv, lo].map(|l| random_in::<T>(&l, &mut rng));
     let sinks = random_sinks(c.heads_q, &mut rng);
     let (q, k, v, dout) = (
         TensorRef::new(&qb, lq),
         TensorRef::new(&kb, lk),
-        TensorRef::new(&vb, lk),
-        TensorRef::new(&dob, lq),
+        TensorRef::new(&vb, lv),
+        TensorRef::new(&dob, lo),
     );
     let got = forward_backward(c, [q, k, v, dout], &sinks, true);
 
@@ -133,11 +133,11 @@ fn run<T: Element>(c: &Case, seed: u64) -> Outcome {
     let (bg, b_ds) = reference::baseline_backward_sinks(&cfg, q, k, v, dout, &sinks);
     let packed = |x: &[T], l: Layout| pack_f32(TensorRef::new(x, l));
     let results: Vec<(&'static str, Comparison)> = vec![
-        ("O", compare(&packed(&got.out, lq), &r.out, &bl.out)),
+        ("O", compare(&packed(&got.out, lo), &r.out, &bl.out)),
         ("LSE", compare(&got.lse, &r.lse, &bl.lse)),
         ("dQ", compare(&packed(&got.dq, lq), &rg.dq, &bg.dq)),
         ("dK", compare(&packed(&got.dk, lk), &rg.dk, &bg.dk)),
-        ("dV", compare(&packed(&got.dv, lk), &rg.dv, &bg.dv)),
+        ("dV", compare(&packed(&got.dv, lv), &rg.dv, &bg.dv)),
         ("dsink", compare(&got.dsinks, &r_ds, &b_ds)),
     ];
     Outcome {
@@ -188,6 +188,29 @@ fn sinks_against_the_reference() {
     }
     cases.push(case(1, 90, 60, 4, 2, 64, F16).causal(true));
     run_all(11, &cases);
+}
+
+/// V's head dim apart from Q's and K's with sinks: O, dV and the sinks' gradient (whose D sums
+/// over V's head dim) against the reference; causal with more queries than keys (rows without a
+/// key), a window, softcap, strided storage.
+#[test]
+fn sinks_with_v_head_dim_apart() {
+    run_all(
+        12,
+        &[
+            case(1, 113, 80, 4, 2, 192, BF16)
+                .head_dim_v(128)
+                .causal(true),
+            case(2, 70, 70, 4, 2, 64, F32)
+                .head_dim_v(32)
+                .window(Some(16), Some(4)),
+            case(1, 50, 90, 4, 1, 40, F16).head_dim_v(72).softcap(5.0),
+            case(2, 33, 47, 4, 2, 40, BF16)
+                .head_dim_v(72)
+                .causal(true)
+                .storage(Storage::HeadMajor(8)),
+        ],
+    );
 }
 
 /// Causal with s_q > s_k: the rows that see no key get O = 0 exactly and their head's sink as

@@ -42,8 +42,9 @@ impl Storage {
     }
 }
 
-/// One attention problem of the correctness tests: Q (b, s_q, h_q, d), K and V (b, s_k, h_kv,
-/// d), and the options of the call. Built from [`Case::new`] and the builders after it.
+/// One attention problem of the correctness tests: Q (b, s_q, h_q, d), K (b, s_k, h_kv, d), V
+/// (b, s_k, h_kv, d_v), and the options of the call. Built from [`Case::new`] and the builders
+/// after it.
 #[derive(Clone, Copy, Debug)]
 pub struct Case {
     pub batch: usize,
@@ -52,6 +53,8 @@ pub struct Case {
     pub heads_q: usize,
     pub heads_kv: usize,
     pub head_dim: usize,
+    /// V's head dim, and so O's, dO's and dV's (`head_dim` unless [`Case::head_dim_v`] says).
+    pub head_dim_v: usize,
     /// The inputs' element type (the GPU runners, generic over it, set theirs).
     pub dtype: DType,
     pub mask: AttentionMask,
@@ -63,7 +66,8 @@ pub struct Case {
 }
 
 impl Case {
-    /// One batch of two heads (Q and K/V alike) in bf16, no mask, no softcap, packed storage.
+    /// One batch of two heads (Q and K/V alike) in bf16, V's head dim Q's, no mask, no softcap,
+    /// packed storage.
     pub fn new(seqlen_q: usize, seqlen_k: usize, head_dim: usize) -> Case {
         Case {
             batch: 1,
@@ -72,6 +76,7 @@ impl Case {
             heads_q: 2,
             heads_kv: 2,
             head_dim,
+            head_dim_v: head_dim,
             dtype: DType::BF16,
             mask: AttentionMask::Full,
             softcap: None,
@@ -87,6 +92,11 @@ impl Case {
     /// `q` query heads over `kv` key/value heads (GQA or MQA when fewer).
     pub fn heads(mut self, q: usize, kv: usize) -> Self {
         (self.heads_q, self.heads_kv) = (q, kv);
+        self
+    }
+    /// V (and so O, dO and dV) of head dim `d_v`.
+    pub fn head_dim_v(mut self, d_v: usize) -> Self {
+        self.head_dim_v = d_v;
         self
     }
     /// Inputs and outputs in `dtype`.
@@ -148,28 +158,44 @@ impl Case {
             heads_q: self.heads_q,
             heads_kv: self.heads_kv,
             head_dim: self.head_dim,
-            head_dim_v: self.head_dim,
+            head_dim_v: self.head_dim_v,
             dtype: self.dtype,
             packed: false,
         }
     }
     /// Full reference when the score matrices are small enough for the CPU.
     pub fn checked_whole(&self) -> bool {
-        self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim <= 1 << 30
+        let d = self.head_dim.max(self.head_dim_v);
+        self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * d <= 1 << 30
     }
-    /// Q's (b, s_q, h_q, d), also O's, dO's and dQ's.
+    /// Q's (b, s_q, h_q, d), also dQ's (and O's and dO's where V's head dim is Q's).
     pub fn q_shape(&self) -> [usize; 4] {
         [self.batch, self.seqlen_q, self.heads_q, self.head_dim]
     }
-    /// K's (b, s_k, h_kv, d), also V's, dK's and dV's.
+    /// K's (b, s_k, h_kv, d), also dK's (and V's and dV's where V's head dim is K's).
     pub fn kv_shape(&self) -> [usize; 4] {
         [self.batch, self.seqlen_k, self.heads_kv, self.head_dim]
     }
-    /// The layouts of the two shapes in the case's storage.
+    /// V's (b, s_k, h_kv, d_v), also dV's.
+    pub fn v_shape(&self) -> [usize; 4] {
+        [self.batch, self.seqlen_k, self.heads_kv, self.head_dim_v]
+    }
+    /// O's (b, s_q, h_q, d_v), also dO's.
+    pub fn o_shape(&self) -> [usize; 4] {
+        [self.batch, self.seqlen_q, self.heads_q, self.head_dim_v]
+    }
+    /// The layouts of Q's and K's shapes in the case's storage.
     pub fn layouts(&self) -> (Layout, Layout) {
         (
             self.storage.layout(self.q_shape()),
             self.storage.layout(self.kv_shape()),
+        )
+    }
+    /// The layouts of V's and O's shapes in the case's storage.
+    pub fn v_layouts(&self) -> (Layout, Layout) {
+        (
+            self.storage.layout(self.v_shape()),
+            self.storage.layout(self.o_shape()),
         )
     }
     /// The case in one line: dtype, sizes, then whatever is not the default.
@@ -184,6 +210,9 @@ impl Case {
             self.heads_kv,
             self.head_dim
         );
+        if self.head_dim_v != self.head_dim {
+            s += &format!(" dv{}", self.head_dim_v);
+        }
         match self.mask {
             AttentionMask::Full => {}
             AttentionMask::Causal => s += " causal",
@@ -202,11 +231,11 @@ impl Case {
     }
     /// N(0, 1) Q, K and V, drawn in that order, over their layouts' spans (padding included).
     pub fn random_qkv<T: Element>(&self, rng: &mut StdRng) -> [Vec<T>; 3] {
-        let (lq, lk) = self.layouts();
+        let ((lq, lk), (lv, _)) = (self.layouts(), self.v_layouts());
         [
             random(span(&lq), rng),
             random(span(&lk), rng),
-            random(span(&lk), rng),
+            random(span(&lv), rng),
         ]
     }
 }
@@ -240,7 +269,8 @@ pub fn random_in<T: Element>(layout: &Layout, rng: &mut StdRng) -> Vec<T> {
     buf
 }
 
-/// What a forward and its backward produced: O and dQ in Q's layout, dK and dV in K's, the LSE
+/// What a forward and its backward produced: O in its layout (Q's with V's head dim), dQ in Q's,
+/// dK in K's and dV in V's, the LSE
 /// (packed: `(heads_q, total_q)`), and the sinks' gradient where the calls had sinks.
 pub struct Outputs<T> {
     pub out: Vec<T>,

@@ -1,12 +1,20 @@
-//! V's head dim apart from Q's and K's in the oracles the backends are judged by (no GPU
-//! needed): the f64 reference's gradients against finite differences of `Σ dO∘O`, and zero
-//! columns appended to V (or to Q and K) changing nothing in the reference and the baseline.
+//! V's head dim apart from Q's and K's (no GPU needed): the oracles the backends are judged by
+//! (the f64 reference's gradients against finite differences of `Σ dO∘O`; zero columns appended
+//! to V, or to Q and K, changing nothing in the reference and the baseline), the shape checks
+//! (O, dO and dV take V's head dim, V keeps K's other sizes), and the planner's choice of
+//! backend for such a call.
 
+use flashattn::dispatch::{self, Op};
 use flashattn::reference::{
     baseline_backward, baseline_forward, reference_backward, reference_backward_sinks,
     reference_forward, reference_forward_sinks,
 };
-use flashattn::{AttentionConfig, TensorRef};
+use flashattn::{
+    AttentionConfig, Backend, BackwardInputs, Error, ForwardInputs, GradientsMut, Memory, Operand,
+    Problem, TensorMut, TensorRef,
+};
+
+use crate::{all_gpu_kernels, fake_h200, problem, ramp};
 
 /// `n` values `amp·sin(f·i + phase)`: deterministic inputs that differ per operand.
 fn wave(n: usize, f: f32, phase: f32, amp: f32) -> Vec<f32> {
@@ -229,5 +237,184 @@ fn zero_columns_change_nothing_in_the_oracles() {
             assert_eq!(g1.dk, narrow(&g2.dk, w, d), "d{d} dv{dv} baseline dK");
             assert_eq!(g1.dv, narrow(&g2.dv, w, dv), "d{d} dv{dv} baseline dV");
         }
+    }
+}
+
+#[test]
+fn o_do_and_dv_take_v_s_head_dim() {
+    let (q, k, v) = (
+        ramp(B * SQ * HQ * D),
+        ramp(B * SK * HKV * D),
+        ramp(B * SK * HKV * DV),
+    );
+    let tq = TensorRef::contiguous(&q, [B, SQ, HQ, D]);
+    let tk = TensorRef::contiguous(&k, [B, SK, HKV, D]);
+    let tv = TensorRef::contiguous(&v, [B, SK, HKV, DV]);
+    let cfg = AttentionConfig::new();
+    let mut lse = vec![0f32; B * HQ * SQ];
+    // O with Q's head dim: refused before anything is written.
+    let mut wide = vec![0f32; B * SQ * HQ * D];
+    let e = flashattn::forward_into(
+        &cfg,
+        ForwardInputs::new(tq, tk, tv),
+        TensorMut::contiguous(&mut wide, [B, SQ, HQ, D]),
+        &mut lse,
+    )
+    .unwrap_err();
+    assert_eq!(
+        e,
+        Error::ShapeMismatch {
+            operand: Operand::Out,
+            expected: [B, SQ, HQ, DV],
+            found: [B, SQ, HQ, D],
+        }
+    );
+    assert!(wide.iter().all(|&x| x == 0.0), "a refused call wrote");
+
+    let fwd = flashattn::forward(&cfg, ForwardInputs::new(tq, tk, tv)).unwrap();
+    assert_eq!(fwd.out.len(), B * SQ * HQ * DV);
+    let o = TensorRef::contiguous(&fwd.out, [B, SQ, HQ, DV]);
+    let q_like = TensorRef::contiguous(&wide, [B, SQ, HQ, D]);
+    let [mut dq, mut dk, mut dv] = [q.len(), k.len(), v.len()].map(|n| vec![0f32; n]);
+    let mut dv_like_k = vec![0f32; k.len()];
+    let inputs = |out, dout| BackwardInputs {
+        q: tq,
+        k: tk,
+        v: tv,
+        out,
+        dout,
+        lse: &fwd.lse,
+        sinks: None,
+    };
+    // O or dO with Q's head dim.
+    for (operand, out, dout) in [(Operand::Out, q_like, o), (Operand::DOut, o, q_like)] {
+        let e = flashattn::backward_into(
+            &cfg,
+            inputs(out, dout),
+            GradientsMut {
+                dq: TensorMut::contiguous(&mut dq, [B, SQ, HQ, D]),
+                dk: TensorMut::contiguous(&mut dk, [B, SK, HKV, D]),
+                dv: TensorMut::contiguous(&mut dv, [B, SK, HKV, DV]),
+                dsinks: None,
+            },
+        )
+        .unwrap_err();
+        assert_eq!(
+            e,
+            Error::ShapeMismatch {
+                operand,
+                expected: [B, SQ, HQ, DV],
+                found: [B, SQ, HQ, D],
+            }
+        );
+    }
+    // dV shaped like K.
+    let e = flashattn::backward_into(
+        &cfg,
+        inputs(o, o),
+        GradientsMut {
+            dq: TensorMut::contiguous(&mut dq, [B, SQ, HQ, D]),
+            dk: TensorMut::contiguous(&mut dk, [B, SK, HKV, D]),
+            dv: TensorMut::contiguous(&mut dv_like_k, [B, SK, HKV, D]),
+            dsinks: None,
+        },
+    )
+    .unwrap_err();
+    assert_eq!(
+        e,
+        Error::ShapeMismatch {
+            operand: Operand::DV,
+            expected: [B, SK, HKV, DV],
+            found: [B, SK, HKV, D],
+        }
+    );
+    let written = [&dq, &dk, &dv, &dv_like_k];
+    assert!(
+        written.iter().all(|g| g.iter().all(|&x| x == 0.0)),
+        "a refused call wrote"
+    );
+    // Shaped right, the same call goes through: dV of V's head dim.
+    let g = flashattn::backward(&cfg, inputs(o, o)).unwrap();
+    assert_eq!(
+        (g.dq.len(), g.dk.len(), g.dv.len()),
+        (q.len(), k.len(), v.len())
+    );
+}
+
+#[test]
+fn v_keeps_k_s_batch_seqlen_and_heads() {
+    let (q, k) = (ramp(B * SQ * HQ * D), ramp(B * SK * HKV * D));
+    let tq = TensorRef::contiguous(&q, [B, SQ, HQ, D]);
+    let tk = TensorRef::contiguous(&k, [B, SK, HKV, D]);
+    let big = ramp(4 * SK * HQ * DV);
+    for shape in [
+        [1, SK, HKV, DV],
+        [B, SK + 1, HKV, DV],
+        [B, SK, HKV * 2, DV],
+        [B, SQ, HKV, DV],
+    ] {
+        let tv = TensorRef::contiguous(&big, shape);
+        let e = flashattn::forward(&AttentionConfig::new(), ForwardInputs::new(tq, tk, tv))
+            .unwrap_err();
+        assert_eq!(
+            e,
+            Error::ShapeMismatch {
+                operand: Operand::V,
+                expected: [B, SK, HKV, DV],
+                found: shape,
+            }
+        );
+    }
+}
+
+/// The CPU backend takes any pair of head dims; the GPU families take the pairs they have
+/// kernels for (the sm90 16-bit forward at 192/128) and refuse the others naming which have
+/// them.
+#[test]
+fn the_planner_sends_v_head_dims_apart_where_they_are_built() {
+    let mla = Problem {
+        head_dim_v: 128,
+        ..problem(2, 300, 300, 4, 192)
+    };
+    let odd = Problem {
+        head_dim_v: 72,
+        ..problem(2, 300, 300, 4, 40)
+    };
+    for p in [mla, odd] {
+        for op in [Op::Forward, Op::Backward] {
+            let plan = dispatch::plan(
+                op,
+                &p,
+                &AttentionConfig::new(),
+                &Memory::Host,
+                all_gpu_kernels(),
+            )
+            .unwrap();
+            assert_eq!(plan.backend, Backend::Cpu, "{op:?} {p:?}");
+        }
+    }
+    let gpu = |op, backend| {
+        dispatch::plan(
+            op,
+            &mla,
+            &AttentionConfig::new().backend(backend),
+            &fake_h200(),
+            all_gpu_kernels(),
+        )
+    };
+    assert_eq!(
+        gpu(Op::Forward, Backend::Auto).unwrap().backend,
+        Backend::Sm90
+    );
+    for (op, backend) in [
+        (Op::Backward, Backend::Sm90),
+        (Op::Forward, Backend::Sm80),
+        (Op::Backward, Backend::Sm80),
+    ] {
+        let e = gpu(op, backend).unwrap_err();
+        assert!(
+            matches!(e, Error::Unsupported { .. }) && e.to_string().contains("192/128"),
+            "{op:?} {backend:?}: {e}"
+        );
     }
 }

@@ -3,8 +3,8 @@
 //! what the GPU kernels index, problems built by hand. Each must be a typed error or the
 //! documented result, never a panic, an abort or a write outside a buffer; a property test
 //! checks that every accepted call stays inside its buffers. `sinks` checks the CPU oracles
-//! (reference and baseline) of attention sinks, `head_dim_v` those of a V head dim apart from
-//! Q's.
+//! (reference and baseline) of attention sinks, `head_dim_v` the shapes, the planning and the
+//! oracles of a V head dim apart from Q's.
 
 mod head_dim_v;
 mod limits;
