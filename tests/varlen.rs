@@ -1,12 +1,13 @@
 //! Packed (varlen) batches on the CPU backend: each sequence against the f64 reference of its
-//! own dense problem under the correctness rule (O, LSE, dQ, dK, dV), equal lengths against the
-//! dense batch bit for bit, `seqused_k`, empty sequences, and malformed offsets as typed errors.
+//! own dense problem under the correctness rule (O, LSE, dQ, dK, dV), V's head dim apart from
+//! Q's, equal lengths against the dense batch bit for bit, `seqused_k`, empty sequences, and
+//! malformed offsets as typed errors.
 
 mod harness;
 
 use flashattn::varlen::{self, Seqlens};
 use flashattn::{
-    AttentionConfig, BackwardInputs, Element, Error, ForwardInputs, Layout, TensorRef,
+    AttentionConfig, BackwardInputs, Element, Error, ForwardInputs, Layout, Operand, TensorRef,
 };
 use half::bf16;
 use proptest::prelude::*;
@@ -29,7 +30,7 @@ fn check<T: Element>(batch: &Batch<T>, cfg: &AttentionConfig, used: Option<&[i32
     let (q, k, v) = (
         batch.q_view(&batch.q),
         batch.k_view(&batch.k),
-        batch.k_view(&batch.v),
+        batch.v_view(&batch.v),
     );
     let fwd = varlen::forward(cfg, &seqs, q, k, v).unwrap();
     let grads = varlen::backward(
@@ -39,8 +40,8 @@ fn check<T: Element>(batch: &Batch<T>, cfg: &AttentionConfig, used: Option<&[i32
             q,
             k,
             v,
-            out: batch.q_view(&fwd.out),
-            dout: batch.q_view(&batch.dout),
+            out: batch.o_view(&fwd.out),
+            dout: batch.o_view(&batch.dout),
             lse: &fwd.lse,
             sinks: None,
         },
@@ -78,6 +79,76 @@ fn mixed_lengths_match_each_sequence_s_reference() {
             &Batch::<bf16>::new(&q_lens, &k_lens, (2, 2), 64, 10 + i as u64),
             cfg,
             None,
+        );
+    }
+}
+
+/// V's head dim apart from Q's and K's (192/128, a wider V at 40/72): O, dO and dV of V's head
+/// dim per sequence, against each sequence's reference; with `seqused_k`; and O or dO shaped
+/// with Q's head dim refused.
+#[test]
+fn v_head_dim_apart_from_q_per_sequence() {
+    let q_lens = [37, 0, 1, 113, 17, 5];
+    let k_lens = [37, 12, 3, 113, 40, 0];
+    let configs = [
+        AttentionConfig::new(),
+        AttentionConfig::new().causal(true),
+        AttentionConfig::new()
+            .window(Some(20), Some(7))
+            .softcap(5.0),
+    ];
+    for (i, cfg) in configs.iter().enumerate() {
+        let seed = 20 + i as u64;
+        check(
+            &Batch::<bf16>::with_head_dim_v(&q_lens, &k_lens, (4, 2), (192, 128), seed),
+            cfg,
+            None,
+        );
+        check(
+            &Batch::<f32>::with_head_dim_v(&q_lens, &k_lens, (2, 1), (40, 72), seed),
+            cfg,
+            None,
+        );
+    }
+    let batch = Batch::<f32>::with_head_dim_v(&[20, 33], &[40, 33], (2, 1), (64, 32), 25);
+    check(&batch, &AttentionConfig::new().causal(true), Some(&[25, 7]));
+
+    let (cu_q, cu_k) = batch.cu();
+    let seqs = Seqlens::new(&cu_q, &cu_k, 33, 40).unwrap();
+    let (q, k, v) = (
+        batch.q_view(&batch.q),
+        batch.k_view(&batch.k),
+        batch.v_view(&batch.v),
+    );
+    let fwd = varlen::forward(&AttentionConfig::new(), &seqs, q, k, v).unwrap();
+    assert_eq!(fwd.out.len(), 53 * 2 * 32);
+    // O and dO with Q's head dim (64), as if V's were Q's.
+    let wide = vec![0.5f32; 53 * 2 * 64];
+    for (operand, out, dout) in [
+        (Operand::Out, batch.q_view(&wide), batch.o_view(&batch.dout)),
+        (Operand::DOut, batch.o_view(&fwd.out), batch.q_view(&wide)),
+    ] {
+        let e = varlen::backward(
+            &AttentionConfig::new(),
+            &seqs,
+            BackwardInputs {
+                q,
+                k,
+                v,
+                out,
+                dout,
+                lse: &fwd.lse,
+                sinks: None,
+            },
+        )
+        .unwrap_err();
+        assert_eq!(
+            e,
+            Error::ShapeMismatch {
+                operand,
+                expected: [1, 53, 2, 32],
+                found: [1, 53, 2, 64],
+            }
         );
     }
 }
