@@ -1,7 +1,8 @@
 //! `flashattn::candle::flash_attn` on the CPU against attention written with candle ops: the
 //! forward in f64, and the gradients of candle's autograd through that f64 attention against
-//! those of our op (its fused backward) in f32, under every mask, GQA, softcap, odd lengths and
-//! strided or offset views; f16 and bf16 against f32 with their rounding's tolerance.
+//! those of our op (its fused backward) in f32, under every mask, GQA, softcap, odd lengths,
+//! V's head dim apart from Q's, and strided or offset views; f16 and bf16 against f32 with their
+//! rounding's tolerance.
 #![cfg(feature = "candle")]
 
 mod candle_naive;
@@ -57,11 +58,16 @@ struct Case {
 impl Case {
     /// Separate Q (b, s_q, h_q, d), K and V (b, s_k, h_kv, d).
     fn packed(b: usize, s_q: usize, s_k: usize, h_q: usize, h_kv: usize, d: usize) -> Case {
+        Case::apart([b, s_q, s_k, h_q, h_kv], (d, d))
+    }
+
+    /// Separate Q (b, s_q, h_q, d), K (b, s_k, h_kv, d) and V (b, s_k, h_kv, dv).
+    fn apart([b, s_q, s_k, h_q, h_kv]: [usize; 5], (d, dv): (usize, usize)) -> Case {
         Case {
             leaves: vec![
                 randn(&[b, s_q, h_q, d], 1),
                 randn(&[b, s_k, h_kv, d], 2),
-                randn(&[b, s_k, h_kv, d], 3),
+                randn(&[b, s_k, h_kv, dv], 3),
             ],
             views: |t| Ok((t[0].clone(), t[1].clone(), t[2].clone())),
         }
@@ -129,6 +135,27 @@ fn causal_bottom_right() {
         &Case::packed(2, 37, 53, 4, 2, 64),
         &AttentionConfig::new().causal(true),
     );
+}
+
+/// V's head dim apart from Q's and K's: O of V's head dim, dV shaped like V (the checks compare
+/// shapes first), DeepSeek's MLA's 192/128 causal and a wider V under a window with softcap.
+#[test]
+fn v_head_dim_apart_from_q() {
+    grad_check(
+        &Case::apart([1, 37, 53, 4, 2], (192, 128)),
+        &AttentionConfig::new().causal(true),
+    );
+    grad_check(
+        &Case::apart([2, 17, 29, 4, 1], (40, 72)),
+        &AttentionConfig::new().window(Some(7), Some(3)).softcap(5.0),
+    );
+    let (q, k, v) = (
+        randn(&[1, 5, 2, 16], 5),
+        randn(&[1, 7, 2, 16], 6),
+        randn(&[1, 7, 2, 8], 7),
+    );
+    let out = flash_attn(&q, &k, &v, &AttentionConfig::new()).unwrap();
+    assert_eq!(out.dims(), &[1, 5, 2, 8]);
 }
 
 #[test]
@@ -324,6 +351,19 @@ fn bad_calls_are_errors() {
     let q64 = q.to_dtype(DType::F64).unwrap();
     let e = flash_attn(&q64, &q64, &q64, &cfg).unwrap_err();
     assert!(as_flash_error(&e).is_none(), "{e}");
+    // V of another seqlen than K's: this crate's typed error, naming V.
+    let v = randn(&[1, 9, 2, 8], 32);
+    let e = flash_attn(&q, &k, &v, &cfg).unwrap_err();
+    assert!(
+        matches!(
+            as_flash_error(&e),
+            Some(Error::ShapeMismatch {
+                operand: flashattn::Operand::V,
+                ..
+            })
+        ),
+        "{e}"
+    );
     // A backend other than the CPU for CPU tensors: the dispatcher's refusal.
     let gpu = AttentionConfig::new().backend(flashattn::Backend::Sm90);
     let e = flash_attn(&q, &q, &q, &gpu).unwrap_err();
@@ -332,10 +372,10 @@ fn bad_calls_are_errors() {
 
 /// A packed batch through `flash_attn_varlen` against the naive attention of each sequence on
 /// its own rows (f64), O and every gradient: sequences of different lengths, one with no
-/// queries, GQA, under `cfg`.
-fn varlen_check(cfg: &AttentionConfig) {
+/// queries, GQA, under `cfg`, Q and K of head dim `d`, V of `dv`.
+fn varlen_check(cfg: &AttentionConfig, (d, dv): (usize, usize)) {
     let (lens_q, lens_k) = ([5u32, 0, 17, 1, 33], [9u32, 4, 17, 3, 40]);
-    let (h_q, h_kv, d) = (4, 2, 32);
+    let (h_q, h_kv) = (4, 2);
     let offsets = |lens: &[u32]| -> Vec<u32> {
         std::iter::once(0)
             .chain(lens.iter().scan(0, |acc, &l| {
@@ -350,7 +390,7 @@ fn varlen_check(cfg: &AttentionConfig) {
         leaves: vec![
             randn(&[total_q, h_q, d], 40),
             randn(&[total_k, h_kv, d], 41),
-            randn(&[total_k, h_kv, d], 42),
+            randn(&[total_k, h_kv, dv], 42),
         ],
         views: |t| Ok((t[0].clone(), t[1].clone(), t[2].clone())),
     };
@@ -368,12 +408,21 @@ fn varlen_check(cfg: &AttentionConfig) {
 
 #[test]
 fn packed_sequences_causal() {
-    varlen_check(&AttentionConfig::new().causal(true));
+    varlen_check(&AttentionConfig::new().causal(true), (32, 32));
 }
 
 #[test]
 fn packed_sequences_windowed_with_softcap() {
-    varlen_check(&AttentionConfig::new().window(Some(6), Some(2)).softcap(4.0));
+    varlen_check(
+        &AttentionConfig::new().window(Some(6), Some(2)).softcap(4.0),
+        (32, 32),
+    );
+}
+
+#[test]
+fn packed_sequences_with_v_head_dim_apart() {
+    varlen_check(&AttentionConfig::new().causal(true), (192, 128));
+    varlen_check(&AttentionConfig::new().window(Some(6), Some(2)), (24, 40));
 }
 
 #[test]
