@@ -3,11 +3,9 @@
 // into kernels.h) that this build holds. The Rust side validates first; these checks are the
 // second line so that a wrong call from C is refused rather than faulting.
 #include <cuda_runtime.h>
-#include <cutlass/numeric_types.h>
 
 #include <cstring>
 
-#include "common/fwd_sinks.h"
 #include "common/sequences.h"
 #include "common/status.h"
 #include "common/views.h"
@@ -235,16 +233,6 @@ flashattn_result_t validate_bwd(const flashattn_params_t* p) {
 // The FlashAttention-2 kernels put heads and batch entries on grid y and z.
 bool fits_sm80_grid(const flashattn_params_t& p) { return p.batch <= 65535 && p.heads_q <= 65535; }
 
-// A forward that succeeded, with the call's attention sinks added to its O and LSE.
-flashattn_result_t with_sinks(flashattn_result_t r, const flashattn_params_t& p, void* stream) {
-  if (r.status != FLASHATTN_OK || p.sinks == nullptr) return r;
-  const auto s = static_cast<cudaStream_t>(stream);
-  const int32_t out = p.dtype == FLASHATTN_E4M3 ? p.out_dtype : p.dtype;
-  return flashattn::cuda_status(out == FLASHATTN_BF16
-                                    ? flashattn::launch_fwd_add_sinks<cutlass::bfloat16_t>(p, s)
-                                    : flashattn::launch_fwd_add_sinks<cutlass::half_t>(p, s));
-}
-
 }  // namespace
 
 extern "C" uint32_t flashattn_built_kernels(void) { return flashattn::kernels::built_families(); }
@@ -280,9 +268,9 @@ extern "C" flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* param
   auto s = static_cast<cudaStream_t>(stream);
   if (p.dtype == FLASHATTN_E4M3) {
     if (p.softcap != 0.f) return kUnsupported;  // not built for FP8
-    return with_sinks(flashattn::kernels::sm90_fp8_fwd(p, o, s), p, stream);
+    return flashattn::kernels::sm90_fp8_fwd(p, o, s);
   }
-  return with_sinks(flashattn::kernels::sm90_fwd(p, o, s), p, stream);
+  return flashattn::kernels::sm90_fwd(p, o, s);
 }
 
 extern "C" flashattn_result_t flashattn_bwd_sm90(const flashattn_params_t* params,
@@ -299,8 +287,7 @@ extern "C" flashattn_result_t flashattn_fwd_sm80(const flashattn_params_t* param
   if (r.status != FLASHATTN_OK) return r;
   if (!fits_sm80_grid(*params)) return kInvalid;
   const flashattn_params_t p = normalized(*params);
-  return with_sinks(flashattn::kernels::sm80_fwd(p, static_cast<cudaStream_t>(stream)), p,
-                    stream);
+  return flashattn::kernels::sm80_fwd(p, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" flashattn_result_t flashattn_bwd_sm80(const flashattn_params_t* params,

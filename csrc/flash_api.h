@@ -85,10 +85,6 @@ typedef struct {
   int64_t workspace_bytes;
 
   int32_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
-  // Head dim of V, O, dO and dV where it differs from Q's and K's (head_dim); 0 = the same.
-  // Built for the pairs the kernel registry lists (src/registry.rs); others are refused with
-  // FLASHATTN_UNSUPPORTED.
-  int32_t head_dim_v;
   int32_t dtype;  // flashattn_dtype_t
 
   float softmax_scale;  // finite, > 0
@@ -154,6 +150,11 @@ typedef struct {
   // The device's SM count (from flashattn_device_query), 1 .. 4096: grids are sized by it.
   int32_t sm_count;
   uint32_t sm90_flags;  // flashattn_sm90_flag_t bits
+
+  // Head dim of V, O, dO and dV where it differs from Q's and K's (head_dim); 0 = the same.
+  // Built for the pairs the kernel registry lists (src/registry.rs); others are refused with
+  // FLASHATTN_UNSUPPORTED. Last, so that the fields before it keep their offsets.
+  int32_t head_dim_v;
 } flashattn_params_t;
 
 // Where flashattn_fp8_quantize writes: rows like the source, (batch, seqlen, heads, head_dim)

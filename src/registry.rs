@@ -319,7 +319,7 @@ const fn row_v(
 use TileRole::*;
 
 /// Every tile. Shared memory (≤ 227 KiB on sm90, ≤ 163 KiB on A100) and registers bound each:
-/// the sm90 forward holds Q q_stages·128·d and K, V 2·stages·block_n·d elements (d128 with 160
+/// the sm90 forward holds Q q_stages·128·d, K 2·stages·block_n·d and V 2·stages·block_n·d_v elements (d128 with 160
 /// keys: 224 KiB, and O d/2, S block_n/2, P block_n/4 registers per consumer thread within
 /// setmaxnreg's 240); d192 and d256 take one Q buffer, as two would leave no room for K/V blocks
 /// worth the name (d192 with 128 keys would need 240 KiB, so 112). FP8 elements take half the bytes, so its key blocks are wider; its key block is

@@ -6,7 +6,7 @@
 // pays nothing; one with sinks pays a pass over O and one more rounding of it.
 //
 // A row that saw no key (LSE +inf, O 0) gets LSE = sink and keeps O; a sink of −inf is none (the
-// row is left as it is); a NaN LSE stays NaN, and makes O NaN.
+// row is left as it is); a sink of +inf or NaN, or a NaN LSE, makes the row's LSE and O NaN.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,39 +16,47 @@
 #include <cstdint>
 
 #include "../flash_api.h"
+#include "sequences.h"
 
 namespace flashattn {
 
 struct FwdSinksParams {
   void* o;
   int64_t o_batch_stride, o_row_stride, o_head_stride;  // elements
-  float* lse;  // (entries, heads_q, rows): the forward's layout, dense or packed
+  float* lse;  // the forward's (batch, heads_q, rows) layout, dense or packed
   const float* sinks;
-  int64_t rows_total;  // entries · heads_q · rows
-  int rows, heads_q, head_dim;
+  Sequences seqs;  // each entry's rows (packed: as the kernels clamp its offsets)
+  int64_t units;   // entries · heads_q · the longest entry's rows
+  int heads_q, head_dim;
 };
 
 constexpr int kFwdSinksThreads = 256;
 
-// One warp per (entry, head, row) of the LSE: every lane reads the old LSE before lane 0 writes
-// the new one, and the lanes share the row's 8-element chunks of O (16-byte aligned: the C ABI
-// checks O's pointer and strides).
+// One warp per (entry, head, row of the entry): rows no entry owns (a packed batch's rows outside
+// every sequence) are left as the kernels left them. Every lane reads the old LSE before lane 0
+// writes the new one, and the lanes share the row's 8-element chunks of O (16-byte aligned: the
+// C ABI checks O's pointer and strides).
 template <class Element>
 __global__ void __launch_bounds__(kFwdSinksThreads) fwd_add_sinks(
     __grid_constant__ const FwdSinksParams p) {
   constexpr int kWarps = kFwdSinksThreads / 32;
   const int lane = threadIdx.x % 32;
-  for (int64_t at = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; at < p.rows_total;
-       at += int64_t(gridDim.x) * kWarps) {
-    const int64_t row = at % p.rows, entry_head = at / p.rows;
+  for (int64_t unit = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; unit < p.units;
+       unit += int64_t(gridDim.x) * kWarps) {
+    const int r = int(unit % p.seqs.max_q);
+    const int64_t entry_head = unit / p.seqs.max_q;
     const int head = int(entry_head % p.heads_q);
-    const int64_t entry = entry_head / p.heads_q;
+    const Sequences::Entry e = p.seqs.at(int(entry_head / p.heads_q));
+    if (r >= e.seqlen_q) continue;
+    float* lse_at = p.lse + e.rows_offset(head, p.heads_q, p.seqs.rows_q) + r;
     const float sink = p.sinks[head];
-    const float lse = p.lse[at];
+    const float lse = *lse_at;
     __syncwarp();
     if (sink == -INFINITY) continue;
     float new_lse, factor;
-    if (lse == INFINITY) {  // no key: the sink alone
+    if (sink == INFINITY || sink != sink) {  // the sink takes everything: NaN, as the reference
+      new_lse = factor = NAN;
+    } else if (lse == INFINITY) {  // no key: the sink alone
       new_lse = sink, factor = 1.f;
     } else {
       const bool row_on_top = lse > sink;  // false for a NaN LSE, which the sum then carries
@@ -56,8 +64,8 @@ __global__ void __launch_bounds__(kFwdSinksThreads) fwd_add_sinks(
       new_lse = top + log1pf(expf(low - top));
       factor = expf(lse - new_lse);
     }
-    auto o = static_cast<Element*>(p.o) + entry * p.o_batch_stride + row * p.o_row_stride +
-             head * p.o_head_stride;
+    auto o = static_cast<Element*>(p.o) + e.batch * p.o_batch_stride +
+             (int64_t(e.q_start) + r) * p.o_row_stride + head * p.o_head_stride;
     for (int c = lane; c < p.head_dim / 8; c += 32) {
       auto& chunk = *reinterpret_cast<cutlass::Array<Element, 8>*>(o + c * 8);
       cutlass::Array<Element, 8> v = chunk;
@@ -65,11 +73,13 @@ __global__ void __launch_bounds__(kFwdSinksThreads) fwd_add_sinks(
       for (int i = 0; i < 8; ++i) v[i] = Element(float(v[i]) * factor);
       chunk = v;
     }
-    if (lane == 0) p.lse[at] = new_lse;
+    if (lane == 0) *lse_at = new_lse;
   }
 }
 
-// The sinks into a finished forward's O (of type Element) and LSE, where the call has them.
+// The sinks into a finished forward's O (of type Element, V's head dim) and LSE, where the call
+// has them. Each family's launcher calls it, so that the pass is built for the architectures its
+// kernels are.
 template <class Element>
 cudaError_t launch_fwd_add_sinks(const flashattn_params_t& p, cudaStream_t stream) {
   if (p.sinks == nullptr) return cudaSuccess;
@@ -80,14 +90,13 @@ cudaError_t launch_fwd_add_sinks(const flashattn_params_t& p, cudaStream_t strea
   s.o_head_stride = p.o.head_stride;
   s.lse = p.lse;
   s.sinks = p.sinks;
-  const int entries = p.cu_seqlens_q != nullptr ? 1 : p.batch;  // packed: one entry of all rows
-  s.rows = p.seqlen_q;
+  s.seqs = sequences(p);
   s.heads_q = p.heads_q;
-  s.head_dim = p.head_dim_v;  // O's (the launchers take normalized parameters)
-  s.rows_total = int64_t(entries) * p.heads_q * p.seqlen_q;
-  if (s.rows_total == 0) return cudaSuccess;
+  s.head_dim = p.head_dim_v != 0 ? p.head_dim_v : p.head_dim;
+  s.units = int64_t(p.batch) * p.heads_q * s.seqs.max_q;
+  if (s.units == 0) return cudaSuccess;
   constexpr int kWarps = kFwdSinksThreads / 32;
-  const int64_t blocks = (s.rows_total + kWarps - 1) / kWarps;
+  const int64_t blocks = (s.units + kWarps - 1) / kWarps;
   const unsigned grid = unsigned(blocks < (int64_t(1) << 20) ? blocks : (int64_t(1) << 20));
   fwd_add_sinks<Element><<<grid, kFwdSinksThreads, 0, stream>>>(s);
   return cudaGetLastError();

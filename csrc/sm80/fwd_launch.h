@@ -7,6 +7,7 @@
 #include <climits>
 #include <cmath>
 
+#include "../common/fwd_sinks.h"
 #include "../common/launch.h"
 #include "../common/status.h"
 #include "../flash_api.h"
@@ -65,7 +66,8 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
   FLASHATTN_TRY_CUDA(allow_dynamic_smem<Traits>(kernel, smem_bytes));
   const dim3 grid(params.num_m_blocks, p.heads_q, p.batch);
   kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(params);
-  return check_launch();
+  FLASHATTN_TRY_CUDA(cudaGetLastError());
+  return cuda_status(launch_fwd_add_sinks<Element>(p, stream));  // the call's attention sinks
 }
 
 }  // namespace flashattn::sm80

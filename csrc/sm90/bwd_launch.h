@@ -39,6 +39,8 @@ template <class Element, int kHeadDim>
 flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Traits = BwdTraitsFor<Element, kHeadDim>;
   constexpr bool kSplitD = BwdTile<kHeadDim>::kSplitHeadDim;
+  // The workspace's sinks' parts and packed key table are sized for key blocks of this or more.
+  static_assert(Traits::kBlockN >= kMinKeyBlock);
   // Softcap's deterministic mode is not instantiated (the dispatcher sends it to sm80).
   const bool softcap = p.softcap > 0.f;
   if (softcap && p.deterministic) return status(FLASHATTN_UNSUPPORTED);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "../common/fwd_sinks.h"
 #include "../common/launch.h"
 #include "../common/sequences.h"
 #include "../common/status.h"
@@ -95,8 +96,11 @@ flashattn_result_t run_fwd_split_tail(const flashattn_params_t& p, FwdParams<Tra
   return freed_after(launched, tail.partials, stream);
 }
 
+// The forward's kernels: the schedule, the tiles (whole, or the last wave split by key blocks and
+// merged).
 template <class Traits>
-flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStream_t stream) {
+flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
+                                   cudaStream_t stream) {
   using Element = typename Traits::Element;
   FwdParams<Traits> params;
   params.batch = p.batch;
@@ -228,6 +232,21 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
     launched = cuda_status(launch_dependent(kernel, ctas_for(params.num_tiles), Traits::kThreads,
                                             smem_bytes, stream, params));
   return freed_after(launched, schedule, stream);
+}
+
+// The forward: its kernels, then the call's attention sinks (common/fwd_sinks.h) into O, whose
+// type is Q's, or for FP8 the call's out_dtype.
+template <class Traits>
+flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStream_t stream) {
+  const flashattn_result_t r = run_fwd_kernels<Traits>(p, pingpong, stream);
+  if (r.status != FLASHATTN_OK || p.sinks == nullptr) return r;
+  if constexpr (Traits::kFp8) {
+    return cuda_status(p.out_dtype == FLASHATTN_BF16
+                           ? launch_fwd_add_sinks<cutlass::bfloat16_t>(p, stream)
+                           : launch_fwd_add_sinks<cutlass::half_t>(p, stream));
+  } else {
+    return cuda_status(launch_fwd_add_sinks<typename Traits::Element>(p, stream));
+  }
 }
 
 // The tile table's instantiation the caller chose (FLASHATTN_SM90_MASKED_TILE), where the head

@@ -98,7 +98,7 @@ impl<'a> DeviceSeqlens<'a> {
         dense.check_gpu_limits()?;
         dispatch::check_left_window(cfg, dense.seqlen_k)?;
         let rows = dense.seqlen_q.max(dense.seqlen_k) as u128 + 128 * self.batch() as u128;
-        let elements = rows * dense.heads_q as u128 * dense.head_dim as u128;
+        let elements = rows * dense.heads_q as u128 * dense.head_dim.max(dense.head_dim_v) as u128;
         if elements > 1 << 42 {
             return Err(Error::IndexOverflow {
                 operand: Operand::Q,

@@ -85,10 +85,6 @@ fn run<T: Element + DeviceRepr>(
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn sm90_forward_at_192_128() {
-    if !cfg!(feature = "hdim192") {
-        println!("not built: the (192, 128) forward needs the hdim192 feature");
-        return;
-    }
     let (dev, stream) = device();
     let sizes = |batch, seqlen_q, seqlen_k| Sizes {
         batch,

@@ -9,6 +9,7 @@ mod common;
 #[path = "../harness/mod.rs"]
 mod harness;
 
+#[cfg(feature = "hdim192")]
 mod head_dim_v;
 mod schedules;
 mod tail_split;

@@ -97,7 +97,7 @@ pub(super) fn fwd_block<T: Element, A: Arith>(
     FwdBlock { o: acc, lse }
 }
 
-/// A row's softmax with an attention sink (the GPU kernels' `sink_share`, in f64): the row's
+/// A row's softmax with an attention sink, in f64: the row's
 /// running max `m` and sum `l` (of `2^(s − m)` over its keys; `l` = 0 and `m` = −inf where it
 /// saw none) and the sink's logit in the same base-2 units, both rescaled to the larger of the
 /// max and the sink so that neither overflows. Returns what the row's accumulator (kept against
