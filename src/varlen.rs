@@ -17,14 +17,14 @@
 //!
 //! ```
 //! use flashattn::varlen::{self, Seqlens};
-//! use flashattn::{AttentionConfig, TensorRef};
+//! use flashattn::{AttentionConfig, ForwardInputs, TensorRef};
 //!
 //! // Three documents of 5, 0 and 3 tokens, 2 heads of 8.
 //! let cu = [0, 5, 5, 8];
 //! let seqs = Seqlens::new(&cu, &cu, 5, 5)?;
 //! let x: Vec<f32> = (0..8 * 2 * 8).map(|i| (i as f32 * 0.37).sin()).collect();
 //! let t = TensorRef::contiguous(&x, [1, 8, 2, 8]);
-//! let fwd = varlen::forward(&AttentionConfig::new().causal(true), &seqs, t, t, t)?;
+//! let fwd = varlen::forward(&AttentionConfig::new().causal(true), &seqs, ForwardInputs::new(t, t, t))?;
 //! assert_eq!(fwd.lse.len(), 2 * 8); // (heads_q, total_q)
 //! # Ok::<(), flashattn::Error>(())
 //! ```
@@ -32,10 +32,10 @@
 use std::ops::Range;
 
 use crate::backend;
-use crate::config::{AttentionConfig, Backend};
+use crate::config::AttentionConfig;
 use crate::dispatch::{self, BuiltKernels, Memory, Op, Plan};
 use crate::error::{Error, Operand, Result};
-use crate::tensor::{Element, Layout, Problem, TensorMut, TensorRef};
+use crate::tensor::{self, Element, Layout, Problem, TensorMut, TensorRef};
 use crate::{alloc, BackwardInputs, ForwardInputs, ForwardOutput, Gradients, GradientsMut};
 
 /// The sequence boundaries of a packed batch, checked: `batch + 1` non-decreasing offsets from
@@ -217,15 +217,17 @@ fn sequence(shape: &Problem, seqs: &Seqlens, b: usize) -> Problem {
 }
 
 /// Forward pass over a packed batch: O packed `(1, total_q, heads_q, head_dim_v)`, the LSE
-/// `(heads_q, total_q)`.
+/// `(heads_q, total_q)`. Attention sinks (`inputs.sinks`, one per query head) join every
+/// sequence's rows as in [`crate::forward_into`]; a sequence with no key gets O = 0 and, with a
+/// sink, LSE = the sink (+inf without one or with −inf, NaN with +inf or NaN).
 pub fn forward<T: Element>(
     cfg: &AttentionConfig,
     seqs: &Seqlens,
-    q: TensorRef<T>,
-    k: TensorRef<T>,
-    v: TensorRef<T>,
+    inputs: ForwardInputs<'_, T>,
 ) -> Result<ForwardOutput<T>> {
+    let ForwardInputs { q, k, v, sinks } = inputs;
     let (shape, plan) = plan(Op::Forward, cfg, seqs, &q, &k, &v)?;
+    tensor::check_sinks(&shape, sinks.map(<[f32]>::len), None)?;
     let (heads, d_v, total) = (shape.heads_q, shape.head_dim_v, seqs.total_q());
     let mut out = alloc::<T>(Layout::contiguous([1, total, heads, d_v]).numel(Operand::Out)?)?;
     let mut lse = alloc::<f32>(heads.checked_mul(total).ok_or(Error::IndexOverflow {
@@ -240,9 +242,14 @@ pub fn forward<T: Element>(
             continue;
         }
         if keys.is_empty() {
-            // No key: O stays 0, the LSE is +inf.
+            // No key: O stays 0, the LSE is the sink's (as the kernels give it), or +inf.
             for h in 0..heads {
-                lse[h * total + rows.start..h * total + rows.end].fill(f32::INFINITY);
+                let keyless = match sinks.map(|s| s[h]) {
+                    None | Some(f32::NEG_INFINITY) => f32::INFINITY,
+                    Some(x) if x.is_finite() => x,
+                    Some(_) => f32::NAN,
+                };
+                lse[h * total + rows.start..h * total + rows.end].fill(keyless);
             }
             continue;
         }
@@ -250,7 +257,10 @@ pub fn forward<T: Element>(
         seq_lse.clear();
         seq_lse.resize(heads * rows.len(), 0.0);
         let o = TensorMut::contiguous(&mut out[rows.start * row..rows.end * row], p.o_shape());
-        let inputs = ForwardInputs::new(rows_of(&q, &rows), rows_of(&k, &keys), rows_of(&v, &keys));
+        let inputs = ForwardInputs {
+            sinks,
+            ..ForwardInputs::new(rows_of(&q, &rows), rows_of(&k, &keys), rows_of(&v, &keys))
+        };
         backend::cpu::forward(cfg, &p, inputs, o, &mut seq_lse);
         for h in 0..heads {
             lse[h * total + rows.start..h * total + rows.end]
@@ -262,9 +272,9 @@ pub fn forward<T: Element>(
 
 /// Backward pass over a packed batch: recomputes P from the forward's LSE `(heads_q, total_q)`
 /// and returns dQ packed like Q, dK like K and dV like V (zero on keys no query sees, those past
-/// `seqused_k` among them); O and dO are `(1, total_q, heads_q, head_dim_v)`. Attention sinks
-/// (`inputs.sinks`) are not implemented over packed host batches: they are refused with
-/// [`Error::Unsupported`].
+/// `seqused_k` among them); O and dO are `(1, total_q, heads_q, head_dim_v)`. With attention
+/// sinks (`inputs.sinks`, those the forward took) it returns their gradient too, each
+/// sequence's summed in sequence order.
 pub fn backward<T: Element>(
     cfg: &AttentionConfig,
     seqs: &Seqlens,
@@ -279,13 +289,8 @@ pub fn backward<T: Element>(
         lse,
         sinks,
     } = inputs;
-    if sinks.is_some() {
-        return Err(Error::Unsupported {
-            what: "attention sinks over a packed host batch".into(),
-            backend: Backend::Cpu,
-        });
-    }
     let (shape, plan) = plan(Op::Backward, cfg, seqs, &q, &k, &v)?;
+    tensor::check_sinks(&shape, sinks.map(<[f32]>::len), None)?;
     let (heads, heads_kv) = (shape.heads_q, shape.heads_kv);
     let (d, d_v) = (shape.head_dim, shape.head_dim_v);
     let total_q = seqs.total_q();
@@ -305,10 +310,17 @@ pub fn backward<T: Element>(
     let mut dv = alloc::<T>(Layout::contiguous(v.layout.shape).numel(Operand::DV)?)?;
     let (row_q, row_k, row_v) = (heads * d, heads_kv * d, heads_kv * d_v);
     let mut seq_lse = Vec::new();
+    let mut dsinks = match sinks {
+        Some(_) => Some(alloc::<f32>(heads)?),
+        None => None,
+    };
+    let mut seq_dsinks = vec![0f32; if sinks.is_some() { heads } else { 0 }];
     for b in 0..seqs.batch() {
         let (rows, keys) = (seqs.queries(b), seqs.keys(b));
         if rows.is_empty() || keys.is_empty() {
-            continue; // O does not depend on any key: every gradient here is 0
+            // O does not depend on any key: every gradient here is 0, the sinks' too (their
+            // rows' Σ P·dP is empty).
+            continue;
         }
         let p = sequence(&shape, seqs, b);
         seq_lse.clear();
@@ -320,7 +332,7 @@ pub fn backward<T: Element>(
             dq: TensorMut::contiguous(&mut dq[rows.start * row_q..rows.end * row_q], q_shape),
             dk: TensorMut::contiguous(&mut dk[keys.start * row_k..keys.end * row_k], kv_shape),
             dv: TensorMut::contiguous(&mut dv[keys.start * row_v..keys.end * row_v], v_shape),
-            dsinks: None,
+            dsinks: sinks.map(|_| &mut seq_dsinks[..]),
         };
         let inputs = BackwardInputs {
             q: rows_of(&q, &rows),
@@ -329,15 +341,18 @@ pub fn backward<T: Element>(
             out: rows_of(&out, &rows),
             dout: rows_of(&dout, &rows),
             lse: &seq_lse,
-            sinks: None,
+            sinks,
         };
         backend::cpu::backward(cfg, &p, inputs, grads);
+        if let Some(total) = dsinks.as_mut() {
+            total.iter_mut().zip(&seq_dsinks).for_each(|(t, s)| *t += s);
+        }
     }
     Ok(Gradients {
         dq,
         dk,
         dv,
-        dsinks: None,
+        dsinks,
         plan,
     })
 }

@@ -32,7 +32,7 @@ fn check<T: Element>(batch: &Batch<T>, cfg: &AttentionConfig, used: Option<&[i32
         batch.k_view(&batch.k),
         batch.v_view(&batch.v),
     );
-    let fwd = varlen::forward(cfg, &seqs, q, k, v).unwrap();
+    let fwd = varlen::forward(cfg, &seqs, ForwardInputs::new(q, k, v)).unwrap();
     let grads = varlen::backward(
         cfg,
         &seqs,
@@ -120,7 +120,7 @@ fn v_head_dim_apart_from_q_per_sequence() {
         batch.k_view(&batch.k),
         batch.v_view(&batch.v),
     );
-    let fwd = varlen::forward(&AttentionConfig::new(), &seqs, q, k, v).unwrap();
+    let fwd = varlen::forward(&AttentionConfig::new(), &seqs, ForwardInputs::new(q, k, v)).unwrap();
     assert_eq!(fwd.out.len(), 53 * 2 * 32);
     // O and dO with Q's head dim (64), as if V's were Q's.
     let wide = vec![0.5f32; 53 * 2 * 64];
@@ -176,7 +176,7 @@ fn equal_lengths_match_the_dense_batch_bit_for_bit() {
         batch.k_view(&batch.k),
         batch.k_view(&batch.v),
     );
-    let packed = varlen::forward(&cfg, &seqs, pq, pk, pv).unwrap();
+    let packed = varlen::forward(&cfg, &seqs, ForwardInputs::new(pq, pk, pv)).unwrap();
     // The same memory seen as a dense (b, s, h, d) batch.
     let dq = TensorRef::contiguous(&batch.q[..], [b, s, hq, d]);
     let dk = TensorRef::contiguous(&batch.k[..], [b, s, hk, d]);
@@ -224,21 +224,24 @@ fn equal_lengths_match_the_dense_batch_bit_for_bit() {
     assert_eq!((gp.dq, gp.dk, gp.dv), (gd.dq, gd.dk, gd.dv));
 }
 
-/// Attention sinks are not implemented over packed host batches: the backward refuses them
-/// with a typed error.
+/// Attention sinks over a packed host batch: every sequence as its own dense call with the same
+/// sinks, bit for bit (O, LSE, dQ, dK, dV), the sinks' gradient the sequences' summed in order;
+/// a sequence with no key gets LSE = its head's sink; a short sinks vector is refused.
 #[test]
-fn sinks_over_a_packed_host_batch_are_refused() {
-    let batch = Batch::<f32>::new(&[5, 3], &[5, 3], (2, 2), 8, 3);
-    let (cu, _) = batch.cu();
-    let seqs = Seqlens::new(&cu, &cu, 5, 5).unwrap();
-    let cfg = AttentionConfig::new();
+fn sinks_over_a_packed_host_batch_match_each_sequence_alone() {
+    let (q_lens, k_lens) = ([5, 3, 4], [5, 3, 0]);
+    let batch = Batch::<f32>::new(&q_lens, &k_lens, (2, 2), 8, 3);
+    let (cu_q, cu_k) = batch.cu();
+    let seqs = Seqlens::new(&cu_q, &cu_k, 5, 5).unwrap();
+    let cfg = AttentionConfig::new().causal(true);
+    let sinks = [0.5f32, -1.25];
     let (q, k, v) = (
         batch.q_view(&batch.q),
         batch.k_view(&batch.k),
         batch.k_view(&batch.v),
     );
-    let fwd = varlen::forward(&cfg, &seqs, q, k, v).unwrap();
-    let e = varlen::backward(
+    let fwd = varlen::forward(&cfg, &seqs, ForwardInputs::new(q, k, v).with_sinks(&sinks)).unwrap();
+    let grads = varlen::backward(
         &cfg,
         &seqs,
         BackwardInputs {
@@ -248,11 +251,77 @@ fn sinks_over_a_packed_host_batch_are_refused() {
             out: batch.q_view(&fwd.out),
             dout: batch.q_view(&batch.dout),
             lse: &fwd.lse,
-            sinks: Some(&[0.5, 0.5]),
+            sinks: Some(&sinks),
         },
     )
-    .unwrap_err();
-    assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
+    .unwrap();
+    let (h, d, total_q) = (2, 8, cu_q[3] as usize);
+    let rows = |x: &[f32], start: i32, len: usize| -> Vec<f32> {
+        x[start as usize * h * d..][..len * h * d].to_vec()
+    };
+    let mut dsinks = [0f32; 2];
+    for b in 0..3 {
+        let (nq, nk) = (q_lens[b], k_lens[b]);
+        let (sq, sk) = (rows(&batch.q, cu_q[b], nq), rows(&batch.k, cu_k[b], nk));
+        let (sv, sdo) = (rows(&batch.v, cu_k[b], nk), rows(&batch.dout, cu_q[b], nq));
+        let lse_of = |lse: &[f32], head: usize| -> Vec<f32> {
+            lse[head * total_q + cu_q[b] as usize..][..nq].to_vec()
+        };
+        if nk == 0 {
+            for (head, &sink) in sinks.iter().enumerate() {
+                assert!(lse_of(&fwd.lse, head).iter().all(|&l| l == sink));
+            }
+            assert!(rows(&fwd.out, cu_q[b], nq).iter().all(|&x| x == 0.0));
+            continue;
+        }
+        fn t(x: &[f32], n: usize) -> TensorRef<'_, f32> {
+            TensorRef::contiguous(x, [1, n, 2, 8])
+        }
+        let one = flashattn::forward(
+            &cfg,
+            ForwardInputs::new(t(&sq, nq), t(&sk, nk), t(&sv, nk)).with_sinks(&sinks),
+        )
+        .unwrap();
+        assert_eq!(rows(&fwd.out, cu_q[b], nq), one.out, "sequence {b}: O");
+        for head in 0..h {
+            assert_eq!(
+                lse_of(&fwd.lse, head),
+                one.lse[head * nq..][..nq],
+                "sequence {b}: LSE"
+            );
+        }
+        let g = flashattn::backward(
+            &cfg,
+            BackwardInputs {
+                q: t(&sq, nq),
+                k: t(&sk, nk),
+                v: t(&sv, nk),
+                out: t(&one.out, nq),
+                dout: t(&sdo, nq),
+                lse: &one.lse,
+                sinks: Some(&sinks),
+            },
+        )
+        .unwrap();
+        assert_eq!(rows(&grads.dq, cu_q[b], nq), g.dq, "sequence {b}: dQ");
+        assert_eq!(rows(&grads.dk, cu_k[b], nk), g.dk, "sequence {b}: dK");
+        assert_eq!(rows(&grads.dv, cu_k[b], nk), g.dv, "sequence {b}: dV");
+        let gs = g.dsinks.unwrap();
+        dsinks.iter_mut().zip(&gs).for_each(|(t, x)| *t += x);
+    }
+    assert_eq!(grads.dsinks.unwrap(), dsinks);
+    let e =
+        varlen::forward(&cfg, &seqs, ForwardInputs::new(q, k, v).with_sinks(&[0.5])).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::BufferTooSmall {
+                operand: Operand::Sinks,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
 }
 
 #[test]
@@ -294,11 +363,12 @@ fn malformed_offsets_are_typed_errors() {
     // Tensors that disagree with the offsets: the last offset is not their row count.
     let x = vec![0.5f32; 5 * 2 * 8];
     let t = TensorRef::contiguous(&x, [1, 5, 2, 8]);
-    let e = varlen::forward(&AttentionConfig::new(), &ok, t, t, t).unwrap_err();
+    let e = varlen::forward(&AttentionConfig::new(), &ok, ForwardInputs::new(t, t, t)).unwrap_err();
     assert!(matches!(e, Error::ShapeMismatch { .. }), "{e:?}");
     // A batch axis other than 1.
     let t2 = TensorRef::contiguous(&x[..4 * 2 * 8], [2, 2, 2, 8]);
-    let e = varlen::forward(&AttentionConfig::new(), &ok, t2, t2, t2).unwrap_err();
+    let e =
+        varlen::forward(&AttentionConfig::new(), &ok, ForwardInputs::new(t2, t2, t2)).unwrap_err();
     assert!(matches!(e, Error::ShapeMismatch { .. }), "{e:?}");
 }
 
@@ -325,15 +395,18 @@ fn views_into_a_fused_qkv_buffer_match_packed_copies() {
     let cu = offsets(&lens);
     let seqs = Seqlens::new(&cu, &cu, 19, 19).unwrap();
     let cfg = AttentionConfig::new().causal(true);
-    let strided = varlen::forward(&cfg, &seqs, view(0), view(1), view(2)).unwrap();
+    let strided =
+        varlen::forward(&cfg, &seqs, ForwardInputs::new(view(0), view(1), view(2))).unwrap();
     let (pq, pk, pv) = (packed(0), packed(1), packed(2));
     let shape = [1, total, h, d];
     let copied = varlen::forward(
         &cfg,
         &seqs,
-        TensorRef::contiguous(&pq, shape),
-        TensorRef::contiguous(&pk, shape),
-        TensorRef::contiguous(&pv, shape),
+        ForwardInputs::new(
+            TensorRef::contiguous(&pq, shape),
+            TensorRef::contiguous(&pk, shape),
+            TensorRef::contiguous(&pv, shape),
+        ),
     )
     .unwrap();
     assert_eq!(strided.out, copied.out);
@@ -377,7 +450,7 @@ proptest! {
         let q = TensorRef::contiguous(&xq, [1, tq, 2, 8]);
         let k = TensorRef::contiguous(&xk, [1, tk, 2, 8]);
         let cfg = AttentionConfig::new().causal(causal);
-        match varlen::forward(&cfg, &seqs, q, k, k) {
+        match varlen::forward(&cfg, &seqs, ForwardInputs::new(q, k, k)) {
             Ok(f) => {
                 prop_assert!(seqs.total_q() > 0 && seqs.total_k() > 0);
                 prop_assert!(f.out.iter().all(|x| x.is_finite()));

@@ -23,7 +23,8 @@ pub(super) fn forward<T: Element + WithDType>(
     if let Some(p) = packed {
         let (cu_q, cu_k) = p.host_offsets()?;
         let seqs = Seqlens::new(&cu_q, &cu_k, p.max_q, p.max_k).map_err(wrap)?;
-        let fwd = crate::varlen::forward(cfg, &seqs, q, k, v).map_err(wrap)?;
+        let fwd =
+            crate::varlen::forward(cfg, &seqs, crate::ForwardInputs::new(q, k, v)).map_err(wrap)?;
         return Ok((T::to_cpu_storage_owned(fwd.out), fwd.lse));
     }
     let ([b, s, h, _], dv) = (q.layout.shape, v.layout.head_dim());
