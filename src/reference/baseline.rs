@@ -332,17 +332,9 @@ fn backward_impl<T: Element>(
         .collect();
     // dK (which = 1, d wide) or dV (2, d_v wide) of each kv head, summed over its group.
     let group_sum = |which: usize, width: usize| -> Vec<Vec<f32>> {
-        (0..p.batch * p.heads_kv)
-            .map(|bhk| {
-                let (b, hk) = (bhk / p.heads_kv, bhk % p.heads_kv);
-                let mut acc = vec![0f32; s_k * width];
-                for h in hk * p.group_size()..(hk + 1) * p.group_size() {
-                    for (a, x) in acc.iter_mut().zip(&per_head[b * p.heads_q + h].0[which]) {
-                        *a += x;
-                    }
-                }
-                acc.into_iter().map(rt::<T>).collect()
-            })
+        super::group_sum(&p, s_k * width, |bh| &per_head[bh].0[which][..])
+            .into_iter()
+            .map(|acc| acc.into_iter().map(rt::<T>).collect())
             .collect()
     };
     let dq: Vec<Vec<f32>> = per_head.iter().map(|g| g.0[0].clone()).collect();

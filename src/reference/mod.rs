@@ -100,6 +100,27 @@ fn head<T: Element, U>(t: &TensorRef<T>, b: usize, h: usize, conv: impl Fn(T) ->
 }
 
 /// Scatters per-(b, h) packed `(seqlen, d)` rows into a packed `(b, s, heads, d)` buffer.
+/// GQA: each (batch entry, KV head)'s sum of its query heads' `of(b·heads_q + h)` (dK or dV of
+/// one query head, `len` values), in head order.
+fn group_sum<'a, U: Copy + Default + std::ops::AddAssign + 'a>(
+    p: &Problem,
+    len: usize,
+    of: impl Fn(usize) -> &'a [U],
+) -> Vec<Vec<U>> {
+    (0..p.batch * p.heads_kv)
+        .map(|bhk| {
+            let (b, hk) = (bhk / p.heads_kv, bhk % p.heads_kv);
+            let mut acc = vec![U::default(); len];
+            for h in hk * p.group_size()..(hk + 1) * p.group_size() {
+                for (a, &x) in acc.iter_mut().zip(of(b * p.heads_q + h)) {
+                    *a += x;
+                }
+            }
+            acc
+        })
+        .collect()
+}
+
 fn scatter<U: Copy + Default>(blocks: &[Vec<U>], shape: [usize; 4]) -> Vec<U> {
     let [nb, ns, nh, nd] = shape;
     let mut out = vec![U::default(); nb * ns * nh * nd];
