@@ -162,6 +162,44 @@ fn streams_and_buffers_of_another_context_are_refused() {
     let cfg = AttentionConfig::new();
     let mine = DeviceTensor::new(here.as_view(), lay);
     let theirs = DeviceTensor::new(there.as_view(), lay);
+    // Attention sinks, and their gradient's buffer, of the other context.
+    let sinks_here = stream.clone_htod(&[0.5f32; 2]).unwrap();
+    let sinks_there = other_stream.clone_htod(&[0.5f32; 2]).unwrap();
+    let mut dsinks_there = other_stream.clone_htod(&[f32::NAN; 2]).unwrap();
+    let e = dev
+        .forward_into(
+            &stream,
+            &cfg,
+            DeviceForwardInputs::new(&mine, &mine, &mine).with_sinks(&sinks_there.as_view()),
+            &mut DeviceTensorMut::new(o.as_view_mut(), lay),
+            &mut lse.as_view_mut(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::WrongDevice { .. }), "sinks: {e:?}");
+    let mut grads = [(); 3].map(|_| stream.clone_htod(&vec![bf16::NAN; s * h * d]).unwrap());
+    let [g_q, g_k, g_v] = &mut grads;
+    let e = dev
+        .backward_into(
+            &stream,
+            &cfg,
+            DeviceBackwardInputs {
+                q: &mine,
+                k: &mine,
+                v: &mine,
+                out: &mine,
+                dout: &mine,
+                lse: &lse.as_view(),
+                sinks: Some(&sinks_here.as_view()),
+            },
+            DeviceGradientsMut {
+                dq: &mut DeviceTensorMut::new(g_q.as_view_mut(), lay),
+                dk: &mut DeviceTensorMut::new(g_k.as_view_mut(), lay),
+                dv: &mut DeviceTensorMut::new(g_v.as_view_mut(), lay),
+                dsinks: Some(&mut dsinks_there.as_view_mut()),
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::WrongDevice { .. }), "dsinks: {e:?}");
     let mut forward = |stream: &Arc<CudaStream>, k: &DeviceTensor<bf16>| {
         dev.forward_into(
             stream,
