@@ -10,10 +10,12 @@
 //! `--dims D,...` times other head dims than 64, 128 and 256 (those this build has; the hidden
 //! size `--hidden H` must be a multiple of each), a backward only where one is built.
 //!
-//! `--softcap C` caps every row's scores at C (the results file says so).
+//! `--softcap C` caps every row's scores at C (the results file says so). `--sinks` gives every
+//! call attention sinks (one logit per query head), and the backward their gradient: what they
+//! cost beside the same rows without (the results file says so).
 //!
 //! Usage: bench_table [--quick] [--only D,S[,causal][,sm80]] [--dims D,...] [--hidden H]
-//!                    [--softcap C] [--out results.json] [--commit SHA]
+//!                    [--softcap C] [--sinks] [--out results.json] [--commit SHA]
 
 mod common;
 
@@ -43,6 +45,9 @@ struct Inputs {
     /// dO and the gradients, for the backward rows.
     dout: CudaSlice<bf16>,
     grads: [CudaSlice<bf16>; 3],
+    /// With `--sinks`: the sinks (host and device, enough for the most heads timed) and their
+    /// gradient's buffer.
+    sinks: Option<(Vec<f32>, CudaSlice<f32>, CudaSlice<f32>)>,
 }
 
 struct Row {
@@ -75,20 +80,32 @@ fn time_forward(
 ) -> (Vec<f64>, f64) {
     let layout = Layout::contiguous(shape);
     let run = |inp: &mut Inputs| {
-        let [q, k, v] = &inp.dev;
+        let Inputs {
+            dev: [q, k, v],
+            out,
+            lse,
+            sinks,
+            ..
+        } = inp;
+        let (tq, tk, tv) = (
+            DeviceTensor::new(
+                q.slice(..layout.span(flashattn::Operand::Q).unwrap()),
+                layout,
+            ),
+            DeviceTensor::new(k.slice(..), layout),
+            DeviceTensor::new(v.slice(..), layout),
+        );
+        let sinks = sinks.as_ref().map(|(_, s, _)| s.as_view());
+        let mut inputs = DeviceForwardInputs::new(&tq, &tk, &tv);
+        if let Some(s) = &sinks {
+            inputs = inputs.with_sinks(s);
+        }
         dev.forward_into(
             stream,
             cfg,
-            DeviceForwardInputs::new(
-                &DeviceTensor::new(
-                    q.slice(..layout.span(flashattn::Operand::Q).unwrap()),
-                    layout,
-                ),
-                &DeviceTensor::new(k.slice(..), layout),
-                &DeviceTensor::new(v.slice(..), layout),
-            ),
-            &mut DeviceTensorMut::new(inp.out.as_view_mut(), layout),
-            &mut inp.lse.as_view_mut(),
+            inputs,
+            &mut DeviceTensorMut::new(out.as_view_mut(), layout),
+            &mut lse.as_view_mut(),
         )
         .expect("forward");
     };
@@ -136,6 +153,10 @@ fn time_backward(
             DeviceTensor::new(x.slice(..n), layout)
         }
         let [dq, dk, dv] = &mut inp.grads;
+        let (sinks, mut dsinks) = match &mut inp.sinks {
+            Some((_, s, ds)) => (Some(s.as_view()), Some(ds.as_view_mut())),
+            None => (None, None),
+        };
         dev.backward_into(
             stream,
             cfg,
@@ -146,13 +167,13 @@ fn time_backward(
                 out: &t(&inp.out, n, layout),
                 dout: &t(&inp.dout, n, layout),
                 lse: &inp.lse.slice(..),
-                sinks: None,
+                sinks: sinks.as_ref(),
             },
             DeviceGradientsMut {
                 dq: &mut DeviceTensorMut::new(dq.slice_mut(..n), layout),
                 dk: &mut DeviceTensorMut::new(dk.slice_mut(..n), layout),
                 dv: &mut DeviceTensorMut::new(dv.slice_mut(..n), layout),
-                dsinks: None,
+                dsinks: dsinks.as_mut(),
             },
         )
         .expect("backward");
@@ -174,8 +195,16 @@ fn check(stream: &Arc<CudaStream>, inp: &Inputs, cfg: &AttentionConfig, shape: [
     let [b, s, h, d] = shape;
     let (mut got, mut want, mut base) = (vec![], vec![], vec![]);
     for (bi, hi, i) in [(0, 0, 0), (b - 1, h - 1, s - 1), (b / 2, h / 2, s / 2 + 3)] {
-        let (w, _) = reference::reference_row(&cpu, t(0), t(1), t(2), bi, hi, i);
-        let (bo, _) = reference::baseline_row(&cpu, t(0), t(1), t(2), bi, hi, i);
+        let (w, bo) = match &inp.sinks {
+            Some((host, _, _)) => (
+                reference::reference_row_sinks(&cpu, t(0), t(1), t(2), &host[..h], bi, hi, i).0,
+                reference::baseline_row_sinks(&cpu, t(0), t(1), t(2), &host[..h], bi, hi, i).0,
+            ),
+            None => (
+                reference::reference_row(&cpu, t(0), t(1), t(2), bi, hi, i).0,
+                reference::baseline_row(&cpu, t(0), t(1), t(2), bi, hi, i).0,
+            ),
+        };
         let off = layout.offset(bi, i, hi, 0);
         got.extend(out[off..off + d].iter().map(|x| x.to_f32()));
         want.extend(w);
@@ -202,6 +231,10 @@ fn main() {
     let softcap: Option<f32> = args
         .value("--softcap")
         .map(|c| c.parse().expect("--softcap C"));
+    let with_sinks = args.flag("--sinks");
+    if with_sinks {
+        println!("every call with attention sinks, every backward with their gradient");
+    }
     let dims: Vec<usize> = args.value("--dims").map_or(vec![64, 128, 256], |v| {
         v.split(',')
             .map(|d| d.parse().expect("--dims D,..."))
@@ -222,15 +255,13 @@ fn main() {
     let host = [gen(), gen(), gen()];
     let upload = |h: &Vec<bf16>| stream.clone_htod(h).unwrap();
     let dev_bufs = [upload(&host[0]), upload(&host[1]), upload(&host[2])];
+    // Heads at the smallest head dim timed (the fixed rows below include d64).
+    let most_heads = hidden / dims.iter().fold(64, |m, &d| m.min(d));
     let mut inp = Inputs {
         dev: dev_bufs,
         out: stream.clone_htod(&vec![bf16::NAN; n]).unwrap(),
         lse: stream
-            .clone_htod(&vec![
-                f32::NAN;
-                // Heads at the smallest head dim timed (the fixed rows below include d64).
-                TOKENS * hidden / dims.iter().fold(64, |m, &d| m.min(d))
-            ])
+            .clone_htod(&vec![f32::NAN; TOKENS * most_heads])
             .unwrap(),
         dout: upload(&gen()),
         grads: [
@@ -238,6 +269,16 @@ fn main() {
             stream.clone_htod(&vec![bf16::NAN; n]).unwrap(),
             stream.clone_htod(&vec![bf16::NAN; n]).unwrap(),
         ],
+        // Around the scaled scores' own range (about ±3 for N(0, 1) inputs).
+        sinks: with_sinks.then(|| {
+            let host: Vec<f32> = (0..most_heads).map(|h| (h % 7) as f32 - 3.0).collect();
+            let dev = stream.clone_htod(&host).unwrap();
+            (
+                host,
+                dev,
+                stream.clone_htod(&vec![f32::NAN; most_heads]).unwrap(),
+            )
+        }),
         host,
     };
 
@@ -440,7 +481,8 @@ fn main() {
                 },
             ));
         }
-        let extra = softcap.map_or(String::new(), |c| format!(", \"softcap\": {c}"));
+        let extra = softcap.map_or(String::new(), |c| format!(", \"softcap\": {c}"))
+            + if with_sinks { ", \"sinks\": true" } else { "" };
         common::write_results(&path, &common::describe(&info), &commit, &extra, &json_rows);
     }
     if rows.iter().any(|r| !r.pass) {
