@@ -7,7 +7,7 @@
 use flashattn::dispatch::{self, Op};
 use flashattn::reference::{
     baseline_backward, baseline_forward, reference_backward, reference_backward_sinks,
-    reference_forward, reference_forward_sinks,
+    reference_forward,
 };
 use flashattn::{
     AttentionConfig, Backend, BackwardInputs, Error, ForwardInputs, GradientsMut, Memory, Operand,
@@ -16,118 +16,32 @@ use flashattn::{
 
 use crate::{all_gpu_kernels, fake_h200, problem, ramp};
 
-/// `n` values `amp·sin(f·i + phase)`: deterministic inputs that differ per operand.
-fn wave(n: usize, f: f32, phase: f32, amp: f32) -> Vec<f32> {
-    (0..n).map(|i| amp * (f * i as f32 + phase).sin()).collect()
-}
+use crate::small_problem::{
+    check_element_gradient, check_sink_gradient, configs, Grad, Inputs, B, D, HKV, HQ, SINKS, SK,
+    SQ,
+};
 
-/// GQA (4 query heads over 2 kv heads), more queries than keys, Q and K of head dim 8, V of 12.
-const B: usize = 2;
-const SQ: usize = 7;
-const SK: usize = 5;
-const HQ: usize = 4;
-const HKV: usize = 2;
-const D: usize = 8;
+/// V's head dim in the finite-difference problem: wider than Q's and K's.
 const DV: usize = 12;
-
-/// The finite-difference step: 2⁻¹⁷ (about 1e-5), exact in f32 beside every value it is added
-/// to here.
-const STEP: f32 = 1.0 / 131_072.0;
-
-struct Inputs {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    dout: Vec<f32>,
-}
-
-impl Inputs {
-    fn new() -> Self {
-        Inputs {
-            q: wave(B * SQ * HQ * D, 0.61, 0.3, 1.1),
-            k: wave(B * SK * HKV * D, 0.29, 1.1, 1.3),
-            v: wave(B * SK * HKV * DV, 0.47, 2.0, 1.0),
-            dout: wave(B * SQ * HQ * DV, 0.83, 0.7, 1.0),
-        }
-    }
-
-    fn tensors(&self) -> [TensorRef<'_, f32>; 4] {
-        [
-            TensorRef::contiguous(&self.q, [B, SQ, HQ, D]),
-            TensorRef::contiguous(&self.k, [B, SK, HKV, D]),
-            TensorRef::contiguous(&self.v, [B, SK, HKV, DV]),
-            TensorRef::contiguous(&self.dout, [B, SQ, HQ, DV]),
-        ]
-    }
-
-    /// `Σ dO∘O` in f64, the loss whose gradients the backward computes.
-    fn loss(&self, cfg: &AttentionConfig, sinks: &[f32]) -> f64 {
-        let [q, k, v, _] = self.tensors();
-        let out = reference_forward_sinks(cfg, q, k, v, sinks).out;
-        assert_eq!(out.len(), self.dout.len());
-        out.iter().zip(&self.dout).map(|(o, g)| o * *g as f64).sum()
-    }
-}
 
 /// The reference's dQ, dK, dV (one element each, in the last columns of each head dim, which a
 /// gradient of the wrong width would leave out or misplace) and sink gradient against central
 /// differences of the loss, with a mask that leaves rows without a key, softcap and a window.
 #[test]
 fn the_reference_gradients_are_finite_differences_of_the_loss() {
-    let sinks = [0.5, -0.25, 1.0, -1.5];
-    let configs = [
-        AttentionConfig::new().causal(true),
-        AttentionConfig::new().causal(true).softcap(2.0),
-        AttentionConfig::new().window(Some(2), Some(1)),
-    ];
     let dq_at = ((SQ + 5) * HQ + 2) * D + D - 1;
     let dk_at = ((SK + 2) * HKV + 1) * D + D - 2;
     let dv_at = ((SK + 3) * HKV + 1) * DV + DV - 1;
-    for cfg in configs {
-        let x = Inputs::new();
+    let x = Inputs::new(D, DV);
+    for cfg in configs() {
         let [q, k, v, dout] = x.tensors();
-        let (g, d_sink) = reference_backward_sinks(&cfg, q, k, v, dout, &sinks);
+        let (g, _) = reference_backward_sinks(&cfg, q, k, v, dout, &SINKS);
         // Without sinks the backward is the same code with no sink column.
-        let [q0, k0, v0, dout0] = x.tensors();
-        let plain = reference_backward(&cfg, q0, k0, v0, dout0);
+        let plain = reference_backward(&cfg, q, k, v, dout);
         assert_eq!(plain.dv.len(), B * SK * HKV * DV);
-        for h in 0..HQ {
-            let (mut up, mut down) = (sinks, sinks);
-            up[h] += STEP;
-            down[h] -= STEP;
-            let fd = (x.loss(&cfg, &up) - x.loss(&cfg, &down)) / (2.0 * STEP as f64);
-            let rel = (fd - d_sink[h]).abs() / d_sink[h].abs();
-            assert!(rel < 1e-6, "{cfg:?} d_sink[{h}]: {} vs {fd}", d_sink[h]);
-        }
-        for (what, idx) in [("dQ", dq_at), ("dK", dk_at), ("dV", dv_at)] {
-            // The inputs with the checked element set to `value` (0.375 ± STEP is exact).
-            let with = |value: f32| {
-                let mut y = Inputs::new();
-                match what {
-                    "dQ" => y.q[idx] = value,
-                    "dK" => y.k[idx] = value,
-                    _ => y.v[idx] = value,
-                }
-                y
-            };
-            let y = with(0.375);
-            let [q, k, v, dout] = y.tensors();
-            let (g, _) = reference_backward_sinks(&cfg, q, k, v, dout, &sinks);
-            let analytic = match what {
-                "dQ" => g.dq[idx],
-                "dK" => g.dk[idx],
-                _ => g.dv[idx],
-            };
-            let fd = (with(0.375 + STEP).loss(&cfg, &sinks)
-                - with(0.375 - STEP).loss(&cfg, &sinks))
-                / (2.0 * STEP as f64);
-            let rel = (fd - analytic).abs() / analytic.abs();
-            assert!(
-                rel < 1e-6,
-                "{cfg:?} {what}[{idx}]: {analytic} vs finite difference {fd} (rel {rel:.2e})"
-            );
-            // Not an element whose gradient vanishes, which would pass trivially.
-            assert!(analytic.abs() > 1e-4, "{cfg:?} {what}: {analytic}");
+        check_sink_gradient(&x, &cfg, &SINKS);
+        for (grad, idx) in [(Grad::Q, dq_at), (Grad::K, dk_at), (Grad::V, dv_at)] {
+            check_element_gradient(&x, &cfg, &SINKS, grad, idx);
         }
         assert!(g.dq.iter().chain(&g.dk).chain(&g.dv).all(|x| x.is_finite()));
     }
@@ -166,10 +80,7 @@ fn zero_columns_change_nothing_in_the_oracles() {
     ];
     for (d, dv) in [(8, 12), (12, 8)] {
         let w = d.max(dv);
-        let q = wave(B * SQ * HQ * d, 0.61, 0.3, 1.1);
-        let k = wave(B * SK * HKV * d, 0.29, 1.1, 1.3);
-        let v = wave(B * SK * HKV * dv, 0.47, 2.0, 1.0);
-        let dout = wave(B * SQ * HQ * dv, 0.83, 0.7, 1.0);
+        let Inputs { q, k, v, dout, .. } = Inputs::new(d, dv);
         let bf =
             |x: &[f32]| -> Vec<half::bf16> { x.iter().map(|&y| half::bf16::from_f32(y)).collect() };
         let (qw, kw, vw, dow) = (

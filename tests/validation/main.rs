@@ -10,6 +10,7 @@ mod head_dim_v;
 mod limits;
 mod property;
 mod sinks;
+mod small_problem;
 
 use flashattn::dispatch::{self, BuiltKernels, DeviceInfo, Memory, Op};
 use flashattn::{

@@ -12,60 +12,10 @@ use flashattn::reference::{
 use flashattn::{AttentionConfig, TensorRef};
 use half::bf16;
 
-/// `n` values `amp·sin(f·i + phase)`: deterministic inputs that differ per operand.
-fn wave(n: usize, f: f32, phase: f32, amp: f32) -> Vec<f32> {
-    (0..n).map(|i| amp * (f * i as f32 + phase).sin()).collect()
-}
-
-/// A GQA problem (4 query heads over 2 kv heads) with more queries than keys, so that a causal
-/// mask leaves the first rows without a key.
-const B: usize = 2;
-const SQ: usize = 7;
-const SK: usize = 5;
-const HQ: usize = 4;
-const HKV: usize = 2;
-const D: usize = 8;
-
-/// Logits exactly representable in f32, and so after a step of [`STEP`] either way.
-const SINKS: [f32; HQ] = [0.5, -0.25, 1.0, -1.5];
-
-/// The finite-difference step: 2⁻¹⁷ (about 1e-5), exact in f32 beside every value it is added
-/// to here, so that the step taken is the step divided by.
-const STEP: f32 = 1.0 / 131_072.0;
-
-struct Inputs {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    dout: Vec<f32>,
-}
-
-impl Inputs {
-    fn new() -> Self {
-        Inputs {
-            q: wave(B * SQ * HQ * D, 0.61, 0.3, 1.1),
-            k: wave(B * SK * HKV * D, 0.29, 1.1, 1.3),
-            v: wave(B * SK * HKV * D, 0.47, 2.0, 1.0),
-            dout: wave(B * SQ * HQ * D, 0.83, 0.7, 1.0),
-        }
-    }
-
-    fn tensors(&self) -> [TensorRef<'_, f32>; 4] {
-        [
-            TensorRef::contiguous(&self.q, [B, SQ, HQ, D]),
-            TensorRef::contiguous(&self.k, [B, SK, HKV, D]),
-            TensorRef::contiguous(&self.v, [B, SK, HKV, D]),
-            TensorRef::contiguous(&self.dout, [B, SQ, HQ, D]),
-        ]
-    }
-
-    /// `Σ dO∘O` in f64, the loss whose gradients the backward computes.
-    fn loss(&self, cfg: &AttentionConfig, sinks: &[f32]) -> f64 {
-        let [q, k, v, _] = self.tensors();
-        let out = reference_forward_sinks(cfg, q, k, v, sinks).out;
-        out.iter().zip(&self.dout).map(|(o, g)| o * *g as f64).sum()
-    }
-}
+use crate::small_problem::{
+    check_element_gradient, check_sink_gradient, configs, wave, Grad, Inputs, B, D, HKV, HQ, SINKS,
+    SK, SQ,
+};
 
 fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
@@ -88,60 +38,15 @@ fn q_row(b: usize, i: usize, h: usize) -> usize {
     ((b * SQ + i) * HQ + h) * D
 }
 
-/// The configurations of the gradient checks: each leaves the first row of every head without
-/// a visible key.
-fn configs() -> [AttentionConfig; 3] {
-    [
-        AttentionConfig::new().causal(true),
-        AttentionConfig::new().causal(true).softcap(2.0),
-        AttentionConfig::new().window(Some(2), Some(1)),
-    ]
-}
-
 #[test]
 fn the_sink_gradient_is_the_finite_difference_of_the_loss() {
-    let x = Inputs::new();
+    let x = Inputs::new(D, D);
     for cfg in configs() {
-        let [q, k, v, dout] = x.tensors();
-        let (_, d_sink) = reference_backward_sinks(&cfg, q, k, v, dout, &SINKS);
-        assert_eq!(d_sink.len(), HQ);
-        for h in 0..HQ {
-            let (mut up, mut down) = (SINKS, SINKS);
-            up[h] += STEP;
-            down[h] -= STEP;
-            let fd = (x.loss(&cfg, &up) - x.loss(&cfg, &down)) / (2.0 * STEP as f64);
-            let rel = (fd - d_sink[h]).abs() / d_sink[h].abs();
-            assert!(
-                rel < 1e-6,
-                "{cfg:?} head {h}: d_sink {} vs finite difference {fd} (rel {rel:.2e})",
-                d_sink[h]
-            );
-        }
+        check_sink_gradient(&x, &cfg, &SINKS);
         // One element of Q and one of K: dS must be formed with the sink-aware LSE.
         let dk_at = ((SK + 2) * HKV + 1) * D + 6;
-        for (what, idx) in [("dQ", q_row(1, 5, 2) + 3), ("dK", dk_at)] {
-            // The inputs with the checked element set to `value`.
-            let with = |value: f32| {
-                let mut y = Inputs::new();
-                let t = if what == "dQ" { &mut y.q } else { &mut y.k };
-                t[idx] = value;
-                y
-            };
-            // 0.375 ± STEP is exact in f32.
-            let y = with(0.375);
-            let [q, k, v, dout] = y.tensors();
-            let (g, _) = reference_backward_sinks(&cfg, q, k, v, dout, &SINKS);
-            let analytic = if what == "dQ" { g.dq[idx] } else { g.dk[idx] };
-            let fd = (with(0.375 + STEP).loss(&cfg, &SINKS)
-                - with(0.375 - STEP).loss(&cfg, &SINKS))
-                / (2.0 * STEP as f64);
-            let rel = (fd - analytic).abs() / analytic.abs();
-            assert!(
-                rel < 1e-6,
-                "{cfg:?} {what}[{idx}]: {analytic} vs finite difference {fd} (rel {rel:.2e})"
-            );
-            // Not an element whose gradient vanishes, which would pass trivially.
-            assert!(analytic.abs() > 1e-4, "{cfg:?} {what}: {analytic}");
+        for (grad, idx) in [(Grad::Q, q_row(1, 5, 2) + 3), (Grad::K, dk_at)] {
+            check_element_gradient(&x, &cfg, &SINKS, grad, idx);
         }
     }
 }
@@ -185,7 +90,7 @@ fn a_sink_too_negative_to_matter_changes_nothing() {
 
 #[test]
 fn a_row_that_sees_no_key_has_the_sink_as_its_lse() {
-    let x = Inputs::new();
+    let x = Inputs::new(D, D);
     let [q, k, v, dout] = x.tensors();
     let cfg = AttentionConfig::new().causal(true);
     let r = reference_forward_sinks(&cfg, q, k, v, &SINKS);
@@ -224,7 +129,7 @@ fn the_sink_is_one_more_column_without_a_value() {
     // Q = 0: every score is 0, so with n visible keys LSE = ln(e^sink + n) and
     // O = Σ_j V_j / (e^sink + n).
     let q = vec![0f32; B * SQ * HQ * D];
-    let x = Inputs::new();
+    let x = Inputs::new(D, D);
     let q = TensorRef::contiguous(&q, [B, SQ, HQ, D]);
     let [_, k, v, _] = x.tensors();
     let r = reference_forward_sinks(&AttentionConfig::new(), q, k, v, &SINKS);
