@@ -13,7 +13,7 @@ use half::bf16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::harness::{poisoned, random, random_in, untouched_nan, Case, Storage};
+use crate::harness::{poisoned, random, untouched_nan, Case, Storage};
 use crate::{case, Outcome};
 use DType::{BF16, F16, F32};
 
@@ -115,15 +115,10 @@ fn forward_backward<T: Element>(
 fn run<T: Element>(c: &Case, seed: u64) -> Outcome {
     assert_eq!(T::DTYPE, c.dtype);
     let mut rng = StdRng::seed_from_u64(seed);
-    let ((lq, lk), (lv, lo)) = (c.layouts(), c.v_layouts());
-    let [qb, kb, vb, dob] = [lq, lk, lv, lo].map(|l| random_in::<T>(&l, &mut rng));
+    let ops = c.random_operands::<T>(&mut rng);
     let sinks = random_sinks(c.heads_q, &mut rng);
-    let (q, k, v, dout) = (
-        TensorRef::new(&qb, lq),
-        TensorRef::new(&kb, lk),
-        TensorRef::new(&vb, lv),
-        TensorRef::new(&dob, lo),
-    );
+    let [q, k, v, dout] = ops.tensors();
+    let [lq, lk, lv, lo] = ops.layouts;
     let got = forward_backward(c, [q, k, v, dout], &sinks, true);
 
     let cfg = c.cfg(Backend::Auto);
@@ -219,15 +214,10 @@ fn sinks_with_v_head_dim_apart() {
 fn rows_without_a_key_get_the_sink_as_their_lse() {
     let c = case(2, 40, 15, 4, 2, 32, BF16).causal(true);
     let mut rng = StdRng::seed_from_u64(21);
-    let (lq, lk) = c.layouts();
-    let [qb, kb, vb, dob] = [lq, lk, lk, lq].map(|l| random_in::<bf16>(&l, &mut rng));
+    let ops = c.random_operands::<bf16>(&mut rng);
+    let [lq, ..] = ops.layouts;
     let sinks = [0.75, -3.5, 9.0, -30.0];
-    let tensors = [
-        TensorRef::new(&qb, lq),
-        TensorRef::new(&kb, lk),
-        TensorRef::new(&vb, lk),
-        TensorRef::new(&dob, lq),
-    ];
+    let tensors = ops.tensors();
     let got = forward_backward(&c, tensors, &sinks, true);
     let keys = c.cfg(Backend::Auto).key_rule(c.seqlen_q, c.seqlen_k);
     let mut without = 0;
@@ -259,14 +249,9 @@ fn rows_without_a_key_get_the_sink_as_their_lse() {
 fn sinks_of_minus_infinity_change_nothing_and_results_repeat() {
     let c = case(2, 50, 30, 4, 2, 64, F32).causal(true);
     let mut rng = StdRng::seed_from_u64(22);
-    let (lq, lk) = c.layouts();
-    let [qb, kb, vb, dob] = [lq, lk, lk, lq].map(|l| random_in::<f32>(&l, &mut rng));
-    let (q, k, v, dout) = (
-        TensorRef::new(&qb, lq),
-        TensorRef::new(&kb, lk),
-        TensorRef::new(&vb, lk),
-        TensorRef::new(&dob, lq),
-    );
+    let ops = c.random_operands::<f32>(&mut rng);
+    let [lq, lk, ..] = ops.layouts;
+    let [q, k, v, dout] = ops.tensors();
     let cfg = c.cfg(Backend::Auto);
     let none = forward_backward(&c, [q, k, v, dout], &[f32::NEG_INFINITY; 4], true);
     let fwd = flashattn::forward(&cfg, ForwardInputs::new(q, k, v)).unwrap();
@@ -336,14 +321,9 @@ fn sinks_of_minus_infinity_change_nothing_and_results_repeat() {
 fn allocating_calls_with_sinks_match_the_calls_into_buffers() {
     let c = case(2, 50, 30, 4, 2, 64, BF16).causal(true);
     let mut rng = StdRng::seed_from_u64(25);
-    let (lq, lk) = c.layouts();
-    let [qb, kb, vb, dob] = [lq, lk, lk, lq].map(|l| random_in::<bf16>(&l, &mut rng));
-    let (q, k, v, dout) = (
-        TensorRef::new(&qb, lq),
-        TensorRef::new(&kb, lk),
-        TensorRef::new(&vb, lk),
-        TensorRef::new(&dob, lq),
-    );
+    let ops = c.random_operands::<bf16>(&mut rng);
+    let [lq, lk, ..] = ops.layouts;
+    let [q, k, v, dout] = ops.tensors();
     let sinks = random_sinks(c.heads_q, &mut rng);
     let into = forward_backward(&c, [q, k, v, dout], &sinks, true);
     let cfg = c.cfg(Backend::Auto);
@@ -389,14 +369,9 @@ fn allocating_calls_with_sinks_match_the_calls_into_buffers() {
 fn non_finite_sinks_propagate_without_panics() {
     let c = case(1, 24, 16, 4, 2, 32, F32).causal(true);
     let mut rng = StdRng::seed_from_u64(23);
-    let (lq, lk) = c.layouts();
-    let [qb, kb, vb, dob] = [lq, lk, lk, lq].map(|l| random_in::<f32>(&l, &mut rng));
-    let tensors = [
-        TensorRef::new(&qb, lq),
-        TensorRef::new(&kb, lk),
-        TensorRef::new(&vb, lk),
-        TensorRef::new(&dob, lq),
-    ];
+    let ops = c.random_operands::<f32>(&mut rng);
+    let [lq, ..] = ops.layouts;
+    let tensors = ops.tensors();
     let finite = [0.5, -1.0, 2.0, 0.25];
     let bad = [0.5, f32::NAN, 2.0, f32::INFINITY];
     let want = forward_backward(&c, tensors, &finite, true);

@@ -7,7 +7,7 @@
 pub mod varlen;
 
 use flashattn::{
-    AttentionConfig, AttentionMask, Backend, DType, Element, Layout, Operand, Problem,
+    AttentionConfig, AttentionMask, Backend, DType, Element, Layout, Operand, Problem, TensorRef,
 };
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
@@ -229,6 +229,16 @@ impl Case {
         }
         s
     }
+    /// Q, K, V and dO in the case's layouts, drawn in that order by [`random_in`] (NaN in every
+    /// slot a layout skips).
+    pub fn random_operands<T: Element>(&self, rng: &mut StdRng) -> Operands<T> {
+        let ((lq, lk), (lv, lo)) = (self.layouts(), self.v_layouts());
+        let layouts = [lq, lk, lv, lo];
+        Operands {
+            bufs: layouts.map(|l| random_in(&l, rng)),
+            layouts,
+        }
+    }
     /// N(0, 1) Q, K and V, drawn in that order, over their layouts' spans (padding included).
     pub fn random_qkv<T: Element>(&self, rng: &mut StdRng) -> [Vec<T>; 3] {
         let ((lq, lk), (lv, _)) = (self.layouts(), self.v_layouts());
@@ -236,6 +246,26 @@ impl Case {
             random(span(&lq), rng),
             random(span(&lk), rng),
             random(span(&lv), rng),
+        ]
+    }
+}
+
+/// A case's Q, K, V and dO: buffers and the layouts they are read by.
+pub struct Operands<T> {
+    pub bufs: [Vec<T>; 4],
+    pub layouts: [Layout; 4],
+}
+
+impl<T: Element> Operands<T> {
+    /// Q, K, V and dO as tensors.
+    pub fn tensors(&self) -> [TensorRef<'_, T>; 4] {
+        let [q, k, v, dout] = &self.bufs;
+        let [lq, lk, lv, lo] = self.layouts;
+        [
+            TensorRef::new(q, lq),
+            TensorRef::new(k, lk),
+            TensorRef::new(v, lv),
+            TensorRef::new(dout, lo),
         ]
     }
 }
