@@ -140,11 +140,7 @@ impl<T: Element + DeviceRepr> OnDevice<T> {
         seqs: Option<&DeviceSeqlens>,
         (lq, lk): (Layout, Layout),
     ) -> flashattn::Result<Plan> {
-        let (q, k, v) = (
-            DeviceTensor::new(self.q.as_view(), lq),
-            DeviceTensor::new(self.k.as_view(), lk),
-            DeviceTensor::new(self.v.as_view(), lk),
-        );
+        let [q, k, v] = qkv([&self.q, &self.k, &self.v], (lq, lk));
         let sinks = self.sinks.as_ref().map(|s| s.as_view());
         let inputs = DeviceForwardInputs {
             sinks: sinks.as_ref(),
@@ -169,11 +165,7 @@ impl<T: Element + DeviceRepr> OnDevice<T> {
         seqs: Option<&DeviceSeqlens>,
         (lq, lk): (Layout, Layout),
     ) -> flashattn::Result<Plan> {
-        let (q, k, v) = (
-            DeviceTensor::new(self.q.as_view(), lq),
-            DeviceTensor::new(self.k.as_view(), lk),
-            DeviceTensor::new(self.v.as_view(), lk),
-        );
+        let [q, k, v] = qkv([&self.q, &self.k, &self.v], (lq, lk));
         let out = DeviceTensor::new(self.out.as_view(), lq);
         let dout = DeviceTensor::new(self.dout.as_view(), lq);
         let (lse, sinks) = (self.lse.as_view(), self.sinks.as_ref().map(|s| s.as_view()));
@@ -213,6 +205,18 @@ impl<T: Element + DeviceRepr> OnDevice<T> {
         stream.synchronize().unwrap();
         outputs
     }
+}
+
+/// Q, K and V seen in Q's layout and K's (V's).
+fn qkv<'a, T: DeviceRepr>(
+    [q, k, v]: [&'a CudaSlice<T>; 3],
+    (lq, lk): (Layout, Layout),
+) -> [DeviceTensor<'a, T>; 3] {
+    [
+        DeviceTensor::new(q.as_view(), lq),
+        DeviceTensor::new(k.as_view(), lk),
+        DeviceTensor::new(v.as_view(), lk),
+    ]
 }
 
 /// O and the LSE back on the host, after everything queued on `stream` before.
