@@ -242,13 +242,9 @@ pub fn forward<T: Element>(
             continue;
         }
         if keys.is_empty() {
-            // No key: O stays 0, the LSE is the sink's (as the kernels give it), or +inf.
+            // No key: O stays 0, the LSE is the sink's, or +inf without one.
             for h in 0..heads {
-                let keyless = match sinks.map(|s| s[h]) {
-                    None | Some(f32::NEG_INFINITY) => f32::INFINITY,
-                    Some(x) if x.is_finite() => x,
-                    Some(_) => f32::NAN,
-                };
+                let keyless = backend::cpu::keyless_lse(sinks.map(|s| s[h]));
                 lse[h * total + rows.start..h * total + rows.end].fill(keyless);
             }
             continue;

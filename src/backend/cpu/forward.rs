@@ -65,10 +65,7 @@ pub(super) fn fwd_block<T: Element, A: Arith>(
             true,
         );
     }
-    // A sink of −inf weighs nothing: the rows are finalized as without one (as on the GPU).
-    let sink_log2 = sink
-        .map(|x| x as f64 * std::f64::consts::LOG2_E)
-        .filter(|&x| x != f64::NEG_INFINITY);
+    let sink_log2 = sink_log2(sink);
     let mut lse = vec![f32::INFINITY; br];
     for r in 0..br {
         let row = &mut acc[r * dvp..(r + 1) * dvp];
@@ -110,6 +107,19 @@ fn sink_share(m: f32, l: f32, sink_log2: f64) -> (f32, f32) {
     let total = l as f64 * keep + (sink_log2 - top).exp2();
     let lse = (top + total.log2()) * std::f64::consts::LN_2;
     ((keep / total) as f32, lse as f32)
+}
+
+/// A sink's logit in base-2 units, `None` for no sink or one of −inf, which weighs nothing: the
+/// rows are finalized as without one (as on the GPU).
+fn sink_log2(sink: Option<f32>) -> Option<f64> {
+    sink.map(|x| x as f64 * std::f64::consts::LOG2_E)
+        .filter(|&x| x != f64::NEG_INFINITY)
+}
+
+/// The LSE of a row that sees no key, as [`fwd_block`] finalizes it: +inf without a sink, the
+/// sink's logit with one (NaN for +inf or NaN). For callers that skip such rows' blocks.
+pub(crate) fn keyless_lse(sink: Option<f32>) -> f32 {
+    sink_log2(sink).map_or(f32::INFINITY, |s| sink_share(f32::NEG_INFINITY, 0.0, s).1)
 }
 
 simd_dispatch!(pub(super) fn fwd_block_simd(ctx: &Ctx<T>, kv: (&Tiles, &Tiles), b: usize, h: usize, qb: usize, sink: Option<f32>) -> FwdBlock = fwd_block);

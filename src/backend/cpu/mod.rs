@@ -32,7 +32,7 @@ use arith::{transpose, Arith};
 mod arith;
 
 pub(crate) use backward::backward;
-pub(crate) use forward::forward;
+pub(crate) use forward::{forward, keyless_lse};
 
 /// Query rows per tile (upper bound; small problems use fewer).
 const BLOCK_Q: usize = 64;
