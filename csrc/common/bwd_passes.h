@@ -212,6 +212,20 @@ struct BwdSinkParts {
   int64_t run = 0;
 };
 
+// The call's parts, zeroed on `stream`: per query head `groups` runs of `blocks` key blocks of
+// kSinkWarps floats; null where the call asks for no gradient or the kernels sum none
+// (`summed` false). A layout that would pass the workspace's region is refused.
+inline cudaError_t zeroed_sink_parts(const flashattn_params_t& p, const BwdWorkspace& ws,
+                                     char* base, bool summed, int groups, int64_t blocks,
+                                     cudaStream_t stream, BwdSinkParts& parts) {
+  parts = BwdSinkParts{};
+  if (p.dsinks == nullptr || !summed) return cudaSuccess;
+  const int64_t floats = int64_t(groups) * p.heads_q * blocks * kSinkWarps;
+  if (floats > bwd_sink_parts(p)) return cudaErrorInvalidValue;
+  parts = {reinterpret_cast<float*>(base + ws.sink_parts), groups, blocks * kSinkWarps};
+  return cudaMemsetAsync(parts.parts, 0, floats * sizeof(float), stream);
+}
+
 // A warp's sum of its lanes' `part` into slot `warp` of its CTA's run of parts (a fixed shuffle
 // order: the same bits every call).
 __device__ inline void store_sink_part(float* cta_parts, int warp, float part) {

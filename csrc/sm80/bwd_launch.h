@@ -113,13 +113,8 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   const int n_blocks = (seqs.max_k + Traits::kBlockN - 1) / Traits::kBlockN;
   // The sinks' gradient: the kernels (not with softcap) leave each key block's parts.
   BwdSinkParts sink_parts;
-  if (p.dsinks != nullptr && !params.softcap) {
-    sink_parts = {reinterpret_cast<float*>(base + ws.sink_parts), p.batch,
-                  int64_t(n_blocks) * kSinkWarps};
-    FLASHATTN_TRY_CUDA(cudaMemsetAsync(
-        sink_parts.parts, 0, int64_t(p.batch) * p.heads_q * sink_parts.run * sizeof(float),
-        stream));
-  }
+  FLASHATTN_TRY_CUDA(zeroed_sink_parts(p, ws, base, !params.softcap, p.batch, n_blocks, stream,
+                                       sink_parts));
   params.sinks = p.sinks;
   params.sink_parts = sink_parts.parts;
   params.sink_blocks = n_blocks;

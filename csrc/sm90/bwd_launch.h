@@ -113,12 +113,8 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
       seqs.packed() ? reinterpret_cast<const int*>(base + ws.key_entries) : nullptr;
   // The sinks' gradient: the kernels (not softcap's) leave each CTA's parts, in tile-order slots.
   BwdSinkParts sink_parts;
-  if (p.dsinks != nullptr && !softcap) {
-    sink_parts = {reinterpret_cast<float*>(base + ws.sink_parts),
-                  seqs.packed() ? 1 : p.batch, tiles * kSinkWarps};
-    FLASHATTN_TRY_CUDA(cudaMemsetAsync(sink_parts.parts, 0,
-                                       heads_total * tiles * kSinkWarps * sizeof(float), stream));
-  }
+  FLASHATTN_TRY_CUDA(zeroed_sink_parts(p, ws, base, !softcap, seqs.packed() ? 1 : p.batch, tiles,
+                                       stream, sink_parts));
   params.sinks = p.sinks;
   params.sink_parts = sink_parts.parts;
   params.heads_q = p.heads_q;
