@@ -110,20 +110,28 @@ constexpr int bwd_threads_per_row() {
   return n;
 }
 
-// bwd_threads_per_row threads per (batch, head, row), 8 columns each: O and dO as 8-element
+// bwd_threads_per_row threads per (batch, head, row), 8 columns each (of the wider of the two
+// head dims: O and dO have kHeadDimV columns, the dQ accumulator kHeadDim): O and dO as 8-element
 // arrays (4-byte loads: cutlass::Array is aligned to its element; 16-byte ones made the whole
 // backward no faster, benchmarks/README.md), the row's sum over its threads by shuffles, and
 // the row's 8-float chunks of the dQ accumulator zeroed (whatever the accumulator's layout within
 // a head, a head's rows are dq_rows · head_dim contiguous floats, so row r's chunk c at
 // r · head_dim + 8c covers them all). Every lane of a warp is busy at the power-of-two head dims,
 // which one warp per row was not.
-template <class Element, int kHeadDim>
+template <int kHeadDim, int kHeadDimV>
+constexpr int bwd_preprocess_threads_per_row() {
+  return bwd_threads_per_row<(kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV)>();
+}
+
+template <class Element, int kHeadDim, int kHeadDimV>
 __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const BwdRowsParams p) {
-  constexpr int kThreadsPerRow = bwd_threads_per_row<kHeadDim>();
-  static_assert(kThreadsPerRow <= 32 && kHeadDim % 8 == 0);
+  constexpr int kThreadsPerRow = bwd_preprocess_threads_per_row<kHeadDim, kHeadDimV>();
+  static_assert(kThreadsPerRow <= 32 && kHeadDim % 8 == 0 && kHeadDimV % 8 == 0);
   const int64_t row_id = (int64_t(blockIdx.x) * 256 + threadIdx.x) / kThreadsPerRow;
   const int chunk = threadIdx.x % kThreadsPerRow;
-  const bool has_columns = chunk < kHeadDim / 8;  // else a lane that pads the row's threads
+  // Else a lane that pads the row's threads, or one past the narrower head dim's columns.
+  const bool has_columns = chunk < kHeadDim / 8;
+  const bool has_columns_v = chunk < kHeadDimV / 8;
   const int64_t rows = int64_t(p.seqs.packed() ? 1 : p.batch) * p.heads_q * p.dq_rows;
   // Threads past the last row stay for the shuffles (a row's threads share a warp) and store
   // nothing.
@@ -149,7 +157,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
   }
   const int64_t at_row = int64_t(q_start) + row;  // on the tensors' row axis
   float sum = 0.f;
-  if (live && has_columns && row < seqlen_q) {
+  if (live && has_columns_v && row < seqlen_q) {
     auto o = static_cast<const Element*>(p.o) + batch * p.o_batch_stride +
              head * p.o_head_stride + at_row * p.o_row_stride + chunk * 8;
     auto dout = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
@@ -185,11 +193,11 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
   }
 }
 
-template <class Element, int kHeadDim>
+template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
 cudaError_t launch_bwd_preprocess(const BwdRowsParams& p, cudaStream_t stream) {
-  constexpr int kRowsPerBlock = 256 / bwd_threads_per_row<kHeadDim>();
+  constexpr int kRowsPerBlock = 256 / bwd_preprocess_threads_per_row<kHeadDim, kHeadDimV>();
   const int64_t rows = int64_t(p.seqs.packed() ? 1 : p.batch) * p.heads_q * p.dq_rows;
-  bwd_preprocess<Element, kHeadDim>
+  bwd_preprocess<Element, kHeadDim, kHeadDimV>
       <<<unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), 256, 0, stream>>>(p);
   return cudaGetLastError();
 }

@@ -263,7 +263,11 @@ pub(crate) fn bwd_workspace_bytes(
     };
     slices * align(rows_dq * d * 4)
         + 2 * align(rows_dq * 4)
-        + if gqa { 2 * align(rows_k * d * 4) } else { 0 }
+        + if gqa {
+            align(rows_k * d * 4) + align(rows_k * problem.head_dim_v * 4)
+        } else {
+            0
+        }
         + if deterministic {
             align(rows_dq / 64 * 2 * 4)
         } else {
