@@ -116,7 +116,7 @@ fn unit_text(kernels: &[&Kernel]) -> String {
             }
             Family::Sm90Fp8Fwd => format!("  return run_fwd_fp8<{d}>(p, o, stream);"),
             Family::Sm90Bwd | Family::Sm80Fwd | Family::Sm80Bwd => {
-                format!("  return run_{}<{elem}, {d}>(p, stream);", pass(k))
+                format!("  return run_{}<{elem}, {dims}>(p, stream);", pass(k))
             }
         };
         let (name, rest) = entry(k);
@@ -350,8 +350,8 @@ pub(crate) fn generate_kernels(gen: &Path) -> Vec<Unit> {
     // What the generator can build: a row asking for more is a registry error.
     for k in registry::KERNELS {
         assert!(
-            k.head_dim_v == k.head_dim || k.family == Family::Sm90Fwd,
-            "{}: d_v != d is built by the 16-bit sm90 forward alone so far",
+            k.head_dim_v == k.head_dim || matches!(k.family, Family::Sm90Fwd | Family::Sm90Bwd),
+            "{}: d_v != d is built by the 16-bit sm90 forward and backward alone so far",
             k.name()
         );
         assert!(

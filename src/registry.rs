@@ -143,6 +143,8 @@ pub const KERNELS: &[Kernel] = &[
     kernel(Sm90Bwd, 192, Fp16),
     kernel(Sm90Bwd, 96, Bf16),
     kernel(Sm90Bwd, 96, Fp16),
+    kernel_v(Sm90Bwd, 192, 128, Bf16),
+    kernel_v(Sm90Bwd, 192, 128, Fp16),
     kernel(Sm80Fwd, 64, Bf16),
     kernel(Sm80Fwd, 128, Bf16),
     kernel(Sm80Fwd, 256, Bf16),
@@ -344,6 +346,8 @@ pub const TILES: &[TileRow] = &[
     row(Sm90Bwd, 256, Base, sm90_bwd(64, 64, 1, true)),
     row(Sm90Bwd, 192, Base, sm90_bwd(64, 64, 2, true)),
     row(Sm90Bwd, 96, Base, sm90_bwd(64, 128, 2, false)),
+    // (192, 128): d192's tile; V and dO's narrower rows only free shared memory.
+    row_v(Sm90Bwd, 192, 128, Base, sm90_bwd(64, 64, 2, true)),
     row(Sm80Fwd, 64, Base, sm80_fwd(128, 64, 2, true)),
     row(Sm80Fwd, 128, Base, sm80_fwd(128, 64, 2, false)),
     row(Sm80Fwd, 256, Base, sm80_fwd(64, 64, 1, false)),
@@ -409,7 +413,7 @@ pub fn extended_wgmma_n(k: &Kernel) -> Vec<usize> {
                 block_m,
                 split_head_dim: true,
                 ..
-            } => vec![block_m / 2, head_dim / 2],
+            } => vec![block_m / 2, head_dim / 2, r.head_dim_v / 2],
             Tile::Sm90Bwd { block_m, .. } => {
                 vec![block_m, head_dim, sm90_bwd_dq_cols(head_dim, block_m)]
             }

@@ -18,7 +18,7 @@ use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use common::{device, OnDevice};
+use common::{device, OnDevice, Views};
 use harness::{random, span, Case, Outputs};
 
 struct Grads {
@@ -39,17 +39,23 @@ fn run_case<T: Element + DeviceRepr>(
     seed: u64,
 ) -> Grads {
     let mut rng = StdRng::seed_from_u64(seed);
-    let (lq, lk) = case.layouts();
+    let ((lq, lk), (lv, lo)) = (case.layouts(), case.v_layouts());
+    let views = Views {
+        q: lq,
+        k: lk,
+        v: lv,
+        o: lo,
+    };
     let [q, k, v] = case.random_qkv::<T>(&mut rng);
-    let dout: Vec<T> = random(span(&lq), &mut rng);
+    let dout: Vec<T> = random(span(&lo), &mut rng);
     let cfg = case.cfg(backend);
     let lse_len = case.batch * case.heads_q * case.seqlen_q;
 
     let mut t = OnDevice::upload(stream, [&q, &k, &v, &dout], lse_len, None);
-    t.forward(dev, stream, &cfg, None, (lq, lk))
+    t.forward(dev, stream, &cfg, None, views)
         .unwrap_or_else(|e| panic!("{case:?} forward: {e}"));
     let plan = t
-        .backward(dev, stream, &cfg, None, (lq, lk))
+        .backward(dev, stream, &cfg, None, views)
         .unwrap_or_else(|e| panic!("{case:?} backward: {e}"));
     if backend != Backend::Auto {
         assert_eq!(plan.backend, backend);
@@ -60,13 +66,13 @@ fn run_case<T: Element + DeviceRepr>(
     let (tq, tk, tv, tdo) = (
         TensorRef::new(&q, lq),
         TensorRef::new(&k, lk),
-        TensorRef::new(&v, lk),
-        TensorRef::new(&dout, lq),
+        TensorRef::new(&v, lv),
+        TensorRef::new(&dout, lo),
     );
     let want = reference::reference_backward(&cpu, tq, tk, tv, tdo);
     let base = reference::baseline_backward(&cpu, tq, tk, tv, tdo);
     let got = |x: &Vec<T>, l: Layout| reference::pack_f32(TensorRef::new(x, l));
-    let (dq, dk, dv) = (got(&dq, lq), got(&dk, lk), got(&dv, lk));
+    let (dq, dk, dv) = (got(&dq, lq), got(&dk, lk), got(&dv, lv));
     Grads {
         dq: compare(&dq, &want.dq, &base.dq),
         dk: compare(&dk, &want.dk, &base.dk),
@@ -318,6 +324,38 @@ fn sanitizer_sm90_bwd_optional_head_dims() {
             &format!("sm90 bwd d{d} sanitizer set"),
         );
     }
+}
+
+/// V's head dim apart from Q's: the sm90 backward at (192, 128), DeepSeek's MLA shape (`hdim192`;
+/// the head-dim-split kernel with dV's 64 columns per warpgroup beside dK's 96): d192's sweep
+/// (odd seqlens, causal, GQA/MQA, strides, windows, softcap) in both dtypes, deterministic mode
+/// bit for bit, and the backend Auto takes.
+#[test]
+#[ignore = "needs a Hopper GPU"]
+#[cfg(feature = "hdim192")]
+fn sm90_bwd_at_192_128() {
+    let apart =
+        |cases: Vec<Case>| -> Vec<Case> { cases.into_iter().map(|c| c.head_dim_v(128)).collect() };
+    run_all::<bf16>(&apart(sweep(192)), Backend::Sm90, "sm90 bwd d192/128 bf16");
+    run_all::<f16>(&apart(sweep(192)), Backend::Sm90, "sm90 bwd d192/128 f16");
+    let deterministic = apart(vec![
+        Case::new(300, 500, 192)
+            .causal(true)
+            .heads(4, 2)
+            .deterministic(true),
+        Case::new(900, 1000, 192)
+            .window(Some(200), Some(0))
+            .deterministic(true),
+    ]);
+    check_deterministic(&[], Backend::Sm90, deterministic);
+    let (dev, stream) = device();
+    let case = Case::new(100, 150, 192)
+        .head_dim_v(128)
+        .causal(true)
+        .heads(4, 2);
+    let g = run_case::<bf16>(&dev, &stream, &case, Backend::Auto, 5300);
+    assert_eq!(g.backend, Backend::Sm90, "{case:?}");
+    assert!(g.dq.pass && g.dk.pass && g.dv.pass, "{case:?}");
 }
 
 #[test]

@@ -27,23 +27,18 @@ namespace flashattn::sm90 {
 
 using namespace cute;
 
-// The TMA loads of a backward kernel's traits: Q and dO per query block (tile TileQ, one stage of
-// SmemLayoutQ), K and V per TileK, from (seqlen, head_dim, heads, batch) with head_dim contiguous.
-template <class Element, class SmemLayoutQ, class TileQ, class SmemLayoutK, class TileK>
-struct BwdTmaLoads {
-  using GmemTensor = sm90::GmemTensor<Element>;
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
-                                      TileQ{}, _1{}));
-  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, TileK{},
-                                      _1{}));
-};
+// The TMA load of one tile of a backward operand (Q and dO per query block, one stage of
+// SmemLayout; K and V per key tile) from (seqlen, head_dim, heads, batch), head_dim contiguous.
+template <class Element, class SmemLayout, class Tile>
+using BwdTmaLoad = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor<Element>{},
+                                          take<0, 2>(SmemLayout{}), Tile{}, _1{}));
 
 template <class Traits>
 struct BwdParams {
   typename Traits::TmaQ tma_q;
-  typename Traits::TmaQ tma_do;
+  typename Traits::TmadO tma_do;
   typename Traits::TmaK tma_k;
-  typename Traits::TmaK tma_v;
+  typename Traits::TmaV tma_v;
   // The query workspace rows (bwd_rows_start): dq_rows per (tensor batch entry, head).
   float* dq_accum;         // (B, heads_q, dq_rows, d) in Traits::DqLayout, zeroed
   const float* lse_log2;   // (B, heads_q, dq_rows): LSE·log2(e), +inf in the padding
@@ -367,27 +362,29 @@ __device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, BwdCtaW
   if (threadIdx.x / 32 != 0 || work.m_end == work.m_first || !cute::elect_one_sync()) return;
   const int n_block = work.n_block, head = work.head, head_kv = work.head_kv;
   const int batch = work.seq.batch, m_first = work.m_first, m_end = work.m_end;
-  constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kKeyTiles = Traits::kKeyTiles;
   // The entry's rows of one head, from row `start` of the tensors' rows (0 in dense calls).
   // Blocks reaching past the entry's end read the next sequence's rows (or its own keys past its
   // used ones), or zeros past the tensor's end (TMA): keys there are masked, and query rows
   // there have LSE +inf, so P = dS = 0 on them; such rows must be finite all the same, since
   // the GEMMs multiply them by those zeros (0·NaN is NaN).
-  auto entry_rows = [&](auto const& tma, int rows, int heads, int h, int start) {
-    Tensor m = tma.get_tma_tensor(make_shape(rows, kHeadDim, heads, params.tensor_batch()));
+  // kDim: the tensor's head dim (V and dO: kHeadDimV).
+  auto entry_rows = [&](auto const& tma, auto kDim, int rows, int heads, int h, int start) {
+    Tensor m = tma.get_tma_tensor(make_shape(rows, int(kDim), heads, params.tensor_batch()));
     return domain_offset(make_coord(start, _0{}), m(_, _, h, batch));
   };
-  Tensor mK = entry_rows(params.tma_k, params.seqlen_k, params.heads_kv, head_kv,
+  using DimQK = Int<Traits::kHeadDim>;
+  using DimV = Int<Traits::kHeadDimV>;
+  Tensor mK = entry_rows(params.tma_k, DimQK{}, params.seqlen_k, params.heads_kv, head_kv,
                          work.seq.k_start);
-  Tensor mV = entry_rows(params.tma_v, params.seqlen_k, params.heads_kv, head_kv,
+  Tensor mV = entry_rows(params.tma_v, DimV{}, params.seqlen_k, params.heads_kv, head_kv,
                          work.seq.k_start);
-  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.kv_full,
-                                                                 2 * kKeyTiles * Traits::kBytesK);
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
+      &smem.kv_full, kKeyTiles * (Traits::kBytesK + Traits::kBytesV));
 #pragma unroll
   for (int t = 0; t < kKeyTiles; ++t) {
     Tensor sK = make_tensor(make_smem_ptr(smem.k[t].begin()), typename Traits::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(smem.v[t].begin()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v[t].begin()), typename Traits::SmemLayoutV{});
     const auto block = make_coord(n_block * kKeyTiles + t, _0{});
     auto cta_k = params.tma_k.get_slice(0);
     auto cta_v = params.tma_v.get_slice(0);
@@ -395,12 +392,14 @@ __device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, BwdCtaW
          cta_k.partition_S(local_tile(mK, typename Traits::TileK{}, block)),
          cta_k.partition_D(sK));
     copy(params.tma_v.with(smem.kv_full),
-         cta_v.partition_S(local_tile(mV, typename Traits::TileK{}, block)),
+         cta_v.partition_S(local_tile(mV, typename Traits::TileV{}, block)),
          cta_v.partition_D(sV));
   }
 
-  Tensor mQ = entry_rows(params.tma_q, params.seqlen_q, params.heads_q, head, work.seq.q_start);
-  Tensor mdO = entry_rows(params.tma_do, params.seqlen_q, params.heads_q, head, work.seq.q_start);
+  Tensor mQ = entry_rows(params.tma_q, DimQK{}, params.seqlen_q, params.heads_q, head,
+                         work.seq.q_start);
+  Tensor mdO = entry_rows(params.tma_do, DimV{}, params.seqlen_q, params.heads_q, head,
+                          work.seq.q_start);
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutdO{});
   auto cta_q = params.tma_q.get_slice(0);
@@ -408,7 +407,7 @@ __device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, BwdCtaW
   Tensor tQgQ = group_modes<0, 3>(cta_q.partition_S(  // (TMA, query block)
       local_tile(mQ, typename Traits::TileQ{}, make_coord(_, _0{}))));
   Tensor tdOgdO = group_modes<0, 3>(cta_do.partition_S(
-      local_tile(mdO, typename Traits::TileQ{}, make_coord(_, _0{}))));
+      local_tile(mdO, typename Traits::TiledO{}, make_coord(_, _0{}))));
   Tensor tQsQ = group_modes<0, 3>(cta_q.partition_D(sQ));  // (TMA, stage)
   Tensor tdOsdO = group_modes<0, 3>(cta_do.partition_D(sdO));
   PipelineState<Traits::kStages> st;
@@ -417,7 +416,7 @@ __device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, BwdCtaW
   for (int m = m_first; m < m_end; ++m) {
     smem.pipe_q.producer_acquire(st, Traits::kBytesQ);
     copy(params.tma_q.with(smem.pipe_q.full_barrier(st)), tQgQ(_, m), tQsQ(_, st.index));
-    smem.pipe_do.producer_acquire(st_do, Traits::kBytesQ);
+    smem.pipe_do.producer_acquire(st_do, Traits::kBytesdO);
     copy(params.tma_do.with(smem.pipe_do.full_barrier(st_do)), tdOgdO(_, m),
          tdOsdO(_, st_do.index));
     st.advance();
@@ -426,7 +425,7 @@ __device__ void bwd_produce(BwdParams<Traits> const& params, Smem& smem, BwdCtaW
 }
 
 // Where dK and dV are staged for their stores without GQA: the CTA's K and V tiles (kTileRows
-// keys × kHeadDim each, free once every consumer's GEMMs are done), as StagedRows.
+// keys × their head dims each, free once every consumer's GEMMs are done), as StagedRows.
 template <int kTileRows, class Element>
 struct DkDvStage {
   static constexpr int kRows = kTileRows;
@@ -435,59 +434,77 @@ struct DkDvStage {
   int row0;  // this warpgroup's first key within the tile
 };
 
-// dK·scale and dV of one warpgroup's accumulators for the CTA's `work`; cKV gives each element's
-// (key, column) from (key0, col0). Without GQA into dK and dV through shared memory (`stage`;
-// both consumer warpgroups call this), 16 bytes per store: the accumulators' own layout stores 4
-// bytes per thread across 8 rows, four times the store instructions; every key row the entry
-// owns is written (past its used keys the accumulators hold zeros). GQA: f32 atomics into the KV
-// head's sums, or in deterministic mode plain stores into the query head's own rows, which the
+// One warpgroup's accumulator of dK or dV with each element's (key, column) within its tile
+// (`coords`) and the tile's first column in the head dim (`col0`).
+template <class Acc, class Coords>
+struct KeyRowsAcc {
+  Acc const& acc;
+  Coords const& coords;
+  int col0;
+};
+template <class Acc, class Coords>
+__device__ KeyRowsAcc<Acc, Coords> key_rows_acc(Acc const& acc, Coords const& coords, int col0) {
+  return {acc, coords, col0};
+}
+
+// dK·scale and dV (kHeadDim and kHeadDimV columns) of one warpgroup's accumulators for the CTA's
+// `work` from key key0. Without GQA into dK and dV through shared memory (`stage`; both consumer
+// warpgroups call this), 16 bytes per store: the accumulators' own layout stores 4 bytes per
+// thread across 8 rows, four times the store instructions; every key row the entry owns is
+// written (past its used keys the accumulators hold zeros). GQA: f32 atomics into the KV head's
+// sums, or in deterministic mode plain stores into the query head's own rows, which the
 // conversion sums over the group in head order; rows past the used keys keep the zeros the
 // launcher wrote.
-template <bool kDeterministic, int kHeadDim, class Element, class Params, class Acc, class Coords,
-          class Stage>
-__device__ void bwd_store_dkdv(Params const& params, Acc const& acc_dk, Acc const& acc_dv,
-                               Coords const& cKV, int key0, int col0, BwdCtaWork const& work,
-                               Stage const& stage) {
+template <bool kDeterministic, int kHeadDim, int kHeadDimV, class Element, class Params,
+          class DK, class DV, class Stage>
+__device__ void bwd_store_dkdv(Params const& params, DK const& dk, DV const& dv, int key0,
+                               BwdCtaWork const& work, Stage const& stage) {
   const Sequences::Entry& e = work.seq;
-  if (params.dk_accum == nullptr) {
-    using Rows = StagedRows<kHeadDim, Element>;
-    consumers_sync(BwdBarrier::DsReady, 256);  // every GEMM has read K and V
+  // f(row, col, a, b) for each pair of neighbouring columns of `part`'s accumulator.
+  auto for_pairs = [](auto const& part, auto&& f) {
 #pragma unroll
-    for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
-      const int row = stage.row0 + get<0>(cKV(i)), col = col0 + get<1>(cKV(i));
-      Rows::put(stage.k, row, col, Element(acc_dk(i) * params.scale),
-                Element(acc_dk(i + 1) * params.scale));
-      Rows::put(stage.v, row, col, Element(acc_dv(i)), Element(acc_dv(i + 1)));
-    }
+    for (int i = 0; i < size(part.acc); i += 2)
+      f(get<0>(part.coords(i)), part.col0 + get<1>(part.coords(i)), part.acc(i), part.acc(i + 1));
+  };
+  if (params.dk_accum == nullptr) {
+    using RowsK = StagedRows<kHeadDim, Element>;
+    using RowsV = StagedRows<kHeadDimV, Element>;
+    consumers_sync(BwdBarrier::DsReady, 256);  // every GEMM has read K and V
+    const float scale = params.scale;
+    for_pairs(dk, [&](int row, int col, float a, float b) {
+      RowsK::put(stage.k, stage.row0 + row, col, Element(a * scale), Element(b * scale));
+    });
+    for_pairs(dv, [&](int row, int col, float a, float b) {
+      RowsV::put(stage.v, stage.row0 + row, col, Element(a), Element(b));
+    });
     consumers_sync(BwdBarrier::DsReady, 256);
     const int tile_key0 = key0 - stage.row0;
     const int keys = e.keys_owned - tile_key0;
     const int thread = threadIdx.x - 128;  // of the two consumer warpgroups
     const int64_t row0 = int64_t(e.k_start) + tile_key0;
-    Element* dk = params.dk + e.batch * params.dk_batch_stride +
-                  work.head * params.dk_head_stride + row0 * params.dk_row_stride;
-    Element* dv = params.dv + e.batch * params.dv_batch_stride +
-                  work.head * params.dv_head_stride + row0 * params.dv_row_stride;
-    Rows::store(stage.k, dk, params.dk_row_stride, Stage::kRows, keys, thread, 256);
-    Rows::store(stage.v, dv, params.dv_row_stride, Stage::kRows, keys, thread, 256);
+    Element* dk_rows = params.dk + e.batch * params.dk_batch_stride +
+                       work.head * params.dk_head_stride + row0 * params.dk_row_stride;
+    Element* dv_rows = params.dv + e.batch * params.dv_batch_stride +
+                       work.head * params.dv_head_stride + row0 * params.dv_row_stride;
+    RowsK::store(stage.k, dk_rows, params.dk_row_stride, Stage::kRows, keys, thread, 256);
+    RowsV::store(stage.v, dv_rows, params.dv_row_stride, Stage::kRows, keys, thread, 256);
     return;
   }
   const int64_t base =
       kDeterministic ? bwd_key_rows_start(e, work.head, params.heads_q, params.seqlen_k)
                      : bwd_key_rows_start(e, work.head_kv, params.heads_kv, params.seqlen_k);
-#pragma unroll
-  for (int i = 0; i < size(acc_dk); i += 2) {  // elements i, i+1 are neighbouring columns
-    const int row = key0 + get<0>(cKV(i));
-    if (row >= e.seqlen_k) continue;
-    const int64_t at = (base + row) * kHeadDim + col0 + get<1>(cKV(i));
-    if constexpr (kDeterministic) {
-      *reinterpret_cast<float2*>(params.dk_accum + at) = make_float2(acc_dk(i), acc_dk(i + 1));
-      *reinterpret_cast<float2*>(params.dv_accum + at) = make_float2(acc_dv(i), acc_dv(i + 1));
-    } else {
-      red_add_f32x2(params.dk_accum + at, acc_dk(i), acc_dk(i + 1));
-      red_add_f32x2(params.dv_accum + at, acc_dv(i), acc_dv(i + 1));
-    }
-  }
+  auto add_into = [&](float* sums, int cols) {
+    return [&, sums, cols](int row, int col, float a, float b) {
+      if (key0 + row >= e.seqlen_k) return;
+      float* at = sums + (base + key0 + row) * cols + col;
+      if constexpr (kDeterministic)
+        *reinterpret_cast<float2*>(at) = make_float2(a, b);
+      else
+        red_add_f32x2(at, a, b);
+    };
+  };
+  for_pairs(dk, add_into(params.dk_accum, kHeadDim));
+  for_pairs(dv, add_into(params.dv_accum, kHeadDimV));
 }
 
 }  // namespace flashattn::sm90

@@ -37,6 +37,7 @@ template <class Element_, int kHeadDim_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDim;  // one head dim (bwd_kernel_split_d.h takes two)
   using Tile = BwdTile<kHeadDim>;
   // Query rows per block (the tile table): 128 at d64 (FA3's tile there), so that the score
   // GEMMs run with N = 128 and the per-block costs (waits, barriers, stats) spread over twice
@@ -78,6 +79,8 @@ struct BwdTraits {
 
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using TileK = Shape<Int<kKeysPerWG>, Int<kHeadDim>>;  // one warpgroup's keys
+  using TiledO = TileQ;
+  using TileV = TileK;
 
   // Swizzled K-major rows for Q, dO, K, V (of 128 bytes, or of 64 where the head dim is no
   // multiple of 64 columns: d96); their transposed views are MN-major.
@@ -90,6 +93,7 @@ struct BwdTraits {
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
                                          Step<_2, _1, _3>{})));
   using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, TileK{}));  // per warpgroup: K and V
+  using SmemLayoutV = SmemLayoutK;
   using SmemLayoutKt = decltype(composition(  // (d, keys): B of dQ
       SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kKeysPerWG>>{}, Step<_2, _1>{})));
   // One warpgroup's dS as the (queries, keys, stage) A operand of dQ, queries contiguous: the
@@ -118,11 +122,14 @@ struct BwdTraits {
                     wgmma_atom_n<MmadQ> == kDqCols,
                 "a WGMMA atom narrower than its GEMM (registry::extended_wgmma_n)");
 
-  using TmaLoads = BwdTmaLoads<Element, SmemLayoutQ, TileQ, SmemLayoutK, TileK>;
-  using TmaQ = typename TmaLoads::TmaQ;
-  using TmaK = typename TmaLoads::TmaK;
+  using TmaQ = BwdTmaLoad<Element, SmemLayoutQ, TileQ>;
+  using TmadO = TmaQ;
+  using TmaK = BwdTmaLoad<Element, SmemLayoutK, TileK>;
+  using TmaV = TmaK;
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesdO = kBytesQ;
   static constexpr uint32_t kBytesK = kKeysPerWG * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesV = kBytesK;
   static constexpr uint32_t kBytesdQSlab = kDqSlabFloats * sizeof(float);
 
   struct SharedStorage {
@@ -477,8 +484,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // ---------------- dK·scale and dV ----------------
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(typename Traits::TileK{}));
   if (m_end > m_first || params.dk_accum == nullptr)
-    bwd_store_dkdv<kDeterministic, kHeadDim, Element>(
-        params, acc_dk, acc_dv, cKV, key0, 0, work,
+    bwd_store_dkdv<kDeterministic, kHeadDim, kHeadDim, Element>(
+        params, key_rows_acc(acc_dk, cKV, 0), key_rows_acc(acc_dv, cKV, 0), key0, work,
         DkDvStage<kBlockN, Element>{smem.k[0].begin(), smem.v[0].begin(), wg * kKeysPerWG});
 #endif
 }

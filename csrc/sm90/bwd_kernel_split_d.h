@@ -18,6 +18,8 @@
 //                    the first one's read.)
 //                    At d256 the buffer's 32 KiB come from single-buffering dO (as FA3);
 //                    d192 has room for two dO buffers.
+// With V's head dim apart from Q's (DeepSeek's 192 and 128), V, dO and dV take their own: dPᵀ
+// runs over V's columns and each warpgroup owns half of dV's.
 // setmaxnreg moves registers from the producer (24) to the consumers (240). kDeterministic: as
 // bwd_kernel.h's, each (query block, warpgroup)'s two slabs added in key-block order through a
 // semaphore, GQA dK/dV per query head; kSoftcap as bwd_kernel.h's.
@@ -36,17 +38,20 @@ namespace flashattn::sm90 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_>
+// kHeadDim: of Q and K (and dQ, dK); kHeadDimV: of V, O and dO (and dV).
+template <class Element_, int kHeadDim_, int kHeadDimV_ = kHeadDim_>
 struct BwdSplitDTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  using Tile = BwdTile<kHeadDim>;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  using Tile = BwdTile<kHeadDim, kHeadDimV>;
   static_assert(Tile::kSplitHeadDim, "a tile of this kernel");
   static constexpr int kBlockM = Tile::kBlockM;  // query rows per block
   static constexpr int kBlockN = Tile::kBlockN;  // keys per CTA (the score GEMMs' M)
   static constexpr int kConsumerWGs = 2;
   static constexpr int kQueriesPerWG = kBlockM / kConsumerWGs;  // the score GEMMs' N
-  static constexpr int kColsPerWG = kHeadDim / kConsumerWGs;    // of dK, dV and dQ
+  static constexpr int kColsPerWG = kHeadDim / kConsumerWGs;    // of dK and dQ
+  static constexpr int kColsPerWGV = kHeadDimV / kConsumerWGs;  // of dV
   static constexpr int kKeyTiles = 1;
   static constexpr int kStages = Tile::kStages;      // Q, Pᵀ and dSᵀ buffers
   static constexpr int kStagesdO = Tile::kStagesdO;  // shared memory: 227 KiB per CTA
@@ -57,28 +62,31 @@ struct BwdSplitDTraits {
   static_assert(kQueriesPerWG == 32, "LSE and D: one row per lane");
 
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TiledO = Shape<Int<kBlockM>, Int<kHeadDimV>>;
   using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using TileV = Shape<Int<kBlockN>, Int<kHeadDimV>>;
 
   // Swizzled K-major rows (transposed views are MN-major): of 128 bytes, or of 64 where a
   // warpgroup's columns of the head dim (which the dQ, dK and dV GEMMs take from the transposed
   // views) would start inside a 128-byte atom (d192: 96 columns each).
-  using SmemAtom = conditional_t<kColsPerWG % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
-                                 GMMA::Layout_K_SW64_Atom<Element>>;
+  template <int kCols>  // a warpgroup's columns
+  using SmemAtomFor = conditional_t<kCols % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                                    GMMA::Layout_K_SW64_Atom<Element>>;
   // Pᵀ and dSᵀ: key and query blocks of 64.
   using SmemAtomP = GMMA::Layout_K_SW128_Atom<Element>;
-  template <int kBuffers>  // (queries, d, stage)
+  template <int kDim, int kBuffers>  // (queries, d, stage)
   using SmemLayoutRows = decltype(tile_to_shape(
-      SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBuffers>>{}));
-  template <int kBuffers>  // (d, queries, stage): B of dK and dV
+      SmemAtomFor<kDim / kConsumerWGs>{}, Shape<Int<kBlockM>, Int<kDim>, Int<kBuffers>>{}));
+  template <int kDim, int kBuffers>  // (d, queries, stage): B of dK and dV
   using SmemLayoutRowsT = decltype(composition(
-      SmemLayoutRows<kBuffers>{},
-      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kBuffers>>{},
-                          Step<_2, _1, _3>{})));
-  using SmemLayoutQ = SmemLayoutRows<kStages>;
-  using SmemLayoutQt = SmemLayoutRowsT<kStages>;
-  using SmemLayoutdO = SmemLayoutRows<kStagesdO>;
-  using SmemLayoutdOt = SmemLayoutRowsT<kStagesdO>;
-  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, TileK{}));  // K and V
+      SmemLayoutRows<kDim, kBuffers>{},
+      make_ordered_layout(Shape<Int<kDim>, Int<kBlockM>, Int<kBuffers>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutQ = SmemLayoutRows<kHeadDim, kStages>;
+  using SmemLayoutQt = SmemLayoutRowsT<kHeadDim, kStages>;
+  using SmemLayoutdO = SmemLayoutRows<kHeadDimV, kStagesdO>;
+  using SmemLayoutdOt = SmemLayoutRowsT<kHeadDimV, kStagesdO>;
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomFor<kColsPerWG>{}, TileK{}));
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtomFor<kColsPerWGV>{}, TileV{}));
   using SmemLayoutKt = decltype(composition(  // (d, keys): B of dQ
       SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
   // Pᵀ and dSᵀ as (keys, queries, stage), queries contiguous: the K-major A operands of dV and dK,
@@ -91,31 +99,39 @@ struct BwdSplitDTraits {
                                           Step<_2, _1, _3>{})));
   using DqLayout = DqSlabs<kHeadDim, kBlockM, kHeadDim / kDqSlabCols>;
 
-  using MmaSdP = decltype(make_tiled_mma(  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ over this warpgroup's queries
+  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ over this warpgroup's queries (the atom is the same over either
+  // head dim: the K extent only counts the instructions).
+  using MmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,
                            Shape<Int<kBlockN>, Int<kQueriesPerWG>, Int<kHeadDim>>>()));
-  using MmadKV = decltype(make_tiled_mma(  // this warpgroup's columns of dV += Pᵀ·dO, dK += dSᵀ·Q
+  template <int kCols>  // this warpgroup's columns of dK += dSᵀ·Q or dV += Pᵀ·dO
+  using MmaKeyRows = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,
-                           Shape<Int<kBlockN>, Int<kColsPerWG>, Int<kBlockM>>, GMMA::Major::K,
+                           Shape<Int<kBlockN>, Int<kCols>, Int<kBlockM>>, GMMA::Major::K,
                            GMMA::Major::MN>()));
+  using MmadK = MmaKeyRows<kColsPerWG>;
+  using MmadV = MmaKeyRows<kColsPerWGV>;
   using MmadQ = decltype(make_tiled_mma(  // this warpgroup's columns of dQ = dS·K
       GMMA::ss_op_selector<Element, Element, float,
                            Shape<Int<kBlockM>, Int<kColsPerWG>, Int<kBlockN>>, GMMA::Major::MN,
                            GMMA::Major::MN>()));
-  static_assert(wgmma_atom_n<MmaSdP> == kQueriesPerWG && wgmma_atom_n<MmadKV> == kColsPerWG &&
-                    wgmma_atom_n<MmadQ> == kColsPerWG,
+  static_assert(wgmma_atom_n<MmaSdP> == kQueriesPerWG && wgmma_atom_n<MmadK> == kColsPerWG &&
+                    wgmma_atom_n<MmadV> == kColsPerWGV && wgmma_atom_n<MmadQ> == kColsPerWG,
                 "a WGMMA atom narrower than its GEMM (registry::extended_wgmma_n)");
 
-  using TmaLoads = BwdTmaLoads<Element, SmemLayoutQ, TileQ, SmemLayoutK, TileK>;
-  using TmaQ = typename TmaLoads::TmaQ;
-  using TmaK = typename TmaLoads::TmaK;
+  using TmaQ = BwdTmaLoad<Element, SmemLayoutQ, TileQ>;
+  using TmadO = BwdTmaLoad<Element, SmemLayoutdO, TiledO>;
+  using TmaK = BwdTmaLoad<Element, SmemLayoutK, TileK>;
+  using TmaV = BwdTmaLoad<Element, SmemLayoutV, TileV>;
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesdO = kBlockM * kHeadDimV * sizeof(Element);
   static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesV = kBlockN * kHeadDimV * sizeof(Element);
   static constexpr uint32_t kBytesdQ = kBlockM * kDqSlabCols * sizeof(float);  // one slab
 
   struct SharedStorage {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> k[kKeyTiles];
-    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> v[kKeyTiles];
+    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutV>> v[kKeyTiles];
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutdO>> dout;
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutPt>> pt;
@@ -125,9 +141,9 @@ struct BwdSplitDTraits {
     TmaPipeline<kStages> pipe_q;
     TmaPipeline<kStagesdO> pipe_do;
   };
-  // dK and dV are staged in the K and V tiles (DkDvStage): each the CTA's keys × kHeadDim.
-  static_assert(sizeof(SharedStorage::k) == kBlockN * kHeadDim * sizeof(Element) &&
-                sizeof(SharedStorage::v) == sizeof(SharedStorage::k));
+  static_assert(sizeof(SharedStorage) <= 232448, "227 KiB of shared memory per CTA on sm_90");
+  // dK and dV are staged in the K and V tiles (DkDvStage): the CTA's keys × their head dims.
+  static_assert(sizeof(SharedStorage::k) == kBytesK && sizeof(SharedStorage::v) == kBytesV);
 };
 
 // The template parameters are bwd_kernel's (bwd_kernel.h).
@@ -143,6 +159,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kConsumerWGs = Traits::kConsumerWGs;
   constexpr int kQueriesPerWG = Traits::kQueriesPerWG;
   constexpr int kColsPerWG = Traits::kColsPerWG;
+  constexpr int kColsPerWGV = Traits::kColsPerWGV;
   using SharedStorage = typename Traits::SharedStorage;
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
@@ -169,10 +186,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int wg = warp_group - 1;
   const int tid = threadIdx.x % 128;
   const int q_off = wg * kQueriesPerWG;  // this warpgroup's queries within the block
-  const int col0 = wg * kColsPerWG;      // and its columns of dK, dV, dQ
+  const int col0 = wg * kColsPerWG;      // and its columns of dK and dQ
+  const int col0_v = wg * kColsPerWGV;   // and of dV
 
   Tensor sK = make_tensor(make_smem_ptr(smem.k[0].begin()), typename Traits::SmemLayoutK{});
-  Tensor sV = make_tensor(make_smem_ptr(smem.v[0].begin()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v[0].begin()), typename Traits::SmemLayoutV{});
   Tensor sKt = make_tensor(make_smem_ptr(smem.k[0].begin()), typename Traits::SmemLayoutKt{});
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutdO{});
@@ -182,38 +200,41 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sdSt = make_tensor(make_smem_ptr(smem.dst.begin()), typename Traits::SmemLayoutPt{});
   Tensor sdS = make_tensor(make_smem_ptr(smem.dst.begin()), typename Traits::SmemLayoutP{});
   using RowsOfQ = Shape<Int<kQueriesPerWG>, Int<kHeadDim>, Int<kStages>>;
-  using RowsOfdO = Shape<Int<kQueriesPerWG>, Int<kHeadDim>, Int<Traits::kStagesdO>>;
+  using RowsOfdO = Shape<Int<kQueriesPerWG>, Int<Traits::kHeadDimV>, Int<Traits::kStagesdO>>;
   using ColsOfQt = Shape<Int<kColsPerWG>, Int<kBlockM>, Int<kStages>>;
-  using ColsOfdOt = Shape<Int<kColsPerWG>, Int<kBlockM>, Int<Traits::kStagesdO>>;
+  using ColsOfdOt = Shape<Int<kColsPerWGV>, Int<kBlockM>, Int<Traits::kStagesdO>>;
   auto mine = make_coord(wg, _0{}, _0{});
 
   typename Traits::MmaSdP mma_sdp;
-  typename Traits::MmadKV mma_dkv;
+  typename Traits::MmadK mma_dk;
+  typename Traits::MmadV mma_dv;
   typename Traits::MmadQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(tid);
-  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dk = mma_dk.get_thread_slice(tid);
+  auto thr_dv = mma_dv.get_thread_slice(tid);
   auto thr_dq = mma_dq.get_thread_slice(tid);
   Tensor tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK));  // (MMA, 1, K)
   Tensor tSrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV));
   Tensor tSrQ =  // (MMA, 1, K, stage)
       thr_sdp.make_fragment_B(thr_sdp.partition_B(local_tile(sQ, RowsOfQ{}, mine)));
   Tensor tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(local_tile(sdO, RowsOfdO{}, mine)));
-  Tensor tdVrPt = thr_dkv.make_fragment_A(thr_dkv.partition_A(sPt));  // (MMA, 1, K, stage)
-  Tensor tdKrdSt = thr_dkv.make_fragment_A(thr_dkv.partition_A(sdSt));
+  Tensor tdVrPt = thr_dv.make_fragment_A(thr_dv.partition_A(sPt));  // (MMA, 1, K, stage)
+  Tensor tdKrdSt = thr_dk.make_fragment_A(thr_dk.partition_A(sdSt));
   Tensor tdVrdOt =  // (MMA, N, K, stage)
-      thr_dkv.make_fragment_B(thr_dkv.partition_B(local_tile(sdOt, ColsOfdOt{}, mine)));
-  Tensor tdKrQt = thr_dkv.make_fragment_B(thr_dkv.partition_B(local_tile(sQt, ColsOfQt{}, mine)));
+      thr_dv.make_fragment_B(thr_dv.partition_B(local_tile(sdOt, ColsOfdOt{}, mine)));
+  Tensor tdKrQt = thr_dk.make_fragment_B(thr_dk.partition_B(local_tile(sQt, ColsOfQt{}, mine)));
   Tensor tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS));  // (MMA, 1, K, stage)
   Tensor tdQrKt = thr_dq.make_fragment_B(thr_dq.partition_B(  // (MMA, N, K)
       local_tile(sKt, Shape<Int<kColsPerWG>, Int<kBlockN>>{}, make_coord(wg, _0{}))));
 
   using TileS = Shape<Int<kBlockN>, Int<kQueriesPerWG>>;
-  using TileKV = Shape<Int<kBlockN>, Int<kColsPerWG>>;
+  using TiledK = Shape<Int<kBlockN>, Int<kColsPerWG>>;
+  using TiledV = Shape<Int<kBlockN>, Int<kColsPerWGV>>;
   using TiledQ = Shape<Int<kBlockM>, Int<kColsPerWG>>;
   Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});   // Sᵀ, then Pᵀ
   Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});  // dPᵀ, then dSᵀ
-  Tensor acc_dk = partition_fragment_C(mma_dkv, TileKV{});
-  Tensor acc_dv = partition_fragment_C(mma_dkv, TileKV{});
+  Tensor acc_dk = partition_fragment_C(mma_dk, TiledK{});
+  Tensor acc_dv = partition_fragment_C(mma_dv, TiledV{});
   Tensor acc_dq = partition_fragment_C(mma_dq, TiledQ{});
   clear(acc_dk);
   clear(acc_dv);
@@ -336,9 +357,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     // This warpgroup's columns: dV first, so that dO's buffer is released early for
     // the next block's load; then dQ, whose bulk adds run under dK.
-    gemm_accumulate(mma_dkv, tdVrPt(_, _, _, st.index), tdVrdOt(_, _, _, st_do.index), acc_dv);
+    gemm_accumulate(mma_dv, tdVrPt(_, _, _, st.index), tdVrdOt(_, _, _, st_do.index), acc_dv);
     gemm_ss(mma_dq, tdQrdS(_, _, _, st.index), tdQrKt, acc_dq);
-    gemm_accumulate(mma_dkv, tdKrdSt(_, _, _, st.index), tdKrQt(_, _, _, st.index), acc_dk);
+    gemm_accumulate(mma_dk, tdKrdSt(_, _, _, st.index), tdKrQt(_, _, _, st.index), acc_dk);
     if (m + 1 < m_end) {
       lse_next = params.lse_log2[row_at(m + 1)];
       dsum_next = params.softmax_d[row_at(m + 1)];
@@ -373,10 +394,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     store_sink_part(params.sink_parts + work.sink_slot, wg * 4 + tid / 32, sink_part);
 
   // ---------------- dK·scale and dV ----------------
-  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
+  Tensor cK = thr_dk.partition_C(make_identity_tensor(TiledK{}));
+  Tensor cV = thr_dv.partition_C(make_identity_tensor(TiledV{}));
   if (m_end > m_first || params.dk_accum == nullptr)
-    bwd_store_dkdv<kDeterministic, kHeadDim, Element>(
-        params, acc_dk, acc_dv, cKV, key0, col0, work,
+    bwd_store_dkdv<kDeterministic, kHeadDim, Traits::kHeadDimV, Element>(
+        params, key_rows_acc(acc_dk, cK, col0), key_rows_acc(acc_dv, cV, col0_v), key0, work,
         DkDvStage<kBlockN, Element>{smem.k[0].begin(), smem.v[0].begin(), 0});
 #endif
 }

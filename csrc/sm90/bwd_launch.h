@@ -29,16 +29,18 @@
 
 namespace flashattn::sm90 {
 
-// The consumer warpgroups split the CTA's keys, or (the tile says) its head dim.
-template <class Element, int kHeadDim>
-using BwdTraitsFor = std::conditional_t<BwdTile<kHeadDim>::kSplitHeadDim,
-                                        BwdSplitDTraits<Element, kHeadDim>,
+// The consumer warpgroups split the CTA's keys, or (the tile says) its head dim; only the
+// latter takes V's head dim apart from Q's.
+template <class Element, int kHeadDim, int kHeadDimV>
+using BwdTraitsFor = std::conditional_t<BwdTile<kHeadDim, kHeadDimV>::kSplitHeadDim,
+                                        BwdSplitDTraits<Element, kHeadDim, kHeadDimV>,
                                         BwdTraits<Element, kHeadDim>>;
 
-template <class Element, int kHeadDim>
+template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
 flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
-  using Traits = BwdTraitsFor<Element, kHeadDim>;
-  constexpr bool kSplitD = BwdTile<kHeadDim>::kSplitHeadDim;
+  using Traits = BwdTraitsFor<Element, kHeadDim, kHeadDimV>;
+  static_assert(Traits::kHeadDimV == kHeadDimV, "a kernel of one head dim for two");
+  constexpr bool kSplitD = BwdTile<kHeadDim, kHeadDimV>::kSplitHeadDim;
   // The workspace's sinks' parts and packed key table are sized for key blocks of this or more.
   static_assert(Traits::kBlockN >= kMinKeyBlock);
   // Softcap's deterministic mode is not instantiated (the dispatcher sends it to sm80).
@@ -63,23 +65,25 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   BwdParams<Traits> params;
   params.seqs = seqs;
   params.batch = p.batch;
-  auto tensor = [&](const flashattn_tensor_t& t, int seqlen, int heads) {
-    return gmem_tensor<Traits>(static_cast<Element const*>(t.ptr), t, seqlen, heads,
-                               params.tensor_batch());
+  // One tile of an operand of head dim kDim (V and dO: kHeadDimV) from its tensor.
+  auto load = [&](auto kDim, const flashattn_tensor_t& t, int seqlen, int heads, auto smem_layout,
+                  auto tile) {
+    return make_tma_copy(SM90_TMA_LOAD{},
+                         gmem_tensor<Traits, decltype(kDim)::value>(
+                             static_cast<Element const*>(t.ptr), t, seqlen, heads,
+                             params.tensor_batch()),
+                         take<0, 2>(smem_layout), tile, _1{});
   };
-  auto load_q = [&](const flashattn_tensor_t& t) {
-    return make_tma_copy(SM90_TMA_LOAD{}, tensor(t, p.seqlen_q, p.heads_q),
-                         take<0, 2>(typename Traits::SmemLayoutQ{}), typename Traits::TileQ{},
-                         _1{});
-  };
-  auto load_k = [&](const flashattn_tensor_t& t) {
-    return make_tma_copy(SM90_TMA_LOAD{}, tensor(t, p.seqlen_k, p.heads_kv),
-                         typename Traits::SmemLayoutK{}, typename Traits::TileK{}, _1{});
-  };
-  params.tma_q = load_q(p.q);
-  params.tma_do = load_q(p.dout);
-  params.tma_k = load_k(p.k);
-  params.tma_v = load_k(p.v);
+  using DimQK = Int<kHeadDim>;
+  using DimV = Int<kHeadDimV>;
+  params.tma_q = load(DimQK{}, p.q, p.seqlen_q, p.heads_q, typename Traits::SmemLayoutQ{},
+                      typename Traits::TileQ{});
+  params.tma_do = load(DimV{}, p.dout, p.seqlen_q, p.heads_q, typename Traits::SmemLayoutdO{},
+                       typename Traits::TiledO{});
+  params.tma_k = load(DimQK{}, p.k, p.seqlen_k, p.heads_kv, typename Traits::SmemLayoutK{},
+                      typename Traits::TileK{});
+  params.tma_v = load(DimV{}, p.v, p.seqlen_k, p.heads_kv, typename Traits::SmemLayoutV{},
+                      typename Traits::TileV{});
   params.dq_accum = reinterpret_cast<float*>(base + ws.dq_accum);
   float* lse_log2 = reinterpret_cast<float*>(base + ws.lse_log2);
   float* softmax_d = reinterpret_cast<float*>(base + ws.softmax_d);
@@ -131,7 +135,8 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   // than half at d256, equal at d64/d128; all heads in one group slower; benchmarks/README.md).
   // Packed: a head's key blocks run sequence by sequence, in packing order (heaviest first within
   // a sequence, not across them); those of one sequence share its rows, at most max_seqlen_q.
-  const int64_t q_bytes = int64_t(seqs.max_q) * kHeadDim * (2 * sizeof(Element) + sizeof(float));
+  const int64_t q_bytes =
+      int64_t(seqs.max_q) * ((kHeadDim + kHeadDimV) * sizeof(Element) + kHeadDim * sizeof(float));
   params.order = TileOrder::make(int(tiles), int(heads_total), params.keys.window_right >= 0,
                                  q_bytes, l2_bytes() / 3);
 
@@ -156,7 +161,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     FLASHATTN_TRY_CUDA(launch_bwd_packed_entries<Traits::kBlockN>(p, ws, base, stream));
   if (offsets_malformed != nullptr)
     FLASHATTN_TRY_CUDA(cudaMemsetAsync(offsets_malformed, 0, sizeof(int), stream));
-  FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
+  FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim, kHeadDimV>(rows, stream)));
 
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
   const unsigned ctas = unsigned(tiles * heads_total);
@@ -191,13 +196,14 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
 
   // GQA dK/dV: per KV head, or in deterministic mode per query head, summed here in head order.
   const int kv_group = p.deterministic ? p.heads_q / p.heads_kv : 1;
-  auto convert = [&](const float* src, const flashattn_tensor_t& dst, int heads, int seqlen,
-                     float scale) {
+  auto convert = [&](auto kDim, const float* src, const flashattn_tensor_t& dst, int heads,
+                     int seqlen, float scale) {
+    constexpr int d = decltype(kDim)::value;
     if (seqs.packed())
-      return launch_bwd_convert_packed<Element, kHeadDim, DqRowMajor<kHeadDim>, false>(
+      return launch_bwd_convert_packed<Element, d, DqRowMajor<d>, false>(
           src, seqlen, kv_group, dst, heads, seqs, p.batch, nullptr, scale, stream);
-    const int64_t chunks = int64_t(p.batch) * heads * seqlen * (kHeadDim / 8);
-    bwd_convert<Element, kHeadDim><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
+    const int64_t chunks = int64_t(p.batch) * heads * seqlen * (d / 8);
+    bwd_convert<Element, d><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
         src, seqlen, kv_group, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride,
         p.batch, heads, seqlen, scale);
     return cudaGetLastError();
@@ -216,8 +222,9 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     FLASHATTN_TRY_CUDA(cudaGetLastError());
   }
   if (gqa) {
-    FLASHATTN_TRY_CUDA(convert(params.dk_accum, p.dk, p.heads_kv, p.seqlen_k, p.softmax_scale));
-    FLASHATTN_TRY_CUDA(convert(params.dv_accum, p.dv, p.heads_kv, p.seqlen_k, 1.f));
+    FLASHATTN_TRY_CUDA(
+        convert(DimQK{}, params.dk_accum, p.dk, p.heads_kv, p.seqlen_k, p.softmax_scale));
+    FLASHATTN_TRY_CUDA(convert(DimV{}, params.dv_accum, p.dv, p.heads_kv, p.seqlen_k, 1.f));
   }
   return ok();
 }

@@ -7,6 +7,6 @@
 
 namespace flashattn::sm90 {
 
-template <int kHeadDim> struct BwdTile;
+template <int kHeadDim, int kHeadDimV = kHeadDim> struct BwdTile;
 
 }  // namespace flashattn::sm90

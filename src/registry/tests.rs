@@ -107,9 +107,12 @@ fn extended_wgmma_shapes_only_where_a_tile_takes_one() {
     assert_eq!(extended_wgmma_n(Family::Sm90Fwd, 192), vec![112]);
     assert!(!extended_wgmma(Family::Sm90Fwd, 96));
     assert_eq!(extended_wgmma_n(Family::Sm90Fp8Fwd, 128), vec![224]);
-    // (192, 128): 128 keys and an O of 128 columns, both default sizes.
-    let mla = kernel_v(Family::Sm90Fwd, 192, 128, KernelDtype::Bf16);
-    assert!(!crate::registry::extended_wgmma(&mla));
+    // (192, 128): 128 keys and an O of 128 columns, both default sizes; the backward's 96
+    // columns of dK and dQ and 64 of dV per warpgroup too.
+    for family in [Family::Sm90Fwd, Family::Sm90Bwd] {
+        let mla = kernel_v(family, 192, 128, KernelDtype::Bf16);
+        assert!(!crate::registry::extended_wgmma(&mla));
+    }
 }
 
 /// build.rs generates an extended atom only for a forward's key block (the S GEMM's N), a

@@ -104,8 +104,8 @@ pub struct OnDevice<T> {
 }
 
 impl<T: Element + DeviceRepr> OnDevice<T> {
-    /// Q, K, V and dO (O and dQ as long as Q, dK and dV as K), an LSE of `lse_len` values, and
-    /// the sinks with their gradient where `sinks` is given.
+    /// Q, K, V and dO (O as long as dO, dQ as Q, dK as K, dV as V), an LSE of `lse_len` values,
+    /// and the sinks with their gradient where `sinks` is given.
     pub fn upload(
         stream: &Arc<CudaStream>,
         [q, k, v, dout]: [&[T]; 4],
@@ -121,32 +121,33 @@ impl<T: Element + DeviceRepr> OnDevice<T> {
             v: up(v),
             dout: up(dout),
             sinks: sinks.map(|s| stream.clone_htod(s).unwrap()),
-            out: nan(q.len()),
+            out: nan(dout.len()),
             lse: nan_f32(lse_len),
             dq: nan(q.len()),
             dk: nan(k.len()),
-            dv: nan(k.len()),
+            dv: nan(v.len()),
             dsinks: sinks.map(|s| nan_f32(s.len())),
         }
     }
 
     /// The forward, `dev.forward_into` or with `seqs` `dev.varlen_forward_into`, over the
-    /// tensors seen in `(lq, lk)`: Q's layout (O's) and K's (V's).
+    /// tensors seen in `views`.
     pub fn forward(
         &mut self,
         dev: &Device,
         stream: &Arc<CudaStream>,
         cfg: &AttentionConfig,
         seqs: Option<&DeviceSeqlens>,
-        (lq, lk): (Layout, Layout),
+        views: impl Into<Views>,
     ) -> flashattn::Result<Plan> {
-        let [q, k, v] = qkv([&self.q, &self.k, &self.v], (lq, lk));
+        let views = views.into();
+        let [q, k, v] = qkv([&self.q, &self.k, &self.v], &views);
         let sinks = self.sinks.as_ref().map(|s| s.as_view());
         let inputs = DeviceForwardInputs {
             sinks: sinks.as_ref(),
             ..DeviceForwardInputs::new(&q, &k, &v)
         };
-        let out = &mut DeviceTensorMut::new(self.out.as_view_mut(), lq);
+        let out = &mut DeviceTensorMut::new(self.out.as_view_mut(), views.o);
         let lse = &mut self.lse.as_view_mut();
         match seqs {
             Some(seqs) => dev.varlen_forward_into(stream, cfg, seqs, inputs, out, lse),
@@ -163,11 +164,12 @@ impl<T: Element + DeviceRepr> OnDevice<T> {
         stream: &Arc<CudaStream>,
         cfg: &AttentionConfig,
         seqs: Option<&DeviceSeqlens>,
-        (lq, lk): (Layout, Layout),
+        views: impl Into<Views>,
     ) -> flashattn::Result<Plan> {
-        let [q, k, v] = qkv([&self.q, &self.k, &self.v], (lq, lk));
-        let out = DeviceTensor::new(self.out.as_view(), lq);
-        let dout = DeviceTensor::new(self.dout.as_view(), lq);
+        let views = views.into();
+        let [q, k, v] = qkv([&self.q, &self.k, &self.v], &views);
+        let out = DeviceTensor::new(self.out.as_view(), views.o);
+        let dout = DeviceTensor::new(self.dout.as_view(), views.o);
         let (lse, sinks) = (self.lse.as_view(), self.sinks.as_ref().map(|s| s.as_view()));
         let inputs = DeviceBackwardInputs {
             q: &q,
@@ -180,9 +182,9 @@ impl<T: Element + DeviceRepr> OnDevice<T> {
         };
         let mut dsinks = self.dsinks.as_mut().map(|s| s.as_view_mut());
         let grads = DeviceGradientsMut {
-            dq: &mut DeviceTensorMut::new(self.dq.as_view_mut(), lq),
-            dk: &mut DeviceTensorMut::new(self.dk.as_view_mut(), lk),
-            dv: &mut DeviceTensorMut::new(self.dv.as_view_mut(), lk),
+            dq: &mut DeviceTensorMut::new(self.dq.as_view_mut(), views.q),
+            dk: &mut DeviceTensorMut::new(self.dk.as_view_mut(), views.k),
+            dv: &mut DeviceTensorMut::new(self.dv.as_view_mut(), views.v),
             dsinks: dsinks.as_mut(),
         };
         match seqs {
@@ -207,15 +209,31 @@ impl<T: Element + DeviceRepr> OnDevice<T> {
     }
 }
 
-/// Q, K and V seen in Q's layout and K's (V's).
+/// The layouts [`OnDevice`]'s tensors are seen in: Q's (dQ's), K's (dK's), V's (dV's) and
+/// O's (dO's). From a pair (Q's, K's) where V's head dim is Q's: V as K, O as Q.
+#[derive(Clone, Copy, Debug)]
+pub struct Views {
+    pub q: Layout,
+    pub k: Layout,
+    pub v: Layout,
+    pub o: Layout,
+}
+
+impl From<(Layout, Layout)> for Views {
+    fn from((q, k): (Layout, Layout)) -> Self {
+        Views { q, k, v: k, o: q }
+    }
+}
+
+/// Q, K and V seen in their views.
 fn qkv<'a, T: DeviceRepr>(
     [q, k, v]: [&'a CudaSlice<T>; 3],
-    (lq, lk): (Layout, Layout),
+    views: &Views,
 ) -> [DeviceTensor<'a, T>; 3] {
     [
-        DeviceTensor::new(q.as_view(), lq),
-        DeviceTensor::new(k.as_view(), lk),
-        DeviceTensor::new(v.as_view(), lk),
+        DeviceTensor::new(q.as_view(), views.q),
+        DeviceTensor::new(k.as_view(), views.k),
+        DeviceTensor::new(v.as_view(), views.v),
     ]
 }
 
