@@ -89,6 +89,8 @@ def parse_args(argv=None):
                    help="comma list of SDPA backends to time: flash, cudnn")
     p.add_argument("--tokens", type=int, default=16384, help="total tokens: batch = tokens / seqlen")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size: heads = hidden / head_dim")
+    p.add_argument("--head-dim-v", type=int, default=None,
+                   help="V's (and O's) head dim where it differs from Q's and K's (--dims)")
     p.add_argument("--no-bwd", action="store_true", help="time the forward only")
     p.add_argument("--no-ceilings", action="store_true", help="skip the GEMM and copy ceilings")
     p.add_argument("--no-attention", action="store_true", help="measure the ceilings only")
@@ -126,7 +128,10 @@ def shapes(args):
         for s in args.seqlens:
             batch = max(1, args.tokens // s)
             for causal in causals:
-                out.append(dict(d=d, seqlen=s, batch=batch, heads=heads, causal=causal))
+                shp = dict(d=d, seqlen=s, batch=batch, heads=heads, causal=causal)
+                if args.head_dim_v is not None:
+                    shp["dv"] = args.head_dim_v
+                out.append(shp)
     return out
 
 
@@ -178,7 +183,7 @@ def main(argv=None):
     if args.dry_run:
         for shp in todo:
             f = attn_flops_fwd(shp["batch"], shp["heads"], shp["seqlen"], shp["seqlen"], shp["d"],
-                               shp["causal"])
+                               shp["causal"], shp.get("dv"))
             print(f"d={shp['d']:<4} seqlen={shp['seqlen']:<6} batch={shp['batch']:<3} "
                   f"heads={shp['heads']:<3} causal={str(shp['causal']):<5} "
                   f"fwd {f / 1e9:9.1f} GFLOP  backends {','.join(args.backends)}")
@@ -220,7 +225,7 @@ def main(argv=None):
         "compute_capability": f"{cap[0]}.{cap[1]}",
         "method": ("CUDA events, warm-up, median of >= %d runs; fwd = training forward; "
                    "bwd = torch.autograd.grad(out, (q,k,v), dout, retain_graph=True) only; "
-                   "fwd FLOPs 4*b*s*s*h*d (/2 causal), bwd 2.5x fwd; inputs N(0,1) "
+                   "fwd FLOPs 2*b*s*s*h*(d+d_v) (/2 causal), bwd 2.5x fwd; inputs N(0,1) "
                    "(b,s,h,d) transposed to SDPA's (b,h,s,d)" % args.min_reps),
         "rows": [],
     }

@@ -8,8 +8,9 @@ from peers_common import short_error, summarize
 BACKENDS = {"flash": "torch-flash", "cudnn": "torch-cudnn"}
 
 
-def attn_flops_fwd(batch, heads, sq, sk, d, causal):
-    f = 4.0 * batch * sq * sk * heads * d
+def attn_flops_fwd(batch, heads, sq, sk, d, causal, dv=None):
+    """2·b·s_q·s_k·h·(d + d_v): Q·Kᵀ over d, P·V over V's head dim d_v (d unless given)."""
+    f = 2.0 * batch * sq * sk * heads * (d + (d if dv is None else dv))
     return f / 2 if causal else f
 
 
@@ -132,14 +133,14 @@ class Bench:
         which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
         label = {"flash": "sdpa:FLASH_ATTENTION", "cudnn": "sdpa:CUDNN_ATTENTION"}
         b, s, h, d, causal = shp["batch"], shp["seqlen"], shp["heads"], shp["d"], shp["causal"]
-        fwd_flops = attn_flops_fwd(b, h, s, s, d, causal)
-        elem = b * s * h * d
-        n_sets = self.n_sets(5 * elem * 2)  # q, k, v, dO, O in bf16
+        dv = shp.get("dv", d)  # V's (and O's, dO's) head dim
+        fwd_flops = attn_flops_fwd(b, h, s, s, d, causal, dv)
+        n_sets = self.n_sets(b * s * h * (2 * d + 3 * dv) * 2)  # q, k, v, dO, O in bf16
 
         def make():
-            t = lambda: torch.randn(b, s, h, d, device=self.dev, dtype=torch.bfloat16)
-            q, k, v = (t().requires_grad_() for _ in range(3))
-            return q, k, v, t()
+            t = lambda w: torch.randn(b, s, h, w, device=self.dev, dtype=torch.bfloat16)
+            q, k, v = (t(w).requires_grad_() for w in (d, d, dv))
+            return q, k, v, t(dv)
         sets = [make() for _ in range(n_sets)]
 
         def fwd(i):
@@ -150,7 +151,7 @@ class Bench:
         rows, ref_out = [], None
         for name in backends:
             row = dict(impl=BACKENDS[name], backend=label[name], dtype="bf16", d=d,
-                       seqlen_q=s, seqlen_k=s, batch=b, heads=h, heads_kv=h, causal=causal,
+                       **({"d_v": dv} if dv != d else {}), seqlen_q=s, seqlen_k=s, batch=b, heads=h, heads_kv=h, causal=causal,
                        n_input_sets=n_sets)
             with warnings.catch_warnings(record=True) as caught, sdpa_kernel([which[name]]):
                 warnings.simplefilter("always")

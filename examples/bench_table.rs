@@ -9,13 +9,15 @@
 //!
 //! `--dims D,...` times other head dims than 64, 128 and 256 (those this build has; the hidden
 //! size `--hidden H` must be a multiple of each), a backward only where one is built.
+//! `--head-dim-v DV` gives V and O (and dO, dV) head dim DV at each of those (at most each; the
+//! FLOPs count P·V over DV: 2·b·s²·h·(d + DV), the backward 2.5× that as for one head dim).
 //!
 //! `--softcap C` caps every row's scores at C (the results file says so). `--sinks` gives every
 //! call attention sinks (one logit per query head), and the backward their gradient: what they
 //! cost beside the same rows without (the results file says so).
 //!
-//! Usage: bench_table [--quick] [--only D,S[,causal][,sm80]] [--dims D,...] [--hidden H]
-//!                    [--softcap C] [--sinks] [--out results.json] [--commit SHA]
+//! Usage: bench_table [--quick] [--only D,S[,causal][,sm80]] [--dims D,...] [--head-dim-v DV]
+//!                    [--hidden H] [--softcap C] [--sinks] [--out results.json] [--commit SHA]
 
 mod common;
 
@@ -52,6 +54,7 @@ struct Inputs {
 
 struct Row {
     d: usize,
+    dv: usize,
     seqlen: usize,
     causal: bool,
     backend: Backend,
@@ -75,10 +78,10 @@ fn time_forward(
     stream: &Arc<CudaStream>,
     inp: &mut Inputs,
     cfg: &AttentionConfig,
-    shape: [usize; 4],
+    shape: [usize; 5],
     reps: usize,
 ) -> (Vec<f64>, f64) {
-    let layout = Layout::contiguous(shape);
+    let (layout, layout_v) = layouts(shape);
     let run = |inp: &mut Inputs| {
         let Inputs {
             dev: [q, k, v],
@@ -93,7 +96,7 @@ fn time_forward(
                 layout,
             ),
             DeviceTensor::new(k.slice(..), layout),
-            DeviceTensor::new(v.slice(..), layout),
+            DeviceTensor::new(v.slice(..), layout_v),
         );
         let sinks = sinks.as_ref().map(|(_, s, _)| s.as_view());
         let mut inputs = DeviceForwardInputs::new(&tq, &tk, &tv);
@@ -104,7 +107,7 @@ fn time_forward(
             stream,
             cfg,
             inputs,
-            &mut DeviceTensorMut::new(out.as_view_mut(), layout),
+            &mut DeviceTensorMut::new(out.as_view_mut(), layout_v),
             &mut lse.as_view_mut(),
         )
         .expect("forward");
@@ -142,11 +145,12 @@ fn time_backward(
     stream: &Arc<CudaStream>,
     inp: &mut Inputs,
     cfg: &AttentionConfig,
-    shape: [usize; 4],
+    shape: [usize; 5],
     reps: usize,
 ) -> Vec<f64> {
-    let layout = Layout::contiguous(shape);
+    let (layout, layout_v) = layouts(shape);
     let n = layout.span(flashattn::Operand::Q).unwrap();
+    let n_v = layout_v.span(flashattn::Operand::V).unwrap();
     let run = |inp: &mut Inputs| {
         let [q, k, v] = &inp.dev;
         fn t(x: &CudaSlice<bf16>, n: usize, layout: Layout) -> DeviceTensor<'_, bf16> {
@@ -163,16 +167,16 @@ fn time_backward(
             DeviceBackwardInputs {
                 q: &t(q, n, layout),
                 k: &t(k, n, layout),
-                v: &t(v, n, layout),
-                out: &t(&inp.out, n, layout),
-                dout: &t(&inp.dout, n, layout),
+                v: &t(v, n_v, layout_v),
+                out: &t(&inp.out, n_v, layout_v),
+                dout: &t(&inp.dout, n_v, layout_v),
                 lse: &inp.lse.slice(..),
                 sinks: sinks.as_ref(),
             },
             DeviceGradientsMut {
                 dq: &mut DeviceTensorMut::new(dq.slice_mut(..n), layout),
                 dk: &mut DeviceTensorMut::new(dk.slice_mut(..n), layout),
-                dv: &mut DeviceTensorMut::new(dv.slice_mut(..n), layout),
+                dv: &mut DeviceTensorMut::new(dv.slice_mut(..n_v), layout_v),
                 dsinks: dsinks.as_mut(),
             },
         )
@@ -182,17 +186,21 @@ fn time_backward(
 }
 
 /// Error ratio on sampled rows of the last output (the correctness rule of docs/ARCHITECTURE.md).
-fn check(stream: &Arc<CudaStream>, inp: &Inputs, cfg: &AttentionConfig, shape: [usize; 4]) -> f64 {
-    let layout = Layout::contiguous(shape);
+fn check(stream: &Arc<CudaStream>, inp: &Inputs, cfg: &AttentionConfig, shape: [usize; 5]) -> f64 {
+    let (layout, layout_v) = layouts(shape);
     let n = layout.span(flashattn::Operand::Q).unwrap();
-    let out: Vec<bf16> = stream.clone_dtoh(&inp.out.slice(..n)).unwrap();
+    let n_v = layout_v.span(flashattn::Operand::V).unwrap();
+    let out: Vec<bf16> = stream.clone_dtoh(&inp.out.slice(..n_v)).unwrap();
     stream.synchronize().unwrap();
     if out.iter().any(|x| x.is_nan()) {
         return f64::INFINITY;
     }
-    let t = |i: usize| TensorRef::new(&inp.host[i][..n], layout);
+    let t = |i: usize| match i {
+        2 => TensorRef::new(&inp.host[i][..n_v], layout_v),
+        _ => TensorRef::new(&inp.host[i][..n], layout),
+    };
     let cpu = cfg.clone().backend(Backend::Cpu);
-    let [b, s, h, d] = shape;
+    let [b, s, h, _, dv] = shape;
     let (mut got, mut want, mut base) = (vec![], vec![], vec![]);
     for (bi, hi, i) in [(0, 0, 0), (b - 1, h - 1, s - 1), (b / 2, h / 2, s / 2 + 3)] {
         let (w, bo) = match &inp.sinks {
@@ -205,17 +213,34 @@ fn check(stream: &Arc<CudaStream>, inp: &Inputs, cfg: &AttentionConfig, shape: [
                 reference::baseline_row(&cpu, t(0), t(1), t(2), bi, hi, i).0,
             ),
         };
-        let off = layout.offset(bi, i, hi, 0);
-        got.extend(out[off..off + d].iter().map(|x| x.to_f32()));
+        let off = layout_v.offset(bi, i, hi, 0);
+        got.extend(out[off..off + dv].iter().map(|x| x.to_f32()));
         want.extend(w);
         base.extend(bo);
     }
     compare(&got, &want, &base).ratio
 }
 
-/// Whether this build holds `family`'s bf16 kernel at head dim `d`.
-fn built(family: Family, d: usize) -> bool {
-    registry::find(family, d, d, KernelDtype::Bf16).is_some_and(|k| k.built())
+/// Head dims as the table prints them: "128", or "192/128" where V's differs.
+fn dims_name(d: usize, dv: usize) -> String {
+    if d == dv {
+        d.to_string()
+    } else {
+        format!("{d}/{dv}")
+    }
+}
+
+/// Q's and K's layout of a shape (batch, seqlen, heads, d, d_v), and V's and O's.
+fn layouts([b, s, h, d, dv]: [usize; 5]) -> (Layout, Layout) {
+    (
+        Layout::contiguous([b, s, h, d]),
+        Layout::contiguous([b, s, h, dv]),
+    )
+}
+
+/// Whether this build holds `family`'s bf16 kernel at head dims `d` and `dv`.
+fn built(family: Family, d: usize, dv: usize) -> bool {
+    registry::find(family, d, dv, KernelDtype::Bf16).is_some_and(|k| k.built())
 }
 
 fn main() {
@@ -244,6 +269,15 @@ fn main() {
         dims.iter().chain(&[64, 128, 256]).all(|d| hidden % d == 0),
         "--hidden {hidden} is not a multiple of each head dim timed"
     );
+    let head_dim_v: Option<usize> = args
+        .value("--head-dim-v")
+        .map(|v| v.parse().expect("--head-dim-v DV"));
+    // V, O, dO and dV live in buffers of Q's size.
+    assert!(
+        head_dim_v.is_none_or(|dv| dims.iter().all(|&d| dv <= d)),
+        "--head-dim-v is at most each head dim timed"
+    );
+    let dv_of = |d: usize| head_dim_v.unwrap_or(d);
     let n = TOKENS * hidden;
     let mut rng = StdRng::seed_from_u64(7);
     let normal = Normal::new(0f32, 1.0).unwrap();
@@ -289,7 +323,10 @@ fn main() {
     };
     let full = Sm90Schedule::default();
     let mut plan = vec![];
-    for &d in dims.iter().filter(|&&d| built(Family::Sm90Fwd, d)) {
+    for &d in dims
+        .iter()
+        .filter(|&&d| built(Family::Sm90Fwd, d, dv_of(d)))
+    {
         for &causal in &[false, true] {
             for &s in seqlens {
                 plan.push((Backend::Sm90, d, s, causal, full));
@@ -297,7 +334,10 @@ fn main() {
         }
     }
     // The FlashAttention-2-style kernels on the same shapes (forced: Hopper would take sm90).
-    for &d in dims.iter().filter(|&&d| built(Family::Sm80Fwd, d)) {
+    for &d in dims
+        .iter()
+        .filter(|&&d| built(Family::Sm80Fwd, d, dv_of(d)))
+    {
         for &causal in &[false, true] {
             for &s in seqlens {
                 plan.push((Backend::Sm80, d, s, causal, full));
@@ -305,12 +345,17 @@ fn main() {
         }
     }
     // The ablation of the FA3 paper at d128 s8192 non-causal (without intra-warpgroup overlap
-    // when built with the `ablation` feature), and ping-pong off elsewhere.
-    for (pingpong, intra_wg_overlap) in [
-        (PingPong::Off, true),
-        (PingPong::On, false),
-        (PingPong::Off, false),
-    ] {
+    // when built with the `ablation` feature), and ping-pong off elsewhere (one head dim).
+    let ablation_rows = if head_dim_v.is_some() {
+        vec![]
+    } else {
+        vec![
+            (PingPong::Off, true),
+            (PingPong::On, false),
+            (PingPong::Off, false),
+        ]
+    };
+    for (pingpong, intra_wg_overlap) in ablation_rows {
         if !intra_wg_overlap && !cfg!(feature = "ablation") {
             continue;
         }
@@ -330,14 +375,16 @@ fn main() {
         pingpong: PingPong::Off,
         ..full
     };
-    for (d, causal) in [
-        (64, false),
-        (64, true),
-        (128, true),
-        (256, false),
-        (256, true),
-    ] {
-        plan.push((Backend::Sm90, d, 8192, causal, no_pingpong));
+    if head_dim_v.is_none() {
+        for (d, causal) in [
+            (64, false),
+            (64, true),
+            (128, true),
+            (256, false),
+            (256, true),
+        ] {
+            plan.push((Backend::Sm90, d, 8192, causal, no_pingpong));
+        }
     }
     // --sm80 / --sm90: one family's rows alone, the sm90 ones without the ablation (for timing
     // several builds in one device call).
@@ -359,7 +406,8 @@ fn main() {
 
     let mut rows = vec![];
     for (backend, d, s, causal, schedule) in plan {
-        let shape = [TOKENS / s, s, hidden / d, d];
+        let dv = dv_of(d);
+        let shape = [TOKENS / s, s, hidden / d, d, dv];
         let mut cfg = AttentionConfig::new()
             .causal(causal)
             .backend(backend)
@@ -384,7 +432,7 @@ fn main() {
             heads_q: shape[2],
             heads_kv: shape[2],
             head_dim: d,
-            head_dim_v: d,
+            head_dim_v: dv,
             dtype: flashattn::DType::BF16,
             packed: false,
         };
@@ -403,8 +451,9 @@ fn main() {
             t[t.len() / 2]
         };
         // sm90: the default schedule's rows.
-        let sm80 = backend == Backend::Sm80 && built(Family::Sm80Bwd, d);
-        let sm90_bwd = backend == Backend::Sm90 && schedule == full && built(Family::Sm90Bwd, d);
+        let sm80 = backend == Backend::Sm80 && built(Family::Sm80Bwd, d, dv);
+        let sm90_bwd =
+            backend == Backend::Sm90 && schedule == full && built(Family::Sm90Bwd, d, dv);
         let bwd_ms = (sm80 || sm90_bwd).then(|| median_backward(&cfg));
         // (The sm90 backward has no deterministic mode with softcap.)
         let bwd_det_ms = (sm80 || (sm90_bwd && softcap.is_none()))
@@ -412,6 +461,7 @@ fn main() {
         let bwd_tflops = |ms: f64| 2.5 * problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
         let row = Row {
             d,
+            dv,
             seqlen: s,
             causal,
             backend,
@@ -429,8 +479,8 @@ fn main() {
             pass: err_ratio <= 1.0,
         };
         println!(
-            "{} fwd d{:<3} s{:<5} causal={:<5} pingpong={:<5} overlap={:<5} persistent_causal={:<5} {:8.3} ms (p10 {:.3}, p90 {:.3})  {:6.1} TFLOP/s  host {:.1} us/call  err ratio {:.3} {}",
-            backend.name(), d, s, causal, schedule.pingpong.takes_turns(DType::BF16), schedule.intra_wg_overlap, schedule.persistent_causal, ms, row.ms_p10, row.ms_p90,
+            "{} fwd d{:<7} s{:<5} causal={:<5} pingpong={:<5} overlap={:<5} persistent_causal={:<5} {:8.3} ms (p10 {:.3}, p90 {:.3})  {:6.1} TFLOP/s  host {:.1} us/call  err ratio {:.3} {}",
+            backend.name(), dims_name(d, dv), s, causal, schedule.pingpong.takes_turns(DType::BF16), schedule.intra_wg_overlap, schedule.persistent_causal, ms, row.ms_p10, row.ms_p90,
             tflops, host_us, err_ratio, if row.pass { "pass" } else { "FAIL" }
         );
         if let (Some(ms), Some(tf)) = (row.bwd_ms, row.bwd_tflops) {
@@ -441,8 +491,9 @@ fn main() {
                 _ => String::new(),
             };
             println!(
-                "{} bwd d{d:<3} s{s:<5} causal={causal:<5} {ms:8.3} ms  {tf:6.1} TFLOP/s{det}",
-                backend.name()
+                "{} bwd d{:<7} s{s:<5} causal={causal:<5} {ms:8.3} ms  {tf:6.1} TFLOP/s{det}",
+                backend.name(),
+                dims_name(d, dv)
             );
         }
         rows.push(row);
@@ -469,8 +520,10 @@ fn main() {
                 }
             };
             json_rows.push(format!(
-                "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}, \"host_us_per_call\": {:.1}{}{}}}",
-                r.backend.name(), r.backend.name(), r.d, r.seqlen, r.seqlen, TOKENS / r.seqlen, hidden / r.d, hidden / r.d, r.causal,
+                "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}{}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}, \"host_us_per_call\": {:.1}{}{}}}",
+                r.backend.name(), r.backend.name(), r.d,
+                if r.dv == r.d { String::new() } else { format!(", \"d_v\": {}", r.dv) },
+                r.seqlen, r.seqlen, TOKENS / r.seqlen, hidden / r.d, hidden / r.d, r.causal,
                 r.pass, r.err_ratio, r.tflops, r.ms, r.ms_p10, r.ms_p90, r.host_us, variant,
                 match (r.bwd_tflops, r.bwd_ms) {
                     (Some(tf), Some(ms)) => format!(", \"bwd_tflops\": {tf:.1}, \"bwd_ms\": {ms:.4}"),
