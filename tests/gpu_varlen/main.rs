@@ -21,7 +21,7 @@ use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use common::{device, OnDevice};
+use common::{device, OnDevice, Views};
 use harness::varlen::{check_outputs, Batch};
 use harness::Outputs;
 
@@ -54,12 +54,15 @@ fn run<T: Element + DeviceRepr>(
     }
     let total_q: usize = batch.q_lens.iter().sum();
     let total_k: usize = batch.k_lens.iter().sum();
-    let layouts = (
-        Layout::contiguous([1, total_q, batch.heads_q, batch.d]),
-        Layout::contiguous([1, total_k, batch.heads_kv, batch.d]),
-    );
-    let fwd = t.forward(dev, stream, cfg, Some(&seqs), layouts)?;
-    let bwd = t.backward(dev, stream, cfg, Some(&seqs), layouts)?;
+    let (hq, hk, d, dv) = (batch.heads_q, batch.heads_kv, batch.d, batch.dv);
+    let views = Views {
+        q: Layout::contiguous([1, total_q, hq, d]),
+        k: Layout::contiguous([1, total_k, hk, d]),
+        v: Layout::contiguous([1, total_k, hk, dv]),
+        o: Layout::contiguous([1, total_q, hq, dv]),
+    };
+    let fwd = t.forward(dev, stream, cfg, Some(&seqs), views)?;
+    let bwd = t.backward(dev, stream, cfg, Some(&seqs), views)?;
     stream.synchronize().unwrap();
     Ok((fwd, bwd))
 }
@@ -150,6 +153,30 @@ fn mixed_lengths_match_each_sequence_s_reference() {
                 if std::panic::catch_unwind(|| check(hf, cfg, None, backend)).is_err() {
                     failed.push(format!("f16 d{d} {backend:?} {cfg:?}"));
                 }
+            }
+        }
+    }
+    assert!(failed.is_empty(), "failed: {failed:#?}");
+}
+
+/// V's head dim apart from Q's: DeepSeek's (192, 128) over the mixed lengths, every config, both
+/// dtypes, on every family that has kernels for the pair (`hdim192`).
+#[test]
+#[ignore = "needs a Hopper GPU"]
+#[cfg(feature = "hdim192")]
+fn mixed_lengths_at_192_128() {
+    let mut failed = vec![];
+    for backend in [Backend::Sm90] {
+        for (i, cfg) in configs().iter().enumerate() {
+            let seed = 1920 + i as u64;
+            let dims = (192, 128);
+            let bf = &Batch::<bf16>::with_head_dim_v(&MIXED_Q, &MIXED_K, (4, 2), dims, seed);
+            if std::panic::catch_unwind(|| check(bf, cfg, None, backend)).is_err() {
+                failed.push(format!("bf16 {backend:?} {cfg:?}"));
+            }
+            let hf = &Batch::<f16>::with_head_dim_v(&MIXED_Q, &MIXED_K, (2, 2), dims, seed + 100);
+            if std::panic::catch_unwind(|| check(hf, cfg, None, backend)).is_err() {
+                failed.push(format!("f16 {backend:?} {cfg:?}"));
             }
         }
     }
