@@ -151,8 +151,10 @@ class Bench:
         rows, ref_out = [], None
         for name in backends:
             row = dict(impl=BACKENDS[name], backend=label[name], dtype="bf16", d=d,
-                       **({"d_v": dv} if dv != d else {}), seqlen_q=s, seqlen_k=s, batch=b, heads=h, heads_kv=h, causal=causal,
+                       seqlen_q=s, seqlen_k=s, batch=b, heads=h, heads_kv=h, causal=causal,
                        n_input_sets=n_sets)
+            if dv != d:
+                row["d_v"] = dv
             with warnings.catch_warnings(record=True) as caught, sdpa_kernel([which[name]]):
                 warnings.simplefilter("always")
                 # forward

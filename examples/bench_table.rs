@@ -396,6 +396,7 @@ fn main() {
     }
     // --only D,S[,causal][,sm80]: one shape with the default schedule (for profilers).
     if let Some((d, s, words)) = args.only(TOKENS, &["causal", "sm80"]) {
+        assert!(dv_of(d) <= d, "--head-dim-v is at most the head dim timed");
         let backend = if words.iter().any(|w| w == "sm80") {
             Backend::Sm80
         } else {

@@ -82,8 +82,7 @@ inline int bwd_dq_splits(const flashattn_params_t& p) {
 // (B, heads_q, R, d): the sm80 family's bwd_dq_splits, the sm90 family's one), LSE·log2(e) and
 // rowsum(dO ∘ O) (B, heads_q, R) each, and with GQA the f32 dK and dV sums (B, heads_kv,
 // seqlen_k, d and d_v), or in deterministic mode per query head (B, heads_q, seqlen_k, d and
-// d_v); in
-// deterministic mode the sm90 backward's dQ semaphores (an int per (B, heads_q, 64-row query
+// d_v); in deterministic mode the sm90 backward's dQ semaphores (an int per (B, heads_q, 64-row query
 // block, warpgroup of 2)), and for packed calls in deterministic mode last the offsets' flag (an
 // int, bwd_offsets_malformed); then for packed calls the entry tables (bwd_packed_entries): an
 // int per kDqRowAlign rows of a head's query workspace rows, and one per packed key block of
@@ -124,8 +123,8 @@ inline BwdWorkspace bwd_workspace(const flashattn_params_t& p, int dq_slices) {
   w.dk_accum = w.softmax_d + align(rows_dq * 4);
   const bool gqa = p.heads_q != p.heads_kv;
   w.dv_accum = w.dk_accum + (gqa ? align(rows_k * p.head_dim * 4) : 0);
-  const int64_t head_dim_v = p.head_dim_v != 0 ? p.head_dim_v : p.head_dim;
-  w.dq_semaphore = w.dv_accum + (gqa ? align(rows_k * head_dim_v * 4) : 0);
+  // (The launchers' parameters have head_dim_v filled in: flash_api.cu's normalized.)
+  w.dq_semaphore = w.dv_accum + (gqa ? align(rows_k * p.head_dim_v * 4) : 0);
   w.offsets_flag = w.dq_semaphore + (p.deterministic ? align(rows_dq / 64 * 2 * 4) : 0);
   const bool packed = p.cu_seqlens_q != nullptr;
   w.row_entries = w.offsets_flag + (p.deterministic && packed ? 256 : 0);

@@ -49,7 +49,8 @@ struct BwdParams {
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-  // GQA: (B, heads_kv, seqlen_k, d) zeroed (deterministic: heads_q), else null.
+  // GQA: (B, heads_kv, seqlen_k, d) for dK and d_v for dV, zeroed (deterministic: heads_q), else
+  // null.
   float* dk_accum;
   float* dv_accum;
   // Deterministic mode: per (query block of the query workspace rows, warpgroup) the number of

@@ -4,7 +4,7 @@
 // At d256 a warpgroup that owned 64 keys (bwd_kernel.h) would hold dK and dV as 256 f32
 // registers per thread (at d192, 192). Here one CTA owns kBlockN = 64 keys and walks the 64-row query blocks
 // that see them; each consumer warpgroup owns half of the head dim of dK, dV and dQ (FA3's
-// layout at d256), 64 + 64 accumulator registers (48 + 48 at d192):
+// layout at d256), 64 + 64 accumulator registers (48 + 48 at d192, 48 + 32 at (192, 128)):
 //   producer (WG 0): K and V once, then per query block Q (two stages) and dO (one) by TMA;
 //   consumers (WG 1, WG 2): Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for all 64 keys and half of the block's
 //                    queries each (N = 32), Pᵀ and dSᵀ from them into shared memory (two
