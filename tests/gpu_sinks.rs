@@ -22,7 +22,7 @@ use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use common::{device, download, poisoned_outputs, OnDevice};
+use common::{device, download, poisoned_outputs, OnDevice, Views};
 use harness::{random, span, Case, Outputs};
 
 /// One case's comparisons, and the sinks' gradient as bits for run-to-run checks.
@@ -76,16 +76,22 @@ fn run_case<T: Element + DeviceRepr>(
     seed: u64,
 ) -> Outcome {
     let mut rng = StdRng::seed_from_u64(seed);
-    let (lq, lk) = case.layouts();
+    let ((lq, lk), (lv, lo)) = (case.layouts(), case.v_layouts());
+    let views = Views {
+        q: lq,
+        k: lk,
+        v: lv,
+        o: lo,
+    };
     let [q, k, v] = case.random_qkv::<T>(&mut rng);
-    let dout: Vec<T> = random(span(&lq), &mut rng);
+    let dout: Vec<T> = random(span(&lo), &mut rng);
     let sinks = random_sinks(case.heads_q, &mut rng);
     let lse_len = case.batch * case.heads_q * case.seqlen_q;
 
     let mut t = OnDevice::upload(stream, [&q, &k, &v, &dout], lse_len, Some(&sinks));
-    t.forward(dev, stream, cfg, None, (lq, lk))
+    t.forward(dev, stream, cfg, None, views)
         .unwrap_or_else(|e| panic!("{case:?} forward: {e}"));
-    t.backward(dev, stream, cfg, None, (lq, lk))
+    t.backward(dev, stream, cfg, None, views)
         .unwrap_or_else(|e| panic!("{case:?} backward: {e}"));
     let Outputs {
         out: o,
@@ -101,8 +107,8 @@ fn run_case<T: Element + DeviceRepr>(
     let (tq, tk, tv, tdo) = (
         TensorRef::new(&q, lq),
         TensorRef::new(&k, lk),
-        TensorRef::new(&v, lk),
-        TensorRef::new(&dout, lq),
+        TensorRef::new(&v, lv),
+        TensorRef::new(&dout, lo),
     );
     let want = reference::reference_forward_sinks(&cpu, tq, tk, tv, &sinks);
     let base = reference::baseline_forward_sinks(&cpu, tq, tk, tv, &sinks);
@@ -110,11 +116,11 @@ fn run_case<T: Element + DeviceRepr>(
     let (base_g, base_ds) = reference::baseline_backward_sinks(&cpu, tq, tk, tv, tdo, &sinks);
     let got = |x: &Vec<T>, l: Layout| reference::pack_f32(TensorRef::new(x, l));
     Outcome {
-        o: compare(&got(&o, lq), &want.out, &base.out),
+        o: compare(&got(&o, lo), &want.out, &base.out),
         lse: compare(&lse, &want.lse, &base.lse),
         dq: compare(&got(&dq, lq), &want_g.dq, &base_g.dq),
         dk: compare(&got(&dk, lk), &want_g.dk, &base_g.dk),
-        dv: compare(&got(&dv, lk), &want_g.dv, &base_g.dv),
+        dv: compare(&got(&dv, lv), &want_g.dv, &base_g.dv),
         dsinks: compare(&dsinks, &want_ds, &base_ds),
         dsink_bits: dsinks.iter().map(|x| x.to_bits()).collect(),
         softcap: cfg.softcap.is_some(),
@@ -174,6 +180,28 @@ fn sm90_sinks() {
         let cases = cases(d);
         run_all::<bf16>(&cases, &format!("sm90 d{d} bf16"), |c| c.cfg(Backend::Sm90));
         run_all::<f16>(&cases, &format!("sm90 d{d} f16"), |c| c.cfg(Backend::Sm90));
+    }
+}
+
+/// The Hopper kernels at the head dims outside the default build (`hdim96`, `hdim192`), and at
+/// DeepSeek's (192, 128) with `hdim192`.
+#[test]
+#[ignore = "needs a Hopper GPU"]
+#[cfg(any(feature = "hdim96", feature = "hdim192"))]
+fn sm90_sinks_at_the_optional_head_dims() {
+    let mut runs: Vec<(String, Vec<Case>)> = common::optional_head_dims()
+        .into_iter()
+        .map(|d| (format!("d{d}"), cases(d)))
+        .collect();
+    if cfg!(feature = "hdim192") {
+        let apart = cases(192).into_iter().map(|c| c.head_dim_v(128)).collect();
+        runs.push(("d192/128".into(), apart));
+    }
+    for (dims, cases) in &runs {
+        run_all::<bf16>(cases, &format!("sm90 {dims} bf16"), |c| {
+            c.cfg(Backend::Sm90)
+        });
+        run_all::<f16>(cases, &format!("sm90 {dims} f16"), |c| c.cfg(Backend::Sm90));
     }
 }
 
