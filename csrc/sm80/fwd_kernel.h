@@ -8,7 +8,8 @@
 // with one stage, V under Q·Kᵀ and the next K under the softmax and P·V). Fragments come from
 // shared memory by ldmatrix (transposed for V; Q's once per tile where Traits::kQInRegs).
 // Online softmax with exp2 and one division at the end; LSE straight from registers, O through
-// shared memory.
+// shared memory. V and O may have another head dim than Q and K (kHeadDimV: V's tiles, P·V's N,
+// O's).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -26,8 +27,9 @@ namespace flashattn::sm80 {
 
 using namespace cute;
 
+// kHeadDim: of Q and K; kHeadDimV: of V and O.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_ = 1,
-          bool kQInRegs_ = false>
+          bool kQInRegs_ = false, int kHeadDimV_ = kHeadDim_>
 struct FwdTraits {
   using Element = Element_;
   // K/V buffers in shared memory (see fwd_kernel's main loop for the two schedules).
@@ -35,11 +37,13 @@ struct FwdTraits {
   // Q's fragments loaded from shared memory once, not for every key block.
   static constexpr bool kQInRegs = kQInRegs_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = kWarps * 32;
-  static_assert(kHeadDim % 32 == 0 && kBlockM % (16 * kWarps) == 0 && kBlockN % 16 == 0);
+  static_assert(kHeadDim % 32 == 0 && kHeadDimV % 32 == 0 && kBlockM % (16 * kWarps) == 0 &&
+                kBlockN % 16 == 0);
 
   using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
                                    SM80_16x8x16_F32F16F16F32_TN, SM80_16x8x16_F32BF16BF16F32_TN>;
@@ -47,18 +51,21 @@ struct FwdTraits {
   using TiledMma = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<kWarps>, _1, _1>>,
                             Tile<Int<16 * kWarps>, _16, _16>>;
 
-  // Rows of 64 elements (128 bytes) in 8-row swizzled atoms, or of 32 (64 bytes) where the head
+  // Rows of 64 elements (128 bytes) in 8-row swizzled atoms, or of 32 (64 bytes) where a head
   // dim is no multiple of 64: ldmatrix reads without bank conflicts, cp.async writes 16 bytes
-  // per thread.
-  static constexpr int kAtomCols = kHeadDim % 64 == 0 ? 64 : 32;
+  // per thread. One atom for both head dims, so that one copy layout serves every tile.
+  static constexpr int kAtomCols = kHeadDim % 64 == 0 && kHeadDimV % 64 == 0 ? 64 : 32;
   using SmemAtom =
       decltype(composition(Swizzle<kAtomCols == 64 ? 3 : 2, 3, 3>{},
                            Layout<Shape<_8, Int<kAtomCols>>, Stride<Int<kAtomCols>, _1>>{}));
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  // Vᵀ as the (head_dim, kBlockN) B operand of P·V: the same bytes, read with ldmatrix.trans.
+  // O on its way out, in the Q buffer (fwd_kernel's epilogue).
+  using SmemLayoutO = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
+  // Vᵀ as the (head_dim_v, kBlockN) B operand of P·V: the same bytes, read with ldmatrix.trans.
   using SmemLayoutVt = decltype(composition(
-      SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+      SmemLayoutV{}, make_layout(Shape<Int<kHeadDimV>, Int<kBlockN>>{}, GenRowMajor{})));
 
   // Global -> shared: a thread per 8 elements (16 bytes) of an atom's row.
   static constexpr int kThreadsPerRow = kAtomCols / 8;
@@ -70,11 +77,12 @@ struct FwdTraits {
   using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
   using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
 
-  static constexpr int kStageElems = cosize_v<SmemLayoutKV>;
+  static constexpr int kStageElemsK = cosize_v<SmemLayoutK>;
+  static constexpr int kStageElemsV = cosize_v<SmemLayoutV>;
   struct SharedStorage {
-    ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
-    ArrayEngine<Element, kStageElems * kStages> k;
-    ArrayEngine<Element, kStageElems * kStages> v;
+    ArrayEngine<Element, cute::max(cosize_v<SmemLayoutQ>, cosize_v<SmemLayoutO>)> q;  // and O
+    ArrayEngine<Element, kStageElemsK * kStages> k;
+    ArrayEngine<Element, kStageElemsV * kStages> v;
   };
 };
 
@@ -172,6 +180,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kHeadDimV = Traits::kHeadDimV;
   using SharedStorage = typename Traits::SharedStorage;
   extern __shared__ __align__(128) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
@@ -190,37 +199,38 @@ __global__ void __launch_bounds__(Traits::kThreads)
   int n_min, n_max;
   keys.template blocks<kBlockN>(row_begin, row_begin + kBlockM, n_min, n_max);
 
+  // Rows of `cols` (a head dim) from row `start`.
   auto gmem = [&](const void* ptr, int64_t b_stride, int64_t h_stride, int64_t row_stride, int h,
-                  int start, int seqlen) {
+                  int start, int seqlen, auto cols) {
     auto base = static_cast<const Element*>(ptr) + seq.batch * b_stride + h * h_stride +
                 start * row_stride;
-    return make_tensor(make_gmem_ptr(base), make_shape(seqlen, Int<kHeadDim>{}),
+    return make_tensor(make_gmem_ptr(base), make_shape(seqlen, cols),
                        make_stride(row_stride, _1{}));
   };
   Tensor mQ = gmem(params.q, params.q_batch_stride, params.q_head_stride, params.q_row_stride,
-                   head, seq.q_start, seq.seqlen_q);
+                   head, seq.q_start, seq.seqlen_q, Int<kHeadDim>{});
   Tensor mK = gmem(params.k, params.k_batch_stride, params.k_head_stride, params.k_row_stride,
-                   head_kv, seq.k_start, seq.seqlen_k);
+                   head_kv, seq.k_start, seq.seqlen_k, Int<kHeadDim>{});
   Tensor mV = gmem(params.v, params.v_batch_stride, params.v_head_stride, params.v_row_stride,
-                   head_kv, seq.k_start, seq.seqlen_k);
+                   head_kv, seq.k_start, seq.seqlen_k, Int<kHeadDimV>{});
   Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
   // The first key block visited; the copies step one block back per iteration by moving the
   // pointer (per-block slices would keep a 64-bit address per copy alive across the loop).
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_max - 1, 0));
-  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_max - 1, 0));
+  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(n_max - 1, 0));
 
   constexpr int kStages = Traits::kStages;
   // Stage `stage` of the K and V buffers (Vᵀ: the same bytes as P·V's B operand).
   auto stage_k = [&](int stage) {
-    return make_tensor(make_smem_ptr(smem.k.begin() + stage * Traits::kStageElems),
-                       typename Traits::SmemLayoutKV{});
+    return make_tensor(make_smem_ptr(smem.k.begin() + stage * Traits::kStageElemsK),
+                       typename Traits::SmemLayoutK{});
   };
   auto stage_v = [&](int stage) {
-    return make_tensor(make_smem_ptr(smem.v.begin() + stage * Traits::kStageElems),
-                       typename Traits::SmemLayoutKV{});
+    return make_tensor(make_smem_ptr(smem.v.begin() + stage * Traits::kStageElemsV),
+                       typename Traits::SmemLayoutV{});
   };
   auto stage_vt = [&](int stage) {
-    return make_tensor(make_smem_ptr(smem.v.begin() + stage * Traits::kStageElems),
+    return make_tensor(make_smem_ptr(smem.v.begin() + stage * Traits::kStageElemsV),
                        typename Traits::SmemLayoutVt{});
   };
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
@@ -229,9 +239,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
   auto thr_gmem = gmem_copy.get_thread_slice(tid);
   Tensor tQgQ = thr_gmem.partition_S(gQ);
   Tensor tQsQ = thr_gmem.partition_D(sQ);
+  // O on its way out, in the Q buffer (the epilogue).
+  Tensor sO = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutO{});
+  Tensor tOsO = thr_gmem.partition_D(sO);
   Tensor tKgK = thr_gmem.partition_S(gK);  // (CPY, CPY_N, CPY_K)
   Tensor tVgV = thr_gmem.partition_S(gV);
-  // Row coordinates of each thread's copies, for the sequence-end predicate.
+  // Row coordinates of each thread's copies, for the sequence-end predicate: Q's serve O's and
+  // K's serve V's, whose copies have the same rows whatever their columns (a second coordinate
+  // tensor of the same rows is not merged with the first, and costs registers).
   Tensor tQcQ = thr_gmem.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVc = thr_gmem.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
@@ -240,7 +255,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
   Tensor tSrK = thr_mma.partition_fragment_B(stage_k(0));
   Tensor tOrVt = thr_mma.partition_fragment_B(stage_vt(0));
-  Tensor tOrO = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor tOrO = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kHeadDimV>>{});
   Tensor tSrS = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
 
   auto copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma);
@@ -252,7 +267,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   Tensor rowcol_O = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
   Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor rowcol_cS = make_tensor(cS.data(), acc_rowcol(cS.layout()));
-  Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
   Tensor rowcol_cO = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   constexpr int kRows = decltype(size<0>(rowcol_S))::value;
 
@@ -408,15 +423,15 @@ __global__ void __launch_bounds__(Traits::kThreads)
       cutlass::Array<Element, 2> pair;
       pair[0] = Element(rowcol_O(r, c));
       pair[1] = Element(rowcol_O(r, c + 1));
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(&sQ(row, get<1>(rowcol_cO(r, c)))) = pair;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(&sO(row, get<1>(rowcol_cO(r, c)))) = pair;
     }
   }
   __syncthreads();
   Element* o = static_cast<Element*>(params.o) + seq.batch * params.o_batch_stride +
                head * params.o_head_stride + seq.q_start * params.o_row_stride;
-  Tensor gO = local_tile(make_tensor(make_gmem_ptr(o), make_shape(seq.seqlen_q, Int<kHeadDim>{}),
+  Tensor gO = local_tile(make_tensor(make_gmem_ptr(o), make_shape(seq.seqlen_q, Int<kHeadDimV>{}),
                                      make_stride(params.o_row_stride, _1{})),
-                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+                         Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, 0));
   Tensor tOgO = thr_gmem.partition_D(gO);
 #pragma unroll
   for (int m = 0; m < size<1>(tOgO); ++m) {
@@ -424,7 +439,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
     for (int k = 0; k < size<2>(tOgO); ++k) {
       *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(&tOgO(0, m, k))) =
-          *reinterpret_cast<const cute::uint128_t*>(raw_pointer_cast(&tQsQ(0, m, k)));
+          *reinterpret_cast<const cute::uint128_t*>(raw_pointer_cast(&tOsO(0, m, k)));
     }
   }
 }

@@ -1,5 +1,5 @@
 // Host side of the sm80 forward: kernel params from the C ABI params, then the launch.
-// Included by one small .cu per (head dim, dtype) instantiation.
+// Included by one small .cu per (head dims, dtype) instantiation.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,12 +16,13 @@
 
 namespace flashattn::sm80 {
 
-template <class Element, int kHeadDim>
+// kHeadDim: of Q and K; kHeadDimV: of V and O.
+template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
 flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
-  using Tile = FwdTile<kHeadDim>;
+  using Tile = FwdTile<kHeadDim, kHeadDimV>;
   using Traits =
       FwdTraits<Element, kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kWarps, Tile::kStages,
-                Tile::kQInRegs>;
+                Tile::kQInRegs, kHeadDimV>;
   // Grid (query blocks of the longest entry, heads, batch): y and z stop at 65535; the tile
   // order's linear block index is an int.
   const Sequences seqs = sequences(p);
@@ -53,7 +54,8 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.keys = key_range(p);
   // Causal (any right bound): later query blocks see more keys, so heaviest first, heads
   // grouped by the K and V they share within 4/5 of the L2 (see TileOrder::make).
-  const int64_t kv_bytes = int64_t(seqs.max_k) * kHeadDim * 2 * int64_t(sizeof(Element));
+  const int64_t kv_bytes =
+      int64_t(seqs.max_k) * (kHeadDim + kHeadDimV) * int64_t(sizeof(Element));
   params.order = TileOrder::make(params.num_m_blocks, p.batch * p.heads_q,
                                  params.keys.window_right >= 0, kv_bytes, l2_bytes() * 4 / 5);
   const float log2e = float(M_LOG2E);
