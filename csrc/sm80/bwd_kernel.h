@@ -14,6 +14,8 @@
 //             s + dq_splits, ... into its own dQ slice, GQA dK/dV go per query head.
 // postprocess: dQ (and the GQA dK, dV sums) from f32 to the element type, scaled; slices and
 //             heads summed in a fixed order.
+// V, O, dO and dV may have another head dim than Q and K (kHeadDimV: dP = dO·Vᵀ sums over it,
+// dV has its columns; S, dQ and dK stay over Q's).
 // The Q/dO buffer count is a run-time choice (two where the device's shared memory allows them).
 // Packed (varlen) calls run the same code: a CTA's batch index names a sequence, whose rows,
 // lengths and workspace rows its prologue looks up (Sequences, bwd_rows_start); the grid covers
@@ -53,6 +55,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kHeadDimV = Traits::kHeadDimV;
   using SharedStorage = typename Traits::SharedStorage;
   extern __shared__ __align__(128) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
@@ -98,42 +101,48 @@ __global__ void __launch_bounds__(Traits::kThreads)
       return m_first + (k < m_count ? k : k - m_count);
     };
 
-    // The entry's rows of head h from row `start` of the tensors' rows (64-bit: a packed start
-    // times the row stride can pass 2^31).
+    // The entry's rows of head h from row `start` of the tensors' rows, of `cols` (a head dim)
+    // (64-bit: a packed start times the row stride can pass 2^31).
     auto gmem = [&](const void* ptr, int64_t b_stride, int64_t h_stride, int64_t row_stride, int h,
-                    int start, int seqlen) {
+                    int start, int seqlen, auto cols) {
       auto base = static_cast<const Element*>(ptr) + entry.batch * b_stride + h * h_stride +
                   int64_t(start) * row_stride;
-      return make_tensor(make_gmem_ptr(base), make_shape(seqlen, Int<kHeadDim>{}),
+      return make_tensor(make_gmem_ptr(base), make_shape(seqlen, cols),
                          make_stride(row_stride, _1{}));
     };
     using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
-    using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+    using TileO = Shape<Int<kBlockM>, Int<kHeadDimV>>;  // dO's
+    using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
+    using TileV = Shape<Int<kBlockN>, Int<kHeadDimV>>;
     Tensor gQ = local_tile(gmem(params.q, params.q_batch_stride, params.q_head_stride,
-                                params.q_row_stride, head, entry.q_start, seqlen_q),
+                                params.q_row_stride, head, entry.q_start, seqlen_q,
+                                Int<kHeadDim>{}),
                            TileQ{}, make_coord(_, 0));  // (M, d, m)
     Tensor gdO = local_tile(gmem(params.dout, params.do_batch_stride, params.do_head_stride,
-                                 params.do_row_stride, head, entry.q_start, seqlen_q),
-                            TileQ{}, make_coord(_, 0));
+                                 params.do_row_stride, head, entry.q_start, seqlen_q,
+                                 Int<kHeadDimV>{}),
+                            TileO{}, make_coord(_, 0));
     Tensor gK = local_tile(gmem(params.k, params.k_batch_stride, params.k_head_stride,
-                                params.k_row_stride, head_kv, entry.k_start, seqlen_k),
-                           TileKV{}, make_coord(n_block, 0));
+                                params.k_row_stride, head_kv, entry.k_start, seqlen_k,
+                                Int<kHeadDim>{}),
+                           TileK{}, make_coord(n_block, 0));
     Tensor gV = local_tile(gmem(params.v, params.v_batch_stride, params.v_head_stride,
-                                params.v_row_stride, head_kv, entry.k_start, seqlen_k),
-                           TileKV{}, make_coord(n_block, 0));
+                                params.v_row_stride, head_kv, entry.k_start, seqlen_k,
+                                Int<kHeadDimV>{}),
+                           TileV{}, make_coord(n_block, 0));
 
     // Q and dO of buffer 0; buffer s is QStage s (at_stage).
     Tensor sQ = make_tensor(make_smem_ptr(smem.stage[0].q.begin()), typename Traits::SmemLayoutQ{});
     Tensor sdO =
-        make_tensor(make_smem_ptr(smem.stage[0].dout.begin()), typename Traits::SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutKV{});
-    Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutKV{});
+        make_tensor(make_smem_ptr(smem.stage[0].dout.begin()), typename Traits::SmemLayoutdO{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutV{});
     Tensor sP = make_tensor(make_smem_ptr(smem.p.begin()), typename Traits::SmemLayoutP{});
     Tensor sdS = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutP{});
     Tensor sQt =
         make_tensor(make_smem_ptr(smem.stage[0].q.begin()), typename Traits::SmemLayoutQt{});
     Tensor sdOt =
-        make_tensor(make_smem_ptr(smem.stage[0].dout.begin()), typename Traits::SmemLayoutQt{});
+        make_tensor(make_smem_ptr(smem.stage[0].dout.begin()), typename Traits::SmemLayoutdOt{});
     Tensor sKt = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutKt{});
     Tensor sPt = make_tensor(make_smem_ptr(smem.p.begin()), typename Traits::SmemLayoutPt{});
     Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutPt{});
@@ -145,12 +154,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
     Tensor tdOgdO = thr_gmem.partition_S(gdO);
     Tensor tdOsdO = thr_gmem.partition_D(sdO);
     Tensor tQc = thr_gmem.partition_S(make_identity_tensor(TileQ{}));
-    Tensor tKVc = thr_gmem.partition_S(make_identity_tensor(TileKV{}));
+    Tensor tdOc = thr_gmem.partition_S(make_identity_tensor(TileO{}));
+    Tensor tKc = thr_gmem.partition_S(make_identity_tensor(TileK{}));
+    Tensor tVc = thr_gmem.partition_S(make_identity_tensor(TileV{}));
     {
       Tensor tKsK = thr_gmem.partition_D(sK);
       Tensor tVsV = thr_gmem.partition_D(sV);
-      copy_rows(thr_gmem.partition_S(gK), tKsK, tKVc, seqlen_k - col_begin);
-      copy_rows(thr_gmem.partition_S(gV), tVsV, tKVc, seqlen_k - col_begin);
+      copy_rows(thr_gmem.partition_S(gK), tKsK, tKc, seqlen_k - col_begin);
+      copy_rows(thr_gmem.partition_S(gV), tVsV, tVc, seqlen_k - col_begin);
       cp_async_fence();
     }
 
@@ -184,8 +195,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
     Tensor tdKsdSt = copy_dkv_a.get_thread_slice(tid).partition_S(sdSt);
     Tensor tdVsdOt = copy_dkv_b.get_thread_slice(tid).partition_S(sdOt);
     Tensor tdKsQt = copy_dkv_b.get_thread_slice(tid).partition_S(sQt);
-    Tensor acc_dv = partition_fragment_C(mma_dkv, TileKV{});
-    Tensor acc_dk = partition_fragment_C(mma_dkv, TileKV{});
+    Tensor acc_dv = partition_fragment_C(mma_dkv, TileV{});
+    Tensor acc_dk = partition_fragment_C(mma_dkv, TileK{});
+    // dV's accumulator is dK's first size(acc_dv) elements over: the same warps and rows, and
+    // the column mode last in both, so element i sits at the same (row, column) in either. The
+    // epilogue walks dK's elements and stores dV's where i < size(acc_dv).
+    static_assert(size<0>(acc_dv) == size<0>(acc_dk) && size<1>(acc_dv) == size<1>(acc_dk));
     clear(acc_dv);
     clear(acc_dk);
 
@@ -211,7 +226,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       auto sq = at_stage(tQsQ, stage);
       auto sdo = at_stage(tdOsdO, stage);
       copy_rows(tQgQ(_, _, _, m), sq, tQc, seqlen_q - row_begin);
-      copy_rows(tdOgdO(_, _, _, m), sdo, tQc, seqlen_q - row_begin);
+      copy_rows(tdOgdO(_, _, _, m), sdo, tdOc, seqlen_q - row_begin);
       constexpr int kChunks = kBlockM / 4;  // 16-byte chunks per row vector
       static_assert(2 * kChunks <= Traits::kThreads);
       const int64_t rows_at = rows_at_entry + row_begin;
@@ -367,7 +382,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const Sequences::Entry out = params.seqs.at(batch);
     const int keys_out = keys_owned();
     const int64_t k_start = out.k_start, k_batch = out.batch;
-    Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
+    // (row, column) of dK's elements, and of dV's below size(acc_dv) (see acc_dv).
+    Tensor cKV = thr_dkv.partition_C(make_identity_tensor(TileK{}));
+    constexpr int kElemsV = decltype(size(acc_dv))::value;
     // Through shared memory (K and V are free once every warp is past its last GEMM), so that
     // each global store is a 16-byte piece of a row, not a 4-byte pair spread over 8 rows:
     // measured faster at d128 and d256, but slower at d64 (ptxas then spills more in its loop).
@@ -382,35 +399,39 @@ __global__ void __launch_bounds__(Traits::kThreads)
         cutlass::Array<Element, 2> k2, v2;
         k2[0] = Element(acc_dk(i) * params.scale);
         k2[1] = Element(acc_dk(i + 1) * params.scale);
-        v2[0] = Element(acc_dv(i));
-        v2[1] = Element(acc_dv(i + 1));
         *reinterpret_cast<cutlass::Array<Element, 2>*>(&sK(row, col)) = k2;
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(&sV(row, col)) = v2;
+        if (i < kElemsV) {
+          v2[0] = Element(acc_dv(i));
+          v2[1] = Element(acc_dv(i + 1));
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(&sV(row, col)) = v2;
+        }
       }
       __syncthreads();
-      auto out_rows = [&](void* ptr, int64_t b_stride, int64_t h_stride, int64_t row_stride) {
+      auto out_rows = [&](void* ptr, int64_t b_stride, int64_t h_stride, int64_t row_stride,
+                          auto tile) {
         Element* base = static_cast<Element*>(ptr) + k_batch * b_stride + head * h_stride +
                         k_start * row_stride;
         return thr_gmem.partition_D(local_tile(
-            make_tensor(make_gmem_ptr(base), make_shape(keys_out, Int<kHeadDim>{}),
+            make_tensor(make_gmem_ptr(base), make_shape(keys_out, get<1>(tile)),
                         make_stride(row_stride, _1{})),
-            TileKV{}, make_coord(n_block, 0)));
+            tile, make_coord(n_block, 0)));
       };
       Tensor tdKgdK = out_rows(params.dk, params.dk_batch_stride, params.dk_head_stride,
-                               params.dk_row_stride);
+                               params.dk_row_stride, TileK{});
       Tensor tdVgdV = out_rows(params.dv, params.dv_batch_stride, params.dv_head_stride,
-                               params.dv_row_stride);
+                               params.dv_row_stride, TileV{});
       Tensor tKsK = thr_gmem.partition_D(sK);
       Tensor tVsV = thr_gmem.partition_D(sV);
   #pragma unroll
       for (int m = 0; m < size<1>(tdKgdK); ++m) {
-        if (get<0>(tKVc(0, m, 0)) >= keys_out - col_begin) continue;
+        if (get<0>(tKc(0, m, 0)) >= keys_out - col_begin) continue;  // dV's rows are dK's
   #pragma unroll
         for (int k = 0; k < size<2>(tdKgdK); ++k) {
           *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(&tdKgdK(0, m, k))) =
               *reinterpret_cast<const cute::uint128_t*>(raw_pointer_cast(&tKsK(0, m, k)));
-          *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(&tdVgdV(0, m, k))) =
-              *reinterpret_cast<const cute::uint128_t*>(raw_pointer_cast(&tVsV(0, m, k)));
+          if (k < size<2>(tdVgdV))
+            *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(&tdVgdV(0, m, k))) =
+                *reinterpret_cast<const cute::uint128_t*>(raw_pointer_cast(&tVsV(0, m, k)));
         }
       }
     } else if (params.dk_accum == nullptr) {
@@ -426,10 +447,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
         cutlass::Array<Element, 2> k2, v2;
         k2[0] = Element(acc_dk(i) * params.scale);
         k2[1] = Element(acc_dk(i + 1) * params.scale);
-        v2[0] = Element(acc_dv(i));
-        v2[1] = Element(acc_dv(i + 1));
         *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + row * params.dk_row_stride + col) = k2;
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + row * params.dv_row_stride + col) = v2;
+        if (i < kElemsV) {
+          v2[0] = Element(acc_dv(i));
+          v2[1] = Element(acc_dv(i + 1));
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + row * params.dv_row_stride + col) =
+              v2;
+        }
       }
     } else if (kDeterministic) {  // this query head's share, summed later in head order
       // Plain stores into an accumulator nothing zeroed: every owned row, the unused ones too.
@@ -439,8 +463,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
         const int row = col_begin + get<0>(cKV(i));
         if (row >= keys_out) continue;
         const int64_t at = (base + row) * kHeadDim + get<1>(cKV(i));
+        const int64_t at_v = (base + row) * kHeadDimV + get<1>(cKV(i));
         *reinterpret_cast<float2*>(params.dk_accum + at) = make_float2(acc_dk(i), acc_dk(i + 1));
-        *reinterpret_cast<float2*>(params.dv_accum + at) = make_float2(acc_dv(i), acc_dv(i + 1));
+        if (i < kElemsV) {
+          *reinterpret_cast<float2*>(params.dv_accum + at_v) =
+              make_float2(acc_dv(i), acc_dv(i + 1));
+        }
       }
     } else {
       // Sums zeroed before the kernel: the owned keys past the used ones keep their zeros.
@@ -450,8 +478,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
         const int row = col_begin + get<0>(cKV(i));
         if (row >= out.seqlen_k) continue;
         const int64_t at = (base + row) * kHeadDim + get<1>(cKV(i));
+        const int64_t at_v = (base + row) * kHeadDimV + get<1>(cKV(i));
         atomicAdd(params.dk_accum + at, acc_dk(i));
-        atomicAdd(params.dv_accum + at, acc_dv(i));
+        if (i < kElemsV) atomicAdd(params.dv_accum + at_v, acc_dv(i));
       }
     }
   };

@@ -1,6 +1,6 @@
 // Host side of the sm80 backward: workspace carving, kernel params, and the four launches
 // (preprocess, main, dQ conversion, and for GQA the dK/dV conversion), all on one stream.
-// Included by one small .cu per (head dim, dtype) instantiation. Packed (varlen) calls take the
+// Included by one small .cu per (head dims, dtype) instantiation. Packed (varlen) calls take the
 // same kernels: each CTA finds its sequence (Sequences) and the workspace's packed rows
 // (bwd_rows_start) in its prologue, and the grids cover the longest sequence (max_seqlen_q/k).
 // A packed call writes dQ for each sequence's query rows [q_start, q_start + seqlen_q) and dK, dV
@@ -27,11 +27,12 @@
 
 namespace flashattn::sm80 {
 
-template <class Element, int kHeadDim>
+// kHeadDim: of Q, K, dQ and dK; kHeadDimV: of V, O, dO and dV.
+template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
 flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
-  using Tile = BwdTile<kHeadDim>;
+  using Tile = BwdTile<kHeadDim, kHeadDimV>;
   using Traits = BwdTraits<Element, kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kWarps,
-                           Tile::kAtomMSdP, Tile::kAtomNdKV, Tile::kAtomMdQ>;
+                           Tile::kAtomMSdP, Tile::kAtomNdKV, Tile::kAtomMdQ, kHeadDimV>;
   const Sequences seqs = sequences(p);
   // Grid (key blocks of the longest entry, heads, batch): y and z stop at 65535; the tile order's
   // linear block index is an int, and so are the query workspace rows of a head.
@@ -101,7 +102,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
                      params.dq_accum, params.dq_split_stride, params.dq_splits,
                      nullptr, 0, 0, 0, KeyRange{}, nullptr, seqs};  // dQ converted after
   if (seqs.packed()) rows.row_entries = reinterpret_cast<const int*>(base + ws.row_entries);
-  FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim>(rows, stream)));
+  FLASHATTN_TRY_CUDA((launch_bwd_preprocess<Element, kHeadDim, kHeadDimV>(rows, stream)));
 
   // Two Q/dO buffers where the device's shared memory holds them.
   int device = 0, smem_optin = 0;
@@ -136,7 +137,8 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     // Causal (any right bound): key block 0 sees the most query rows, so heaviest first, heads
     // grouped by the Q, dO and dQ accumulator they share within a third of the L2 (measured
     // faster than half at several causal shapes, equal at the rest; benchmarks/README.md).
-    const int64_t q_bytes = int64_t(seqs.max_q) * kHeadDim * (2 * sizeof(Element) + sizeof(float));
+    const int64_t q_bytes = int64_t(seqs.max_q) * ((kHeadDim + kHeadDimV) * sizeof(Element) +
+                                                   kHeadDim * sizeof(float));
     params.order = TileOrder::make(n_blocks, p.batch * p.heads_q, params.keys.window_right >= 0,
                                    q_bytes, l2_bytes() / 3);
     const dim3 grid(n_blocks, p.heads_q, p.batch);
@@ -153,22 +155,26 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
                                 seqs.packed() ? 1 : p.batch),
                            Traits::kThreads, 0, stream>>>(params);
   FLASHATTN_TRY_CUDA(cudaGetLastError());
-  // GQA: the workspace sums per KV head, or in deterministic mode per query head (summed here).
+  // GQA: the workspace sums per KV head, or in deterministic mode per query head (summed here);
+  // dK's rows of kHeadDim, dV's of kHeadDimV (`cols`).
   const int group = params.deterministic ? p.heads_q / p.heads_kv : 1;
-  auto convert = [&](const float* src, const flashattn_tensor_t& dst, int heads, int seqlen,
-                     float scale) {
+  auto convert = [&](auto cols, const float* src, const flashattn_tensor_t& dst, int heads,
+                     int seqlen, float scale) {
+    constexpr int kCols = decltype(cols)::value;
     if (seqs.packed())
-      return launch_bwd_convert_packed<Element, kHeadDim, DqRowMajor<kHeadDim>, false>(
+      return launch_bwd_convert_packed<Element, kCols, DqRowMajor<kCols>, false>(
           src, seqlen, group, dst, heads, seqs, p.batch, nullptr, scale, stream);
-    const int64_t chunks = int64_t(p.batch) * heads * seqlen * (kHeadDim / 8);
-    bwd_convert<Element, kHeadDim><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
+    const int64_t chunks = int64_t(p.batch) * heads * seqlen * (kCols / 8);
+    bwd_convert<Element, kCols><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(
         src, seqlen, group, dst.ptr, dst.batch_stride, dst.row_stride, dst.head_stride, p.batch, heads,
         seqlen, scale);
     return cudaGetLastError();
   };
   if (gqa) {
-    FLASHATTN_TRY_CUDA(convert(params.dk_accum, p.dk, p.heads_kv, p.seqlen_k, p.softmax_scale));
-    FLASHATTN_TRY_CUDA(convert(params.dv_accum, p.dv, p.heads_kv, p.seqlen_k, 1.f));
+    FLASHATTN_TRY_CUDA(convert(Int<kHeadDim>{}, params.dk_accum, p.dk, p.heads_kv, p.seqlen_k,
+                               p.softmax_scale));
+    FLASHATTN_TRY_CUDA(
+        convert(Int<kHeadDimV>{}, params.dv_accum, p.dv, p.heads_kv, p.seqlen_k, 1.f));
   }
   return ok();
 }

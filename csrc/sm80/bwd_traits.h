@@ -21,18 +21,23 @@ namespace flashattn::sm80 {
 using namespace cute;
 
 // kWarps warps; each GEMM family lays them out its own way: S/dP (kBlockM × kBlockN) with
-// kAtomMSdP warps down M, dK/dV (kBlockN × d) with kAtomNdKV down N, dQ (kBlockM × d) with
-// kAtomMdQ down M (as FlashAttention-2's backward).
+// kAtomMSdP warps down M, dK/dV (kBlockN × d, kBlockN × d_v) with kAtomNdKV down N, dQ
+// (kBlockM × d) with kAtomMdQ down M (as FlashAttention-2's backward). kHeadDim: of Q, K, dQ and
+// dK; kHeadDimV: of V, O, dO and dV (dP = dO·Vᵀ sums over it).
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kAtomMSdP,
-          int kAtomNdKV, int kAtomMdQ>
+          int kAtomNdKV, int kAtomMdQ, int kHeadDimV_ = kHeadDim_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  // dV's accumulator shares dK's loops and shared-memory staging (bwd_kernel's epilogue).
+  static_assert(kHeadDimV <= kHeadDim, "V's head dim at most Q's");
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = kWarps * 32;
-  static_assert(kHeadDim % 32 == 0 && kBlockN % 64 == 0 && kBlockM % 64 == 0);
+  static_assert(kHeadDim % 32 == 0 && kHeadDimV % 32 == 0 && kBlockN % 64 == 0 &&
+                kBlockM % 64 == 0);
 
   using MmaOp = typename FwdTraits<Element, 64, 64, 64, 4>::MmaOp;
   template <int kWarpsM>
@@ -42,9 +47,9 @@ struct BwdTraits {
   using MmadKV = Mma<kAtomNdKV>;
   using MmadQ = Mma<kAtomMdQ>;
 
-  // Tiles with head-dim rows (Q, dO, K, V) take the forward's atom for the head dim (rows of
-  // 32 elements where it is no multiple of 64); P and dS rows are key blocks, multiples of 64.
-  using HeadDimRows = FwdTraits<Element, kHeadDim, 64, 64, 4>;
+  // Tiles with head-dim rows (Q, dO, K, V) take the forward's atom for the head dims (rows of
+  // 32 elements where one is no multiple of 64); P and dS rows are key blocks, multiples of 64.
+  using HeadDimRows = FwdTraits<Element, kHeadDim, 64, 64, 4, 1, false, kHeadDimV>;
   using SmemAtom = typename HeadDimRows::SmemAtom;
   using SmemAtomP = typename FwdTraits<Element, 64, 64, 64, 4>::SmemAtom;
   template <int kRows, int kCols, class Atom = SmemAtom>
@@ -53,11 +58,14 @@ struct BwdTraits {
   template <class L, int kRows, int kCols>
   using Transposed = decltype(composition(
       L{}, make_layout(Shape<Int<kCols>, Int<kRows>>{}, GenRowMajor{})));
-  using SmemLayoutQ = Smem<kBlockM, kHeadDim>;  // Q and dO
-  using SmemLayoutKV = Smem<kBlockN, kHeadDim>;
+  using SmemLayoutQ = Smem<kBlockM, kHeadDim>;
+  using SmemLayoutdO = Smem<kBlockM, kHeadDimV>;
+  using SmemLayoutK = Smem<kBlockN, kHeadDim>;
+  using SmemLayoutV = Smem<kBlockN, kHeadDimV>;
   using SmemLayoutP = Smem<kBlockM, kBlockN, SmemAtomP>;  // P and dS
   using SmemLayoutQt = Transposed<SmemLayoutQ, kBlockM, kHeadDim>;
-  using SmemLayoutKt = Transposed<SmemLayoutKV, kBlockN, kHeadDim>;
+  using SmemLayoutdOt = Transposed<SmemLayoutdO, kBlockM, kHeadDimV>;
+  using SmemLayoutKt = Transposed<SmemLayoutK, kBlockN, kHeadDim>;
   using SmemLayoutPt = Transposed<SmemLayoutP, kBlockM, kBlockN>;
 
   // Global <-> shared: a thread per 8 elements of an atom's row.
@@ -70,18 +78,20 @@ struct BwdTraits {
   using LoadN = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
   using LoadT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
 
-  static constexpr int kQElems = cosize_v<SmemLayoutQ>;  // a multiple of the swizzle period
+  // Multiples of the swizzle period.
+  static constexpr int kQElems = cosize_v<SmemLayoutQ>;
+  static constexpr int kdOElems = cosize_v<SmemLayoutdO>;
   // One Q/dO buffer with its rows' LSE and D; a second one loads the next query block during
   // this one.
   struct alignas(128) QStage {
     ArrayEngine<Element, kQElems> q;
-    ArrayEngine<Element, kQElems> dout;
+    ArrayEngine<Element, kdOElems> dout;
     alignas(16) float lse[kBlockM];  // log2 domain: LSE·log2(e); +inf for rows past seqlen_q
     alignas(16) float d[kBlockM];    // rowsum(dO ∘ O)
   };
   struct SharedStorage {
-    ArrayEngine<Element, cosize_v<SmemLayoutKV>> k;
-    ArrayEngine<Element, cosize_v<SmemLayoutKV>> v;
+    ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
+    ArrayEngine<Element, cosize_v<SmemLayoutV>> v;
     ArrayEngine<Element, cosize_v<SmemLayoutP>> p;
     ArrayEngine<Element, cosize_v<SmemLayoutP>> ds;
     QStage stage[2];  // last: a one-buffer launch leaves stage[1] out of its shared memory
@@ -119,7 +129,7 @@ struct BwdParams {
   int sink_blocks;
   float* dk_accum;    // GQA only: (batch, heads_kv, seqlen_k, d) zeroed, or deterministic
                       // (batch, heads_q, seqlen_k, d); else null
-  float* dv_accum;
+  float* dv_accum;    // the same with d_v
   int64_t q_batch_stride, q_row_stride, q_head_stride;
   int64_t k_batch_stride, k_row_stride, k_head_stride;
   int64_t v_batch_stride, v_row_stride, v_head_stride;
