@@ -155,6 +155,8 @@ pub const KERNELS: &[Kernel] = &[
     kernel(Sm80Fwd, 96, Fp16),
     kernel(Sm80Fwd, 192, Bf16),
     kernel(Sm80Fwd, 192, Fp16),
+    kernel_v(Sm80Fwd, 192, 128, Bf16),
+    kernel_v(Sm80Fwd, 192, 128, Fp16),
     kernel(Sm80Bwd, 64, Bf16),
     kernel(Sm80Bwd, 128, Bf16),
     kernel(Sm80Bwd, 256, Bf16),
@@ -165,6 +167,8 @@ pub const KERNELS: &[Kernel] = &[
     kernel(Sm80Bwd, 96, Fp16),
     kernel(Sm80Bwd, 192, Bf16),
     kernel(Sm80Bwd, 192, Fp16),
+    kernel_v(Sm80Bwd, 192, 128, Bf16),
+    kernel_v(Sm80Bwd, 192, 128, Fp16),
 ];
 
 /// The Cargo feature of each head dim.
@@ -365,11 +369,28 @@ pub const TILES: &[TileRow] = &[
             q_in_regs: false,
         },
     ),
+    // (192, 128): d192's tile, O at 64 floats per thread; Q 48 KiB, K 24, V 16 per stage.
+    row_v(
+        Sm80Fwd,
+        192,
+        128,
+        Base,
+        Tile::Sm80Fwd {
+            block_m: 128,
+            block_n: 64,
+            warps: 8,
+            stages: 1,
+            q_in_regs: false,
+        },
+    ),
     row(Sm80Bwd, 64, Base, sm80_bwd(128, 128, [4, 4, 4])),
     row(Sm80Bwd, 128, Base, sm80_bwd(64, 128, [2, 4, 2])),
     row(Sm80Bwd, 256, Base, sm80_bwd(64, 64, [4, 2, 2])),
     row(Sm80Bwd, 96, Base, sm80_bwd(64, 128, [2, 4, 4])),
     row(Sm80Bwd, 192, Base, sm80_bwd(64, 64, [4, 2, 2])),
+    // (192, 128): d192's tile; K 24 KiB, V 16, P and dS 8 each, per Q/dO buffer 40.5: two
+    // buffers in 137 KiB (A100's 163 take them).
+    row_v(Sm80Bwd, 192, 128, Base, sm80_bwd(64, 64, [4, 2, 2])),
 ];
 
 /// The tile `k`'s family runs at its head dims for `role`: the `Masked` row if there is one,

@@ -279,7 +279,7 @@ fn v_keeps_k_s_batch_seqlen_and_heads() {
 }
 
 /// The CPU backend takes any pair of head dims; the GPU families take the pairs they have
-/// kernels for (the sm90 16-bit forward and backward at 192/128) and refuse the others naming
+/// kernels for (192/128: the 16-bit forwards and backwards of both) and refuse the others naming
 /// which have them.
 #[test]
 fn the_planner_sends_v_head_dims_apart_where_they_are_built() {
@@ -315,12 +315,33 @@ fn the_planner_sends_v_head_dims_apart_where_they_are_built() {
     };
     for op in [Op::Forward, Op::Backward] {
         assert_eq!(gpu(op, Backend::Auto).unwrap().backend, Backend::Sm90);
-    }
-    for (op, backend) in [(Op::Forward, Backend::Sm80), (Op::Backward, Backend::Sm80)] {
-        let e = gpu(op, backend).unwrap_err();
+        let plan = gpu(op, Backend::Sm80).unwrap();
+        assert_eq!(plan.backend, Backend::Sm80, "{op:?}");
         assert!(
-            matches!(e, Error::Unsupported { .. }) && e.to_string().contains("192/128"),
-            "{op:?} {backend:?}: {e}"
+            plan.explain().contains("d192/128"),
+            "{op:?}: {}",
+            plan.explain()
+        );
+    }
+    // A pair no family has, at head dims that exist alone: refused, saying none has it.
+    let unbuilt = Problem {
+        head_dim_v: 64,
+        ..problem(2, 300, 300, 4, 128)
+    };
+    for backend in [Backend::Sm90, Backend::Sm80] {
+        let e = dispatch::plan(
+            Op::Forward,
+            &unbuilt,
+            &AttentionConfig::new().backend(backend),
+            &fake_h200(),
+            all_gpu_kernels(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, Error::Unsupported { .. })
+                && e.to_string().contains("128/64")
+                && e.to_string().contains("none"),
+            "{backend:?}: {e}"
         );
     }
 }
