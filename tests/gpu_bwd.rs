@@ -326,28 +326,31 @@ fn sanitizer_sm90_bwd_optional_head_dims() {
     }
 }
 
-/// V's head dim apart from Q's: the sm90 backward at (192, 128), DeepSeek's MLA shape (`hdim192`;
-/// the head-dim-split kernel with dV's 64 columns per warpgroup beside dK's 96): d192's sweep
-/// (odd seqlens, causal, GQA/MQA, strides, windows, softcap) in both dtypes, deterministic mode
-/// bit for bit, and the backend Auto takes.
+/// V's head dim apart from Q's: both families' backward at (192, 128), DeepSeek's MLA shape
+/// (`hdim192`; on sm90 the head-dim-split kernel with dV's 64 columns per warpgroup beside dK's
+/// 96, on sm80 dP = dO·Vᵀ and dV over V's head dim): d192's sweep (odd seqlens, causal, GQA/MQA,
+/// strides, windows, softcap) in both dtypes, deterministic mode bit for bit, and the backend
+/// Auto takes.
 #[test]
 #[ignore = "needs a Hopper GPU"]
 #[cfg(feature = "hdim192")]
-fn sm90_bwd_at_192_128() {
+fn bwd_at_192_128() {
     let apart =
         |cases: Vec<Case>| -> Vec<Case> { cases.into_iter().map(|c| c.head_dim_v(128)).collect() };
-    run_all::<bf16>(&apart(sweep(192)), Backend::Sm90, "sm90 bwd d192/128 bf16");
-    run_all::<f16>(&apart(sweep(192)), Backend::Sm90, "sm90 bwd d192/128 f16");
-    let deterministic = apart(vec![
-        Case::new(300, 500, 192)
-            .causal(true)
-            .heads(4, 2)
-            .deterministic(true),
-        Case::new(900, 1000, 192)
-            .window(Some(200), Some(0))
-            .deterministic(true),
-    ]);
-    check_deterministic(&[], Backend::Sm90, deterministic);
+    for backend in [Backend::Sm90, Backend::Sm80] {
+        let label = format!("{backend:?} bwd d192/128");
+        run_all::<bf16>(&apart(sweep(192)), backend, &format!("{label} bf16"));
+        run_all::<f16>(&apart(sweep(192)), backend, &format!("{label} f16"));
+        let case = |sq, sk| Case::new(sq, sk, 192).deterministic(true);
+        let deterministic = apart(vec![
+            case(1000, 1000),
+            case(300, 500).causal(true).heads(4, 2),
+            case(300, 513).batch(2).heads(8, 2),
+            case(900, 1000).window(Some(200), Some(0)),
+            case(400, 400).window(Some(64), Some(16)).heads(4, 1),
+        ]);
+        check_deterministic(&[], backend, deterministic);
+    }
     let (dev, stream) = device();
     let case = Case::new(100, 150, 192)
         .head_dim_v(128)
@@ -370,6 +373,22 @@ fn sm80_bwd_sanitizer_set() {
     for d in common::optional_head_dims() {
         cases.push(Case::new(77, 150, d).causal(true).heads(4, 2));
         cases.push(Case::new(90, 200, d).heads(4, 2).deterministic(true));
+    }
+    if cfg!(feature = "hdim192") {
+        // V's head dim apart from Q's: dO's and V's tiles, dV's stores and GQA sums.
+        cases.push(
+            Case::new(77, 150, 192)
+                .head_dim_v(128)
+                .causal(true)
+                .heads(4, 2),
+        );
+        cases.push(
+            Case::new(90, 200, 192)
+                .head_dim_v(128)
+                .heads(4, 2)
+                .deterministic(true),
+        );
+        cases.push(Case::new(70, 130, 192).head_dim_v(128));
     }
     run_all::<bf16>(&cases, Backend::Sm80, "sm80 bwd sanitizer set");
 }

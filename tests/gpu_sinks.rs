@@ -183,12 +183,12 @@ fn sm90_sinks() {
     }
 }
 
-/// The Hopper kernels at the head dims outside the default build (`hdim96`, `hdim192`), and at
-/// DeepSeek's (192, 128) with `hdim192`.
+/// The Hopper kernels at the head dims outside the default build (`hdim96`, `hdim192`), and
+/// both families at DeepSeek's (192, 128) with `hdim192`.
 #[test]
 #[ignore = "needs a Hopper GPU"]
 #[cfg(any(feature = "hdim96", feature = "hdim192"))]
-fn sm90_sinks_at_the_optional_head_dims() {
+fn sinks_at_the_optional_head_dims() {
     let mut runs: Vec<(String, Vec<Case>)> = common::optional_head_dims()
         .into_iter()
         .map(|d| (format!("d{d}"), cases(d)))
@@ -202,6 +202,10 @@ fn sm90_sinks_at_the_optional_head_dims() {
             c.cfg(Backend::Sm90)
         });
         run_all::<f16>(cases, &format!("sm90 {dims} f16"), |c| c.cfg(Backend::Sm90));
+    }
+    if cfg!(feature = "hdim192") {
+        let apart: Vec<Case> = cases(192).into_iter().map(|c| c.head_dim_v(128)).collect();
+        run_all::<bf16>(&apart, "sm80 d192/128 bf16", |c| c.cfg(Backend::Sm80));
     }
 }
 

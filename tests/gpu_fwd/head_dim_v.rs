@@ -1,5 +1,6 @@
-//! V's head dim apart from Q's and K's: the Hopper forward at (192, 128), DeepSeek's MLA shape,
-//! against the f64 reference under the rule, O poisoned before the launch. Built with `hdim192`.
+//! V's head dim apart from Q's and K's: the Hopper and the sm80 forwards at (192, 128), DeepSeek's
+//! MLA shape, against the f64 reference under the rule, O poisoned before the launch. Built with
+//! `hdim192`.
 
 use std::sync::Arc;
 
@@ -82,17 +83,43 @@ fn run<T: Element + DeviceRepr>(
     )
 }
 
-#[test]
-#[ignore = "needs a Hopper GPU"]
-fn sm90_forward_at_192_128() {
-    let (dev, stream) = device();
-    let sizes = |batch, seqlen_q, seqlen_k| Sizes {
+/// Four query heads over two KV heads.
+fn sizes(batch: usize, seqlen_q: usize, seqlen_k: usize) -> Sizes {
+    Sizes {
         batch,
         seqlen_q,
         seqlen_k,
         heads_q: 4,
         heads_kv: 2,
-    };
+    }
+}
+
+/// Each case in bf16 and f16 (seeds from `seed`), printed; fails naming the cases that broke
+/// the rule for O or the LSE.
+fn run_all(cases: &[(&str, Sizes, AttentionConfig)], seed: u64) {
+    let (dev, stream) = device();
+    let mut failures = vec![];
+    for (n, (what, s, cfg)) in cases.iter().enumerate() {
+        for (dtype, (o, lse)) in [
+            ("bf16", run::<bf16>(&dev, &stream, *s, cfg, seed + n as u64)),
+            (
+                "f16",
+                run::<f16>(&dev, &stream, *s, cfg, seed + 100 + n as u64),
+            ),
+        ] {
+            let backend = cfg.backend;
+            println!("{backend:?} d{D}/{DV} {dtype} {what} {s:?}: O {o}; LSE {lse}");
+            if !(o.pass && lse.pass) {
+                failures.push(format!("{dtype} {what}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "failed: {failures:?}");
+}
+
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sm90_forward_at_192_128() {
     let sm90 = AttentionConfig::new().backend(Backend::Sm90);
     let mut tail = sm90.clone();
     tail.sm90_schedule.split_tail = TailSplit::Always;
@@ -114,17 +141,33 @@ fn sm90_forward_at_192_128() {
         ("softcap", sizes(1, 257, 257), capped),
         ("tail split", sizes(2, 1000, 3000), tail),
     ];
-    let mut failures = vec![];
-    for (n, (what, s, cfg)) in cases.iter().enumerate() {
-        for (dtype, (o, lse)) in [
-            ("bf16", run::<bf16>(&dev, &stream, *s, cfg, 4000 + n as u64)),
-            ("f16", run::<f16>(&dev, &stream, *s, cfg, 4100 + n as u64)),
-        ] {
-            println!("d{D}/{DV} {dtype} {what} {s:?}: O {o}; LSE {lse}");
-            if !(o.pass && lse.pass) {
-                failures.push(format!("{dtype} {what}"));
-            }
-        }
-    }
-    assert!(failures.is_empty(), "failed: {failures:?}");
+    run_all(&cases, 4000);
+}
+
+/// The sm80 forward (one key block of 64 per step, walked last to first): partial blocks at
+/// both ends, keys past the queries, a single query row, masks and softcap.
+#[test]
+#[ignore = "needs a GPU"]
+fn sm80_forward_at_192_128() {
+    let sm80 = AttentionConfig::new().backend(Backend::Sm80);
+    let mut capped = sm80.clone().causal(true);
+    capped.softcap = Some(30.0);
+    let cases: Vec<(&str, Sizes, AttentionConfig)> = vec![
+        ("plain", sizes(1, 257, 257), sm80.clone()),
+        (
+            "causal, keyless rows",
+            sizes(2, 300, 200),
+            sm80.clone().causal(true),
+        ),
+        ("short queries", sizes(1, 17, 700), sm80.clone()),
+        ("one query", sizes(3, 1, 513), sm80.clone().causal(true)),
+        (
+            "window",
+            sizes(1, 400, 400),
+            sm80.clone().window(Some(64), Some(16)),
+        ),
+        ("softcap", sizes(1, 257, 257), capped),
+        ("long keys", sizes(2, 113, 3000), sm80.clone()),
+    ];
+    run_all(&cases, 4200);
 }

@@ -160,13 +160,19 @@ fn mixed_lengths_match_each_sequence_s_reference() {
 }
 
 /// V's head dim apart from Q's: DeepSeek's (192, 128) over the mixed lengths, every config, both
-/// dtypes, on every family that has kernels for the pair (`hdim192`).
+/// dtypes, and `seqused_k`, on both families (`hdim192`).
 #[test]
 #[ignore = "needs a Hopper GPU"]
 #[cfg(feature = "hdim192")]
 fn mixed_lengths_at_192_128() {
     let mut failed = vec![];
-    for backend in [Backend::Sm90] {
+    for backend in [Backend::Sm90, Backend::Sm80] {
+        let (q_lens, k_lens, used) = ([20, 33, 150], [40, 33, 300], [25, 0, 170]);
+        let batch = Batch::<f16>::with_head_dim_v(&q_lens, &k_lens, (2, 1), (192, 128), 7);
+        let causal = AttentionConfig::new().causal(true);
+        if std::panic::catch_unwind(|| check(&batch, &causal, Some(&used), backend)).is_err() {
+            failed.push(format!("seqused_k {backend:?}"));
+        }
         for (i, cfg) in configs().iter().enumerate() {
             let seed = 1920 + i as u64;
             let dims = (192, 128);
