@@ -318,7 +318,11 @@ extern "C" flashattn_result_t flashattn_fp8_quantize(const flashattn_fp8_quantiz
   if (p.src_dtype != FLASHATTN_F16 && p.src_dtype != FLASHATTN_BF16 &&
       p.src_dtype != FLASHATTN_E4M3)
     return kInvalid;
-  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return kUnsupported;
+  if (p.head_dim != 64 && p.head_dim != 96 && p.head_dim != 128 && p.head_dim != 192 &&
+      p.head_dim != 256)
+    return kUnsupported;
+  // The Hadamard transform is defined at power-of-two lengths only.
+  if (p.hadamard && (p.head_dim & (p.head_dim - 1)) != 0) return kUnsupported;
   // Blocks per head and batch entry: packed, every sequence's from its packed_block on.
   const int64_t blocks = packed ? flashattn::packed_blocks(p.seqlen, p.batch, p.block_rows)
                                 : (int64_t(p.seqlen) + p.block_rows - 1) / p.block_rows;

@@ -171,8 +171,9 @@ typedef enum {
 
 // One tensor's quantize step: e4m3 = round(x · (1 / descale)), one descale per block_rows rows of
 // one head (amax ↦ 448), after the random-sign Hadamard transform along head_dim if `hadamard`
-// (bit i of hadamard_signs set: column i negated first). An E4M3 source with descale null is
-// copied unscaled into the layout.
+// (bit i of hadamard_signs set: column i negated first; power-of-two head dims only,
+// FLASHATTN_UNSUPPORTED at 96 and 192). An E4M3 source with descale null is copied unscaled
+// into the layout.
 typedef struct {
   flashattn_tensor_t src;  // (batch, seqlen, heads, head_dim)
   int32_t src_dtype;       // flashattn_dtype_t

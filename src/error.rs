@@ -101,7 +101,7 @@ pub enum Error {
     /// Element offsets would overflow the index width a kernel uses.
     IndexOverflow { operand: Operand, detail: String },
     /// A head dimension the backend does not implement (on `Sm90`, also a head dim the FP8
-    /// path's blocks or Hadamard transform do not take).
+    /// path has no descale blocks for; its Hadamard transform at d96 and d192 is `Unsupported`).
     UnsupportedHeadDim { head_dim: usize, backend: Backend },
     /// An element type the backend does not implement.
     UnsupportedDtype { dtype: DType, backend: Backend },

@@ -215,8 +215,8 @@ impl RandomSignHadamard {
     /// Largest head dim a transform is built for.
     pub const MAX_HEAD_DIM: usize = 1 << 16;
 
-    /// `head_dim` must be a power of two (every head dim the kernels build is), at most
-    /// [`RandomSignHadamard::MAX_HEAD_DIM`].
+    /// `head_dim` must be a power of two (so not 96 or 192, where the FP8 forward runs without
+    /// the transform), at most [`RandomSignHadamard::MAX_HEAD_DIM`].
     pub fn new(head_dim: usize, seed: u64) -> Result<Self> {
         if !head_dim.is_power_of_two() || head_dim > Self::MAX_HEAD_DIM {
             return Err(Error::InvalidConfig(format!(

@@ -10,9 +10,15 @@ namespace flashattn::sm90 {
 // Query rows per Q descale: the forward's query tile.
 constexpr int kFp8QueryBlock = 128;
 
-// Keys per K and V descale: the FP8 forward's key block for this head dim (0: not built).
+// Keys per K and V descale: the FP8 forward's key block for this head dim (0: no FP8 kernel in
+// the registry, built or not).
 constexpr int fp8_key_block(int head_dim) {
-  return head_dim == 64 ? 192 : head_dim == 128 ? 224 : head_dim == 256 ? 128 : 0;
+  return head_dim == 64    ? 192
+         : head_dim == 96  ? 192
+         : head_dim == 128 ? 224
+         : head_dim == 192 ? 128
+         : head_dim == 256 ? 128
+                           : 0;
 }
 
 // The column of key `key` in V's key-major rows. The kernel converts P from the S accumulator

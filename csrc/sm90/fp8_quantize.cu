@@ -31,21 +31,44 @@ __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) { return float(x); }
 
 template <int kBytes> struct Word;
+template <> struct Word<1> { using type = uint8_t; };
 template <> struct Word<2> { using type = uint16_t; };
 template <> struct Word<4> { using type = uint32_t; };
 template <> struct Word<8> { using type = uint2; };
 template <> struct Word<16> { using type = uint4; };
 
+// A lane's kBytes contiguous bytes at a multiple of kBytes (lane·kBytes from an aligned row),
+// moved as the widest word that divides kBytes, once or (3 or 6 elements a lane, at d96 and
+// d192) in pieces: the widest such word is the alignment the offset guarantees.
+template <int kBytes>
+struct LaneBytes {
+  static constexpr int kWord = kBytes % 16 == 0  ? 16
+                               : kBytes % 8 == 0 ? 8
+                               : kBytes % 4 == 0 ? 4
+                               : kBytes % 2 == 0 ? 2
+                                                 : 1;
+  using W = typename Word<kWord>::type;
+  W words[kBytes / kWord];
+
+  __device__ __forceinline__ void load(const void* src) {
+#pragma unroll
+    for (int i = 0; i < kBytes / kWord; ++i) words[i] = static_cast<const W*>(src)[i];
+  }
+  __device__ __forceinline__ void store(void* dst) const {
+#pragma unroll
+    for (int i = 0; i < kBytes / kWord; ++i) static_cast<W*>(dst)[i] = words[i];
+  }
+};
+
 // One row of head_dim values as a warp holds it: lane l has the kPerLane contiguous elements
-// from l·kPerLane, read as one vector.
+// from l·kPerLane.
 template <class In, int kPerLane>
 __device__ __forceinline__ void load_row(const In* row, int lane, float (&x)[kPerLane]) {
-  using W = typename Word<kPerLane * sizeof(In)>::type;
   union {
-    W word;
+    LaneBytes<kPerLane * sizeof(In)> bytes;
     In elem[kPerLane];
   } u;
-  u.word = *reinterpret_cast<const W*>(row + lane * kPerLane);
+  u.bytes.load(row + lane * kPerLane);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) x[i] = to_float(u.elem[i]);
 }
@@ -128,6 +151,8 @@ template <class In, int kHeadDim>
 __global__ void __launch_bounds__(kWarps * 32)
     quantize_kernel(const flashattn_fp8_quantize_t p) {
   constexpr int kPerLane = kHeadDim / 32;
+  // The transform needs a power-of-two head dim; the host refuses it at the others.
+  constexpr bool kHadamard = (kHeadDim & (kHeadDim - 1)) == 0;
   extern __shared__ uint8_t tile[];  // key-major output: the block's rows, quantized
   __shared__ float warp_amax[kWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -138,7 +163,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const In* src = static_cast<const In*>(p.src.ptr) + at.batch * p.src.batch_stride +
                   head * p.src.head_stride;
   uint32_t lane_signs = 0;
-  if (p.hadamard) {
+  if (kHadamard && p.hadamard) {
     const int first = lane * kPerLane;
     lane_signs = uint32_t(p.hadamard_signs[first / 64] >> (first % 64)) & ((1u << kPerLane) - 1);
   }
@@ -146,7 +171,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   const float norm = __fdiv_rn(1.f, __fsqrt_rn(float(kHeadDim)));
   auto transformed = [&](int r, float(&x)[kPerLane]) {
     load_row<In, kPerLane>(src + int64_t(row_begin + r) * p.src.row_stride, lane, x);
-    if (p.hadamard) hadamard_row(x, lane_signs, lane, norm);
+    if constexpr (kHadamard) {
+      if (p.hadamard) hadamard_row(x, lane_signs, lane, norm);
+    }
   };
 
   float scale = 1.f;
@@ -170,36 +197,34 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 
   const float inv_scale = __fdiv_rn(1.f, scale);
-  // Row r of the block quantized, this lane's kPerLane bytes as one word; rows past the sequence
-  // are zeros.
-  using RowWord = typename Word<kPerLane>::type;
+  // Row r of the block quantized, this lane's kPerLane bytes; rows past the sequence are zeros.
+  using RowBytes = LaneBytes<kPerLane>;
   auto quantized = [&](int r) {
     float x[kPerLane] = {};
     if (r < rows) transformed(r, x);
     union {
-      RowWord word;
+      RowBytes bytes;
       uint8_t byte[kPerLane];
     } u;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) u.byte[i] = to_e4m3(x[i], inv_scale);
-    return u.word;
+    return u.bytes;
   };
   uint8_t* dst = static_cast<uint8_t*>(p.dst) + at.batch * p.dst_batch_stride +
                  head * p.dst_head_stride;
   if (p.layout == FLASHATTN_FP8_ROWS) {
     for (int r = warp; r < rows; r += kWarps)
-      *reinterpret_cast<RowWord*>(dst + int64_t(row_begin + r) * p.dst_row_stride +
-                                  lane * kPerLane) = quantized(r);
+      quantized(r).store(dst + int64_t(row_begin + r) * p.dst_row_stride + lane * kPerLane);
     return;
   }
-  // Key-major: the block's rows quantized into shared memory as they are (each lane's bytes one
-  // word, no bank conflicts), then gathered column by column: lane d of a warp takes the bytes of
-  // head-dim index fp8_v_row_head_dim(d) (the order in which O leaves the kernel) for 32
+  // Key-major: the block's rows quantized into shared memory as they are (each lane's bytes
+  // contiguous, no bank conflicts), then gathered column by column: lane d of a warp takes the
+  // bytes of head-dim index fp8_v_row_head_dim(d) (the order in which O leaves the kernel) for 32
   // consecutive key positions (fp8_key_at: the keys of a 32-key group in P's register order) and
   // writes them to output row d as two 16-byte stores. Keys past seqlen are zeros (P is 0 there,
   // and 0·NaN would not be).
   for (int r = warp; r < p.block_rows; r += kWarps)
-    *reinterpret_cast<RowWord*>(tile + r * kHeadDim + lane * kPerLane) = quantized(r);
+    quantized(r).store(tile + r * kHeadDim + lane * kPerLane);
   __syncthreads();
   const int groups = p.block_rows / 32;  // 32-key groups (a key block is a multiple of 32)
   for (int w = threadIdx.x; w < kHeadDim * groups; w += kWarps * 32) {
@@ -232,7 +257,9 @@ template <class In>
 flashattn_result_t launch_dim(const flashattn_fp8_quantize_t& p, cudaStream_t stream) {
   switch (p.head_dim) {
     case 64: return launch<In, 64>(p, stream);
+    case 96: return launch<In, 96>(p, stream);
     case 128: return launch<In, 128>(p, stream);
+    case 192: return launch<In, 192>(p, stream);
     case 256: return launch<In, 256>(p, stream);
     default: return status(FLASHATTN_UNSUPPORTED);
   }

@@ -66,11 +66,14 @@ struct FwdTraits {
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
   using TileO = Shape<Int<kRowsPerWG>, Int<kHeadDimV>>;
 
-  // K-major rows swizzled over 128 bytes (64 for e4m3 at d64: a row has no more).
+  // K-major rows swizzled over the widest span (128, 64 or 32 bytes) that divides a row: 64 for
+  // 16-bit at d96 and e4m3 at d64 and d192, 32 for e4m3 at d96 (96-byte rows).
   template <int kDim>
-  using SmemAtomOf = conditional_t<kDim * sizeof(Element) % 128 == 0,
-                                   GMMA::Layout_K_SW128_Atom<Element>,
-                                   GMMA::Layout_K_SW64_Atom<Element>>;
+  using SmemAtomOf =
+      conditional_t<kDim * sizeof(Element) % 128 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                    conditional_t<kDim * sizeof(Element) % 64 == 0,
+                                  GMMA::Layout_K_SW64_Atom<Element>,
+                                  GMMA::Layout_K_SW32_Atom<Element>>>;
   using SmemAtom = SmemAtomOf<kHeadDim>;
   using SmemLayoutQ = decltype(tile_to_shape(  // per consumer WG
       SmemAtom{}, Shape<Int<kRowsPerWG>, Int<kHeadDim>, Int<kQStages>>{}));

@@ -120,7 +120,7 @@ fn fp8_quantize_and_descale_copy_refuse_bad_sizes() {
         (p.cu_seqlens, p.max_seqlen) = (addr(3) as *const i32, 200);
     }
     type Edit = fn(&mut flashattn_fp8_quantize_t);
-    let cases: [(&str, Edit, i32); 14] = [
+    let cases: [(&str, Edit, i32); 16] = [
         (
             "block_rows 2^24 (head_dim · block_rows wraps to 0)",
             |p| p.block_rows = 1 << 24,
@@ -146,7 +146,18 @@ fn fp8_quantize_and_descale_copy_refuse_bad_sizes() {
             |p| p.src.row_stride = -1024,
             INVALID,
         ),
-        ("head dim 96", |p| p.head_dim = 96, UNSUPPORTED),
+        ("head dim 80", |p| p.head_dim = 80, UNSUPPORTED),
+        // The transform is defined at power-of-two head dims only.
+        (
+            "Hadamard at head dim 96",
+            |p| (p.head_dim, p.hadamard) = (96, 1),
+            UNSUPPORTED,
+        ),
+        (
+            "Hadamard at head dim 192",
+            |p| (p.head_dim, p.hadamard) = (192, 1),
+            UNSUPPORTED,
+        ),
         ("dense with a max_seqlen", |p| p.max_seqlen = 256, INVALID),
         (
             "packed, max_seqlen past the rows",

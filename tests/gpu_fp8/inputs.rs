@@ -166,21 +166,30 @@ fn fp8_refusals_are_typed_errors() {
     // The sm80 backend has no FP8 forward.
     let e = forward(&case.cfg(Backend::Sm80), lq);
     assert!(matches!(e, Error::UnsupportedDtype { .. }), "sm80: {e:?}");
-    // Head dim 96: no FP8 key block.
-    let odd = Case::new(64, 64, 96);
-    let x = inputs::<bf16>(&odd, 2);
-    let l = Layout::contiguous([1, 64, 2, 96]);
-    let t = stream.clone_htod(&x.q).unwrap();
-    let e = dev
-        .quantize_fp8(
-            &stream,
-            &DeviceTensor::new(t.as_view(), l),
-            &DeviceTensor::new(t.as_view(), l),
-            &DeviceTensor::new(t.as_view(), l),
-            Fp8Options::default(),
-        )
-        .unwrap_err();
-    assert!(matches!(e, Error::UnsupportedHeadDim { .. }), "d96: {e:?}");
+    // Head dim 80: no FP8 key block. Head dims 96 and 192 (the quantize step is built at both
+    // whatever the features): no Hadamard transform, refused before anything runs.
+    for (d, seed) in [(80, None), (96, Some(1)), (192, Some(1))] {
+        let odd = Case::new(64, 64, d);
+        let x = inputs::<bf16>(&odd, 2);
+        let l = Layout::contiguous([1, 64, 2, d]);
+        let t = stream.clone_htod(&x.q).unwrap();
+        let e = dev
+            .quantize_fp8(
+                &stream,
+                &DeviceTensor::new(t.as_view(), l),
+                &DeviceTensor::new(t.as_view(), l),
+                &DeviceTensor::new(t.as_view(), l),
+                Fp8Options {
+                    hadamard_seed: seed,
+                },
+            )
+            .unwrap_err();
+        let refused = match seed {
+            None => matches!(e, Error::UnsupportedHeadDim { head_dim: 80, .. }),
+            Some(_) => matches!(e, Error::Unsupported { .. }) && e.to_string().contains("Hadamard"),
+        };
+        assert!(refused, "d{d}: {e:?}");
+    }
     // Descales of the wrong length.
     let short = stream.clone_htod(&[1f32]).unwrap();
     let q8 = stream

@@ -164,6 +164,17 @@ impl Device {
                 backend: Backend::Sm90,
             });
         }
+        // The transform is defined at power-of-two lengths: refused at d96 and d192 before
+        // anything is allocated or launched.
+        if hadamard_seed.is_some() && !rows.head_dim.is_power_of_two() {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "incoherent processing (the random-sign Hadamard transform) at head dim {}:                      it needs a power-of-two head dim",
+                    rows.head_dim
+                ),
+                backend: Backend::Sm90,
+            });
+        }
         rows.check_index_width(&[
             (Operand::Q, &q.layout),
             (Operand::K, &k.layout),
