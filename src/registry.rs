@@ -133,6 +133,8 @@ pub const KERNELS: &[Kernel] = &[
     kernel(Sm90Fp8Fwd, 64, E4m3),
     kernel(Sm90Fp8Fwd, 128, E4m3),
     kernel(Sm90Fp8Fwd, 256, E4m3),
+    kernel(Sm90Fp8Fwd, 96, E4m3),
+    kernel(Sm90Fp8Fwd, 192, E4m3),
     kernel(Sm90Bwd, 64, Bf16),
     kernel(Sm90Bwd, 128, Bf16),
     kernel(Sm90Bwd, 256, Bf16),
@@ -345,6 +347,10 @@ pub const TILES: &[TileRow] = &[
     row(Sm90Fp8Fwd, 64, Base, sm90_fp8_fwd(192, 2, false, true)),
     row(Sm90Fp8Fwd, 128, Base, sm90_fp8_fwd(224, 2, false, true)),
     row(Sm90Fp8Fwd, 256, Base, sm90_fp8_fwd(128, 1, true, false)),
+    // d96: d64's key block (S 96 and O 48 floats a thread); d192: 128 keys (S 64 and O 96, under
+    // d128's 176) with two Q buffers (Q 48 KiB, K and V 96).
+    row(Sm90Fp8Fwd, 96, Base, sm90_fp8_fwd(192, 2, false, true)),
+    row(Sm90Fp8Fwd, 192, Base, sm90_fp8_fwd(128, 2, false, true)),
     row(Sm90Bwd, 64, Base, sm90_bwd(128, 128, 2, false)),
     row(Sm90Bwd, 128, Base, sm90_bwd(64, 128, 2, false)),
     row(Sm90Bwd, 256, Base, sm90_bwd(64, 64, 1, true)),

@@ -19,6 +19,17 @@ fn every_kernel_is_named_once_and_has_its_features() {
         assert_eq!(find(k.family, k.head_dim, k.head_dim_v, k.dtype), Some(k));
     }
     assert_eq!(head_dims(Family::Sm90Fwd), vec![64, 128, 256, 96, 192]);
+    assert_eq!(head_dims(Family::Sm90Fp8Fwd), vec![64, 128, 256, 96, 192]);
+}
+
+/// The FP8 forward's key block is the block of keys one K/V descale covers, and the quantize
+/// step orders V's keys in groups of 32 (csrc/sm90/fp8_layout.h): whole groups only.
+#[test]
+fn fp8_key_blocks_are_whole_32_key_groups() {
+    for r in TILES.iter().filter(|r| r.family == Family::Sm90Fp8Fwd) {
+        let (_, block_n) = r.tile.shape();
+        assert_eq!(block_n % 32, 0, "{r:?}");
+    }
 }
 
 #[test]
@@ -92,10 +103,12 @@ fn extended_wgmma_shapes_only_where_a_tile_takes_one() {
     assert!(extended_wgmma(Family::Sm90Fwd, 128));
     assert!(extended_wgmma(Family::Sm90Fwd, 256));
     assert!(extended_wgmma(Family::Sm90Fp8Fwd, 128));
-    // 192/128 keys, 128 keys, 64/128-row backward tiles: default sizes.
+    // 192/128 keys, 128 keys (FP8 d96, d192 too), 64/128-row backward tiles: default sizes.
     assert!(!extended_wgmma(Family::Sm90Fwd, 64));
     assert!(!extended_wgmma(Family::Sm90Fp8Fwd, 64));
     assert!(!extended_wgmma(Family::Sm90Fp8Fwd, 256));
+    assert!(!extended_wgmma(Family::Sm90Fp8Fwd, 96));
+    assert!(!extended_wgmma(Family::Sm90Fp8Fwd, 192));
     for d in [64, 128, 256] {
         assert!(!extended_wgmma(Family::Sm90Bwd, d));
         assert!(!extended_wgmma(Family::Sm90Bwd, d * 3 / 2)); // d96, d192, d384 (no tile)

@@ -61,9 +61,12 @@ fn check_quantize_case<T: Element + DeviceRepr>(
 fn quantize_matches_the_host_definition() {
     let (dev, stream) = device();
     let mut n = 0;
-    for d in [64, 128, 256] {
+    for d in head_dims() {
         for (sq, sk) in [(1, 1), (128, 192), (300, 517), (1000, 77)] {
             for seed in [None, Some(5)] {
+                if hadamard_at(d, seed) != seed {
+                    continue; // d96, d192: without Hadamard only
+                }
                 let case = Case::new(sq, sk, d).batch(2).heads(4, 2);
                 let options = Fp8Options {
                     hadamard_seed: seed,
@@ -83,7 +86,7 @@ fn quantize_matches_the_host_definition() {
 #[ignore = "needs an sm_90 GPU"]
 fn pre_quantized_inputs_give_the_same_output() {
     let (dev, stream) = device();
-    for d in [64, 128, 256] {
+    for d in head_dims() {
         let case = Case::new(300, 517, d).causal(true).heads(4, 2);
         let x = inputs::<bf16>(&case, 77);
         let options = Fp8Options::default();

@@ -110,7 +110,7 @@ fn kernels_left_out_of_the_build_are_refused_by_name() {
 }
 
 #[test]
-fn the_optional_head_dims_take_the_sm90_backward_and_the_fp8_forward_refuses_naming_others() {
+fn the_optional_head_dims_take_the_sm90_backward_and_the_fp8_forward() {
     let plan = |op, d, backend, dtype| {
         dispatch::plan(
             op,
@@ -134,12 +134,16 @@ fn the_optional_head_dims_take_the_sm90_backward_and_the_fp8_forward_refuses_nam
             assert_eq!(bwd.backend, want, "d{d} {backend:?}");
         }
     }
-    // The FP8 forward has no d96 kernel: its refusal names the families that have the head dim.
-    let e = plan(Op::Forward, 96, Backend::Sm90, DType::E4M3).unwrap_err();
-    let text = e.to_string();
+    // The FP8 forward has its d96 and d192 kernels; a head dim no family has is refused as such.
+    for d in [96, 192] {
+        let fwd = plan(Op::Forward, d, Backend::Sm90, DType::E4M3).unwrap();
+        let text = fwd.explain();
+        assert!(text.contains(&format!("sm90 fp8 fwd d{d} e4m3")), "{text}");
+    }
+    let e = plan(Op::Forward, 80, Backend::Sm90, DType::E4M3).unwrap_err();
     assert!(
-        matches!(e, Error::Unsupported { .. }) && text.contains("sm90 fwd"),
-        "{text}"
+        matches!(e, Error::UnsupportedHeadDim { head_dim: 80, .. }),
+        "{e}"
     );
 }
 
