@@ -2,9 +2,13 @@
 //! head dim 64/128/256, causal and not), beside the bf16 sm90 forward on the same shapes in the
 //! same run, and the quantize step's time on its own (GB/s: bf16 Q, K, V read once, e4m3 and
 //! descales written). The FP8 row times the kernel over inputs quantized once (per-block
-//! descales, Hadamard on), as a caller reusing K and V would run it. CUDA events, warm-up, median.
+//! descales, Hadamard on at the power-of-two head dims, off at d96 and d192, where it is not
+//! defined), as a caller reusing K and V would run it. CUDA events, warm-up, median. `--dims`
+//! takes other head dims (96 and 192 with their features) and `--hidden` another hidden size
+//! (heads = hidden / d), e.g. `--dims 96,192 --hidden 1536`.
 //!
 //! Usage: bench_fp8 [--quick] [--only D,S[,causal]] [--seqlens S,S,...] [--reps N]
+//!                  [--dims D,D,...] [--hidden H]
 //!                  [--pingpong|--no-pingpong]
 //!                  [--no-split-tail|--split-tail]
 //!                  [--long-keys] [--synced] [--out results.json] [--commit SHA]
@@ -25,6 +29,13 @@ use rand_distr::{Distribution, Normal};
 
 const TOKENS: usize = 16384;
 const HIDDEN: usize = 2048;
+
+/// Where the Hadamard transform is defined (power-of-two head dims), on; else off.
+fn options_for(d: usize) -> Fp8Options {
+    Fp8Options {
+        hadamard_seed: d.is_power_of_two().then_some(1),
+    }
+}
 
 /// Median milliseconds of `reps` calls of `run`, queued behind 5 warm-up calls. `synced`: each
 /// call waited for before the next is made, timed on the host (what a caller that synchronizes
@@ -113,9 +124,36 @@ fn main() {
         None if quick => 20,
         None => 30,
     };
+    // --hidden H and --dims D,D,...: the hidden size (heads = H / D) and the head dims timed, in
+    // this order; each D must divide H.
+    let hidden = match args.value("--hidden").map(|v| v.parse::<usize>()) {
+        Some(Ok(h)) if h > 0 => h,
+        Some(_) => {
+            eprintln!("--hidden takes a positive size");
+            std::process::exit(2)
+        }
+        None => HIDDEN,
+    };
+    let dims: Vec<usize> = match args.value("--dims") {
+        Some(v) => v
+            .split(',')
+            .map(|x| match x.parse::<usize>() {
+                Ok(d) if d > 0 => d,
+                _ => {
+                    eprintln!("--dims takes D,D,... (head dims)");
+                    std::process::exit(2)
+                }
+            })
+            .collect(),
+        None => vec![64, 128, 256],
+    };
+    if let Some(d) = dims.iter().find(|&&d| hidden % d != 0) {
+        eprintln!("the hidden size {hidden} is not a multiple of head dim {d} (--hidden)");
+        std::process::exit(2)
+    }
     let dev = common::device("bench_fp8");
     let stream = dev.new_stream().unwrap();
-    let n = TOKENS * HIDDEN;
+    let n = TOKENS * hidden;
     let mut rng = StdRng::seed_from_u64(11);
     let normal = Normal::new(0f32, 1.0).unwrap();
     let mut gen = || {
@@ -128,20 +166,21 @@ fn main() {
     let poison = vec![bf16::NAN; n];
     let mut out = stream.clone_htod(&poison).unwrap();
     let mut lse = stream
-        .clone_htod(&vec![f32::NAN; TOKENS * HIDDEN / 64])
+        .clone_htod(&vec![
+            f32::NAN;
+            TOKENS * hidden / dims.iter().min().unwrap()
+        ])
         .unwrap();
-    let options = Fp8Options {
-        hadamard_seed: Some(1),
-    };
 
     let mut rows = Vec::new();
-    for d in [64, 128, 256] {
+    for &d in &dims {
+        let options = options_for(d);
         for causal in [false, true] {
             for &s in seqlens {
                 if only.is_some_and(|o| o != (d, s, causal)) {
                     continue;
                 }
-                let shape = [TOKENS / s, s, HIDDEN / d, d];
+                let shape = [TOKENS / s, s, hidden / d, d];
                 let layout = Layout::contiguous(shape);
                 let t = |x| DeviceTensor::new(x, layout);
                 let cfg = AttentionConfig::new()
@@ -208,13 +247,14 @@ fn main() {
                     tflops(bf16_ms)
                 );
                 rows.push(format!(
-                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"split_tail\": \"{:?}\", \"synced\": {synced}, \"reps\": {reps}, \"hadamard\": true, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
+                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"split_tail\": \"{:?}\", \"synced\": {synced}, \"reps\": {reps}, \"hadamard\": {}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
                     shape[0],
                     shape[2],
                     shape[2],
                     schedule.pingpong.takes_turns(DType::E4M3),
                     schedule.pingpong.takes_turns(DType::BF16),
                     schedule.split_tail,
+                    options.hadamard_seed.is_some(),
                     tflops(fp8_ms),
                     tflops(bf16_ms)
                 ));
@@ -226,7 +266,7 @@ fn main() {
             }
         }
     }
-    // --long-keys: fewer query tiles than SMs over many keys (batch 1, 16k keys, hidden 2048:
+    // --long-keys: fewer query tiles than SMs over many keys (batch 1, 16k keys, the hidden size:
     // 512 queries, 128 causal ones (a chunk of a decode) and one (a decoded token)), where the
     // tail split deals each tile's key blocks out to the idle SMs (csrc/sm90/fwd_tail.h): FP8
     // and bf16, each with and without it, in one run. FLOPs: 4·d per visible (query, key) pair.
@@ -237,8 +277,9 @@ fn main() {
     };
     for &(sq, causal) in long_keys {
         let sk = 16384;
-        for d in [64, 128, 256] {
-            let h = HIDDEN / d;
+        for &d in &dims {
+            let h = hidden / d;
+            let options = options_for(d);
             let (lq, lk) = (
                 Layout::contiguous([1, sq, h, d]),
                 Layout::contiguous([1, sk, h, d]),
@@ -333,9 +374,10 @@ fn main() {
                 text.join(" | ")
             );
             rows.push(format!(
-                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"synced\": {synced}, \"reps\": {reps}, \"hadamard\": true, {}, \"non_finite_outputs\": {unwritten}}}",
+                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"synced\": {synced}, \"reps\": {reps}, \"hadamard\": {}, {}, \"non_finite_outputs\": {unwritten}}}",
                 schedule.pingpong.takes_turns(DType::E4M3),
                 schedule.pingpong.takes_turns(DType::BF16),
+                options.hadamard_seed.is_some(),
                 fields.join(", ")
             ));
             if unwritten != 0 {
