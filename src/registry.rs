@@ -326,6 +326,16 @@ const fn row_v(
 
 use TileRole::*;
 
+/// The sm80 forward's tile at Q's head dim 192 (either V head dim): eight warps, 128 query rows
+/// with O at 96 (or 64) floats per thread.
+const SM80_FWD_D192: Tile = Tile::Sm80Fwd {
+    block_m: 128,
+    block_n: 64,
+    warps: 8,
+    stages: 1,
+    q_in_regs: false,
+};
+
 /// Every tile. Shared memory (≤ 227 KiB on sm90, ≤ 163 KiB on A100) and registers bound each:
 /// the sm90 forward holds Q q_stages·128·d, K 2·stages·block_n·d and V 2·stages·block_n·d_v elements (d128 with 160
 /// keys: 224 KiB, and O d/2, S block_n/2, P block_n/4 registers per consumer thread within
@@ -362,33 +372,9 @@ pub const TILES: &[TileRow] = &[
     row(Sm80Fwd, 128, Base, sm80_fwd(128, 64, 2, false)),
     row(Sm80Fwd, 256, Base, sm80_fwd(64, 64, 1, false)),
     row(Sm80Fwd, 96, Base, sm80_fwd(128, 64, 2, false)),
-    // Eight warps: 128 query rows with O at 96 floats per thread.
-    row(
-        Sm80Fwd,
-        192,
-        Base,
-        Tile::Sm80Fwd {
-            block_m: 128,
-            block_n: 64,
-            warps: 8,
-            stages: 1,
-            q_in_regs: false,
-        },
-    ),
-    // (192, 128): d192's tile, O at 64 floats per thread; Q 48 KiB, K 24, V 16 per stage.
-    row_v(
-        Sm80Fwd,
-        192,
-        128,
-        Base,
-        Tile::Sm80Fwd {
-            block_m: 128,
-            block_n: 64,
-            warps: 8,
-            stages: 1,
-            q_in_regs: false,
-        },
-    ),
+    row(Sm80Fwd, 192, Base, SM80_FWD_D192),
+    // (192, 128): Q 48 KiB, K 24, V 16 per stage.
+    row_v(Sm80Fwd, 192, 128, Base, SM80_FWD_D192),
     row(Sm80Bwd, 64, Base, sm80_bwd(128, 128, [4, 4, 4])),
     row(Sm80Bwd, 128, Base, sm80_bwd(64, 128, [2, 4, 2])),
     row(Sm80Bwd, 256, Base, sm80_bwd(64, 64, [4, 2, 2])),

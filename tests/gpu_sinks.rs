@@ -76,13 +76,8 @@ fn run_case<T: Element + DeviceRepr>(
     seed: u64,
 ) -> Outcome {
     let mut rng = StdRng::seed_from_u64(seed);
-    let ((lq, lk), (lv, lo)) = (case.layouts(), case.v_layouts());
-    let views = Views {
-        q: lq,
-        k: lk,
-        v: lv,
-        o: lo,
-    };
+    let views = Views::of(case);
+    let (lq, lk, lv, lo) = (views.q, views.k, views.v, views.o);
     let [q, k, v] = case.random_qkv::<T>(&mut rng);
     let dout: Vec<T> = random(span(&lo), &mut rng);
     let sinks = random_sinks(case.heads_q, &mut rng);

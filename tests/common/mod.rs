@@ -219,6 +219,14 @@ pub struct Views {
     pub o: Layout,
 }
 
+impl Views {
+    /// A case's layouts of Q, K, V and O in its storage.
+    pub fn of(case: &Case) -> Self {
+        let ((q, k), (v, o)) = (case.layouts(), case.v_layouts());
+        Views { q, k, v, o }
+    }
+}
+
 impl From<(Layout, Layout)> for Views {
     fn from((q, k): (Layout, Layout)) -> Self {
         Views { q, k, v: k, o: q }
