@@ -11,6 +11,15 @@ use crate::tensor::{DType, Problem};
 pub enum Op {
     Forward,
     Backward,
+    /// A backward that also returns the attention sinks' gradient (`dsinks`): with softcap it
+    /// takes the sm80 kernels, which sum it (the sm90 softcap kernels do not).
+    BackwardWithSinkGradient,
+}
+
+impl Op {
+    fn is_backward(self) -> bool {
+        matches!(self, Op::Backward | Op::BackwardWithSinkGradient)
+    }
 }
 
 /// What the dispatcher knows of a CUDA device (from the C ABI's device query).
@@ -120,13 +129,13 @@ fn family_of(backend: Backend, op: Op, dtype: DType) -> Option<(Family, KernelDt
         DType::E4M3 => KernelDtype::E4m3,
         DType::F32 => return None,
     };
-    let family = match (backend, op, kernel_dtype) {
-        (Backend::Sm90, Op::Forward, KernelDtype::E4m3) => Family::Sm90Fp8Fwd,
+    let family = match (backend, op.is_backward(), kernel_dtype) {
+        (Backend::Sm90, false, KernelDtype::E4m3) => Family::Sm90Fp8Fwd,
         (_, _, KernelDtype::E4m3) => return None,
-        (Backend::Sm90, Op::Forward, _) => Family::Sm90Fwd,
-        (Backend::Sm90, Op::Backward, _) => Family::Sm90Bwd,
-        (Backend::Sm80, Op::Forward, _) => Family::Sm80Fwd,
-        (Backend::Sm80, Op::Backward, _) => Family::Sm80Bwd,
+        (Backend::Sm90, false, _) => Family::Sm90Fwd,
+        (Backend::Sm90, true, _) => Family::Sm90Bwd,
+        (Backend::Sm80, false, _) => Family::Sm80Fwd,
+        (Backend::Sm80, true, _) => Family::Sm80Bwd,
         _ => return None,
     };
     Some((family, kernel_dtype))
@@ -261,11 +270,20 @@ pub fn check_backend(
                     backend,
                 });
             }
-            // The sm90 backward's softcap kernels have no deterministic mode; Auto then takes
-            // the sm80 one.
+            // The sm90 backward's softcap kernels have no deterministic mode and do not sum the
+            // sinks' gradient; Auto then takes the sm80 ones.
             if family == Family::Sm90Bwd && cfg.softcap.is_some() && cfg.deterministic {
                 return Err(Error::Unsupported {
                     what: "the deterministic backward with softcap (not built for sm90)".into(),
+                    backend,
+                });
+            }
+            if family == Family::Sm90Bwd
+                && cfg.softcap.is_some()
+                && op == Op::BackwardWithSinkGradient
+            {
+                return Err(Error::Unsupported {
+                    what: "the sinks' gradient with softcap (not built for sm90)".into(),
                     backend,
                 });
             }

@@ -34,25 +34,20 @@ struct Outcome {
     dv: Comparison,
     dsinks: Comparison,
     dsink_bits: Vec<u32>,
-    softcap: bool,
 }
-
-/// With softcap the kernels' dS holds the cap's derivative, so d_sink takes D = rowsum(dO ∘ O)
-/// of the rounded O instead of their own Σ P·dP: a known limit (README), held to this many times
-/// the rule's bound rather than to the rule.
-const SOFTCAP_DSINK_RATIO: f64 = 4.0;
 
 impl Outcome {
     fn pass(&self) -> bool {
-        let dsinks = if self.softcap {
-            self.dsinks.nan_count == 0 && self.dsinks.ratio <= SOFTCAP_DSINK_RATIO
-        } else {
-            self.dsinks.pass
-        };
-        dsinks
-            && [&self.o, &self.lse, &self.dq, &self.dk, &self.dv]
-                .iter()
-                .all(|c| c.pass)
+        [
+            &self.o,
+            &self.lse,
+            &self.dq,
+            &self.dk,
+            &self.dv,
+            &self.dsinks,
+        ]
+        .iter()
+        .all(|c| c.pass)
     }
 }
 
@@ -118,7 +113,6 @@ fn run_case<T: Element + DeviceRepr>(
         dv: compare(&got(&dv, lv), &want_g.dv, &base_g.dv),
         dsinks: compare(&dsinks, &want_ds, &base_ds),
         dsink_bits: dsinks.iter().map(|x| x.to_bits()).collect(),
-        softcap: cfg.softcap.is_some(),
     }
 }
 
@@ -168,13 +162,23 @@ fn run_all<T: Element + DeviceRepr>(
     );
 }
 
+/// The Hopper kernels, but with softcap `Auto`: the sm90 softcap backward does not sum the sinks'
+/// gradient, so the planner sends that backward to sm80 (the forward stays on sm90).
+fn sm90(case: &Case) -> AttentionConfig {
+    case.cfg(if case.softcap.is_some() {
+        Backend::Auto
+    } else {
+        Backend::Sm90
+    })
+}
+
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn sm90_sinks() {
     for d in [64, 128, 256] {
         let cases = cases(d);
-        run_all::<bf16>(&cases, &format!("sm90 d{d} bf16"), |c| c.cfg(Backend::Sm90));
-        run_all::<f16>(&cases, &format!("sm90 d{d} f16"), |c| c.cfg(Backend::Sm90));
+        run_all::<bf16>(&cases, &format!("sm90 d{d} bf16"), sm90);
+        run_all::<f16>(&cases, &format!("sm90 d{d} f16"), sm90);
     }
 }
 
@@ -193,10 +197,8 @@ fn sinks_at_the_optional_head_dims() {
         runs.push(("d192/128".into(), apart));
     }
     for (dims, cases) in &runs {
-        run_all::<bf16>(cases, &format!("sm90 {dims} bf16"), |c| {
-            c.cfg(Backend::Sm90)
-        });
-        run_all::<f16>(cases, &format!("sm90 {dims} f16"), |c| c.cfg(Backend::Sm90));
+        run_all::<bf16>(cases, &format!("sm90 {dims} bf16"), sm90);
+        run_all::<f16>(cases, &format!("sm90 {dims} f16"), sm90);
     }
     if cfg!(feature = "hdim192") {
         let apart: Vec<Case> = cases(192).into_iter().map(|c| c.head_dim_v(128)).collect();

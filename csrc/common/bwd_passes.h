@@ -208,26 +208,26 @@ cudaError_t launch_bwd_preprocess(const BwdRowsParams& p, cudaStream_t stream) {
 // would dominate d_sink's error. But as Σ_j P_ij = 1 − w_i and the same D_i is inside every
 // dS_ij = P_ij·(dP_ij − D_i), D*_i = Σ_j dS_ij + (1 − w_i)·D_i, in which the rounding cancels:
 // so each main-kernel CTA sums Σ_i w_i·Σ_j dS_ij over its keys, warp by warp, into its parts
-// (BwdSinkParts), and bwd_sink_grad adds them to Σ_i w_i·(1 − w_i)·D_i. Where the kernels leave
-// the parts out (softcap, whose dS holds the cap's derivative), D_i stands for D*_i.
+// (BwdSinkParts), and bwd_sink_grad adds them to Σ_i w_i·(1 − w_i)·D_i. With softcap, whose dS
+// holds the cap's derivative, the kernels sum Σ_j P_ij·(dP_ij − D_i) instead, the same value.
 
 // Where the main kernels leave their parts (BwdWorkspace::sink_parts): for query head h,
 // `groups` runs of `run` floats, run g at (g·heads_q + h)·run, each a CTA's kSinkWarps warp sums
 // after the other. Zeroed before the main kernel: CTAs with no rows leave theirs.
 struct BwdSinkParts {
-  float* parts = nullptr;  // null: D_i stands for D*_i
+  float* parts = nullptr;  // null: the call asks for no gradient
   int groups = 0;
   int64_t run = 0;
 };
 
 // The call's parts, zeroed on `stream`: per query head `groups` runs of `blocks` key blocks of
-// kSinkWarps floats; null where the call asks for no gradient or the kernels sum none
-// (`summed` false). A layout that would pass the workspace's region is refused.
+// kSinkWarps floats; null where the call asks for no gradient. A layout that would pass the
+// workspace's region is refused.
 inline cudaError_t zeroed_sink_parts(const flashattn_params_t& p, const BwdWorkspace& ws,
-                                     char* base, bool summed, int groups, int64_t blocks,
-                                     cudaStream_t stream, BwdSinkParts& parts) {
+                                     char* base, int groups, int64_t blocks, cudaStream_t stream,
+                                     BwdSinkParts& parts) {
   parts = BwdSinkParts{};
-  if (p.dsinks == nullptr || !summed) return cudaSuccess;
+  if (p.dsinks == nullptr) return cudaSuccess;
   const int64_t floats = int64_t(groups) * p.heads_q * blocks * kSinkWarps;
   if (floats > bwd_sink_parts(p)) return cudaErrorInvalidValue;
   parts = {reinterpret_cast<float*>(base + ws.sink_parts), groups, blocks * kSinkWarps};
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t base = (int64_t(b) * heads_q + head) * dq_rows;
     for (int r = threadIdx.x; r < dq_rows; r += kThreads) {
       const double w = exp2f(sink_log2 - lse_log2[base + r]);
-      sum += (parts.parts != nullptr ? w * (1.0 - w) : w) * double(softmax_d[base + r]);
+      sum += w * (1.0 - w) * double(softmax_d[base + r]);
     }
   }
   for (int g = 0; g < parts.groups; ++g) {

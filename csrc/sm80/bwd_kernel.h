@@ -266,8 +266,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     };
 
     int stage = 0;
-    // The sinks' gradient: this thread's share over the block's keys (bwd_sink_grad); the
-    // softcap path leaves it to D.
+    // The sinks' gradient: this thread's share over the block's keys (bwd_sink_grad).
     const bool sink_grad = kSinkParts && params.sink_parts != nullptr;
     float sink_part = 0.f;
     if (m_count > 0) load_q_block(block_at(0), 0);
@@ -319,12 +318,24 @@ __global__ void __launch_bounds__(Traits::kThreads)
                 copy_sdp_b);
       // dS = P ∘ (dP − D), times the softcap's tanh derivative.
       if (params.softcap) {
+        // With sinks, Σ_j P_ij·(dP_ij − D_i) of this thread's rows before dS takes the slope.
+        float rows_part[decltype(size<0>(rowcol_dp))::value] = {};
         each_element(rowcol_s, row_begin, stage, cute::true_type{},
                      [&](int r, int c, float lse, float d, bool visible) {
                        const float t = rowcol_s(r, c);
                        const float p = visible ? fast_exp2(t * params.scale_log2 - lse) : 0.f;
-                       rowcol_dp(r, c) = p * (rowcol_dp(r, c) - d) * (1.f - t * t);
+                       const float ds = p * (rowcol_dp(r, c) - d);
+                       if constexpr (kSinkParts) rows_part[r] += ds;
+                       rowcol_dp(r, c) = ds * (1.f - t * t);
                      });
+        if (kSinkParts && sink_grad) {  // w_i·Σ_j P_ij·(dP_ij − D_i) of this thread's rows
+          const float sink_log2 = params.sinks[head] * float(M_LOG2E);
+  #pragma unroll
+          for (int r = 0; r < size<0>(rowcol_dp); ++r) {
+            const float lse = smem.stage[stage].lse[get<0>(rowcol_cS(r, 0))];
+            sink_part += exp2f(sink_log2 - lse) * rows_part[r];
+          }
+        }
       } else {
         each_element(rowcol_s, row_begin, stage, cute::false_type{},
                      [&](int r, int c, float, float d, bool) {

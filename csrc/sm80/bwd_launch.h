@@ -112,10 +112,9 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.q_stages = smem_optin >= Traits::smem_bytes(2) ? 2 : 1;
   const int smem_bytes = Traits::smem_bytes(params.q_stages);
   const int n_blocks = (seqs.max_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  // The sinks' gradient: the kernels (not with softcap) leave each key block's parts.
+  // The sinks' gradient: the kernels leave each key block's parts.
   BwdSinkParts sink_parts;
-  FLASHATTN_TRY_CUDA(zeroed_sink_parts(p, ws, base, !params.softcap, p.batch, n_blocks, stream,
-                                       sink_parts));
+  FLASHATTN_TRY_CUDA(zeroed_sink_parts(p, ws, base, p.batch, n_blocks, stream, sink_parts));
   params.sinks = p.sinks;
   params.sink_parts = sink_parts.parts;
   params.sink_blocks = n_blocks;

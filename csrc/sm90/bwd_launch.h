@@ -45,7 +45,10 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   static_assert(Traits::kBlockN >= kMinKeyBlock);
   // Softcap's deterministic mode is not instantiated (the dispatcher sends it to sm80).
   const bool softcap = p.softcap > 0.f;
-  if (softcap && p.deterministic) return status(FLASHATTN_UNSUPPORTED);
+  // Softcap's kernels have no deterministic mode, and no sums for the sinks' gradient (dS holds
+  // the cap's derivative; taking P·(dP − D) beside it spilled registers at d128): the sm80
+  // backward has both.
+  if (softcap && (p.deterministic || p.dsinks != nullptr)) return status(FLASHATTN_UNSUPPORTED);
   const Sequences seqs = sequences(p);
   // Tiles of the tile order per head: dense, the key blocks of each (batch, head); packed, a
   // head's packed key blocks. The CTA index and a head's query workspace rows are ints.
@@ -115,10 +118,10 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
       seqs.packed() ? reinterpret_cast<const int*>(base + ws.row_entries) : nullptr;
   params.key_entries =
       seqs.packed() ? reinterpret_cast<const int*>(base + ws.key_entries) : nullptr;
-  // The sinks' gradient: the kernels (not softcap's) leave each CTA's parts, in tile-order slots.
+  // The sinks' gradient: the kernels leave each CTA's parts, in tile-order slots.
   BwdSinkParts sink_parts;
-  FLASHATTN_TRY_CUDA(zeroed_sink_parts(p, ws, base, !softcap, seqs.packed() ? 1 : p.batch, tiles,
-                                       stream, sink_parts));
+  FLASHATTN_TRY_CUDA(
+      zeroed_sink_parts(p, ws, base, seqs.packed() ? 1 : p.batch, tiles, stream, sink_parts));
   params.sinks = p.sinks;
   params.sink_parts = sink_parts.parts;
   params.heads_q = p.heads_q;
@@ -166,8 +169,8 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
   const unsigned ctas = unsigned(tiles * heads_total);
   // Four instantiations: plain, plain with the sinks' gradient parts, deterministic (parts where
-  // the call has them), softcap (whose deterministic mode is refused above; no parts). Each keeps
-  // its own record of the shared-memory opt-in (its modes' tag).
+  // the call has them), softcap (whose deterministic mode and sinks' gradient are refused above).
+  // Each keeps its own record of the shared-memory opt-in (its modes' tag).
   auto launch = [&](auto deterministic, auto capped, auto sink_parts_summed) {
     constexpr bool kDeterministic = decltype(deterministic)::value;
     constexpr bool kSoftcap = decltype(capped)::value;

@@ -455,7 +455,12 @@ impl Device {
             sinks.map(|s| s.len()),
             dsinks.as_ref().map(|s| s.len()),
         )?;
-        let plan = self.plan(Op::Backward, &problem, cfg)?;
+        let op = if dsinks.is_some() {
+            Op::BackwardWithSinkGradient
+        } else {
+            Op::Backward
+        };
+        let plan = self.plan(op, &problem, cfg)?;
         self.ctx.bind_to_thread().map_err(driver_error)?;
         let (packed, _seqs_guards) = seqs.map(|s| s.rows(stream, &rows)).unzip();
         let workspace_bytes = gpu::bwd_workspace_bytes(

@@ -171,6 +171,38 @@ fn softcap_in_the_deterministic_backward_is_refused_on_sm90_and_taken_by_sm80() 
 }
 
 #[test]
+fn softcap_with_the_sinks_gradient_is_refused_on_sm90_and_taken_by_sm80() {
+    let plan = |op, cfg: AttentionConfig| {
+        dispatch::plan(
+            op,
+            &problem(2, 300, 300, 4, 128),
+            &cfg,
+            &fake_h200(),
+            all_gpu_kernels(),
+        )
+    };
+    let cfg = AttentionConfig::new().softcap(30.0);
+    let e = plan(
+        Op::BackwardWithSinkGradient,
+        cfg.clone().backend(Backend::Sm90),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, Error::Unsupported { .. }) && e.to_string().contains("sinks"),
+        "{e}"
+    );
+    let auto = plan(Op::BackwardWithSinkGradient, cfg.clone()).unwrap();
+    assert_eq!(auto.backend, Backend::Sm80);
+    // Without softcap, or without the gradient, the sm90 backward takes the call.
+    for (op, cfg) in [
+        (Op::BackwardWithSinkGradient, AttentionConfig::new()),
+        (Op::Backward, cfg),
+    ] {
+        assert_eq!(plan(op, cfg).unwrap().backend, Backend::Sm90);
+    }
+}
+
+#[test]
 fn problems_built_by_hand_are_validated() {
     let cfg = AttentionConfig::new();
     let mut p = problem(1, 8, 8, 4, 64);
