@@ -453,10 +453,12 @@ fn main() {
         };
         // sm90: the default schedule's rows.
         let sm80 = backend == Backend::Sm80 && built(Family::Sm80Bwd, d, dv);
-        let sm90_bwd =
-            backend == Backend::Sm90 && schedule == full && built(Family::Sm90Bwd, d, dv);
+        // (The sm90 backward has no deterministic mode with softcap, nor the sinks' gradient.)
+        let sm90_bwd = backend == Backend::Sm90
+            && schedule == full
+            && built(Family::Sm90Bwd, d, dv)
+            && !(softcap.is_some() && with_sinks);
         let bwd_ms = (sm80 || sm90_bwd).then(|| median_backward(&cfg));
-        // (The sm90 backward has no deterministic mode with softcap.)
         let bwd_det_ms = (sm80 || (sm90_bwd && softcap.is_none()))
             .then(|| median_backward(&cfg.clone().deterministic(true)));
         let bwd_tflops = |ms: f64| 2.5 * problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
