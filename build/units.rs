@@ -2,7 +2,7 @@
 //! build's features select and kernels.h: their declarations and the C entry points' dispatch.
 
 use crate::compile::Unit;
-use crate::registry::{self, Family, Kernel, KernelDtype, Tile, TileRole};
+use crate::registry::{self, BwdWarpgroups, Family, Kernel, KernelDtype, Tile, TileRole};
 use crate::wgmma_atoms::{wgmma_atom_header, wgmma_atoms};
 use std::env;
 use std::fs;
@@ -178,14 +178,17 @@ fn tile_structs(k: &Kernel) -> String {
                 block_n,
                 stages,
                 stages_do,
-                split_head_dim,
+                warpgroups,
             } => {
                 ints(&[
                     ("kBlockM", block_m),
                     ("kBlockN", block_n),
                     ("kStages", stages),
                     ("kStagesdO", stages_do),
-                ]) + &bools(&[("kSplitHeadDim", split_head_dim)])
+                ]) + &bools(&[
+                    ("kSplitHeadDim", warpgroups == BwdWarpgroups::SplitHeadDim),
+                    ("kKeysAsN", warpgroups == BwdWarpgroups::KeysAsN),
+                ])
             }
             Tile::Sm80Fwd {
                 block_m,

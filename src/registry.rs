@@ -202,14 +202,14 @@ pub enum Tile {
         tail_split: bool,
         ieee_descale_ratio: bool,
     },
-    /// The sm90 backward: query rows per block, keys per CTA, the Q/dS and dO buffers; with
-    /// `split_head_dim` the two consumer warpgroups split the head dim instead of the keys.
+    /// The sm90 backward: query rows per block, keys per CTA, the Q/dS and dO buffers, and how
+    /// the two consumer warpgroups share a CTA's work.
     Sm90Bwd {
         block_m: usize,
         block_n: usize,
         stages: usize,
         stages_do: usize,
-        split_head_dim: bool,
+        warpgroups: BwdWarpgroups,
     },
     /// The sm80 forward: query rows and keys per block, warps, K/V buffers, Q kept in
     /// registers.
@@ -230,6 +230,18 @@ pub enum Tile {
         atom_n_dkv: usize,
         atom_m_dq: usize,
     },
+}
+
+/// How the sm90 backward's two consumer warpgroups share a CTA's keys (csrc/sm90/bwd_*.h).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BwdWarpgroups {
+    /// Each its half of the keys, as the GEMMs' M, over the whole head dim (bwd_kernel.h).
+    SplitKeys,
+    /// All the keys as M, each its half of the head dim (bwd_kernel_split_d.h).
+    SplitHeadDim,
+    /// Each its half of the keys as the GEMMs' N, the head dims as dKᵀ's and dVᵀ's M
+    /// (bwd_kernel_keys_n.h): keys per CTA that are no multiple of 128.
+    KeysAsN,
 }
 
 /// Which calls a tile serves.
@@ -270,13 +282,18 @@ const fn sm90_fp8_fwd(block_n: usize, q_stages: usize, unmasked_loop: bool, ieee
 }
 
 /// Two Q/dS buffers; `stages_do` dO buffers.
-const fn sm90_bwd(block_m: usize, block_n: usize, stages_do: usize, split_head_dim: bool) -> Tile {
+const fn sm90_bwd(
+    block_m: usize,
+    block_n: usize,
+    stages_do: usize,
+    warpgroups: BwdWarpgroups,
+) -> Tile {
     Tile::Sm90Bwd {
         block_m,
         block_n,
         stages: 2,
         stages_do,
-        split_head_dim,
+        warpgroups,
     }
 }
 
@@ -324,6 +341,7 @@ const fn row_v(
     }
 }
 
+use BwdWarpgroups::*;
 use TileRole::*;
 
 /// The sm80 forward's tile at Q's head dim 192 (either V head dim): eight warps, 128 query rows
@@ -361,13 +379,14 @@ pub const TILES: &[TileRow] = &[
     // d128's 176) with two Q buffers (Q 48 KiB, K and V 96).
     row(Sm90Fp8Fwd, 96, Base, sm90_fp8_fwd(192, 2, false, true)),
     row(Sm90Fp8Fwd, 192, Base, sm90_fp8_fwd(128, 2, false, true)),
-    row(Sm90Bwd, 64, Base, sm90_bwd(128, 128, 2, false)),
-    row(Sm90Bwd, 128, Base, sm90_bwd(64, 128, 2, false)),
-    row(Sm90Bwd, 256, Base, sm90_bwd(64, 64, 1, true)),
-    row(Sm90Bwd, 192, Base, sm90_bwd(64, 64, 2, true)),
-    row(Sm90Bwd, 96, Base, sm90_bwd(64, 128, 2, false)),
-    // (192, 128): d192's tile; V and dO's narrower rows only free shared memory.
-    row_v(Sm90Bwd, 192, 128, Base, sm90_bwd(64, 64, 2, true)),
+    row(Sm90Bwd, 64, Base, sm90_bwd(128, 128, 2, SplitKeys)),
+    row(Sm90Bwd, 128, Base, sm90_bwd(64, 128, 2, SplitKeys)),
+    row(Sm90Bwd, 256, Base, sm90_bwd(64, 64, 1, SplitHeadDim)),
+    row(Sm90Bwd, 192, Base, sm90_bwd(64, 64, 2, SplitHeadDim)),
+    row(Sm90Bwd, 96, Base, sm90_bwd(64, 128, 2, SplitKeys)),
+    // (192, 128): 96 keys per CTA, where 64 bring each query block's Q, dO and dQ through L2
+    // for too little work (docs/PERFORMANCE.md); V's and dO's narrower rows leave the room.
+    row_v(Sm90Bwd, 192, 128, Base, sm90_bwd(64, 96, 2, KeysAsN)),
     row(Sm80Fwd, 64, Base, sm80_fwd(128, 64, 2, true)),
     row(Sm80Fwd, 128, Base, sm80_fwd(128, 64, 2, false)),
     row(Sm80Fwd, 256, Base, sm80_fwd(64, 64, 1, false)),
@@ -411,8 +430,9 @@ const DEFAULT_WGMMA_N: [usize; 8] = [8, 16, 32, 64, 96, 128, 192, 256];
 
 /// The extended WGMMA N sizes (outside CUTLASS's default set) that the kernels of `k`'s family
 /// at its head dims take, sorted. The GEMMs' N: the forward's key block (S) and V's head dim (O); the
-/// backward's query block (Sᵀ, dPᵀ) and head dim (dK, dV), whole or (split_head_dim) split
-/// between the two consumer warpgroups, and its dQ slab's columns (sm90_bwd_dq_cols). (The
+/// backward's query block (Sᵀ, dPᵀ) and head dim (dK, dV), whole or (SplitHeadDim) split
+/// between the two consumer warpgroups, and its dQ slab's columns (sm90_bwd_dq_cols); with the
+/// keys as N, half the keys (S, dP, dKᵀ, dVᵀ) and half the head dim (dQ). (The
 /// kernels' traits assert that every atom covers its N, so a size this misses fails to build
 /// rather than running narrower GEMMs.)
 pub fn extended_wgmma_n(k: &Kernel) -> Vec<usize> {
@@ -424,9 +444,14 @@ pub fn extended_wgmma_n(k: &Kernel) -> Vec<usize> {
             Tile::Sm90Fwd { block_n, .. } => vec![block_n, r.head_dim_v],
             Tile::Sm90Bwd {
                 block_m,
-                split_head_dim: true,
+                warpgroups: BwdWarpgroups::SplitHeadDim,
                 ..
             } => vec![block_m / 2, head_dim / 2, r.head_dim_v / 2],
+            Tile::Sm90Bwd {
+                block_n,
+                warpgroups: BwdWarpgroups::KeysAsN,
+                ..
+            } => vec![block_n / 2, head_dim / 2],
             Tile::Sm90Bwd { block_m, .. } => {
                 vec![block_m, head_dim, sm90_bwd_dq_cols(head_dim, block_m)]
             }

@@ -117,6 +117,11 @@ __device__ inline void red_add_f32x2(float* dst, float a, float b) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
 }
 
+// dst[0] += a, one reduction.
+__device__ inline void red_add_f32(float* dst, float a) {
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(dst), "f"(a) : "memory");
+}
+
 // A CTA's work: its key block of kBlockN keys of one (entry, head), the entry's rows and key rule,
 // where the entry's query workspace rows of the head start, and the query blocks [m_first,
 // m_end) of kBlockM rows that see any of its keys. Dense: the key block and (batch, head) come
@@ -436,16 +441,36 @@ struct DkDvStage {
 };
 
 // One warpgroup's accumulator of dK or dV with each element's (key, column) within its tile
-// (`coords`) and the tile's first column in the head dim (`col0`).
+// (`coords`) and the tile's first column in the head dim (`col0`); neighbouring registers hold
+// neighbouring columns.
 template <class Acc, class Coords>
 struct KeyRowsAcc {
+  static constexpr bool kKeysAcross = false;
   Acc const& acc;
   Coords const& coords;
   int col0;
+  __device__ int key(int i) const { return get<0>(coords(i)); }
+  __device__ int col(int i) const { return col0 + get<1>(coords(i)); }
 };
 template <class Acc, class Coords>
 __device__ KeyRowsAcc<Acc, Coords> key_rows_acc(Acc const& acc, Coords const& coords, int col0) {
   return {acc, coords, col0};
+}
+
+// One warpgroup's accumulator of dKᵀ or dVᵀ (the head dim down, its keys across:
+// bwd_kernel_keys_n.h) with each element's (column, key) within it (`coords`); neighbouring
+// registers hold neighbouring keys.
+template <class Acc, class Coords>
+struct KeyColsAcc {
+  static constexpr bool kKeysAcross = true;
+  Acc const& acc;
+  Coords const& coords;
+  __device__ int key(int i) const { return get<1>(coords(i)); }
+  __device__ int col(int i) const { return get<0>(coords(i)); }
+};
+template <class Acc, class Coords>
+__device__ KeyColsAcc<Acc, Coords> key_cols_acc(Acc const& acc, Coords const& coords) {
+  return {acc, coords};
 }
 
 // dK·scale and dV (kHeadDim and kHeadDimV columns) of one warpgroup's accumulators for the CTA's
@@ -461,22 +486,34 @@ template <bool kDeterministic, int kHeadDim, int kHeadDimV, class Element, class
 __device__ void bwd_store_dkdv(Params const& params, DK const& dk, DV const& dv, int key0,
                                BwdCtaWork const& work, Stage const& stage) {
   const Sequences::Entry& e = work.seq;
-  // f(row, col, a, b) for each pair of neighbouring columns of `part`'s accumulator.
+  // f(row, col, a, b, across) for each pair of neighbouring registers of `part`'s accumulator:
+  // b at (row, col + 1), or where the accumulator has the keys across (`across`) at (row + 1,
+  // col).
   auto for_pairs = [](auto const& part, auto&& f) {
+    constexpr bool kAcross = std::decay_t<decltype(part)>::kKeysAcross;
 #pragma unroll
     for (int i = 0; i < size(part.acc); i += 2)
-      f(get<0>(part.coords(i)), part.col0 + get<1>(part.coords(i)), part.acc(i), part.acc(i + 1));
+      f(part.key(i), part.col(i), part.acc(i), part.acc(i + 1), bool_constant<kAcross>{});
   };
   if (params.dk_accum == nullptr) {
     using RowsK = StagedRows<kHeadDim, Element>;
     using RowsV = StagedRows<kHeadDimV, Element>;
     consumers_sync(BwdBarrier::DsReady, 256);  // every GEMM has read K and V
     const float scale = params.scale;
-    for_pairs(dk, [&](int row, int col, float a, float b) {
-      RowsK::put(stage.k, stage.row0 + row, col, Element(a * scale), Element(b * scale));
+    auto put = [](auto rows, Element* tile, int row, int col, Element a, Element b, auto across) {
+      using Rows = decltype(rows);
+      if constexpr (decltype(across)::value) {
+        Rows::put_one(tile, row, col, a);
+        Rows::put_one(tile, row + 1, col, b);
+      } else {
+        Rows::put(tile, row, col, a, b);
+      }
+    };
+    for_pairs(dk, [&](int row, int col, float a, float b, auto across) {
+      put(RowsK{}, stage.k, stage.row0 + row, col, Element(a * scale), Element(b * scale), across);
     });
-    for_pairs(dv, [&](int row, int col, float a, float b) {
-      RowsV::put(stage.v, stage.row0 + row, col, Element(a), Element(b));
+    for_pairs(dv, [&](int row, int col, float a, float b, auto across) {
+      put(RowsV{}, stage.v, stage.row0 + row, col, Element(a), Element(b), across);
     });
     consumers_sync(BwdBarrier::DsReady, 256);
     const int tile_key0 = key0 - stage.row0;
@@ -495,13 +532,23 @@ __device__ void bwd_store_dkdv(Params const& params, DK const& dk, DV const& dv,
       kDeterministic ? bwd_key_rows_start(e, work.head, params.heads_q, params.seqlen_k)
                      : bwd_key_rows_start(e, work.head_kv, params.heads_kv, params.seqlen_k);
   auto add_into = [&](float* sums, int cols) {
-    return [&, sums, cols](int row, int col, float a, float b) {
+    return [&, sums, cols](int row, int col, float a, float b, auto across) {
       if (key0 + row >= e.seqlen_k) return;
       float* at = sums + (base + key0 + row) * cols + col;
-      if constexpr (kDeterministic)
+      if constexpr (decltype(across)::value) {  // b one key row on, if the entry has it
+        const bool second = key0 + row + 1 < e.seqlen_k;
+        if constexpr (kDeterministic) {
+          at[0] = a;
+          if (second) at[cols] = b;
+        } else {
+          red_add_f32(at, a);
+          if (second) red_add_f32(at + cols, b);
+        }
+      } else if constexpr (kDeterministic) {
         *reinterpret_cast<float2*>(at) = make_float2(a, b);
-      else
+      } else {
         red_add_f32x2(at, a, b);
+      }
     };
   };
   for_pairs(dk, add_into(params.dk_accum, kHeadDim));

@@ -76,6 +76,63 @@ __device__ int dq_key_blocks(KeyRange const& keys, int q0) {
   keys.template blocks<kBlockN>(q0, q0 + kBlockM, n_min, n_max);
   return n_max - n_min;
 }
+// One consumer warpgroup's dQ of each query block in two slabs of Traits::kDqSlabCols columns
+// (Traits::DqLayout) through its shared buffer `sdq`, by bulk reduce-adds: in the kernels whose
+// warpgroups split dQ's columns (bwd_kernel_split_d.h, bwd_kernel_keys_n.h), the first slab
+// leaves after the dQ GEMM, the second under the next block's score GEMMs (the accumulator holds
+// it until the next dQ GEMM) once the first one's bulk add has read the buffer. `acc` is the
+// warpgroup's dQ accumulator, `coords` each element's (query, column) within its columns.
+template <class Traits, class Acc, class Coords>
+struct DqSlabPair {
+  BwdParams<Traits> const& params;
+  Acc const& acc;
+  Coords const& coords;
+  float* sdq;
+  int64_t rows_base;  // the entry's query workspace rows of this head
+  int wg, tid;
+
+  // The accumulator's first and second half of elements hold the warpgroup's first and second
+  // kDqSlabCols columns (its 8-column groups in order, 4 elements each).
+  static constexpr int kSlabElems = decltype(size(std::declval<Acc>()))::value / 2;
+  static_assert(kSlabElems % 4 == 0);
+
+  __device__ void store(int half) const {
+#pragma unroll
+    for (int j = 0; j < kSlabElems; j += 2) {  // elements i, i+1 are neighbouring columns
+      const int i = half * kSlabElems + j;
+      const int col = get<1>(coords(i)) % Traits::kDqSlabCols;
+      const int at = Traits::DqLayout::in_slab(get<0>(coords(i)), col);
+      *reinterpret_cast<float2*>(&sdq[at]) = make_float2(acc(i), acc(i + 1));
+    }
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
+    consumers_sync(BwdBarrier::DqReady, 128, wg);
+  }
+  // Deterministic mode: the hand-over semaphore of query block m's slabs of this warpgroup.
+  __device__ int* semaphore(int m) const {
+    return dq_semaphore<Traits::kBlockM, Traits::kConsumerWGs>(params, rows_base, m, wg);
+  }
+  __device__ void add(int m, int half) const {  // one thread: the slab into global dQ
+    const int slab = wg * 2 + half;  // DqSlabs: a query block's slabs in column order
+    bulk_reduce_add_f32(params.dq_accum + (rows_base + m * Traits::kBlockM) * Traits::kHeadDim +
+                            slab * Traits::kBlockM * Traits::kDqSlabCols,
+                        sdq, Traits::kBytesdQ);
+    tma_store_arrive();
+  }
+  __device__ void second(int m) const {
+    if (tid == 0) tma_store_wait<0>();
+    consumers_sync(BwdBarrier::DqReady, 128, wg);
+    store(1);
+    if (tid == 0) add(m, 1);
+  }
+};
+template <class Traits, class Acc, class Coords>
+__device__ DqSlabPair<Traits, Acc, Coords> dq_slab_pair(BwdParams<Traits> const& params,
+                                                       Acc const& acc, Coords const& coords,
+                                                       float* sdq, int64_t rows_base, int wg,
+                                                       int tid) {
+  return {params, acc, coords, sdq, rows_base, wg, tid};
+}
+
 // One slab (Traits::DqLayout) of a query block's dQ, complete in the f32 accumulator,
 // to the element type times the softmax scale by one warp, in place of a conversion pass over the
 // whole accumulator (which read it back from HBM): rows [row0, row0 + slab rows) of an entry's

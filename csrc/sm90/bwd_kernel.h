@@ -46,7 +46,8 @@ struct BwdTraits {
   static constexpr int kKeysPerWG = 64;   // keys per consumer warpgroup (the WGMMA's M)
   static constexpr int kConsumerWGs = 2;
   static constexpr int kBlockN = kKeysPerWG * kConsumerWGs;
-  static_assert(Tile::kBlockN == kBlockN && !Tile::kSplitHeadDim, "a tile of this kernel");
+  static_assert(Tile::kBlockN == kBlockN && !Tile::kSplitHeadDim && !Tile::kKeysAsN,
+                "a tile of this kernel");
   static constexpr int kKeyTiles = kConsumerWGs;  // K and V as one TileK per warpgroup
   static constexpr int kStages = Tile::kStages;  // Q, dO and dS buffers
   static constexpr int kStagesdO = Tile::kStagesdO;

@@ -248,41 +248,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor rdS = make_tensor<Element>(acc_dp.layout());
   Tensor cdQ = thr_dq.partition_C(make_identity_tensor(TiledQ{}));
 
-  float* sdq = smem.dq[wg];
-  // dQ's two slabs: the accumulator's first and second half of elements hold the warpgroup's
-  // first and second kDqSlabCols columns (its 8-column groups in order, 4 elements each).
-  constexpr int kSlabElems = decltype(size(acc_dq))::value / 2;
-  static_assert(kColsPerWG == 2 * Traits::kDqSlabCols && kSlabElems % 4 == 0);
-  auto store_slab = [&](int half) {
-#pragma unroll
-    for (int j = 0; j < kSlabElems; j += 2) {  // elements i, i+1 are neighbouring columns
-      const int i = half * kSlabElems + j;
-      const int col = get<1>(cdQ(i)) % Traits::kDqSlabCols;
-      const int at = Traits::DqLayout::in_slab(get<0>(cdQ(i)), col);
-      *reinterpret_cast<float2*>(&sdq[at]) = make_float2(acc_dq(i), acc_dq(i + 1));
-    }
-    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> bulk-copy reads
-    consumers_sync(BwdBarrier::DqReady, 128, wg);
-  };
-  auto dq_semaphore_at = [&](int m) {
-    return dq_semaphore<kBlockM, kConsumerWGs>(params, rows_base, m, wg);
-  };
-  auto add_slab = [&](int m, int half) {  // one thread: the slab into global dQ
-    const int slab = wg * 2 + half;         // DqSlabs: a query block's slabs in column order
-    bulk_reduce_add_f32(params.dq_accum + (rows_base + m * kBlockM) * kHeadDim +
-                            slab * kBlockM * Traits::kDqSlabCols,
-                        sdq, Traits::kBytesdQ);
-    tma_store_arrive();
-  };
-
-  // A block's second slab leaves during the next block's score GEMMs (acc_dq holds it until the
-  // next dQ GEMM), once the first one's bulk add has read the buffer.
-  auto second_slab = [&](int m) {
-    if (tid == 0) tma_store_wait<0>();
-    consumers_sync(BwdBarrier::DqReady, 128, wg);
-    store_slab(1);
-    if (tid == 0) add_slab(m, 1);
-  };
+  const auto dq_slabs = dq_slab_pair(params, acc_dq, cdQ, smem.dq[wg], rows_base, wg, tid);
+  static_assert(kColsPerWG == 2 * Traits::kDqSlabCols);
 
   // The sinks' gradient: this thread's share over the CTA's keys (bwd_sink_grad).
   static_assert(!kSinkParts || kCap == CapSlope::kNone);
@@ -311,7 +278,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     gemm_ss(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
     smem.pipe_do.consumer_wait(st_do);
     gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st_do.index), acc_dp);
-    if (m > m_first) second_slab(m - 1);  // under this block's score GEMMs
+    if (m > m_first) dq_slabs.second(m - 1);  // under this block's score GEMMs
     warpgroup_wait<1>();  // Sᵀ ready
     bwd_probabilities<kCap>(rowcol_s, rowcol_cS, [&](int c) { return row_value(lse_held, c); },
                       work.keys, key0, q0, params.scale_log2, params.softcap_pre,
@@ -348,7 +315,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // both of its adds have completed, the next key block may add into that query block.
     if (tid == 0) {
       if (kDeterministic && m > m_first)
-        finish_bulk_adds_and_signal(dq_semaphore_at(m - 1));
+        finish_bulk_adds_and_signal(dq_slabs.semaphore(m - 1));
       else
         tma_store_wait<0>();
     }
@@ -367,13 +334,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     warpgroup_wait<2>();  // dV done: dO's last reader
     smem.pipe_do.consumer_release(st_do);
     warpgroup_wait<1>();  // dQ ready
-    store_slab(0);
+    dq_slabs.store(0);
     if (tid == 0) {
       if constexpr (kDeterministic)  // after the key blocks before this one in hand-over order
         if (hand_over_runs(params))
-          wait_for_count(dq_semaphore_at(m), dq_adds_before<kBlockN, kBlockM>(
+          wait_for_count(dq_slabs.semaphore(m), dq_adds_before<kBlockN, kBlockM>(
                                                  work.keys, m * kBlockM, n_block, keys_descending));
-      add_slab(m, 0);
+      dq_slabs.add(m, 0);
     }
     warpgroup_wait<0>();  // dK done: Q's last reader
     smem.pipe_q.consumer_release(st);
@@ -381,10 +348,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     st_do.advance();
   }
 
-  if (m_end > m_first) second_slab(m_end - 1);
+  if (m_end > m_first) dq_slabs.second(m_end - 1);
   if (tid == 0) {  // the slab must stay until the last bulk add read it
     if (kDeterministic && m_end > m_first)
-      finish_bulk_adds_and_signal(dq_semaphore_at(m_end - 1));
+      finish_bulk_adds_and_signal(dq_slabs.semaphore(m_end - 1));
     else
       tma_store_wait<0>();
   }

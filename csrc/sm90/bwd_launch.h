@@ -24,26 +24,29 @@
 #include "../common/status.h"
 #include "../flash_api.h"
 #include "bwd_kernel.h"
+#include "bwd_kernel_keys_n.h"
 #include "bwd_kernel_split_d.h"
 #include "tma_tensor.h"
 
 namespace flashattn::sm90 {
 
-// The consumer warpgroups split the CTA's keys, or (the tile says) its head dim; only the
-// latter takes V's head dim apart from Q's.
+// The consumer warpgroups split the CTA's keys, or (the tile says) its head dim, or its keys as
+// the GEMMs' N; only the last two take V's head dim apart from Q's.
 template <class Element, int kHeadDim, int kHeadDimV>
-using BwdTraitsFor = std::conditional_t<BwdTile<kHeadDim, kHeadDimV>::kSplitHeadDim,
-                                        BwdSplitDTraits<Element, kHeadDim, kHeadDimV>,
-                                        BwdTraits<Element, kHeadDim>>;
+using BwdTraitsFor = std::conditional_t<
+    BwdTile<kHeadDim, kHeadDimV>::kKeysAsN, BwdKeysNTraits<Element, kHeadDim, kHeadDimV>,
+    std::conditional_t<BwdTile<kHeadDim, kHeadDimV>::kSplitHeadDim,
+                       BwdSplitDTraits<Element, kHeadDim, kHeadDimV>,
+                       BwdTraits<Element, kHeadDim>>>;
 
 template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
 flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Traits = BwdTraitsFor<Element, kHeadDim, kHeadDimV>;
   static_assert(Traits::kHeadDimV == kHeadDimV, "a kernel of one head dim for two");
-  constexpr bool kSplitD = BwdTile<kHeadDim, kHeadDimV>::kSplitHeadDim;
+  using Tile = BwdTile<kHeadDim, kHeadDimV>;
+  constexpr bool kSplitKeys = !Tile::kSplitHeadDim && !Tile::kKeysAsN;
   // The workspace's sinks' parts and packed key table are sized for key blocks of this or more.
   static_assert(Traits::kBlockN >= kMinKeyBlock);
-  // Softcap's deterministic mode is not instantiated (the dispatcher sends it to sm80).
   const bool softcap = p.softcap > 0.f;
   // Softcap's kernels have no deterministic mode, and no sums for the sinks' gradient (dS holds
   // the cap's derivative; taking P·(dP − D) beside it spilled registers at d128): the sm80
@@ -147,7 +150,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     FLASHATTN_TRY_CUDA(
         cudaMemsetAsync(base + ws.dk_accum, 0, ws.dq_semaphore - ws.dk_accum, stream));
   // Deterministic, the writer warps of the kernel that splits the keys convert dQ (bwd_write_dq).
-  const bool dq_in_kernel = p.deterministic && !kSplitD;
+  const bool dq_in_kernel = p.deterministic && kSplitKeys;
   BwdRowsParams rows{p.o.ptr, p.dout.ptr, p.lse, lse_log2, softmax_d,
                      p.o.batch_stride, p.o.row_stride, p.o.head_stride,
                      p.dout.batch_stride, p.dout.row_stride, p.dout.head_stride,
@@ -176,7 +179,9 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
     constexpr bool kSoftcap = decltype(capped)::value;
     constexpr bool kSinkParts = decltype(sink_parts_summed)::value;
     auto kernel = [] {
-      if constexpr (kSplitD)
+      if constexpr (Tile::kKeysAsN)
+        return bwd_kernel_keys_n<Traits, kDeterministic, kSoftcap, kSinkParts>;
+      else if constexpr (Tile::kSplitHeadDim)
         return bwd_kernel_split_d<Traits, kDeterministic, kSoftcap, kSinkParts>;
       else
         return bwd_kernel<Traits, kDeterministic, kSoftcap, kSinkParts>;

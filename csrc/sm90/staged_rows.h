@@ -37,6 +37,11 @@ struct StagedRows {
     *reinterpret_cast<cutlass::Array<Element, 2>*>(stage + at(row, col)) = pair;
   }
 
+  // Column col of `row` alone (an accumulator that holds the rows across: dKᵀ, dVᵀ).
+  __device__ static void put_one(Element* stage, int row, int col, Element a) {
+    stage[at(row, col)] = a;
+  }
+
   // `threads` threads, this one `thread` (0 .. threads - 1), copy rows [0, rows) of `stage` to
   // dst + row * row_stride, 16 bytes per store; rows from `end` on are not written.
   __device__ static void store(const Element* stage, Element* dst, int64_t row_stride, int rows,

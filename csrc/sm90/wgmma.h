@@ -13,9 +13,10 @@
 
 namespace flashattn::sm90 {
 
-// The generated SS atom (both operands K-major) of (Element, N), where a unit includes one
-// (build.rs, wgmma_atom_header); void otherwise.
-template <class Element, int N>
+// The generated SS atom of (Element, N) with operands of majors A and B, where a unit includes
+// one (build.rs, wgmma_atom_header); void otherwise.
+template <class Element, int N, cute::GMMA::Major A = cute::GMMA::Major::K,
+          cute::GMMA::Major B = cute::GMMA::Major::K>
 struct ExtendedSsAtom {
   using type = void;
 };
@@ -23,16 +24,17 @@ struct ExtendedSsAtom {
 template <class TiledMma>
 constexpr int wgmma_atom_n = decltype(cute::size<1>(typename TiledMma::AtomShape_MNK{}))::value;
 
-// The SS atom (both operands K-major, f32 accumulators) of a GEMM of tile TileShape (M, N, K):
-// the generated one of an extended N, else CUTLASS's.
-template <class Element, class TileShape>
+// The SS atom (f32 accumulators; operands K-major unless A and B say otherwise) of a GEMM of tile
+// TileShape (M, N, K): the generated one of an extended N, else CUTLASS's.
+template <class Element, class TileShape, cute::GMMA::Major A = cute::GMMA::Major::K,
+          cute::GMMA::Major B = cute::GMMA::Major::K>
 CUTE_HOST_DEVICE constexpr auto ss_atom() {
   constexpr int kN = decltype(cute::size<1>(TileShape{}))::value;
-  using Extended = typename ExtendedSsAtom<Element, kN>::type;
+  using Extended = typename ExtendedSsAtom<Element, kN, A, B>::type;
   if constexpr (!std::is_void_v<Extended>) {
     return Extended{};
   } else {
-    return cute::GMMA::ss_op_selector<Element, Element, float, TileShape>();
+    return cute::GMMA::ss_op_selector<Element, Element, float, TileShape, A, B>();
   }
 }
 

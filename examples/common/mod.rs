@@ -51,7 +51,7 @@ impl Args {
         let num = |i: usize| f.get(i).and_then(|x| x.parse::<usize>().ok());
         match (num(0), num(1)) {
             (Some(d), Some(s))
-                if [64, 128, 256].contains(&d)
+                if [64, 96, 128, 192, 256].contains(&d)
                     && s > 0
                     && tokens % s == 0
                     && f[2..].iter().all(|w| words.contains(w)) =>
@@ -60,7 +60,7 @@ impl Args {
             }
             _ => {
                 eprintln!(
-                    "--only takes D,S[,{}]: D 64, 128 or 256, S dividing {tokens}",
+                    "--only takes D,S[,{}]: D 64, 96, 128, 192 or 256, S dividing {tokens}",
                     words.join("][,")
                 );
                 std::process::exit(2)

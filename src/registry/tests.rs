@@ -1,5 +1,5 @@
 //! The registry's own checks: every kernel named once with known features, every kernel a tile
-//! and every tile a kernel, extended WGMMA shapes only where a forward tile takes one.
+//! and every tile a kernel, extended WGMMA shapes only where a tile takes one.
 
 use crate::registry::*;
 
@@ -80,7 +80,7 @@ fn every_kernel_has_its_tile_and_every_tile_a_kernel() {
                 Tile::Sm90Bwd {
                     stages,
                     stages_do,
-                    split_head_dim: false,
+                    warpgroups: BwdWarpgroups::SplitKeys,
                     ..
                 },
             ) => assert_eq!(stages, stages_do, "{r:?}"),
@@ -120,22 +120,31 @@ fn extended_wgmma_shapes_only_where_a_tile_takes_one() {
     assert_eq!(extended_wgmma_n(Family::Sm90Fwd, 192), vec![112]);
     assert!(!extended_wgmma(Family::Sm90Fwd, 96));
     assert_eq!(extended_wgmma_n(Family::Sm90Fp8Fwd, 128), vec![224]);
-    // (192, 128): 128 keys and an O of 128 columns, both default sizes; the backward's 96
-    // columns of dK and dQ and 64 of dV per warpgroup too.
-    for family in [Family::Sm90Fwd, Family::Sm90Bwd] {
-        let mla = kernel_v(family, 192, 128, KernelDtype::Bf16);
-        assert!(!crate::registry::extended_wgmma(&mla));
-    }
+    // (192, 128): the forward's 128 keys and O of 128 columns, both default sizes; the
+    // backward's 48 keys per warpgroup (its dQ's 96 columns are a default size).
+    let mla = |family| kernel_v(family, 192, 128, KernelDtype::Bf16);
+    assert!(!crate::registry::extended_wgmma(&mla(Family::Sm90Fwd)));
+    assert_eq!(
+        crate::registry::extended_wgmma_n(&mla(Family::Sm90Bwd)),
+        vec![48]
+    );
 }
 
-/// build.rs generates an extended atom only for a forward's key block (the S GEMM's N), a
-/// multiple of 8 up to 256: every extended size of every kernel is one, so that a row that
-/// needs another fails here rather than in nvcc.
+/// build.rs generates an extended atom only for an SS GEMM over keys (the forward's key block,
+/// or the backward's keys as N), a multiple of 8 up to 256: every extended size of every kernel
+/// is one, so that a row that needs another fails here rather than in nvcc.
 #[test]
-fn extended_wgmma_sizes_are_forward_key_blocks() {
+fn extended_wgmma_sizes_are_key_blocks() {
     for k in KERNELS {
         for n in crate::registry::extended_wgmma_n(k) {
-            assert!(matches!(k.family, Family::Sm90Fwd | Family::Sm90Fp8Fwd));
+            let keys_as_n = matches!(
+                tile(k, TileRole::Base),
+                Some(Tile::Sm90Bwd {
+                    warpgroups: BwdWarpgroups::KeysAsN,
+                    ..
+                })
+            );
+            assert!(matches!(k.family, Family::Sm90Fwd | Family::Sm90Fp8Fwd) || keys_as_n);
             assert!(
                 n != k.head_dim && n != k.head_dim_v && n % 8 == 0 && n <= 256,
                 "{}: N {n}",
@@ -145,7 +154,11 @@ fn extended_wgmma_sizes_are_forward_key_blocks() {
                 r.family == k.family
                     && r.head_dim == k.head_dim
                     && r.head_dim_v == k.head_dim_v
-                    && matches!(r.tile, Tile::Sm90Fwd { block_n, .. } if block_n == n)
+                    && match r.tile {
+                        Tile::Sm90Fwd { block_n, .. } => block_n == n,
+                        Tile::Sm90Bwd { block_n, .. } => keys_as_n && block_n / 2 == n,
+                        _ => false,
+                    }
             });
             assert!(key_block, "{}: N {n} is no key block", k.name());
         }
