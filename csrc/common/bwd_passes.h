@@ -293,9 +293,11 @@ inline cudaError_t launch_bwd_sink_grad(const BwdRowsParams& p, const float* sin
 // of kRows × (kHeadDim / kParts) floats, slab p holding columns [p·w, (p+1)·w). Each consumer
 // warpgroup owns one slab, so its bulk add is one contiguous run. Within a slab row the 8-float
 // chunks are permuted by the row (chunk c at c ^ row % chunks, at most 8; where the chunks are no
-// power of two, at (c + row) % chunks, which stays within the row), so that the rows one
-// accumulator store touches fall on different shared-memory banks. Offset of (row, col) from the
-// head's first row; rows of a head start on a multiple of kRows.
+// power of two, at (c + row / 2) % chunks, which stays within the row), so that the 8 rows one
+// accumulator store touches (a 32-byte chunk each) fall on the four 32-byte bank groups twice
+// each: rows of 6 chunks (48 columns) start two groups apart, and with the chunk advanced by
+// every row, 8 rows met one group 3 times. Offset of (row, col) from the head's first row; rows
+// of a head start on a multiple of kRows.
 template <int kHeadDim, int kRows, int kParts>
 struct DqSlabs {
   static constexpr int kSlabRows = kRows;
@@ -306,7 +308,7 @@ struct DqSlabs {
     if constexpr ((kChunks & (kChunks - 1)) == 0)
       return chunk ^ (row % (kChunks < 8 ? kChunks : 8));
     else
-      return (chunk + row) % kChunks;
+      return (chunk + row / 2) % kChunks;
   }
   __host__ __device__ static constexpr int in_slab(int row, int col) {  // row < kRows, col < kCols
     return row * kCols + chunk_at(row, col / 8) * 8 + col % 8;
