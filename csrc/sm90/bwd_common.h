@@ -93,6 +93,8 @@ enum class BwdBarrier : uint32_t {
   // + warpgroup, between it and its dQ writer warp (kDqSlabThreads, bwd_write_dq):
   DqFull = 3,   // its dQ slab stored in its shared buffer
   DqEmpty = 5,  // the writer's bulk add has read the buffer
+  // + warpgroup, in the keys-as-N kernel (which has no dQ writer warps): its P stored for its dVᵀ.
+  PReady = DqFull,
 };
 constexpr int kDqSlabThreads = 128 + 32;
 

@@ -288,29 +288,31 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                             work.keys.template block_needs_mask<kKeysPerWG>(
                                 n_block * kConsumerWGs + wg, q0, q0 + kBlockM),
                             rP);
-    warpgroup_wait<0>();  // dP ready
+    if constexpr (kCap != CapSlope::kFolded) convert_fragment(acc_s, rP);
+    // P and then dS into this block's stage, as (query, key). Both warpgroups' GEMMs read the
+    // stage two blocks ago and completed before they passed the barrier below last block.
+    // By stmatrix: each 16-byte row of 8 neighbouring keys of one query (the accumulators'
+    // column direction) is contiguous in the keys-contiguous layout.
+    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto thr_r2s = r2s.get_thread_slice(tid);
+    auto my_keys = [&](auto* tiles) {  // (queries, this warpgroup's keys, stage)
+      return thr_r2s.partition_D(local_tile(
+          as_position_independent_swizzle_tensor(
+              make_tensor(make_smem_ptr(tiles), typename Traits::SmemLayoutP{})),
+          Shape<Int<kBlockM>, Int<kKeysPerWG>, Int<kStages>>{}, make_coord(_0{}, wg, _0{})));
+    };
+    copy(r2s, thr_r2s.retile_S(rP), my_keys(smem.p.begin())(_, _, _, st.index));
+    // dVᵀ over this warpgroup's own P as soon as it is stored, under dS and the barrier below.
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
+    consumers_sync(BwdBarrier::PReady, 128, wg);
+    gemm_accumulate(mma_dv, tdVrdOt(_, _, _, st_do.index), tdVrPt(_, _, _, st.index), acc_dv);
+    warpgroup_wait<1>();  // dP ready (dVᵀ may still run)
     bwd_ds<kCap>(st_s, st_dp, dsum_of, lse_of, params.scale_log2);
     if constexpr (kSinkParts)
       if (sink_grad)
         sink_part += bwd_sink_share(st_dp, lse_of, params.sinks[work.head] * float(M_LOG2E));
-    if constexpr (kCap != CapSlope::kFolded) convert_fragment(acc_s, rP);
     convert_fragment(acc_dp, rdS);
-    // P and dS into this block's stage, as (query, key). Both warpgroups' dQ GEMMs read the
-    // stage two blocks ago and completed before they passed the barrier below last block.
-    // By stmatrix: each 16-byte row of 8 neighbouring keys of one query (the accumulators'
-    // column direction) is contiguous in the keys-contiguous layout.
-    {
-      auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
-      auto thr_r2s = r2s.get_thread_slice(tid);
-      auto my_keys = [&](auto* tiles) {  // (queries, this warpgroup's keys, stage)
-        return thr_r2s.partition_D(local_tile(
-            as_position_independent_swizzle_tensor(
-                make_tensor(make_smem_ptr(tiles), typename Traits::SmemLayoutP{})),
-            Shape<Int<kBlockM>, Int<kKeysPerWG>, Int<kStages>>{}, make_coord(_0{}, wg, _0{})));
-      };
-      copy(r2s, thr_r2s.retile_S(rP), my_keys(smem.p.begin())(_, _, _, st.index));
-      copy(r2s, thr_r2s.retile_S(rdS), my_keys(smem.ds.begin())(_, _, _, st.index));
-    }
+    copy(r2s, thr_r2s.retile_S(rdS), my_keys(smem.ds.begin())(_, _, _, st.index));
     // The dQ slab is free once the last block's second bulk add has read it. Deterministic: once
     // both of its adds have completed, the next key block may add into that query block.
     if (tid == 0) {
@@ -319,12 +321,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       else
         tma_store_wait<0>();
     }
-    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
+    cutlass::arch::fence_view_async_shared();
     consumers_sync(BwdBarrier::DsReady, 128 * kConsumerWGs);
 
-    // dVᵀ first, so that dO's buffer is released early for the next block's load; then dQ,
-    // whose bulk adds run under dKᵀ.
-    gemm_accumulate(mma_dv, tdVrdOt(_, _, _, st_do.index), tdVrPt(_, _, _, st.index), acc_dv);
+    // dQ, whose bulk adds run under dKᵀ.
     gemm_ss(mma_dq, tdQrdS(_, _, _, st.index), tdQrKt, acc_dq);
     gemm_accumulate(mma_dk, tdKrQt(_, _, _, st.index), tdKrdSt(_, _, _, st.index), acc_dk);
     if (m + 1 < m_end) load_rows(m + 1);
