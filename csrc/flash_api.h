@@ -101,8 +101,8 @@ typedef struct {
   // The backward takes the same sinks (its P comes from the forward's LSE, which holds them)
   // and, where dsinks (heads_q f32, device memory, overwritten) is not null, writes
   // d_sink = −Σ exp(sink − LSE)·Σ_j P_j·dP_j over every row of the head in every batch entry or
-  // sequence, summed in a fixed order (bit-identical run to run); with softcap, rowsum(dO ∘ O)
-  // stands for Σ_j P_j·dP_j (it differs by the rounding of O). dsinks without sinks is refused
+  // sequence, summed in a fixed order (bit-identical run to run); the sm90 backward refuses it
+  // with softcap (FLASHATTN_UNSUPPORTED: the sm80 one has it). dsinks without sinks is refused
   // (FLASHATTN_INVALID_ARGUMENT). The workspace grows by bwd_sink_parts (bwd_workspace.h).
   const float* sinks;
   float* dsinks;

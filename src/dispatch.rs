@@ -8,8 +8,10 @@ use crate::tensor::{DType, Problem};
 
 /// The operation being planned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Op {
     Forward,
+    /// A backward that does not return the attention sinks' gradient.
     Backward,
     /// A backward that also returns the attention sinks' gradient (`dsinks`): with softcap it
     /// takes the sm80 kernels, which sum it (the sm90 softcap kernels do not).

@@ -423,7 +423,8 @@ pub fn tile_row(k: &Kernel, role: TileRole) -> Option<&'static TileRow> {
     find(role).or_else(|| find(Base))
 }
 
-/// The N sizes of CUTLASS's default WGMMA atoms. Any other (the 80, 160 and 224 key blocks) is an
+/// The N sizes of CUTLASS's default WGMMA atoms. Any other (key blocks of 80, 112, 160, 224, the
+/// backward's 48 keys a warpgroup) is an
 /// extended shape: CUTLASS has them all in one header that costs a unit most of its compile
 /// time, so build.rs generates the few atoms the tiles take instead (build/wgmma_atoms.rs).
 const DEFAULT_WGMMA_N: [usize; 8] = [8, 16, 32, 64, 96, 128, 192, 256];

@@ -209,7 +209,8 @@ cudaError_t launch_bwd_preprocess(const BwdRowsParams& p, cudaStream_t stream) {
 // dS_ij = P_ij·(dP_ij − D_i), D*_i = Σ_j dS_ij + (1 − w_i)·D_i, in which the rounding cancels:
 // so each main-kernel CTA sums Σ_i w_i·Σ_j dS_ij over its keys, warp by warp, into its parts
 // (BwdSinkParts), and bwd_sink_grad adds them to Σ_i w_i·(1 − w_i)·D_i. With softcap, whose dS
-// holds the cap's derivative, the kernels sum Σ_j P_ij·(dP_ij − D_i) instead, the same value.
+// holds the cap's derivative, the sm80 kernels sum Σ_j P_ij·(dP_ij − D_i) instead, the same
+// value (the sm90 softcap kernels refuse the gradient).
 
 // Where the main kernels leave their parts (BwdWorkspace::sink_parts): for query head h,
 // `groups` runs of `run` floats, run g at (g·heads_q + h)·run, each a CTA's kSinkWarps warp sums

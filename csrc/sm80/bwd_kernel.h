@@ -45,9 +45,9 @@ __device__ void acc_to_smem(Acc const& acc, Thr const& thr, STensor& sTile) {
 
 // kDeterministic: CTA s walks key blocks s, s + gridDim.x, ... (see BwdParams::deterministic);
 // otherwise one key block per CTA. Two instantiations: in one, the loop made the atomic path slower.
-// kSinkParts: sums the sinks' gradient parts where the call has them (bwd_sink_grad; not on the
-// softcap path); the plain kernel has an instantiation without, so that calls without sinks run
-// its code as it was.
+// kSinkParts: sums the sinks' gradient parts where the call has them (bwd_sink_grad; with
+// softcap before dS takes the cap's slope); the plain kernel has an instantiation without, so
+// that calls without sinks run its code as it was.
 template <class Traits, bool kDeterministic, bool kSinkParts>
 __global__ void __launch_bounds__(Traits::kThreads)
     bwd_kernel(__grid_constant__ const BwdParams params) {

@@ -122,7 +122,7 @@ struct BwdParams {
   int dq_splits;
   int64_t dq_split_stride;  // floats between dQ slices
   TileOrder order;          // atomic mode: (key block, batch·head) of each CTA
-  // The sinks' gradient (not with softcap): the sinks, and kSinkWarps parts per (entry, head,
+  // The sinks' gradient: the sinks, and kSinkWarps parts per (entry, head,
   // key block of sink_blocks) (bwd_sink_grad); else null.
   const float* sinks;
   float* sink_parts;

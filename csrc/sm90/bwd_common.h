@@ -93,7 +93,8 @@ enum class BwdBarrier : uint32_t {
   // + warpgroup, between it and its dQ writer warp (kDqSlabThreads, bwd_write_dq):
   DqFull = 3,   // its dQ slab stored in its shared buffer
   DqEmpty = 5,  // the writer's bulk add has read the buffer
-  // + warpgroup, in the keys-as-N kernel (which has no dQ writer warps): its P stored for its dVᵀ.
+  // + warpgroup, in the keys-as-N kernel: its P stored for its dVᵀ. DqFull's ids, which only the
+  // dQ writer warps of the kernel that splits the keys take.
   PReady = DqFull,
 };
 constexpr int kDqSlabThreads = 128 + 32;

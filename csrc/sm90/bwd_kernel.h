@@ -160,8 +160,8 @@ struct BwdTraits {
 // kSoftcap: scores capped (bwd_probabilities, bwd_ds); its own instantiation too, as a run-time
 // test around the score loops slowed the plain kernels (benchmarks/README.md). kSinkParts: sums
 // the sinks' gradient parts where the call has them (bwd_sink_grad; not with softcap, whose dS
-// holds the cap's derivative: it leaves the gradient to D); the plain kernel has an instantiation
-// without, so that calls without sinks run its code as it was.
+// holds the cap's derivative: the launcher refuses that gradient); the plain kernel has an
+// instantiation without, so that calls without sinks run its code as it was.
 template <class Traits, bool kDeterministic, bool kSoftcap, bool kSinkParts>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_kernel(__grid_constant__ const BwdParams<Traits> params) {

@@ -4,7 +4,7 @@
 // At d256 a warpgroup that owned 64 keys (bwd_kernel.h) would hold dK and dV as 256 f32
 // registers per thread (at d192, 192). Here one CTA owns kBlockN = 64 keys and walks the 64-row query blocks
 // that see them; each consumer warpgroup owns half of the head dim of dK, dV and dQ (FA3's
-// layout at d256), 64 + 64 accumulator registers (48 + 48 at d192, 48 + 32 at (192, 128)):
+// layout at d256), 64 + 64 accumulator registers (48 + 48 at d192):
 //   producer (WG 0): K and V once, then per query block Q (two stages) and dO (one) by TMA;
 //   consumers (WG 1, WG 2): Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for all 64 keys and half of the block's
 //                    queries each (N = 32), Pᵀ and dSᵀ from them into shared memory (two
@@ -18,8 +18,8 @@
 //                    the first one's read.)
 //                    At d256 the buffer's 32 KiB come from single-buffering dO (as FA3);
 //                    d192 has room for two dO buffers.
-// With V's head dim apart from Q's (DeepSeek's 192 and 128), V, dO and dV take their own: dPᵀ
-// runs over V's columns and each warpgroup owns half of dV's.
+// V, dO and dV take V's head dim (kHeadDimV; DeepSeek's (192, 128) takes the keys-as-N kernel,
+// bwd_kernel_keys_n.h): dPᵀ runs over V's columns and each warpgroup owns half of dV's.
 // setmaxnreg moves registers from the producer (24) to the consumers (240). kDeterministic: as
 // bwd_kernel.h's, each (query block, warpgroup)'s two slabs added in key-block order through a
 // semaphore, GQA dK/dV per query head; kSoftcap as bwd_kernel.h's.

@@ -167,7 +167,8 @@ impl Device {
         Ok(())
     }
 
-    /// The backend a call would take on this device, without running it.
+    /// The backend a call would take on this device, without running it (a backward that returns
+    /// the sinks' gradient: [`Op::BackwardWithSinkGradient`]).
     pub fn plan(&self, op: Op, problem: &Problem, cfg: &AttentionConfig) -> Result<Plan> {
         dispatch::plan(
             op,

@@ -118,8 +118,8 @@ pub struct DeviceGradientsMut<'a, 'v, T> {
     /// d_sink = −Σ_i exp(sink − LSE_i)·Σ_j P_ij·dP_ij over each query head's rows of every batch
     /// entry (of a packed batch: every sequence) into its first heads_q values, summed in a
     /// fixed order (bit-identical run to run). The kernels sum `Σ_j P_ij·dP_ij` from their own P
-    /// and dP; with softcap they take `rowsum(dO ∘ O)` for it, which O's rounding to 16 bits
-    /// puts off by up to a few times the correctness rule's bound (README, Limits). It needs
+    /// and dP; with softcap only the Sm80 kernels do (`Auto` takes them for such a call, a
+    /// forced [`Backend::Sm90`](crate::Backend::Sm90) refuses it). It needs
     /// [`DeviceBackwardInputs::sinks`] (without them it is refused with
     /// [`Error::InvalidConfig`]) and at least heads_q values (a shorter vector is refused with
     /// [`Error::BufferTooSmall`] for [`Operand::DSinks`]).

@@ -117,8 +117,8 @@ pub(super) fn fp8_baseline<O: Element>(
 /// by the accumulation's `slack` (`Fp8Baseline`: `slack.out` for O, `slack.score` for the LSE; a
 /// wrong descale or block errs by whole percents of Σ|q·k|·scale). cuBLASLt's own FP8 GEMM errs by
 /// a like fraction of Σ|q·k| on these inputs (benchmarks/fp8_accumulation_probe.py measures both;
-/// the numbers are in benchmarks/README.md). Where an element needs the slack, the worst one is
-/// printed with it.
+/// the numbers are in benchmarks/README.md). Where the worst element against its allowance needs
+/// the slack, it is printed with it.
 pub(super) fn compare_with_slack(
     what: &str,
     got: &[f32],
