@@ -240,7 +240,7 @@ pub enum BwdWarpgroups {
     /// All the keys as M, each its half of the head dim (bwd_kernel_split_d.h).
     SplitHeadDim,
     /// Each its half of the keys as the GEMMs' N, the head dims as dKᵀ's and dVᵀ's M
-    /// (bwd_kernel_keys_n.h): keys per CTA that are no multiple of 128.
+    /// (bwd_kernel_keys_n.h): more keys per CTA than the keys as M leave registers for.
     KeysAsN,
 }
 
