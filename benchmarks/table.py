@@ -65,7 +65,7 @@ def fmt_ratio(x):
 def load(paths):
     """Returns (sources, attention rows keyed, ceiling rows keyed, notes)."""
     sources, attn, ceil, notes = [], {}, {}, []
-    replaced = 0
+    replaced = sustained = 0
     for path in paths:
         try:
             with open(path) as f:
@@ -84,6 +84,11 @@ def load(paths):
                 notes.append(f"{path}: row {i} has no impl; skipped")
                 continue
             impl = r["impl"]
+            if r.get("sustained"):
+                # A sustained row (peers_fa3_fp8.py --sustained) shares its cold row's shape: it
+                # would replace that row, and the table compares cold medians.
+                sustained += 1
+                continue
             if impl in CEILING_IMPLS or "seqlen_q" not in r:
                 label = ceiling_label(r)
                 if label is not None:
@@ -100,6 +105,8 @@ def load(paths):
             slot[impl] = r
     if replaced:
         notes.append(f"{replaced} duplicate (shape, impl) rows: the later one was kept")
+    if sustained:
+        notes.append(f"{sustained} sustained rows not tabled (see their JSON)")
     return sources, attn, ceil, notes
 
 
