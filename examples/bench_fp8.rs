@@ -7,18 +7,27 @@
 //! takes other head dims (96 and 192 with their features) and `--hidden` another hidden size
 //! (heads = hidden / d), e.g. `--dims 96,192 --hidden 1536`.
 //!
+//! `--sustained N` also runs, after each headline shape's cold timings, N back-to-back calls of
+//! its FP8 forward with no host synchronization among them (`--synced` or not), and reports the
+//! mean per call over the last half, with the SM clock, power and temperature that nvidia-smi
+//! sampled meanwhile (none where it is missing): one more row per shape (`"sustained": true,
+//! "reps": N, "kind": "fwd"`), as benchmarks/peers_fa3_fp8.py writes its cudnn-fp8 sustained
+//! rows. The cold rows stay as they are; the `--long-keys` rows have no sustained run.
+//!
 //! Usage: bench_fp8 [--quick] [--only D,S[,causal]] [--seqlens S,S,...] [--reps N]
 //!                  [--dims D,D,...] [--hidden H]
 //!                  [--pingpong|--no-pingpong]
 //!                  [--no-split-tail|--split-tail]
-//!                  [--long-keys] [--synced] [--out results.json] [--commit SHA]
+//!                  [--long-keys] [--synced] [--sustained N] [--out results.json]
+//!                  [--commit SHA]
 
 mod common;
 
 use std::sync::Arc;
 
 use flashattn::cuda::{
-    CudaStream, DeviceForwardInputs, DeviceTensor, DeviceTensorMut, Fp8ForwardInputs, Fp8Options,
+    CudaSlice, CudaStream, DeviceForwardInputs, DeviceTensor, DeviceTensorMut, Fp8ForwardInputs,
+    Fp8Options,
 };
 use flashattn::unstable::{PingPong, Sm90Schedule, TailSplit};
 use flashattn::{AttentionConfig, Backend, DType, Layout, Problem};
@@ -151,7 +160,16 @@ fn main() {
         eprintln!("the hidden size {hidden} is not a multiple of head dim {d} (--hidden)");
         std::process::exit(2)
     }
+    let sustained = args.sustained();
     let dev = common::device("bench_fp8");
+    // Sampling from the start, so that each run's window finds samples already flowing.
+    let sampler = sustained.and_then(|_| {
+        let s = common::GpuSampler::start(0);
+        if s.is_none() {
+            eprintln!("note: nvidia-smi did not start; the sustained rows carry no clocks");
+        }
+        s
+    });
     let stream = dev.new_stream().unwrap();
     let n = TOKENS * hidden;
     let mut rng = StdRng::seed_from_u64(11);
@@ -202,8 +220,8 @@ fn main() {
                     );
                 });
                 let fp8 = fp8.expect("quantized inputs");
-                stream.memcpy_htod(&poison, &mut out).unwrap(); // every output must be rewritten
-                let fp8_ms = time(&stream, reps, synced, || {
+                // One FP8 forward (the cold and the sustained timings').
+                let fp8_forward = |out: &mut CudaSlice<bf16>, lse: &mut CudaSlice<f32>| {
                     dev.forward_fp8_into(
                         &stream,
                         &cfg,
@@ -212,7 +230,9 @@ fn main() {
                         &mut lse.as_view_mut(),
                     )
                     .expect("fp8 forward");
-                });
+                };
+                stream.memcpy_htod(&poison, &mut out).unwrap(); // every output must be rewritten
+                let fp8_ms = time(&stream, reps, synced, || fp8_forward(&mut out, &mut lse));
                 let host_out = stream.clone_dtoh(&out).unwrap();
                 stream.synchronize().unwrap();
                 let unwritten = host_out.iter().filter(|x| !x.is_finite()).count();
@@ -258,6 +278,32 @@ fn main() {
                     tflops(fp8_ms),
                     tflops(bf16_ms)
                 ));
+                // After the shape's cold timings, so that the heat of hundreds of calls changes
+                // none of them.
+                if let Some(n) = sustained {
+                    let run = common::sustained_run(
+                        &stream,
+                        common::SUSTAINED_WARMUP,
+                        n,
+                        sampler.as_ref(),
+                        || fp8_forward(&mut out, &mut lse),
+                    );
+                    let flops = problem.forward_flops(causal);
+                    println!(
+                        "fp8 fwd sustained x{n} d{d:<3} s{s:<5} causal={causal:<5} {}",
+                        run.text(flops)
+                    );
+                    rows.push(format!(
+                        "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"split_tail\": \"{:?}\", \"hadamard\": {}, {}}}",
+                        shape[0],
+                        shape[2],
+                        shape[2],
+                        schedule.pingpong.takes_turns(DType::E4M3),
+                        schedule.split_tail,
+                        options.hadamard_seed.is_some(),
+                        run.json_fields("fwd", flops)
+                    ));
+                }
                 if unwritten != 0 {
                     eprintln!(
                         "FAIL: {unwritten} non-finite FP8 outputs at d{d} s{s} causal={causal}"

@@ -16,8 +16,16 @@
 //! call attention sinks (one logit per query head), and the backward their gradient: what they
 //! cost beside the same rows without (the results file says so).
 //!
+//! `--sustained N` also runs, after each shape's cold timings, N back-to-back calls of its forward
+//! and of its backward (the plain one, where one is built) with no host synchronization among
+//! them, and reports the mean per call over the last half, with the SM clock, power and
+//! temperature that nvidia-smi sampled meanwhile (none where it is missing): one more row per
+//! shape and kind (`"sustained": true, "reps": N, "kind": "fwd"|"bwd"`), as
+//! benchmarks/peers_fa3_fp8.py writes its sustained rows. The cold rows stay as they are.
+//!
 //! Usage: bench_table [--quick] [--only D,S[,causal][,sm80]] [--dims D,...] [--head-dim-v DV]
-//!                    [--hidden H] [--softcap C] [--sinks] [--out results.json] [--commit SHA]
+//!                    [--hidden H] [--softcap C] [--sinks] [--sustained N] [--out results.json]
+//!                    [--commit SHA]
 
 mod common;
 
@@ -71,18 +79,22 @@ struct Row {
     bwd_det_tflops: Option<f64>,
     err_ratio: f64,
     pass: bool,
+    /// One forward's FLOPs, for the sustained rows' TFLOP/s.
+    flops: f64,
+    /// With `--sustained`: the forward's and the plain backward's sustained runs.
+    sustained_fwd: Option<common::Sustained>,
+    sustained_bwd: Option<common::Sustained>,
 }
 
-fn time_forward(
-    dev: &Device,
-    stream: &Arc<CudaStream>,
-    inp: &mut Inputs,
-    cfg: &AttentionConfig,
+/// One forward call on `shape` into `inp`'s O and LSE (the cold and the sustained timings').
+fn forward_call<'a>(
+    dev: &'a Device,
+    stream: &'a Arc<CudaStream>,
+    cfg: &'a AttentionConfig,
     shape: [usize; 5],
-    reps: usize,
-) -> (Vec<f64>, f64) {
+) -> impl Fn(&mut Inputs) + 'a {
     let (layout, layout_v) = layouts(shape);
-    let run = |inp: &mut Inputs| {
+    move |inp: &mut Inputs| {
         let Inputs {
             dev: [q, k, v],
             out,
@@ -111,7 +123,18 @@ fn time_forward(
             &mut lse.as_view_mut(),
         )
         .expect("forward");
-    };
+    }
+}
+
+fn time_forward(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    inp: &mut Inputs,
+    cfg: &AttentionConfig,
+    shape: [usize; 5],
+    reps: usize,
+) -> (Vec<f64>, f64) {
+    let run = forward_call(dev, stream, cfg, shape);
     // As the peers are timed: the warm-up calls stay queued, so the host enqueues the timed
     // calls while the GPU is still busy and no launch gap is timed; one synchronization at the end.
     for _ in 0..5 {
@@ -139,19 +162,17 @@ fn time_forward(
     (times, host_us)
 }
 
-/// Backward timing as `time_forward`, after one forward that leaves O and LSE in `inp`.
-fn time_backward(
-    dev: &Device,
-    stream: &Arc<CudaStream>,
-    inp: &mut Inputs,
-    cfg: &AttentionConfig,
+/// One backward call on `shape` into `inp`'s gradients, from the O and LSE a forward left there.
+fn backward_call<'a>(
+    dev: &'a Device,
+    stream: &'a Arc<CudaStream>,
+    cfg: &'a AttentionConfig,
     shape: [usize; 5],
-    reps: usize,
-) -> Vec<f64> {
+) -> impl Fn(&mut Inputs) + 'a {
     let (layout, layout_v) = layouts(shape);
     let n = layout.span(flashattn::Operand::Q).unwrap();
     let n_v = layout_v.span(flashattn::Operand::V).unwrap();
-    let run = |inp: &mut Inputs| {
+    move |inp: &mut Inputs| {
         let [q, k, v] = &inp.dev;
         fn t(x: &CudaSlice<bf16>, n: usize, layout: Layout) -> DeviceTensor<'_, bf16> {
             DeviceTensor::new(x.slice(..n), layout)
@@ -181,7 +202,19 @@ fn time_backward(
             },
         )
         .expect("backward");
-    };
+    }
+}
+
+/// Backward timing as `time_forward`, after one forward that leaves O and LSE in `inp`.
+fn time_backward(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    inp: &mut Inputs,
+    cfg: &AttentionConfig,
+    shape: [usize; 5],
+    reps: usize,
+) -> Vec<f64> {
+    let run = backward_call(dev, stream, cfg, shape);
     common::queued_times_ms(stream, 3, reps, || run(inp))
 }
 
@@ -249,6 +282,15 @@ fn main() {
     let dev = common::device("bench_table");
     let stream = dev.new_stream().unwrap();
     let info = dev.info().clone();
+    let sustained = args.sustained();
+    // Sampling from the start, so that each run's window finds samples already flowing.
+    let sampler = sustained.and_then(|_| {
+        let s = common::GpuSampler::start(0);
+        if s.is_none() {
+            eprintln!("note: nvidia-smi did not start; the sustained rows carry no clocks");
+        }
+        s
+    });
 
     let hidden: usize = args
         .value("--hidden")
@@ -462,6 +504,32 @@ fn main() {
         let bwd_det_ms = (sm80 || (sm90_bwd && softcap.is_none()))
             .then(|| median_backward(&cfg.clone().deterministic(true)));
         let bwd_tflops = |ms: f64| 2.5 * problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
+        // After the cold timings, so that the heat of hundreds of calls changes none of them.
+        let (sustained_fwd, sustained_bwd) = match sustained {
+            Some(reps) => {
+                let fwd = forward_call(&dev, &stream, &cfg, shape);
+                let f = common::sustained_run(
+                    &stream,
+                    common::SUSTAINED_WARMUP,
+                    reps,
+                    sampler.as_ref(),
+                    || fwd(&mut inp),
+                );
+                // The plain (non-deterministic) backward alone, where one was timed cold.
+                let b = bwd_ms.is_some().then(|| {
+                    let bwd = backward_call(&dev, &stream, &cfg, shape);
+                    common::sustained_run(
+                        &stream,
+                        common::SUSTAINED_WARMUP,
+                        reps,
+                        sampler.as_ref(),
+                        || bwd(&mut inp),
+                    )
+                });
+                (Some(f), b)
+            }
+            None => (None, None),
+        };
         let row = Row {
             d,
             dv,
@@ -480,6 +548,9 @@ fn main() {
             bwd_det_tflops: bwd_det_ms.map(bwd_tflops),
             err_ratio,
             pass: err_ratio <= 1.0,
+            flops: problem.forward_flops(causal),
+            sustained_fwd,
+            sustained_bwd,
         };
         println!(
             "{} fwd d{:<7} s{:<5} causal={:<5} pingpong={:<5} overlap={:<5} persistent_causal={:<5} {:8.3} ms (p10 {:.3}, p90 {:.3})  {:6.1} TFLOP/s  host {:.1} us/call  err ratio {:.3} {}",
@@ -498,6 +569,20 @@ fn main() {
                 backend.name(),
                 dims_name(d, dv)
             );
+        }
+        for (kind, run, flops) in [
+            ("fwd", &row.sustained_fwd, row.flops),
+            ("bwd", &row.sustained_bwd, 2.5 * row.flops),
+        ] {
+            if let Some(run) = run {
+                println!(
+                    "{} {kind} sustained x{} d{:<7} s{s:<5} causal={causal:<5} {}",
+                    backend.name(),
+                    run.reps,
+                    dims_name(d, dv),
+                    run.text(flops)
+                );
+            }
         }
         rows.push(row);
     }
@@ -536,11 +621,28 @@ fn main() {
                     _ => String::new(),
                 },
             ));
+            // The sustained rows: the cold row's shape fields and variant, then their own.
+            for (kind, run, flops) in [
+                ("fwd", &r.sustained_fwd, r.flops),
+                ("bwd", &r.sustained_bwd, 2.5 * r.flops),
+            ] {
+                if let Some(run) = run {
+                    json_rows.push(format!(
+                        "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}{}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}{}, {}}}",
+                        r.backend.name(), r.backend.name(), r.d,
+                        if r.dv == r.d { String::new() } else { format!(", \"d_v\": {}", r.dv) },
+                        r.seqlen, r.seqlen, TOKENS / r.seqlen, hidden / r.d, hidden / r.d, r.causal,
+                        variant, run.json_fields(kind, flops),
+                    ));
+                }
+            }
         }
         let extra = softcap.map_or(String::new(), |c| format!(", \"softcap\": {c}"))
             + if with_sinks { ", \"sinks\": true" } else { "" };
         common::write_results(&path, &common::describe(&info), &commit, &extra, &json_rows);
     }
+    // exit() runs no destructor: end nvidia-smi first.
+    drop(sampler);
     if rows.iter().any(|r| !r.pass) {
         std::process::exit(1);
     }

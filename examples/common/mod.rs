@@ -2,7 +2,12 @@
 //! docs/ARCHITECTURE.md (date, device, commit, rows).
 #![allow(dead_code)] // each example uses its own part
 
-use std::sync::Arc;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUevent_flags;
 use flashattn::cuda::{CudaStream, Device};
@@ -65,6 +70,19 @@ impl Args {
                 );
                 std::process::exit(2)
             }
+        }
+    }
+    /// `--sustained N`: N back-to-back calls per shape and kind (see `sustained_run`), N ≥ 4 as
+    /// benchmarks/peers_fa3_fp8.py takes it (each half holds at least two calls); exits 2 on
+    /// anything else.
+    pub fn sustained(&self) -> Option<usize> {
+        match self.value("--sustained").map(|v| v.parse::<usize>()) {
+            Some(Ok(n)) if n >= 4 => Some(n),
+            Some(_) => {
+                eprintln!("--sustained takes a count N >= 4");
+                std::process::exit(2)
+            }
+            None => None,
         }
     }
     /// `--commit SHA`, or "unknown".
@@ -139,4 +157,285 @@ pub fn queued_times_ms(
         .collect();
     ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
     ms
+}
+
+/// Untimed calls before a sustained run, as benchmarks/peers_fa3_fp8.py's default
+/// `--sustained-warmup`: they fill the queue so that the run starts on a busy GPU.
+pub const SUSTAINED_WARMUP: usize = 20;
+
+/// One sustained measurement (`sustained_run`): the mean per call of each half of `reps`
+/// back-to-back calls, and the clocks over the second half.
+pub struct Sustained {
+    pub reps: usize,
+    pub ms_first_half: f64,
+    /// The reported time: the mean per call over the last half.
+    pub ms: f64,
+    /// None without a sampler (no nvidia-smi).
+    pub clocks: Option<ClockSummary>,
+}
+
+impl Sustained {
+    /// The fields of a sustained row after its shape's, as benchmarks/peers_fa3_fp8.py writes
+    /// them: `kind` names the time fields (`fwd_ms`, `bwd_ms`, ...), `flops` is one call's.
+    pub fn json_fields(&self, kind: &str, flops: f64) -> String {
+        format!(
+            "\"sustained\": true, \"reps\": {}, \"kind\": \"{kind}\", \"timing\": \"CUDA events over the last half\", \"{kind}_ms\": {:.4}, \"{kind}_ms_first_half\": {:.4}, \"{kind}_tflops\": {:.1}{}",
+            self.reps,
+            self.ms,
+            self.ms_first_half,
+            flops / (self.ms * 1e-3) / 1e12,
+            self.clocks.as_ref().map_or(String::new(), ClockSummary::json_fields)
+        )
+    }
+    /// The same for the printed table: time, TFLOP/s, the first half's time, clocks.
+    pub fn text(&self, flops: f64) -> String {
+        format!(
+            "{:8.3} ms  {:6.1} TFLOP/s  (first half {:.3} ms){}",
+            self.ms,
+            flops / (self.ms * 1e-3) / 1e12,
+            self.ms_first_half,
+            self.clocks
+                .as_ref()
+                .map_or(String::new(), ClockSummary::text)
+        )
+    }
+}
+
+/// `reps` back-to-back calls of `call` after `warmup` queued ones, with no host synchronization
+/// among them (a training loop's steady state, where the GPU settles under its power cap), and
+/// the clocks `sampler` saw over the last half.
+///
+/// Three events (start, half point, end) rather than one pair per call: the mean between two
+/// events counts whatever runs between the calls (launch gaps, a backward's small kernels) as a
+/// loop pays it, as benchmarks/peers_fa3_fp8.py times its cudnn-fp8 rows, and hundreds of event
+/// pairs would add nothing to a mean. No synchronization at the half point (the peer script has
+/// one): the half's start on the host clock, for the sampling window, is the end's host instant
+/// less the half's GPU time, so the GPU never idles.
+pub fn sustained_run(
+    stream: &Arc<CudaStream>,
+    warmup: usize,
+    reps: usize,
+    sampler: Option<&GpuSampler>,
+    mut call: impl FnMut(),
+) -> Sustained {
+    assert!(reps >= 2, "a sustained run needs a call in each half");
+    for _ in 0..warmup {
+        call();
+    }
+    let event = || {
+        stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap()
+    };
+    let half = reps / 2;
+    let start = event();
+    for _ in 0..half {
+        call();
+    }
+    let mid = event();
+    for _ in half..reps {
+        call();
+    }
+    let end = event();
+    stream.synchronize().unwrap();
+    let end_host = Instant::now();
+    let first = start.elapsed_ms(&mid).unwrap() as f64;
+    let second = mid.elapsed_ms(&end).unwrap() as f64;
+    let mid_host = end_host
+        .checked_sub(Duration::from_secs_f64(second * 1e-3))
+        .unwrap_or(end_host);
+    Sustained {
+        reps,
+        ms_first_half: first / half as f64,
+        ms: second / (reps - half) as f64,
+        clocks: sampler.map(|s| s.summary(mid_host, end_host)),
+    }
+}
+
+/// What `GpuSampler` saw between two instants.
+pub struct ClockSummary {
+    pub samples: usize,
+    /// None when no sample fell in the window.
+    pub stats: Option<ClockStats>,
+}
+
+pub struct ClockStats {
+    pub sm_mhz_median: f64,
+    pub sm_mhz_min: f64,
+    pub power_w_median: f64,
+    pub power_w_max: f64,
+    /// None where nvidia-smi reports no temperature.
+    pub temp_c_max: Option<f64>,
+}
+
+impl ClockSummary {
+    /// `, "clock_source": ..., "sm_clock_mhz_median": ...`: the field names of
+    /// benchmarks/peers_fa3_fp8.py's `GpuSampler.summary`, so that rows compare one to one.
+    pub fn json_fields(&self) -> String {
+        let mut s = format!(
+            ", \"clock_source\": \"nvidia-smi\", \"clock_samples\": {}",
+            self.samples
+        );
+        if let Some(c) = &self.stats {
+            s += &format!(
+                ", \"sm_clock_mhz_median\": {:.0}, \"sm_clock_mhz_min\": {:.0}, \"power_w_median\": {:.1}, \"power_w_max\": {:.1}",
+                c.sm_mhz_median, c.sm_mhz_min, c.power_w_median, c.power_w_max
+            );
+            if let Some(t) = c.temp_c_max {
+                s += &format!(", \"temp_c_max\": {t:.0}");
+            }
+        }
+        s
+    }
+    pub fn text(&self) -> String {
+        match &self.stats {
+            Some(c) => format!(
+                "  SM {:.0} MHz (min {:.0})  {:.0} W (max {:.0}){}",
+                c.sm_mhz_median,
+                c.sm_mhz_min,
+                c.power_w_median,
+                c.power_w_max,
+                c.temp_c_max
+                    .map_or(String::new(), |t| format!("  {t:.0} C"))
+            ),
+            None => "  no clock samples".into(),
+        }
+    }
+}
+
+/// One line of nvidia-smi's output and when it arrived.
+struct ClockSample {
+    at: Instant,
+    sm_mhz: f64,
+    power_w: f64,
+    temp_c: Option<f64>,
+}
+
+/// The SM clock, board power and temperature of one GPU every 100 ms, from `nvidia-smi`
+/// running in the background, so that a sustained run can say at what clock and power its time
+/// was measured. It never panics: without nvidia-smi, `start` gives None and the rows carry no
+/// clock fields. Dropping it ends the child process.
+pub struct GpuSampler {
+    child: Child,
+    reader: Option<JoinHandle<()>>,
+    samples: Arc<Mutex<Vec<ClockSample>>>,
+}
+
+/// An executable on PATH.
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}
+
+impl GpuSampler {
+    /// Starts sampling GPU `ordinal` as nvidia-smi numbers them (PCI order, whatever
+    /// CUDA_VISIBLE_DEVICES says: the same GPU as CUDA's device 0 on a one-GPU machine); None
+    /// where nvidia-smi is not found or cannot start.
+    pub fn start(ordinal: usize) -> Option<GpuSampler> {
+        let smi = which("nvidia-smi")?;
+        // Each sample is dated by its line's arrival, so the lines must come as they are
+        // written: into a pipe, stdio buffers them by blocks (minutes of samples), unless
+        // stdbuf makes it flush each line (as the peer script runs it).
+        let mut cmd = match which("stdbuf") {
+            Some(stdbuf) => {
+                let mut c = Command::new(stdbuf);
+                c.arg("-oL").arg(&smi);
+                c
+            }
+            None => Command::new(&smi),
+        };
+        cmd.args([
+            "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+            "--format=csv,noheader,nounits",
+            "-lms",
+            "100",
+            "-i",
+            &ordinal.to_string(),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+        let mut child = cmd.spawn().ok()?;
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&samples);
+        let reader = child.stdout.take().and_then(|stdout| {
+            std::thread::Builder::new()
+                .name("nvidia-smi".into())
+                .spawn(move || {
+                    for line in BufReader::new(stdout).lines() {
+                        let Ok(line) = line else { break };
+                        if let (Some(s), Ok(mut v)) = (parse_sample(&line), sink.lock()) {
+                            v.push(s);
+                        }
+                    }
+                })
+                .ok()
+        });
+        let sampler = GpuSampler {
+            child,
+            reader,
+            samples,
+        };
+        // Without a reader nothing would be collected; dropping the sampler ends the child.
+        sampler.reader.is_some().then_some(sampler)
+    }
+
+    /// The median and extremes of the samples that arrived between `from` and `to`.
+    pub fn summary(&self, from: Instant, to: Instant) -> ClockSummary {
+        let window: Vec<(f64, f64, Option<f64>)> = match self.samples.lock() {
+            Ok(v) => v
+                .iter()
+                .filter(|s| from <= s.at && s.at <= to)
+                .map(|s| (s.sm_mhz, s.power_w, s.temp_c))
+                .collect(),
+            Err(_) => vec![],
+        };
+        // The upper median, as the peer script takes it.
+        let median = |mut xs: Vec<f64>| {
+            xs.sort_by(f64::total_cmp);
+            xs[xs.len() / 2]
+        };
+        let stats = (!window.is_empty()).then(|| {
+            let clk: Vec<f64> = window.iter().map(|s| s.0).collect();
+            let pw: Vec<f64> = window.iter().map(|s| s.1).collect();
+            ClockStats {
+                sm_mhz_min: clk.iter().copied().fold(f64::INFINITY, f64::min),
+                power_w_max: pw.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+                sm_mhz_median: median(clk),
+                power_w_median: median(pw),
+                temp_c_max: window.iter().filter_map(|s| s.2).reduce(f64::max),
+            }
+        });
+        ClockSummary {
+            samples: window.len(),
+            stats,
+        }
+    }
+}
+
+/// `clock MHz, power W, temperature C`; None for a line without a clock and a power (`[N/A]`).
+fn parse_sample(line: &str) -> Option<ClockSample> {
+    let at = Instant::now();
+    let mut f = line.split(',').map(str::trim);
+    let sm_mhz = f.next()?.parse().ok()?;
+    let power_w = f.next()?.parse().ok()?;
+    let temp_c = f.next().and_then(|t| t.parse().ok());
+    Some(ClockSample {
+        at,
+        sm_mhz,
+        power_w,
+        temp_c,
+    })
+}
+
+impl Drop for GpuSampler {
+    fn drop(&mut self) {
+        // Its own child, by its id; the reader then sees the pipe close.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+    }
 }
