@@ -33,6 +33,42 @@ template <class Element, class SmemLayout, class Tile>
 using BwdTmaLoad = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor<Element>{},
                                           take<0, 2>(SmemLayout{}), Tile{}, _1{}));
 
+// The TMA loads, their byte counts and the shared memory of the kernels whose consumer
+// warpgroups share one key block and each query block (bwd_kernel_split_d.h,
+// bwd_kernel_keys_n.h): K and V once, Q and dO in stages, P and dS (either way round) in stages,
+// one dQ slab per warpgroup. `L`: the kernel's tiles and layouts, its traits' other base (this
+// one declares no name that L declares, so that the traits inherit both unambiguously).
+template <class L, class Element = typename L::Element>
+struct BwdSharedKeyBlock {
+  using TmaQ = BwdTmaLoad<Element, typename L::SmemLayoutQ, typename L::TileQ>;
+  using TmadO = BwdTmaLoad<Element, typename L::SmemLayoutdO, typename L::TiledO>;
+  using TmaK = BwdTmaLoad<Element, typename L::SmemLayoutK, typename L::TileK>;
+  using TmaV = BwdTmaLoad<Element, typename L::SmemLayoutV, typename L::TileV>;
+  static constexpr uint32_t kBytesQ = L::kBlockM * L::kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesdO = L::kBlockM * L::kHeadDimV * sizeof(Element);
+  static constexpr uint32_t kBytesK = L::kBlockN * L::kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesV = L::kBlockN * L::kHeadDimV * sizeof(Element);
+  static constexpr uint32_t kBytesdQ = L::kBlockM * L::kDqSlabCols * sizeof(float);  // one slab
+
+  struct SharedStorage {
+    alignas(1024) ArrayEngine<Element, cosize_v<typename L::SmemLayoutK>> k[L::kKeyTiles];
+    alignas(1024) ArrayEngine<Element, cosize_v<typename L::SmemLayoutV>> v[L::kKeyTiles];
+    alignas(1024) ArrayEngine<Element, cosize_v<typename L::SmemLayoutQ>> q;
+    alignas(1024) ArrayEngine<Element, cosize_v<typename L::SmemLayoutdO>> dout;
+    alignas(1024) ArrayEngine<Element, cosize_v<typename L::SmemLayoutP>> p;
+    alignas(1024) ArrayEngine<Element, cosize_v<typename L::SmemLayoutP>> ds;
+    alignas(128) float dq[L::kConsumerWGs][L::kBlockM * L::kDqSlabCols];  // a slab a warpgroup
+    uint64_t kv_full;
+    TmaPipeline<L::kStages> pipe_q;
+    TmaPipeline<L::kStagesdO> pipe_do;
+  };
+  static_assert(cosize_v<typename L::SmemLayoutP> == L::kBlockM * L::kBlockN * L::kStages,
+                "P and dS: a block's queries × the CTA's keys, per stage");
+  static_assert(sizeof(SharedStorage) <= 232448, "227 KiB of shared memory per CTA on sm_90");
+  // dK and dV are staged in the K and V tiles (DkDvStage): the CTA's keys × their head dims.
+  static_assert(sizeof(SharedStorage::k) == kBytesK && sizeof(SharedStorage::v) == kBytesV);
+};
+
 template <class Traits>
 struct BwdParams {
   typename Traits::TmaQ tma_q;

@@ -31,7 +31,7 @@ using namespace cute;
 
 // kHeadDim: of Q and K (and dQ, dK); kHeadDimV: of V, O and dO (and dV).
 template <class Element_, int kHeadDim_, int kHeadDimV_>
-struct BwdKeysNTraits {
+struct BwdKeysNLayouts {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
@@ -108,33 +108,12 @@ struct BwdKeysNTraits {
   static_assert(wgmma_atom_n<MmaSdP> == kKeysPerWG && wgmma_atom_n<MmadK> == kKeysPerWG &&
                     wgmma_atom_n<MmadV> == kKeysPerWG && wgmma_atom_n<MmadQ> == kColsPerWG,
                 "a WGMMA atom narrower than its GEMM (registry::extended_wgmma_n)");
-
-  using TmaQ = BwdTmaLoad<Element, SmemLayoutQ, TileQ>;
-  using TmadO = BwdTmaLoad<Element, SmemLayoutdO, TiledO>;
-  using TmaK = BwdTmaLoad<Element, SmemLayoutK, TileK>;
-  using TmaV = BwdTmaLoad<Element, SmemLayoutV, TileV>;
-  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesdO = kBlockM * kHeadDimV * sizeof(Element);
-  static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesV = kBlockN * kHeadDimV * sizeof(Element);
-  static constexpr uint32_t kBytesdQ = kBlockM * kDqSlabCols * sizeof(float);  // one slab
-
-  struct SharedStorage {
-    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> k[kKeyTiles];
-    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutV>> v[kKeyTiles];
-    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
-    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutdO>> dout;
-    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutP>> p;
-    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutP>> ds;
-    alignas(128) float dq[kConsumerWGs][kBlockM * kDqSlabCols];  // one slab per warpgroup
-    uint64_t kv_full;
-    TmaPipeline<kStages> pipe_q;
-    TmaPipeline<kStagesdO> pipe_do;
-  };
-  static_assert(sizeof(SharedStorage) <= 232448, "227 KiB of shared memory per CTA on sm_90");
-  // dK and dV are staged in the K and V tiles (DkDvStage): the CTA's keys × their head dims.
-  static_assert(sizeof(SharedStorage::k) == kBytesK && sizeof(SharedStorage::v) == kBytesV);
 };
+// The kernel's traits: its tiles and layouts, and the TMA loads and shared memory it shares with
+// the head-dim-split kernel.
+template <class Element, int kHeadDim, int kHeadDimV>
+struct BwdKeysNTraits : BwdKeysNLayouts<Element, kHeadDim, kHeadDimV>,
+                        BwdSharedKeyBlock<BwdKeysNLayouts<Element, kHeadDim, kHeadDimV>> {};
 
 // The template parameters are bwd_kernel's (bwd_kernel.h).
 template <class Traits, bool kDeterministic, bool kSoftcap, bool kSinkParts>

@@ -40,7 +40,7 @@ using namespace cute;
 
 // kHeadDim: of Q and K (and dQ, dK); kHeadDimV: of V, O and dO (and dV).
 template <class Element_, int kHeadDim_, int kHeadDimV_ = kHeadDim_>
-struct BwdSplitDTraits {
+struct BwdSplitDLayouts {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
@@ -118,33 +118,12 @@ struct BwdSplitDTraits {
   static_assert(wgmma_atom_n<MmaSdP> == kQueriesPerWG && wgmma_atom_n<MmadK> == kColsPerWG &&
                     wgmma_atom_n<MmadV> == kColsPerWGV && wgmma_atom_n<MmadQ> == kColsPerWG,
                 "a WGMMA atom narrower than its GEMM (registry::extended_wgmma_n)");
-
-  using TmaQ = BwdTmaLoad<Element, SmemLayoutQ, TileQ>;
-  using TmadO = BwdTmaLoad<Element, SmemLayoutdO, TiledO>;
-  using TmaK = BwdTmaLoad<Element, SmemLayoutK, TileK>;
-  using TmaV = BwdTmaLoad<Element, SmemLayoutV, TileV>;
-  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesdO = kBlockM * kHeadDimV * sizeof(Element);
-  static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesV = kBlockN * kHeadDimV * sizeof(Element);
-  static constexpr uint32_t kBytesdQ = kBlockM * kDqSlabCols * sizeof(float);  // one slab
-
-  struct SharedStorage {
-    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> k[kKeyTiles];
-    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutV>> v[kKeyTiles];
-    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
-    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutdO>> dout;
-    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutPt>> pt;
-    alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutPt>> dst;
-    alignas(128) float dq[kConsumerWGs][kBlockM * kDqSlabCols];  // one slab per warpgroup
-    uint64_t kv_full;
-    TmaPipeline<kStages> pipe_q;
-    TmaPipeline<kStagesdO> pipe_do;
-  };
-  static_assert(sizeof(SharedStorage) <= 232448, "227 KiB of shared memory per CTA on sm_90");
-  // dK and dV are staged in the K and V tiles (DkDvStage): the CTA's keys × their head dims.
-  static_assert(sizeof(SharedStorage::k) == kBytesK && sizeof(SharedStorage::v) == kBytesV);
 };
+// The kernel's traits: its tiles and layouts, and the TMA loads and shared memory it shares with
+// the keys-as-N kernel.
+template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
+struct BwdSplitDTraits : BwdSplitDLayouts<Element, kHeadDim, kHeadDimV>,
+                         BwdSharedKeyBlock<BwdSplitDLayouts<Element, kHeadDim, kHeadDimV>> {};
 
 // The template parameters are bwd_kernel's (bwd_kernel.h).
 template <class Traits, bool kDeterministic, bool kSoftcap, bool kSinkParts>
@@ -196,9 +175,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutdO{});
   Tensor sQt = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutdOt{});
-  Tensor sPt = make_tensor(make_smem_ptr(smem.pt.begin()), typename Traits::SmemLayoutPt{});
-  Tensor sdSt = make_tensor(make_smem_ptr(smem.dst.begin()), typename Traits::SmemLayoutPt{});
-  Tensor sdS = make_tensor(make_smem_ptr(smem.dst.begin()), typename Traits::SmemLayoutP{});
+  Tensor sPt = make_tensor(make_smem_ptr(smem.p.begin()), typename Traits::SmemLayoutPt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutPt{});
+  Tensor sdS = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutP{});
   using RowsOfQ = Shape<Int<kQueriesPerWG>, Int<kHeadDim>, Int<kStages>>;
   using RowsOfdO = Shape<Int<kQueriesPerWG>, Int<Traits::kHeadDimV>, Int<Traits::kStagesdO>>;
   using ColsOfQt = Shape<Int<kColsPerWG>, Int<kBlockM>, Int<kStages>>;
@@ -308,8 +287,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 make_tensor(make_smem_ptr(tiles), typename Traits::SmemLayoutPt{})),
             Shape<Int<kBlockN>, Int<kQueriesPerWG>, Int<kStages>>{}, make_coord(_0{}, wg, _0{})));
       };
-      copy(r2s, thr_r2s.retile_S(rP), my_queries(smem.pt.begin())(_, _, _, st.index));
-      copy(r2s, thr_r2s.retile_S(rdS), my_queries(smem.dst.begin())(_, _, _, st.index));
+      copy(r2s, thr_r2s.retile_S(rP), my_queries(smem.p.begin())(_, _, _, st.index));
+      copy(r2s, thr_r2s.retile_S(rdS), my_queries(smem.ds.begin())(_, _, _, st.index));
     }
     // The dQ slab is free once the last block's second bulk add has read it. Deterministic: once
     // both of its adds have completed, the next key block may add into that query block.
