@@ -209,7 +209,7 @@ class GpuSampler:
         if smi:
             # stdbuf keeps nvidia-smi's lines coming as they are written, not at exit.
             cmd = [smi, "-i", str(self.index), "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
-                   "--format=csv,noheader,nounits", f"-lms={int(self.period * 1000)}"]
+                   "--format=csv,noheader,nounits", "-lms", str(int(self.period * 1000))]
             if shutil.which("stdbuf"):
                 cmd = ["stdbuf", "-oL"] + cmd
             try:
@@ -583,7 +583,7 @@ class CudnnFp8Peer:
                 pack[t["stats"]] = torch.empty(b, h, s, 1, device=self.dev, dtype=torch.float32)
             ws = torch.empty(max(1, g.get_workspace_size()), device=self.dev, dtype=torch.uint8)
 
-            def call(i=0):
+            def call(_input_set=0):  # Bench.measure passes an input set's index; one set here
                 g.execute(pack, ws, handle=self.handle)
                 return o_buf
             call()

@@ -85,8 +85,9 @@ def load(paths):
                 continue
             impl = r["impl"]
             if r.get("sustained"):
-                # A sustained row (peers_fa3_fp8.py --sustained) shares its cold row's shape: it
-                # would replace that row, and the table compares cold medians.
+                # A sustained row (--sustained of peers_fa3_fp8.py, bench_table, bench_fp8)
+                # shares its cold row's shape: it would replace that row, and the table compares
+                # cold medians.
                 sustained += 1
                 continue
             if impl in CEILING_IMPLS or "seqlen_q" not in r:

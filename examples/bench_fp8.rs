@@ -12,7 +12,8 @@
 //! mean per call over the last half, with the SM clock, power and temperature that nvidia-smi
 //! sampled meanwhile (none where it is missing): one more row per shape (`"sustained": true,
 //! "reps": N, "kind": "fwd"`), as benchmarks/peers_fa3_fp8.py writes its cudnn-fp8 sustained
-//! rows. The cold rows stay as they are; the `--long-keys` rows have no sustained run.
+//! rows; the `--long-keys` rows have no sustained run. Each later shape's cold timing then follows
+//! the previous shape's sustained run: time cold rows in a run without the flag.
 //!
 //! Usage: bench_fp8 [--quick] [--only D,S[,causal]] [--seqlens S,S,...] [--reps N]
 //!                  [--dims D,D,...] [--hidden H]
@@ -279,12 +280,12 @@ fn main() {
                     tflops(bf16_ms)
                 ));
                 // After the shape's cold timings, so that the heat of hundreds of calls changes
-                // none of them.
-                if let Some(n) = sustained {
+                // none of this shape's (the next shape's follow it).
+                if let Some(reps) = sustained {
                     let run = common::sustained_run(
                         &stream,
                         common::SUSTAINED_WARMUP,
-                        n,
+                        reps,
                         sampler.as_ref(),
                         || fp8_forward(&mut out, &mut lse),
                     );

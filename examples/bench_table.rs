@@ -21,7 +21,8 @@
 //! them, and reports the mean per call over the last half, with the SM clock, power and
 //! temperature that nvidia-smi sampled meanwhile (none where it is missing): one more row per
 //! shape and kind (`"sustained": true, "reps": N, "kind": "fwd"|"bwd"`), as
-//! benchmarks/peers_fa3_fp8.py writes its sustained rows. The cold rows stay as they are.
+//! benchmarks/peers_fa3_fp8.py writes its sustained rows. Each later shape's cold timing then
+//! follows the previous shape's sustained run: time cold rows in a run without the flag.
 //!
 //! Usage: bench_table [--quick] [--only D,S[,causal][,sm80]] [--dims D,...] [--head-dim-v DV]
 //!                    [--hidden H] [--softcap C] [--sinks] [--sustained N] [--out results.json]

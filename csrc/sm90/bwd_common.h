@@ -1,7 +1,8 @@
 // What the sm90 backward kernels share (bwd_kernel.h splits a CTA's keys between the consumer
-// warpgroups, bwd_kernel_split_d.h the head dim): the kernel parameters, the named barriers, the
-// WGMMA issue helpers, the TMA producer, the dQ bulk-add helpers and the dK/dV epilogue (the
-// deterministic dQ hand-over: bwd_dq_handover.h).
+// warpgroups, bwd_kernel_split_d.h the head dim, bwd_kernel_keys_n.h takes the keys as the GEMMs'
+// N): the kernel parameters, the TMA loads and shared memory of the latter two, the named
+// barriers, the WGMMA issue helpers, the TMA producer, the dQ bulk-add helpers and the dK/dV
+// epilogue (the deterministic dQ hand-over: bwd_dq_handover.h).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -13,6 +14,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include <climits>
+#include <type_traits>
 
 #include "../common/block_range.h"
 #include "../common/bwd_workspace.h"
@@ -37,9 +39,14 @@ using BwdTmaLoad = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor<Element>{}
 // warpgroups share one key block and each query block (bwd_kernel_split_d.h,
 // bwd_kernel_keys_n.h): K and V once, Q and dO in stages, P and dS (either way round) in stages,
 // one dQ slab per warpgroup. `L`: the kernel's tiles and layouts, its traits' other base (this
-// one declares no name that L declares, so that the traits inherit both unambiguously).
+// one declares no name that L declares, so that the traits inherit both unambiguously: Element
+// is a template parameter here, not a member).
 template <class L, class Element = typename L::Element>
 struct BwdSharedKeyBlock {
+  static_assert(std::is_same_v<Element, typename L::Element>);
+  // One tile each of K and V: the byte counts below are the CTA's keys' (bwd_produce expects
+  // kKeyTiles of them).
+  static_assert(L::kKeyTiles == 1);
   using TmaQ = BwdTmaLoad<Element, typename L::SmemLayoutQ, typename L::TileQ>;
   using TmadO = BwdTmaLoad<Element, typename L::SmemLayoutdO, typename L::TiledO>;
   using TmaK = BwdTmaLoad<Element, typename L::SmemLayoutK, typename L::TileK>;
@@ -57,7 +64,7 @@ struct BwdSharedKeyBlock {
     alignas(1024) ArrayEngine<Element, cosize_v<typename L::SmemLayoutdO>> dout;
     alignas(1024) ArrayEngine<Element, cosize_v<typename L::SmemLayoutP>> p;
     alignas(1024) ArrayEngine<Element, cosize_v<typename L::SmemLayoutP>> ds;
-    alignas(128) float dq[L::kConsumerWGs][L::kBlockM * L::kDqSlabCols];  // a slab a warpgroup
+    alignas(128) float dq[L::kConsumerWGs][L::kBlockM * L::kDqSlabCols];  // one per warpgroup
     uint64_t kv_full;
     TmaPipeline<L::kStages> pipe_q;
     TmaPipeline<L::kStagesdO> pipe_do;

@@ -39,7 +39,7 @@ namespace flashattn::sm90 {
 using namespace cute;
 
 // kHeadDim: of Q and K (and dQ, dK); kHeadDimV: of V, O and dO (and dV).
-template <class Element_, int kHeadDim_, int kHeadDimV_ = kHeadDim_>
+template <class Element_, int kHeadDim_, int kHeadDimV_>
 struct BwdSplitDLayouts {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;

@@ -48,9 +48,9 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   // The workspace's sinks' parts and packed key table are sized for key blocks of this or more.
   static_assert(Traits::kBlockN >= kMinKeyBlock);
   const bool softcap = p.softcap > 0.f;
-  // Softcap's kernels have no deterministic mode, and no sums for the sinks' gradient (dS holds
-  // the cap's derivative; the kernels of d96 and up hold P·(1 − t²) in place of P, and d64's has
-  // no registers to spare for the sums): the sm80 backward has both.
+  // Softcap's kernels have no deterministic mode, and no sums for the sinks' gradient (their dS
+  // holds the cap's derivative, and the kernels of d96 and up hold P·(1 − t²) in place of P):
+  // the sm80 backward has both.
   if (softcap && (p.deterministic || p.dsinks != nullptr)) return status(FLASHATTN_UNSUPPORTED);
   const Sequences seqs = sequences(p);
   // Tiles of the tile order per head: dense, the key blocks of each (batch, head); packed, a
