@@ -32,7 +32,6 @@ mod common;
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUevent_flags;
 use flashattn::cuda::{
     CudaSlice, CudaStream, Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut,
     DeviceTensor, DeviceTensorMut,
@@ -144,14 +143,9 @@ fn time_forward(
     let mut events = Vec::with_capacity(reps);
     let host_start = std::time::Instant::now();
     for _ in 0..reps {
-        let start = stream
-            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .unwrap();
+        let start = common::timing_event(stream);
         run(inp);
-        let end = stream
-            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .unwrap();
-        events.push((start, end));
+        events.push((start, common::timing_event(stream)));
     }
     let host_us = host_start.elapsed().as_secs_f64() * 1e6 / reps as f64;
     stream.synchronize().unwrap();

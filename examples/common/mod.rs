@@ -10,6 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaEvent;
 use flashattn::cuda::{CudaStream, Device};
 use flashattn::DeviceInfo;
 
@@ -126,6 +127,13 @@ pub fn write_results(path: &str, device: &str, commit: &str, extra: &str, rows: 
     println!("wrote {path}");
 }
 
+/// A timing event recorded on `stream` now.
+pub fn timing_event(stream: &Arc<CudaStream>) -> CudaEvent {
+    stream
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .unwrap()
+}
+
 /// Milliseconds of `reps` calls of `call`, sorted, each between CUDA events, after `warmup`
 /// calls; the calls stay queued (one synchronization at the end), so the host enqueues the timed
 /// calls while the GPU is still busy and no launch gap is timed, as the peers are timed.
@@ -138,11 +146,7 @@ pub fn queued_times_ms(
     for _ in 0..warmup {
         call();
     }
-    let event = || {
-        stream
-            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .unwrap()
-    };
+    let event = || timing_event(stream);
     let events: Vec<_> = (0..reps)
         .map(|_| {
             let start = event();
@@ -222,11 +226,7 @@ pub fn sustained_run(
     for _ in 0..warmup {
         call();
     }
-    let event = || {
-        stream
-            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .unwrap()
-    };
+    let event = || timing_event(stream);
     let half = reps / 2;
     let start = event();
     for _ in 0..half {
