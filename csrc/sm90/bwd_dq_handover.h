@@ -79,9 +79,12 @@ __device__ int dq_key_blocks(KeyRange const& keys, int q0) {
 // One consumer warpgroup's dQ of each query block in two slabs of Traits::kDqSlabCols columns
 // (Traits::DqLayout) through its shared buffer `sdq`, by bulk reduce-adds: in the kernels whose
 // warpgroups split dQ's columns (bwd_kernel_split_d.h, bwd_kernel_keys_n.h), the first slab
-// leaves after the dQ GEMM, the second under the next block's score GEMMs (the accumulator holds
-// it until the next dQ GEMM) once the first one's bulk add has read the buffer. `acc` is the
-// warpgroup's dQ accumulator, `coords` each element's (query, column) within its columns.
+// leaves after the dQ GEMM, the second once the next block's score GEMMs are issued (the
+// accumulator holds it until the next dQ GEMM; the first one's bulk add has read the buffer by
+// then). ptxas waits for those GEMMs before the second store, which reads an accumulator of the
+// last loop pass, so the store follows them rather than running beside them (stored earlier in
+// the keys-as-N kernel, it was no faster: docs/PERFORMANCE.md). `acc` is the warpgroup's dQ accumulator, `coords` each
+// element's (query, column) within its columns.
 template <class Traits, class Acc, class Coords>
 struct DqSlabPair {
   BwdParams<Traits> const& params;

@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     gemm_ss(mma_sdp, tSrQ(_, _, _, st.index), tSrK, acc_s);
     smem.pipe_do.consumer_wait(st_do);
     gemm_ss(mma_sdp, tSrdO(_, _, _, st_do.index), tSrV, acc_dp);
-    if (m > m_first) dq_slabs.second(m - 1);  // under this block's score GEMMs
+    if (m > m_first) dq_slabs.second(m - 1);  // once this block's score GEMMs are done
     warpgroup_wait<1>();  // S ready
     bwd_probabilities<kCap>(st_s, key_query, lse_of, work.keys, key0, q0, params.scale_log2,
                             params.softcap_pre,

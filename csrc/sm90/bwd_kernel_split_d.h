@@ -12,7 +12,7 @@
 //                    dQ = dS·K, dV += Pᵀ·dO and dK += dSᵀ·Q with every operand in shared memory.
 //                    Each warpgroup's dQ columns leave in two 64-row f32 slabs (DqSlabs) through
 //                    one shared buffer, by bulk reduce-adds: the first under dK, the second
-//                    under the next block's score GEMMs. (Per-thread vector reductions, the
+//                    after the next block's score GEMMs (DqSlabPair). (Per-thread vector reductions, the
 //                    first version, saturated the LSU and L2: in ncu many stall samples on REDG
 //                    and a busy L2, benchmarks/README.md; the two slabs back to back waited on
 //                    the first one's read.)
@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     gemm_ss(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
     smem.pipe_do.consumer_wait(st_do);
     gemm_ss(mma_sdp, tSrV, tSrdO(_, _, _, st_do.index), acc_dp);
-    if (m > m_first) dq_slabs.second(m - 1);  // under this block's score GEMMs
+    if (m > m_first) dq_slabs.second(m - 1);  // once this block's score GEMMs are done
     warpgroup_wait<1>();  // Sᵀ ready
     bwd_probabilities<kCap>(rowcol_s, rowcol_cS, [&](int c) { return row_value(lse_held, c); },
                       work.keys, key0, q0, params.scale_log2, params.softcap_pre,
