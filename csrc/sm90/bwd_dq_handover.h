@@ -83,8 +83,8 @@ __device__ int dq_key_blocks(KeyRange const& keys, int q0) {
 // accumulator holds it until the next dQ GEMM; the first one's bulk add has read the buffer by
 // then). ptxas waits for those GEMMs before the second store, which reads an accumulator of the
 // last loop pass, so the store follows them rather than running beside them (stored earlier in
-// the keys-as-N kernel, it was no faster: docs/PERFORMANCE.md). `acc` is the warpgroup's dQ accumulator, `coords` each
-// element's (query, column) within its columns.
+// the keys-as-N kernel, it was no faster: docs/PERFORMANCE.md). `acc` is the warpgroup's dQ
+// accumulator, `coords` each element's (query, column) within its columns.
 template <class Traits, class Acc, class Coords>
 struct DqSlabPair {
   BwdParams<Traits> const& params;
