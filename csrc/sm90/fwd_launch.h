@@ -209,14 +209,21 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
     }
   }
   // Packed: the schedule first (fwd_packed_schedule), in a workspace taken and given back in
-  // stream order. Without it (out of memory, say) the call runs with every entry padded: the
-  // error is not this call's failure (a sticky one shows at the launch below).
+  // stream order; not where padding costs no tiles (the offsets' bound on the slots reaches the
+  // padded count: the lengths average within a block of the longest), whose padded walk in the
+  // caller's order has as many tiles and spares the pass and a load per tile. Without the
+  // workspace (out of memory, say) the call runs padded too: the error is not this call's
+  // failure (a sticky one shows at the launch below).
   PackedSlot* schedule = nullptr;
-  if (packed && workspace_alloc(reinterpret_cast<void**>(&schedule),
-                                size_t(slots) * sizeof(PackedSlot), stream) != cudaSuccess) {
-    (void)cudaGetLastError();
-    schedule = nullptr;
-    params.num_tiles = int(padded_tiles);
+  if (packed) {
+    const bool padding_is_free = slots == int64_t(params.num_m_blocks) * p.batch;
+    if (!padding_is_free && workspace_alloc(reinterpret_cast<void**>(&schedule),
+                                            size_t(slots) * sizeof(PackedSlot), stream) !=
+                                cudaSuccess) {
+      (void)cudaGetLastError();
+      schedule = nullptr;
+    }
+    if (schedule == nullptr) params.num_tiles = int(padded_tiles);
   }
   if (schedule == nullptr) {
     kernel<<<ctas_for(params.num_tiles), Traits::kThreads, smem_bytes, stream>>>(params);

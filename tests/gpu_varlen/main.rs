@@ -212,6 +212,26 @@ fn many_sequences_and_long_ones() {
     }
 }
 
+/// Lengths that average within a query block of the longest, one of them empty and one short of
+/// a block multiple: the Hopper forward walks them padded, without its schedule, and every
+/// sequence still matches its reference (causal, and a right bound that pairs tiles).
+#[test]
+#[ignore = "needs a GPU"]
+fn nearly_equal_lengths_walk_padded() {
+    let (q_lens, k_lens) = ([384, 0, 384, 300, 384], [384, 50, 384, 300, 400]);
+    for cfg in [
+        AttentionConfig::new().causal(true),
+        AttentionConfig::new().window(None, Some(20)),
+    ] {
+        check(
+            &Batch::<bf16>::new(&q_lens, &k_lens, (4, 2), 128, 31),
+            &cfg,
+            None,
+            Backend::Auto,
+        );
+    }
+}
+
 /// More sequences than the Hopper forward's schedule sorts at once (1024): 1500 of 16 to 40 rows,
 /// every tenth empty, with a few longer ones in the second chunk, GQA 2:1, d64; full, and a right
 /// bound that pairs tiles. (No row sees fewer than 16 keys: on rows of 1 to 4 keys the
