@@ -169,7 +169,8 @@ impl Device {
         if hadamard_seed.is_some() && !rows.head_dim.is_power_of_two() {
             return Err(Error::Unsupported {
                 what: format!(
-                    "incoherent processing (the random-sign Hadamard transform) at head dim {}:                      it needs a power-of-two head dim",
+                    "incoherent processing (the random-sign Hadamard transform) at head dim {}: it needs a \
+                     power-of-two head dim",
                     rows.head_dim
                 ),
                 backend: Backend::Sm90,
