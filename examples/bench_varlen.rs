@@ -5,9 +5,9 @@
 //! `--parts` the log-normal mix's 16k sequence and its short ones as mixes of their own;
 //! `--sorted` orders each mix's sequences longest first; `--mix NAME` times one mix; `--no-sm80`
 //! leaves out the forced sm80 rows; `--fp8` adds the FP8 forward's rows (inputs quantized once,
-//! outside the timing; O in bf16); `--dense-first` times an equal-length mix's dense call before
-//! its packed one; `--rounds N` times everything N times, the order of each equal-length mix's
-//! packed and dense calls swapped from round to round (a row's place changes its clocks).
+//! outside the timing; O in bf16). An equal-length mix's packed and dense calls alternate, call
+//! by call, so that both meet the same clocks; `--dense-first` starts with the dense one;
+//! `--rounds N` times everything N times, that order swapped from round to round.
 //! CUDA events around each call, queued behind 5 warm-up calls, median of about 200 ms of calls
 //! (20 to 100 of them), as the peers are timed. Writes the mixes for
 //! benchmarks/varlen_peers.py (`--mixes-out PATH`) so that the peers time the very same sequences.
@@ -85,13 +85,20 @@ fn view(x: &CudaSlice<bf16>, layout: flashattn::Layout) -> DeviceTensor<'_, bf16
     DeviceTensor::new(x.slice(..layout.shape.iter().product::<usize>()), layout)
 }
 
-/// Median milliseconds of about `MEASURE_MS` of calls of `call` (`MIN_REPS` to `MAX_REPS` of
-/// them) after `WARMUP` queued warm-up calls: the peers' protocol (benchmarks/peers_common.py), so
-/// that both are timed at the same point of a load.
-fn median_ms(stream: &Arc<CudaStream>, mut call: impl FnMut()) -> f64 {
-    let probe = common::queued_times_ms(stream, WARMUP, 3, &mut call)[1];
+/// Each way's median milliseconds over about `MEASURE_MS` of its calls (`MIN_REPS` to `MAX_REPS`
+/// of them) after `WARMUP` queued warm-up calls: the peers' protocol
+/// (benchmarks/peers_common.py), so that both are timed at the same point of a load. With more
+/// than one way, the ways' calls alternate (`common::interleaved_times_ms`).
+fn median_ms(stream: &Arc<CudaStream>, ways: usize, mut call: impl FnMut(usize)) -> Vec<f64> {
+    let probe = common::interleaved_times_ms(stream, WARMUP, 3, ways, &mut call)
+        .iter()
+        .map(|ms| ms[1])
+        .fold(0.0, f64::max);
     let reps = ((MEASURE_MS / probe.max(1e-3)).ceil() as usize).clamp(MIN_REPS, MAX_REPS);
-    common::queued_times_ms(stream, WARMUP, reps, call)[reps / 2]
+    common::interleaved_times_ms(stream, WARMUP, reps, ways, call)
+        .iter()
+        .map(|ms| ms[reps / 2])
+        .collect()
 }
 
 /// The tensors' shape: packed `(1, Σ lens)` rows, or dense `(lens.len(), s)` when every length
@@ -116,52 +123,69 @@ fn offsets(stream: &Arc<CudaStream>, lens: &[usize]) -> (CudaSlice<i32>, usize) 
     )
 }
 
-/// Forward and backward medians of the batch: packed with `lens` (Some), or dense
-/// `(TOKENS / s, s)` with every length s (None: `lens` are then all equal).
+/// One way of calling the batch: packed with the offsets of `lens`, or dense `(lens.len(), s)`
+/// when every length is s.
+struct Way {
+    packed: bool,
+    shape: [usize; 4],
+    cu: CudaSlice<i32>,
+    max: usize,
+}
+
+impl Way {
+    fn new(stream: &Arc<CudaStream>, lens: &[usize], packed: bool, d: usize) -> Self {
+        let (cu, max) = offsets(stream, lens);
+        Way {
+            packed,
+            shape: tensor_shape(lens, packed, d),
+            cu,
+            max,
+        }
+    }
+
+    fn seqs(&self) -> DeviceSeqlens<'_> {
+        DeviceSeqlens::new(self.cu.as_view(), self.cu.as_view(), self.max, self.max).unwrap()
+    }
+
+    fn layout(&self) -> flashattn::Layout {
+        flashattn::Layout::contiguous(self.shape)
+    }
+}
+
+/// Forward and backward medians of the batch for each of `ways` (packed or not, see [`Way`]),
+/// their calls alternating.
 fn time(
     dev: &Device,
     stream: &Arc<CudaStream>,
     bufs: &mut Buffers,
     cfg: &AttentionConfig,
     lens: &[usize],
-    packed: bool,
+    ways: &[bool],
     d: usize,
-) -> (Plan, f64, Plan, f64) {
-    let shape = tensor_shape(lens, packed, d);
-    let (cu, max) = offsets(stream, lens);
-    let seqs = DeviceSeqlens::new(cu.as_view(), cu.as_view(), max, max).unwrap();
-    let layout = flashattn::Layout::contiguous(shape);
-    let mut fwd_plan = None;
-    let fwd = median_ms(stream, || {
+) -> Vec<(Plan, f64, Plan, f64)> {
+    let ways: Vec<Way> = ways.iter().map(|&p| Way::new(stream, lens, p, d)).collect();
+    let seqs: Vec<_> = ways.iter().map(Way::seqs).collect();
+    let mut fwd_plans = vec![None; ways.len()];
+    let fwd = median_ms(stream, ways.len(), |w| {
+        let (way, layout) = (&ways[w], ways[w].layout());
         let (q, k, v) = (
             view(&bufs.q, layout),
             view(&bufs.k, layout),
             view(&bufs.v, layout),
         );
-        let mut out = DeviceTensorMut::contiguous(&mut bufs.out, shape);
+        let mut out = DeviceTensorMut::contiguous(&mut bufs.out, way.shape);
         let mut lse = bufs.lse.as_view_mut();
-        let plan = if packed {
-            dev.varlen_forward_into(
-                stream,
-                cfg,
-                &seqs,
-                DeviceForwardInputs::new(&q, &k, &v),
-                &mut out,
-                &mut lse,
-            )
+        let inputs = DeviceForwardInputs::new(&q, &k, &v);
+        let plan = if way.packed {
+            dev.varlen_forward_into(stream, cfg, &seqs[w], inputs, &mut out, &mut lse)
         } else {
-            dev.forward_into(
-                stream,
-                cfg,
-                DeviceForwardInputs::new(&q, &k, &v),
-                &mut out,
-                &mut lse,
-            )
+            dev.forward_into(stream, cfg, inputs, &mut out, &mut lse)
         };
-        fwd_plan = Some(plan.expect("forward"));
+        fwd_plans[w] = Some(plan.expect("forward"));
     });
-    let mut bwd_plan = None;
-    let bwd = median_ms(stream, || {
+    let mut bwd_plans = vec![None; ways.len()];
+    let bwd = median_ms(stream, ways.len(), |w| {
+        let (way, layout) = (&ways[w], ways[w].layout());
         let (q, k, v) = (
             view(&bufs.q, layout),
             view(&bufs.k, layout),
@@ -179,73 +203,79 @@ fn time(
             sinks: None,
         };
         let grads = DeviceGradientsMut {
-            dq: &mut DeviceTensorMut::contiguous(&mut bufs.dq, shape),
-            dk: &mut DeviceTensorMut::contiguous(&mut bufs.dk, shape),
-            dv: &mut DeviceTensorMut::contiguous(&mut bufs.dv, shape),
+            dq: &mut DeviceTensorMut::contiguous(&mut bufs.dq, way.shape),
+            dk: &mut DeviceTensorMut::contiguous(&mut bufs.dk, way.shape),
+            dv: &mut DeviceTensorMut::contiguous(&mut bufs.dv, way.shape),
             dsinks: None,
         };
-        let plan = if packed {
-            dev.varlen_backward_into(stream, cfg, &seqs, inputs, grads)
+        let plan = if way.packed {
+            dev.varlen_backward_into(stream, cfg, &seqs[w], inputs, grads)
         } else {
             dev.backward_into(stream, cfg, inputs, grads)
         };
-        bwd_plan = Some(plan.expect("backward"));
+        bwd_plans[w] = Some(plan.expect("backward"));
     });
-    (fwd_plan.unwrap(), fwd, bwd_plan.unwrap(), bwd)
+    (0..ways.len())
+        .map(|w| {
+            (
+                fwd_plans[w].take().unwrap(),
+                fwd[w],
+                bwd_plans[w].take().unwrap(),
+                bwd[w],
+            )
+        })
+        .collect()
 }
 
-/// The FP8 forward's median over the batch, packed or dense as in [`time`]; its inputs
+/// The FP8 forward's medians over the batch for each of `ways`, as in [`time`]; its inputs
 /// quantized once beforehand.
 fn time_fp8(
     dev: &Device,
     stream: &Arc<CudaStream>,
     bufs: &mut Buffers,
     lens: &[usize],
-    packed: bool,
+    ways: &[bool],
     d: usize,
-) -> (Plan, f64) {
-    let shape = tensor_shape(lens, packed, d);
-    let (cu, max) = offsets(stream, lens);
-    let seqs = DeviceSeqlens::new(cu.as_view(), cu.as_view(), max, max).unwrap();
-    let layout = flashattn::Layout::contiguous(shape);
-    let (q, k, v) = (
-        view(&bufs.q, layout),
-        view(&bufs.k, layout),
-        view(&bufs.v, layout),
-    );
+) -> Vec<(Plan, f64)> {
+    let ways: Vec<Way> = ways.iter().map(|&p| Way::new(stream, lens, p, d)).collect();
+    let seqs: Vec<_> = ways.iter().map(Way::seqs).collect();
     let options = Fp8Options::default();
-    let inputs = if packed {
-        dev.varlen_quantize_fp8(stream, &seqs, &q, &k, &v, options)
-    } else {
-        dev.quantize_fp8(stream, &q, &k, &v, options)
-    }
-    .expect("quantize");
+    let inputs: Vec<_> = ways
+        .iter()
+        .zip(&seqs)
+        .map(|(way, seqs)| {
+            let layout = way.layout();
+            let (q, k, v) = (
+                view(&bufs.q, layout),
+                view(&bufs.k, layout),
+                view(&bufs.v, layout),
+            );
+            if way.packed {
+                dev.varlen_quantize_fp8(stream, seqs, &q, &k, &v, options)
+            } else {
+                dev.quantize_fp8(stream, &q, &k, &v, options)
+            }
+            .expect("quantize")
+        })
+        .collect();
     let cfg = AttentionConfig::new().causal(true);
-    let mut plan = None;
-    let ms = median_ms(stream, || {
-        let mut out = DeviceTensorMut::contiguous(&mut bufs.out, shape);
+    let mut plans = vec![None; ways.len()];
+    let ms = median_ms(stream, ways.len(), |w| {
+        let mut out = DeviceTensorMut::contiguous(&mut bufs.out, ways[w].shape);
         let mut lse = bufs.lse.as_view_mut();
-        let p = if packed {
-            dev.varlen_forward_fp8_into(
-                stream,
-                &cfg,
-                &seqs,
-                Fp8ForwardInputs::new(&inputs),
-                &mut out,
-                &mut lse,
-            )
+        let fp8 = Fp8ForwardInputs::new(&inputs[w]);
+        let p = if ways[w].packed {
+            dev.varlen_forward_fp8_into(stream, &cfg, &seqs[w], fp8, &mut out, &mut lse)
         } else {
-            dev.forward_fp8_into(
-                stream,
-                &cfg,
-                Fp8ForwardInputs::new(&inputs),
-                &mut out,
-                &mut lse,
-            )
+            dev.forward_fp8_into(stream, &cfg, fp8, &mut out, &mut lse)
         };
-        plan = Some(p.expect("FP8 forward"));
+        plans[w] = Some(p.expect("FP8 forward"));
     });
-    (plan.unwrap(), ms)
+    plans
+        .into_iter()
+        .zip(ms)
+        .map(|(p, ms)| (p.unwrap(), ms))
+        .collect()
 }
 
 /// One round of rows: its place in the run (`round`, and whether an equal-length mix's dense call
@@ -261,7 +291,8 @@ struct Round<'a> {
 }
 
 impl Round<'_> {
-    /// Packed (true) and, for equal lengths, dense (false), in this round's order.
+    /// Packed (true) and, for equal lengths, dense (false), in this round's order: the ways
+    /// whose calls alternate.
     fn calls(&self, lens: &[usize]) -> Vec<bool> {
         match (lens.iter().all(|&l| l == lens[0]), self.dense_first) {
             (false, _) => vec![true],
@@ -270,59 +301,72 @@ impl Round<'_> {
         }
     }
 
-    /// The 16-bit forward and backward of one mix at head dim `d`: Auto packed and dense, and
-    /// (without `--no-sm80`, whose long runs change the clocks the next row starts at) the sm80
-    /// kernels packed beside Auto's packed call.
+    /// The 16-bit forward and backward of one mix at head dim `d`: Auto packed and dense
+    /// (alternating), and (without `--no-sm80`, whose long runs change the clocks the next row
+    /// starts at) the sm80 kernels packed after them.
     fn bf16_rows(&mut self, name: &str, lens: &[usize], d: usize) {
-        let (heads, round) = (HIDDEN / d, self.round);
-        let flops = causal_flops(lens, heads, d);
-        let mut runs = vec![];
-        for packed in self.calls(lens) {
-            runs.push((Backend::Auto, packed));
-            if packed && !self.args.flag("--no-sm80") {
-                runs.push((Backend::Sm80, true));
-            }
+        let auto = AttentionConfig::new().causal(true);
+        let ways = self.calls(lens);
+        let timed = time(self.dev, self.stream, self.bufs, &auto, lens, &ways, d);
+        for (&packed, t) in ways.iter().zip(timed) {
+            self.bf16_row(name, lens, d, packed, Backend::Auto, t);
         }
-        for (backend, packed) in runs {
-            let cfg = AttentionConfig::new().causal(true).backend(backend);
-            let (fp, fwd, bp, bwd) = time(self.dev, self.stream, self.bufs, &cfg, lens, packed, d);
-            let tf = |ms: f64, f: f64| f / (ms * 1e-3) / 1e12;
-            let name_of = |p: &Plan| format!("flashattn-{}", p.backend.name());
-            println!(
-                "d{d} {name:<18} {:>6} {} fwd {:.3} ms {:.0} TFLOP/s ({}), bwd {:.3} ms {:.0} TFLOP/s ({})",
-                if packed { "varlen" } else { "dense" },
-                lens.len(),
-                fwd,
-                tf(fwd, flops),
-                fp.explain(),
-                bwd,
-                tf(bwd, 2.5 * flops),
-                bp.explain()
-            );
-            self.rows.push(format!(
-                "{{\"impl\": \"{}\", \"bwd_impl\": \"{}\", \"varlen\": {packed}, \"round\": {round}, \"mix\": \"{name}\", \
-                 \"dtype\": \"bf16\", \"d\": {d}, \"heads\": {heads}, \"heads_kv\": {heads}, \
-                 \"batch\": {}, \"total_tokens\": {}, \"max_seqlen\": {}, \"causal\": true, \
-                 \"forced\": \"{}\", \"fwd_ms\": {fwd:.4}, \"fwd_tflops\": {:.1}, \
-                 \"bwd_ms\": {bwd:.4}, \"bwd_tflops\": {:.1}}}",
-                name_of(&fp),
-                name_of(&bp),
-                lens.len(),
-                lens.iter().sum::<usize>(),
-                lens.iter().max().unwrap(),
-                backend.name(),
-                tf(fwd, flops),
-                tf(bwd, 2.5 * flops),
-            ));
+        if !self.args.flag("--no-sm80") {
+            let cfg = auto.backend(Backend::Sm80);
+            let t = time(self.dev, self.stream, self.bufs, &cfg, lens, &[true], d).remove(0);
+            self.bf16_row(name, lens, d, true, Backend::Sm80, t);
         }
     }
 
-    /// The FP8 forward of one mix at head dim `d`, packed and (equal lengths) dense.
+    fn bf16_row(
+        &mut self,
+        name: &str,
+        lens: &[usize],
+        d: usize,
+        packed: bool,
+        backend: Backend,
+        (fp, fwd, bp, bwd): (Plan, f64, Plan, f64),
+    ) {
+        let (heads, round, ways) = (HIDDEN / d, self.round, self.calls(lens).len());
+        let flops = causal_flops(lens, heads, d);
+        let tf = |ms: f64, f: f64| f / (ms * 1e-3) / 1e12;
+        let name_of = |p: &Plan| format!("flashattn-{}", p.backend.name());
+        println!(
+            "d{d} {name:<18} {:>6} {} fwd {:.3} ms {:.0} TFLOP/s ({}), bwd {:.3} ms {:.0} TFLOP/s ({})",
+            if packed { "varlen" } else { "dense" },
+            lens.len(),
+            fwd,
+            tf(fwd, flops),
+            fp.explain(),
+            bwd,
+            tf(bwd, 2.5 * flops),
+            bp.explain()
+        );
+        self.rows.push(format!(
+            "{{\"impl\": \"{}\", \"bwd_impl\": \"{}\", \"varlen\": {packed}, \"round\": {round}, \"mix\": \"{name}\", \
+             \"dtype\": \"bf16\", \"d\": {d}, \"heads\": {heads}, \"heads_kv\": {heads}, \
+             \"batch\": {}, \"total_tokens\": {}, \"max_seqlen\": {}, \"causal\": true, \
+             \"forced\": \"{}\", \"interleaved_ways\": {}, \"fwd_ms\": {fwd:.4}, \"fwd_tflops\": {:.1}, \
+             \"bwd_ms\": {bwd:.4}, \"bwd_tflops\": {:.1}}}",
+            name_of(&fp),
+            name_of(&bp),
+            lens.len(),
+            lens.iter().sum::<usize>(),
+            lens.iter().max().unwrap(),
+            backend.name(),
+            if backend == Backend::Auto { ways } else { 1 },
+            tf(fwd, flops),
+            tf(bwd, 2.5 * flops),
+        ));
+    }
+
+    /// The FP8 forward of one mix at head dim `d`, packed and (equal lengths) dense, alternating.
     fn fp8_rows(&mut self, name: &str, lens: &[usize], d: usize) {
         let (heads, round) = (HIDDEN / d, self.round);
         let flops = causal_flops(lens, heads, d);
-        for packed in self.calls(lens) {
-            let (plan, fwd) = time_fp8(self.dev, self.stream, self.bufs, lens, packed, d);
+        let ways = self.calls(lens);
+        let timed = time_fp8(self.dev, self.stream, self.bufs, lens, &ways, d);
+        for (&packed, (plan, fwd)) in ways.iter().zip(timed) {
             let tflops = flops / (fwd * 1e-3) / 1e12;
             println!(
                 "d{d} {name:<18} {:>6} {} fp8 fwd {fwd:.3} ms {tflops:.0} TFLOP/s ({})",
@@ -334,12 +378,13 @@ impl Round<'_> {
                 "{{\"impl\": \"flashattn-{}\", \"varlen\": {packed}, \"round\": {round}, \"mix\": \"{name}\", \
                  \"dtype\": \"e4m3\", \"out_dtype\": \"bf16\", \"d\": {d}, \"heads\": {heads}, \
                  \"heads_kv\": {heads}, \"batch\": {}, \"total_tokens\": {}, \
-                 \"max_seqlen\": {}, \"causal\": true, \"fwd_ms\": {fwd:.4}, \
+                 \"max_seqlen\": {}, \"causal\": true, \"interleaved_ways\": {}, \"fwd_ms\": {fwd:.4}, \
                  \"fwd_tflops\": {tflops:.1}}}",
                 plan.backend.name(),
                 lens.len(),
                 lens.iter().sum::<usize>(),
                 lens.iter().max().unwrap(),
+                ways.len(),
             ));
         }
     }

@@ -143,23 +143,39 @@ pub fn queued_times_ms(
     reps: usize,
     mut call: impl FnMut(),
 ) -> Vec<f64> {
+    interleaved_times_ms(stream, warmup, reps, 1, |_| call()).remove(0)
+}
+
+/// As [`queued_times_ms`] for `ways` calls taken in turn (`call(0)`, `call(1)`, ..., then again):
+/// each way's sorted milliseconds. A drift of the clocks or the power state over the run then
+/// falls on every way alike, which timing one after the other cannot give.
+pub fn interleaved_times_ms(
+    stream: &Arc<CudaStream>,
+    warmup: usize,
+    reps: usize,
+    ways: usize,
+    mut call: impl FnMut(usize),
+) -> Vec<Vec<f64>> {
     for _ in 0..warmup {
-        call();
+        (0..ways).for_each(&mut call);
     }
     let event = || timing_event(stream);
     let events: Vec<_> = (0..reps)
-        .map(|_| {
+        .flat_map(|_| (0..ways).collect::<Vec<_>>())
+        .map(|way| {
             let start = event();
-            call();
-            (start, event())
+            call(way);
+            (way, start, event())
         })
         .collect();
     stream.synchronize().unwrap();
-    let mut ms: Vec<f64> = events
-        .iter()
-        .map(|(start, end)| start.elapsed_ms(end).unwrap() as f64)
-        .collect();
-    ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let mut ms = vec![Vec::with_capacity(reps); ways];
+    for (way, start, end) in &events {
+        ms[*way].push(start.elapsed_ms(end).unwrap() as f64);
+    }
+    for way in &mut ms {
+        way.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    }
     ms
 }
 
