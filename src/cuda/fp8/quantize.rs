@@ -376,4 +376,48 @@ impl Device {
             Some([q_descale, k_descale, v_descale]),
         )
     }
+
+    /// [`Device::fp8_inputs_from_e4m3`] over a packed batch, for
+    /// [`Device::varlen_forward_fp8_into`] with the same `seqs`: e4m3 Q `(1, total_q, heads_q,
+    /// head_dim)`, K and V `(1, total_k, heads_kv, head_dim)` with the sequences of `seqs`, and
+    /// their descales in the blocks [`Device::varlen_quantize_fp8`] gives each sequence, copied
+    /// on `stream` into the layouts the FP8 forward reads.
+    ///
+    /// Each descale view is f32 `(1, heads, blocks)` packed, `blocks = total / n + batch`
+    /// (`batch`: the sequences): for Q, n = [`fp8_query_block`] rows, `total` = total_q and
+    /// `heads` = heads_q; for K and V, n = [`fp8_key_block`](super::fp8_key_block) keys at
+    /// head_dim, `total` = total_k and `heads` = heads_kv. Sequence b's block j of head h
+    /// (its rows `j·n` up to `(j + 1)·n`, the last block partial) is at index
+    /// `h · blocks + start / n + b + j` for `j < ceil(len / n)`, `start` and `len` being its
+    /// first row and length (`cu_seqlens_q` for Q, `cu_seqlens_k` for K and V): per head, the
+    /// descales a dense [`Device::fp8_inputs_from_e4m3`] on its rows alone takes, in order.
+    /// Indices no sequence's blocks take (gaps this numbering leaves, and the blocks past the
+    /// last sequence's) are never used: whatever they hold reaches no output. Rows no sequence
+    /// owns are not copied (zeros). The layout follows the offsets alone: `seqused_k` neither
+    /// moves nor shrinks a sequence's K and V blocks, which cover every key its offsets give it
+    /// (the forward reads those of its used keys).
+    ///
+    /// Descales must be finite and > 0 (they are read on the device only, never synchronized
+    /// to the host): any other value is copied as NaN, so that the rows it touches are NaN. A
+    /// view of another length than its `heads · blocks` is refused ([`Error::BufferTooSmall`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn varlen_fp8_inputs_from_e4m3(
+        &self,
+        stream: &Arc<CudaStream>,
+        seqs: &DeviceSeqlens,
+        q: &DeviceTensor<F8E4M3>,
+        k: &DeviceTensor<F8E4M3>,
+        v: &DeviceTensor<F8E4M3>,
+        q_descale: &CudaView<f32>,
+        k_descale: &CudaView<f32>,
+        v_descale: &CudaView<f32>,
+    ) -> Result<Fp8Inputs> {
+        self.build_fp8_inputs(
+            stream,
+            Some(seqs),
+            [q, k, v],
+            None,
+            Some([q_descale, k_descale, v_descale]),
+        )
+    }
 }
