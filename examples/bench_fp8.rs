@@ -3,7 +3,9 @@
 //! same run, and the quantize step's time on its own (GB/s: bf16 Q, K, V read once, e4m3 and
 //! descales written). The FP8 row times the kernel over inputs quantized once (per-block
 //! descales, Hadamard on at the power-of-two head dims, off at d96 and d192, where it is not
-//! defined), as a caller reusing K and V would run it. CUDA events, warm-up, median. `--dims`
+//! defined), as a caller reusing K and V would run it. CUDA events, timed as
+//! benchmarks/peers_fa3_fp8.py times cuDNN's FP8 (5 warm-up calls, median of about 250 ms of
+//! calls, 20 to 100; `--quick` 100 ms; its timing flags alike). `--dims`
 //! takes other head dims (96 and 192 with their features) and `--hidden` another hidden size
 //! (heads = hidden / d), e.g. `--dims 96,192 --hidden 1536`.
 //!
@@ -15,7 +17,8 @@
 //! rows; the `--long-keys` rows have no sustained run. Each later shape's cold timing then follows
 //! the previous shape's sustained run: time cold rows in a run without the flag.
 //!
-//! Usage: bench_fp8 [--quick] [--only D,S[,causal]] [--seqlens S,S,...] [--reps N]
+//! Usage: bench_fp8 [--quick] [--only D,S[,causal]] [--seqlens S,S,...]
+//!                  [--warmup N] [--min-reps N] [--max-reps N] [--target-ms MS]
 //!                  [--dims D,D,...] [--hidden H]
 //!                  [--pingpong|--no-pingpong]
 //!                  [--no-split-tail|--split-tail]
@@ -47,18 +50,28 @@ fn options_for(d: usize) -> Fp8Options {
     }
 }
 
-/// Median milliseconds of `reps` calls of `run`, queued behind 5 warm-up calls. `synced`: each
-/// call waited for before the next is made, timed on the host (what a caller that synchronizes
-/// every step sees, host work and stream-ordered allocations included).
-fn time(stream: &Arc<CudaStream>, reps: usize, synced: bool, mut run: impl FnMut()) -> f64 {
-    for _ in 0..5 {
-        run();
-        if synced {
-            stream.synchronize().unwrap();
-        }
+/// The cold timing of benchmarks/peers_fa3_fp8.py, whose cuDNN FP8 rows these are compared with.
+const PROTOCOL: common::Protocol = common::Protocol {
+    warmup: 5,
+    min_reps: 20,
+    max_reps: 100,
+    target_ms: 250.0,
+};
+
+/// Median milliseconds of `run` under `protocol`. `synced`: each call waited for before the next
+/// is made, timed on the host (what a caller that synchronizes every step sees, host work and
+/// stream-ordered allocations included), as many calls as the protocol would queue.
+fn time(
+    stream: &Arc<CudaStream>,
+    protocol: &common::Protocol,
+    synced: bool,
+    mut run: impl FnMut(),
+) -> f64 {
+    if !synced {
+        return protocol.median_ms(stream, run);
     }
-    if synced {
-        let mut ms: Vec<f64> = (0..reps)
+    let mut synced_ms = |n: usize| {
+        let mut ms: Vec<f64> = (0..n)
             .map(|_| {
                 let start = std::time::Instant::now();
                 run();
@@ -67,9 +80,13 @@ fn time(stream: &Arc<CudaStream>, reps: usize, synced: bool, mut run: impl FnMut
             })
             .collect();
         ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        return ms[ms.len() / 2];
-    }
-    common::queued_times_ms(stream, 0, reps, run)[reps / 2]
+        ms
+    };
+    synced_ms(protocol.warmup);
+    let probe = synced_ms(3)[1];
+    let reps = ((protocol.target_ms / probe.max(1e-3)).ceil() as usize)
+        .clamp(protocol.min_reps, protocol.max_reps);
+    synced_ms(reps)[reps / 2]
 }
 
 fn main() {
@@ -123,17 +140,7 @@ fn main() {
     } else {
         &[512, 1024, 2048, 4096, 8192, 16384]
     };
-    // --reps N: timed calls per measurement (median); more of them run the GPU longer, into its
-    // sustained clock under the power cap.
-    let reps = match args.value("--reps").map(|v| v.parse::<usize>()) {
-        Some(Ok(n)) if n > 0 => n,
-        Some(_) => {
-            eprintln!("--reps takes a positive count");
-            std::process::exit(2)
-        }
-        None if quick => 20,
-        None => 30,
-    };
+    let protocol = common::Protocol::from_args(&args, PROTOCOL);
     // --hidden H and --dims D,D,...: the hidden size (heads = H / D) and the head dims timed, in
     // this order; each D must divide H.
     let hidden = match args.value("--hidden").map(|v| v.parse::<usize>()) {
@@ -208,7 +215,7 @@ fn main() {
                     .sm90_schedule(schedule);
                 // The inputs of the last timed call are the ones the forward runs on.
                 let mut fp8 = None;
-                let quant_ms = time(&stream, reps, synced, || {
+                let quant_ms = time(&stream, &protocol, synced, || {
                     fp8 = Some(
                         dev.quantize_fp8(
                             &stream,
@@ -233,11 +240,13 @@ fn main() {
                     .expect("fp8 forward");
                 };
                 stream.memcpy_htod(&poison, &mut out).unwrap(); // every output must be rewritten
-                let fp8_ms = time(&stream, reps, synced, || fp8_forward(&mut out, &mut lse));
+                let fp8_ms = time(&stream, &protocol, synced, || {
+                    fp8_forward(&mut out, &mut lse)
+                });
                 let host_out = stream.clone_dtoh(&out).unwrap();
                 stream.synchronize().unwrap();
                 let unwritten = host_out.iter().filter(|x| !x.is_finite()).count();
-                let bf16_ms = time(&stream, reps, synced, || {
+                let bf16_ms = time(&stream, &protocol, synced, || {
                     dev.forward_into(
                         &stream,
                         &cfg,
@@ -268,13 +277,14 @@ fn main() {
                     tflops(bf16_ms)
                 );
                 rows.push(format!(
-                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"split_tail\": \"{:?}\", \"synced\": {synced}, \"reps\": {reps}, \"hadamard\": {}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
+                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"split_tail\": \"{:?}\", \"synced\": {synced}, {}, \"hadamard\": {}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
                     shape[0],
                     shape[2],
                     shape[2],
                     schedule.pingpong.takes_turns(DType::E4M3),
                     schedule.pingpong.takes_turns(DType::BF16),
                     schedule.split_tail,
+                    protocol.json_fields(),
                     options.hadamard_seed.is_some(),
                     tflops(fp8_ms),
                     tflops(bf16_ms)
@@ -358,7 +368,7 @@ fn main() {
                     unwritten += host.iter().filter(|x| !x.is_finite()).count();
                 };
                 stream.memcpy_htod(&poison, &mut out).unwrap();
-                fp8_ms[i] = time(&stream, reps, synced, || {
+                fp8_ms[i] = time(&stream, &protocol, synced, || {
                     dev.forward_fp8_into(
                         &stream,
                         &cfg,
@@ -370,7 +380,7 @@ fn main() {
                 });
                 non_finite(&out);
                 stream.memcpy_htod(&poison, &mut out).unwrap();
-                bf16_ms[i] = time(&stream, reps, synced, || {
+                bf16_ms[i] = time(&stream, &protocol, synced, || {
                     dev.forward_into(
                         &stream,
                         &cfg,
@@ -421,9 +431,10 @@ fn main() {
                 text.join(" | ")
             );
             rows.push(format!(
-                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"synced\": {synced}, \"reps\": {reps}, \"hadamard\": {}, {}, \"non_finite_outputs\": {unwritten}}}",
+                "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {sq}, \"seqlen_k\": {sk}, \"batch\": 1, \"heads\": {h}, \"heads_kv\": {h}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"synced\": {synced}, {}, \"hadamard\": {}, {}, \"non_finite_outputs\": {unwritten}}}",
                 schedule.pingpong.takes_turns(DType::E4M3),
                 schedule.pingpong.takes_turns(DType::BF16),
+                protocol.json_fields(),
                 options.hadamard_seed.is_some(),
                 fields.join(", ")
             ));

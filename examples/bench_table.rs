@@ -2,8 +2,10 @@
 //! seqlen 512…16384, head dim 64/128/256, causal and not, bf16): the Hopper forward with the
 //! FlashAttention-3 ablation at d128 s8192 and the Hopper backward where it is built, and the
 //! FlashAttention-2-style (sm80) forward and backward (atomic and deterministic) on the same
-//! shapes. CUDA events around each call, queued behind the warm-up as the peers are timed, median
-//! of the runs; the host's enqueue time per forward call is reported beside. Each forward is also
+//! shapes. CUDA events around each call, queued behind the warm-up, median of about 250 ms of
+//! calls (30 to 100), as compare_torch.py times the peers (`--warmup`, `--min-reps`,
+//! `--max-reps`, `--target-ms` as its flags; `--quick` 100 ms, from 20 calls); the host's enqueue
+//! time per forward call is reported beside. Each forward is also
 //! checked on sampled rows against the f64 reference (`pass`); the backward's correctness is
 //! tests/gpu_bwd.rs's.
 //!
@@ -46,6 +48,13 @@ use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
 
 const TOKENS: usize = 16384;
+/// The cold timing of benchmarks/compare_torch.py, whose peers these rows are compared with.
+const PROTOCOL: common::Protocol = common::Protocol {
+    warmup: 3,
+    min_reps: 30,
+    max_reps: 100,
+    target_ms: 250.0,
+};
 
 struct Inputs {
     host: [Vec<bf16>; 3],
@@ -126,35 +135,18 @@ fn forward_call<'a>(
     }
 }
 
+/// The forward's sorted milliseconds under `protocol`, and the host's enqueue time per call.
 fn time_forward(
     dev: &Device,
     stream: &Arc<CudaStream>,
     inp: &mut Inputs,
     cfg: &AttentionConfig,
     shape: [usize; 5],
-    reps: usize,
+    protocol: &common::Protocol,
 ) -> (Vec<f64>, f64) {
     let run = forward_call(dev, stream, cfg, shape);
-    // As the peers are timed: the warm-up calls stay queued, so the host enqueues the timed
-    // calls while the GPU is still busy and no launch gap is timed; one synchronization at the end.
-    for _ in 0..5 {
-        run(inp);
-    }
-    let mut events = Vec::with_capacity(reps);
-    let host_start = std::time::Instant::now();
-    for _ in 0..reps {
-        let start = common::timing_event(stream);
-        run(inp);
-        events.push((start, common::timing_event(stream)));
-    }
-    let host_us = host_start.elapsed().as_secs_f64() * 1e6 / reps as f64;
-    stream.synchronize().unwrap();
-    let mut times: Vec<f64> = events
-        .iter()
-        .map(|(start, end)| start.elapsed_ms(end).unwrap() as f64)
-        .collect();
-    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    (times, host_us)
+    let (mut ms, host_us) = protocol.times_ms(stream, 1, |_| run(inp));
+    (ms.remove(0), host_us)
 }
 
 /// One backward call on `shape` into `inp`'s gradients, from the O and LSE a forward left there.
@@ -200,17 +192,18 @@ fn backward_call<'a>(
     }
 }
 
-/// Backward timing as `time_forward`, after one forward that leaves O and LSE in `inp`.
+/// The backward's median milliseconds under `protocol`, after one forward that leaves O and LSE
+/// in `inp`.
 fn time_backward(
     dev: &Device,
     stream: &Arc<CudaStream>,
     inp: &mut Inputs,
     cfg: &AttentionConfig,
     shape: [usize; 5],
-    reps: usize,
-) -> Vec<f64> {
+    protocol: &common::Protocol,
+) -> f64 {
     let run = backward_call(dev, stream, cfg, shape);
-    common::queued_times_ms(stream, 3, reps, || run(inp))
+    protocol.median_ms(stream, || run(inp))
 }
 
 /// Error ratio on sampled rows of the last output (the correctness rule of docs/ARCHITECTURE.md).
@@ -278,6 +271,7 @@ fn main() {
     let stream = dev.new_stream().unwrap();
     let info = dev.info().clone();
     let sustained = args.sustained();
+    let protocol = common::Protocol::from_args(&args, PROTOCOL);
     // Sampling from the start, so that each run's window finds samples already flowing.
     let sampler = sustained.and_then(|_| {
         let s = common::GpuSampler::start(0);
@@ -453,14 +447,7 @@ fn main() {
         if let Some(c) = softcap {
             cfg = cfg.softcap(c);
         }
-        let (times, host_us) = time_forward(
-            &dev,
-            &stream,
-            &mut inp,
-            &cfg,
-            shape,
-            if quick { 20 } else { 30 },
-        );
+        let (times, host_us) = time_forward(&dev, &stream, &mut inp, &cfg, shape, &protocol);
         let pct = |p: f64| times[((times.len() - 1) as f64 * p).round() as usize];
         let ms = pct(0.5);
         let problem = Problem {
@@ -477,17 +464,8 @@ fn main() {
         let tflops = problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
         let err_ratio = check(&stream, &inp, &cfg, shape);
         // The backward of the kernels that have one (its correctness: tests/gpu_bwd.rs).
-        let mut median_backward = |cfg: &AttentionConfig| {
-            let t = time_backward(
-                &dev,
-                &stream,
-                &mut inp,
-                cfg,
-                shape,
-                if quick { 10 } else { 20 },
-            );
-            t[t.len() / 2]
-        };
+        let mut median_backward =
+            |cfg: &AttentionConfig| time_backward(&dev, &stream, &mut inp, cfg, shape, &protocol);
         // sm90: the default schedule's rows.
         let sm80 = backend == Backend::Sm80 && built(Family::Sm80Bwd, d, dv);
         // (The sm90 backward has no deterministic mode with softcap, nor the sinks' gradient.)
@@ -632,7 +610,8 @@ fn main() {
                 }
             }
         }
-        let extra = softcap.map_or(String::new(), |c| format!(", \"softcap\": {c}"))
+        let extra = format!(", \"timing\": {{{}}}", protocol.json_fields())
+            + &softcap.map_or(String::new(), |c| format!(", \"softcap\": {c}"))
             + if with_sinks { ", \"sinks\": true" } else { "" };
         common::write_results(&path, &common::describe(&info), &commit, &extra, &json_rows);
     }

@@ -9,7 +9,8 @@
 //! by call, so that both meet the same clocks; `--dense-first` starts with the dense one;
 //! `--rounds N` times everything N times, that order swapped from round to round.
 //! CUDA events around each call, queued behind 5 warm-up calls, median of about 200 ms of calls
-//! (20 to 100 of them), as the peers are timed. Writes the mixes for
+//! (20 to 100 of them), as the peers are timed (`--warmup`, `--min-reps`, `--max-reps`,
+//! `--target-ms` as theirs). Writes the mixes for
 //! benchmarks/varlen_peers.py (`--mixes-out PATH`) so that the peers time the very same sequences.
 //!
 //! `cargo run --release --example bench_varlen -- --out varlen.json --mixes-out mixes.json`
@@ -31,10 +32,13 @@ use rand_distr::{Distribution, LogNormal, Normal};
 
 const TOKENS: usize = 32768;
 const HIDDEN: usize = 2048;
-const MIN_REPS: usize = 20;
-const MAX_REPS: usize = 100;
-const WARMUP: usize = 5;
-const MEASURE_MS: f64 = 200.0;
+/// The cold timing of benchmarks/varlen_peers.py, the peers these rows are compared with.
+const PROTOCOL: common::Protocol = common::Protocol {
+    warmup: 5,
+    min_reps: 20,
+    max_reps: 100,
+    target_ms: 200.0,
+};
 
 /// The three mixes, each summing to TOKENS (the buffers' rows; other mixes take fewer).
 fn mixes() -> Vec<(&'static str, Vec<usize>)> {
@@ -85,20 +89,15 @@ fn view(x: &CudaSlice<bf16>, layout: flashattn::Layout) -> DeviceTensor<'_, bf16
     DeviceTensor::new(x.slice(..layout.shape.iter().product::<usize>()), layout)
 }
 
-/// Each way's median milliseconds over about `MEASURE_MS` of its calls (`MIN_REPS` to `MAX_REPS`
-/// of them) after `WARMUP` queued warm-up calls: the peers' protocol
-/// (benchmarks/peers_common.py), so that both are timed at the same point of a load. With more
-/// than one way, the ways' calls alternate (`common::interleaved_times_ms`).
-fn median_ms(stream: &Arc<CudaStream>, ways: usize, mut call: impl FnMut(usize)) -> Vec<f64> {
-    let probe = common::interleaved_times_ms(stream, WARMUP, 3, ways, &mut call)
-        .iter()
-        .map(|ms| ms[1])
-        .fold(0.0, f64::max);
-    let reps = ((MEASURE_MS / probe.max(1e-3)).ceil() as usize).clamp(MIN_REPS, MAX_REPS);
-    common::interleaved_times_ms(stream, WARMUP, reps, ways, call)
-        .iter()
-        .map(|ms| ms[reps / 2])
-        .collect()
+/// Each way's median milliseconds under `protocol`, the ways' calls alternating.
+fn median_ms(
+    stream: &Arc<CudaStream>,
+    protocol: &common::Protocol,
+    ways: usize,
+    call: impl FnMut(usize),
+) -> Vec<f64> {
+    let (ms, _) = protocol.times_ms(stream, ways, call);
+    ms.iter().map(|ms| ms[ms.len() / 2]).collect()
 }
 
 /// The tensors' shape: packed `(1, Σ lens)` rows, or dense `(lens.len(), s)` when every length
@@ -121,6 +120,13 @@ fn offsets(stream: &Arc<CudaStream>, lens: &[usize]) -> (CudaSlice<i32>, usize) 
         stream.clone_htod(&cu).unwrap(),
         lens.iter().copied().max().unwrap(),
     )
+}
+
+/// The device, its stream and how calls are timed there.
+struct Gpu<'a> {
+    dev: &'a Device,
+    stream: &'a Arc<CudaStream>,
+    protocol: common::Protocol,
 }
 
 /// One way of calling the batch: packed with the offsets of `lens`, or dense `(lens.len(), s)`
@@ -155,8 +161,11 @@ impl Way {
 /// Forward and backward medians of the batch for each of `ways` (packed or not, see [`Way`]),
 /// their calls alternating.
 fn time(
-    dev: &Device,
-    stream: &Arc<CudaStream>,
+    Gpu {
+        dev,
+        stream,
+        protocol,
+    }: &Gpu,
     bufs: &mut Buffers,
     cfg: &AttentionConfig,
     lens: &[usize],
@@ -166,7 +175,7 @@ fn time(
     let ways: Vec<Way> = ways.iter().map(|&p| Way::new(stream, lens, p, d)).collect();
     let seqs: Vec<_> = ways.iter().map(Way::seqs).collect();
     let mut fwd_plans = vec![None; ways.len()];
-    let fwd = median_ms(stream, ways.len(), |w| {
+    let fwd = median_ms(stream, protocol, ways.len(), |w| {
         let (way, layout) = (&ways[w], ways[w].layout());
         let (q, k, v) = (
             view(&bufs.q, layout),
@@ -184,7 +193,7 @@ fn time(
         fwd_plans[w] = Some(plan.expect("forward"));
     });
     let mut bwd_plans = vec![None; ways.len()];
-    let bwd = median_ms(stream, ways.len(), |w| {
+    let bwd = median_ms(stream, protocol, ways.len(), |w| {
         let (way, layout) = (&ways[w], ways[w].layout());
         let (q, k, v) = (
             view(&bufs.q, layout),
@@ -230,8 +239,11 @@ fn time(
 /// The FP8 forward's medians over the batch for each of `ways`, as in [`time`]; its inputs
 /// quantized once beforehand.
 fn time_fp8(
-    dev: &Device,
-    stream: &Arc<CudaStream>,
+    Gpu {
+        dev,
+        stream,
+        protocol,
+    }: &Gpu,
     bufs: &mut Buffers,
     lens: &[usize],
     ways: &[bool],
@@ -260,7 +272,7 @@ fn time_fp8(
         .collect();
     let cfg = AttentionConfig::new().causal(true);
     let mut plans = vec![None; ways.len()];
-    let ms = median_ms(stream, ways.len(), |w| {
+    let ms = median_ms(stream, protocol, ways.len(), |w| {
         let mut out = DeviceTensorMut::contiguous(&mut bufs.out, ways[w].shape);
         let mut lse = bufs.lse.as_view_mut();
         let fp8 = Fp8ForwardInputs::new(&inputs[w]);
@@ -281,8 +293,7 @@ fn time_fp8(
 /// One round of rows: its place in the run (`round`, and whether an equal-length mix's dense call
 /// goes before its packed one), and where the rows go.
 struct Round<'a> {
-    dev: &'a Device,
-    stream: &'a Arc<CudaStream>,
+    gpu: Gpu<'a>,
     bufs: &'a mut Buffers,
     args: &'a common::Args,
     round: usize,
@@ -307,13 +318,13 @@ impl Round<'_> {
     fn bf16_rows(&mut self, name: &str, lens: &[usize], d: usize) {
         let auto = AttentionConfig::new().causal(true);
         let ways = self.calls(lens);
-        let timed = time(self.dev, self.stream, self.bufs, &auto, lens, &ways, d);
+        let timed = time(&self.gpu, self.bufs, &auto, lens, &ways, d);
         for (&packed, t) in ways.iter().zip(timed) {
             self.bf16_row(name, lens, d, packed, Backend::Auto, t);
         }
         if !self.args.flag("--no-sm80") {
             let cfg = auto.backend(Backend::Sm80);
-            let t = time(self.dev, self.stream, self.bufs, &cfg, lens, &[true], d).remove(0);
+            let t = time(&self.gpu, self.bufs, &cfg, lens, &[true], d).remove(0);
             self.bf16_row(name, lens, d, true, Backend::Sm80, t);
         }
     }
@@ -365,7 +376,7 @@ impl Round<'_> {
         let (heads, round) = (HIDDEN / d, self.round);
         let flops = causal_flops(lens, heads, d);
         let ways = self.calls(lens);
-        let timed = time_fp8(self.dev, self.stream, self.bufs, lens, &ways, d);
+        let timed = time_fp8(&self.gpu, self.bufs, lens, &ways, d);
         for (&packed, (plan, fwd)) in ways.iter().zip(timed) {
             let tflops = flops / (fwd * 1e-3) / 1e12;
             println!(
@@ -454,6 +465,7 @@ fn main() {
         dv: nan(n),
     };
 
+    let protocol = common::Protocol::from_args(&args, PROTOCOL);
     let mut rows = vec![];
     let rounds: usize = args
         .value("--rounds")
@@ -466,8 +478,11 @@ fn main() {
     for round in 0..rounds {
         let dense_first = args.flag("--dense-first") != (round % 2 == 1);
         let mut bench = Round {
-            dev: &dev,
-            stream: &stream,
+            gpu: Gpu {
+                dev: &dev,
+                stream: &stream,
+                protocol,
+            },
             bufs: &mut bufs,
             args: &args,
             round,
@@ -487,6 +502,13 @@ fn main() {
         }
     }
     if let Some(path) = args.value("--out") {
-        common::write_results(&path, &common::describe(&info), &args.commit(), "", &rows);
+        let extra = format!(", \"timing\": {{{}}}", protocol.json_fields());
+        common::write_results(
+            &path,
+            &common::describe(&info),
+            &args.commit(),
+            &extra,
+            &rows,
+        );
     }
 }

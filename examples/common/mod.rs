@@ -134,6 +134,79 @@ pub fn timing_event(stream: &Arc<CudaStream>) -> CudaEvent {
         .unwrap()
 }
 
+/// How a cold measurement is taken, as benchmarks/peers_common.py takes the peers' (its
+/// `--warmup`, `--min-reps`, `--max-reps`, `--target-ms`): `warmup` queued calls, three probe
+/// calls, then as many timed calls as make about `target_ms` of GPU time (`min_reps` to
+/// `max_reps`), median. The GPU's clocks fall as a run nears its power cap, so our rows and the
+/// peers' must span the same time to be compared.
+#[derive(Clone, Copy, Debug)]
+pub struct Protocol {
+    pub warmup: usize,
+    pub min_reps: usize,
+    pub max_reps: usize,
+    pub target_ms: f64,
+}
+
+impl Protocol {
+    /// The peers' flags on the command line, over these defaults; `--quick` caps the target at
+    /// 100 ms and the fewest runs at 20, as the peers' `--quick` does. Exits 2 on a bad value.
+    pub fn from_args(args: &Args, default: Protocol) -> Protocol {
+        let num = |name: &str, dflt: f64| match args.value(name).map(|v| v.parse::<f64>()) {
+            None => dflt,
+            Some(Ok(x)) if x >= 0.0 => x,
+            Some(_) => {
+                eprintln!("{name} takes a number >= 0");
+                std::process::exit(2)
+            }
+        };
+        let mut p = Protocol {
+            warmup: num("--warmup", default.warmup as f64) as usize,
+            min_reps: num("--min-reps", default.min_reps as f64) as usize,
+            max_reps: num("--max-reps", default.max_reps as f64) as usize,
+            target_ms: num("--target-ms", default.target_ms),
+        };
+        if args.flag("--quick") {
+            p.target_ms = p.target_ms.min(100.0);
+            p.min_reps = p.min_reps.min(20);
+        }
+        if p.min_reps == 0 || p.max_reps < p.min_reps {
+            eprintln!("need 1 <= --min-reps <= --max-reps");
+            std::process::exit(2)
+        }
+        p
+    }
+
+    /// As it goes into a results row.
+    pub fn json_fields(&self) -> String {
+        format!(
+            "\"warmup\": {}, \"min_reps\": {}, \"max_reps\": {}, \"target_ms\": {}",
+            self.warmup, self.min_reps, self.max_reps, self.target_ms
+        )
+    }
+
+    /// Each of `ways` calls timed under the protocol, their calls alternating
+    /// ([`interleaved_times_ms`]): each way's sorted milliseconds, and the host's enqueue time
+    /// per call in microseconds.
+    pub fn times_ms(
+        &self,
+        stream: &Arc<CudaStream>,
+        ways: usize,
+        mut call: impl FnMut(usize),
+    ) -> (Vec<Vec<f64>>, f64) {
+        let (probe, _) = interleaved_times_ms(stream, self.warmup, 3, ways, &mut call);
+        let slowest = probe.iter().map(|ms| ms[1]).fold(0.0, f64::max);
+        let reps = ((self.target_ms / slowest.max(1e-3)).ceil() as usize)
+            .clamp(self.min_reps, self.max_reps);
+        interleaved_times_ms(stream, 0, reps, ways, call)
+    }
+
+    /// The median milliseconds of one call under the protocol.
+    pub fn median_ms(&self, stream: &Arc<CudaStream>, mut call: impl FnMut()) -> f64 {
+        let (ms, _) = self.times_ms(stream, 1, |_| call());
+        ms[0][ms[0].len() / 2]
+    }
+}
+
 /// Milliseconds of `reps` calls of `call`, sorted, each between CUDA events, after `warmup`
 /// calls; the calls stay queued (one synchronization at the end), so the host enqueues the timed
 /// calls while the GPU is still busy and no launch gap is timed, as the peers are timed.
@@ -143,31 +216,36 @@ pub fn queued_times_ms(
     reps: usize,
     mut call: impl FnMut(),
 ) -> Vec<f64> {
-    interleaved_times_ms(stream, warmup, reps, 1, |_| call()).remove(0)
+    interleaved_times_ms(stream, warmup, reps, 1, |_| call())
+        .0
+        .remove(0)
 }
 
 /// As [`queued_times_ms`] for `ways` calls taken in turn (`call(0)`, `call(1)`, ..., then again):
-/// each way's sorted milliseconds. A drift of the clocks or the power state over the run then
-/// falls on every way alike, which timing one after the other cannot give.
+/// each way's sorted milliseconds, and the host's time to enqueue one call (with its events) in
+/// microseconds. A drift of the clocks or the power state over the run then falls on every way
+/// alike, which timing one after the other cannot give.
 pub fn interleaved_times_ms(
     stream: &Arc<CudaStream>,
     warmup: usize,
     reps: usize,
     ways: usize,
     mut call: impl FnMut(usize),
-) -> Vec<Vec<f64>> {
+) -> (Vec<Vec<f64>>, f64) {
     for _ in 0..warmup {
         (0..ways).for_each(&mut call);
     }
     let event = || timing_event(stream);
+    let host_start = std::time::Instant::now();
     let events: Vec<_> = (0..reps)
-        .flat_map(|_| (0..ways).collect::<Vec<_>>())
+        .flat_map(|_| 0..ways)
         .map(|way| {
             let start = event();
             call(way);
             (way, start, event())
         })
         .collect();
+    let host_us = host_start.elapsed().as_secs_f64() * 1e6 / (reps * ways).max(1) as f64;
     stream.synchronize().unwrap();
     let mut ms = vec![Vec::with_capacity(reps); ways];
     for (way, start, end) in &events {
@@ -176,7 +254,7 @@ pub fn interleaved_times_ms(
     for way in &mut ms {
         way.sort_by(|a, b| a.partial_cmp(b).unwrap());
     }
-    ms
+    (ms, host_us)
 }
 
 /// Untimed calls before a sustained run, as benchmarks/peers_fa3_fp8.py's default
