@@ -210,6 +210,23 @@ impl Device {
         let v_len = count(Operand::V, [batch, heads_kv, d, v_keys])?;
         let q_desc_len = count(Operand::Q, [batch, heads_q, b.q, 1])?;
         let kv_desc_len = count(Operand::K, [batch, heads_kv, b.kv, 1])?;
+        // Given descales are refused before anything is allocated or launched unless each holds
+        // exactly its blocks.
+        for (operand, given, need) in descales.iter().flat_map(|[qd, kd, vd]| {
+            [
+                (Operand::Q, qd.len(), q_desc_len),
+                (Operand::K, kd.len(), kv_desc_len),
+                (Operand::V, vd.len(), kv_desc_len),
+            ]
+        }) {
+            if given != need {
+                return Err(Error::BufferTooSmall {
+                    operand,
+                    needed: need,
+                    len: given,
+                });
+            }
+        }
         // Dense: the quantize step writes every element of the data, and every descale when it
         // computes them (given descales are copied in below). Packed: it writes the sequences'
         // rows and blocks only, so the rest (rows and blocks no sequence owns) starts zeroed.
@@ -239,18 +256,11 @@ impl Device {
         };
         let computed = descales.is_none();
         if let Some([qd, kd, vd]) = descales {
-            for (operand, given, need, dst) in [
-                (Operand::Q, qd, q_desc_len, &mut out.q_descale),
-                (Operand::K, kd, kv_desc_len, &mut out.k_descale),
-                (Operand::V, vd, kv_desc_len, &mut out.v_descale),
+            for (given, need, dst) in [
+                (qd, q_desc_len, &mut out.q_descale),
+                (kd, kv_desc_len, &mut out.k_descale),
+                (vd, kv_desc_len, &mut out.v_descale),
             ] {
-                if given.len() != need {
-                    return Err(Error::BufferTooSmall {
-                        operand,
-                        needed: need,
-                        len: given.len(),
-                    });
-                }
                 let (src_ptr, _src_guard) = given.device_ptr(stream);
                 let (dst_ptr, _dst_guard) = dst.device_ptr_mut(stream);
                 self.ctx.bind_to_thread().map_err(err)?;
