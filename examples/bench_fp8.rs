@@ -58,15 +58,16 @@ const PROTOCOL: common::Protocol = common::Protocol {
     target_ms: 250.0,
 };
 
-/// Median milliseconds of `run` under `protocol`. `synced`: each call waited for before the next
-/// is made, timed on the host (what a caller that synchronizes every step sees, host work and
-/// stream-ordered allocations included), as many calls as the protocol would queue.
+/// Median milliseconds of `run` under `protocol`, and the calls timed. `synced`: each call waited
+/// for before the next is made, timed on the host (what a caller that synchronizes every step
+/// sees, host work and stream-ordered allocations included), as many calls as the protocol would
+/// queue.
 fn time(
     stream: &Arc<CudaStream>,
     protocol: &common::Protocol,
     synced: bool,
     mut run: impl FnMut(),
-) -> f64 {
+) -> (f64, usize) {
     if !synced {
         return protocol.median_ms(stream, run);
     }
@@ -84,9 +85,9 @@ fn time(
     };
     synced_ms(protocol.warmup);
     let probe = synced_ms(3)[1];
-    let reps = ((protocol.target_ms / probe.max(1e-3)).ceil() as usize)
+    let reps = ((protocol.target_ms / probe.max(1e-3)) as usize)
         .clamp(protocol.min_reps, protocol.max_reps);
-    synced_ms(reps)[reps / 2]
+    (common::percentile(&synced_ms(reps), 50.0), reps)
 }
 
 fn main() {
@@ -215,7 +216,7 @@ fn main() {
                     .sm90_schedule(schedule);
                 // The inputs of the last timed call are the ones the forward runs on.
                 let mut fp8 = None;
-                let quant_ms = time(&stream, &protocol, synced, || {
+                let (quant_ms, _) = time(&stream, &protocol, synced, || {
                     fp8 = Some(
                         dev.quantize_fp8(
                             &stream,
@@ -240,13 +241,13 @@ fn main() {
                     .expect("fp8 forward");
                 };
                 stream.memcpy_htod(&poison, &mut out).unwrap(); // every output must be rewritten
-                let fp8_ms = time(&stream, &protocol, synced, || {
+                let (fp8_ms, fwd_reps) = time(&stream, &protocol, synced, || {
                     fp8_forward(&mut out, &mut lse)
                 });
                 let host_out = stream.clone_dtoh(&out).unwrap();
                 stream.synchronize().unwrap();
                 let unwritten = host_out.iter().filter(|x| !x.is_finite()).count();
-                let bf16_ms = time(&stream, &protocol, synced, || {
+                let (bf16_ms, _) = time(&stream, &protocol, synced, || {
                     dev.forward_into(
                         &stream,
                         &cfg,
@@ -277,7 +278,7 @@ fn main() {
                     tflops(bf16_ms)
                 );
                 rows.push(format!(
-                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"split_tail\": \"{:?}\", \"synced\": {synced}, {}, \"hadamard\": {}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
+                    "  {{\"impl\": \"flashattn-sm90-fp8\", \"backend\": \"sm90\", \"dtype\": \"e4m3\", \"d\": {d}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {causal}, \"pingpong_fp8\": {}, \"pingpong_bf16\": {}, \"split_tail\": \"{:?}\", \"synced\": {synced}, {}, \"hadamard\": {}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {fp8_ms:.4}, \"fwd_reps\": {fwd_reps}, \"bf16_fwd_tflops\": {:.1}, \"bf16_fwd_ms\": {bf16_ms:.4}, \"quantize_ms\": {quant_ms:.4}, \"quantize_gbs\": {quant_gbs:.0}, \"non_finite_outputs\": {unwritten}}}",
                     shape[0],
                     shape[2],
                     shape[2],
@@ -377,7 +378,8 @@ fn main() {
                         &mut lse.slice_mut(0..nl),
                     )
                     .expect("fp8 forward");
-                });
+                })
+                .0;
                 non_finite(&out);
                 stream.memcpy_htod(&poison, &mut out).unwrap();
                 bf16_ms[i] = time(&stream, &protocol, synced, || {
@@ -393,7 +395,8 @@ fn main() {
                         &mut lse.slice_mut(0..nl),
                     )
                     .expect("bf16 forward");
-                });
+                })
+                .0;
                 non_finite(&out);
             }
             let mask = AttentionConfig::new().causal(causal).key_rule(sq, sk);

@@ -27,8 +27,9 @@
 //! follows the previous shape's sustained run: time cold rows in a run without the flag.
 //!
 //! Usage: bench_table [--quick] [--only D,S[,causal][,sm80]] [--dims D,...] [--head-dim-v DV]
-//!                    [--hidden H] [--softcap C] [--sinks] [--sustained N] [--out results.json]
-//!                    [--commit SHA]
+//!                    [--hidden H] [--softcap C] [--sinks] [--sustained N]
+//!                    [--warmup N] [--min-reps N] [--max-reps N] [--target-ms MS]
+//!                    [--out results.json] [--commit SHA]
 
 mod common;
 
@@ -80,6 +81,9 @@ struct Row {
     ms_p10: f64,
     ms_p90: f64,
     host_us: f64,
+    /// The calls each median was taken over (the plain backward's for `bwd_reps`).
+    fwd_reps: usize,
+    bwd_reps: Option<usize>,
     tflops: f64,
     bwd_ms: Option<f64>,
     bwd_tflops: Option<f64>,
@@ -135,7 +139,7 @@ fn forward_call<'a>(
     }
 }
 
-/// The forward's sorted milliseconds under `protocol`, and the host's enqueue time per call.
+/// The forward timed under `protocol`.
 fn time_forward(
     dev: &Device,
     stream: &Arc<CudaStream>,
@@ -143,10 +147,9 @@ fn time_forward(
     cfg: &AttentionConfig,
     shape: [usize; 5],
     protocol: &common::Protocol,
-) -> (Vec<f64>, f64) {
+) -> common::Timed {
     let run = forward_call(dev, stream, cfg, shape);
-    let (mut ms, host_us) = protocol.times_ms(stream, 1, |_| run(inp));
-    (ms.remove(0), host_us)
+    protocol.times_ms(stream, 1, |_| run(inp))
 }
 
 /// One backward call on `shape` into `inp`'s gradients, from the O and LSE a forward left there.
@@ -192,8 +195,8 @@ fn backward_call<'a>(
     }
 }
 
-/// The backward's median milliseconds under `protocol`, after one forward that leaves O and LSE
-/// in `inp`.
+/// The backward's median milliseconds under `protocol` and the calls timed, after one forward
+/// that leaves O and LSE in `inp`.
 fn time_backward(
     dev: &Device,
     stream: &Arc<CudaStream>,
@@ -201,7 +204,7 @@ fn time_backward(
     cfg: &AttentionConfig,
     shape: [usize; 5],
     protocol: &common::Protocol,
-) -> f64 {
+) -> (f64, usize) {
     let run = backward_call(dev, stream, cfg, shape);
     protocol.median_ms(stream, || run(inp))
 }
@@ -447,9 +450,11 @@ fn main() {
         if let Some(c) = softcap {
             cfg = cfg.softcap(c);
         }
-        let (times, host_us) = time_forward(&dev, &stream, &mut inp, &cfg, shape, &protocol);
-        let pct = |p: f64| times[((times.len() - 1) as f64 * p).round() as usize];
-        let ms = pct(0.5);
+        let timed = time_forward(&dev, &stream, &mut inp, &cfg, shape, &protocol);
+        let (host_us, fwd_reps) = (timed.host_us, timed.reps);
+        let times = &timed.ms[0];
+        let pct = |p: f64| common::percentile(times, p);
+        let ms = pct(50.0);
         let problem = Problem {
             batch: shape[0],
             seqlen_q: s,
@@ -473,9 +478,10 @@ fn main() {
             && schedule == full
             && built(Family::Sm90Bwd, d, dv)
             && !(softcap.is_some() && with_sinks);
-        let bwd_ms = (sm80 || sm90_bwd).then(|| median_backward(&cfg));
+        let bwd = (sm80 || sm90_bwd).then(|| median_backward(&cfg));
+        let (bwd_ms, bwd_reps) = (bwd.map(|b| b.0), bwd.map(|b| b.1));
         let bwd_det_ms = (sm80 || (sm90_bwd && softcap.is_none()))
-            .then(|| median_backward(&cfg.clone().deterministic(true)));
+            .then(|| median_backward(&cfg.clone().deterministic(true)).0);
         let bwd_tflops = |ms: f64| 2.5 * problem.forward_flops(causal) / (ms * 1e-3) / 1e12;
         // After the cold timings, so that the heat of hundreds of calls changes none of them.
         let (sustained_fwd, sustained_bwd) = match sustained {
@@ -511,9 +517,11 @@ fn main() {
             backend,
             schedule,
             ms,
-            ms_p10: pct(0.1),
-            ms_p90: pct(0.9),
+            ms_p10: pct(10.0),
+            ms_p90: pct(90.0),
             host_us,
+            fwd_reps,
+            bwd_reps,
             tflops,
             bwd_ms,
             bwd_tflops: bwd_ms.map(bwd_tflops),
@@ -581,13 +589,13 @@ fn main() {
                 }
             };
             json_rows.push(format!(
-                "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}{}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}, \"host_us_per_call\": {:.1}{}{}}}",
+                "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}{}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}, \"host_us_per_call\": {:.1}, \"fwd_reps\": {}{}{}}}",
                 r.backend.name(), r.backend.name(), r.d,
                 if r.dv == r.d { String::new() } else { format!(", \"d_v\": {}", r.dv) },
                 r.seqlen, r.seqlen, TOKENS / r.seqlen, hidden / r.d, hidden / r.d, r.causal,
-                r.pass, r.err_ratio, r.tflops, r.ms, r.ms_p10, r.ms_p90, r.host_us, variant,
-                match (r.bwd_tflops, r.bwd_ms) {
-                    (Some(tf), Some(ms)) => format!(", \"bwd_tflops\": {tf:.1}, \"bwd_ms\": {ms:.4}"),
+                r.pass, r.err_ratio, r.tflops, r.ms, r.ms_p10, r.ms_p90, r.host_us, r.fwd_reps, variant,
+                match (r.bwd_tflops, r.bwd_ms, r.bwd_reps) {
+                    (Some(tf), Some(ms), Some(n)) => format!(", \"bwd_tflops\": {tf:.1}, \"bwd_ms\": {ms:.4}, \"bwd_reps\": {n}"),
                     _ => String::new(),
                 } + &match (r.bwd_det_tflops, r.bwd_det_ms) {
                     (Some(tf), Some(ms)) => format!(", \"bwd_det_tflops\": {tf:.1}, \"bwd_det_ms\": {ms:.4}"),

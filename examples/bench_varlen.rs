@@ -9,8 +9,9 @@
 //! by call, so that both meet the same clocks; `--dense-first` starts with the dense one;
 //! `--rounds N` times everything N times, that order swapped from round to round.
 //! CUDA events around each call, queued behind 5 warm-up calls, median of about 200 ms of calls
-//! (20 to 100 of them), as the peers are timed (`--warmup`, `--min-reps`, `--max-reps`,
-//! `--target-ms` as theirs). Writes the mixes for
+//! (20 to 100 of them; alternating ways share that time), as the peers are timed (`--warmup`,
+//! `--min-reps`, `--max-reps`, `--target-ms` as theirs; `--quick`: 100 ms, which
+//! benchmarks/varlen_peers.py has no flag for). Writes the mixes for
 //! benchmarks/varlen_peers.py (`--mixes-out PATH`) so that the peers time the very same sequences.
 //!
 //! `cargo run --release --example bench_varlen -- --out varlen.json --mixes-out mixes.json`
@@ -96,8 +97,12 @@ fn median_ms(
     ways: usize,
     call: impl FnMut(usize),
 ) -> Vec<f64> {
-    let (ms, _) = protocol.times_ms(stream, ways, call);
-    ms.iter().map(|ms| ms[ms.len() / 2]).collect()
+    let timed = protocol.times_ms(stream, ways, call);
+    timed
+        .ms
+        .iter()
+        .map(|ms| common::percentile(ms, 50.0))
+        .collect()
 }
 
 /// The tensors' shape: packed `(1, Σ lens)` rows, or dense `(lens.len(), s)` when every length

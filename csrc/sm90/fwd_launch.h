@@ -209,9 +209,10 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
     }
   }
   // Packed: the schedule first (fwd_packed_schedule), in a workspace taken and given back in
-  // stream order; not where padding costs no tiles (the offsets' bound on the slots reaches the
-  // padded count: the lengths average within a block of the longest), whose padded walk in the
-  // caller's order has as many tiles and spares the pass and a load per tile. Without the
+  // stream order; not where padding costs no tiles (the slots' bound from Q's rows reaches the
+  // padded count, as when sequences that fill Q average num_m_blocks − 1 blocks or more), whose
+  // padded walk in the caller's order has as many tiles and spares the pass and a load per
+  // tile. Without the
   // workspace (out of memory, say) the call runs padded too: the error is not this call's
   // failure (a sticky one shows at the launch below).
   PackedSlot* schedule = nullptr;

@@ -136,9 +136,10 @@ pub fn timing_event(stream: &Arc<CudaStream>) -> CudaEvent {
 
 /// How a cold measurement is taken, as benchmarks/peers_common.py takes the peers' (its
 /// `--warmup`, `--min-reps`, `--max-reps`, `--target-ms`): `warmup` queued calls, three probe
-/// calls, then as many timed calls as make about `target_ms` of GPU time (`min_reps` to
-/// `max_reps`), median. The GPU's clocks fall as a run nears its power cap, so our rows and the
-/// peers' must span the same time to be compared.
+/// calls, then as many timed calls as make about `target_ms` of GPU time (the count rounded down
+/// and held to `min_reps`..=`max_reps`; alternating ways share that time), each queued behind
+/// the one before, median interpolated as theirs. The GPU's clocks fall as a run nears its power
+/// cap, so our rows and the peers' must span the same time to be compared.
 #[derive(Clone, Copy, Debug)]
 pub struct Protocol {
     pub warmup: usize,
@@ -147,9 +148,26 @@ pub struct Protocol {
     pub target_ms: f64,
 }
 
+/// One measurement under a [`Protocol`]: each way's sorted milliseconds, the calls timed per way,
+/// and the host's enqueue time per call in microseconds.
+pub struct Timed {
+    pub ms: Vec<Vec<f64>>,
+    pub reps: usize,
+    pub host_us: f64,
+}
+
+/// The p-th percentile (0..=100) of sorted values, interpolated between neighbours as
+/// benchmarks/peers_common.py's `percentile`.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let pos = (sorted.len() - 1) as f64 * p / 100.0;
+    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo as f64)
+}
+
 impl Protocol {
     /// The peers' flags on the command line, over these defaults; `--quick` caps the target at
-    /// 100 ms and the fewest runs at 20, as the peers' `--quick` does. Exits 2 on a bad value.
+    /// 100 ms and the fewest runs at 20, as compare_torch.py's and peers_fa3_fp8.py's `--quick`
+    /// does. Exits 2 on a bad value.
     pub fn from_args(args: &Args, default: Protocol) -> Protocol {
         let num = |name: &str, dflt: f64| match args.value(name).map(|v| v.parse::<f64>()) {
             None => dflt,
@@ -176,7 +194,7 @@ impl Protocol {
         p
     }
 
-    /// As it goes into a results row.
+    /// As it goes into a results file.
     pub fn json_fields(&self) -> String {
         format!(
             "\"warmup\": {}, \"min_reps\": {}, \"max_reps\": {}, \"target_ms\": {}",
@@ -184,47 +202,36 @@ impl Protocol {
         )
     }
 
-    /// Each of `ways` calls timed under the protocol, their calls alternating
-    /// ([`interleaved_times_ms`]): each way's sorted milliseconds, and the host's enqueue time
-    /// per call in microseconds.
+    /// `ways` calls timed under the protocol, their calls alternating ([`interleaved_times_ms`]).
+    /// The timed calls queue behind `warmup` more (at least one), so that the host runs ahead of
+    /// the GPU from the first of them.
     pub fn times_ms(
         &self,
         stream: &Arc<CudaStream>,
         ways: usize,
         mut call: impl FnMut(usize),
-    ) -> (Vec<Vec<f64>>, f64) {
+    ) -> Timed {
         let (probe, _) = interleaved_times_ms(stream, self.warmup, 3, ways, &mut call);
-        let slowest = probe.iter().map(|ms| ms[1]).fold(0.0, f64::max);
-        let reps = ((self.target_ms / slowest.max(1e-3)).ceil() as usize)
-            .clamp(self.min_reps, self.max_reps);
-        interleaved_times_ms(stream, 0, reps, ways, call)
+        let round_ms: f64 = probe.iter().map(|ms| ms[1]).sum();
+        let reps =
+            ((self.target_ms / round_ms.max(1e-3)) as usize).clamp(self.min_reps, self.max_reps);
+        let (ms, host_us) = interleaved_times_ms(stream, self.warmup.max(1), reps, ways, call);
+        Timed { ms, reps, host_us }
     }
 
-    /// The median milliseconds of one call under the protocol.
-    pub fn median_ms(&self, stream: &Arc<CudaStream>, mut call: impl FnMut()) -> f64 {
-        let (ms, _) = self.times_ms(stream, 1, |_| call());
-        ms[0][ms[0].len() / 2]
+    /// The median milliseconds of one call under the protocol, and the calls timed.
+    pub fn median_ms(&self, stream: &Arc<CudaStream>, mut call: impl FnMut()) -> (f64, usize) {
+        let t = self.times_ms(stream, 1, |_| call());
+        (percentile(&t.ms[0], 50.0), t.reps)
     }
 }
 
-/// Milliseconds of `reps` calls of `call`, sorted, each between CUDA events, after `warmup`
-/// calls; the calls stay queued (one synchronization at the end), so the host enqueues the timed
-/// calls while the GPU is still busy and no launch gap is timed, as the peers are timed.
-pub fn queued_times_ms(
-    stream: &Arc<CudaStream>,
-    warmup: usize,
-    reps: usize,
-    mut call: impl FnMut(),
-) -> Vec<f64> {
-    interleaved_times_ms(stream, warmup, reps, 1, |_| call())
-        .0
-        .remove(0)
-}
-
-/// As [`queued_times_ms`] for `ways` calls taken in turn (`call(0)`, `call(1)`, ..., then again):
-/// each way's sorted milliseconds, and the host's time to enqueue one call (with its events) in
-/// microseconds. A drift of the clocks or the power state over the run then falls on every way
-/// alike, which timing one after the other cannot give.
+/// Milliseconds of `reps` rounds of `ways` calls taken in turn (`call(0)`, `call(1)`, ..., then
+/// again), each between CUDA events, after `warmup` rounds: each way's sorted milliseconds, and
+/// the host's time to enqueue one call (with its events) in microseconds. The calls stay queued
+/// (one synchronization at the end), so the host enqueues the timed calls while the GPU is still
+/// busy and no launch gap is timed, as the peers are timed. A drift of the clocks or the power
+/// state over the run then falls on every way alike, which timing one after the other cannot give.
 pub fn interleaved_times_ms(
     stream: &Arc<CudaStream>,
     warmup: usize,

@@ -212,14 +212,16 @@ fn many_sequences_and_long_ones() {
     }
 }
 
-/// Lengths that average within a query block of the longest, one of them empty and one short of
-/// a block multiple: the Hopper forward walks them padded, without its schedule, and every
-/// sequence still matches its reference (causal, and a right bound that pairs tiles).
+/// Lengths that fill Q's rows at nearly a block's multiple each, one of them empty and one short
+/// of a block multiple (1452 rows: at most 1452 / 128 + 5 = 16 slots against 5 · 3 = 15 padded
+/// tiles per head): the Hopper forward walks them padded, without its schedule, and every
+/// sequence still matches its reference (full, causal, and a right bound that pairs tiles).
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a Hopper GPU"]
 fn nearly_equal_lengths_walk_padded() {
     let (q_lens, k_lens) = ([384, 0, 384, 300, 384], [384, 50, 384, 300, 400]);
     for cfg in [
+        AttentionConfig::new(),
         AttentionConfig::new().causal(true),
         AttentionConfig::new().window(None, Some(20)),
     ] {
@@ -227,7 +229,7 @@ fn nearly_equal_lengths_walk_padded() {
             &Batch::<bf16>::new(&q_lens, &k_lens, (4, 2), 128, 31),
             &cfg,
             None,
-            Backend::Auto,
+            Backend::Sm90,
         );
     }
 }
