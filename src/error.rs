@@ -117,6 +117,9 @@ pub enum Error {
     /// Sequence offsets or lengths of a packed (varlen) batch that describe no packing: not
     /// starting at 0, decreasing, past their maximum, of the wrong count.
     InvalidSeqlens(String),
+    /// A KV cache's block table names a page outside the cache, or has another length than
+    /// `batch × max_pages`.
+    InvalidPageTable(String),
     /// Device pointer not aligned as the kernels require.
     Misaligned { operand: Operand, align: usize },
     /// A stream, view or FP8 input that belongs to another CUDA context than the device the
@@ -184,6 +187,7 @@ impl fmt::Display for Error {
             }
             Error::InvalidConfig(msg) => write!(f, "invalid configuration: {msg}"),
             Error::InvalidSeqlens(msg) => write!(f, "invalid sequence lengths: {msg}"),
+            Error::InvalidPageTable(msg) => write!(f, "invalid page table: {msg}"),
             Error::Misaligned { operand, align } => {
                 write!(
                     f,

@@ -66,6 +66,7 @@ pub mod error;
 #[cfg(feature = "cuda")]
 mod ffi;
 pub mod fp8;
+pub mod kvcache;
 pub mod reference;
 pub mod registry;
 // The registry's tests beside it: build.rs includes registry.rs alone.

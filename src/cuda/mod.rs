@@ -4,6 +4,7 @@
 //! Nothing here synchronizes the stream: results are ready when the stream says so.
 
 mod fp8;
+mod kvcache;
 #[cfg(feature = "selftest")]
 pub(crate) mod selftest;
 mod varlen;
@@ -18,6 +19,7 @@ pub use fp8::{
     fp8_key_block, fp8_query_block, v_key_column, v_row_head_dim, Fp8ForwardInputs, Fp8Inputs,
     Fp8Options,
 };
+pub use kvcache::DeviceKvCacheInputs;
 pub use varlen::DeviceSeqlens;
 pub use views::{
     DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut,

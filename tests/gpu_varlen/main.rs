@@ -11,6 +11,7 @@ mod dense;
 mod fp8;
 #[path = "../harness/mod.rs"]
 mod harness;
+mod kvcache;
 
 use std::sync::Arc;
 

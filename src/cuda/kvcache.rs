@@ -1,0 +1,142 @@
+//! Attention over a dense KV cache on the GPU ([`crate::kvcache`] has the layout and the CPU
+//! calls, paged caches included).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DeviceRepr};
+
+use super::{Device, DeviceForwardInputs, DeviceSeqlens, DeviceTensor, DeviceTensorMut};
+use crate::config::{AttentionConfig, Backend};
+use crate::dispatch::Plan;
+use crate::error::{Error, Operand, Result};
+use crate::tensor::Layout;
+use crate::Element;
+
+/// A dense-cache call's device inputs: Q `(batch, seqlen_q, heads_q, head_dim)`, the cache K
+/// `(batch_cache, seqlen_cache, heads_kv, head_dim)` and V with `head_dim_v` (sequence `b` reads
+/// entry `b`; `batch_cache ≥ batch`), `batch` cached key counts, and optionally attention sinks.
+#[derive(Debug)]
+pub struct DeviceKvCacheInputs<'a, T> {
+    pub q: &'a DeviceTensor<'a, T>,
+    pub k_cache: &'a DeviceTensor<'a, T>,
+    pub v_cache: &'a DeviceTensor<'a, T>,
+    /// Each sequence's cached keys, `batch` i32 values on the device. The kernels clamp them into
+    /// `0..=seqlen_cache` (the host does not read them: that would synchronize the stream). The
+    /// cache's rows past them are read by whole-block loads and take weight 0: they must hold
+    /// finite values (a zero-initialized cache, say), or O may be NaN.
+    pub cache_seqlens: CudaView<'a, i32>,
+    pub sinks: Option<&'a CudaView<'a, f32>>,
+}
+
+/// `t` (batch, rows, heads, d) as one sequence of `batch · rows` rows, where its batch stride is
+/// `rows` row strides (the rows of consecutive entries follow one another).
+fn as_rows(operand: Operand, layout: &Layout) -> Result<Layout> {
+    let [batch, rows, heads, d] = layout.shape;
+    let s = layout.strides;
+    if batch > 1 && s[0] != rows * s[1] {
+        return Err(Error::Unsupported {
+            what: format!(
+                "{operand} of a KV-cache call on the GPU with batch stride {} (the GPU path reads \
+                 each entry's rows after the last's: batch stride {rows} × row stride {})",
+                s[0], s[1]
+            ),
+            backend: Backend::Auto,
+        });
+    }
+    Ok(Layout::with_strides(
+        [1, batch * rows, heads, d],
+        [batch * rows * s[1], s[1], s[2], s[3]],
+    ))
+}
+
+impl Device {
+    /// Forward pass over a dense KV cache into caller-owned device outputs, ordered on `stream`:
+    /// O `(batch, seqlen_q, heads_q, head_dim_v)` and `lse` f32 `(heads_q, batch · seqlen_q)` as
+    /// [`crate::kvcache`] describes (each sequence's queries the last positions of its first
+    /// `cache_seqlens[b]` cached keys: masks align bottom-right within them). It runs the packed
+    /// kernels ([`Device::varlen_forward_into`]) with the cache's entries as sequences and
+    /// `cache_seqlens` as their used keys; the offsets of that call (two arrays of `batch + 1`
+    /// i32) are copied to the device on `stream` each call. Q, O and the cache must hold their
+    /// entries' rows one after the other (batch stride = rows × row stride).
+    pub fn kvcache_forward_into<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        inputs: DeviceKvCacheInputs<'_, T>,
+        out: &mut DeviceTensorMut<T>,
+        lse: &mut CudaViewMut<f32>,
+    ) -> Result<Plan> {
+        let DeviceKvCacheInputs {
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            sinks,
+        } = inputs;
+        let [batch, seqlen_q, _, _] = q.layout.shape;
+        let [entries, seqlen_cache, _, _] = k_cache.layout.shape;
+        if entries < batch {
+            return Err(Error::ShapeMismatch {
+                operand: Operand::K,
+                expected: [
+                    batch,
+                    seqlen_cache,
+                    k_cache.layout.shape[2],
+                    q.layout.shape[3],
+                ],
+                found: k_cache.layout.shape,
+            });
+        }
+        if v_cache.layout.shape[..3] != k_cache.layout.shape[..3] {
+            let [_, _, heads_kv, _] = k_cache.layout.shape;
+            return Err(Error::ShapeMismatch {
+                operand: Operand::V,
+                expected: [entries, seqlen_cache, heads_kv, v_cache.layout.shape[3]],
+                found: v_cache.layout.shape,
+            });
+        }
+        if cache_seqlens.len() != batch {
+            return Err(Error::InvalidSeqlens(format!(
+                "cache_seqlens has {} values for {batch} sequences",
+                cache_seqlens.len()
+            )));
+        }
+        if out.layout.shape[..3] != q.layout.shape[..3] {
+            return Err(Error::ShapeMismatch {
+                operand: Operand::Out,
+                expected: [batch, seqlen_q, q.layout.shape[2], v_cache.layout.shape[3]],
+                found: out.layout.shape,
+            });
+        }
+        // The first `batch` entries of the cache, and everything as packed rows.
+        let used = |t: &DeviceTensor<'_, T>| -> Layout {
+            let [_, rows, heads, d] = t.layout.shape;
+            Layout::with_strides([batch, rows, heads, d], t.layout.strides)
+        };
+        let q_rows = DeviceTensor::new(q.data.slice(..), as_rows(Operand::Q, &q.layout)?);
+        let k_rows =
+            DeviceTensor::new(k_cache.data.slice(..), as_rows(Operand::K, &used(k_cache))?);
+        let v_rows =
+            DeviceTensor::new(v_cache.data.slice(..), as_rows(Operand::V, &used(v_cache))?);
+        let mut o_rows =
+            DeviceTensorMut::new(out.data.slice_mut(..), as_rows(Operand::Out, &out.layout)?);
+        let offsets = |n: usize| -> Result<_> {
+            let cu: Vec<i32> = (0..=batch)
+                .map(|b| i32::try_from(b * n))
+                .collect::<std::result::Result<_, _>>()
+                .map_err(|_| Error::IndexOverflow {
+                    operand: Operand::Q,
+                    detail: format!("{batch} sequences of {n} rows pass i32 offsets"),
+                })?;
+            stream.clone_htod(&cu).map_err(super::driver_error)
+        };
+        let (cu_q, cu_k) = (offsets(seqlen_q)?, offsets(seqlen_cache)?);
+        let seqs = DeviceSeqlens::new(cu_q.as_view(), cu_k.as_view(), seqlen_q, seqlen_cache)?
+            .with_seqused_k(cache_seqlens)?;
+        let inputs = DeviceForwardInputs {
+            sinks,
+            ..DeviceForwardInputs::new(&q_rows, &k_rows, &v_rows)
+        };
+        self.varlen_forward_into(stream, cfg, &seqs, inputs, &mut o_rows, lse)
+    }
+}

@@ -1,0 +1,357 @@
+//! Attention over a KV cache, as serving runs it: each sequence's queries attend to the first
+//! `cache_seqlens[b]` keys of its cache, in the spirit of FlashAttention's
+//! `flash_attn_with_kvcache`.
+//!
+//! Q is `(batch, seqlen_q, heads_q, head_dim)`: the last `seqlen_q` positions of each sequence,
+//! so causal and window masks align bottom-right with the sequence's cached keys, as in a dense
+//! call with `seqlen_q ≤ seqlen_k`. The cache is one of
+//! - dense: K `(batch_cache, seqlen_cache, heads_kv, head_dim)` and V with `head_dim_v`;
+//!   sequence `b` reads entry `cache_batch_idx[b]` (entry `b` without it);
+//! - paged: K `(num_pages, page_size, heads_kv, head_dim)` and V alike, with a block table of
+//!   `batch × max_pages` page numbers (row-major): key `j` of sequence `b` lies in page
+//!   `block_table[b · max_pages + j / page_size]`, row `j % page_size`.
+//!
+//! O is `(batch, seqlen_q, heads_q, head_dim_v)`; the LSE is f32 `(heads_q, batch · seqlen_q)`,
+//! packed as [`crate::varlen`]'s (the query rows of all sequences along one axis). A sequence
+//! with no cached key gets O = 0 and LSE = +inf (its head's sink with attention sinks).
+//!
+//! This module runs on the CPU backend (host memory, every value checked on the host);
+//! [`crate::cuda::Device::kvcache_forward_into`] runs dense caches on the GPU.
+//!
+//! ```
+//! use flashattn::kvcache::{self, KvCache, KvCacheInputs};
+//! use flashattn::{AttentionConfig, TensorRef};
+//!
+//! // Two sequences decoding one token each over a paged cache of 4 pages of 16 keys.
+//! let x = |n: usize| -> Vec<f32> { (0..n).map(|i| (i as f32 * 0.37).sin()).collect() };
+//! let (q, cache) = (x(2 * 2 * 8), x(4 * 16 * 2 * 8));
+//! let q = TensorRef::contiguous(&q, [2, 1, 2, 8]);
+//! let kv = TensorRef::contiguous(&cache, [4, 16, 2, 8]);
+//! let table = [3, 1, 0, 2]; // sequence 0: pages 3, 1; sequence 1: pages 0, 2
+//! let paged = KvCache::paged(kv, kv, &table, 2);
+//! let fwd = kvcache::forward(&AttentionConfig::new().causal(true),
+//!                            KvCacheInputs::new(q, paged, &[20, 5]))?;
+//! assert_eq!(fwd.lse.len(), 2 * 2); // (heads_q, batch · seqlen_q)
+//! # Ok::<(), flashattn::Error>(())
+//! ```
+
+use crate::backend;
+use crate::config::AttentionConfig;
+use crate::dispatch::{self, BuiltKernels, Memory, Op};
+use crate::error::{Error, Operand, Result};
+use crate::tensor::{self, Element, Layout, Problem, TensorMut, TensorRef};
+use crate::{alloc, ForwardInputs, ForwardOutput};
+
+/// Where the cached keys and values lie (see the module's documentation).
+#[derive(Clone, Copy, Debug)]
+pub enum KvCache<'a, T> {
+    /// K `(batch_cache, seqlen_cache, heads_kv, head_dim)`, V with its own head dim.
+    Dense {
+        k: TensorRef<'a, T>,
+        v: TensorRef<'a, T>,
+    },
+    /// K `(num_pages, page_size, heads_kv, head_dim)`, V alike; `block_table` holds
+    /// `batch × max_pages` page numbers, row-major.
+    Paged {
+        k: TensorRef<'a, T>,
+        v: TensorRef<'a, T>,
+        block_table: &'a [i32],
+        max_pages: usize,
+    },
+}
+
+impl<'a, T> KvCache<'a, T> {
+    /// A dense cache.
+    pub fn dense(k: TensorRef<'a, T>, v: TensorRef<'a, T>) -> Self {
+        KvCache::Dense { k, v }
+    }
+
+    /// A paged cache: `block_table` of `batch × max_pages` page numbers.
+    pub fn paged(
+        k: TensorRef<'a, T>,
+        v: TensorRef<'a, T>,
+        block_table: &'a [i32],
+        max_pages: usize,
+    ) -> Self {
+        KvCache::Paged {
+            k,
+            v,
+            block_table,
+            max_pages,
+        }
+    }
+
+    fn k(&self) -> &TensorRef<'a, T> {
+        match self {
+            KvCache::Dense { k, .. } | KvCache::Paged { k, .. } => k,
+        }
+    }
+
+    fn v(&self) -> &TensorRef<'a, T> {
+        match self {
+            KvCache::Dense { v, .. } | KvCache::Paged { v, .. } => v,
+        }
+    }
+
+    /// The keys one sequence can hold.
+    fn capacity(&self) -> usize {
+        match self {
+            KvCache::Dense { k, .. } => k.layout.shape[1],
+            KvCache::Paged { k, max_pages, .. } => k.layout.shape[1] * max_pages,
+        }
+    }
+}
+
+/// A KV-cache call's inputs: Q, the cache, each sequence's cached key count, and optionally the
+/// dense cache's entry per sequence and attention sinks (one logit per query head).
+#[derive(Clone, Copy, Debug)]
+pub struct KvCacheInputs<'a, T> {
+    pub q: TensorRef<'a, T>,
+    pub cache: KvCache<'a, T>,
+    pub cache_seqlens: &'a [i32],
+    pub cache_batch_idx: Option<&'a [i32]>,
+    pub sinks: Option<&'a [f32]>,
+}
+
+impl<'a, T> KvCacheInputs<'a, T> {
+    pub fn new(q: TensorRef<'a, T>, cache: KvCache<'a, T>, cache_seqlens: &'a [i32]) -> Self {
+        KvCacheInputs {
+            q,
+            cache,
+            cache_seqlens,
+            cache_batch_idx: None,
+            sinks: None,
+        }
+    }
+
+    /// Sequence `b` reads dense cache entry `cache_batch_idx[b]`.
+    pub fn with_cache_batch_idx(self, cache_batch_idx: &'a [i32]) -> Self {
+        KvCacheInputs {
+            cache_batch_idx: Some(cache_batch_idx),
+            ..self
+        }
+    }
+
+    /// Attention sinks, as [`ForwardInputs::with_sinks`].
+    pub fn with_sinks(self, sinks: &'a [f32]) -> Self {
+        KvCacheInputs {
+            sinks: Some(sinks),
+            ..self
+        }
+    }
+}
+
+/// Sequence `b`'s cache rows: for each of its keys, the cache entry (dense) or page (paged)
+/// and the row within it.
+fn key_rows<T>(inputs: &KvCacheInputs<T>, b: usize) -> Vec<(usize, usize)> {
+    let len = inputs.cache_seqlens[b] as usize;
+    match &inputs.cache {
+        KvCache::Dense { .. } => {
+            let entry = inputs.cache_batch_idx.map_or(b, |idx| idx[b] as usize);
+            (0..len).map(|j| (entry, j)).collect()
+        }
+        KvCache::Paged {
+            k,
+            block_table,
+            max_pages,
+            ..
+        } => {
+            let page_size = k.layout.shape[1];
+            (0..len)
+                .map(|j| {
+                    let page = block_table[b * *max_pages + j / page_size] as usize;
+                    (page, j % page_size)
+                })
+                .collect()
+        }
+    }
+}
+
+/// The rows `rows` of a cache tensor gathered into a contiguous `(1, rows.len(), heads, d)`.
+fn gather<T: Copy>(t: &TensorRef<T>, rows: &[(usize, usize)]) -> Vec<T> {
+    let [_, _, heads, d] = t.layout.shape;
+    let s = t.layout.strides;
+    let mut out = Vec::with_capacity(rows.len() * heads * d);
+    for &(entry, row) in rows {
+        for h in 0..heads {
+            let start = entry * s[0] + row * s[1] + h * s[2];
+            out.extend_from_slice(&t.data[start..start + d]);
+        }
+    }
+    out
+}
+
+fn invalid_seqlens(detail: String) -> Error {
+    Error::InvalidSeqlens(detail)
+}
+
+/// Checks the inputs against each other on the host; the call's problem (its keys the cache's
+/// capacity) and plan.
+fn plan<T: Element>(
+    cfg: &AttentionConfig,
+    inputs: &KvCacheInputs<T>,
+) -> Result<(Problem, dispatch::Plan)> {
+    let (q, k, v) = (&inputs.q, inputs.cache.k(), inputs.cache.v());
+    q.check(Operand::Q)?;
+    k.check(Operand::K)?;
+    v.check(Operand::V)?;
+    let batch = q.layout.shape[0];
+    let [slots, rows, heads_kv, head_dim] = k.layout.shape;
+    let head_dim_v = v.layout.shape[3];
+    Problem::expect_shape(Operand::V, &v.layout, [slots, rows, heads_kv, head_dim_v])?;
+    // The problem of a dense call whose keys are the cache's capacity: it checks the heads and
+    // head dims, and plans the call.
+    let capacity = inputs.cache.capacity();
+    let as_dense = |d: usize| Layout::contiguous([batch, capacity, heads_kv, d]);
+    let problem = Problem::from_layouts(
+        &q.layout,
+        &as_dense(head_dim),
+        &as_dense(head_dim_v),
+        T::DTYPE,
+    )?;
+    tensor::check_sinks(&problem, inputs.sinks.map(<[f32]>::len), None)?;
+    if inputs.cache_seqlens.len() != batch {
+        return Err(invalid_seqlens(format!(
+            "cache_seqlens has {} values for {batch} sequences",
+            inputs.cache_seqlens.len()
+        )));
+    }
+    for (b, &len) in inputs.cache_seqlens.iter().enumerate() {
+        if len < 0 || len as u64 > capacity as u64 {
+            return Err(invalid_seqlens(format!(
+                "cache_seqlens[{b}] is {len}, outside the cache's 0..={capacity} keys"
+            )));
+        }
+    }
+    match (&inputs.cache, inputs.cache_batch_idx) {
+        (KvCache::Dense { .. }, Some(idx)) => {
+            if idx.len() != batch {
+                return Err(Error::InvalidConfig(format!(
+                    "cache_batch_idx has {} values for {batch} sequences",
+                    idx.len()
+                )));
+            }
+            if let Some((b, &e)) = idx
+                .iter()
+                .enumerate()
+                .find(|(_, &e)| e < 0 || e as u64 >= slots as u64)
+            {
+                return Err(Error::InvalidConfig(format!(
+                    "cache_batch_idx[{b}] is {e}, outside the cache's {slots} entries"
+                )));
+            }
+        }
+        (KvCache::Dense { .. }, None) if slots < batch => {
+            return Err(Error::ShapeMismatch {
+                operand: Operand::K,
+                expected: [batch, rows, heads_kv, head_dim],
+                found: k.layout.shape,
+            });
+        }
+        (KvCache::Dense { .. }, None) => {}
+        (KvCache::Paged { .. }, Some(_)) => {
+            return Err(Error::InvalidConfig(
+                "cache_batch_idx with a paged cache: the block table names each sequence's pages"
+                    .into(),
+            ));
+        }
+        (
+            KvCache::Paged {
+                block_table,
+                max_pages,
+                ..
+            },
+            None,
+        ) => {
+            let needed = batch.checked_mul(*max_pages).ok_or(Error::IndexOverflow {
+                operand: Operand::K,
+                detail: format!("{batch} sequences of {max_pages} pages"),
+            })?;
+            if *max_pages == 0 || block_table.len() != needed {
+                return Err(Error::InvalidPageTable(format!(
+                    "{} entries for {batch} sequences of max_pages {max_pages} (need batch × \
+                     max_pages, max_pages >= 1)",
+                    block_table.len()
+                )));
+            }
+            // The pages each sequence's cached keys lie in must exist; the rest of its row of
+            // the table is never read.
+            for (b, &len) in inputs.cache_seqlens.iter().enumerate() {
+                let used = (len as usize).div_ceil(rows);
+                for (i, &page) in block_table[b * max_pages..][..used].iter().enumerate() {
+                    if page < 0 || page as u64 >= slots as u64 {
+                        return Err(Error::InvalidPageTable(format!(
+                            "sequence {b}'s page {i} is {page}, outside the cache's {slots} pages"
+                        )));
+                    }
+                }
+            }
+        }
+    }
+    let plan = dispatch::plan(
+        Op::Forward,
+        &problem,
+        cfg,
+        &Memory::Host,
+        BuiltKernels::current(),
+    )?;
+    Ok((problem, plan))
+}
+
+/// Forward pass over a KV cache: O `(batch, seqlen_q, heads_q, head_dim_v)` and the LSE
+/// `(heads_q, batch · seqlen_q)`. Each sequence's result is that of [`crate::forward`] on its Q
+/// and its first `cache_seqlens[b]` cached keys.
+pub fn forward<T: Element>(
+    cfg: &AttentionConfig,
+    inputs: KvCacheInputs<'_, T>,
+) -> Result<ForwardOutput<T>> {
+    let (shape, plan) = plan(cfg, &inputs)?;
+    let KvCacheInputs { q, sinks, .. } = inputs;
+    let (batch, seqlen_q, heads, d_v) =
+        (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v);
+    let (heads_kv, d) = (shape.heads_kv, shape.head_dim);
+    let total = batch * seqlen_q;
+    let mut out = alloc::<T>(Layout::contiguous(shape.o_shape()).numel(Operand::Out)?)?;
+    let mut lse = alloc::<f32>(heads * total)?;
+    let row = seqlen_q * heads * d_v;
+    let mut seq_lse = vec![0f32; heads * seqlen_q];
+    for b in 0..batch {
+        let rows = b * seqlen_q..(b + 1) * seqlen_q;
+        let keys = key_rows(&inputs, b);
+        if keys.is_empty() {
+            for h in 0..heads {
+                let keyless = backend::cpu::keyless_lse(sinks.map(|s| s[h]));
+                lse[h * total + rows.start..h * total + rows.end].fill(keyless);
+            }
+            continue;
+        }
+        let (k, v) = (
+            gather(inputs.cache.k(), &keys),
+            gather(inputs.cache.v(), &keys),
+        );
+        let p = Problem {
+            batch: 1,
+            seqlen_k: keys.len(),
+            ..shape
+        };
+        let q_b = TensorRef::new(
+            &q.data[b * q.layout.strides[0]..],
+            Layout::with_strides([1, seqlen_q, heads, d], q.layout.strides),
+        );
+        let inputs_b = ForwardInputs {
+            sinks,
+            ..ForwardInputs::new(
+                q_b,
+                TensorRef::contiguous(&k, [1, keys.len(), heads_kv, d]),
+                TensorRef::contiguous(&v, [1, keys.len(), heads_kv, d_v]),
+            )
+        };
+        let o = TensorMut::contiguous(&mut out[b * row..(b + 1) * row], p.o_shape());
+        backend::cpu::forward(cfg, &p, inputs_b, o, &mut seq_lse);
+        for h in 0..heads {
+            lse[h * total + rows.start..h * total + rows.end]
+                .copy_from_slice(&seq_lse[h * seqlen_q..(h + 1) * seqlen_q]);
+        }
+    }
+    Ok(ForwardOutput { out, lse, plan })
+}

@@ -1,0 +1,161 @@
+//! Dense KV caches on the GPU (`Device::kvcache_forward_into`, the packed kernels with the
+//! cache's entries as sequences): each sequence's O and LSE against the f64 reference of its
+//! queries over its first `cache_seqlens[b]` cached keys, decoding and a chunk of queries, GQA,
+//! causal / window / softcap, both families; an empty sequence gives O = 0 and LSE = +inf, the
+//! cache's rows past each length take no weight, and malformed counts stay inside the buffers.
+
+use cudarc::driver::CudaSlice;
+use flashattn::cuda::{DeviceKvCacheInputs, DeviceTensor, DeviceTensorMut};
+use flashattn::reference::{self, compare};
+use flashattn::{AttentionConfig, Backend, TensorRef};
+use half::bf16;
+
+use super::common::device;
+use super::harness::random;
+
+const SEQLEN_CACHE: usize = 300;
+
+/// O, the packed LSE and the plan of one call over `lens`: Q `(batch, seqlen_q, hq, d)`, the
+/// cache of `entries` entries of `SEQLEN_CACHE` rows; O and the LSE poisoned with NaN before.
+#[allow(clippy::too_many_arguments)]
+fn run(
+    cfg: &AttentionConfig,
+    (q, k, v): (&[bf16], &[bf16], &[bf16]),
+    (batch, seqlen_q, entries): (usize, usize, usize),
+    (hq, hk, d): (usize, usize, usize),
+    lens: &[i32],
+) -> (Vec<bf16>, Vec<f32>, flashattn::Plan) {
+    let (dev, stream) = device();
+    let up = |x: &[bf16]| stream.clone_htod(x).unwrap();
+    let (qd, kd, vd) = (up(q), up(k), up(v));
+    let mut out: CudaSlice<bf16> = up(&vec![bf16::NAN; batch * seqlen_q * hq * d]);
+    let mut lse = stream
+        .clone_htod(&vec![f32::NAN; hq * batch * seqlen_q])
+        .unwrap();
+    let lens_d = stream.clone_htod(lens).unwrap();
+    let (qt, kt, vt) = (
+        DeviceTensor::contiguous(&qd, [batch, seqlen_q, hq, d]),
+        DeviceTensor::contiguous(&kd, [entries, SEQLEN_CACHE, hk, d]),
+        DeviceTensor::contiguous(&vd, [entries, SEQLEN_CACHE, hk, d]),
+    );
+    let plan = dev
+        .kvcache_forward_into(
+            &stream,
+            cfg,
+            DeviceKvCacheInputs {
+                q: &qt,
+                k_cache: &kt,
+                v_cache: &vt,
+                cache_seqlens: lens_d.as_view(),
+                sinks: None,
+            },
+            &mut DeviceTensorMut::contiguous(&mut out, [batch, seqlen_q, hq, d]),
+            &mut lse.as_view_mut(),
+        )
+        .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
+    let got = (
+        stream.clone_dtoh(&out).unwrap(),
+        stream.clone_dtoh(&lse).unwrap(),
+    );
+    stream.synchronize().unwrap();
+    (got.0, got.1, plan)
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn dense_cache_matches_the_reference_per_sequence() {
+    let (hq, hk, d, entries) = (8, 2, 128, 4);
+    let mut rng = rand::SeedableRng::seed_from_u64(36);
+    let mut failures = vec![];
+    for (seqlen_q, lens) in [(1, [0, 1, 257]), (4, [300, 129, 4])] {
+        let batch = lens.len();
+        let q: Vec<bf16> = random(batch * seqlen_q * hq * d, &mut rng);
+        let mut k: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
+        let mut v: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
+        // Rows past each sequence's length: attending to one would move O far from the
+        // reference (the kernels' block loads read them, finite as the contract asks, and
+        // weigh them 0).
+        let entry = SEQLEN_CACHE * hk * d;
+        for (b, &len) in lens.iter().enumerate() {
+            for x in [&mut k, &mut v] {
+                x[b * entry + len as usize * hk * d..(b + 1) * entry].fill(bf16::from_f32(30.0));
+            }
+        }
+        for backend in [Backend::Auto, Backend::Sm80] {
+            for cfg in [
+                AttentionConfig::new(),
+                AttentionConfig::new().causal(true),
+                AttentionConfig::new().window(Some(50), Some(0)),
+                AttentionConfig::new().causal(true).softcap(20.0),
+            ] {
+                let cfg = cfg.backend(backend);
+                let (out, lse, plan) = run(
+                    &cfg,
+                    (&q, &k, &v),
+                    (batch, seqlen_q, entries),
+                    (hq, hk, d),
+                    &lens,
+                );
+                let total = batch * seqlen_q;
+                for (b, &len) in lens.iter().enumerate() {
+                    let len = len as usize;
+                    let o = reference::to_f32(&out[b * seqlen_q * hq * d..][..seqlen_q * hq * d]);
+                    let l: Vec<f32> = (0..hq)
+                        .flat_map(|h| lse[h * total + b * seqlen_q..][..seqlen_q].to_vec())
+                        .collect();
+                    if len == 0 {
+                        if !(o.iter().all(|&x| x == 0.0) && l.iter().all(|&x| x == f32::INFINITY)) {
+                            failures.push(format!("{cfg:?} sequence {b}: no keys"));
+                        }
+                        continue;
+                    }
+                    let qv = TensorRef::contiguous(
+                        &q[b * seqlen_q * hq * d..][..seqlen_q * hq * d],
+                        [1, seqlen_q, hq, d],
+                    );
+                    let (kb, vb) = (
+                        &k[b * entry..][..len * hk * d],
+                        &v[b * entry..][..len * hk * d],
+                    );
+                    let kv = TensorRef::contiguous(kb, [1, len, hk, d]);
+                    let vv = TensorRef::contiguous(vb, [1, len, hk, d]);
+                    let want = reference::reference_forward(&cfg, qv, kv, vv);
+                    let base = reference::baseline_forward(&cfg, qv, kv, vv);
+                    for (name, c) in [
+                        ("O", compare(&o, &want.out, &base.out)),
+                        ("LSE", compare(&l, &want.lse, &base.lse)),
+                    ] {
+                        if !c.pass {
+                            failures.push(format!(
+                                "{cfg:?} ({}) sequence {b} ({seqlen_q}x{len}): {name} {c}",
+                                plan.explain()
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Cached key counts past the cache, or negative: the kernels clamp them (into
+/// `0..=seqlen_cache`) and every access stays inside the buffers (run under memcheck).
+#[test]
+#[ignore = "needs a GPU"]
+fn sanitizer_kvcache_lengths_out_of_range_stay_in_bounds() {
+    let (hq, hk, d, entries, batch) = (4, 4, 64, 3, 3);
+    let mut rng = rand::SeedableRng::seed_from_u64(37);
+    let q: Vec<bf16> = random(batch * 2 * hq * d, &mut rng);
+    let k: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
+    let cfg = AttentionConfig::new().causal(true);
+    let (out, lse, _) = run(
+        &cfg,
+        (&q, &k, &k),
+        (batch, 2, entries),
+        (hq, hk, d),
+        &[-5, SEQLEN_CACHE as i32 + 1000, i32::MAX],
+    );
+    assert!(out.iter().all(|x| x.is_finite()), "O");
+    assert!(lse.iter().all(|x| !x.is_nan()), "LSE");
+}

@@ -1,0 +1,310 @@
+//! KV-cache calls on the CPU backend: each sequence's O and LSE are the dense call's on its Q and
+//! its cached keys, bit for bit, whether the cache is dense, dense through `cache_batch_idx`, or
+//! paged with shuffled pages (and so the three agree); the f64 reference's rule on one case;
+//! inconsistent inputs as typed errors, and any block table an error or a full answer.
+
+mod harness;
+
+use flashattn::kvcache::{self, KvCache, KvCacheInputs};
+use flashattn::reference::{self, baseline_forward, compare, reference_forward};
+use flashattn::{AttentionConfig, Error, ForwardInputs, TensorRef};
+use half::bf16;
+use proptest::prelude::*;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use harness::random;
+
+const HQ: usize = 4;
+const HK: usize = 2;
+const D: usize = 64;
+const DV: usize = 32;
+/// Keys per sequence the caches hold: 6 pages of 16.
+const PAGE: usize = 16;
+const PAGES_PER_SEQ: usize = 6;
+const CAPACITY: usize = PAGE * PAGES_PER_SEQ;
+
+/// Three sequences' Q and a dense cache of five entries (K and V), N(0, 1) in bf16.
+struct Fixture {
+    seqlen_q: usize,
+    q: Vec<bf16>,
+    k: Vec<bf16>,
+    v: Vec<bf16>,
+}
+
+const BATCH: usize = 3;
+const ENTRIES: usize = 5;
+/// The paged caches' pages: every entry's, and one spare.
+const POOL: usize = ENTRIES * PAGES_PER_SEQ + 1;
+
+impl Fixture {
+    fn new(seqlen_q: usize, seed: u64) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed);
+        Fixture {
+            seqlen_q,
+            q: random(BATCH * seqlen_q * HQ * D, &mut rng),
+            k: random(ENTRIES * CAPACITY * HK * D, &mut rng),
+            v: random(ENTRIES * CAPACITY * HK * DV, &mut rng),
+        }
+    }
+    fn q(&self) -> TensorRef<'_, bf16> {
+        TensorRef::contiguous(&self.q, [BATCH, self.seqlen_q, HQ, D])
+    }
+    fn dense(&self) -> KvCache<'_, bf16> {
+        KvCache::dense(
+            TensorRef::contiguous(&self.k, [ENTRIES, CAPACITY, HK, D]),
+            TensorRef::contiguous(&self.v, [ENTRIES, CAPACITY, HK, DV]),
+        )
+    }
+    /// The first `len` keys of dense entry `e` as a `(1, len, heads, d)` tensor's data.
+    fn keys(&self, x: &[bf16], e: usize, len: usize, d: usize) -> Vec<bf16> {
+        let entry = CAPACITY * HK * d;
+        x[e * entry..e * entry + len * HK * d].to_vec()
+    }
+    /// The same keys as pages of `PAGE` rows, every page of every entry somewhere in a shuffled
+    /// pool (with a spare page of NaN no sequence names), and the table of `entries`'s pages.
+    fn paged(&self, entries: &[usize], seed: u64) -> (Vec<bf16>, Vec<bf16>, Vec<i32>) {
+        let pages = POOL;
+        let mut order: Vec<usize> = (0..pages).collect();
+        order.shuffle(&mut StdRng::seed_from_u64(seed));
+        let pool = |x: &[bf16], d: usize| {
+            let page = PAGE * HK * d;
+            let mut out = vec![bf16::NAN; pages * page];
+            for (src, &dst) in order.iter().enumerate().take(pages - 1) {
+                out[dst * page..(dst + 1) * page].copy_from_slice(&x[src * page..(src + 1) * page]);
+            }
+            out
+        };
+        let table = entries
+            .iter()
+            .flat_map(|&e| (0..PAGES_PER_SEQ).map(move |i| e * PAGES_PER_SEQ + i))
+            .map(|src| order[src] as i32)
+            .collect();
+        (pool(&self.k, D), pool(&self.v, DV), table)
+    }
+}
+
+fn configs() -> Vec<AttentionConfig> {
+    vec![
+        AttentionConfig::new(),
+        AttentionConfig::new().causal(true),
+        AttentionConfig::new().window(Some(20), Some(0)),
+        AttentionConfig::new().causal(true).softcap(5.0),
+    ]
+}
+
+fn bits(x: &[bf16]) -> Vec<u16> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Each sequence of `got` (O and the packed LSE) against the dense call on its Q and the first
+/// `lens[b]` keys of entry `entries[b]`, bit for bit; a sequence without keys: O = 0, LSE = +inf.
+fn check_per_sequence(
+    fx: &Fixture,
+    cfg: &AttentionConfig,
+    entries: &[usize],
+    lens: &[i32],
+    got: &flashattn::ForwardOutput<bf16>,
+) {
+    let sq = fx.seqlen_q;
+    let total = BATCH * sq;
+    for b in 0..BATCH {
+        let o = &got.out[b * sq * HQ * DV..(b + 1) * sq * HQ * DV];
+        let lse = |h: usize| &got.lse[h * total + b * sq..h * total + (b + 1) * sq];
+        let len = lens[b] as usize;
+        if len == 0 {
+            assert!(o.iter().all(|x| x.to_f32() == 0.0), "sequence {b}: O");
+            assert!((0..HQ).all(|h| lse(h).iter().all(|&l| l == f32::INFINITY)));
+            continue;
+        }
+        let (k, v) = (
+            fx.keys(&fx.k, entries[b], len, D),
+            fx.keys(&fx.v, entries[b], len, DV),
+        );
+        let q = &fx.q[b * sq * HQ * D..(b + 1) * sq * HQ * D];
+        let dense = flashattn::forward(
+            cfg,
+            ForwardInputs::new(
+                TensorRef::contiguous(q, [1, sq, HQ, D]),
+                TensorRef::contiguous(&k, [1, len, HK, D]),
+                TensorRef::contiguous(&v, [1, len, HK, DV]),
+            ),
+        )
+        .unwrap();
+        assert_eq!(bits(o), bits(&dense.out), "sequence {b} O ({cfg:?})");
+        for h in 0..HQ {
+            let want = &dense.lse[h * sq..(h + 1) * sq];
+            assert!(
+                lse(h)
+                    .iter()
+                    .zip(want)
+                    .all(|(a, w)| a.to_bits() == w.to_bits()),
+                "sequence {b} LSE ({cfg:?})"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_cache_layout_matches_the_dense_call_per_sequence() {
+    // Empty, a page and a bit, full; decoding (1 query) and a chunk of 5.
+    let lens = [0, 17, CAPACITY as i32];
+    for (seqlen_q, seed) in [(1, 1), (5, 2)] {
+        let fx = Fixture::new(seqlen_q, seed);
+        for cfg in configs() {
+            let dense = kvcache::forward(&cfg, KvCacheInputs::new(fx.q(), fx.dense(), &lens))
+                .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
+            check_per_sequence(&fx, &cfg, &[0, 1, 2], &lens, &dense);
+
+            let idx = [4, 0, 3];
+            let picked = kvcache::forward(
+                &cfg,
+                KvCacheInputs::new(fx.q(), fx.dense(), &lens).with_cache_batch_idx(&idx),
+            )
+            .unwrap();
+            check_per_sequence(&fx, &cfg, &[4, 0, 3], &lens, &picked);
+
+            let (k, v, table) = fx.paged(&[4, 0, 3], seed + 10);
+            let paged = KvCache::paged(
+                TensorRef::contiguous(&k, [POOL, PAGE, HK, D]),
+                TensorRef::contiguous(&v, [POOL, PAGE, HK, DV]),
+                &table,
+                PAGES_PER_SEQ,
+            );
+            let got = kvcache::forward(&cfg, KvCacheInputs::new(fx.q(), paged, &lens)).unwrap();
+            assert_eq!(bits(&got.out), bits(&picked.out), "paged O ({cfg:?})");
+            assert_eq!(got.lse, picked.lse, "paged LSE ({cfg:?})");
+        }
+    }
+}
+
+/// One paged case against the f64 reference under DESIGN's rule (the dense CPU call's own
+/// accuracy is tests/cpu_backend's; this shows the gathered keys are the right ones).
+#[test]
+fn paged_decode_holds_the_reference_rule() {
+    let fx = Fixture::new(3, 7);
+    let lens = [40, 96, 1];
+    let (k, v, table) = fx.paged(&[2, 1, 0], 8);
+    let pages = POOL;
+    let cfg = AttentionConfig::new().causal(true);
+    let cache = KvCache::paged(
+        TensorRef::contiguous(&k, [pages, PAGE, HK, D]),
+        TensorRef::contiguous(&v, [pages, PAGE, HK, DV]),
+        &table,
+        PAGES_PER_SEQ,
+    );
+    let got = kvcache::forward(&cfg, KvCacheInputs::new(fx.q(), cache, &lens)).unwrap();
+    let sq = fx.seqlen_q;
+    for (b, &e) in [2usize, 1, 0].iter().enumerate() {
+        let len = lens[b] as usize;
+        let (kb, vb) = (fx.keys(&fx.k, e, len, D), fx.keys(&fx.v, e, len, DV));
+        let q = TensorRef::contiguous(
+            &fx.q[b * sq * HQ * D..(b + 1) * sq * HQ * D],
+            [1, sq, HQ, D],
+        );
+        let (kt, vt) = (
+            TensorRef::contiguous(&kb, [1, len, HK, D]),
+            TensorRef::contiguous(&vb, [1, len, HK, DV]),
+        );
+        let want = reference_forward(&cfg, q, kt, vt);
+        let base = baseline_forward(&cfg, q, kt, vt);
+        let o = reference::to_f32(&got.out[b * sq * HQ * DV..(b + 1) * sq * HQ * DV]);
+        let c = compare(&o, &want.out, &base.out);
+        assert!(c.pass, "sequence {b}: {c:?}");
+    }
+}
+
+#[test]
+fn inconsistent_inputs_are_typed_errors() {
+    let fx = Fixture::new(1, 3);
+    let cfg = AttentionConfig::new().causal(true);
+    let run = |inputs: KvCacheInputs<'_, bf16>| kvcache::forward(&cfg, inputs).unwrap_err();
+    let full = CAPACITY as i32;
+    for lens in [&[1, 2, full + 1][..], &[1, -1, 2], &[1, 2]] {
+        let e = run(KvCacheInputs::new(fx.q(), fx.dense(), lens));
+        assert!(matches!(e, Error::InvalidSeqlens(_)), "{lens:?}: {e:?}");
+    }
+    let lens = [5, 5, 5];
+    for idx in [&[0, 5, 1][..], &[0, -1, 1], &[0, 1]] {
+        let e = run(KvCacheInputs::new(fx.q(), fx.dense(), &lens).with_cache_batch_idx(idx));
+        assert!(matches!(e, Error::InvalidConfig(_)), "{idx:?}: {e:?}");
+    }
+    // V's entries or keys apart from K's.
+    let v = TensorRef::contiguous(&fx.v[..4 * CAPACITY * HK * DV], [4, CAPACITY, HK, DV]);
+    let k = TensorRef::contiguous(&fx.k, [ENTRIES, CAPACITY, HK, D]);
+    let e = run(KvCacheInputs::new(fx.q(), KvCache::dense(k, v), &lens));
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e:?}");
+    // Fewer dense entries than sequences, without cache_batch_idx.
+    let (k2, v2) = (
+        TensorRef::contiguous(&fx.k[..2 * CAPACITY * HK * D], [2, CAPACITY, HK, D]),
+        TensorRef::contiguous(&fx.v[..2 * CAPACITY * HK * DV], [2, CAPACITY, HK, DV]),
+    );
+    let e = run(KvCacheInputs::new(fx.q(), KvCache::dense(k2, v2), &lens));
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e:?}");
+
+    let (pk, pv, table) = fx.paged(&[0, 1, 2], 4);
+    let pages = POOL;
+    let (pk, pv) = (
+        TensorRef::contiguous(&pk, [pages, PAGE, HK, D]),
+        TensorRef::contiguous(&pv, [pages, PAGE, HK, DV]),
+    );
+    let paged = |t: &'static [i32]| KvCache::paged(pk, pv, t, PAGES_PER_SEQ);
+    // A table of the wrong length, and a used page outside the pool.
+    let short: &'static [i32] = Box::leak(table[1..].to_vec().into_boxed_slice());
+    let e = run(KvCacheInputs::new(fx.q(), paged(short), &lens));
+    assert!(matches!(e, Error::InvalidPageTable(_)), "{e:?}");
+    let mut bad = table.clone();
+    bad[PAGES_PER_SEQ] = pages as i32; // sequence 1's first page
+    let bad: &'static [i32] = Box::leak(bad.into_boxed_slice());
+    let e = run(KvCacheInputs::new(fx.q(), paged(bad), &lens));
+    assert!(matches!(e, Error::InvalidPageTable(_)), "{e:?}");
+    // A page past a sequence's cached keys is never read: any value is accepted.
+    let mut unused = table.clone();
+    unused[PAGES_PER_SEQ + 3] = -7;
+    let unused: &'static [i32] = Box::leak(unused.into_boxed_slice());
+    kvcache::forward(&cfg, KvCacheInputs::new(fx.q(), paged(unused), &lens)).unwrap();
+    // cache_batch_idx beside a block table.
+    let table: &'static [i32] = Box::leak(table.into_boxed_slice());
+    let e = run(KvCacheInputs::new(fx.q(), paged(table), &lens).with_cache_batch_idx(&[0, 1, 2]));
+    assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+    /// Any block table and cache lengths: a typed error, or every O finite and every LSE finite
+    /// (+inf exactly for sequences without keys); never a panic.
+    #[test]
+    fn any_block_table_gives_an_error_or_a_full_answer(
+        table in prop::collection::vec(-2i32..12, 0..14),
+        lens in prop::collection::vec(-3i32..40, 2..=2),
+        max_pages in 0usize..7,
+        page_size in 1usize..9,
+    ) {
+        let pages = 10;
+        let k: Vec<f32> = (0..pages * page_size * 2 * 8).map(|i| (i as f32 * 0.37).sin()).collect();
+        let q: Vec<f32> = (0..2 * 2 * 8).map(|i| (i as f32 * 0.21).cos()).collect();
+        let kt = TensorRef::contiguous(&k, [pages, page_size, 2, 8]);
+        let cache = KvCache::paged(kt, kt, &table, max_pages);
+        let inputs = KvCacheInputs::new(TensorRef::contiguous(&q, [2, 1, 2, 8]), cache, &lens);
+        match kvcache::forward(&AttentionConfig::new().causal(true), inputs) {
+            Ok(f) => {
+                prop_assert!(f.out.iter().all(|x| x.is_finite()));
+                for h in 0..2 {
+                    for (b, &len) in lens.iter().enumerate() {
+                        let l = f.lse[h * 2 + b];
+                        prop_assert_eq!(l == f32::INFINITY, len == 0);
+                        prop_assert!(l.is_finite() || len == 0);
+                    }
+                }
+            }
+            Err(e) => prop_assert!(matches!(
+                e,
+                Error::InvalidPageTable(_)
+                    | Error::InvalidSeqlens(_)
+                    | Error::IndexOverflow { .. }
+                    | Error::EmptyDimension { .. }
+            ), "{:?}", e),
+        }
+    }
+}
