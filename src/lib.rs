@@ -27,6 +27,10 @@
            [`fp8_inputs_from_e4m3`](cuda::Device::fp8_inputs_from_e4m3))."
 )]
 //!
+//! Packed batches of sequences of different lengths: [`varlen`]. A KV cache, dense or paged,
+//! with each sequence's cached key count: [`kvcache`] (the GPU: `cuda::Device::kvcache_forward_into`,
+//! dense caches).
+//!
 //! With the `candle` feature, `candle::flash_attn` is the attention as a differentiable op over
 //! candle tensors (its gradient is this crate's backward).
 //!

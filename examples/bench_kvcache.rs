@@ -1,0 +1,107 @@
+//! Decoding over a dense KV cache on the device (`Device::kvcache_forward_into`): one query per
+//! sequence, GQA 8:1 (32 query heads, 4 KV heads), d128, bf16, every sequence's cache full;
+//! batch 1 to 128, cache 1k to 32k keys. Decode is bound by reading the cache, so each row gives
+//! the bytes of K and V read over the time (GB/s) beside a device-to-device copy of as many bytes
+//! timed the same way (the copy ceiling of that size: read and written, counted once each), and
+//! their ratio. Timed as bench_table (`common::Protocol`: its flags).
+//!
+//! `cargo run --release --example bench_kvcache -- --out kvcache.json`
+
+mod common;
+
+use flashattn::cuda::{DeviceKvCacheInputs, DeviceTensor, DeviceTensorMut};
+use flashattn::AttentionConfig;
+use half::bf16;
+
+const HEADS_Q: usize = 32;
+const HEADS_KV: usize = 4;
+const D: usize = 128;
+const PROTOCOL: common::Protocol = common::Protocol {
+    warmup: 5,
+    min_reps: 20,
+    max_reps: 100,
+    target_ms: 200.0,
+};
+
+fn main() {
+    let args = common::Args::parse();
+    let dev = common::device("bench_kvcache");
+    let stream = dev.new_stream().unwrap();
+    let protocol = common::Protocol::from_args(&args, PROTOCOL);
+    let cfg = AttentionConfig::new().causal(true);
+    let mut rows = vec![];
+    for batch in [1usize, 8, 32, 128] {
+        for cache in [1024usize, 8192, 32768] {
+            let kv_elems = batch * cache * HEADS_KV * D;
+            // Finite, not zero: a few distinct values.
+            let fill = |n: usize, seed: usize| -> Vec<bf16> {
+                (0..n)
+                    .map(|i| bf16::from_f32((((i * 7 + seed) % 23) as f32 - 11.0) / 11.0))
+                    .collect()
+            };
+            let q = stream.clone_htod(&fill(batch * HEADS_Q * D, 1)).unwrap();
+            let k = stream.clone_htod(&fill(kv_elems, 2)).unwrap();
+            let v = stream.clone_htod(&fill(kv_elems, 3)).unwrap();
+            let lens = stream.clone_htod(&vec![cache as i32; batch]).unwrap();
+            let mut out = stream.alloc_zeros::<bf16>(batch * HEADS_Q * D).unwrap();
+            let mut lse = stream.alloc_zeros::<f32>(batch * HEADS_Q).unwrap();
+            let (qt, kt, vt) = (
+                DeviceTensor::contiguous(&q, [batch, 1, HEADS_Q, D]),
+                DeviceTensor::contiguous(&k, [batch, cache, HEADS_KV, D]),
+                DeviceTensor::contiguous(&v, [batch, cache, HEADS_KV, D]),
+            );
+            let mut plan = None;
+            let (ms, reps) = protocol.median_ms(&stream, || {
+                let inputs = DeviceKvCacheInputs {
+                    q: &qt,
+                    k_cache: &kt,
+                    v_cache: &vt,
+                    cache_seqlens: lens.as_view(),
+                    sinks: None,
+                };
+                let mut o = DeviceTensorMut::contiguous(&mut out, [batch, 1, HEADS_Q, D]);
+                plan = Some(
+                    dev.kvcache_forward_into(&stream, &cfg, inputs, &mut o, &mut lse.as_view_mut())
+                        .expect("KV-cache forward"),
+                );
+            });
+            // The copy ceiling at this size: K and V's bytes copied once.
+            let mut dst = stream.alloc_zeros::<bf16>(2 * kv_elems).unwrap();
+            let (copy_ms, _) = protocol.median_ms(&stream, || {
+                stream
+                    .memcpy_dtod(&k, &mut dst.slice_mut(..kv_elems))
+                    .unwrap();
+                stream
+                    .memcpy_dtod(&v, &mut dst.slice_mut(kv_elems..))
+                    .unwrap();
+            });
+            let bytes = (2 * kv_elems * 2) as f64;
+            let gbps = bytes / (ms * 1e-3) / 1e9;
+            let copy_gbps = 2.0 * bytes / (copy_ms * 1e-3) / 1e9;
+            let plan = plan.unwrap();
+            println!(
+                "decode b{batch:<3} cache {cache:>5}: {ms:.4} ms {gbps:>6.0} GB/s, copy {copy_gbps:.0} GB/s ({:.2}) ({})",
+                gbps / copy_gbps,
+                plan.explain()
+            );
+            rows.push(format!(
+                "  {{\"impl\": \"flashattn-{}\", \"kind\": \"decode\", \"dtype\": \"bf16\", \"d\": {D}, \
+                 \"batch\": {batch}, \"seqlen_q\": 1, \"seqlen_k\": {cache}, \"heads\": {HEADS_Q}, \
+                 \"heads_kv\": {HEADS_KV}, \"causal\": true, \"fwd_ms\": {ms:.5}, \"fwd_reps\": {reps}, \
+                 \"gbps\": {gbps:.1}, \"copy_gbps\": {copy_gbps:.1}, \"of_copy\": {:.3}}}",
+                plan.backend.name(),
+                gbps / copy_gbps
+            ));
+        }
+    }
+    if let Some(path) = args.value("--out") {
+        let extra = format!(", \"timing\": {{{}}}", protocol.json_fields());
+        common::write_results(
+            &path,
+            &common::describe(dev.info()),
+            &args.commit(),
+            &extra,
+            &rows,
+        );
+    }
+}
