@@ -14,6 +14,8 @@
 //! O is `(batch, seqlen_q, heads_q, head_dim_v)`; the LSE is f32 `(heads_q, batch · seqlen_q)`,
 //! packed as [`crate::varlen`]'s (the query rows of all sequences along one axis). A sequence
 //! with no cached key gets O = 0 and LSE = +inf (its head's sink with attention sinks).
+//! [`append`] writes new keys and values after each sequence's cached ones (FlashAttention's
+//! `k`, `v` arguments), for a [`forward`] over `cache_seqlens[b] + seqlen_new` keys.
 //!
 //! This module runs on the CPU backend (host memory, every value checked on the host);
 //! [`crate::cuda::Device::kvcache_forward_into`] runs dense caches on the GPU.
@@ -141,14 +143,18 @@ impl<'a, T> KvCacheInputs<'a, T> {
     }
 }
 
-/// Sequence `b`'s cache rows: for each of its keys, the cache entry (dense) or page (paged)
-/// and the row within it.
-fn key_rows<T>(inputs: &KvCacheInputs<T>, b: usize) -> Vec<(usize, usize)> {
-    let len = inputs.cache_seqlens[b] as usize;
-    match &inputs.cache {
+/// Where keys `keys` of sequence `b` lie: for each, the cache entry (dense: `b`, or
+/// `cache_batch_idx[b]`) or page (paged), and the row within it.
+fn key_rows<T>(
+    cache: &KvCache<T>,
+    cache_batch_idx: Option<&[i32]>,
+    b: usize,
+    keys: std::ops::Range<usize>,
+) -> Vec<(usize, usize)> {
+    match cache {
         KvCache::Dense { .. } => {
-            let entry = inputs.cache_batch_idx.map_or(b, |idx| idx[b] as usize);
-            (0..len).map(|j| (entry, j)).collect()
+            let entry = cache_batch_idx.map_or(b, |idx| idx[b] as usize);
+            keys.map(|j| (entry, j)).collect()
         }
         KvCache::Paged {
             k,
@@ -157,12 +163,11 @@ fn key_rows<T>(inputs: &KvCacheInputs<T>, b: usize) -> Vec<(usize, usize)> {
             ..
         } => {
             let page_size = k.layout.shape[1];
-            (0..len)
-                .map(|j| {
-                    let page = block_table[b * *max_pages + j / page_size] as usize;
-                    (page, j % page_size)
-                })
-                .collect()
+            keys.map(|j| {
+                let page = block_table[b * *max_pages + j / page_size] as usize;
+                (page, j % page_size)
+            })
+            .collect()
         }
     }
 }
@@ -185,45 +190,35 @@ fn invalid_seqlens(detail: String) -> Error {
     Error::InvalidSeqlens(detail)
 }
 
-/// Checks the inputs against each other on the host; the call's problem (its keys the cache's
-/// capacity) and plan.
-fn plan<T: Element>(
-    cfg: &AttentionConfig,
-    inputs: &KvCacheInputs<T>,
-) -> Result<(Problem, dispatch::Plan)> {
-    let (q, k, v) = (&inputs.q, inputs.cache.k(), inputs.cache.v());
-    q.check(Operand::Q)?;
-    k.check(Operand::K)?;
-    v.check(Operand::V)?;
-    let batch = q.layout.shape[0];
-    let [slots, rows, heads_kv, head_dim] = k.layout.shape;
-    let head_dim_v = v.layout.shape[3];
-    Problem::expect_shape(Operand::V, &v.layout, [slots, rows, heads_kv, head_dim_v])?;
-    // The problem of a dense call whose keys are the cache's capacity: it checks the heads and
-    // head dims, and plans the call.
-    let capacity = inputs.cache.capacity();
-    let as_dense = |d: usize| Layout::contiguous([batch, capacity, heads_kv, d]);
-    let problem = Problem::from_layouts(
-        &q.layout,
-        &as_dense(head_dim),
-        &as_dense(head_dim_v),
-        T::DTYPE,
-    )?;
-    tensor::check_sinks(&problem, inputs.sinks.map(<[f32]>::len), None)?;
-    if inputs.cache_seqlens.len() != batch {
+/// Checks a cache against `batch` sequences holding `cache_seqlens` keys, `extra` more to come
+/// (an append's): the counts within the capacity, the dense entries or the pages those keys lie
+/// in within the cache.
+fn check_cache<T>(
+    cache: &KvCache<T>,
+    batch: usize,
+    cache_seqlens: &[i32],
+    extra: usize,
+    cache_batch_idx: Option<&[i32]>,
+) -> Result<()> {
+    let [slots, rows, heads_kv, head_dim] = cache.k().layout.shape;
+    let capacity = cache.capacity();
+    let k = cache.k();
+    if cache_seqlens.len() != batch {
         return Err(invalid_seqlens(format!(
             "cache_seqlens has {} values for {batch} sequences",
-            inputs.cache_seqlens.len()
+            cache_seqlens.len()
         )));
     }
-    for (b, &len) in inputs.cache_seqlens.iter().enumerate() {
-        if len < 0 || len as u64 > capacity as u64 {
+    for (b, &len) in cache_seqlens.iter().enumerate() {
+        if len < 0 || len as u64 + extra as u64 > capacity as u64 {
             return Err(invalid_seqlens(format!(
-                "cache_seqlens[{b}] is {len}, outside the cache's 0..={capacity} keys"
+                "cache_seqlens[{b}] is {len}, outside the cache's 0..={} keys (of {capacity}, \
+                 {extra} to be appended)",
+                capacity.saturating_sub(extra)
             )));
         }
     }
-    match (&inputs.cache, inputs.cache_batch_idx) {
+    match (cache, cache_batch_idx) {
         (KvCache::Dense { .. }, Some(idx)) => {
             if idx.len() != batch {
                 return Err(Error::InvalidConfig(format!(
@@ -276,8 +271,8 @@ fn plan<T: Element>(
             }
             // The pages each sequence's cached keys lie in must exist; the rest of its row of
             // the table is never read.
-            for (b, &len) in inputs.cache_seqlens.iter().enumerate() {
-                let used = (len as usize).div_ceil(rows);
+            for (b, &len) in cache_seqlens.iter().enumerate() {
+                let used = (len as usize + extra).div_ceil(rows);
                 for (i, &page) in block_table[b * max_pages..][..used].iter().enumerate() {
                     if page < 0 || page as u64 >= slots as u64 {
                         return Err(Error::InvalidPageTable(format!(
@@ -288,6 +283,41 @@ fn plan<T: Element>(
             }
         }
     }
+    Ok(())
+}
+
+/// Checks the inputs against each other on the host; the call's problem (its keys the cache's
+/// capacity) and plan.
+fn plan<T: Element>(
+    cfg: &AttentionConfig,
+    inputs: &KvCacheInputs<T>,
+) -> Result<(Problem, dispatch::Plan)> {
+    let (q, k, v) = (&inputs.q, inputs.cache.k(), inputs.cache.v());
+    q.check(Operand::Q)?;
+    k.check(Operand::K)?;
+    v.check(Operand::V)?;
+    let batch = q.layout.shape[0];
+    let [slots, rows, heads_kv, head_dim] = k.layout.shape;
+    let head_dim_v = v.layout.shape[3];
+    Problem::expect_shape(Operand::V, &v.layout, [slots, rows, heads_kv, head_dim_v])?;
+    // The problem of a dense call whose keys are the cache's capacity: it checks the heads and
+    // head dims, and plans the call.
+    let capacity = inputs.cache.capacity();
+    let as_dense = |d: usize| Layout::contiguous([batch, capacity, heads_kv, d]);
+    let problem = Problem::from_layouts(
+        &q.layout,
+        &as_dense(head_dim),
+        &as_dense(head_dim_v),
+        T::DTYPE,
+    )?;
+    tensor::check_sinks(&problem, inputs.sinks.map(<[f32]>::len), None)?;
+    check_cache(
+        &inputs.cache,
+        batch,
+        inputs.cache_seqlens,
+        0,
+        inputs.cache_batch_idx,
+    )?;
     let plan = dispatch::plan(
         Op::Forward,
         &problem,
@@ -317,7 +347,12 @@ pub fn forward<T: Element>(
     let mut seq_lse = vec![0f32; heads * seqlen_q];
     for b in 0..batch {
         let rows = b * seqlen_q..(b + 1) * seqlen_q;
-        let keys = key_rows(&inputs, b);
+        let keys = key_rows(
+            &inputs.cache,
+            inputs.cache_batch_idx,
+            b,
+            0..inputs.cache_seqlens[b] as usize,
+        );
         if keys.is_empty() {
             for h in 0..heads {
                 let keyless = backend::cpu::keyless_lse(sinks.map(|s| s[h]));
@@ -354,4 +389,111 @@ pub fn forward<T: Element>(
         }
     }
     Ok(ForwardOutput { out, lse, plan })
+}
+
+/// A cache to append to: [`KvCache`] over mutable tensors.
+#[derive(Debug)]
+pub enum KvCacheMut<'a, T> {
+    /// K `(batch_cache, seqlen_cache, heads_kv, head_dim)`, V with its own head dim.
+    Dense {
+        k: TensorMut<'a, T>,
+        v: TensorMut<'a, T>,
+    },
+    /// K `(num_pages, page_size, heads_kv, head_dim)`, V alike, and the block table.
+    Paged {
+        k: TensorMut<'a, T>,
+        v: TensorMut<'a, T>,
+        block_table: &'a [i32],
+        max_pages: usize,
+    },
+}
+
+impl<'a, T> KvCacheMut<'a, T> {
+    /// The same cache, read-only.
+    pub fn as_ref(&self) -> KvCache<'_, T> {
+        match self {
+            KvCacheMut::Dense { k, v } => KvCache::dense(k.as_ref(), v.as_ref()),
+            KvCacheMut::Paged {
+                k,
+                v,
+                block_table,
+                max_pages,
+            } => KvCache::paged(k.as_ref(), v.as_ref(), block_table, *max_pages),
+        }
+    }
+}
+
+/// Writes `k_new` `(batch, seqlen_new, heads_kv, head_dim)` and `v_new` (with V's head dim) into
+/// each sequence's cache rows `cache_seqlens[b] .. cache_seqlens[b] + seqlen_new` (dense: entry
+/// `b` or `cache_batch_idx[b]`; paged: the pages the block table gives those rows), as
+/// FlashAttention's `flash_attn_with_kvcache` appends `k` and `v`: a [`forward`] with
+/// `cache_seqlens[b] + seqlen_new` keys then attends to them. Sequences must not share the rows
+/// they append into (the later sequence's rows would win).
+pub fn append<T: Element>(
+    cache: &mut KvCacheMut<'_, T>,
+    k_new: TensorRef<'_, T>,
+    v_new: TensorRef<'_, T>,
+    cache_seqlens: &[i32],
+    cache_batch_idx: Option<&[i32]>,
+) -> Result<()> {
+    // The cache as an output (each element reached once), before anything is written.
+    match &*cache {
+        KvCacheMut::Dense { k, v } | KvCacheMut::Paged { k, v, .. } => {
+            k.check(Operand::K)?;
+            v.check(Operand::V)?;
+        }
+    }
+    let rows = {
+        let view = cache.as_ref();
+        let [slots, rows, heads_kv, head_dim] = view.k().layout.shape;
+        let head_dim_v = view.v().layout.shape[3];
+        Problem::expect_shape(
+            Operand::V,
+            &view.v().layout,
+            [slots, rows, heads_kv, head_dim_v],
+        )?;
+        k_new.check(Operand::K)?;
+        v_new.check(Operand::V)?;
+        let [batch, seqlen_new, _, _] = k_new.layout.shape;
+        Problem::expect_shape(
+            Operand::K,
+            &k_new.layout,
+            [batch, seqlen_new, heads_kv, head_dim],
+        )?;
+        Problem::expect_shape(
+            Operand::V,
+            &v_new.layout,
+            [batch, seqlen_new, heads_kv, head_dim_v],
+        )?;
+        check_cache(&view, batch, cache_seqlens, seqlen_new, cache_batch_idx)?;
+        (0..batch)
+            .map(|b| {
+                let start = cache_seqlens[b] as usize;
+                key_rows(&view, cache_batch_idx, b, start..start + seqlen_new)
+            })
+            .collect::<Vec<_>>()
+    };
+    let (k, v) = match cache {
+        KvCacheMut::Dense { k, v } | KvCacheMut::Paged { k, v, .. } => (k, v),
+    };
+    scatter(k, &k_new, &rows);
+    scatter(v, &v_new, &rows);
+    Ok(())
+}
+
+/// Row `i` of sequence `b` of `new` into the cache row `rows[b][i]` names, every head.
+fn scatter<T: Copy>(cache: &mut TensorMut<T>, new: &TensorRef<T>, rows: &[Vec<(usize, usize)>]) {
+    let [_, _, heads, d] = new.layout.shape;
+    let (c, n) = (cache.layout.strides, new.layout.strides);
+    for (b, rows) in rows.iter().enumerate() {
+        for (i, &(entry, row)) in rows.iter().enumerate() {
+            for h in 0..heads {
+                let (dst, src) = (
+                    entry * c[0] + row * c[1] + h * c[2],
+                    b * n[0] + i * n[1] + h * n[2],
+                );
+                cache.data[dst..dst + d].copy_from_slice(&new.data[src..src + d]);
+            }
+        }
+    }
 }

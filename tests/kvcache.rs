@@ -1,13 +1,14 @@
 //! KV-cache calls on the CPU backend: each sequence's O and LSE are the dense call's on its Q and
 //! its cached keys, bit for bit, whether the cache is dense, dense through `cache_batch_idx`, or
-//! paged with shuffled pages (and so the three agree); the f64 reference's rule on one case;
-//! inconsistent inputs as typed errors, and any block table an error or a full answer.
+//! paged with shuffled pages (and so the three agree); appended keys attended to; the f64
+//! reference's rule on one case; inconsistent inputs as typed errors (a refused append writes
+//! nothing), and any block table an error or a full answer.
 
 mod harness;
 
-use flashattn::kvcache::{self, KvCache, KvCacheInputs};
+use flashattn::kvcache::{self, KvCache, KvCacheInputs, KvCacheMut};
 use flashattn::reference::{self, baseline_forward, compare, reference_forward};
-use flashattn::{AttentionConfig, Error, ForwardInputs, TensorRef};
+use flashattn::{AttentionConfig, Error, ForwardInputs, TensorMut, TensorRef};
 use half::bf16;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
@@ -307,4 +308,91 @@ proptest! {
             ), "{:?}", e),
         }
     }
+}
+
+/// `append` writes each sequence's new keys after its cached ones, in a dense cache (through
+/// `cache_batch_idx`) and in a paged one: attending over `cache_seqlens + seqlen_new` keys then
+/// gives the bits of the dense call over a cache the test wrote by hand.
+#[test]
+fn appended_keys_are_attended_to() {
+    let fx = Fixture::new(2, 5);
+    let (lens, entries, s_new) = ([0, 17, 90], [4usize, 0, 3], 3);
+    let idx = entries.map(|e| e as i32);
+    let mut rng = StdRng::seed_from_u64(6);
+    let k_new: Vec<bf16> = random(BATCH * s_new * HK * D, &mut rng);
+    let v_new: Vec<bf16> = random(BATCH * s_new * HK * DV, &mut rng);
+    let (kn, vn) = (
+        TensorRef::contiguous(&k_new, [BATCH, s_new, HK, D]),
+        TensorRef::contiguous(&v_new, [BATCH, s_new, HK, DV]),
+    );
+    let after: Vec<i32> = lens.iter().map(|&l| l + s_new as i32).collect();
+    // By hand: the new rows copied into the dense entries.
+    let mut want = Fixture::new(2, 5);
+    for (b, &e) in entries.iter().enumerate() {
+        for (x, new, d) in [(&mut want.k, &k_new, D), (&mut want.v, &v_new, DV)] {
+            let at = (e * CAPACITY + lens[b] as usize) * HK * d;
+            x[at..at + s_new * HK * d]
+                .copy_from_slice(&new[b * s_new * HK * d..][..s_new * HK * d]);
+        }
+    }
+    let cfg = AttentionConfig::new().causal(true);
+    let expected = kvcache::forward(
+        &cfg,
+        KvCacheInputs::new(want.q(), want.dense(), &after).with_cache_batch_idx(&idx),
+    )
+    .unwrap();
+    check_per_sequence(&want, &cfg, &entries, &after, &expected);
+
+    let (mut k, mut v) = (fx.k.clone(), fx.v.clone());
+    let mut dense = KvCacheMut::Dense {
+        k: TensorMut::contiguous(&mut k, [ENTRIES, CAPACITY, HK, D]),
+        v: TensorMut::contiguous(&mut v, [ENTRIES, CAPACITY, HK, DV]),
+    };
+    kvcache::append(&mut dense, kn, vn, &lens, Some(&idx)).unwrap();
+    let got = kvcache::forward(
+        &cfg,
+        KvCacheInputs::new(fx.q(), dense.as_ref(), &after).with_cache_batch_idx(&idx),
+    )
+    .unwrap();
+    assert_eq!(bits(&got.out), bits(&expected.out), "dense O");
+    assert_eq!(got.lse, expected.lse, "dense LSE");
+
+    let (mut pk, mut pv, table) = fx.paged(&entries, 7);
+    let mut paged = KvCacheMut::Paged {
+        k: TensorMut::contiguous(&mut pk, [POOL, PAGE, HK, D]),
+        v: TensorMut::contiguous(&mut pv, [POOL, PAGE, HK, DV]),
+        block_table: &table,
+        max_pages: PAGES_PER_SEQ,
+    };
+    kvcache::append(&mut paged, kn, vn, &lens, None).unwrap();
+    let got = kvcache::forward(&cfg, KvCacheInputs::new(fx.q(), paged.as_ref(), &after)).unwrap();
+    assert_eq!(bits(&got.out), bits(&expected.out), "paged O");
+    assert_eq!(got.lse, expected.lse, "paged LSE");
+
+    // Past the capacity, into a page outside the pool, or new keys of another shape: refused,
+    // nothing written.
+    let before = pk.clone();
+    let mut paged = KvCacheMut::Paged {
+        k: TensorMut::contiguous(&mut pk, [POOL, PAGE, HK, D]),
+        v: TensorMut::contiguous(&mut pv, [POOL, PAGE, HK, DV]),
+        block_table: &table,
+        max_pages: PAGES_PER_SEQ,
+    };
+    let full = [0, 0, CAPACITY as i32 - 2];
+    let e = kvcache::append(&mut paged, kn, vn, &full, None).unwrap_err();
+    assert!(matches!(e, Error::InvalidSeqlens(_)), "{e:?}");
+    let mut bad = table.clone();
+    bad[PAGES_PER_SEQ + 1] = -1; // sequence 1's second page, where its new rows 17..20 go
+    let mut paged_bad = KvCacheMut::Paged {
+        k: TensorMut::contiguous(&mut pk, [POOL, PAGE, HK, D]),
+        v: TensorMut::contiguous(&mut pv, [POOL, PAGE, HK, DV]),
+        block_table: &bad,
+        max_pages: PAGES_PER_SEQ,
+    };
+    let e = kvcache::append(&mut paged_bad, kn, vn, &lens, None).unwrap_err();
+    assert!(matches!(e, Error::InvalidPageTable(_)), "{e:?}");
+    let short = TensorRef::contiguous(&k_new[..BATCH * 2 * HK * D], [BATCH, 2, HK, D]);
+    let e = kvcache::append(&mut paged_bad, short, vn, &lens, None).unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e:?}");
+    assert_eq!(bits(&pk), bits(&before), "a refused append wrote");
 }
