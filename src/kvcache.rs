@@ -96,10 +96,17 @@ impl<'a, T> KvCache<'a, T> {
     }
 
     /// The keys one sequence can hold.
-    fn capacity(&self) -> usize {
+    fn capacity(&self) -> Result<usize> {
         match self {
-            KvCache::Dense { k, .. } => k.layout.shape[1],
-            KvCache::Paged { k, max_pages, .. } => k.layout.shape[1] * max_pages,
+            KvCache::Dense { k, .. } => Ok(k.layout.shape[1]),
+            KvCache::Paged { k, max_pages, .. } => {
+                k.layout.shape[1]
+                    .checked_mul(*max_pages)
+                    .ok_or(Error::IndexOverflow {
+                        operand: Operand::K,
+                        detail: format!("{max_pages} pages of {} keys", k.layout.shape[1]),
+                    })
+            }
         }
     }
 }
@@ -173,21 +180,17 @@ fn key_rows<T>(
 }
 
 /// The rows `rows` of a cache tensor gathered into a contiguous `(1, rows.len(), heads, d)`.
-fn gather<T: Copy>(t: &TensorRef<T>, rows: &[(usize, usize)]) -> Vec<T> {
+fn gather<T: Element>(t: &TensorRef<T>, rows: &[(usize, usize)]) -> Result<Vec<T>> {
     let [_, _, heads, d] = t.layout.shape;
     let s = t.layout.strides;
-    let mut out = Vec::with_capacity(rows.len() * heads * d);
-    for &(entry, row) in rows {
-        for h in 0..heads {
+    let mut out = alloc::<T>(rows.len() * heads * d)?;
+    for (dst, &(entry, row)) in out.chunks_exact_mut(heads * d).zip(rows) {
+        for (h, dst) in dst.chunks_exact_mut(d).enumerate() {
             let start = entry * s[0] + row * s[1] + h * s[2];
-            out.extend_from_slice(&t.data[start..start + d]);
+            dst.copy_from_slice(&t.data[start..start + d]);
         }
     }
-    out
-}
-
-fn invalid_seqlens(detail: String) -> Error {
-    Error::InvalidSeqlens(detail)
+    Ok(out)
 }
 
 /// Checks a cache against `batch` sequences holding `cache_seqlens` keys, `extra` more to come
@@ -200,18 +203,37 @@ fn check_cache<T>(
     extra: usize,
     cache_batch_idx: Option<&[i32]>,
 ) -> Result<()> {
-    let [slots, rows, heads_kv, head_dim] = cache.k().layout.shape;
-    let capacity = cache.capacity();
     let k = cache.k();
+    let [slots, page_rows, heads_kv, head_dim] = k.layout.shape;
+    // The block table's shape first: the capacity counts its pages.
+    if let KvCache::Paged {
+        block_table,
+        max_pages,
+        ..
+    } = cache
+    {
+        let needed = batch.checked_mul(*max_pages).ok_or(Error::IndexOverflow {
+            operand: Operand::K,
+            detail: format!("{batch} sequences of {max_pages} pages"),
+        })?;
+        if *max_pages == 0 || block_table.len() != needed {
+            return Err(Error::InvalidPageTable(format!(
+                "{} entries for {batch} sequences of max_pages {max_pages} (need batch × \
+                 max_pages, max_pages >= 1)",
+                block_table.len()
+            )));
+        }
+    }
+    let capacity = cache.capacity()?;
     if cache_seqlens.len() != batch {
-        return Err(invalid_seqlens(format!(
+        return Err(Error::InvalidSeqlens(format!(
             "cache_seqlens has {} values for {batch} sequences",
             cache_seqlens.len()
         )));
     }
     for (b, &len) in cache_seqlens.iter().enumerate() {
         if len < 0 || len as u64 + extra as u64 > capacity as u64 {
-            return Err(invalid_seqlens(format!(
+            return Err(Error::InvalidSeqlens(format!(
                 "cache_seqlens[{b}] is {len}, outside the cache's 0..={} keys (of {capacity}, \
                  {extra} to be appended)",
                 capacity.saturating_sub(extra)
@@ -239,7 +261,7 @@ fn check_cache<T>(
         (KvCache::Dense { .. }, None) if slots < batch => {
             return Err(Error::ShapeMismatch {
                 operand: Operand::K,
-                expected: [batch, rows, heads_kv, head_dim],
+                expected: [batch, page_rows, heads_kv, head_dim],
                 found: k.layout.shape,
             });
         }
@@ -258,21 +280,10 @@ fn check_cache<T>(
             },
             None,
         ) => {
-            let needed = batch.checked_mul(*max_pages).ok_or(Error::IndexOverflow {
-                operand: Operand::K,
-                detail: format!("{batch} sequences of {max_pages} pages"),
-            })?;
-            if *max_pages == 0 || block_table.len() != needed {
-                return Err(Error::InvalidPageTable(format!(
-                    "{} entries for {batch} sequences of max_pages {max_pages} (need batch × \
-                     max_pages, max_pages >= 1)",
-                    block_table.len()
-                )));
-            }
-            // The pages each sequence's cached keys lie in must exist; the rest of its row of
-            // the table is never read.
+            // The pages each sequence's keys lie in must exist; the rest of its row of the
+            // table is never read.
             for (b, &len) in cache_seqlens.iter().enumerate() {
-                let used = (len as usize + extra).div_ceil(rows);
+                let used = (len as usize + extra).div_ceil(page_rows);
                 for (i, &page) in block_table[b * max_pages..][..used].iter().enumerate() {
                     if page < 0 || page as u64 >= slots as u64 {
                         return Err(Error::InvalidPageTable(format!(
@@ -286,8 +297,8 @@ fn check_cache<T>(
     Ok(())
 }
 
-/// Checks the inputs against each other on the host; the call's problem (its keys the cache's
-/// capacity) and plan.
+/// Checks the inputs against each other on the host; the call's problem (its keys the longest
+/// sequence's) and plan.
 fn plan<T: Element>(
     cfg: &AttentionConfig,
     inputs: &KvCacheInputs<T>,
@@ -296,21 +307,19 @@ fn plan<T: Element>(
     q.check(Operand::Q)?;
     k.check(Operand::K)?;
     v.check(Operand::V)?;
-    let batch = q.layout.shape[0];
-    let [slots, rows, heads_kv, head_dim] = k.layout.shape;
+    let [batch, _, _, head_dim] = q.layout.shape;
+    let [slots, page_rows, heads_kv, _] = k.layout.shape;
     let head_dim_v = v.layout.shape[3];
-    Problem::expect_shape(Operand::V, &v.layout, [slots, rows, heads_kv, head_dim_v])?;
-    // The problem of a dense call whose keys are the cache's capacity: it checks the heads and
-    // head dims, and plans the call.
-    let capacity = inputs.cache.capacity();
-    let as_dense = |d: usize| Layout::contiguous([batch, capacity, heads_kv, d]);
-    let problem = Problem::from_layouts(
-        &q.layout,
-        &as_dense(head_dim),
-        &as_dense(head_dim_v),
-        T::DTYPE,
+    Problem::expect_shape(
+        Operand::K,
+        &k.layout,
+        [slots, page_rows, heads_kv, head_dim],
     )?;
-    tensor::check_sinks(&problem, inputs.sinks.map(<[f32]>::len), None)?;
+    Problem::expect_shape(
+        Operand::V,
+        &v.layout,
+        [slots, page_rows, heads_kv, head_dim_v],
+    )?;
     check_cache(
         &inputs.cache,
         batch,
@@ -318,6 +327,21 @@ fn plan<T: Element>(
         0,
         inputs.cache_batch_idx,
     )?;
+    // The problem of a dense call over the longest sequence's keys: it checks the heads and
+    // sizes and plans the call (each sequence then runs as a dense call of its own).
+    let longest = inputs
+        .cache_seqlens
+        .iter()
+        .max()
+        .map_or(1, |&l| l.max(1) as usize);
+    let as_dense = |d: usize| Layout::contiguous([batch, longest, heads_kv, d]);
+    let problem = Problem::from_layouts(
+        &q.layout,
+        &as_dense(head_dim),
+        &as_dense(head_dim_v),
+        T::DTYPE,
+    )?;
+    tensor::check_sinks(&problem, inputs.sinks.map(<[f32]>::len), None)?;
     let plan = dispatch::plan(
         Op::Forward,
         &problem,
@@ -361,8 +385,8 @@ pub fn forward<T: Element>(
             continue;
         }
         let (k, v) = (
-            gather(inputs.cache.k(), &keys),
-            gather(inputs.cache.v(), &keys),
+            gather(inputs.cache.k(), &keys)?,
+            gather(inputs.cache.v(), &keys)?,
         );
         let p = Problem {
             batch: 1,
@@ -443,14 +467,14 @@ pub fn append<T: Element>(
             v.check(Operand::V)?;
         }
     }
-    let rows = {
+    let dest_rows = {
         let view = cache.as_ref();
-        let [slots, rows, heads_kv, head_dim] = view.k().layout.shape;
+        let [slots, page_rows, heads_kv, head_dim] = view.k().layout.shape;
         let head_dim_v = view.v().layout.shape[3];
         Problem::expect_shape(
             Operand::V,
             &view.v().layout,
-            [slots, rows, heads_kv, head_dim_v],
+            [slots, page_rows, heads_kv, head_dim_v],
         )?;
         k_new.check(Operand::K)?;
         v_new.check(Operand::V)?;
@@ -476,8 +500,8 @@ pub fn append<T: Element>(
     let (k, v) = match cache {
         KvCacheMut::Dense { k, v } | KvCacheMut::Paged { k, v, .. } => (k, v),
     };
-    scatter(k, &k_new, &rows);
-    scatter(v, &v_new, &rows);
+    scatter(k, &k_new, &dest_rows);
+    scatter(v, &v_new, &dest_rows);
     Ok(())
 }
 

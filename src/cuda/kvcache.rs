@@ -28,12 +28,19 @@ pub struct DeviceKvCacheInputs<'a, T> {
     pub sinks: Option<&'a CudaView<'a, f32>>,
 }
 
-/// `t` (batch, rows, heads, d) as one sequence of `batch · rows` rows, where its batch stride is
-/// `rows` row strides (the rows of consecutive entries follow one another).
+/// `layout` (batch, rows, heads, d) as one sequence of `batch · rows` rows, where an entry's
+/// rows follow the last entry's (batch stride = rows × row stride; with one row per entry, as a
+/// decode step's Q, any batch stride).
 fn as_rows(operand: Operand, layout: &Layout) -> Result<Layout> {
     let [batch, rows, heads, d] = layout.shape;
     let s = layout.strides;
-    if batch > 1 && s[0] != rows * s[1] {
+    let overflow = || Error::IndexOverflow {
+        operand,
+        detail: format!("{batch} entries of {rows} rows as one sequence"),
+    };
+    let row_stride = if rows == 1 { s[0] } else { s[1] };
+    let entry_rows = rows.checked_mul(s[1]).ok_or_else(overflow)?;
+    if batch > 1 && rows > 1 && s[0] != entry_rows {
         return Err(Error::Unsupported {
             what: format!(
                 "{operand} of a KV-cache call on the GPU with batch stride {} (the GPU path reads \
@@ -43,9 +50,11 @@ fn as_rows(operand: Operand, layout: &Layout) -> Result<Layout> {
             backend: Backend::Auto,
         });
     }
+    let total = batch.checked_mul(rows).ok_or_else(overflow)?;
+    let span = total.checked_mul(row_stride).ok_or_else(overflow)?;
     Ok(Layout::with_strides(
-        [1, batch * rows, heads, d],
-        [batch * rows * s[1], s[1], s[2], s[3]],
+        [1, total, heads, d],
+        [span, row_stride, s[2], s[3]],
     ))
 }
 
@@ -57,7 +66,8 @@ impl Device {
     /// kernels ([`Device::varlen_forward_into`]) with the cache's entries as sequences and
     /// `cache_seqlens` as their used keys; the offsets of that call (two arrays of `batch + 1`
     /// i32) are copied to the device on `stream` each call. Q, O and the cache must hold their
-    /// entries' rows one after the other (batch stride = rows × row stride).
+    /// entries' rows one after the other (batch stride = rows × row stride), which one-row Q and
+    /// O (a decode step's) need not.
     pub fn kvcache_forward_into<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
@@ -101,10 +111,11 @@ impl Device {
                 cache_seqlens.len()
             )));
         }
-        if out.layout.shape[..3] != q.layout.shape[..3] {
+        let o_shape = [batch, seqlen_q, q.layout.shape[2], v_cache.layout.shape[3]];
+        if out.layout.shape != o_shape {
             return Err(Error::ShapeMismatch {
                 operand: Operand::Out,
-                expected: [batch, seqlen_q, q.layout.shape[2], v_cache.layout.shape[3]],
+                expected: o_shape,
                 found: out.layout.shape,
             });
         }

@@ -17,7 +17,6 @@ const SEQLEN_CACHE: usize = 300;
 
 /// O, the packed LSE and the plan of one call over `lens`: Q `(batch, seqlen_q, hq, d)`, the
 /// cache of `entries` entries of `SEQLEN_CACHE` rows; O and the LSE poisoned with NaN before.
-#[allow(clippy::too_many_arguments)]
 fn run(
     cfg: &AttentionConfig,
     (q, k, v): (&[bf16], &[bf16], &[bf16]),
