@@ -27,7 +27,8 @@
            [`fp8_inputs_from_e4m3`](cuda::Device::fp8_inputs_from_e4m3))."
 )]
 //!
-//! Packed batches of sequences of different lengths: [`varlen`]. A KV cache, dense or paged,
+//! Packed batches of sequences of different lengths: [`varlen`]. Partial results over disjoint
+//! keys merged by their LSE: [`combine`]. A KV cache, dense or paged,
 //! with each sequence's cached key count: [`kvcache`] (the GPU: `cuda::Device::kvcache_forward_into`,
 //! dense caches).
 //!
@@ -62,6 +63,7 @@
 mod backend;
 #[cfg(feature = "candle")]
 pub mod candle;
+pub mod combine;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -1,0 +1,171 @@
+//! Merging partial attention results by their log-sum-exp: the outputs of calls over disjoint
+//! sets of keys (a cache split into chunks, the shards of a ring across GPUs), each with its O and
+//! LSE, give the output over all the keys:
+//! `LSE = log Σᵢ exp(LSEᵢ)` and `O = Σᵢ exp(LSEᵢ − LSE) · Oᵢ`, row by row.
+//!
+//! A part whose row saw no key (LSE = +inf, this crate's convention, with O = 0) adds nothing to
+//! that row; a row no part saw gets O = 0 and LSE = +inf, as one call over all the keys gives it.
+//! A NaN LSE or O in a part makes the row NaN. Partial results keep more of the sum's precision
+//! in f32 (the CPU backend computes in `T`, so f32 parts merge to within f32 rounding of a single
+//! call); the merge itself runs in f64. Attention sinks belong to one part only (or to none,
+//! added after the merge), since each part's LSE already counts the sinks it was given.
+//!
+//! ```
+//! use flashattn::{combine, AttentionConfig, ForwardInputs, TensorRef};
+//!
+//! fn t(d: &[f32], s: usize) -> TensorRef<'_, f32> {
+//!     TensorRef::contiguous(d, [1, s, 2, 8])
+//! }
+//! // 16 keys in two calls of 8, merged, against one call over all of them.
+//! let x = |n: usize, f: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * f).sin()).collect() };
+//! let (q, k, v) = (x(4 * 2 * 8, 0.37), x(16 * 2 * 8, 0.21), x(16 * 2 * 8, 0.53));
+//! let cfg = AttentionConfig::new();
+//! let (k0, k1) = k.split_at(128);
+//! let (v0, v1) = v.split_at(128);
+//! let a = flashattn::forward(&cfg, ForwardInputs::new(t(&q, 4), t(k0, 8), t(v0, 8)))?;
+//! let b = flashattn::forward(&cfg, ForwardInputs::new(t(&q, 4), t(k1, 8), t(v1, 8)))?;
+//! let merged = combine::combine(&[
+//!     (TensorRef::contiguous(&a.out, [1, 4, 2, 8]), &a.lse[..]),
+//!     (TensorRef::contiguous(&b.out, [1, 4, 2, 8]), &b.lse[..]),
+//! ])?;
+//! let whole = flashattn::forward(&cfg, ForwardInputs::new(t(&q, 4), t(&k, 16), t(&v, 16)))?;
+//! assert!(merged.out.iter().zip(&whole.out).all(|(m, w)| (m - w).abs() < 1e-5));
+//! # Ok::<(), flashattn::Error>(())
+//! ```
+
+use crate::alloc;
+use crate::error::{Error, Operand, Result};
+use crate::tensor::{Element, Layout, TensorMut, TensorRef};
+
+/// The merged output: O `(batch, seqlen_q, heads, head_dim_v)` and its LSE
+/// `(batch, heads, seqlen_q)`, as a dense forward's.
+#[derive(Debug)]
+pub struct Combined<T> {
+    pub out: Vec<T>,
+    pub lse: Vec<f32>,
+}
+
+/// Checks the parts against each other: at least one, every O of the first one's shape, every
+/// LSE of `batch · heads · seqlen_q` values. Returns that shape.
+fn check_parts<T>(parts: &[(TensorRef<'_, T>, &[f32])]) -> Result<[usize; 4]> {
+    let Some((first, _)) = parts.first() else {
+        return Err(Error::InvalidConfig(
+            "combine needs at least one part".into(),
+        ));
+    };
+    let shape = first.layout.shape;
+    let [batch, seqlen_q, heads, _] = shape;
+    let lse_len = batch * seqlen_q * heads;
+    for (o, lse) in parts {
+        o.check(Operand::Out)?;
+        if o.layout.shape != shape {
+            return Err(Error::ShapeMismatch {
+                operand: Operand::Out,
+                expected: shape,
+                found: o.layout.shape,
+            });
+        }
+        if lse.len() != lse_len {
+            return Err(Error::BufferTooSmall {
+                operand: Operand::Lse,
+                needed: lse_len,
+                len: lse.len(),
+            });
+        }
+    }
+    Ok(shape)
+}
+
+/// Merges `parts` (each an O `(batch, seqlen_q, heads, head_dim_v)` and its LSE
+/// `(batch, heads, seqlen_q)`) into `out` (O's shape) and `lse`.
+pub fn combine_into<T: Element>(
+    parts: &[(TensorRef<'_, T>, &[f32])],
+    out: TensorMut<T>,
+    lse: &mut [f32],
+) -> Result<()> {
+    let shape = check_parts(parts)?;
+    let [batch, seqlen_q, heads, d] = shape;
+    out.check(Operand::Out)?;
+    if out.layout.shape != shape {
+        return Err(Error::ShapeMismatch {
+            operand: Operand::Out,
+            expected: shape,
+            found: out.layout.shape,
+        });
+    }
+    let lse_len = batch * heads * seqlen_q;
+    if lse.len() < lse_len {
+        return Err(Error::BufferTooSmall {
+            operand: Operand::Lse,
+            needed: lse_len,
+            len: lse.len(),
+        });
+    }
+    let mut weights = vec![0f64; parts.len()];
+    let mut row = vec![0f64; d];
+    for b in 0..batch {
+        for h in 0..heads {
+            for i in 0..seqlen_q {
+                let at = (b * heads + h) * seqlen_q + i;
+                // Rows a part saw no key of (+inf) weigh nothing; NaN stays NaN.
+                let seen = |l: f32| {
+                    if l == f32::INFINITY {
+                        f64::NEG_INFINITY
+                    } else {
+                        f64::from(l)
+                    }
+                };
+                let max = parts
+                    .iter()
+                    .map(|(_, l)| seen(l[at]))
+                    .fold(f64::NEG_INFINITY, |m, x| {
+                        if x.is_nan() || m.is_nan() {
+                            f64::NAN
+                        } else {
+                            m.max(x)
+                        }
+                    });
+                let dst = |j: usize| {
+                    b * out.layout.strides[0]
+                        + i * out.layout.strides[1]
+                        + h * out.layout.strides[2]
+                        + j
+                };
+                if max == f64::NEG_INFINITY {
+                    lse[at] = f32::INFINITY;
+                    for j in 0..d {
+                        out.data[dst(j)] = T::from_f32(0.0);
+                    }
+                    continue;
+                }
+                let mut sum = 0f64;
+                for (w, (_, l)) in weights.iter_mut().zip(parts) {
+                    *w = (seen(l[at]) - max).exp();
+                    sum += *w;
+                }
+                row.fill(0.0);
+                for (w, (o, _)) in weights.iter().zip(parts) {
+                    let s = o.layout.strides;
+                    let src = b * s[0] + i * s[1] + h * s[2];
+                    for (r, x) in row.iter_mut().zip(&o.data[src..src + d]) {
+                        *r += w * f64::from(x.to_f32());
+                    }
+                }
+                lse[at] = (max + sum.ln()) as f32;
+                for (j, r) in row.iter().enumerate() {
+                    out.data[dst(j)] = T::from_f32((r / sum) as f32);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// [`combine_into`], allocating the outputs.
+pub fn combine<T: Element>(parts: &[(TensorRef<'_, T>, &[f32])]) -> Result<Combined<T>> {
+    let shape = check_parts(parts)?;
+    let mut out = alloc::<T>(Layout::contiguous(shape).numel(Operand::Out)?)?;
+    let mut lse = alloc::<f32>(shape[0] * shape[1] * shape[2])?;
+    combine_into(parts, TensorMut::contiguous(&mut out, shape), &mut lse)?;
+    Ok(Combined { out, lse })
+}
