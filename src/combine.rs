@@ -4,14 +4,17 @@
 //! `LSE = log Σᵢ exp(LSEᵢ)` and `O = Σᵢ exp(LSEᵢ − LSE) · Oᵢ`, row by row.
 //!
 //! A part whose row saw no key (LSE = +inf, this crate's convention, with O = 0) adds nothing to
-//! that row; a row no part saw gets O = 0 and LSE = +inf, as one call over all the keys gives it.
-//! A NaN LSE or O in a part makes the row NaN. Partial results keep more of the sum's precision
-//! in f32 (the CPU backend computes in `T`, so f32 parts merge to within f32 rounding of a single
-//! call); the merge itself runs in f64. Attention sinks belong to one part only (or to none,
-//! added after the merge), since each part's LSE already counts the sinks it was given.
+//! that row; a row no part saw gets O = 0 and LSE = +inf, as one call over all the keys gives it
+//! (whatever the parts' O hold there). Otherwise a part's NaN LSE makes the row NaN, a NaN in its
+//! O that element. Each part's O comes rounded to its type, and that rounding enters the merge
+//! (f32 parts merge to within f32 rounding of a single call); the merge itself runs in f64.
+//! Attention sinks belong to one part only (or to none, added after the merge), since each
+//! part's LSE already counts the sinks it was given. The LSE comes in a dense call's order or a packed (varlen, KV-cache)
+//! call's ([`LseLayout`]); every part's and the result's share it.
 //!
 //! ```
-//! use flashattn::{combine, AttentionConfig, ForwardInputs, TensorRef};
+//! use flashattn::combine::{self, LseLayout};
+//! use flashattn::{AttentionConfig, ForwardInputs, TensorRef};
 //!
 //! fn t(d: &[f32], s: usize) -> TensorRef<'_, f32> {
 //!     TensorRef::contiguous(d, [1, s, 2, 8])
@@ -24,10 +27,11 @@
 //! let (v0, v1) = v.split_at(128);
 //! let a = flashattn::forward(&cfg, ForwardInputs::new(t(&q, 4), t(k0, 8), t(v0, 8)))?;
 //! let b = flashattn::forward(&cfg, ForwardInputs::new(t(&q, 4), t(k1, 8), t(v1, 8)))?;
-//! let merged = combine::combine(&[
+//! let parts = [
 //!     (TensorRef::contiguous(&a.out, [1, 4, 2, 8]), &a.lse[..]),
 //!     (TensorRef::contiguous(&b.out, [1, 4, 2, 8]), &b.lse[..]),
-//! ])?;
+//! ];
+//! let merged = combine::combine(&parts, LseLayout::Dense)?;
 //! let whole = flashattn::forward(&cfg, ForwardInputs::new(t(&q, 4), t(&k, 16), t(&v, 16)))?;
 //! assert!(merged.out.iter().zip(&whole.out).all(|(m, w)| (m - w).abs() < 1e-5));
 //! # Ok::<(), flashattn::Error>(())
@@ -37,8 +41,28 @@ use crate::alloc;
 use crate::error::{Error, Operand, Result};
 use crate::tensor::{Element, Layout, TensorMut, TensorRef};
 
-/// The merged output: O `(batch, seqlen_q, heads, head_dim_v)` and its LSE
-/// `(batch, heads, seqlen_q)`, as a dense forward's.
+/// The order of an LSE's values for O `(batch, seqlen_q, heads, head_dim_v)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LseLayout {
+    /// `(batch, heads, seqlen_q)`: a dense call's ([`crate::forward`]).
+    Dense,
+    /// `(heads, batch · seqlen_q)`: a packed call's ([`crate::varlen`], [`crate::kvcache`], whose
+    /// O's rows are the batch's rows one after another).
+    Packed,
+}
+
+impl LseLayout {
+    /// Where row `i` of entry `b`, head `h` lies.
+    fn index(self, [batch, seqlen_q, heads]: [usize; 3], b: usize, h: usize, i: usize) -> usize {
+        match self {
+            LseLayout::Dense => (b * heads + h) * seqlen_q + i,
+            LseLayout::Packed => h * batch * seqlen_q + b * seqlen_q + i,
+        }
+    }
+}
+
+/// The merged output: O `(batch, seqlen_q, heads, head_dim_v)` and its LSE in the parts'
+/// [`LseLayout`].
 #[derive(Debug)]
 pub struct Combined<T> {
     pub out: Vec<T>,
@@ -46,8 +70,8 @@ pub struct Combined<T> {
 }
 
 /// Checks the parts against each other: at least one, every O of the first one's shape, every
-/// LSE of `batch · heads · seqlen_q` values. Returns that shape.
-fn check_parts<T>(parts: &[(TensorRef<'_, T>, &[f32])]) -> Result<[usize; 4]> {
+/// LSE of `batch · heads · seqlen_q` values. Returns that shape and that count.
+fn check_parts<T>(parts: &[(TensorRef<'_, T>, &[f32])]) -> Result<([usize; 4], usize)> {
     let Some((first, _)) = parts.first() else {
         return Err(Error::InvalidConfig(
             "combine needs at least one part".into(),
@@ -55,7 +79,13 @@ fn check_parts<T>(parts: &[(TensorRef<'_, T>, &[f32])]) -> Result<[usize; 4]> {
     };
     let shape = first.layout.shape;
     let [batch, seqlen_q, heads, _] = shape;
-    let lse_len = batch * seqlen_q * heads;
+    let lse_len = batch
+        .checked_mul(seqlen_q)
+        .and_then(|n| n.checked_mul(heads))
+        .ok_or(Error::IndexOverflow {
+            operand: Operand::Lse,
+            detail: format!("{batch} × {seqlen_q} × {heads} rows"),
+        })?;
     for (o, lse) in parts {
         o.check(Operand::Out)?;
         if o.layout.shape != shape {
@@ -73,17 +103,19 @@ fn check_parts<T>(parts: &[(TensorRef<'_, T>, &[f32])]) -> Result<[usize; 4]> {
             });
         }
     }
-    Ok(shape)
+    Ok((shape, lse_len))
 }
 
-/// Merges `parts` (each an O `(batch, seqlen_q, heads, head_dim_v)` and its LSE
-/// `(batch, heads, seqlen_q)`) into `out` (O's shape) and `lse`.
+/// Merges `parts` (each an O `(batch, seqlen_q, heads, head_dim_v)` and its LSE in
+/// `lse_layout`) into `out` (O's shape, each element reached once) and `lse` (the same layout,
+/// at least as long).
 pub fn combine_into<T: Element>(
     parts: &[(TensorRef<'_, T>, &[f32])],
+    lse_layout: LseLayout,
     out: TensorMut<T>,
     lse: &mut [f32],
 ) -> Result<()> {
-    let shape = check_parts(parts)?;
+    let (shape, lse_len) = check_parts(parts)?;
     let [batch, seqlen_q, heads, d] = shape;
     out.check(Operand::Out)?;
     if out.layout.shape != shape {
@@ -93,7 +125,6 @@ pub fn combine_into<T: Element>(
             found: out.layout.shape,
         });
     }
-    let lse_len = batch * heads * seqlen_q;
     if lse.len() < lse_len {
         return Err(Error::BufferTooSmall {
             operand: Operand::Lse,
@@ -101,41 +132,35 @@ pub fn combine_into<T: Element>(
             len: lse.len(),
         });
     }
+    // Rows a part saw no key of (+inf) weigh nothing; NaN stays NaN.
+    let seen = |l: f32| {
+        if l == f32::INFINITY {
+            f64::NEG_INFINITY
+        } else {
+            f64::from(l)
+        }
+    };
+    let os = out.layout.strides;
     let mut weights = vec![0f64; parts.len()];
     let mut row = vec![0f64; d];
     for b in 0..batch {
         for h in 0..heads {
             for i in 0..seqlen_q {
-                let at = (b * heads + h) * seqlen_q + i;
-                // Rows a part saw no key of (+inf) weigh nothing; NaN stays NaN.
-                let seen = |l: f32| {
-                    if l == f32::INFINITY {
-                        f64::NEG_INFINITY
+                let at = lse_layout.index([batch, seqlen_q, heads], b, h, i);
+                let mut max = f64::NEG_INFINITY;
+                for (_, l) in parts {
+                    let x = seen(l[at]);
+                    max = if x.is_nan() || max.is_nan() {
+                        f64::NAN
                     } else {
-                        f64::from(l)
-                    }
-                };
-                let max = parts
-                    .iter()
-                    .map(|(_, l)| seen(l[at]))
-                    .fold(f64::NEG_INFINITY, |m, x| {
-                        if x.is_nan() || m.is_nan() {
-                            f64::NAN
-                        } else {
-                            m.max(x)
-                        }
-                    });
-                let dst = |j: usize| {
-                    b * out.layout.strides[0]
-                        + i * out.layout.strides[1]
-                        + h * out.layout.strides[2]
-                        + j
-                };
+                        max.max(x)
+                    };
+                }
+                let dst = b * os[0] + i * os[1] + h * os[2];
+                let dst = &mut out.data[dst..dst + d];
                 if max == f64::NEG_INFINITY {
                     lse[at] = f32::INFINITY;
-                    for j in 0..d {
-                        out.data[dst(j)] = T::from_f32(0.0);
-                    }
+                    dst.fill(T::from_f32(0.0));
                     continue;
                 }
                 let mut sum = 0f64;
@@ -152,8 +177,8 @@ pub fn combine_into<T: Element>(
                     }
                 }
                 lse[at] = (max + sum.ln()) as f32;
-                for (j, r) in row.iter().enumerate() {
-                    out.data[dst(j)] = T::from_f32((r / sum) as f32);
+                for (y, r) in dst.iter_mut().zip(&row) {
+                    *y = T::from_f32((r / sum) as f32);
                 }
             }
         }
@@ -162,10 +187,18 @@ pub fn combine_into<T: Element>(
 }
 
 /// [`combine_into`], allocating the outputs.
-pub fn combine<T: Element>(parts: &[(TensorRef<'_, T>, &[f32])]) -> Result<Combined<T>> {
-    let shape = check_parts(parts)?;
+pub fn combine<T: Element>(
+    parts: &[(TensorRef<'_, T>, &[f32])],
+    lse_layout: LseLayout,
+) -> Result<Combined<T>> {
+    let (shape, lse_len) = check_parts(parts)?;
     let mut out = alloc::<T>(Layout::contiguous(shape).numel(Operand::Out)?)?;
-    let mut lse = alloc::<f32>(shape[0] * shape[1] * shape[2])?;
-    combine_into(parts, TensorMut::contiguous(&mut out, shape), &mut lse)?;
+    let mut lse = alloc::<f32>(lse_len)?;
+    combine_into(
+        parts,
+        lse_layout,
+        TensorMut::contiguous(&mut out, shape),
+        &mut lse,
+    )?;
     Ok(Combined { out, lse })
 }

@@ -5,7 +5,8 @@
 
 mod harness;
 
-use flashattn::combine;
+use flashattn::combine::{self, LseLayout};
+use flashattn::kvcache::{self, KvCache, KvCacheInputs};
 use flashattn::reference::{self, baseline_forward_sinks, compare, reference_forward_sinks};
 use flashattn::{AttentionConfig, Element, Error, ForwardInputs, ForwardOutput, TensorRef};
 use half::bf16;
@@ -76,7 +77,7 @@ impl<T: Element> Inputs<T> {
             .iter()
             .map(|p| (TensorRef::contiguous(&p.out, [B, SQ, HQ, DV]), &p.lse[..]))
             .collect();
-        let merged = combine::combine(&views).unwrap();
+        let merged = combine::combine(&views, LseLayout::Dense).unwrap();
         (merged, self.part(&(0..SK), true))
     }
 }
@@ -119,16 +120,26 @@ fn empty_parts_add_nothing_and_nan_stays_nan() {
     let part = x.part(&(0..SK), false);
     let n = B * SQ * HQ;
     let (zeros, empty) = (vec![0f32; n * DV], vec![f32::INFINITY; n]);
-    let merged =
-        combine::combine(&[(o(&zeros), &empty[..]), (o(&part.out), &part.lse[..])]).unwrap();
+    let merged = combine::combine(
+        &[(o(&zeros), &empty[..]), (o(&part.out), &part.lse[..])],
+        LseLayout::Dense,
+    )
+    .unwrap();
     assert_eq!(merged.out, part.out);
     assert_eq!(merged.lse, part.lse);
-    let none = combine::combine(&[(o(&zeros), &empty[..]), (o(&zeros), &empty[..])]).unwrap();
+    let none = combine::combine(
+        &[(o(&zeros), &empty[..]), (o(&zeros), &empty[..])],
+        LseLayout::Dense,
+    )
+    .unwrap();
     assert!(none.out.iter().all(|&x| x == 0.0) && none.lse.iter().all(|&l| l == f32::INFINITY));
     let mut nan_lse = part.lse.clone();
     nan_lse[5] = f32::NAN;
-    let merged =
-        combine::combine(&[(o(&part.out), &nan_lse[..]), (o(&part.out), &part.lse[..])]).unwrap();
+    let merged = combine::combine(
+        &[(o(&part.out), &nan_lse[..]), (o(&part.out), &part.lse[..])],
+        LseLayout::Dense,
+    )
+    .unwrap();
     assert!(merged.lse[5].is_nan());
     assert!(merged
         .lse
@@ -142,11 +153,138 @@ fn bad_parts_are_typed_errors() {
     let n = B * SQ * HQ;
     let (o, lse) = (vec![0f32; n * DV], vec![0f32; n]);
     let t = TensorRef::contiguous(&o, [B, SQ, HQ, DV]);
-    let e = combine::combine::<f32>(&[]).unwrap_err();
+    let e = combine::combine::<f32>(&[], LseLayout::Dense).unwrap_err();
     assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
     let other = TensorRef::contiguous(&o[..n * 16], [B, SQ, HQ, 16]);
-    let e = combine::combine(&[(t, &lse[..]), (other, &lse[..])]).unwrap_err();
+    let e = combine::combine(&[(t, &lse[..]), (other, &lse[..])], LseLayout::Dense).unwrap_err();
     assert!(matches!(e, Error::ShapeMismatch { .. }), "{e:?}");
-    let e = combine::combine(&[(t, &lse[..n - 1])]).unwrap_err();
+    let e = combine::combine(&[(t, &lse[..n - 1])], LseLayout::Dense).unwrap_err();
     assert!(matches!(e, Error::BufferTooSmall { .. }), "{e:?}");
+}
+
+/// A NaN in a part's O (its LSE finite) makes that element NaN; strided parts (O laid out
+/// `(batch, heads, seqlen_q, d)`) and a padded `out` merge as contiguous ones; an `out` that
+/// reaches an element twice is refused.
+#[test]
+fn nan_rows_strided_parts_and_overlapping_outputs() {
+    let x = Inputs::<f32>::new(4);
+    let (a, b) = (x.part(&CHUNKS[0], false), x.part(&CHUNKS[2], false));
+    let mut a_nan = a.out.clone();
+    a_nan[3 * DV + 1] = f32::NAN; // entry 0, query 0, head 3
+    let merged = combine::combine(
+        &[(o(&a_nan), &a.lse[..]), (o(&b.out), &b.lse[..])],
+        LseLayout::Dense,
+    )
+    .unwrap();
+    for (j, y) in merged.out.iter().enumerate() {
+        assert_eq!(y.is_nan(), j == 3 * DV + 1, "element {j}");
+    }
+
+    let plain = combine::combine(
+        &[(o(&a.out), &a.lse[..]), (o(&b.out), &b.lse[..])],
+        LseLayout::Dense,
+    )
+    .unwrap();
+    // A's O copied into (batch, heads, seqlen_q, d) and seen through strides.
+    let mut bhsd = vec![0f32; a.out.len()];
+    for bi in 0..B {
+        for i in 0..SQ {
+            for h in 0..HQ {
+                let src = ((bi * SQ + i) * HQ + h) * DV;
+                let dst = ((bi * HQ + h) * SQ + i) * DV;
+                bhsd[dst..dst + DV].copy_from_slice(&a.out[src..src + DV]);
+            }
+        }
+    }
+    let strided = TensorRef::new(
+        &bhsd,
+        flashattn::Layout::with_strides([B, SQ, HQ, DV], [HQ * SQ * DV, DV, SQ * DV, 1]),
+    );
+    // Out with a row stride padded by 3 heads' worth.
+    let row = (HQ + 3) * DV;
+    let mut padded = vec![f32::NAN; B * SQ * row];
+    let mut lse = vec![0f32; B * HQ * SQ];
+    combine::combine_into(
+        &[(strided, &a.lse[..]), (o(&b.out), &b.lse[..])],
+        LseLayout::Dense,
+        flashattn::TensorMut::new(
+            &mut padded,
+            flashattn::Layout::with_strides([B, SQ, HQ, DV], [SQ * row, row, DV, 1]),
+        ),
+        &mut lse,
+    )
+    .unwrap();
+    for bi in 0..B {
+        for i in 0..SQ {
+            let got = &padded[(bi * SQ + i) * row..][..HQ * DV];
+            let want = &plain.out[(bi * SQ + i) * HQ * DV..][..HQ * DV];
+            assert_eq!(got, want);
+        }
+    }
+    assert_eq!(lse, plain.lse);
+    let mut small = vec![0f32; DV * 4];
+    let e = combine::combine_into(
+        &[(o(&a.out), &a.lse[..])],
+        LseLayout::Dense,
+        flashattn::TensorMut::new(
+            &mut small,
+            flashattn::Layout::with_strides([B, SQ, HQ, DV], [0, 0, DV, 1]),
+        ),
+        &mut lse,
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::OverlappingOutput { .. }), "{e:?}");
+}
+
+/// Two KV-cache calls over halves of each sequence's cached keys (the packed LSE order), merged,
+/// give the call over all of them.
+#[test]
+fn kv_cache_halves_merge_in_the_packed_order() {
+    let x = Inputs::<f32>::new(5);
+    // The K and V of each entry as a dense cache of SK rows; Q decodes 37 rows per sequence.
+    let dense = |k: &[f32], v: &[f32], lens: &[i32]| {
+        let cache = KvCache::dense(
+            TensorRef::contiguous(k, [B, SK, HK, D]),
+            TensorRef::contiguous(v, [B, SK, HK, DV]),
+        );
+        kvcache::forward(
+            &AttentionConfig::new(),
+            KvCacheInputs::new(x.q(), cache, lens),
+        )
+        .unwrap()
+    };
+    let whole = dense(&x.k, &x.v, &[SK as i32, 120]);
+    // First halves: the first 150 / 60 keys; second halves: the rest, moved to the front.
+    let first = dense(&x.k, &x.v, &[150, 60]);
+    let shift = |t: &[f32], d: usize, by: [usize; 2]| {
+        let mut out = vec![0f32; t.len()];
+        for (bi, &n) in by.iter().enumerate() {
+            let (e, row) = (bi * SK * HK * d, HK * d);
+            out[e..e + (SK - n) * row].copy_from_slice(&t[e + n * row..e + SK * row]);
+        }
+        out
+    };
+    let (k2, v2) = (shift(&x.k, D, [150, 60]), shift(&x.v, DV, [150, 60]));
+    let second = dense(&k2, &v2, &[150, 60]);
+    let merged = combine::combine(
+        &[
+            (
+                TensorRef::contiguous(&first.out, [B, SQ, HQ, DV]),
+                &first.lse[..],
+            ),
+            (
+                TensorRef::contiguous(&second.out, [B, SQ, HQ, DV]),
+                &second.lse[..],
+            ),
+        ],
+        LseLayout::Packed,
+    )
+    .unwrap();
+    let close = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .all(|(x, y)| (x - y).abs() <= 2e-6 * (1.0 + y.abs()))
+    };
+    assert!(close(&merged.out, &whole.out), "O");
+    assert!(close(&merged.lse, &whole.lse), "LSE");
 }
