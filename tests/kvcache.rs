@@ -270,6 +270,24 @@ fn inconsistent_inputs_are_typed_errors() {
     unused[PAGES_PER_SEQ + 3] = -7;
     let unused: &'static [i32] = Box::leak(unused.into_boxed_slice());
     kvcache::forward(&cfg, KvCacheInputs::new(fx.q(), paged(unused), &lens)).unwrap();
+    // No page per sequence, a table of another length, and more pages than a size can count:
+    // each an error about the table, before its pages are counted.
+    for (t, max_pages) in [
+        (&table[..0], 0),
+        (&table[..5], PAGES_PER_SEQ),
+        (&table[..3], usize::MAX / 2),
+    ] {
+        let t: &'static [i32] = Box::leak(t.to_vec().into_boxed_slice());
+        let e = run(KvCacheInputs::new(
+            fx.q(),
+            KvCache::paged(pk, pv, t, max_pages),
+            &lens,
+        ));
+        assert!(
+            matches!(e, Error::InvalidPageTable(_) | Error::IndexOverflow { .. }),
+            "max_pages {max_pages}: {e:?}"
+        );
+    }
     // cache_batch_idx beside a block table.
     let table: &'static [i32] = Box::leak(table.into_boxed_slice());
     let e = run(KvCacheInputs::new(fx.q(), paged(table), &lens).with_cache_batch_idx(&[0, 1, 2]));

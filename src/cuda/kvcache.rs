@@ -151,3 +151,32 @@ impl Device {
         self.varlen_forward_into(stream, cfg, &seqs, inputs, &mut o_rows, lse)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_become_one_sequence_of_rows() {
+        // Contiguous (batch 3, 5 rows, 2 heads, 8): 15 rows of 16.
+        let l = Layout::contiguous([3, 5, 2, 8]);
+        let p = as_rows(Operand::K, &l).unwrap();
+        assert_eq!((p.shape, p.strides), ([1, 15, 2, 8], [240, 16, 8, 1]));
+        // One row per entry at a padded batch stride (a decode step's Q from a longer tensor).
+        let q = Layout::with_strides([4, 1, 2, 8], [160, 16, 8, 1]);
+        let p = as_rows(Operand::Q, &q).unwrap();
+        assert_eq!((p.shape, p.strides), ([1, 4, 2, 8], [640, 160, 8, 1]));
+        // Several rows per entry, entries apart: refused.
+        let gap = Layout::with_strides([3, 5, 2, 8], [100, 16, 8, 1]);
+        assert!(matches!(
+            as_rows(Operand::K, &gap),
+            Err(Error::Unsupported { .. })
+        ));
+        // Counts past usize: a typed error, not a wrap.
+        let huge = Layout::with_strides([usize::MAX / 2, 4, 1, 1], [4, 1, 1, 1]);
+        assert!(matches!(
+            as_rows(Operand::K, &huge),
+            Err(Error::IndexOverflow { .. })
+        ));
+    }
+}
