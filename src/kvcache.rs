@@ -15,7 +15,9 @@
 //! packed as [`crate::varlen`]'s (the query rows of all sequences along one axis). A sequence
 //! with no cached key gets O = 0 and LSE = +inf (its head's sink with attention sinks).
 //! [`append`] writes new keys and values after each sequence's cached ones (FlashAttention's
-//! `k`, `v` arguments), for a [`forward`] over `cache_seqlens[b] + seqlen_new` keys.
+//! `k`, `v` arguments), for a [`forward`] over `cache_seqlens[b] + seqlen_new` keys; [`step`]
+//! does both in one call, with rotary embedding ([`Rotary`]) of Q and the new keys at their
+//! positions, as `flash_attn_with_kvcache` does.
 //!
 //! This module runs on the CPU backend (host memory, every value checked on the host);
 //! [`crate::cuda::Device::kvcache_forward_into`] runs dense caches on the GPU.
@@ -520,4 +522,187 @@ fn scatter<T: Copy>(cache: &mut TensorMut<T>, new: &TensorRef<T>, rows: &[Vec<(u
             }
         }
     }
+}
+
+/// Rotary position embedding as FlashAttention's KV-cache call applies it: `cos` and `sin` are
+/// `(seqlen_ro, dim / 2)` f32 row-major; the first `dim` (even, at most the head dim) elements
+/// of each head rotate by the angle of the row's position, in pairs `(2i, 2i + 1)` when
+/// `interleaved`, else `(i, i + dim / 2)` (GPT-NeoX's halves); the rest pass unchanged.
+#[derive(Clone, Copy, Debug)]
+pub struct Rotary<'a> {
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+    pub dim: usize,
+    pub interleaved: bool,
+}
+
+impl Rotary<'_> {
+    /// Positions it has angles for.
+    fn positions(&self) -> usize {
+        self.cos.len() / (self.dim / 2).max(1)
+    }
+
+    fn check(&self, head_dim: usize) -> Result<()> {
+        if self.dim == 0 || self.dim % 2 != 0 || self.dim > head_dim {
+            return Err(Error::InvalidConfig(format!(
+                "rotary dim {} (it must be even, from 2 to the head dim {head_dim})",
+                self.dim
+            )));
+        }
+        if self.cos.len() != self.sin.len() || self.cos.len() % (self.dim / 2) != 0 {
+            return Err(Error::InvalidConfig(format!(
+                "rotary cos and sin of {} and {} values: both (positions, {}) ",
+                self.cos.len(),
+                self.sin.len(),
+                self.dim / 2
+            )));
+        }
+        Ok(())
+    }
+
+    /// `x` (one head's row) rotated to position `pos`.
+    fn rotate<T: Element>(&self, x: &mut [T], pos: usize) {
+        let half = self.dim / 2;
+        let (cos, sin) = (
+            &self.cos[pos * half..][..half],
+            &self.sin[pos * half..][..half],
+        );
+        for i in 0..half {
+            let (a, b) = if self.interleaved {
+                (2 * i, 2 * i + 1)
+            } else {
+                (i, i + half)
+            };
+            let (x0, x1) = (x[a].to_f32(), x[b].to_f32());
+            x[a] = T::from_f32(x0 * cos[i] - x1 * sin[i]);
+            x[b] = T::from_f32(x0 * sin[i] + x1 * cos[i]);
+        }
+    }
+}
+
+/// One decoding or prefill step over a cache, as FlashAttention's `flash_attn_with_kvcache`
+/// takes it: Q `(batch, seqlen_q, heads_q, head_dim)`, the cache to append to, new keys and
+/// values `(batch, seqlen_new, heads_kv, ·)` (optional), each sequence's cached key count before
+/// the step, and optionally rotary embedding, the dense cache's entry per sequence and sinks.
+#[derive(Debug)]
+pub struct KvCacheStep<'a, 'c, T> {
+    pub q: TensorRef<'a, T>,
+    pub cache: &'a mut KvCacheMut<'c, T>,
+    pub new: Option<(TensorRef<'a, T>, TensorRef<'a, T>)>,
+    pub cache_seqlens: &'a [i32],
+    pub rotary: Option<Rotary<'a>>,
+    pub cache_batch_idx: Option<&'a [i32]>,
+    pub sinks: Option<&'a [f32]>,
+}
+
+/// `x` (batch, rows, heads, d) copied, each head's row `i` of entry `b` rotated to position
+/// `start[b] + i`, or `start[b]` for every row when `same_position`.
+fn rotated<T: Element>(
+    x: &TensorRef<T>,
+    rotary: &Rotary,
+    start: &[i32],
+    same_position: bool,
+) -> Result<Vec<T>> {
+    let [batch, rows, heads, d] = x.layout.shape;
+    let s = x.layout.strides;
+    let mut out = alloc::<T>(batch * rows * heads * d)?;
+    for (at, y) in out.chunks_exact_mut(d).enumerate() {
+        let (h, i, b) = (at % heads, at / heads % rows, at / heads / rows);
+        let src = b * s[0] + i * s[1] + h * s[2];
+        y.copy_from_slice(&x.data[src..src + d]);
+        let pos = start[b] as usize + if same_position { 0 } else { i };
+        rotary.rotate(y, pos);
+    }
+    Ok(out)
+}
+
+/// A whole step: with rotary embedding, Q and the new keys rotated (the new keys to their
+/// positions in the cache, `cache_seqlens[b] + i`; Q likewise under a causal or windowed mask,
+/// else every query row at `cache_seqlens[b]`); the new keys and values appended ([`append`]);
+/// then [`forward`] over `cache_seqlens[b] + seqlen_new` keys. Every check runs before the
+/// cache is written.
+pub fn step<T: Element>(
+    cfg: &AttentionConfig,
+    step: KvCacheStep<'_, '_, T>,
+) -> Result<ForwardOutput<T>> {
+    let KvCacheStep {
+        q,
+        cache,
+        new,
+        cache_seqlens,
+        rotary,
+        cache_batch_idx,
+        sinks,
+    } = step;
+    q.check(Operand::Q)?;
+    let [batch, seqlen_q, heads_q, head_dim] = q.layout.shape;
+    let seqlen_new = new.map_or(0, |(k, _)| k.layout.shape[1]);
+    check_cache(
+        &cache.as_ref(),
+        batch,
+        cache_seqlens,
+        seqlen_new,
+        cache_batch_idx,
+    )?;
+    // FlashAttention's convention: without a causal or windowed mask every query row sits at the
+    // first new position.
+    let same_position = matches!(cfg.mask.bounds(), (None, None));
+    if let Some(r) = &rotary {
+        r.check(head_dim)?;
+        // One past the last position a row takes: an appended key's or a query row's.
+        let rows = seqlen_new.max(if same_position { 1 } else { seqlen_q });
+        let needed = cache_seqlens.iter().map(|&l| l as usize).max().unwrap_or(0) + rows;
+        if r.positions() < needed {
+            return Err(Error::InvalidConfig(format!(
+                "rotary angles for {} positions; the step reaches position {}",
+                r.positions(),
+                needed - 1
+            )));
+        }
+    }
+    let q_rot;
+    let q = match &rotary {
+        Some(r) => {
+            q_rot = rotated(&q, r, cache_seqlens, same_position)?;
+            TensorRef::contiguous(&q_rot, [batch, seqlen_q, heads_q, head_dim])
+        }
+        None => q,
+    };
+    let lens: Vec<i32> = cache_seqlens
+        .iter()
+        .map(|&l| l + seqlen_new as i32)
+        .collect();
+    // The forward's checks (Q against the cache, sinks, the plan) before anything is written.
+    plan(
+        cfg,
+        &KvCacheInputs {
+            q,
+            cache: cache.as_ref(),
+            cache_seqlens: &lens,
+            cache_batch_idx,
+            sinks,
+        },
+    )?;
+    if let Some((k_new, v_new)) = new {
+        let k_rot;
+        let k_new = match &rotary {
+            Some(r) => {
+                k_new.check(Operand::K)?;
+                k_rot = rotated(&k_new, r, cache_seqlens, false)?;
+                TensorRef::contiguous(&k_rot, k_new.layout.shape)
+            }
+            None => k_new,
+        };
+        append(cache, k_new, v_new, cache_seqlens, cache_batch_idx)?;
+    }
+    forward(
+        cfg,
+        KvCacheInputs {
+            q,
+            cache: cache.as_ref(),
+            cache_seqlens: &lens,
+            cache_batch_idx,
+            sinks,
+        },
+    )
 }

@@ -435,3 +435,155 @@ fn appended_keys_are_attended_to() {
     assert_eq!(bits(&pk), bits(&before), "a refused append wrote K");
     assert_eq!(bits(&pv), bits(&before_v), "a refused append wrote V");
 }
+
+/// The test's own rotation of one head's row to position `pos`: pairs `(2i, 2i + 1)` or
+/// `(i, i + dim / 2)` turned by `pos · base^(−2i / dim)`.
+fn rotate_by_hand(
+    x: &mut [bf16],
+    pos: usize,
+    dim: usize,
+    interleaved: bool,
+    angles: &(Vec<f32>, Vec<f32>),
+) {
+    let half = dim / 2;
+    for i in 0..half {
+        let (a, b) = if interleaved {
+            (2 * i, 2 * i + 1)
+        } else {
+            (i, i + half)
+        };
+        let (c, s) = (angles.0[pos * half + i], angles.1[pos * half + i]);
+        let (x0, x1) = (x[a].to_f32(), x[b].to_f32());
+        x[a] = bf16::from_f32(x0 * c - x1 * s);
+        x[b] = bf16::from_f32(x0 * s + x1 * c);
+    }
+}
+
+/// `step` = rotate Q and the new keys, append, attend: against the same done by hand (the rows
+/// rotated by the test's own code at their positions, written into a copy of the cache), bit for
+/// bit; causal (queries at their own positions) and full (every query at the first new
+/// position), halves and interleaved pairs, a rotary dim below the head dim; bad rotary inputs
+/// refused with the cache untouched.
+#[test]
+fn a_step_rotates_appends_and_attends() {
+    let (dim, s_new, seqlen_q) = (32, 2, 2);
+    let lens = [0, 17, 90];
+    let positions = CAPACITY;
+    let angles: (Vec<f32>, Vec<f32>) = (0..positions)
+        .flat_map(|p| {
+            (0..dim / 2).map(move |i| p as f32 / 10000f32.powf(2.0 * i as f32 / dim as f32))
+        })
+        .map(|t| (t.cos(), t.sin()))
+        .unzip();
+    let mut rng = StdRng::seed_from_u64(9);
+    let k_new: Vec<bf16> = random(BATCH * s_new * HK * D, &mut rng);
+    let v_new: Vec<bf16> = random(BATCH * s_new * HK * DV, &mut rng);
+    for interleaved in [false, true] {
+        for cfg in [AttentionConfig::new().causal(true), AttentionConfig::new()] {
+            let fx = Fixture::new(seqlen_q, 10);
+            let rotary = kvcache::Rotary {
+                cos: &angles.0,
+                sin: &angles.1,
+                dim,
+                interleaved,
+            };
+            // By hand.
+            let mut want = Fixture::new(seqlen_q, 10);
+            let same = !cfg.mask.is_causal();
+            for (b, &len) in lens.iter().enumerate() {
+                for i in 0..seqlen_q {
+                    for h in 0..HQ {
+                        let at = ((b * seqlen_q + i) * HQ + h) * D;
+                        let pos = len as usize + if same { 0 } else { i };
+                        rotate_by_hand(&mut want.q[at..at + D], pos, dim, interleaved, &angles);
+                    }
+                }
+                for i in 0..s_new {
+                    let row = (len as usize + i) * HK;
+                    for h in 0..HK {
+                        let (src, dst) = (
+                            ((b * s_new + i) * HK + h) * D,
+                            (b * CAPACITY * HK + row + h) * D,
+                        );
+                        want.k[dst..dst + D].copy_from_slice(&k_new[src..src + D]);
+                        rotate_by_hand(
+                            &mut want.k[dst..dst + D],
+                            len as usize + i,
+                            dim,
+                            interleaved,
+                            &angles,
+                        );
+                        let (src, dst) = (
+                            ((b * s_new + i) * HK + h) * DV,
+                            (b * CAPACITY * HK + row + h) * DV,
+                        );
+                        want.v[dst..dst + DV].copy_from_slice(&v_new[src..src + DV]);
+                    }
+                }
+            }
+            let after: Vec<i32> = lens.iter().map(|&l| l + s_new as i32).collect();
+            let expected =
+                kvcache::forward(&cfg, KvCacheInputs::new(want.q(), want.dense(), &after)).unwrap();
+
+            let (mut k, mut v) = (fx.k.clone(), fx.v.clone());
+            let mut cache = KvCacheMut::Dense {
+                k: TensorMut::contiguous(&mut k, [ENTRIES, CAPACITY, HK, D]),
+                v: TensorMut::contiguous(&mut v, [ENTRIES, CAPACITY, HK, DV]),
+            };
+            let step = kvcache::KvCacheStep {
+                q: fx.q(),
+                cache: &mut cache,
+                new: Some((
+                    TensorRef::contiguous(&k_new, [BATCH, s_new, HK, D]),
+                    TensorRef::contiguous(&v_new, [BATCH, s_new, HK, DV]),
+                )),
+                cache_seqlens: &lens,
+                rotary: Some(rotary),
+                cache_batch_idx: None,
+                sinks: None,
+            };
+            let got = kvcache::step(&cfg, step).unwrap();
+            assert_eq!(
+                bits(&got.out),
+                bits(&expected.out),
+                "O ({cfg:?}, interleaved {interleaved})"
+            );
+            assert_eq!(got.lse, expected.lse);
+            assert_eq!(bits(&k), bits(&want.k), "the cache's K");
+        }
+    }
+
+    // An odd rotary dim, and too few positions: refused, the cache untouched.
+    let fx = Fixture::new(seqlen_q, 11);
+    let (mut k, mut v) = (fx.k.clone(), fx.v.clone());
+    for (dim, n) in [(31, positions), (dim, 91)] {
+        let mut cache = KvCacheMut::Dense {
+            k: TensorMut::contiguous(&mut k, [ENTRIES, CAPACITY, HK, D]),
+            v: TensorMut::contiguous(&mut v, [ENTRIES, CAPACITY, HK, DV]),
+        };
+        let half = dim / 2;
+        let step = kvcache::KvCacheStep {
+            q: fx.q(),
+            cache: &mut cache,
+            new: Some((
+                TensorRef::contiguous(&k_new, [BATCH, s_new, HK, D]),
+                TensorRef::contiguous(&v_new, [BATCH, s_new, HK, DV]),
+            )),
+            cache_seqlens: &lens,
+            rotary: Some(kvcache::Rotary {
+                cos: &angles.0[..n * half],
+                sin: &angles.1[..n * half],
+                dim,
+                interleaved: false,
+            }),
+            cache_batch_idx: None,
+            sinks: None,
+        };
+        let e = kvcache::step(&AttentionConfig::new().causal(true), step).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidConfig(_)),
+            "dim {dim}, {n} positions: {e:?}"
+        );
+    }
+    assert_eq!(bits(&k), bits(&fx.k), "a refused step wrote");
+}
