@@ -206,7 +206,15 @@ fn check_cache<T>(
     cache_batch_idx: Option<&[i32]>,
 ) -> Result<()> {
     let k = cache.k();
+    k.check(Operand::K)?;
     let [slots, page_rows, heads_kv, head_dim] = k.layout.shape;
+    let v = cache.v();
+    v.check(Operand::V)?;
+    Problem::expect_shape(
+        Operand::V,
+        &v.layout,
+        [slots, page_rows, heads_kv, v.layout.shape[3]],
+    )?;
     // The block table's shape first: the capacity counts its pages.
     if let KvCache::Paged {
         block_table,
@@ -527,7 +535,9 @@ fn scatter<T: Copy>(cache: &mut TensorMut<T>, new: &TensorRef<T>, rows: &[Vec<(u
 /// Rotary position embedding as FlashAttention's KV-cache call applies it: `cos` and `sin` are
 /// `(seqlen_ro, dim / 2)` f32 row-major; the first `dim` (even, at most the head dim) elements
 /// of each head rotate by the angle of the row's position, in pairs `(2i, 2i + 1)` when
-/// `interleaved`, else `(i, i + dim / 2)` (GPT-NeoX's halves); the rest pass unchanged.
+/// `interleaved`, else `(i, i + dim / 2)` (GPT-NeoX's halves); the rest pass unchanged. A step
+/// ([`step`]) with rotary embedding appends new keys, and needs angles for positions up to the
+/// longest cached count plus its new keys (or its query rows, where more).
 #[derive(Clone, Copy, Debug)]
 pub struct Rotary<'a> {
     pub cos: &'a [f32],
@@ -637,6 +647,28 @@ pub fn step<T: Element>(
     q.check(Operand::Q)?;
     let [batch, seqlen_q, heads_q, head_dim] = q.layout.shape;
     let seqlen_new = new.map_or(0, |(k, _)| k.layout.shape[1]);
+    // The new keys and values against Q and the cache, before any of them is rotated.
+    if let Some((k_new, v_new)) = &new {
+        let view = cache.as_ref();
+        let [_, _, heads_kv, _] = view.k().layout.shape;
+        let head_dim_v = view.v().layout.shape[3];
+        k_new.check(Operand::K)?;
+        v_new.check(Operand::V)?;
+        Problem::expect_shape(
+            Operand::K,
+            &k_new.layout,
+            [batch, seqlen_new, heads_kv, head_dim],
+        )?;
+        Problem::expect_shape(
+            Operand::V,
+            &v_new.layout,
+            [batch, seqlen_new, heads_kv, head_dim_v],
+        )?;
+    } else if rotary.is_some() {
+        return Err(Error::InvalidConfig(
+            "rotary embedding without new keys: it rotates the keys a step appends".into(),
+        ));
+    }
     check_cache(
         &cache.as_ref(),
         batch,
@@ -668,10 +700,15 @@ pub fn step<T: Element>(
         }
         None => q,
     };
-    let lens: Vec<i32> = cache_seqlens
+    // Within the capacity (checked above), which may pass i32 on a large paged cache.
+    let lens = cache_seqlens
         .iter()
-        .map(|&l| l + seqlen_new as i32)
-        .collect();
+        .map(|&l| {
+            i32::try_from(l as usize + seqlen_new).map_err(|_| {
+                Error::InvalidSeqlens(format!("{l} cached and {seqlen_new} new keys pass i32"))
+            })
+        })
+        .collect::<Result<Vec<i32>>>()?;
     // The forward's checks (Q against the cache, sinks, the plan) before anything is written.
     plan(
         cfg,

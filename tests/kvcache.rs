@@ -466,7 +466,7 @@ fn rotate_by_hand(
 /// refused with the cache untouched.
 #[test]
 fn a_step_rotates_appends_and_attends() {
-    let (dim, s_new, seqlen_q) = (32, 2, 2);
+    let dim = 32;
     let lens = [0, 17, 90];
     let positions = CAPACITY;
     let angles: (Vec<f32>, Vec<f32>) = (0..positions)
@@ -476,9 +476,11 @@ fn a_step_rotates_appends_and_attends() {
         .map(|t| (t.cos(), t.sin()))
         .unzip();
     let mut rng = StdRng::seed_from_u64(9);
-    let k_new: Vec<bf16> = random(BATCH * s_new * HK * D, &mut rng);
-    let v_new: Vec<bf16> = random(BATCH * s_new * HK * DV, &mut rng);
-    for interleaved in [false, true] {
+    // As many new keys as queries, and more new keys than queries (so that the queries'
+    // positions, len + i, are not the bottom-right ones).
+    for (s_new, seqlen_q, interleaved) in [(2, 2, false), (2, 2, true), (3, 1, false)] {
+        let k_new: Vec<bf16> = random(BATCH * s_new * HK * D, &mut rng);
+        let v_new: Vec<bf16> = random(BATCH * s_new * HK * DV, &mut rng);
         for cfg in [AttentionConfig::new().causal(true), AttentionConfig::new()] {
             let fx = Fixture::new(seqlen_q, 10);
             let rotary = kvcache::Rotary {
@@ -550,10 +552,14 @@ fn a_step_rotates_appends_and_attends() {
             );
             assert_eq!(got.lse, expected.lse);
             assert_eq!(bits(&k), bits(&want.k), "the cache's K");
+            assert_eq!(bits(&v), bits(&want.v), "the cache's V");
         }
     }
 
     // An odd rotary dim, and too few positions: refused, the cache untouched.
+    let (s_new, seqlen_q) = (2, 2);
+    let k_new: Vec<bf16> = random(BATCH * s_new * HK * D, &mut rng);
+    let v_new: Vec<bf16> = random(BATCH * s_new * HK * DV, &mut rng);
     let fx = Fixture::new(seqlen_q, 11);
     let (mut k, mut v) = (fx.k.clone(), fx.v.clone());
     for (dim, n) in [(31, positions), (dim, 91)] {
@@ -585,5 +591,6 @@ fn a_step_rotates_appends_and_attends() {
             "dim {dim}, {n} positions: {e:?}"
         );
     }
-    assert_eq!(bits(&k), bits(&fx.k), "a refused step wrote");
+    assert_eq!(bits(&k), bits(&fx.k), "a refused step wrote K");
+    assert_eq!(bits(&v), bits(&fx.v), "a refused step wrote V");
 }
