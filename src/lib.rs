@@ -28,7 +28,8 @@
 )]
 //!
 //! Packed batches of sequences of different lengths: [`varlen`]. Partial results over disjoint
-//! keys merged by their LSE: [`combine`]. A KV cache, dense or paged,
+//! keys merged by their LSE: [`combine`]; a sequence sharded over ranks as a ring: [`ring`]. A KV
+//! cache, dense or paged,
 //! with each sequence's cached key count: [`kvcache`] (the GPU: `cuda::Device::kvcache_forward_into`,
 //! dense caches).
 //!
@@ -75,6 +76,7 @@ pub mod fp8;
 pub mod kvcache;
 pub mod reference;
 pub mod registry;
+pub mod ring;
 // The registry's tests beside it: build.rs includes registry.rs alone.
 #[cfg(test)]
 #[path = "registry/tests.rs"]

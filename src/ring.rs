@@ -1,0 +1,357 @@
+//! Context parallelism as a ring: a sequence too long for one device is split across ranks; each
+//! rank keeps its queries while the ranks' keys and values travel around the ring, one shard per
+//! step, and each rank merges its partial results by their LSE ([`crate::combine`]). In the
+//! backward each rank recomputes its queries' rows against every shard with the merged O and LSE,
+//! keeps dQ, and sends each shard's dK and dV on with it, so that they arrive home summed.
+//!
+//! Causal attention shards the sequence *zig-zag* ([`Sharding::ZigZag`]): cut into `2·ranks`
+//! equal chunks, rank r holds chunks r and `2·ranks − 1 − r`, so that every rank has as much work
+//! (a query chunk sees every earlier chunk whole, its own causally, no later one). Without a mask
+//! the chunks are contiguous ([`Sharding::Contiguous`]).
+//!
+//! This module runs that schedule on the CPU over simulated ranks (each rank's shards in host
+//! memory, the ring a loop over them): the arithmetic and bookkeeping a multi-GPU ring runs step
+//! by step, and the reference it is tested against. Masks: full or causal; softcap as any call.
+//! Not here: windows, attention sinks, packed batches.
+//!
+//! ```
+//! use flashattn::ring::{self, Sharding};
+//! use flashattn::{AttentionConfig, ForwardInputs, TensorRef};
+//!
+//! // 16 rows over 2 ranks, causal: rank 0 holds rows 0..4 and 12..16, rank 1 rows 4..12.
+//! let x: Vec<f32> = (0..16 * 2 * 8).map(|i| (i as f32 * 0.37).sin()).collect();
+//! let t = TensorRef::contiguous(&x, [1, 16, 2, 8]);
+//! let shards: Vec<Vec<f32>> = (0..2).map(|r| ring::shard(t, Sharding::ZigZag, 2, r)).collect::<Result<_, _>>()?;
+//! let views: Vec<_> = shards.iter().map(|s| TensorRef::contiguous(s, [1, 8, 2, 8])).collect();
+//! let inputs: Vec<_> = views.iter().map(|&v| ForwardInputs::new(v, v, v)).collect();
+//! let cfg = AttentionConfig::new().causal(true);
+//! let outs = ring::forward(&cfg, Sharding::ZigZag, &inputs)?;
+//! let whole = flashattn::forward(&cfg, ForwardInputs::new(t, t, t))?;
+//! let o0 = ring::shard(TensorRef::contiguous(&whole.out, [1, 16, 2, 8]), Sharding::ZigZag, 2, 0)?;
+//! assert!(outs[0].out.iter().zip(&o0).all(|(a, b)| (a - b).abs() < 1e-5));
+//! # Ok::<(), flashattn::Error>(())
+//! ```
+
+use std::ops::Range;
+
+use crate::combine::{self, LseLayout};
+use crate::config::AttentionConfig;
+use crate::error::{Error, Operand, Result};
+use crate::tensor::{Element, Layout, TensorRef};
+use crate::{alloc, BackwardInputs, ForwardInputs, ForwardOutput};
+
+/// How a sequence's rows are split among the ranks (see the module's documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sharding {
+    /// Rank r holds rows `r·s/ranks .. (r + 1)·s/ranks`.
+    Contiguous,
+    /// Of `2·ranks` equal chunks, rank r holds chunk r, then chunk `2·ranks − 1 − r`.
+    ZigZag,
+}
+
+impl Sharding {
+    fn chunks_per_rank(self) -> usize {
+        match self {
+            Sharding::Contiguous => 1,
+            Sharding::ZigZag => 2,
+        }
+    }
+
+    /// The global chunk indices rank `rank` holds, in its order.
+    fn chunk_ids(self, ranks: usize, rank: usize) -> Vec<usize> {
+        match self {
+            Sharding::Contiguous => vec![rank],
+            Sharding::ZigZag => vec![rank, 2 * ranks - 1 - rank],
+        }
+    }
+
+    /// The rows of a sequence of `seqlen` that rank `rank` of `ranks` holds, chunk by chunk;
+    /// an error where the chunks would not be equal.
+    pub fn rows(self, seqlen: usize, ranks: usize, rank: usize) -> Result<Vec<Range<usize>>> {
+        let chunks = ranks * self.chunks_per_rank();
+        if ranks == 0 || rank >= ranks || seqlen == 0 || seqlen % chunks != 0 {
+            return Err(Error::InvalidConfig(format!(
+                "rank {rank} of {ranks} over {seqlen} rows: {:?} needs a rank below the ranks \
+                 and rows in {chunks} equal chunks",
+                self
+            )));
+        }
+        let c = seqlen / chunks;
+        Ok(self
+            .chunk_ids(ranks, rank)
+            .into_iter()
+            .map(|i| i * c..(i + 1) * c)
+            .collect())
+    }
+}
+
+/// Rank `rank`'s shard of `x` `(batch, seqlen, heads, d)`: its rows (in its order), contiguous
+/// `(batch, seqlen / ranks, heads, d)`.
+pub fn shard<T: Element>(
+    x: TensorRef<T>,
+    sharding: Sharding,
+    ranks: usize,
+    rank: usize,
+) -> Result<Vec<T>> {
+    x.check(Operand::Q)?;
+    let [batch, seqlen, heads, d] = x.layout.shape;
+    let rows = sharding.rows(seqlen, ranks, rank)?;
+    let s = x.layout.strides;
+    let mut out = alloc::<T>(batch * (seqlen / ranks) * heads * d)?;
+    let mut at = 0;
+    for b in 0..batch {
+        for r in rows.iter().flat_map(|r| r.clone()) {
+            for h in 0..heads {
+                let src = b * s[0] + r * s[1] + h * s[2];
+                out[at..at + d].copy_from_slice(&x.data[src..src + d]);
+                at += d;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Chunk `c` (of `chunks` per rank) of a rank's shard `(batch, shard_rows, heads, d)` as a view.
+fn chunk<'a, T>(t: &TensorRef<'a, T>, chunks: usize, c: usize) -> TensorRef<'a, T> {
+    let [batch, rows, heads, d] = t.layout.shape;
+    let len = rows / chunks;
+    let s = t.layout.strides;
+    TensorRef::new(
+        &t.data[c * len * s[1]..],
+        Layout::with_strides([batch, len, heads, d], s),
+    )
+}
+
+/// What a query chunk sees of a key chunk: nothing, all of it, or its causal part (the same
+/// chunk).
+fn pair_mask(cfg: &AttentionConfig, q_chunk: usize, k_chunk: usize) -> Option<AttentionConfig> {
+    if !cfg.mask.is_causal() {
+        return Some(cfg.clone());
+    }
+    match k_chunk.cmp(&q_chunk) {
+        std::cmp::Ordering::Less => Some(cfg.clone().causal(false)),
+        std::cmp::Ordering::Equal => Some(cfg.clone()),
+        std::cmp::Ordering::Greater => None,
+    }
+}
+
+/// Checks a ring's inputs: at least one rank, every rank's shards of one shape, a full or causal
+/// mask, no sinks. Returns the number of ranks.
+fn check_ring(
+    cfg: &AttentionConfig,
+    shapes: impl Iterator<Item = ([usize; 4], [usize; 4], bool)>,
+) -> Result<usize> {
+    let bounds = cfg.mask.bounds();
+    if !(bounds == (None, None) || cfg.mask.is_causal() && bounds.0.is_none()) {
+        return Err(Error::Unsupported {
+            what: format!(
+                "a ring with the mask {:?} (full and causal are built)",
+                cfg.mask
+            ),
+            backend: crate::config::Backend::Cpu,
+        });
+    }
+    let mut ranks = 0;
+    let mut first = None;
+    for (q, k, sinks) in shapes {
+        if sinks {
+            return Err(Error::Unsupported {
+                what: "attention sinks in a ring".into(),
+                backend: crate::config::Backend::Cpu,
+            });
+        }
+        match first {
+            None => first = Some((q, k)),
+            Some((q0, k0)) => {
+                for (operand, want, got) in [(Operand::Q, q0, q), (Operand::K, k0, k)] {
+                    if want != got {
+                        return Err(Error::ShapeMismatch {
+                            operand,
+                            expected: want,
+                            found: got,
+                        });
+                    }
+                }
+            }
+        }
+        ranks += 1;
+    }
+    if ranks == 0 {
+        return Err(Error::InvalidConfig(
+            "a ring needs at least one rank".into(),
+        ));
+    }
+    Ok(ranks)
+}
+
+/// The forward over a ring of `inputs.len()` ranks: rank r's `inputs[r]` holds its shards
+/// `(batch, seqlen / ranks, ·, ·)` of Q, K and V (as [`shard`] cuts them); each rank gets the O
+/// and LSE `(batch, heads_q, seqlen / ranks)` of its queries over the whole sequence.
+pub fn forward<T: Element>(
+    cfg: &AttentionConfig,
+    sharding: Sharding,
+    inputs: &[ForwardInputs<'_, T>],
+) -> Result<Vec<ForwardOutput<T>>> {
+    let ranks = check_ring(
+        cfg,
+        inputs
+            .iter()
+            .map(|i| (i.q.layout.shape, i.k.layout.shape, i.sinks.is_some())),
+    )?;
+    let per = sharding.chunks_per_rank();
+    let mut outs = Vec::with_capacity(ranks);
+    for (rank, own) in inputs.iter().enumerate() {
+        let [batch, rows, heads, _] = own.q.layout.shape;
+        let d_v = own.v.layout.shape[3];
+        let mut out = alloc::<T>(batch * rows * heads * d_v)?;
+        let mut lse = alloc::<f32>(batch * heads * rows)?;
+        let mut plan = None;
+        for (ci, &qc) in sharding.chunk_ids(ranks, rank).iter().enumerate() {
+            let q = chunk(&own.q, per, ci);
+            // One part per key chunk this query chunk sees, the shards taken around the ring.
+            let mut parts = vec![];
+            for step in 0..ranks {
+                let src = (rank + ranks - step) % ranks;
+                for (cj, &kc) in sharding.chunk_ids(ranks, src).iter().enumerate() {
+                    let Some(mask) = pair_mask(cfg, qc, kc) else {
+                        continue;
+                    };
+                    let (k, v) = (
+                        chunk(&inputs[src].k, per, cj),
+                        chunk(&inputs[src].v, per, cj),
+                    );
+                    let part = crate::forward(&mask, ForwardInputs::new(q, k, v))?;
+                    plan.get_or_insert(part.plan.clone());
+                    parts.push(part);
+                }
+            }
+            let len = rows / per;
+            let views: Vec<_> = parts
+                .iter()
+                .map(|p| {
+                    (
+                        TensorRef::contiguous(&p.out, [batch, len, heads, d_v]),
+                        &p.lse[..],
+                    )
+                })
+                .collect();
+            let merged = combine::combine(&views, LseLayout::Dense)?;
+            // Into the rank's rows of this chunk.
+            for b in 0..batch {
+                let src = &merged.out[b * len * heads * d_v..][..len * heads * d_v];
+                let dst = (b * rows + ci * len) * heads * d_v;
+                out[dst..dst + len * heads * d_v].copy_from_slice(src);
+                for h in 0..heads {
+                    let src = &merged.lse[(b * heads + h) * len..][..len];
+                    let dst = (b * heads + h) * rows + ci * len;
+                    lse[dst..dst + len].copy_from_slice(src);
+                }
+            }
+        }
+        let plan = plan.ok_or_else(|| Error::InvalidConfig("a ring step saw no keys".into()))?;
+        outs.push(ForwardOutput { out, lse, plan });
+    }
+    Ok(outs)
+}
+
+/// One rank's gradients in a ring backward: dQ of its queries, dK and dV of its keys and values
+/// (each summed over every rank's queries), shaped like its shards.
+#[derive(Debug)]
+pub struct RankGradients<T> {
+    pub dq: Vec<T>,
+    pub dk: Vec<T>,
+    pub dv: Vec<T>,
+}
+
+/// The backward over a ring: rank r's `inputs[r]` holds its shards of Q, K, V, its O, dO and LSE
+/// (as [`forward`] gave them); each rank's queries run against every shard with those, dQ stays,
+/// and each shard's dK and dV are summed (in f32) over the ranks they visit.
+pub fn backward<T: Element>(
+    cfg: &AttentionConfig,
+    sharding: Sharding,
+    inputs: &[BackwardInputs<'_, T>],
+) -> Result<Vec<RankGradients<T>>> {
+    let ranks = check_ring(
+        cfg,
+        inputs
+            .iter()
+            .map(|i| (i.q.layout.shape, i.k.layout.shape, i.sinks.is_some())),
+    )?;
+    let per = sharding.chunks_per_rank();
+    let [batch, rows, heads, d] = inputs[0].q.layout.shape;
+    let [_, _, heads_kv, _] = inputs[0].k.layout.shape;
+    let d_v = inputs[0].v.layout.shape[3];
+    let len = rows / per;
+    let zeros = |n: usize| alloc::<f32>(n);
+    let mut dq: Vec<Vec<f32>> = (0..ranks)
+        .map(|_| zeros(batch * rows * heads * d))
+        .collect::<Result<_>>()?;
+    let mut dk: Vec<Vec<f32>> = (0..ranks)
+        .map(|_| zeros(batch * rows * heads_kv * d))
+        .collect::<Result<_>>()?;
+    let mut dv: Vec<Vec<f32>> = (0..ranks)
+        .map(|_| zeros(batch * rows * heads_kv * d_v))
+        .collect::<Result<_>>()?;
+    // `part` (batch, len, h, w) added into chunk `c` of the rank's `acc` (batch, rows, h, w).
+    let add = |acc: &mut [f32], part: &[T], c: usize, h: usize, w: usize| {
+        for b in 0..batch {
+            let src = &part[b * len * h * w..][..len * h * w];
+            let dst = &mut acc[(b * rows + c * len) * h * w..][..len * h * w];
+            for (a, x) in dst.iter_mut().zip(src) {
+                *a += x.to_f32();
+            }
+        }
+    };
+    for (rank, own) in inputs.iter().enumerate() {
+        for (ci, &qc) in sharding.chunk_ids(ranks, rank).iter().enumerate() {
+            let (q, o, dout) = (
+                chunk(&own.q, per, ci),
+                chunk(&own.out, per, ci),
+                chunk(&own.dout, per, ci),
+            );
+            // This chunk's LSE rows, (batch, heads, len).
+            let mut lse = alloc::<f32>(batch * heads * len)?;
+            for bh in 0..batch * heads {
+                lse[bh * len..][..len].copy_from_slice(&own.lse[bh * rows + ci * len..][..len]);
+            }
+            for step in 0..ranks {
+                let src = (rank + ranks - step) % ranks;
+                for (cj, &kc) in sharding.chunk_ids(ranks, src).iter().enumerate() {
+                    let Some(mask) = pair_mask(cfg, qc, kc) else {
+                        continue;
+                    };
+                    let (k, v) = (
+                        chunk(&inputs[src].k, per, cj),
+                        chunk(&inputs[src].v, per, cj),
+                    );
+                    let g = crate::backward(
+                        &mask,
+                        BackwardInputs {
+                            q,
+                            k,
+                            v,
+                            out: o,
+                            dout,
+                            lse: &lse,
+                            sinks: None,
+                        },
+                    )?;
+                    add(&mut dq[rank], &g.dq, ci, heads, d);
+                    add(&mut dk[src], &g.dk, cj, heads_kv, d);
+                    add(&mut dv[src], &g.dv, cj, heads_kv, d_v);
+                }
+            }
+        }
+    }
+    let round = |x: Vec<f32>| x.into_iter().map(T::from_f32).collect::<Vec<T>>();
+    Ok(dq
+        .into_iter()
+        .zip(dk)
+        .zip(dv)
+        .map(|((dq, dk), dv)| RankGradients {
+            dq: round(dq),
+            dk: round(dk),
+            dv: round(dv),
+        })
+        .collect())
+}

@@ -1,0 +1,250 @@
+//! Ring attention over simulated ranks (`flashattn::ring`, CPU): 1 to 4 ranks, causal (zig-zag
+//! shards) and full (contiguous), GQA and V's own head dim: each rank's O, LSE, dQ, dK and dV
+//! are the single call's on its rows (f32, to within f32 rounding of the different summation
+//! order; bf16 O under the reference rule); unsupported masks and inconsistent shards are typed
+//! errors.
+
+mod harness;
+
+use flashattn::reference::{self, baseline_forward, compare, reference_forward};
+use flashattn::ring::{self, Sharding};
+use flashattn::{AttentionConfig, BackwardInputs, Element, Error, ForwardInputs, TensorRef};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use harness::random;
+
+const B: usize = 2;
+const S: usize = 48;
+const HQ: usize = 4;
+const HK: usize = 2;
+const D: usize = 32;
+const DV: usize = 16;
+
+struct Whole<T> {
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+    dout: Vec<T>,
+}
+
+impl<T: Element> Whole<T> {
+    fn new(seed: u64) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed);
+        Whole {
+            q: random(B * S * HQ * D, &mut rng),
+            k: random(B * S * HK * D, &mut rng),
+            v: random(B * S * HK * DV, &mut rng),
+            dout: random(B * S * HQ * DV, &mut rng),
+        }
+    }
+}
+
+fn view<T>(x: &[T], rows: usize, heads: usize, d: usize) -> TensorRef<'_, T> {
+    TensorRef::contiguous(x, [B, rows, heads, d])
+}
+
+/// Every rank's shard of `x` (B, S, heads, d).
+fn shards<T: Element>(
+    x: &[T],
+    heads: usize,
+    d: usize,
+    sharding: Sharding,
+    ranks: usize,
+) -> Vec<Vec<T>> {
+    (0..ranks)
+        .map(|r| ring::shard(view(x, S, heads, d), sharding, ranks, r).unwrap())
+        .collect()
+}
+
+/// Rank r's rows of an LSE (B, HQ, S), as (B, HQ, S / ranks).
+fn lse_shard(lse: &[f32], sharding: Sharding, ranks: usize, rank: usize) -> Vec<f32> {
+    let rows = sharding.rows(S, ranks, rank).unwrap();
+    (0..B * HQ)
+        .flat_map(|bh| {
+            rows.iter()
+                .flat_map(move |r| r.clone().map(move |i| lse[bh * S + i]))
+        })
+        .collect()
+}
+
+fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * (1.0 + w.abs()),
+            "{what}[{i}]: {g} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn every_rank_gets_the_single_call_s_rows_in_f32() {
+    for (cfg, sharding) in [
+        (AttentionConfig::new().causal(true), Sharding::ZigZag),
+        (AttentionConfig::new(), Sharding::Contiguous),
+        (
+            AttentionConfig::new().causal(true).softcap(3.0),
+            Sharding::ZigZag,
+        ),
+    ] {
+        for ranks in 1..=4 {
+            let w = Whole::<f32>::new(ranks as u64);
+            let (q, k, v, dout) = (
+                view(&w.q, S, HQ, D),
+                view(&w.k, S, HK, D),
+                view(&w.v, S, HK, DV),
+                view(&w.dout, S, HQ, DV),
+            );
+            let fwd = flashattn::forward(&cfg, ForwardInputs::new(q, k, v)).unwrap();
+            let grads = flashattn::backward(
+                &cfg,
+                BackwardInputs {
+                    q,
+                    k,
+                    v,
+                    out: view(&fwd.out, S, HQ, DV),
+                    dout,
+                    lse: &fwd.lse,
+                    sinks: None,
+                },
+            )
+            .unwrap();
+
+            let rows = S / ranks;
+            let (qs, ks, vs, ds) = (
+                shards(&w.q, HQ, D, sharding, ranks),
+                shards(&w.k, HK, D, sharding, ranks),
+                shards(&w.v, HK, DV, sharding, ranks),
+                shards(&w.dout, HQ, DV, sharding, ranks),
+            );
+            let inputs: Vec<_> = (0..ranks)
+                .map(|r| {
+                    ForwardInputs::new(
+                        view(&qs[r], rows, HQ, D),
+                        view(&ks[r], rows, HK, D),
+                        view(&vs[r], rows, HK, DV),
+                    )
+                })
+                .collect();
+            let outs = ring::forward(&cfg, sharding, &inputs).unwrap();
+            let want_o = shards(&fwd.out, HQ, DV, sharding, ranks);
+            for r in 0..ranks {
+                let what = format!("{cfg:?} ranks {ranks} rank {r}");
+                close(&outs[r].out, &want_o[r], 2e-6, &format!("{what} O"));
+                close(
+                    &outs[r].lse,
+                    &lse_shard(&fwd.lse, sharding, ranks, r),
+                    2e-6,
+                    &format!("{what} LSE"),
+                );
+            }
+            let binputs: Vec<_> = (0..ranks)
+                .map(|r| BackwardInputs {
+                    q: view(&qs[r], rows, HQ, D),
+                    k: view(&ks[r], rows, HK, D),
+                    v: view(&vs[r], rows, HK, DV),
+                    out: view(&outs[r].out, rows, HQ, DV),
+                    dout: view(&ds[r], rows, HQ, DV),
+                    lse: &outs[r].lse,
+                    sinks: None,
+                })
+                .collect();
+            let got = ring::backward(&cfg, sharding, &binputs).unwrap();
+            let (want_dq, want_dk, want_dv) = (
+                shards(&grads.dq, HQ, D, sharding, ranks),
+                shards(&grads.dk, HK, D, sharding, ranks),
+                shards(&grads.dv, HK, DV, sharding, ranks),
+            );
+            for r in 0..ranks {
+                let what = format!("{cfg:?} ranks {ranks} rank {r}");
+                close(&got[r].dq, &want_dq[r], 2e-5, &format!("{what} dQ"));
+                close(&got[r].dk, &want_dk[r], 2e-5, &format!("{what} dK"));
+                close(&got[r].dv, &want_dv[r], 2e-5, &format!("{what} dV"));
+            }
+        }
+    }
+}
+
+#[test]
+fn a_bf16_ring_holds_the_reference_rule() {
+    let cfg = AttentionConfig::new().causal(true);
+    let (ranks, sharding) = (3, Sharding::ZigZag);
+    let w = Whole::<bf16>::new(7);
+    let (q, k, v) = (
+        view(&w.q, S, HQ, D),
+        view(&w.k, S, HK, D),
+        view(&w.v, S, HK, DV),
+    );
+    let want = reference_forward(&cfg, q, k, v);
+    let base = baseline_forward(&cfg, q, k, v);
+    let rows = S / ranks;
+    let (qs, ks, vs) = (
+        shards(&w.q, HQ, D, sharding, ranks),
+        shards(&w.k, HK, D, sharding, ranks),
+        shards(&w.v, HK, DV, sharding, ranks),
+    );
+    let inputs: Vec<_> = (0..ranks)
+        .map(|r| {
+            ForwardInputs::new(
+                view(&qs[r], rows, HQ, D),
+                view(&ks[r], rows, HK, D),
+                view(&vs[r], rows, HK, DV),
+            )
+        })
+        .collect();
+    let outs = ring::forward(&cfg, sharding, &inputs).unwrap();
+    // The whole O from the ranks' rows, in f64 like the reference.
+    let mut o = vec![0f32; B * S * HQ * DV];
+    for (r, out) in outs.iter().enumerate() {
+        let ranges = sharding.rows(S, ranks, r).unwrap();
+        let mut at = 0;
+        for b in 0..B {
+            for i in ranges.iter().flat_map(|x| x.clone()) {
+                let dst = (b * S + i) * HQ * DV;
+                o[dst..dst + HQ * DV]
+                    .copy_from_slice(&reference::to_f32(&out.out[at..at + HQ * DV]));
+                at += HQ * DV;
+            }
+        }
+    }
+    let c = compare(&o, &want.out, &base.out);
+    assert!(c.pass, "O: {c}");
+}
+
+#[test]
+fn unsupported_rings_are_typed_errors() {
+    let x: Vec<f32> = (0..B * 12 * HQ * D)
+        .map(|i| (i as f32 * 0.1).sin())
+        .collect();
+    let t = TensorRef::contiguous(&x, [B, 12, HQ, D]);
+    let one = [ForwardInputs::new(t, t, t)];
+    let e = ring::forward(
+        &AttentionConfig::new().window(Some(3), Some(0)),
+        Sharding::ZigZag,
+        &one,
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
+    let sinks = [0.0f32; HQ];
+    let e = ring::forward(
+        &AttentionConfig::new(),
+        Sharding::Contiguous,
+        &[ForwardInputs::new(t, t, t).with_sinks(&sinks)],
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
+    let u = TensorRef::contiguous(&x[..B * 6 * HQ * D], [B, 6, HQ, D]);
+    let e = ring::forward(
+        &AttentionConfig::new(),
+        Sharding::Contiguous,
+        &[ForwardInputs::new(t, t, t), ForwardInputs::new(u, u, u)],
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e:?}");
+    let e = ring::forward::<f32>(&AttentionConfig::new(), Sharding::Contiguous, &[]).unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
+    // 12 rows do not make 2 · 5 equal chunks.
+    let e = ring::shard(t, Sharding::ZigZag, 5, 0).unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
+}
