@@ -9,8 +9,8 @@
 //! O that element. Each part's O comes rounded to its type, and that rounding enters the merge
 //! (f32 parts merge to within f32 rounding of a single call); the merge itself runs in f64.
 //! Attention sinks belong to one part only (or to none, added after the merge), since each
-//! part's LSE already counts the sinks it was given. The LSE comes in a dense call's order or a packed (varlen, KV-cache)
-//! call's ([`LseLayout`]); every part's and the result's share it.
+//! part's LSE already counts the sinks it was given. The LSE comes in a dense call's order or a
+//! packed (varlen, KV-cache) call's ([`LseLayout`]); every part's and the result's share it.
 //!
 //! ```
 //! use flashattn::combine::{self, LseLayout};

@@ -21,7 +21,9 @@
 //! // 16 rows over 2 ranks, causal: rank 0 holds rows 0..4 and 12..16, rank 1 rows 4..12.
 //! let x: Vec<f32> = (0..16 * 2 * 8).map(|i| (i as f32 * 0.37).sin()).collect();
 //! let t = TensorRef::contiguous(&x, [1, 16, 2, 8]);
-//! let shards: Vec<Vec<f32>> = (0..2).map(|r| ring::shard(t, Sharding::ZigZag, 2, r)).collect::<Result<_, _>>()?;
+//! let shards = (0..2)
+//!     .map(|r| ring::shard(t, Sharding::ZigZag, 2, r))
+//!     .collect::<Result<Vec<_>, _>>()?;
 //! let views: Vec<_> = shards.iter().map(|s| TensorRef::contiguous(s, [1, 8, 2, 8])).collect();
 //! let inputs: Vec<_> = views.iter().map(|&v| ForwardInputs::new(v, v, v)).collect();
 //! let cfg = AttentionConfig::new().causal(true);
@@ -141,8 +143,8 @@ fn check_ring(
     cfg: &AttentionConfig,
     shapes: impl Iterator<Item = ([usize; 4], [usize; 4], bool)>,
 ) -> Result<usize> {
-    let bounds = cfg.mask.bounds();
-    if !(bounds == (None, None) || cfg.mask.is_causal() && bounds.0.is_none()) {
+    // Full or causal: no left bound, and none or the diagonal on the right.
+    if !matches!(cfg.mask.bounds(), (None, None) | (None, Some(0))) {
         return Err(Error::Unsupported {
             what: format!(
                 "a ring with the mask {:?} (full and causal are built)",
@@ -184,6 +186,46 @@ fn check_ring(
     Ok(ranks)
 }
 
+/// One rank's shards: each within its buffer, K's rows Q's (the chunks pair up), V's shape K's
+/// but for its head dim, whole chunks.
+fn check_rank<T>(
+    sharding: Sharding,
+    q: &TensorRef<T>,
+    k: &TensorRef<T>,
+    v: &TensorRef<T>,
+) -> Result<()> {
+    q.check(Operand::Q)?;
+    k.check(Operand::K)?;
+    v.check(Operand::V)?;
+    let [batch, rows, _, _] = q.layout.shape;
+    let [_, _, heads_kv, d] = k.layout.shape;
+    crate::tensor::Problem::expect_shape(Operand::K, &k.layout, [batch, rows, heads_kv, d])?;
+    crate::tensor::Problem::expect_shape(
+        Operand::V,
+        &v.layout,
+        [batch, rows, heads_kv, v.layout.shape[3]],
+    )?;
+    if rows % sharding.chunks_per_rank() != 0 {
+        return Err(Error::InvalidConfig(format!(
+            "{rows} rows per rank in {} equal chunks ({sharding:?})",
+            sharding.chunks_per_rank()
+        )));
+    }
+    Ok(())
+}
+
+/// Every rank's V shard of the first one's shape.
+fn same_v<T>(v: &TensorRef<T>, first: &TensorRef<T>) -> Result<()> {
+    if v.layout.shape != first.layout.shape {
+        return Err(Error::ShapeMismatch {
+            operand: Operand::V,
+            expected: first.layout.shape,
+            found: v.layout.shape,
+        });
+    }
+    Ok(())
+}
+
 /// The forward over a ring of `inputs.len()` ranks: rank r's `inputs[r]` holds its shards
 /// `(batch, seqlen / ranks, ·, ·)` of Q, K and V (as [`shard`] cuts them); each rank gets the O
 /// and LSE `(batch, heads_q, seqlen / ranks)` of its queries over the whole sequence.
@@ -198,6 +240,10 @@ pub fn forward<T: Element>(
             .iter()
             .map(|i| (i.q.layout.shape, i.k.layout.shape, i.sinks.is_some())),
     )?;
+    for i in inputs {
+        check_rank(sharding, &i.q, &i.k, &i.v)?;
+        same_v(&i.v, &inputs[0].v)?;
+    }
     let per = sharding.chunks_per_rank();
     let mut outs = Vec::with_capacity(ranks);
     for (rank, own) in inputs.iter().enumerate() {
@@ -277,10 +323,26 @@ pub fn backward<T: Element>(
             .iter()
             .map(|i| (i.q.layout.shape, i.k.layout.shape, i.sinks.is_some())),
     )?;
-    let per = sharding.chunks_per_rank();
     let [batch, rows, heads, d] = inputs[0].q.layout.shape;
-    let [_, _, heads_kv, _] = inputs[0].k.layout.shape;
     let d_v = inputs[0].v.layout.shape[3];
+    // Each rank's shards, and its O, dO and LSE of its queries, before any is sliced.
+    for i in inputs {
+        check_rank(sharding, &i.q, &i.k, &i.v)?;
+        same_v(&i.v, &inputs[0].v)?;
+        for (operand, t) in [(Operand::Out, &i.out), (Operand::DOut, &i.dout)] {
+            t.check(operand)?;
+            crate::tensor::Problem::expect_shape(operand, &t.layout, [batch, rows, heads, d_v])?;
+        }
+        if i.lse.len() < batch * heads * rows {
+            return Err(Error::BufferTooSmall {
+                operand: Operand::Lse,
+                needed: batch * heads * rows,
+                len: i.lse.len(),
+            });
+        }
+    }
+    let per = sharding.chunks_per_rank();
+    let [_, _, heads_kv, _] = inputs[0].k.layout.shape;
     let len = rows / per;
     let zeros = |n: usize| alloc::<f32>(n);
     let mut dq: Vec<Vec<f32>> = (0..ranks)

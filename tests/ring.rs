@@ -244,6 +244,32 @@ fn unsupported_rings_are_typed_errors() {
     assert!(matches!(e, Error::ShapeMismatch { .. }), "{e:?}");
     let e = ring::forward::<f32>(&AttentionConfig::new(), Sharding::Contiguous, &[]).unwrap_err();
     assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
+    // K with other rows than Q, and a backward whose LSE is short: refused before any slicing.
+    let e = ring::forward(
+        &AttentionConfig::new(),
+        Sharding::Contiguous,
+        &[ForwardInputs::new(t, u, u)],
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e:?}");
+    let o: Vec<f32> = x[..B * 12 * HQ * D].to_vec();
+    let ot = TensorRef::contiguous(&o, [B, 12, HQ, D]);
+    let short = vec![0f32; B * HQ * 12 - 1];
+    let e = ring::backward(
+        &AttentionConfig::new(),
+        Sharding::Contiguous,
+        &[BackwardInputs {
+            q: t,
+            k: t,
+            v: t,
+            out: ot,
+            dout: ot,
+            lse: &short,
+            sinks: None,
+        }],
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::BufferTooSmall { .. }), "{e:?}");
     // 12 rows do not make 2 · 5 equal chunks.
     let e = ring::shard(t, Sharding::ZigZag, 5, 0).unwrap_err();
     assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
