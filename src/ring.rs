@@ -12,7 +12,9 @@
 //! This module runs that schedule on the CPU over simulated ranks (each rank's shards in host
 //! memory, the ring a loop over them): the arithmetic and bookkeeping a multi-GPU ring runs step
 //! by step, and the reference it is tested against. Masks: full or causal; softcap as any call.
-//! Not here: windows, attention sinks, packed batches.
+//! Not here: bounded windows, attention sinks, packed batches. Each pair's dK and dV come back
+//! rounded to the inputs' type and are summed in f32, so a 16-bit ring's gradients carry one
+//! rounding per rank they visit.
 //!
 //! ```
 //! use flashattn::ring::{self, Sharding};
@@ -39,7 +41,7 @@ use std::ops::Range;
 use crate::combine::{self, LseLayout};
 use crate::config::AttentionConfig;
 use crate::error::{Error, Operand, Result};
-use crate::tensor::{Element, Layout, TensorRef};
+use crate::tensor::{Element, Layout, Problem, TensorRef};
 use crate::{alloc, BackwardInputs, ForwardInputs, ForwardOutput};
 
 /// How a sequence's rows are split among the ranks (see the module's documentation).
@@ -70,8 +72,8 @@ impl Sharding {
     /// The rows of a sequence of `seqlen` that rank `rank` of `ranks` holds, chunk by chunk;
     /// an error where the chunks would not be equal.
     pub fn rows(self, seqlen: usize, ranks: usize, rank: usize) -> Result<Vec<Range<usize>>> {
-        let chunks = ranks * self.chunks_per_rank();
-        if ranks == 0 || rank >= ranks || seqlen == 0 || seqlen % chunks != 0 {
+        let chunks = ranks.checked_mul(self.chunks_per_rank()).unwrap_or(0);
+        if chunks == 0 || rank >= ranks || seqlen == 0 || seqlen % chunks != 0 {
             return Err(Error::InvalidConfig(format!(
                 "rank {rank} of {ranks} over {seqlen} rows: {:?} needs a rank below the ranks \
                  and rows in {chunks} equal chunks",
@@ -186,7 +188,7 @@ fn check_ring(
     Ok(ranks)
 }
 
-/// One rank's shards: each within its buffer, K's rows Q's (the chunks pair up), V's shape K's
+/// One rank's shards: each within its buffer, K with Q's rows (the chunks pair up), V with K's shape
 /// but for its head dim, whole chunks.
 fn check_rank<T>(
     sharding: Sharding,
@@ -199,8 +201,8 @@ fn check_rank<T>(
     v.check(Operand::V)?;
     let [batch, rows, _, _] = q.layout.shape;
     let [_, _, heads_kv, d] = k.layout.shape;
-    crate::tensor::Problem::expect_shape(Operand::K, &k.layout, [batch, rows, heads_kv, d])?;
-    crate::tensor::Problem::expect_shape(
+    Problem::expect_shape(Operand::K, &k.layout, [batch, rows, heads_kv, d])?;
+    Problem::expect_shape(
         Operand::V,
         &v.layout,
         [batch, rows, heads_kv, v.layout.shape[3]],
@@ -331,9 +333,10 @@ pub fn backward<T: Element>(
         same_v(&i.v, &inputs[0].v)?;
         for (operand, t) in [(Operand::Out, &i.out), (Operand::DOut, &i.dout)] {
             t.check(operand)?;
-            crate::tensor::Problem::expect_shape(operand, &t.layout, [batch, rows, heads, d_v])?;
+            Problem::expect_shape(operand, &t.layout, [batch, rows, heads, d_v])?;
         }
-        if i.lse.len() < batch * heads * rows {
+        // Exactly the rank's rows: a whole sequence's LSE here would read as wrong rows.
+        if i.lse.len() != batch * heads * rows {
             return Err(Error::BufferTooSmall {
                 operand: Operand::Lse,
                 needed: batch * heads * rows,

@@ -70,6 +70,7 @@ fn lse_shard(lse: &[f32], sharding: Sharding, ranks: usize, rank: usize) -> Vec<
 }
 
 fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         assert!(
             (g - w).abs() <= tol * (1.0 + w.abs()),
@@ -87,6 +88,12 @@ fn every_rank_gets_the_single_call_s_rows_in_f32() {
             AttentionConfig::new().causal(true).softcap(3.0),
             Sharding::ZigZag,
         ),
+        (
+            AttentionConfig::new().window(None, Some(0)),
+            Sharding::ZigZag,
+        ),
+        (AttentionConfig::new().causal(true), Sharding::Contiguous),
+        (AttentionConfig::new(), Sharding::ZigZag),
     ] {
         for ranks in 1..=4 {
             let w = Whole::<f32>::new(ranks as u64);
@@ -219,13 +226,13 @@ fn unsupported_rings_are_typed_errors() {
         .collect();
     let t = TensorRef::contiguous(&x, [B, 12, HQ, D]);
     let one = [ForwardInputs::new(t, t, t)];
-    let e = ring::forward(
-        &AttentionConfig::new().window(Some(3), Some(0)),
-        Sharding::ZigZag,
-        &one,
-    )
-    .unwrap_err();
-    assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
+    for cfg in [
+        AttentionConfig::new().window(Some(3), Some(0)),
+        AttentionConfig::new().window(None, Some(1)),
+    ] {
+        let e = ring::forward(&cfg, Sharding::ZigZag, &one).unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }), "{cfg:?}: {e:?}");
+    }
     let sinks = [0.0f32; HQ];
     let e = ring::forward(
         &AttentionConfig::new(),
@@ -273,4 +280,57 @@ fn unsupported_rings_are_typed_errors() {
     // 12 rows do not make 2 · 5 equal chunks.
     let e = ring::shard(t, Sharding::ZigZag, 5, 0).unwrap_err();
     assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
+}
+
+/// Shards seen through strides (rows padded in their buffer) give the contiguous shards' bits.
+#[test]
+fn strided_shards_give_the_same_bits() {
+    let (ranks, sharding, cfg) = (2, Sharding::ZigZag, AttentionConfig::new().causal(true));
+    let w = Whole::<f32>::new(11);
+    let rows = S / ranks;
+    let (qs, ks, vs) = (
+        shards(&w.q, HQ, D, sharding, ranks),
+        shards(&w.k, HK, D, sharding, ranks),
+        shards(&w.v, HK, DV, sharding, ranks),
+    );
+    // Each row of a shard followed by `pad` unused (NaN) elements.
+    let padded = |x: &[f32], heads: usize, d: usize, pad: usize| -> Vec<f32> {
+        x.chunks(heads * d)
+            .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(f32::NAN, pad)))
+            .collect()
+    };
+    fn strided(x: &[f32], rows: usize, heads: usize, d: usize, pad: usize) -> TensorRef<'_, f32> {
+        let row = heads * d + pad;
+        TensorRef::new(
+            x,
+            flashattn::Layout::with_strides([B, rows, heads, d], [rows * row, row, d, 1]),
+        )
+    }
+    let plain: Vec<_> = (0..ranks)
+        .map(|r| {
+            ForwardInputs::new(
+                view(&qs[r], rows, HQ, D),
+                view(&ks[r], rows, HK, D),
+                view(&vs[r], rows, HK, DV),
+            )
+        })
+        .collect();
+    let want = ring::forward(&cfg, sharding, &plain).unwrap();
+    let pq: Vec<_> = qs.iter().map(|x| padded(x, HQ, D, 5)).collect();
+    let pk: Vec<_> = ks.iter().map(|x| padded(x, HK, D, 3)).collect();
+    let pv: Vec<_> = vs.iter().map(|x| padded(x, HK, DV, 7)).collect();
+    let inputs: Vec<_> = (0..ranks)
+        .map(|r| {
+            ForwardInputs::new(
+                strided(&pq[r], rows, HQ, D, 5),
+                strided(&pk[r], rows, HK, D, 3),
+                strided(&pv[r], rows, HK, DV, 7),
+            )
+        })
+        .collect();
+    let got = ring::forward(&cfg, sharding, &inputs).unwrap();
+    for r in 0..ranks {
+        assert_eq!(got[r].out, want[r].out, "rank {r} O");
+        assert_eq!(got[r].lse, want[r].lse, "rank {r} LSE");
+    }
 }
