@@ -44,6 +44,7 @@ use crate::config::AttentionConfig;
 use crate::dispatch::{self, BuiltKernels, Memory, Op};
 use crate::error::{Error, Operand, Result};
 use crate::tensor::{self, Element, Layout, Problem, TensorMut, TensorRef};
+use crate::varlen::{self, Seqlens};
 use crate::{alloc, ForwardInputs, ForwardOutput};
 
 /// Where the cached keys and values lie (see the module's documentation).
@@ -370,59 +371,65 @@ pub fn forward<T: Element>(
     inputs: KvCacheInputs<'_, T>,
 ) -> Result<ForwardOutput<T>> {
     let (shape, plan) = plan(cfg, &inputs)?;
-    let KvCacheInputs { q, sinks, .. } = inputs;
     let (batch, seqlen_q, heads, d_v) =
         (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v);
     let (heads_kv, d) = (shape.heads_kv, shape.head_dim);
-    let total = batch * seqlen_q;
-    let mut out = alloc::<T>(Layout::contiguous(shape.o_shape()).numel(Operand::Out)?)?;
-    let mut lse = alloc::<f32>(heads * total)?;
-    let row = seqlen_q * heads * d_v;
-    let mut seq_lse = vec![0f32; heads * seqlen_q];
-    for b in 0..batch {
-        let rows = b * seqlen_q..(b + 1) * seqlen_q;
-        let keys = key_rows(
-            &inputs.cache,
-            inputs.cache_batch_idx,
-            b,
-            0..inputs.cache_seqlens[b] as usize,
-        );
-        if keys.is_empty() {
-            for h in 0..heads {
-                let keyless = backend::cpu::keyless_lse(sinks.map(|s| s[h]));
-                lse[h * total + rows.start..h * total + rows.end].fill(keyless);
-            }
-            continue;
+    let lens = inputs.cache_seqlens;
+    if lens.iter().all(|&l| l == 0) {
+        // No sequence has a key (a packed call has no empty tensors): O = 0, the keyless LSE.
+        let mut lse = alloc::<f32>(heads * batch * seqlen_q)?;
+        for (h, row) in lse.chunks_exact_mut(batch * seqlen_q).enumerate() {
+            row.fill(backend::cpu::keyless_lse(inputs.sinks.map(|s| s[h])));
         }
-        let (k, v) = (
-            gather(inputs.cache.k(), &keys)?,
-            gather(inputs.cache.v(), &keys)?,
-        );
-        let p = Problem {
-            batch: 1,
-            seqlen_k: keys.len(),
-            ..shape
-        };
-        let q_b = TensorRef::new(
-            &q.data[b * q.layout.strides[0]..],
-            Layout::with_strides([1, seqlen_q, heads, d], q.layout.strides),
-        );
-        let inputs_b = ForwardInputs {
-            sinks,
-            ..ForwardInputs::new(
-                q_b,
-                TensorRef::contiguous(&k, [1, keys.len(), heads_kv, d]),
-                TensorRef::contiguous(&v, [1, keys.len(), heads_kv, d_v]),
-            )
-        };
-        let o = TensorMut::contiguous(&mut out[b * row..(b + 1) * row], p.o_shape());
-        backend::cpu::forward(cfg, &p, inputs_b, o, &mut seq_lse);
-        for h in 0..heads {
-            lse[h * total + rows.start..h * total + rows.end]
-                .copy_from_slice(&seq_lse[h * seqlen_q..(h + 1) * seqlen_q]);
-        }
+        let out = alloc::<T>(Layout::contiguous(shape.o_shape()).numel(Operand::Out)?)?;
+        return Ok(ForwardOutput { out, lse, plan });
     }
-    Ok(ForwardOutput { out, lse, plan })
+    // The sequences packed one after another: Q's rows, and each sequence's cached keys
+    // gathered from its entry or pages; then a packed call (crate::varlen), whose O and LSE
+    // are this call's layouts.
+    let q_rows: Vec<(usize, usize)> = (0..batch)
+        .flat_map(|b| (0..seqlen_q).map(move |i| (b, i)))
+        .collect();
+    let keys: Vec<(usize, usize)> = (0..batch)
+        .flat_map(|b| {
+            key_rows(
+                &inputs.cache,
+                inputs.cache_batch_idx,
+                b,
+                0..lens[b] as usize,
+            )
+        })
+        .collect();
+    let q = gather(&inputs.q, &q_rows)?;
+    let (k, v) = (
+        gather(inputs.cache.k(), &keys)?,
+        gather(inputs.cache.v(), &keys)?,
+    );
+    // Offsets within i32, as the packed calls take them.
+    let offset = |n: usize| {
+        i32::try_from(n).map_err(|_| Error::IndexOverflow {
+            operand: Operand::K,
+            detail: format!("{n} packed rows pass i32 offsets"),
+        })
+    };
+    let cu_q = (0..=batch)
+        .map(|b| offset(b * seqlen_q))
+        .collect::<Result<Vec<i32>>>()?;
+    let mut cu_k = vec![0];
+    for &l in lens {
+        cu_k.push(offset(*cu_k.last().unwrap() as usize + l as usize)?);
+    }
+    let longest = lens.iter().map(|&l| l as usize).max().unwrap_or(0);
+    let seqs = Seqlens::new(&cu_q, &cu_k, seqlen_q, longest)?;
+    let packed_inputs = ForwardInputs {
+        sinks: inputs.sinks,
+        ..ForwardInputs::new(
+            TensorRef::contiguous(&q, [1, batch * seqlen_q, heads, d]),
+            TensorRef::contiguous(&k, [1, keys.len(), heads_kv, d]),
+            TensorRef::contiguous(&v, [1, keys.len(), heads_kv, d_v]),
+        )
+    };
+    varlen::forward(cfg, &seqs, packed_inputs)
 }
 
 /// A cache to append to: [`KvCache`] over mutable tensors.
