@@ -139,11 +139,13 @@ fn pair_mask(cfg: &AttentionConfig, q_chunk: usize, k_chunk: usize) -> Option<At
     }
 }
 
-/// Checks a ring's inputs: at least one rank, every rank's shards of one shape, a full or causal
-/// mask, no sinks. Returns the number of ranks.
-fn check_ring(
+/// Checks a ring's inputs: a full or causal mask, at least one rank, no sinks, and each rank's
+/// shards within their buffers, K with Q's rows (the chunks pair up), V with K's shape but its
+/// head dim, whole chunks, and every rank's shapes the first one's. Returns the number of ranks.
+fn check_ring<'a, T: 'a>(
     cfg: &AttentionConfig,
-    shapes: impl Iterator<Item = ([usize; 4], [usize; 4], bool)>,
+    sharding: Sharding,
+    ranks: impl Iterator<Item = ForwardInputs<'a, T>>,
 ) -> Result<usize> {
     // Full or causal: no left bound, and none or the diagonal on the right.
     if !matches!(cfg.mask.bounds(), (None, None) | (None, Some(0))) {
@@ -155,77 +157,55 @@ fn check_ring(
             backend: crate::config::Backend::Cpu,
         });
     }
-    let mut ranks = 0;
-    let mut first = None;
-    for (q, k, sinks) in shapes {
-        if sinks {
+    let mut count = 0;
+    let mut first: Option<[[usize; 4]; 3]> = None;
+    for ForwardInputs { q, k, v, sinks } in ranks {
+        if sinks.is_some() {
             return Err(Error::Unsupported {
                 what: "attention sinks in a ring".into(),
                 backend: crate::config::Backend::Cpu,
             });
         }
-        match first {
-            None => first = Some((q, k)),
-            Some((q0, k0)) => {
-                for (operand, want, got) in [(Operand::Q, q0, q), (Operand::K, k0, k)] {
-                    if want != got {
-                        return Err(Error::ShapeMismatch {
-                            operand,
-                            expected: want,
-                            found: got,
-                        });
-                    }
-                }
+        q.check(Operand::Q)?;
+        k.check(Operand::K)?;
+        v.check(Operand::V)?;
+        let [batch, rows, _, _] = q.layout.shape;
+        let [_, _, heads_kv, d] = k.layout.shape;
+        Problem::expect_shape(Operand::K, &k.layout, [batch, rows, heads_kv, d])?;
+        Problem::expect_shape(
+            Operand::V,
+            &v.layout,
+            [batch, rows, heads_kv, v.layout.shape[3]],
+        )?;
+        if rows % sharding.chunks_per_rank() != 0 {
+            return Err(Error::InvalidConfig(format!(
+                "{rows} rows per rank in {} equal chunks ({sharding:?})",
+                sharding.chunks_per_rank()
+            )));
+        }
+        let shapes = [q.layout.shape, k.layout.shape, v.layout.shape];
+        let want = *first.get_or_insert(shapes);
+        for (operand, want, got) in [
+            (Operand::Q, want[0], shapes[0]),
+            (Operand::K, want[1], shapes[1]),
+            (Operand::V, want[2], shapes[2]),
+        ] {
+            if want != got {
+                return Err(Error::ShapeMismatch {
+                    operand,
+                    expected: want,
+                    found: got,
+                });
             }
         }
-        ranks += 1;
+        count += 1;
     }
-    if ranks == 0 {
+    if count == 0 {
         return Err(Error::InvalidConfig(
             "a ring needs at least one rank".into(),
         ));
     }
-    Ok(ranks)
-}
-
-/// One rank's shards: each within its buffer, K with Q's rows (the chunks pair up), V with K's shape
-/// but for its head dim, whole chunks.
-fn check_rank<T>(
-    sharding: Sharding,
-    q: &TensorRef<T>,
-    k: &TensorRef<T>,
-    v: &TensorRef<T>,
-) -> Result<()> {
-    q.check(Operand::Q)?;
-    k.check(Operand::K)?;
-    v.check(Operand::V)?;
-    let [batch, rows, _, _] = q.layout.shape;
-    let [_, _, heads_kv, d] = k.layout.shape;
-    Problem::expect_shape(Operand::K, &k.layout, [batch, rows, heads_kv, d])?;
-    Problem::expect_shape(
-        Operand::V,
-        &v.layout,
-        [batch, rows, heads_kv, v.layout.shape[3]],
-    )?;
-    if rows % sharding.chunks_per_rank() != 0 {
-        return Err(Error::InvalidConfig(format!(
-            "{rows} rows per rank in {} equal chunks ({sharding:?})",
-            sharding.chunks_per_rank()
-        )));
-    }
-    Ok(())
-}
-
-/// Every rank's V shard of the first one's shape.
-fn same_v<T>(v: &TensorRef<T>, first: &TensorRef<T>) -> Result<()> {
-    if v.layout.shape != first.layout.shape {
-        return Err(Error::ShapeMismatch {
-            operand: Operand::V,
-            expected: first.layout.shape,
-            found: v.layout.shape,
-        });
-    }
-    Ok(())
+    Ok(count)
 }
 
 /// The forward over a ring of `inputs.len()` ranks: rank r's `inputs[r]` holds its shards
@@ -236,16 +216,7 @@ pub fn forward<T: Element>(
     sharding: Sharding,
     inputs: &[ForwardInputs<'_, T>],
 ) -> Result<Vec<ForwardOutput<T>>> {
-    let ranks = check_ring(
-        cfg,
-        inputs
-            .iter()
-            .map(|i| (i.q.layout.shape, i.k.layout.shape, i.sinks.is_some())),
-    )?;
-    for i in inputs {
-        check_rank(sharding, &i.q, &i.k, &i.v)?;
-        same_v(&i.v, &inputs[0].v)?;
-    }
+    let ranks = check_ring(cfg, sharding, inputs.iter().copied())?;
     let per = sharding.chunks_per_rank();
     let mut outs = Vec::with_capacity(ranks);
     for (rank, own) in inputs.iter().enumerate() {
@@ -321,16 +292,16 @@ pub fn backward<T: Element>(
 ) -> Result<Vec<RankGradients<T>>> {
     let ranks = check_ring(
         cfg,
-        inputs
-            .iter()
-            .map(|i| (i.q.layout.shape, i.k.layout.shape, i.sinks.is_some())),
+        sharding,
+        inputs.iter().map(|i| ForwardInputs {
+            sinks: i.sinks,
+            ..ForwardInputs::new(i.q, i.k, i.v)
+        }),
     )?;
     let [batch, rows, heads, d] = inputs[0].q.layout.shape;
     let d_v = inputs[0].v.layout.shape[3];
-    // Each rank's shards, and its O, dO and LSE of its queries, before any is sliced.
+    // Each rank's O, dO and LSE of its queries, before any is sliced.
     for i in inputs {
-        check_rank(sharding, &i.q, &i.k, &i.v)?;
-        same_v(&i.v, &inputs[0].v)?;
         for (operand, t) in [(Operand::Out, &i.out), (Operand::DOut, &i.dout)] {
             t.check(operand)?;
             Problem::expect_shape(operand, &t.layout, [batch, rows, heads, d_v])?;
