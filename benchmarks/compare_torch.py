@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_torch_bench import BACKENDS, Bench, FatalCuda, attn_flops_fwd  # noqa: E402
 from peers_common import (  # noqa: E402
     add_output_args,
+    add_run_args,
     add_timing_args,
     driver_version,
     finish_run_args,
@@ -97,13 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--gemm-size", type=int, default=8192, help="M = N = K of the ceiling GEMMs")
     p.add_argument("--copy-mib", type=int, default=1024, help="bytes copied by the copy ceiling, MiB")
     add_timing_args(p, warmup=3, min_reps=30, target_ms=250.0)
-    p.add_argument("--budget-s", type=float, default=230.0,
-                   help="stop starting new attention shapes after this many seconds (wall clock); "
-                        "skipped shapes are listed under 'skipped' in the JSON")
-    p.add_argument("--device", type=int, default=0, help="CUDA device index")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the shapes that would run and exit (no torch, no GPU needed)")
+    add_run_args(p, 230.0, "stop starting new attention shapes after this many seconds (wall "
+                           "clock); skipped shapes are listed under 'skipped' in the JSON")
     args = p.parse_args(argv)
     if args.quick:
         args.seqlens = args.seqlens or QUICK_SEQLENS

@@ -39,6 +39,15 @@ def add_timing_args(p, warmup, min_reps, target_ms):
                    help="aim for about this much GPU time per measurement (between min and max reps)")
 
 
+def add_run_args(p, budget_s, budget_help, device_help="CUDA device index"):
+    """--budget-s, --device, --seed and --dry-run, as every peer script takes them."""
+    p.add_argument("--budget-s", type=float, default=budget_s, help=budget_help)
+    p.add_argument("--device", type=int, default=0, help=device_help)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what would run and exit (no GPU, torch or jax needed)")
+
+
 def finish_run_args(p, args, name, quiet=False):
     """Checks the timing arguments and fills --commit and --out from the environment."""
     if args.min_reps < 1 or args.max_reps < args.min_reps:

@@ -59,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_torch_bench import attn_flops_fwd  # noqa: E402
 from peers_common import (  # noqa: E402
     add_output_args,
+    add_run_args,
     add_timing_args,
     driver_version,
     finish_run_args,
@@ -118,13 +119,9 @@ def parse_args(argv=None):
     p.add_argument("--sustained-warmup", type=int, default=20, help="untimed calls before a sustained run")
     p.add_argument("--no-cold", action="store_true", help="with --sustained: skip the cold rows")
     p.add_argument("--sample-ms", type=int, default=100, help="clock/power sampling period")
-    p.add_argument("--budget-s", type=float, default=300.0,
-                   help="stop starting new measurements after this many seconds (wall clock); "
-                        "skipped ones are listed under 'skipped' in the JSON")
-    p.add_argument("--device", type=int, default=0, help="GPU index (CUDA, JAX and NVML)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dry-run", action="store_true",
-                   help="print what would run and exit (no GPU, torch or jax needed)")
+    add_run_args(p, 300.0, "stop starting new measurements after this many seconds (wall clock); "
+                           "skipped ones are listed under 'skipped' in the JSON",
+                 device_help="GPU index (CUDA, JAX and NVML)")
     args = p.parse_args(argv)
     if args.quick:
         args.seqlens = args.seqlens or QUICK_SEQLENS
