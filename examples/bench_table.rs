@@ -9,6 +9,7 @@
 //! checked on sampled rows against the f64 reference (`pass`); the backward's correctness is
 //! tests/gpu_bwd.rs's.
 //!
+//! `--tokens T` gives each shape T tokens (batch = T / seqlen) instead of 16384.
 //! `--dims D,...` times other head dims than 64, 128 and 256 (those this build has; the hidden
 //! size `--hidden H` must be a multiple of each), a backward only where one is built.
 //! `--head-dim-v DV` gives V and O (and dO, dV) head dim DV at each of those (at most each; the
@@ -27,7 +28,7 @@
 //! follows the previous shape's sustained run: time cold rows in a run without the flag.
 //!
 //! Usage: bench_table [--quick] [--only D,S[,causal][,sm80]] [--dims D,...] [--head-dim-v DV]
-//!                    [--hidden H] [--softcap C] [--sinks] [--sustained N]
+//!                    [--tokens T] [--hidden H] [--softcap C] [--sinks] [--sustained N]
 //!                    [--warmup N] [--min-reps N] [--max-reps N] [--target-ms MS]
 //!                    [--out results.json] [--commit SHA]
 
@@ -48,6 +49,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
 
+/// Total tokens per call unless `--tokens T` says otherwise.
 const TOKENS: usize = 16384;
 /// The cold timing of benchmarks/compare_torch.py, whose peers these rows are compared with.
 const PROTOCOL: common::Protocol = common::Protocol {
@@ -284,6 +286,13 @@ fn main() {
         s
     });
 
+    let tokens: usize = args
+        .value("--tokens")
+        .map_or(TOKENS, |t| t.parse().expect("--tokens T"));
+    assert!(
+        tokens % TOKENS == 0 || args.value("--only").is_some(),
+        "--tokens T is a multiple of {TOKENS}, which every seqlen timed divides"
+    );
     let hidden: usize = args
         .value("--hidden")
         .map_or(2048, |h| h.parse().expect("--hidden H"));
@@ -312,7 +321,7 @@ fn main() {
         "--head-dim-v is at most each head dim timed"
     );
     let dv_of = |d: usize| head_dim_v.unwrap_or(d);
-    let n = TOKENS * hidden;
+    let n = tokens * hidden;
     let mut rng = StdRng::seed_from_u64(7);
     let normal = Normal::new(0f32, 1.0).unwrap();
     let mut gen = || -> Vec<bf16> {
@@ -329,7 +338,7 @@ fn main() {
         dev: dev_bufs,
         out: stream.clone_htod(&vec![bf16::NAN; n]).unwrap(),
         lse: stream
-            .clone_htod(&vec![f32::NAN; TOKENS * most_heads])
+            .clone_htod(&vec![f32::NAN; tokens * most_heads])
             .unwrap(),
         dout: upload(&gen()),
         grads: [
@@ -429,7 +438,7 @@ fn main() {
         plan.retain(|row| row.0 == Backend::Sm90 && row.4 == full);
     }
     // --only D,S[,causal][,sm80]: one shape with the default schedule (for profilers).
-    if let Some((d, s, words)) = args.only(TOKENS, &["causal", "sm80"]) {
+    if let Some((d, s, words)) = args.only(tokens, &["causal", "sm80"]) {
         assert!(dv_of(d) <= d, "--head-dim-v is at most the head dim timed");
         let backend = if words.iter().any(|w| w == "sm80") {
             Backend::Sm80
@@ -442,7 +451,7 @@ fn main() {
     let mut rows = vec![];
     for (backend, d, s, causal, schedule) in plan {
         let dv = dv_of(d);
-        let shape = [TOKENS / s, s, hidden / d, d, dv];
+        let shape = [tokens / s, s, hidden / d, d, dv];
         let mut cfg = AttentionConfig::new()
             .causal(causal)
             .backend(backend)
@@ -592,7 +601,7 @@ fn main() {
                 "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}{}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}, \"pass\": {}, \"max_err_ratio\": {:.4}, \"fwd_tflops\": {:.1}, \"fwd_ms\": {:.4}, \"fwd_ms_p10\": {:.4}, \"fwd_ms_p90\": {:.4}, \"host_us_per_call\": {:.1}, \"fwd_reps\": {}{}{}}}",
                 r.backend.name(), r.backend.name(), r.d,
                 if r.dv == r.d { String::new() } else { format!(", \"d_v\": {}", r.dv) },
-                r.seqlen, r.seqlen, TOKENS / r.seqlen, hidden / r.d, hidden / r.d, r.causal,
+                r.seqlen, r.seqlen, tokens / r.seqlen, hidden / r.d, hidden / r.d, r.causal,
                 r.pass, r.err_ratio, r.tflops, r.ms, r.ms_p10, r.ms_p90, r.host_us, r.fwd_reps, variant,
                 match (r.bwd_tflops, r.bwd_ms, r.bwd_reps) {
                     (Some(tf), Some(ms), Some(n)) => format!(", \"bwd_tflops\": {tf:.1}, \"bwd_ms\": {ms:.4}, \"bwd_reps\": {n}"),
@@ -612,7 +621,7 @@ fn main() {
                         "  {{\"impl\": \"flashattn-{}\", \"backend\": \"{}\", \"dtype\": \"bf16\", \"d\": {}{}, \"seqlen_q\": {}, \"seqlen_k\": {}, \"batch\": {}, \"heads\": {}, \"heads_kv\": {}, \"causal\": {}{}, {}}}",
                         r.backend.name(), r.backend.name(), r.d,
                         if r.dv == r.d { String::new() } else { format!(", \"d_v\": {}", r.dv) },
-                        r.seqlen, r.seqlen, TOKENS / r.seqlen, hidden / r.d, hidden / r.d, r.causal,
+                        r.seqlen, r.seqlen, tokens / r.seqlen, hidden / r.d, hidden / r.d, r.causal,
                         variant, run.json_fields(kind, flops),
                     ));
                 }
