@@ -21,7 +21,8 @@ Method (docs/ARCHITECTURE.md):
   * timing: CUDA events around each call, after warm-up; median of >= --min-reps runs (more
     runs for small shapes, up to --max-reps, so each measurement takes about --target-ms).
     Before each timed loop the GPU is kept busy with torch.cuda._sleep so that the CPU can
-    queue the whole loop ahead of the GPU: the times are then GPU times, not launch overhead.
+    queue the whole loop ahead of the GPU (the times are then GPU times, not launch overhead),
+    and at rest for at least --cool-ms, as ours are before theirs (peers_common.head_ms).
     Input sets are rotated only when one set fits in L2 (it never does at the headline shapes).
   * forward: the training forward (inputs require grad, autograd records; this forward also
     writes the log-sum-exp), as flash-attn's own benchmarks time it.

@@ -1,9 +1,10 @@
 """compare_torch.py's measurements: the GEMM and copy ceilings, and torch SDPA on one shape."""
 
 import math
+import time
 import warnings
 
-from peers_common import short_error, summarize
+from peers_common import head_ms, short_error, summarize
 
 BACKENDS = {"flash": "torch-flash", "cudnn": "torch-cudnn"}
 
@@ -24,6 +25,7 @@ class Bench:
         # torch.cuda._sleep spins for a number of SM clock cycles; ~2 GHz on Hopper.
         self.sleep = getattr(torch.cuda, "_sleep", None)
         self.cycles_per_ms = 2.0e6
+        self.host_ms_per_call = 0.5      # CPU time to enqueue one call; re-estimated per measurement
 
     # n_sets copies of the inputs are rotated only when one set would stay in L2.
     def n_sets(self, bytes_per_set):
@@ -37,13 +39,16 @@ class Bench:
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         torch.cuda.synchronize()
         if self.sleep is not None:
-            # Head start for the CPU: enough to queue `reps` calls of up to ~0.5 ms of CPU each
-            # (SDPA dispatch ~0.1 ms, autograd.grad a little more), so no launch gap is timed.
-            self.sleep(int(min(200.0, 0.5 * reps) * self.cycles_per_ms))
+            # Head start for the CPU (enough to queue every call, so that no launch gap is
+            # timed) and the rest before the loop, as ours take it.
+            rest = head_ms(reps, self.host_ms_per_call, self.args.cool_ms)
+            self.sleep(int(rest * self.cycles_per_ms))
+        t0 = time.perf_counter()
         for i in range(reps):
             starts[i].record()
             fn(i % n_sets)
             ends[i].record()
+        self.host_ms_per_call = max((time.perf_counter() - t0) * 1e3 / reps, 0.05)
         torch.cuda.synchronize()
         return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
@@ -56,6 +61,7 @@ class Bench:
         for i in range(max(1, warmup)):
             fn(i % n_sets)
         self.torch.cuda.synchronize()
+        self.host_ms_per_call = 0.5
         est = sorted(self._timed_loop(fn, n_sets, 3))[1]
         reps = int(target_ms / max(est, 1e-3))
         reps = max(min_reps, min(a.max_reps, reps))

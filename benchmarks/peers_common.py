@@ -37,6 +37,8 @@ def add_timing_args(p, warmup, min_reps, target_ms):
     p.add_argument("--max-reps", type=int, default=100, help="most timed runs per measurement")
     p.add_argument("--target-ms", type=float, default=target_ms,
                    help="aim for about this much GPU time per measurement (between min and max reps)")
+    p.add_argument("--cool-ms", type=float, default=20.0,
+                   help="the shortest rest (a one-thread spin on the stream) before each timed loop")
 
 
 def add_run_args(p, budget_s, budget_help, device_help="CUDA device index"):
@@ -61,6 +63,15 @@ def finish_run_args(p, args, name, quiet=False):
         out_dir = os.environ.get("OUT")
         args.out = os.path.join(out_dir, f"{name}.json") if out_dir else f"{name}.json"
     return args
+
+
+# ----------------------------------------------------------------------------- timing
+
+def head_ms(calls, host_ms_per_call, cool_ms):
+    """The spin (torch.cuda._sleep) ahead of a timed loop of `calls` calls: long enough for the
+    host to queue them all (1.5 x their enqueue time), at least `cool_ms` of rest, at most a
+    second. examples/common/mod.rs's `head_ms` is the same for our rows."""
+    return min(1000.0, max(cool_ms, 1.5 * calls * host_ms_per_call))
 
 
 # ----------------------------------------------------------------------------- statistics

@@ -358,6 +358,7 @@ class Fa3Peer:
         calls = max(1, int(round(a.round_ms / max(est, 1e-3))))
         rounds = max(a.min_reps, min(a.max_reps, int(a.target_ms / max(est * calls, 1e-3))))
         times = []
+        time.sleep(a.cool_ms / 1e3)  # the rest the other rows take (peers_common.head_ms)
         for _ in range(rounds):
             t0 = time.perf_counter()
             for _ in range(calls):

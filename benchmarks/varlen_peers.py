@@ -44,7 +44,8 @@ Method:
   * timing as compare_torch.py: CUDA events around each call, after >= --warmup calls; median
     of >= --min-reps timed runs (up to --max-reps, about --target-ms per measurement). Before
     each timed loop the GPU is kept busy with torch.cuda._sleep so that the CPU queues the whole
-    loop ahead of the GPU: the times are GPU times, not launch overhead.
+    loop ahead of the GPU (the times are GPU times, not launch overhead), and at rest for at
+    least --cool-ms, as ours are before theirs (peers_common.head_ms).
   * forward: the training forward (the LSE is written; autograd peers' inputs require grad).
   * backward: the explicit backward op or graph (aten and cudnn peers), or for the autograd
     peers (NJT, loop) torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) on a graph

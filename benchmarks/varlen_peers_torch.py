@@ -4,7 +4,7 @@ import logging
 import time
 import warnings
 
-from peers_common import short_error, summarize
+from peers_common import head_ms, short_error, summarize
 from varlen_peers_cudnn import peer_cudnn_frontend
 from varlen_peers_shapes import (
     Impl,
@@ -64,8 +64,8 @@ class Runner:
         torch.cuda.synchronize()
         if self.sleep is not None:
             # Head start for the CPU: enough to queue all `reps` calls, so that no launch gap is timed.
-            head_ms = min(1000.0, max(20.0, 1.5 * reps * self.host_ms_per_call))
-            self.sleep(int(head_ms * self.cycles_per_ms))
+            rest = head_ms(reps, self.host_ms_per_call, self.args.cool_ms)
+            self.sleep(int(rest * self.cycles_per_ms))
         t0 = time.perf_counter()
         for i in range(reps):
             starts[i].record()

@@ -56,6 +56,7 @@ const PROTOCOL: common::Protocol = common::Protocol {
     min_reps: 20,
     max_reps: 100,
     target_ms: 250.0,
+    cool_ms: 20.0,
 };
 
 /// Median milliseconds of `run` under `protocol`, and the calls timed. `synced`: each call waited

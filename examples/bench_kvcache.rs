@@ -21,6 +21,7 @@ const PROTOCOL: common::Protocol = common::Protocol {
     min_reps: 20,
     max_reps: 100,
     target_ms: 200.0,
+    cool_ms: 20.0,
 };
 
 fn main() {

@@ -57,6 +57,7 @@ const PROTOCOL: common::Protocol = common::Protocol {
     min_reps: 30,
     max_reps: 100,
     target_ms: 250.0,
+    cool_ms: 20.0,
 };
 
 struct Inputs {

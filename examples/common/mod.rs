@@ -2,6 +2,8 @@
 //! docs/ARCHITECTURE.md (date, device, commit, rows).
 #![allow(dead_code)] // each example uses its own part
 
+mod spin;
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -135,17 +137,21 @@ pub fn timing_event(stream: &Arc<CudaStream>) -> CudaEvent {
 }
 
 /// How a cold measurement is taken, as benchmarks/peers_common.py takes the peers' (its
-/// `--warmup`, `--min-reps`, `--max-reps`, `--target-ms`): `warmup` queued calls, three probe
-/// calls, then as many timed calls as make about `target_ms` of GPU time (the count rounded down
-/// and held to `min_reps`..=`max_reps`; alternating ways share that time), each queued behind
-/// the one before, median interpolated as theirs. The GPU's clocks fall as a run nears its power
-/// cap, so our rows and the peers' must span the same time to be compared.
+/// `--warmup`, `--min-reps`, `--max-reps`, `--target-ms`, `--cool-ms`): `warmup` queued calls,
+/// three probe calls, then as many timed calls as make about `target_ms` of GPU time (the count
+/// rounded down and held to `min_reps`..=`max_reps`; alternating ways share that time), median
+/// interpolated as theirs. The probe and the timed calls each queue behind a spin of
+/// [`head_ms`] on the stream, as the peers' behind `torch.cuda._sleep`: the GPU's clocks fall as a
+/// run nears its power cap and rise again at rest, so our rows and the peers' must start from the
+/// same rest and span the same time to be compared.
 #[derive(Clone, Copy, Debug)]
 pub struct Protocol {
     pub warmup: usize,
     pub min_reps: usize,
     pub max_reps: usize,
     pub target_ms: f64,
+    /// The shortest rest before a timed loop.
+    pub cool_ms: f64,
 }
 
 /// One measurement under a [`Protocol`]: each way's sorted milliseconds, the calls timed per way,
@@ -162,6 +168,15 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     let pos = (sorted.len() - 1) as f64 * p / 100.0;
     let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
     sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo as f64)
+}
+
+/// The spin ahead of a loop of `calls` calls, as benchmarks/peers_common.py's `head_ms`: long
+/// enough for the host to queue them all (1.5 × their enqueue time), at least `cool_ms`, at
+/// most a second.
+pub fn head_ms(calls: usize, host_ms_per_call: f64, cool_ms: f64) -> f64 {
+    (1.5 * calls as f64 * host_ms_per_call)
+        .max(cool_ms)
+        .min(1000.0)
 }
 
 impl Protocol {
@@ -182,6 +197,7 @@ impl Protocol {
             min_reps: num("--min-reps", default.min_reps as f64) as usize,
             max_reps: num("--max-reps", default.max_reps as f64) as usize,
             target_ms: num("--target-ms", default.target_ms),
+            cool_ms: num("--cool-ms", default.cool_ms),
         };
         if args.flag("--quick") {
             p.target_ms = p.target_ms.min(100.0);
@@ -197,26 +213,44 @@ impl Protocol {
     /// As it goes into a results file.
     pub fn json_fields(&self) -> String {
         format!(
-            "\"warmup\": {}, \"min_reps\": {}, \"max_reps\": {}, \"target_ms\": {}",
-            self.warmup, self.min_reps, self.max_reps, self.target_ms
+            "\"warmup\": {}, \"min_reps\": {}, \"max_reps\": {}, \"target_ms\": {}, \"cool_ms\": {}",
+            self.warmup, self.min_reps, self.max_reps, self.target_ms, self.cool_ms
         )
     }
 
     /// `ways` calls timed under the protocol, their calls alternating ([`interleaved_times_ms`]).
-    /// The timed calls queue behind `warmup` more (at least one), so that the host runs ahead of
-    /// the GPU from the first of them.
     pub fn times_ms(
         &self,
         stream: &Arc<CudaStream>,
         ways: usize,
         mut call: impl FnMut(usize),
     ) -> Timed {
-        let (probe, _) = interleaved_times_ms(stream, self.warmup, 3, ways, &mut call);
+        for _ in 0..self.warmup {
+            (0..ways).for_each(&mut call);
+        }
+        // The peers' first estimate of their enqueue time per call.
+        let (probe, host_us) = self.held_times_ms(stream, 3, ways, 500.0, &mut call);
         let round_ms: f64 = probe.iter().map(|ms| ms[1]).sum();
         let reps =
             ((self.target_ms / round_ms.max(1e-3)) as usize).clamp(self.min_reps, self.max_reps);
-        let (ms, host_us) = interleaved_times_ms(stream, self.warmup.max(1), reps, ways, call);
+        let (ms, host_us) = self.held_times_ms(stream, reps, ways, host_us, call);
         Timed { ms, reps, host_us }
+    }
+
+    /// [`interleaved_times_ms`] behind the spin ([`head_ms`] for an enqueue time of
+    /// `host_us_per_call`), after the stream's earlier work.
+    fn held_times_ms(
+        &self,
+        stream: &Arc<CudaStream>,
+        reps: usize,
+        ways: usize,
+        host_us_per_call: f64,
+        call: impl FnMut(usize),
+    ) -> (Vec<Vec<f64>>, f64) {
+        stream.synchronize().unwrap();
+        let head = head_ms(reps * ways, host_us_per_call.max(50.0) * 1e-3, self.cool_ms);
+        spin::hold(stream, head);
+        interleaved_times_ms(stream, reps, ways, call)
     }
 
     /// The median milliseconds of one call under the protocol, and the calls timed.
@@ -227,21 +261,17 @@ impl Protocol {
 }
 
 /// Milliseconds of `reps` rounds of `ways` calls taken in turn (`call(0)`, `call(1)`, ..., then
-/// again), each between CUDA events, after `warmup` rounds: each way's sorted milliseconds, and
-/// the host's time to enqueue one call (with its events) in microseconds. The calls stay queued
-/// (one synchronization at the end), so the host enqueues the timed calls while the GPU is still
-/// busy and no launch gap is timed, as the peers are timed. A drift of the clocks or the power
+/// again), each between CUDA events: each way's sorted milliseconds, and the host's time to
+/// enqueue one call (with its events) in microseconds. The calls stay queued (one synchronization
+/// at the end), so that behind work already on the stream (the protocol's spin) the host
+/// enqueues them while the GPU is still busy and no launch gap is timed. A drift of the clocks or the power
 /// state over the run then falls on every way alike, which timing one after the other cannot give.
 pub fn interleaved_times_ms(
     stream: &Arc<CudaStream>,
-    warmup: usize,
     reps: usize,
     ways: usize,
     mut call: impl FnMut(usize),
 ) -> (Vec<Vec<f64>>, f64) {
-    for _ in 0..warmup {
-        (0..ways).for_each(&mut call);
-    }
     let event = || timing_event(stream);
     let host_start = std::time::Instant::now();
     let events: Vec<_> = (0..reps)
