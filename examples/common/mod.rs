@@ -139,11 +139,12 @@ pub fn timing_event(stream: &Arc<CudaStream>) -> CudaEvent {
 /// How a cold measurement is taken, as benchmarks/peers_common.py takes the peers' (its
 /// `--warmup`, `--min-reps`, `--max-reps`, `--target-ms`, `--cool-ms`): `warmup` queued calls,
 /// three probe calls, then as many timed calls as make about `target_ms` of GPU time (the count
-/// rounded down and held to `min_reps`..=`max_reps`; alternating ways share that time), median
-/// interpolated as theirs. The probe and the timed calls each queue behind a spin of
-/// [`head_ms`] on the stream, as the peers' behind `torch.cuda._sleep`: the GPU's clocks fall as a
-/// run nears its power cap and rise again at rest, so our rows and the peers' must start from the
-/// same rest and span the same time to be compared.
+/// rounded down and held to `min_reps`..=`max_reps`; alternating ways share those calls, each
+/// taking at least `min_reps`), median interpolated as theirs. The probe and the timed calls
+/// each queue behind a spin of [`head_ms`] on the stream, as the peers' behind
+/// `torch.cuda._sleep`: the GPU's clocks fall as a run nears its power cap and rise again at
+/// rest, so our rows and the peers' must start from the same rest and span the same time to be
+/// compared.
 #[derive(Clone, Copy, Debug)]
 pub struct Protocol {
     pub warmup: usize,
@@ -230,9 +231,12 @@ impl Protocol {
         }
         // The peers' first estimate of their enqueue time per call.
         let (probe, host_us) = self.held_times_ms(stream, 3, ways, 500.0, &mut call);
-        let round_ms: f64 = probe.iter().map(|ms| ms[1]).sum();
-        let reps =
-            ((self.target_ms / round_ms.max(1e-3)) as usize).clamp(self.min_reps, self.max_reps);
+        // The calls of one loop as the peers count them (of the ways' mean call), shared by the
+        // ways: the loop spans the time one peer's does, whatever the number of ways.
+        let call_ms = probe.iter().map(|ms| ms[1]).sum::<f64>() / ways as f64;
+        let calls =
+            ((self.target_ms / call_ms.max(1e-3)) as usize).clamp(self.min_reps, self.max_reps);
+        let reps = calls.div_ceil(ways).max(self.min_reps);
         let (ms, host_us) = self.held_times_ms(stream, reps, ways, host_us, call);
         Timed { ms, reps, host_us }
     }
