@@ -73,8 +73,8 @@ flashattn_params_t normalized(const flashattn_params_t& p) {
   return q;
 }
 
-// Checks every launcher shares: sizes, GQA ratio, element type, head dim, options, and the
-// fields of paths not built yet.
+// Checks every launcher shares: sizes, GQA ratio, element type, head dims, options, packed
+// batches and paged caches.
 flashattn_result_t validate_common(const flashattn_params_t* p) {
   if (p == nullptr) return kInvalid;
   if (!sizes_fit(*p) || p->heads_q % p->heads_kv != 0) return kInvalid;
@@ -91,19 +91,32 @@ flashattn_result_t validate_common(const flashattn_params_t* p) {
   if (!flashattn::kernels::head_dim_known(p->head_dim) ||
       !flashattn::kernels::head_dim_known(head_dim_v(*p)))
     return kUnsupported;
-  // Packed batches: both offset arrays and bounds within the tensors' rows; dense: none of it.
+  // Packed batches: both offset arrays (or a page table for the keys) and bounds within the
+  // tensors' rows; dense: none of it.
   if (p->cu_seqlens_q != nullptr) {
-    if (p->cu_seqlens_k == nullptr || p->max_seqlen_q < 1 || p->max_seqlen_q > p->seqlen_q ||
-        p->max_seqlen_k < 1 || p->max_seqlen_k > p->seqlen_k)
+    if ((p->cu_seqlens_k == nullptr) == (p->page_table == nullptr) || p->max_seqlen_q < 1 ||
+        p->max_seqlen_q > p->seqlen_q || p->max_seqlen_k < 1 || p->max_seqlen_k > p->seqlen_k)
       return kInvalid;
   } else if (p->cu_seqlens_k != nullptr || p->seqused_k != nullptr || p->max_seqlen_q != 0 ||
              p->max_seqlen_k != 0) {
     return kInvalid;
   }
-  // The paged KV cache is declared for the coming API, not built yet.
-  if (p->page_table != nullptr || p->page_table_batch_stride != 0 || p->page_size != 0)
-    return kUnsupported;
-  return kOk;
+  if (p->page_table == nullptr)
+    return p->page_table_batch_stride == 0 && p->page_size == 0 && p->num_pages == 0 ? kOk
+                                                                                      : kInvalid;
+  // Paged: packed queries, every sequence's used keys, whole pages per table row.
+  // The table's rows and the pages stay within the 2^42-element operands of sizes_fit (so that
+  // no product here or in the kernels passes int64).
+  if (p->cu_seqlens_q == nullptr || p->seqused_k == nullptr || p->page_size < 1 ||
+      p->num_pages < 1 || p->max_seqlen_k != p->seqlen_k || p->seqlen_k % p->page_size != 0 ||
+      p->page_table_batch_stride < p->seqlen_k / p->page_size ||
+      p->page_table_batch_stride > INT32_MAX ||
+      int64_t(p->num_pages) * p->page_size >
+          (int64_t(1) << 42) / (int64_t(p->heads_kv) * (p->head_dim > head_dim_v(*p)
+                                                            ? p->head_dim
+                                                            : head_dim_v(*p))))
+    return kInvalid;
+  return p->dtype == FLASHATTN_E4M3 ? kUnsupported : kOk;
 }
 
 // The operands of one call: what it reads and what it writes.
@@ -137,15 +150,28 @@ bool packed(const flashattn_params_t& p) { return p.cu_seqlens_q != nullptr; }
 // Entries on the tensors' batch axis: one when the sequences are packed along the rows.
 int tensor_batch(const flashattn_params_t& p) { return packed(p) ? 1 : p.batch; }
 
+// K or V in its rows, or in pages of a paged cache.
+View kv_view(const flashattn_params_t& p, const flashattn_tensor_t& t, int elem, int d) {
+  return p.page_table != nullptr ? View::of(t, elem, p.num_pages, p.page_size, p.heads_kv, d)
+                                 : View::of(t, elem, tensor_batch(p), p.seqlen_k, p.heads_kv, d);
+}
+
 View lse_view(const flashattn_params_t& p) {
   return View::packed(p.lse, 4, int64_t(tensor_batch(p)) * p.heads_q * p.seqlen_q, 4);
 }
 
-// A packed call's offsets and used-key counts, read by the kernels.
+bool paged(const flashattn_params_t& p) { return p.page_table != nullptr; }
+
+// A packed call's offsets and used-key counts (or its page table), read by the kernels.
 void read_sequences(const flashattn_params_t& p, Operands& ops) {
   if (!packed(p)) return;
   ops.read(View::packed(p.cu_seqlens_q, 4, int64_t(p.batch) + 1, 4));
-  ops.read(View::packed(p.cu_seqlens_k, 4, int64_t(p.batch) + 1, 4));
+  if (paged(p)) {
+    const int64_t rows = (int64_t(p.batch) - 1) * p.page_table_batch_stride;
+    ops.read(View::packed(p.page_table, 4, rows + p.seqlen_k / p.page_size, 4));
+  } else {
+    ops.read(View::packed(p.cu_seqlens_k, 4, int64_t(p.batch) + 1, 4));
+  }
   if (p.seqused_k != nullptr) ops.read(View::packed(p.seqused_k, 4, p.batch, 4));
 }
 
@@ -160,7 +186,7 @@ flashattn_result_t validate_fwd(const flashattn_params_t* p) {
   const int e = elem_bytes(p->dtype);
   Operands ops;
   ops.read(View::of(p->q, e, tensor_batch(*p), p->seqlen_q, p->heads_q, p->head_dim));
-  ops.read(View::of(p->k, e, tensor_batch(*p), p->seqlen_k, p->heads_kv, p->head_dim));
+  ops.read(kv_view(*p, p->k, e, p->head_dim));
   if (p->dtype == FLASHATTN_E4M3) {
     const int key_block = flashattn::sm90::fp8_key_block(p->head_dim);
     if (key_block <= 0) return kUnsupported;
@@ -187,7 +213,7 @@ flashattn_result_t validate_fwd(const flashattn_params_t* p) {
     ops.write(View::of(p->o, 2, tensor_batch(*p), p->seqlen_q, p->heads_q, p->head_dim));
   } else {
     const int dv = head_dim_v(*p);
-    ops.read(View::of(p->v, e, tensor_batch(*p), p->seqlen_k, p->heads_kv, dv));
+    ops.read(kv_view(*p, p->v, e, dv));
     ops.write(View::of(p->o, e, tensor_batch(*p), p->seqlen_q, p->heads_q, dv));
   }
   read_sequences(*p, ops);
@@ -199,7 +225,7 @@ flashattn_result_t validate_fwd(const flashattn_params_t* p) {
 // The backward's operands; the workspace's size is checked by the launchers, which carve it.
 flashattn_result_t validate_bwd(const flashattn_params_t* p) {
   if (flashattn_result_t r = validate_common(p); r.status != FLASHATTN_OK) return r;
-  if (p->dtype == FLASHATTN_E4M3) return kUnsupported;
+  if (p->dtype == FLASHATTN_E4M3 || p->page_table != nullptr) return kUnsupported;
   const int e = elem_bytes(p->dtype);
   // Q-like and K-like views with head dim d: Q, dQ, K, dK take head_dim; V, dV, O, dO V's.
   const auto q_like = [&](const flashattn_tensor_t& t, int d) {
@@ -285,6 +311,7 @@ extern "C" flashattn_result_t flashattn_fwd_sm80(const flashattn_params_t* param
                                                  void* stream) {
   flashattn_result_t r = validate_fwd(params);
   if (r.status != FLASHATTN_OK) return r;
+  if (params->page_table != nullptr) return kUnsupported;
   if (!fits_sm80_grid(*params)) return kInvalid;
   const flashattn_params_t p = normalized(*params);
   return flashattn::kernels::sm80_fwd(p, static_cast<cudaStream_t>(stream));

@@ -128,8 +128,15 @@ typedef struct {
   const int32_t* seqused_k;
   int32_t max_seqlen_q, max_seqlen_k;
 
-  // The paged KV cache is not built yet: these must be null and 0 (FLASHATTN_UNSUPPORTED
-  // otherwise, so that a caller never gets dense attention silently).
+  // A paged KV cache (the sm90 16-bit forward only; FLASHATTN_UNSUPPORTED elsewhere), where
+  // page_table is not null: k and v are num_pages pages (their batch axis) of page_size rows,
+  // and the call is a packed one whose cu_seqlens_k is null: sequence b's key j lies in row
+  // j % page_size of page page_table[b * page_table_batch_stride + j / page_size] (int32 on the
+  // device, each clamped into [0, num_pages)), and it attends to its first seqused_k[b] keys
+  // (required). seqlen_k = max_seqlen_k is the keys a sequence's row of the table addresses, a
+  // whole number of pages, at most page_table_batch_stride of them. page_size must be a
+  // multiple of the forward tile's key block (128 at head dims 64, 96, 128 and (192, 128)):
+  // others are FLASHATTN_UNSUPPORTED. Without a table these must be null and 0.
   const int32_t* page_table;
   int64_t page_table_batch_stride;
   int32_t page_size;
@@ -155,6 +162,8 @@ typedef struct {
   // Built for the pairs the kernel registry lists (src/registry.rs); others are refused with
   // FLASHATTN_UNSUPPORTED. Last, so that the fields before it keep their offsets.
   int32_t head_dim_v;
+  // The paged KV cache's pages (page_table above); 0 without one.
+  int32_t num_pages;
 } flashattn_params_t;
 
 // Where flashattn_fp8_quantize writes: rows like the source, (batch, seqlen, heads, head_dim)

@@ -3,9 +3,10 @@
 //! batch 1 to 128, cache 1k to 32k keys. Decode is bound by reading the cache, so each row gives
 //! the bytes of K and V read over the time (GB/s) beside a device-to-device copy of as many bytes
 //! timed the same way (the copy ceiling of that size: read and written, counted once each), and
-//! their ratio. Timed as bench_table (`common::Protocol`: its flags).
+//! their ratio. Timed as bench_table (`common::Protocol`: its flags). `--paged P` holds the same
+//! cache in pages of P rows, each sequence's pages scattered over the cache by its block table.
 //!
-//! `cargo run --release --example bench_kvcache -- --out kvcache.json`
+//! `cargo run --release --example bench_kvcache -- [--paged P] --out kvcache.json`
 
 mod common;
 
@@ -30,6 +31,7 @@ fn main() {
     let stream = dev.new_stream().unwrap();
     let protocol = common::Protocol::from_args(&args, PROTOCOL);
     let cfg = AttentionConfig::new().causal(true);
+    let page_size: Option<usize> = args.value("--paged").map(|p| p.parse().expect("--paged P"));
     let mut rows = vec![];
     for batch in [1usize, 8, 32, 128] {
         for cache in [1024usize, 8192, 32768] {
@@ -46,10 +48,25 @@ fn main() {
             let lens = stream.clone_htod(&vec![cache as i32; batch]).unwrap();
             let mut out = stream.alloc_zeros::<bf16>(batch * HEADS_Q * D).unwrap();
             let mut lse = stream.alloc_zeros::<f32>(batch * HEADS_Q).unwrap();
+            // Paged: page i of sequence b at (b·pages + i)·stride mod the pages, a stride prime
+            // to their count, so that no two neighbours in a sequence are neighbours in memory.
+            let (cache_shape, table) = match page_size {
+                None => ([batch, cache, HEADS_KV, D], None),
+                Some(p) => {
+                    let (per_seq, pages) = (cache.div_ceil(p), batch * cache.div_ceil(p));
+                    let stride = (2..).find(|s| gcd(*s, pages) == 1 && *s > 7).unwrap();
+                    let table: Vec<i32> = (0..pages).map(|i| (i * stride % pages) as i32).collect();
+                    assert_eq!(per_seq * p, cache, "--paged P divides every cache length");
+                    (
+                        [pages, p, HEADS_KV, D],
+                        Some(stream.clone_htod(&table).unwrap()),
+                    )
+                }
+            };
             let (qt, kt, vt) = (
                 DeviceTensor::contiguous(&q, [batch, 1, HEADS_Q, D]),
-                DeviceTensor::contiguous(&k, [batch, cache, HEADS_KV, D]),
-                DeviceTensor::contiguous(&v, [batch, cache, HEADS_KV, D]),
+                DeviceTensor::contiguous(&k, cache_shape),
+                DeviceTensor::contiguous(&v, cache_shape),
             );
             let mut plan = None;
             let (ms, reps) = protocol.median_ms(&stream, || {
@@ -57,6 +74,7 @@ fn main() {
                     q: &qt,
                     k_cache: &kt,
                     v_cache: &vt,
+                    block_table: table.as_ref().map(|t| t.as_view()),
                     cache_seqlens: lens.as_view(),
                     sinks: None,
                 };
@@ -81,7 +99,8 @@ fn main() {
             let copy_gbps = 2.0 * bytes / (copy_ms * 1e-3) / 1e9;
             let plan = plan.unwrap();
             println!(
-                "decode b{batch:<3} cache {cache:>5}: {ms:.4} ms {gbps:>6.0} GB/s, copy {copy_gbps:.0} GB/s ({:.2}) ({})",
+                "decode{} b{batch:<3} cache {cache:>5}: {ms:.4} ms {gbps:>6.0} GB/s, copy {copy_gbps:.0} GB/s ({:.2}) ({})",
+                page_size.map_or(String::new(), |p| format!(" pages of {p}")),
                 gbps / copy_gbps,
                 plan.explain()
             );
@@ -89,9 +108,10 @@ fn main() {
                 "  {{\"impl\": \"flashattn-{}\", \"kind\": \"decode\", \"dtype\": \"bf16\", \"d\": {D}, \
                  \"batch\": {batch}, \"seqlen_q\": 1, \"seqlen_k\": {cache}, \"heads\": {HEADS_Q}, \
                  \"heads_kv\": {HEADS_KV}, \"causal\": true, \"fwd_ms\": {ms:.5}, \"fwd_reps\": {reps}, \
-                 \"gbps\": {gbps:.1}, \"copy_gbps\": {copy_gbps:.1}, \"of_copy\": {:.3}}}",
+                 \"gbps\": {gbps:.1}, \"copy_gbps\": {copy_gbps:.1}, \"of_copy\": {:.3}{}}}",
                 plan.backend.name(),
-                gbps / copy_gbps
+                gbps / copy_gbps,
+                page_size.map_or(String::new(), |p| format!(", \"page_size\": {p}"))
             ));
         }
     }
@@ -104,5 +124,13 @@ fn main() {
             &extra,
             &rows,
         );
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }

@@ -14,7 +14,7 @@ namespace flashattn {
 
 struct Sequences {
   const int32_t* cu_q = nullptr;  // null: dense
-  const int32_t* cu_k = nullptr;
+  const int32_t* cu_k = nullptr;  // packed, null: keys in a paged cache (every entry's from 0)
   const int32_t* used_k = nullptr;
   int rows_q = 0, rows_k = 0;  // dense: every entry's lengths; packed: the tensors' rows
   int max_q = 0, max_k = 0;    // the longest entry the grids cover
@@ -45,17 +45,19 @@ struct Sequences {
   // Entry b. Packed offsets come from the caller's device arrays unchecked: each is clamped
   // into the tensors (start into [0, rows], end into [start, rows], length to the grid's
   // maximum, used keys into [0, length]), so a malformed array can give wrong rows but never
-  // an index outside the buffers.
+  // an index outside the buffers. A paged entry owns the keys its row of the page table
+  // addresses (rows_k), and the kernel finds their pages.
   __device__ Entry at(int b) const {
     if (!packed()) return {b, b, 0, 0, rows_q, rows_k, rows_k};
     auto clamp = [](int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); };
     const int q0 = clamp(cu_q[b], 0, rows_q), q1 = clamp(cu_q[b + 1], q0, rows_q);
-    const int k0 = clamp(cu_k[b], 0, rows_k), k1 = clamp(cu_k[b + 1], k0, rows_k);
+    const int k0 = cu_k == nullptr ? 0 : clamp(cu_k[b], 0, rows_k);
+    const int k1 = cu_k == nullptr ? rows_k : clamp(cu_k[b + 1], k0, rows_k);
     const int owned = k1 - k0 < max_k ? k1 - k0 : max_k;
     const int len_k = used_k != nullptr ? clamp(used_k[b], 0, owned) : owned;
     return {b, 0, q0, k0, q1 - q0 < max_q ? q1 - q0 : max_q, len_k, owned};
   }
-  // Entry b's first key row, as at(b) gives it, alone.
+  // Entry b's first key row, as at(b) gives it, alone (packed keys in rows: not a paged call's).
   __device__ int k_start(int b) const {
     const int k0 = cu_k[b];
     return k0 < 0 ? 0 : (k0 > rows_k ? rows_k : k0);

@@ -104,13 +104,22 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   using Element = typename Traits::Element;
   FwdParams<Traits> params;
   params.batch = p.batch;
+  params.seqlen_q = p.seqlen_q;
+  params.seqlen_k = p.seqlen_k;
   params.seqs = sequences(p);
   // Packed: Q, K and V over all sequences' rows, one batch entry (its stride ignored).
   const int batch = params.tensor_batch();
   auto q = gmem_tensor<Traits>(static_cast<Element const*>(p.q.ptr), p.q, p.seqlen_q, p.heads_q,
                                batch);
-  auto k = gmem_tensor<Traits>(static_cast<Element const*>(p.k.ptr), p.k, p.seqlen_k, p.heads_kv,
-                               batch);
+  // A paged cache's pages (flash_api.h): each a whole number of key blocks.
+  params.page_table = p.page_table;
+  params.page_table_stride = p.page_table_batch_stride;
+  params.num_pages = p.num_pages;
+  params.page_blocks = p.page_table != nullptr ? p.page_size / Traits::kBlockN : 0;
+  if (p.page_table != nullptr && (Traits::kFp8 || p.page_size % Traits::kBlockN != 0))
+    return status(FLASHATTN_UNSUPPORTED);
+  auto k = gmem_tensor<Traits>(static_cast<Element const*>(p.k.ptr), p.k, params.kv_rows(),
+                               p.heads_kv, params.kv_batch());
   // FP8: V key-major, (head_dim, keys padded to whole key blocks), as the quantize step wrote it;
   // packed, every sequence's keys from its packed_block on (sequences.h).
   const int num_n_blocks =
@@ -127,7 +136,8 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
                                      tma_stride(p.v.batch_stride, batch, d)));
     } else {
       return gmem_tensor<Traits, Traits::kHeadDimV>(static_cast<Element const*>(p.v.ptr), p.v,
-                                                    p.seqlen_k, p.heads_kv, batch);
+                                                    params.kv_rows(), p.heads_kv,
+                                                    params.kv_batch());
     }
   }();
   params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, take<0, 2>(typename Traits::SmemLayoutQ{}),
@@ -143,8 +153,6 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   params.lse = p.lse;
   params.heads_q = p.heads_q;
   params.heads_kv = p.heads_kv;
-  params.seqlen_q = p.seqlen_q;
-  params.seqlen_k = p.seqlen_k;
   params.keys = key_range(p);
   params.num_m_blocks = (params.seqs.max_q + Traits::kBlockM - 1) / Traits::kBlockM;
   // Every entry padded to the longest one's blocks (dense calls, and packed ones without the
@@ -258,13 +266,16 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
 }
 
 // The tile table's instantiation the caller chose (FLASHATTN_SM90_MASKED_TILE), where the head
-// dims have a Masked tile; else the Base one.
+// dims have a Masked tile; else the Base one. A paged cache takes the Masked tile where only its
+// key block divides the pages.
 template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
 flashattn_result_t run_fwd_tiled(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim, kHeadDimV>;
   using Masked = FwdTileMasked<kHeadDim, kHeadDimV>;
   if constexpr (Masked::kBlockN != Tile::kBlockN) {
-    if (p.sm90_flags & FLASHATTN_SM90_MASKED_TILE)
+    const bool pages_need_masked = p.page_table != nullptr && p.page_size % Tile::kBlockN != 0 &&
+                                   p.page_size % Masked::kBlockN == 0;
+    if ((p.sm90_flags & FLASHATTN_SM90_MASKED_TILE) || pages_need_masked)
       return run_fwd<FwdTraits<Element, kHeadDim, Masked, true, kHeadDimV>>(p, o.pingpong,
                                                                             stream);
   }

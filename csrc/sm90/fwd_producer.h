@@ -28,14 +28,14 @@ struct FwdProducer {
     Tensor mQ = params.tma_q.get_tma_tensor(
         make_shape(params.seqlen_q, int(Traits::kHeadDim), params.heads_q, batch));
     Tensor mK = params.tma_k.get_tma_tensor(
-        make_shape(params.seqlen_k, int(Traits::kHeadDim), params.heads_kv, batch));
+        make_shape(params.kv_rows(), int(Traits::kHeadDim), params.heads_kv, params.kv_batch()));
     Tensor mV = [&] {
       if constexpr (Traits::kFp8) {
         return params.tma_v.get_tma_tensor(make_shape(
             int(Traits::kHeadDim), params.num_n_blocks * kBlockN, params.heads_kv, batch));
       } else {
-        return params.tma_v.get_tma_tensor(
-            make_shape(params.seqlen_k, int(Traits::kHeadDimV), params.heads_kv, batch));
+        return params.tma_v.get_tma_tensor(make_shape(params.kv_rows(), int(Traits::kHeadDimV),
+                                                      params.heads_kv, params.kv_batch()));
       }
     }();
     auto cta_q = params.tma_q.get_slice(0);
@@ -78,13 +78,38 @@ struct FwdProducer {
                          typename Traits::TileV{}, make_coord(_, _0{}))));
         }
       }();
+      // A paged cache's block n: block `in_page` of its page, as a whole tile of that page's rows.
+      auto page_tile = [&](auto& tma, auto m, auto tile, int page, int in_page) {
+        return group_modes<0, 3>(tma.get_slice(0).partition_S(
+            local_tile(m(_, _, head_kv, page), tile, make_coord(_, _0{}))))(_, in_page);
+      };
       auto load_k = [&](int n) {
         smem.pipe_k.producer_acquire(st, Traits::kBytesK);
-        copy(params.tma_k.with(smem.pipe_k.full_barrier(st)), tKgK(_, n), tKsK(_, st.index));
+        auto tma = params.tma_k.with(smem.pipe_k.full_barrier(st));
+        if constexpr (!Traits::kFp8) {  // FP8 takes no paged cache (flash_api.h)
+          if (params.page_blocks > 0) {
+            int in_page;
+            const int page = params.page_of(t.seq.index, n, in_page);
+            copy(tma, page_tile(params.tma_k, mK, typename Traits::TileKV{}, page, in_page),
+                 tKsK(_, st.index));
+            return;
+          }
+        }
+        copy(tma, tKgK(_, n), tKsK(_, st.index));
       };
       auto load_v = [&](int n) {
         smem.pipe_v.producer_acquire(st, Traits::kBytesV);
-        copy(params.tma_v.with(smem.pipe_v.full_barrier(st)), tVgV(_, n), tVsV(_, st.index));
+        auto tma = params.tma_v.with(smem.pipe_v.full_barrier(st));
+        if constexpr (!Traits::kFp8) {
+          if (params.page_blocks > 0) {
+            int in_page;
+            const int page = params.page_of(t.seq.index, n, in_page);
+            copy(tma, page_tile(params.tma_v, mV, typename Traits::TileV{}, page, in_page),
+                 tVsV(_, st.index));
+            return;
+          }
+        }
+        copy(tma, tVgV(_, n), tVsV(_, st.index));
       };
       // The first K block first: with one Q buffer, Q waits for the last Q·Kᵀ of the tile before.
       load_k(t.n_max - 1);

@@ -173,9 +173,26 @@ struct FwdParams {
   int num_q_blocks, num_n_blocks;
   bool o_bf16;
   FwdTail tail;  // the tail launch's pieces (fwd_tail.h)
+  // A paged KV cache (flash_api.h): K and V are num_pages pages of page_blocks key blocks, and
+  // entry b's key block n lies in page page_table[b·page_table_stride + n / page_blocks].
+  // page_blocks is 0 without one.
+  const int32_t* page_table;
+  int64_t page_table_stride;
+  int num_pages, page_blocks;
 
   // Entries on the tensors' batch axis: one when the sequences are packed along the rows.
   __host__ __device__ int tensor_batch() const { return seqs.packed() ? 1 : batch; }
+  // K's and V's rows and batch entries: a page's and the pages in a paged cache.
+  __host__ __device__ int kv_rows() const {
+    return page_blocks > 0 ? page_blocks * Traits::kBlockN : seqlen_k;
+  }
+  __host__ __device__ int kv_batch() const { return page_blocks > 0 ? num_pages : tensor_batch(); }
+  // Entry b's key block n: the K/V batch entry (page) that holds it, and its block there.
+  __device__ int page_of(int b, int n, int& block) const {
+    block = n % page_blocks;
+    const int page = page_table[int64_t(b) * page_table_stride + n / page_blocks];
+    return page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
+  }
 };
 
 }  // namespace flashattn::sm90

@@ -36,6 +36,18 @@ pub(crate) struct PackedRows {
     pub seqused_k: u64,
     pub total_q: usize,
     pub total_k: usize,
+    /// A paged KV cache's table (then `cu_seqlens_k` is 0).
+    pub pages: Option<PagedKeys>,
+}
+
+/// A paged KV cache as the C ABI takes it: the page table's device address, its row stride
+/// (the pages each sequence addresses), the rows per page and the pages.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PagedKeys {
+    pub table: u64,
+    pub pages_per_seq: usize,
+    pub page_size: usize,
+    pub num_pages: usize,
 }
 
 /// TMA and 16-byte vector accesses need 16-byte aligned base pointers and strides.
@@ -135,6 +147,12 @@ pub(crate) fn base_params(
             seqused_k: rows.seqused_k as *const i32,
             max_seqlen_q: problem.seqlen_q as i32,
             max_seqlen_k: problem.seqlen_k as i32,
+            page_table: rows
+                .pages
+                .map_or(std::ptr::null(), |t| t.table as *const i32),
+            page_table_batch_stride: rows.pages.map_or(0, |t| t.pages_per_seq as i64),
+            page_size: rows.pages.map_or(0, |t| t.page_size as i32),
+            num_pages: rows.pages.map_or(0, |t| t.num_pages as i32),
             ..p
         },
     }

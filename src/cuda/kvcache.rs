@@ -1,29 +1,45 @@
-//! Attention over a dense KV cache on the GPU ([`crate::kvcache`] has the layout and the CPU
-//! calls, paged caches included).
+//! Attention over a dense or paged KV cache on the GPU ([`crate::kvcache`] has the layout and the
+//! CPU calls).
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DeviceRepr};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr};
 
+use super::varlen::DevicePages;
 use super::{Device, DeviceForwardInputs, DeviceSeqlens, DeviceTensor, DeviceTensorMut};
 use crate::config::{AttentionConfig, Backend};
 use crate::dispatch::Plan;
 use crate::error::{Error, Operand, Result};
+use crate::registry::{self, Family, TileRole};
 use crate::tensor::Layout;
+use crate::unstable::Sm90Schedule;
 use crate::Element;
 
-/// A dense-cache call's device inputs: Q `(batch, seqlen_q, heads_q, head_dim)`, the cache K
-/// `(batch_cache, seqlen_cache, heads_kv, head_dim)` and V with `head_dim_v` (sequence `b` reads
-/// entry `b`; `batch_cache ≥ batch`), `batch` cached key counts, and optionally attention sinks.
+/// A KV-cache call's device inputs: Q `(batch, seqlen_q, heads_q, head_dim)`, the cache, `batch`
+/// cached key counts, and optionally attention sinks. The cache is dense without a block table:
+/// K `(batch_cache, seqlen_cache, heads_kv, head_dim)` and V with `head_dim_v`, sequence `b`
+/// reading entry `b` (`batch_cache ≥ batch`). With one, it is paged: K `(num_pages, page_size,
+/// heads_kv, head_dim)` and V with `head_dim_v`, and sequence `b`'s key `j` lies in row
+/// `j % page_size` of page `block_table[b][j / page_size]`.
 #[derive(Debug)]
 pub struct DeviceKvCacheInputs<'a, T> {
     pub q: &'a DeviceTensor<'a, T>,
     pub k_cache: &'a DeviceTensor<'a, T>,
     pub v_cache: &'a DeviceTensor<'a, T>,
+    /// The paged cache's `(batch, max_pages)` i32 page numbers, row-major on the device; each
+    /// sequence's keys are `max_pages · page_size` rows. The kernels clamp every entry into
+    /// `0..num_pages` (the host does not read them). Pages hold a whole number of the Hopper
+    /// forward's key blocks (its 128-key Masked tile's where it has one): multiples of 128 rows
+    /// at head dims 64, 96, 128 and (192, 128), of 112 at 192 and of 80 at 256; other sizes,
+    /// the forward without intra-warpgroup overlap, and the Ampere and CPU backends, are
+    /// `Error::Unsupported` here (the CPU takes any page size through
+    /// [`crate::kvcache::forward`]).
+    pub block_table: Option<CudaView<'a, i32>>,
     /// Each sequence's cached keys, `batch` i32 values on the device. The kernels clamp them into
-    /// `0..=seqlen_cache` (the host does not read them: that would synchronize the stream). The
-    /// cache's rows past them are read by whole-block loads and take weight 0: they must hold
-    /// finite values (a zero-initialized cache, say), or O may be NaN.
+    /// `0..=seqlen_cache` (paged: `0..=max_pages · page_size`; the host does not read them: that
+    /// would synchronize the stream). The cache's rows past them in the blocks read (of the
+    /// sequence's entry or pages) are read by whole-block loads and take weight 0: they must
+    /// hold finite values (a zero-initialized cache, say), or O may be NaN.
     pub cache_seqlens: CudaView<'a, i32>,
     pub sinks: Option<&'a CudaView<'a, f32>>,
 }
@@ -58,16 +74,105 @@ fn as_rows(operand: Operand, layout: &Layout) -> Result<Layout> {
     ))
 }
 
+/// `batch + 1` offsets of `batch` entries of `n` rows each, on the device.
+fn uniform_offsets(stream: &Arc<CudaStream>, batch: usize, n: usize) -> Result<CudaSlice<i32>> {
+    let cu: Vec<i32> = (0..=batch)
+        .map(|b| i32::try_from(b * n))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| Error::IndexOverflow {
+            operand: Operand::Q,
+            detail: format!("{batch} sequences of {n} rows pass i32 offsets"),
+        })?;
+    stream.clone_htod(&cu).map_err(super::driver_error)
+}
+
+/// A paged cache's pages as the kernels take them, and the call's configuration for them: every
+/// page a whole number of the Hopper forward's key blocks.
+fn pages<'a>(
+    k_cache: &Layout,
+    head_dim_v: usize,
+    table: CudaView<'a, i32>,
+    batch: usize,
+    cfg: &AttentionConfig,
+) -> Result<(DevicePages<'a>, AttentionConfig)> {
+    let [num_pages, page_size, _, head_dim] = k_cache.shape;
+    if batch == 0 || table.is_empty() || table.len() % batch != 0 {
+        return Err(Error::InvalidPageTable(format!(
+            "{} entries are not {batch} rows of at least one page",
+            table.len()
+        )));
+    }
+    let pages_per_seq = table.len() / batch;
+    let key_block = |role: TileRole| {
+        registry::TILES
+            .iter()
+            .find(|r| {
+                r.family == Family::Sm90Fwd
+                    && (r.head_dim, r.head_dim_v) == (head_dim, head_dim_v)
+                    && r.role == role
+            })
+            .map(|r| r.tile.shape().1)
+    };
+    let unsupported = |why: String| {
+        Error::Unsupported {
+        what: format!("a paged KV cache with pages of {page_size} rows at head dims ({head_dim}, {head_dim_v}): {why}"),
+        backend: Backend::Sm90,
+    }
+    };
+    // The Masked tile where the head dims have one (whatever the mask: a page of its 128 keys
+    // need not hold the Base tile's wider blocks), else the Base tile.
+    let (block, schedule) = match (key_block(TileRole::Masked), key_block(TileRole::Base)) {
+        _ if !cfg.sm90_schedule.intra_wg_overlap => {
+            return Err(unsupported(
+                "the forward without intra-warpgroup overlap takes no paged cache".into(),
+            ))
+        }
+        (Some(masked), _) => (
+            masked,
+            Sm90Schedule {
+                narrow_key_blocks: true,
+                ..cfg.sm90_schedule
+            },
+        ),
+        (None, Some(base)) => (base, cfg.sm90_schedule),
+        (None, None) => return Err(unsupported("no Hopper forward at these head dims".into())),
+    };
+    if page_size % block != 0 {
+        return Err(unsupported(format!(
+            "pages hold a whole number of the Hopper forward's {block}-key blocks"
+        )));
+    }
+    let fits = |n: usize| i32::try_from(n).is_ok();
+    match pages_per_seq.checked_mul(page_size) {
+        Some(keys) if fits(keys) && fits(num_pages) => Ok((
+            DevicePages {
+                table,
+                pages_per_seq,
+                page_size,
+                num_pages,
+            },
+            cfg.clone().sm90_schedule(schedule).backend(Backend::Sm90),
+        )),
+        _ => Err(Error::IndexOverflow {
+            operand: Operand::K,
+            detail: format!(
+                "{num_pages} pages, {pages_per_seq} of {page_size} keys per sequence, pass i32"
+            ),
+        }),
+    }
+}
+
 impl Device {
-    /// Forward pass over a dense KV cache into caller-owned device outputs, ordered on `stream`:
-    /// O `(batch, seqlen_q, heads_q, head_dim_v)` and `lse` f32 `(heads_q, batch · seqlen_q)` as
-    /// [`crate::kvcache`] describes (each sequence's queries the last positions of its first
-    /// `cache_seqlens[b]` cached keys: masks align bottom-right within them). It runs the packed
-    /// kernels ([`Device::varlen_forward_into`]) with the cache's entries as sequences and
-    /// `cache_seqlens` as their used keys; the offsets of that call (two arrays of `batch + 1`
-    /// i32) are copied to the device on `stream` each call. Q, O and the cache must hold their
-    /// entries' rows one after the other (batch stride = rows × row stride), which one-row Q and
-    /// O (a decode step's) need not.
+    /// Forward pass over a dense or paged KV cache into caller-owned device outputs, ordered on
+    /// `stream`: O `(batch, seqlen_q, heads_q, head_dim_v)` and `lse` f32
+    /// `(heads_q, batch · seqlen_q)` as [`crate::kvcache`] describes (each sequence's queries the
+    /// last positions of its first `cache_seqlens[b]` cached keys: masks align bottom-right
+    /// within them). It runs the packed kernels ([`Device::varlen_forward_into`]) with `batch`
+    /// sequences and `cache_seqlens` as their used keys, over the cache's entries or pages; the
+    /// offsets of that call (one or two arrays of `batch + 1` i32) are copied to the device on
+    /// `stream` each call. Q, O and a dense cache must hold their entries' rows one after the
+    /// other (batch stride = rows × row stride), which one-row Q and O (a decode step's) need
+    /// not. Paged caches run on the Hopper forward only.
     pub fn kvcache_forward_into<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
@@ -80,31 +185,11 @@ impl Device {
             q,
             k_cache,
             v_cache,
+            block_table,
             cache_seqlens,
             sinks,
         } = inputs;
         let [batch, seqlen_q, _, _] = q.layout.shape;
-        let [entries, seqlen_cache, _, _] = k_cache.layout.shape;
-        if entries < batch {
-            return Err(Error::ShapeMismatch {
-                operand: Operand::K,
-                expected: [
-                    batch,
-                    seqlen_cache,
-                    k_cache.layout.shape[2],
-                    q.layout.shape[3],
-                ],
-                found: k_cache.layout.shape,
-            });
-        }
-        if v_cache.layout.shape[..3] != k_cache.layout.shape[..3] {
-            let [_, _, heads_kv, _] = k_cache.layout.shape;
-            return Err(Error::ShapeMismatch {
-                operand: Operand::V,
-                expected: [entries, seqlen_cache, heads_kv, v_cache.layout.shape[3]],
-                found: v_cache.layout.shape,
-            });
-        }
         if cache_seqlens.len() != batch {
             return Err(Error::InvalidSeqlens(format!(
                 "cache_seqlens has {} values for {batch} sequences",
@@ -119,29 +204,50 @@ impl Device {
                 found: out.layout.shape,
             });
         }
-        // The first `batch` entries of the cache, and everything as packed rows.
+        let q_rows = DeviceTensor::new(q.data.slice(..), as_rows(Operand::Q, &q.layout)?);
+        let mut o_rows =
+            DeviceTensorMut::new(out.data.slice_mut(..), as_rows(Operand::Out, &out.layout)?);
+        let cu_q = uniform_offsets(stream, batch, seqlen_q)?;
+        if let Some(table) = block_table {
+            if cfg.backend != Backend::Auto && cfg.backend != Backend::Sm90 {
+                return Err(Error::Unsupported {
+                    what: "a paged KV cache on this backend (the Hopper forward takes it)".into(),
+                    backend: cfg.backend,
+                });
+            }
+            let (pages, cfg) = pages(&k_cache.layout, v_cache.layout.shape[3], table, batch, cfg)?;
+            let seqs = DeviceSeqlens::paged(cu_q.as_view(), seqlen_q, pages, cache_seqlens)?;
+            let inputs = DeviceForwardInputs {
+                sinks,
+                ..DeviceForwardInputs::new(&q_rows, k_cache, v_cache)
+            };
+            return self.varlen_forward_into(stream, &cfg, &seqs, inputs, &mut o_rows, lse);
+        }
+        let [entries, seqlen_cache, heads_kv, _] = k_cache.layout.shape;
+        if entries < batch {
+            return Err(Error::ShapeMismatch {
+                operand: Operand::K,
+                expected: [batch, seqlen_cache, heads_kv, q.layout.shape[3]],
+                found: k_cache.layout.shape,
+            });
+        }
+        if v_cache.layout.shape[..3] != k_cache.layout.shape[..3] {
+            return Err(Error::ShapeMismatch {
+                operand: Operand::V,
+                expected: [entries, seqlen_cache, heads_kv, v_cache.layout.shape[3]],
+                found: v_cache.layout.shape,
+            });
+        }
+        // The first `batch` entries of the cache, as packed rows.
         let used = |t: &DeviceTensor<'_, T>| -> Layout {
             let [_, rows, heads, d] = t.layout.shape;
             Layout::with_strides([batch, rows, heads, d], t.layout.strides)
         };
-        let q_rows = DeviceTensor::new(q.data.slice(..), as_rows(Operand::Q, &q.layout)?);
         let k_rows =
             DeviceTensor::new(k_cache.data.slice(..), as_rows(Operand::K, &used(k_cache))?);
         let v_rows =
             DeviceTensor::new(v_cache.data.slice(..), as_rows(Operand::V, &used(v_cache))?);
-        let mut o_rows =
-            DeviceTensorMut::new(out.data.slice_mut(..), as_rows(Operand::Out, &out.layout)?);
-        let offsets = |n: usize| -> Result<_> {
-            let cu: Vec<i32> = (0..=batch)
-                .map(|b| i32::try_from(b * n))
-                .collect::<std::result::Result<_, _>>()
-                .map_err(|_| Error::IndexOverflow {
-                    operand: Operand::Q,
-                    detail: format!("{batch} sequences of {n} rows pass i32 offsets"),
-                })?;
-            stream.clone_htod(&cu).map_err(super::driver_error)
-        };
-        let (cu_q, cu_k) = (offsets(seqlen_q)?, offsets(seqlen_cache)?);
+        let cu_k = uniform_offsets(stream, batch, seqlen_cache)?;
         let seqs = DeviceSeqlens::new(cu_q.as_view(), cu_k.as_view(), seqlen_q, seqlen_cache)?
             .with_seqused_k(cache_seqlens)?;
         let inputs = DeviceForwardInputs {

@@ -256,12 +256,11 @@ impl Device {
         if let Some(sinks) = sinks {
             self.check_same_context(stream, [(Operand::Sinks, sinks.stream().context())])?;
         }
-        let rows = check_forward(
-            T::DTYPE,
-            [q.operand(), k.operand(), v.operand()],
-            out.operand(),
-            lse.len(),
-        )?;
+        let inputs = [q.operand(), k.operand(), v.operand()];
+        let rows = match seqs {
+            Some(seqs) => seqs.check_forward(T::DTYPE, inputs, out.operand(), lse.len())?,
+            None => check_forward(T::DTYPE, inputs, out.operand(), lse.len())?,
+        };
         let problem = match seqs {
             Some(seqs) => seqs.problem(&rows, cfg)?,
             None => rows,

@@ -9,11 +9,11 @@ use cudarc::driver::{DeviceSlice, SyncOnDrop};
 use super::{
     Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut, DeviceTensorMut,
 };
-use crate::backend::gpu::PackedRows;
+use crate::backend::gpu::{PackedRows, PagedKeys};
 use crate::config::AttentionConfig;
 use crate::dispatch::{self, Plan};
 use crate::error::{CallPart, Error, Operand, Result};
-use crate::tensor::{Element, Problem};
+use crate::tensor::{check_forward, check_len, DType, Element, Layout, Operand4, Problem};
 
 /// The sequence boundaries of a packed batch in device memory: `batch + 1` i32 offsets for
 /// queries and for keys (from 0, non-decreasing, the last one the tensors' row count), the
@@ -27,10 +27,72 @@ use crate::tensor::{Element, Problem};
 #[derive(Debug)]
 pub struct DeviceSeqlens<'a> {
     cu_q: CudaView<'a, i32>,
-    cu_k: CudaView<'a, i32>,
+    keys: Keys<'a>,
     used_k: Option<CudaView<'a, i32>>,
     max_q: usize,
     max_k: usize,
+}
+
+/// Where a packed call's keys lie: rows of K and V named by offsets, or a paged KV cache's pages.
+#[derive(Debug)]
+enum Keys<'a> {
+    Rows(CudaView<'a, i32>),
+    Pages(DevicePages<'a>),
+}
+
+/// A paged KV cache on the device (the C ABI's page table): K and V `num_pages` pages of
+/// `page_size` rows, and `table` `(batch, pages_per_seq)` i32 page numbers (row stride
+/// `pages_per_seq`), each sequence's keys `pages_per_seq · page_size` rows.
+#[derive(Debug)]
+pub(crate) struct DevicePages<'a> {
+    pub table: CudaView<'a, i32>,
+    pub pages_per_seq: usize,
+    pub page_size: usize,
+    pub num_pages: usize,
+}
+
+impl DevicePages<'_> {
+    /// The keys each sequence's row of the table addresses.
+    fn capacity(&self) -> usize {
+        self.pages_per_seq * self.page_size
+    }
+
+    /// [`check_forward`] for packed Q and O over K and V in pages: the pages within their
+    /// buffers and of this cache's shape, then the call as if each sequence's keys were rows.
+    fn check_forward(
+        &self,
+        dtype: DType,
+        [q, k, v]: [Operand4<'_>; 3],
+        out: Operand4<'_>,
+        lse_len: usize,
+    ) -> Result<Problem> {
+        check_len(Operand::K, k.0, k.1)?;
+        check_len(Operand::V, v.0, v.1)?;
+        let [pages, page_size, heads_kv, d] = k.0.shape;
+        if pages != self.num_pages || page_size != self.page_size {
+            return Err(Error::ShapeMismatch {
+                operand: Operand::K,
+                expected: [self.num_pages, self.page_size, heads_kv, d],
+                found: k.0.shape,
+            });
+        }
+        if v.0.shape[..3] != k.0.shape[..3] {
+            return Err(Error::ShapeMismatch {
+                operand: Operand::V,
+                expected: [pages, page_size, heads_kv, v.0.shape[3]],
+                found: v.0.shape,
+            });
+        }
+        // Only their shapes: the pages' spans were checked above.
+        let rows = |l: &Layout| Layout::contiguous([1, self.capacity(), l.shape[2], l.shape[3]]);
+        let (k_rows, v_rows) = (rows(k.0), rows(v.0));
+        check_forward(
+            dtype,
+            [q, (&k_rows, usize::MAX), (&v_rows, usize::MAX)],
+            out,
+            lse_len,
+        )
+    }
 }
 
 impl<'a> DeviceSeqlens<'a> {
@@ -57,11 +119,58 @@ impl<'a> DeviceSeqlens<'a> {
         }
         Ok(DeviceSeqlens {
             cu_q: cu_seqlens_q,
-            cu_k: cu_seqlens_k,
+            keys: Keys::Rows(cu_seqlens_k),
             used_k: None,
             max_q: max_seqlen_q,
             max_k: max_seqlen_k,
         })
+    }
+
+    /// Packed queries over a paged KV cache: `cu_seqlens_q` and `max_seqlen_q` as in
+    /// [`DeviceSeqlens::new`], each sequence attending to the first `cache_seqlens[b]` keys of
+    /// its pages (clamped into the keys its row of the table addresses).
+    pub(crate) fn paged(
+        cu_seqlens_q: CudaView<'a, i32>,
+        max_seqlen_q: usize,
+        pages: DevicePages<'a>,
+        cache_seqlens: CudaView<'a, i32>,
+    ) -> Result<Self> {
+        if cu_seqlens_q.len() < 2 || max_seqlen_q == 0 || pages.capacity() == 0 {
+            return Err(Error::InvalidSeqlens(
+                "a paged call needs a sequence, a query and a page per sequence".into(),
+            ));
+        }
+        let max_k = pages.capacity();
+        DeviceSeqlens {
+            cu_q: cu_seqlens_q,
+            keys: Keys::Pages(pages),
+            used_k: None,
+            max_q: max_seqlen_q,
+            max_k,
+        }
+        .with_seqused_k(cache_seqlens)
+    }
+
+    /// The paged cache the keys lie in, if they do.
+    pub(super) fn pages(&self) -> Option<&DevicePages<'a>> {
+        match &self.keys {
+            Keys::Pages(pages) => Some(pages),
+            Keys::Rows(_) => None,
+        }
+    }
+
+    /// [`check_forward`] of a packed call's operands, K and V in pages where the keys lie there.
+    pub(super) fn check_forward(
+        &self,
+        dtype: DType,
+        inputs: [Operand4<'_>; 3],
+        out: Operand4<'_>,
+        lse_len: usize,
+    ) -> Result<Problem> {
+        match &self.keys {
+            Keys::Rows(_) => check_forward(dtype, inputs, out, lse_len),
+            Keys::Pages(pages) => pages.check_forward(dtype, inputs, out, lse_len),
+        }
     }
 
     /// Each sequence attends to the first `seqused_k[b]` of its keys only; `batch` i32 values.
@@ -85,7 +194,11 @@ impl<'a> DeviceSeqlens<'a> {
     }
 
     pub(super) fn contexts(&self) -> impl Iterator<Item = (CallPart, &Arc<CudaContext>)> {
-        [Some(&self.cu_q), Some(&self.cu_k), self.used_k.as_ref()]
+        let keys = match &self.keys {
+            Keys::Rows(cu_k) => cu_k,
+            Keys::Pages(pages) => &pages.table,
+        };
+        [Some(&self.cu_q), Some(keys), self.used_k.as_ref()]
             .into_iter()
             .flatten()
             .map(|view| (CallPart::Seqlens, view.stream().context()))
@@ -141,7 +254,10 @@ impl<'a> DeviceSeqlens<'a> {
         dense: &Problem,
     ) -> (PackedRows, [Option<SyncOnDrop<'s>>; 3]) {
         let (cu_q, g_q) = self.cu_q.device_ptr(stream);
-        let (cu_k, g_k) = self.cu_k.device_ptr(stream);
+        let (keys, g_k) = match &self.keys {
+            Keys::Rows(cu_k) => cu_k.device_ptr(stream),
+            Keys::Pages(pages) => pages.table.device_ptr(stream),
+        };
         let (used_k, g_used) = match &self.used_k {
             Some(view) => {
                 let (ptr, guard) = view.device_ptr(stream);
@@ -151,8 +267,14 @@ impl<'a> DeviceSeqlens<'a> {
         };
         let rows = PackedRows {
             cu_seqlens_q: cu_q,
-            cu_seqlens_k: cu_k,
+            cu_seqlens_k: if self.pages().is_none() { keys } else { 0 },
             seqused_k: used_k,
+            pages: self.pages().map(|pages| PagedKeys {
+                table: keys,
+                pages_per_seq: pages.pages_per_seq,
+                page_size: pages.page_size,
+                num_pages: pages.num_pages,
+            }),
             total_q: dense.seqlen_q,
             total_k: dense.seqlen_k,
         };

@@ -5,8 +5,8 @@ use std::ptr::null_mut;
 
 use crate::ffi::*;
 use crate::{
-    addr, expect, packed, packed_params, params, refused_everywhere, BACKWARDS, FORWARDS, INVALID,
-    UNSUPPORTED,
+    addr, expect, packed, packed_params, paged_params, params, refused_everywhere, BACKWARDS,
+    FORWARDS, INVALID, UNSUPPORTED,
 };
 
 #[test]
@@ -96,7 +96,7 @@ fn bad_strides_and_pointers() {
 #[test]
 fn sizes_and_options_out_of_range() {
     type Edit = fn(&mut flashattn_params_t);
-    let invalid: [(&str, Edit); 24] = [
+    let invalid: [(&str, Edit); 31] = [
         ("zero batch", |p| p.batch = 0),
         ("negative heads", |p| p.heads_q = -4),
         ("heads_q not a multiple of heads_kv", |p| p.heads_kv = 3),
@@ -149,15 +149,41 @@ fn sizes_and_options_out_of_range() {
             *p = packed_params();
             p.cu_seqlens_k = std::ptr::null();
         }),
+        ("a page table in a dense call", |p| {
+            p.page_table = addr(22) as *const i32
+        }),
+        ("a page size without a table", |p| p.page_size = 128),
+        ("paged, cu_seqlens_k beside the table", |p| {
+            *p = paged_params();
+            p.cu_seqlens_k = addr(21) as *const i32;
+        }),
+        ("paged, no seqused_k", |p| {
+            *p = paged_params();
+            p.seqused_k = std::ptr::null();
+        }),
+        ("paged, keys not whole pages", |p| {
+            *p = paged_params();
+            (p.seqlen_k, p.max_seqlen_k) = (300, 300);
+        }),
+        ("paged, a table row shorter than a sequence's pages", |p| {
+            *p = paged_params();
+            p.page_table_batch_stride = 2;
+        }),
+        ("paged, no pages", |p| {
+            *p = paged_params();
+            p.num_pages = 0;
+        }),
     ];
     for (what, edit) in invalid {
         let mut p = params();
         edit(&mut p);
         refused_everywhere(&p, INVALID, what);
     }
-    let unsupported: [(&str, Edit); 5] = [
-        ("page_table", |p| p.page_table = addr(22) as *const i32),
-        ("page_size", |p| p.page_size = 16),
+    let unsupported: [(&str, Edit); 4] = [
+        ("paged FP8", |p| {
+            *p = paged_params();
+            p.dtype = FLASHATTN_E4M3 as i32;
+        }),
         ("head dim 80 (in no registry row)", |p| p.head_dim = 80),
         ("head dim of V 80 (in no registry row)", |p| {
             with_head_dim_v(p, 80)
@@ -174,6 +200,27 @@ fn sizes_and_options_out_of_range() {
     let mut p = params();
     p.dtype = 7;
     refused_everywhere(&p, UNSUPPORTED, "unknown dtype");
+    // A paged cache is the sm90 forward's alone, and its table an input.
+    let p = paged_params();
+    expect(
+        "fwd_sm80",
+        flashattn_fwd_sm80,
+        &p,
+        UNSUPPORTED,
+        "paged on sm80",
+    );
+    for (name, entry) in BACKWARDS {
+        expect(name, entry, &p, UNSUPPORTED, "paged backward");
+    }
+    let mut p = paged_params();
+    p.page_table = p.o.ptr as *const i32;
+    expect(
+        "fwd_sm90",
+        flashattn_fwd_sm90,
+        &p,
+        INVALID,
+        "page table inside O",
+    );
     // The offsets are inputs: a call's outputs must not overlap them.
     let mut p = packed_params();
     p.cu_seqlens_k = p.o.ptr as *const i32;

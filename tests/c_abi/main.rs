@@ -91,6 +91,7 @@ fn params() -> flashattn_params_t {
         out_dtype: 0,
         sm_count: 132,
         sm90_flags: 0,
+        num_pages: 0,
     }
 }
 
@@ -109,6 +110,22 @@ fn packed_params() -> flashattn_params_t {
     p.cu_seqlens_q = addr(20) as *const i32;
     p.cu_seqlens_k = addr(21) as *const i32;
     (p.max_seqlen_q, p.max_seqlen_k) = (300, 200);
+    p
+}
+
+/// The packed batch's queries over a paged KV cache: 4 pages of 128 keys, 3 per sequence (384
+/// keys each), every sequence's used keys given; valid for the sm90 forward but for what each
+/// test breaks.
+fn paged_params() -> flashattn_params_t {
+    let mut p = packed_params();
+    for t in [&mut p.k, &mut p.v] {
+        *t = packed(t.ptr, 128, 4, 64);
+    }
+    p.cu_seqlens_k = std::ptr::null();
+    p.seqused_k = addr(23) as *const i32;
+    p.page_table = addr(22) as *const i32;
+    (p.page_table_batch_stride, p.page_size, p.num_pages) = (3, 128, 4);
+    (p.seqlen_k, p.max_seqlen_k) = (384, 384);
     p
 }
 

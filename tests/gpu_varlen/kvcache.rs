@@ -1,8 +1,9 @@
-//! Dense KV caches on the GPU (`Device::kvcache_forward_into`, the packed kernels with the
-//! cache's entries as sequences): each sequence's O and LSE against the f64 reference of its
-//! queries over its first `cache_seqlens[b]` cached keys, decoding and a chunk of queries, GQA,
-//! causal / window / softcap, both families; an empty sequence gives O = 0 and LSE = +inf, the
-//! cache's rows past each length take no weight, and malformed counts stay inside the buffers.
+//! KV caches on the GPU (`Device::kvcache_forward_into`, the packed kernels with the cache's
+//! entries or pages as sequences' keys): each sequence's O and LSE against the f64 reference of
+//! its queries over its first `cache_seqlens[b]` cached keys, decoding and a chunk of queries,
+//! GQA, causal / window / softcap, dense caches on both families and paged ones on the Hopper
+//! forward; an empty sequence gives O = 0 and LSE = +inf, the cache's rows past each length take
+//! no weight, and malformed counts and page numbers stay inside the buffers.
 
 use cudarc::driver::CudaSlice;
 use flashattn::cuda::{DeviceKvCacheInputs, DeviceTensor, DeviceTensorMut};
@@ -45,6 +46,7 @@ fn run(
                 q: &qt,
                 k_cache: &kt,
                 v_cache: &vt,
+                block_table: None,
                 cache_seqlens: lens_d.as_view(),
                 sinks: None,
             },
@@ -157,4 +159,203 @@ fn sanitizer_kvcache_lengths_out_of_range_stay_in_bounds() {
     );
     assert!(out.iter().all(|x| x.is_finite()), "O");
     assert!(lse.iter().all(|x| !x.is_nan()), "LSE");
+}
+
+/// A paged cache of `num_pages` pages of `page_size` rows: O, the packed LSE and the plan of one
+/// call, poisoned with NaN before.
+#[allow(clippy::too_many_arguments)]
+fn run_paged(
+    cfg: &AttentionConfig,
+    (q, k, v): (&[bf16], &[bf16], &[bf16]),
+    (batch, seqlen_q): (usize, usize),
+    (num_pages, page_size): (usize, usize),
+    (hq, hk, d): (usize, usize, usize),
+    table: &[i32],
+    lens: &[i32],
+) -> flashattn::Result<(Vec<bf16>, Vec<f32>, flashattn::Plan)> {
+    let (dev, stream) = device();
+    let up = |x: &[bf16]| stream.clone_htod(x).unwrap();
+    let (qd, kd, vd) = (up(q), up(k), up(v));
+    let mut out: CudaSlice<bf16> = up(&vec![bf16::NAN; batch * seqlen_q * hq * d]);
+    let mut lse = stream
+        .clone_htod(&vec![f32::NAN; hq * batch * seqlen_q])
+        .unwrap();
+    let lens_d = stream.clone_htod(lens).unwrap();
+    let table_d = stream.clone_htod(table).unwrap();
+    let (qt, kt, vt) = (
+        DeviceTensor::contiguous(&qd, [batch, seqlen_q, hq, d]),
+        DeviceTensor::contiguous(&kd, [num_pages, page_size, hk, d]),
+        DeviceTensor::contiguous(&vd, [num_pages, page_size, hk, d]),
+    );
+    let plan = dev.kvcache_forward_into(
+        &stream,
+        cfg,
+        DeviceKvCacheInputs {
+            q: &qt,
+            k_cache: &kt,
+            v_cache: &vt,
+            block_table: Some(table_d.as_view()),
+            cache_seqlens: lens_d.as_view(),
+            sinks: None,
+        },
+        &mut DeviceTensorMut::contiguous(&mut out, [batch, seqlen_q, hq, d]),
+        &mut lse.as_view_mut(),
+    )?;
+    let got = (
+        stream.clone_dtoh(&out).unwrap(),
+        stream.clone_dtoh(&lse).unwrap(),
+    );
+    stream.synchronize().unwrap();
+    Ok((got.0, got.1, plan))
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn paged_cache_matches_the_reference_per_sequence() {
+    let (hq, hk, num_pages, pages_per_seq) = (8, 2, 12, 3);
+    let mut rng = rand::SeedableRng::seed_from_u64(38);
+    let mut failures = vec![];
+    for (d, page_size, seqlen_q, lens) in [
+        (128, 128, 1, [0, 1, 200, 384]),
+        (64, 128, 4, [129, 4, 384, 255]),
+        (128, 256, 4, [5, 700, 256, 768]),
+    ] {
+        let batch = lens.len();
+        let capacity = pages_per_seq * page_size;
+        let page = page_size * hk * d;
+        let q: Vec<bf16> = random(batch * seqlen_q * hq * d, &mut rng);
+        let mut k: Vec<bf16> = random(num_pages * page, &mut rng);
+        let mut v: Vec<bf16> = random(num_pages * page, &mut rng);
+        // Pages out of order and shared by no two sequences but the last two's first page
+        // (both read it), the rest unused.
+        let table: Vec<i32> = [7, 2, 9, 0, 5, 3, 8, 1, 6, 8, 4, 10]
+            .into_iter()
+            .take(batch * pages_per_seq)
+            .collect();
+        // A key's row in K and V.
+        let at = |b: usize, j: usize| {
+            table[b * pages_per_seq + j / page_size] as usize * page + (j % page_size) * hk * d
+        };
+        // Rows past each sequence's length (in pages no other sequence reads there): attended
+        // to, they would move O far from the reference.
+        for (b, &len) in lens.iter().enumerate().take(2) {
+            for j in len as usize..capacity {
+                for x in [&mut k, &mut v] {
+                    x[at(b, j)..][..hk * d].fill(bf16::from_f32(30.0));
+                }
+            }
+        }
+        for cfg in [
+            AttentionConfig::new(),
+            AttentionConfig::new().causal(true),
+            AttentionConfig::new().window(Some(50), Some(0)),
+            AttentionConfig::new().causal(true).softcap(20.0),
+        ] {
+            let (out, lse, plan) = run_paged(
+                &cfg,
+                (&q, &k, &v),
+                (batch, seqlen_q),
+                (num_pages, page_size),
+                (hq, hk, d),
+                &table,
+                &lens,
+            )
+            .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
+            let total = batch * seqlen_q;
+            for (b, &len) in lens.iter().enumerate() {
+                let len = len as usize;
+                let o = reference::to_f32(&out[b * seqlen_q * hq * d..][..seqlen_q * hq * d]);
+                let l: Vec<f32> = (0..hq)
+                    .flat_map(|h| lse[h * total + b * seqlen_q..][..seqlen_q].to_vec())
+                    .collect();
+                if len == 0 {
+                    if !(o.iter().all(|&x| x == 0.0) && l.iter().all(|&x| x == f32::INFINITY)) {
+                        failures.push(format!("{cfg:?} sequence {b}: no keys"));
+                    }
+                    continue;
+                }
+                let gather = |x: &[bf16]| -> Vec<bf16> {
+                    (0..len)
+                        .flat_map(|j| x[at(b, j)..][..hk * d].to_vec())
+                        .collect()
+                };
+                let (kb, vb) = (gather(&k), gather(&v));
+                let qv = TensorRef::contiguous(
+                    &q[b * seqlen_q * hq * d..][..seqlen_q * hq * d],
+                    [1, seqlen_q, hq, d],
+                );
+                let kv = TensorRef::contiguous(&kb, [1, len, hk, d]);
+                let vv = TensorRef::contiguous(&vb, [1, len, hk, d]);
+                let want = reference::reference_forward(&cfg, qv, kv, vv);
+                let base = reference::baseline_forward(&cfg, qv, kv, vv);
+                for (name, c) in [
+                    ("O", compare(&o, &want.out, &base.out)),
+                    ("LSE", compare(&l, &want.lse, &base.lse)),
+                ] {
+                    if !c.pass {
+                        failures.push(format!(
+                            "{cfg:?} ({}) d{d} pages of {page_size}, sequence {b} \
+                             ({seqlen_q}x{len}): {name} {c}",
+                            plan.explain()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Page numbers and cache lengths out of range: the kernels clamp them (pages into
+/// `0..num_pages`, lengths into the keys a table row addresses) and every access stays inside
+/// the buffers (run under memcheck); page sizes the kernels cannot serve and a table that is
+/// no whole number of rows are typed errors.
+#[test]
+#[ignore = "needs a GPU"]
+fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
+    let (hq, hk, d, num_pages, batch) = (4, 4, 128, 3, 3);
+    let mut rng = rand::SeedableRng::seed_from_u64(39);
+    let q: Vec<bf16> = random(batch * 2 * hq * d, &mut rng);
+    let k: Vec<bf16> = random(num_pages * 128 * hk * d, &mut rng);
+    let cfg = AttentionConfig::new().causal(true);
+    let table = [-7, 1, 2, 99, i32::MAX, 0];
+    let (out, lse, _) = run_paged(
+        &cfg,
+        (&q, &k, &k),
+        (batch, 2),
+        (num_pages, 128),
+        (hq, hk, d),
+        &table,
+        &[-5, 300, i32::MAX],
+    )
+    .unwrap();
+    assert!(out.iter().all(|x| x.is_finite()), "O");
+    assert!(lse.iter().all(|x| !x.is_nan()), "LSE");
+    let small = random(num_pages * 2 * 64 * hk * d, &mut rng);
+    let refused = run_paged(
+        &cfg,
+        (&q, &small, &small),
+        (batch, 2),
+        (num_pages * 2, 64),
+        (hq, hk, d),
+        &table,
+        &[1, 2, 3],
+    );
+    assert!(
+        matches!(refused, Err(flashattn::Error::Unsupported { .. })),
+        "64-row pages"
+    );
+    let refused = run_paged(
+        &cfg,
+        (&q, &k, &k),
+        (batch, 2),
+        (num_pages, 128),
+        (hq, hk, d),
+        &table[..5],
+        &[1, 2, 3],
+    );
+    assert!(
+        matches!(refused, Err(flashattn::Error::InvalidPageTable(_))),
+        "a table of 5 entries for 3 sequences"
+    );
 }
