@@ -161,22 +161,22 @@ fn sanitizer_kvcache_lengths_out_of_range_stay_in_bounds() {
     assert!(lse.iter().all(|x| !x.is_nan()), "LSE");
 }
 
-/// A paged cache of `num_pages` pages of `page_size` rows: O, the packed LSE and the plan of one
-/// call, poisoned with NaN before.
+/// A paged cache of `num_pages` pages of `page_size` rows, V's head dim `dv`: O, the packed LSE
+/// and the plan of one call, poisoned with NaN before.
 #[allow(clippy::too_many_arguments)]
 fn run_paged(
     cfg: &AttentionConfig,
     (q, k, v): (&[bf16], &[bf16], &[bf16]),
     (batch, seqlen_q): (usize, usize),
     (num_pages, page_size): (usize, usize),
-    (hq, hk, d): (usize, usize, usize),
+    (hq, hk, d, dv): (usize, usize, usize, usize),
     table: &[i32],
     lens: &[i32],
 ) -> flashattn::Result<(Vec<bf16>, Vec<f32>, flashattn::Plan)> {
     let (dev, stream) = device();
     let up = |x: &[bf16]| stream.clone_htod(x).unwrap();
     let (qd, kd, vd) = (up(q), up(k), up(v));
-    let mut out: CudaSlice<bf16> = up(&vec![bf16::NAN; batch * seqlen_q * hq * d]);
+    let mut out: CudaSlice<bf16> = up(&vec![bf16::NAN; batch * seqlen_q * hq * dv]);
     let mut lse = stream
         .clone_htod(&vec![f32::NAN; hq * batch * seqlen_q])
         .unwrap();
@@ -185,7 +185,7 @@ fn run_paged(
     let (qt, kt, vt) = (
         DeviceTensor::contiguous(&qd, [batch, seqlen_q, hq, d]),
         DeviceTensor::contiguous(&kd, [num_pages, page_size, hk, d]),
-        DeviceTensor::contiguous(&vd, [num_pages, page_size, hk, d]),
+        DeviceTensor::contiguous(&vd, [num_pages, page_size, hk, dv]),
     );
     let plan = dev.kvcache_forward_into(
         &stream,
@@ -198,7 +198,7 @@ fn run_paged(
             cache_seqlens: lens_d.as_view(),
             sinks: None,
         },
-        &mut DeviceTensorMut::contiguous(&mut out, [batch, seqlen_q, hq, d]),
+        &mut DeviceTensorMut::contiguous(&mut out, [batch, seqlen_q, hq, dv]),
         &mut lse.as_view_mut(),
     )?;
     let got = (
@@ -209,101 +209,126 @@ fn run_paged(
     Ok((got.0, got.1, plan))
 }
 
+/// Pages of 128 and 256 rows (one and two key blocks each) out of order, one page shared by two
+/// sequences, the rows past each length poisoned with large finite keys: each sequence's O and
+/// LSE against the reference over its keys gathered from its pages.
 #[test]
 #[ignore = "needs a GPU"]
 fn paged_cache_matches_the_reference_per_sequence() {
+    let cases = [
+        ((128, 128), 128, 1, [0, 1, 200, 384]),
+        ((64, 64), 128, 4, [129, 4, 384, 255]),
+        ((128, 128), 256, 4, [5, 700, 256, 768]),
+    ];
+    let failures: Vec<String> = cases
+        .into_iter()
+        .flat_map(|(dims, page_size, seqlen_q, lens)| paged_case(dims, page_size, seqlen_q, &lens))
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// DeepSeek's (192, 128) over pages of its tile's 128-key blocks (the Base tile: it has no
+/// Masked one).
+#[test]
+#[ignore = "needs a Hopper GPU"]
+#[cfg(feature = "hdim192")]
+fn paged_cache_at_192_128() {
+    let failures = paged_case((192, 128), 128, 4, &[129, 300, 0, 384]);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// One paged case over every mask: the failures, empty when all pass.
+fn paged_case(
+    (d, dv): (usize, usize),
+    page_size: usize,
+    seqlen_q: usize,
+    lens: &[i32],
+) -> Vec<String> {
     let (hq, hk, num_pages, pages_per_seq) = (8, 2, 12, 3);
-    let mut rng = rand::SeedableRng::seed_from_u64(38);
+    let mut rng = rand::SeedableRng::seed_from_u64(38 + d as u64 + page_size as u64);
     let mut failures = vec![];
-    for (d, page_size, seqlen_q, lens) in [
-        (128, 128, 1, [0, 1, 200, 384]),
-        (64, 128, 4, [129, 4, 384, 255]),
-        (128, 256, 4, [5, 700, 256, 768]),
-    ] {
-        let batch = lens.len();
-        let capacity = pages_per_seq * page_size;
-        let page = page_size * hk * d;
-        let q: Vec<bf16> = random(batch * seqlen_q * hq * d, &mut rng);
-        let mut k: Vec<bf16> = random(num_pages * page, &mut rng);
-        let mut v: Vec<bf16> = random(num_pages * page, &mut rng);
-        // Pages out of order and shared by no two sequences but the last two's first page
-        // (both read it), the rest unused.
-        let table: Vec<i32> = [7, 2, 9, 0, 5, 3, 8, 1, 6, 8, 4, 10]
-            .into_iter()
-            .take(batch * pages_per_seq)
-            .collect();
-        // A key's row in K and V.
-        let at = |b: usize, j: usize| {
-            table[b * pages_per_seq + j / page_size] as usize * page + (j % page_size) * hk * d
-        };
-        // Rows past each sequence's length (in pages no other sequence reads there): attended
-        // to, they would move O far from the reference.
-        for (b, &len) in lens.iter().enumerate().take(2) {
-            for j in len as usize..capacity {
-                for x in [&mut k, &mut v] {
-                    x[at(b, j)..][..hk * d].fill(bf16::from_f32(30.0));
-                }
-            }
+    let batch = lens.len();
+    let capacity = pages_per_seq * page_size;
+    let q: Vec<bf16> = random(batch * seqlen_q * hq * d, &mut rng);
+    let mut k: Vec<bf16> = random(num_pages * page_size * hk * d, &mut rng);
+    let mut v: Vec<bf16> = random(num_pages * page_size * hk * dv, &mut rng);
+    // Pages out of order, the last two sequences sharing their first page (both read it), the
+    // rest unused.
+    let table: Vec<i32> = [7, 2, 9, 0, 5, 3, 8, 1, 6, 8, 4, 10]
+        .into_iter()
+        .take(batch * pages_per_seq)
+        .collect();
+    // Key j of sequence b: its row's first element in K (or V) of `width` elements a row.
+    let at = |b: usize, j: usize, width: usize| {
+        let page = table[b * pages_per_seq + j / page_size] as usize;
+        (page * page_size + j % page_size) * hk * width
+    };
+    // Rows past the first two sequences' lengths (in pages no other sequence reads): attended
+    // to, they would move O far from the reference.
+    for (b, &len) in lens.iter().enumerate().take(2) {
+        for j in len as usize..capacity {
+            k[at(b, j, d)..][..hk * d].fill(bf16::from_f32(30.0));
+            v[at(b, j, dv)..][..hk * dv].fill(bf16::from_f32(30.0));
         }
-        for cfg in [
-            AttentionConfig::new(),
-            AttentionConfig::new().causal(true),
-            AttentionConfig::new().window(Some(50), Some(0)),
-            AttentionConfig::new().causal(true).softcap(20.0),
-        ] {
-            let (out, lse, plan) = run_paged(
-                &cfg,
-                (&q, &k, &v),
-                (batch, seqlen_q),
-                (num_pages, page_size),
-                (hq, hk, d),
-                &table,
-                &lens,
-            )
-            .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
-            let total = batch * seqlen_q;
-            for (b, &len) in lens.iter().enumerate() {
-                let len = len as usize;
-                let o = reference::to_f32(&out[b * seqlen_q * hq * d..][..seqlen_q * hq * d]);
-                let l: Vec<f32> = (0..hq)
-                    .flat_map(|h| lse[h * total + b * seqlen_q..][..seqlen_q].to_vec())
-                    .collect();
-                if len == 0 {
-                    if !(o.iter().all(|&x| x == 0.0) && l.iter().all(|&x| x == f32::INFINITY)) {
-                        failures.push(format!("{cfg:?} sequence {b}: no keys"));
-                    }
-                    continue;
+    }
+    for cfg in [
+        AttentionConfig::new(),
+        AttentionConfig::new().causal(true),
+        AttentionConfig::new().window(Some(50), Some(0)),
+        AttentionConfig::new().causal(true).softcap(20.0),
+    ] {
+        let (out, lse, plan) = run_paged(
+            &cfg,
+            (&q, &k, &v),
+            (batch, seqlen_q),
+            (num_pages, page_size),
+            (hq, hk, d, dv),
+            &table,
+            lens,
+        )
+        .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
+        let total = batch * seqlen_q;
+        for (b, &len) in lens.iter().enumerate() {
+            let len = len as usize;
+            let o = reference::to_f32(&out[b * seqlen_q * hq * dv..][..seqlen_q * hq * dv]);
+            let l: Vec<f32> = (0..hq)
+                .flat_map(|h| lse[h * total + b * seqlen_q..][..seqlen_q].to_vec())
+                .collect();
+            if len == 0 {
+                if !(o.iter().all(|&x| x == 0.0) && l.iter().all(|&x| x == f32::INFINITY)) {
+                    failures.push(format!("{cfg:?} sequence {b}: no keys"));
                 }
-                let gather = |x: &[bf16]| -> Vec<bf16> {
-                    (0..len)
-                        .flat_map(|j| x[at(b, j)..][..hk * d].to_vec())
-                        .collect()
-                };
-                let (kb, vb) = (gather(&k), gather(&v));
-                let qv = TensorRef::contiguous(
-                    &q[b * seqlen_q * hq * d..][..seqlen_q * hq * d],
-                    [1, seqlen_q, hq, d],
-                );
-                let kv = TensorRef::contiguous(&kb, [1, len, hk, d]);
-                let vv = TensorRef::contiguous(&vb, [1, len, hk, d]);
-                let want = reference::reference_forward(&cfg, qv, kv, vv);
-                let base = reference::baseline_forward(&cfg, qv, kv, vv);
-                for (name, c) in [
-                    ("O", compare(&o, &want.out, &base.out)),
-                    ("LSE", compare(&l, &want.lse, &base.lse)),
-                ] {
-                    if !c.pass {
-                        failures.push(format!(
-                            "{cfg:?} ({}) d{d} pages of {page_size}, sequence {b} \
-                             ({seqlen_q}x{len}): {name} {c}",
-                            plan.explain()
-                        ));
-                    }
+                continue;
+            }
+            let gather = |x: &[bf16], width: usize| -> Vec<bf16> {
+                (0..len)
+                    .flat_map(|j| x[at(b, j, width)..][..hk * width].to_vec())
+                    .collect()
+            };
+            let (kb, vb) = (gather(&k, d), gather(&v, dv));
+            let qv = TensorRef::contiguous(
+                &q[b * seqlen_q * hq * d..][..seqlen_q * hq * d],
+                [1, seqlen_q, hq, d],
+            );
+            let kv = TensorRef::contiguous(&kb, [1, len, hk, d]);
+            let vv = TensorRef::contiguous(&vb, [1, len, hk, dv]);
+            let want = reference::reference_forward(&cfg, qv, kv, vv);
+            let base = reference::baseline_forward(&cfg, qv, kv, vv);
+            for (name, c) in [
+                ("O", compare(&o, &want.out, &base.out)),
+                ("LSE", compare(&l, &want.lse, &base.lse)),
+            ] {
+                if !c.pass {
+                    failures.push(format!(
+                        "{cfg:?} ({}) ({d}, {dv}) pages of {page_size}, sequence {b} \
+                         ({seqlen_q}x{len}): {name} {c}",
+                        plan.explain()
+                    ));
                 }
             }
         }
     }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    failures
 }
 
 /// Page numbers and cache lengths out of range: the kernels clamp them (pages into
@@ -318,15 +343,16 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
     let q: Vec<bf16> = random(batch * 2 * hq * d, &mut rng);
     let k: Vec<bf16> = random(num_pages * 128 * hk * d, &mut rng);
     let cfg = AttentionConfig::new().causal(true);
-    let table = [-7, 1, 2, 99, i32::MAX, 0];
+    // Two pages per sequence: every sequence with keys reads a page number out of range.
+    let table = [1, -7, 2, 99, i32::MAX, 0];
     let (out, lse, _) = run_paged(
         &cfg,
         (&q, &k, &k),
         (batch, 2),
         (num_pages, 128),
-        (hq, hk, d),
+        (hq, hk, d, d),
         &table,
-        &[-5, 300, i32::MAX],
+        &[300, 200, i32::MAX],
     )
     .unwrap();
     assert!(out.iter().all(|x| x.is_finite()), "O");
@@ -337,7 +363,7 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
         (&q, &small, &small),
         (batch, 2),
         (num_pages * 2, 64),
-        (hq, hk, d),
+        (hq, hk, d, d),
         &table,
         &[1, 2, 3],
     );
@@ -350,7 +376,7 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
         (&q, &k, &k),
         (batch, 2),
         (num_pages, 128),
-        (hq, hk, d),
+        (hq, hk, d, d),
         &table[..5],
         &[1, 2, 3],
     );
