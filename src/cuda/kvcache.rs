@@ -151,7 +151,7 @@ fn pages<'a>(
                 page_size,
                 num_pages,
             },
-            cfg.clone().sm90_schedule(schedule).backend(Backend::Sm90),
+            cfg.clone().sm90_schedule(schedule),
         )),
         _ => Err(Error::IndexOverflow {
             operand: Operand::K,
@@ -209,9 +209,13 @@ impl Device {
             DeviceTensorMut::new(out.data.slice_mut(..), as_rows(Operand::Out, &out.layout)?);
         let cu_q = uniform_offsets(stream, batch, seqlen_q)?;
         if let Some(table) = block_table {
-            if cfg.backend != Backend::Auto && cfg.backend != Backend::Sm90 {
+            let hopper = (self.info.major, self.info.minor) == (9, 0);
+            if !hopper || !matches!(cfg.backend, Backend::Auto | Backend::Sm90) {
                 return Err(Error::Unsupported {
-                    what: "a paged KV cache on this backend (the Hopper forward takes it)".into(),
+                    what: format!(
+                        "a paged KV cache on {:?} of sm_{}{} (the Hopper forward takes it)",
+                        cfg.backend, self.info.major, self.info.minor
+                    ),
                     backend: cfg.backend,
                 });
             }
