@@ -74,18 +74,6 @@ fn as_rows(operand: Operand, layout: &Layout) -> Result<Layout> {
     ))
 }
 
-/// `batch + 1` offsets of `batch` entries of `n` rows each, on the device.
-fn uniform_offsets(stream: &Arc<CudaStream>, batch: usize, n: usize) -> Result<CudaSlice<i32>> {
-    let cu: Vec<i32> = (0..=batch)
-        .map(|b| i32::try_from(b * n))
-        .collect::<std::result::Result<_, _>>()
-        .map_err(|_| Error::IndexOverflow {
-            operand: Operand::Q,
-            detail: format!("{batch} sequences of {n} rows pass i32 offsets"),
-        })?;
-    stream.clone_htod(&cu).map_err(super::driver_error)
-}
-
 /// A paged cache's pages as the kernels take them, and the call's configuration for them: every
 /// page a whole number of the Hopper forward's key blocks.
 fn pages<'a>(
@@ -162,7 +150,41 @@ fn pages<'a>(
     }
 }
 
+/// Offset arrays the device keeps at most; past it, it lets all go and uploads again as calls come.
+const KEPT_OFFSETS: usize = 64;
+
 impl Device {
+    /// `b · n` for b in `0..=batch`, on the device: uploaded on `stream` the first time and kept
+    /// for the device's later calls (a decoding loop's share one pair), which cudarc orders
+    /// after the upload on whatever stream they run.
+    fn uniform_offsets(
+        &self,
+        stream: &Arc<CudaStream>,
+        batch: usize,
+        n: usize,
+    ) -> Result<Arc<CudaSlice<i32>>> {
+        let mut kept = self
+            .uniform_offsets
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(offsets) = kept.get(&(batch, n)) {
+            return Ok(offsets.clone());
+        }
+        let cu: Vec<i32> = (0..=batch)
+            .map(|b| i32::try_from(b * n))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|_| Error::IndexOverflow {
+                operand: Operand::Q,
+                detail: format!("{batch} sequences of {n} rows pass i32 offsets"),
+            })?;
+        let offsets = Arc::new(stream.clone_htod(&cu).map_err(super::driver_error)?);
+        if kept.len() >= KEPT_OFFSETS {
+            kept.clear();
+        }
+        kept.insert((batch, n), offsets.clone());
+        Ok(offsets)
+    }
+
     /// Forward pass over a dense or paged KV cache into caller-owned device outputs, ordered on
     /// `stream`: O `(batch, seqlen_q, heads_q, head_dim_v)` and `lse` f32
     /// `(heads_q, batch · seqlen_q)` as [`crate::kvcache`] describes (each sequence's queries the
@@ -170,7 +192,7 @@ impl Device {
     /// within them). It runs the packed kernels ([`Device::varlen_forward_into`]) with `batch`
     /// sequences and `cache_seqlens` as their used keys, over the cache's entries or pages; the
     /// offsets of that call (one or two arrays of `batch + 1` i32) are copied to the device on
-    /// `stream` each call. Q, O and a dense cache must hold their entries' rows one after the
+    /// `stream` the first time a shape comes, and kept. Q, O and a dense cache must hold their entries' rows one after the
     /// other (batch stride = rows × row stride), which one-row Q and O (a decode step's) need
     /// not. Paged caches run on the Hopper forward only.
     pub fn kvcache_forward_into<T: Element + DeviceRepr>(
@@ -207,7 +229,7 @@ impl Device {
         let q_rows = DeviceTensor::new(q.data.slice(..), as_rows(Operand::Q, &q.layout)?);
         let mut o_rows =
             DeviceTensorMut::new(out.data.slice_mut(..), as_rows(Operand::Out, &out.layout)?);
-        let cu_q = uniform_offsets(stream, batch, seqlen_q)?;
+        let cu_q = self.uniform_offsets(stream, batch, seqlen_q)?;
         if let Some(table) = block_table {
             let hopper = (self.info.major, self.info.minor) == (9, 0);
             if !hopper || !matches!(cfg.backend, Backend::Auto | Backend::Sm90) {
@@ -251,7 +273,7 @@ impl Device {
             DeviceTensor::new(k_cache.data.slice(..), as_rows(Operand::K, &used(k_cache))?);
         let v_rows =
             DeviceTensor::new(v_cache.data.slice(..), as_rows(Operand::V, &used(v_cache))?);
-        let cu_k = uniform_offsets(stream, batch, seqlen_cache)?;
+        let cu_k = self.uniform_offsets(stream, batch, seqlen_cache)?;
         let seqs = DeviceSeqlens::new(cu_q.as_view(), cu_k.as_view(), seqlen_q, seqlen_cache)?
             .with_seqused_k(cache_seqlens)?;
         let inputs = DeviceForwardInputs {

@@ -10,8 +10,9 @@ pub(crate) mod selftest;
 mod varlen;
 mod views;
 
+use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, DriverError};
@@ -114,7 +115,13 @@ pub fn query_device(ordinal: usize) -> Result<DeviceInfo> {
 pub struct Device {
     ctx: Arc<CudaContext>,
     info: DeviceInfo,
+    /// Offset arrays of equal-length entries that KV-cache calls have uploaded, by (entries,
+    /// rows each), shared by the device's clones (kvcache.rs).
+    uniform_offsets: Arc<Mutex<KeptOffsets>>,
 }
+
+/// Device offset arrays by (entries, rows each).
+type KeptOffsets = HashMap<(usize, usize), Arc<CudaSlice<i32>>>;
 
 impl Device {
     /// Opens device `ordinal` (its primary context, which the kernels' runtime also uses).
@@ -127,7 +134,11 @@ impl Device {
         }
         let ctx = CudaContext::new(ordinal).map_err(driver_error)?;
         let info = query_device(ordinal)?;
-        Ok(Device { ctx, info })
+        Ok(Device {
+            ctx,
+            info,
+            uniform_offsets: Arc::default(),
+        })
     }
 
     pub fn info(&self) -> &DeviceInfo {

@@ -385,3 +385,64 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
         "a table of 5 entries for 3 sequences"
     );
 }
+
+/// The device keeps a shape's offset arrays after its first call: later calls of that shape on
+/// another stream (ordered after the upload by cudarc) and calls of other shapes beside them
+/// give the first call's bits.
+#[test]
+#[ignore = "needs a GPU"]
+fn kept_offsets_serve_later_calls_on_other_streams() {
+    let (dev, first) = device();
+    let (hq, hk, d, entries) = (4, 2, 64, 3);
+    let mut rng = rand::SeedableRng::seed_from_u64(40);
+    let k: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
+    let cfg = AttentionConfig::new().causal(true);
+    let lens = first.clone_htod(&[120i32, 300, 7]).unwrap();
+    let kd = first.clone_htod(&k).unwrap();
+    let kt = DeviceTensor::contiguous(&kd, [entries, SEQLEN_CACHE, hk, d]);
+    let call = |stream: &std::sync::Arc<cudarc::driver::CudaStream>, seqlen_q: usize| {
+        let q: Vec<bf16> = random(
+            entries * seqlen_q * hq * d,
+            &mut rand::SeedableRng::seed_from_u64(41),
+        );
+        let qd = stream.clone_htod(&q).unwrap();
+        let mut out = stream
+            .clone_htod(&vec![bf16::NAN; entries * seqlen_q * hq * d])
+            .unwrap();
+        let mut lse = stream
+            .clone_htod(&vec![f32::NAN; hq * entries * seqlen_q])
+            .unwrap();
+        let qt = DeviceTensor::contiguous(&qd, [entries, seqlen_q, hq, d]);
+        dev.kvcache_forward_into(
+            stream,
+            &cfg,
+            DeviceKvCacheInputs {
+                q: &qt,
+                k_cache: &kt,
+                v_cache: &kt,
+                block_table: None,
+                cache_seqlens: lens.as_view(),
+                sinks: None,
+            },
+            &mut DeviceTensorMut::contiguous(&mut out, [entries, seqlen_q, hq, d]),
+            &mut lse.as_view_mut(),
+        )
+        .unwrap();
+        let got = (
+            stream.clone_dtoh(&out).unwrap(),
+            stream.clone_dtoh(&lse).unwrap(),
+        );
+        stream.synchronize().unwrap();
+        got
+    };
+    let once = call(&first, 1);
+    let chunk = call(&first, 4);
+    let second = dev.new_stream().unwrap();
+    assert_eq!(
+        call(&second, 4),
+        chunk,
+        "a 4-query chunk again, on another stream"
+    );
+    assert_eq!(call(&second, 1), once, "decoding again, on another stream");
+    assert!(once.0.iter().all(|x| x.is_finite()), "O");
+}
