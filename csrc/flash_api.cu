@@ -101,6 +101,8 @@ flashattn_result_t validate_common(const flashattn_params_t* p) {
              p->max_seqlen_k != 0) {
     return kInvalid;
   }
+  if (p->lse_by_sequence != 0 && (p->lse_by_sequence != 1 || p->cu_seqlens_q == nullptr))
+    return kInvalid;
   if (p->page_table == nullptr)
     return p->page_table_batch_stride == 0 && p->page_size == 0 && p->num_pages == 0 ? kOk
                                                                                       : kInvalid;
@@ -157,6 +159,7 @@ View kv_view(const flashattn_params_t& p, const flashattn_tensor_t& t, int elem,
 }
 
 View lse_view(const flashattn_params_t& p) {
+  if (p.lse_by_sequence) return View::packed(p.lse, 4, int64_t(p.batch) * p.heads_q * p.max_seqlen_q, 4);
   return View::packed(p.lse, 4, int64_t(tensor_batch(p)) * p.heads_q * p.seqlen_q, 4);
 }
 
@@ -225,7 +228,8 @@ flashattn_result_t validate_fwd(const flashattn_params_t* p) {
 // The backward's operands; the workspace's size is checked by the launchers, which carve it.
 flashattn_result_t validate_bwd(const flashattn_params_t* p) {
   if (flashattn_result_t r = validate_common(p); r.status != FLASHATTN_OK) return r;
-  if (p->dtype == FLASHATTN_E4M3 || p->page_table != nullptr) return kUnsupported;
+  if (p->dtype == FLASHATTN_E4M3 || p->page_table != nullptr || p->lse_by_sequence)
+    return kUnsupported;
   const int e = elem_bytes(p->dtype);
   // Q-like and K-like views with head dim d: Q, dQ, K, dK take head_dim; V, dV, O, dO V's.
   const auto q_like = [&](const flashattn_tensor_t& t, int d) {

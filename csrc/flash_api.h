@@ -113,7 +113,10 @@ typedef struct {
   // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]),
   // of which it attends to the first seqused_k[b] (null: all). Offsets (batch + 1 each) and
   // seqused_k are int32 on the device; max_seqlen_q / max_seqlen_k (1 .. seqlen_q / seqlen_k)
-  // bound every sequence's lengths and size the grids. lse is then f32 (heads_q, seqlen_q).
+  // bound every sequence's lengths and size the grids. lse is then f32 (heads_q, seqlen_q), or
+  // with lse_by_sequence (the forward's alone: FLASHATTN_UNSUPPORTED in a backward) f32
+  // (batch, heads_q, max_seqlen_q), sequence b's row i of head h at (b·heads_q + h)·max_seqlen_q
+  // + i, as a KV cache's LSE.
   // The offsets are read by the kernels only (no host synchronization), so they are not
   // checked here: the kernels clamp each sequence into the tensors (start into [0, seqlen],
   // end into [start, seqlen], length to max_seqlen, seqused_k into [0, length]), so that
@@ -164,6 +167,8 @@ typedef struct {
   int32_t head_dim_v;
   // The paged KV cache's pages (page_table above); 0 without one.
   int32_t num_pages;
+  // Packed calls: 1 for the LSE by sequence (cu_seqlens above), 0 over the packed rows.
+  int32_t lse_by_sequence;
 } flashattn_params_t;
 
 // Where flashattn_fp8_quantize writes: rows like the source, (batch, seqlen, heads, head_dim)

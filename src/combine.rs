@@ -9,8 +9,8 @@
 //! O that element. Each part's O comes rounded to its type, and that rounding enters the merge
 //! (f32 parts merge to within f32 rounding of a single call); the merge itself runs in f64.
 //! Attention sinks belong to one part only (or to none, added after the merge), since each
-//! part's LSE already counts the sinks it was given. The LSE comes in a dense call's order or a
-//! packed (varlen, KV-cache) call's ([`LseLayout`]); every part's and the result's share it.
+//! part's LSE already counts the sinks it was given. The LSE comes in a dense (or KV-cache) call's
+//! order or a packed (varlen) call's ([`LseLayout`]); every part's and the result's share it.
 //!
 //! ```
 //! use flashattn::combine::{self, LseLayout};
@@ -44,10 +44,10 @@ use crate::tensor::{Element, Layout, TensorMut, TensorRef};
 /// The order of an LSE's values for O `(batch, seqlen_q, heads, head_dim_v)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LseLayout {
-    /// `(batch, heads, seqlen_q)`: a dense call's ([`crate::forward`]).
+    /// `(batch, heads, seqlen_q)`: a dense call's ([`crate::forward`], [`crate::kvcache`]).
     Dense,
-    /// `(heads, batch · seqlen_q)`: a packed call's ([`crate::varlen`], [`crate::kvcache`], whose
-    /// O's rows are the batch's rows one after another).
+    /// `(heads, batch · seqlen_q)`: a packed call's ([`crate::varlen`], whose O's rows are the
+    /// batch's rows one after another).
     Packed,
 }
 

@@ -11,8 +11,8 @@
 //!   `batch × max_pages` page numbers (row-major): key `j` of sequence `b` lies in page
 //!   `block_table[b · max_pages + j / page_size]`, row `j % page_size`.
 //!
-//! O is `(batch, seqlen_q, heads_q, head_dim_v)`; the LSE is f32 `(heads_q, batch · seqlen_q)`,
-//! packed as [`crate::varlen`]'s (the query rows of all sequences along one axis). A sequence
+//! O is `(batch, seqlen_q, heads_q, head_dim_v)`; the LSE is f32 `(batch, heads_q, seqlen_q)`, a
+//! dense call's (and `flash_attn_with_kvcache`'s). A sequence
 //! with no cached key gets O = 0 and LSE = +inf (its head's sink with attention sinks).
 //! [`append`] writes new keys and values after each sequence's cached ones (FlashAttention's
 //! `k`, `v` arguments), for a [`forward`] over `cache_seqlens[b] + seqlen_new` keys; [`step`]
@@ -36,7 +36,7 @@
 //! let paged = KvCache::paged(kv, kv, &table, 2);
 //! let fwd = kvcache::forward(&AttentionConfig::new().causal(true),
 //!                            KvCacheInputs::new(q, paged, &[20, 5]))?;
-//! assert_eq!(fwd.lse.len(), 2 * 2); // (heads_q, batch · seqlen_q)
+//! assert_eq!(fwd.lse.len(), 2 * 2); // (batch, heads_q, seqlen_q)
 //! # Ok::<(), flashattn::Error>(())
 //! ```
 
@@ -365,8 +365,9 @@ fn plan<T: Element>(
 }
 
 /// Forward pass over a KV cache: O `(batch, seqlen_q, heads_q, head_dim_v)` and the LSE
-/// `(heads_q, batch · seqlen_q)`. Each sequence's result is that of [`crate::forward`] on its Q
-/// and its first `cache_seqlens[b]` cached keys.
+/// `(batch, heads_q, seqlen_q)` (as a dense call's and `flash_attn_with_kvcache`'s). Each
+/// sequence's result is that of [`crate::forward`] on its Q and its first `cache_seqlens[b]`
+/// cached keys.
 pub fn forward<T: Element>(
     cfg: &AttentionConfig,
     inputs: KvCacheInputs<'_, T>,
@@ -379,15 +380,17 @@ pub fn forward<T: Element>(
     if lens.iter().all(|&l| l == 0) {
         // No sequence has a key (a packed call has no empty tensors): O = 0, the keyless LSE.
         let mut lse = alloc::<f32>(heads * batch * seqlen_q)?;
-        for (h, row) in lse.chunks_exact_mut(batch * seqlen_q).enumerate() {
-            row.fill(backend::cpu::keyless_lse(inputs.sinks.map(|s| s[h])));
+        for (bh, row) in lse.chunks_exact_mut(seqlen_q).enumerate() {
+            row.fill(backend::cpu::keyless_lse(
+                inputs.sinks.map(|s| s[bh % heads]),
+            ));
         }
         let out = alloc::<T>(Layout::contiguous(shape.o_shape()).numel(Operand::Out)?)?;
         return Ok(ForwardOutput { out, lse, plan });
     }
     // The sequences packed one after another: Q's rows, and each sequence's cached keys
-    // gathered from its entry or pages; then a packed call (crate::varlen), whose O and LSE
-    // are this call's layouts.
+    // gathered from its entry or pages; then a packed call (crate::varlen), whose O is this
+    // call's layout and whose LSE, (heads_q, batch · seqlen_q), goes to this call's by sequence.
     let q_rows: Vec<(usize, usize)> = (0..batch)
         .flat_map(|b| (0..seqlen_q).map(move |i| (b, i)))
         .collect();
@@ -430,7 +433,13 @@ pub fn forward<T: Element>(
             TensorRef::contiguous(&v, [1, keys.len(), heads_kv, d_v]),
         )
     };
-    varlen::forward(cfg, &seqs, packed_inputs)
+    let packed = varlen::forward(cfg, &seqs, packed_inputs)?;
+    let mut lse = alloc::<f32>(packed.lse.len())?;
+    for (bh, row) in lse.chunks_exact_mut(seqlen_q).enumerate() {
+        let (b, h) = (bh / heads, bh % heads);
+        row.copy_from_slice(&packed.lse[(h * batch + b) * seqlen_q..][..seqlen_q]);
+    }
+    Ok(ForwardOutput { lse, ..packed })
 }
 
 /// A cache to append to: [`KvCache`] over mutable tensors.

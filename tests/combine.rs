@@ -236,10 +236,10 @@ fn nan_rows_strided_parts_and_overlapping_outputs() {
     assert!(matches!(e, Error::OverlappingOutput { .. }), "{e:?}");
 }
 
-/// Two KV-cache calls over halves of each sequence's cached keys (the packed LSE order), merged,
+/// Two KV-cache calls over halves of each sequence's cached keys (the dense LSE order), merged,
 /// give the call over all of them.
 #[test]
-fn kv_cache_halves_merge_in_the_packed_order() {
+fn kv_cache_halves_merge_in_the_dense_order() {
     let x = Inputs::<f32>::new(5);
     // The K and V of each entry as a dense cache of SK rows; Q decodes 37 rows per sequence.
     let dense = |k: &[f32], v: &[f32], lens: &[i32]| {
@@ -277,7 +277,7 @@ fn kv_cache_halves_merge_in_the_packed_order() {
                 &second.lse[..],
             ),
         ],
-        LseLayout::Packed,
+        LseLayout::Dense,
     )
     .unwrap();
     let close = |a: &[f32], b: &[f32]| {

@@ -109,10 +109,10 @@ fn check_per_sequence(
     got: &flashattn::ForwardOutput<bf16>,
 ) {
     let sq = fx.seqlen_q;
-    let total = BATCH * sq;
     for b in 0..BATCH {
         let o = &got.out[b * sq * HQ * DV..(b + 1) * sq * HQ * DV];
-        let lse = |h: usize| &got.lse[h * total + b * sq..h * total + (b + 1) * sq];
+        // (batch, heads_q, seqlen_q)
+        let lse = |h: usize| &got.lse[(b * HQ + h) * sq..(b * HQ + h + 1) * sq];
         let len = lens[b] as usize;
         if len == 0 {
             assert!(o.iter().all(|x| x.to_f32() == 0.0), "sequence {b}: O");
@@ -326,7 +326,7 @@ proptest! {
                             k[at..at + heads * d].to_vec()
                         })
                         .collect();
-                    let lse = [f.lse[b], f.lse[2 + b]];
+                    let lse = [f.lse[2 * b], f.lse[2 * b + 1]];
                     if len == 0 {
                         prop_assert!(lse.iter().all(|&l| l == f32::INFINITY));
                         continue;

@@ -38,6 +38,8 @@ pub(crate) struct PackedRows {
     pub total_k: usize,
     /// A paged KV cache's table (then `cu_seqlens_k` is 0).
     pub pages: Option<PagedKeys>,
+    /// The forward's LSE `(batch, heads_q, max_seqlen_q)` by sequence.
+    pub lse_by_sequence: bool,
 }
 
 /// A paged KV cache as the C ABI takes it: the page table's device address, its row stride
@@ -153,6 +155,7 @@ pub(crate) fn base_params(
             page_table_batch_stride: rows.pages.map_or(0, |t| t.pages_per_seq as i64),
             page_size: rows.pages.map_or(0, |t| t.page_size as i32),
             num_pages: rows.pages.map_or(0, |t| t.num_pages as i32),
+            lse_by_sequence: rows.lse_by_sequence as i32,
             ..p
         },
     }

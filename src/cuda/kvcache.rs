@@ -187,7 +187,7 @@ impl Device {
 
     /// Forward pass over a dense or paged KV cache into caller-owned device outputs, ordered on
     /// `stream`: O `(batch, seqlen_q, heads_q, head_dim_v)` and `lse` f32
-    /// `(heads_q, batch · seqlen_q)` as [`crate::kvcache`] describes (each sequence's queries the
+    /// `(batch, heads_q, seqlen_q)` as [`crate::kvcache`] describes (each sequence's queries the
     /// last positions of its first `cache_seqlens[b]` cached keys: masks align bottom-right
     /// within them). It runs the packed kernels ([`Device::varlen_forward_into`]) with `batch`
     /// sequences and `cache_seqlens` as their used keys, over the cache's entries or pages; the
@@ -242,7 +242,8 @@ impl Device {
                 });
             }
             let (pages, cfg) = pages(&k_cache.layout, v_cache.layout.shape[3], table, batch, cfg)?;
-            let seqs = DeviceSeqlens::paged(cu_q.as_view(), seqlen_q, pages, cache_seqlens)?;
+            let seqs = DeviceSeqlens::paged(cu_q.as_view(), seqlen_q, pages, cache_seqlens)?
+                .with_lse_by_sequence();
             let inputs = DeviceForwardInputs {
                 sinks,
                 ..DeviceForwardInputs::new(&q_rows, k_cache, v_cache)
@@ -275,7 +276,8 @@ impl Device {
             DeviceTensor::new(v_cache.data.slice(..), as_rows(Operand::V, &used(v_cache))?);
         let cu_k = self.uniform_offsets(stream, batch, seqlen_cache)?;
         let seqs = DeviceSeqlens::new(cu_q.as_view(), cu_k.as_view(), seqlen_q, seqlen_cache)?
-            .with_seqused_k(cache_seqlens)?;
+            .with_seqused_k(cache_seqlens)?
+            .with_lse_by_sequence();
         let inputs = DeviceForwardInputs {
             sinks,
             ..DeviceForwardInputs::new(&q_rows, &k_rows, &v_rows)

@@ -31,6 +31,9 @@ pub struct DeviceSeqlens<'a> {
     used_k: Option<CudaView<'a, i32>>,
     max_q: usize,
     max_k: usize,
+    /// The forward's LSE by sequence, `(batch, heads_q, max_seqlen_q)` (a KV cache's), instead
+    /// of over the packed rows.
+    lse_by_sequence: bool,
 }
 
 /// Where a packed call's keys lie: rows of K and V named by offsets, or a paged KV cache's pages.
@@ -123,6 +126,7 @@ impl<'a> DeviceSeqlens<'a> {
             used_k: None,
             max_q: max_seqlen_q,
             max_k: max_seqlen_k,
+            lse_by_sequence: false,
         })
     }
 
@@ -147,8 +151,17 @@ impl<'a> DeviceSeqlens<'a> {
             used_k: None,
             max_q: max_seqlen_q,
             max_k,
+            lse_by_sequence: false,
         }
         .with_seqused_k(cache_seqlens)
+    }
+
+    /// The forward's LSE `(batch, heads_q, max_seqlen_q)`, sequence by sequence.
+    pub(crate) fn with_lse_by_sequence(self) -> Self {
+        DeviceSeqlens {
+            lse_by_sequence: true,
+            ..self
+        }
     }
 
     /// The paged cache the keys lie in, if they do.
@@ -159,7 +172,8 @@ impl<'a> DeviceSeqlens<'a> {
         }
     }
 
-    /// [`check_forward`] of a packed call's operands, K and V in pages where the keys lie there.
+    /// [`check_forward`] of a packed call's operands, K and V in pages where the keys lie there,
+    /// the LSE by sequence where it is so.
     pub(super) fn check_forward(
         &self,
         dtype: DType,
@@ -167,10 +181,24 @@ impl<'a> DeviceSeqlens<'a> {
         out: Operand4<'_>,
         lse_len: usize,
     ) -> Result<Problem> {
-        match &self.keys {
-            Keys::Rows(_) => check_forward(dtype, inputs, out, lse_len),
-            Keys::Pages(pages) => pages.check_forward(dtype, inputs, out, lse_len),
+        let rows_lse = if self.lse_by_sequence {
+            usize::MAX
+        } else {
+            lse_len
+        };
+        let rows = match &self.keys {
+            Keys::Rows(_) => check_forward(dtype, inputs, out, rows_lse)?,
+            Keys::Pages(pages) => pages.check_forward(dtype, inputs, out, rows_lse)?,
+        };
+        if self.lse_by_sequence {
+            let by_sequence = Problem {
+                batch: self.batch(),
+                seqlen_q: self.max_q,
+                ..rows
+            };
+            by_sequence.check_lse_len(lse_len)?;
         }
+        Ok(rows)
     }
 
     /// Each sequence attends to the first `seqused_k[b]` of its keys only; `batch` i32 values.
@@ -268,6 +296,7 @@ impl<'a> DeviceSeqlens<'a> {
         let rows = PackedRows {
             cu_seqlens_q: cu_q,
             cu_seqlens_k: if self.pages().is_none() { keys } else { 0 },
+            lse_by_sequence: self.lse_by_sequence,
             seqused_k: used_k,
             pages: self.pages().map(|pages| PagedKeys {
                 table: keys,

@@ -96,7 +96,7 @@ fn bad_strides_and_pointers() {
 #[test]
 fn sizes_and_options_out_of_range() {
     type Edit = fn(&mut flashattn_params_t);
-    let invalid: [(&str, Edit); 31] = [
+    let invalid: [(&str, Edit); 33] = [
         ("zero batch", |p| p.batch = 0),
         ("negative heads", |p| p.heads_q = -4),
         ("heads_q not a multiple of heads_kv", |p| p.heads_kv = 3),
@@ -173,6 +173,13 @@ fn sizes_and_options_out_of_range() {
             *p = paged_params();
             p.num_pages = 0;
         }),
+        ("the LSE by sequence in a dense call", |p| {
+            p.lse_by_sequence = 1
+        }),
+        ("lse_by_sequence 2", |p| {
+            *p = packed_params();
+            p.lse_by_sequence = 2;
+        }),
     ];
     for (what, edit) in invalid {
         let mut p = params();
@@ -211,6 +218,17 @@ fn sizes_and_options_out_of_range() {
     );
     for (name, entry) in BACKWARDS {
         expect(name, entry, &p, UNSUPPORTED, "paged backward");
+    }
+    let mut p = packed_params();
+    p.lse_by_sequence = 1;
+    for (name, entry) in BACKWARDS {
+        expect(
+            name,
+            entry,
+            &p,
+            UNSUPPORTED,
+            "the LSE by sequence in a backward",
+        );
     }
     let mut p = paged_params();
     p.page_table = p.o.ptr as *const i32;

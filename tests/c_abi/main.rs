@@ -92,6 +92,7 @@ fn params() -> flashattn_params_t {
         sm_count: 132,
         sm90_flags: 0,
         num_pages: 0,
+        lse_by_sequence: 0,
     }
 }
 

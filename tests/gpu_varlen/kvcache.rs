@@ -16,7 +16,7 @@ use super::harness::random;
 
 const SEQLEN_CACHE: usize = 300;
 
-/// O, the packed LSE and the plan of one call over `lens`: Q `(batch, seqlen_q, hq, d)`, the
+/// O, the LSE `(batch, heads_q, seqlen_q)` and the plan of one call over `lens`: Q `(batch, seqlen_q, hq, d)`, the
 /// cache of `entries` entries of `SEQLEN_CACHE` rows; O and the LSE poisoned with NaN before.
 fn run(
     cfg: &AttentionConfig,
@@ -97,12 +97,11 @@ fn dense_cache_matches_the_reference_per_sequence() {
                     (hq, hk, d),
                     &lens,
                 );
-                let total = batch * seqlen_q;
                 for (b, &len) in lens.iter().enumerate() {
                     let len = len as usize;
                     let o = reference::to_f32(&out[b * seqlen_q * hq * d..][..seqlen_q * hq * d]);
                     let l: Vec<f32> = (0..hq)
-                        .flat_map(|h| lse[h * total + b * seqlen_q..][..seqlen_q].to_vec())
+                        .flat_map(|h| lse[(b * hq + h) * seqlen_q..][..seqlen_q].to_vec())
                         .collect();
                     if len == 0 {
                         if !(o.iter().all(|&x| x == 0.0) && l.iter().all(|&x| x == f32::INFINITY)) {
@@ -161,7 +160,7 @@ fn sanitizer_kvcache_lengths_out_of_range_stay_in_bounds() {
     assert!(lse.iter().all(|x| !x.is_nan()), "LSE");
 }
 
-/// A paged cache of `num_pages` pages of `page_size` rows, V's head dim `dv`: O, the packed LSE
+/// A paged cache of `num_pages` pages of `page_size` rows, V's head dim `dv`: O, the LSE
 /// and the plan of one call, poisoned with NaN before.
 #[allow(clippy::too_many_arguments)]
 fn run_paged(
@@ -287,12 +286,11 @@ fn paged_case(
             lens,
         )
         .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
-        let total = batch * seqlen_q;
         for (b, &len) in lens.iter().enumerate() {
             let len = len as usize;
             let o = reference::to_f32(&out[b * seqlen_q * hq * dv..][..seqlen_q * hq * dv]);
             let l: Vec<f32> = (0..hq)
-                .flat_map(|h| lse[h * total + b * seqlen_q..][..seqlen_q].to_vec())
+                .flat_map(|h| lse[(b * hq + h) * seqlen_q..][..seqlen_q].to_vec())
                 .collect();
             if len == 0 {
                 if !(o.iter().all(|&x| x == 0.0) && l.iter().all(|&x| x == f32::INFINITY)) {
