@@ -99,7 +99,7 @@ fn bits(x: &[bf16]) -> Vec<u16> {
     x.iter().map(|v| v.to_bits()).collect()
 }
 
-/// Each sequence of `got` (O and the packed LSE) against the dense call on its Q and the first
+/// Each sequence of `got` (O and the LSE by sequence) against the dense call on its Q and the first
 /// `lens[b]` keys of entry `entries[b]`, bit for bit; a sequence without keys: O = 0, LSE = +inf.
 fn check_per_sequence(
     fx: &Fixture,
@@ -187,6 +187,58 @@ fn every_cache_layout_matches_the_dense_call_per_sequence() {
 
 /// One paged case against the f64 reference under DESIGN's rule (the dense CPU call's own
 /// accuracy is tests/cpu_backend's; this shows the gathered keys are the right ones).
+/// With attention sinks each sequence is the dense call with them, bit for bit (the LSE by
+/// sequence carries each head's sink), and a call whose sequences have no key gives every row
+/// its head's sink as its LSE.
+#[test]
+fn sinks_join_each_sequence_as_in_its_dense_call() {
+    let fx = Fixture::new(3, 17);
+    let sinks: Vec<f32> = (0..HQ).map(|h| h as f32 * 0.7 - 1.0).collect();
+    let lens = [0, 40, CAPACITY as i32];
+    let cfg = AttentionConfig::new().causal(true);
+    let got = kvcache::forward(
+        &cfg,
+        KvCacheInputs::new(fx.q(), fx.dense(), &lens).with_sinks(&sinks),
+    )
+    .unwrap();
+    let sq = fx.seqlen_q;
+    for (b, &len) in lens.iter().enumerate() {
+        let lse = &got.lse[b * HQ * sq..(b + 1) * HQ * sq];
+        if len == 0 {
+            let want: Vec<f32> = sinks.iter().flat_map(|&s| vec![s; sq]).collect();
+            assert_eq!(lse, &want[..], "sequence {b}: the sinks alone");
+            continue;
+        }
+        let len = len as usize;
+        let (k, v) = (fx.keys(&fx.k, b, len, D), fx.keys(&fx.v, b, len, DV));
+        let q = &fx.q[b * sq * HQ * D..(b + 1) * sq * HQ * D];
+        let dense = flashattn::forward(
+            &cfg,
+            ForwardInputs {
+                sinks: Some(&sinks),
+                ..ForwardInputs::new(
+                    TensorRef::contiguous(q, [1, sq, HQ, D]),
+                    TensorRef::contiguous(&k, [1, len, HK, D]),
+                    TensorRef::contiguous(&v, [1, len, HK, DV]),
+                )
+            },
+        )
+        .unwrap();
+        let o = &got.out[b * sq * HQ * DV..(b + 1) * sq * HQ * DV];
+        assert_eq!(bits(o), bits(&dense.out), "sequence {b} O");
+        assert_eq!(lse, &dense.lse[..], "sequence {b} LSE");
+    }
+    let none = kvcache::forward(
+        &cfg,
+        KvCacheInputs::new(fx.q(), fx.dense(), &[0, 0, 0]).with_sinks(&sinks),
+    )
+    .unwrap();
+    let want: Vec<f32> = (0..BATCH)
+        .flat_map(|_| sinks.iter().flat_map(|&s| vec![s; sq]))
+        .collect();
+    assert_eq!(none.lse, want, "no keys anywhere");
+}
+
 #[test]
 fn paged_decode_holds_the_reference_rule() {
     let fx = Fixture::new(3, 7);

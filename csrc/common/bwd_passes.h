@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess(__grid_constant__ const Bw
     row = r >= 0 && r < seqlen_q ? int(r) : seqlen_q;
     batch = e.batch;
     q_start = e.q_start;
-    lse_at = e.rows_offset(head, p.heads_q, p.seqlen_q);
+    lse_at = p.seqs.lse_offset(e, head, p.heads_q, p.seqlen_q);
     keys = e.keys(keys);
   }
   const int64_t at_row = int64_t(q_start) + row;  // on the tensors' row axis

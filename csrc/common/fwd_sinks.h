@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kFwdSinksThreads) fwd_add_sinks(
     const int head = int(entry_head % p.heads_q);
     const Sequences::Entry e = p.seqs.at(int(entry_head / p.heads_q));
     if (r >= e.seqlen_q) continue;
-    float* lse_at = p.lse + e.rows_offset(head, p.heads_q, p.seqs.rows_q) + r;
+    float* lse_at = p.lse + p.seqs.lse_offset(e, head, p.heads_q, p.seqs.rows_q) + r;
     const float sink = p.sinks[head];
     const float lse = *lse_at;
     __syncwarp();

@@ -30,12 +30,10 @@ struct Sequences {
     // Key rows the entry owns (its offsets' range, within the grid's maximum): seqlen_k and,
     // past a used-key count (seqused_k), the unused keys, whose dK and dV are zero.
     int keys_owned;
-    int lse_rows;  // Sequences::lse_rows
-    // Offset of (row 0, head `head`) in a (batch, heads, rows) f32 array (the forward's LSE):
-    // dense entry b's rows follow entry b − 1's; packed, head h's rows are the tensors' rows,
-    // or with lse_rows, entry b's of head h are (b, h)'s lse_rows.
+    // Offset of (row 0, head `head`) in a (batch, heads, rows) f32 array (the forward's LSE:
+    // Sequences::lse_offset says which layout a call's takes): dense entry b's rows follow entry
+    // b − 1's; packed, head h's rows are the tensors' rows.
     __host__ __device__ int64_t rows_offset(int head, int heads, int rows_total) const {
-      if (lse_rows > 0) return (int64_t(index) * heads + head) * lse_rows;
       return (int64_t(batch) * heads + head) * rows_total + q_start;
     }
     // The call's key rule (masks, windows) over this entry's lengths.
@@ -54,14 +52,21 @@ struct Sequences {
   // an index outside the buffers. A paged entry owns the keys its row of the page table
   // addresses (rows_k), and the kernel finds their pages.
   __device__ Entry at(int b) const {
-    if (!packed()) return {b, b, 0, 0, rows_q, rows_k, rows_k, 0};
+    if (!packed()) return {b, b, 0, 0, rows_q, rows_k, rows_k};
     auto clamp = [](int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); };
     const int q0 = clamp(cu_q[b], 0, rows_q), q1 = clamp(cu_q[b + 1], q0, rows_q);
     const int k0 = cu_k == nullptr ? 0 : clamp(cu_k[b], 0, rows_k);
     const int k1 = cu_k == nullptr ? rows_k : clamp(cu_k[b + 1], k0, rows_k);
     const int owned = k1 - k0 < max_k ? k1 - k0 : max_k;
     const int len_k = used_k != nullptr ? clamp(used_k[b], 0, owned) : owned;
-    return {b, 0, q0, k0, q1 - q0 < max_q ? q1 - q0 : max_q, len_k, owned, lse_rows};
+    return {b, 0, q0, k0, q1 - q0 < max_q ? q1 - q0 : max_q, len_k, owned};
+  }
+  // Offset of entry e's (row 0, head `head`) in the forward's LSE: rows_offset, or with
+  // lse_rows, (e, head)'s lse_rows of a (batch, heads, lse_rows) array.
+  __host__ __device__ int64_t lse_offset(const Entry& e, int head, int heads,
+                                         int rows_total) const {
+    if (lse_rows > 0) return (int64_t(e.index) * heads + head) * lse_rows;
+    return e.rows_offset(head, heads, rows_total);
   }
   // Entry b's first key row, as at(b) gives it, alone (packed keys in rows: not a paged call's).
   __device__ int k_start(int b) const {

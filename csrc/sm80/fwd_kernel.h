@@ -91,7 +91,7 @@ struct FwdParams {
   const void* k;
   const void* v;
   void* o;
-  float* lse;  // (batch, heads_q, seqlen_q); packed: (heads_q, total_q)
+  float* lse;  // (batch, heads_q, seqlen_q); packed: (heads_q, total_q), or by sequence
   int64_t q_batch_stride, q_row_stride, q_head_stride;
   int64_t k_batch_stride, k_row_stride, k_head_stride;
   int64_t v_batch_stride, v_row_stride, v_head_stride;
@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   softmax.finalize(params.scale_log2, inv_sum, lse);
   scale_rows(rowcol_O, inv_sum);
   if (tid % 4 == 0) {  // the thread holding column 0 of its rows' quads
-    float* lse_head = params.lse + seq.rows_offset(head, params.heads_q, params.seqs.rows_q);
+    float* lse_head = params.lse + params.seqs.lse_offset(seq, head, params.heads_q, params.seqs.rows_q);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int row = row_begin + get<0>(rowcol_cO(r, 0));

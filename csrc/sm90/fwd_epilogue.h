@@ -76,7 +76,8 @@ struct FwdEpilogue {
     }
     // LSE: the thread holding column 0 of a row's quad writes it.
     if (get<1>(rowcol_cO(0, 0)) == 0) {
-      float* lse_rows = params.lse + t.seq.rows_offset(t.head, params.heads_q, params.seqlen_q);
+      float* lse_rows =
+          params.lse + params.seqs.lse_offset(t.seq, t.head, params.heads_q, params.seqlen_q);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int row = row0 + get<0>(rowcol_cO(r, 0));

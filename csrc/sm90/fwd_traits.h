@@ -145,7 +145,7 @@ struct FwdParams {
   typename Traits::TmaV tma_v;
   void* o;  // Element, or for FP8 bf16 (o_bf16) or fp16
   int64_t o_batch_stride, o_row_stride, o_head_stride;
-  float* lse;  // (batch, heads_q, seqlen_q); packed: (heads_q, seqlen_q)
+  float* lse;  // (batch, heads_q, seqlen_q); packed: (heads_q, seqlen_q), or by sequence
   // `batch < 0` is the FP8 softmax's run-time false (ScaledOnlineSoftmax::step): never let the
   // compiler know batch is positive.
   int batch;  // entries (packed: sequences)

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, DeviceSlice};
 
 use super::varlen::DevicePages;
 use super::{Device, DeviceForwardInputs, DeviceSeqlens, DeviceTensor, DeviceTensorMut};
@@ -150,39 +150,51 @@ fn pages<'a>(
     }
 }
 
-/// Offset arrays the device keeps at most; past it, it lets all go and uploads again as calls come.
-const KEPT_OFFSETS: usize = 64;
-
 impl Device {
-    /// `b · n` for b in `0..=batch`, on the device: uploaded on `stream` the first time and kept
-    /// for the device's later calls (a decoding loop's share one pair), which cudarc orders
-    /// after the upload on whatever stream they run.
+    /// `b · n` for b in `0..=batch` on the device, as the first `batch + 1` values of an array
+    /// the device keeps for every `n` it has seen (of at least twice the last batch when a
+    /// larger one comes; the smaller arrays stay, since work queued earlier, or a captured
+    /// graph, may still read them): a decoding loop's calls upload nothing. The first upload
+    /// of an `n` is ordered on `stream`, and cudarc orders later calls on any stream after it.
     fn uniform_offsets(
         &self,
         stream: &Arc<CudaStream>,
         batch: usize,
         n: usize,
     ) -> Result<Arc<CudaSlice<i32>>> {
-        let mut kept = self
-            .uniform_offsets
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(offsets) = kept.get(&(batch, n)) {
-            return Ok(offsets.clone());
+        let lock = || {
+            self.uniform_offsets
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+        };
+        let fits =
+            |arrays: &Vec<Arc<CudaSlice<i32>>>| arrays.last().filter(|a| a.len() > batch).cloned();
+        if let Some(offsets) = lock().get(&n).and_then(fits) {
+            return Ok(offsets);
         }
-        let cu: Vec<i32> = (0..=batch)
+        // Uploaded without the lock: a copy waits for its stream, which other threads' calls
+        // need not.
+        // Room to grow, within i32 offsets.
+        let grown = lock()
+            .get(&n)
+            .and_then(|a| a.last())
+            .map_or(0, |a| 2 * a.len());
+        let count = batch.max(grown.min(i32::MAX as usize / n.max(1)));
+        let cu: Vec<i32> = (0..=count)
             .map(|b| i32::try_from(b * n))
             .collect::<std::result::Result<_, _>>()
             .map_err(|_| Error::IndexOverflow {
                 operand: Operand::Q,
                 detail: format!("{batch} sequences of {n} rows pass i32 offsets"),
             })?;
-        let offsets = Arc::new(stream.clone_htod(&cu).map_err(super::driver_error)?);
-        if kept.len() >= KEPT_OFFSETS {
-            kept.clear();
+        let uploaded = Arc::new(stream.clone_htod(&cu).map_err(super::driver_error)?);
+        let mut kept = lock();
+        let arrays = kept.entry(n).or_default();
+        if let Some(offsets) = fits(arrays) {
+            return Ok(offsets); // another thread's came first
         }
-        kept.insert((batch, n), offsets.clone());
-        Ok(offsets)
+        arrays.push(uploaded.clone());
+        Ok(uploaded)
     }
 
     /// Forward pass over a dense or paged KV cache into caller-owned device outputs, ordered on
@@ -191,10 +203,11 @@ impl Device {
     /// last positions of its first `cache_seqlens[b]` cached keys: masks align bottom-right
     /// within them). It runs the packed kernels ([`Device::varlen_forward_into`]) with `batch`
     /// sequences and `cache_seqlens` as their used keys, over the cache's entries or pages; the
-    /// offsets of that call (one or two arrays of `batch + 1` i32) are copied to the device on
-    /// `stream` the first time a shape comes, and kept. Q, O and a dense cache must hold their entries' rows one after the
-    /// other (batch stride = rows × row stride), which one-row Q and O (a decode step's) need
-    /// not. Paged caches run on the Hopper forward only.
+    /// offsets of that call (arrays of `b · n`) are copied to the device on `stream` the first
+    /// time a length `n` (or a larger batch) comes, and kept: capture a call into a CUDA graph
+    /// only after a call of its shape has run outside the capture. Q, O and a dense cache must
+    /// hold their entries' rows one after the other (batch stride = rows × row stride), which
+    /// one-row Q and O (a decode step's) need not. Paged caches run on the Hopper forward only.
     pub fn kvcache_forward_into<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
@@ -211,6 +224,8 @@ impl Device {
             cache_seqlens,
             sinks,
         } = inputs;
+        // Before anything is uploaded on it.
+        self.check_same_context(stream, [(Operand::Q, q.data.stream().context())])?;
         let [batch, seqlen_q, _, _] = q.layout.shape;
         if cache_seqlens.len() != batch {
             return Err(Error::InvalidSeqlens(format!(
@@ -229,7 +244,8 @@ impl Device {
         let q_rows = DeviceTensor::new(q.data.slice(..), as_rows(Operand::Q, &q.layout)?);
         let mut o_rows =
             DeviceTensorMut::new(out.data.slice_mut(..), as_rows(Operand::Out, &out.layout)?);
-        let cu_q = self.uniform_offsets(stream, batch, seqlen_q)?;
+        let q_offsets = self.uniform_offsets(stream, batch, seqlen_q)?;
+        let cu_q = q_offsets.slice(..=batch);
         if let Some(table) = block_table {
             let hopper = (self.info.major, self.info.minor) == (9, 0);
             if !hopper || !matches!(cfg.backend, Backend::Auto | Backend::Sm90) {
@@ -242,8 +258,8 @@ impl Device {
                 });
             }
             let (pages, cfg) = pages(&k_cache.layout, v_cache.layout.shape[3], table, batch, cfg)?;
-            let seqs = DeviceSeqlens::paged(cu_q.as_view(), seqlen_q, pages, cache_seqlens)?
-                .with_lse_by_sequence();
+            let seqs =
+                DeviceSeqlens::paged(cu_q, seqlen_q, pages, cache_seqlens)?.with_lse_by_sequence();
             let inputs = DeviceForwardInputs {
                 sinks,
                 ..DeviceForwardInputs::new(&q_rows, k_cache, v_cache)
@@ -274,8 +290,9 @@ impl Device {
             DeviceTensor::new(k_cache.data.slice(..), as_rows(Operand::K, &used(k_cache))?);
         let v_rows =
             DeviceTensor::new(v_cache.data.slice(..), as_rows(Operand::V, &used(v_cache))?);
-        let cu_k = self.uniform_offsets(stream, batch, seqlen_cache)?;
-        let seqs = DeviceSeqlens::new(cu_q.as_view(), cu_k.as_view(), seqlen_q, seqlen_cache)?
+        let k_offsets = self.uniform_offsets(stream, batch, seqlen_cache)?;
+        let cu_k = k_offsets.slice(..=batch);
+        let seqs = DeviceSeqlens::new(cu_q, cu_k, seqlen_q, seqlen_cache)?
             .with_seqused_k(cache_seqlens)?
             .with_lse_by_sequence();
         let inputs = DeviceForwardInputs {

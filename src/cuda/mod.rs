@@ -115,13 +115,13 @@ pub fn query_device(ordinal: usize) -> Result<DeviceInfo> {
 pub struct Device {
     ctx: Arc<CudaContext>,
     info: DeviceInfo,
-    /// Offset arrays of equal-length entries that KV-cache calls have uploaded, by (entries,
-    /// rows each), shared by the device's clones (kvcache.rs).
+    /// Offset arrays of equal-length entries that KV-cache calls have uploaded, by rows each,
+    /// shared by the device's clones (kvcache.rs).
     uniform_offsets: Arc<Mutex<KeptOffsets>>,
 }
 
-/// Device offset arrays by (entries, rows each).
-type KeptOffsets = HashMap<(usize, usize), Arc<CudaSlice<i32>>>;
+/// Device offset arrays by rows each, the longest last.
+type KeptOffsets = HashMap<usize, Vec<Arc<CudaSlice<i32>>>>;
 
 impl Device {
     /// Opens device `ordinal` (its primary context, which the kernels' runtime also uses).

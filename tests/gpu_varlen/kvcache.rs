@@ -384,9 +384,60 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
     );
 }
 
-/// The device keeps a shape's offset arrays after its first call: later calls of that shape on
-/// another stream (ordered after the upload by cudarc) and calls of other shapes beside them
-/// give the first call's bits.
+/// One call over a dense cache of `entries` entries (K and V alike) with `batch` sequences of
+/// `seqlen_q` queries from `seed`, on `stream`, optionally with sinks: O and the LSE.
+#[allow(clippy::too_many_arguments)]
+fn dense_call(
+    dev: &flashattn::cuda::Device,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    kt: &DeviceTensor<'_, bf16>,
+    lens: &[i32],
+    (seqlen_q, hq, d): (usize, usize, usize),
+    seed: u64,
+    sinks: Option<&[f32]>,
+) -> (Vec<bf16>, Vec<f32>) {
+    let batch = lens.len();
+    let q: Vec<bf16> = random(
+        batch * seqlen_q * hq * d,
+        &mut rand::SeedableRng::seed_from_u64(seed),
+    );
+    let qd = stream.clone_htod(&q).unwrap();
+    let lens_d = stream.clone_htod(lens).unwrap();
+    let sinks_d = sinks.map(|s| stream.clone_htod(s).unwrap());
+    let sinks_v = sinks_d.as_ref().map(|s| s.as_view());
+    let mut out = stream
+        .clone_htod(&vec![bf16::NAN; batch * seqlen_q * hq * d])
+        .unwrap();
+    let mut lse = stream
+        .clone_htod(&vec![f32::NAN; hq * batch * seqlen_q])
+        .unwrap();
+    let qt = DeviceTensor::contiguous(&qd, [batch, seqlen_q, hq, d]);
+    dev.kvcache_forward_into(
+        stream,
+        &AttentionConfig::new().causal(true),
+        DeviceKvCacheInputs {
+            q: &qt,
+            k_cache: kt,
+            v_cache: kt,
+            block_table: None,
+            cache_seqlens: lens_d.as_view(),
+            sinks: sinks_v.as_ref(),
+        },
+        &mut DeviceTensorMut::contiguous(&mut out, [batch, seqlen_q, hq, d]),
+        &mut lse.as_view_mut(),
+    )
+    .unwrap();
+    let got = (
+        stream.clone_dtoh(&out).unwrap(),
+        stream.clone_dtoh(&lse).unwrap(),
+    );
+    stream.synchronize().unwrap();
+    got
+}
+
+/// The device keeps its offset arrays after a shape's first call: later calls on another stream
+/// (ordered after the upload by cudarc), calls of a smaller batch (a prefix of the array) and of
+/// a larger one (a longer array beside it) give the bits of the same sequences' first call.
 #[test]
 #[ignore = "needs a GPU"]
 fn kept_offsets_serve_later_calls_on_other_streams() {
@@ -394,53 +445,71 @@ fn kept_offsets_serve_later_calls_on_other_streams() {
     let (hq, hk, d, entries) = (4, 2, 64, 3);
     let mut rng = rand::SeedableRng::seed_from_u64(40);
     let k: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
-    let cfg = AttentionConfig::new().causal(true);
-    let lens = first.clone_htod(&[120i32, 300, 7]).unwrap();
     let kd = first.clone_htod(&k).unwrap();
     let kt = DeviceTensor::contiguous(&kd, [entries, SEQLEN_CACHE, hk, d]);
-    let call = |stream: &std::sync::Arc<cudarc::driver::CudaStream>, seqlen_q: usize| {
-        let q: Vec<bf16> = random(
-            entries * seqlen_q * hq * d,
-            &mut rand::SeedableRng::seed_from_u64(41),
-        );
-        let qd = stream.clone_htod(&q).unwrap();
-        let mut out = stream
-            .clone_htod(&vec![bf16::NAN; entries * seqlen_q * hq * d])
-            .unwrap();
-        let mut lse = stream
-            .clone_htod(&vec![f32::NAN; hq * entries * seqlen_q])
-            .unwrap();
-        let qt = DeviceTensor::contiguous(&qd, [entries, seqlen_q, hq, d]);
-        dev.kvcache_forward_into(
-            stream,
-            &cfg,
-            DeviceKvCacheInputs {
-                q: &qt,
-                k_cache: &kt,
-                v_cache: &kt,
-                block_table: None,
-                cache_seqlens: lens.as_view(),
-                sinks: None,
-            },
-            &mut DeviceTensorMut::contiguous(&mut out, [entries, seqlen_q, hq, d]),
-            &mut lse.as_view_mut(),
-        )
-        .unwrap();
-        let got = (
-            stream.clone_dtoh(&out).unwrap(),
-            stream.clone_dtoh(&lse).unwrap(),
-        );
-        stream.synchronize().unwrap();
-        got
+    let lens = [120, 300, 7];
+    let call = |stream, lens: &[i32], seqlen_q| {
+        dense_call(&dev, stream, &kt, lens, (seqlen_q, hq, d), 41, None)
     };
-    let once = call(&first, 1);
-    let chunk = call(&first, 4);
+    let once = call(&first, &lens[..2], 1);
+    let chunk = call(&first, &lens[..2], 4);
     let second = dev.new_stream().unwrap();
     assert_eq!(
-        call(&second, 4),
+        call(&second, &lens[..2], 4),
         chunk,
         "a 4-query chunk again, on another stream"
     );
-    assert_eq!(call(&second, 1), once, "decoding again, on another stream");
+    assert_eq!(
+        call(&second, &lens[..2], 1),
+        once,
+        "decoding again, on another stream"
+    );
+    // Three sequences (a longer array) then one (a prefix); the queries of the first sequences
+    // are the same draws.
+    let three = call(&second, &lens, 1);
+    assert_eq!(
+        three.0[..2 * hq * d],
+        once.0[..],
+        "the first two of three, O"
+    );
+    let one = call(&first, &lens[..1], 1);
+    assert_eq!(one.0[..], once.0[..hq * d], "the first alone, O");
+    assert_eq!(one.1[..], once.1[..hq], "the first alone, LSE");
     assert!(once.0.iter().all(|x| x.is_finite()), "O");
+}
+
+/// Sinks over the LSE by sequence: each row's LSE with sinks is log(e^sink + e^LSE) of the call
+/// without, and a sequence without keys gets its head's sink.
+#[test]
+#[ignore = "needs a GPU"]
+fn sinks_rescale_each_sequence_by_its_heads() {
+    let (dev, stream) = device();
+    let (hq, hk, d, entries, seqlen_q) = (4, 2, 64, 3, 2);
+    let mut rng = rand::SeedableRng::seed_from_u64(42);
+    let k: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
+    let kd = stream.clone_htod(&k).unwrap();
+    let kt = DeviceTensor::contiguous(&kd, [entries, SEQLEN_CACHE, hk, d]);
+    let sinks: Vec<f32> = (0..hq).map(|h| h as f32 - 1.5).collect();
+    let lens = [0, 120, 300];
+    let dims = (seqlen_q, hq, d);
+    let (_, plain) = dense_call(&dev, &stream, &kt, &lens, dims, 43, None);
+    let (_, with) = dense_call(&dev, &stream, &kt, &lens, dims, 43, Some(&sinks));
+    for (b, &len) in lens.iter().enumerate() {
+        for (h, &sink) in sinks.iter().enumerate() {
+            for i in 0..seqlen_q {
+                let at = (b * hq + h) * seqlen_q + i;
+                let want = if len == 0 {
+                    sink
+                } else {
+                    let (s, l) = (sink as f64, plain[at] as f64);
+                    (s.max(l) + (-(s - l).abs()).exp().ln_1p()) as f32
+                };
+                assert!(
+                    (with[at] - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "sequence {b} head {h} row {i}: {} vs {want}",
+                    with[at]
+                );
+            }
+        }
+    }
 }
