@@ -16,8 +16,70 @@ use super::harness::random;
 
 const SEQLEN_CACHE: usize = 300;
 
-/// O, the LSE `(batch, heads_q, seqlen_q)` and the plan of one call over `lens`: Q `(batch, seqlen_q, hq, d)`, the
-/// cache of `entries` entries of `SEQLEN_CACHE` rows; O and the LSE poisoned with NaN before.
+/// One KV-cache call's host inputs: Q `(batch, seqlen_q, hq, d)`; K and V of shape `cache`
+/// (entries or pages first, V's head dim `dv`), paged where a block table is given; the cached key
+/// counts; the sinks.
+struct Call<'a> {
+    cfg: AttentionConfig,
+    q: &'a [bf16],
+    q_shape: [usize; 4],
+    kv: (&'a [bf16], &'a [bf16]),
+    cache: [usize; 4],
+    dv: usize,
+    table: Option<&'a [i32]>,
+    lens: &'a [i32],
+    sinks: Option<&'a [f32]>,
+}
+
+/// `c` on `stream`: O, the LSE `(batch, heads_q, seqlen_q)` and the plan, both outputs poisoned
+/// with NaN before.
+fn launch(
+    dev: &flashattn::cuda::Device,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    c: &Call<'_>,
+) -> flashattn::Result<(Vec<bf16>, Vec<f32>, flashattn::Plan)> {
+    let [batch, seqlen_q, hq, _] = c.q_shape;
+    let up = |x: &[bf16]| stream.clone_htod(x).unwrap();
+    let (qd, kd, vd) = (up(c.q), up(c.kv.0), up(c.kv.1));
+    let o_shape = [batch, seqlen_q, hq, c.dv];
+    let mut out: CudaSlice<bf16> = up(&vec![bf16::NAN; o_shape.iter().product()]);
+    let mut lse = stream
+        .clone_htod(&vec![f32::NAN; hq * batch * seqlen_q])
+        .unwrap();
+    let lens = stream.clone_htod(c.lens).unwrap();
+    let table = c.table.map(|t| stream.clone_htod(t).unwrap());
+    let sinks = c.sinks.map(|s| stream.clone_htod(s).unwrap());
+    let sinks_view = sinks.as_ref().map(|s| s.as_view());
+    let [entries, rows, hk, _] = c.cache;
+    let (qt, kt, vt) = (
+        DeviceTensor::contiguous(&qd, c.q_shape),
+        DeviceTensor::contiguous(&kd, c.cache),
+        DeviceTensor::contiguous(&vd, [entries, rows, hk, c.dv]),
+    );
+    let plan = dev.kvcache_forward_into(
+        stream,
+        &c.cfg,
+        DeviceKvCacheInputs {
+            q: &qt,
+            k_cache: &kt,
+            v_cache: &vt,
+            block_table: table.as_ref().map(|t| t.as_view()),
+            cache_seqlens: lens.as_view(),
+            sinks: sinks_view.as_ref(),
+        },
+        &mut DeviceTensorMut::contiguous(&mut out, o_shape),
+        &mut lse.as_view_mut(),
+    )?;
+    let got = (
+        stream.clone_dtoh(&out).unwrap(),
+        stream.clone_dtoh(&lse).unwrap(),
+    );
+    stream.synchronize().unwrap();
+    Ok((got.0, got.1, plan))
+}
+
+/// A dense cache of `entries` entries of `SEQLEN_CACHE` rows (V's head dim Q's) on a fresh
+/// device and stream.
 fn run(
     cfg: &AttentionConfig,
     (q, k, v): (&[bf16], &[bf16], &[bf16]),
@@ -26,40 +88,18 @@ fn run(
     lens: &[i32],
 ) -> (Vec<bf16>, Vec<f32>, flashattn::Plan) {
     let (dev, stream) = device();
-    let up = |x: &[bf16]| stream.clone_htod(x).unwrap();
-    let (qd, kd, vd) = (up(q), up(k), up(v));
-    let mut out: CudaSlice<bf16> = up(&vec![bf16::NAN; batch * seqlen_q * hq * d]);
-    let mut lse = stream
-        .clone_htod(&vec![f32::NAN; hq * batch * seqlen_q])
-        .unwrap();
-    let lens_d = stream.clone_htod(lens).unwrap();
-    let (qt, kt, vt) = (
-        DeviceTensor::contiguous(&qd, [batch, seqlen_q, hq, d]),
-        DeviceTensor::contiguous(&kd, [entries, SEQLEN_CACHE, hk, d]),
-        DeviceTensor::contiguous(&vd, [entries, SEQLEN_CACHE, hk, d]),
-    );
-    let plan = dev
-        .kvcache_forward_into(
-            &stream,
-            cfg,
-            DeviceKvCacheInputs {
-                q: &qt,
-                k_cache: &kt,
-                v_cache: &vt,
-                block_table: None,
-                cache_seqlens: lens_d.as_view(),
-                sinks: None,
-            },
-            &mut DeviceTensorMut::contiguous(&mut out, [batch, seqlen_q, hq, d]),
-            &mut lse.as_view_mut(),
-        )
-        .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
-    let got = (
-        stream.clone_dtoh(&out).unwrap(),
-        stream.clone_dtoh(&lse).unwrap(),
-    );
-    stream.synchronize().unwrap();
-    (got.0, got.1, plan)
+    let call = Call {
+        cfg: cfg.clone(),
+        q,
+        q_shape: [batch, seqlen_q, hq, d],
+        kv: (k, v),
+        cache: [entries, SEQLEN_CACHE, hk, d],
+        dv: d,
+        table: None,
+        lens,
+        sinks: None,
+    };
+    launch(&dev, &stream, &call).unwrap_or_else(|e| panic!("{cfg:?}: {e}"))
 }
 
 #[test]
@@ -160,8 +200,8 @@ fn sanitizer_kvcache_lengths_out_of_range_stay_in_bounds() {
     assert!(lse.iter().all(|x| !x.is_nan()), "LSE");
 }
 
-/// A paged cache of `num_pages` pages of `page_size` rows, V's head dim `dv`: O, the LSE
-/// and the plan of one call, poisoned with NaN before.
+/// A paged cache of `num_pages` pages of `page_size` rows, V's head dim `dv`, on a fresh device
+/// and stream.
 #[allow(clippy::too_many_arguments)]
 fn run_paged(
     cfg: &AttentionConfig,
@@ -173,39 +213,18 @@ fn run_paged(
     lens: &[i32],
 ) -> flashattn::Result<(Vec<bf16>, Vec<f32>, flashattn::Plan)> {
     let (dev, stream) = device();
-    let up = |x: &[bf16]| stream.clone_htod(x).unwrap();
-    let (qd, kd, vd) = (up(q), up(k), up(v));
-    let mut out: CudaSlice<bf16> = up(&vec![bf16::NAN; batch * seqlen_q * hq * dv]);
-    let mut lse = stream
-        .clone_htod(&vec![f32::NAN; hq * batch * seqlen_q])
-        .unwrap();
-    let lens_d = stream.clone_htod(lens).unwrap();
-    let table_d = stream.clone_htod(table).unwrap();
-    let (qt, kt, vt) = (
-        DeviceTensor::contiguous(&qd, [batch, seqlen_q, hq, d]),
-        DeviceTensor::contiguous(&kd, [num_pages, page_size, hk, d]),
-        DeviceTensor::contiguous(&vd, [num_pages, page_size, hk, dv]),
-    );
-    let plan = dev.kvcache_forward_into(
-        &stream,
-        cfg,
-        DeviceKvCacheInputs {
-            q: &qt,
-            k_cache: &kt,
-            v_cache: &vt,
-            block_table: Some(table_d.as_view()),
-            cache_seqlens: lens_d.as_view(),
-            sinks: None,
-        },
-        &mut DeviceTensorMut::contiguous(&mut out, [batch, seqlen_q, hq, dv]),
-        &mut lse.as_view_mut(),
-    )?;
-    let got = (
-        stream.clone_dtoh(&out).unwrap(),
-        stream.clone_dtoh(&lse).unwrap(),
-    );
-    stream.synchronize().unwrap();
-    Ok((got.0, got.1, plan))
+    let call = Call {
+        cfg: cfg.clone(),
+        q,
+        q_shape: [batch, seqlen_q, hq, d],
+        kv: (k, v),
+        cache: [num_pages, page_size, hk, d],
+        dv,
+        table: Some(table),
+        lens,
+        sinks: None,
+    };
+    launch(&dev, &stream, &call)
 }
 
 /// Pages of 128 and 256 rows (one and two key blocks each) out of order, one page shared by two
@@ -384,13 +403,13 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
     );
 }
 
-/// One call over a dense cache of `entries` entries (K and V alike) with `batch` sequences of
-/// `seqlen_q` queries from `seed`, on `stream`, optionally with sinks: O and the LSE.
-#[allow(clippy::too_many_arguments)]
+/// A causal call over a dense cache of `SEQLEN_CACHE` rows (K and V alike, `k`) with
+/// `lens.len()` sequences of `seqlen_q` queries drawn from `seed`, on `stream`, optionally with
+/// sinks: O and the LSE.
 fn dense_call(
     dev: &flashattn::cuda::Device,
     stream: &std::sync::Arc<cudarc::driver::CudaStream>,
-    kt: &DeviceTensor<'_, bf16>,
+    (k, hk): (&[bf16], usize),
     lens: &[i32],
     (seqlen_q, hq, d): (usize, usize, usize),
     seed: u64,
@@ -401,38 +420,19 @@ fn dense_call(
         batch * seqlen_q * hq * d,
         &mut rand::SeedableRng::seed_from_u64(seed),
     );
-    let qd = stream.clone_htod(&q).unwrap();
-    let lens_d = stream.clone_htod(lens).unwrap();
-    let sinks_d = sinks.map(|s| stream.clone_htod(s).unwrap());
-    let sinks_v = sinks_d.as_ref().map(|s| s.as_view());
-    let mut out = stream
-        .clone_htod(&vec![bf16::NAN; batch * seqlen_q * hq * d])
-        .unwrap();
-    let mut lse = stream
-        .clone_htod(&vec![f32::NAN; hq * batch * seqlen_q])
-        .unwrap();
-    let qt = DeviceTensor::contiguous(&qd, [batch, seqlen_q, hq, d]);
-    dev.kvcache_forward_into(
-        stream,
-        &AttentionConfig::new().causal(true),
-        DeviceKvCacheInputs {
-            q: &qt,
-            k_cache: kt,
-            v_cache: kt,
-            block_table: None,
-            cache_seqlens: lens_d.as_view(),
-            sinks: sinks_v.as_ref(),
-        },
-        &mut DeviceTensorMut::contiguous(&mut out, [batch, seqlen_q, hq, d]),
-        &mut lse.as_view_mut(),
-    )
-    .unwrap();
-    let got = (
-        stream.clone_dtoh(&out).unwrap(),
-        stream.clone_dtoh(&lse).unwrap(),
-    );
-    stream.synchronize().unwrap();
-    got
+    let call = Call {
+        cfg: AttentionConfig::new().causal(true),
+        q: &q,
+        q_shape: [batch, seqlen_q, hq, d],
+        kv: (k, k),
+        cache: [k.len() / (SEQLEN_CACHE * hk * d), SEQLEN_CACHE, hk, d],
+        dv: d,
+        table: None,
+        lens,
+        sinks,
+    };
+    let (out, lse, _) = launch(dev, stream, &call).unwrap();
+    (out, lse)
 }
 
 /// The device keeps its offset arrays after a shape's first call: later calls on another stream
@@ -445,11 +445,9 @@ fn kept_offsets_serve_later_calls_on_other_streams() {
     let (hq, hk, d, entries) = (4, 2, 64, 3);
     let mut rng = rand::SeedableRng::seed_from_u64(40);
     let k: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
-    let kd = first.clone_htod(&k).unwrap();
-    let kt = DeviceTensor::contiguous(&kd, [entries, SEQLEN_CACHE, hk, d]);
     let lens = [120, 300, 7];
     let call = |stream, lens: &[i32], seqlen_q| {
-        dense_call(&dev, stream, &kt, lens, (seqlen_q, hq, d), 41, None)
+        dense_call(&dev, stream, (&k, hk), lens, (seqlen_q, hq, d), 41, None)
     };
     let once = call(&first, &lens[..2], 1);
     let chunk = call(&first, &lens[..2], 4);
@@ -487,13 +485,11 @@ fn sinks_rescale_each_sequence_by_its_heads() {
     let (hq, hk, d, entries, seqlen_q) = (4, 2, 64, 3, 2);
     let mut rng = rand::SeedableRng::seed_from_u64(42);
     let k: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
-    let kd = stream.clone_htod(&k).unwrap();
-    let kt = DeviceTensor::contiguous(&kd, [entries, SEQLEN_CACHE, hk, d]);
     let sinks: Vec<f32> = (0..hq).map(|h| h as f32 - 1.5).collect();
     let lens = [0, 120, 300];
     let dims = (seqlen_q, hq, d);
-    let (_, plain) = dense_call(&dev, &stream, &kt, &lens, dims, 43, None);
-    let (_, with) = dense_call(&dev, &stream, &kt, &lens, dims, 43, Some(&sinks));
+    let (_, plain) = dense_call(&dev, &stream, (&k, hk), &lens, dims, 43, None);
+    let (_, with) = dense_call(&dev, &stream, (&k, hk), &lens, dims, 43, Some(&sinks));
     for (b, &len) in lens.iter().enumerate() {
         for (h, &sink) in sinks.iter().enumerate() {
             for i in 0..seqlen_q {
