@@ -17,7 +17,7 @@ export FLASHATTN_SM80_ARCH=90
 } 2>/dev/null | python3 scripts/device/executables.py | while read -r name path; do
   # Only what run.sh runs there: the CPU-only tests run in CI, the criterion bench by hand
   # (every binary carries all the kernels, and the carry is limited to 64 MiB).
-  case "$name" in attention | cpu_backend | fp8 | flashattn | validation | c_abi | varlen | kvcache) continue ;; esac
+  case "$name" in attention | cpu_backend | fp8 | flashattn | validation | c_abi | varlen | kvcache | combine | ring) continue ;; esac
   case "$path" in
     */deps/*) kind=test ;;
     *) kind=example ;;
