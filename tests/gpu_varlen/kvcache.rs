@@ -102,6 +102,53 @@ fn run(
     launch(&dev, &stream, &call).unwrap_or_else(|e| panic!("{cfg:?}: {e}"))
 }
 
+/// A call's O `(batch, seqlen_q, hq, dv)` and LSE `(batch, hq, seqlen_q)`.
+struct Outputs<'a> {
+    out: &'a [bf16],
+    lse: &'a [f32],
+}
+
+/// Sequence `b` of `got` against the f64 reference of its queries (of `q`, the call's) over its
+/// keys and values gathered in `kv` (as many rows as it has keys), under DESIGN's rule; without
+/// keys, O = 0 and LSE = +inf. The failures, each led by `what`.
+fn check_sequence(
+    cfg: &AttentionConfig,
+    what: &str,
+    got: Outputs<'_>,
+    b: usize,
+    (seqlen_q, hq, hk, d, dv): (usize, usize, usize, usize, usize),
+    q: &[bf16],
+    (kb, vb): (&[bf16], &[bf16]),
+) -> Vec<String> {
+    let len = kb.len() / (hk * d);
+    let o = reference::to_f32(&got.out[b * seqlen_q * hq * dv..][..seqlen_q * hq * dv]);
+    let l = &got.lse[b * hq * seqlen_q..][..hq * seqlen_q];
+    if len == 0 {
+        let empty = o.iter().all(|&x| x == 0.0) && l.iter().all(|&x| x == f32::INFINITY);
+        return if empty {
+            vec![]
+        } else {
+            vec![format!("{what}: no keys")]
+        };
+    }
+    let qv = TensorRef::contiguous(
+        &q[b * seqlen_q * hq * d..][..seqlen_q * hq * d],
+        [1, seqlen_q, hq, d],
+    );
+    let kv = TensorRef::contiguous(kb, [1, len, hk, d]);
+    let vv = TensorRef::contiguous(vb, [1, len, hk, dv]);
+    let want = reference::reference_forward(cfg, qv, kv, vv);
+    let base = reference::baseline_forward(cfg, qv, kv, vv);
+    [
+        ("O", compare(&o, &want.out, &base.out)),
+        ("LSE", compare(l, &want.lse, &base.lse)),
+    ]
+    .into_iter()
+    .filter(|(_, c)| !c.pass)
+    .map(|(name, c)| format!("{what} ({seqlen_q}x{len}): {name} {c}"))
+    .collect()
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn dense_cache_matches_the_reference_per_sequence() {
@@ -139,39 +186,20 @@ fn dense_cache_matches_the_reference_per_sequence() {
                 );
                 for (b, &len) in lens.iter().enumerate() {
                     let len = len as usize;
-                    let o = reference::to_f32(&out[b * seqlen_q * hq * d..][..seqlen_q * hq * d]);
-                    let l: Vec<f32> = (0..hq)
-                        .flat_map(|h| lse[(b * hq + h) * seqlen_q..][..seqlen_q].to_vec())
-                        .collect();
-                    if len == 0 {
-                        if !(o.iter().all(|&x| x == 0.0) && l.iter().all(|&x| x == f32::INFINITY)) {
-                            failures.push(format!("{cfg:?} sequence {b}: no keys"));
-                        }
-                        continue;
-                    }
-                    let qv = TensorRef::contiguous(
-                        &q[b * seqlen_q * hq * d..][..seqlen_q * hq * d],
-                        [1, seqlen_q, hq, d],
-                    );
-                    let (kb, vb) = (
-                        &k[b * entry..][..len * hk * d],
-                        &v[b * entry..][..len * hk * d],
-                    );
-                    let kv = TensorRef::contiguous(kb, [1, len, hk, d]);
-                    let vv = TensorRef::contiguous(vb, [1, len, hk, d]);
-                    let want = reference::reference_forward(&cfg, qv, kv, vv);
-                    let base = reference::baseline_forward(&cfg, qv, kv, vv);
-                    for (name, c) in [
-                        ("O", compare(&o, &want.out, &base.out)),
-                        ("LSE", compare(&l, &want.lse, &base.lse)),
-                    ] {
-                        if !c.pass {
-                            failures.push(format!(
-                                "{cfg:?} ({}) sequence {b} ({seqlen_q}x{len}): {name} {c}",
-                                plan.explain()
-                            ));
-                        }
-                    }
+                    let keys = |x: &[bf16]| x[b * entry..][..len * hk * d].to_vec();
+                    let what = format!("{cfg:?} ({}) sequence {b}", plan.explain());
+                    failures.extend(check_sequence(
+                        &cfg,
+                        &what,
+                        Outputs {
+                            out: &out,
+                            lse: &lse,
+                        },
+                        b,
+                        (seqlen_q, hq, hk, d, d),
+                        &q,
+                        (&keys(&k), &keys(&v)),
+                    ));
                 }
             }
         }
@@ -306,43 +334,27 @@ fn paged_case(
         )
         .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
         for (b, &len) in lens.iter().enumerate() {
-            let len = len as usize;
-            let o = reference::to_f32(&out[b * seqlen_q * hq * dv..][..seqlen_q * hq * dv]);
-            let l: Vec<f32> = (0..hq)
-                .flat_map(|h| lse[(b * hq + h) * seqlen_q..][..seqlen_q].to_vec())
-                .collect();
-            if len == 0 {
-                if !(o.iter().all(|&x| x == 0.0) && l.iter().all(|&x| x == f32::INFINITY)) {
-                    failures.push(format!("{cfg:?} sequence {b}: no keys"));
-                }
-                continue;
-            }
             let gather = |x: &[bf16], width: usize| -> Vec<bf16> {
-                (0..len)
+                (0..len as usize)
                     .flat_map(|j| x[at(b, j, width)..][..hk * width].to_vec())
                     .collect()
             };
-            let (kb, vb) = (gather(&k, d), gather(&v, dv));
-            let qv = TensorRef::contiguous(
-                &q[b * seqlen_q * hq * d..][..seqlen_q * hq * d],
-                [1, seqlen_q, hq, d],
+            let what = format!(
+                "{cfg:?} ({}) ({d}, {dv}) pages of {page_size}, sequence {b}",
+                plan.explain()
             );
-            let kv = TensorRef::contiguous(&kb, [1, len, hk, d]);
-            let vv = TensorRef::contiguous(&vb, [1, len, hk, dv]);
-            let want = reference::reference_forward(&cfg, qv, kv, vv);
-            let base = reference::baseline_forward(&cfg, qv, kv, vv);
-            for (name, c) in [
-                ("O", compare(&o, &want.out, &base.out)),
-                ("LSE", compare(&l, &want.lse, &base.lse)),
-            ] {
-                if !c.pass {
-                    failures.push(format!(
-                        "{cfg:?} ({}) ({d}, {dv}) pages of {page_size}, sequence {b} \
-                         ({seqlen_q}x{len}): {name} {c}",
-                        plan.explain()
-                    ));
-                }
-            }
+            failures.extend(check_sequence(
+                &cfg,
+                &what,
+                Outputs {
+                    out: &out,
+                    lse: &lse,
+                },
+                b,
+                (seqlen_q, hq, hk, d, dv),
+                &q,
+                (&gather(&k, d), &gather(&v, dv)),
+            ));
         }
     }
     failures
