@@ -6,10 +6,12 @@ Writes the results JSON of docs/ARCHITECTURE.md and prints a compact table.
 
     python3 benchmarks/compare_torch.py --out $OUT/peers.json --commit $(git rev-parse --short HEAD)
     python3 benchmarks/compare_torch.py --quick
+    python3 benchmarks/compare_torch.py --dims 128 --sustained 400   # cold and sustained rows
     python3 benchmarks/compare_torch.py --seqlens 2048,8192 --dims 128 --causal yes
     python3 benchmarks/compare_torch.py --dry-run        # list the shapes; needs no torch, no GPU
 
-Needs python >= 3.9, torch with CUDA; stdlib + torch only. torch is imported after the
+Needs python >= 3.9, torch with CUDA; stdlib + torch only (pynvml or nvidia-smi for the
+sustained rows' clocks). torch is imported after the
 arguments are parsed, so --help and --dry-run work anywhere.
 
 Method (docs/ARCHITECTURE.md):
@@ -32,6 +34,10 @@ Method (docs/ARCHITECTURE.md):
     pre/post-processing the backend launches (dO.O row sums, dQ accumulator conversion,
     layout copies), and no forward. autograd.grad (not .backward()) returns fresh gradients,
     so no gradient-accumulation kernel into .grad is timed.
+  * sustained (--sustained N): after a backend's cold timing of a shape, N back-to-back calls of
+    its forward and of its backward (after --sustained-warmup), the mean per call over the last
+    half between two CUDA events, with the SM clock and power sampled meanwhile (rows with
+    sustained: true, reps, kind; peers_sustained.py, as peers_fa3_fp8.py and our benches).
   * a backend that fails on a shape gets a row with an "error" string (forward failure: no
     numbers; backward-only failure: forward numbers kept, error starts with "bwd:").
 """
@@ -45,6 +51,7 @@ from datetime import datetime, timezone
 # The helpers beside this script (here and in the device bundle).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_torch_bench import BACKENDS, Bench, FatalCuda, attn_flops_fwd  # noqa: E402
+from peers_sustained import GpuSampler  # noqa: E402
 from peers_common import (  # noqa: E402
     add_output_args,
     add_run_args,
@@ -99,9 +106,16 @@ def parse_args(argv=None):
     p.add_argument("--gemm-size", type=int, default=8192, help="M = N = K of the ceiling GEMMs")
     p.add_argument("--copy-mib", type=int, default=1024, help="bytes copied by the copy ceiling, MiB")
     add_timing_args(p, warmup=3, min_reps=30, target_ms=250.0)
+    p.add_argument("--sustained", type=int, default=0, metavar="N",
+                   help="also run N back-to-back calls per shape, backend and kind after its cold "
+                        "timing, reporting the mean of the last half with SM clock and power (0: off)")
+    p.add_argument("--sustained-warmup", type=int, default=20, help="untimed calls before a sustained run")
+    p.add_argument("--sample-ms", type=int, default=100, help="clock/power sampling period")
     add_run_args(p, 230.0, "stop starting new attention shapes after this many seconds (wall "
                            "clock); skipped shapes are listed under 'skipped' in the JSON")
     args = p.parse_args(argv)
+    if args.sustained < 0 or (args.sustained and args.sustained < 4):
+        p.error("--sustained needs N >= 4 (0: off)")
     if args.quick:
         args.seqlens = args.seqlens or QUICK_SEQLENS
         args.dims = args.dims or QUICK_DIMS
@@ -163,6 +177,9 @@ def print_table(doc, file=None):
             continue
         sf, sb = spread_pct(r, "fwd_"), spread_pct(r, "bwd_")
         note = r.get("error", "")[:60]
+        if r.get("sustained"):
+            note = (f"sustained x{r['reps']}, SM {r.get('sm_clock_mhz_median', '-')} MHz, "
+                    f"{r.get('power_w_median', '-')} W " + note)
         if "max_abs_diff_vs_flash" in r:
             note = (note + " " if note else "") + f"|Δ flash| {r['max_abs_diff_vs_flash']:.3g}"
         p(f"{r['d']:>4} {r['seqlen_q']:>6} {r['batch']:>3} {r['heads']:>3} "
@@ -228,7 +245,13 @@ def main(argv=None):
     }
     print(f"compare_torch: {doc['device']}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"cuDNN {cudnn}; {len(todo)} shapes x {args.backends}; writing {args.out}", flush=True)
-    bench = Bench(torch, args)
+    sampler = GpuSampler(args.device, args.sample_ms)
+    if args.sustained:
+        sampler.start()
+        if sampler.source is None:
+            print("note: neither pynvml nor nvidia-smi: the sustained rows carry no clocks",
+                  file=sys.stderr)
+    bench = Bench(torch, args, sampler)
     if bench.sleep is None:
         print("note: torch.cuda._sleep is missing; small shapes may include launch gaps",
               file=sys.stderr)
@@ -269,6 +292,8 @@ def main(argv=None):
     except KeyboardInterrupt:
         doc["fatal"] = "interrupted"
         rc = 130
+    finally:
+        sampler.stop()
     doc["elapsed_s"] = round(time.time() - t_start, 1)
     write_json(args.out, doc)
     print_table(doc)

@@ -5,6 +5,7 @@ import time
 import warnings
 
 from peers_common import head_ms, short_error, summarize
+from peers_sustained import sustained_run
 
 BACKENDS = {"flash": "torch-flash", "cudnn": "torch-cudnn"}
 
@@ -16,9 +17,10 @@ def attn_flops_fwd(batch, heads, sq, sk, d, causal, dv=None):
 
 
 class Bench:
-    def __init__(self, torch, args):
+    def __init__(self, torch, args, sampler=None):
         self.torch = torch
         self.args = args
+        self.sampler = sampler  # with args.sustained: the clocks of the sustained rows
         self.dev = torch.device("cuda", args.device)
         props = torch.cuda.get_device_properties(self.dev)
         self.l2_bytes = int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
@@ -130,6 +132,29 @@ class Bench:
 
     # ------------------------------------------------------------------ attention
 
+    def sustained_row(self, cold, kind, call, flops):
+        """`cold`'s shape fields, then `kind`'s sustained time (`args.sustained` back-to-back
+        calls of `call`, the mean of the last half) and the clocks meanwhile, as
+        peers_fa3_fp8.py's sustained rows."""
+        torch, a = self.torch, self.args
+        keep = ("impl", "backend", "dtype", "d", "d_v", "seqlen_q", "seqlen_k", "batch", "heads",
+                "heads_kv", "causal")
+        row = {f: cold[f] for f in keep if f in cold}
+        row.update(sustained=True, reps=a.sustained, kind=kind,
+                   timing="CUDA events over the last half")
+        try:
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            first, ms, clk = sustained_run(call, lambda _o: torch.cuda.synchronize(), a.sustained,
+                                           a.sustained_warmup, self.sampler, ev)
+            row[kind + "_ms"] = round(ms, 5)
+            row[kind + "_ms_first_half"] = round(first, 5)
+            row[kind + "_tflops"] = round(flops / (ms * 1e-3) / 1e12, 2)
+            row.update(clk)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = short_error(e)
+            self.check_context()
+        return row
+
     def attention_shape(self, shp, backends):
         """All requested backends on one shape; returns their rows."""
         torch = self.torch
@@ -156,6 +181,7 @@ class Bench:
 
         rows, ref_out = [], None
         for name in backends:
+            sustained = []  # this backend's sustained rows, after its cold row
             row = dict(impl=BACKENDS[name], backend=label[name], dtype="bf16", d=d,
                        seqlen_q=s, seqlen_k=s, batch=b, heads=h, heads_kv=h, causal=causal,
                        n_input_sets=n_sets)
@@ -169,6 +195,9 @@ class Bench:
                     t = self.measure(fwd, n_sets)
                     row.update(summarize(t, "fwd_"))
                     row["fwd_tflops"] = round(fwd_flops / (row["fwd_ms"] * 1e-3) / 1e12, 2)
+                    if self.args.sustained:
+                        sustained.append(
+                            self.sustained_row(row, "fwd", lambda: fwd(0), fwd_flops))
                     if not bool(torch.isfinite(out0).all()):
                         row["nonfinite_out"] = True
                     out_ref = out0.detach()
@@ -201,11 +230,15 @@ class Bench:
                         t = self.measure(bwd, n_sets)
                         row.update(summarize(t, "bwd_"))
                         row["bwd_tflops"] = round(2.5 * fwd_flops / (row["bwd_ms"] * 1e-3) / 1e12, 2)
+                        if self.args.sustained:
+                            sustained.append(self.sustained_row(row, "bwd", lambda: bwd(0),
+                                                                2.5 * fwd_flops))
                     except Exception as e:  # noqa: BLE001
                         row["error"] = "bwd: " + short_error(e, caught)
                         self.check_context()
                     del graphs
             rows.append(row)
+            rows.extend(sustained)
         del sets, ref_out
         return rows
 
