@@ -150,7 +150,7 @@ def shapes(args):
 
 def spread_pct(row, prefix):
     med = row.get(prefix + "ms")
-    if not med:
+    if not med or prefix + "ms_p90" not in row:  # a sustained row has one mean
         return None
     return 100.0 * (row[prefix + "ms_p90"] - row[prefix + "ms_p10"]) / med
 
@@ -246,11 +246,6 @@ def main(argv=None):
     print(f"compare_torch: {doc['device']}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"cuDNN {cudnn}; {len(todo)} shapes x {args.backends}; writing {args.out}", flush=True)
     sampler = GpuSampler(args.device, args.sample_ms)
-    if args.sustained:
-        sampler.start()
-        if sampler.source is None:
-            print("note: neither pynvml nor nvidia-smi: the sustained rows carry no clocks",
-                  file=sys.stderr)
     bench = Bench(torch, args, sampler)
     if bench.sleep is None:
         print("note: torch.cuda._sleep is missing; small shapes may include launch gaps",
@@ -258,6 +253,11 @@ def main(argv=None):
 
     rc = 0
     try:
+        if args.sustained:
+            sampler.start()
+            if sampler.source is None:
+                print("note: neither pynvml nor nvidia-smi: the sustained rows carry no clocks",
+                      file=sys.stderr)
         if not args.no_ceilings:
             for fn in (bench.gemm_bf16, lambda: bench.gemm_fp8(True), lambda: bench.gemm_fp8(False),
                        bench.copy):

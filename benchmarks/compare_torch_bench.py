@@ -181,7 +181,7 @@ class Bench:
 
         rows, ref_out = [], None
         for name in backends:
-            sustained = []  # this backend's sustained rows, after its cold row
+            later = []  # what runs sustained after the cold timings: (kind, call, flops)
             row = dict(impl=BACKENDS[name], backend=label[name], dtype="bf16", d=d,
                        seqlen_q=s, seqlen_k=s, batch=b, heads=h, heads_kv=h, causal=causal,
                        n_input_sets=n_sets)
@@ -195,9 +195,7 @@ class Bench:
                     t = self.measure(fwd, n_sets)
                     row.update(summarize(t, "fwd_"))
                     row["fwd_tflops"] = round(fwd_flops / (row["fwd_ms"] * 1e-3) / 1e12, 2)
-                    if self.args.sustained:
-                        sustained.append(
-                            self.sustained_row(row, "fwd", lambda: fwd(0), fwd_flops))
+                    later.append(("fwd", lambda: fwd(0), fwd_flops))
                     if not bool(torch.isfinite(out0).all()):
                         row["nonfinite_out"] = True
                     out_ref = out0.detach()
@@ -230,12 +228,15 @@ class Bench:
                         t = self.measure(bwd, n_sets)
                         row.update(summarize(t, "bwd_"))
                         row["bwd_tflops"] = round(2.5 * fwd_flops / (row["bwd_ms"] * 1e-3) / 1e12, 2)
-                        if self.args.sustained:
-                            sustained.append(self.sustained_row(row, "bwd", lambda: bwd(0),
-                                                                2.5 * fwd_flops))
+                        later.append(("bwd", lambda: bwd(0), 2.5 * fwd_flops))
                     except Exception as e:  # noqa: BLE001
                         row["error"] = "bwd: " + short_error(e, caught)
                         self.check_context()
+                # The sustained runs after this backend's cold timings, so that their heat
+                # changes none of them (as bench_table runs ours).
+                sustained = [self.sustained_row(row, kind, call, flops)
+                             for kind, call, flops in later if self.args.sustained]
+                if not self.args.no_bwd:
                     del graphs
             rows.append(row)
             rows.extend(sustained)

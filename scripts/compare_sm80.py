@@ -13,10 +13,11 @@ args = ap.parse_args()
 
 peers = {}
 for r in json.load(open(args.peers))["rows"]:
-    if r.get("impl") == "torch-flash" and "fwd_tflops" in r:
+    if r.get("impl") == "torch-flash" and "fwd_tflops" in r and not r.get("sustained"):
         peers[(r["d"], r["seqlen_q"], r["causal"])] = (r["fwd_tflops"], r.get("bwd_tflops"))
 runs = [(path.split("/")[-1].removesuffix(".json")[-14:], {(r["d"], r["seqlen_q"], r["causal"]): r
-         for r in json.load(open(path))["rows"] if r.get("backend") == "sm80"})
+         for r in json.load(open(path))["rows"]
+         if r.get("backend") == "sm80" and not r.get("sustained")})
         for path in args.runs]
 print(f"{'shape':16s} {'torch f/b':>11s} " + " ".join(f"{n:>23s}" for n, _ in runs))
 geo = [[1.0, 1.0, 0] for _ in runs]

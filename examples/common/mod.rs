@@ -226,7 +226,7 @@ impl Protocol {
         ways: usize,
         mut call: impl FnMut(usize),
     ) -> Timed {
-        for _ in 0..self.warmup {
+        for _ in 0..self.warmup.max(1) {
             (0..ways).for_each(&mut call);
         }
         // The peers' first estimate of their enqueue time per call.
