@@ -116,7 +116,7 @@ typedef struct {
   // bound every sequence's lengths and size the grids. lse is then f32 (heads_q, seqlen_q), or
   // with lse_by_sequence (the forward's alone: FLASHATTN_UNSUPPORTED in a backward) f32
   // (batch, heads_q, max_seqlen_q), sequence b's row i of head h at (b·heads_q + h)·max_seqlen_q
-  // + i, as a KV cache's LSE.
+  // + i, as a KV cache's LSE (rows past a sequence's length are not written).
   // The offsets are read by the kernels only (no host synchronization), so they are not
   // checked here: the kernels clamp each sequence into the tensors (start into [0, seqlen],
   // end into [start, seqlen], length to max_seqlen, seqused_k into [0, length]), so that
