@@ -48,23 +48,27 @@ use crate::tensor::{self, Element, Layout, Problem, TensorMut, TensorRef};
 use crate::varlen::{self, Seqlens};
 use crate::{alloc, ForwardInputs, ForwardOutput};
 
-/// Where the cached keys and values lie (see the module's documentation).
+/// Where the cached keys and values lie (see the module's documentation), over tensors `X`:
+/// read-only ([`KvCache`]) or writable ([`KvCacheMut`], to append to).
 #[derive(Clone, Copy, Debug)]
-pub enum KvCache<'a, T> {
+pub enum Cache<'a, X> {
     /// K `(batch_cache, seqlen_cache, heads_kv, head_dim)`, V with its own head dim.
-    Dense {
-        k: TensorRef<'a, T>,
-        v: TensorRef<'a, T>,
-    },
+    Dense { k: X, v: X },
     /// K `(num_pages, page_size, heads_kv, head_dim)`, V alike; `block_table` holds
     /// `batch × max_pages` page numbers, row-major.
     Paged {
-        k: TensorRef<'a, T>,
-        v: TensorRef<'a, T>,
+        k: X,
+        v: X,
         block_table: &'a [i32],
         max_pages: usize,
     },
 }
+
+/// A cache to attend to.
+pub type KvCache<'a, T> = Cache<'a, TensorRef<'a, T>>;
+
+/// A cache to append to.
+pub type KvCacheMut<'a, T> = Cache<'a, TensorMut<'a, T>>;
 
 impl<'a, T> KvCache<'a, T> {
     /// A dense cache.
@@ -440,23 +444,6 @@ pub fn forward<T: Element>(
         row.copy_from_slice(&packed.lse[(h * batch + b) * seqlen_q..][..seqlen_q]);
     }
     Ok(ForwardOutput { lse, ..packed })
-}
-
-/// A cache to append to: [`KvCache`] over mutable tensors.
-#[derive(Debug)]
-pub enum KvCacheMut<'a, T> {
-    /// K `(batch_cache, seqlen_cache, heads_kv, head_dim)`, V with its own head dim.
-    Dense {
-        k: TensorMut<'a, T>,
-        v: TensorMut<'a, T>,
-    },
-    /// K `(num_pages, page_size, heads_kv, head_dim)`, V alike, and the block table.
-    Paged {
-        k: TensorMut<'a, T>,
-        v: TensorMut<'a, T>,
-        block_table: &'a [i32],
-        max_pages: usize,
-    },
 }
 
 impl<'a, T> KvCacheMut<'a, T> {
