@@ -126,6 +126,28 @@ fn chunk<'a, T>(t: &TensorRef<'a, T>, chunks: usize, c: usize) -> TensorRef<'a, 
     )
 }
 
+/// The key chunks query chunk `qc` of `rank` meets as the shards go around the ring (its own
+/// first): each chunk's rank, its index there and the pair's mask; the chunks it sees nothing
+/// of are left out.
+fn ring_pairs(
+    cfg: &AttentionConfig,
+    sharding: Sharding,
+    ranks: usize,
+    rank: usize,
+    qc: usize,
+) -> Vec<(usize, usize, AttentionConfig)> {
+    (0..ranks)
+        .map(|step| (rank + ranks - step) % ranks)
+        .flat_map(|src| {
+            let ids = sharding.chunk_ids(ranks, src);
+            ids.into_iter()
+                .enumerate()
+                .map(move |(cj, kc)| (src, cj, kc))
+        })
+        .filter_map(|(src, cj, kc)| pair_mask(cfg, qc, kc).map(|mask| (src, cj, mask)))
+        .collect()
+}
+
 /// What a query chunk sees of a key chunk: nothing, all of it, or its causal part (the same
 /// chunk).
 fn pair_mask(cfg: &AttentionConfig, q_chunk: usize, k_chunk: usize) -> Option<AttentionConfig> {
@@ -229,20 +251,14 @@ pub fn forward<T: Element>(
             let q = chunk(&own.q, per, ci);
             // One part per key chunk this query chunk sees, the shards taken around the ring.
             let mut parts = vec![];
-            for step in 0..ranks {
-                let src = (rank + ranks - step) % ranks;
-                for (cj, &kc) in sharding.chunk_ids(ranks, src).iter().enumerate() {
-                    let Some(mask) = pair_mask(cfg, qc, kc) else {
-                        continue;
-                    };
-                    let (k, v) = (
-                        chunk(&inputs[src].k, per, cj),
-                        chunk(&inputs[src].v, per, cj),
-                    );
-                    let part = crate::forward(&mask, ForwardInputs::new(q, k, v))?;
-                    plan.get_or_insert(part.plan.clone());
-                    parts.push(part);
-                }
+            for (src, cj, mask) in ring_pairs(cfg, sharding, ranks, rank, qc) {
+                let (k, v) = (
+                    chunk(&inputs[src].k, per, cj),
+                    chunk(&inputs[src].v, per, cj),
+                );
+                let part = crate::forward(&mask, ForwardInputs::new(q, k, v))?;
+                plan.get_or_insert(part.plan.clone());
+                parts.push(part);
             }
             let len = rows / per;
             let views: Vec<_> = parts
@@ -350,32 +366,26 @@ pub fn backward<T: Element>(
             for bh in 0..batch * heads {
                 lse[bh * len..][..len].copy_from_slice(&own.lse[bh * rows + ci * len..][..len]);
             }
-            for step in 0..ranks {
-                let src = (rank + ranks - step) % ranks;
-                for (cj, &kc) in sharding.chunk_ids(ranks, src).iter().enumerate() {
-                    let Some(mask) = pair_mask(cfg, qc, kc) else {
-                        continue;
-                    };
-                    let (k, v) = (
-                        chunk(&inputs[src].k, per, cj),
-                        chunk(&inputs[src].v, per, cj),
-                    );
-                    let g = crate::backward(
-                        &mask,
-                        BackwardInputs {
-                            q,
-                            k,
-                            v,
-                            out: o,
-                            dout,
-                            lse: &lse,
-                            sinks: None,
-                        },
-                    )?;
-                    add(&mut dq[rank], &g.dq, ci, heads, d);
-                    add(&mut dk[src], &g.dk, cj, heads_kv, d);
-                    add(&mut dv[src], &g.dv, cj, heads_kv, d_v);
-                }
+            for (src, cj, mask) in ring_pairs(cfg, sharding, ranks, rank, qc) {
+                let (k, v) = (
+                    chunk(&inputs[src].k, per, cj),
+                    chunk(&inputs[src].v, per, cj),
+                );
+                let g = crate::backward(
+                    &mask,
+                    BackwardInputs {
+                        q,
+                        k,
+                        v,
+                        out: o,
+                        dout,
+                        lse: &lse,
+                        sinks: None,
+                    },
+                )?;
+                add(&mut dq[rank], &g.dq, ci, heads, d);
+                add(&mut dk[src], &g.dk, cj, heads_kv, d);
+                add(&mut dv[src], &g.dv, cj, heads_kv, d_v);
             }
         }
     }
