@@ -86,6 +86,14 @@ impl Fixture {
     }
 }
 
+/// A dense cache of the fixture's shape over `k` and `v`, to append to.
+fn dense_mut<'x>(k: &'x mut [bf16], v: &'x mut [bf16]) -> KvCacheMut<'x, bf16> {
+    KvCacheMut::Dense {
+        k: TensorMut::contiguous(k, [ENTRIES, CAPACITY, HK, D]),
+        v: TensorMut::contiguous(v, [ENTRIES, CAPACITY, HK, DV]),
+    }
+}
+
 fn configs() -> Vec<AttentionConfig> {
     vec![
         AttentionConfig::new(),
@@ -434,10 +442,7 @@ fn appended_keys_are_attended_to() {
     check_per_sequence(&want, &cfg, &entries, &after, &expected);
 
     let (mut k, mut v) = (fx.k.clone(), fx.v.clone());
-    let mut dense = KvCacheMut::Dense {
-        k: TensorMut::contiguous(&mut k, [ENTRIES, CAPACITY, HK, D]),
-        v: TensorMut::contiguous(&mut v, [ENTRIES, CAPACITY, HK, DV]),
-    };
+    let mut dense = dense_mut(&mut k, &mut v);
     kvcache::append(&mut dense, kn, vn, &lens, Some(&idx)).unwrap();
     let got = kvcache::forward(
         &cfg,
@@ -580,10 +585,7 @@ fn a_step_rotates_appends_and_attends() {
                 kvcache::forward(&cfg, KvCacheInputs::new(want.q(), want.dense(), &after)).unwrap();
 
             let (mut k, mut v) = (fx.k.clone(), fx.v.clone());
-            let mut cache = KvCacheMut::Dense {
-                k: TensorMut::contiguous(&mut k, [ENTRIES, CAPACITY, HK, D]),
-                v: TensorMut::contiguous(&mut v, [ENTRIES, CAPACITY, HK, DV]),
-            };
+            let mut cache = dense_mut(&mut k, &mut v);
             let step = kvcache::KvCacheStep {
                 q: fx.q(),
                 cache: &mut cache,
@@ -615,10 +617,7 @@ fn a_step_rotates_appends_and_attends() {
     let fx = Fixture::new(seqlen_q, 11);
     let (mut k, mut v) = (fx.k.clone(), fx.v.clone());
     for (dim, n) in [(31, positions), (dim, 91)] {
-        let mut cache = KvCacheMut::Dense {
-            k: TensorMut::contiguous(&mut k, [ENTRIES, CAPACITY, HK, D]),
-            v: TensorMut::contiguous(&mut v, [ENTRIES, CAPACITY, HK, DV]),
-        };
+        let mut cache = dense_mut(&mut k, &mut v);
         let half = dim / 2;
         let step = kvcache::KvCacheStep {
             q: fx.q(),
