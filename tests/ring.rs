@@ -58,6 +58,29 @@ fn shards<T: Element>(
         .collect()
 }
 
+/// Every rank's shards of Q, K and V.
+fn qkv_shards<T: Element>(w: &Whole<T>, sharding: Sharding, ranks: usize) -> [Vec<Vec<T>>; 3] {
+    [
+        shards(&w.q, HQ, D, sharding, ranks),
+        shards(&w.k, HK, D, sharding, ranks),
+        shards(&w.v, HK, DV, sharding, ranks),
+    ]
+}
+
+/// Each rank's forward inputs over its (contiguous) shards.
+fn rank_inputs<T>([qs, ks, vs]: &[Vec<Vec<T>>; 3]) -> Vec<ForwardInputs<'_, T>> {
+    let rows = S / qs.len();
+    (0..qs.len())
+        .map(|r| {
+            ForwardInputs::new(
+                view(&qs[r], rows, HQ, D),
+                view(&ks[r], rows, HK, D),
+                view(&vs[r], rows, HK, DV),
+            )
+        })
+        .collect()
+}
+
 /// Rank r's rows of an LSE (B, HQ, S), as (B, HQ, S / ranks).
 fn lse_shard(lse: &[f32], sharding: Sharding, ranks: usize, rank: usize) -> Vec<f32> {
     let rows = sharding.rows(S, ranks, rank).unwrap();
@@ -119,21 +142,10 @@ fn every_rank_gets_the_single_call_s_rows_in_f32() {
             .unwrap();
 
             let rows = S / ranks;
-            let (qs, ks, vs, ds) = (
-                shards(&w.q, HQ, D, sharding, ranks),
-                shards(&w.k, HK, D, sharding, ranks),
-                shards(&w.v, HK, DV, sharding, ranks),
-                shards(&w.dout, HQ, DV, sharding, ranks),
-            );
-            let inputs: Vec<_> = (0..ranks)
-                .map(|r| {
-                    ForwardInputs::new(
-                        view(&qs[r], rows, HQ, D),
-                        view(&ks[r], rows, HK, D),
-                        view(&vs[r], rows, HK, DV),
-                    )
-                })
-                .collect();
+            let qkv = qkv_shards(&w, sharding, ranks);
+            let [qs, ks, vs] = &qkv;
+            let ds = shards(&w.dout, HQ, DV, sharding, ranks);
+            let inputs = rank_inputs(&qkv);
             let outs = ring::forward(&cfg, sharding, &inputs).unwrap();
             let want_o = shards(&fwd.out, HQ, DV, sharding, ranks);
             for r in 0..ranks {
@@ -185,22 +197,8 @@ fn a_bf16_ring_holds_the_reference_rule() {
     );
     let want = reference_forward(&cfg, q, k, v);
     let base = baseline_forward(&cfg, q, k, v);
-    let rows = S / ranks;
-    let (qs, ks, vs) = (
-        shards(&w.q, HQ, D, sharding, ranks),
-        shards(&w.k, HK, D, sharding, ranks),
-        shards(&w.v, HK, DV, sharding, ranks),
-    );
-    let inputs: Vec<_> = (0..ranks)
-        .map(|r| {
-            ForwardInputs::new(
-                view(&qs[r], rows, HQ, D),
-                view(&ks[r], rows, HK, D),
-                view(&vs[r], rows, HK, DV),
-            )
-        })
-        .collect();
-    let outs = ring::forward(&cfg, sharding, &inputs).unwrap();
+    let qkv = qkv_shards(&w, sharding, ranks);
+    let outs = ring::forward(&cfg, sharding, &rank_inputs(&qkv)).unwrap();
     // The whole O from the ranks' rows, in f64 like the reference.
     let mut o = vec![0f32; B * S * HQ * DV];
     for (r, out) in outs.iter().enumerate() {
@@ -288,11 +286,8 @@ fn strided_shards_give_the_same_bits() {
     let (ranks, sharding, cfg) = (2, Sharding::ZigZag, AttentionConfig::new().causal(true));
     let w = Whole::<f32>::new(11);
     let rows = S / ranks;
-    let (qs, ks, vs) = (
-        shards(&w.q, HQ, D, sharding, ranks),
-        shards(&w.k, HK, D, sharding, ranks),
-        shards(&w.v, HK, DV, sharding, ranks),
-    );
+    let qkv = qkv_shards(&w, sharding, ranks);
+    let [qs, ks, vs] = &qkv;
     // Each row of a shard followed by `pad` unused (NaN) elements.
     let padded = |x: &[f32], heads: usize, d: usize, pad: usize| -> Vec<f32> {
         x.chunks(heads * d)
@@ -306,16 +301,7 @@ fn strided_shards_give_the_same_bits() {
             flashattn::Layout::with_strides([B, rows, heads, d], [rows * row, row, d, 1]),
         )
     }
-    let plain: Vec<_> = (0..ranks)
-        .map(|r| {
-            ForwardInputs::new(
-                view(&qs[r], rows, HQ, D),
-                view(&ks[r], rows, HK, D),
-                view(&vs[r], rows, HK, DV),
-            )
-        })
-        .collect();
-    let want = ring::forward(&cfg, sharding, &plain).unwrap();
+    let want = ring::forward(&cfg, sharding, &rank_inputs(&qkv)).unwrap();
     let pq: Vec<_> = qs.iter().map(|x| padded(x, HQ, D, 5)).collect();
     let pk: Vec<_> = ks.iter().map(|x| padded(x, HK, D, 3)).collect();
     let pv: Vec<_> = vs.iter().map(|x| padded(x, HK, DV, 7)).collect();
