@@ -103,6 +103,11 @@ flashattn_result_t validate_common(const flashattn_params_t* p) {
   }
   if (p->lse_by_sequence != 0 && (p->lse_by_sequence != 1 || p->cu_seqlens_q == nullptr))
     return kInvalid;
+  // Pack-GQA's tile rows (query rows times the group) are numbered with ints.
+  if (p->pack_gqa != 0 && p->pack_gqa != 1) return kInvalid;
+  if (p->pack_gqa && int64_t(p->seqlen_q) * (p->heads_q / p->heads_kv) > FLASHATTN_MAX_SEQLEN)
+    return kInvalid;
+  if (p->num_splits < 0 || p->num_splits > 256) return kInvalid;
   if (p->page_table == nullptr)
     return p->page_table_batch_stride == 0 && p->page_size == 0 && p->num_pages == 0 ? kOk
                                                                                       : kInvalid;
@@ -183,6 +188,9 @@ void read_sinks(const flashattn_params_t& p, Operands& ops) {
   if (p.sinks != nullptr) ops.read(View::packed(p.sinks, 4, p.heads_q, 4));
 }
 
+// Pack-GQA or key splits asked for: the sm90 16-bit forward's alone.
+bool packs_or_splits(const flashattn_params_t& p) { return p.pack_gqa != 0 || p.num_splits > 1; }
+
 // The 16-bit forward's operands, or the FP8 forward's (V key-major over whole key blocks).
 flashattn_result_t validate_fwd(const flashattn_params_t* p) {
   if (flashattn_result_t r = validate_common(p); r.status != FLASHATTN_OK) return r;
@@ -228,7 +236,8 @@ flashattn_result_t validate_fwd(const flashattn_params_t* p) {
 // The backward's operands; the workspace's size is checked by the launchers, which carve it.
 flashattn_result_t validate_bwd(const flashattn_params_t* p) {
   if (flashattn_result_t r = validate_common(p); r.status != FLASHATTN_OK) return r;
-  if (p->dtype == FLASHATTN_E4M3 || p->page_table != nullptr || p->lse_by_sequence)
+  if (p->dtype == FLASHATTN_E4M3 || p->page_table != nullptr || p->lse_by_sequence ||
+      packs_or_splits(*p))
     return kUnsupported;
   const int e = elem_bytes(p->dtype);
   // Q-like and K-like views with head dim d: Q, dQ, K, dK take head_dim; V, dV, O, dO V's.
@@ -297,7 +306,7 @@ extern "C" flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* param
   o.intra_wg_overlap = !(p.sm90_flags & FLASHATTN_SM90_NO_INTRA_WG_OVERLAP);
   auto s = static_cast<cudaStream_t>(stream);
   if (p.dtype == FLASHATTN_E4M3) {
-    if (p.softcap != 0.f) return kUnsupported;  // not built for FP8
+    if (p.softcap != 0.f || packs_or_splits(p)) return kUnsupported;  // not built for FP8
     return flashattn::kernels::sm90_fp8_fwd(p, o, s);
   }
   return flashattn::kernels::sm90_fwd(p, o, s);
@@ -315,7 +324,7 @@ extern "C" flashattn_result_t flashattn_fwd_sm80(const flashattn_params_t* param
                                                  void* stream) {
   flashattn_result_t r = validate_fwd(params);
   if (r.status != FLASHATTN_OK) return r;
-  if (params->page_table != nullptr) return kUnsupported;
+  if (params->page_table != nullptr || packs_or_splits(*params)) return kUnsupported;
   if (!fits_sm80_grid(*params)) return kInvalid;
   const flashattn_params_t p = normalized(*params);
   return flashattn::kernels::sm80_fwd(p, static_cast<cudaStream_t>(stream));

@@ -169,6 +169,18 @@ typedef struct {
   int32_t num_pages;
   // Packed calls: 1 for the LSE by sequence (cu_seqlens above), 0 over the packed rows.
   int32_t lse_by_sequence;
+  // Pack-GQA (1; 0 = off; the sm90 16-bit forward only, FLASHATTN_UNSUPPORTED elsewhere): a
+  // tile's rows are (query row, query head) pairs over the heads_q / heads_kv query heads of one
+  // KV head, so that few query rows (a decode step's) still fill a tile and each K/V block is
+  // read once per KV head, not once per query head. The results are the same. Query rows times
+  // that group must stay below FLASHATTN_MAX_SEQLEN (else FLASHATTN_INVALID_ARGUMENT).
+  int32_t pack_gqa;
+  // Key splits (split-KV) of the sm90 16-bit forward: 0 lets the launcher choose (where a
+  // call's tiles leave SMs idle), 1 runs every tile whole, n in 2 .. 256 cuts each tile's key
+  // blocks into n ranges (fewer where it has fewer blocks: the rest are empty) computed apart
+  // and merged by their LSE, with f32 partial results in a workspace taken and given back in
+  // stream order. Elsewhere 0 or 1 (else FLASHATTN_UNSUPPORTED); outside 0 .. 256 invalid.
+  int32_t num_splits;
 } flashattn_params_t;
 
 // Where flashattn_fp8_quantize writes: rows like the source, (batch, seqlen, heads, head_dim)

@@ -1,16 +1,21 @@
 //! Decoding over a dense KV cache on the device (`Device::kvcache_forward_into`): one query per
 //! sequence, GQA 8:1 (32 query heads, 4 KV heads), d128, bf16, every sequence's cache full;
-//! batch 1 to 128, cache 1k to 32k keys. Decode is bound by reading the cache, so each row gives
+//! batch 1 to 128, cache 1k to 128k keys (the longest where batch × cache ≤ 4M keys). Decode is
+//! bound by reading the cache, so each row gives
 //! the bytes of K and V read over the time (GB/s) beside a device-to-device copy of as many bytes
 //! timed the same way (the copy ceiling of that size: read and written, counted once each), and
 //! their ratio. Timed as bench_table (`common::Protocol`: its flags). `--paged P` holds the same
 //! cache in pages of P rows, each sequence's pages scattered over the cache by its block table.
+//! `--splits N` asks for N key splits (`DeviceKvCacheInputs::num_splits`; default 0, the
+//! launcher's choice), `--no-pack` runs each query head's row in a tile of its own
+//! (`PackGqa::Off`; by default a KV head's 8 query heads share one).
 //!
-//! `cargo run --release --example bench_kvcache -- [--paged P] --out kvcache.json`
+//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--no-pack] --out kvcache.json`
 
 mod common;
 
 use flashattn::cuda::{DeviceKvCacheInputs, DeviceTensor, DeviceTensorMut};
+use flashattn::unstable::{PackGqa, Sm90Schedule};
 use flashattn::AttentionConfig;
 use half::bf16;
 
@@ -30,11 +35,27 @@ fn main() {
     let dev = common::device("bench_kvcache");
     let stream = dev.new_stream().unwrap();
     let protocol = common::Protocol::from_args(&args, PROTOCOL);
-    let cfg = AttentionConfig::new().causal(true);
+    let pack_gqa = if args.flag("--no-pack") {
+        PackGqa::Off
+    } else {
+        PackGqa::Auto
+    };
+    let cfg = AttentionConfig::new()
+        .causal(true)
+        .sm90_schedule(Sm90Schedule {
+            pack_gqa,
+            ..Sm90Schedule::default()
+        });
     let page_size: Option<usize> = args.value("--paged").map(|p| p.parse().expect("--paged P"));
+    let num_splits: usize = args
+        .value("--splits")
+        .map_or(0, |n| n.parse().expect("--splits N"));
     let mut rows = vec![];
     for batch in [1usize, 8, 32, 128] {
-        for cache in [1024usize, 8192, 32768] {
+        for cache in [1024usize, 8192, 32768, 131072] {
+            if batch * cache > 1 << 22 {
+                continue;
+            }
             let kv_elems = batch * cache * HEADS_KV * D;
             // Finite, not zero: a few distinct values.
             let fill = |n: usize, seed: usize| -> Vec<bf16> {
@@ -77,6 +98,7 @@ fn main() {
                     block_table: table.as_ref().map(|t| t.as_view()),
                     cache_seqlens: lens.as_view(),
                     sinks: None,
+                    num_splits,
                 };
                 let mut o = DeviceTensorMut::contiguous(&mut out, [batch, 1, HEADS_Q, D]);
                 plan = Some(
@@ -108,7 +130,8 @@ fn main() {
                 "  {{\"impl\": \"flashattn-{}\", \"kind\": \"decode\", \"dtype\": \"bf16\", \"d\": {D}, \
                  \"batch\": {batch}, \"seqlen_q\": 1, \"seqlen_k\": {cache}, \"heads\": {HEADS_Q}, \
                  \"heads_kv\": {HEADS_KV}, \"causal\": true, \"fwd_ms\": {ms:.5}, \"fwd_reps\": {reps}, \
-                 \"gbps\": {gbps:.1}, \"copy_gbps\": {copy_gbps:.1}, \"of_copy\": {:.3}{}}}",
+                 \"gbps\": {gbps:.1}, \"copy_gbps\": {copy_gbps:.1}, \"of_copy\": {:.3}, \
+                 \"pack_gqa\": \"{pack_gqa:?}\", \"num_splits\": {num_splits}{}}}",
                 plan.backend.name(),
                 gbps / copy_gbps,
                 page_size.map_or(String::new(), |p| format!(", \"page_size\": {p}"))

@@ -23,6 +23,8 @@ pub use crate::cuda::selftest::{selftest_tma_wgmma, SelfTestReport};
 /// (split-KV; csrc/sm90/fwd_tail.h). A split call takes a workspace of up to 35 MB (d256, 132
 /// SMs) in stream order and gives it back at its end, to a memory pool of this library's that
 /// keeps up to 128 MiB per device across synchronizations (csrc/common/workspace_pool.h).
+/// `pack_gqa` (KV-cache calls with GQA): whether a tile's rows are (query row, query head)
+/// pairs of one KV head's group rather than one query head's rows ([`PackGqa`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Sm90Schedule {
     pub pingpong: PingPong,
@@ -30,6 +32,34 @@ pub struct Sm90Schedule {
     pub persistent_causal: bool,
     pub narrow_key_blocks: bool,
     pub split_tail: TailSplit,
+    pub pack_gqa: PackGqa,
+}
+
+/// See [`Sm90Schedule`]'s `pack_gqa`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum PackGqa {
+    /// Where packing fills the 128-row tiles better (as FlashAttention-3 decides): a query
+    /// length whose tiles are less than 90% as full as the packed rows' (decode steps, short
+    /// chunks).
+    #[default]
+    Auto,
+    /// Whenever the query heads outnumber the KV heads.
+    On,
+    Off,
+}
+
+impl PackGqa {
+    /// Whether a KV-cache call of `seqlen_q` query rows and `group` query heads per KV head
+    /// packs them.
+    pub fn packs(self, seqlen_q: usize, group: usize) -> bool {
+        let fill = |rows: usize| rows as f64 / rows.div_ceil(128).max(1) as f64 / 128.0;
+        group > 1
+            && match self {
+                PackGqa::Auto => fill(seqlen_q) < 0.9 * fill(seqlen_q.saturating_mul(group)),
+                PackGqa::On => true,
+                PackGqa::Off => false,
+            }
+    }
 }
 
 /// See [`Sm90Schedule`]'s `pingpong`: whether the two consumer warpgroups take turns issuing
@@ -77,6 +107,7 @@ impl Default for Sm90Schedule {
             persistent_causal: true,
             narrow_key_blocks: false,
             split_tail: TailSplit::Auto,
+            pack_gqa: PackGqa::Auto,
         }
     }
 }
@@ -93,5 +124,20 @@ mod tests {
         assert!(!PingPong::Auto.takes_turns(DType::E4M3));
         assert!(PingPong::On.takes_turns(DType::E4M3));
         assert!(!PingPong::Off.takes_turns(DType::BF16));
+    }
+
+    #[test]
+    fn pack_gqa_auto_packs_short_queries_of_groups() {
+        // A decode step fills 1 of 128 rows alone, 8 packed.
+        assert!(PackGqa::Auto.packs(1, 8));
+        assert!(PackGqa::Auto.packs(4, 4));
+        // Whole tiles either way: no packing.
+        assert!(!PackGqa::Auto.packs(1024, 8));
+        // 120 of 128 rows (94%) against 960 of 1024 (94%): no gain.
+        assert!(!PackGqa::Auto.packs(120, 8));
+        // No group to pack, or packing turned off.
+        assert!(!PackGqa::On.packs(1, 1));
+        assert!(!PackGqa::Off.packs(1, 8));
+        assert!(PackGqa::On.packs(1024, 2));
     }
 }

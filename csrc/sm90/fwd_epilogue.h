@@ -5,7 +5,9 @@
 // (docs/PERFORMANCE.md). In the tail launch a piece's O and LSE go, in f32, to its workspace
 // slot (fwd_tail.h). O's accumulator column n holds head dim n, in the FP8 kernels
 // fp8_v_row_head_dim(n) (V's rows come in that order), so that there each thread already holds
-// whole 16-byte chunks; O is written in bf16 or fp16.
+// whole 16-byte chunks; O is written in bf16 or fp16. The partial-results kernel writes key
+// splits' O and LSE to their slots as the tail pieces', and pack-GQA tiles' rows to their
+// (query row, query head) (packed_out_row, which the splits' merge shares).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -32,7 +34,37 @@ __device__ auto convert_fragment(Frag const& src) {
   return out;
 }
 
-template <class Traits, bool kTailPieces>
+// Where a pack-GQA tile's row `row` goes (FwdParams::group > 1): its O row's offset in elements
+// and its LSE's index.
+struct OutRow {
+  int64_t o, lse;
+};
+template <class Traits>
+__device__ FLASHATTN_INLINE OutRow packed_out_row(const FwdParams<Traits>& p, const WorkTile& t,
+                                                  int row) {
+  const int q_row = row / p.group, head = t.head * p.group + row % p.group;
+  return {t.seq.batch * p.o_batch_stride + int64_t(t.seq.q_start + q_row) * p.o_row_stride +
+              int64_t(head) * p.o_head_stride,
+          p.seqs.lse_offset(t.seq, head, p.heads_q, p.seqlen_q) + q_row};
+}
+
+// A piece's or split's O (normalized) and LSE, in f32, to workspace slot `slot` (fwd_tail.h).
+template <int kHeadDimV, int kRows, class RowCol, class Coords, class HeadDimOf>
+__device__ FLASHATTN_INLINE void store_slot(float* slot, int first_row, const RowCol& rowcol_O,
+                                            const Coords& rowcol_cO, const float (&lse)[kRows],
+                                            HeadDimOf head_dim_of) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = first_row + get<0>(rowcol_cO(r, 0));
+    if (get<1>(rowcol_cO(0, 0)) == 0) slot[kTailRows * kHeadDimV + row] = lse[r];
+#pragma unroll
+    for (int c = 0; c < size<1>(rowcol_O); c += 2)
+      *reinterpret_cast<float2*>(slot + row * kHeadDimV + head_dim_of(get<1>(rowcol_cO(r, c)))) =
+          make_float2(rowcol_O(r, c), rowcol_O(r, c + 1));
+  }
+}
+
+template <class Traits, bool kPartials>
 struct FwdEpilogue {
   using Element = typename Traits::Element;
   static constexpr int kRowsPerWG = Traits::kRowsPerWG;
@@ -58,21 +90,19 @@ struct FwdEpilogue {
         make_identity_tensor(typename Traits::TileO{}));
     Tensor rowcol_cO = make_tensor(cO.data(), acc_rowcol(cO.layout()));
     const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;  // within the entry
-    const int rows = t.seq.seqlen_q;
+    const int rows = t.rows;
     scale_rows(rowcol_O, inv_sum);
-    if constexpr (kTailPieces) {  // a piece: O and LSE in f32 to its slot (fwd_tail.h)
-      float* slot = params.tail.partials + t.slot * tail_slot_floats(Traits::kHeadDimV);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const int row = wg * kRowsPerWG + get<0>(rowcol_cO(r, 0));
-        if (get<1>(rowcol_cO(0, 0)) == 0) slot[kTailRows * Traits::kHeadDimV + row] = lse[r];
-#pragma unroll
-        for (int c = 0; c < size<1>(rowcol_O); c += 2)
-          *reinterpret_cast<float2*>(slot + row * Traits::kHeadDimV +
-                                     head_dim_of(get<1>(rowcol_cO(r, c)))) =
-              make_float2(rowcol_O(r, c), rowcol_O(r, c + 1));
+    // Pack-GQA (the 16-bit partial-results kernel's): rows to their (query row, query head).
+    bool packed = false;
+    if constexpr (kPartials) {
+      if (t.slot >= 0) {  // a tail piece or a key split: O and LSE in f32 to its slot
+        float* partials = params.num_splits > 1 ? params.split_partials : params.tail.partials;
+        store_slot<Traits::kHeadDimV>(
+            partials + t.slot * tail_slot_floats(Traits::kHeadDimV), wg * kRowsPerWG,
+            rowcol_O, rowcol_cO, lse, [](int n) { return head_dim_of(n); });
+        return;
       }
-      return;
+      if constexpr (!Traits::kFp8) packed = params.group > 1;
     }
     // LSE: the thread holding column 0 of a row's quad writes it.
     if (get<1>(rowcol_cO(0, 0)) == 0) {
@@ -81,15 +111,24 @@ struct FwdEpilogue {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int row = row0 + get<0>(rowcol_cO(r, 0));
-        if (row < rows) lse_rows[row] = lse[r];
+        if (row >= rows) continue;
+        if (packed) {
+          params.lse[packed_out_row(params, t, row).lse] = lse[r];
+        } else {
+          lse_rows[row] = lse[r];
+        }
       }
     }
     auto store = [&](auto* o) FLASHATTN_INLINE {
       using Out = remove_pointer_t<decltype(o)>;
       Tensor rO = convert_fragment<Out>(tOrO);
       Tensor rowcol_rO = make_tensor(rO.data(), acc_rowcol(rO.layout()));
+      Out* const o_base = o;
       o += t.seq.batch * params.o_batch_stride + t.head * params.o_head_stride +
            t.seq.q_start * params.o_row_stride;
+      auto o_row_of = [&](int row) FLASHATTN_INLINE {
+        return packed ? o_base + packed_out_row(params, t, row).o : o + row * params.o_row_stride;
+      };
       // Word j of row r: this thread's columns 2j, 2j + 1 of it, i.e. accumulator columns
       // 8j + 2q, 8j + 2q + 1 for quad thread q.
       auto word = [&](int r, int j) FLASHATTN_INLINE {
@@ -107,7 +146,7 @@ struct FwdEpilogue {
         for (int r = 0; r < kRows; ++r) {
           const int row = row0 + get<0>(rowcol_cO(r, 0));
           if (row >= rows) continue;
-          Out* o_row = o + row * params.o_row_stride;
+          Out* o_row = o_row_of(row);
 #pragma unroll
           for (int g = 0; g < kWords / 4; ++g)
             *reinterpret_cast<uint4*>(o_row + 32 * g + 8 * q) = make_uint4(
@@ -121,7 +160,7 @@ struct FwdEpilogue {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           const int row = row0 + get<0>(rowcol_cO(r, 0));
-          Out* o_row = o + row * params.o_row_stride;
+          Out* o_row = o_row_of(row);
 #pragma unroll
           for (int g = 0; g < kWords / 4; ++g) {
             const uint32_t a0 = word(r, 4 * g), a1 = word(r, 4 * g + 1), a2 = word(r, 4 * g + 2),

@@ -22,6 +22,10 @@
 // (Tile::kUnmaskedLoop). setmaxnreg moves registers from the producer (24) to the consumers
 // (240). Without intra-warpgroup overlap (the FlashAttention-3 paper's ablation) each tile runs
 // fwd_ablation.h's serial loop.
+// The partial-results instantiation (kPartials) also runs pack-GQA tiles, whose rows are
+// (query row, query head) pairs of one KV head (fwd_packed_q.h gathers their Q), and key splits,
+// whose O and LSE go to workspace slots for fwd_merge.h to merge; the whole-tile instantiation
+// has none of that code.
 #pragma once
 
 #include <cutlass/arch/reg_reconfig.h>
@@ -29,6 +33,7 @@
 #include "fwd_ablation.h"
 #include "fwd_epilogue.h"
 #include "fwd_mainloop.h"
+#include "fwd_packed_q.h"
 #include "fwd_producer.h"
 #include "fwd_scheduler.h"
 #include "fwd_traits.h"
@@ -37,16 +42,18 @@
 
 namespace flashattn::sm90 {
 
-// kTailPieces: the tail launch (fwd_tail.h), pieces of tiles whose O and LSE go to workspace
-// slots; else whole tiles.
-template <class Traits, bool kTailPieces = false>
+// kPartials: the partial-results kernel (the tail launch's pieces, fwd_tail.h; pack-GQA tiles;
+// key splits); else whole tiles.
+template <class Traits, bool kPartials = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     fwd_kernel(__grid_constant__ const FwdParams<Traits> params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kRowsPerWG = Traits::kRowsPerWG;
   constexpr int kConsumerWGs = Traits::kConsumerWGs;
   using SharedStorage = typename Traits::SharedStorage;
-  using Mainloop = FwdMainloop<Traits>;
+  // Pack-GQA and key splits: the 16-bit partial-results kernel's.
+  constexpr bool kPackable = kPartials && !Traits::kFp8;
+  using Mainloop = FwdMainloop<Traits, kPackable>;
   constexpr int kRows = Mainloop::kRows;
 
   extern __shared__ __align__(1024) char smem_raw[];
@@ -69,7 +76,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (params.slot_entries != nullptr) wait_for_prior_grids();
 
   if (warp_group == 0) {
-    FwdProducer<Traits, kTailPieces>::run(params, smem);
+    FwdProducer<Traits, kPartials>::run(params, smem);
     return;
   }
 
@@ -78,7 +85,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int wg = warp_group - 1;      // 0 or 1
   const int tid = threadIdx.x % 128;  // thread within the warpgroup
   Mainloop ml(params, smem, wg, tid);
-  FwdEpilogue<Traits, kTailPieces> epilogue{params, wg, tid};
+  FwdEpilogue<Traits, kPartials> epilogue{params, wg, tid};
 
   PipelineState<Traits::kStages> st_k, st_v;  // carried across tiles, like the producer's
   PipelineState<Traits::kQStages> st_q;
@@ -101,7 +108,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   WorkTile t;
 #pragma unroll 1
-  for (FwdTileScheduler<Traits, kTailPieces> walk{params}; walk.next(t);) {
+  for (FwdTileScheduler<Traits, kPartials> walk{params}; walk.next(t);) {
     const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;  // first query row of this WG
     ml.begin_tile(t);
 
@@ -117,6 +124,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
 
     smem.pipe_q.consumer_wait(st_q);
+    if constexpr (kPackable) {
+      if (params.group > 1) gather_packed_q(params, t, smem, wg, tid, st_q.index);
+    }
     if constexpr (!Traits::kIntraWGOverlap) {
       fwd_serial_tile(ml, epilogue, smem, st_q, st_k, st_v, t, row0);
       continue;
@@ -190,9 +200,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // uniform registers (per warpgroup they were slower than no copy at all).
     int plain_lo = 0, plain_hi = -1;
     if (Traits::kUnmaskedLoop && !params.softcap) {
-      t.keys.template unmasked_blocks<Traits::kBlockN>(t.m_block * Traits::kBlockM,
-                                                       (t.m_block + 1) * Traits::kBlockM,
-                                                       plain_lo, plain_hi);
+      int q_begin, q_end;
+      query_rows(ml.group(), t.m_block * Traits::kBlockM, (t.m_block + 1) * Traits::kBlockM,
+                 q_begin, q_end);
+      t.keys.template unmasked_blocks<Traits::kBlockN>(q_begin, q_end, plain_lo, plain_hi);
       if (plain_lo <= t.n_min) plain_lo = t.n_min + 1;
     }
 #pragma unroll 1

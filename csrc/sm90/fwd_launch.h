@@ -15,12 +15,12 @@
 #include "../flash_api.h"
 #include "fwd_tile.h"
 #include "fwd_kernel.h"
-#include "fwd_tail_merge.h"
+#include "fwd_merge.h"
 #include "tma_tensor.h"
 
 namespace flashattn::sm90 {
 
-template <class Traits> struct TailPiecesTag {};  // allow_dynamic_smem's record of the tail launch
+template <class Traits> struct PartialsTag {};  // allow_dynamic_smem's record of fwd_kernel<_, true>
 
 // A launch that may start before the kernel ahead of it in the stream ends (grid_dependency.h).
 template <class... Params>
@@ -65,7 +65,7 @@ flashattn_result_t run_fwd_split_tail(const flashattn_params_t& p, FwdParams<Tra
   }
   auto pieces = fwd_kernel<Traits, true>;
   if (launched.status == FLASHATTN_OK)
-    launched = cuda_status(allow_dynamic_smem<TailPiecesTag<Traits>>(pieces, smem_bytes));
+    launched = cuda_status(allow_dynamic_smem<PartialsTag<Traits>>(pieces, smem_bytes));
   if (launched.status == FLASHATTN_OK) {
     if (tail.first_tile > 0) {  // beside the whole waves' last CTAs: it reads nothing they write
       launched = cuda_status(
@@ -82,9 +82,9 @@ flashattn_result_t run_fwd_split_tail(const flashattn_params_t& p, FwdParams<Tra
                                    p.o.head_stride, p.lse, p.heads_q,        p.seqlen_q,
                                    params.num_m_blocks};
       const int64_t threads = int64_t(tail.tiles) * kTailRows * (Traits::kHeadDimV / 4);
-      const int grid = int((threads + kTailMergeThreads - 1) / kTailMergeThreads);
+      const int grid = int((threads + kMergeThreads - 1) / kMergeThreads);
       return cuda_status(launch_dependent(fwd_tail_merge<Traits::kHeadDimV, Out>, grid,
-                                          kTailMergeThreads, 0, stream, m));
+                                          kMergeThreads, 0, stream, m));
     };
     if constexpr (Traits::kFp8) {
       launched = params.o_bf16 ? merge(static_cast<cutlass::bfloat16_t*>(p.o.ptr))
@@ -154,15 +154,27 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   params.heads_q = p.heads_q;
   params.heads_kv = p.heads_kv;
   params.keys = key_range(p);
-  params.num_m_blocks = (params.seqs.max_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  // Pack-GQA and key splits run on the 16-bit partial-results kernel (fwd_kernel<_, true>).
+  constexpr bool kPackable = Traits::kTailSplit && !Traits::kFp8;
+  if (!kPackable && (p.pack_gqa || p.num_splits > 1)) return status(FLASHATTN_UNSUPPORTED);
+  params.group = p.pack_gqa ? p.heads_q / p.heads_kv : 1;
+  params.q = p.q.ptr;
+  params.q_batch_stride = p.q.batch_stride;
+  params.q_row_stride = p.q.row_stride;
+  params.q_head_stride = p.q.head_stride;
+  params.num_splits = 1;
+  params.split_partials = nullptr;
+  // Tile rows (query rows, or pack-GQA's pairs: flash_api.cu bounds them below 2^30).
+  const int tile_rows_max = params.seqs.max_q * params.group;
+  params.num_m_blocks = (tile_rows_max + Traits::kBlockM - 1) / Traits::kBlockM;
   // Every entry padded to the longest one's blocks (dense calls, and packed ones without the
   // schedule's workspace); packed, each head's query slots (decode_tile): at most one per 128
-  // rows and entry, and at most the padded count, as Sequences::at caps every length.
-  const int64_t padded_tiles = int64_t(params.num_m_blocks) * p.heads_q * p.batch;
-  const int64_t slots = std::min(packed_blocks(p.seqlen_q, p.batch, Traits::kBlockM),
+  // tile rows and entry, and at most the padded count, as Sequences::at caps every length.
+  const int64_t padded_tiles = int64_t(params.num_m_blocks) * params.tile_heads() * p.batch;
+  const int64_t slots = std::min(packed_blocks(p.seqlen_q * params.group, p.batch, Traits::kBlockM),
                                  int64_t(params.num_m_blocks) * p.batch);
   if (padded_tiles > INT32_MAX) return status(FLASHATTN_UNSUPPORTED);
-  params.num_tiles = int(params.seqs.packed() ? slots * p.heads_q : padded_tiles);
+  params.num_tiles = int(params.seqs.packed() ? slots * params.tile_heads() : padded_tiles);
   params.slot_entries = nullptr;
   const float log2e = float(M_LOG2E);
   params.softcap = p.softcap > 0.f;
@@ -192,12 +204,13 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
     const int units = (tiles + params.tiles_per_unit - 1) / params.tiles_per_unit;
     return persistent && p.sm_count > 0 && p.sm_count < units ? p.sm_count : units;
   };
+  // Tiles that all visit the same key blocks: no window at all, or one query block per head
+  // (decoding, short chunks) under any mask; never a packed batch's (their lengths differ).
+  const bool equal_tiles =
+      !packed && ((uniform && params.keys.window_left < 0) || params.num_m_blocks == 1);
   if constexpr (Traits::kTailSplit) {
-    // Tiles that all visit the same key blocks: no window at all, or one query block per head
-    // (decoding, short chunks) under any mask; never a packed batch's (their lengths differ).
-    const bool equal_tiles =
-        !packed && ((uniform && params.keys.window_left < 0) || params.num_m_blocks == 1);
-    if (equal_tiles && p.sm_count > 0 && !(p.sm90_flags & FLASHATTN_SM90_NO_SPLIT_TAIL)) {
+    const bool tail_may_split = equal_tiles && params.group == 1 && p.num_splits == 0;
+    if (tail_may_split && p.sm_count > 0 && !(p.sm90_flags & FLASHATTN_SM90_NO_SPLIT_TAIL)) {
       int n_min, n_max;
       params.keys.template blocks<Traits::kBlockN>(0, Traits::kBlockM, n_min, n_max);
       FwdTail tail = plan_tail(params.num_tiles, n_max - n_min, p.sm_count,
@@ -234,20 +247,68 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
     }
     if (schedule == nullptr) params.num_tiles = int(padded_tiles);
   }
-  if (schedule == nullptr) {
-    kernel<<<ctas_for(params.num_tiles), Traits::kThreads, smem_bytes, stream>>>(params);
-    return check_launch();
+  // Key splits: the caller's count, or where the tail split does not apply, the planned one;
+  // without their workspace (out of memory, say) the call runs unsplit.
+  int splits = p.num_splits;
+  if (splits == 0) {
+    const int blocks = (params.seqs.max_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    splits = kPackable && !(equal_tiles && params.group == 1)
+                 ? plan_splits(params.num_tiles, blocks, p.sm_count)
+                 : 1;
   }
-  params.slot_entries = schedule;
-  int threads = 32;  // a power of two (the schedule's sort), one per entry up to kScheduleChunk
-  while (threads < kScheduleChunk && threads < p.batch) threads *= 2;
-  fwd_packed_schedule<Traits::kBlockM><<<(p.batch + threads - 1) / threads, threads, 0, stream>>>(
-      params.seqs, p.batch, int(slots), schedule);
-  flashattn_result_t launched = check_launch();
-  if (launched.status == FLASHATTN_OK)  // beside the schedule's end: it waits for the table
-    launched = cuda_status(launch_dependent(kernel, ctas_for(params.num_tiles), Traits::kThreads,
-                                            smem_bytes, stream, params));
-  return freed_after(launched, schedule, stream);
+  if (splits > 1) {
+    const int64_t units = int64_t(params.num_tiles) * splits;
+    const size_t bytes = size_t(units) * tail_slot_floats(Traits::kHeadDimV) * sizeof(float);
+    if (units <= INT32_MAX &&
+        workspace_alloc(reinterpret_cast<void**>(&params.split_partials), bytes, stream) ==
+            cudaSuccess) {
+      params.num_splits = splits;
+      params.num_tiles = int(units);
+      params.tiles_per_unit = 1;
+    } else {
+      (void)cudaGetLastError();
+      params.split_partials = nullptr;
+    }
+  }
+  flashattn_result_t launched = ok();
+  if (schedule != nullptr) {
+    params.slot_entries = schedule;
+    int threads = 32;  // a power of two (the schedule's sort), one per entry up to kScheduleChunk
+    while (threads < kScheduleChunk && threads < p.batch) threads *= 2;
+    fwd_packed_schedule<Traits::kBlockM>
+        <<<(p.batch + threads - 1) / threads, threads, 0, stream>>>(
+            params.seqs, params.group, p.batch, int(slots), schedule);
+    launched = check_launch();
+  }
+  // After the schedule, beside its end (the kernel waits for the table); else plainly.
+  auto launch = [&](auto tiles_kernel) {
+    const int ctas = ctas_for(params.num_tiles);
+    if (schedule != nullptr)
+      return cuda_status(launch_dependent(tiles_kernel, ctas, Traits::kThreads, smem_bytes,
+                                          stream, params));
+    tiles_kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
+    return check_launch();
+  };
+  if constexpr (kPackable) {
+    if (params.group > 1 || params.num_splits > 1) {
+      auto partials = fwd_kernel<Traits, true>;
+      if (launched.status == FLASHATTN_OK)
+        launched = cuda_status(allow_dynamic_smem<PartialsTag<Traits>>(partials, smem_bytes));
+      if (launched.status == FLASHATTN_OK) launched = launch(partials);
+      if (launched.status == FLASHATTN_OK && params.num_splits > 1) {
+        const int64_t tiles = params.num_tiles / params.num_splits;
+        const int64_t threads = tiles * kTailRows * (Traits::kHeadDimV / 4);
+        launched = cuda_status(launch_dependent(
+            fwd_split_merge<Traits, Element>, int((threads + kMergeThreads - 1) / kMergeThreads),
+            kMergeThreads, 0, stream, params));
+      }
+      if (params.split_partials != nullptr)
+        launched = freed_after(launched, params.split_partials, stream);
+      return schedule != nullptr ? freed_after(launched, schedule, stream) : launched;
+    }
+  }
+  if (launched.status == FLASHATTN_OK) launched = launch(kernel);
+  return schedule != nullptr ? freed_after(launched, schedule, stream) : launched;
 }
 
 // The forward: its kernels, then the call's attention sinks (common/fwd_sinks.h) into O, whose

@@ -26,6 +26,8 @@ namespace flashattn::sm90 {
 enum class FwdBarrier : uint32_t {
   TurnWG0 = 0,  // ping-pong: consumer WG0 may issue its GEMMs
   TurnWG1 = 1,  // ping-pong: consumer WG1 may issue its GEMMs
+  QRowsWG0 = 2,  // pack-GQA: consumer WG0's gathered Q rows are in its buffer (fwd_packed_q.h)
+  QRowsWG1 = 3,
 };
 
 __device__ inline void named_sync(FwdBarrier b, uint32_t threads) {
@@ -40,7 +42,9 @@ struct BlockScales {
   float c, v;
 };
 
-template <class Traits>
+// kPackable: the kernel may run pack-GQA tiles (FwdParams::group), whose rows' keys are their
+// query rows' (tile row / group); else tile rows are query rows.
+template <class Traits, bool kPackable = false>
 struct FwdMainloop {
   using Element = typename Traits::Element;
   static constexpr int kBlockN = Traits::kBlockN;
@@ -146,6 +150,15 @@ struct FwdMainloop {
     }
   }
 
+  // Tile rows per query row.
+  __device__ int group() const {
+    if constexpr (kPackable) {
+      return params.group;
+    } else {
+      return 1;
+    }
+  }
+
   __device__ static bool give_first_turn(bool pingpong, int wg) {
     if (pingpong && wg == 1) named_arrive(FwdBarrier::TurnWG0, 256);
     return pingpong;
@@ -236,14 +249,16 @@ struct FwdMainloop {
 #pragma unroll
       for (int i = 0; i < size(tSrS); ++i) tSrS(i) = fast_tanh(tSrS(i) * params.softcap_pre);
     }
-    if (!kPlain && keys.template block_needs_mask<kBlockN>(n, row0, row0 + kRowsPerWG)) {
+    int q_begin, q_end;  // this warpgroup's query rows
+    query_rows(group(), row0, row0 + kRowsPerWG, q_begin, q_end);
+    if (!kPlain && keys.template block_needs_mask<kBlockN>(n, q_begin, q_end)) {
       Tensor rowcol_cS = make_tensor(cS.data(), acc_rowcol(cS.layout()));
       // Accumulator column c of this thread is key 8·(c/2) + c%2 + 2·(tid%4) of the block: a
       // compile-time offset plus a per-thread one, so each test is one compare.
       const int thread_col = 2 * (tid % 4);
 #pragma unroll
       for (int r = 0; r < size<0>(rowcol_S); ++r) {
-        const int row = row0 + get<0>(rowcol_cS(r, 0));
+        const int row = (row0 + get<0>(rowcol_cS(r, 0))) / group();
         const int lo = keys.lo(row) - n * kBlockN - thread_col;
         const int hi = keys.hi(row) - n * kBlockN - thread_col;
 #pragma unroll

@@ -1,7 +1,9 @@
 // The sm90 forward's producer: warpgroup 0 gives its registers to the consumers, and one elected
 // thread of its first warp issues every TMA load. Per tile: the first K block, then Q (with one
 // Q buffer it waits for the last Q·Kᵀ of the tile before), then the first V block and the other
-// K/V blocks, last to first, into the two kStages-deep pipelines.
+// K/V blocks, last to first, into the two kStages-deep pipelines. With pack-GQA a tile's Q rows
+// are no TMA box: the consumers gather them (fwd_packed_q.h), and the producer only passes the
+// Q buffer on (a Q stage that brings no bytes).
 #pragma once
 
 #include <cutlass/arch/reg_reconfig.h>
@@ -12,7 +14,7 @@
 
 namespace flashattn::sm90 {
 
-template <class Traits, bool kTailPieces>
+template <class Traits, bool kPartials>
 struct FwdProducer {
   __device__ static void run(const FwdParams<Traits>& params,
                              typename Traits::SharedStorage& smem) {
@@ -50,9 +52,10 @@ struct FwdProducer {
     PipelineState<kQStages> st_q;
     WorkTile t;
 #pragma unroll 1
-    for (FwdTileScheduler<Traits, kTailPieces> walk{params}; walk.next(t);) {
+    for (FwdTileScheduler<Traits, kPartials> walk{params}; walk.next(t);) {
       if (t.n_blocks() == 0) continue;  // the consumers zero-fill it alone
-      const int head_kv = t.head / (params.heads_q / params.heads_kv);
+      const int head_kv =
+          kPartials ? params.kv_head(t.head) : t.head / (params.heads_q / params.heads_kv);
       // The entry's rows start at row q_start / k_start of the tensors (0 in dense calls). Blocks
       // reaching past the entry's end read the next sequence's rows, or zeros past the tensor's
       // end (TMA): keys there are masked, query rows there not stored.
@@ -113,9 +116,10 @@ struct FwdProducer {
       };
       // The first K block first: with one Q buffer, Q waits for the last Q·Kᵀ of the tile before.
       load_k(t.n_max - 1);
-      smem.pipe_q.producer_acquire(st_q, Traits::kBytesQ * kConsumerWGs);
+      const bool gathered_q = kPartials && !Traits::kFp8 && params.group > 1;
+      smem.pipe_q.producer_acquire(st_q, gathered_q ? 0 : Traits::kBytesQ * kConsumerWGs);
 #pragma unroll
-      for (int wg = 0; wg < kConsumerWGs; ++wg) {
+      for (int wg = 0; wg < kConsumerWGs && !gathered_q; ++wg) {
         Tensor gQ = local_tile(entry_rows(mQ(_, _, t.head, t.seq.batch), t.seq.q_start),
                                typename Traits::TileQ{},
                                make_coord(t.m_block * kConsumerWGs + wg, _0{}));
@@ -136,7 +140,7 @@ struct FwdProducer {
     }
     // The pieces read nothing of the whole waves', which run beside them; this keeps the pieces'
     // launch from completing before those.
-    if constexpr (kTailPieces) wait_for_prior_grids();
+    if constexpr (kPartials) wait_for_prior_grids();
   }
 };
 

@@ -78,4 +78,33 @@ inline FwdTail plan_tail(int tiles, int blocks, int ctas, bool always) {
   return s;
 }
 
+// Key splits (FwdParams::num_splits), where the tail split does not apply (packed batches, a
+// KV cache's decoding, pack-GQA): each tile's key blocks are cut into equal ranges run as units
+// of their own, and a last pass merges them (fwd_merge.h). For `tiles` tiles of at most
+// `blocks` key blocks on `ctas` SMs: none where the tiles fill most of a wave (four fifths) or
+// have one block; else the fewest splits whose waves are filled at least kSplitFill percent as
+// well as the best count's, counts up to kMaxSplits and the blocks (and whose ranges are shorter
+// than the next fewer splits' ranges) considered.
+constexpr int kMaxSplits = 128;
+constexpr int kSplitFill = 85;
+
+inline int plan_splits(int64_t tiles, int blocks, int ctas) {
+  if (tiles <= 0 || ctas <= 0 || tiles * 5 >= int64_t(ctas) * 4 || blocks <= 1) return 1;
+  const int most = blocks < kMaxSplits ? blocks : kMaxSplits;
+  // A count's fill, in percent: its units over whole waves of ctas.
+  auto fill = [&](int s) {
+    const int64_t units = tiles * s, waves = (units + ctas - 1) / ctas;
+    return units * 100 / (waves * ctas);
+  };
+  auto shortens = [&](int s) {  // ranges shorter than s − 1 splits' ranges
+    return s == 1 || (blocks + s - 1) / s < (blocks + s - 2) / (s - 1);
+  };
+  int64_t best = 0;
+  for (int s = 1; s <= most; ++s)
+    if (shortens(s) && fill(s) > best) best = fill(s);
+  for (int s = 1; s <= most; ++s)
+    if (shortens(s) && fill(s) * 100 >= best * kSplitFill) return s;
+  return 1;
+}
+
 }  // namespace flashattn::sm90

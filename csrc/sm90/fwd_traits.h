@@ -179,6 +179,25 @@ struct FwdParams {
   const int32_t* page_table;
   int64_t page_table_stride;
   int num_pages, page_blocks;
+  // Pack-GQA (flash_api.h pack_gqa; the partial-results kernel only): with group > 1 a tile's
+  // rows are (query row, query head) pairs, tile row i query row i / group of head
+  // head_kv·group + i % group, and the tiles run per KV head; each consumer warpgroup then
+  // gathers its Q rows itself (fwd_packed_q.h), from q and its strides. 1: rows are query rows.
+  int group;
+  const void* q;
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  // Split-KV (the partial-results kernel only): each tile's key blocks cut into num_splits
+  // ranges, work unit tile·num_splits + split, whose O and LSE go in f32 to slot unit of
+  // split_partials (tail_slot_floats each; fwd_split_merge.h merges them). 1: none.
+  int num_splits;
+  float* split_partials;
+
+  // The heads a call's tiles run over: the KV heads when packed by group, else the query heads.
+  __host__ __device__ int tile_heads() const { return group > 1 ? heads_kv : heads_q; }
+  // The KV head of a tile's head.
+  __host__ __device__ int kv_head(int tile_head) const {
+    return group > 1 ? tile_head : tile_head / (heads_q / heads_kv);
+  }
 
   // Entries on the tensors' batch axis: one when the sequences are packed along the rows.
   __host__ __device__ int tensor_batch() const { return seqs.packed() ? 1 : batch; }

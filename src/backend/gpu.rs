@@ -40,6 +40,17 @@ pub(crate) struct PackedRows {
     pub pages: Option<PagedKeys>,
     /// The forward's LSE `(batch, heads_q, max_seqlen_q)` by sequence.
     pub lse_by_sequence: bool,
+    /// A KV-cache call's tiles on the Hopper 16-bit forward.
+    pub cache_tiles: CacheTiles,
+}
+
+/// How the Hopper 16-bit forward runs a KV-cache call's tiles (the C ABI's `pack_gqa` and
+/// `num_splits`): the query heads of a KV head's group as the rows of one tile, and the key
+/// blocks cut into `num_splits` ranges (0: the launcher's choice).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct CacheTiles {
+    pub pack_gqa: bool,
+    pub num_splits: usize,
 }
 
 /// A paged KV cache as the C ABI takes it: the page table's device address, its row stride
@@ -186,6 +197,11 @@ pub(crate) fn forward(
         p.sm90_flags |= ffi::FLASHATTN_SM90_MASKED_TILE;
     }
     let backend = plan.backend;
+    // Only the Hopper 16-bit forward has them; the others run the same call without.
+    if let (Backend::Sm90, Some(rows)) = (backend, packed) {
+        p.pack_gqa = rows.cache_tiles.pack_gqa as i32;
+        p.num_splits = rows.cache_tiles.num_splits as i32;
+    }
     // SAFETY: every pointer was taken from a live cudarc buffer whose guard outlives this call,
     // and its layout was checked against the buffer length.
     let r = unsafe {

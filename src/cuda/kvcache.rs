@@ -7,6 +7,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, D
 
 use super::varlen::DevicePages;
 use super::{Device, DeviceForwardInputs, DeviceSeqlens, DeviceTensor, DeviceTensorMut};
+use crate::backend::gpu::CacheTiles;
 use crate::config::{AttentionConfig, Backend};
 use crate::dispatch::Plan;
 use crate::error::{Error, Operand, Result};
@@ -42,6 +43,13 @@ pub struct DeviceKvCacheInputs<'a, T> {
     /// hold finite values (a zero-initialized cache, say), or O may be NaN.
     pub cache_seqlens: CudaView<'a, i32>,
     pub sinks: Option<&'a CudaView<'a, f32>>,
+    /// Key splits (split-KV) of the Hopper forward: each tile's keys cut into this many ranges
+    /// computed on different SMs and merged by their LSE, as flash-attn's `num_splits`. 0 lets
+    /// the launcher choose (splits where the tiles would leave SMs idle: small batches of long
+    /// caches), 1 runs every tile whole; at most 256 (else `Error::InvalidConfig`). The Ampere
+    /// backend runs every tile whole (more than one split asked of `Backend::Sm80` is
+    /// `Error::Unsupported`).
+    pub num_splits: usize,
 }
 
 /// `layout` (batch, rows, heads, d) as one sequence of `batch · rows` rows, where an entry's
@@ -150,6 +158,35 @@ fn pages<'a>(
     }
 }
 
+/// How the Hopper forward runs a KV-cache call's tiles: the query heads of a group packed as the
+/// schedule's `pack_gqa` says (with intra-warpgroup overlap: the kernel that packs has it), and
+/// the caller's key splits. Sm80 drops the packing (the same results) and refuses splits.
+fn cache_tiles(
+    cfg: &AttentionConfig,
+    seqlen_q: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    num_splits: usize,
+) -> Result<CacheTiles> {
+    if num_splits > 256 {
+        return Err(Error::InvalidConfig(format!(
+            "num_splits is {num_splits}; at most 256 (0 lets the launcher choose)"
+        )));
+    }
+    if num_splits > 1 && cfg.backend == Backend::Sm80 {
+        return Err(Error::Unsupported {
+            what: format!("{num_splits} key splits (the Hopper forward has them)"),
+            backend: Backend::Sm80,
+        });
+    }
+    let group = heads_q.checked_div(heads_kv).unwrap_or(1);
+    let schedule = &cfg.sm90_schedule;
+    Ok(CacheTiles {
+        pack_gqa: schedule.intra_wg_overlap && schedule.pack_gqa.packs(seqlen_q, group),
+        num_splits,
+    })
+}
+
 impl Device {
     /// `b · n` for b in `0..=batch` on the device, as the first `batch + 1` values of an array
     /// the device keeps for every `n` it has seen (of at least twice the last batch when a
@@ -223,6 +260,7 @@ impl Device {
             block_table,
             cache_seqlens,
             sinks,
+            num_splits,
         } = inputs;
         // Before anything is uploaded on it.
         self.check_same_context(stream, [(Operand::Q, q.data.stream().context())])?;
@@ -244,6 +282,9 @@ impl Device {
         let q_rows = DeviceTensor::new(q.data.slice(..), as_rows(Operand::Q, &q.layout)?);
         let mut o_rows =
             DeviceTensorMut::new(out.data.slice_mut(..), as_rows(Operand::Out, &out.layout)?);
+        let [_, _, heads_q, _] = q.layout.shape;
+        let heads_kv = k_cache.layout.shape[2];
+        let tiles = cache_tiles(cfg, seqlen_q, heads_q, heads_kv, num_splits)?;
         let q_offsets = self.uniform_offsets(stream, batch, seqlen_q)?;
         let cu_q = q_offsets.slice(..=batch);
         if let Some(table) = block_table {
@@ -258,8 +299,9 @@ impl Device {
                 });
             }
             let (pages, cfg) = pages(&k_cache.layout, v_cache.layout.shape[3], table, batch, cfg)?;
-            let seqs =
-                DeviceSeqlens::paged(cu_q, seqlen_q, pages, cache_seqlens)?.with_lse_by_sequence();
+            let seqs = DeviceSeqlens::paged(cu_q, seqlen_q, pages, cache_seqlens)?
+                .with_lse_by_sequence()
+                .with_cache_tiles(tiles);
             let inputs = DeviceForwardInputs {
                 sinks,
                 ..DeviceForwardInputs::new(&q_rows, k_cache, v_cache)
@@ -294,7 +336,8 @@ impl Device {
         let cu_k = k_offsets.slice(..=batch);
         let seqs = DeviceSeqlens::new(cu_q, cu_k, seqlen_q, seqlen_cache)?
             .with_seqused_k(cache_seqlens)?
-            .with_lse_by_sequence();
+            .with_lse_by_sequence()
+            .with_cache_tiles(tiles);
         let inputs = DeviceForwardInputs {
             sinks,
             ..DeviceForwardInputs::new(&q_rows, &k_rows, &v_rows)

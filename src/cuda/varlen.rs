@@ -9,7 +9,7 @@ use cudarc::driver::{DeviceSlice, SyncOnDrop};
 use super::{
     Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut, DeviceTensorMut,
 };
-use crate::backend::gpu::{PackedRows, PagedKeys};
+use crate::backend::gpu::{CacheTiles, PackedRows, PagedKeys};
 use crate::config::AttentionConfig;
 use crate::dispatch::{self, Plan};
 use crate::error::{CallPart, Error, Operand, Result};
@@ -34,6 +34,8 @@ pub struct DeviceSeqlens<'a> {
     /// The forward's LSE by sequence, `(batch, heads_q, max_seqlen_q)` (a KV cache's), instead
     /// of over the packed rows.
     lse_by_sequence: bool,
+    /// A KV-cache call's tiles on the Hopper forward.
+    cache_tiles: CacheTiles,
 }
 
 /// Where a packed call's keys lie: rows of K and V named by offsets, or a paged KV cache's pages.
@@ -127,6 +129,7 @@ impl<'a> DeviceSeqlens<'a> {
             max_q: max_seqlen_q,
             max_k: max_seqlen_k,
             lse_by_sequence: false,
+            cache_tiles: CacheTiles::default(),
         })
     }
 
@@ -152,6 +155,7 @@ impl<'a> DeviceSeqlens<'a> {
             max_q: max_seqlen_q,
             max_k,
             lse_by_sequence: false,
+            cache_tiles: CacheTiles::default(),
         }
         .with_seqused_k(cache_seqlens)
     }
@@ -160,6 +164,14 @@ impl<'a> DeviceSeqlens<'a> {
     pub(crate) fn with_lse_by_sequence(self) -> Self {
         DeviceSeqlens {
             lse_by_sequence: true,
+            ..self
+        }
+    }
+
+    /// How the Hopper forward runs a KV-cache call's tiles.
+    pub(crate) fn with_cache_tiles(self, cache_tiles: CacheTiles) -> Self {
+        DeviceSeqlens {
+            cache_tiles,
             ..self
         }
     }
@@ -297,6 +309,7 @@ impl<'a> DeviceSeqlens<'a> {
             cu_seqlens_q: cu_q,
             cu_seqlens_k: if self.pages().is_none() { keys } else { 0 },
             lse_by_sequence: self.lse_by_sequence,
+            cache_tiles: self.cache_tiles,
             seqused_k: used_k,
             pages: self.pages().map(|pages| PagedKeys {
                 table: keys,

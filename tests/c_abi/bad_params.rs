@@ -96,7 +96,7 @@ fn bad_strides_and_pointers() {
 #[test]
 fn sizes_and_options_out_of_range() {
     type Edit = fn(&mut flashattn_params_t);
-    let invalid: [(&str, Edit); 33] = [
+    let invalid: [(&str, Edit); 37] = [
         ("zero batch", |p| p.batch = 0),
         ("negative heads", |p| p.heads_q = -4),
         ("heads_q not a multiple of heads_kv", |p| p.heads_kv = 3),
@@ -180,6 +180,13 @@ fn sizes_and_options_out_of_range() {
             *p = packed_params();
             p.lse_by_sequence = 2;
         }),
+        ("pack_gqa 2", |p| p.pack_gqa = 2),
+        ("pack-GQA rows past the maximum", |p| {
+            (p.pack_gqa, p.heads_q, p.heads_kv) = (1, 8, 1);
+            (p.seqlen_q, p.seqlen_k) = ((FLASHATTN_MAX_SEQLEN / 4) as i32, 64);
+        }),
+        ("negative num_splits", |p| p.num_splits = -1),
+        ("257 splits", |p| p.num_splits = 257),
     ];
     for (what, edit) in invalid {
         let mut p = params();
@@ -218,6 +225,18 @@ fn sizes_and_options_out_of_range() {
     );
     for (name, entry) in BACKWARDS {
         expect(name, entry, &p, UNSUPPORTED, "paged backward");
+    }
+    // Pack-GQA and key splits are the sm90 16-bit forward's alone.
+    for (what, edit) in [
+        ("pack-GQA", (|p| p.pack_gqa = 1) as Edit),
+        ("key splits", |p| p.num_splits = 2),
+    ] {
+        let mut p = packed_params();
+        edit(&mut p);
+        expect("fwd_sm80", flashattn_fwd_sm80, &p, UNSUPPORTED, what);
+        for (name, entry) in BACKWARDS {
+            expect(name, entry, &p, UNSUPPORTED, what);
+        }
     }
     let mut p = packed_params();
     p.lse_by_sequence = 1;

@@ -93,6 +93,8 @@ fn params() -> flashattn_params_t {
         sm90_flags: 0,
         num_pages: 0,
         lse_by_sequence: 0,
+        pack_gqa: 0,
+        num_splits: 0,
     }
 }
 

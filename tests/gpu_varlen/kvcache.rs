@@ -3,11 +3,14 @@
 //! its queries over its first `cache_seqlens[b]` cached keys, decoding and a chunk of queries,
 //! GQA, causal / window / softcap, dense caches on both families and paged ones on the Hopper
 //! forward; an empty sequence gives O = 0 and LSE = +inf, the cache's rows past each length take
-//! no weight, and malformed counts and page numbers stay inside the buffers.
+//! no weight, and malformed counts and page numbers stay inside the buffers. On the Hopper
+//! forward also with a KV head's query heads packed as one tile's rows (pack-GQA) and with the
+//! keys split over CTAs and merged.
 
 use cudarc::driver::CudaSlice;
 use flashattn::cuda::{DeviceKvCacheInputs, DeviceTensor, DeviceTensorMut};
 use flashattn::reference::{self, compare};
+use flashattn::unstable::{PackGqa, Sm90Schedule};
 use flashattn::{AttentionConfig, Backend, TensorRef};
 use half::bf16;
 
@@ -29,6 +32,7 @@ struct Call<'a> {
     table: Option<&'a [i32]>,
     lens: &'a [i32],
     sinks: Option<&'a [f32]>,
+    num_splits: usize,
 }
 
 /// `c` on `stream`: O, the LSE `(batch, heads_q, seqlen_q)` and the plan, both outputs poisoned
@@ -66,6 +70,7 @@ fn launch(
             block_table: table.as_ref().map(|t| t.as_view()),
             cache_seqlens: lens.as_view(),
             sinks: sinks_view.as_ref(),
+            num_splits: c.num_splits,
         },
         &mut DeviceTensorMut::contiguous(&mut out, o_shape),
         &mut lse.as_view_mut(),
@@ -98,6 +103,7 @@ fn run(
         table: None,
         lens,
         sinks: None,
+        num_splits: 0,
     };
     launch(&dev, &stream, &call).unwrap_or_else(|e| panic!("{cfg:?}: {e}"))
 }
@@ -237,8 +243,8 @@ fn run_paged(
     (batch, seqlen_q): (usize, usize),
     (num_pages, page_size): (usize, usize),
     (hq, hk, d, dv): (usize, usize, usize, usize),
-    table: &[i32],
-    lens: &[i32],
+    (table, lens): (&[i32], &[i32]),
+    num_splits: usize,
 ) -> flashattn::Result<(Vec<bf16>, Vec<f32>, flashattn::Plan)> {
     let (dev, stream) = device();
     let call = Call {
@@ -251,13 +257,15 @@ fn run_paged(
         table: Some(table),
         lens,
         sinks: None,
+        num_splits,
     };
     launch(&dev, &stream, &call)
 }
 
 /// Pages of 128 and 256 rows (one and two key blocks each) out of order, one page shared by two
 /// sequences, the rows past each length poisoned with large finite keys: each sequence's O and
-/// LSE against the reference over its keys gathered from its pages.
+/// LSE against the reference over its keys gathered from its pages, with the launcher's key
+/// splits and with 3.
 #[test]
 #[ignore = "needs a GPU"]
 fn paged_cache_matches_the_reference_per_sequence() {
@@ -317,20 +325,21 @@ fn paged_case(
             v[at(b, j, dv)..][..hk * dv].fill(bf16::from_f32(30.0));
         }
     }
-    for cfg in [
+    let cfgs = [
         AttentionConfig::new(),
         AttentionConfig::new().causal(true),
         AttentionConfig::new().window(Some(50), Some(0)),
         AttentionConfig::new().causal(true).softcap(20.0),
-    ] {
+    ];
+    for (cfg, splits) in cfgs.iter().flat_map(|c| [(c, 0), (c, 3)]) {
         let (out, lse, plan) = run_paged(
-            &cfg,
+            cfg,
             (&q, &k, &v),
             (batch, seqlen_q),
             (num_pages, page_size),
             (hq, hk, d, dv),
-            &table,
-            lens,
+            (&table, lens),
+            splits,
         )
         .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
         for (b, &len) in lens.iter().enumerate() {
@@ -340,11 +349,11 @@ fn paged_case(
                     .collect()
             };
             let what = format!(
-                "{cfg:?} ({}) ({d}, {dv}) pages of {page_size}, sequence {b}",
+                "{cfg:?} ({}) ({d}, {dv}) pages of {page_size}, {splits} splits, sequence {b}",
                 plan.explain()
             );
             failures.extend(check_sequence(
-                &cfg,
+                cfg,
                 &what,
                 Outputs {
                     out: &out,
@@ -374,18 +383,20 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
     let cfg = AttentionConfig::new().causal(true);
     // Two pages per sequence: every sequence with keys reads a page number out of range.
     let table = [1, -7, 2, 99, i32::MAX, 0];
-    let (out, lse, _) = run_paged(
-        &cfg,
-        (&q, &k, &k),
-        (batch, 2),
-        (num_pages, 128),
-        (hq, hk, d, d),
-        &table,
-        &[300, 200, i32::MAX],
-    )
-    .unwrap();
-    assert!(out.iter().all(|x| x.is_finite()), "O");
-    assert!(lse.iter().all(|x| !x.is_nan()), "LSE");
+    for splits in [0, 5] {
+        let (out, lse, _) = run_paged(
+            &cfg,
+            (&q, &k, &k),
+            (batch, 2),
+            (num_pages, 128),
+            (hq, hk, d, d),
+            (&table, &[300, 200, i32::MAX]),
+            splits,
+        )
+        .unwrap();
+        assert!(out.iter().all(|x| x.is_finite()), "O, {splits} splits");
+        assert!(lse.iter().all(|x| !x.is_nan()), "LSE, {splits} splits");
+    }
     let small = random(num_pages * 2 * 64 * hk * d, &mut rng);
     let refused = run_paged(
         &cfg,
@@ -393,8 +404,8 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
         (batch, 2),
         (num_pages * 2, 64),
         (hq, hk, d, d),
-        &table,
-        &[1, 2, 3],
+        (&table, &[1, 2, 3]),
+        0,
     );
     assert!(
         matches!(refused, Err(flashattn::Error::Unsupported { .. })),
@@ -406,8 +417,8 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
         (batch, 2),
         (num_pages, 128),
         (hq, hk, d, d),
-        &table[..5],
-        &[1, 2, 3],
+        (&table[..5], &[1, 2, 3]),
+        0,
     );
     assert!(
         matches!(refused, Err(flashattn::Error::InvalidPageTable(_))),
@@ -442,6 +453,7 @@ fn dense_call(
         table: None,
         lens,
         sinks,
+        num_splits: 0,
     };
     let (out, lse, _) = launch(dev, stream, &call).unwrap();
     (out, lse)
@@ -520,4 +532,143 @@ fn sinks_rescale_each_sequence_by_its_heads() {
             }
         }
     }
+}
+
+/// Pack-GQA and key splits on the Hopper forward: 8 query heads per KV head, decoding and
+/// chunks of 3 and 40 queries (packed tiles of 24 and 320 rows: several per KV head, paired
+/// under a mask), every mask; packing off and on, key splits none, the launcher's, 5, and 256
+/// (more than a sequence's key blocks: empty ranges). Each sequence against the reference, and
+/// packing alone (no splits) changes no bit of O or the LSE.
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn pack_gqa_and_key_splits_match_the_reference() {
+    let (hq, hk, d, entries) = (16, 2, 128, 5);
+    let lens = [0, 1, 257, 300, 130];
+    let batch = lens.len();
+    let mut rng = rand::SeedableRng::seed_from_u64(44);
+    let mut failures = vec![];
+    let entry = SEQLEN_CACHE * hk * d;
+    let mut k: Vec<bf16> = random(entries * entry, &mut rng);
+    let mut v: Vec<bf16> = random(entries * entry, &mut rng);
+    for (b, &len) in lens.iter().enumerate() {
+        for x in [&mut k, &mut v] {
+            x[b * entry + len as usize * hk * d..(b + 1) * entry].fill(bf16::from_f32(30.0));
+        }
+    }
+    let (dev, stream) = device();
+    for seqlen_q in [1, 3, 40] {
+        let q: Vec<bf16> = random(batch * seqlen_q * hq * d, &mut rng);
+        for cfg in [
+            AttentionConfig::new(),
+            AttentionConfig::new().causal(true),
+            AttentionConfig::new().window(Some(50), Some(0)),
+            AttentionConfig::new().causal(true).softcap(20.0),
+        ] {
+            let mut unpacked = None;
+            for (pack_gqa, num_splits) in [
+                (PackGqa::Off, 1),
+                (PackGqa::On, 1),
+                (PackGqa::On, 0),
+                (PackGqa::On, 5),
+                (PackGqa::Off, 3),
+                (PackGqa::On, 256),
+            ] {
+                let cfg = cfg
+                    .clone()
+                    .backend(Backend::Sm90)
+                    .sm90_schedule(Sm90Schedule {
+                        pack_gqa,
+                        ..Sm90Schedule::default()
+                    });
+                let call = Call {
+                    cfg: cfg.clone(),
+                    q: &q,
+                    q_shape: [batch, seqlen_q, hq, d],
+                    kv: (&k, &v),
+                    cache: [entries, SEQLEN_CACHE, hk, d],
+                    dv: d,
+                    table: None,
+                    lens: &lens,
+                    sinks: None,
+                    num_splits,
+                };
+                let (out, lse, _) = launch(&dev, &stream, &call)
+                    .unwrap_or_else(|e| panic!("{cfg:?} {num_splits} splits: {e}"));
+                let what = format!("{cfg:?}, {num_splits} splits");
+                if num_splits == 1 {
+                    match &unpacked {
+                        None => unpacked = Some((out.clone(), lse.clone())),
+                        Some((o, l)) => {
+                            let same = |a: &[bf16], b: &[bf16]| {
+                                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+                            };
+                            let same_lse = |a: &[f32], b: &[f32]| {
+                                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+                            };
+                            if !same(&out, o) || !same_lse(&lse, l) {
+                                failures.push(format!("{what} ({seqlen_q} queries): packed bits"));
+                            }
+                        }
+                    }
+                }
+                for (b, &len) in lens.iter().enumerate() {
+                    let keys = |x: &[bf16]| x[b * entry..][..len as usize * hk * d].to_vec();
+                    failures.extend(check_sequence(
+                        &cfg,
+                        &format!("{what}, sequence {b}"),
+                        Outputs {
+                            out: &out,
+                            lse: &lse,
+                        },
+                        b,
+                        (seqlen_q, hq, hk, d, d),
+                        &q,
+                        (&keys(&k), &keys(&v)),
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Pack-GQA with key splits over cached key counts out of range (clamped): every access stays
+/// inside the buffers (run under memcheck), and too many splits are a typed error.
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sanitizer_kvcache_packed_and_split_stay_in_bounds() {
+    let (hq, hk, d, entries, batch, seqlen_q) = (8, 2, 64, 3, 3, 3);
+    let mut rng = rand::SeedableRng::seed_from_u64(45);
+    let q: Vec<bf16> = random(batch * seqlen_q * hq * d, &mut rng);
+    let k: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
+    let (dev, stream) = device();
+    let cfg = AttentionConfig::new()
+        .causal(true)
+        .sm90_schedule(Sm90Schedule {
+            pack_gqa: PackGqa::On,
+            ..Sm90Schedule::default()
+        });
+    let mut call = Call {
+        cfg,
+        q: &q,
+        q_shape: [batch, seqlen_q, hq, d],
+        kv: (&k, &k),
+        cache: [entries, SEQLEN_CACHE, hk, d],
+        dv: d,
+        table: None,
+        lens: &[-5, SEQLEN_CACHE as i32 + 1000, i32::MAX],
+        sinks: None,
+        num_splits: 7,
+    };
+    let (out, lse, _) = launch(&dev, &stream, &call).unwrap();
+    assert!(out.iter().all(|x| x.is_finite()), "O");
+    assert!(lse.iter().all(|x| !x.is_nan()), "LSE");
+    call.num_splits = 257;
+    assert!(
+        matches!(
+            launch(&dev, &stream, &call),
+            Err(flashattn::Error::InvalidConfig(_))
+        ),
+        "257 splits"
+    );
 }
