@@ -48,6 +48,9 @@ typedef enum {
   FLASHATTN_SM90_MASKED_TILE = 8,
   FLASHATTN_SM90_NO_SPLIT_TAIL = 16,     // the last partial wave's tiles run whole (fwd_tail.h)
   FLASHATTN_SM90_SPLIT_TAIL_ALWAYS = 32, // split it wherever it can be, paying or not
+  // With num_splits 0, key splits where the launcher predicts they pay (where the tail split does
+  // not apply and the tiles leave SMs idle): a KV cache's decoding.
+  FLASHATTN_SM90_PLAN_KEY_SPLITS = 64,
 } flashattn_sm90_flag_t;
 
 // Longest sequence (queries or keys) a call takes: the kernels number rows and blocks with 32-bit
@@ -172,14 +175,16 @@ typedef struct {
   // Pack-GQA (1; 0 = off; the sm90 16-bit forward only, FLASHATTN_UNSUPPORTED elsewhere): a
   // tile's rows are (query row, query head) pairs over the heads_q / heads_kv query heads of one
   // KV head, so that few query rows (a decode step's) still fill a tile and each K/V block is
-  // read once per KV head, not once per query head. The results are the same. Query rows times
-  // that group must stay below FLASHATTN_MAX_SEQLEN (else FLASHATTN_INVALID_ARGUMENT).
+  // read once per KV head, not once per query head. The results are the same. The tensors' query
+  // rows times that group must be at most FLASHATTN_MAX_SEQLEN (else
+  // FLASHATTN_INVALID_ARGUMENT).
   int32_t pack_gqa;
-  // Key splits (split-KV) of the sm90 16-bit forward: 0 lets the launcher choose (where a
-  // call's tiles leave SMs idle), 1 runs every tile whole, n in 2 .. 256 cuts each tile's key
-  // blocks into n ranges (fewer where it has fewer blocks: the rest are empty) computed apart
-  // and merged by their LSE, with f32 partial results in a workspace taken and given back in
-  // stream order. Elsewhere 0 or 1 (else FLASHATTN_UNSUPPORTED); outside 0 .. 256 invalid.
+  // Key splits (split-KV) of the sm90 16-bit forward: 0 none (but the tail split, and with
+  // FLASHATTN_SM90_PLAN_KEY_SPLITS the launcher's choice), 1 every tile whole (no tail split
+  // either), n in 2 .. 256 each tile's key blocks cut into n ranges (at most the longest
+  // sequence's key blocks, and fewer where their f32 partial results would pass 1 GiB) computed
+  // apart and merged by their LSE, the partials in a workspace taken and given back in stream
+  // order. Elsewhere 0 or 1 (else FLASHATTN_UNSUPPORTED); outside 0 .. 256 invalid.
   int32_t num_splits;
 } flashattn_params_t;
 

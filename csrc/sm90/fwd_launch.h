@@ -247,21 +247,21 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
     }
     if (schedule == nullptr) params.num_tiles = int(padded_tiles);
   }
-  // Key splits: the caller's count, or where the tail split does not apply, the planned one;
-  // without their workspace (out of memory, say) the call runs unsplit.
+  // Key splits: the caller's count, or asked to plan them, where the tail split does not apply,
+  // the planned one. No more than the longest sequence's key blocks, nor partials past
+  // kMaxSplitBytes; without their workspace (out of memory, say) the call runs unsplit.
+  const int blocks = (params.seqs.max_k + Traits::kBlockN - 1) / Traits::kBlockN;
   int splits = p.num_splits;
-  if (splits == 0) {
-    const int blocks = (params.seqs.max_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    splits = kPackable && !(equal_tiles && params.group == 1)
-                 ? plan_splits(params.num_tiles, blocks, p.sm_count)
-                 : 1;
-  }
-  if (splits > 1) {
+  if (splits == 0 && (p.sm90_flags & FLASHATTN_SM90_PLAN_KEY_SPLITS) &&
+      !(equal_tiles && params.group == 1))
+    splits = plan_splits(params.num_tiles, blocks, p.sm_count);
+  if (splits > blocks) splits = blocks;
+  const int64_t slot_bytes = tail_slot_floats(Traits::kHeadDimV) * sizeof(float);
+  while (splits > 1 && int64_t(params.num_tiles) * splits * slot_bytes > kMaxSplitBytes) --splits;
+  if (kPackable && splits > 1) {
     const int64_t units = int64_t(params.num_tiles) * splits;
-    const size_t bytes = size_t(units) * tail_slot_floats(Traits::kHeadDimV) * sizeof(float);
-    if (units <= INT32_MAX &&
-        workspace_alloc(reinterpret_cast<void**>(&params.split_partials), bytes, stream) ==
-            cudaSuccess) {
+    if (workspace_alloc(reinterpret_cast<void**>(&params.split_partials),
+                        size_t(units * slot_bytes), stream) == cudaSuccess) {
       params.num_splits = splits;
       params.num_tiles = int(units);
       params.tiles_per_unit = 1;

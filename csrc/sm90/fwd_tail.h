@@ -87,6 +87,8 @@ inline FwdTail plan_tail(int tiles, int blocks, int ctas, bool always) {
 // than the next fewer splits' ranges) considered.
 constexpr int kMaxSplits = 128;
 constexpr int kSplitFill = 85;
+// The most f32 partial results key splits may take (a call asking for more gets fewer splits).
+constexpr int64_t kMaxSplitBytes = int64_t(1) << 30;
 
 inline int plan_splits(int64_t tiles, int blocks, int ctas) {
   if (tiles <= 0 || ctas <= 0 || tiles * 5 >= int64_t(ctas) * 4 || blocks <= 1) return 1;

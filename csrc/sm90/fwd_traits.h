@@ -188,7 +188,7 @@ struct FwdParams {
   int64_t q_batch_stride, q_row_stride, q_head_stride;
   // Split-KV (the partial-results kernel only): each tile's key blocks cut into num_splits
   // ranges, work unit tile·num_splits + split, whose O and LSE go in f32 to slot unit of
-  // split_partials (tail_slot_floats each; fwd_split_merge.h merges them). 1: none.
+  // split_partials (tail_slot_floats each; fwd_merge.h merges them). 1: none.
   int num_splits;
   float* split_partials;
 

@@ -46,11 +46,12 @@ pub(crate) struct PackedRows {
 
 /// How the Hopper 16-bit forward runs a KV-cache call's tiles (the C ABI's `pack_gqa` and
 /// `num_splits`): the query heads of a KV head's group as the rows of one tile, and the key
-/// blocks cut into `num_splits` ranges (0: the launcher's choice).
+/// blocks cut into `num_splits` ranges (`Some(0)`: as many as the launcher plans; `None`: none,
+/// as every call but a KV cache's).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct CacheTiles {
     pub pack_gqa: bool,
-    pub num_splits: usize,
+    pub num_splits: Option<usize>,
 }
 
 /// A paged KV cache as the C ABI takes it: the page table's device address, its row stride
@@ -200,7 +201,11 @@ pub(crate) fn forward(
     // Only the Hopper 16-bit forward has them; the others run the same call without.
     if let (Backend::Sm90, Some(rows)) = (backend, packed) {
         p.pack_gqa = rows.cache_tiles.pack_gqa as i32;
-        p.num_splits = rows.cache_tiles.num_splits as i32;
+        match rows.cache_tiles.num_splits {
+            None => {}
+            Some(0) => p.sm90_flags |= ffi::FLASHATTN_SM90_PLAN_KEY_SPLITS,
+            Some(n) => p.num_splits = n as i32,
+        }
     }
     // SAFETY: every pointer was taken from a live cudarc buffer whose guard outlives this call,
     // and its layout was checked against the buffer length.

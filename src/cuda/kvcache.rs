@@ -46,7 +46,9 @@ pub struct DeviceKvCacheInputs<'a, T> {
     /// Key splits (split-KV) of the Hopper forward: each tile's keys cut into this many ranges
     /// computed on different SMs and merged by their LSE, as flash-attn's `num_splits`. 0 lets
     /// the launcher choose (splits where the tiles would leave SMs idle: small batches of long
-    /// caches), 1 runs every tile whole; at most 256 (else `Error::InvalidConfig`). The Ampere
+    /// caches), 1 runs every tile whole; at most 256 (else `Error::InvalidConfig`), and no more
+    /// than the cache's key blocks (128 keys at d128). Splits need the forward with
+    /// intra-warpgroup overlap (the default schedule; else `Error::Unsupported`). The Ampere
     /// backend runs every tile whole (more than one split asked of `Backend::Sm80` is
     /// `Error::Unsupported`).
     pub num_splits: usize,
@@ -183,7 +185,7 @@ fn cache_tiles(
     let schedule = &cfg.sm90_schedule;
     Ok(CacheTiles {
         pack_gqa: schedule.intra_wg_overlap && schedule.pack_gqa.packs(seqlen_q, group),
-        num_splits,
+        num_splits: Some(num_splits),
     })
 }
 
