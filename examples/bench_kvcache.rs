@@ -8,9 +8,10 @@
 //! cache in pages of P rows, each sequence's pages scattered over the cache by its block table.
 //! `--splits N` asks for N key splits (`DeviceKvCacheInputs::num_splits`; default 0, the
 //! launcher's choice), `--no-pack` runs each query head's row in a tile of its own
-//! (`PackGqa::Off`; by default a KV head's 8 query heads share one).
+//! (`PackGqa::Off`; by default a KV head's 8 query heads share one). `--shape B,C` times batch B
+//! at cache C alone (for profilers).
 //!
-//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--no-pack] --out kvcache.json`
+//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--no-pack] [--shape B,C] --out kvcache.json`
 
 mod common;
 
@@ -50,10 +51,17 @@ fn main() {
     let num_splits: usize = args
         .value("--splits")
         .map_or(0, |n| n.parse().expect("--splits N"));
+    let shape: Option<(usize, usize)> = args.value("--shape").map(|v| {
+        let (b, c) = v.split_once(',').expect("--shape B,C");
+        (
+            b.parse().expect("--shape B,C"),
+            c.parse().expect("--shape B,C"),
+        )
+    });
     let mut rows = vec![];
     for batch in [1usize, 8, 32, 128] {
         for cache in [1024usize, 8192, 32768, 131072] {
-            if batch * cache > 1 << 22 {
+            if batch * cache > 1 << 22 || shape.is_some_and(|s| s != (batch, cache)) {
                 continue;
             }
             let kv_elems = batch * cache * HEADS_KV * D;

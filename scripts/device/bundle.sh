@@ -28,7 +28,7 @@ cp scripts/device/run.sh scripts/device/profile.sh \
   scripts/device/torch_step.py benchmarks/compare_torch.py benchmarks/varlen_peers.py \
   benchmarks/peers_common.py benchmarks/compare_torch_bench.py benchmarks/varlen_peers_shapes.py \
   benchmarks/varlen_peers_torch.py benchmarks/varlen_peers_cudnn.py benchmarks/table.py \
-  benchmarks/peers_sustained.py benchmarks/peers_fa3_fp8.py .device/
+  benchmarks/peers_sustained.py benchmarks/peers_fa3_fp8.py benchmarks/decode_peers_torch.py .device/
 git rev-parse --short HEAD > .device/COMMIT
 git diff --quiet HEAD -- src csrc tests benches examples build.rs || echo "+dirty" >> .device/COMMIT
 ls -la .device/bin
