@@ -92,15 +92,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // Cross-tile overlap: the tile whose last P·V is not issued yet (its P is in tOrP).
   bool pending = false;
   WorkTile pending_tile{};
-  // A warpgroup whose rows all lie past its tile's (pack-GQA decoding: 8 rows of 128) is idle:
-  // it waits for and releases every stage and takes every ping-pong turn as if it computed
-  // (the pipelines and the turns count on it) but issues no GEMM and runs no softmax; its
-  // epilogue stores none of its rows. The partial-results kernel's alone.
-  bool pending_idle = false;
   auto finish_pending = [&]() FLASHATTN_INLINE {
     smem.pipe_v.consumer_wait(st_v);
     ml.turn_wait();
-    if (!pending_idle) ml.gemm_pv(st_v.index);
+    ml.gemm_pv(st_v.index);
     ml.turn_pass();
     warpgroup_wait<0>();
     smem.pipe_v.consumer_release(st_v);
@@ -115,7 +110,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll 1
   for (FwdTileScheduler<Traits, kPartials> walk{params}; walk.next(t);) {
     const int row0 = t.m_block * Traits::kBlockM + wg * kRowsPerWG;  // first query row of this WG
-    const bool idle = kPackable && row0 >= t.rows;
     ml.begin_tile(t);
 
     if (t.n_blocks() == 0) {  // no key for any row: O = 0, LSE = +inf
@@ -131,7 +125,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     smem.pipe_q.consumer_wait(st_q);
     if constexpr (kPackable) {
-      if (params.group > 1 && !idle) gather_packed_q(params, t, smem, wg, tid, st_q.index);
+      if (params.group > 1) gather_packed_q(params, t, smem, wg, tid, st_q.index);
     }
     if constexpr (!Traits::kIntraWGOverlap) {
       fwd_serial_tile(ml, epilogue, smem, st_q, st_k, st_v, t, row0);
@@ -153,19 +147,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (pending) {
       smem.pipe_v.consumer_wait(st_v);
       ml.turn_wait();
-      if (!idle) ml.gemm_qk(st_q.index, st_k.index);
-      if (!pending_idle) ml.gemm_pv(st_v.index);
+      ml.gemm_qk(st_q.index, st_k.index);
+      ml.gemm_pv(st_v.index);
       ml.turn_pass();
-      // S is ready: with the P·V in flight, the group before it is; without, every group.
-      if (pending_idle) {
-        warpgroup_wait<0>();
-      } else {
-        warpgroup_wait<1>();
-      }
+      warpgroup_wait<1>();
       float inv_sum[kRows], lse[kRows];
       ml.finalize(inv_sum, lse);  // the tile before: all keys seen
       release_k_first();
-      if (!idle) ml.template softmax_step<false>(t.n_max - 1, row0, first);
+      ml.template softmax_step<false>(t.n_max - 1, row0, first);
       warpgroup_wait<0>();
       smem.pipe_v.consumer_release(st_v);
       st_v.advance();
@@ -173,11 +162,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       pending = false;
     } else {
       ml.turn_wait();
-      if (!idle) ml.gemm_qk(st_q.index, st_k.index);
+      ml.gemm_qk(st_q.index, st_k.index);
       ml.turn_pass();
       warpgroup_wait<0>();
       release_k_first();
-      if (!idle) ml.template softmax_step<false>(t.n_max - 1, row0, first);
+      ml.template softmax_step<false>(t.n_max - 1, row0, first);
     }
     clear(ml.tOrO);
     ml.convert_p();
@@ -189,10 +178,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       smem.pipe_k.consumer_wait(st_k);
       smem.pipe_v.consumer_wait(st_v);
       ml.turn_wait();
-      if (!idle) {
-        ml.gemm_qk(st_q.index, st_k.index);
-        ml.gemm_pv(st_v.index);
-      }
+      ml.gemm_qk(st_q.index, st_k.index);
+      ml.gemm_pv(st_v.index);
       ml.turn_pass();
       warpgroup_wait<1>();  // S of block n is ready; P·V of the previous block still runs
       smem.pipe_k.consumer_release(st_k);
@@ -201,7 +188,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         smem.pipe_q.consumer_release(st_q);  // tile's Q
         st_q.advance();
       }
-      if (!idle) ml.template softmax_step<kPlain>(n, row0, scales);
+      ml.template softmax_step<kPlain>(n, row0, scales);
       warpgroup_wait<0>();
       smem.pipe_v.consumer_release(st_v);
       st_v.advance();
@@ -233,7 +220,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     pending = true;
     pending_tile = t;
-    pending_idle = idle;
     if constexpr (!Traits::kCrossTileOverlap) finish_pending();
   }
   if (pending) finish_pending();

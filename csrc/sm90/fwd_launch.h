@@ -20,7 +20,8 @@
 
 namespace flashattn::sm90 {
 
-template <class Traits> struct PartialsTag {};  // allow_dynamic_smem's record of fwd_kernel<_, true>
+// allow_dynamic_smem's record of the partial-results kernel (fwd_kernel<_, true>).
+template <class Traits> struct PartialsTag {};
 
 // A launch that may start before the kernel ahead of it in the stream ends (grid_dependency.h).
 template <class... Params>

@@ -21,27 +21,33 @@ namespace flashattn::sm90 {
 
 constexpr int kMergeThreads = 256;
 
-// One row's 4 columns over its parts, in any order.
+// One row's 4 columns over `count` parts in consecutive slots from `first` (tail_slot_floats
+// of kHeadDim each): row `row`, columns 4·chunk on. Two passes, the LSE maximum and then the
+// weighted sum, each over loads that do not wait for one another (unrolled): one running
+// maximum would chain every part's load behind the last one's arithmetic, and the merge of many
+// key splits would wait out one memory latency per split.
+template <int kHeadDim>
 struct RowMerge {
   float max_lse = -INFINITY, sum = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 
-  // The part in `slot` (tail_slot_floats(kHeadDim) floats): row `row`, columns 4·chunk on.
-  template <int kHeadDim>
-  __device__ void add(const float* slot, int row, int chunk) {
-    const float lse = slot[kTailRows * kHeadDim + row];
-    const float4 o = *reinterpret_cast<const float4*>(slot + row * kHeadDim + chunk * 4);
-    if (lse == INFINITY) {
-      acc.x += o.x, acc.y += o.y, acc.z += o.z, acc.w += o.w;
-      return;
+  __device__ RowMerge(const float* first, int count, int row, int chunk) {
+    constexpr int64_t kSlot = tail_slot_floats(kHeadDim);
+    const float* lse_at = first + kTailRows * kHeadDim + row;
+#pragma unroll 8
+    for (int p = 0; p < count; ++p) {
+      const float lse = lse_at[p * kSlot];
+      if (lse != INFINITY) max_lse = fmaxf(max_lse, lse);  // NaN: it passes on below
     }
-    if (lse > max_lse) {  // rescale what came before to the new maximum
-      const float r = expf(max_lse - lse);
-      acc.x *= r, acc.y *= r, acc.z *= r, acc.w *= r, sum *= r;
-      max_lse = lse;
+#pragma unroll 8
+    for (int p = 0; p < count; ++p) {
+      const float lse = lse_at[p * kSlot];
+      const float4 o = *reinterpret_cast<const float4*>(first + p * kSlot + row * kHeadDim +
+                                                        chunk * 4);
+      const float w = lse == INFINITY ? 1.f : expf(lse - max_lse);  // +inf: O is 0 (or NaN)
+      acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w;
+      if (lse != INFINITY) sum += w;
     }
-    const float w = expf(lse - max_lse);
-    acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w, sum += w;
   }
   // The merged columns, in Out, and the row's LSE.
   template <class Out>
@@ -79,17 +85,17 @@ __global__ void __launch_bounds__(kMergeThreads) fwd_tail_merge(const TailMergeP
   const int q_row = m_block * kTailRows + row;
   if (q_row >= p.seqlen_q) return;
 
-  RowMerge m;
-  const int last = s.owner((k + 1) * s.blocks - 1);
-  for (int c = s.owner(k * s.blocks); c <= last; ++c)
-    m.add<kHeadDim>(s.partials + s.slot(c, k) * tail_slot_floats(kHeadDim), row, chunk);
+  // Pieces of consecutive CTAs: consecutive slots (FwdTail::slot).
+  const int c0 = s.owner(k * s.blocks), c1 = s.owner((k + 1) * s.blocks - 1);
+  const RowMerge<kHeadDim> m(s.partials + s.slot(c0, k) * tail_slot_floats(kHeadDim),
+                             c1 - c0 + 1, row, chunk);
   Out* o_row = p.o + (bh / p.heads_q) * p.o_batch_stride + (bh % p.heads_q) * p.o_head_stride +
                q_row * p.o_row_stride;
-  *reinterpret_cast<cutlass::Array<Out, 4>*>(o_row + chunk * 4) = m.o<Out>();
+  *reinterpret_cast<cutlass::Array<Out, 4>*>(o_row + chunk * 4) = m.template o<Out>();
   if (chunk == 0) p.lse[int64_t(bh) * p.seqlen_q + q_row] = m.lse();
 }
 
-// The key splits' merge: tile k's splits are slots k·num_splits .. k·num_splits + num_splits − 1
+// The key splits' merge: tile k's splits are the num_splits slots from k·num_splits on
 // (decode_tile), its rows go where the whole tile's would (packed_out_row with pack-GQA).
 template <class Traits, class Out>
 __global__ void __launch_bounds__(kMergeThreads)
@@ -106,10 +112,8 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int tile_row = t.m_block * Traits::kBlockM + row;
   if (tile_row >= t.rows) return;
 
-  RowMerge m;
-  for (int s = 0; s < p.num_splits; ++s)
-    m.add<kHeadDim>(p.split_partials + (k * p.num_splits + s) * tail_slot_floats(kHeadDim), row,
-                    chunk);
+  const RowMerge<kHeadDim> m(p.split_partials + k * p.num_splits * tail_slot_floats(kHeadDim),
+                             p.num_splits, row, chunk);
   Out* o = static_cast<Out*>(p.o);
   float* lse;
   if (p.group > 1) {
@@ -121,7 +125,7 @@ __global__ void __launch_bounds__(kMergeThreads)
          int64_t(t.head) * p.o_head_stride;
     lse = p.lse + p.seqs.lse_offset(t.seq, t.head, p.heads_q, p.seqlen_q) + tile_row;
   }
-  *reinterpret_cast<cutlass::Array<Out, 4>*>(o + chunk * 4) = m.o<Out>();
+  *reinterpret_cast<cutlass::Array<Out, 4>*>(o + chunk * 4) = m.template o<Out>();
   if (chunk == 0) *lse = m.lse();
 }
 
