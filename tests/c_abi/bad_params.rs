@@ -182,8 +182,17 @@ fn sizes_and_options_out_of_range() {
         }),
         ("pack_gqa 2", |p| p.pack_gqa = 2),
         ("pack-GQA rows past the maximum", |p| {
+            // Well-formed operands (2^28 query rows of 8 heads, 64 keys of one), so that the
+            // rows times the group of 8 alone pass the bound.
+            let rows = (FLASHATTN_MAX_SEQLEN / 4) as i64;
+            for t in [&mut p.q, &mut p.o, &mut p.dout, &mut p.dq] {
+                *t = packed(t.ptr, rows, 8, 64);
+            }
+            for t in [&mut p.k, &mut p.v, &mut p.dk, &mut p.dv] {
+                *t = packed(t.ptr, 64, 1, 64);
+            }
             (p.pack_gqa, p.heads_q, p.heads_kv) = (1, 8, 1);
-            (p.seqlen_q, p.seqlen_k) = ((FLASHATTN_MAX_SEQLEN / 4) as i32, 64);
+            (p.seqlen_q, p.seqlen_k) = (rows as i32, 64);
         }),
         ("negative num_splits", |p| p.num_splits = -1),
         ("257 splits", |p| p.num_splits = 257),
