@@ -109,6 +109,7 @@ fn run(
 }
 
 /// A call's O `(batch, seqlen_q, hq, dv)` and LSE `(batch, hq, seqlen_q)`.
+#[derive(Clone, Copy)]
 struct Outputs<'a> {
     out: &'a [bf16],
     lse: &'a [f32],
@@ -155,6 +156,46 @@ fn check_sequence(
     .collect()
 }
 
+/// Rows past each sequence's length in a dense cache of `SEQLEN_CACHE` rows of `row` elements
+/// (K and V alike): large finite keys, which attended to would move O far from the reference (the
+/// kernels' block loads read them, finite as the contract asks, and weigh them 0).
+fn poison_past_lengths(cache: [&mut Vec<bf16>; 2], lens: &[i32], row: usize) {
+    let entry = SEQLEN_CACHE * row;
+    for x in cache {
+        for (b, &len) in lens.iter().enumerate() {
+            x[b * entry + len as usize * row..(b + 1) * entry].fill(bf16::from_f32(30.0));
+        }
+    }
+}
+
+/// Every sequence of a dense-cache call (V's head dim Q's) against the reference over its
+/// entry's first `lens[b]` keys ([`check_sequence`]): the failures, each led by `what`.
+fn check_dense_cache(
+    cfg: &AttentionConfig,
+    what: &str,
+    got: Outputs<'_>,
+    lens: &[i32],
+    (seqlen_q, hq, hk, d): (usize, usize, usize, usize),
+    q: &[bf16],
+    (k, v): (&[bf16], &[bf16]),
+) -> Vec<String> {
+    let entry = SEQLEN_CACHE * hk * d;
+    let mut failures = vec![];
+    for (b, &len) in lens.iter().enumerate() {
+        let keys = |x: &[bf16]| x[b * entry..][..len as usize * hk * d].to_vec();
+        failures.extend(check_sequence(
+            cfg,
+            &format!("{what}, sequence {b}"),
+            got,
+            b,
+            (seqlen_q, hq, hk, d, d),
+            q,
+            (&keys(k), &keys(v)),
+        ));
+    }
+    failures
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn dense_cache_matches_the_reference_per_sequence() {
@@ -166,15 +207,7 @@ fn dense_cache_matches_the_reference_per_sequence() {
         let q: Vec<bf16> = random(batch * seqlen_q * hq * d, &mut rng);
         let mut k: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
         let mut v: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
-        // Rows past each sequence's length: attending to one would move O far from the
-        // reference (the kernels' block loads read them, finite as the contract asks, and
-        // weigh them 0).
-        let entry = SEQLEN_CACHE * hk * d;
-        for (b, &len) in lens.iter().enumerate() {
-            for x in [&mut k, &mut v] {
-                x[b * entry + len as usize * hk * d..(b + 1) * entry].fill(bf16::from_f32(30.0));
-            }
-        }
+        poison_past_lengths([&mut k, &mut v], &lens, hk * d);
         for backend in [Backend::Auto, Backend::Sm80] {
             for cfg in [
                 AttentionConfig::new(),
@@ -190,23 +223,18 @@ fn dense_cache_matches_the_reference_per_sequence() {
                     (hq, hk, d),
                     &lens,
                 );
-                for (b, &len) in lens.iter().enumerate() {
-                    let len = len as usize;
-                    let keys = |x: &[bf16]| x[b * entry..][..len * hk * d].to_vec();
-                    let what = format!("{cfg:?} ({}) sequence {b}", plan.explain());
-                    failures.extend(check_sequence(
-                        &cfg,
-                        &what,
-                        Outputs {
-                            out: &out,
-                            lse: &lse,
-                        },
-                        b,
-                        (seqlen_q, hq, hk, d, d),
-                        &q,
-                        (&keys(&k), &keys(&v)),
-                    ));
-                }
+                failures.extend(check_dense_cache(
+                    &cfg,
+                    &format!("{cfg:?} ({})", plan.explain()),
+                    Outputs {
+                        out: &out,
+                        lse: &lse,
+                    },
+                    &lens,
+                    (seqlen_q, hq, hk, d),
+                    &q,
+                    (&k, &v),
+                ));
             }
         }
     }
@@ -555,14 +583,9 @@ fn packed_case(d: usize) -> Vec<String> {
     let batch = lens.len();
     let mut rng = rand::SeedableRng::seed_from_u64(44 + d as u64);
     let mut failures = vec![];
-    let entry = SEQLEN_CACHE * hk * d;
-    let mut k: Vec<bf16> = random(entries * entry, &mut rng);
-    let mut v: Vec<bf16> = random(entries * entry, &mut rng);
-    for (b, &len) in lens.iter().enumerate() {
-        for x in [&mut k, &mut v] {
-            x[b * entry + len as usize * hk * d..(b + 1) * entry].fill(bf16::from_f32(30.0));
-        }
-    }
+    let mut k: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
+    let mut v: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
+    poison_past_lengths([&mut k, &mut v], &lens, hk * d);
     let (dev, stream) = device();
     for seqlen_q in [1, 3, 40] {
         let q: Vec<bf16> = random(batch * seqlen_q * hq * d, &mut rng);
@@ -619,21 +642,18 @@ fn packed_case(d: usize) -> Vec<String> {
                         }
                     }
                 }
-                for (b, &len) in lens.iter().enumerate() {
-                    let keys = |x: &[bf16]| x[b * entry..][..len as usize * hk * d].to_vec();
-                    failures.extend(check_sequence(
-                        &cfg,
-                        &format!("{what}, sequence {b}"),
-                        Outputs {
-                            out: &out,
-                            lse: &lse,
-                        },
-                        b,
-                        (seqlen_q, hq, hk, d, d),
-                        &q,
-                        (&keys(&k), &keys(&v)),
-                    ));
-                }
+                failures.extend(check_dense_cache(
+                    &cfg,
+                    &what,
+                    Outputs {
+                        out: &out,
+                        lse: &lse,
+                    },
+                    &lens,
+                    (seqlen_q, hq, hk, d),
+                    &q,
+                    (&k, &v),
+                ));
             }
         }
     }
