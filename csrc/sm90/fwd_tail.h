@@ -78,8 +78,9 @@ inline FwdTail plan_tail(int tiles, int blocks, int ctas, bool always) {
   return s;
 }
 
-// Key splits (FwdParams::num_splits), where the tail split does not apply (packed batches, a
-// KV cache's decoding, pack-GQA): each tile's key blocks are cut into equal ranges run as units
+// Key splits (FwdParams::num_splits), planned where the caller asks for them (a KV cache's
+// calls: FLASHATTN_SM90_PLAN_KEY_SPLITS) and the tail split does not apply: each tile's key
+// blocks are cut into equal ranges run as units
 // of their own, and a last pass merges them (fwd_merge.h). For `tiles` tiles of at most
 // `blocks` key blocks on `ctas` SMs: none where the tiles fill most of a wave (four fifths) or
 // have one block; else the fewest splits whose waves are filled at least kSplitFill percent as

@@ -47,10 +47,10 @@ pub struct DeviceKvCacheInputs<'a, T> {
     /// computed on different SMs and merged by their LSE, as flash-attn's `num_splits`. 0 lets
     /// the launcher choose (splits where the tiles would leave SMs idle: small batches of long
     /// caches), 1 runs every tile whole; at most 256 (else `Error::InvalidConfig`), and no more
-    /// than the cache's key blocks (128 keys at d128). Splits need the forward with
-    /// intra-warpgroup overlap (the default schedule; else `Error::Unsupported`). The Ampere
-    /// backend runs every tile whole (more than one split asked of `Backend::Sm80` is
-    /// `Error::Unsupported`).
+    /// than the cache's key blocks (of the forward's tile: 128 or 160 keys at d128). Splits need
+    /// the forward with intra-warpgroup overlap (the default schedule; else
+    /// `Error::Unsupported`). The Ampere backend runs every tile whole (more than one split
+    /// asked of `Backend::Sm80` is `Error::Unsupported`).
     pub num_splits: usize,
 }
 
