@@ -256,9 +256,9 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   if (splits == 0 && (p.sm90_flags & FLASHATTN_SM90_PLAN_KEY_SPLITS) &&
       !(equal_tiles && params.group == 1))
     splits = plan_splits(params.num_tiles, blocks, p.sm_count);
-  if (splits > blocks) splits = blocks;
   const int64_t slot_bytes = tail_slot_floats(Traits::kHeadDimV) * sizeof(float);
-  while (splits > 1 && int64_t(params.num_tiles) * splits * slot_bytes > kMaxSplitBytes) --splits;
+  const int64_t fitting = kMaxSplitBytes / (std::max(params.num_tiles, 1) * slot_bytes);
+  splits = int(std::min<int64_t>({splits, blocks, fitting}));
   if (kPackable && splits > 1) {
     const int64_t units = int64_t(params.num_tiles) * splits;
     if (workspace_alloc(reinterpret_cast<void**>(&params.split_partials),
