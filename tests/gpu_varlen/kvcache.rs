@@ -84,13 +84,14 @@ fn launch(
 }
 
 /// A dense cache of `entries` entries of `SEQLEN_CACHE` rows (V's head dim Q's) on a fresh
-/// device and stream.
+/// device and stream, its keys cut into `num_splits` ranges (0: as the launcher plans).
 fn run(
     cfg: &AttentionConfig,
     (q, k, v): (&[bf16], &[bf16], &[bf16]),
     (batch, seqlen_q, entries): (usize, usize, usize),
     (hq, hk, d): (usize, usize, usize),
     lens: &[i32],
+    num_splits: usize,
 ) -> (Vec<bf16>, Vec<f32>, flashattn::Plan) {
     let (dev, stream) = device();
     let call = Call {
@@ -103,9 +104,9 @@ fn run(
         table: None,
         lens,
         sinks: None,
-        num_splits: 0,
+        num_splits,
     };
-    launch(&dev, &stream, &call).unwrap_or_else(|e| panic!("{cfg:?}: {e}"))
+    launch(&dev, &stream, &call).unwrap_or_else(|e| panic!("{cfg:?}, {num_splits} splits: {e}"))
 }
 
 /// A call's O `(batch, seqlen_q, hq, dv)` and LSE `(batch, hq, seqlen_q)`.
@@ -222,6 +223,7 @@ fn dense_cache_matches_the_reference_per_sequence() {
                     (batch, seqlen_q, entries),
                     (hq, hk, d),
                     &lens,
+                    0,
                 );
                 failures.extend(check_dense_cache(
                     &cfg,
@@ -257,6 +259,7 @@ fn sanitizer_kvcache_lengths_out_of_range_stay_in_bounds() {
         (batch, 2, entries),
         (hq, hk, d),
         &[-5, SEQLEN_CACHE as i32 + 1000, i32::MAX],
+        0,
     );
     assert!(out.iter().all(|x| x.is_finite()), "O");
     assert!(lse.iter().all(|x| !x.is_nan()), "LSE");
@@ -586,7 +589,6 @@ fn packed_case(d: usize) -> Vec<String> {
     let mut k: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
     let mut v: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
     poison_past_lengths([&mut k, &mut v], &lens, hk * d);
-    let (dev, stream) = device();
     for seqlen_q in [1, 3, 40] {
         let q: Vec<bf16> = random(batch * seqlen_q * hq * d, &mut rng);
         for cfg in [
@@ -611,20 +613,14 @@ fn packed_case(d: usize) -> Vec<String> {
                         pack_gqa,
                         ..Sm90Schedule::default()
                     });
-                let call = Call {
-                    cfg: cfg.clone(),
-                    q: &q,
-                    q_shape: [batch, seqlen_q, hq, d],
-                    kv: (&k, &v),
-                    cache: [entries, SEQLEN_CACHE, hk, d],
-                    dv: d,
-                    table: None,
-                    lens: &lens,
-                    sinks: None,
+                let (out, lse, _) = run(
+                    &cfg,
+                    (&q, &k, &v),
+                    (batch, seqlen_q, entries),
+                    (hq, hk, d),
+                    &lens,
                     num_splits,
-                };
-                let (out, lse, _) = launch(&dev, &stream, &call)
-                    .unwrap_or_else(|e| panic!("{cfg:?} {num_splits} splits: {e}"));
+                );
                 let what = format!("d{d} {cfg:?}, {num_splits} splits");
                 if num_splits == 1 && cfg.mask.bounds().0.is_none() {
                     match &unpacked {
