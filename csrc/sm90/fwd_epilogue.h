@@ -48,14 +48,16 @@ __device__ FLASHATTN_INLINE OutRow packed_out_row(const FwdParams<Traits>& p, co
           p.seqs.lse_offset(t.seq, head, p.heads_q, p.seqlen_q) + q_row};
 }
 
-// A piece's or split's O (normalized) and LSE, in f32, to workspace slot `slot` (fwd_tail.h).
+// A piece's or split's O (normalized) and LSE, in f32, to workspace slot `slot` (fwd_tail.h):
+// its first `rows` rows, the entry's (a decode step's pack-GQA tile holds 8 of 128).
 template <int kHeadDimV, int kRows, class RowCol, class Coords, class HeadDimOf>
-__device__ FLASHATTN_INLINE void store_slot(float* slot, int first_row, const RowCol& rowcol_O,
-                                            const Coords& rowcol_cO, const float (&lse)[kRows],
-                                            HeadDimOf head_dim_of) {
+__device__ FLASHATTN_INLINE void store_slot(float* slot, int first_row, int rows,
+                                            const RowCol& rowcol_O, const Coords& rowcol_cO,
+                                            const float (&lse)[kRows], HeadDimOf head_dim_of) {
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int row = first_row + get<0>(rowcol_cO(r, 0));
+    if (row >= rows) continue;  // past the entry's: no merge reads it
     if (get<1>(rowcol_cO(0, 0)) == 0) slot[kTailRows * kHeadDimV + row] = lse[r];
 #pragma unroll
     for (int c = 0; c < size<1>(rowcol_O); c += 2)
@@ -99,7 +101,8 @@ struct FwdEpilogue {
         float* partials = params.num_splits > 1 ? params.split_partials : params.tail.partials;
         store_slot<Traits::kHeadDimV>(
             partials + t.slot * tail_slot_floats(Traits::kHeadDimV), wg * kRowsPerWG,
-            rowcol_O, rowcol_cO, lse, [](int n) { return head_dim_of(n); });
+            rows - t.m_block * Traits::kBlockM, rowcol_O, rowcol_cO, lse,
+            [](int n) { return head_dim_of(n); });
         return;
       }
       if constexpr (!Traits::kFp8) packed = params.group > 1;
