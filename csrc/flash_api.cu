@@ -11,6 +11,7 @@
 #include "common/views.h"
 #include "flash_api.h"
 #include "kernels.h"
+#include "kvcache_append.h"
 #include "sm90/fp8_layout.h"
 #include "sm90/fp8_quantize.h"
 
@@ -385,6 +386,56 @@ extern "C" flashattn_result_t flashattn_fp8_quantize(const flashattn_fp8_quantiz
     ops.write(View::packed(p.descale, 4, int64_t(batch) * p.heads * blocks, 4));
   if (!ops.valid()) return kInvalid;
   return flashattn::sm90::run_fp8_quantize(p, static_cast<cudaStream_t>(stream));
+}
+
+extern "C" flashattn_result_t flashattn_kvcache_append(const flashattn_kvcache_append_t* params,
+                                                       void* stream) {
+  if (params == nullptr) return kInvalid;
+  const flashattn_kvcache_append_t& p = *params;
+  if (p.dtype != FLASHATTN_F16 && p.dtype != FLASHATTN_BF16) return kInvalid;
+  if (p.batch < 1 || p.seqlen_new < 0 || p.seqlen_new > FLASHATTN_MAX_SEQLEN || p.heads_kv < 1 ||
+      p.head_dim < 1 || p.head_dim > 512 || p.head_dim_v < 1 || p.head_dim_v > 512 ||
+      p.entries < 1 || p.cache_rows < 1)
+    return kInvalid;
+  const bool paged = p.page_table != nullptr;
+  if (paged ? p.max_pages < 1 : p.max_pages != 0 || p.entries < p.batch) return kInvalid;
+  // Every row number and position (cached keys, at most the capacity, plus a new or query row)
+  // within int32.
+  const int64_t capacity = paged ? int64_t(p.max_pages) * p.cache_rows : p.cache_rows;
+  const bool with_q = p.q.ptr != nullptr;
+  const int64_t furthest = capacity + (with_q && p.seqlen_q > p.seqlen_new ? p.seqlen_q : p.seqlen_new);
+  if (furthest > INT32_MAX) return kInvalid;
+  const bool rotary = p.rotary_cos != nullptr;
+  if (rotary ? p.rotary_sin == nullptr || p.rotary_dim < 2 || p.rotary_dim % 2 != 0 ||
+                   p.rotary_dim > p.head_dim || p.rotary_positions < 1
+             : p.rotary_sin != nullptr)
+    return kInvalid;
+  // Q is only rotated: without rotary embedding there is nothing to do to it.
+  if (with_q && (!rotary || p.seqlen_q < 1 || p.seqlen_q > FLASHATTN_MAX_SEQLEN ||
+                 p.heads_q < 1 || int64_t(p.batch) * p.seqlen_q * p.heads_q > INT32_MAX))
+    return kInvalid;
+  Operands ops;
+  const int elem = elem_bytes(p.dtype);
+  if (p.seqlen_new > 0) {
+    ops.read(View::of(p.k_new, elem, p.batch, p.seqlen_new, p.heads_kv, p.head_dim));
+    ops.read(View::of(p.v_new, elem, p.batch, p.seqlen_new, p.heads_kv, p.head_dim_v));
+  }
+  ops.read(View::packed(p.cache_seqlens, 4, p.batch, 4));
+  if (paged) ops.read(View::packed(p.page_table, 4, int64_t(p.batch) * p.max_pages, 4));
+  if (rotary) {
+    const int64_t angles = int64_t(p.rotary_positions) * (p.rotary_dim / 2);
+    ops.read(View::packed(p.rotary_cos, 4, angles, 4));
+    ops.read(View::packed(p.rotary_sin, 4, angles, 4));
+  }
+  if (with_q) {
+    ops.read(View::of(p.q, elem, p.batch, p.seqlen_q, p.heads_q, p.head_dim));
+    ops.write(View::of(p.q_out, elem, p.batch, p.seqlen_q, p.heads_q, p.head_dim));
+  }
+  ops.write(View::of(p.k_cache, elem, p.entries, p.cache_rows, p.heads_kv, p.head_dim));
+  ops.write(View::of(p.v_cache, elem, p.entries, p.cache_rows, p.heads_kv, p.head_dim_v));
+  if (p.seqlens_out != nullptr) ops.write(View::packed(p.seqlens_out, 4, p.batch, 4));
+  if (!ops.valid()) return kInvalid;
+  return flashattn::run_kvcache_append(p, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" flashattn_result_t flashattn_fp8_sanitize_descales(const float* src, float* dst,

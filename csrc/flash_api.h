@@ -227,6 +227,42 @@ typedef struct {
   int32_t max_seqlen;
 } flashattn_fp8_quantize_t;
 
+// A KV cache's append step (flash_attn_with_kvcache's k, v and rotary arguments): row i of
+// sequence b of k_new and v_new is written to the cache's row cache_seqlens[b] + i, of entry b
+// of a dense cache, or with page_table (not null) of page page_table[b * max_pages + row /
+// cache_rows] at row (row % cache_rows) of a paged one; with rotary_cos (not null) the new keys'
+// first rotary_dim elements rotated to that position first, and q (where q.ptr is not null)
+// rotated into q_out, row i at position cache_seqlens[b] + i (or cache_seqlens[b] for every row
+// with q_same_position: calls without a causal or windowed mask). Rotary embedding as
+// flash-attn applies it: pairs (2j, 2j + 1) with rotary_interleaved, else (j, j + rotary_dim /
+// 2); the angles rotary_cos and rotary_sin f32 (rotary_positions, rotary_dim / 2), row-major.
+// seqlens_out (optional, batch i32) gets cache_seqlens[b] + seqlen_new: the keys a forward over
+// the cache then attends to. cache_seqlens is read on the device only: each value is clamped
+// into [0, capacity] (capacity: cache_rows, or max_pages · cache_rows paged), rows past the
+// capacity are not written (nor counted in seqlens_out), page numbers are clamped into
+// [0, entries) and positions into [0, rotary_positions): a malformed value gives wrong rows,
+// never an access outside a buffer. The tensors are checked as flashattn_tensor_t says; the
+// cache, q_out and seqlens_out are outputs. Any sm_80 or later device.
+typedef struct {
+  flashattn_tensor_t k_new, v_new;      // (batch, seqlen_new, heads_kv, head_dim / head_dim_v)
+  flashattn_tensor_t k_cache, v_cache;  // (entries, cache_rows, heads_kv, head_dim / head_dim_v)
+  int32_t dtype;                        // FLASHATTN_F16 or FLASHATTN_BF16
+  int32_t batch, seqlen_new, heads_kv, head_dim, head_dim_v;
+  int32_t entries, cache_rows;  // dense: batch entries (at least batch) of cache_rows rows;
+                                // paged: num_pages pages of page_size rows
+  const int32_t* cache_seqlens;  // batch values
+  const int32_t* page_table;     // paged: (batch, max_pages), row-major; null: dense
+  int32_t max_pages;             // paged: at least 1; dense: 0
+  int32_t* seqlens_out;          // null, or batch values
+  const float* rotary_cos;       // null: no rotary embedding
+  const float* rotary_sin;
+  int32_t rotary_dim;            // even, 2 .. head_dim
+  int32_t rotary_positions;      // at least 1
+  int32_t rotary_interleaved;
+  flashattn_tensor_t q, q_out;   // (batch, seqlen_q, heads_q, head_dim); q.ptr null: none
+  int32_t seqlen_q, heads_q, q_same_position;
+} flashattn_kvcache_append_t;
+
 typedef struct {
   int32_t major, minor;
   int32_t sm_count;
@@ -259,6 +295,10 @@ int32_t flashattn_fp8_key_block(int32_t head_dim);
 
 // FP8 quantize step on `stream` (sm_90).
 flashattn_result_t flashattn_fp8_quantize(const flashattn_fp8_quantize_t* params, void* stream);
+
+// KV-cache append step on `stream` (flashattn_kvcache_append_t).
+flashattn_result_t flashattn_kvcache_append(const flashattn_kvcache_append_t* params,
+                                            void* stream);
 
 // `count` FP8 descales from src to dst (in place when equal) on `stream`, every value that is not
 // finite and > 0 replaced by NaN: the FP8 forward then gives NaN in the rows such a descale

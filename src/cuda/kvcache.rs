@@ -3,16 +3,21 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, DeviceSlice};
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice,
+};
 
 use super::varlen::DevicePages;
-use super::{Device, DeviceForwardInputs, DeviceSeqlens, DeviceTensor, DeviceTensorMut};
-use crate::backend::gpu::CacheTiles;
+use super::{
+    driver_error, Device, DeviceForwardInputs, DeviceSeqlens, DeviceTensor, DeviceTensorMut,
+};
+use crate::backend::gpu::{self, CacheTiles, RawTensor};
 use crate::config::{AttentionConfig, Backend};
 use crate::dispatch::Plan;
 use crate::error::{Error, Operand, Result};
+use crate::ffi;
 use crate::registry::{self, Family, TileRole};
-use crate::tensor::Layout;
+use crate::tensor::{self, DType, Layout, Problem};
 use crate::unstable::Sm90Schedule;
 use crate::Element;
 
@@ -52,6 +57,67 @@ pub struct DeviceKvCacheInputs<'a, T> {
     /// `Error::Unsupported`). The Ampere backend runs every tile whole (more than one split
     /// asked of `Backend::Sm80` is `Error::Unsupported`).
     pub num_splits: usize,
+}
+
+/// Rotary position embedding on the device, as [`crate::kvcache::Rotary`] applies it on the
+/// host (the same pairs, and bit-identical results): `cos` and `sin` f32 `(positions, dim / 2)`
+/// row-major. The kernels read the angles of a position past the table's last row from that
+/// last row (the host cannot see the cached key counts to check them): give angles for each
+/// sequence's cached keys plus the step's rows.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceRotary<'a> {
+    pub cos: &'a CudaView<'a, f32>,
+    pub sin: &'a CudaView<'a, f32>,
+    pub dim: usize,
+    pub interleaved: bool,
+}
+
+/// What an append step writes into a KV cache on the device, as [`crate::kvcache::append`] does
+/// on the host: `k_new` `(batch, seqlen_new, heads_kv, head_dim)` and `v_new` (with V's head
+/// dim) into each sequence's cache rows `cache_seqlens[b] ..` (dense: entry `b`; paged: the
+/// rows of the pages `block_table` gives), the new keys rotated to their positions first when
+/// `rotary` is given. The counts are read on the device only: each is clamped into the
+/// sequence's capacity (the dense cache's rows, or `max_pages · page_size`), rows past it are
+/// not written, and page numbers are clamped into the cache's pages. Sequences must not share
+/// the rows they append into.
+#[derive(Debug)]
+pub struct DeviceKvCacheAppend<'a, 'c, T> {
+    pub k_cache: &'a mut DeviceTensorMut<'c, T>,
+    pub v_cache: &'a mut DeviceTensorMut<'c, T>,
+    /// A paged cache's `(batch, max_pages)` i32 page numbers, row-major; `None`: dense.
+    pub block_table: Option<CudaView<'a, i32>>,
+    pub cache_seqlens: CudaView<'a, i32>,
+    pub k_new: &'a DeviceTensor<'a, T>,
+    pub v_new: &'a DeviceTensor<'a, T>,
+    pub rotary: Option<DeviceRotary<'a>>,
+}
+
+/// One decoding or prefill step over a KV cache on the device, as [`crate::kvcache::step`] runs
+/// it on the host and flash-attn's `flash_attn_with_kvcache` on the GPU: Q and the new keys
+/// rotated (with `rotary`), the new keys and values appended, then the forward over
+/// `cache_seqlens[b] + seqlen_new` keys. `cache_seqlens` keeps its values (the caller advances
+/// them). The rest as [`DeviceKvCacheInputs`] and [`DeviceKvCacheAppend`] say.
+#[derive(Debug)]
+pub struct DeviceKvCacheStep<'a, 'c, T> {
+    pub q: &'a DeviceTensor<'a, T>,
+    pub k_cache: &'a mut DeviceTensorMut<'c, T>,
+    pub v_cache: &'a mut DeviceTensorMut<'c, T>,
+    pub block_table: Option<CudaView<'a, i32>>,
+    pub cache_seqlens: CudaView<'a, i32>,
+    /// `k_new` and `v_new`, `(batch, seqlen_new, heads_kv, ·)`.
+    pub new: Option<(&'a DeviceTensor<'a, T>, &'a DeviceTensor<'a, T>)>,
+    pub rotary: Option<DeviceRotary<'a>>,
+    pub sinks: Option<&'a CudaView<'a, f32>>,
+    /// As [`DeviceKvCacheInputs::num_splits`].
+    pub num_splits: usize,
+}
+
+/// Q rotated by an append launch into `out` (contiguous, Q's shape), each row at the sequence's
+/// cached count (plus its row index unless `same_position`).
+struct RotatedQ<'a, 'q, T> {
+    q: &'a DeviceTensor<'q, T>,
+    out: &'a mut CudaSlice<T>,
+    same_position: bool,
 }
 
 /// `layout` (batch, rows, heads, d) as one sequence of `batch · rows` rows, where an entry's
@@ -345,6 +411,354 @@ impl Device {
             ..DeviceForwardInputs::new(&q_rows, &k_rows, &v_rows)
         };
         self.varlen_forward_into(stream, cfg, &seqs, inputs, &mut o_rows, lse)
+    }
+}
+
+impl Device {
+    /// Appends new keys and values to a KV cache on the device, ordered on `stream`
+    /// ([`DeviceKvCacheAppend`]).
+    pub fn kvcache_append<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        append: DeviceKvCacheAppend<'_, '_, T>,
+    ) -> Result<()> {
+        let DeviceKvCacheAppend {
+            k_cache,
+            v_cache,
+            block_table,
+            cache_seqlens,
+            k_new,
+            v_new,
+            rotary,
+        } = append;
+        self.launch_append(
+            stream,
+            [k_cache, v_cache],
+            block_table.as_ref(),
+            &cache_seqlens,
+            Some((k_new, v_new)),
+            rotary.as_ref(),
+            None,
+            None,
+        )
+    }
+
+    /// One step over a KV cache on the device into caller-owned outputs, ordered on `stream`
+    /// ([`DeviceKvCacheStep`]; O and the LSE as [`Device::kvcache_forward_into`] writes them).
+    /// With new keys it takes device memory for the step's key counts (and with rotary
+    /// embedding for the rotated Q), given back in stream order. The shapes, the page size and
+    /// the splits are checked before the cache is written; the forward's plan (a head dim or
+    /// backend this build lacks) after: such an error leaves the new rows in the cache.
+    pub fn kvcache_step_into<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        step: DeviceKvCacheStep<'_, '_, T>,
+        out: &mut DeviceTensorMut<T>,
+        lse: &mut CudaViewMut<f32>,
+    ) -> Result<Plan> {
+        let DeviceKvCacheStep {
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            cache_seqlens,
+            new,
+            rotary,
+            sinks,
+            num_splits,
+        } = step;
+        let [batch, seqlen_q, heads_q, head_dim] = q.layout.shape;
+        if new.is_none() && rotary.is_some() {
+            return Err(Error::InvalidConfig(
+                "rotary embedding without new keys: it rotates the keys a step appends".into(),
+            ));
+        }
+        let forward = |dev: &Self,
+                       q: &DeviceTensor<T>,
+                       seqlens: CudaView<i32>,
+                       k_cache: &DeviceTensorMut<T>,
+                       v_cache: &DeviceTensorMut<T>,
+                       out: &mut DeviceTensorMut<T>,
+                       lse: &mut CudaViewMut<f32>| {
+            let k = DeviceTensor::new(k_cache.data.slice(..), k_cache.layout);
+            let v = DeviceTensor::new(v_cache.data.slice(..), v_cache.layout);
+            let inputs = DeviceKvCacheInputs {
+                q,
+                k_cache: &k,
+                v_cache: &v,
+                block_table: block_table.as_ref().map(|t| t.slice(..)),
+                cache_seqlens: seqlens,
+                sinks,
+                num_splits,
+            };
+            dev.kvcache_forward_into(stream, cfg, inputs, out, lse)
+        };
+        if new.is_none() {
+            return forward(self, q, cache_seqlens, k_cache, v_cache, out, lse);
+        }
+        // The forward's own refusals of the cache's shape before the cache is written (the
+        // rest, a head dim this build lacks say, come after: see kvcache_step_into).
+        tensor::check_len(Operand::Q, &q.layout, q.data.len())?;
+        cache_tiles(cfg, seqlen_q, heads_q, k_cache.layout.shape[2], num_splits)?;
+        if let Some(table) = &block_table {
+            pages(
+                &k_cache.layout,
+                v_cache.layout.shape[3],
+                table.slice(..),
+                batch,
+                cfg,
+            )?;
+        }
+        let mut lens = stream.alloc_zeros::<i32>(batch).map_err(driver_error)?;
+        let mut q_rot = match rotary {
+            // SAFETY: the append launch writes every element (each head's row whole) before
+            // the forward reads it, in stream order.
+            Some(_) => Some(
+                unsafe { stream.alloc::<T>(batch * seqlen_q * heads_q * head_dim) }
+                    .map_err(driver_error)?,
+            ),
+            None => None,
+        };
+        let same_position = matches!(cfg.mask.bounds(), (None, None));
+        self.launch_append(
+            stream,
+            [&mut *k_cache, &mut *v_cache],
+            block_table.as_ref(),
+            &cache_seqlens,
+            new,
+            rotary.as_ref(),
+            q_rot.as_mut().map(|out| RotatedQ {
+                q,
+                out,
+                same_position,
+            }),
+            Some(&mut lens),
+        )?;
+        let rotated;
+        let q = match &q_rot {
+            Some(buf) => {
+                rotated = DeviceTensor::contiguous(buf, q.layout.shape);
+                &rotated
+            }
+            None => q,
+        };
+        forward(self, q, lens.slice(..), k_cache, v_cache, out, lse)
+    }
+
+    /// Checks and launches one append step (flashattn_kvcache_append): the new rows into the
+    /// cache, Q rotated into `q_rot`, the step's key counts into `seqlens_out`.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_append<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        [k_cache, v_cache]: [&mut DeviceTensorMut<T>; 2],
+        block_table: Option<&CudaView<i32>>,
+        cache_seqlens: &CudaView<i32>,
+        new: Option<(&DeviceTensor<T>, &DeviceTensor<T>)>,
+        rotary: Option<&DeviceRotary>,
+        q_rot: Option<RotatedQ<T>>,
+        seqlens_out: Option<&mut CudaSlice<i32>>,
+    ) -> Result<()> {
+        if !matches!(T::DTYPE, DType::F16 | DType::BF16) {
+            return Err(Error::Unsupported {
+                what: format!("a KV-cache append of {:?} on the GPU", T::DTYPE),
+                backend: Backend::Auto,
+            });
+        }
+        let Some((k_new, v_new)) = new else {
+            return Ok(());
+        };
+        let mut contexts = vec![
+            (Operand::K, k_cache.data.stream().context()),
+            (Operand::V, v_cache.data.stream().context()),
+            (Operand::K, k_new.data.stream().context()),
+            (Operand::V, v_new.data.stream().context()),
+        ];
+        if let Some(r) = rotary {
+            contexts.push((Operand::Q, r.cos.stream().context()));
+            contexts.push((Operand::Q, r.sin.stream().context()));
+        }
+        if let Some(r) = &q_rot {
+            contexts.push((Operand::Q, r.q.data.stream().context()));
+        }
+        self.check_same_context(stream, contexts)?;
+        let mut seqlens = vec![cache_seqlens.stream().context()];
+        seqlens.extend(block_table.map(|t| t.stream().context()));
+        self.check_same_context(
+            stream,
+            seqlens.into_iter().map(|c| (super::CallPart::Seqlens, c)),
+        )?;
+
+        tensor::check_output_len(Operand::K, &k_cache.layout, k_cache.data.len())?;
+        tensor::check_output_len(Operand::V, &v_cache.layout, v_cache.data.len())?;
+        tensor::check_len(Operand::K, &k_new.layout, k_new.data.len())?;
+        tensor::check_len(Operand::V, &v_new.layout, v_new.data.len())?;
+        let [entries, cache_rows, heads_kv, head_dim] = k_cache.layout.shape;
+        let head_dim_v = v_cache.layout.shape[3];
+        Problem::expect_shape(
+            Operand::V,
+            &v_cache.layout,
+            [entries, cache_rows, heads_kv, head_dim_v],
+        )?;
+        let [batch, seqlen_new, _, _] = k_new.layout.shape;
+        Problem::expect_shape(
+            Operand::K,
+            &k_new.layout,
+            [batch, seqlen_new, heads_kv, head_dim],
+        )?;
+        Problem::expect_shape(
+            Operand::V,
+            &v_new.layout,
+            [batch, seqlen_new, heads_kv, head_dim_v],
+        )?;
+        if cache_seqlens.len() != batch {
+            return Err(Error::InvalidSeqlens(format!(
+                "cache_seqlens has {} values for {batch} sequences",
+                cache_seqlens.len()
+            )));
+        }
+        let max_pages = match block_table {
+            Some(t) if batch > 0 && !t.is_empty() && t.len() % batch == 0 => t.len() / batch,
+            Some(t) => {
+                return Err(Error::InvalidPageTable(format!(
+                    "{} entries are not {batch} rows of at least one page",
+                    t.len()
+                )))
+            }
+            None if entries < batch => {
+                return Err(Error::ShapeMismatch {
+                    operand: Operand::K,
+                    expected: [batch, cache_rows, heads_kv, head_dim],
+                    found: k_cache.layout.shape,
+                })
+            }
+            None => 0,
+        };
+        if let Some(r) = rotary {
+            let half = r.dim / 2;
+            if r.dim == 0 || r.dim % 2 != 0 || r.dim > head_dim {
+                return Err(Error::InvalidConfig(format!(
+                    "rotary dim {} (it must be even, from 2 to the head dim {head_dim})",
+                    r.dim
+                )));
+            }
+            if r.cos.len() != r.sin.len() || r.cos.is_empty() || r.cos.len() % half != 0 {
+                return Err(Error::InvalidConfig(format!(
+                    "rotary cos and sin of {} and {} values: both (positions, {half}), at \
+                     least one position",
+                    r.cos.len(),
+                    r.sin.len()
+                )));
+            }
+        }
+        // Every count the kernel takes in i32, with room for a row number past the capacity.
+        let seqlen_q = q_rot.as_ref().map_or(0, |r| r.q.layout.shape[1]);
+        let capacity = cache_rows.checked_mul(max_pages.max(1));
+        let fits = |n: usize| i32::try_from(n).is_ok();
+        let within = capacity
+            .and_then(|c| c.checked_add(seqlen_new.max(seqlen_q)))
+            .is_some_and(fits)
+            && [batch, entries, max_pages, head_dim.max(head_dim_v) * 2]
+                .into_iter()
+                .all(fits)
+            && head_dim.max(head_dim_v) <= 512
+            && rotary.is_none_or(|r| fits(r.cos.len() / (r.dim / 2)));
+        if !within {
+            return Err(Error::IndexOverflow {
+                operand: Operand::K,
+                detail: format!(
+                    "a KV-cache append of {batch} sequences of {seqlen_new} rows into \
+                     {entries} × {cache_rows} rows (head dims at most 512)"
+                ),
+            });
+        }
+
+        let size = std::mem::size_of::<T>();
+        let (kc_ptr, _kc) = k_cache.data.device_ptr_mut(stream);
+        let (vc_ptr, _vc) = v_cache.data.device_ptr_mut(stream);
+        let (kn_ptr, _kn) = k_new.data.device_ptr(stream);
+        let (vn_ptr, _vn) = v_new.data.device_ptr(stream);
+        let (len_ptr, _len) = cache_seqlens.device_ptr(stream);
+        let (table_ptr, _table) = block_table.map(|t| t.device_ptr(stream)).unzip();
+        let (cos_ptr, _cos) = rotary.map(|r| r.cos.device_ptr(stream)).unzip();
+        let (sin_ptr, _sin) = rotary.map(|r| r.sin.device_ptr(stream)).unzip();
+        let (out_ptr, _out) = seqlens_out.map(|s| s.device_ptr_mut(stream)).unzip();
+        let raw = |operand, ptr, layout: &Layout| -> Result<ffi::flashattn_tensor_t> {
+            let t = RawTensor {
+                ptr,
+                layout: *layout,
+            };
+            gpu::check_alignment(operand, &t, size)?;
+            Ok(t.to_ffi())
+        };
+        let none = ffi::flashattn_tensor_t {
+            ptr: std::ptr::null_mut(),
+            batch_stride: 0,
+            row_stride: 0,
+            head_stride: 0,
+        };
+        let (mut q_in, mut q_out, mut heads_q, mut same_position) = (none, none, 0, false);
+        let mut _q_guards = None;
+        if let Some(RotatedQ {
+            q,
+            out,
+            same_position: same,
+        }) = q_rot
+        {
+            tensor::check_len(Operand::Q, &q.layout, q.data.len())?;
+            let [qb, _, hq, qd] = q.layout.shape;
+            if qb != batch || qd != head_dim || rotary.is_none() || !fits(qb * seqlen_q * hq) {
+                return Err(Error::InvalidConfig(format!(
+                    "Q {:?} rotated for {batch} sequences at head dim {head_dim}",
+                    q.layout.shape
+                )));
+            }
+            let out_layout = Layout::contiguous(q.layout.shape);
+            tensor::check_output_len(Operand::Q, &out_layout, out.len())?;
+            let (qp, qg) = q.data.device_ptr(stream);
+            let (op, og) = out.device_ptr_mut(stream);
+            q_in = raw(Operand::Q, qp, &q.layout)?;
+            q_out = raw(Operand::Q, op, &out_layout)?;
+            (heads_q, same_position) = (hq, same);
+            _q_guards = Some((qg, og));
+        }
+        let p = ffi::flashattn_kvcache_append_t {
+            k_new: raw(Operand::K, kn_ptr, &k_new.layout)?,
+            v_new: raw(Operand::V, vn_ptr, &v_new.layout)?,
+            k_cache: raw(Operand::K, kc_ptr, &k_cache.layout)?,
+            v_cache: raw(Operand::V, vc_ptr, &v_cache.layout)?,
+            dtype: gpu::ffi_dtype(T::DTYPE),
+            batch: batch as i32,
+            seqlen_new: seqlen_new as i32,
+            heads_kv: heads_kv as i32,
+            head_dim: head_dim as i32,
+            head_dim_v: head_dim_v as i32,
+            entries: entries as i32,
+            cache_rows: cache_rows as i32,
+            cache_seqlens: len_ptr as *const i32,
+            page_table: table_ptr.unwrap_or(0) as *const i32,
+            max_pages: max_pages as i32,
+            seqlens_out: out_ptr.unwrap_or(0) as *mut i32,
+            rotary_cos: cos_ptr.unwrap_or(0) as *const f32,
+            rotary_sin: sin_ptr.unwrap_or(0) as *const f32,
+            rotary_dim: rotary.map_or(0, |r| r.dim) as i32,
+            rotary_positions: rotary.map_or(0, |r| r.cos.len() / (r.dim / 2)) as i32,
+            rotary_interleaved: rotary.is_some_and(|r| r.interleaved) as i32,
+            q: q_in,
+            q_out,
+            seqlen_q: seqlen_q as i32,
+            heads_q: heads_q as i32,
+            q_same_position: same_position as i32,
+        };
+        self.ctx.bind_to_thread().map_err(driver_error)?;
+        // SAFETY: every pointer is a live device buffer of this context whose guard outlives the
+        // launch; the layouts were checked against their buffers' lengths and the counts against
+        // i32 above, and the entry point checks the views again before it launches.
+        let r = unsafe {
+            ffi::flashattn_kvcache_append(&p, stream.cu_stream() as *mut std::ffi::c_void)
+        };
+        ffi::check(r, Backend::Auto, "KV-cache append")
     }
 }
 

@@ -20,7 +20,7 @@ pub use fp8::{
     fp8_key_block, fp8_query_block, v_key_column, v_row_head_dim, Fp8ForwardInputs, Fp8Inputs,
     Fp8Options,
 };
-pub use kvcache::DeviceKvCacheInputs;
+pub use kvcache::{DeviceKvCacheAppend, DeviceKvCacheInputs, DeviceKvCacheStep, DeviceRotary};
 pub use varlen::DeviceSeqlens;
 pub use views::{
     DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut,

@@ -22,6 +22,7 @@ mod ffi {
 
 mod bad_params;
 mod fp8;
+mod kvcache_append;
 
 use ffi::*;
 use std::ffi::c_void;

@@ -111,15 +111,15 @@ fn run(
 
 /// A call's O `(batch, seqlen_q, hq, dv)` and LSE `(batch, hq, seqlen_q)`.
 #[derive(Clone, Copy)]
-struct Outputs<'a> {
-    out: &'a [bf16],
-    lse: &'a [f32],
+pub(super) struct Outputs<'a> {
+    pub(super) out: &'a [bf16],
+    pub(super) lse: &'a [f32],
 }
 
 /// Sequence `b` of `got` against the f64 reference of its queries (of `q`, the call's) over its
 /// keys and values gathered in `kv` (as many rows as it has keys), under DESIGN's rule; without
 /// keys, O = 0 and LSE = +inf. The failures, each led by `what`.
-fn check_sequence(
+pub(super) fn check_sequence(
     cfg: &AttentionConfig,
     what: &str,
     got: Outputs<'_>,

@@ -12,6 +12,7 @@ mod fp8;
 #[path = "../harness/mod.rs"]
 mod harness;
 mod kvcache;
+mod kvcache_step;
 
 use std::sync::Arc;
 
