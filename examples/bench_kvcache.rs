@@ -9,13 +9,17 @@
 //! `--splits N` asks for N key splits (`DeviceKvCacheInputs::num_splits`; default 0, the
 //! launcher's choice), `--no-pack` runs each query head's row in a tile of its own
 //! (`PackGqa::Off`; by default a KV head's 8 query heads share one). `--shape B,C` times batch B
-//! at cache C alone (for profilers).
+//! at cache C alone (for profilers). `--step` times whole steps (`Device::kvcache_step_into`):
+//! each appends one key and value per sequence, the last of its cache, with rotary embedding of
+//! the key and the query over the whole head, then attends to the full cache.
 //!
-//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--no-pack] [--shape B,C] --out kvcache.json`
+//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--no-pack] [--shape B,C] [--step] --out kvcache.json`
 
 mod common;
 
-use flashattn::cuda::{DeviceKvCacheInputs, DeviceTensor, DeviceTensorMut};
+use flashattn::cuda::{
+    DeviceKvCacheInputs, DeviceKvCacheStep, DeviceRotary, DeviceTensor, DeviceTensorMut,
+};
 use flashattn::unstable::{PackGqa, Sm90Schedule};
 use flashattn::AttentionConfig;
 use half::bf16;
@@ -58,6 +62,7 @@ fn main() {
             c.parse().expect("--shape B,C"),
         )
     });
+    let step = args.flag("--step");
     let mut rows = vec![];
     for batch in [1usize, 8, 32, 128] {
         for cache in [1024usize, 8192, 32768, 131072] {
@@ -72,9 +77,22 @@ fn main() {
                     .collect()
             };
             let q = stream.clone_htod(&fill(batch * HEADS_Q * D, 1)).unwrap();
-            let k = stream.clone_htod(&fill(kv_elems, 2)).unwrap();
-            let v = stream.clone_htod(&fill(kv_elems, 3)).unwrap();
-            let lens = stream.clone_htod(&vec![cache as i32; batch]).unwrap();
+            let mut k = stream.clone_htod(&fill(kv_elems, 2)).unwrap();
+            let mut v = stream.clone_htod(&fill(kv_elems, 3)).unwrap();
+            // A step appends each sequence's last key: its cache holds one fewer before.
+            let cached = if step { cache - 1 } else { cache };
+            let lens = stream.clone_htod(&vec![cached as i32; batch]).unwrap();
+            let new_kv = stream.clone_htod(&fill(batch * HEADS_KV * D, 4)).unwrap();
+            let half = D / 2;
+            let angle =
+                |i: usize| (i / half) as f32 * 10000f32.powf(-((i % half) as f32) / half as f32);
+            let cos: Vec<f32> = (0..cache * half).map(|i| angle(i).cos()).collect();
+            let sin: Vec<f32> = (0..cache * half).map(|i| angle(i).sin()).collect();
+            let (cos, sin) = (
+                stream.clone_htod(&cos).unwrap(),
+                stream.clone_htod(&sin).unwrap(),
+            );
+            let (cos, sin) = (cos.as_view(), sin.as_view());
             let mut out = stream.alloc_zeros::<bf16>(batch * HEADS_Q * D).unwrap();
             let mut lse = stream.alloc_zeros::<f32>(batch * HEADS_Q).unwrap();
             // Paged: page i of sequence b at (b·pages + i)·stride mod the pages, a stride prime
@@ -92,27 +110,52 @@ fn main() {
                     )
                 }
             };
-            let (qt, kt, vt) = (
-                DeviceTensor::contiguous(&q, [batch, 1, HEADS_Q, D]),
-                DeviceTensor::contiguous(&k, cache_shape),
-                DeviceTensor::contiguous(&v, cache_shape),
-            );
+            let qt = DeviceTensor::contiguous(&q, [batch, 1, HEADS_Q, D]);
+            let new_t = DeviceTensor::contiguous(&new_kv, [batch, 1, HEADS_KV, D]);
             let mut plan = None;
             let (ms, reps) = protocol.median_ms(&stream, || {
-                let inputs = DeviceKvCacheInputs {
-                    q: &qt,
-                    k_cache: &kt,
-                    v_cache: &vt,
-                    block_table: table.as_ref().map(|t| t.as_view()),
-                    cache_seqlens: lens.as_view(),
-                    sinks: None,
-                    num_splits,
-                };
                 let mut o = DeviceTensorMut::contiguous(&mut out, [batch, 1, HEADS_Q, D]);
-                plan = Some(
+                let table = table.as_ref().map(|t| t.as_view());
+                plan = Some(if step {
+                    let (mut kt, mut vt) = (
+                        DeviceTensorMut::contiguous(&mut k, cache_shape),
+                        DeviceTensorMut::contiguous(&mut v, cache_shape),
+                    );
+                    let step = DeviceKvCacheStep {
+                        q: &qt,
+                        k_cache: &mut kt,
+                        v_cache: &mut vt,
+                        block_table: table,
+                        cache_seqlens: lens.as_view(),
+                        new: Some((&new_t, &new_t)),
+                        rotary: Some(DeviceRotary {
+                            cos: &cos,
+                            sin: &sin,
+                            dim: D,
+                            interleaved: false,
+                        }),
+                        sinks: None,
+                        num_splits,
+                    };
+                    dev.kvcache_step_into(&stream, &cfg, step, &mut o, &mut lse.as_view_mut())
+                        .expect("KV-cache step")
+                } else {
+                    let (kt, vt) = (
+                        DeviceTensor::contiguous(&k, cache_shape),
+                        DeviceTensor::contiguous(&v, cache_shape),
+                    );
+                    let inputs = DeviceKvCacheInputs {
+                        q: &qt,
+                        k_cache: &kt,
+                        v_cache: &vt,
+                        block_table: table,
+                        cache_seqlens: lens.as_view(),
+                        sinks: None,
+                        num_splits,
+                    };
                     dev.kvcache_forward_into(&stream, &cfg, inputs, &mut o, &mut lse.as_view_mut())
-                        .expect("KV-cache forward"),
-                );
+                        .expect("KV-cache forward")
+                });
             });
             // The copy ceiling at this size: K and V's bytes copied once.
             let mut dst = stream.alloc_zeros::<bf16>(2 * kv_elems).unwrap();
@@ -129,7 +172,8 @@ fn main() {
             let copy_gbps = 2.0 * bytes / (copy_ms * 1e-3) / 1e9;
             let plan = plan.unwrap();
             println!(
-                "decode{} b{batch:<3} cache {cache:>5}: {ms:.4} ms {gbps:>6.0} GB/s, copy {copy_gbps:.0} GB/s ({:.2}) ({})",
+                "{}{} b{batch:<3} cache {cache:>5}: {ms:.4} ms {gbps:>6.0} GB/s, copy {copy_gbps:.0} GB/s ({:.2}) ({})",
+                if step { "step" } else { "decode" },
                 page_size.map_or(String::new(), |p| format!(" pages of {p}")),
                 gbps / copy_gbps,
                 plan.explain()
@@ -139,7 +183,7 @@ fn main() {
                  \"batch\": {batch}, \"seqlen_q\": 1, \"seqlen_k\": {cache}, \"heads\": {HEADS_Q}, \
                  \"heads_kv\": {HEADS_KV}, \"causal\": true, \"fwd_ms\": {ms:.5}, \"fwd_reps\": {reps}, \
                  \"gbps\": {gbps:.1}, \"copy_gbps\": {copy_gbps:.1}, \"of_copy\": {:.3}, \
-                 \"pack_gqa\": \"{pack_gqa:?}\", \"num_splits\": {num_splits}{}}}",
+                 \"pack_gqa\": \"{pack_gqa:?}\", \"num_splits\": {num_splits}, \"step\": {step}{}}}",
                 plan.backend.name(),
                 gbps / copy_gbps,
                 page_size.map_or(String::new(), |p| format!(", \"page_size\": {p}"))
