@@ -72,7 +72,10 @@ fn kvcache_append_refuses_what_it_cannot_do_in_bounds() {
     if !flashattn::cuda::driver_present() {
         // SAFETY: the launch fails for want of a driver before any pointer is used.
         let r = unsafe { flashattn_kvcache_append(&base(), null_mut()) };
-        assert_eq!(r.status, FLASHATTN_CUDA_ERROR as i32, "base parameters refused");
+        assert_eq!(
+            r.status, FLASHATTN_CUDA_ERROR as i32,
+            "base parameters refused"
+        );
     }
     // SAFETY (every call below): the params outlive the call; each is refused before launch.
     let r = unsafe { flashattn_kvcache_append(std::ptr::null(), null_mut()) };
