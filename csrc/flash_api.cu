@@ -411,8 +411,14 @@ extern "C" flashattn_result_t flashattn_kvcache_append(const flashattn_kvcache_a
              : p.rotary_sin != nullptr)
     return kInvalid;
   // Q is only rotated: without rotary embedding there is nothing to do to it.
-  if (with_q && (!rotary || p.seqlen_q < 1 || p.seqlen_q > FLASHATTN_MAX_SEQLEN ||
-                 p.heads_q < 1 || int64_t(p.batch) * p.seqlen_q * p.heads_q > INT32_MAX))
+  if (with_q && (!rotary || p.seqlen_q < 1 || p.seqlen_q > FLASHATTN_MAX_SEQLEN || p.heads_q < 1))
+    return kInvalid;
+  // The kernel's rows (new keys, new values, Q's) numbered in int64 without overflow.
+  int64_t kv_rows = 0, q_rows = 0;
+  if (__builtin_mul_overflow(int64_t(p.batch) * p.seqlen_new, int64_t(p.heads_kv), &kv_rows) ||
+      (with_q &&
+       __builtin_mul_overflow(int64_t(p.batch) * p.seqlen_q, int64_t(p.heads_q), &q_rows)) ||
+      kv_rows > INT32_MAX || q_rows > INT32_MAX)
     return kInvalid;
   Operands ops;
   const int elem = elem_bytes(p.dtype);

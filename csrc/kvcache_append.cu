@@ -1,8 +1,9 @@
 // The KV cache's append step: new keys and values copied into each sequence's cache rows after
 // its cached ones, the keys (and Q) optionally rotated by rotary embedding on the way. One warp
-// per (tensor, sequence, row, head) row; a decoding step appends one row per sequence, so the
-// step is a few microseconds of latency, not of bandwidth.
-// The host definition it must agree with, bit for bit: src/kvcache.rs (append, Rotary).
+// per (tensor, sequence, row, head) row: a decoding step appends one row per sequence, too few
+// bytes for wide accesses to matter.
+// The host definition it must agree with, bit for bit but for NaN payloads: src/kvcache.rs
+// (append, Rotary).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

@@ -60,7 +60,7 @@ pub struct DeviceKvCacheInputs<'a, T> {
 }
 
 /// Rotary position embedding on the device, as [`crate::kvcache::Rotary`] applies it on the
-/// host (the same pairs, and bit-identical results): `cos` and `sin` f32 `(positions, dim / 2)`
+/// host (the same pairs, and bit-identical results but for NaN payloads): `cos` and `sin` f32 `(positions, dim / 2)`
 /// row-major. The kernels read the angles of a position past the table's last row from that
 /// last row (the host cannot see the cached key counts to check them): give angles for each
 /// sequence's cached keys plus the step's rows.
@@ -255,6 +255,22 @@ fn cache_tiles(
     })
 }
 
+/// The first `batch` entries of a dense cache.
+fn used(layout: &Layout, batch: usize) -> Layout {
+    let [_, rows, heads, d] = layout.shape;
+    Layout::with_strides([batch, rows, heads, d], layout.strides)
+}
+
+/// A KV-cache forward's shapes, as [`Device::check_cache_call`] takes them.
+struct CacheCall<'a> {
+    q: &'a Layout,
+    k_cache: &'a Layout,
+    v_cache: &'a Layout,
+    table: Option<CudaView<'a, i32>>,
+    seqlens: usize,
+    num_splits: usize,
+}
+
 impl Device {
     /// `b · n` for b in `0..=batch` on the device, as the first `batch + 1` values of an array
     /// the device keeps for every `n` it has seen (of at least twice the last batch when a
@@ -302,6 +318,72 @@ impl Device {
         Ok(uploaded)
     }
 
+    /// The refusals of a KV-cache forward that need no plan (its shapes, O's, the rows the
+    /// packed kernels take, the page size, the splits): a step runs them before it writes the
+    /// cache.
+    fn check_cache_call(
+        &self,
+        cfg: &AttentionConfig,
+        call: CacheCall<'_>,
+        out: &Layout,
+    ) -> Result<()> {
+        let [batch, seqlen_q, heads_q, head_dim] = call.q.shape;
+        let [entries, cache_rows, heads_kv, _] = call.k_cache.shape;
+        let head_dim_v = call.v_cache.shape[3];
+        if call.seqlens != batch {
+            return Err(Error::InvalidSeqlens(format!(
+                "cache_seqlens has {} values for {batch} sequences",
+                call.seqlens
+            )));
+        }
+        Problem::expect_shape(
+            Operand::K,
+            call.k_cache,
+            [entries, cache_rows, heads_kv, head_dim],
+        )?;
+        Problem::expect_shape(
+            Operand::V,
+            call.v_cache,
+            [entries, cache_rows, heads_kv, head_dim_v],
+        )?;
+        if heads_kv == 0 || heads_q % heads_kv != 0 {
+            return Err(Error::InvalidConfig(format!(
+                "{heads_q} query heads over {heads_kv} KV heads (a whole group each)"
+            )));
+        }
+        Problem::expect_shape(Operand::Out, out, [batch, seqlen_q, heads_q, head_dim_v])?;
+        as_rows(Operand::Q, call.q)?;
+        as_rows(Operand::Out, out)?;
+        cache_tiles(cfg, seqlen_q, heads_q, heads_kv, call.num_splits)?;
+        match call.table {
+            Some(table) => {
+                let hopper = (self.info.major, self.info.minor) == (9, 0);
+                if !hopper || !matches!(cfg.backend, Backend::Auto | Backend::Sm90) {
+                    return Err(Error::Unsupported {
+                        what: format!(
+                            "a paged KV cache on {:?} of sm_{}{} (the Hopper forward takes it)",
+                            cfg.backend, self.info.major, self.info.minor
+                        ),
+                        backend: cfg.backend,
+                    });
+                }
+                pages(call.k_cache, head_dim_v, table, batch, cfg)?;
+            }
+            None => {
+                if entries < batch {
+                    return Err(Error::ShapeMismatch {
+                        operand: Operand::K,
+                        expected: [batch, cache_rows, heads_kv, head_dim],
+                        found: call.k_cache.shape,
+                    });
+                }
+                as_rows(Operand::K, &used(call.k_cache, batch))?;
+                as_rows(Operand::V, &used(call.v_cache, batch))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Forward pass over a dense or paged KV cache into caller-owned device outputs, ordered on
     /// `stream`: O `(batch, seqlen_q, heads_q, head_dim_v)` and `lse` f32
     /// `(batch, heads_q, seqlen_q)` as [`crate::kvcache`] describes (each sequence's queries the
@@ -332,21 +414,19 @@ impl Device {
         } = inputs;
         // Before anything is uploaded on it.
         self.check_same_context(stream, [(Operand::Q, q.data.stream().context())])?;
+        self.check_cache_call(
+            cfg,
+            CacheCall {
+                q: &q.layout,
+                k_cache: &k_cache.layout,
+                v_cache: &v_cache.layout,
+                table: block_table.as_ref().map(|t| t.slice(..)),
+                seqlens: cache_seqlens.len(),
+                num_splits,
+            },
+            &out.layout,
+        )?;
         let [batch, seqlen_q, _, _] = q.layout.shape;
-        if cache_seqlens.len() != batch {
-            return Err(Error::InvalidSeqlens(format!(
-                "cache_seqlens has {} values for {batch} sequences",
-                cache_seqlens.len()
-            )));
-        }
-        let o_shape = [batch, seqlen_q, q.layout.shape[2], v_cache.layout.shape[3]];
-        if out.layout.shape != o_shape {
-            return Err(Error::ShapeMismatch {
-                operand: Operand::Out,
-                expected: o_shape,
-                found: out.layout.shape,
-            });
-        }
         let q_rows = DeviceTensor::new(q.data.slice(..), as_rows(Operand::Q, &q.layout)?);
         let mut o_rows =
             DeviceTensorMut::new(out.data.slice_mut(..), as_rows(Operand::Out, &out.layout)?);
@@ -356,16 +436,6 @@ impl Device {
         let q_offsets = self.uniform_offsets(stream, batch, seqlen_q)?;
         let cu_q = q_offsets.slice(..=batch);
         if let Some(table) = block_table {
-            let hopper = (self.info.major, self.info.minor) == (9, 0);
-            if !hopper || !matches!(cfg.backend, Backend::Auto | Backend::Sm90) {
-                return Err(Error::Unsupported {
-                    what: format!(
-                        "a paged KV cache on {:?} of sm_{}{} (the Hopper forward takes it)",
-                        cfg.backend, self.info.major, self.info.minor
-                    ),
-                    backend: cfg.backend,
-                });
-            }
             let (pages, cfg) = pages(&k_cache.layout, v_cache.layout.shape[3], table, batch, cfg)?;
             let seqs = DeviceSeqlens::paged(cu_q, seqlen_q, pages, cache_seqlens)?
                 .with_lse_by_sequence()
@@ -376,30 +446,16 @@ impl Device {
             };
             return self.varlen_forward_into(stream, &cfg, &seqs, inputs, &mut o_rows, lse);
         }
-        let [entries, seqlen_cache, heads_kv, _] = k_cache.layout.shape;
-        if entries < batch {
-            return Err(Error::ShapeMismatch {
-                operand: Operand::K,
-                expected: [batch, seqlen_cache, heads_kv, q.layout.shape[3]],
-                found: k_cache.layout.shape,
-            });
-        }
-        if v_cache.layout.shape[..3] != k_cache.layout.shape[..3] {
-            return Err(Error::ShapeMismatch {
-                operand: Operand::V,
-                expected: [entries, seqlen_cache, heads_kv, v_cache.layout.shape[3]],
-                found: v_cache.layout.shape,
-            });
-        }
         // The first `batch` entries of the cache, as packed rows.
-        let used = |t: &DeviceTensor<'_, T>| -> Layout {
-            let [_, rows, heads, d] = t.layout.shape;
-            Layout::with_strides([batch, rows, heads, d], t.layout.strides)
-        };
-        let k_rows =
-            DeviceTensor::new(k_cache.data.slice(..), as_rows(Operand::K, &used(k_cache))?);
-        let v_rows =
-            DeviceTensor::new(v_cache.data.slice(..), as_rows(Operand::V, &used(v_cache))?);
+        let seqlen_cache = k_cache.layout.shape[1];
+        let k_rows = DeviceTensor::new(
+            k_cache.data.slice(..),
+            as_rows(Operand::K, &used(&k_cache.layout, batch))?,
+        );
+        let v_rows = DeviceTensor::new(
+            v_cache.data.slice(..),
+            as_rows(Operand::V, &used(&v_cache.layout, batch))?,
+        );
         let k_offsets = self.uniform_offsets(stream, batch, seqlen_cache)?;
         let cu_k = k_offsets.slice(..=batch);
         let seqs = DeviceSeqlens::new(cu_q, cu_k, seqlen_q, seqlen_cache)?
@@ -436,7 +492,7 @@ impl Device {
             [k_cache, v_cache],
             block_table.as_ref(),
             &cache_seqlens,
-            Some((k_new, v_new)),
+            (k_new, v_new),
             rotary.as_ref(),
             None,
             None,
@@ -494,22 +550,23 @@ impl Device {
             };
             dev.kvcache_forward_into(stream, cfg, inputs, out, lse)
         };
-        if new.is_none() {
+        let Some(new) = new else {
             return forward(self, q, cache_seqlens, k_cache, v_cache, out, lse);
-        }
-        // The forward's own refusals of the cache's shape before the cache is written (the
-        // rest, a head dim this build lacks say, come after: see kvcache_step_into).
+        };
+        // The forward's refusals that need no plan, before the cache is written.
         tensor::check_len(Operand::Q, &q.layout, q.data.len())?;
-        cache_tiles(cfg, seqlen_q, heads_q, k_cache.layout.shape[2], num_splits)?;
-        if let Some(table) = &block_table {
-            pages(
-                &k_cache.layout,
-                v_cache.layout.shape[3],
-                table.slice(..),
-                batch,
-                cfg,
-            )?;
-        }
+        self.check_cache_call(
+            cfg,
+            CacheCall {
+                q: &q.layout,
+                k_cache: &k_cache.layout,
+                v_cache: &v_cache.layout,
+                table: block_table.as_ref().map(|t| t.slice(..)),
+                seqlens: cache_seqlens.len(),
+                num_splits,
+            },
+            &out.layout,
+        )?;
         let mut lens = stream.alloc_zeros::<i32>(batch).map_err(driver_error)?;
         let mut q_rot = match rotary {
             // SAFETY: the append launch writes every element (each head's row whole) before
@@ -555,7 +612,7 @@ impl Device {
         [k_cache, v_cache]: [&mut DeviceTensorMut<T>; 2],
         block_table: Option<&CudaView<i32>>,
         cache_seqlens: &CudaView<i32>,
-        new: Option<(&DeviceTensor<T>, &DeviceTensor<T>)>,
+        (k_new, v_new): (&DeviceTensor<T>, &DeviceTensor<T>),
         rotary: Option<&DeviceRotary>,
         q_rot: Option<RotatedQ<T>>,
         seqlens_out: Option<&mut CudaSlice<i32>>,
@@ -566,9 +623,6 @@ impl Device {
                 backend: Backend::Auto,
             });
         }
-        let Some((k_new, v_new)) = new else {
-            return Ok(());
-        };
         let mut contexts = vec![
             (Operand::K, k_cache.data.stream().context()),
             (Operand::V, v_cache.data.stream().context()),
@@ -652,24 +706,34 @@ impl Device {
                 )));
             }
         }
-        // Every count the kernel takes in i32, with room for a row number past the capacity.
+        if head_dim.max(head_dim_v) > 512 {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "a KV-cache append at head dims ({head_dim}, {head_dim_v}) (at most 512)"
+                ),
+                backend: Backend::Auto,
+            });
+        }
+        // Every count the kernel takes in i32, with room for a row number past the capacity,
+        // and its rows (new keys, new values, Q's) numbered in i32 too.
         let seqlen_q = q_rot.as_ref().map_or(0, |r| r.q.layout.shape[1]);
         let capacity = cache_rows.checked_mul(max_pages.max(1));
         let fits = |n: usize| i32::try_from(n).is_ok();
+        let kv_rows = batch
+            .checked_mul(seqlen_new)
+            .and_then(|n| n.checked_mul(heads_kv));
         let within = capacity
             .and_then(|c| c.checked_add(seqlen_new.max(seqlen_q)))
             .is_some_and(fits)
-            && [batch, entries, max_pages, head_dim.max(head_dim_v) * 2]
-                .into_iter()
-                .all(fits)
-            && head_dim.max(head_dim_v) <= 512
+            && kv_rows.is_some_and(fits)
+            && [batch, entries, max_pages, heads_kv].into_iter().all(fits)
             && rotary.is_none_or(|r| fits(r.cos.len() / (r.dim / 2)));
         if !within {
             return Err(Error::IndexOverflow {
                 operand: Operand::K,
                 detail: format!(
                     "a KV-cache append of {batch} sequences of {seqlen_new} rows into \
-                     {entries} × {cache_rows} rows (head dims at most 512)"
+                     {entries} × {cache_rows} rows"
                 ),
             });
         }

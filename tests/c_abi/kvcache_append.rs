@@ -62,9 +62,11 @@ fn kvcache_append_refuses_what_it_cannot_do_in_bounds() {
         ("rotated Q over the cached counts", |p| {
             p.q_out.ptr = p.cache_seqlens as *mut _
         }),
-        // 2^31 - 1 rows of capacity plus 3 new ones pass the kernel's 32-bit row numbers.
+        // 2^31 rows of capacity pass the kernel's 32-bit row numbers.
         ("rows past i32", |p| {
-            (p.page_table, p.max_pages, p.cache_rows) = (addr(10) as *const i32, 65_536, 32_768)
+            // One page of 32768 rows (the cache views valid) in 65536 table slots a sequence.
+            (p.page_table, p.max_pages, p.cache_rows) = (addr(10) as *const i32, 65_536, 32_768);
+            p.entries = 1;
         }),
     ];
     // The base passes every check: without a driver its launch is what fails (with one it
