@@ -483,25 +483,13 @@ pub fn append<T: Element>(
     }
     let dest_rows = {
         let view = cache.as_ref();
-        let [slots, page_rows, heads_kv, head_dim] = view.k().layout.shape;
-        let head_dim_v = view.v().layout.shape[3];
-        Problem::expect_shape(
-            Operand::V,
-            &view.v().layout,
-            [slots, page_rows, heads_kv, head_dim_v],
-        )?;
         k_new.check(Operand::K)?;
         v_new.check(Operand::V)?;
-        let [batch, seqlen_new, _, _] = k_new.layout.shape;
-        Problem::expect_shape(
-            Operand::K,
-            &k_new.layout,
-            [batch, seqlen_new, heads_kv, head_dim],
-        )?;
-        Problem::expect_shape(
-            Operand::V,
-            &v_new.layout,
-            [batch, seqlen_new, heads_kv, head_dim_v],
+        let batch = k_new.layout.shape[0];
+        let seqlen_new = check_new_rows(
+            [&view.k().layout, &view.v().layout],
+            [&k_new.layout, &v_new.layout],
+            batch,
         )?;
         check_cache(&view, batch, cache_seqlens, seqlen_new, cache_batch_idx)?;
         (0..batch)
@@ -557,21 +545,7 @@ impl Rotary<'_> {
     }
 
     fn check(&self, head_dim: usize) -> Result<()> {
-        if self.dim == 0 || self.dim % 2 != 0 || self.dim > head_dim {
-            return Err(Error::InvalidConfig(format!(
-                "rotary dim {} (it must be even, from 2 to the head dim {head_dim})",
-                self.dim
-            )));
-        }
-        if self.cos.len() != self.sin.len() || self.cos.len() % (self.dim / 2) != 0 {
-            return Err(Error::InvalidConfig(format!(
-                "rotary cos and sin of {} and {} values: both (positions, {}) ",
-                self.cos.len(),
-                self.sin.len(),
-                self.dim / 2
-            )));
-        }
-        Ok(())
+        check_rotary(self.dim, [self.cos.len(), self.sin.len()], head_dim)
     }
 
     /// `x` (one head's row) rotated to position `pos`.
@@ -592,6 +566,43 @@ impl Rotary<'_> {
             x[b] = T::from_f32(x0 * sin[i] + x1 * cos[i]);
         }
     }
+}
+
+/// A rotation of `dim` elements of heads of `head_dim` with angle tables of `lens` values (cos,
+/// sin): `dim` even, from 2 to the head dim; both tables `(positions, dim / 2)`, at least one
+/// position. Host and device steps check it alike.
+pub(crate) fn check_rotary(dim: usize, [cos, sin]: [usize; 2], head_dim: usize) -> Result<()> {
+    if dim == 0 || dim % 2 != 0 || dim > head_dim {
+        return Err(Error::InvalidConfig(format!(
+            "rotary dim {dim} (it must be even, from 2 to the head dim {head_dim})"
+        )));
+    }
+    if cos != sin || cos == 0 || cos % (dim / 2) != 0 {
+        return Err(Error::InvalidConfig(format!(
+            "rotary cos and sin of {cos} and {sin} values: both (positions, {}), at least one \
+             position",
+            dim / 2
+        )));
+    }
+    Ok(())
+}
+
+/// The new keys and values of an append, `[k_new, v_new]`, against the cache's `[k, v]`:
+/// `(batch, seqlen_new, heads_kv, ·)` with the cache's heads and head dims, and V's cache
+/// shaped as K's but for its head dim. Returns `seqlen_new`. Host and device appends check it
+/// alike.
+pub(crate) fn check_new_rows(
+    [k, v]: [&Layout; 2],
+    [k_new, v_new]: [&Layout; 2],
+    batch: usize,
+) -> Result<usize> {
+    let [slots, rows, heads_kv, head_dim] = k.shape;
+    let head_dim_v = v.shape[3];
+    Problem::expect_shape(Operand::V, v, [slots, rows, heads_kv, head_dim_v])?;
+    let seqlen_new = k_new.shape[1];
+    Problem::expect_shape(Operand::K, k_new, [batch, seqlen_new, heads_kv, head_dim])?;
+    Problem::expect_shape(Operand::V, v_new, [batch, seqlen_new, heads_kv, head_dim_v])?;
+    Ok(seqlen_new)
 }
 
 /// One decoding or prefill step over a cache, as FlashAttention's `flash_attn_with_kvcache`
@@ -654,19 +665,12 @@ pub fn step<T: Element>(
     // The new keys and values against Q and the cache, before any of them is rotated.
     if let Some((k_new, v_new)) = &new {
         let view = cache.as_ref();
-        let [_, _, heads_kv, _] = view.k().layout.shape;
-        let head_dim_v = view.v().layout.shape[3];
         k_new.check(Operand::K)?;
         v_new.check(Operand::V)?;
-        Problem::expect_shape(
-            Operand::K,
-            &k_new.layout,
-            [batch, seqlen_new, heads_kv, head_dim],
-        )?;
-        Problem::expect_shape(
-            Operand::V,
-            &v_new.layout,
-            [batch, seqlen_new, heads_kv, head_dim_v],
+        check_new_rows(
+            [&view.k().layout, &view.v().layout],
+            [&k_new.layout, &v_new.layout],
+            batch,
         )?;
     } else if rotary.is_some() {
         return Err(Error::InvalidConfig(

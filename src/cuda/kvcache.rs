@@ -16,6 +16,7 @@ use crate::config::{AttentionConfig, Backend};
 use crate::dispatch::Plan;
 use crate::error::{Error, Operand, Result};
 use crate::ffi;
+use crate::kvcache;
 use crate::registry::{self, Family, TileRole};
 use crate::tensor::{self, DType, Layout, Problem};
 use crate::unstable::Sm90Schedule;
@@ -150,6 +151,16 @@ fn as_rows(operand: Operand, layout: &Layout) -> Result<Layout> {
     ))
 }
 
+/// A block table of `len` entries as `batch` rows: the pages each sequence addresses.
+fn pages_per_seq(len: usize, batch: usize) -> Result<usize> {
+    if batch == 0 || len == 0 || len % batch != 0 {
+        return Err(Error::InvalidPageTable(format!(
+            "{len} entries are not {batch} rows of at least one page"
+        )));
+    }
+    Ok(len / batch)
+}
+
 /// A paged cache's pages as the kernels take them, and the call's configuration for them: every
 /// page a whole number of the Hopper forward's key blocks.
 fn pages<'a>(
@@ -160,13 +171,7 @@ fn pages<'a>(
     cfg: &AttentionConfig,
 ) -> Result<(DevicePages<'a>, AttentionConfig)> {
     let [num_pages, page_size, _, head_dim] = k_cache.shape;
-    if batch == 0 || table.is_empty() || table.len() % batch != 0 {
-        return Err(Error::InvalidPageTable(format!(
-            "{} entries are not {batch} rows of at least one page",
-            table.len()
-        )));
-    }
-    let pages_per_seq = table.len() / batch;
+    let pages_per_seq = pages_per_seq(table.len(), batch)?;
     let key_block = |role: TileRole| {
         registry::TILES
             .iter()
@@ -261,7 +266,7 @@ fn used(layout: &Layout, batch: usize) -> Layout {
     Layout::with_strides([batch, rows, heads, d], layout.strides)
 }
 
-/// A KV-cache forward's shapes, as [`Device::check_cache_call`] takes them.
+/// A KV-cache forward's shapes, as [`Device::cache_rows`] takes them.
 struct CacheCall<'a> {
     q: &'a Layout,
     k_cache: &'a Layout,
@@ -269,6 +274,22 @@ struct CacheCall<'a> {
     table: Option<CudaView<'a, i32>>,
     seqlens: usize,
     num_splits: usize,
+    dtype: DType,
+}
+
+/// How the packed kernels take a KV-cache call: Q's and O's rows, the tiles, and the keys.
+struct CacheRows<'a> {
+    q: Layout,
+    out: Layout,
+    tiles: CacheTiles,
+    keys: CacheKeys<'a>,
+}
+
+enum CacheKeys<'a> {
+    /// The pages, and the configuration that serves them.
+    Pages(DevicePages<'a>, AttentionConfig),
+    /// The first `batch` entries of a dense cache as rows.
+    Rows { k: Layout, v: Layout },
 }
 
 impl Device {
@@ -318,15 +339,15 @@ impl Device {
         Ok(uploaded)
     }
 
-    /// The refusals of a KV-cache forward that need no plan (its shapes, O's, the rows the
-    /// packed kernels take, the page size, the splits): a step runs them before it writes the
-    /// cache.
-    fn check_cache_call(
+    /// A KV-cache forward as the packed kernels take it, and every refusal of it that needs no
+    /// plan (its shapes, O's, the rows, the page size, the splits): a step runs it before it
+    /// writes the cache.
+    fn cache_rows<'a>(
         &self,
         cfg: &AttentionConfig,
-        call: CacheCall<'_>,
+        call: CacheCall<'a>,
         out: &Layout,
-    ) -> Result<()> {
+    ) -> Result<CacheRows<'a>> {
         let [batch, seqlen_q, heads_q, head_dim] = call.q.shape;
         let [entries, cache_rows, heads_kv, _] = call.k_cache.shape;
         let head_dim_v = call.v_cache.shape[3];
@@ -346,16 +367,21 @@ impl Device {
             call.v_cache,
             [entries, cache_rows, heads_kv, head_dim_v],
         )?;
-        if heads_kv == 0 || heads_q % heads_kv != 0 {
-            return Err(Error::InvalidConfig(format!(
-                "{heads_q} query heads over {heads_kv} KV heads (a whole group each)"
-            )));
+        // Sizes and the GQA group, as the forward's problem has them.
+        Problem {
+            batch,
+            seqlen_q,
+            seqlen_k: cache_rows,
+            heads_q,
+            heads_kv,
+            head_dim,
+            head_dim_v,
+            dtype: call.dtype,
+            packed: false,
         }
+        .validate()?;
         Problem::expect_shape(Operand::Out, out, [batch, seqlen_q, heads_q, head_dim_v])?;
-        as_rows(Operand::Q, call.q)?;
-        as_rows(Operand::Out, out)?;
-        cache_tiles(cfg, seqlen_q, heads_q, heads_kv, call.num_splits)?;
-        match call.table {
+        let keys = match call.table {
             Some(table) => {
                 let hopper = (self.info.major, self.info.minor) == (9, 0);
                 if !hopper || !matches!(cfg.backend, Backend::Auto | Backend::Sm90) {
@@ -367,7 +393,8 @@ impl Device {
                         backend: cfg.backend,
                     });
                 }
-                pages(call.k_cache, head_dim_v, table, batch, cfg)?;
+                let (pages, cfg) = pages(call.k_cache, head_dim_v, table, batch, cfg)?;
+                CacheKeys::Pages(pages, cfg)
             }
             None => {
                 if entries < batch {
@@ -377,11 +404,18 @@ impl Device {
                         found: call.k_cache.shape,
                     });
                 }
-                as_rows(Operand::K, &used(call.k_cache, batch))?;
-                as_rows(Operand::V, &used(call.v_cache, batch))?;
+                CacheKeys::Rows {
+                    k: as_rows(Operand::K, &used(call.k_cache, batch))?,
+                    v: as_rows(Operand::V, &used(call.v_cache, batch))?,
+                }
             }
-        }
-        Ok(())
+        };
+        Ok(CacheRows {
+            q: as_rows(Operand::Q, call.q)?,
+            out: as_rows(Operand::Out, out)?,
+            tiles: cache_tiles(cfg, seqlen_q, heads_q, heads_kv, call.num_splits)?,
+            keys,
+        })
     }
 
     /// Forward pass over a dense or paged KV cache into caller-owned device outputs, ordered on
@@ -414,54 +448,46 @@ impl Device {
         } = inputs;
         // Before anything is uploaded on it.
         self.check_same_context(stream, [(Operand::Q, q.data.stream().context())])?;
-        self.check_cache_call(
+        let rows = self.cache_rows(
             cfg,
             CacheCall {
                 q: &q.layout,
                 k_cache: &k_cache.layout,
                 v_cache: &v_cache.layout,
-                table: block_table.as_ref().map(|t| t.slice(..)),
+                table: block_table,
                 seqlens: cache_seqlens.len(),
                 num_splits,
+                dtype: T::DTYPE,
             },
             &out.layout,
         )?;
         let [batch, seqlen_q, _, _] = q.layout.shape;
-        let q_rows = DeviceTensor::new(q.data.slice(..), as_rows(Operand::Q, &q.layout)?);
-        let mut o_rows =
-            DeviceTensorMut::new(out.data.slice_mut(..), as_rows(Operand::Out, &out.layout)?);
-        let [_, _, heads_q, _] = q.layout.shape;
-        let heads_kv = k_cache.layout.shape[2];
-        let tiles = cache_tiles(cfg, seqlen_q, heads_q, heads_kv, num_splits)?;
+        let q_rows = DeviceTensor::new(q.data.slice(..), rows.q);
+        let mut o_rows = DeviceTensorMut::new(out.data.slice_mut(..), rows.out);
         let q_offsets = self.uniform_offsets(stream, batch, seqlen_q)?;
         let cu_q = q_offsets.slice(..=batch);
-        if let Some(table) = block_table {
-            let (pages, cfg) = pages(&k_cache.layout, v_cache.layout.shape[3], table, batch, cfg)?;
-            let seqs = DeviceSeqlens::paged(cu_q, seqlen_q, pages, cache_seqlens)?
-                .with_lse_by_sequence()
-                .with_cache_tiles(tiles);
-            let inputs = DeviceForwardInputs {
-                sinks,
-                ..DeviceForwardInputs::new(&q_rows, k_cache, v_cache)
-            };
-            return self.varlen_forward_into(stream, &cfg, &seqs, inputs, &mut o_rows, lse);
-        }
-        // The first `batch` entries of the cache, as packed rows.
+        let (k_layout, v_layout) = match rows.keys {
+            CacheKeys::Pages(pages, cfg) => {
+                let seqs = DeviceSeqlens::paged(cu_q, seqlen_q, pages, cache_seqlens)?
+                    .with_lse_by_sequence()
+                    .with_cache_tiles(rows.tiles);
+                let inputs = DeviceForwardInputs {
+                    sinks,
+                    ..DeviceForwardInputs::new(&q_rows, k_cache, v_cache)
+                };
+                return self.varlen_forward_into(stream, &cfg, &seqs, inputs, &mut o_rows, lse);
+            }
+            CacheKeys::Rows { k, v } => (k, v),
+        };
+        let k_rows = DeviceTensor::new(k_cache.data.slice(..), k_layout);
+        let v_rows = DeviceTensor::new(v_cache.data.slice(..), v_layout);
         let seqlen_cache = k_cache.layout.shape[1];
-        let k_rows = DeviceTensor::new(
-            k_cache.data.slice(..),
-            as_rows(Operand::K, &used(&k_cache.layout, batch))?,
-        );
-        let v_rows = DeviceTensor::new(
-            v_cache.data.slice(..),
-            as_rows(Operand::V, &used(&v_cache.layout, batch))?,
-        );
         let k_offsets = self.uniform_offsets(stream, batch, seqlen_cache)?;
         let cu_k = k_offsets.slice(..=batch);
         let seqs = DeviceSeqlens::new(cu_q, cu_k, seqlen_q, seqlen_cache)?
             .with_seqused_k(cache_seqlens)?
             .with_lse_by_sequence()
-            .with_cache_tiles(tiles);
+            .with_cache_tiles(rows.tiles);
         let inputs = DeviceForwardInputs {
             sinks,
             ..DeviceForwardInputs::new(&q_rows, &k_rows, &v_rows)
@@ -555,7 +581,7 @@ impl Device {
         };
         // The forward's refusals that need no plan, before the cache is written.
         tensor::check_len(Operand::Q, &q.layout, q.data.len())?;
-        self.check_cache_call(
+        self.cache_rows(
             cfg,
             CacheCall {
                 q: &q.layout,
@@ -564,6 +590,7 @@ impl Device {
                 table: block_table.as_ref().map(|t| t.slice(..)),
                 seqlens: cache_seqlens.len(),
                 num_splits,
+                dtype: T::DTYPE,
             },
             &out.layout,
         )?;
@@ -650,21 +677,11 @@ impl Device {
         tensor::check_len(Operand::V, &v_new.layout, v_new.data.len())?;
         let [entries, cache_rows, heads_kv, head_dim] = k_cache.layout.shape;
         let head_dim_v = v_cache.layout.shape[3];
-        Problem::expect_shape(
-            Operand::V,
-            &v_cache.layout,
-            [entries, cache_rows, heads_kv, head_dim_v],
-        )?;
-        let [batch, seqlen_new, _, _] = k_new.layout.shape;
-        Problem::expect_shape(
-            Operand::K,
-            &k_new.layout,
-            [batch, seqlen_new, heads_kv, head_dim],
-        )?;
-        Problem::expect_shape(
-            Operand::V,
-            &v_new.layout,
-            [batch, seqlen_new, heads_kv, head_dim_v],
+        let batch = k_new.layout.shape[0];
+        let seqlen_new = kvcache::check_new_rows(
+            [&k_cache.layout, &v_cache.layout],
+            [&k_new.layout, &v_new.layout],
+            batch,
         )?;
         if cache_seqlens.len() != batch {
             return Err(Error::InvalidSeqlens(format!(
@@ -673,13 +690,7 @@ impl Device {
             )));
         }
         let max_pages = match block_table {
-            Some(t) if batch > 0 && !t.is_empty() && t.len() % batch == 0 => t.len() / batch,
-            Some(t) => {
-                return Err(Error::InvalidPageTable(format!(
-                    "{} entries are not {batch} rows of at least one page",
-                    t.len()
-                )))
-            }
+            Some(t) => pages_per_seq(t.len(), batch)?,
             None if entries < batch => {
                 return Err(Error::ShapeMismatch {
                     operand: Operand::K,
@@ -690,21 +701,7 @@ impl Device {
             None => 0,
         };
         if let Some(r) = rotary {
-            let half = r.dim / 2;
-            if r.dim == 0 || r.dim % 2 != 0 || r.dim > head_dim {
-                return Err(Error::InvalidConfig(format!(
-                    "rotary dim {} (it must be even, from 2 to the head dim {head_dim})",
-                    r.dim
-                )));
-            }
-            if r.cos.len() != r.sin.len() || r.cos.is_empty() || r.cos.len() % half != 0 {
-                return Err(Error::InvalidConfig(format!(
-                    "rotary cos and sin of {} and {} values: both (positions, {half}), at \
-                     least one position",
-                    r.cos.len(),
-                    r.sin.len()
-                )));
-            }
+            kvcache::check_rotary(r.dim, [r.cos.len(), r.sin.len()], head_dim)?;
         }
         if head_dim.max(head_dim_v) > 512 {
             return Err(Error::Unsupported {
