@@ -282,24 +282,17 @@ fn device_step_matches_the_host_step_and_the_reference() {
             // Decode, a chunk, and steps whose query rows are fewer or more than their new keys.
             for rows in [(1, 1), (3, 3), (1, 3), (3, 1)] {
                 seed += 1;
-                failures.extend(step_case(
-                    cfg,
-                    &dense,
-                    (hq, hk, d),
-                    &[5, 130, 0],
-                    rows,
-                    rotary,
-                    seed,
-                ));
-                failures.extend(step_case(
-                    cfg,
-                    &paged,
-                    (hq, hk, d),
-                    &[126, 250, 0],
-                    rows,
-                    rotary,
-                    seed,
-                ));
+                for (layout, lens) in [(&dense, [5, 130, 0]), (&paged, [126, 250, 0])] {
+                    failures.extend(step_case(
+                        cfg,
+                        layout,
+                        (hq, hk, d),
+                        &lens,
+                        rows,
+                        rotary,
+                        seed,
+                    ));
+                }
             }
         }
     }
