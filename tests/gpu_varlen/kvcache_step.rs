@@ -3,8 +3,8 @@
 //! appended after each sequence's cached ones in a dense or a paged cache, then the forward over
 //! the longer caches. The cache afterwards bit-identical to the host step's
 //! (`flashattn::kvcache::step`), each sequence's O and LSE against the f64 reference over its
-//! keys in that cache; counts past the capacity and page numbers out of range written nowhere
-//! outside the buffers.
+//! keys in that cache; the f16 append alike; counts past the capacity and page numbers out of
+//! range written nowhere outside the buffers.
 
 use cudarc::driver::CudaSlice;
 use flashattn::cuda::{
@@ -308,6 +308,98 @@ fn device_step_matches_the_host_step_and_the_reference() {
         7,
     ));
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The append kernel's f16 path: new keys and values appended with rotary embedding (halves
+/// over the whole head, pairs over half of it) leave the dense cache the host step leaves, bit
+/// for bit.
+#[test]
+#[ignore = "needs a GPU"]
+fn f16_append_matches_the_host_step() {
+    use half::f16;
+    let (dev, stream) = device();
+    let (batch, rows, hq, hk, d, seqlen_new) = (2, 64, 4, 2, 64, 2);
+    let lens = [3i32, 60];
+    let cache_shape = [batch, rows, hk, d];
+    let new_shape = [batch, seqlen_new, hk, d];
+    for (dim, interleaved) in [(64, false), (32, true)] {
+        let mut rng = rand::SeedableRng::seed_from_u64(dim as u64);
+        let cache: Vec<f16> = random(batch * rows * hk * d, &mut rng);
+        let (k_new, v_new): (Vec<f16>, Vec<f16>) = (
+            random(batch * seqlen_new * hk * d, &mut rng),
+            random(batch * seqlen_new * hk * d, &mut rng),
+        );
+        let q: Vec<f16> = random(batch * seqlen_new * hq * d, &mut rng);
+        let (cos, sin) = angles(rows + seqlen_new, dim);
+        let (mut hk_cache, mut hv_cache) = (cache.clone(), cache.clone());
+        kvcache::step(
+            &AttentionConfig::new().causal(true),
+            KvCacheStep {
+                q: TensorRef::contiguous(&q, [batch, seqlen_new, hq, d]),
+                cache: &mut KvCacheMut::Dense {
+                    k: TensorMut::contiguous(&mut hk_cache, cache_shape),
+                    v: TensorMut::contiguous(&mut hv_cache, cache_shape),
+                },
+                new: Some((
+                    TensorRef::contiguous(&k_new, new_shape),
+                    TensorRef::contiguous(&v_new, new_shape),
+                )),
+                cache_seqlens: &lens,
+                rotary: Some(Rotary {
+                    cos: &cos,
+                    sin: &sin,
+                    dim,
+                    interleaved,
+                }),
+                cache_batch_idx: None,
+                sinks: None,
+            },
+        )
+        .unwrap();
+
+        let up = |x: &[f16]| stream.clone_htod(x).unwrap();
+        let (mut kc, mut vc, knd, vnd) = (up(&cache), up(&cache), up(&k_new), up(&v_new));
+        let lens_d = stream.clone_htod(&lens).unwrap();
+        let (cos_d, sin_d) = (
+            stream.clone_htod(&cos).unwrap(),
+            stream.clone_htod(&sin).unwrap(),
+        );
+        let (cos_v, sin_v) = (cos_d.as_view(), sin_d.as_view());
+        dev.kvcache_append(
+            &stream,
+            DeviceKvCacheAppend {
+                k_cache: &mut DeviceTensorMut::contiguous(&mut kc, cache_shape),
+                v_cache: &mut DeviceTensorMut::contiguous(&mut vc, cache_shape),
+                block_table: None,
+                cache_seqlens: lens_d.as_view(),
+                k_new: &DeviceTensor::contiguous(&knd, new_shape),
+                v_new: &DeviceTensor::contiguous(&vnd, new_shape),
+                rotary: Some(DeviceRotary {
+                    cos: &cos_v,
+                    sin: &sin_v,
+                    dim,
+                    interleaved,
+                }),
+            },
+        )
+        .unwrap();
+        let (gk, gv) = (
+            stream.clone_dtoh(&kc).unwrap(),
+            stream.clone_dtoh(&vc).unwrap(),
+        );
+        stream.synchronize().unwrap();
+        let bits = |x: &[f16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&gk),
+            bits(&hk_cache),
+            "K, rotary ({dim}, {interleaved})"
+        );
+        assert_eq!(
+            bits(&gv),
+            bits(&hv_cache),
+            "V, rotary ({dim}, {interleaved})"
+        );
+    }
 }
 
 /// Cached counts past the capacity and below 0, page numbers out of range: the append clamps
