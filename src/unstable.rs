@@ -22,7 +22,9 @@ pub use crate::cuda::selftest::{selftest_tma_wgmma, SelfTestReport};
 /// split by key blocks over the SMs and the pieces merged
 /// (split-KV; csrc/sm90/fwd_tail.h). A split call takes a workspace of up to 35 MB (d256, 132
 /// SMs) in stream order and gives it back at its end, to a memory pool of this library's that
-/// keeps up to 128 MiB per device across synchronizations (csrc/common/workspace_pool.h).
+/// keeps up to 128 MiB per device across synchronizations (csrc/common/workspace_pool.h); a
+/// KV-cache call's key splits take theirs alike, of up to 1 GiB (`num_splits` on
+/// `DeviceKvCacheInputs`).
 /// `pack_gqa` (KV-cache calls with GQA): whether a tile's rows are (query row, query head)
 /// pairs of one KV head's group rather than one query head's rows ([`PackGqa`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -98,9 +98,8 @@ struct FwdEpilogue {
     bool packed = false;
     if constexpr (kPartials) {
       if (t.slot >= 0) {  // a tail piece or a key split: O and LSE in f32 to its slot
-        float* partials = params.num_splits > 1 ? params.split_partials : params.tail.partials;
         store_slot<Traits::kHeadDimV>(
-            partials + t.slot * tail_slot_floats(Traits::kHeadDimV), wg * kRowsPerWG,
+            params.tail.partials + t.slot * tail_slot_floats(Traits::kHeadDimV), wg * kRowsPerWG,
             rows - t.m_block * Traits::kBlockM, rowcol_O, rowcol_cO, lse,
             [](int n) { return head_dim_of(n); });
         return;

@@ -164,8 +164,7 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   params.q_row_stride = p.q.row_stride;
   params.q_head_stride = p.q.head_stride;
   params.num_splits = 1;
-  params.split_partials = nullptr;
-  // Tile rows (query rows, or pack-GQA's pairs: flash_api.cu bounds them below 2^30).
+  // Tile rows (query rows, or pack-GQA's pairs: flash_api.cu bounds them to FLASHATTN_MAX_SEQLEN).
   const int tile_rows_max = params.seqs.max_q * params.group;
   params.num_m_blocks = (tile_rows_max + Traits::kBlockM - 1) / Traits::kBlockM;
   // Every entry padded to the longest one's blocks (dense calls, and packed ones without the
@@ -261,14 +260,14 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   splits = int(std::min<int64_t>({splits, blocks, fitting}));
   if (kPackable && splits > 1) {
     const int64_t units = int64_t(params.num_tiles) * splits;
-    if (workspace_alloc(reinterpret_cast<void**>(&params.split_partials),
+    if (workspace_alloc(reinterpret_cast<void**>(&params.tail.partials),
                         size_t(units * slot_bytes), stream) == cudaSuccess) {
       params.num_splits = splits;
       params.num_tiles = int(units);
       params.tiles_per_unit = 1;
     } else {
       (void)cudaGetLastError();
-      params.split_partials = nullptr;
+      params.tail.partials = nullptr;
     }
   }
   flashattn_result_t launched = ok();
@@ -290,25 +289,27 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
     tiles_kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
     return check_launch();
   };
+  // Whole tiles, or with pack-GQA or key splits the partial-results kernel, whose splits the
+  // merge then joins.
+  auto tiles_kernel = kernel;
   if constexpr (kPackable) {
     if (params.group > 1 || params.num_splits > 1) {
-      auto partials = fwd_kernel<Traits, true>;
+      tiles_kernel = fwd_kernel<Traits, true>;
       if (launched.status == FLASHATTN_OK)
-        launched = cuda_status(allow_dynamic_smem<PartialsTag<Traits>>(partials, smem_bytes));
-      if (launched.status == FLASHATTN_OK) launched = launch(partials);
-      if (launched.status == FLASHATTN_OK && params.num_splits > 1) {
-        const int64_t tiles = params.num_tiles / params.num_splits;
-        const int64_t threads = tiles * kTailRows * (Traits::kHeadDimV / 4);
-        launched = cuda_status(launch_dependent(
-            fwd_split_merge<Traits, Element>, int((threads + kMergeThreads - 1) / kMergeThreads),
-            kMergeThreads, 0, stream, params));
-      }
-      if (params.split_partials != nullptr)
-        launched = freed_after(launched, params.split_partials, stream);
-      return schedule != nullptr ? freed_after(launched, schedule, stream) : launched;
+        launched = cuda_status(allow_dynamic_smem<PartialsTag<Traits>>(tiles_kernel, smem_bytes));
     }
   }
-  if (launched.status == FLASHATTN_OK) launched = launch(kernel);
+  if (launched.status == FLASHATTN_OK) launched = launch(tiles_kernel);
+  if (params.num_splits > 1) {
+    if (launched.status == FLASHATTN_OK) {
+      const int64_t tiles = params.num_tiles / params.num_splits;
+      const int64_t threads = tiles * kTailRows * (Traits::kHeadDimV / 4);
+      launched = cuda_status(launch_dependent(
+          fwd_split_merge<Traits, Element>, int((threads + kMergeThreads - 1) / kMergeThreads),
+          kMergeThreads, 0, stream, params));
+    }
+    launched = freed_after(launched, params.tail.partials, stream);
+  }
   return schedule != nullptr ? freed_after(launched, schedule, stream) : launched;
 }
 

@@ -3,7 +3,7 @@
 // (each tile's splits).
 //
 // One thread per row and 4 columns of a tile, reading the parts' slots row-major:
-// LSE = log Σ exp(LSE_p), O = Σ exp(LSE_p − LSE) · O_p, in one pass with a running maximum. A
+// LSE = log Σ exp(LSE_p), O = Σ exp(LSE_p − LSE) · O_p, over the parts' maximum LSE. A
 // part with LSE +inf saw no key of the row: its O is 0, or NaN where V holds a NaN or inf at a
 // key the row does not see (0·NaN), which is added, as the whole-tile kernel's O would carry it.
 // A row that sees no key at all gets O = 0 and LSE = +inf. A part with a NaN score has LSE and
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int tile_row = t.m_block * Traits::kBlockM + row;
   if (tile_row >= t.rows) return;
 
-  const RowMerge<kHeadDim> m(p.split_partials + k * p.num_splits * tail_slot_floats(kHeadDim),
+  const RowMerge<kHeadDim> m(p.tail.partials + k * p.num_splits * tail_slot_floats(kHeadDim),
                              p.num_splits, row, chunk);
   Out* o = static_cast<Out*>(p.o);
   float* lse;

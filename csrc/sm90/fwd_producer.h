@@ -138,8 +138,9 @@ struct FwdProducer {
         st.advance();
       }
     }
-    // The pieces read nothing of the whole waves', which run beside them; this keeps the pieces'
-    // launch from completing before those.
+    // A partial-results launch may start beside the grid before it (the tail's whole waves),
+    // reading nothing that grid writes; waiting keeps it from completing before that grid, as
+    // the launches after it (the merge) assume.
     if constexpr (kPartials) wait_for_prior_grids();
   }
 };

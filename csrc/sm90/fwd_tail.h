@@ -31,6 +31,8 @@ struct FwdTail {
   int ctas = 0;        // S
   int iters = 0;       // U = tiles · B < 2³¹
   int share_q = 0, share_r = 0;  // U = qS + r
+  // The partial-results kernel's f32 slots: the tail pieces', or with key splits (no tail
+  // then) the splits' (fwd_launch.h).
   float* partials = nullptr;
 
   // ⌊cU/S⌋ = cq + ⌊cr/S⌋ in 32 bits (cr < S²): a 64-bit division is a call in the kernel.

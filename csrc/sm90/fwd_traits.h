@@ -188,9 +188,8 @@ struct FwdParams {
   int64_t q_batch_stride, q_row_stride, q_head_stride;
   // Split-KV (the partial-results kernel only): each tile's key blocks cut into num_splits
   // ranges, work unit tile·num_splits + split, whose O and LSE go in f32 to slot unit of
-  // split_partials (tail_slot_floats each; fwd_merge.h merges them). 1: none.
+  // tail.partials (tail_slot_floats each; fwd_merge.h merges them). 1: none.
   int num_splits;
-  float* split_partials;
 
   // The heads a call's tiles run over: the KV heads when packed by group, else the query heads.
   __host__ __device__ int tile_heads() const { return group > 1 ? heads_kv : heads_q; }
