@@ -303,7 +303,7 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   if (params.num_splits > 1) {
     if (launched.status == FLASHATTN_OK) {
       const int64_t tiles = params.num_tiles / params.num_splits;
-      const int64_t threads = tiles * params.merge_rows() * (Traits::kHeadDimV / 4);
+      const int64_t threads = tiles * kTailRows * (Traits::kHeadDimV / 4);
       launched = cuda_status(launch_dependent(
           fwd_split_merge<Traits, Element>, int((threads + kMergeThreads - 1) / kMergeThreads),
           kMergeThreads, 0, stream, params));

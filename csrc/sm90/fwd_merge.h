@@ -96,8 +96,7 @@ __global__ void __launch_bounds__(kMergeThreads) fwd_tail_merge(const TailMergeP
 }
 
 // The key splits' merge: tile k's splits are the num_splits slots from k·num_splits on
-// (decode_tile), its rows go where the whole tile's would (packed_out_row with pack-GQA); one
-// thread per 4 columns of the rows a tile can hold (FwdParams::merge_rows).
+// (decode_tile), its rows go where the whole tile's would (packed_out_row with pack-GQA).
 template <class Traits, class Out>
 __global__ void __launch_bounds__(kMergeThreads)
     fwd_split_merge(const __grid_constant__ FwdParams<Traits> p) {
@@ -106,8 +105,8 @@ __global__ void __launch_bounds__(kMergeThreads)
   constexpr int kChunks = kHeadDim / 4;
   const int64_t i = int64_t(blockIdx.x) * kMergeThreads + threadIdx.x;
   const int chunk = int(i % kChunks);
-  const int row = int(i / kChunks % p.merge_rows());
-  const int64_t k = i / (kChunks * p.merge_rows());
+  const int row = int(i / kChunks % kTailRows);
+  const int64_t k = i / (kChunks * kTailRows);
   if (k * p.num_splits >= p.num_tiles) return;
   const WorkTile t = decode_tile<Traits, true>(p, int(k * p.num_splits));
   const int tile_row = t.m_block * Traits::kBlockM + row;

@@ -193,11 +193,6 @@ struct FwdParams {
 
   // The heads a call's tiles run over: the KV heads when packed by group, else the query heads.
   __host__ __device__ int tile_heads() const { return group > 1 ? heads_kv : heads_q; }
-  // Rows a tile of the key splits' merge can hold: a decode step's packed tile holds its group
-  // (seqs.max_q · group ≤ FLASHATTN_MAX_SEQLEN: no overflow).
-  __host__ __device__ int merge_rows() const {
-    return seqs.max_q * group < kTailRows ? seqs.max_q * group : kTailRows;
-  }
   // The KV head of a tile's head.
   __host__ __device__ int kv_head(int tile_head) const {
     return group > 1 ? tile_head : tile_head / (heads_q / heads_kv);
