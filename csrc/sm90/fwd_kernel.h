@@ -59,10 +59,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-  // The launches after a split may start as SMs free up (fwd_tail.h): the tail's, or the key
-  // splits' merge; no launch of anyone else's.
+  // The tail launches may start as SMs free up (fwd_tail.h); no launch of anyone else's.
   if constexpr (Traits::kTailSplit) {
-    if (params.tail.tiles > 0 || (kPartials && params.num_splits > 1)) launch_dependent_grids();
+    if (params.tail.tiles > 0) launch_dependent_grids();
   }
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
