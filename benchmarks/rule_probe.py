@@ -1,13 +1,13 @@
 """DESIGN §4's rule on tiny problems, applied to the peers: how often the FlashAttention-family
 backward of torch SDPA (FLASH = FlashAttention-2, and cuDNN) fails
 max|out - ref| <= 2 max|baseline - ref| + 1e-5 for dQ, dK, dV (baseline as src/reference/baseline.rs),
-how often with FlashAttention-3's atol added, and how often against the worse of two baselines
-(autograd's, and FlashAttention's own with D = rowsum(dO*O) from the rounded O:
-src/reference/rule.rs, compare_worse_baseline). On the GPU machine:
-`python3 rule_probe.py OUT.json` (results: benchmarks/results/2026-12-02-h200-rule-probe-tiny-sequences.json),
-or `python3 rule_probe.py OUT.json --cases CASES.json` for given inputs (each case: d, heads, q/k/v/do
-as flat f16 values in (seq, head, dim) order, the f64 reference's ref_dq/ref_dk and our kernels'
-errors; results: -s24-rule-probe-exact-inputs.json)."""
+how often with FlashAttention-3's atol added (src/reference/rule.rs, compare_gradient), and how
+often against the worse of two baselines (autograd's, and one with D = rowsum(dO*O) from its
+rounded O). On the GPU machine:
+`python3 rule_probe.py OUT.json` (results: benchmarks/results/2026-12-02-h200-rule-probe-tiny-sequences.json,
+-s24-rule-probe-exact-inputs.json), or `python3 rule_probe.py OUT.json --cases CASES.json` for
+given f16 inputs (each case: name, d, heads, seqlen_q/k, q/k/v/do as flat values in (seq, head,
+dim) order, the f64 reference's ref_dq/ref_dk and our kernels' errors ours_dq/ours_dk)."""
 import json, sys
 import torch
 import torch.nn.functional as F

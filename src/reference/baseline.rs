@@ -242,26 +242,7 @@ pub fn baseline_backward<T: Element>(
     v: TensorRef<T>,
     dout: TensorRef<T>,
 ) -> BaselineGrads {
-    backward_impl(cfg, (q, k, v), dout, None, RowSum::OfSoftmax).0
-}
-
-/// The baseline's backward with the softmax's row sum taken as FlashAttention defines it:
-/// `D = rowsum(dO∘O)` from the output rounded to `T` (every FlashAttention backward reads the
-/// stored O so), everything else as [`baseline_backward`]. On rows of a few keys `dP − D` is
-/// small, and O's rounding alone moves it by more than autograd's `rowsum(P∘dP)` of the rounded
-/// P and dP does: the FlashAttention-family backwards (ours, FlashAttention-2's, cuDNN's) then
-/// err past twice [`baseline_backward`]'s error while staying within twice this one's.
-///
-/// # Panics
-/// On invalid operands or a `dout` not shaped like O.
-pub fn baseline_backward_of_output<T: Element>(
-    cfg: &AttentionConfig,
-    q: TensorRef<T>,
-    k: TensorRef<T>,
-    v: TensorRef<T>,
-    dout: TensorRef<T>,
-) -> BaselineGrads {
-    backward_impl(cfg, (q, k, v), dout, None, RowSum::OfOutput).0
+    backward_impl(cfg, (q, k, v), dout, None).0
 }
 
 /// [`baseline_backward`] with attention sinks, and the gradient with respect to each sink (one
@@ -280,16 +261,7 @@ pub fn baseline_backward_sinks<T: Element>(
     dout: TensorRef<T>,
     sinks: &[f32],
 ) -> (BaselineGrads, Vec<f32>) {
-    backward_impl(cfg, (q, k, v), dout, Some(sinks), RowSum::OfSoftmax)
-}
-
-/// How the softmax backward's row sum `D` of a query row is formed.
-#[derive(Clone, Copy)]
-enum RowSum {
-    /// `rowsum(P∘dP)` of the rounded P and dP, as autograd's softmax backward forms it.
-    OfSoftmax,
-    /// `rowsum(dO∘O)` of the rounded output row, as FlashAttention forms it.
-    OfOutput,
+    backward_impl(cfg, (q, k, v), dout, Some(sinks))
 }
 
 /// The backward, with the sinks' gradients (zeros without sinks).
@@ -298,7 +270,6 @@ fn backward_impl<T: Element>(
     (q, k, v): (TensorRef<T>, TensorRef<T>, TensorRef<T>),
     dout: TensorRef<T>,
     sinks: Option<&[f32]>,
-    row_sum: RowSum,
 ) -> (BaselineGrads, Vec<f32>) {
     let p = problem(&q, &k, &v);
     assert_eq!(dout.layout.shape, p.o_shape(), "dout shape");
@@ -328,13 +299,7 @@ fn backward_impl<T: Element>(
                         rt::<T>(doi.iter().zip(vj).map(|(a, b)| a * b).sum())
                     })
                     .collect();
-                let dd: f32 = match row_sum {
-                    RowSum::OfSoftmax => row.p.iter().zip(&dp).map(|(a, b)| a * b).sum(),
-                    RowSum::OfOutput => {
-                        let o = low_out_row::<T>(&row, &vh, d_v);
-                        doi.iter().zip(&o).map(|(a, b)| a * b).sum()
-                    }
-                };
+                let dd: f32 = row.p.iter().zip(&dp).map(|(a, b)| a * b).sum();
                 d_sink -= row.p_sink * dd;
                 for (j, &pj) in row.p.iter().enumerate() {
                     let mut gs = rt::<T>(pj * (dp[j] - dd));
