@@ -141,8 +141,9 @@ typedef struct {
   // device, each clamped into [0, num_pages)), and it attends to its first seqused_k[b] keys
   // (required). seqlen_k = max_seqlen_k is the keys a sequence's row of the table addresses, a
   // whole number of pages, at most page_table_batch_stride of them. page_size must be a
-  // multiple of the forward tile's key block (128 at head dims 64, 96, 128 and (192, 128)):
-  // others are FLASHATTN_UNSUPPORTED. Without a table these must be null and 0.
+  // multiple of 16: pages of whole key blocks of the forward's tile (128 at head dims 64, 96,
+  // 128 and (192, 128)) are loaded a block at a time, others 16 rows at a time; other sizes are
+  // FLASHATTN_UNSUPPORTED. Without a table these must be null and 0.
   const int32_t* page_table;
   int64_t page_table_batch_stride;
   int32_t page_size;

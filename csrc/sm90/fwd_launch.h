@@ -112,12 +112,13 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   const int batch = params.tensor_batch();
   auto q = gmem_tensor<Traits>(static_cast<Element const*>(p.q.ptr), p.q, p.seqlen_q, p.heads_q,
                                batch);
-  // A paged cache's pages (flash_api.h): each a whole number of key blocks.
+  // A paged cache's pages (flash_api.h): whole key blocks, or whole pieces of kPageRows rows.
   params.page_table = p.page_table;
   params.page_table_stride = p.page_table_batch_stride;
   params.num_pages = p.num_pages;
-  params.page_blocks = p.page_table != nullptr ? p.page_size / Traits::kBlockN : 0;
-  if (p.page_table != nullptr && (Traits::kFp8 || p.page_size % Traits::kBlockN != 0))
+  params.page_size = p.page_size;
+  params.page_blocks = p.page_size % Traits::kBlockN == 0 ? p.page_size / Traits::kBlockN : 0;
+  if (params.paged() && (Traits::kFp8 || p.page_size % Traits::kPageRows != 0))
     return status(FLASHATTN_UNSUPPORTED);
   auto k = gmem_tensor<Traits>(static_cast<Element const*>(p.k.ptr), p.k, params.kv_rows(),
                                p.heads_kv, params.kv_batch());
@@ -147,6 +148,18 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
                                typename Traits::TileKV{}, _1{});
   params.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutV{}),
                                typename Traits::TileV{}, _1{});
+  if constexpr (!Traits::kFp8) {
+    if (params.paged() && params.page_blocks == 0) {
+      using PieceK = typename Traits::TilePieceK;
+      using PieceV = typename Traits::TilePieceV;
+      params.tma_piece_k = make_tma_copy(
+          SM90_TMA_LOAD{}, k, tile_to_shape(typename Traits::SmemAtom{}, PieceK{}), PieceK{}, _1{});
+      params.tma_piece_v = make_tma_copy(
+          SM90_TMA_LOAD{}, v,
+          tile_to_shape(typename Traits::template SmemAtomOf<Traits::kHeadDimV>{}, PieceV{}),
+          PieceV{}, _1{});
+    }
+  }
   params.o = p.o.ptr;
   params.o_batch_stride = p.o.batch_stride;
   params.o_row_stride = p.o.row_stride;

@@ -86,15 +86,40 @@ struct FwdProducer {
         return group_modes<0, 3>(tma.get_slice(0).partition_S(
             local_tile(m(_, _, head_kv, page), tile, make_coord(_, _0{}))))(_, in_page);
       };
+      // Pages of no whole number of blocks: block n's kPageRows-row pieces, each from its page
+      // (a paged entry's keys start at 0), each into its rows of the block's stage.
+      auto load_pieces = [&](auto& tma_piece, int dim, int n, auto piece, uint64_t& barrier,
+                             auto smem_tensor, int stage) {
+        constexpr int kPageRows = Traits::kPageRows;
+        auto cta = tma_piece.get_slice(0);
+        Tensor m = tma_piece.get_tma_tensor(
+            make_shape(params.page_size, dim, params.heads_kv, params.num_pages));
+        Tensor dst = cta.partition_D(smem_tensor);  // (TMA, piece, 1, stage)
+#pragma unroll 1
+        for (int i = 0; i < kBlockN / kPageRows; ++i) {
+          const int key = n * kBlockN + i * kPageRows;
+          const int page = params.page_at(t.seq.index, key / params.page_size);
+          Tensor src = cta.partition_S(local_tile(m(_, _, head_kv, page), piece,
+                                                  make_coord(_, _0{})));  // (TMA, 1, 1, piece)
+          copy(tma_piece.with(barrier), src(_, _0{}, _0{}, (key % params.page_size) / kPageRows),
+               dst(_, i, _0{}, stage));
+        }
+      };
       auto load_k = [&](int n) {
         smem.pipe_k.producer_acquire(st, Traits::kBytesK);
         auto tma = params.tma_k.with(smem.pipe_k.full_barrier(st));
         if constexpr (!Traits::kFp8) {  // FP8 takes no paged cache (flash_api.h)
-          if (params.page_blocks > 0) {
-            int in_page;
-            const int page = params.page_of(t.seq.index, n, in_page);
-            copy(tma, page_tile(params.tma_k, mK, typename Traits::TileKV{}, page, in_page),
-                 tKsK(_, st.index));
+          if (params.paged()) {
+            if (params.page_blocks > 0) {
+              int in_page;
+              const int page = params.page_of(t.seq.index, n, in_page);
+              copy(tma, page_tile(params.tma_k, mK, typename Traits::TileKV{}, page, in_page),
+                   tKsK(_, st.index));
+            } else {
+              load_pieces(params.tma_piece_k, int(Traits::kHeadDim), n,
+                          typename Traits::TilePieceK{}, smem.pipe_k.full_barrier(st), sK,
+                          st.index);
+            }
             return;
           }
         }
@@ -104,11 +129,17 @@ struct FwdProducer {
         smem.pipe_v.producer_acquire(st, Traits::kBytesV);
         auto tma = params.tma_v.with(smem.pipe_v.full_barrier(st));
         if constexpr (!Traits::kFp8) {
-          if (params.page_blocks > 0) {
-            int in_page;
-            const int page = params.page_of(t.seq.index, n, in_page);
-            copy(tma, page_tile(params.tma_v, mV, typename Traits::TileV{}, page, in_page),
-                 tVsV(_, st.index));
+          if (params.paged()) {
+            if (params.page_blocks > 0) {
+              int in_page;
+              const int page = params.page_of(t.seq.index, n, in_page);
+              copy(tma, page_tile(params.tma_v, mV, typename Traits::TileV{}, page, in_page),
+                   tVsV(_, st.index));
+            } else {
+              load_pieces(params.tma_piece_v, int(Traits::kHeadDimV), n,
+                          typename Traits::TilePieceV{}, smem.pipe_v.full_barrier(st), sV,
+                          st.index);
+            }
             return;
           }
         }

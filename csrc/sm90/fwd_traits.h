@@ -115,6 +115,18 @@ struct FwdTraits {
                                        take<0, 2>(SmemLayoutK{}), TileKV{}, _1{}));
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}),
                                       TileV{}, _1{}));
+  // A paged cache whose pages are no whole number of key blocks is loaded kPageRows rows at a
+  // time (pages of any multiple of them): K's and V's blocks as pieces of kPageRows rows, each
+  // its own TMA box at its page, landing where the whole block's box would have put it.
+  static constexpr int kPageRows = 16;
+  static_assert(kBlockN % kPageRows == 0, "a key block of whole page pieces");
+  using TilePieceK = Shape<Int<kPageRows>, Int<kHeadDim>>;
+  using TilePieceV = Shape<Int<kPageRows>, Int<kHeadDimV>>;
+  using TmaPieceK = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, GmemTensor{}, tile_to_shape(SmemAtom{}, TilePieceK{}), TilePieceK{}, _1{}));
+  using TmaPieceV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{},
+                                           tile_to_shape(SmemAtomOf<kHeadDimV>{}, TilePieceV{}),
+                                           TilePieceV{}, _1{}));
   static constexpr uint32_t kBytesQ = kRowsPerWG * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesV = kBlockN * kHeadDimV * sizeof(Element);
@@ -173,12 +185,16 @@ struct FwdParams {
   int num_q_blocks, num_n_blocks;
   bool o_bf16;
   FwdTail tail;  // the tail launch's pieces (fwd_tail.h)
-  // A paged KV cache (flash_api.h): K and V are num_pages pages of page_blocks key blocks, and
-  // entry b's key block n lies in page page_table[b·page_table_stride + n / page_blocks].
-  // page_blocks is 0 without one.
+  // A paged KV cache (flash_api.h; page_table null without one): K and V are num_pages pages of
+  // page_size rows, and entry b's key j lies in row j % page_size of page
+  // page_table[b·page_table_stride + j / page_size]. Pages of page_blocks whole key blocks are
+  // loaded a block at a time (tma_k, tma_v); others (page_blocks 0) by Traits::kPageRows-row
+  // pieces (tma_piece_k, tma_piece_v).
   const int32_t* page_table;
   int64_t page_table_stride;
-  int num_pages, page_blocks;
+  int num_pages, page_size, page_blocks;
+  typename Traits::TmaPieceK tma_piece_k;
+  typename Traits::TmaPieceV tma_piece_v;
   // Pack-GQA (flash_api.h pack_gqa; the partial-results kernel only): with group > 1 a tile's
   // rows are (query row, query head) pairs, tile row i query row i / group of head
   // head_kv·group + i % group, and the tiles run per KV head; each consumer warpgroup then
@@ -201,15 +217,21 @@ struct FwdParams {
   // Entries on the tensors' batch axis: one when the sequences are packed along the rows.
   __host__ __device__ int tensor_batch() const { return seqs.packed() ? 1 : batch; }
   // K's and V's rows and batch entries: a page's and the pages in a paged cache.
-  __host__ __device__ int kv_rows() const {
-    return page_blocks > 0 ? page_blocks * Traits::kBlockN : seqlen_k;
+  __host__ __device__ bool paged() const { return page_table != nullptr; }
+  __host__ __device__ int kv_rows() const { return paged() ? page_size : seqlen_k; }
+  __host__ __device__ int kv_batch() const { return paged() ? num_pages : tensor_batch(); }
+  // The page of entry b's page-table column `column` (kept within the columns the call's keys
+  // span, seqlen_k / page_size, and the page within the cache's pages).
+  __device__ int page_at(int b, int column) const {
+    const int columns = seqlen_k / page_size;
+    column = column < columns ? column : columns - 1;
+    const int page = page_table[int64_t(b) * page_table_stride + column];
+    return page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
   }
-  __host__ __device__ int kv_batch() const { return page_blocks > 0 ? num_pages : tensor_batch(); }
-  // Entry b's key block n: the K/V batch entry (page) that holds it, and its block there.
+  // Entry b's key block n: the page that holds it, and its block there (page_blocks > 0).
   __device__ int page_of(int b, int n, int& block) const {
     block = n % page_blocks;
-    const int page = page_table[int64_t(b) * page_table_stride + n / page_blocks];
-    return page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
+    return page_at(b, n / page_blocks);
   }
 };
 

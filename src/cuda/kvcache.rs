@@ -35,10 +35,11 @@ pub struct DeviceKvCacheInputs<'a, T> {
     pub v_cache: &'a DeviceTensor<'a, T>,
     /// The paged cache's `(batch, max_pages)` i32 page numbers, row-major on the device; each
     /// sequence's keys are `max_pages · page_size` rows. The kernels clamp every entry into
-    /// `0..num_pages` (the host does not read them). Pages hold a whole number of the Hopper
-    /// forward's key blocks (its 128-key Masked tile's where it has one): multiples of 128 rows
-    /// at head dims 64, 96, 128 and (192, 128), of 112 at 192 and of 80 at 256; other sizes,
-    /// the forward without intra-warpgroup overlap, and the Ampere and CPU backends, are
+    /// `0..num_pages` (the host does not read them). Pages hold a whole number of 16-row
+    /// pieces: pages of whole key blocks of the Hopper forward (multiples of 128 rows at head
+    /// dims 64, 96, 128 and (192, 128), of 112 at 192 and of 80 at 256) are loaded a block at a
+    /// time, others (16, 32, 48, …) 16 rows at a time, one copy per piece. Other sizes, the
+    /// forward without intra-warpgroup overlap, and the Ampere and CPU backends, are
     /// `Error::Unsupported` here (the CPU takes any page size through
     /// [`crate::kvcache::forward`]).
     pub block_table: Option<CudaView<'a, i32>>,
@@ -161,8 +162,13 @@ fn pages_per_seq(len: usize, batch: usize) -> Result<usize> {
     Ok(len / batch)
 }
 
+/// The rows of the pieces the Hopper forward loads a paged cache's key blocks in where its pages
+/// are no whole number of blocks: pages hold a whole number of them.
+const PAGE_ROWS: usize = 16;
+
 /// A paged cache's pages as the kernels take them, and the call's configuration for them: every
-/// page a whole number of the Hopper forward's key blocks.
+/// page a whole number of [`PAGE_ROWS`] rows, taken a key block at a time where it holds whole
+/// blocks of the Hopper forward's tile (its 128-key Masked tile's where it has one).
 fn pages<'a>(
     k_cache: &Layout,
     head_dim_v: usize,
@@ -188,29 +194,28 @@ fn pages<'a>(
         backend: Backend::Sm90,
     }
     };
-    // The Masked tile where the head dims have one (whatever the mask: a page of its 128 keys
-    // need not hold the Base tile's wider blocks), else the Base tile.
-    let (block, schedule) = match (key_block(TileRole::Masked), key_block(TileRole::Base)) {
-        _ if !cfg.sm90_schedule.intra_wg_overlap => {
-            return Err(unsupported(
-                "the forward without intra-warpgroup overlap takes no paged cache".into(),
-            ))
-        }
-        (Some(masked), _) => (
-            masked,
-            Sm90Schedule {
-                narrow_key_blocks: true,
-                ..cfg.sm90_schedule
-            },
-        ),
-        (None, Some(base)) => (base, cfg.sm90_schedule),
-        (None, None) => return Err(unsupported("no Hopper forward at these head dims".into())),
-    };
-    if page_size % block != 0 {
+    if !cfg.sm90_schedule.intra_wg_overlap {
+        return Err(unsupported(
+            "the forward without intra-warpgroup overlap takes no paged cache".into(),
+        ));
+    }
+    if key_block(TileRole::Base).is_none() {
+        return Err(unsupported("no Hopper forward at these head dims".into()));
+    }
+    if page_size % PAGE_ROWS != 0 {
         return Err(unsupported(format!(
-            "pages hold a whole number of the Hopper forward's {block}-key blocks"
+            "pages hold a whole number of {PAGE_ROWS}-row pieces"
         )));
     }
+    // The Masked tile where its 128-key blocks fill the pages (whatever the mask: a page of them
+    // need not hold the Base tile's wider blocks): whole blocks load as one box each.
+    let schedule = match key_block(TileRole::Masked) {
+        Some(masked) if page_size % masked == 0 => Sm90Schedule {
+            narrow_key_blocks: true,
+            ..cfg.sm90_schedule
+        },
+        _ => cfg.sm90_schedule,
+    };
     let fits = |n: usize| i32::try_from(n).is_ok();
     match pages_per_seq.checked_mul(page_size) {
         Some(keys) if fits(keys) && fits(num_pages) => Ok((

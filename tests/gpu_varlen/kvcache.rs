@@ -16,6 +16,8 @@ use half::bf16;
 
 use super::common::device;
 use super::harness::random;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
 
 const SEQLEN_CACHE: usize = 300;
 
@@ -293,56 +295,63 @@ fn run_paged(
     launch(&dev, &stream, &call)
 }
 
-/// Pages of 128 and 256 rows (one and two key blocks each) out of order, one page shared by two
-/// sequences, the rows past each length poisoned with large finite keys: each sequence's O and
-/// LSE against the reference over its keys gathered from its pages, with the launcher's key
-/// splits and with 3.
+/// Pages of 128 and 256 rows (one and two key blocks each) and of 16, 48 and 80 rows (no whole
+/// number of blocks: loaded in 16-row pieces) out of order, one page shared by two sequences,
+/// the rows past each length poisoned with large finite keys: each sequence's O and LSE against
+/// the reference over its keys gathered from its pages, with the launcher's key splits and
+/// with 3.
 #[test]
 #[ignore = "needs a GPU"]
 fn paged_cache_matches_the_reference_per_sequence() {
     let cases = [
-        ((128, 128), 128, 1, [0, 1, 200, 384]),
-        ((64, 64), 128, 4, [129, 4, 384, 255]),
-        ((128, 128), 256, 4, [5, 700, 256, 768]),
+        ((128, 128), (128, 3), 1, [0, 1, 200, 384]),
+        ((64, 64), (128, 3), 4, [129, 4, 384, 255]),
+        ((128, 128), (256, 3), 4, [5, 700, 256, 768]),
+        ((128, 128), (16, 24), 1, [0, 17, 200, 384]),
+        ((64, 64), (48, 8), 4, [129, 4, 384, 255]),
+        ((128, 128), (80, 10), 3, [5, 700, 161, 800]),
     ];
     let failures: Vec<String> = cases
         .into_iter()
-        .flat_map(|(dims, page_size, seqlen_q, lens)| paged_case(dims, page_size, seqlen_q, &lens))
+        .flat_map(|(dims, pages, seqlen_q, lens)| paged_case(dims, pages, seqlen_q, &lens))
         .collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// DeepSeek's (192, 128) over pages of its tile's 128-key blocks (the Base tile: it has no
-/// Masked one).
+/// Masked one) and over pages of 32 rows; d256 over pages of 16.
 #[test]
 #[ignore = "needs a Hopper GPU"]
 #[cfg(feature = "hdim192")]
 fn paged_cache_at_192_128() {
-    let failures = paged_case((192, 128), 128, 4, &[129, 300, 0, 384]);
+    let mut failures = paged_case((192, 128), (128, 3), 4, &[129, 300, 0, 384]);
+    failures.extend(paged_case((192, 128), (32, 12), 2, &[129, 300, 0, 384]));
+    failures.extend(paged_case((256, 256), (16, 20), 2, &[1, 300, 77, 320]));
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// One paged case over every mask: the failures, empty when all pass.
+/// One paged case over every mask, pages of `page_size` rows and `pages_per_seq` of them per
+/// sequence: the failures, empty when all pass.
 fn paged_case(
     (d, dv): (usize, usize),
-    page_size: usize,
+    (page_size, pages_per_seq): (usize, usize),
     seqlen_q: usize,
     lens: &[i32],
 ) -> Vec<String> {
-    let (hq, hk, num_pages, pages_per_seq) = (8, 2, 12, 3);
-    let mut rng = rand::SeedableRng::seed_from_u64(38 + d as u64 + page_size as u64);
+    let (hq, hk) = (8, 2);
+    let mut rng: StdRng = rand::SeedableRng::seed_from_u64(38 + d as u64 + page_size as u64);
     let mut failures = vec![];
     let batch = lens.len();
     let capacity = pages_per_seq * page_size;
+    let num_pages = batch * pages_per_seq;
     let q: Vec<bf16> = random(batch * seqlen_q * hq * d, &mut rng);
     let mut k: Vec<bf16> = random(num_pages * page_size * hk * d, &mut rng);
     let mut v: Vec<bf16> = random(num_pages * page_size * hk * dv, &mut rng);
-    // Pages out of order, the last two sequences sharing their first page (both read it), the
-    // rest unused.
-    let table: Vec<i32> = [7, 2, 9, 0, 5, 3, 8, 1, 6, 8, 4, 10]
-        .into_iter()
-        .take(batch * pages_per_seq)
-        .collect();
+    // Pages out of order, the last two sequences sharing their first page (both read it; the
+    // page the last one would have had goes unused).
+    let mut table: Vec<i32> = (0..num_pages as i32).collect();
+    table.shuffle(&mut rng);
+    table[(batch - 1) * pages_per_seq] = table[(batch - 2) * pages_per_seq];
     // Key j of sequence b: its row's first element in K (or V) of `width` elements a row.
     let at = |b: usize, j: usize, width: usize| {
         let page = table[b * pages_per_seq + j / page_size] as usize;
@@ -402,8 +411,8 @@ fn paged_case(
 
 /// Page numbers and cache lengths out of range: the kernels clamp them (pages into
 /// `0..num_pages`, lengths into the keys a table row addresses) and every access stays inside
-/// the buffers (run under memcheck); page sizes the kernels cannot serve and a table that is
-/// no whole number of rows are typed errors.
+/// the buffers (run under memcheck), pages of whole key blocks and of 16-row pieces alike; page
+/// sizes the kernels cannot serve and a table that is no whole number of rows are typed errors.
 #[test]
 #[ignore = "needs a GPU"]
 fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
@@ -428,19 +437,41 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
         assert!(out.iter().all(|x| x.is_finite()), "O, {splits} splits");
         assert!(lse.iter().all(|x| !x.is_nan()), "LSE, {splits} splits");
     }
-    let small = random(num_pages * 2 * 64 * hk * d, &mut rng);
+    // Pages of 16 rows, loaded in pieces: each piece's page number clamped alike.
+    let small = random(num_pages * 16 * hk * d, &mut rng);
+    for splits in [0, 3] {
+        let (out, lse, _) = run_paged(
+            &cfg,
+            (&q, &small, &small),
+            (batch, 2),
+            (num_pages, 16),
+            (hq, hk, d, d),
+            (&table, &[30, 20, i32::MAX]),
+            splits,
+        )
+        .unwrap();
+        assert!(
+            out.iter().all(|x| x.is_finite()),
+            "O, pages of 16, {splits} splits"
+        );
+        assert!(
+            lse.iter().all(|x| !x.is_nan()),
+            "LSE, pages of 16, {splits} splits"
+        );
+    }
+    let odd = random(num_pages * 24 * hk * d, &mut rng);
     let refused = run_paged(
         &cfg,
-        (&q, &small, &small),
+        (&q, &odd, &odd),
         (batch, 2),
-        (num_pages * 2, 64),
+        (num_pages, 24),
         (hq, hk, d, d),
         (&table, &[1, 2, 3]),
         0,
     );
     assert!(
         matches!(refused, Err(flashattn::Error::Unsupported { .. })),
-        "64-row pages"
+        "24-row pages"
     );
     let refused = run_paged(
         &cfg,
