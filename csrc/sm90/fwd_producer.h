@@ -87,21 +87,35 @@ struct FwdProducer {
             local_tile(m(_, _, head_kv, page), tile, make_coord(_, _0{}))))(_, in_page);
       };
       // Pages of no whole number of blocks: block n's kPageRows-row pieces, each from its page
-      // (a paged entry's keys start at 0), each into its rows of the block's stage.
+      // (a paged entry's keys start at 0), each into its rows of the block's stage. K's load
+      // fetches the pieces' page numbers into shared memory by asynchronous copies, all in flight
+      // at once (one thread reading them one after another waits a load's latency per piece),
+      // and V's load of the same block, which always follows it, reads them there again.
       auto load_pieces = [&](auto& tma_piece, int dim, int n, auto piece, uint64_t& barrier,
-                             auto smem_tensor, int stage) {
+                             auto smem_tensor, int stage, bool fetch) {
         constexpr int kPageRows = Traits::kPageRows;
+        constexpr int kPieces = kBlockN / kPageRows;
+        if (fetch) {
+#pragma unroll 1
+          for (int i = 0; i < kPieces; ++i) {
+            const int32_t* entry =
+                params.page_entry(t.seq.index, (n * kBlockN + i * kPageRows) / params.page_size);
+            const uint32_t dst = uint32_t(__cvta_generic_to_shared(&smem.piece_pages[i]));
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(entry));
+          }
+          asm volatile("cp.async.wait_all;\n" ::: "memory");
+        }
         auto cta = tma_piece.get_slice(0);
         Tensor m = tma_piece.get_tma_tensor(
             make_shape(params.page_size, dim, params.heads_kv, params.num_pages));
         Tensor dst = cta.partition_D(smem_tensor);  // (TMA, piece, 1, stage)
 #pragma unroll 1
-        for (int i = 0; i < kBlockN / kPageRows; ++i) {
-          const int key = n * kBlockN + i * kPageRows;
-          const int page = params.page_at(t.seq.index, key / params.page_size);
+        for (int i = 0; i < kPieces; ++i) {
+          const int page = params.clamp_page(smem.piece_pages[i]);
+          const int row = (n * kBlockN + i * kPageRows) % params.page_size;
           Tensor src = cta.partition_S(local_tile(m(_, _, head_kv, page), piece,
                                                   make_coord(_, _0{})));  // (TMA, 1, 1, piece)
-          copy(tma_piece.with(barrier), src(_, _0{}, _0{}, (key % params.page_size) / kPageRows),
+          copy(tma_piece.with(barrier), src(_, _0{}, _0{}, row / kPageRows),
                dst(_, i, _0{}, stage));
         }
       };
@@ -118,7 +132,7 @@ struct FwdProducer {
             } else {
               load_pieces(params.tma_piece_k, int(Traits::kHeadDim), n,
                           typename Traits::TilePieceK{}, smem.pipe_k.full_barrier(st), sK,
-                          st.index);
+                          st.index, true);
             }
             return;
           }
@@ -138,7 +152,7 @@ struct FwdProducer {
             } else {
               load_pieces(params.tma_piece_v, int(Traits::kHeadDimV), n,
                           typename Traits::TilePieceV{}, smem.pipe_v.full_barrier(st), sV,
-                          st.index);
+                          st.index, false);
             }
             return;
           }

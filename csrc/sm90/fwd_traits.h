@@ -138,6 +138,9 @@ struct FwdTraits {
     TmaPipeline<kQStages> pipe_q;
     TmaPipeline<kStages> pipe_k;
     TmaPipeline<kStages> pipe_v;
+    // The page numbers of a key block's pieces (pages of no whole key block), fetched by the
+    // producer for K's load and read again for V's.
+    int32_t piece_pages[kBlockN / kPageRows];
   };
   static_assert(sizeof(SharedStorage) <= 232448, "227 KiB of shared memory per CTA on sm_90");
 };
@@ -220,18 +223,19 @@ struct FwdParams {
   __host__ __device__ bool paged() const { return page_table != nullptr; }
   __host__ __device__ int kv_rows() const { return paged() ? page_size : seqlen_k; }
   __host__ __device__ int kv_batch() const { return paged() ? num_pages : tensor_batch(); }
-  // The page of entry b's page-table column `column` (kept within the columns the call's keys
-  // span, seqlen_k / page_size, and the page within the cache's pages).
-  __device__ int page_at(int b, int column) const {
+  // Entry b's page-table entry of column `column`, kept within the columns the call's keys span
+  // (seqlen_k / page_size); and a page number as read from it, kept within the cache's pages.
+  __device__ const int32_t* page_entry(int b, int column) const {
     const int columns = seqlen_k / page_size;
-    column = column < columns ? column : columns - 1;
-    const int page = page_table[int64_t(b) * page_table_stride + column];
+    return page_table + int64_t(b) * page_table_stride + (column < columns ? column : columns - 1);
+  }
+  __device__ int clamp_page(int page) const {
     return page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
   }
   // Entry b's key block n: the page that holds it, and its block there (page_blocks > 0).
   __device__ int page_of(int b, int n, int& block) const {
     block = n % page_blocks;
-    return page_at(b, n / page_blocks);
+    return clamp_page(*page_entry(b, n / page_blocks));
   }
 };
 
