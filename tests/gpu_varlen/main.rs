@@ -214,6 +214,27 @@ fn many_sequences_and_long_ones() {
     }
 }
 
+/// An 8k-row sequence beside a one-row, an empty and a 333-row one (not block multiples), d64,
+/// GQA 2:1, causal and windowed: every output of each against its whole reference.
+#[test]
+#[ignore = "needs a GPU"]
+fn an_8k_sequence_beside_short_ones() {
+    let lens = [8000, 1, 0, 333];
+    for backend in [Backend::Sm80, Backend::Auto] {
+        for cfg in [
+            AttentionConfig::new().causal(true),
+            AttentionConfig::new().window(Some(700), Some(50)),
+        ] {
+            check(
+                &Batch::<bf16>::new(&lens, &lens, (2, 1), 64, 8),
+                &cfg,
+                None,
+                backend,
+            );
+        }
+    }
+}
+
 /// Lengths that fill Q's rows at nearly a block's multiple each, one of them empty and one short
 /// of a block multiple (1452 rows: at most 1452 / 128 + 5 = 16 slots against 5 · 3 = 15 padded
 /// tiles per head): the Hopper forward walks them padded, without its schedule, and every
