@@ -126,6 +126,7 @@ fn main() {
                         k_cache: &mut kt,
                         v_cache: &mut vt,
                         block_table: table,
+                        cache_batch_idx: None,
                         cache_seqlens: lens.as_view(),
                         new: Some((&new_t, &new_t)),
                         rotary: Some(DeviceRotary {
@@ -149,6 +150,7 @@ fn main() {
                         k_cache: &kt,
                         v_cache: &vt,
                         block_table: table,
+                        cache_batch_idx: None,
                         cache_seqlens: lens.as_view(),
                         sinks: None,
                         num_splits,

@@ -43,6 +43,14 @@ pub struct DeviceKvCacheInputs<'a, T> {
     /// `Error::Unsupported` here (the CPU takes any page size through
     /// [`crate::kvcache::forward`]).
     pub block_table: Option<CudaView<'a, i32>>,
+    /// A dense cache's entry per sequence: sequence `b` reads entry `cache_batch_idx[b]`
+    /// (`batch` i32 values on the device; entry `b` without), as flash-attn's
+    /// `cache_batch_idx`. The kernels clamp each into `0..batch_cache` (the host does not read
+    /// them). The call then runs the dense cache as a paged one whose pages are its entries (of
+    /// `seqlen_cache` rows) and whose block table is these values, so it takes what a paged
+    /// cache takes: the Hopper forward, `seqlen_cache` a multiple of 16. With `block_table` it is
+    /// `Error::InvalidPageTable`.
+    pub cache_batch_idx: Option<CudaView<'a, i32>>,
     /// Each sequence's cached keys, `batch` i32 values on the device. The kernels clamp them into
     /// `0..=seqlen_cache` (paged: `0..=max_pages · page_size`; the host does not read them: that
     /// would synchronize the stream). The cache's rows past them in the blocks read (of the
@@ -88,6 +96,8 @@ pub struct DeviceKvCacheAppend<'a, 'c, T> {
     pub v_cache: &'a mut DeviceTensorMut<'c, T>,
     /// A paged cache's `(batch, max_pages)` i32 page numbers, row-major; `None`: dense.
     pub block_table: Option<CudaView<'a, i32>>,
+    /// As [`DeviceKvCacheInputs::cache_batch_idx`]: a dense cache's entry per sequence.
+    pub cache_batch_idx: Option<CudaView<'a, i32>>,
     pub cache_seqlens: CudaView<'a, i32>,
     pub k_new: &'a DeviceTensor<'a, T>,
     pub v_new: &'a DeviceTensor<'a, T>,
@@ -105,6 +115,7 @@ pub struct DeviceKvCacheStep<'a, 'c, T> {
     pub k_cache: &'a mut DeviceTensorMut<'c, T>,
     pub v_cache: &'a mut DeviceTensorMut<'c, T>,
     pub block_table: Option<CudaView<'a, i32>>,
+    pub cache_batch_idx: Option<CudaView<'a, i32>>,
     pub cache_seqlens: CudaView<'a, i32>,
     /// `k_new` and `v_new`, `(batch, seqlen_new, heads_kv, ·)`.
     pub new: Option<(&'a DeviceTensor<'a, T>, &'a DeviceTensor<'a, T>)>,
@@ -160,6 +171,27 @@ fn pages_per_seq(len: usize, batch: usize) -> Result<usize> {
         )));
     }
     Ok(len / batch)
+}
+
+/// The block table a call runs with: a paged cache's, or, for a dense cache with
+/// `cache_batch_idx`, those values, which make the cache's entries its pages (one per
+/// sequence).
+fn cache_table<'a>(
+    block_table: Option<CudaView<'a, i32>>,
+    cache_batch_idx: Option<CudaView<'a, i32>>,
+    batch: usize,
+) -> Result<Option<CudaView<'a, i32>>> {
+    match (block_table, cache_batch_idx) {
+        (Some(_), Some(_)) => Err(Error::InvalidPageTable(
+            "cache_batch_idx with a paged cache: the block table names each sequence's pages"
+                .into(),
+        )),
+        (None, Some(idx)) if idx.len() != batch => Err(Error::InvalidSeqlens(format!(
+            "cache_batch_idx has {} values for {batch} sequences",
+            idx.len()
+        ))),
+        (table, idx) => Ok(table.or(idx)),
+    }
 }
 
 /// The rows of the pieces the Hopper forward loads a paged cache's key blocks in where its pages
@@ -392,7 +424,8 @@ impl Device {
                 if !hopper || !matches!(cfg.backend, Backend::Auto | Backend::Sm90) {
                     return Err(Error::Unsupported {
                         what: format!(
-                            "a paged KV cache on {:?} of sm_{}{} (the Hopper forward takes it)",
+                            "a paged KV cache (or cache_batch_idx, which runs the dense cache \
+                             as pages) on {:?} of sm_{}{} (the Hopper forward takes it)",
                             cfg.backend, self.info.major, self.info.minor
                         ),
                         backend: cfg.backend,
@@ -447,19 +480,21 @@ impl Device {
             k_cache,
             v_cache,
             block_table,
+            cache_batch_idx,
             cache_seqlens,
             sinks,
             num_splits,
         } = inputs;
         // Before anything is uploaded on it.
         self.check_same_context(stream, [(Operand::Q, q.data.stream().context())])?;
+        let table = cache_table(block_table, cache_batch_idx, q.layout.shape[0])?;
         let rows = self.cache_rows(
             cfg,
             CacheCall {
                 q: &q.layout,
                 k_cache: &k_cache.layout,
                 v_cache: &v_cache.layout,
-                table: block_table,
+                table,
                 seqlens: cache_seqlens.len(),
                 num_splits,
                 dtype: T::DTYPE,
@@ -513,15 +548,17 @@ impl Device {
             k_cache,
             v_cache,
             block_table,
+            cache_batch_idx,
             cache_seqlens,
             k_new,
             v_new,
             rotary,
         } = append;
+        let table = cache_table(block_table, cache_batch_idx, k_new.layout.shape[0])?;
         self.launch_append(
             stream,
             [k_cache, v_cache],
-            block_table.as_ref(),
+            table.as_ref(),
             &cache_seqlens,
             (k_new, v_new),
             rotary.as_ref(),
@@ -549,6 +586,7 @@ impl Device {
             k_cache,
             v_cache,
             block_table,
+            cache_batch_idx,
             cache_seqlens,
             new,
             rotary,
@@ -556,6 +594,7 @@ impl Device {
             num_splits,
         } = step;
         let [batch, seqlen_q, heads_q, head_dim] = q.layout.shape;
+        let block_table = cache_table(block_table, cache_batch_idx, batch)?;
         if new.is_none() && rotary.is_some() {
             return Err(Error::InvalidConfig(
                 "rotary embedding without new keys: it rotates the keys a step appends".into(),
@@ -575,6 +614,7 @@ impl Device {
                 k_cache: &k,
                 v_cache: &v,
                 block_table: block_table.as_ref().map(|t| t.slice(..)),
+                cache_batch_idx: None,
                 cache_seqlens: seqlens,
                 sinks,
                 num_splits,

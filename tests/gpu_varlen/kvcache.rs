@@ -32,6 +32,8 @@ struct Call<'a> {
     cache: [usize; 4],
     dv: usize,
     table: Option<&'a [i32]>,
+    /// A dense cache's entry per sequence (`cache_batch_idx`).
+    entries: Option<&'a [i32]>,
     lens: &'a [i32],
     sinks: Option<&'a [f32]>,
     num_splits: usize,
@@ -54,6 +56,7 @@ fn launch(
         .unwrap();
     let lens = stream.clone_htod(c.lens).unwrap();
     let table = c.table.map(|t| stream.clone_htod(t).unwrap());
+    let entries_d = c.entries.map(|e| stream.clone_htod(e).unwrap());
     let sinks = c.sinks.map(|s| stream.clone_htod(s).unwrap());
     let sinks_view = sinks.as_ref().map(|s| s.as_view());
     let [entries, rows, hk, _] = c.cache;
@@ -70,6 +73,7 @@ fn launch(
             k_cache: &kt,
             v_cache: &vt,
             block_table: table.as_ref().map(|t| t.as_view()),
+            cache_batch_idx: entries_d.as_ref().map(|e| e.as_view()),
             cache_seqlens: lens.as_view(),
             sinks: sinks_view.as_ref(),
             num_splits: c.num_splits,
@@ -104,6 +108,7 @@ fn run(
         cache: [entries, SEQLEN_CACHE, hk, d],
         dv: d,
         table: None,
+        entries: None,
         lens,
         sinks: None,
         num_splits,
@@ -288,6 +293,7 @@ fn run_paged(
         cache: [num_pages, page_size, hk, d],
         dv,
         table: Some(table),
+        entries: None,
         lens,
         sinks: None,
         num_splits,
@@ -409,6 +415,127 @@ fn paged_case(
     failures
 }
 
+/// A dense cache read through `cache_batch_idx`: three sequences in entries 4, 0 and 2 of five,
+/// entries of 256 rows (whole key blocks) and of 304 (16-row pieces), the other entries' rows
+/// large: each sequence's O and LSE against the reference over its own entry's keys, with the
+/// launcher's key splits and with 3.
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn dense_cache_by_cache_batch_idx() {
+    let (hq, hk, d, slots, seqlen_q) = (8, 2, 128, 5, 2);
+    let entries = [4i32, 0, 2];
+    let mut failures = vec![];
+    for (rows, lens) in [(256, [256, 5, 0]), (304, [300, 17, 129])] {
+        let mut rng: StdRng = rand::SeedableRng::seed_from_u64(rows as u64);
+        let batch = lens.len();
+        let q: Vec<bf16> = random(batch * seqlen_q * hq * d, &mut rng);
+        let mut k: Vec<bf16> = random(slots * rows * hk * d, &mut rng);
+        let mut v: Vec<bf16> = random(slots * rows * hk * d, &mut rng);
+        // Entries no sequence reads: attended to, they would move O far from the reference.
+        for slot in [1, 3] {
+            k[slot * rows * hk * d..][..rows * hk * d].fill(bf16::from_f32(30.0));
+            v[slot * rows * hk * d..][..rows * hk * d].fill(bf16::from_f32(30.0));
+        }
+        for cfg in [
+            AttentionConfig::new().causal(true),
+            AttentionConfig::new().window(Some(50), Some(0)),
+        ] {
+            for splits in [0, 3] {
+                let (dev, stream) = device();
+                let call = Call {
+                    cfg: cfg.clone(),
+                    q: &q,
+                    q_shape: [batch, seqlen_q, hq, d],
+                    kv: (&k, &v),
+                    cache: [slots, rows, hk, d],
+                    dv: d,
+                    table: None,
+                    entries: Some(&entries),
+                    lens: &lens,
+                    sinks: None,
+                    num_splits: splits,
+                };
+                let (out, lse, plan) = launch(&dev, &stream, &call)
+                    .unwrap_or_else(|e| panic!("{cfg:?}, {rows} rows: {e}"));
+                for (b, &len) in lens.iter().enumerate() {
+                    let at = entries[b] as usize * rows * hk * d;
+                    let keys = |x: &[bf16]| x[at..][..len as usize * hk * d].to_vec();
+                    let what = format!(
+                        "{cfg:?} ({}) entries of {rows} rows, {splits} splits, sequence {b}",
+                        plan.explain()
+                    );
+                    failures.extend(check_sequence(
+                        &cfg,
+                        &what,
+                        Outputs {
+                            out: &out,
+                            lse: &lse,
+                        },
+                        b,
+                        (seqlen_q, hq, hk, d, d),
+                        &q,
+                        (&keys(&k), &keys(&v)),
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// `cache_batch_idx` out of range is clamped into the cache's entries (run under memcheck);
+/// with a block table, with a count that is not the batch's, over entries of no whole number of
+/// 16-row pieces and on the Ampere backend it is a typed error.
+#[test]
+#[ignore = "needs a Hopper GPU"]
+fn sanitizer_cache_batch_idx_out_of_range_stays_in_bounds() {
+    let (hq, hk, d, slots, batch) = (4, 2, 64, 3, 3);
+    let mut rng: StdRng = rand::SeedableRng::seed_from_u64(41);
+    let q: Vec<bf16> = random(batch * hq * d, &mut rng);
+    let k: Vec<bf16> = random(slots * 320 * hk * d, &mut rng);
+    let (dev, stream) = device();
+    let mut call = Call {
+        cfg: AttentionConfig::new().causal(true),
+        q: &q,
+        q_shape: [batch, 1, hq, d],
+        kv: (&k, &k),
+        cache: [slots, 320, hk, d],
+        dv: d,
+        table: None,
+        entries: Some(&[-3, 99, i32::MAX]),
+        lens: &[100, 320, 7],
+        sinks: None,
+        num_splits: 0,
+    };
+    let (out, lse, _) = launch(&dev, &stream, &call).unwrap();
+    assert!(out.iter().all(|x| x.is_finite()), "O");
+    assert!(lse.iter().all(|x| !x.is_nan()), "LSE");
+    let refused = |call: &Call| launch(&dev, &stream, call).err();
+    call.table = Some(&[0, 1, 2]);
+    assert!(
+        matches!(refused(&call), Some(flashattn::Error::InvalidPageTable(_))),
+        "with a block table"
+    );
+    call.table = None;
+    call.entries = Some(&[0, 1]);
+    assert!(
+        matches!(refused(&call), Some(flashattn::Error::InvalidSeqlens(_))),
+        "two entries for three sequences"
+    );
+    call.entries = Some(&[2, 1, 0]);
+    call.cache = [slots * 2, 160 - 8, hk, d];
+    assert!(
+        matches!(refused(&call), Some(flashattn::Error::Unsupported { .. })),
+        "entries of 152 rows"
+    );
+    call.cache = [slots, 320, hk, d];
+    call.cfg = AttentionConfig::new().causal(true).backend(Backend::Sm80);
+    assert!(
+        matches!(refused(&call), Some(flashattn::Error::Unsupported { .. })),
+        "on Sm80"
+    );
+}
+
 /// Page numbers and cache lengths out of range: the kernels clamp them (pages into
 /// `0..num_pages`, lengths into the keys a table row addresses) and every access stays inside
 /// the buffers (run under memcheck), pages of whole key blocks and of 16-row pieces alike; page
@@ -513,6 +640,7 @@ fn dense_call(
         cache: [k.len() / (SEQLEN_CACHE * hk * d), SEQLEN_CACHE, hk, d],
         dv: d,
         table: None,
+        entries: None,
         lens,
         sinks,
         num_splits: 0,
@@ -711,6 +839,7 @@ fn sanitizer_kvcache_packed_and_split_stay_in_bounds() {
         cache: [entries, SEQLEN_CACHE, hk, d],
         dv: d,
         table: None,
+        entries: None,
         lens: &[-5, SEQLEN_CACHE as i32 + 1000, i32::MAX],
         sinks: None,
         num_splits: 7,

@@ -61,12 +61,14 @@ fn rotate_q(
     out
 }
 
-/// Where a step writes and reads: a dense cache of `slots` entries of `rows` rows, or `slots`
-/// pages of `rows` rows with a block table of `pages_per_seq` pages per sequence.
+/// Where a step writes and reads: a dense cache of `slots` entries of `rows` rows (sequence `b`
+/// in entry `entries[b]`, or `b`), or `slots` pages of `rows` rows with a block table of
+/// `pages_per_seq` pages per sequence.
 struct Layout {
     slots: usize,
     rows: usize,
     table: Option<Vec<i32>>,
+    entries: Option<Vec<i32>>,
     pages_per_seq: usize,
 }
 
@@ -74,7 +76,10 @@ impl Layout {
     /// Row `j` of sequence `b`'s keys: its first element in K or V of `width` elements a row.
     fn at(&self, b: usize, j: usize, width: usize) -> usize {
         match &self.table {
-            None => (b * self.rows + j) * width,
+            None => {
+                let entry = self.entries.as_ref().map_or(b, |e| e[b] as usize);
+                (entry * self.rows + j) * width
+            }
             Some(t) => {
                 let page = t[b * self.pages_per_seq + j / self.rows] as usize;
                 (page * self.rows + j % self.rows) * width
@@ -141,7 +146,7 @@ fn step_case(
                 )),
                 cache_seqlens: lens,
                 rotary: host_rotary,
-                cache_batch_idx: None,
+                cache_batch_idx: layout.entries.as_deref(),
                 sinks: None,
             },
         )
@@ -155,6 +160,10 @@ fn step_case(
     let (qd, knd, vnd) = (up(&q), up(&k_new), up(&v_new));
     let lens_d = stream.clone_htod(lens).unwrap();
     let table_d = layout.table.as_ref().map(|t| stream.clone_htod(t).unwrap());
+    let entries_d = layout
+        .entries
+        .as_ref()
+        .map(|e| stream.clone_htod(e).unwrap());
     let (cos_d, sin_d) = (
         stream.clone_htod(&cos).unwrap(),
         stream.clone_htod(&sin).unwrap(),
@@ -183,6 +192,7 @@ fn step_case(
                 k_cache: &mut kt,
                 v_cache: &mut vt,
                 block_table: table_d.as_ref().map(|t| t.as_view()),
+                cache_batch_idx: entries_d.as_ref().map(|e| e.as_view()),
                 cache_seqlens: lens_d.as_view(),
                 new: Some((&knt, &vnt)),
                 rotary: rotary.map(|(dim, interleaved)| DeviceRotary {
@@ -213,10 +223,10 @@ fn step_case(
         "{cfg:?} ({}), {} cache, lens {lens:?} + {seqlen_new}, {seqlen_q} query rows, \
          rotary {rotary:?}",
         plan.explain(),
-        if layout.table.is_some() {
-            "paged"
-        } else {
-            "dense"
+        match (&layout.table, &layout.entries) {
+            (Some(_), _) => "paged",
+            (None, Some(_)) => "dense (cache_batch_idx)",
+            (None, None) => "dense",
         }
     );
     let mut failures = vec![];
@@ -259,6 +269,15 @@ fn device_step_matches_the_host_step_and_the_reference() {
         slots: 3,
         rows: 300,
         table: None,
+        entries: None,
+        pages_per_seq: 1,
+    };
+    // Sequences in entries 4, 0 and 2 of five, of 304 rows (the forward's 16-row pieces).
+    let indexed = Layout {
+        slots: 5,
+        rows: 304,
+        table: None,
+        entries: Some(vec![4, 0, 2]),
         pages_per_seq: 1,
     };
     // Pages of 128 rows out of order; sequence 0's new rows cross from its first page into its
@@ -267,6 +286,7 @@ fn device_step_matches_the_host_step_and_the_reference() {
         slots: 10,
         rows: 128,
         table: Some(vec![7, 2, 9, 0, 5, 3, 8, 1, 6]),
+        entries: None,
         pages_per_seq: 3,
     };
     let cfgs = [
@@ -282,7 +302,12 @@ fn device_step_matches_the_host_step_and_the_reference() {
             // Decode, a chunk, and steps whose query rows are fewer or more than their new keys.
             for rows in [(1, 1), (3, 3), (1, 3), (3, 1)] {
                 seed += 1;
-                for (layout, lens) in [(&dense, [5, 130, 0]), (&paged, [126, 250, 0])] {
+                let layouts = [
+                    (&dense, [5, 130, 0]),
+                    (&paged, [126, 250, 0]),
+                    (&indexed, [40, 290, 0]),
+                ];
+                for (layout, lens) in layouts {
                     failures.extend(step_case(
                         cfg,
                         layout,
@@ -371,6 +396,7 @@ fn f16_append_matches_the_host_step() {
                 k_cache: &mut DeviceTensorMut::contiguous(&mut kc, cache_shape),
                 v_cache: &mut DeviceTensorMut::contiguous(&mut vc, cache_shape),
                 block_table: None,
+                cache_batch_idx: None,
                 cache_seqlens: lens_d.as_view(),
                 k_new: &DeviceTensor::contiguous(&knd, new_shape),
                 v_new: &DeviceTensor::contiguous(&vnd, new_shape),
@@ -439,6 +465,7 @@ fn sanitizer_kvcache_append_out_of_range_stays_in_bounds() {
                 k_cache: &mut kt,
                 v_cache: &mut vt,
                 block_table: paged.then(|| table.as_view()),
+                cache_batch_idx: None,
                 cache_seqlens: lens.as_view(),
                 k_new: &nt,
                 v_new: &nt,
@@ -482,6 +509,7 @@ fn sanitizer_kvcache_append_out_of_range_stays_in_bounds() {
                 k_cache: &mut kt,
                 v_cache: &mut vt,
                 block_table: None,
+                cache_batch_idx: None,
                 cache_seqlens: lens.as_view(),
                 k_new,
                 v_new: &nt,
