@@ -1,11 +1,12 @@
 """DESIGN §4's rule on tiny problems, applied to the peers: how often the FlashAttention-family
 backward of torch SDPA (FLASH = FlashAttention-2, and cuDNN) fails
 max|out - ref| <= 2 max|baseline - ref| + 1e-5 for dQ, dK, dV (baseline as src/reference/baseline.rs),
-how often with FlashAttention-3's atol added (src/reference/rule.rs, compare_gradient), and how
-often against the worse of two baselines (autograd's, and one with D = rowsum(dO*O) from its
-rounded O). On the GPU machine:
-`python3 rule_probe.py OUT.json` (results: benchmarks/results/2026-12-02-h200-rule-probe-tiny-sequences.json,
--s24-rule-probe-exact-inputs.json), or `python3 rule_probe.py OUT.json --cases CASES.json` for
+how often with FlashAttention-3's atol added (the rule the tests apply to packed batches'
+gradients: src/reference/rule.rs, compare_gradient), and, as a probe only, how often against the
+worse of two baselines (autograd's, and one with D = rowsum(dO*O) from its rounded O). On the GPU
+machine: `python3 rule_probe.py OUT.json` (results:
+benchmarks/results/2026-12-02-h200-rule-probe-tiny-sequences.json and
+2026-12-04-h200-s24-rule-probe-exact-inputs.json), or `python3 rule_probe.py OUT.json --cases CASES.json` for
 given f16 inputs (each case: name, d, heads, seqlen_q/k, q/k/v/do as flat values in (seq, head,
 dim) order, the f64 reference's ref_dq/ref_dk and our kernels' errors ours_dq/ours_dk)."""
 import json, sys
@@ -21,7 +22,7 @@ def rt(x, dt):  # round to dtype, back to f32
 
 def baseline(q, k, v, do, dt, scale, of_output=False):
     # as src/reference/baseline.rs: S rounded, softmax f32 rounded, dP rounded, D from rounded
-    # P and dP (of_output: from the rounded O, baseline_backward_of_output), dS rounded,
+    # P and dP (of_output: from the rounded O, as the FlashAttention backwards form D), dS rounded,
     # G = dS*scale rounded, dQ/dK/dV accumulated in f32 then rounded
     q, k, v, do = [x.float() for x in (q, k, v, do)]
     s = rt(rt(q @ k.transpose(-1, -2), dt) * scale, dt)
