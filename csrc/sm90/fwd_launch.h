@@ -148,16 +148,26 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
                                typename Traits::TileKV{}, _1{});
   params.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutV{}),
                                typename Traits::TileV{}, _1{});
+  params.piece_rows = 0;
   if constexpr (!Traits::kFp8) {
     if (params.paged() && params.page_blocks == 0) {
-      using PieceK = typename Traits::TilePieceK;
-      using PieceV = typename Traits::TilePieceV;
-      params.tma_piece_k = make_tma_copy(
-          SM90_TMA_LOAD{}, k, tile_to_shape(typename Traits::SmemAtom{}, PieceK{}), PieceK{}, _1{});
-      params.tma_piece_v = make_tma_copy(
-          SM90_TMA_LOAD{}, v,
-          tile_to_shape(typename Traits::template SmemAtomOf<Traits::kHeadDimV>{}, PieceV{}),
-          PieceV{}, _1{});
+      // The wide pieces where they divide both the pages and the key block.
+      auto pieces = [&](auto rows, auto& tma_k, auto& tma_v) {
+        constexpr int kRows = decltype(rows)::value;
+        using PieceK = typename Traits::template TilePieceK<kRows>;
+        using PieceV = typename Traits::template TilePieceV<kRows>;
+        tma_k = make_tma_copy(SM90_TMA_LOAD{}, k,
+                              tile_to_shape(typename Traits::SmemAtom{}, PieceK{}), PieceK{}, _1{});
+        tma_v = make_tma_copy(
+            SM90_TMA_LOAD{}, v,
+            tile_to_shape(typename Traits::template SmemAtomOf<Traits::kHeadDimV>{}, PieceV{}),
+            PieceV{}, _1{});
+        params.piece_rows = kRows;
+      };
+      if (Traits::kWidePieces && p.page_size % Traits::kWidePageRows == 0)
+        pieces(Int<Traits::kWidePageRows>{}, params.tma_wide_k, params.tma_wide_v);
+      else
+        pieces(Int<Traits::kPageRows>{}, params.tma_piece_k, params.tma_piece_v);
     }
   }
   params.o = p.o.ptr;
@@ -349,8 +359,11 @@ flashattn_result_t run_fwd_tiled(const flashattn_params_t& p, FwdOptions o, cuda
   using Tile = FwdTile<kHeadDim, kHeadDimV>;
   using Masked = FwdTileMasked<kHeadDim, kHeadDimV>;
   if constexpr (Masked::kBlockN != Tile::kBlockN) {
-    const bool pages_need_masked = p.page_table != nullptr && p.page_size % Tile::kBlockN != 0 &&
-                                   p.page_size % Masked::kBlockN == 0;
+    // Pages of whole Masked blocks, or of its wide pieces where the Base block takes none.
+    const bool pages_need_masked =
+        p.page_table != nullptr && p.page_size % Tile::kBlockN != 0 &&
+        (p.page_size % Masked::kBlockN == 0 ||
+         (p.page_size % 64 == 0 && Masked::kBlockN % 64 == 0 && Tile::kBlockN % 64 != 0));
     if ((p.sm90_flags & FLASHATTN_SM90_MASKED_TILE) || pages_need_masked)
       return run_fwd<FwdTraits<Element, kHeadDim, Masked, true, kHeadDimV>>(p, o.pingpong,
                                                                             stream);

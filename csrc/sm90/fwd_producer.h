@@ -86,20 +86,20 @@ struct FwdProducer {
         return group_modes<0, 3>(tma.get_slice(0).partition_S(
             local_tile(m(_, _, head_kv, page), tile, make_coord(_, _0{}))))(_, in_page);
       };
-      // Pages of no whole number of blocks: block n's kPageRows-row pieces, each from its page
+      // Pages of no whole number of blocks: block n's pieces of kRows rows, each from its page
       // (a paged entry's keys start at 0), each into its rows of the block's stage. K's load
       // fetches the pieces' page numbers into shared memory by asynchronous copies, all in flight
       // at once (one thread reading them one after another waits a load's latency per piece),
       // and V's load of the same block, which always follows it, reads them there again.
-      auto load_pieces = [&](auto& tma_piece, int dim, int n, auto piece, uint64_t& barrier,
-                             auto smem_tensor, int stage, bool fetch) {
-        constexpr int kPageRows = Traits::kPageRows;
-        constexpr int kPieces = kBlockN / kPageRows;
+      auto load_pieces = [&](auto rows, auto& tma_piece, auto piece, auto smem_tensor, int dim,
+                             int n, uint64_t& barrier, int stage, bool fetch) {
+        constexpr int kRows = decltype(rows)::value;
+        constexpr int kPieces = kBlockN / kRows;
         if (fetch) {
 #pragma unroll 1
           for (int i = 0; i < kPieces; ++i) {
             const int32_t* entry =
-                params.page_entry(t.seq.index, (n * kBlockN + i * kPageRows) / params.page_size);
+                params.page_entry(t.seq.index, (n * kBlockN + i * kRows) / params.page_size);
             const uint32_t dst = uint32_t(__cvta_generic_to_shared(&smem.piece_pages[i]));
             asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(entry));
           }
@@ -112,12 +112,26 @@ struct FwdProducer {
 #pragma unroll 1
         for (int i = 0; i < kPieces; ++i) {
           const int page = params.clamp_page(smem.piece_pages[i]);
-          const int row = (n * kBlockN + i * kPageRows) % params.page_size;
+          const int row = (n * kBlockN + i * kRows) % params.page_size;
           Tensor src = cta.partition_S(local_tile(m(_, _, head_kv, page), piece,
                                                   make_coord(_, _0{})));  // (TMA, 1, 1, piece)
-          copy(tma_piece.with(barrier), src(_, _0{}, _0{}, row / kPageRows),
-               dst(_, i, _0{}, stage));
+          copy(tma_piece.with(barrier), src(_, _0{}, _0{}, row / kRows), dst(_, i, _0{}, stage));
         }
+      };
+      // K's (fetch: true) or V's block n in pieces: wide ones where the launcher built them.
+      auto load_in_pieces = [&](auto& narrow, auto& wide, auto dim, auto smem_tensor, int n,
+                                uint64_t& barrier, int stage, bool fetch) {
+        constexpr int kDim = decltype(dim)::value;
+        constexpr int kWide = Traits::kWidePageRows, kNarrow = Traits::kPageRows;
+        if constexpr (Traits::kWidePieces) {
+          if (params.piece_rows == kWide) {
+            load_pieces(Int<kWide>{}, wide, Shape<Int<kWide>, Int<kDim>>{}, smem_tensor, kDim, n,
+                        barrier, stage, fetch);
+            return;
+          }
+        }
+        load_pieces(Int<kNarrow>{}, narrow, Shape<Int<kNarrow>, Int<kDim>>{}, smem_tensor, kDim,
+                    n, barrier, stage, fetch);
       };
       auto load_k = [&](int n) {
         smem.pipe_k.producer_acquire(st, Traits::kBytesK);
@@ -130,9 +144,8 @@ struct FwdProducer {
               copy(tma, page_tile(params.tma_k, mK, typename Traits::TileKV{}, page, in_page),
                    tKsK(_, st.index));
             } else {
-              load_pieces(params.tma_piece_k, int(Traits::kHeadDim), n,
-                          typename Traits::TilePieceK{}, smem.pipe_k.full_barrier(st), sK,
-                          st.index, true);
+              load_in_pieces(params.tma_piece_k, params.tma_wide_k, Int<Traits::kHeadDim>{}, sK,
+                             n, smem.pipe_k.full_barrier(st), st.index, true);
             }
             return;
           }
@@ -150,9 +163,8 @@ struct FwdProducer {
               copy(tma, page_tile(params.tma_v, mV, typename Traits::TileV{}, page, in_page),
                    tVsV(_, st.index));
             } else {
-              load_pieces(params.tma_piece_v, int(Traits::kHeadDimV), n,
-                          typename Traits::TilePieceV{}, smem.pipe_v.full_barrier(st), sV,
-                          st.index, false);
+              load_in_pieces(params.tma_piece_v, params.tma_wide_v, Int<Traits::kHeadDimV>{}, sV,
+                             n, smem.pipe_v.full_barrier(st), st.index, false);
             }
             return;
           }

@@ -115,18 +115,26 @@ struct FwdTraits {
                                        take<0, 2>(SmemLayoutK{}), TileKV{}, _1{}));
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}),
                                       TileV{}, _1{}));
-  // A paged cache whose pages are no whole number of key blocks is loaded kPageRows rows at a
-  // time (pages of any multiple of them): K's and V's blocks as pieces of kPageRows rows, each
-  // its own TMA box at its page, landing where the whole block's box would have put it.
+  // A paged cache whose pages are no whole number of key blocks is loaded in pieces of
+  // kPageRows rows (pages of any multiple of them), or of kWidePageRows where both the pages and
+  // the key block are multiples of that (fewer, larger TMA boxes): K's and V's blocks as pieces,
+  // each its own TMA box at its page, landing where the whole block's box would have put it.
   static constexpr int kPageRows = 16;
+  static constexpr int kWidePageRows = 64;
+  static constexpr bool kWidePieces = kBlockN % kWidePageRows == 0;
   static_assert(kBlockN % kPageRows == 0, "a key block of whole page pieces");
-  using TilePieceK = Shape<Int<kPageRows>, Int<kHeadDim>>;
-  using TilePieceV = Shape<Int<kPageRows>, Int<kHeadDimV>>;
-  using TmaPieceK = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, GmemTensor{}, tile_to_shape(SmemAtom{}, TilePieceK{}), TilePieceK{}, _1{}));
-  using TmaPieceV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{},
-                                           tile_to_shape(SmemAtomOf<kHeadDimV>{}, TilePieceV{}),
-                                           TilePieceV{}, _1{}));
+  template <int kRows>
+  using TilePieceK = Shape<Int<kRows>, Int<kHeadDim>>;
+  template <int kRows>
+  using TilePieceV = Shape<Int<kRows>, Int<kHeadDimV>>;
+  template <int kRows>
+  using TmaPieceK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{},
+                                           tile_to_shape(SmemAtom{}, TilePieceK<kRows>{}),
+                                           TilePieceK<kRows>{}, _1{}));
+  template <int kRows>
+  using TmaPieceV = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, GmemTensor{}, tile_to_shape(SmemAtomOf<kHeadDimV>{}, TilePieceV<kRows>{}),
+      TilePieceV<kRows>{}, _1{}));
   static constexpr uint32_t kBytesQ = kRowsPerWG * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesV = kBlockN * kHeadDimV * sizeof(Element);
@@ -191,13 +199,16 @@ struct FwdParams {
   // A paged KV cache (flash_api.h; page_table null without one): K and V are num_pages pages of
   // page_size rows, and entry b's key j lies in row j % page_size of page
   // page_table[b·page_table_stride + j / page_size]. Pages of page_blocks whole key blocks are
-  // loaded a block at a time (tma_k, tma_v); others (page_blocks 0) by Traits::kPageRows-row
-  // pieces (tma_piece_k, tma_piece_v).
+  // loaded a block at a time (tma_k, tma_v); others (page_blocks 0) by pieces of piece_rows
+  // rows (Traits::kPageRows: tma_piece_k, tma_piece_v; Traits::kWidePageRows: tma_wide_k,
+  // tma_wide_v).
   const int32_t* page_table;
   int64_t page_table_stride;
-  int num_pages, page_size, page_blocks;
-  typename Traits::TmaPieceK tma_piece_k;
-  typename Traits::TmaPieceV tma_piece_v;
+  int num_pages, page_size, page_blocks, piece_rows;
+  typename Traits::template TmaPieceK<Traits::kPageRows> tma_piece_k;
+  typename Traits::template TmaPieceV<Traits::kPageRows> tma_piece_v;
+  typename Traits::template TmaPieceK<Traits::kWidePageRows> tma_wide_k;
+  typename Traits::template TmaPieceV<Traits::kWidePageRows> tma_wide_v;
   // Pack-GQA (flash_api.h pack_gqa; the partial-results kernel only): with group > 1 a tile's
   // rows are (query row, query head) pairs, tile row i query row i / group of head
   // head_kv·group + i % group, and the tiles run per KV head; each consumer warpgroup then

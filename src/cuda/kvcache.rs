@@ -195,8 +195,10 @@ fn cache_table<'a>(
 }
 
 /// The rows of the pieces the Hopper forward loads a paged cache's key blocks in where its pages
-/// are no whole number of blocks: pages hold a whole number of them.
+/// are no whole number of blocks: pages hold a whole number of them. Where the pages and the key
+/// block are multiples of [`WIDE_PAGE_ROWS`] the pieces are that long (fewer, larger copies).
 const PAGE_ROWS: usize = 16;
+const WIDE_PAGE_ROWS: usize = 64;
 
 /// A paged cache's pages as the kernels take them, and the call's configuration for them: every
 /// page a whole number of [`PAGE_ROWS`] rows, taken a key block at a time where it holds whole
@@ -231,21 +233,30 @@ fn pages<'a>(
             "the forward without intra-warpgroup overlap takes no paged cache".into(),
         ));
     }
-    if key_block(TileRole::Base).is_none() {
+    let Some(base) = key_block(TileRole::Base) else {
         return Err(unsupported("no Hopper forward at these head dims".into()));
-    }
+    };
     if page_size % PAGE_ROWS != 0 {
         return Err(unsupported(format!(
             "pages hold a whole number of {PAGE_ROWS}-row pieces"
         )));
     }
     // The Masked tile where its 128-key blocks fill the pages (whatever the mask: a page of them
-    // need not hold the Base tile's wider blocks): whole blocks load as one box each.
+    // need not hold the Base tile's wider blocks), whole blocks loading as one box each, or where
+    // its blocks take 64-row pieces and the Base tile's do not (as the launcher chooses).
     let schedule = match key_block(TileRole::Masked) {
-        Some(masked) if page_size % masked == 0 => Sm90Schedule {
-            narrow_key_blocks: true,
-            ..cfg.sm90_schedule
-        },
+        Some(masked)
+            if page_size % base != 0
+                && (page_size % masked == 0
+                    || (page_size % WIDE_PAGE_ROWS == 0
+                        && masked % WIDE_PAGE_ROWS == 0
+                        && base % WIDE_PAGE_ROWS != 0)) =>
+        {
+            Sm90Schedule {
+                narrow_key_blocks: true,
+                ..cfg.sm90_schedule
+            }
+        }
         _ => cfg.sm90_schedule,
     };
     let fits = |n: usize| i32::try_from(n).is_ok();

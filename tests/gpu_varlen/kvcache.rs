@@ -301,8 +301,8 @@ fn run_paged(
     launch(&dev, &stream, &call)
 }
 
-/// Pages of 128 and 256 rows (one and two key blocks each) and of 16, 48 and 80 rows (no whole
-/// number of blocks: loaded in 16-row pieces) out of order, one page shared by two sequences,
+/// Pages of 128 and 256 rows (one and two key blocks each), of 16, 48 and 80 rows (no whole
+/// number of blocks: loaded in 16-row pieces) and of 64 (in 64-row pieces) out of order, one page shared by two sequences,
 /// the rows past each length poisoned with large finite keys: each sequence's O and LSE against
 /// the reference over its keys gathered from its pages, with the launcher's key splits and
 /// with 3.
@@ -316,6 +316,7 @@ fn paged_cache_matches_the_reference_per_sequence() {
         ((128, 128), (16, 24), 1, [0, 17, 200, 384]),
         ((64, 64), (48, 8), 4, [129, 4, 384, 255]),
         ((128, 128), (80, 10), 3, [5, 700, 161, 800]),
+        ((128, 128), (64, 6), 2, [0, 17, 200, 384]),
     ];
     let failures: Vec<String> = cases
         .into_iter()
@@ -325,13 +326,15 @@ fn paged_cache_matches_the_reference_per_sequence() {
 }
 
 /// DeepSeek's (192, 128) over pages of its tile's 128-key blocks (the Base tile: it has no
-/// Masked one) and over pages of 32 rows; d256 over pages of 16.
+/// Masked one), over pages of 32 rows (16-row pieces) and of 320 (64-row pieces); d256 over
+/// pages of 16.
 #[test]
 #[ignore = "needs a Hopper GPU"]
 #[cfg(feature = "hdim192")]
 fn paged_cache_at_192_128() {
     let mut failures = paged_case((192, 128), (128, 3), 4, &[129, 300, 0, 384]);
     failures.extend(paged_case((192, 128), (32, 12), 2, &[129, 300, 0, 384]));
+    failures.extend(paged_case((192, 128), (320, 2), 2, &[129, 300, 0, 640]));
     failures.extend(paged_case((256, 256), (16, 20), 2, &[1, 300, 77, 320]));
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
@@ -418,16 +421,20 @@ fn paged_case(
 }
 
 /// A dense cache read through `cache_batch_idx`: three sequences in entries 4, 0 and 2 of five,
-/// entries of 256 rows (whole key blocks) and of 304 (16-row pieces), the other entries' rows
-/// large: each sequence's O and LSE against the reference over its own entry's keys, with the
-/// launcher's key splits and with 3.
+/// entries of 256 rows (whole key blocks), 304 (16-row pieces) and 320 (64-row pieces), the
+/// other entries' rows large: each sequence's O and LSE against the reference over its own
+/// entry's keys, with the launcher's key splits and with 3.
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn dense_cache_by_cache_batch_idx() {
     let (hq, hk, d, slots, seqlen_q) = (8, 2, 128, 5, 2);
     let entries = [4i32, 0, 2];
     let mut failures = vec![];
-    for (rows, lens) in [(256, [256, 5, 0]), (304, [300, 17, 129])] {
+    for (rows, lens) in [
+        (256, [256, 5, 0]),
+        (304, [300, 17, 129]),
+        (320, [320, 64, 1]),
+    ] {
         let mut rng: StdRng = rand::SeedableRng::seed_from_u64(rows as u64);
         let batch = lens.len();
         let q: Vec<bf16> = random(batch * seqlen_q * hq * d, &mut rng);
