@@ -142,8 +142,11 @@ typedef struct {
   // (required). seqlen_k = max_seqlen_k is the keys a sequence's row of the table addresses, a
   // whole number of pages, at most page_table_batch_stride of them. page_size must be a
   // multiple of 16: pages of whole key blocks of the forward's tile (128 at head dims 64, 96,
-  // 128 and (192, 128)) are loaded a block at a time, others 16 rows at a time; other sizes are
-  // FLASHATTN_UNSUPPORTED. Without a table these must be null and 0.
+  // 128 and (192, 128)) are loaded a block at a time, others in pieces of 64 rows (where the
+  // pages and the key block are multiples of 64) or 16; other sizes are FLASHATTN_UNSUPPORTED.
+  // A dense cache read through a per-sequence entry index (flash-attn's cache_batch_idx) is such
+  // a call: its entries the pages (page_size their rows), the index the table (stride 1).
+  // Without a table these must be null and 0.
   const int32_t* page_table;
   int64_t page_table_batch_stride;
   int32_t page_size;

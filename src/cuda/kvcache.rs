@@ -38,7 +38,8 @@ pub struct DeviceKvCacheInputs<'a, T> {
     /// `0..num_pages` (the host does not read them). Pages hold a whole number of 16-row
     /// pieces: pages of whole key blocks of the Hopper forward (multiples of 128 rows at head
     /// dims 64, 96, 128 and (192, 128), of 112 at 192 and of 80 at 256) are loaded a block at a
-    /// time, others (16, 32, 48, …) 16 rows at a time, one copy per piece. Other sizes, the
+    /// time, others in pieces, one copy each: of 64 rows where the pages and the key block are
+    /// multiples of 64, else of 16 (at about half the bandwidth of whole blocks). Other sizes, the
     /// forward without intra-warpgroup overlap, and the Ampere and CPU backends, are
     /// `Error::Unsupported` here (the CPU takes any page size through
     /// [`crate::kvcache::forward`]).
