@@ -118,7 +118,7 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   params.num_pages = p.num_pages;
   params.page_size = p.page_size;
   params.page_blocks = p.page_size % Traits::kBlockN == 0 ? p.page_size / Traits::kBlockN : 0;
-  if (params.paged() && (Traits::kFp8 || p.page_size % Traits::kPageRows != 0))
+  if (params.paged() && (Traits::kFp8 || p.page_size % kPageRows != 0))
     return status(FLASHATTN_UNSUPPORTED);
   auto k = gmem_tensor<Traits>(static_cast<Element const*>(p.k.ptr), p.k, params.kv_rows(),
                                p.heads_kv, params.kv_batch());
@@ -151,8 +151,7 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   params.piece_rows = 0;
   if constexpr (!Traits::kFp8) {
     if (params.paged() && params.page_blocks == 0) {
-      // The wide pieces where they divide both the pages and the key block.
-      auto pieces = [&](auto rows, auto& tma_k, auto& tma_v) {
+      auto build_piece_tmas = [&](auto rows, auto& tma_k, auto& tma_v) {
         constexpr int kRows = decltype(rows)::value;
         using PieceK = typename Traits::template TilePieceK<kRows>;
         using PieceV = typename Traits::template TilePieceV<kRows>;
@@ -164,10 +163,13 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
             PieceV{}, _1{});
         params.piece_rows = kRows;
       };
-      if (Traits::kWidePieces && p.page_size % Traits::kWidePageRows == 0)
-        pieces(Int<Traits::kWidePageRows>{}, params.tma_wide_k, params.tma_wide_v);
-      else
-        pieces(Int<Traits::kPageRows>{}, params.tma_piece_k, params.tma_piece_v);
+      // The wide pieces where they divide both the pages and the key block.
+      if constexpr (Traits::kTakesWidePieces) {
+        if (p.page_size % kWidePageRows == 0)
+          build_piece_tmas(Int<kWidePageRows>{}, params.tma_wide_k, params.tma_wide_v);
+      }
+      if (params.piece_rows == 0)
+        build_piece_tmas(Int<kPageRows>{}, params.tma_narrow_k, params.tma_narrow_v);
     }
   }
   params.o = p.o.ptr;
@@ -353,7 +355,7 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
 
 // The tile table's instantiation the caller chose (FLASHATTN_SM90_MASKED_TILE), where the head
 // dims have a Masked tile; else the Base one. A paged cache takes the Masked tile where only its
-// key block divides the pages.
+// key block divides the pages, or where only its block takes 64-row pieces.
 template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
 flashattn_result_t run_fwd_tiled(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim, kHeadDimV>;
@@ -363,7 +365,8 @@ flashattn_result_t run_fwd_tiled(const flashattn_params_t& p, FwdOptions o, cuda
     const bool pages_need_masked =
         p.page_table != nullptr && p.page_size % Tile::kBlockN != 0 &&
         (p.page_size % Masked::kBlockN == 0 ||
-         (p.page_size % 64 == 0 && Masked::kBlockN % 64 == 0 && Tile::kBlockN % 64 != 0));
+         (p.page_size % kWidePageRows == 0 && Masked::kBlockN % kWidePageRows == 0 &&
+          Tile::kBlockN % kWidePageRows != 0));
     if ((p.sm90_flags & FLASHATTN_SM90_MASKED_TILE) || pages_need_masked)
       return run_fwd<FwdTraits<Element, kHeadDim, Masked, true, kHeadDimV>>(p, o.pingpong,
                                                                             stream);

@@ -91,7 +91,7 @@ struct FwdProducer {
       // fetches the pieces' page numbers into shared memory by asynchronous copies, all in flight
       // at once (one thread reading them one after another waits a load's latency per piece),
       // and V's load of the same block, which always follows it, reads them there again.
-      auto load_pieces = [&](auto rows, auto& tma_piece, auto piece, auto smem_tensor, int dim,
+      auto load_block_by_rows = [&](auto rows, auto& tma_piece, auto piece, auto smem_tensor, int dim,
                              int n, uint64_t& barrier, int stage, bool fetch) {
         constexpr int kRows = decltype(rows)::value;
         constexpr int kPieces = kBlockN / kRows;
@@ -119,19 +119,18 @@ struct FwdProducer {
         }
       };
       // K's (fetch: true) or V's block n in pieces: wide ones where the launcher built them.
-      auto load_in_pieces = [&](auto& narrow, auto& wide, auto dim, auto smem_tensor, int n,
-                                uint64_t& barrier, int stage, bool fetch) {
+      auto load_block_in_pieces = [&](auto& narrow, auto& wide, auto dim, auto smem_tensor, int n,
+                                      uint64_t& barrier, int stage, bool fetch) {
         constexpr int kDim = decltype(dim)::value;
-        constexpr int kWide = Traits::kWidePageRows, kNarrow = Traits::kPageRows;
-        if constexpr (Traits::kWidePieces) {
-          if (params.piece_rows == kWide) {
-            load_pieces(Int<kWide>{}, wide, Shape<Int<kWide>, Int<kDim>>{}, smem_tensor, kDim, n,
-                        barrier, stage, fetch);
+        if constexpr (Traits::kTakesWidePieces) {
+          if (params.piece_rows == kWidePageRows) {
+            load_block_by_rows(Int<kWidePageRows>{}, wide, Shape<Int<kWidePageRows>, Int<kDim>>{},
+                               smem_tensor, kDim, n, barrier, stage, fetch);
             return;
           }
         }
-        load_pieces(Int<kNarrow>{}, narrow, Shape<Int<kNarrow>, Int<kDim>>{}, smem_tensor, kDim,
-                    n, barrier, stage, fetch);
+        load_block_by_rows(Int<kPageRows>{}, narrow, Shape<Int<kPageRows>, Int<kDim>>{},
+                           smem_tensor, kDim, n, barrier, stage, fetch);
       };
       auto load_k = [&](int n) {
         smem.pipe_k.producer_acquire(st, Traits::kBytesK);
@@ -144,8 +143,9 @@ struct FwdProducer {
               copy(tma, page_tile(params.tma_k, mK, typename Traits::TileKV{}, page, in_page),
                    tKsK(_, st.index));
             } else {
-              load_in_pieces(params.tma_piece_k, params.tma_wide_k, Int<Traits::kHeadDim>{}, sK,
-                             n, smem.pipe_k.full_barrier(st), st.index, true);
+              load_block_in_pieces(params.tma_narrow_k, params.tma_wide_k,
+                                   Int<Traits::kHeadDim>{}, sK, n, smem.pipe_k.full_barrier(st),
+                                   st.index, true);
             }
             return;
           }
@@ -163,8 +163,9 @@ struct FwdProducer {
               copy(tma, page_tile(params.tma_v, mV, typename Traits::TileV{}, page, in_page),
                    tVsV(_, st.index));
             } else {
-              load_in_pieces(params.tma_piece_v, params.tma_wide_v, Int<Traits::kHeadDimV>{}, sV,
-                             n, smem.pipe_v.full_barrier(st), st.index, false);
+              load_block_in_pieces(params.tma_narrow_v, params.tma_wide_v,
+                                   Int<Traits::kHeadDimV>{}, sV, n, smem.pipe_v.full_barrier(st),
+                                   st.index, false);
             }
             return;
           }

@@ -18,6 +18,12 @@ namespace flashattn::sm90 {
 
 using namespace cute;
 
+// A paged cache whose pages hold no whole key block is loaded in pieces of kPageRows rows (pages
+// of any multiple of them), or of kWidePageRows where both the pages and the key block are
+// multiples of that (fewer, larger TMA boxes).
+constexpr int kPageRows = 16;
+constexpr int kWidePageRows = 64;
+
 // The consumer's lambdas run at several call sites; an outlined call would put the accumulators
 // on a local-memory stack.
 #define FLASHATTN_INLINE __attribute__((always_inline))
@@ -115,13 +121,9 @@ struct FwdTraits {
                                        take<0, 2>(SmemLayoutK{}), TileKV{}, _1{}));
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}),
                                       TileV{}, _1{}));
-  // A paged cache whose pages are no whole number of key blocks is loaded in pieces of
-  // kPageRows rows (pages of any multiple of them), or of kWidePageRows where both the pages and
-  // the key block are multiples of that (fewer, larger TMA boxes): K's and V's blocks as pieces,
-  // each its own TMA box at its page, landing where the whole block's box would have put it.
-  static constexpr int kPageRows = 16;
-  static constexpr int kWidePageRows = 64;
-  static constexpr bool kWidePieces = kBlockN % kWidePageRows == 0;
+  // Pieces of a paged cache's key blocks (kPageRows above): each its own TMA box at its page,
+  // landing where the whole block's box would have put it. The FP8 forward takes no paged cache.
+  static constexpr bool kTakesWidePieces = !kFp8 && kBlockN % kWidePageRows == 0;
   static_assert(kBlockN % kPageRows == 0, "a key block of whole page pieces");
   template <int kRows>
   using TilePieceK = Shape<Int<kRows>, Int<kHeadDim>>;
@@ -200,15 +202,21 @@ struct FwdParams {
   // page_size rows, and entry b's key j lies in row j % page_size of page
   // page_table[b·page_table_stride + j / page_size]. Pages of page_blocks whole key blocks are
   // loaded a block at a time (tma_k, tma_v); others (page_blocks 0) by pieces of piece_rows
-  // rows (Traits::kPageRows: tma_piece_k, tma_piece_v; Traits::kWidePageRows: tma_wide_k,
-  // tma_wide_v).
+  // rows (kPageRows: tma_narrow_k, tma_narrow_v; kWidePageRows: tma_wide_k, tma_wide_v, which
+  // tiles that take no wide pieces, and the FP8 ones, do without).
   const int32_t* page_table;
   int64_t page_table_stride;
   int num_pages, page_size, page_blocks, piece_rows;
-  typename Traits::template TmaPieceK<Traits::kPageRows> tma_piece_k;
-  typename Traits::template TmaPieceV<Traits::kPageRows> tma_piece_v;
-  typename Traits::template TmaPieceK<Traits::kWidePageRows> tma_wide_k;
-  typename Traits::template TmaPieceV<Traits::kWidePageRows> tma_wide_v;
+  conditional_t<Traits::kFp8, tuple<>, typename Traits::template TmaPieceK<kPageRows>>
+      tma_narrow_k;
+  conditional_t<Traits::kFp8, tuple<>, typename Traits::template TmaPieceV<kPageRows>>
+      tma_narrow_v;
+  conditional_t<Traits::kTakesWidePieces, typename Traits::template TmaPieceK<kWidePageRows>,
+                tuple<>>
+      tma_wide_k;
+  conditional_t<Traits::kTakesWidePieces, typename Traits::template TmaPieceV<kWidePageRows>,
+                tuple<>>
+      tma_wide_v;
   // Pack-GQA (flash_api.h pack_gqa; the partial-results kernel only): with group > 1 a tile's
   // rows are (query row, query head) pairs, tile row i query row i / group of head
   // head_kv·group + i % group, and the tiles run per KV head; each consumer warpgroup then

@@ -25,7 +25,8 @@ use crate::Element;
 /// A KV-cache call's device inputs: Q `(batch, seqlen_q, heads_q, head_dim)`, the cache, `batch`
 /// cached key counts, and optionally attention sinks. The cache is dense without a block table:
 /// K `(batch_cache, seqlen_cache, heads_kv, head_dim)` and V with `head_dim_v`, sequence `b`
-/// reading entry `b` (`batch_cache ≥ batch`). With one, it is paged: K `(num_pages, page_size,
+/// reading entry `b` (`batch_cache ≥ batch`; with `cache_batch_idx`, entry `cache_batch_idx[b]`).
+/// With one, it is paged: K `(num_pages, page_size,
 /// heads_kv, head_dim)` and V with `head_dim_v`, and sequence `b`'s key `j` lies in row
 /// `j % page_size` of page `block_table[b][j / page_size]`.
 #[derive(Debug)]
@@ -39,7 +40,8 @@ pub struct DeviceKvCacheInputs<'a, T> {
     /// pieces: pages of whole key blocks of the Hopper forward (multiples of 128 rows at head
     /// dims 64, 96, 128 and (192, 128), of 112 at 192 and of 80 at 256) are loaded a block at a
     /// time, others in pieces, one copy each: of 64 rows where the pages and the key block are
-    /// multiples of 64, else of 16 (at about half the bandwidth of whole blocks). Other sizes, the
+    /// multiples of 64, else of 16 (more copies for the same bytes: docs/PERFORMANCE.md says what
+    /// each size reads at). Other sizes, the
     /// forward without intra-warpgroup overlap, and the Ampere and CPU backends, are
     /// `Error::Unsupported` here (the CPU takes any page size through
     /// [`crate::kvcache::forward`]).
@@ -49,8 +51,8 @@ pub struct DeviceKvCacheInputs<'a, T> {
     /// `cache_batch_idx`. The kernels clamp each into `0..batch_cache` (the host does not read
     /// them). The call then runs the dense cache as a paged one whose pages are its entries (of
     /// `seqlen_cache` rows) and whose block table is these values, so it takes what a paged
-    /// cache takes: the Hopper forward, `seqlen_cache` a multiple of 16. With `block_table` it is
-    /// `Error::InvalidPageTable`.
+    /// cache takes: the Hopper forward with intra-warpgroup overlap, `seqlen_cache` a multiple
+    /// of 16. With `block_table` it is `Error::InvalidPageTable`.
     pub cache_batch_idx: Option<CudaView<'a, i32>>,
     /// Each sequence's cached keys, `batch` i32 values on the device. The kernels clamp them into
     /// `0..=seqlen_cache` (paged: `0..=max_pages · page_size`; the host does not read them: that
@@ -90,14 +92,16 @@ pub struct DeviceRotary<'a> {
 /// `rotary` is given. The counts are read on the device only: each is clamped into the
 /// sequence's capacity (the dense cache's rows, or `max_pages · page_size`), rows past it are
 /// not written, and page numbers are clamped into the cache's pages. Sequences must not share
-/// the rows they append into.
+/// the rows they append into (nor, with `cache_batch_idx`, an entry).
 #[derive(Debug)]
 pub struct DeviceKvCacheAppend<'a, 'c, T> {
     pub k_cache: &'a mut DeviceTensorMut<'c, T>,
     pub v_cache: &'a mut DeviceTensorMut<'c, T>,
     /// A paged cache's `(batch, max_pages)` i32 page numbers, row-major; `None`: dense.
     pub block_table: Option<CudaView<'a, i32>>,
-    /// As [`DeviceKvCacheInputs::cache_batch_idx`]: a dense cache's entry per sequence.
+    /// A dense cache's entry per sequence, as [`DeviceKvCacheInputs::cache_batch_idx`] (values on
+    /// the device, clamped into the entries; any entry rows, where the forward takes multiples
+    /// of 16).
     pub cache_batch_idx: Option<CudaView<'a, i32>>,
     pub cache_seqlens: CudaView<'a, i32>,
     pub k_new: &'a DeviceTensor<'a, T>,
@@ -198,12 +202,14 @@ fn cache_table<'a>(
 /// The rows of the pieces the Hopper forward loads a paged cache's key blocks in where its pages
 /// are no whole number of blocks: pages hold a whole number of them. Where the pages and the key
 /// block are multiples of [`WIDE_PAGE_ROWS`] the pieces are that long (fewer, larger copies).
+/// As csrc/sm90/fwd_traits.h has them.
 const PAGE_ROWS: usize = 16;
+/// The longer pieces' rows.
 const WIDE_PAGE_ROWS: usize = 64;
 
 /// A paged cache's pages as the kernels take them, and the call's configuration for them: every
 /// page a whole number of [`PAGE_ROWS`] rows, taken a key block at a time where it holds whole
-/// blocks of the Hopper forward's tile (its 128-key Masked tile's where it has one).
+/// blocks of the Hopper forward's tile, else in pieces.
 fn pages<'a>(
     k_cache: &Layout,
     head_dim_v: usize,
@@ -242,9 +248,9 @@ fn pages<'a>(
             "pages hold a whole number of {PAGE_ROWS}-row pieces"
         )));
     }
-    // The Masked tile where its 128-key blocks fill the pages (whatever the mask: a page of them
-    // need not hold the Base tile's wider blocks), whole blocks loading as one box each, or where
-    // its blocks take 64-row pieces and the Base tile's do not (as the launcher chooses).
+    // The Masked tile where the Base tile's blocks do not fill the pages but its 128-key ones do
+    // (whole blocks loading as one box each), or where its blocks take 64-row pieces and the
+    // Base tile's do not: as the launcher chooses (run_fwd_tiled).
     let schedule = match key_block(TileRole::Masked) {
         Some(masked)
             if page_size % base != 0
