@@ -25,10 +25,10 @@ use crate::Element;
 /// A KV-cache call's device inputs: Q `(batch, seqlen_q, heads_q, head_dim)`, the cache, `batch`
 /// cached key counts, and optionally attention sinks. The cache is dense without a block table:
 /// K `(batch_cache, seqlen_cache, heads_kv, head_dim)` and V with `head_dim_v`, sequence `b`
-/// reading entry `b` (`batch_cache ≥ batch`; with `cache_batch_idx`, entry `cache_batch_idx[b]`).
-/// With one, it is paged: K `(num_pages, page_size,
-/// heads_kv, head_dim)` and V with `head_dim_v`, and sequence `b`'s key `j` lies in row
-/// `j % page_size` of page `block_table[b][j / page_size]`.
+/// reading entry `b` (`batch_cache ≥ batch`; with `cache_batch_idx`, entry
+/// `cache_batch_idx[b]`). With one, it is paged: K `(num_pages, page_size, heads_kv, head_dim)`
+/// and V with `head_dim_v`, and sequence `b`'s key `j` lies in row `j % page_size` of page
+/// `block_table[b][j / page_size]`.
 #[derive(Debug)]
 pub struct DeviceKvCacheInputs<'a, T> {
     pub q: &'a DeviceTensor<'a, T>,
@@ -41,9 +41,8 @@ pub struct DeviceKvCacheInputs<'a, T> {
     /// dims 64, 96, 128 and (192, 128), of 112 at 192 and of 80 at 256) are loaded a block at a
     /// time, others in pieces, one copy each: of 64 rows where the pages and the key block are
     /// multiples of 64, else of 16 (more copies for the same bytes: docs/PERFORMANCE.md says what
-    /// each size reads at). Other sizes, the
-    /// forward without intra-warpgroup overlap, and the Ampere and CPU backends, are
-    /// `Error::Unsupported` here (the CPU takes any page size through
+    /// each size reads at). Other sizes, the forward without intra-warpgroup overlap, and the
+    /// Ampere and CPU backends, are `Error::Unsupported` here (the CPU takes any page size through
     /// [`crate::kvcache::forward`]).
     pub block_table: Option<CudaView<'a, i32>>,
     /// A dense cache's entry per sequence: sequence `b` reads entry `cache_batch_idx[b]`

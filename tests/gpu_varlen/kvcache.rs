@@ -581,43 +581,31 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
     let q: Vec<bf16> = random(batch * 2 * hq * d, &mut rng);
     let k: Vec<bf16> = random(num_pages * 128 * hk * d, &mut rng);
     let cfg = AttentionConfig::new().causal(true);
-    // Two pages per sequence: every sequence with keys reads a page number out of range.
-    let table = [1, -7, 2, 99, i32::MAX, 0];
-    for splits in [0, 5] {
-        let (out, lse, _) = run_paged(
-            &cfg,
-            (&q, &k, &k),
-            (batch, 2),
-            (num_pages, 128),
-            (hq, hk, d, d),
-            (&table, &[300, 200, i32::MAX]),
-            splits,
-        )
-        .unwrap();
-        assert!(out.iter().all(|x| x.is_finite()), "O, {splits} splits");
-        assert!(lse.iter().all(|x| !x.is_nan()), "LSE, {splits} splits");
-    }
-    // Pages of 16 rows, loaded in pieces: each piece's page number clamped alike.
+    // Two pages per sequence: every sequence with keys reads a page number out of range, in
+    // pages of whole key blocks and in pages of 16 rows (loaded in pieces, each piece's page
+    // number clamped alike).
     let small = random(num_pages * 16 * hk * d, &mut rng);
-    for splits in [0, 3] {
-        let (out, lse, _) = run_paged(
-            &cfg,
-            (&q, &small, &small),
-            (batch, 2),
-            (num_pages, 16),
-            (hq, hk, d, d),
-            (&table, &[30, 20, i32::MAX]),
-            splits,
-        )
-        .unwrap();
-        assert!(
-            out.iter().all(|x| x.is_finite()),
-            "O, pages of 16, {splits} splits"
-        );
-        assert!(
-            lse.iter().all(|x| !x.is_nan()),
-            "LSE, pages of 16, {splits} splits"
-        );
+    let table = [1, -7, 2, 99, i32::MAX, 0];
+    let page_sizes = [
+        (&k, 128, [300, 200, i32::MAX], [0, 5]),
+        (&small, 16, [30, 20, i32::MAX], [0, 3]),
+    ];
+    for (cache, rows, lens, splits) in page_sizes {
+        for splits in splits {
+            let (out, lse, _) = run_paged(
+                &cfg,
+                (&q, cache, cache),
+                (batch, 2),
+                (num_pages, rows),
+                (hq, hk, d, d),
+                (&table, &lens),
+                splits,
+            )
+            .unwrap();
+            let what = format!("pages of {rows}, {splits} splits");
+            assert!(out.iter().all(|x| x.is_finite()), "O, {what}");
+            assert!(lse.iter().all(|x| !x.is_nan()), "LSE, {what}");
+        }
     }
     let odd = random(num_pages * 24 * hk * d, &mut rng);
     let refused = run_paged(

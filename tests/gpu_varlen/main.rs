@@ -199,19 +199,13 @@ fn many_sequences_and_long_ones() {
     let mut lens: Vec<usize> = (0..62).map(|_| rng.random_range(0..=400)).collect();
     lens.insert(10, 2047);
     lens.push(1500);
-    for backend in [Backend::Sm80, Backend::Auto] {
-        for cfg in [
+    check_on_both_families(
+        &Batch::<bf16>::new(&lens, &lens, (8, 2), 128, 7),
+        &[
             AttentionConfig::new().causal(true),
             AttentionConfig::new().window(Some(300), Some(0)),
-        ] {
-            check(
-                &Batch::<bf16>::new(&lens, &lens, (8, 2), 128, 7),
-                &cfg,
-                None,
-                backend,
-            );
-        }
-    }
+        ],
+    );
 }
 
 /// An 8k-row sequence beside a one-row, an empty and a 333-row one (not block multiples), d64,
@@ -220,17 +214,20 @@ fn many_sequences_and_long_ones() {
 #[ignore = "needs a GPU"]
 fn an_8k_sequence_beside_short_ones() {
     let lens = [8000, 1, 0, 333];
-    for backend in [Backend::Sm80, Backend::Auto] {
-        for cfg in [
+    check_on_both_families(
+        &Batch::<bf16>::new(&lens, &lens, (2, 1), 64, 8),
+        &[
             AttentionConfig::new().causal(true),
             AttentionConfig::new().window(Some(700), Some(50)),
-        ] {
-            check(
-                &Batch::<bf16>::new(&lens, &lens, (2, 1), 64, 8),
-                &cfg,
-                None,
-                backend,
-            );
+        ],
+    );
+}
+
+/// `batch` under each of `cfgs` on the Ampere kernels (forced) and as `Auto` runs it.
+fn check_on_both_families(batch: &Batch<bf16>, cfgs: &[AttentionConfig]) {
+    for backend in [Backend::Sm80, Backend::Auto] {
+        for cfg in cfgs {
+            check(batch, cfg, None, backend);
         }
     }
 }
