@@ -162,6 +162,7 @@ fn tile_structs(k: &Kernel) -> String {
                 unmasked_loop,
                 tail_split,
                 ieee_descale_ratio,
+                intra_wg_overlap,
             } => {
                 ints(&[
                     ("kBlockN", block_n),
@@ -171,6 +172,7 @@ fn tile_structs(k: &Kernel) -> String {
                     ("kUnmaskedLoop", unmasked_loop),
                     ("kTailSplit", tail_split),
                     ("kIeeeDescaleRatio", ieee_descale_ratio),
+                    ("kIntraWGOverlap", intra_wg_overlap),
                 ])
             }
             Tile::Sm90Bwd {

@@ -193,7 +193,10 @@ pub enum Tile {
     /// per block, the K/V pipeline's depth, Q buffers (two let the next tile's first Q·Kᵀ go
     /// out beside this tile's last P·V); a second copy of the key-block loop for blocks that
     /// need no mask; the last partial wave split by key blocks; FP8: the V-descale ratio by
-    /// IEEE division (where ptxas then lets the softmax run beside P·V).
+    /// IEEE division (where ptxas then lets the softmax run beside P·V); the next block's Q·Kᵀ
+    /// issued beside this block's P·V (intra-warpgroup overlap; off, each block's GEMMs wait on
+    /// its softmax, so that S, P and O need not be live at once: the FP8 d128 256-key block
+    /// fits the registers only so).
     Sm90Fwd {
         block_n: usize,
         stages: usize,
@@ -201,6 +204,7 @@ pub enum Tile {
         unmasked_loop: bool,
         tail_split: bool,
         ieee_descale_ratio: bool,
+        intra_wg_overlap: bool,
     },
     /// The sm90 backward: query rows per block, keys per CTA, the Q/dS and dO buffers, and how
     /// the two consumer warpgroups share a CTA's work.
@@ -278,6 +282,21 @@ const fn sm90_fp8_fwd(block_n: usize, q_stages: usize, unmasked_loop: bool, ieee
         unmasked_loop,
         tail_split: true,
         ieee_descale_ratio: ieee,
+        intra_wg_overlap: true,
+    }
+}
+
+/// The FP8 forward without intra-warpgroup overlap (no tail split: the split tiles' kernel runs
+/// the overlapped loop).
+const fn sm90_fp8_fwd_serial(block_n: usize, q_stages: usize, ieee: bool) -> Tile {
+    Tile::Sm90Fwd {
+        block_n,
+        stages: 2,
+        q_stages,
+        unmasked_loop: false,
+        tail_split: false,
+        ieee_descale_ratio: ieee,
+        intra_wg_overlap: false,
     }
 }
 
@@ -373,10 +392,13 @@ pub const TILES: &[TileRow] = &[
     // DeepSeek's (192, 128): V's narrower rows leave room for 128 keys (Q 48 KiB, K 96, V 64).
     row_v(Sm90Fwd, 192, 128, Base, sm90_fwd(128, 1, true)),
     row(Sm90Fp8Fwd, 64, Base, sm90_fp8_fwd(192, 2, false, true)),
-    row(Sm90Fp8Fwd, 128, Base, sm90_fp8_fwd(224, 2, false, true)),
+    // d128: 256 keys (S 128 and O 64 floats a thread), which leave no room for the next block's S
+    // beside P and O: without intra-warpgroup overlap, and faster so than 224 keys with it
+    // (docs/PERFORMANCE.md).
+    row(Sm90Fp8Fwd, 128, Base, sm90_fp8_fwd_serial(256, 2, true)),
     row(Sm90Fp8Fwd, 256, Base, sm90_fp8_fwd(128, 1, true, false)),
     // d96: d64's key block (S 96 and O 48 floats a thread); d192: 128 keys (S 64 and O 96, under
-    // d128's 176) with two Q buffers (Q 48 KiB, K and V 96).
+    // d128's 192) with two Q buffers (Q 48 KiB, K and V 96).
     row(Sm90Fp8Fwd, 96, Base, sm90_fp8_fwd(192, 2, false, true)),
     row(Sm90Fp8Fwd, 192, Base, sm90_fp8_fwd(128, 2, false, true)),
     row(Sm90Bwd, 64, Base, sm90_bwd(128, 128, 2, SplitKeys)),
@@ -423,7 +445,7 @@ pub fn tile_row(k: &Kernel, role: TileRole) -> Option<&'static TileRow> {
     find(role).or_else(|| find(Base))
 }
 
-/// The N sizes of CUTLASS's default WGMMA atoms. Any other (key blocks of 80, 112, 160, 224, the
+/// The N sizes of CUTLASS's default WGMMA atoms. Any other (key blocks of 80, 112, 160, the
 /// backward's 48 keys a warpgroup) is an
 /// extended shape: CUTLASS has them all in one header that costs a unit most of its compile
 /// time, so build.rs generates the few atoms the tiles take instead (build/wgmma_atoms.rs).

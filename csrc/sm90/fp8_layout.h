@@ -15,7 +15,7 @@ constexpr int kFp8QueryBlock = 128;
 constexpr int fp8_key_block(int head_dim) {
   return head_dim == 64    ? 192
          : head_dim == 96  ? 192
-         : head_dim == 128 ? 224
+         : head_dim == 128 ? 256
          : head_dim == 192 ? 128
          : head_dim == 256 ? 128
                            : 0;

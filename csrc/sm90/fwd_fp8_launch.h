@@ -12,7 +12,8 @@ namespace flashattn::sm90 {
 
 template <int kHeadDim>
 flashattn_result_t run_fwd_fp8(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream) {
-  using Traits = FwdTraits<cutlass::float_e4m3_t, kHeadDim, Fp8FwdTile<kHeadDim>, true>;
+  using Tile = Fp8FwdTile<kHeadDim>;
+  using Traits = FwdTraits<cutlass::float_e4m3_t, kHeadDim, Tile, Tile::kIntraWGOverlap>;
   static_assert(Traits::kBlockM == kFp8QueryBlock,
                 "the query tile is the block of rows one Q descale covers");
   return run_fwd<Traits>(p, o.pingpong, stream);

@@ -20,8 +20,8 @@
 // the consumer warpgroups, so that one warpgroup's softmax hides under the other's GEMMs. Key
 // blocks that need no mask may run a copy of the loop without the mask and softcap tests
 // (Tile::kUnmaskedLoop). setmaxnreg moves registers from the producer (24) to the consumers
-// (240). Without intra-warpgroup overlap (the FlashAttention-3 paper's ablation) each tile runs
-// fwd_ablation.h's serial loop.
+// (240). Without intra-warpgroup overlap (a tile's choice, or the FlashAttention-3 paper's
+// ablation) each tile runs fwd_serial.h's loop.
 // The partial-results instantiation (kPartials) also runs pack-GQA tiles, whose rows are
 // (query row, query head) pairs of one KV head (fwd_packed_q.h gathers their Q), and key splits,
 // whose O and LSE go to workspace slots for fwd_merge.h to merge; the whole-tile instantiation
@@ -30,12 +30,12 @@
 
 #include <cutlass/arch/reg_reconfig.h>
 
-#include "fwd_ablation.h"
 #include "fwd_epilogue.h"
 #include "fwd_mainloop.h"
 #include "fwd_packed_q.h"
 #include "fwd_producer.h"
 #include "fwd_scheduler.h"
+#include "fwd_serial.h"
 #include "fwd_traits.h"
 #include "grid_dependency.h"
 #include "pipeline.h"

@@ -368,10 +368,11 @@ flashattn_result_t run_fwd_tiled(const flashattn_params_t& p, FwdOptions o, cuda
          (p.page_size % kWidePageRows == 0 && Masked::kBlockN % kWidePageRows == 0 &&
           Tile::kBlockN % kWidePageRows != 0));
     if ((p.sm90_flags & FLASHATTN_SM90_MASKED_TILE) || pages_need_masked)
-      return run_fwd<FwdTraits<Element, kHeadDim, Masked, true, kHeadDimV>>(p, o.pingpong,
-                                                                            stream);
+      return run_fwd<FwdTraits<Element, kHeadDim, Masked, Masked::kIntraWGOverlap, kHeadDimV>>(
+          p, o.pingpong, stream);
   }
-  return run_fwd<FwdTraits<Element, kHeadDim, Tile, true, kHeadDimV>>(p, o.pingpong, stream);
+  return run_fwd<FwdTraits<Element, kHeadDim, Tile, Tile::kIntraWGOverlap, kHeadDimV>>(
+      p, o.pingpong, stream);
 }
 
 }  // namespace flashattn::sm90

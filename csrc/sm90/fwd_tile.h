@@ -9,8 +9,8 @@
 namespace flashattn::sm90 {
 
 // kBlockN (keys per block), kStages (K/V pipeline depth), kQStages (Q buffers), kUnmaskedLoop,
-// kTailSplit, and, read by the FP8 kernels alone, kIeeeDescaleRatio; per head dim of Q and K,
-// and of V and O where it differs.
+// kTailSplit, kIntraWGOverlap (off: fwd_serial.h's loop) and, read by the FP8 kernels
+// alone, kIeeeDescaleRatio; per head dim of Q and K, and of V and O where it differs.
 template <int kHeadDim, int kHeadDimV = kHeadDim> struct FwdTile;
 // Causal and windowed calls (and calls asking for narrow key blocks): narrower key blocks waste
 // less work on the masked diagonal blocks.

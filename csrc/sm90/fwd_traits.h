@@ -30,6 +30,7 @@ constexpr int kWidePageRows = 64;
 
 // Tile: kBlockN (keys per block), kStages (K/V pipeline depth), kQStages (Q buffers), and the
 // code-shape choices kUnmaskedLoop, kTailSplit and, FP8 tiles only, kIeeeDescaleRatio.
+// kIntraWGOverlap: the tile's own (Tile::kIntraWGOverlap), or off for the ablation.
 // kHeadDim: of Q and K; kHeadDimV: of V and O (the 16-bit kernels only may take another).
 template <class Element_, int kHeadDim_, class Tile, bool kIntraWGOverlap_,
           int kHeadDimV_ = kHeadDim_>

@@ -1,6 +1,6 @@
 // Which WGMMA atom a tiled MMA issues. CUTLASS's selector picks, for an N that is not one of its
 // default atom sizes, the widest size that divides N, and the kernel then runs as several
-// narrower GEMMs: correct and slow. The extended sizes the tiles take (80, 160, 224 keys) come
+// narrower GEMMs: correct and slow. The extended sizes the tiles take (80, 112, 160 keys) come
 // from a header per shape that build.rs generates from the registry and includes in the units
 // whose kernels take it (each specializes ExtendedSsAtom, which ss_atom picks first), and the
 // traits assert that each atom covers its whole N.

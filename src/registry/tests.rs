@@ -99,11 +99,12 @@ fn extended_wgmma_n(family: Family, d: usize) -> Vec<usize> {
 
 #[test]
 fn extended_wgmma_shapes_only_where_a_tile_takes_one() {
-    // 160 and 80 keys (d128, d256), 224 (FP8 d128): outside CUTLASS's default N sizes.
+    // 160 and 80 keys (d128, d256): outside CUTLASS's default N sizes.
     assert!(extended_wgmma(Family::Sm90Fwd, 128));
     assert!(extended_wgmma(Family::Sm90Fwd, 256));
-    assert!(extended_wgmma(Family::Sm90Fp8Fwd, 128));
-    // 192/128 keys, 128 keys (FP8 d96, d192 too), 64/128-row backward tiles: default sizes.
+    // 192/128 keys, 256 (FP8 d128), 128 keys (FP8 d96, d192 too), 64/128-row backward tiles:
+    // default sizes.
+    assert!(!extended_wgmma(Family::Sm90Fp8Fwd, 128));
     assert!(!extended_wgmma(Family::Sm90Fwd, 64));
     assert!(!extended_wgmma(Family::Sm90Fp8Fwd, 64));
     assert!(!extended_wgmma(Family::Sm90Fp8Fwd, 256));
@@ -119,7 +120,6 @@ fn extended_wgmma_shapes_only_where_a_tile_takes_one() {
     assert_eq!(extended_wgmma_n(Family::Sm90Fwd, 256), vec![80]);
     assert_eq!(extended_wgmma_n(Family::Sm90Fwd, 192), vec![112]);
     assert!(!extended_wgmma(Family::Sm90Fwd, 96));
-    assert_eq!(extended_wgmma_n(Family::Sm90Fp8Fwd, 128), vec![224]);
     // (192, 128): the forward's 128 keys and O of 128 columns, both default sizes; the
     // backward's 48 keys per warpgroup (its dQ's 96 columns are a default size).
     let mla = |family| kernel_v(family, 192, 128, KernelDtype::Bf16);

@@ -21,7 +21,7 @@ use super::common::device;
 use super::harness::varlen::{offsets, rows, Batch};
 
 /// Empty query and key sequences, one row, several query tiles and key blocks (192 keys at d64,
-/// 224 at d128, 128 at d256), none a block multiple; the last query rows belong to no sequence.
+/// 256 at d128, 128 at d256), none a block multiple; the last query rows belong to no sequence.
 const FP8_Q: [usize; 7] = [37, 0, 1, 300, 130, 5, 77];
 const FP8_K: [usize; 7] = [37, 12, 3, 500, 460, 0, 200];
 const UNOWNED_Q: usize = 9;

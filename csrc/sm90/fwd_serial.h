@@ -1,6 +1,8 @@
-// The sm90 forward without intra-warpgroup overlap (the FlashAttention-3 paper's ablation, built
-// only where the registry asks for it): each key block's GEMMs wait on its softmax, and with
-// ping-pong each GEMM takes its own turn. Kept to measure what the overlap gains.
+// The sm90 forward without intra-warpgroup overlap: each key block's GEMMs wait on its softmax,
+// and with ping-pong each GEMM takes its own turn. Tiles that ask for it run it (Tile::
+// kIntraWGOverlap: the FP8 d128 256-key block, whose S, P and O would not fit the registers at
+// once), and the 16-bit kernels built with the ablation (the FlashAttention-3 paper's, to measure
+// what the overlap gains).
 #pragma once
 
 #include "fwd_mainloop.h"
