@@ -286,15 +286,15 @@ const fn sm90_fp8_fwd(block_n: usize, q_stages: usize, unmasked_loop: bool, ieee
     }
 }
 
-/// The FP8 forward without intra-warpgroup overlap (no tail split: the split tiles' kernel runs
-/// the overlapped loop).
+/// The FP8 forward without intra-warpgroup overlap (the serial loop has no copy for unmasked
+/// blocks).
 const fn sm90_fp8_fwd_serial(block_n: usize, q_stages: usize, ieee: bool) -> Tile {
     Tile::Sm90Fwd {
         block_n,
         stages: 2,
         q_stages,
         unmasked_loop: false,
-        tail_split: false,
+        tail_split: true,
         ieee_descale_ratio: ieee,
         intra_wg_overlap: false,
     }

@@ -96,8 +96,8 @@ pub enum TailSplit {
     /// Every tile runs whole.
     Off,
     /// Wherever it can (for tests and measurements): not with a mask over several query blocks,
-    /// with `intra_wg_overlap` off, with one key block, or when the workspace cannot be
-    /// allocated.
+    /// with `intra_wg_overlap` off (the 16-bit ablation; the FP8 d128 tile's own serial loop
+    /// splits), with one key block, or when the workspace cannot be allocated.
     Always,
 }
 

@@ -115,7 +115,7 @@ def run(Q, K, V, ref, *, gran='tensor', had=False, qk='fp8', pq='fp8', vq='fp8',
     """Simulate the blockwise FP8 forward. qk/pq/vq in {'fp8','exact'}."""
     Hh, N, d = Q.shape
     rng = np.random.default_rng(seed + 999)
-    kb = kblk or (224 if d == 128 else 128)
+    kb = kblk or (256 if d == 128 else 128)
     Q0, K0, V0 = Q, K, V
     if had:
         M = hadamard(d)

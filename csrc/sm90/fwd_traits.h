@@ -60,8 +60,11 @@ struct FwdTraits {
   }();
   // Calls whose tiles all visit the same key blocks may split the last partial wave's tiles by
   // key blocks (fwd_tail.h): a second instantiation of the kernel, so not in the overlap
-  // ablation.
-  static constexpr bool kTailSplit = Tile::kTailSplit && kIntraWGOverlap_;
+  // ablation (a tile's own serial loop has it).
+  static constexpr bool kTailSplit = Tile::kTailSplit && kIntraWGOverlap_ == Tile::kIntraWGOverlap;
+  static_assert(!kIntraWGOverlap_ || Tile::kIntraWGOverlap,
+                "a tile without intra-warpgroup overlap runs the serial loop only (its registers "
+                "do not hold the overlapped one's)");
   // The next tile's first Q·Kᵀ beside this tile's last P·V: needs the next Q in its own buffer.
   static constexpr bool kCrossTileOverlap = kIntraWGOverlap && kQStages > 1;
   static constexpr int kConsumerWGs = kBlockM / kRowsPerWG;

@@ -22,6 +22,22 @@ fn every_kernel_is_named_once_and_has_its_features() {
     assert_eq!(head_dims(Family::Sm90Fp8Fwd), vec![64, 128, 256, 96, 192]);
 }
 
+/// A forward tile without intra-warpgroup overlap runs the serial loop, which has no copy for
+/// unmasked blocks: the table asks for none.
+#[test]
+fn serial_forward_tiles_ask_for_no_unmasked_copy() {
+    for r in TILES {
+        if let Tile::Sm90Fwd {
+            intra_wg_overlap: false,
+            unmasked_loop,
+            ..
+        } = r.tile
+        {
+            assert!(!unmasked_loop, "{r:?}");
+        }
+    }
+}
+
 /// The FP8 forward's key block is the block of keys one K/V descale covers, and the quantize
 /// step orders V's keys in groups of 32 (csrc/sm90/fp8_layout.h): whole groups only.
 #[test]

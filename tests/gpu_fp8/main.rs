@@ -288,6 +288,37 @@ fn forward_matches_the_reference_over_quantized_inputs() {
     );
 }
 
+/// The tail split's pieces at d128, whose tile (and so each piece) runs the loop without
+/// intra-warpgroup overlap: one query block per head over 8k keys, causal or not, and a partial
+/// last wave of GQA tiles, against the reference (a subset of the sweep above, quick to run).
+#[test]
+#[ignore = "needs an sm_90 GPU"]
+fn forward_pieces_at_d128_match_the_reference() {
+    let (dev, stream) = device();
+    let split = Sm90Schedule {
+        split_tail: TailSplit::Always,
+        ..Default::default()
+    };
+    let options = Fp8Options {
+        hadamard_seed: None,
+    };
+    let cases = [
+        Case::new(100, 8192, 128),
+        Case::new(100, 8192, 128).causal(true),
+        Case::new(1000, 3000, 128).batch(2).heads(9, 3),
+    ];
+    let mut failures = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let (o, lse) =
+            run_forward_case::<bf16>(&dev, &stream, case, options, split, 100 + i as u64, 0.0);
+        println!("fp8 pieces {case:?}: O {o}; LSE {lse}");
+        if !(o.pass && lse.pass) {
+            failures.push(format!("{case:?}: O {o}; LSE {lse}"));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// A NaN key poisons O and the LSE of every row that sees it, split or not, as in the 16-bit
 /// forwards and the reference (without Hadamard the NaN stays in one element of K).
 #[test]
