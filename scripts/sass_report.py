@@ -6,9 +6,9 @@ many of its exponentials (MUFU.EX2) come before its last wait for every WGMMA in
 (WARPGROUP.DEPBAR.LE gsb0, 0x0), i.e. run beside the P·V GEMM. ptxas has put that wait at the
 top of its basic block: in the 16-bit sm90 forward with intra-warpgroup overlap and the FP8
 d256 one it lands above the softmax (0 of N); a branch that moved it below cost 1-8% in the
-16-bit ones (benchmarks/README.md, 2026-11-30). In the FP8 d64 forward the V-descale division
-(its slow path a call) ends the softmax's block, so there all N come before; the FP8 d128 one
-runs without intra-warpgroup overlap (no P·V in flight during its softmax).
+16-bit ones (benchmarks/README.md, 2026-11-30). In the FP8 d64, d96 and d192 forwards the
+V-descale division (its slow path a call) ends the softmax's block, so there all N come before;
+the FP8 d128 one runs without intra-warpgroup overlap (no P·V in flight during its softmax).
 
     python3 scripts/sass_report.py [--match REGEX] [ARCHIVE]
 

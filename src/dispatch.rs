@@ -306,8 +306,8 @@ pub fn check_backend(
                 let why = if kernel.ablation {
                     "built with the Cargo feature `ablation` only"
                 } else {
-                    "the ablation is the 16-bit sm90 forward's at d128; the FP8 d128 forward runs without \
-                     the overlap by its tile, and this switch does not ask for it"
+                    "the registry has it for the sm90 forward at d128 bf16 only (the FP8 d128 \
+                     forward's tile runs without the overlap by itself)"
                 };
                 return Err(Error::Unsupported {
                     what: format!("{} without intra-warpgroup overlap ({why})", kernel.name()),

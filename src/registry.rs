@@ -195,8 +195,8 @@ pub enum Tile {
     /// need no mask; the last partial wave split by key blocks; FP8: the V-descale ratio by
     /// IEEE division (where ptxas then lets the softmax run beside P·V); the next block's Q·Kᵀ
     /// issued beside this block's P·V (intra-warpgroup overlap; off, each block's GEMMs wait on
-    /// its softmax, so that S, P and O need not be live at once: the FP8 d128 256-key block
-    /// fits the registers only so).
+    /// its softmax, so that the next block's S need not be live beside this block's P and O:
+    /// the FP8 d128 256-key block fits the registers only so).
     Sm90Fwd {
         block_n: usize,
         stages: usize,

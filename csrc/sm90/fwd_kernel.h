@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (params.group > 1) gather_packed_q(params, t, smem, wg, tid, st_q.index);
     }
     if constexpr (!Traits::kIntraWGOverlap) {
-      fwd_serial_tile(ml, epilogue, smem, st_q, st_k, st_v, t, row0);
+      fwd_serial_tile<Traits>(ml, epilogue, smem, st_q, st_k, st_v, t, row0);
       continue;
     }
     // First block of the tile, with the last P·V of the tile before when one is pending. The two

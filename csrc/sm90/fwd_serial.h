@@ -1,8 +1,8 @@
 // The sm90 forward without intra-warpgroup overlap: each key block's GEMMs wait on its softmax,
 // and with ping-pong each GEMM takes its own turn. Tiles that ask for it run it (Tile::
-// kIntraWGOverlap: the FP8 d128 256-key block, whose S, P and O would not fit the registers at
-// once), and the 16-bit kernels built with the ablation (the FlashAttention-3 paper's, to measure
-// what the overlap gains).
+// kIntraWGOverlap off: the FP8 d128 256-key block, where the next block's S would not fit the
+// registers beside this block's P and O), and the 16-bit kernels built with the ablation (the
+// FlashAttention-3 paper's, to measure what the overlap gains).
 #pragma once
 
 #include "fwd_mainloop.h"
@@ -12,17 +12,21 @@
 
 namespace flashattn::sm90 {
 
-// One tile whose Q the caller has waited for.
-template <class Traits, class Epilogue>
-__device__ __forceinline__ void fwd_serial_tile(FwdMainloop<Traits>& ml, Epilogue& epilogue,
+// One tile whose Q the caller has waited for (Mainloop: the kernel's FwdMainloop, packing or
+// not).
+template <class Traits, class Mainloop, class Epilogue>
+__device__ __forceinline__ void fwd_serial_tile(Mainloop& ml, Epilogue& epilogue,
                                                  typename Traits::SharedStorage& smem,
                                                  PipelineState<Traits::kQStages>& st_q,
                                                  PipelineState<Traits::kStages>& st_k,
                                                  PipelineState<Traits::kStages>& st_v,
                                                  const WorkTile& t, int row0) {
-  constexpr int kRows = FwdMainloop<Traits>::kRows;
-  ml.softmax = typename FwdMainloop<Traits>::Softmax();
+  constexpr int kRows = Mainloop::kRows;
+  ml.softmax = typename Mainloop::Softmax();
   clear(ml.tOrO);
+  // FP8: O's units start afresh, so that the first block's rescale of the clear O is by 0 (by the
+  // last tile's V descale, NaN say, it would be NaN).
+  if constexpr (Traits::kFp8) ml.v_unit = 1.f;
 #pragma unroll 1
   for (int n = t.n_max - 1; n >= t.n_min; --n) {
     const BlockScales scales = ml.block_scales(n);
