@@ -41,7 +41,9 @@ pub fn fp8_query_block() -> usize {
 
 /// Keys per K and V descale (the FP8 forward's key block) at `head_dim`; `None` where the
 /// registry has no FP8 kernel (d96 and d192 have a key block also in builds without their
-/// features).
+/// features). A property of the library's kernels that may change between versions: descales
+/// kept from another version must be made again, by the quantize step or by the host with this
+/// value.
 pub fn fp8_key_block(head_dim: usize) -> Option<usize> {
     let d = i32::try_from(head_dim).ok()?;
     // SAFETY: a pure function of the compiled library.
