@@ -93,13 +93,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   bool pending = false;
   WorkTile pending_tile{};
   auto finish_pending = [&]() FLASHATTN_INLINE {
-    smem.pipe_v.consumer_wait(st_v);
-    ml.turn_wait();
-    ml.gemm_pv(st_v.index);
-    ml.turn_pass();
-    warpgroup_wait<0>();
-    smem.pipe_v.consumer_release(st_v);
-    st_v.advance();
+    pv_and_release(ml, smem, st_v);
     float inv_sum[kRows], lse[kRows];
     ml.finalize(inv_sum, lse);
     epilogue.store(pending_tile, ml.tOrO, inv_sum, lse);

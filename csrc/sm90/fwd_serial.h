@@ -12,6 +12,19 @@
 
 namespace flashattn::sm90 {
 
+// The P·V of the P converted last, on this warpgroup's turn, waited for; its V stage released.
+// Also the overlapped loop's last P·V of a tile (fwd_kernel.h).
+template <class Mainloop, class SharedStorage, class State>
+__device__ __forceinline__ void pv_and_release(Mainloop& ml, SharedStorage& smem, State& st_v) {
+  smem.pipe_v.consumer_wait(st_v);
+  ml.turn_wait();
+  ml.gemm_pv(st_v.index);
+  ml.turn_pass();
+  warpgroup_wait<0>();
+  smem.pipe_v.consumer_release(st_v);
+  st_v.advance();
+}
+
 // One tile whose Q the caller has waited for (Mainloop: the kernel's FwdMainloop, packing or
 // not).
 template <class Traits, class Mainloop, class Epilogue>
@@ -44,13 +57,7 @@ __device__ __forceinline__ void fwd_serial_tile(Mainloop& ml, Epilogue& epilogue
     ml.template softmax_step<false>(n, row0, scales);
     ml.rescale_o();
     ml.convert_p();
-    smem.pipe_v.consumer_wait(st_v);
-    ml.turn_wait();
-    ml.gemm_pv(st_v.index);
-    ml.turn_pass();
-    warpgroup_wait<0>();
-    smem.pipe_v.consumer_release(st_v);
-    st_v.advance();
+    pv_and_release(ml, smem, st_v);
   }
   float inv_sum[kRows], lse[kRows];
   ml.finalize(inv_sum, lse);
