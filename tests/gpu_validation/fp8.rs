@@ -1,27 +1,31 @@
 //! FP8 through the device API: descales that are not positive numbers, quantize sizes refused.
 
+use cudarc::driver::{CudaSlice, CudaStream};
 use flashattn::cuda::{DeviceTensor, DeviceTensorMut, Fp8ForwardInputs, Fp8Options};
 use flashattn::fp8::{Fp8Tensor, Granularity};
 use flashattn::{AttentionConfig, Error, Layout, Operand, TensorRef};
+use float8::F8E4M3;
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
+use std::sync::Arc;
 
 use crate::common::device;
 use crate::harness::random;
 
 /// Per-block e4m3 Q, K and V of one batch entry of `s` rows, `h` heads and head dim `d`, quantized
-/// on the host from bf16 draws of `seed`, and a forward over them (no mask) with the given Q and
-/// V descales (K's as quantized): O as f32, rows (query, head) of `d`.
+/// on the host from bf16 draws of `seed` and uploaded once, and a forward over them (no mask)
+/// with the given Q and V descales (K's as quantized): O as f32, rows (query, head) of `d`.
 struct Quantized {
     lay: Layout,
     q: Fp8Tensor,
     k: Fp8Tensor,
     v: Fp8Tensor,
+    on_device: [CudaSlice<F8E4M3>; 3],
 }
 
 impl Quantized {
-    fn new(s: usize, h: usize, d: usize, seed: u64) -> Self {
+    fn new(stream: &Arc<CudaStream>, s: usize, h: usize, d: usize, seed: u64) -> Self {
         let mut rng = StdRng::seed_from_u64(seed);
         let lay = Layout::contiguous([1, s, h, d]);
         let block_k = flashattn::cuda::fp8_key_block(d).unwrap();
@@ -37,20 +41,26 @@ impl Quantized {
         let q = quantize(flashattn::cuda::fp8_query_block());
         let k = quantize(block_k);
         let v = quantize(block_k);
-        Quantized { lay, q, k, v }
+        let on_device = [&q, &k, &v].map(|t| stream.clone_htod(t.data()).unwrap());
+        Quantized {
+            lay,
+            q,
+            k,
+            v,
+            on_device,
+        }
     }
 
     fn forward(
         &self,
         dev: &flashattn::cuda::Device,
-        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        stream: &Arc<CudaStream>,
         q_descale: &[f32],
         v_descale: &[f32],
     ) -> Vec<f32> {
         let lay = self.lay;
         let [_, s, h, d] = lay.shape;
-        let up8 = |t: &Fp8Tensor| stream.clone_htod(t.data()).unwrap();
-        let (q8, k8, v8) = (up8(&self.q), up8(&self.k), up8(&self.v));
+        let [q8, k8, v8] = &self.on_device;
         let qs = stream.clone_htod(q_descale).unwrap();
         let ks = stream.clone_htod(self.k.scales()).unwrap();
         let vs = stream.clone_htod(v_descale).unwrap();
@@ -88,7 +98,7 @@ impl Quantized {
 fn fp8_descales_that_are_not_positive_give_nan_rows() {
     let (dev, stream) = device();
     let (s, h, d) = (300, 2, 128);
-    let x = Quantized::new(s, h, d, 5);
+    let x = Quantized::new(&stream, s, h, d, 5);
     let good = x.forward(&dev, &stream, x.q.scales(), x.v.scales());
     assert!(
         good.iter().all(|x| x.is_finite()),
@@ -123,7 +133,7 @@ fn fp8_descales_that_are_not_positive_give_nan_rows() {
 fn fp8_a_bad_v_descale_stays_in_its_head() {
     let (dev, stream) = device();
     let (s, h, d) = (80 * flashattn::cuda::fp8_query_block(), 2, 128);
-    let x = Quantized::new(s, h, d, 6);
+    let x = Quantized::new(&stream, s, h, d, 6);
     let good = x.forward(&dev, &stream, x.q.scales(), x.v.scales());
     assert!(good.iter().all(|x| x.is_finite()), "valid descales");
     // V descales are (batch, heads, key blocks): head 0's block 0.
