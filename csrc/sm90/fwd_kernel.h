@@ -1,7 +1,7 @@
 // The FlashAttention-3-style forward kernel for sm_90a: the shell that wires its parts.
 //
 // One CTA computes a kBlockM = 128 row tile of O for one (batch entry, head): three warpgroups.
-//   producer (WG 0, fwd_producer.h): one elected thread issues TMA loads — Q into a
+//   producer (WG 0, fwd_producer.h): lane 0 of its first warp issues TMA loads — Q into a
 //                    kQStages-deep ring, K and V blocks into two kStages-deep mbarrier pipelines
 //                    (pipeline.h), walking key blocks last to first so that only the first block
 //                    visited needs the sequence-end mask;

@@ -1,5 +1,6 @@
-// The sm90 forward's producer: warpgroup 0 gives its registers to the consumers, and one elected
-// thread of its first warp issues every TMA load. Per tile: the first K block, then Q (with one
+// The sm90 forward's producer: warpgroup 0 gives its registers to the consumers, and lane 0 of
+// its first warp issues every TMA load but the pieces of a paged cache's key blocks, which the
+// warp's lanes issue one each. Per tile: the first K block, then Q (with one
 // Q buffer it waits for the last Q·Kᵀ of the tile before), then the first V block and the other
 // K/V blocks, last to first, into the two kStages-deep pipelines. With pack-GQA a tile's Q rows
 // are no TMA box: the consumers gather them (fwd_packed_q.h), and the producer only passes the
@@ -24,7 +25,10 @@ struct FwdProducer {
     constexpr int kConsumerWGs = Traits::kConsumerWGs;
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (threadIdx.x / 32 != 0) return;
-    if (!cute::elect_one_sync()) return;
+    // The whole warp walks the tiles and waits for the stages; lane 0 arrives on them and issues
+    // their loads, but for pieces, whose lanes look up their pages and issue their boxes at once.
+    const int lane = threadIdx.x % 32;
+    const bool leader = lane == 0;
 
     const int batch = params.tensor_batch();
     Tensor mQ = params.tma_q.get_tma_tensor(
@@ -87,36 +91,27 @@ struct FwdProducer {
             local_tile(m(_, _, head_kv, page), tile, make_coord(_, _0{}))))(_, in_page);
       };
       // Pages of no whole number of blocks: block n's pieces of kRows rows, each from its page
-      // (a paged entry's keys start at 0), each into its rows of the block's stage. K's load
-      // fetches the pieces' page numbers into shared memory by asynchronous copies, all in flight
-      // at once (one thread reading them one after another waits a load's latency per piece),
-      // and V's load of the same block, which always follows it, reads them there again.
-      auto load_block_by_rows = [&](auto rows, auto& tma_piece, auto piece, auto smem_tensor, int dim,
-                             int n, uint64_t& barrier, int stage, bool fetch) {
+      // (a paged entry's keys start at 0), each into its rows of the block's stage; lane i
+      // issues piece i. One thread issuing them all waited a load's latency for each piece's page
+      // and issued the boxes one after another. K's load (fetch: true) looks the lane's page up,
+      // and V's load of the same block, which always follows it, takes it again.
+      int piece_page = 0;
+      auto load_block_by_rows = [&](auto rows, auto& tma_piece, auto piece, auto smem_tensor,
+                                    int dim, int n, uint64_t& barrier, int stage, bool fetch) {
         constexpr int kRows = decltype(rows)::value;
-        constexpr int kPieces = kBlockN / kRows;
-        if (fetch) {
-#pragma unroll 1
-          for (int i = 0; i < kPieces; ++i) {
-            const int32_t* entry =
-                params.page_entry(t.seq.index, (n * kBlockN + i * kRows) / params.page_size);
-            const uint32_t dst = uint32_t(__cvta_generic_to_shared(&smem.piece_pages[i]));
-            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(entry));
-          }
-          asm volatile("cp.async.wait_all;\n" ::: "memory");
-        }
+        static_assert(kBlockN / kRows <= 32, "a piece for each lane at most");
+        if (lane >= kBlockN / kRows) return;
+        const int first_key = n * kBlockN + lane * kRows;
+        if (fetch)
+          piece_page = params.clamp_page(*params.page_entry(t.seq.index, first_key / params.page_size));
         auto cta = tma_piece.get_slice(0);
         Tensor m = tma_piece.get_tma_tensor(
             make_shape(params.page_size, dim, params.heads_kv, params.num_pages));
-        Tensor dst = cta.partition_D(smem_tensor);  // (TMA, piece, 1, stage)
-#pragma unroll 1
-        for (int i = 0; i < kPieces; ++i) {
-          const int page = params.clamp_page(smem.piece_pages[i]);
-          const int row = (n * kBlockN + i * kRows) % params.page_size;
-          Tensor src = cta.partition_S(local_tile(m(_, _, head_kv, page), piece,
-                                                  make_coord(_, _0{})));  // (TMA, 1, 1, piece)
-          copy(tma_piece.with(barrier), src(_, _0{}, _0{}, row / kRows), dst(_, i, _0{}, stage));
-        }
+        Tensor src = cta.partition_S(local_tile(m(_, _, head_kv, piece_page), piece,
+                                                make_coord(_, _0{})));  // (TMA, 1, 1, piece)
+        Tensor dst = cta.partition_D(smem_tensor);                      // (TMA, piece, 1, stage)
+        copy(tma_piece.with(barrier), src(_, _0{}, _0{}, (first_key % params.page_size) / kRows),
+             dst(_, lane, _0{}, stage));
       };
       // K's (fetch: true) or V's block n in pieces: wide ones where the launcher built them.
       auto load_block_in_pieces = [&](auto& narrow, auto& wide, auto dim, auto smem_tensor, int n,
@@ -133,15 +128,16 @@ struct FwdProducer {
                            smem_tensor, kDim, n, barrier, stage, fetch);
       };
       auto load_k = [&](int n) {
-        smem.pipe_k.producer_acquire(st, Traits::kBytesK);
+        smem.pipe_k.producer_acquire_by_warp(st, Traits::kBytesK);
         auto tma = params.tma_k.with(smem.pipe_k.full_barrier(st));
         if constexpr (!Traits::kFp8) {  // FP8 takes no paged cache (flash_api.h)
           if (params.paged()) {
             if (params.page_blocks > 0) {
               int in_page;
               const int page = params.page_of(t.seq.index, n, in_page);
-              copy(tma, page_tile(params.tma_k, mK, typename Traits::TileKV{}, page, in_page),
-                   tKsK(_, st.index));
+              if (leader)
+                copy(tma, page_tile(params.tma_k, mK, typename Traits::TileKV{}, page, in_page),
+                     tKsK(_, st.index));
             } else {
               load_block_in_pieces(params.tma_narrow_k, params.tma_wide_k,
                                    Int<Traits::kHeadDim>{}, sK, n, smem.pipe_k.full_barrier(st),
@@ -150,18 +146,19 @@ struct FwdProducer {
             return;
           }
         }
-        copy(tma, tKgK(_, n), tKsK(_, st.index));
+        if (leader) copy(tma, tKgK(_, n), tKsK(_, st.index));
       };
       auto load_v = [&](int n) {
-        smem.pipe_v.producer_acquire(st, Traits::kBytesV);
+        smem.pipe_v.producer_acquire_by_warp(st, Traits::kBytesV);
         auto tma = params.tma_v.with(smem.pipe_v.full_barrier(st));
         if constexpr (!Traits::kFp8) {
           if (params.paged()) {
             if (params.page_blocks > 0) {
               int in_page;
               const int page = params.page_of(t.seq.index, n, in_page);
-              copy(tma, page_tile(params.tma_v, mV, typename Traits::TileV{}, page, in_page),
-                   tVsV(_, st.index));
+              if (leader)
+                copy(tma, page_tile(params.tma_v, mV, typename Traits::TileV{}, page, in_page),
+                     tVsV(_, st.index));
             } else {
               load_block_in_pieces(params.tma_narrow_v, params.tma_wide_v,
                                    Int<Traits::kHeadDimV>{}, sV, n, smem.pipe_v.full_barrier(st),
@@ -170,14 +167,14 @@ struct FwdProducer {
             return;
           }
         }
-        copy(tma, tVgV(_, n), tVsV(_, st.index));
+        if (leader) copy(tma, tVgV(_, n), tVsV(_, st.index));
       };
       // The first K block first: with one Q buffer, Q waits for the last Q·Kᵀ of the tile before.
       load_k(t.n_max - 1);
       const bool gathered_q = kPartials && !Traits::kFp8 && params.group > 1;
-      smem.pipe_q.producer_acquire(st_q, gathered_q ? 0 : Traits::kBytesQ * kConsumerWGs);
+      smem.pipe_q.producer_acquire_by_warp(st_q, gathered_q ? 0 : Traits::kBytesQ * kConsumerWGs);
 #pragma unroll
-      for (int wg = 0; wg < kConsumerWGs && !gathered_q; ++wg) {
+      for (int wg = 0; wg < kConsumerWGs && !gathered_q && leader; ++wg) {
         Tensor gQ = local_tile(entry_rows(mQ(_, _, t.head, t.seq.batch), t.seq.q_start),
                                typename Traits::TileQ{},
                                make_coord(t.m_block * kConsumerWGs + wg, _0{}));

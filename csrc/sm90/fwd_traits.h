@@ -152,9 +152,6 @@ struct FwdTraits {
     TmaPipeline<kQStages> pipe_q;
     TmaPipeline<kStages> pipe_k;
     TmaPipeline<kStages> pipe_v;
-    // The page numbers of a key block's pieces (pages of no whole key block), fetched by the
-    // producer for K's load and read again for V's.
-    int32_t piece_pages[kBlockN / kPageRows];
   };
   static_assert(sizeof(SharedStorage) <= 232448, "227 KiB of shared memory per CTA on sm_90");
 };

@@ -39,6 +39,13 @@ struct TmaPipeline {
     Empty::wait(&empty[st.index], st.phase ^ 1);
     Full::arrive_and_expect_tx(&full[st.index], bytes);
   }
+  // producer_acquire by a whole warp whose lanes then issue the stage's loads: each lane waits
+  // for the stage, lane 0 arrives with its bytes, before any lane issues a load.
+  __device__ void producer_acquire_by_warp(PipelineState<kStages> st, uint32_t bytes) {
+    Empty::wait(&empty[st.index], st.phase ^ 1);
+    if (threadIdx.x % 32 == 0) Full::arrive_and_expect_tx(&full[st.index], bytes);
+    __syncwarp();
+  }
   __device__ uint64_t& full_barrier(PipelineState<kStages> st) { return full[st.index]; }
 
   __device__ void consumer_wait(PipelineState<kStages> st) { Full::wait(&full[st.index], st.phase); }
