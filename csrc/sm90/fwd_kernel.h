@@ -1,8 +1,9 @@
 // The FlashAttention-3-style forward kernel for sm_90a: the shell that wires its parts.
 //
 // One CTA computes a kBlockM = 128 row tile of O for one (batch entry, head): three warpgroups.
-//   producer (WG 0, fwd_producer.h): lane 0 of its first warp issues TMA loads — Q into a
-//                    kQStages-deep ring, K and V blocks into two kStages-deep mbarrier pipelines
+//   producer (WG 0, fwd_producer.h): its first warp issues TMA loads (lane 0, but for a paged
+//                    block's pieces, one a lane) — Q into a kQStages-deep ring, K and V
+//                    blocks into two kStages-deep mbarrier pipelines
 //                    (pipeline.h), walking key blocks last to first so that only the first block
 //                    visited needs the sequence-end mask;
 //   consumers (WG 1, WG 2): 64 query rows each (fwd_mainloop.h: GEMMs, mask, softmax step;
