@@ -325,7 +325,7 @@ extern "C" flashattn_result_t flashattn_fwd_sm80(const flashattn_params_t* param
                                                  void* stream) {
   flashattn_result_t r = validate_fwd(params);
   if (r.status != FLASHATTN_OK) return r;
-  if (params->page_table != nullptr || packs_or_splits(*params)) return kUnsupported;
+  if (packs_or_splits(*params)) return kUnsupported;
   if (!fits_sm80_grid(*params)) return kInvalid;
   const flashattn_params_t p = normalized(*params);
   return flashattn::kernels::sm80_fwd(p, static_cast<cudaStream_t>(stream));

@@ -134,7 +134,7 @@ typedef struct {
   const int32_t* seqused_k;
   int32_t max_seqlen_q, max_seqlen_k;
 
-  // A paged KV cache (the sm90 16-bit forward only; FLASHATTN_UNSUPPORTED elsewhere), where
+  // A paged KV cache (the 16-bit forwards; FLASHATTN_UNSUPPORTED elsewhere), where
   // page_table is not null: k and v are num_pages pages (their batch axis) of page_size rows,
   // and the call is a packed one whose cu_seqlens_k is null: sequence b's key j lies in row
   // j % page_size of page page_table[b * page_table_batch_stride + j / page_size] (int32 on the
@@ -143,7 +143,8 @@ typedef struct {
   // whole number of pages, at most page_table_batch_stride of them. page_size must be a
   // multiple of 16: pages of whole key blocks of the forward's tile (128 at head dims 64, 96,
   // 128 and (192, 128)) are loaded a block at a time, others in pieces of 64 rows (where the
-  // pages and the key block are multiples of 64) or 16; other sizes are FLASHATTN_UNSUPPORTED.
+  // pages and the key block are multiples of 64) or 16; on the sm80 forward, multiples of its
+  // 64-key blocks; other sizes are FLASHATTN_UNSUPPORTED.
   // A dense cache read through a per-sequence entry index (flash-attn's cache_batch_idx) is such
   // a call: its entries the pages (page_size their rows), the index the table (stride 1).
   // Without a table these must be null and 0.

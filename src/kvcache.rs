@@ -20,8 +20,8 @@
 //! positions, as `flash_attn_with_kvcache` does.
 //!
 //! This module runs on the CPU backend (host memory, every value checked on the host);
-//! [`crate::cuda::Device::kvcache_forward_into`] runs dense caches, and paged ones on the Hopper
-//! forward, on the GPU.
+//! [`crate::cuda::Device::kvcache_forward_into`] runs dense and paged caches on the GPU (on the
+//! Ampere forward, pages of whole 64-key blocks).
 //!
 //! ```
 //! use flashattn::kvcache::{self, KvCache, KvCacheInputs};

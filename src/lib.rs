@@ -31,7 +31,7 @@
 //! keys merged by their LSE: [`combine`]; a sequence sharded over ranks as a ring: [`ring`]. A KV
 //! cache, dense or paged,
 //! with each sequence's cached key count: [`kvcache`] (the GPU: `cuda::Device::kvcache_forward_into`,
-//! dense caches, and paged ones on the Hopper forward).
+//! dense and paged caches).
 //!
 //! With the `candle` feature, `candle::flash_attn` is the attention as a differentiable op over
 //! candle tensors (its gradient is this crate's backward).

@@ -104,6 +104,12 @@ struct FwdParams {
   float scale_log2;   // scale·log2(e), or softcap·log2(e) when softcap is on
   float softcap_pre;  // scale/softcap when softcap is on
   bool softcap;
+  // A paged KV cache (fwd_kernel<Traits, true>): K and V are num_pages pages (their batch axis)
+  // of page_size rows, a multiple of kBlockN; entry b's key j lies in row j % page_size of page
+  // page_table[b · page_table_stride + j / page_size], of which its row has page_columns.
+  const int32_t* page_table;
+  int64_t page_table_stride;
+  int page_size, page_columns, num_pages;
 };
 
 // mma.sync accumulator ((2 cols, 2 rows), MMA_M, MMA_N) -> (rows, cols) = ((2, MMA_M), (2, MMA_N)).
@@ -173,7 +179,10 @@ __device__ void gemm_reg_smem(Mma& mma, Acc& acc, RA const& rA, RB& rB, SB const
   }
 }
 
-template <class Traits>
+// kPaged: K and V in a paged cache, each key block at its page (FwdParams::page_table). A
+// kernel of its own: the dense kernel steps one pointer per copy back a block at a time, and at
+// d128 any other addressing of its copies costs it spills.
+template <class Traits, bool kPaged>
 __global__ void __launch_bounds__(Traits::kThreads)
     fwd_kernel(__grid_constant__ const FwdParams params) {
   using Element = typename Traits::Element;
@@ -280,16 +289,46 @@ __global__ void __launch_bounds__(Traits::kThreads)
     // copy stepping its global pointer one block back.
     const int64_t k_step = int64_t(kBlockN) * params.k_row_stride;
     const int64_t v_step = int64_t(kBlockN) * params.v_row_stride;
+    // Paged: block n's rows of `cols` columns in its page (the page number clamped into the
+    // cache, the table column into the entry's row of it).
+    auto page_block = [&](const void* ptr, int64_t page_stride, int64_t h_stride,
+                          int64_t row_stride, int n, auto cols) {
+      const int key = n * kBlockN;
+      const int column = key / params.page_size;
+      int page = params.page_table[int64_t(seq.index) * params.page_table_stride +
+                                   (column < params.page_columns ? column
+                                                                 : params.page_columns - 1)];
+      page = page < 0 ? 0 : (page >= params.num_pages ? params.num_pages - 1 : page);
+      auto base = static_cast<const Element*>(ptr) + page * page_stride + head_kv * h_stride +
+                  int64_t(key % params.page_size) * row_stride;
+      return thr_gmem.partition_S(make_tensor(make_gmem_ptr(base),
+                                              make_shape(Int<kBlockN>{}, cols),
+                                              make_stride(row_stride, _1{})));
+    };
     auto load_k = [&](int n, int stage) {
       Tensor dst = thr_gmem.partition_D(stage_k(stage));
-      copy_rows(tKgK, dst, tKVc, seq.seqlen_k - n * kBlockN);
+      if constexpr (kPaged)
+        copy_rows(page_block(params.k, params.k_batch_stride, params.k_head_stride,
+                             params.k_row_stride, n, Int<kHeadDim>{}),
+                  dst, tKVc, seq.seqlen_k - n * kBlockN);
+      else
+        copy_rows(tKgK, dst, tKVc, seq.seqlen_k - n * kBlockN);
     };
     auto load_v = [&](int n, int stage) {
       Tensor dst = thr_gmem.partition_D(stage_v(stage));
-      copy_rows(tVgV, dst, tKVc, seq.seqlen_k - n * kBlockN);
+      if constexpr (kPaged)
+        copy_rows(page_block(params.v, params.v_batch_stride, params.v_head_stride,
+                             params.v_row_stride, n, Int<kHeadDimV>{}),
+                  dst, tKVc, seq.seqlen_k - n * kBlockN);
+      else
+        copy_rows(tVgV, dst, tKVc, seq.seqlen_k - n * kBlockN);
     };
-    auto step_k = [&]() { tKgK.data() = tKgK.data() + (-k_step); };
-    auto step_v = [&]() { tVgV.data() = tVgV.data() + (-v_step); };
+    auto step_k = [&]() {
+      if constexpr (!kPaged) tKgK.data() = tKgK.data() + (-k_step);
+    };
+    auto step_v = [&]() {
+      if constexpr (!kPaged) tVgV.data() = tVgV.data() + (-v_step);
+    };
     auto load_kv = [&](int n, int stage) {
       load_k(n, stage);
       step_k();

@@ -16,6 +16,10 @@
 
 namespace flashattn::sm80 {
 
+// allow_dynamic_smem's record of each kernel: the dense one and its paged twin.
+template <class Traits, bool kPaged>
+struct FwdKernelTag {};
+
 // kHeadDim: of Q and K; kHeadDimV: of V and O.
 template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
 flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
@@ -23,13 +27,16 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Traits =
       FwdTraits<Element, kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kWarps, Tile::kStages,
                 Tile::kQInRegs, kHeadDimV>;
+  // A paged cache in pages of whole key blocks (flash_api.h).
+  const bool paged = p.page_table != nullptr;
+  if (paged && p.page_size % Traits::kBlockN != 0) return status(FLASHATTN_UNSUPPORTED);
   // Grid (query blocks of the longest entry, heads, batch): y and z stop at 65535; the tile
   // order's linear block index is an int.
   const Sequences seqs = sequences(p);
   if (p.heads_q > 65535 || p.batch > 65535 ||
       int64_t(seqs.max_q / Traits::kBlockM + 1) * p.heads_q * p.batch > INT_MAX)
     return status(FLASHATTN_UNSUPPORTED);
-  FwdParams params;
+  FwdParams params{};
   params.q = p.q.ptr;
   params.k = p.k.ptr;
   params.v = p.v.ptr;
@@ -62,10 +69,20 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.softcap = p.softcap > 0.f;
   params.softcap_pre = params.softcap ? p.softmax_scale / p.softcap : 0.f;
   params.scale_log2 = params.softcap ? p.softcap * log2e : p.softmax_scale * log2e;
+  if (paged) {
+    params.page_table = p.page_table;
+    params.page_table_stride = p.page_table_batch_stride;
+    params.page_size = p.page_size;
+    params.page_columns = p.seqlen_k / p.page_size;
+    params.num_pages = p.num_pages;
+  }
 
-  auto kernel = fwd_kernel<Traits>;
+  auto kernel = paged ? fwd_kernel<Traits, true> : fwd_kernel<Traits, false>;
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
-  FLASHATTN_TRY_CUDA(allow_dynamic_smem<Traits>(kernel, smem_bytes));
+  using PagedTag = FwdKernelTag<Traits, true>;
+  using DenseTag = FwdKernelTag<Traits, false>;
+  FLASHATTN_TRY_CUDA(paged ? allow_dynamic_smem<PagedTag>(kernel, smem_bytes)
+                           : allow_dynamic_smem<DenseTag>(kernel, smem_bytes));
   const dim3 grid(params.num_m_blocks, p.heads_q, p.batch);
   kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(params);
   FLASHATTN_TRY_CUDA(cudaGetLastError());

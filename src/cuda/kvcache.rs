@@ -41,17 +41,19 @@ pub struct DeviceKvCacheInputs<'a, T> {
     /// dims 64, 96, 128 and (192, 128), of 112 at 192 and of 80 at 256) are loaded a block at a
     /// time, others in pieces, one copy each: of 64 rows where the pages and the key block are
     /// multiples of 64, else of 16 (more copies for the same bytes: docs/PERFORMANCE.md says what
-    /// each size reads at). Other sizes, the forward without intra-warpgroup overlap, and the
-    /// Ampere and CPU backends, are `Error::Unsupported` here (the CPU takes any page size through
-    /// [`crate::kvcache::forward`]).
+    /// each size reads at). The Ampere forward (`Backend::Sm80`, and `Auto` off Hopper) takes
+    /// pages of whole 64-key blocks, one page lookup a block. Other sizes, the forward without
+    /// intra-warpgroup overlap, and the CPU backend, are `Error::Unsupported` here (the CPU takes
+    /// any page size through [`crate::kvcache::forward`]).
     pub block_table: Option<CudaView<'a, i32>>,
     /// A dense cache's entry per sequence: sequence `b` reads entry `cache_batch_idx[b]`
     /// (`batch` i32 values on the device; entry `b` without), as flash-attn's
     /// `cache_batch_idx`. The kernels clamp each into `0..batch_cache` (the host does not read
     /// them). The call then runs the dense cache as a paged one whose pages are its entries (of
     /// `seqlen_cache` rows) and whose block table is these values, so it takes what a paged
-    /// cache takes: the Hopper forward with intra-warpgroup overlap, `seqlen_cache` a multiple
-    /// of 16. With `block_table` it is `Error::InvalidPageTable`.
+    /// cache takes: the Hopper forward with intra-warpgroup overlap and `seqlen_cache` a multiple
+    /// of 16, or the Ampere forward and a multiple of 64. With `block_table` it is
+    /// `Error::InvalidPageTable`.
     pub cache_batch_idx: Option<CudaView<'a, i32>>,
     /// Each sequence's cached keys, `batch` i32 values on the device. The kernels clamp them into
     /// `0..=seqlen_cache` (paged: `0..=max_pages · page_size`; the host does not read them: that
@@ -206,23 +208,25 @@ const PAGE_ROWS: usize = 16;
 /// The longer pieces' rows.
 const WIDE_PAGE_ROWS: usize = 64;
 
-/// A paged cache's pages as the kernels take them, and the call's configuration for them: every
-/// page a whole number of [`PAGE_ROWS`] rows, taken a key block at a time where it holds whole
-/// blocks of the Hopper forward's tile, else in pieces.
+/// A paged cache's pages as the kernels of `backend` take them, and the call's configuration for
+/// them. The Hopper forward (`Backend::Sm90`): every page a whole number of [`PAGE_ROWS`] rows,
+/// taken a key block at a time where it holds whole blocks of its tile, else in pieces. The
+/// Ampere forward (`Backend::Sm80`): pages of whole key blocks of its tile.
 fn pages<'a>(
     k_cache: &Layout,
     head_dim_v: usize,
     table: CudaView<'a, i32>,
     batch: usize,
     cfg: &AttentionConfig,
+    backend: Backend,
 ) -> Result<(DevicePages<'a>, AttentionConfig)> {
     let [num_pages, page_size, _, head_dim] = k_cache.shape;
     let pages_per_seq = pages_per_seq(table.len(), batch)?;
-    let key_block = |role: TileRole| {
+    let key_block = |family: Family, role: TileRole| {
         registry::TILES
             .iter()
             .find(|r| {
-                r.family == Family::Sm90Fwd
+                r.family == family
                     && (r.head_dim, r.head_dim_v) == (head_dim, head_dim_v)
                     && r.role == role
             })
@@ -231,15 +235,44 @@ fn pages<'a>(
     let unsupported = |why: String| {
         Error::Unsupported {
         what: format!("a paged KV cache with pages of {page_size} rows at head dims ({head_dim}, {head_dim_v}): {why}"),
-        backend: Backend::Sm90,
+        backend,
     }
     };
+    let fits = |n: usize| i32::try_from(n).is_ok();
+    let checked = |cfg: AttentionConfig| match pages_per_seq.checked_mul(page_size) {
+        Some(keys) if fits(keys) && fits(num_pages) => Ok((
+            DevicePages {
+                table,
+                pages_per_seq,
+                page_size,
+                num_pages,
+            },
+            cfg,
+        )),
+        _ => Err(Error::IndexOverflow {
+            operand: Operand::K,
+            detail: format!(
+                "{num_pages} pages, {pages_per_seq} of {page_size} keys per sequence, pass i32"
+            ),
+        }),
+    };
+    if backend == Backend::Sm80 {
+        let Some(block) = key_block(Family::Sm80Fwd, TileRole::Base) else {
+            return Err(unsupported("no Ampere forward at these head dims".into()));
+        };
+        if page_size % block != 0 {
+            return Err(unsupported(format!(
+                "the Ampere forward takes pages of whole {block}-key blocks"
+            )));
+        }
+        return checked(cfg.clone());
+    }
     if !cfg.sm90_schedule.intra_wg_overlap {
         return Err(unsupported(
             "the forward without intra-warpgroup overlap takes no paged cache".into(),
         ));
     }
-    let Some(base) = key_block(TileRole::Base) else {
+    let Some(base) = key_block(Family::Sm90Fwd, TileRole::Base) else {
         return Err(unsupported("no Hopper forward at these head dims".into()));
     };
     if page_size % PAGE_ROWS != 0 {
@@ -250,7 +283,7 @@ fn pages<'a>(
     // The Masked tile where the Base tile's blocks do not fill the pages but its 128-key ones do
     // (whole blocks loading as one box each), or where its blocks take 64-row pieces and the
     // Base tile's do not: as the launcher chooses (run_fwd_tiled).
-    let schedule = match key_block(TileRole::Masked) {
+    let schedule = match key_block(Family::Sm90Fwd, TileRole::Masked) {
         Some(masked)
             if page_size % base != 0
                 && (page_size % masked == 0
@@ -265,24 +298,7 @@ fn pages<'a>(
         }
         _ => cfg.sm90_schedule,
     };
-    let fits = |n: usize| i32::try_from(n).is_ok();
-    match pages_per_seq.checked_mul(page_size) {
-        Some(keys) if fits(keys) && fits(num_pages) => Ok((
-            DevicePages {
-                table,
-                pages_per_seq,
-                page_size,
-                num_pages,
-            },
-            cfg.clone().sm90_schedule(schedule),
-        )),
-        _ => Err(Error::IndexOverflow {
-            operand: Operand::K,
-            detail: format!(
-                "{num_pages} pages, {pages_per_seq} of {page_size} keys per sequence, pass i32"
-            ),
-        }),
-    }
+    checked(cfg.clone().sm90_schedule(schedule))
 }
 
 /// How the Hopper forward runs a KV-cache call's tiles: the query heads of a group packed as the
@@ -438,17 +454,22 @@ impl Device {
         let keys = match call.table {
             Some(table) => {
                 let hopper = (self.info.major, self.info.minor) == (9, 0);
-                if !hopper || !matches!(cfg.backend, Backend::Auto | Backend::Sm90) {
-                    return Err(Error::Unsupported {
-                        what: format!(
-                            "a paged KV cache (or cache_batch_idx, which runs the dense cache \
-                             as pages) on {:?} of sm_{}{} (the Hopper forward takes it)",
-                            cfg.backend, self.info.major, self.info.minor
-                        ),
-                        backend: cfg.backend,
-                    });
-                }
-                let (pages, cfg) = pages(call.k_cache, head_dim_v, table, batch, cfg)?;
+                let backend = match cfg.backend {
+                    Backend::Auto | Backend::Sm90 if hopper => Backend::Sm90,
+                    Backend::Auto | Backend::Sm80 if self.info.major >= 8 => Backend::Sm80,
+                    _ => {
+                        return Err(Error::Unsupported {
+                            what: format!(
+                                "a paged KV cache (or cache_batch_idx, which runs the dense \
+                                 cache as pages) on {:?} of sm_{}{} (the Hopper and Ampere \
+                                 forwards take it)",
+                                cfg.backend, self.info.major, self.info.minor
+                            ),
+                            backend: cfg.backend,
+                        })
+                    }
+                };
+                let (pages, cfg) = pages(call.k_cache, head_dim_v, table, batch, cfg, backend)?;
                 CacheKeys::Pages(pages, cfg)
             }
             None => {
@@ -483,7 +504,8 @@ impl Device {
     /// time a length `n` (or a larger batch) comes, and kept: capture a call into a CUDA graph
     /// only after a call of its shape has run outside the capture. Q, O and a dense cache must
     /// hold their entries' rows one after the other (batch stride = rows × row stride), which
-    /// one-row Q and O (a decode step's) need not. Paged caches run on the Hopper forward only.
+    /// one-row Q and O (a decode step's) need not. Paged caches run on the Hopper forward (pages of
+    /// any multiple of 16 rows) and the Ampere forward (pages of its 64-key blocks).
     pub fn kvcache_forward_into<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,

@@ -223,15 +223,18 @@ fn sizes_and_options_out_of_range() {
     let mut p = params();
     p.dtype = 7;
     refused_everywhere(&p, UNSUPPORTED, "unknown dtype");
-    // A paged cache is the sm90 forward's alone, and its table an input.
-    let p = paged_params();
+    // The sm80 forward takes pages of its 64-key blocks alone; the backwards take none (a
+    // paged cache's table is an input).
+    let mut small_pages = paged_params();
+    (small_pages.page_table_batch_stride, small_pages.page_size) = (12, 32);
     expect(
         "fwd_sm80",
         flashattn_fwd_sm80,
-        &p,
+        &small_pages,
         UNSUPPORTED,
-        "paged on sm80",
+        "pages of 32 on sm80",
     );
+    let p = paged_params();
     for (name, entry) in BACKWARDS {
         expect(name, entry, &p, UNSUPPORTED, "paged backward");
     }

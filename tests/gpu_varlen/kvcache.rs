@@ -1,8 +1,8 @@
 //! KV caches on the GPU (`Device::kvcache_forward_into`, the packed kernels with the cache's
 //! entries or pages as sequences' keys): each sequence's O and LSE against the f64 reference of
 //! its queries over its first `cache_seqlens[b]` cached keys, decoding and a chunk of queries,
-//! GQA, causal / window / softcap, dense caches on both families and paged ones on the Hopper
-//! forward; an empty sequence gives O = 0 and LSE = +inf, the cache's rows past each length take
+//! GQA, causal / window / softcap, dense and paged caches on both families (the Ampere forward's
+//! pages whole key blocks); an empty sequence gives O = 0 and LSE = +inf, the cache's rows past each length take
 //! no weight, and malformed counts and page numbers stay inside the buffers. On the Hopper
 //! forward also with a KV head's query heads packed as one tile's rows (pack-GQA) and with the
 //! keys split over CTAs and merged.
@@ -342,9 +342,47 @@ fn paged_cache_at_192_128() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// The Ampere forward over paged caches: pages of its 64-key blocks, of two and of four, out of
+/// order and shared as above, at d64, d128 and d256 (one key block a lookup), decode and a
+/// chunk of queries.
+#[test]
+#[ignore = "needs a GPU"]
+fn paged_cache_on_sm80_matches_the_reference_per_sequence() {
+    let cases = [
+        ((128, 128), (64, 6), 1, [0, 17, 200, 384]),
+        ((64, 64), (128, 3), 4, [129, 4, 384, 255]),
+        ((128, 128), (256, 3), 3, [5, 700, 256, 768]),
+        ((256, 256), (64, 5), 2, [1, 300, 77, 320]),
+    ];
+    let failures: Vec<String> = cases
+        .into_iter()
+        .flat_map(|(dims, pages, seqlen_q, lens)| {
+            paged_case_on(Backend::Sm80, dims, pages, seqlen_q, &lens)
+        })
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// One paged case over every mask, pages of `page_size` rows and `pages_per_seq` of them per
 /// sequence: the failures, empty when all pass.
 fn paged_case(
+    (d, dv): (usize, usize),
+    (page_size, pages_per_seq): (usize, usize),
+    seqlen_q: usize,
+    lens: &[i32],
+) -> Vec<String> {
+    paged_case_on(
+        Backend::Auto,
+        (d, dv),
+        (page_size, pages_per_seq),
+        seqlen_q,
+        lens,
+    )
+}
+
+/// [`paged_case`] on `backend`: the Ampere forward without key splits (it has none).
+fn paged_case_on(
+    backend: Backend,
     (d, dv): (usize, usize),
     (page_size, pages_per_seq): (usize, usize),
     seqlen_q: usize,
@@ -385,7 +423,17 @@ fn paged_case(
         AttentionConfig::new().window(Some(50), Some(0)),
         AttentionConfig::new().causal(true).softcap(20.0),
     ];
-    for (cfg, splits) in cfgs.iter().flat_map(|c| [(c, 0), (c, 3)]) {
+    let splits: &[usize] = if backend == Backend::Sm80 {
+        &[0]
+    } else {
+        &[0, 3]
+    };
+    for (cfg, splits) in cfgs
+        .iter()
+        .map(|c| c.clone().backend(backend))
+        .flat_map(|c| splits.iter().map(move |&n| (c.clone(), n)))
+    {
+        let cfg = &cfg;
         let (out, lse, plan) = run_paged(
             cfg,
             (&q, &k, &v),
@@ -426,7 +474,8 @@ fn paged_case(
 /// A dense cache read through `cache_batch_idx`: three sequences in entries 4, 0 and 2 of five,
 /// entries of 256 rows (whole key blocks), 304 (16-row pieces) and 320 (64-row pieces), the
 /// other entries' rows large: each sequence's O and LSE against the reference over its own
-/// entry's keys, with the launcher's key splits and with 3.
+/// entry's keys, with the launcher's key splits and with 3, and on the Ampere forward (entries
+/// of 256 and 320 rows).
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn dense_cache_by_cache_batch_idx() {
@@ -452,7 +501,13 @@ fn dense_cache_by_cache_batch_idx() {
             AttentionConfig::new().causal(true),
             AttentionConfig::new().window(Some(50), Some(0)),
         ] {
-            for splits in [0, 3] {
+            // The Ampere forward where the entries hold whole 64-key blocks.
+            let runs = [(Backend::Auto, 0), (Backend::Auto, 3), (Backend::Sm80, 0)];
+            for (backend, splits) in runs {
+                if backend == Backend::Sm80 && rows % 64 != 0 {
+                    continue;
+                }
+                let cfg = cfg.clone().backend(backend);
                 let (dev, stream) = device();
                 let call = Call {
                     cfg: cfg.clone(),
@@ -497,7 +552,8 @@ fn dense_cache_by_cache_batch_idx() {
 
 /// `cache_batch_idx` out of range is clamped into the cache's entries (run under memcheck);
 /// with a block table, with a count that is not the batch's, over entries of no whole number of
-/// 16-row pieces and on the Ampere backend it is a typed error.
+/// 16-row pieces, and on the Ampere backend over entries of no whole number of its key blocks, it
+/// is a typed error.
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn sanitizer_cache_batch_idx_out_of_range_stays_in_bounds() {
@@ -560,12 +616,12 @@ fn sanitizer_cache_batch_idx_out_of_range_stays_in_bounds() {
         matches!(&e, Some(flashattn::Error::Unsupported { what, .. }) if what.contains("16-row pieces")),
         "entries of 152 rows: {e:?}"
     );
-    call.cache = [slots, 320, hk, d];
+    call.cache = [slots * 2, 160, hk, d];
     call.cfg = AttentionConfig::new().causal(true).backend(Backend::Sm80);
     let e = refused(&call);
     assert!(
-        matches!(&e, Some(flashattn::Error::Unsupported { what, .. }) if what.contains("the Hopper forward takes it")),
-        "on Sm80: {e:?}"
+        matches!(&e, Some(flashattn::Error::Unsupported { what, .. }) if what.contains("whole 64-key blocks")),
+        "entries of 160 rows on Sm80: {e:?}"
     );
 }
 
@@ -607,6 +663,19 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
             assert!(lse.iter().all(|x| !x.is_nan()), "LSE, {what}");
         }
     }
+    // The Ampere forward's paged kernel, one page lookup a key block, clamped alike.
+    let (out, lse, _) = run_paged(
+        &cfg.clone().backend(Backend::Sm80),
+        (&q, &k, &k),
+        (batch, 2),
+        (num_pages, 128),
+        (hq, hk, d, d),
+        (&table, &[300, 200, i32::MAX]),
+        0,
+    )
+    .unwrap();
+    assert!(out.iter().all(|x| x.is_finite()), "O on Sm80");
+    assert!(lse.iter().all(|x| !x.is_nan()), "LSE on Sm80");
     let odd = random(num_pages * 24 * hk * d, &mut rng);
     let refused = run_paged(
         &cfg,
