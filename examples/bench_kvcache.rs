@@ -7,13 +7,14 @@
 //! their ratio. Timed as bench_table (`common::Protocol`: its flags). `--paged P` holds the same
 //! cache in pages of P rows, each sequence's pages scattered over the cache by its block table.
 //! `--splits N` asks for N key splits (`DeviceKvCacheInputs::num_splits`; default 0, the
-//! launcher's choice), `--no-pack` runs each query head's row in a tile of its own
+//! launcher's choice), `--sm80` runs the Ampere forward (`Backend::Sm80`: no packing, no
+//! splits; paged, pages of whole 64-key blocks), `--no-pack` runs each query head's row in a tile of its own
 //! (`PackGqa::Off`; by default a KV head's 8 query heads share one). `--shape B,C` times batch B
 //! at cache C alone (for profilers). `--step` times whole steps (`Device::kvcache_step_into`):
 //! each appends one key and value per sequence, the last of its cache, with rotary embedding of
 //! the key and the query over the whole head, then attends to the full cache.
 //!
-//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--no-pack] [--shape B,C] [--step] --out kvcache.json`
+//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--sm80] [--no-pack] [--shape B,C] [--step] --out kvcache.json`
 
 mod common;
 
@@ -21,7 +22,7 @@ use flashattn::cuda::{
     DeviceKvCacheInputs, DeviceKvCacheStep, DeviceRotary, DeviceTensor, DeviceTensorMut,
 };
 use flashattn::unstable::{PackGqa, Sm90Schedule};
-use flashattn::AttentionConfig;
+use flashattn::{AttentionConfig, Backend};
 use half::bf16;
 
 const HEADS_Q: usize = 32;
@@ -51,6 +52,11 @@ fn main() {
             pack_gqa,
             ..Sm90Schedule::default()
         });
+    let cfg = if args.flag("--sm80") {
+        cfg.backend(Backend::Sm80)
+    } else {
+        cfg
+    };
     let page_size: Option<usize> = args.value("--paged").map(|p| p.parse().expect("--paged P"));
     let num_splits: usize = args
         .value("--splits")
@@ -63,6 +69,19 @@ fn main() {
         )
     });
     let step = args.flag("--step");
+    // The JSON is written again after every row, so that a run cut short keeps what it measured.
+    let write = |rows: &[String]| {
+        if let Some(path) = args.value("--out") {
+            let extra = format!(", \"timing\": {{{}}}", protocol.json_fields());
+            common::write_results(
+                &path,
+                &common::describe(dev.info()),
+                &args.commit(),
+                &extra,
+                rows,
+            );
+        }
+    };
     let mut rows = vec![];
     for batch in [1usize, 8, 32, 128] {
         for cache in [1024usize, 8192, 32768, 131072] {
@@ -190,17 +209,8 @@ fn main() {
                 gbps / copy_gbps,
                 page_size.map_or(String::new(), |p| format!(", \"page_size\": {p}"))
             ));
+            write(&rows);
         }
-    }
-    if let Some(path) = args.value("--out") {
-        let extra = format!(", \"timing\": {{{}}}", protocol.json_fields());
-        common::write_results(
-            &path,
-            &common::describe(dev.info()),
-            &args.commit(),
-            &extra,
-            &rows,
-        );
     }
 }
 
