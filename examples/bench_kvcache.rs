@@ -52,10 +52,12 @@ fn main() {
             pack_gqa,
             ..Sm90Schedule::default()
         });
-    let cfg = if args.flag("--sm80") {
-        cfg.backend(Backend::Sm80)
+    // The Ampere forward packs no query heads (its rows say so).
+    let sm80 = args.flag("--sm80");
+    let (cfg, pack_gqa) = if sm80 {
+        (cfg.backend(Backend::Sm80), PackGqa::Off)
     } else {
-        cfg
+        (cfg, pack_gqa)
     };
     let page_size: Option<usize> = args.value("--paged").map(|p| p.parse().expect("--paged P"));
     let num_splits: usize = args

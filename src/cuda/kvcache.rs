@@ -303,7 +303,8 @@ fn pages<'a>(
 
 /// How the Hopper forward runs a KV-cache call's tiles: the query heads of a group packed as the
 /// schedule's `pack_gqa` says (with intra-warpgroup overlap: the kernel that packs has it), and
-/// the caller's key splits. Sm80 drops the packing (the same results) and refuses splits.
+/// the caller's key splits. Sm80 drops the packing (the same results); asked of `Backend::Sm80`,
+/// more than one split is refused (`Auto`, falling back to Sm80, drops them).
 fn cache_tiles(
     cfg: &AttentionConfig,
     seqlen_q: usize,
