@@ -22,18 +22,18 @@ inline KeyRange key_range(const flashattn_params_t& p) {
   return keys;
 }
 
-// Opts the kernel into more than 48 KiB of dynamic shared memory once per device: the attribute
+// Opts kKernel into more than 48 KiB of dynamic shared memory once per device: the attribute
 // sticks to the function, and setting it costs a driver round trip that every call would pay.
-// `Tag` gives each kernel its own record.
-template <class Tag, class Kernel>
-cudaError_t allow_dynamic_smem(Kernel kernel, int smem_bytes) {
+// Each kernel keeps its own record (this instantiation's), so no two can share one.
+template <auto kKernel>
+cudaError_t allow_dynamic_smem(int smem_bytes) {
   static std::atomic<uint64_t> devices_done{0};  // bit d: device ordinal d is set up
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
   if (bit != 0 && (devices_done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
   cudaError_t e =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+      cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (e == cudaSuccess) devices_done.fetch_or(bit, std::memory_order_release);
   return e;
 }

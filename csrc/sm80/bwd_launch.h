@@ -14,7 +14,6 @@
 #include <climits>
 
 #include <cmath>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -119,12 +118,11 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   params.sink_parts = sink_parts.parts;
   params.sink_blocks = n_blocks;
   // Three instantiations: plain, plain with the sinks' gradient parts, deterministic (parts where
-  // the call has them). Each keeps its own record of the shared-memory opt-in (its tag).
+  // the call has them).
   auto launch = [&](auto deterministic, auto sink_parts_summed, dim3 grid) {
-    auto kernel = bwd_kernel<Traits, decltype(deterministic)::value,
-                             decltype(sink_parts_summed)::value>;
-    using Tag = std::tuple<Traits, decltype(deterministic), decltype(sink_parts_summed)>;
-    if (const cudaError_t e = allow_dynamic_smem<Tag>(kernel, smem_bytes); e != cudaSuccess)
+    constexpr auto kernel = &bwd_kernel<Traits, decltype(deterministic)::value,
+                                        decltype(sink_parts_summed)::value>;
+    if (const cudaError_t e = allow_dynamic_smem<kernel>(smem_bytes); e != cudaSuccess)
       return e;
     kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(params);
     return cudaGetLastError();

@@ -16,10 +16,6 @@
 
 namespace flashattn::sm80 {
 
-// allow_dynamic_smem's record of each kernel: the dense one and its paged twin.
-template <class Traits, bool kPaged>
-struct FwdKernelTag {};
-
 // kHeadDim: of Q and K; kHeadDimV: of V and O.
 template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
 flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
@@ -77,12 +73,12 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
     params.num_pages = p.num_pages;
   }
 
-  auto kernel = paged ? fwd_kernel<Traits, true> : fwd_kernel<Traits, false>;
+  constexpr auto kDenseKernel = &fwd_kernel<Traits, false>;
+  constexpr auto kPagedKernel = &fwd_kernel<Traits, true>;
+  const auto kernel = paged ? kPagedKernel : kDenseKernel;
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
-  using PagedTag = FwdKernelTag<Traits, true>;
-  using DenseTag = FwdKernelTag<Traits, false>;
-  FLASHATTN_TRY_CUDA(paged ? allow_dynamic_smem<PagedTag>(kernel, smem_bytes)
-                           : allow_dynamic_smem<DenseTag>(kernel, smem_bytes));
+  FLASHATTN_TRY_CUDA(paged ? allow_dynamic_smem<kPagedKernel>(smem_bytes)
+                           : allow_dynamic_smem<kDenseKernel>(smem_bytes));
   const dim3 grid(params.num_m_blocks, p.heads_q, p.batch);
   kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(params);
   FLASHATTN_TRY_CUDA(cudaGetLastError());

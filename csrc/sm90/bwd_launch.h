@@ -15,7 +15,6 @@
 #include <climits>
 #include <cmath>
 #include <type_traits>
-#include <tuple>
 #include <utility>
 
 #include "../common/bwd_passes.h"
@@ -173,12 +172,11 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
   const unsigned ctas = unsigned(tiles * heads_total);
   // Four instantiations: plain, plain with the sinks' gradient parts, deterministic (parts where
   // the call has them), softcap (whose deterministic mode and sinks' gradient are refused above).
-  // Each keeps its own record of the shared-memory opt-in (its modes' tag).
   auto launch = [&](auto deterministic, auto capped, auto sink_parts_summed) {
     constexpr bool kDeterministic = decltype(deterministic)::value;
     constexpr bool kSoftcap = decltype(capped)::value;
     constexpr bool kSinkParts = decltype(sink_parts_summed)::value;
-    auto kernel = [] {
+    constexpr auto kernel = [] {
       if constexpr (Tile::kKeysAsN)
         return bwd_kernel_keys_n<Traits, kDeterministic, kSoftcap, kSinkParts>;
       else if constexpr (Tile::kSplitHeadDim)
@@ -186,9 +184,7 @@ flashattn_result_t run_bwd(const flashattn_params_t& p, cudaStream_t stream) {
       else
         return bwd_kernel<Traits, kDeterministic, kSoftcap, kSinkParts>;
     }();
-    using Tag = std::tuple<Traits, decltype(deterministic), decltype(capped),
-                           decltype(sink_parts_summed)>;
-    FLASHATTN_TRY_CUDA(allow_dynamic_smem<Tag>(kernel, smem_bytes));
+    FLASHATTN_TRY_CUDA(allow_dynamic_smem<kernel>(smem_bytes));
     kernel<<<ctas, Traits::kThreads, smem_bytes, stream>>>(params);
     return ok();
   };

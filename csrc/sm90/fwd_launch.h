@@ -20,8 +20,6 @@
 
 namespace flashattn::sm90 {
 
-// allow_dynamic_smem's record of the partial-results kernel (fwd_kernel<_, true>).
-template <class Traits> struct PartialsTag {};
 
 // A launch that may start before the kernel ahead of it in the stream ends (grid_dependency.h).
 template <class... Params>
@@ -64,9 +62,9 @@ flashattn_result_t run_fwd_split_tail(const flashattn_params_t& p, FwdParams<Tra
     fwd_kernel<Traits><<<p.sm_count, Traits::kThreads, smem_bytes, stream>>>(params);
     launched = check_launch();
   }
-  auto pieces = fwd_kernel<Traits, true>;
+  constexpr auto pieces = &fwd_kernel<Traits, true>;
   if (launched.status == FLASHATTN_OK)
-    launched = cuda_status(allow_dynamic_smem<PartialsTag<Traits>>(pieces, smem_bytes));
+    launched = cuda_status(allow_dynamic_smem<pieces>(smem_bytes));
   if (launched.status == FLASHATTN_OK) {
     if (tail.first_tile > 0) {  // beside the whole waves' last CTAs: it reads nothing they write
       launched = cuda_status(
@@ -215,9 +213,9 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
                             : params.num_m_blocks;
   params.o_bf16 = p.out_dtype == FLASHATTN_BF16;
 
-  auto kernel = fwd_kernel<Traits>;
+  constexpr auto kernel = &fwd_kernel<Traits>;
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
-  FLASHATTN_TRY_CUDA(allow_dynamic_smem<Traits>(kernel, smem_bytes));
+  FLASHATTN_TRY_CUDA(allow_dynamic_smem<kernel>(smem_bytes));
   // Persistent: one CTA per SM (shared memory allows no more) walking its share of the work
   // units (see decode_tile); on request, with a right bound on the keys, one CTA per unit.
   const bool uniform = params.keys.window_right < 0;
@@ -319,9 +317,10 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   auto tiles_kernel = kernel;
   if constexpr (kPackable) {
     if (params.group > 1 || params.num_splits > 1) {
-      tiles_kernel = fwd_kernel<Traits, true>;
+      constexpr auto partials_kernel = &fwd_kernel<Traits, true>;
+      tiles_kernel = partials_kernel;
       if (launched.status == FLASHATTN_OK)
-        launched = cuda_status(allow_dynamic_smem<PartialsTag<Traits>>(tiles_kernel, smem_bytes));
+        launched = cuda_status(allow_dynamic_smem<partials_kernel>(smem_bytes));
     }
   }
   if (launched.status == FLASHATTN_OK) launched = launch(tiles_kernel);
