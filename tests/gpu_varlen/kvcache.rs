@@ -321,10 +321,7 @@ fn paged_cache_matches_the_reference_per_sequence() {
         ((64, 64), (64, 18), 2, [1100, 3, 700, 1152]),
         ((128, 128), (64, 18), 2, [0, 1152, 1030, 17]),
     ];
-    let failures: Vec<String> = cases
-        .into_iter()
-        .flat_map(|(dims, pages, seqlen_q, lens)| paged_case(dims, pages, seqlen_q, &lens))
-        .collect();
+    let failures = paged_cases(Backend::Auto, &cases);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
@@ -335,10 +332,15 @@ fn paged_cache_matches_the_reference_per_sequence() {
 #[ignore = "needs a Hopper GPU"]
 #[cfg(feature = "hdim192")]
 fn paged_cache_at_192_128() {
-    let mut failures = paged_case((192, 128), (128, 3), 4, &[129, 300, 0, 384]);
-    failures.extend(paged_case((192, 128), (32, 12), 2, &[129, 300, 0, 384]));
-    failures.extend(paged_case((192, 128), (320, 2), 2, &[129, 300, 0, 640]));
-    failures.extend(paged_case((256, 256), (16, 20), 2, &[1, 300, 77, 320]));
+    let failures = paged_cases(
+        Backend::Auto,
+        &[
+            ((192, 128), (128, 3), 4, [129, 300, 0, 384]),
+            ((192, 128), (32, 12), 2, [129, 300, 0, 384]),
+            ((192, 128), (320, 2), 2, [129, 300, 0, 640]),
+            ((256, 256), (16, 20), 2, [1, 300, 77, 320]),
+        ],
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
@@ -354,34 +356,28 @@ fn paged_cache_on_sm80_matches_the_reference_per_sequence() {
         ((128, 128), (256, 3), 3, [5, 700, 256, 768]),
         ((256, 256), (64, 5), 2, [1, 300, 77, 320]),
     ];
-    let failures: Vec<String> = cases
-        .into_iter()
-        .flat_map(|(dims, pages, seqlen_q, lens)| {
-            paged_case_on(Backend::Sm80, dims, pages, seqlen_q, &lens)
-        })
-        .collect();
+    let failures = paged_cases(Backend::Sm80, &cases);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// One paged case over every mask, pages of `page_size` rows and `pages_per_seq` of them per
-/// sequence: the failures, empty when all pass.
-fn paged_case(
-    (d, dv): (usize, usize),
-    (page_size, pages_per_seq): (usize, usize),
-    seqlen_q: usize,
-    lens: &[i32],
-) -> Vec<String> {
-    paged_case_on(
-        Backend::Auto,
-        (d, dv),
-        (page_size, pages_per_seq),
-        seqlen_q,
-        lens,
-    )
+/// A paged case: head dims (d, dv), pages (rows, per sequence), queries per sequence, and the
+/// four sequences' cached key counts.
+type PagedCase = ((usize, usize), (usize, usize), usize, [i32; 4]);
+
+/// Every case of `cases` on `backend`: the failures, empty when all pass.
+fn paged_cases(backend: Backend, cases: &[PagedCase]) -> Vec<String> {
+    cases
+        .iter()
+        .flat_map(|&(dims, pages, seqlen_q, lens)| {
+            paged_case(backend, dims, pages, seqlen_q, &lens)
+        })
+        .collect()
 }
 
-/// [`paged_case`] on `backend`: the Ampere forward without key splits (it has none).
-fn paged_case_on(
+/// One paged case on `backend` over every mask, pages of `page_size` rows and `pages_per_seq` of
+/// them per sequence, with the launcher's key splits and with 3 (the Ampere forward without:
+/// it has none): the failures, empty when all pass.
+fn paged_case(
     backend: Backend,
     (d, dv): (usize, usize),
     (page_size, pages_per_seq): (usize, usize),
