@@ -53,8 +53,7 @@ fn main() {
             ..Sm90Schedule::default()
         });
     // The Ampere forward packs no query heads (its rows say so).
-    let sm80 = args.flag("--sm80");
-    let (cfg, pack_gqa) = if sm80 {
+    let (cfg, pack_gqa) = if args.flag("--sm80") {
         (cfg.backend(Backend::Sm80), PackGqa::Off)
     } else {
         (cfg, pack_gqa)
