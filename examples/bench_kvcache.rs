@@ -8,7 +8,7 @@
 //! cache in pages of P rows, each sequence's pages scattered over the cache by its block table.
 //! `--splits N` asks for N key splits (`DeviceKvCacheInputs::num_splits`; default 0, the
 //! launcher's choice), `--sm80` runs the Ampere forward (`Backend::Sm80`: no packing, no
-//! splits; paged, pages of whole 64-key blocks), `--no-pack` runs each query head's row in a tile of its own
+//! splits; paged, pages of any size), `--no-pack` runs each query head's row in a tile of its own
 //! (`PackGqa::Off`; by default a KV head's 8 query heads share one). `--shape B,C` times batch B
 //! at cache C alone (for profilers). `--step` times whole steps (`Device::kvcache_step_into`):
 //! each appends one key and value per sequence, the last of its cache, with rotary embedding of

@@ -21,7 +21,7 @@
 //!
 //! This module runs on the CPU backend (host memory, every value checked on the host);
 //! [`crate::cuda::Device::kvcache_forward_into`] runs dense and paged caches on the GPU (on the
-//! Ampere forward, pages of whole 64-key blocks).
+//! Ampere forward, pages of any size).
 //!
 //! ```
 //! use flashattn::kvcache::{self, KvCache, KvCacheInputs};

@@ -105,7 +105,7 @@ struct FwdParams {
   float softcap_pre;  // scale/softcap when softcap is on
   bool softcap;
   // A paged KV cache (fwd_kernel<Traits, true>): K and V are num_pages pages (their batch axis)
-  // of page_size rows, a multiple of kBlockN; entry b's key j lies in row j % page_size of page
+  // of page_size rows (any number); entry b's key j lies in row j % page_size of page
   // page_table[b · page_table_stride + j / page_size], of which its row has page_columns.
   const int32_t* page_table;
   int64_t page_table_stride;
@@ -179,9 +179,9 @@ __device__ void gemm_reg_smem(Mma& mma, Acc& acc, RA const& rA, RB& rB, SB const
   }
 }
 
-// kPaged: K and V in a paged cache, each key block at its page (FwdParams::page_table). A
-// kernel of its own: the dense kernel steps one pointer per copy back a block at a time, and at
-// d128 any other addressing of its copies costs it spills.
+// kPaged: K and V in a paged cache, each copied row at its key's page (FwdParams::page_table),
+// so that pages of any size serve. A kernel of its own: the dense kernel steps one pointer per
+// copy back a block at a time, and at d128 any other addressing of its copies costs it spills.
 template <class Traits, bool kPaged>
 __global__ void __launch_bounds__(Traits::kThreads)
     fwd_kernel(__grid_constant__ const FwdParams params) {
@@ -289,37 +289,49 @@ __global__ void __launch_bounds__(Traits::kThreads)
     // copy stepping its global pointer one block back.
     const int64_t k_step = int64_t(kBlockN) * params.k_row_stride;
     const int64_t v_step = int64_t(kBlockN) * params.v_row_stride;
-    // Paged: block n's rows of `cols` columns in its page (the page number clamped into the
-    // cache, the table column into the entry's row of it).
-    auto page_block = [&](const void* ptr, int64_t page_stride, int64_t h_stride,
-                          int64_t row_stride, int n, auto cols) {
-      const int key = n * kBlockN;
-      const int column = key / params.page_size;
-      int page = params.page_table[int64_t(seq.index) * params.page_table_stride +
-                                   (column < params.page_columns ? column
-                                                                 : params.page_columns - 1)];
-      page = page < 0 ? 0 : (page >= params.num_pages ? params.num_pages - 1 : page);
-      auto base = static_cast<const Element*>(ptr) + page * page_stride + head_kv * h_stride +
-                  int64_t(key % params.page_size) * row_stride;
-      return thr_gmem.partition_S(make_tensor(make_gmem_ptr(base),
-                                              make_shape(Int<kBlockN>{}, cols),
-                                              make_stride(row_stride, _1{})));
+    // Paged: block n's rows of `cols` columns, each at its key's page (the table column clamped
+    // into the entry's row of the table, the page number into the cache). Addressed as if every
+    // row lay in page 0 at its row of the block, then each row moved to its page and its row
+    // there; rows at and past `rows_left` are zero-filled (their clamped addresses unread).
+    const int32_t* table_row =
+        kPaged ? params.page_table + int64_t(seq.index) * params.page_table_stride : nullptr;
+    auto copy_paged = [&](const void* ptr, int64_t page_stride, int64_t h_stride,
+                          int64_t row_stride, int n, auto cols, auto& dst) {
+      Tensor src = thr_gmem.partition_S(make_tensor(
+          make_gmem_ptr(static_cast<const Element*>(ptr) + head_kv * h_stride),
+          make_shape(Int<kBlockN>{}, cols), make_stride(row_stride, _1{})));
+      const int rows_left = seq.seqlen_k - n * kBlockN;
+#pragma unroll
+      for (int m = 0; m < size<1>(dst); ++m) {
+        const int row = get<0>(tKVc(0, m, 0));
+        const int key = n * kBlockN + row;
+        const int column = key / params.page_size;
+        int page = table_row[column < params.page_columns ? column : params.page_columns - 1];
+        page = page < 0 ? 0 : (page >= params.num_pages ? params.num_pages - 1 : page);
+        const int64_t shift =
+            page * page_stride + int64_t(key - column * params.page_size - row) * row_stride;
+#pragma unroll
+        for (int k = 0; k < size<2>(dst); ++k) {
+          SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+              *reinterpret_cast<const cute::uint128_t*>(raw_pointer_cast(&src(0, m, k)) + shift),
+              *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(&dst(0, m, k))),
+              row < rows_left);
+        }
+      }
     };
     auto load_k = [&](int n, int stage) {
       Tensor dst = thr_gmem.partition_D(stage_k(stage));
       if constexpr (kPaged)
-        copy_rows(page_block(params.k, params.k_batch_stride, params.k_head_stride,
-                             params.k_row_stride, n, Int<kHeadDim>{}),
-                  dst, tKVc, seq.seqlen_k - n * kBlockN);
+        copy_paged(params.k, params.k_batch_stride, params.k_head_stride, params.k_row_stride, n,
+                   Int<kHeadDim>{}, dst);
       else
         copy_rows(tKgK, dst, tKVc, seq.seqlen_k - n * kBlockN);
     };
     auto load_v = [&](int n, int stage) {
       Tensor dst = thr_gmem.partition_D(stage_v(stage));
       if constexpr (kPaged)
-        copy_rows(page_block(params.v, params.v_batch_stride, params.v_head_stride,
-                             params.v_row_stride, n, Int<kHeadDimV>{}),
-                  dst, tKVc, seq.seqlen_k - n * kBlockN);
+        copy_paged(params.v, params.v_batch_stride, params.v_head_stride, params.v_row_stride, n,
+                   Int<kHeadDimV>{}, dst);
       else
         copy_rows(tVgV, dst, tKVc, seq.seqlen_k - n * kBlockN);
     };

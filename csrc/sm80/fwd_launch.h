@@ -23,9 +23,7 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
   using Traits =
       FwdTraits<Element, kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kWarps, Tile::kStages,
                 Tile::kQInRegs, kHeadDimV>;
-  // A paged cache in pages of whole key blocks (flash_api.h).
-  const bool paged = p.page_table != nullptr;
-  if (paged && p.page_size % Traits::kBlockN != 0) return status(FLASHATTN_UNSUPPORTED);
+  const bool paged = p.page_table != nullptr;  // pages of any size (flash_api.h)
   // Grid (query blocks of the longest entry, heads, batch): y and z stop at 65535; the tile
   // order's linear block index is an int.
   const Sequences seqs = sequences(p);

@@ -36,15 +36,16 @@ pub struct DeviceKvCacheInputs<'a, T> {
     pub v_cache: &'a DeviceTensor<'a, T>,
     /// The paged cache's `(batch, max_pages)` i32 page numbers, row-major on the device; each
     /// sequence's keys are `max_pages · page_size` rows. The kernels clamp every entry into
-    /// `0..num_pages` (the host does not read them). Pages hold a whole number of 16-row
-    /// pieces: pages of whole key blocks of the Hopper forward (multiples of 128 rows at head
-    /// dims 64, 96, 128 and (192, 128), of 112 at 192 and of 80 at 256) are loaded a block at a
-    /// time, others in pieces, one copy each: of 64 rows where the pages and the key block are
+    /// `0..num_pages` (the host does not read them). On the Hopper forward pages hold a whole
+    /// number of 16-row pieces: pages of whole key blocks of its tile (multiples of 128 rows at
+    /// head dims 64, 96, 128 and (192, 128), of 112 at 192 and of 80 at 256) are loaded a block
+    /// at a time, others in pieces, one copy each: of 64 rows where the pages and the key block are
     /// multiples of 64, else of 16 (more copies for the same bytes: docs/PERFORMANCE.md says what
     /// each size reads at). The Ampere forward (`Backend::Sm80`, and `Auto` off Hopper) takes
-    /// pages of whole 64-key blocks, one page lookup a block. Other sizes, the forward without
-    /// intra-warpgroup overlap, and the CPU backend, are `Error::Unsupported` here (the CPU takes
-    /// any page size through [`crate::kvcache::forward`]).
+    /// pages of any size: each thread looks up the page of every row it copies. Other sizes on
+    /// the Hopper forward, the forward without intra-warpgroup overlap, and the CPU backend, are
+    /// `Error::Unsupported` here (the CPU takes any page size through
+    /// [`crate::kvcache::forward`]).
     pub block_table: Option<CudaView<'a, i32>>,
     /// A dense cache's entry per sequence: sequence `b` reads entry `cache_batch_idx[b]`
     /// (`batch` i32 values on the device; entry `b` without), as flash-attn's
@@ -52,7 +53,7 @@ pub struct DeviceKvCacheInputs<'a, T> {
     /// them). The call then runs the dense cache as a paged one whose pages are its entries (of
     /// `seqlen_cache` rows) and whose block table is these values, so it takes what a paged
     /// cache takes: the Hopper forward with intra-warpgroup overlap and `seqlen_cache` a multiple
-    /// of 16, or the Ampere forward and a multiple of 64. With `block_table` it is
+    /// of 16, or the Ampere forward and any `seqlen_cache`. With `block_table` it is
     /// `Error::InvalidPageTable`.
     pub cache_batch_idx: Option<CudaView<'a, i32>>,
     /// Each sequence's cached keys, `batch` i32 values on the device. The kernels clamp them into
@@ -211,7 +212,7 @@ const WIDE_PAGE_ROWS: usize = 64;
 /// A paged cache's pages as the kernels of `backend` take them, and the call's configuration for
 /// them. The Hopper forward (`Backend::Sm90`): every page a whole number of [`PAGE_ROWS`] rows,
 /// taken a key block at a time where it holds whole blocks of its tile, else in pieces. The
-/// Ampere forward (`Backend::Sm80`): pages of whole key blocks of its tile.
+/// Ampere forward (`Backend::Sm80`): pages of any size (each copied row at its page).
 fn pages<'a>(
     k_cache: &Layout,
     head_dim_v: usize,
@@ -257,13 +258,8 @@ fn pages<'a>(
         }),
     };
     if backend == Backend::Sm80 {
-        let Some(block) = key_block(Family::Sm80Fwd, TileRole::Base) else {
+        if key_block(Family::Sm80Fwd, TileRole::Base).is_none() {
             return Err(unsupported("no Ampere forward at these head dims".into()));
-        };
-        if page_size % block != 0 {
-            return Err(unsupported(format!(
-                "the Ampere forward takes pages of whole {block}-key blocks"
-            )));
         }
         return checked(cfg.clone());
     }
@@ -506,7 +502,7 @@ impl Device {
     /// only after a call of its shape has run outside the capture. Q, O and a dense cache must
     /// hold their entries' rows one after the other (batch stride = rows × row stride), which
     /// one-row Q and O (a decode step's) need not. Paged caches run on the Hopper forward (pages of
-    /// any multiple of 16 rows) and the Ampere forward (pages of its 64-key blocks).
+    /// any multiple of 16 rows) and the Ampere forward (pages of any size).
     pub fn kvcache_forward_into<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,

@@ -223,20 +223,7 @@ fn sizes_and_options_out_of_range() {
     let mut p = params();
     p.dtype = 7;
     refused_everywhere(&p, UNSUPPORTED, "unknown dtype");
-    // The sm80 forward takes pages of its 64-key blocks alone; the backwards take none (a
-    // paged cache's table is an input).
-    for page_size in [16, 32, 48, 96] {
-        let mut small_pages = paged_params();
-        small_pages.page_size = page_size;
-        small_pages.page_table_batch_stride = i64::from(small_pages.seqlen_k / page_size);
-        expect(
-            "fwd_sm80",
-            flashattn_fwd_sm80,
-            &small_pages,
-            UNSUPPORTED,
-            &format!("pages of {page_size} on sm80"),
-        );
-    }
+    // The backwards take no paged cache (its table is an input).
     let p = paged_params();
     for (name, entry) in BACKWARDS {
         expect(name, entry, &p, UNSUPPORTED, "paged backward");

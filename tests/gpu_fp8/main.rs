@@ -65,6 +65,19 @@ fn head_dims() -> Vec<usize> {
     if cfg!(feature = "hdim192") {
         dims.push(192);
     }
+    // FLASHATTN_TEST_HEAD_DIMS=96,192 keeps those of them alone: the whole sweep takes longer
+    // than one device command may run.
+    if let Ok(only) = std::env::var("FLASHATTN_TEST_HEAD_DIMS") {
+        let only: Vec<usize> = only
+            .split(',')
+            .filter_map(|d| d.trim().parse().ok())
+            .collect();
+        dims.retain(|d| only.contains(d));
+        assert!(
+            !dims.is_empty(),
+            "FLASHATTN_TEST_HEAD_DIMS={only:?} leaves no head dim"
+        );
+    }
     dims
 }
 

@@ -1,8 +1,7 @@
 //! KV caches on the GPU (`Device::kvcache_forward_into`, the packed kernels with the cache's
 //! entries or pages as sequences' keys): each sequence's O and LSE against the f64 reference of
 //! its queries over its first `cache_seqlens[b]` cached keys, decoding and a chunk of queries,
-//! GQA, causal / window / softcap, dense and paged caches on both families (the Ampere forward's
-//! pages whole key blocks); an empty sequence gives O = 0 and LSE = +inf, the cache's rows past each length take
+//! GQA, causal / window / softcap, dense and paged caches on both families; an empty sequence gives O = 0 and LSE = +inf, the cache's rows past each length take
 //! no weight, and malformed counts and page numbers stay inside the buffers. On the Hopper
 //! forward also with a KV head's query heads packed as one tile's rows (pack-GQA) and with the
 //! keys split over CTAs and merged.
@@ -325,6 +324,24 @@ fn paged_cache_matches_the_reference_per_sequence() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// The Ampere forward's per-row page lookups where a copied row is 4 threads wide (d96) and
+/// where V's rows are narrower than K's ((192, 128)), over pages of 16, 40 and 64 rows.
+#[test]
+#[ignore = "needs a GPU"]
+#[cfg(all(feature = "hdim96", feature = "hdim192"))]
+fn paged_cache_on_sm80_at_96_and_192_128() {
+    let failures = paged_cases(
+        Backend::Sm80,
+        &[
+            ((96, 96), (16, 20), 1, [1, 300, 77, 320]),
+            ((96, 96), (40, 8), 3, [320, 41, 0, 129]),
+            ((192, 128), (64, 5), 2, [129, 300, 0, 320]),
+            ((192, 128), (40, 8), 1, [5, 320, 39, 200]),
+        ],
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// DeepSeek's (192, 128) over pages of its tile's 128-key blocks (the Base tile: it has no
 /// Masked one), over pages of 32 rows (16-row pieces) and of 320 (64-row pieces); d256 over
 /// pages of 16.
@@ -344,9 +361,10 @@ fn paged_cache_at_192_128() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// The Ampere forward over paged caches: pages of its 64-key blocks, of two and of four, out of
-/// order and shared as above, at d64, d128 and d256 (one key block a lookup), decode and a
-/// chunk of queries.
+/// The Ampere forward over paged caches, out of order and shared as above, at d64, d128 and
+/// d256, decode and a chunk of queries: pages of its 64-key blocks, of two and of four, and
+/// pages holding no whole block (16, 48, and sizes no multiple of 16: 1, 24, 100), each copied
+/// row at its own page.
 #[test]
 #[ignore = "needs a GPU"]
 fn paged_cache_on_sm80_matches_the_reference_per_sequence() {
@@ -355,6 +373,11 @@ fn paged_cache_on_sm80_matches_the_reference_per_sequence() {
         ((64, 64), (128, 3), 4, [129, 4, 384, 255]),
         ((128, 128), (256, 3), 3, [5, 700, 256, 768]),
         ((256, 256), (64, 5), 2, [1, 300, 77, 320]),
+        ((128, 128), (16, 20), 1, [1, 300, 77, 320]),
+        ((64, 64), (48, 7), 3, [336, 5, 129, 200]),
+        ((128, 128), (1, 130), 2, [0, 17, 130, 64]),
+        ((256, 256), (24, 9), 1, [216, 3, 100, 25]),
+        ((128, 128), (100, 4), 4, [399, 100, 1, 257]),
     ];
     let failures = paged_cases(Backend::Sm80, &cases);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -470,8 +493,7 @@ fn paged_case(
 /// A dense cache read through `cache_batch_idx`: three sequences in entries 4, 0 and 2 of five,
 /// entries of 256 rows (whole key blocks), 304 (16-row pieces) and 320 (64-row pieces), the
 /// other entries' rows large: each sequence's O and LSE against the reference over its own
-/// entry's keys, with the launcher's key splits and with 3, and on the Ampere forward (entries
-/// of 256 and 320 rows).
+/// entry's keys, with the launcher's key splits and with 3, and on the Ampere forward.
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn dense_cache_by_cache_batch_idx() {
@@ -497,12 +519,8 @@ fn dense_cache_by_cache_batch_idx() {
             AttentionConfig::new().causal(true),
             AttentionConfig::new().window(Some(50), Some(0)),
         ] {
-            // The Ampere forward where the entries hold whole 64-key blocks.
             let runs = [(Backend::Auto, 0), (Backend::Auto, 3), (Backend::Sm80, 0)];
             for (backend, splits) in runs {
-                if backend == Backend::Sm80 && rows % 64 != 0 {
-                    continue;
-                }
                 let cfg = cfg.clone().backend(backend);
                 let (dev, stream) = device();
                 let call = Call {
@@ -547,9 +565,9 @@ fn dense_cache_by_cache_batch_idx() {
 }
 
 /// `cache_batch_idx` out of range is clamped into the cache's entries (run under memcheck);
-/// with a block table, with a count that is not the batch's, over entries of no whole number of
-/// 16-row pieces, and on the Ampere backend over entries of no whole number of its key blocks, it
-/// is a typed error.
+/// with a block table, with a count that is not the batch's, and over entries of no whole number
+/// of 16-row pieces on the Hopper forward, it is a typed error; the Ampere forward takes entries
+/// of any size (160 rows here, checked against the reference).
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn sanitizer_cache_batch_idx_out_of_range_stays_in_bounds() {
@@ -612,13 +630,29 @@ fn sanitizer_cache_batch_idx_out_of_range_stays_in_bounds() {
         matches!(&e, Some(flashattn::Error::Unsupported { what, .. }) if what.contains("16-row pieces")),
         "entries of 152 rows: {e:?}"
     );
+    // The Ampere forward takes entries of any size: of 160 rows, the lengths clamped to them.
     call.cache = [slots * 2, 160, hk, d];
     call.cfg = AttentionConfig::new().causal(true).backend(Backend::Sm80);
-    let e = refused(&call);
-    assert!(
-        matches!(&e, Some(flashattn::Error::Unsupported { what, .. }) if what.contains("whole 64-key blocks")),
-        "entries of 160 rows on Sm80: {e:?}"
-    );
+    let (out, lse, _) = launch(&dev, &stream, &call).unwrap();
+    for (b, (entry, len)) in [(2usize, 100usize), (1, 160), (0, 7)]
+        .into_iter()
+        .enumerate()
+    {
+        let keys = k[entry * 160 * hk * d..][..len * hk * d].to_vec();
+        failures.extend(check_sequence(
+            &call.cfg,
+            &format!("entries of 160 rows on Sm80, sequence {b}"),
+            Outputs {
+                out: &out,
+                lse: &lse,
+            },
+            b,
+            (1, hq, hk, d, d),
+            &q,
+            (&keys, &keys),
+        ));
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// Page numbers and cache lengths out of range: the kernels clamp them (pages into
@@ -659,20 +693,33 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
             assert!(lse.iter().all(|x| !x.is_nan()), "LSE, {what}");
         }
     }
-    // The Ampere forward's paged kernel, one page lookup a key block, clamped alike.
-    let (out, lse, _) = run_paged(
-        &cfg.clone().backend(Backend::Sm80),
-        (&q, &k, &k),
-        (batch, 2),
-        (num_pages, 128),
-        (hq, hk, d, d),
-        (&table, &[300, 200, i32::MAX]),
-        0,
-    )
-    .unwrap();
-    assert!(out.iter().all(|x| x.is_finite()), "O on Sm80");
-    assert!(lse.iter().all(|x| !x.is_nan()), "LSE on Sm80");
+    // The Ampere forward's paged kernel, a page lookup per copied row, clamped alike, over pages
+    // of whole key blocks, of 16 rows and of 24 (which the Hopper forward refuses, below).
     let odd = random(num_pages * 24 * hk * d, &mut rng);
+    for (cache, rows, lens) in [
+        (&k, 128, [300, 200, i32::MAX]),
+        (&small, 16, [30, 20, i32::MAX]),
+        (&odd, 24, [40, 47, i32::MAX]),
+    ] {
+        let (out, lse, _) = run_paged(
+            &cfg.clone().backend(Backend::Sm80),
+            (&q, cache, cache),
+            (batch, 2),
+            (num_pages, rows),
+            (hq, hk, d, d),
+            (&table, &lens),
+            0,
+        )
+        .unwrap();
+        assert!(
+            out.iter().all(|x| x.is_finite()),
+            "O on Sm80, pages of {rows}"
+        );
+        assert!(
+            lse.iter().all(|x| !x.is_nan()),
+            "LSE on Sm80, pages of {rows}"
+        );
+    }
     let refused = run_paged(
         &cfg,
         (&q, &odd, &odd),
