@@ -18,6 +18,8 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
+#include <type_traits>
+
 #include "../common/block_range.h"
 #include "../common/online_softmax.h"
 #include "../common/sequences.h"
@@ -300,6 +302,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
       Tensor src = thr_gmem.partition_S(make_tensor(
           make_gmem_ptr(static_cast<const Element*>(ptr) + head_kv * h_stride),
           make_shape(Int<kBlockN>{}, cols), make_stride(row_stride, _1{})));
+      static_assert(decltype(size<0>(dst))::value *
+                            sizeof(typename std::remove_reference_t<decltype(dst)>::value_type) ==
+                        16,
+                    "one 16-byte cp.async a chunk");
       const int rows_left = seq.seqlen_k - n * kBlockN;
 #pragma unroll
       for (int m = 0; m < size<1>(dst); ++m) {

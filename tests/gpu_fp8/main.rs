@@ -56,7 +56,8 @@ fn inputs<T: Element>(case: &Case, seed: u64) -> Inputs<T> {
     }
 }
 
-/// The FP8 forward's head dims in this build: 64, 128, 256 and, with their features, 96 and 192.
+/// The FP8 forward's head dims in this build: 64, 128, 256 and, with their features, 96 and 192;
+/// with FLASHATTN_TEST_HEAD_DIMS set, those of them it lists (for every test that sweeps them).
 fn head_dims() -> Vec<usize> {
     let mut dims = vec![64, 128, 256];
     if cfg!(feature = "hdim96") {
@@ -65,7 +66,7 @@ fn head_dims() -> Vec<usize> {
     if cfg!(feature = "hdim192") {
         dims.push(192);
     }
-    // FLASHATTN_TEST_HEAD_DIMS=96,192 keeps those of them alone: the whole sweep takes longer
+    // FLASHATTN_TEST_HEAD_DIMS=96,192 keeps those alone: the whole reference sweep takes longer
     // than one device command may run.
     if let Ok(only) = std::env::var("FLASHATTN_TEST_HEAD_DIMS") {
         let only: Vec<usize> = only

@@ -1,8 +1,9 @@
 //! KV caches on the GPU (`Device::kvcache_forward_into`, the packed kernels with the cache's
 //! entries or pages as sequences' keys): each sequence's O and LSE against the f64 reference of
 //! its queries over its first `cache_seqlens[b]` cached keys, decoding and a chunk of queries,
-//! GQA, causal / window / softcap, dense and paged caches on both families; an empty sequence gives O = 0 and LSE = +inf, the cache's rows past each length take
-//! no weight, and malformed counts and page numbers stay inside the buffers. On the Hopper
+//! GQA, causal / window / softcap, dense and paged caches on both families; an empty sequence
+//! gives O = 0 and LSE = +inf, the cache's rows past each length take no weight, and malformed
+//! counts and page numbers stay inside the buffers. On the Hopper
 //! forward also with a KV head's query heads packed as one tile's rows (pack-GQA) and with the
 //! keys split over CTAs and merged.
 
