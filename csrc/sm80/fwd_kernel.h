@@ -18,8 +18,6 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
-#include <type_traits>
-
 #include "../common/block_range.h"
 #include "../common/online_softmax.h"
 #include "../common/sequences.h"
@@ -133,19 +131,27 @@ __device__ constexpr auto acc_as_operand_a(Layout l) {
 // zero-filled by the copy itself (source size 0: nothing is read), so that masked keys multiply
 // zeros, never stale bytes. One instruction per chunk: a predicated copy with separate zero stores
 // issues about 8 (the stores and the ordering no-ops ptxas puts between them and the cp.async).
-template <class Src, class Dst, class Coord>
-__device__ void copy_rows(Src const& src, Dst& dst, Coord const& coord, int rows_left) {
+// `shift(row)`: how many elements from `src`'s row `row` that row's source lies (a paged cache's
+// rows lie in their pages); none by default.
+template <class Src, class Dst, class Coord, class Shift>
+__device__ void copy_rows(Src const& src, Dst& dst, Coord const& coord, int rows_left,
+                          Shift const& shift) {
   static_assert(decltype(size<0>(dst))::value * sizeof(typename Dst::value_type) == 16);
 #pragma unroll
   for (int m = 0; m < size<1>(dst); ++m) {
-    const bool inside = get<0>(coord(0, m, 0)) < rows_left;
+    const int row = get<0>(coord(0, m, 0));
+    const int64_t row_shift = shift(row);
 #pragma unroll
     for (int k = 0; k < size<2>(dst); ++k) {
       SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-          *reinterpret_cast<const cute::uint128_t*>(raw_pointer_cast(&src(0, m, k))),
-          *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(&dst(0, m, k))), inside);
+          *reinterpret_cast<const cute::uint128_t*>(raw_pointer_cast(&src(0, m, k)) + row_shift),
+          *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(&dst(0, m, k))), row < rows_left);
     }
   }
+}
+template <class Src, class Dst, class Coord>
+__device__ void copy_rows(Src const& src, Dst& dst, Coord const& coord, int rows_left) {
+  copy_rows(src, dst, coord, rows_left, [](int) { return int64_t(0); });
 }
 
 // acc += A·B over the K extent, B (and A unless kAInRegs: it is there already) from shared
@@ -302,28 +308,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
       Tensor src = thr_gmem.partition_S(make_tensor(
           make_gmem_ptr(static_cast<const Element*>(ptr) + head_kv * h_stride),
           make_shape(Int<kBlockN>{}, cols), make_stride(row_stride, _1{})));
-      static_assert(decltype(size<0>(dst))::value *
-                            sizeof(typename std::remove_reference_t<decltype(dst)>::value_type) ==
-                        16,
-                    "one 16-byte cp.async a chunk");
-      const int rows_left = seq.seqlen_k - n * kBlockN;
-#pragma unroll
-      for (int m = 0; m < size<1>(dst); ++m) {
-        const int row = get<0>(tKVc(0, m, 0));
+      copy_rows(src, dst, tKVc, seq.seqlen_k - n * kBlockN, [&](int row) {
         const int key = n * kBlockN + row;
         const int column = key / params.page_size;
         int page = table_row[column < params.page_columns ? column : params.page_columns - 1];
         page = page < 0 ? 0 : (page >= params.num_pages ? params.num_pages - 1 : page);
-        const int64_t shift =
-            page * page_stride + int64_t(key - column * params.page_size - row) * row_stride;
-#pragma unroll
-        for (int k = 0; k < size<2>(dst); ++k) {
-          SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-              *reinterpret_cast<const cute::uint128_t*>(raw_pointer_cast(&src(0, m, k)) + shift),
-              *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(&dst(0, m, k))),
-              row < rows_left);
-        }
-      }
+        return page * page_stride + int64_t(key - column * params.page_size - row) * row_stride;
+      });
     };
     auto load_k = [&](int n, int stage) {
       Tensor dst = thr_gmem.partition_D(stage_k(stage));
