@@ -25,6 +25,7 @@ from compare_torch_bench import Bench  # noqa: E402
 from peers_common import (  # noqa: E402
     add_output_args, add_run_args, add_timing_args, finish_run_args, short_error, summarize,
     write_json)
+from varlen_peers_cudnn import fe_doc  # noqa: E402
 
 HEADS_Q, HEADS_KV, D = 32, 4, 128
 BATCHES = (1, 8, 32, 128)
@@ -176,7 +177,6 @@ class PagedCudnn:
         kw = dict(name="sdpa", q=t_q, k=t_k, v=t_v, attn_scale=d ** -0.5, use_padding_mask=True,
                   seq_len_q=t_sq, seq_len_kv=t_skv, paged_attention_k_table=t_tk,
                   paged_attention_v_table=t_tv, paged_attention_max_seq_len_kv=cache)
-        from varlen_peers_cudnn import fe_doc
         if "generate_stats" in fe_doc(cudnn, "sdpa"):
             kw["generate_stats"] = False
         else:

@@ -6,6 +6,7 @@
 
 #include <climits>
 #include <cmath>
+#include <type_traits>
 
 #include "../common/fwd_sinks.h"
 #include "../common/launch.h"
@@ -71,15 +72,15 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, cudaStream_t stream) {
     params.num_pages = p.num_pages;
   }
 
-  constexpr auto kDenseKernel = &fwd_kernel<Traits, false>;
-  constexpr auto kPagedKernel = &fwd_kernel<Traits, true>;
-  const auto kernel = paged ? kPagedKernel : kDenseKernel;
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
-  FLASHATTN_TRY_CUDA(paged ? allow_dynamic_smem<kPagedKernel>(smem_bytes)
-                           : allow_dynamic_smem<kDenseKernel>(smem_bytes));
   const dim3 grid(params.num_m_blocks, p.heads_q, p.batch);
-  kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(params);
-  FLASHATTN_TRY_CUDA(cudaGetLastError());
+  auto launch = [&](auto paged_kernel) {  // the dense kernel or its paged twin
+    constexpr auto kernel = &fwd_kernel<Traits, decltype(paged_kernel)::value>;
+    if (const cudaError_t e = allow_dynamic_smem<kernel>(smem_bytes); e != cudaSuccess) return e;
+    kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(params);
+    return cudaGetLastError();
+  };
+  FLASHATTN_TRY_CUDA(paged ? launch(std::true_type{}) : launch(std::false_type{}));
   return cuda_status(launch_fwd_add_sinks<Element>(p, stream));  // the call's attention sinks
 }
 

@@ -321,8 +321,7 @@ fn paged_cache_matches_the_reference_per_sequence() {
         ((64, 64), (64, 18), 2, [1100, 3, 700, 1152]),
         ((128, 128), (64, 18), 2, [0, 1152, 1030, 17]),
     ];
-    let failures = paged_cases(Backend::Auto, &cases);
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert_paged_cases(Backend::Auto, &cases);
 }
 
 /// The Ampere forward's per-row page lookups where a copied row is 4 threads wide (d96) and
@@ -331,7 +330,7 @@ fn paged_cache_matches_the_reference_per_sequence() {
 #[ignore = "needs a GPU"]
 #[cfg(all(feature = "hdim96", feature = "hdim192"))]
 fn paged_cache_on_sm80_at_96_and_192_128() {
-    let failures = paged_cases(
+    assert_paged_cases(
         Backend::Sm80,
         &[
             ((96, 96), (16, 20), 1, [1, 300, 77, 320]),
@@ -340,7 +339,6 @@ fn paged_cache_on_sm80_at_96_and_192_128() {
             ((192, 128), (40, 8), 1, [5, 320, 39, 200]),
         ],
     );
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// DeepSeek's (192, 128) over pages of its tile's 128-key blocks (the Base tile: it has no
@@ -350,7 +348,7 @@ fn paged_cache_on_sm80_at_96_and_192_128() {
 #[ignore = "needs a Hopper GPU"]
 #[cfg(feature = "hdim192")]
 fn paged_cache_at_192_128() {
-    let failures = paged_cases(
+    assert_paged_cases(
         Backend::Auto,
         &[
             ((192, 128), (128, 3), 4, [129, 300, 0, 384]),
@@ -359,7 +357,6 @@ fn paged_cache_at_192_128() {
             ((256, 256), (16, 20), 2, [1, 300, 77, 320]),
         ],
     );
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// The Ampere forward over paged caches, out of order and shared as above, at d64, d128 and
@@ -380,22 +377,22 @@ fn paged_cache_on_sm80_matches_the_reference_per_sequence() {
         ((256, 256), (24, 9), 1, [216, 3, 100, 25]),
         ((128, 128), (100, 4), 4, [399, 100, 1, 257]),
     ];
-    let failures = paged_cases(Backend::Sm80, &cases);
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert_paged_cases(Backend::Sm80, &cases);
 }
 
 /// A paged case: head dims (d, dv), pages (rows, per sequence), queries per sequence, and the
 /// four sequences' cached key counts.
 type PagedCase = ((usize, usize), (usize, usize), usize, [i32; 4]);
 
-/// Every case of `cases` on `backend`: the failures, empty when all pass.
-fn paged_cases(backend: Backend, cases: &[PagedCase]) -> Vec<String> {
-    cases
+/// Every case of `cases` on `backend` passes (the failures listed if not).
+fn assert_paged_cases(backend: Backend, cases: &[PagedCase]) {
+    let failures: Vec<String> = cases
         .iter()
         .flat_map(|&(dims, pages, seqlen_q, lens)| {
             paged_case(backend, dims, pages, seqlen_q, &lens)
         })
-        .collect()
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// One paged case on `backend` over every mask, pages of `page_size` rows and `pages_per_seq` of
