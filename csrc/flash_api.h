@@ -140,11 +140,10 @@ typedef struct {
   // j % page_size of page page_table[b * page_table_batch_stride + j / page_size] (int32 on the
   // device, each clamped into [0, num_pages)), and it attends to its first seqused_k[b] keys
   // (required). seqlen_k = max_seqlen_k is the keys a sequence's row of the table addresses, a
-  // whole number of pages, at most page_table_batch_stride of them. The sm90 forward takes
-  // pages of a multiple of 16 rows: pages of whole key blocks of its tile (128 at head dims 64,
-  // 96, 128 and (192, 128)) are loaded a block at a time, others in pieces of 64 rows (where the
-  // pages and the key block are multiples of 64) or 16, other sizes FLASHATTN_UNSUPPORTED; the
-  // sm80 forward takes any size (each copied row looked up at its page).
+  // whole number of pages, at most page_table_batch_stride of them. Both forwards take
+  // pages of any size: the sm90 forward loads pages of whole key blocks of its tile (128 at head
+  // dims 64, 96, 128 and (192, 128)) a block at a time and gathers other pages' rows, each from
+  // its page; the sm80 forward looks up each copied row's page.
   // A dense cache read through a per-sequence entry index (flash-attn's cache_batch_idx) is such
   // a call: its entries the pages (page_size their rows), the index the table (stride 1).
   // Without a table these must be null and 0.

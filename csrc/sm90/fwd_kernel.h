@@ -1,11 +1,11 @@
 // The FlashAttention-3-style forward kernel for sm_90a: the shell that wires its parts.
 //
 // One CTA computes a kBlockM = 128 row tile of O for one (batch entry, head): three warpgroups.
-//   producer (WG 0, fwd_producer.h): its first warp issues TMA loads (lane 0, but for a paged
-//                    block's pieces, one a lane) — Q into a kQStages-deep ring, K and V
-//                    blocks into two kStages-deep mbarrier pipelines
-//                    (pipeline.h), walking key blocks last to first so that only the first block
-//                    visited needs the sequence-end mask;
+//   producer (WG 0, fwd_producer.h): lane 0 of its first warp issues TMA loads — Q into a
+//                    kQStages-deep ring, K and V blocks into two kStages-deep mbarrier
+//                    pipelines (pipeline.h); pages of no whole key block are copied row by row
+//                    by the whole warpgroup (fwd_paged_rows.h) — walking key blocks last to
+//                    first so that only the first block visited needs the sequence-end mask;
 //   consumers (WG 1, WG 2): 64 query rows each (fwd_mainloop.h: GEMMs, mask, softmax step;
 //                    fwd_epilogue.h: O and LSE stores).
 // Every CTA walks its share of the tiles (fwd_scheduler.h: persistent, the causal pairing, the
@@ -66,10 +66,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    // One arrival per consumer warp releases a stage (see TmaPipeline::consumer_release).
+    // One arrival per consumer warp releases a stage (see TmaPipeline::consumer_release); one
+    // per producer thread fills a K or V stage whose rows the producer warpgroup gathers.
+    const uint32_t kv_fills = params.gathers_pages() ? kGatherThreads : 1;
     smem.pipe_q.init(4 * kConsumerWGs);
-    smem.pipe_k.init(4 * kConsumerWGs);
-    smem.pipe_v.init(4 * kConsumerWGs);
+    smem.pipe_k.init(4 * kConsumerWGs, kv_fills);
+    smem.pipe_v.init(4 * kConsumerWGs, kv_fills);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();

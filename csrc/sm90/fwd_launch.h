@@ -110,14 +110,22 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   const int batch = params.tensor_batch();
   auto q = gmem_tensor<Traits>(static_cast<Element const*>(p.q.ptr), p.q, p.seqlen_q, p.heads_q,
                                batch);
-  // A paged cache's pages (flash_api.h): whole key blocks, or whole pieces of kPageRows rows.
+  // A paged cache's pages (flash_api.h): whole key blocks loaded by TMA, or pages of any size
+  // whose rows the producer gathers.
   params.page_table = p.page_table;
   params.page_table_stride = p.page_table_batch_stride;
   params.num_pages = p.num_pages;
   params.page_size = p.page_size;
   params.page_blocks = p.page_size % Traits::kBlockN == 0 ? p.page_size / Traits::kBlockN : 0;
-  if (params.paged() && (Traits::kFp8 || p.page_size % kPageRows != 0))
-    return status(FLASHATTN_UNSUPPORTED);
+  if (params.paged() && Traits::kFp8) return status(FLASHATTN_UNSUPPORTED);
+  params.page_columns = params.paged() ? p.seqlen_k / p.page_size : 0;
+  auto paged_rows = [](const flashattn_tensor_t& t) {
+    constexpr int64_t e = sizeof(Element);
+    return PagedRows{static_cast<const char*>(t.ptr), t.batch_stride * e, t.row_stride * e,
+                     t.head_stride * e};
+  };
+  params.k_pages = paged_rows(p.k);
+  params.v_pages = paged_rows(p.v);
   auto k = gmem_tensor<Traits>(static_cast<Element const*>(p.k.ptr), p.k, params.kv_rows(),
                                p.heads_kv, params.kv_batch());
   // FP8: V key-major, (head_dim, keys padded to whole key blocks), as the quantize step wrote it;
@@ -146,30 +154,6 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
                                typename Traits::TileKV{}, _1{});
   params.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutV{}),
                                typename Traits::TileV{}, _1{});
-  params.piece_rows = 0;
-  if constexpr (!Traits::kFp8) {
-    if (params.paged() && params.page_blocks == 0) {
-      auto build_piece_tmas = [&](auto rows, auto& tma_k, auto& tma_v) {
-        constexpr int kRows = decltype(rows)::value;
-        using PieceK = typename Traits::template TilePieceK<kRows>;
-        using PieceV = typename Traits::template TilePieceV<kRows>;
-        tma_k = make_tma_copy(SM90_TMA_LOAD{}, k,
-                              tile_to_shape(typename Traits::SmemAtom{}, PieceK{}), PieceK{}, _1{});
-        tma_v = make_tma_copy(
-            SM90_TMA_LOAD{}, v,
-            tile_to_shape(typename Traits::template SmemAtomOf<Traits::kHeadDimV>{}, PieceV{}),
-            PieceV{}, _1{});
-        params.piece_rows = kRows;
-      };
-      // The wide pieces where they divide both the pages and the key block.
-      if constexpr (Traits::kTakesWidePieces) {
-        if (p.page_size % kWidePageRows == 0)
-          build_piece_tmas(Int<kWidePageRows>{}, params.tma_wide_k, params.tma_wide_v);
-      }
-      if (params.piece_rows == 0)
-        build_piece_tmas(Int<kPageRows>{}, params.tma_narrow_k, params.tma_narrow_v);
-    }
-  }
   params.o = p.o.ptr;
   params.o_batch_stride = p.o.batch_stride;
   params.o_row_stride = p.o.row_stride;
@@ -354,18 +338,14 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
 
 // The tile table's instantiation the caller chose (FLASHATTN_SM90_MASKED_TILE), where the head
 // dims have a Masked tile; else the Base one. A paged cache takes the Masked tile where only its
-// key block divides the pages, or where only its block takes 64-row pieces.
+// key block divides the pages (whole blocks by TMA, not rows gathered).
 template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
 flashattn_result_t run_fwd_tiled(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim, kHeadDimV>;
   using Masked = FwdTileMasked<kHeadDim, kHeadDimV>;
   if constexpr (Masked::kBlockN != Tile::kBlockN) {
-    // Pages of whole Masked blocks, or of its wide pieces where the Base block takes none.
-    const bool pages_need_masked =
-        p.page_table != nullptr && p.page_size % Tile::kBlockN != 0 &&
-        (p.page_size % Masked::kBlockN == 0 ||
-         (p.page_size % kWidePageRows == 0 && Masked::kBlockN % kWidePageRows == 0 &&
-          Tile::kBlockN % kWidePageRows != 0));
+    const bool pages_need_masked = p.page_table != nullptr && p.page_size % Tile::kBlockN != 0 &&
+                                   p.page_size % Masked::kBlockN == 0;
     if ((p.sm90_flags & FLASHATTN_SM90_MASKED_TILE) || pages_need_masked)
       return run_fwd<FwdTraits<Element, kHeadDim, Masked, Masked::kIntraWGOverlap, kHeadDimV>>(
           p, o.pingpong, stream);

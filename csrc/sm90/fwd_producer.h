@@ -1,8 +1,8 @@
 // The sm90 forward's producer: warpgroup 0 gives its registers to the consumers, and lane 0 of
-// its first warp issues every TMA load but the pieces of a paged cache's key blocks, which the
-// warp's lanes issue one each. Per tile: the first K block, then Q (with one
-// Q buffer it waits for the last Q·Kᵀ of the tile before), then the first V block and the other
-// K/V blocks, last to first, into the two kStages-deep pipelines. With pack-GQA a tile's Q rows
+// its first warp issues every TMA load; where a paged cache's pages hold no whole key block, the
+// whole warpgroup copies K's and V's rows (fwd_paged_rows.h). Per tile: the first K block, then
+// Q (with one Q buffer it waits for the last Q·Kᵀ of the tile before), then the first V block
+// and the other K/V blocks, last to first, into the two kStages-deep pipelines. With pack-GQA a tile's Q rows
 // are no TMA box: the consumers gather them (fwd_packed_q.h), and the producer only passes the
 // Q buffer on (a Q stage that brings no bytes).
 #pragma once
@@ -19,16 +19,28 @@ template <class Traits, bool kPartials>
 struct FwdProducer {
   __device__ static void run(const FwdParams<Traits>& params,
                              typename Traits::SharedStorage& smem) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    // Two walks, each with only its own state in the producer's 24 registers.
+    if constexpr (!Traits::kFp8) {  // FP8 takes no paged cache (flash_api.h)
+      if (params.gathers_pages()) {
+        walk<true>(params, smem);
+        return;
+      }
+    }
+    if (threadIdx.x / 32 == 0) walk<false>(params, smem);
+  }
+
+  // The tiles' loads. The first warp walks the tiles and waits for the stages; lane 0 arrives
+  // on them and issues their TMA loads. kGathers: the other warps walk beside it, and the whole
+  // warpgroup copies K's and V's rows.
+  template <bool kGathers>
+  __device__ static void walk(const FwdParams<Traits>& params,
+                              typename Traits::SharedStorage& smem) {
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kStages = Traits::kStages;
     constexpr int kQStages = Traits::kQStages;
     constexpr int kConsumerWGs = Traits::kConsumerWGs;
-    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (threadIdx.x / 32 != 0) return;
-    // The whole warp walks the tiles and waits for the stages; lane 0 arrives on them and issues
-    // their loads, but for pieces, whose lanes look up their pages and issue their boxes at once.
-    const int lane = threadIdx.x % 32;
-    const bool leader = lane == 0;
+    const bool leader = (kGathers ? threadIdx.x : threadIdx.x % 32) == 0;
 
     const int batch = params.tensor_batch();
     Tensor mQ = params.tma_q.get_tma_tensor(
@@ -90,89 +102,72 @@ struct FwdProducer {
         return group_modes<0, 3>(tma.get_slice(0).partition_S(
             local_tile(m(_, _, head_kv, page), tile, make_coord(_, _0{}))))(_, in_page);
       };
-      // Pages of no whole number of blocks: block n's pieces of kRows rows, each from its page
-      // (a paged entry's keys start at 0), each into its rows of the block's stage; lane i
-      // issues piece i. One thread issuing them all waited a load's latency for each piece's page
-      // and issued the boxes one after another. K's load (fetch: true) looks the lane's page up,
-      // and V's load of the same block, which always follows it, takes it again.
-      int piece_page = 0;
-      auto load_block_by_rows = [&](auto rows, auto& tma_piece, auto piece, auto smem_tensor,
-                                    int dim, int n, uint64_t& barrier, int stage, bool fetch) {
-        constexpr int kRows = decltype(rows)::value;
-        static_assert(kBlockN / kRows <= 32, "a piece for each lane at most");
-        if (lane >= kBlockN / kRows) return;
-        const int first_key = n * kBlockN + lane * kRows;
-        if (fetch)
-          piece_page = params.clamp_page(*params.page_entry(t.seq.index, first_key / params.page_size));
-        auto cta = tma_piece.get_slice(0);
-        Tensor m = tma_piece.get_tma_tensor(
-            make_shape(params.page_size, dim, params.heads_kv, params.num_pages));
-        Tensor src = cta.partition_S(local_tile(m(_, _, head_kv, piece_page), piece,
-                                                make_coord(_, _0{})));  // (TMA, 1, 1, piece)
-        Tensor dst = cta.partition_D(smem_tensor);                      // (TMA, piece, 1, stage)
-        copy(tma_piece.with(barrier), src(_, _0{}, _0{}, (first_key % params.page_size) / kRows),
-             dst(_, lane, _0{}, stage));
+      // Block n of K or V (its `rows`) into the stage by the whole warpgroup, row by row. K's
+      // load looks up the block's pages (before it waits for the stage), and V's load of the
+      // same block, which always follows it, takes them again.
+      auto page_at = [&](int column) {
+        return params.clamp_page(*params.page_entry(t.seq.index, column));
       };
-      // K's (fetch: true) or V's block n in pieces: wide ones where the launcher built them.
-      auto load_block_in_pieces = [&](auto& narrow, auto& wide, auto dim, auto smem_tensor, int n,
-                                      uint64_t& barrier, int stage, bool fetch) {
-        constexpr int kDim = decltype(dim)::value;
-        if constexpr (Traits::kTakesWidePieces) {
-          if (params.piece_rows == kWidePageRows) {
-            load_block_by_rows(Int<kWidePageRows>{}, wide, Shape<Int<kWidePageRows>, Int<kDim>>{},
-                               smem_tensor, kDim, n, barrier, stage, fetch);
-            return;
-          }
+      BlockPages pages{};
+      auto gather_block = [&](auto dim, auto layout, auto& pipe, const PagedRows& rows,
+                              auto& buffer, int n, bool look_up) {
+        if (look_up) {
+          pages.first_column = n * kBlockN / params.page_size;
+          pages.lane_page = page_at(pages.first_column + threadIdx.x % 32);
         }
-        load_block_by_rows(Int<kPageRows>{}, narrow, Shape<Int<kPageRows>, Int<kDim>>{},
-                           smem_tensor, kDim, n, barrier, stage, fetch);
+        pipe.producer_wait(st);
+        PagedRowGather<typename Traits::Element, kBlockN, decltype(dim)::value,
+                       decltype(layout)>::load(cast_smem_ptr_to_uint(buffer.begin()), st.index,
+                                               rows, head_kv, n * kBlockN, params.page_size,
+                                               pages, page_at, threadIdx.x);
+        pipe.producer_commit_copies(st);
       };
+      // K's (or V's) block n: by TMA from the tensor or a page of whole blocks, or gathered.
       auto load_k = [&](int n) {
-        smem.pipe_k.producer_acquire_by_warp(st, Traits::kBytesK);
-        auto tma = params.tma_k.with(smem.pipe_k.full_barrier(st));
-        if constexpr (!Traits::kFp8) {  // FP8 takes no paged cache (flash_api.h)
-          if (params.paged()) {
-            if (params.page_blocks > 0) {
+        if constexpr (kGathers) {
+          gather_block(Int<Traits::kHeadDim>{}, typename Traits::SmemLayoutK{}, smem.pipe_k,
+                       params.k_pages, smem.k, n, true);
+        } else {
+          smem.pipe_k.producer_acquire_by_warp(st, Traits::kBytesK);
+          auto tma = params.tma_k.with(smem.pipe_k.full_barrier(st));
+          if constexpr (!Traits::kFp8) {
+            if (params.paged()) {
               int in_page;
               const int page = params.page_of(t.seq.index, n, in_page);
               if (leader)
                 copy(tma, page_tile(params.tma_k, mK, typename Traits::TileKV{}, page, in_page),
                      tKsK(_, st.index));
-            } else {
-              load_block_in_pieces(params.tma_narrow_k, params.tma_wide_k,
-                                   Int<Traits::kHeadDim>{}, sK, n, smem.pipe_k.full_barrier(st),
-                                   st.index, true);
+              return;
             }
-            return;
           }
+          if (leader) copy(tma, tKgK(_, n), tKsK(_, st.index));
         }
-        if (leader) copy(tma, tKgK(_, n), tKsK(_, st.index));
       };
       auto load_v = [&](int n) {
-        smem.pipe_v.producer_acquire_by_warp(st, Traits::kBytesV);
-        auto tma = params.tma_v.with(smem.pipe_v.full_barrier(st));
-        if constexpr (!Traits::kFp8) {
-          if (params.paged()) {
-            if (params.page_blocks > 0) {
+        if constexpr (kGathers) {
+          gather_block(Int<Traits::kHeadDimV>{}, typename Traits::SmemLayoutV{}, smem.pipe_v,
+                       params.v_pages, smem.v, n, false);
+        } else {
+          smem.pipe_v.producer_acquire_by_warp(st, Traits::kBytesV);
+          auto tma = params.tma_v.with(smem.pipe_v.full_barrier(st));
+          if constexpr (!Traits::kFp8) {
+            if (params.paged()) {
               int in_page;
               const int page = params.page_of(t.seq.index, n, in_page);
               if (leader)
                 copy(tma, page_tile(params.tma_v, mV, typename Traits::TileV{}, page, in_page),
                      tVsV(_, st.index));
-            } else {
-              load_block_in_pieces(params.tma_narrow_v, params.tma_wide_v,
-                                   Int<Traits::kHeadDimV>{}, sV, n, smem.pipe_v.full_barrier(st),
-                                   st.index, false);
+              return;
             }
-            return;
           }
+          if (leader) copy(tma, tVgV(_, n), tVsV(_, st.index));
         }
-        if (leader) copy(tma, tVgV(_, n), tVsV(_, st.index));
       };
       // The first K block first: with one Q buffer, Q waits for the last Q·Kᵀ of the tile before.
       load_k(t.n_max - 1);
       const bool gathered_q = kPartials && !Traits::kFp8 && params.group > 1;
-      smem.pipe_q.producer_acquire_by_warp(st_q, gathered_q ? 0 : Traits::kBytesQ * kConsumerWGs);
+      if (!kGathers || threadIdx.x / 32 == 0)
+        smem.pipe_q.producer_acquire_by_warp(st_q, gathered_q ? 0 : Traits::kBytesQ * kConsumerWGs);
 #pragma unroll
       for (int wg = 0; wg < kConsumerWGs && !gathered_q && leader; ++wg) {
         Tensor gQ = local_tile(entry_rows(mQ(_, _, t.head, t.seq.batch), t.seq.q_start),

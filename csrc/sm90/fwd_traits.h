@@ -9,6 +9,7 @@
 
 #include "../common/block_range.h"
 #include "../common/sequences.h"
+#include "fwd_paged_rows.h"
 #include "fwd_tail.h"
 #include "pipeline.h"
 #include "tma_tensor.h"
@@ -17,12 +18,6 @@
 namespace flashattn::sm90 {
 
 using namespace cute;
-
-// A paged cache whose pages hold no whole key block is loaded in pieces of kPageRows rows (pages
-// of any multiple of them), or of kWidePageRows where both the pages and the key block are
-// multiples of that (fewer, larger TMA boxes).
-constexpr int kPageRows = 16;
-constexpr int kWidePageRows = 64;
 
 // The consumer's lambdas run at several call sites; an outlined call would put the accumulators
 // on a local-memory stack.
@@ -125,22 +120,6 @@ struct FwdTraits {
                                        take<0, 2>(SmemLayoutK{}), TileKV{}, _1{}));
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}),
                                       TileV{}, _1{}));
-  // Pieces of a paged cache's key blocks (kPageRows above): each its own TMA box at its page,
-  // landing where the whole block's box would have put it. The FP8 forward takes no paged cache.
-  static constexpr bool kTakesWidePieces = !kFp8 && kBlockN % kWidePageRows == 0;
-  static_assert(kBlockN % kPageRows == 0, "a key block of whole page pieces");
-  template <int kRows>
-  using TilePieceK = Shape<Int<kRows>, Int<kHeadDim>>;
-  template <int kRows>
-  using TilePieceV = Shape<Int<kRows>, Int<kHeadDimV>>;
-  template <int kRows>
-  using TmaPieceK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{},
-                                           tile_to_shape(SmemAtom{}, TilePieceK<kRows>{}),
-                                           TilePieceK<kRows>{}, _1{}));
-  template <int kRows>
-  using TmaPieceV = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, GmemTensor{}, tile_to_shape(SmemAtomOf<kHeadDimV>{}, TilePieceV<kRows>{}),
-      TilePieceV<kRows>{}, _1{}));
   static constexpr uint32_t kBytesQ = kRowsPerWG * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesV = kBlockN * kHeadDimV * sizeof(Element);
@@ -202,22 +181,13 @@ struct FwdParams {
   // A paged KV cache (flash_api.h; page_table null without one): K and V are num_pages pages of
   // page_size rows, and entry b's key j lies in row j % page_size of page
   // page_table[b·page_table_stride + j / page_size]. Pages of page_blocks whole key blocks are
-  // loaded a block at a time (tma_k, tma_v); others (page_blocks 0) by pieces of piece_rows
-  // rows (kPageRows: tma_narrow_k, tma_narrow_v; kWidePageRows: tma_wide_k, tma_wide_v, which
-  // tiles that take no wide pieces, and the FP8 ones, do without).
+  // loaded a block at a time (tma_k, tma_v); others (page_blocks 0) row by row from k_pages and
+  // v_pages (fwd_paged_rows.h).
   const int32_t* page_table;
   int64_t page_table_stride;
-  int num_pages, page_size, page_blocks, piece_rows;
-  conditional_t<Traits::kFp8, tuple<>, typename Traits::template TmaPieceK<kPageRows>>
-      tma_narrow_k;
-  conditional_t<Traits::kFp8, tuple<>, typename Traits::template TmaPieceV<kPageRows>>
-      tma_narrow_v;
-  conditional_t<Traits::kTakesWidePieces, typename Traits::template TmaPieceK<kWidePageRows>,
-                tuple<>>
-      tma_wide_k;
-  conditional_t<Traits::kTakesWidePieces, typename Traits::template TmaPieceV<kWidePageRows>,
-                tuple<>>
-      tma_wide_v;
+  int num_pages, page_size, page_blocks;
+  int page_columns;  // seqlen_k / page_size: the table columns a sequence's keys span
+  PagedRows k_pages, v_pages;
   // Pack-GQA (flash_api.h pack_gqa; the partial-results kernel only): with group > 1 a tile's
   // rows are (query row, query head) pairs, tile row i query row i / group of head
   // head_kv·group + i % group, and the tiles run per KV head; each consumer warpgroup then
@@ -243,11 +213,13 @@ struct FwdParams {
   __host__ __device__ bool paged() const { return page_table != nullptr; }
   __host__ __device__ int kv_rows() const { return paged() ? page_size : seqlen_k; }
   __host__ __device__ int kv_batch() const { return paged() ? num_pages : tensor_batch(); }
+  // Whether the producer gathers K's and V's rows by cp.async: pages of no whole key block.
+  __host__ __device__ bool gathers_pages() const { return paged() && page_blocks == 0; }
   // Entry b's page-table entry of column `column`, kept within the columns the call's keys span
-  // (seqlen_k / page_size); and a page number as read from it, kept within the cache's pages.
+  // (page_columns); and a page number as read from it, kept within the cache's pages.
   __device__ const int32_t* page_entry(int b, int column) const {
-    const int columns = seqlen_k / page_size;
-    return page_table + int64_t(b) * page_table_stride + (column < columns ? column : columns - 1);
+    return page_table + int64_t(b) * page_table_stride +
+           (column < page_columns ? column : page_columns - 1);
   }
   __device__ int clamp_page(int page) const {
     return page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);

@@ -1,5 +1,6 @@
 // A TMA -> WGMMA shared-memory pipeline: per stage a "full" transaction barrier (the producer's
-// TMA bytes land) and an "empty" barrier (every consumer warp is done reading).
+// TMA bytes land, or its threads' cp.async copies) and an "empty" barrier (every consumer warp is
+// done reading).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -25,10 +26,12 @@ struct TmaPipeline {
   uint64_t full[kStages];
   uint64_t empty[kStages];
 
-  // One thread initializes; the caller fences and syncs the block afterwards.
-  __device__ void init(uint32_t consumer_warps) {
+  // One thread initializes; the caller fences and syncs the block afterwards. A stage is full
+  // when producer_arrivals producer threads have arrived: one with the bytes its TMA loads
+  // bring, or each copying thread (producer_commit_copies).
+  __device__ void init(uint32_t consumer_warps, uint32_t producer_arrivals = 1) {
     for (int s = 0; s < kStages; ++s) {
-      Full::init(&full[s], 1);
+      Full::init(&full[s], producer_arrivals);
       Empty::init(&empty[s], consumer_warps);
     }
   }
@@ -39,14 +42,22 @@ struct TmaPipeline {
     Empty::wait(&empty[st.index], st.phase ^ 1);
     Full::arrive_and_expect_tx(&full[st.index], bytes);
   }
-  // producer_acquire by a whole warp whose lanes then issue the stage's loads: each lane waits
-  // for the stage, lane 0 arrives with its bytes, before any lane issues a load.
+  // producer_acquire by a whole warp that walks the tiles together: each lane waits for the
+  // stage, lane 0 arrives with its bytes, before lane 0 issues the loads.
   __device__ void producer_acquire_by_warp(PipelineState<kStages> st, uint32_t bytes) {
     Empty::wait(&empty[st.index], st.phase ^ 1);
     if (threadIdx.x % 32 == 0) Full::arrive_and_expect_tx(&full[st.index], bytes);
     __syncwarp();
   }
   __device__ uint64_t& full_barrier(PipelineState<kStages> st) { return full[st.index]; }
+  // Producer threads that fill a stage by cp.async: each waits until the stage is free, issues
+  // its copies, then arrives once they have all landed (this thread's cp.asyncs so far).
+  __device__ void producer_wait(PipelineState<kStages> st) {
+    Empty::wait(&empty[st.index], st.phase ^ 1);
+  }
+  __device__ void producer_commit_copies(PipelineState<kStages> st) {
+    cutlass::arch::cpasync_barrier_arrive_noinc(&full[st.index]);
+  }
 
   __device__ void consumer_wait(PipelineState<kStages> st) { Full::wait(&full[st.index], st.phase); }
   // Called by every consumer thread after its warpgroup_wait: the WGMMAs that read the stage

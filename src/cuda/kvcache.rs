@@ -36,24 +36,21 @@ pub struct DeviceKvCacheInputs<'a, T> {
     pub v_cache: &'a DeviceTensor<'a, T>,
     /// The paged cache's `(batch, max_pages)` i32 page numbers, row-major on the device; each
     /// sequence's keys are `max_pages · page_size` rows. The kernels clamp every entry into
-    /// `0..num_pages` (the host does not read them). On the Hopper forward pages hold a whole
-    /// number of 16-row pieces: pages of whole key blocks of its tile (multiples of 128 rows at
-    /// head dims 64, 96, 128 and (192, 128), of 112 at 192 and of 80 at 256) are loaded a block
-    /// at a time, others in pieces, one copy each: of 64 rows where the pages and the key block are
-    /// multiples of 64, else of 16 (more copies for the same bytes: docs/PERFORMANCE.md says what
-    /// each size reads at). The Ampere forward (`Backend::Sm80`, and `Auto` off Hopper) takes
-    /// pages of any size: each thread looks up the page of every row it copies. Other sizes on
-    /// the Hopper forward, the forward without intra-warpgroup overlap, and the CPU backend, are
-    /// `Error::Unsupported` here (the CPU takes any page size through
-    /// [`crate::kvcache::forward`]).
+    /// `0..num_pages` (the host does not read them). Pages of any size: on the Hopper forward
+    /// pages of whole key blocks of its tile (multiples of 128 rows at head dims 64, 96, 128 and
+    /// (192, 128), of 112 at 192 and of 80 at 256) are loaded a block at a time, others row by
+    /// row, each row from its page (docs/PERFORMANCE.md says what each size reads at); the Ampere
+    /// forward (`Backend::Sm80`, and `Auto` off Hopper) copies every row from its page. The
+    /// forward without intra-warpgroup overlap, and the CPU backend, are `Error::Unsupported`
+    /// here (the CPU takes any page size through [`crate::kvcache::forward`]).
     pub block_table: Option<CudaView<'a, i32>>,
     /// A dense cache's entry per sequence: sequence `b` reads entry `cache_batch_idx[b]`
     /// (`batch` i32 values on the device; entry `b` without), as flash-attn's
     /// `cache_batch_idx`. The kernels clamp each into `0..batch_cache` (the host does not read
     /// them). The call then runs the dense cache as a paged one whose pages are its entries (of
     /// `seqlen_cache` rows) and whose block table is these values, so it takes what a paged
-    /// cache takes: the Hopper forward with intra-warpgroup overlap and `seqlen_cache` a multiple
-    /// of 16, or the Ampere forward and any `seqlen_cache`. With `block_table` it is
+    /// cache takes: the Hopper forward with intra-warpgroup overlap, or the Ampere forward, and
+    /// any `seqlen_cache`. With `block_table` it is
     /// `Error::InvalidPageTable`.
     pub cache_batch_idx: Option<CudaView<'a, i32>>,
     /// Each sequence's cached keys, `batch` i32 values on the device. The kernels clamp them into
@@ -201,18 +198,10 @@ fn cache_table<'a>(
     }
 }
 
-/// The rows of the pieces the Hopper forward loads a paged cache's key blocks in where its pages
-/// are no whole number of blocks: pages hold a whole number of them. Where the pages and the key
-/// block are multiples of [`WIDE_PAGE_ROWS`] the pieces are that long (fewer, larger copies).
-/// As csrc/sm90/fwd_traits.h has them.
-const PAGE_ROWS: usize = 16;
-/// The longer pieces' rows.
-const WIDE_PAGE_ROWS: usize = 64;
-
 /// A paged cache's pages as the kernels of `backend` take them, and the call's configuration for
-/// them. The Hopper forward (`Backend::Sm90`): every page a whole number of [`PAGE_ROWS`] rows,
-/// taken a key block at a time where it holds whole blocks of its tile, else in pieces. The
-/// Ampere forward (`Backend::Sm80`): pages of any size (each copied row at its page).
+/// them: pages of any size. The Hopper forward (`Backend::Sm90`) takes a key block at a time
+/// where a page holds whole blocks of its tile, else row by row; the Ampere forward
+/// (`Backend::Sm80`) copies each row from its page.
 fn pages<'a>(
     k_cache: &Layout,
     head_dim_v: usize,
@@ -271,27 +260,13 @@ fn pages<'a>(
     let Some(base) = key_block(Family::Sm90Fwd, TileRole::Base) else {
         return Err(unsupported("no Hopper forward at these head dims".into()));
     };
-    if page_size % PAGE_ROWS != 0 {
-        return Err(unsupported(format!(
-            "pages hold a whole number of {PAGE_ROWS}-row pieces"
-        )));
-    }
-    // The Masked tile where the Base tile's blocks do not fill the pages but its 128-key ones do
-    // (whole blocks loading as one box each), or where its blocks take 64-row pieces and the
-    // Base tile's do not: as the launcher chooses (run_fwd_tiled).
+    // The Masked tile where the Base tile's blocks do not fill the pages but its narrower ones do
+    // (whole blocks loading as one box each), as the launcher chooses (run_fwd_tiled).
     let schedule = match key_block(Family::Sm90Fwd, TileRole::Masked) {
-        Some(masked)
-            if page_size % base != 0
-                && (page_size % masked == 0
-                    || (page_size % WIDE_PAGE_ROWS == 0
-                        && masked % WIDE_PAGE_ROWS == 0
-                        && base % WIDE_PAGE_ROWS != 0)) =>
-        {
-            Sm90Schedule {
-                narrow_key_blocks: true,
-                ..cfg.sm90_schedule
-            }
-        }
+        Some(masked) if page_size % base != 0 && page_size % masked == 0 => Sm90Schedule {
+            narrow_key_blocks: true,
+            ..cfg.sm90_schedule
+        },
         _ => cfg.sm90_schedule,
     };
     checked(cfg.clone().sm90_schedule(schedule))
@@ -501,8 +476,8 @@ impl Device {
     /// time a length `n` (or a larger batch) comes, and kept: capture a call into a CUDA graph
     /// only after a call of its shape has run outside the capture. Q, O and a dense cache must
     /// hold their entries' rows one after the other (batch stride = rows × row stride), which
-    /// one-row Q and O (a decode step's) need not. Paged caches run on the Hopper forward (pages of
-    /// any multiple of 16 rows) and the Ampere forward (pages of any size).
+    /// one-row Q and O (a decode step's) need not. Paged caches of any page size run on the Hopper
+    /// and the Ampere forward.
     pub fn kvcache_forward_into<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,

@@ -301,12 +301,12 @@ fn run_paged(
     launch(&dev, &stream, &call)
 }
 
-/// Pages of 128 and 256 rows (one and two key blocks each), of 16, 48 and 80 rows (no whole
-/// number of blocks: loaded in 16-row pieces) and of 64 (in 64-row pieces; past 1k keys without
-/// a mask the Base tiles run: d64's 192-key blocks in three pieces, and at d128 the Masked tile
-/// taken for its pieces) out of order, one page shared by two sequences, the rows past each
-/// length poisoned with large finite keys: each sequence's O and LSE against the reference over
-/// its keys gathered from its pages, with the launcher's key splits and with 3.
+/// Pages of 128 and 256 rows (one and two key blocks each), of 16, 48, 80 and 64 rows and of
+/// sizes no multiple of 16 (1, 24, 100): no whole number of blocks, so gathered row by row, each
+/// row from its page (past 1k keys without a mask the Base tiles run: d64's 192-key blocks over
+/// three pages of 64), out of order, one page shared by two sequences, the rows past each length
+/// poisoned with large finite keys: each sequence's O and LSE against the reference over its
+/// keys gathered from its pages, with the launcher's key splits and with 3.
 #[test]
 #[ignore = "needs a GPU"]
 fn paged_cache_matches_the_reference_per_sequence() {
@@ -320,30 +320,35 @@ fn paged_cache_matches_the_reference_per_sequence() {
         ((128, 128), (64, 6), 2, [0, 17, 200, 384]),
         ((64, 64), (64, 18), 2, [1100, 3, 700, 1152]),
         ((128, 128), (64, 18), 2, [0, 1152, 1030, 17]),
+        ((128, 128), (1, 130), 2, [0, 17, 130, 64]),
+        ((64, 64), (24, 9), 1, [216, 3, 100, 25]),
+        ((128, 128), (100, 4), 4, [399, 100, 1, 257]),
     ];
     assert_paged_cases(Backend::Auto, &cases);
 }
 
-/// The Ampere forward's per-row page lookups where a copied row is 4 threads wide (d96) and
-/// where V's rows are narrower than K's ((192, 128)), over pages of 16, 40 and 64 rows.
+/// Both forwards' per-row page lookups where a copied row is 4 threads wide (d96) and where V's
+/// rows are narrower than K's ((192, 128)), over pages of 16, 40 and 64 rows (`Auto`: the
+/// Hopper forward on Hopper).
 #[test]
 #[ignore = "needs a GPU"]
 #[cfg(all(feature = "hdim96", feature = "hdim192"))]
-fn paged_cache_on_sm80_at_96_and_192_128() {
-    assert_paged_cases(
-        Backend::Sm80,
-        &[
-            ((96, 96), (16, 20), 1, [1, 300, 77, 320]),
-            ((96, 96), (40, 8), 3, [320, 41, 0, 129]),
-            ((192, 128), (64, 5), 2, [129, 300, 0, 320]),
-            ((192, 128), (40, 8), 1, [5, 320, 39, 200]),
-        ],
-    );
+fn paged_rows_at_96_and_192_128() {
+    for backend in [Backend::Sm80, Backend::Auto] {
+        assert_paged_cases(
+            backend,
+            &[
+                ((96, 96), (16, 20), 1, [1, 300, 77, 320]),
+                ((96, 96), (40, 8), 3, [320, 41, 0, 129]),
+                ((192, 128), (64, 5), 2, [129, 300, 0, 320]),
+                ((192, 128), (40, 8), 1, [5, 320, 39, 200]),
+            ],
+        );
+    }
 }
 
 /// DeepSeek's (192, 128) over pages of its tile's 128-key blocks (the Base tile: it has no
-/// Masked one), over pages of 32 rows (16-row pieces) and of 320 (64-row pieces); d256 over
-/// pages of 16.
+/// Masked one), and over pages of 32 and 320 rows (gathered); d256 over pages of 16 and 24.
 #[test]
 #[ignore = "needs a Hopper GPU"]
 #[cfg(feature = "hdim192")]
@@ -355,6 +360,7 @@ fn paged_cache_at_192_128() {
             ((192, 128), (32, 12), 2, [129, 300, 0, 384]),
             ((192, 128), (320, 2), 2, [129, 300, 0, 640]),
             ((256, 256), (16, 20), 2, [1, 300, 77, 320]),
+            ((256, 256), (24, 9), 1, [216, 3, 100, 25]),
         ],
     );
 }
@@ -489,7 +495,7 @@ fn paged_case(
 }
 
 /// A dense cache read through `cache_batch_idx`: three sequences in entries 4, 0 and 2 of five,
-/// entries of 256 rows (whole key blocks), 304 (16-row pieces) and 320 (64-row pieces), the
+/// entries of 256 rows (whole key blocks), 304 and 320 (gathered row by row), the
 /// other entries' rows large: each sequence's O and LSE against the reference over its own
 /// entry's keys, with the launcher's key splits and with 3, and on the Ampere forward.
 #[test]
@@ -563,9 +569,8 @@ fn dense_cache_by_cache_batch_idx() {
 }
 
 /// `cache_batch_idx` out of range is clamped into the cache's entries (run under memcheck);
-/// with a block table, with a count that is not the batch's, and over entries of no whole number
-/// of 16-row pieces on the Hopper forward, it is a typed error; the Ampere forward takes entries
-/// of any size (160 rows here, checked against the reference).
+/// with a block table, or a count that is not the batch's, it is a typed error; both forwards
+/// take entries of any size (152 and 160 rows here, checked against the reference).
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn sanitizer_cache_batch_idx_out_of_range_stays_in_bounds() {
@@ -621,42 +626,38 @@ fn sanitizer_cache_batch_idx_out_of_range_stays_in_bounds() {
         matches!(refused(&call), Some(flashattn::Error::InvalidSeqlens(_))),
         "two entries for three sequences"
     );
+    // Entries of 152 and 160 rows, the lengths clamped to them, on both forwards.
     call.entries = Some(&[2, 1, 0]);
-    call.cache = [slots * 2, 160 - 8, hk, d];
-    let e = refused(&call);
-    assert!(
-        matches!(&e, Some(flashattn::Error::Unsupported { what, .. }) if what.contains("16-row pieces")),
-        "entries of 152 rows: {e:?}"
-    );
-    // The Ampere forward takes entries of any size: of 160 rows, the lengths clamped to them.
-    call.cache = [slots * 2, 160, hk, d];
-    call.cfg = AttentionConfig::new().causal(true).backend(Backend::Sm80);
-    let (out, lse, _) = launch(&dev, &stream, &call).unwrap();
-    for (b, (entry, len)) in [(2usize, 100usize), (1, 160), (0, 7)]
-        .into_iter()
-        .enumerate()
-    {
-        let keys = k[entry * 160 * hk * d..][..len * hk * d].to_vec();
-        failures.extend(check_sequence(
-            &call.cfg,
-            &format!("entries of 160 rows on Sm80, sequence {b}"),
-            Outputs {
-                out: &out,
-                lse: &lse,
-            },
-            b,
-            (1, hq, hk, d, d),
-            &q,
-            (&keys, &keys),
-        ));
+    for (rows, backend) in [(152, Backend::Auto), (160, Backend::Sm80)] {
+        call.cache = [slots * 2, rows, hk, d];
+        call.cfg = AttentionConfig::new().causal(true).backend(backend);
+        let (out, lse, _) = launch(&dev, &stream, &call).unwrap();
+        for (b, (entry, len)) in [(2usize, 100usize), (1, rows), (0, 7)]
+            .into_iter()
+            .enumerate()
+        {
+            let keys = k[entry * rows * hk * d..][..len * hk * d].to_vec();
+            failures.extend(check_sequence(
+                &call.cfg,
+                &format!("entries of {rows} rows on {backend:?}, sequence {b}"),
+                Outputs {
+                    out: &out,
+                    lse: &lse,
+                },
+                b,
+                (1, hq, hk, d, d),
+                &q,
+                (&keys, &keys),
+            ));
+        }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// Page numbers and cache lengths out of range: the kernels clamp them (pages into
 /// `0..num_pages`, lengths into the keys a table row addresses) and every access stays inside
-/// the buffers (run under memcheck), pages of whole key blocks and of 16-row pieces alike; page
-/// sizes the kernels cannot serve and a table that is no whole number of rows are typed errors.
+/// the buffers (run under memcheck), pages of whole key blocks and pages gathered row by row
+/// alike, on both forwards; a table that is no whole number of rows is a typed error.
 #[test]
 #[ignore = "needs a GPU"]
 fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
@@ -666,18 +667,21 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
     let k: Vec<bf16> = random(num_pages * 128 * hk * d, &mut rng);
     let cfg = AttentionConfig::new().causal(true);
     // Two pages per sequence: every sequence with keys reads a page number out of range, in
-    // pages of whole key blocks and in pages of 16 rows (loaded in pieces, each piece's page
-    // number clamped alike).
+    // pages of whole key blocks and in pages of 16 and 24 rows (each row's page number clamped
+    // alike), with key splits and without (the Ampere forward has none).
     let small = random(num_pages * 16 * hk * d, &mut rng);
+    let odd = random(num_pages * 24 * hk * d, &mut rng);
     let table = [1, -7, 2, 99, i32::MAX, 0];
     let page_sizes = [
-        (&k, 128, [300, 200, i32::MAX], [0, 5]),
-        (&small, 16, [30, 20, i32::MAX], [0, 3]),
+        (&k, 128, [300, 200, i32::MAX]),
+        (&small, 16, [30, 20, i32::MAX]),
+        (&odd, 24, [40, 47, i32::MAX]),
     ];
-    for (cache, rows, lens, splits) in page_sizes {
-        for splits in splits {
+    let runs = [(Backend::Auto, 0), (Backend::Auto, 5), (Backend::Sm80, 0)];
+    for (cache, rows, lens) in page_sizes {
+        for (backend, splits) in runs {
             let (out, lse, _) = run_paged(
-                &cfg,
+                &cfg.clone().backend(backend),
                 (&q, cache, cache),
                 (batch, 2),
                 (num_pages, rows),
@@ -686,51 +690,11 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
                 splits,
             )
             .unwrap();
-            let what = format!("pages of {rows}, {splits} splits");
+            let what = format!("{backend:?}, pages of {rows}, {splits} splits");
             assert!(out.iter().all(|x| x.is_finite()), "O, {what}");
             assert!(lse.iter().all(|x| !x.is_nan()), "LSE, {what}");
         }
     }
-    // The Ampere forward's paged kernel, a page lookup per copied row, clamped alike, over pages
-    // of whole key blocks, of 16 rows and of 24 (which the Hopper forward refuses, below).
-    let odd = random(num_pages * 24 * hk * d, &mut rng);
-    for (cache, rows, lens) in [
-        (&k, 128, [300, 200, i32::MAX]),
-        (&small, 16, [30, 20, i32::MAX]),
-        (&odd, 24, [40, 47, i32::MAX]),
-    ] {
-        let (out, lse, _) = run_paged(
-            &cfg.clone().backend(Backend::Sm80),
-            (&q, cache, cache),
-            (batch, 2),
-            (num_pages, rows),
-            (hq, hk, d, d),
-            (&table, &lens),
-            0,
-        )
-        .unwrap();
-        assert!(
-            out.iter().all(|x| x.is_finite()),
-            "O on Sm80, pages of {rows}"
-        );
-        assert!(
-            lse.iter().all(|x| !x.is_nan()),
-            "LSE on Sm80, pages of {rows}"
-        );
-    }
-    let refused = run_paged(
-        &cfg,
-        (&q, &odd, &odd),
-        (batch, 2),
-        (num_pages, 24),
-        (hq, hk, d, d),
-        (&table, &[1, 2, 3]),
-        0,
-    );
-    assert!(
-        matches!(&refused, Err(flashattn::Error::Unsupported { what, .. }) if what.contains("16-row pieces")),
-        "24-row pages: {refused:?}"
-    );
     let refused = run_paged(
         &cfg,
         (&q, &k, &k),

@@ -272,7 +272,7 @@ fn device_step_matches_the_host_step_and_the_reference() {
         entries: None,
         pages_per_seq: 1,
     };
-    // Sequences in entries 4, 0 and 2 of five, of 304 rows (the forward's 16-row pieces).
+    // Sequences in entries 4, 0 and 2 of five, of 304 rows (no whole key blocks: gathered).
     let indexed = Layout {
         slots: 5,
         rows: 304,
