@@ -2,11 +2,12 @@
 // its first warp issues every TMA load; where a paged cache's pages hold no whole key block, the
 // whole warpgroup copies K's and V's rows (fwd_paged_rows.h). Per tile: the first K block, then
 // Q (with one Q buffer it waits for the last Q·Kᵀ of the tile before), then the first V block
-// and the other K/V blocks, last to first, into the two kStages-deep pipelines. With pack-GQA a tile's Q rows
-// are no TMA box: the consumers gather them (fwd_packed_q.h), and the producer only passes the
-// Q buffer on (a Q stage that brings no bytes).
+// and the other K/V blocks, last to first, into the two kStages-deep pipelines. With pack-GQA a
+// tile's Q rows are no TMA box: the consumers gather them (fwd_packed_q.h), and the producer
+// only passes the Q buffer on (a Q stage that brings no bytes).
 #pragma once
 
+#include <cute/arch/copy_sm80.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "fwd_scheduler.h"
@@ -192,6 +193,9 @@ struct FwdProducer {
     // reading nothing that grid writes; waiting keeps it from completing before that grid, as
     // the launches after it (the merge) assume.
     if constexpr (kPartials) wait_for_prior_grids();
+    // The consumers wait for every stage filled, so no copy outlives the CTA; the thread still
+    // leaves none of its own in flight.
+    if constexpr (kGathers) cp_async_wait<0>();
   }
 };
 

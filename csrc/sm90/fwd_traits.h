@@ -213,8 +213,12 @@ struct FwdParams {
   __host__ __device__ bool paged() const { return page_table != nullptr; }
   __host__ __device__ int kv_rows() const { return paged() ? page_size : seqlen_k; }
   __host__ __device__ int kv_batch() const { return paged() ? num_pages : tensor_batch(); }
-  // Whether the producer gathers K's and V's rows by cp.async: pages of no whole key block.
-  __host__ __device__ bool gathers_pages() const { return paged() && page_blocks == 0; }
+  // Whether the producer gathers K's and V's rows by cp.async: pages of no whole key block (the
+  // 16-bit kernels'; FP8 takes no paged cache). The K and V barriers' arrival counts and the
+  // producer's walk both follow it.
+  __host__ __device__ bool gathers_pages() const {
+    return !Traits::kFp8 && paged() && page_blocks == 0;
+  }
   // Entry b's page-table entry of column `column`, kept within the columns the call's keys span
   // (page_columns); and a page number as read from it, kept within the cache's pages.
   __device__ const int32_t* page_entry(int b, int column) const {

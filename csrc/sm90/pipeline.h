@@ -51,7 +51,9 @@ struct TmaPipeline {
   }
   __device__ uint64_t& full_barrier(PipelineState<kStages> st) { return full[st.index]; }
   // Producer threads that fill a stage by cp.async: each waits until the stage is free, issues
-  // its copies, then arrives once they have all landed (this thread's cp.asyncs so far).
+  // its copies, then arrives once they have all landed (this thread's cp.asyncs so far). The
+  // consumers' WGMMAs read the stage after their wait on the full barrier with no proxy fence,
+  // as CUTLASS's sm90 cp.async + GMMA mainloop and FlashAttention-3's paged gather do.
   __device__ void producer_wait(PipelineState<kStages> st) {
     Empty::wait(&empty[st.index], st.phase ^ 1);
   }

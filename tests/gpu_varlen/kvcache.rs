@@ -304,7 +304,8 @@ fn run_paged(
 /// Pages of 128 and 256 rows (one and two key blocks each), of 16, 48, 80 and 64 rows and of
 /// sizes no multiple of 16 (1, 24, 100): no whole number of blocks, so gathered row by row, each
 /// row from its page (past 1k keys without a mask the Base tiles run: d64's 192-key blocks over
-/// three pages of 64), out of order, one page shared by two sequences, the rows past each length
+/// three pages of 64, or over exactly 32 pages of 6 (a page for each lane of a warp) and 64 of 3
+/// (a lookup a row), d128's 160-key ones over 32 pages of 5 and 40 of 4), out of order, one page shared by two sequences, the rows past each length
 /// poisoned with large finite keys: each sequence's O and LSE against the reference over its
 /// keys gathered from its pages, with the launcher's key splits and with 3.
 #[test]
@@ -323,13 +324,17 @@ fn paged_cache_matches_the_reference_per_sequence() {
         ((128, 128), (1, 130), 2, [0, 17, 130, 64]),
         ((64, 64), (24, 9), 1, [216, 3, 100, 25]),
         ((128, 128), (100, 4), 4, [399, 100, 1, 257]),
+        ((64, 64), (6, 200), 2, [1200, 3, 700, 1151]),
+        ((64, 64), (3, 400), 1, [1199, 1200, 5, 640]),
+        ((128, 128), (5, 240), 2, [1200, 161, 2, 1119]),
+        ((128, 128), (4, 300), 1, [7, 1200, 1000, 321]),
     ];
     assert_paged_cases(Backend::Auto, &cases);
 }
 
 /// Both forwards' per-row page lookups where a copied row is 4 threads wide (d96) and where V's
 /// rows are narrower than K's ((192, 128)), over pages of 16, 40 and 64 rows (`Auto`: the
-/// Hopper forward on Hopper).
+/// Hopper forward on Hopper; past 1k keys d96's 192-key Base tile).
 #[test]
 #[ignore = "needs a GPU"]
 #[cfg(all(feature = "hdim96", feature = "hdim192"))]
@@ -340,6 +345,7 @@ fn paged_rows_at_96_and_192_128() {
             &[
                 ((96, 96), (16, 20), 1, [1, 300, 77, 320]),
                 ((96, 96), (40, 8), 3, [320, 41, 0, 129]),
+                ((96, 96), (16, 75), 1, [1200, 3, 700, 1181]),
                 ((192, 128), (64, 5), 2, [129, 300, 0, 320]),
                 ((192, 128), (40, 8), 1, [5, 320, 39, 200]),
             ],
@@ -348,7 +354,8 @@ fn paged_rows_at_96_and_192_128() {
 }
 
 /// DeepSeek's (192, 128) over pages of its tile's 128-key blocks (the Base tile: it has no
-/// Masked one), and over pages of 32 and 320 rows (gathered); d256 over pages of 16 and 24.
+/// Masked one), and over pages of 32 and 320 rows (gathered); d192 (112-key blocks) over pages
+/// of 16 and 112; d256 over pages of 16 and 24.
 #[test]
 #[ignore = "needs a Hopper GPU"]
 #[cfg(feature = "hdim192")]
@@ -359,6 +366,8 @@ fn paged_cache_at_192_128() {
             ((192, 128), (128, 3), 4, [129, 300, 0, 384]),
             ((192, 128), (32, 12), 2, [129, 300, 0, 384]),
             ((192, 128), (320, 2), 2, [129, 300, 0, 640]),
+            ((192, 192), (16, 20), 2, [1, 300, 77, 320]),
+            ((192, 192), (112, 4), 1, [448, 113, 0, 300]),
             ((256, 256), (16, 20), 2, [1, 300, 77, 320]),
             ((256, 256), (24, 9), 1, [216, 3, 100, 25]),
         ],
