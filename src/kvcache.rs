@@ -11,6 +11,11 @@
 //!   `batch × max_pages` page numbers (row-major): key `j` of sequence `b` lies in page
 //!   `block_table[b · max_pages + j / page_size]`, row `j % page_size`.
 //!
+//! The cache holds Q's element type, or FP8 e4m3 (`float8::F8E4M3`) with descales
+//! ([`CacheDescales`], flash-attn's `k_descale` and `v_descale`: one f32 per sequence and KV head
+//! that its stored keys and values are multiplied by): the call attends to the dequantized cache
+//! exactly, O in Q's type.
+//!
 //! O is `(batch, seqlen_q, heads_q, head_dim_v)`; the LSE is f32 `(batch, heads_q, seqlen_q)`, a
 //! dense call's (and `flash_attn_with_kvcache`'s). A sequence
 //! with no cached key gets O = 0 and LSE = +inf (its head's sink with attention sinks).
@@ -20,8 +25,8 @@
 //! positions, as `flash_attn_with_kvcache` does.
 //!
 //! This module runs on the CPU backend (host memory, every value checked on the host);
-//! [`crate::cuda::Device::kvcache_forward_into`] runs dense and paged caches on the GPU (on the
-//! Ampere forward, pages of any size).
+//! [`crate::cuda::Device::kvcache_forward_into`] runs dense and paged caches of Q's type on the
+//! GPU (FP8 caches not yet).
 //!
 //! ```
 //! use flashattn::kvcache::{self, KvCache, KvCacheInputs};
@@ -44,7 +49,7 @@ use crate::backend;
 use crate::config::AttentionConfig;
 use crate::dispatch::{self, BuiltKernels, Memory, Op};
 use crate::error::{Error, Operand, Result};
-use crate::tensor::{self, Element, Layout, Problem, TensorMut, TensorRef};
+use crate::tensor::{self, DType, Element, Layout, Problem, TensorMut, TensorRef};
 use crate::varlen::{self, Seqlens};
 use crate::{alloc, ForwardInputs, ForwardOutput};
 
@@ -119,25 +124,46 @@ impl<'a, T> KvCache<'a, T> {
     }
 }
 
-/// A KV-cache call's inputs: Q, the cache, each sequence's cached key count, and optionally the
-/// dense cache's entry per sequence and attention sinks (one logit per query head).
+/// A cache's descales, as flash-attn's `k_descale` and `v_descale`: `batch × heads_kv` f32
+/// values each, row-major and finite. Sequence `b`'s cached keys of KV head `h` stand for their
+/// stored values times `k[b · heads_kv + h]` (by sequence, not by cache entry: with
+/// `cache_batch_idx` too), and its values alike times `v[b · heads_kv + h]`.
 #[derive(Clone, Copy, Debug)]
-pub struct KvCacheInputs<'a, T> {
+pub struct CacheDescales<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+}
+
+/// A KV-cache call's inputs: Q, the cache (of Q's element type `T`, or of `C` = e4m3), each
+/// sequence's cached key count, and optionally the dense cache's entry per sequence, attention
+/// sinks (one logit per query head) and the cache's descales (none: 1).
+#[derive(Clone, Copy, Debug)]
+pub struct KvCacheInputs<'a, T, C = T> {
     pub q: TensorRef<'a, T>,
-    pub cache: KvCache<'a, T>,
+    pub cache: KvCache<'a, C>,
     pub cache_seqlens: &'a [i32],
     pub cache_batch_idx: Option<&'a [i32]>,
     pub sinks: Option<&'a [f32]>,
+    pub descales: Option<CacheDescales<'a>>,
 }
 
-impl<'a, T> KvCacheInputs<'a, T> {
-    pub fn new(q: TensorRef<'a, T>, cache: KvCache<'a, T>, cache_seqlens: &'a [i32]) -> Self {
+impl<'a, T, C> KvCacheInputs<'a, T, C> {
+    pub fn new(q: TensorRef<'a, T>, cache: KvCache<'a, C>, cache_seqlens: &'a [i32]) -> Self {
         KvCacheInputs {
             q,
             cache,
             cache_seqlens,
             cache_batch_idx: None,
             sinks: None,
+            descales: None,
+        }
+    }
+
+    /// The cache's descales (an FP8 cache's quantization scales).
+    pub fn with_descales(self, k: &'a [f32], v: &'a [f32]) -> Self {
+        KvCacheInputs {
+            descales: Some(CacheDescales { k, v }),
+            ..self
         }
     }
 
@@ -187,15 +213,24 @@ fn key_rows<T>(
     }
 }
 
-/// The rows `rows` of a cache tensor gathered into a contiguous `(1, rows.len(), heads, d)`.
-fn gather<T: Element>(t: &TensorRef<T>, rows: &[(usize, usize)]) -> Result<Vec<T>> {
+/// The rows `rows` of a tensor gathered into a contiguous `(1, rows.len(), heads, d)` of `U`,
+/// row i of head h times `scale(i, h)` (in f32; a scale of 1 between the same types, or into a
+/// wider one, copies the values exactly).
+fn gather<X: Element, U: Element>(
+    t: &TensorRef<X>,
+    rows: &[(usize, usize)],
+    scale: impl Fn(usize, usize) -> f32,
+) -> Result<Vec<U>> {
     let [_, _, heads, d] = t.layout.shape;
     let s = t.layout.strides;
-    let mut out = alloc::<T>(rows.len() * heads * d)?;
-    for (dst, &(entry, row)) in out.chunks_exact_mut(heads * d).zip(rows) {
+    let mut out = alloc::<U>(rows.len() * heads * d)?;
+    for (i, (dst, &(entry, row))) in out.chunks_exact_mut(heads * d).zip(rows).enumerate() {
         for (h, dst) in dst.chunks_exact_mut(d).enumerate() {
             let start = entry * s[0] + row * s[1] + h * s[2];
-            dst.copy_from_slice(&t.data[start..start + d]);
+            let factor = scale(i, h);
+            for (y, x) in dst.iter_mut().zip(&t.data[start..start + d]) {
+                *y = U::from_f32(x.to_f32() * factor);
+            }
         }
     }
     Ok(out)
@@ -315,10 +350,16 @@ fn check_cache<T>(
 
 /// Checks the inputs against each other on the host; the call's problem (its keys the longest
 /// sequence's) and plan.
-fn plan<T: Element>(
+fn plan<T: Element, C: Element>(
     cfg: &AttentionConfig,
-    inputs: &KvCacheInputs<T>,
+    inputs: &KvCacheInputs<T, C>,
 ) -> Result<(Problem, dispatch::Plan)> {
+    if C::DTYPE != T::DTYPE && C::DTYPE != DType::E4M3 {
+        return Err(Error::UnsupportedDtype {
+            dtype: C::DTYPE,
+            backend: cfg.backend,
+        });
+    }
     let (q, k, v) = (&inputs.q, inputs.cache.k(), inputs.cache.v());
     q.check(Operand::Q)?;
     k.check(Operand::K)?;
@@ -343,6 +384,19 @@ fn plan<T: Element>(
         0,
         inputs.cache_batch_idx,
     )?;
+    if let Some(CacheDescales { k, v }) = inputs.descales {
+        for (name, d) in [("k_descale", k), ("v_descale", v)] {
+            if d.len() as u64 != batch as u64 * heads_kv as u64 {
+                return Err(Error::InvalidConfig(format!(
+                    "{name} has {} values for {batch} sequences of {heads_kv} KV heads",
+                    d.len()
+                )));
+            }
+            if let Some(i) = d.iter().position(|x| !x.is_finite()) {
+                return Err(Error::InvalidConfig(format!("{name}[{i}] is {}", d[i])));
+            }
+        }
+    }
     // The problem of a dense call over the longest sequence's keys: it checks the heads and
     // sizes and plans the call (each sequence then runs as a dense call of its own).
     let longest = inputs
@@ -371,15 +425,16 @@ fn plan<T: Element>(
 /// Forward pass over a KV cache: O `(batch, seqlen_q, heads_q, head_dim_v)` and the LSE
 /// `(batch, heads_q, seqlen_q)` (as a dense call's and `flash_attn_with_kvcache`'s). Each
 /// sequence's result is that of [`crate::forward`] on its Q and its first `cache_seqlens[b]`
-/// cached keys.
-pub fn forward<T: Element>(
+/// cached keys: in Q's type, or over an e4m3 cache or with descales, in f32 over Q and the
+/// dequantized keys and values (exact products of the stored values and their descales), O then
+/// rounded to Q's type.
+pub fn forward<T: Element, C: Element>(
     cfg: &AttentionConfig,
-    inputs: KvCacheInputs<'_, T>,
+    inputs: KvCacheInputs<'_, T, C>,
 ) -> Result<ForwardOutput<T>> {
     let (shape, plan) = plan(cfg, &inputs)?;
-    let (batch, seqlen_q, heads, d_v) =
-        (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v);
-    let (heads_kv, d) = (shape.heads_kv, shape.head_dim);
+    let (batch, seqlen_q, heads) = (shape.batch, shape.seqlen_q, shape.heads_q);
+    let heads_kv = shape.heads_kv;
     let lens = inputs.cache_seqlens;
     if lens.iter().all(|&l| l == 0) {
         // No sequence has a key (a packed call has no empty tensors): O = 0, the keyless LSE.
@@ -393,8 +448,7 @@ pub fn forward<T: Element>(
         return Ok(ForwardOutput { out, lse, plan });
     }
     // The sequences packed one after another: Q's rows, and each sequence's cached keys
-    // gathered from its entry or pages; then a packed call (crate::varlen), whose O is this
-    // call's layout and whose LSE, (heads_q, batch · seqlen_q), goes to this call's by sequence.
+    // gathered from its entry or pages; then a packed call (crate::varlen).
     let q_rows: Vec<(usize, usize)> = (0..batch)
         .flat_map(|b| (0..seqlen_q).map(move |i| (b, i)))
         .collect();
@@ -408,11 +462,6 @@ pub fn forward<T: Element>(
             )
         })
         .collect();
-    let q = gather(&inputs.q, &q_rows)?;
-    let (k, v) = (
-        gather(inputs.cache.k(), &keys)?,
-        gather(inputs.cache.v(), &keys)?,
-    );
     // Offsets within i32, as the packed calls take them.
     let offset = |n: usize| {
         i32::try_from(n).map_err(|_| Error::IndexOverflow {
@@ -429,15 +478,60 @@ pub fn forward<T: Element>(
     }
     let longest = lens.iter().map(|&l| l as usize).max().unwrap_or(0);
     let seqs = Seqlens::new(&cu_q, &cu_k, seqlen_q, longest)?;
+    if C::DTYPE == T::DTYPE && inputs.descales.is_none() {
+        let one = |_: usize, _: usize| 1.0;
+        let (q, k, v) = (
+            gather::<T, T>(&inputs.q, &q_rows, one)?,
+            gather::<C, T>(inputs.cache.k(), &keys, one)?,
+            gather::<C, T>(inputs.cache.v(), &keys, one)?,
+        );
+        return packed_forward(cfg, &seqs, &shape, (&q, &k, &v), keys.len(), inputs.sinks);
+    }
+    // Packed key i's descale of head h: that of its sequence (keys are packed in order).
+    let key_seq: Vec<usize> = (0..batch)
+        .flat_map(|b| std::iter::repeat_n(b, lens[b] as usize))
+        .collect();
+    let (k_descale, v_descale) = (inputs.descales.map(|d| d.k), inputs.descales.map(|d| d.v));
+    let at =
+        |d: Option<&[f32]>, i: usize, h: usize| d.map_or(1.0, |d| d[key_seq[i] * heads_kv + h]);
+    let (q, k, v) = (
+        gather::<T, f32>(&inputs.q, &q_rows, |_, _| 1.0)?,
+        gather::<C, f32>(inputs.cache.k(), &keys, |i, h| at(k_descale, i, h))?,
+        gather::<C, f32>(inputs.cache.v(), &keys, |i, h| at(v_descale, i, h))?,
+    );
+    let in_f32 = packed_forward(cfg, &seqs, &shape, (&q, &k, &v), keys.len(), inputs.sinks)?;
+    let mut out = alloc::<T>(in_f32.out.len())?;
+    for (y, &x) in out.iter_mut().zip(&in_f32.out) {
+        *y = T::from_f32(x);
+    }
+    Ok(ForwardOutput {
+        out,
+        lse: in_f32.lse,
+        plan,
+    })
+}
+
+/// The packed call over `q`, `k` and `v` (`keys` packed keys): its O is a KV-cache call's
+/// layout, and its LSE, `(heads_q, batch · seqlen_q)`, goes to that call's by sequence.
+fn packed_forward<U: Element>(
+    cfg: &AttentionConfig,
+    seqs: &Seqlens,
+    shape: &Problem,
+    (q, k, v): (&[U], &[U], &[U]),
+    keys: usize,
+    sinks: Option<&[f32]>,
+) -> Result<ForwardOutput<U>> {
+    let (batch, seqlen_q, heads) = (shape.batch, shape.seqlen_q, shape.heads_q);
+    let (heads_kv, d, d_v) = (shape.heads_kv, shape.head_dim, shape.head_dim_v);
     let packed_inputs = ForwardInputs {
-        sinks: inputs.sinks,
+        sinks,
         ..ForwardInputs::new(
-            TensorRef::contiguous(&q, [1, batch * seqlen_q, heads, d]),
-            TensorRef::contiguous(&k, [1, keys.len(), heads_kv, d]),
-            TensorRef::contiguous(&v, [1, keys.len(), heads_kv, d_v]),
+            TensorRef::contiguous(q, [1, batch * seqlen_q, heads, d]),
+            TensorRef::contiguous(k, [1, keys, heads_kv, d]),
+            TensorRef::contiguous(v, [1, keys, heads_kv, d_v]),
         )
     };
-    let packed = varlen::forward(cfg, &seqs, packed_inputs)?;
+    let packed = varlen::forward(cfg, seqs, packed_inputs)?;
     let mut lse = alloc::<f32>(packed.lse.len())?;
     for (bh, row) in lse.chunks_exact_mut(seqlen_q).enumerate() {
         let (b, h) = (bh / heads, bh % heads);
@@ -726,6 +820,7 @@ pub fn step<T: Element>(
             cache_seqlens: &lens,
             cache_batch_idx,
             sinks,
+            descales: None,
         },
     )?;
     if let Some((k_new, v_new)) = new {
@@ -748,6 +843,7 @@ pub fn step<T: Element>(
             cache_seqlens: &lens,
             cache_batch_idx,
             sinks,
+            descales: None,
         },
     )
 }

@@ -1,6 +1,7 @@
 //! KV-cache calls on the CPU backend: each sequence's O and LSE are the dense call's on its Q and
 //! its cached keys, bit for bit, whether the cache is dense, dense through `cache_batch_idx`, or
-//! paged with shuffled pages (and so the three agree); appended keys attended to; the f64
+//! paged with shuffled pages (and so the three agree); an e4m3 cache with descales, the f32 call
+//! over its dequantized keys; appended keys attended to; the f64
 //! reference's rule on one case; inconsistent inputs as typed errors (a refused append writes
 //! nothing), and any block table an error or a full answer.
 
@@ -9,6 +10,7 @@ mod harness;
 use flashattn::kvcache::{self, KvCache, KvCacheInputs, KvCacheMut};
 use flashattn::reference::{self, baseline_forward, compare, reference_forward};
 use flashattn::{AttentionConfig, Error, ForwardInputs, TensorMut, TensorRef};
+use float8::F8E4M3;
 use half::bf16;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
@@ -279,6 +281,190 @@ fn paged_decode_holds_the_reference_rule() {
         let c = compare(&o, &want.out, &base.out);
         assert!(c.pass, "sequence {b}: {c:?}");
     }
+}
+
+/// The fixture's bf16 values stored as e4m3 (times 64: N(0, 1) values well inside its range).
+fn e4m3(x: &[bf16]) -> Vec<F8E4M3> {
+    x.iter()
+        .map(|v| flashattn::fp8::quantize(v.to_f32(), 1.0 / 64.0))
+        .collect()
+}
+
+/// Descales of (sequence, KV head) pairs: distinct per pair, about the 1/64 the values were
+/// stored at.
+fn descales(seed: f32) -> Vec<f32> {
+    (0..BATCH * HK)
+        .map(|i| (1.0 + seed * i as f32) / 64.0)
+        .collect()
+}
+
+/// Sequence `b`'s O and LSE in `got` against the f32 dense call on its Q (widened) and the first
+/// `len` rows of `k` and `v` (already dequantized, `(1, len, HK, d)` each), O rounded to bf16:
+/// bit for bit.
+fn check_f32_sequence(
+    fx: &Fixture,
+    cfg: &AttentionConfig,
+    b: usize,
+    (k, v): (&[f32], &[f32]),
+    got: &flashattn::ForwardOutput<bf16>,
+    what: &str,
+) {
+    let sq = fx.seqlen_q;
+    let len = k.len() / (HK * D);
+    let q: Vec<f32> = fx.q[b * sq * HQ * D..(b + 1) * sq * HQ * D]
+        .iter()
+        .map(|x| x.to_f32())
+        .collect();
+    let dense = flashattn::forward(
+        cfg,
+        ForwardInputs::new(
+            TensorRef::contiguous(&q, [1, sq, HQ, D]),
+            TensorRef::contiguous(k, [1, len, HK, D]),
+            TensorRef::contiguous(v, [1, len, HK, DV]),
+        ),
+    )
+    .unwrap();
+    let want: Vec<bf16> = dense.out.iter().map(|&x| bf16::from_f32(x)).collect();
+    let o = &got.out[b * sq * HQ * DV..(b + 1) * sq * HQ * DV];
+    assert_eq!(bits(o), bits(&want), "{what}: sequence {b} O ({cfg:?})");
+    let lse = &got.lse[b * HQ * sq..(b + 1) * HQ * sq];
+    assert_eq!(lse, &dense.lse[..], "{what}: sequence {b} LSE ({cfg:?})");
+}
+
+/// An e4m3 cache with descales (one per sequence and KV head, by sequence also through
+/// `cache_batch_idx`) is the f32 call over Q and its dequantized keys and values, O rounded to
+/// bf16 once, bit for bit: dense, through `cache_batch_idx`, and paged (which then agree); an
+/// e4m3 cache without descales is the call over its values as they are; descales over a bf16
+/// cache scale it alike.
+#[test]
+fn an_fp8_cache_is_the_call_over_its_dequantized_keys() {
+    let fx = Fixture::new(3, 23);
+    let lens = [0, 41, CAPACITY as i32];
+    let (k8, v8) = (e4m3(&fx.k), e4m3(&fx.v));
+    let (kd, vd) = (descales(0.25), descales(-0.1));
+    let cache = KvCache::dense(
+        TensorRef::contiguous(&k8, [ENTRIES, CAPACITY, HK, D]),
+        TensorRef::contiguous(&v8, [ENTRIES, CAPACITY, HK, DV]),
+    );
+    // The first `len` keys of entry e, each head's times its descale of sequence b.
+    let dequantized = |x: &[F8E4M3], e: usize, len: usize, d: usize, s: Option<&[f32]>, b| {
+        x[e * CAPACITY * HK * d..][..len * HK * d]
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v.to_f32() * s.map_or(1.0, |s| s[b * HK + i / d % HK]))
+            .collect::<Vec<f32>>()
+    };
+    for cfg in configs() {
+        let entries = [4usize, 0, 3];
+        let idx = entries.map(|e| e as i32);
+        let picked = kvcache::forward(
+            &cfg,
+            KvCacheInputs::new(fx.q(), cache, &lens)
+                .with_cache_batch_idx(&idx)
+                .with_descales(&kd, &vd),
+        )
+        .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
+        let plain = kvcache::forward(&cfg, KvCacheInputs::new(fx.q(), cache, &lens)).unwrap();
+        for (b, &len) in lens.iter().enumerate().skip(1) {
+            let len = len as usize;
+            let (e, s) = (entries[b], Some((&kd[..], &vd[..])));
+            let (k, v) = (
+                dequantized(&k8, e, len, D, s.map(|s| s.0), b),
+                dequantized(&v8, e, len, DV, s.map(|s| s.1), b),
+            );
+            check_f32_sequence(&fx, &cfg, b, (&k, &v), &picked, "descaled");
+            let (k, v) = (
+                dequantized(&k8, b, len, D, None, b),
+                dequantized(&v8, b, len, DV, None, b),
+            );
+            check_f32_sequence(&fx, &cfg, b, (&k, &v), &plain, "no descales");
+        }
+        let sq = fx.seqlen_q;
+        assert!(picked.out[..sq * HQ * DV].iter().all(|x| x.to_f32() == 0.0));
+        assert!(picked.lse[..HQ * sq].iter().all(|&l| l == f32::INFINITY));
+
+        // The same entries' pages, shuffled, as an e4m3 pool.
+        let (k, v, table) = fx.paged(&entries, 24);
+        let (pk, pv) = (e4m3(&k), e4m3(&v));
+        let paged = KvCache::paged(
+            TensorRef::contiguous(&pk, [POOL, PAGE, HK, D]),
+            TensorRef::contiguous(&pv, [POOL, PAGE, HK, DV]),
+            &table,
+            PAGES_PER_SEQ,
+        );
+        let got = kvcache::forward(
+            &cfg,
+            KvCacheInputs::new(fx.q(), paged, &lens).with_descales(&kd, &vd),
+        )
+        .unwrap();
+        assert_eq!(bits(&got.out), bits(&picked.out), "paged O ({cfg:?})");
+        assert_eq!(got.lse, picked.lse, "paged LSE ({cfg:?})");
+
+        // Descales over the bf16 cache.
+        let scaled = kvcache::forward(
+            &cfg,
+            KvCacheInputs::new(fx.q(), fx.dense(), &lens).with_descales(&kd, &vd),
+        )
+        .unwrap();
+        for (b, &len) in lens.iter().enumerate().skip(1) {
+            let len = len as usize;
+            let widened = |x: &[bf16], d: usize, s: &[f32]| {
+                fx.keys(x, b, len, d)
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| v.to_f32() * s[b * HK + i / d % HK])
+                    .collect::<Vec<f32>>()
+            };
+            let (k, v) = (widened(&fx.k, D, &kd), widened(&fx.v, DV, &vd));
+            check_f32_sequence(&fx, &cfg, b, (&k, &v), &scaled, "bf16 descaled");
+        }
+    }
+}
+
+/// Descales of the wrong length or not finite, and a cache of another 16-bit type than Q's: typed
+/// errors.
+#[test]
+fn bad_descales_and_cache_types_are_typed_errors() {
+    let fx = Fixture::new(1, 5);
+    let cfg = AttentionConfig::new().causal(true);
+    let lens = [5, 5, 5];
+    let (k8, v8) = (e4m3(&fx.k), e4m3(&fx.v));
+    let cache = KvCache::dense(
+        TensorRef::contiguous(&k8, [ENTRIES, CAPACITY, HK, D]),
+        TensorRef::contiguous(&v8, [ENTRIES, CAPACITY, HK, DV]),
+    );
+    let good = descales(0.5);
+    let mut nan = good.clone();
+    nan[3] = f32::NAN;
+    let mut inf = good.clone();
+    inf[0] = f32::INFINITY;
+    for (k, v) in [
+        (&good[1..], &good[..]),
+        (&good[..], &good[..good.len() - 1]),
+        (&nan[..], &good[..]),
+        (&good[..], &inf[..]),
+    ] {
+        let e = kvcache::forward(
+            &cfg,
+            KvCacheInputs::new(fx.q(), cache, &lens).with_descales(k, v),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
+    }
+    let (k16, v16): (Vec<half::f16>, Vec<half::f16>) = (
+        fx.k.iter()
+            .map(|x| half::f16::from_f32(x.to_f32()))
+            .collect(),
+        fx.v.iter()
+            .map(|x| half::f16::from_f32(x.to_f32()))
+            .collect(),
+    );
+    let f16_cache = KvCache::dense(
+        TensorRef::contiguous(&k16, [ENTRIES, CAPACITY, HK, D]),
+        TensorRef::contiguous(&v16, [ENTRIES, CAPACITY, HK, DV]),
+    );
+    let e = kvcache::forward(&cfg, KvCacheInputs::new(fx.q(), f16_cache, &lens)).unwrap_err();
+    assert!(matches!(e, Error::UnsupportedDtype { .. }), "{e:?}");
 }
 
 #[test]
