@@ -14,7 +14,7 @@
 //! The cache holds Q's element type, or FP8 e4m3 (`float8::F8E4M3`) with descales
 //! ([`CacheDescales`], flash-attn's `k_descale` and `v_descale`: one f32 per sequence and KV head
 //! that its stored keys and values are multiplied by): the call attends to the dequantized cache
-//! exactly, O in Q's type.
+//! exactly, O in Q's type; [`append_fp8`] stores new rows into such a cache by the descales.
 //!
 //! O is `(batch, seqlen_q, heads_q, head_dim_v)`; the LSE is f32 `(batch, heads_q, seqlen_q)`, a
 //! dense call's (and `flash_attn_with_kvcache`'s). A sequence
@@ -45,10 +45,13 @@
 //! # Ok::<(), flashattn::Error>(())
 //! ```
 
+use float8::F8E4M3;
+
 use crate::backend;
 use crate::config::AttentionConfig;
 use crate::dispatch::{self, BuiltKernels, Memory, Op};
 use crate::error::{Error, Operand, Result};
+use crate::fp8;
 use crate::tensor::{self, DType, Element, Layout, Problem, TensorMut, TensorRef};
 use crate::varlen::{self, Seqlens};
 use crate::{alloc, ForwardInputs, ForwardOutput};
@@ -568,6 +571,65 @@ pub fn append<T: Element>(
     cache_seqlens: &[i32],
     cache_batch_idx: Option<&[i32]>,
 ) -> Result<()> {
+    append_as(
+        cache,
+        (k_new, v_new),
+        cache_seqlens,
+        cache_batch_idx,
+        |x, _| x,
+        |x, _| x,
+    )
+}
+
+/// [`append`] into an e4m3 cache: sequence `b`'s new keys of KV head `h` are stored as
+/// [`crate::fp8::quantize`]`(x, descales.k[b · heads_kv + h])` (rounded to the nearest e4m3,
+/// saturating at ±448), its values alike with `descales.v`, so that a [`forward`] with the same
+/// descales reads them back to within e4m3's rounding. The descales must be finite and
+/// positive.
+pub fn append_fp8<T: Element>(
+    cache: &mut KvCacheMut<'_, F8E4M3>,
+    k_new: TensorRef<'_, T>,
+    v_new: TensorRef<'_, T>,
+    cache_seqlens: &[i32],
+    cache_batch_idx: Option<&[i32]>,
+    descales: CacheDescales<'_>,
+) -> Result<()> {
+    let [batch, _, heads_kv, _] = k_new.layout.shape;
+    for (name, d) in [("k_descale", descales.k), ("v_descale", descales.v)] {
+        if d.len() as u64 != batch as u64 * heads_kv as u64 {
+            return Err(Error::InvalidConfig(format!(
+                "{name} has {} values for {batch} sequences of {heads_kv} KV heads",
+                d.len()
+            )));
+        }
+        if let Some(i) = d.iter().position(|x| !(x.is_finite() && *x > 0.0)) {
+            return Err(Error::InvalidConfig(format!(
+                "{name}[{i}] is {}: an append divides by it",
+                d[i]
+            )));
+        }
+    }
+    let (kd, vd) = (descales.k, descales.v);
+    append_as(
+        cache,
+        (k_new, v_new),
+        cache_seqlens,
+        cache_batch_idx,
+        |x: T, bh| fp8::quantize(x.to_f32(), kd[bh]),
+        |x: T, bh| fp8::quantize(x.to_f32(), vd[bh]),
+    )
+}
+
+/// [`append`] of new rows of `X` into a cache of `C`, each element of sequence `b`, head `h`
+/// stored as `to_k(x, b · heads_kv + h)` (K) or `to_v(...)` (V).
+fn append_as<X: Copy, C: Copy>(
+    cache: &mut KvCacheMut<'_, C>,
+    (k_new, v_new): (TensorRef<'_, X>, TensorRef<'_, X>),
+    cache_seqlens: &[i32],
+    cache_batch_idx: Option<&[i32]>,
+    to_k: impl Fn(X, usize) -> C,
+    to_v: impl Fn(X, usize) -> C,
+) -> Result<()> {
     // The cache as an output (each element reached once), before anything is written.
     match &*cache {
         KvCacheMut::Dense { k, v } | KvCacheMut::Paged { k, v, .. } => {
@@ -596,13 +658,19 @@ pub fn append<T: Element>(
     let (k, v) = match cache {
         KvCacheMut::Dense { k, v } | KvCacheMut::Paged { k, v, .. } => (k, v),
     };
-    scatter(k, &k_new, &dest_rows);
-    scatter(v, &v_new, &dest_rows);
+    scatter(k, &k_new, &dest_rows, to_k);
+    scatter(v, &v_new, &dest_rows, to_v);
     Ok(())
 }
 
-/// Row `i` of sequence `b` of `new` into the cache row `rows[b][i]` names, every head.
-fn scatter<T: Copy>(cache: &mut TensorMut<T>, new: &TensorRef<T>, rows: &[Vec<(usize, usize)>]) {
+/// Row `i` of sequence `b` of `new` into the cache row `rows[b][i]` names, every head `h`, each
+/// element as `convert(x, b · heads + h)`.
+fn scatter<X: Copy, C: Copy>(
+    cache: &mut TensorMut<C>,
+    new: &TensorRef<X>,
+    rows: &[Vec<(usize, usize)>],
+    convert: impl Fn(X, usize) -> C,
+) {
     let [_, _, heads, d] = new.layout.shape;
     let (c, n) = (cache.layout.strides, new.layout.strides);
     for (b, rows) in rows.iter().enumerate() {
@@ -612,7 +680,12 @@ fn scatter<T: Copy>(cache: &mut TensorMut<T>, new: &TensorRef<T>, rows: &[Vec<(u
                     entry * c[0] + row * c[1] + h * c[2],
                     b * n[0] + i * n[1] + h * n[2],
                 );
-                cache.data[dst..dst + d].copy_from_slice(&new.data[src..src + d]);
+                for (y, &x) in cache.data[dst..dst + d]
+                    .iter_mut()
+                    .zip(&new.data[src..src + d])
+                {
+                    *y = convert(x, b * heads + h);
+                }
             }
         }
     }

@@ -467,6 +467,108 @@ fn bad_descales_and_cache_types_are_typed_errors() {
     assert!(matches!(e, Error::UnsupportedDtype { .. }), "{e:?}");
 }
 
+/// New rows appended into an e4m3 cache are stored as `fp8::quantize` by their sequence's
+/// descale of their KV head, at the rows `cache_seqlens` and the cache's layout (through
+/// `cache_batch_idx`, and paged) give them, every other byte untouched. Descales that are not
+/// finite and positive, or of the wrong length, are typed errors that write nothing.
+#[test]
+fn an_fp8_append_stores_each_row_by_its_descale() {
+    let fx = Fixture::new(2, 31);
+    let (seqlen_new, lens) = (3, [0, 17, CAPACITY as i32 - 3]);
+    let mut rng = StdRng::seed_from_u64(32);
+    let k_new: Vec<bf16> = random(BATCH * seqlen_new * HK * D, &mut rng);
+    let v_new: Vec<bf16> = random(BATCH * seqlen_new * HK * DV, &mut rng);
+    let (kn, vn) = (
+        TensorRef::contiguous(&k_new, [BATCH, seqlen_new, HK, D]),
+        TensorRef::contiguous(&v_new, [BATCH, seqlen_new, HK, DV]),
+    );
+    let (kd, vd) = (descales(0.3), descales(0.05));
+    let (k8, v8) = (e4m3(&fx.k), e4m3(&fx.v));
+    let entries = [4usize, 0, 3];
+    let idx = entries.map(|e| e as i32);
+    let (mut k, mut v) = (k8.clone(), v8.clone());
+    let mut cache = KvCacheMut::Dense {
+        k: TensorMut::contiguous(&mut k, [ENTRIES, CAPACITY, HK, D]),
+        v: TensorMut::contiguous(&mut v, [ENTRIES, CAPACITY, HK, DV]),
+    };
+    let descaled = kvcache::CacheDescales { k: &kd, v: &vd };
+    kvcache::append_fp8(&mut cache, kn, vn, &lens, Some(&idx), descaled).unwrap();
+    // The expected cache: the new rows quantized into their entries' rows.
+    let (mut want_k, mut want_v) = (k8.clone(), v8.clone());
+    for b in 0..BATCH {
+        for i in 0..seqlen_new {
+            let row = lens[b] as usize + i;
+            for h in 0..HK {
+                for (want, new, d, s) in [
+                    (&mut want_k, &k_new, D, &kd),
+                    (&mut want_v, &v_new, DV, &vd),
+                ] {
+                    let dst = ((entries[b] * CAPACITY + row) * HK + h) * d;
+                    let src = ((b * seqlen_new + i) * HK + h) * d;
+                    for j in 0..d {
+                        want[dst + j] =
+                            flashattn::fp8::quantize(new[src + j].to_f32(), s[b * HK + h]);
+                    }
+                }
+            }
+        }
+    }
+    let raw = |x: &[F8E4M3]| x.iter().map(|v| v.to_bits()).collect::<Vec<u8>>();
+    assert_eq!(raw(&k), raw(&want_k), "K");
+    assert_eq!(raw(&v), raw(&want_v), "V");
+    // Paged: the same rows through a shuffled pool, byte for byte where the table puts them.
+    let (pk, pv, table) = fx.paged(&entries, 33);
+    let (mut pk, mut pv) = (e4m3(&pk), e4m3(&pv));
+    let before = (raw(&pk), raw(&pv));
+    let mut paged = KvCacheMut::Paged {
+        k: TensorMut::contiguous(&mut pk, [POOL, PAGE, HK, D]),
+        v: TensorMut::contiguous(&mut pv, [POOL, PAGE, HK, DV]),
+        block_table: &table,
+        max_pages: PAGES_PER_SEQ,
+    };
+    kvcache::append_fp8(&mut paged, kn, vn, &lens, None, descaled).unwrap();
+    // Each appended row where the table puts it, and no other byte changed.
+    for (pool, before, want, d) in [(&pk, &before.0, &want_k, D), (&pv, &before.1, &want_v, DV)] {
+        let mut expected = before.clone();
+        for b in 0..BATCH {
+            for i in 0..seqlen_new {
+                let row = lens[b] as usize + i;
+                let page = table[b * PAGES_PER_SEQ + row / PAGE] as usize;
+                let at = (page * PAGE + row % PAGE) * HK * d;
+                let from = (entries[b] * CAPACITY + row) * HK * d;
+                expected[at..at + HK * d].copy_from_slice(&raw(&want[from..from + HK * d]));
+            }
+        }
+        assert_eq!(raw(pool), expected, "paged, head dim {d}");
+    }
+
+    // Refusals write nothing.
+    let mut zero = kd.clone();
+    zero[1] = 0.0;
+    let mut nan = kd.clone();
+    nan[0] = f32::NAN;
+    let snapshot = (raw(&k), raw(&v));
+    for (bad_k, bad_v) in [
+        (&zero[..], &vd[..]),
+        (&kd[..], &nan[..]),
+        (&kd[1..], &vd[..]),
+        (&kd[..], &vd[..vd.len() - 1]),
+    ] {
+        let mut cache = KvCacheMut::Dense {
+            k: TensorMut::contiguous(&mut k, [ENTRIES, CAPACITY, HK, D]),
+            v: TensorMut::contiguous(&mut v, [ENTRIES, CAPACITY, HK, DV]),
+        };
+        let bad = kvcache::CacheDescales { k: bad_k, v: bad_v };
+        let e = kvcache::append_fp8(&mut cache, kn, vn, &lens, Some(&idx), bad).unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
+    }
+    assert_eq!(
+        (raw(&k), raw(&v)),
+        snapshot,
+        "a refused append writes nothing"
+    );
+}
+
 #[test]
 fn inconsistent_inputs_are_typed_errors() {
     let fx = Fixture::new(1, 3);
