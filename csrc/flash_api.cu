@@ -9,6 +9,7 @@
 #include "common/sequences.h"
 #include "common/status.h"
 #include "common/views.h"
+#include "combine.h"
 #include "flash_api.h"
 #include "kernels.h"
 #include "kvcache_append.h"
@@ -442,6 +443,33 @@ extern "C" flashattn_result_t flashattn_kvcache_append(const flashattn_kvcache_a
   if (p.seqlens_out != nullptr) ops.write(View::packed(p.seqlens_out, 4, p.batch, 4));
   if (!ops.valid()) return kInvalid;
   return flashattn::run_kvcache_append(p, static_cast<cudaStream_t>(stream));
+}
+
+extern "C" flashattn_result_t flashattn_combine(const flashattn_combine_t* params, void* stream) {
+  if (params == nullptr) return kInvalid;
+  const flashattn_combine_t& p = *params;
+  if (p.dtype != FLASHATTN_F16 && p.dtype != FLASHATTN_BF16) return kInvalid;
+  if (p.parts < 1 || p.parts > FLASHATTN_MAX_COMBINE_PARTS || p.batch < 1 || p.seqlen_q < 1 ||
+      p.heads < 1 || p.head_dim_v < 1 || (p.lse_packed != 0 && p.lse_packed != 1))
+    return kInvalid;
+  // O's elements numbered in int64, one thread each in a grid of at most 2^31 - 1 blocks of 256.
+  int64_t rows = 0, elements = 0;
+  if (__builtin_mul_overflow(int64_t(p.batch) * p.seqlen_q, int64_t(p.heads), &rows) ||
+      __builtin_mul_overflow(rows, int64_t(p.head_dim_v), &elements) ||
+      elements > int64_t(INT32_MAX) * 256)
+    return kInvalid;
+  const View o = View::of(p.o, 2, p.batch, p.seqlen_q, p.heads, p.head_dim_v);
+  const View lse = View::packed(p.lse, 4, rows, 4);
+  if (!o.addressable() || !o.one_to_one() || !lse.addressable() || flashattn::overlap(o, lse))
+    return kInvalid;
+  for (int k = 0; k < p.parts; ++k) {
+    const View in[2] = {View::of(p.part_o[k], 2, p.batch, p.seqlen_q, p.heads, p.head_dim_v),
+                        View::packed(p.part_lse[k], 4, rows, 4)};
+    for (const View& v : in)
+      if (!v.addressable() || flashattn::overlap(v, o) || flashattn::overlap(v, lse))
+        return kInvalid;
+  }
+  return flashattn::run_combine(p, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" flashattn_result_t flashattn_fp8_sanitize_descales(const float* src, float* dst,

@@ -267,6 +267,26 @@ typedef struct {
   int32_t seqlen_q, heads_q, q_same_position;
 } flashattn_kvcache_append_t;
 
+// Partial attention results merged by their log-sum-exp (flashattn_combine): `parts` outputs
+// part_o[i] (batch, seqlen_q, heads, head_dim_v) in dtype (FLASHATTN_F16 or FLASHATTN_BF16), each
+// with its f32 LSE part_lse[i], (batch, heads, seqlen_q) packed, or with lse_packed 1
+// (heads, batch * seqlen_q) (a packed call's); o and lse take the merged ones in the same
+// layouts: LSE = log sum_i exp(LSE_i) and O = sum_i exp(LSE_i - LSE) * O_i, row by row, in f32. A
+// part with LSE +inf saw no key of the row (its O is 0) and weighs nothing; a row no part saw
+// gets O = 0 and LSE = +inf; a NaN LSE makes its row NaN. The outputs share no element with an
+// input or each other.
+#define FLASHATTN_MAX_COMBINE_PARTS 64
+typedef struct {
+  int32_t dtype;
+  int32_t parts;  // 1 ..= FLASHATTN_MAX_COMBINE_PARTS
+  int32_t batch, seqlen_q, heads, head_dim_v;
+  int32_t lse_packed;
+  flashattn_tensor_t part_o[FLASHATTN_MAX_COMBINE_PARTS];
+  const float* part_lse[FLASHATTN_MAX_COMBINE_PARTS];
+  flashattn_tensor_t o;
+  float* lse;
+} flashattn_combine_t;
+
 typedef struct {
   int32_t major, minor;
   int32_t sm_count;
@@ -303,6 +323,9 @@ flashattn_result_t flashattn_fp8_quantize(const flashattn_fp8_quantize_t* params
 // KV-cache append step on `stream` (flashattn_kvcache_append_t).
 flashattn_result_t flashattn_kvcache_append(const flashattn_kvcache_append_t* params,
                                             void* stream);
+
+// Partial results merged by their LSE on `stream` (flashattn_combine_t).
+flashattn_result_t flashattn_combine(const flashattn_combine_t* params, void* stream);
 
 // `count` FP8 descales from src to dst (in place when equal) on `stream`, every value that is not
 // finite and > 0 replaced by NaN: the FP8 forward then gives NaN in the rows such a descale

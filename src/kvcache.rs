@@ -14,7 +14,7 @@
 //! The cache holds Q's element type, or FP8 e4m3 (`float8::F8E4M3`) with descales
 //! ([`CacheDescales`], flash-attn's `k_descale` and `v_descale`: one f32 per sequence and KV head
 //! that its stored keys and values are multiplied by): the call attends to the dequantized cache
-//! exactly, O in Q's type; [`append_fp8`] stores new rows into such a cache by the descales.
+//! (the f32 products), O in Q's type; [`append_fp8`] stores new rows into such a cache by the descales.
 //!
 //! O is `(batch, seqlen_q, heads_q, head_dim_v)`; the LSE is f32 `(batch, heads_q, seqlen_q)`, a
 //! dense call's (and `flash_attn_with_kvcache`'s). A sequence
@@ -218,7 +218,7 @@ fn key_rows<T>(
 
 /// The rows `rows` of a tensor gathered into a contiguous `(1, rows.len(), heads, d)` of `U`,
 /// row i of head h times `scale(i, h)` (in f32; a scale of 1 between the same types, or into a
-/// wider one, copies the values exactly).
+/// wider one, copies the values exactly, NaN payloads aside).
 fn gather<X: Element, U: Element>(
     t: &TensorRef<X>,
     rows: &[(usize, usize)],
@@ -358,8 +358,12 @@ fn plan<T: Element, C: Element>(
     inputs: &KvCacheInputs<T, C>,
 ) -> Result<(Problem, dispatch::Plan)> {
     if C::DTYPE != T::DTYPE && C::DTYPE != DType::E4M3 {
-        return Err(Error::UnsupportedDtype {
-            dtype: C::DTYPE,
+        return Err(Error::Unsupported {
+            what: format!(
+                "a KV cache of {:?} under {:?} queries (the cache holds Q's type or e4m3)",
+                C::DTYPE,
+                T::DTYPE
+            ),
             backend: cfg.backend,
         });
     }
@@ -389,7 +393,7 @@ fn plan<T: Element, C: Element>(
     )?;
     if let Some(CacheDescales { k, v }) = inputs.descales {
         for (name, d) in [("k_descale", k), ("v_descale", v)] {
-            if d.len() as u64 != batch as u64 * heads_kv as u64 {
+            if Some(d.len()) != batch.checked_mul(heads_kv) {
                 return Err(Error::InvalidConfig(format!(
                     "{name} has {} values for {batch} sequences of {heads_kv} KV heads",
                     d.len()
@@ -429,8 +433,8 @@ fn plan<T: Element, C: Element>(
 /// `(batch, heads_q, seqlen_q)` (as a dense call's and `flash_attn_with_kvcache`'s). Each
 /// sequence's result is that of [`crate::forward`] on its Q and its first `cache_seqlens[b]`
 /// cached keys: in Q's type, or over an e4m3 cache or with descales, in f32 over Q and the
-/// dequantized keys and values (exact products of the stored values and their descales), O then
-/// rounded to Q's type.
+/// dequantized keys and values (the f32 products of the stored values and their descales), O
+/// then rounded to Q's type.
 pub fn forward<T: Element, C: Element>(
     cfg: &AttentionConfig,
     inputs: KvCacheInputs<'_, T, C>,
@@ -584,8 +588,9 @@ pub fn append<T: Element>(
 /// [`append`] into an e4m3 cache: sequence `b`'s new keys of KV head `h` are stored as
 /// [`crate::fp8::quantize`]`(x, descales.k[b · heads_kv + h])` (rounded to the nearest e4m3,
 /// saturating at ±448), its values alike with `descales.v`, so that a [`forward`] with the same
-/// descales reads them back to within e4m3's rounding. The descales must be finite and
-/// positive.
+/// descales reads them back to within e4m3's rounding (and their reciprocals'), up to ±448 times
+/// the descale. The descales must be positive normal numbers (`quantize` multiplies by their
+/// reciprocals).
 pub fn append_fp8<T: Element>(
     cache: &mut KvCacheMut<'_, F8E4M3>,
     k_new: TensorRef<'_, T>,
@@ -594,17 +599,18 @@ pub fn append_fp8<T: Element>(
     cache_batch_idx: Option<&[i32]>,
     descales: CacheDescales<'_>,
 ) -> Result<()> {
+    k_new.check(Operand::K)?;
     let [batch, _, heads_kv, _] = k_new.layout.shape;
     for (name, d) in [("k_descale", descales.k), ("v_descale", descales.v)] {
-        if d.len() as u64 != batch as u64 * heads_kv as u64 {
+        if Some(d.len()) != batch.checked_mul(heads_kv) {
             return Err(Error::InvalidConfig(format!(
                 "{name} has {} values for {batch} sequences of {heads_kv} KV heads",
                 d.len()
             )));
         }
-        if let Some(i) = d.iter().position(|x| !(x.is_finite() && *x > 0.0)) {
+        if let Some(i) = d.iter().position(|x| !(x.is_normal() && *x > 0.0)) {
             return Err(Error::InvalidConfig(format!(
-                "{name}[{i}] is {}: an append divides by it",
+                "{name}[{i}] is {}: an append multiplies by its reciprocal",
                 d[i]
             )));
         }

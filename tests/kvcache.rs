@@ -422,7 +422,7 @@ fn an_fp8_cache_is_the_call_over_its_dequantized_keys() {
 }
 
 /// Descales of the wrong length or not finite, and a cache of another 16-bit type than Q's: typed
-/// errors.
+/// errors; zero and negative descales are numbers like any other.
 #[test]
 fn bad_descales_and_cache_types_are_typed_errors() {
     let fx = Fixture::new(1, 5);
@@ -434,6 +434,13 @@ fn bad_descales_and_cache_types_are_typed_errors() {
         TensorRef::contiguous(&v8, [ENTRIES, CAPACITY, HK, DV]),
     );
     let good = descales(0.5);
+    let mut odd = good.clone();
+    (odd[0], odd[1]) = (0.0, -2.0);
+    kvcache::forward(
+        &cfg,
+        KvCacheInputs::new(fx.q(), cache, &lens).with_descales(&odd, &good),
+    )
+    .unwrap();
     let mut nan = good.clone();
     nan[3] = f32::NAN;
     let mut inf = good.clone();
@@ -464,7 +471,7 @@ fn bad_descales_and_cache_types_are_typed_errors() {
         TensorRef::contiguous(&v16, [ENTRIES, CAPACITY, HK, DV]),
     );
     let e = kvcache::forward(&cfg, KvCacheInputs::new(fx.q(), f16_cache, &lens)).unwrap_err();
-    assert!(matches!(e, Error::UnsupportedDtype { .. }), "{e:?}");
+    assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
 }
 
 /// New rows appended into an e4m3 cache are stored as `fp8::quantize` by their sequence's
@@ -545,12 +552,15 @@ fn an_fp8_append_stores_each_row_by_its_descale() {
     // Refusals write nothing.
     let mut zero = kd.clone();
     zero[1] = 0.0;
+    let mut subnormal = vd.clone();
+    subnormal[2] = 1e-40;
     let mut nan = kd.clone();
     nan[0] = f32::NAN;
     let snapshot = (raw(&k), raw(&v));
     for (bad_k, bad_v) in [
         (&zero[..], &vd[..]),
         (&kd[..], &nan[..]),
+        (&kd[..], &subnormal[..]),
         (&kd[1..], &vd[..]),
         (&kd[..], &vd[..vd.len() - 1]),
     ] {

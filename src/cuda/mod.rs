@@ -3,6 +3,7 @@
 //!
 //! Nothing here synchronizes the stream: results are ready when the stream says so.
 
+mod combine;
 mod fp8;
 mod kvcache;
 #[cfg(feature = "selftest")]

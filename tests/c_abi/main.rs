@@ -21,6 +21,7 @@ mod ffi {
 }
 
 mod bad_params;
+mod combine;
 mod fp8;
 mod kvcache_append;
 

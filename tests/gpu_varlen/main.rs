@@ -5,6 +5,7 @@
 //! with `--include-ignored` (each test fails without a GPU).
 #![cfg(feature = "cuda")]
 
+mod combine;
 #[path = "../common/mod.rs"]
 mod common;
 mod dense;

@@ -1,0 +1,84 @@
+//! The combine entry point: its counts, layouts, and the merged O and LSE as outputs (no input
+//! may share an element with them).
+
+use std::ptr::null_mut;
+
+use crate::ffi::*;
+use crate::{addr, packed, INVALID};
+
+/// Three parts of (2, 37, 4, 64) bf16 with their LSE in the dense layout, merged into separate
+/// buffers: valid but for what each case breaks.
+fn base() -> flashattn_combine_t {
+    let (s, h, d) = (37, 4, 64);
+    let none = flashattn_tensor_t {
+        ptr: null_mut(),
+        batch_stride: 0,
+        row_stride: 0,
+        head_stride: 0,
+    };
+    let mut p = flashattn_combine_t {
+        dtype: FLASHATTN_BF16 as i32,
+        parts: 3,
+        batch: 2,
+        seqlen_q: s as i32,
+        heads: h as i32,
+        head_dim_v: d as i32,
+        lse_packed: 0,
+        part_o: [none; FLASHATTN_MAX_COMBINE_PARTS as usize],
+        part_lse: [std::ptr::null(); FLASHATTN_MAX_COMBINE_PARTS as usize],
+        o: packed(addr(0), s, h, d),
+        lse: addr(1) as *mut f32,
+    };
+    for k in 0..3 {
+        p.part_o[k] = packed(addr(2 + 2 * k), s, h, d);
+        p.part_lse[k] = addr(3 + 2 * k) as *const f32;
+    }
+    p
+}
+
+#[test]
+fn combine_refuses_what_it_cannot_do_in_bounds() {
+    type Edit = fn(&mut flashattn_combine_t);
+    let cases: [(&str, Edit); 11] = [
+        ("e4m3", |p| p.dtype = FLASHATTN_E4M3 as i32),
+        ("no parts", |p| p.parts = 0),
+        ("more parts than the table holds", |p| {
+            p.parts = FLASHATTN_MAX_COMBINE_PARTS as i32 + 1
+        }),
+        ("a part without its O", |p| p.part_o[2].ptr = null_mut()),
+        ("a part without its LSE", |p| {
+            p.part_lse[1] = std::ptr::null()
+        }),
+        ("no rows", |p| p.seqlen_q = 0),
+        ("an LSE layout of neither kind", |p| p.lse_packed = 2),
+        ("O over a part's O", |p| p.o.ptr = p.part_o[1].ptr),
+        ("the LSE over a part's LSE", |p| {
+            p.lse = p.part_lse[0] as *mut f32
+        }),
+        ("O's rows overlapping (a zero row stride)", |p| {
+            p.o.row_stride = 0
+        }),
+        ("more elements than the grid covers", |p| {
+            (p.batch, p.seqlen_q, p.heads, p.head_dim_v) = (1 << 16, 1 << 16, 64, 64)
+        }),
+    ];
+    // The base passes every check: without a driver its launch is what fails (with one it
+    // would launch on these unreal addresses, so that is left to machines without a GPU).
+    if !flashattn::cuda::driver_present() {
+        // SAFETY: the launch fails for want of a driver before any pointer is used.
+        let r = unsafe { flashattn_combine(&base(), null_mut()) };
+        assert_eq!(
+            r.status, FLASHATTN_CUDA_ERROR as i32,
+            "base parameters refused"
+        );
+    }
+    // SAFETY (every call below): the params outlive the call; each is refused before launch.
+    let r = unsafe { flashattn_combine(std::ptr::null(), null_mut()) };
+    assert_eq!(r.status, INVALID, "null params");
+    for (what, edit) in cases {
+        let mut p = base();
+        edit(&mut p);
+        let r = unsafe { flashattn_combine(&p, null_mut()) };
+        assert_eq!((r.status, r.cuda_error), (INVALID, 0), "combine: {what}");
+    }
+}
