@@ -269,12 +269,13 @@ typedef struct {
 
 // Partial attention results merged by their log-sum-exp (flashattn_combine): `parts` outputs
 // part_o[i] (batch, seqlen_q, heads, head_dim_v) in dtype (FLASHATTN_F16 or FLASHATTN_BF16), each
-// with its f32 LSE part_lse[i], (batch, heads, seqlen_q) packed, or with lse_packed 1
-// (heads, batch * seqlen_q) (a packed call's); o and lse take the merged ones in the same
-// layouts: LSE = log sum_i exp(LSE_i) and O = sum_i exp(LSE_i - LSE) * O_i, row by row, in f32. A
-// part with LSE +inf saw no key of the row (its O is 0) and weighs nothing; a row no part saw
-// gets O = 0 and LSE = +inf; a NaN LSE makes its row NaN. The outputs share no element with an
-// input or each other.
+// with its f32 LSE part_lse[i], contiguous (batch, heads, seqlen_q) (a dense call's), or with
+// lse_packed 1 (heads, batch * seqlen_q) (a packed call's); o and lse take the merged ones in the
+// same layouts: LSE = log sum_i exp(LSE_i) and O = sum_i exp(LSE_i - LSE) * O_i, row by row, in
+// f32. A part with LSE +inf saw no key of the row and weighs 0 (its O, 0 by convention, is still
+// multiplied: a NaN or inf there makes the element NaN); a row no part saw gets O = 0 and LSE =
+// +inf; a NaN LSE makes its row NaN. Entries past `parts` are ignored. The outputs share no
+// element with an input or each other.
 #define FLASHATTN_MAX_COMBINE_PARTS 64
 typedef struct {
   int32_t dtype;
