@@ -23,8 +23,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_torch_bench import Bench  # noqa: E402
 from peers_common import (  # noqa: E402
-    add_output_args, add_run_args, add_timing_args, finish_run_args, short_error, summarize,
-    write_json)
+    add_output_args, add_run_args, add_timing_args, cudnn_frontend, finish_run_args, short_error,
+    summarize, write_json)
 from varlen_peers_cudnn import fe_doc  # noqa: E402
 
 HEADS_Q, HEADS_KV, D = 32, 4, 128
@@ -132,12 +132,7 @@ class PagedCudnn:
 
     def __init__(self, torch, dev, seed):
         self.torch, self.dev = torch, dev
-        torch.backends.cudnn.version()  # torch's libcudnn first: the frontend binds to it
-        import cudnn
-        self.cudnn = cudnn
-        self.handle = cudnn.create_handle()
-        self.version = (f"cudnn-frontend {getattr(cudnn, '__version__', '?')}, "
-                        f"cuDNN backend {cudnn.backend_version()}")
+        self.cudnn, self.handle, self.version = cudnn_frontend(torch)
         self.gen = torch.Generator(device=dev).manual_seed(seed + 1)
         self.held = None
         self.checked = None

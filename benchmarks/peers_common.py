@@ -11,6 +11,16 @@ import sys
 
 # ----------------------------------------------------------------------------- arguments
 
+def cudnn_frontend(torch):
+    """cuDNN's frontend bound to the libcudnn torch loads (loaded first, so that the frontend takes
+    that same library): (the `cudnn` module, a handle, its version string)."""
+    torch.backends.cudnn.version()
+    import cudnn
+    version = (f"cudnn-frontend {getattr(cudnn, '__version__', '?')}, "
+               f"cuDNN backend {cudnn.backend_version()}")
+    return cudnn, cudnn.create_handle(), version
+
+
 def int_list(text):
     try:
         vals = [int(x) for x in text.replace(" ", "").split(",") if x]

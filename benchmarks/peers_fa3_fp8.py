@@ -60,6 +60,7 @@ from peers_common import (  # noqa: E402
     add_output_args,
     add_run_args,
     add_timing_args,
+    cudnn_frontend,
     driver_version,
     finish_run_args,
     fmt,
@@ -319,16 +320,11 @@ class CudnnFp8Peer:
             if not torch.cuda.is_available() or torch.cuda.device_count() <= args.device:
                 raise RuntimeError("torch sees no CUDA GPU %d" % args.device)
             torch.cuda.set_device(args.device)
-            # Load torch's libcudnn first: the frontend then binds to that same library.
-            torch.backends.cudnn.version()
-            import cudnn
             from compare_torch_bench import Bench
-            self.torch, self.cudnn = torch, cudnn
+            self.torch = torch
+            self.cudnn, self.handle, self.version = cudnn_frontend(torch)
             self.bench = Bench(torch, args)
             self.dev = self.bench.dev
-            self.handle = cudnn.create_handle()
-            self.version = f"cudnn-frontend {getattr(cudnn, '__version__', '?')}, " \
-                           f"cuDNN backend {cudnn.backend_version()}"
             torch.manual_seed(args.seed)
         except Exception as e:  # noqa: BLE001
             self.error = "import: " + short_error(e)

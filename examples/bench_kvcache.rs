@@ -74,7 +74,7 @@ fn main() {
     let write = |rows: &[String]| {
         if let Some(path) = args.value("--out") {
             let extra = format!(", \"timing\": {{{}}}", protocol.json_fields());
-            common::write_results(
+            common::store_results(
                 &path,
                 &common::describe(dev.info()),
                 &args.commit(),
@@ -212,6 +212,9 @@ fn main() {
             ));
             write(&rows);
         }
+    }
+    if let Some(path) = args.value("--out") {
+        println!("wrote {path}");
     }
 }
 

@@ -120,13 +120,18 @@ pub fn describe(info: &DeviceInfo) -> String {
 /// Writes `{"date", "device", "commit", <extra>, "rows": [...]}` to `path`; each row is one
 /// JSON object already formatted.
 pub fn write_results(path: &str, device: &str, commit: &str, extra: &str, rows: &[String]) {
+    store_results(path, device, commit, extra, rows);
+    println!("wrote {path}");
+}
+
+/// [`write_results`] without a word: for a file written again after every row.
+pub fn store_results(path: &str, device: &str, commit: &str, extra: &str, rows: &[String]) {
     let json = format!(
         "{{\"date\": \"{}\", \"device\": \"{device}\", \"commit\": \"{commit}\"{extra}, \"rows\": [\n{}\n]}}\n",
         today(),
         rows.join(",\n")
     );
     std::fs::write(path, json).expect("write results");
-    println!("wrote {path}");
 }
 
 /// A timing event recorded on `stream` now.
