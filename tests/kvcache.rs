@@ -704,6 +704,135 @@ proptest! {
             ),
         }
     }
+
+    /// Any descales (of any length and value) and page numbers over an e4m3 cache, forward and
+    /// append: a typed error, or the f32 call over the dequantized keys bit for bit (forward) and
+    /// rows stored at their pages (append); never a panic.
+    #[test]
+    fn any_fp8_descales_give_an_error_or_the_dequantized_answer(
+        table in prop::collection::vec(prop_oneof![8 => 0i32..10, 1 => -2i32..12], 4),
+        lens in prop::collection::vec(0i32..12, 2),
+        k_descale in prop::collection::vec(
+            prop_oneof![
+                8 => 0.01f32..2.0,
+                1 => -2.0f32..0.0,
+                1 => Just(0.0),
+                1 => Just(f32::NAN),
+                1 => Just(f32::INFINITY),
+                1 => Just(1e-40),
+            ],
+            4,
+        ),
+        k_descales in prop_oneof![6 => Just(4usize), 1 => Just(3usize), 1 => Just(5usize)],
+        v_descale in prop::collection::vec(0.01f32..2.0, 4),
+        page_size in 1usize..7,
+    ) {
+        // k_descales values of k_descale's (a fifth one a copy): the right count or not.
+        let k_descale: Vec<f32> = k_descale.iter().cycle().take(k_descales).copied().collect();
+        // Ten pages of distinct e4m3 keys (V the same bytes), 2 sequences of 2 pages, 2 KV heads.
+        let (pages, heads, d, max_pages) = (10, 2, 8, 2);
+        let page = page_size * heads * d;
+        let mut k: Vec<F8E4M3> = (0..pages * page)
+            .map(|i| F8E4M3::from_f32((i as f32 * 0.37).sin() * 3.0))
+            .collect();
+        let q: Vec<f32> = (0..2 * heads * d).map(|i| (i as f32 * 0.21).cos()).collect();
+        let cfg = AttentionConfig::new().causal(true);
+        let result = {
+            let kt = TensorRef::contiguous(&k, [pages, page_size, heads, d]);
+            let cache = KvCache::paged(kt, kt, &table, max_pages);
+            let inputs = KvCacheInputs::new(TensorRef::contiguous(&q, [2, 1, heads, d]), cache, &lens)
+                .with_descales(&k_descale, &v_descale);
+            kvcache::forward(&cfg, inputs)
+        };
+        match result {
+            Ok(f) => {
+                for (b, &len) in lens.iter().enumerate().filter(|(_, &l)| l > 0) {
+                    let len = len as usize;
+                    let dequantized = |s: &[f32]| -> Vec<f32> {
+                        (0..len * heads * d)
+                            .map(|i| {
+                                let (j, h) = (i / (heads * d), i / d % heads);
+                                let p = table[b * max_pages + j / page_size] as usize;
+                                let at = (p * page_size + j % page_size) * heads * d + i % (heads * d);
+                                k[at].to_f32() * s[b * heads + h]
+                            })
+                            .collect()
+                    };
+                    let (kb, vb) = (dequantized(&k_descale), dequantized(&v_descale));
+                    let qb = TensorRef::contiguous(&q[b * heads * d..(b + 1) * heads * d], [1, 1, heads, d]);
+                    let want = flashattn::forward(
+                        &cfg,
+                        ForwardInputs::new(
+                            qb,
+                            TensorRef::contiguous(&kb, [1, len, heads, d]),
+                            TensorRef::contiguous(&vb, [1, len, heads, d]),
+                        ),
+                    )
+                    .unwrap();
+                    let got = &f.out[b * heads * d..(b + 1) * heads * d];
+                    prop_assert_eq!(
+                        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        want.out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                    );
+                }
+            }
+            Err(e) => prop_assert!(
+                matches!(
+                    e,
+                    Error::InvalidPageTable(_) | Error::InvalidSeqlens(_) | Error::InvalidConfig(_)
+                ),
+                "{:?}",
+                e
+            ),
+        }
+        // One new row per sequence appended after its keys, by the same descales.
+        let new: Vec<f32> = (0..2 * heads * d).map(|i| (i as f32 * 0.11).sin()).collect();
+        let nt = TensorRef::contiguous(&new, [2, 1, heads, d]);
+        let before: Vec<u8> = k.iter().map(|x| x.to_bits()).collect();
+        let mut v = k.clone();
+        let appended = {
+            let mut cache = KvCacheMut::Paged {
+                k: TensorMut::contiguous(&mut k, [pages, page_size, heads, d]),
+                v: TensorMut::contiguous(&mut v, [pages, page_size, heads, d]),
+                block_table: &table,
+                max_pages,
+            };
+            let descales = kvcache::CacheDescales { k: &k_descale, v: &v_descale };
+            kvcache::append_fp8(&mut cache, nt, nt, &lens, None, descales)
+        };
+        match appended {
+            Ok(()) => {
+                for (b, &len) in lens.iter().enumerate() {
+                    let j = len as usize;
+                    let p = table[b * max_pages + j / page_size] as usize;
+                    for h in 0..heads {
+                        let at = (p * page_size + j % page_size) * heads * d + h * d;
+                        let want: Vec<u8> = new[(b * heads + h) * d..][..d]
+                            .iter()
+                            .map(|&x| flashattn::fp8::quantize(x, k_descale[b * heads + h]).to_bits())
+                            .collect();
+                        // The two sequences may share a page: the later one's row wins there.
+                        let shared = b == 0 && table[max_pages + (lens[1] as usize) / page_size] as usize == p
+                            && (lens[1] as usize) % page_size == j % page_size;
+                        if !shared {
+                            prop_assert_eq!(k[at..at + d].iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want);
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                prop_assert!(
+                    matches!(
+                        e,
+                        Error::InvalidPageTable(_) | Error::InvalidSeqlens(_) | Error::InvalidConfig(_)
+                    ),
+                    "{:?}",
+                    e
+                );
+                prop_assert_eq!(k.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), before);
+            }
+        }
+    }
 }
 
 /// `append` writes each sequence's new keys after its cached ones, in a dense cache (through

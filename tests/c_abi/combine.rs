@@ -39,7 +39,7 @@ fn base() -> flashattn_combine_t {
 #[test]
 fn combine_refuses_what_it_cannot_do_in_bounds() {
     type Edit = fn(&mut flashattn_combine_t);
-    let cases: [(&str, Edit); 11] = [
+    let cases: [(&str, Edit); 15] = [
         ("e4m3", |p| p.dtype = FLASHATTN_E4M3 as i32),
         ("no parts", |p| p.parts = 0),
         ("more parts than the table holds", |p| {
@@ -58,6 +58,12 @@ fn combine_refuses_what_it_cannot_do_in_bounds() {
         ("O's rows overlapping (a zero row stride)", |p| {
             p.o.row_stride = 0
         }),
+        ("O misaligned", |p| {
+            p.o.ptr = (p.o.ptr as usize + 2) as *mut _
+        }),
+        ("a part's rows misaligned", |p| p.part_o[1].row_stride += 1),
+        ("O over a part's LSE", |p| p.o.ptr = p.part_lse[2] as *mut _),
+        ("the LSE over O", |p| p.lse = p.o.ptr as *mut f32),
         ("more elements than the grid covers", |p| {
             (p.batch, p.seqlen_q, p.heads, p.head_dim_v) = (1 << 16, 1 << 16, 64, 64)
         }),
