@@ -12,7 +12,11 @@
 //! This module runs that schedule on the CPU over simulated ranks (each rank's shards in host
 //! memory, the ring a loop over them): the arithmetic and bookkeeping a multi-GPU ring runs step
 //! by step, and the reference it is tested against. Masks: full or causal; softcap as any call.
-//! Not here: bounded windows, attention sinks, packed batches. Each pair's dK and dV come back
+//! Attention sinks join one part of each query chunk's forward (the merged LSE counts them once);
+//! in the backward every part takes them, and its share of the sinks' gradient (which is linear
+//! in each row's `D = Σ_j P·dP` over that part's keys) is summed: each rank returns its queries'
+//! share, which the ranks sum (as any gradient of a parameter every rank holds).
+//! Not here: bounded windows, packed batches. Each pair's dK and dV come back
 //! rounded to the inputs' type and are summed in f32, so a 16-bit ring's gradients carry one
 //! rounding per rank they visit.
 //!
@@ -161,8 +165,8 @@ fn pair_mask(cfg: &AttentionConfig, q_chunk: usize, k_chunk: usize) -> Option<At
     }
 }
 
-/// Checks a ring's inputs: a full or causal mask, at least one rank, no sinks, and each rank's
-/// shards within their buffers, K with Q's rows (the chunks pair up), V with K's shape but its
+/// Checks a ring's inputs: a full or causal mask, at least one rank, sinks on every rank or on
+/// none, and each rank's shards within their buffers, K with Q's rows (the chunks pair up), V with K's shape but its
 /// head dim, whole chunks, and every rank's shapes the first one's. Returns the number of ranks.
 fn check_ring<'a, T: 'a>(
     cfg: &AttentionConfig,
@@ -181,12 +185,12 @@ fn check_ring<'a, T: 'a>(
     }
     let mut count = 0;
     let mut first: Option<[[usize; 4]; 3]> = None;
+    let mut with_sinks = None;
     for ForwardInputs { q, k, v, sinks } in ranks {
-        if sinks.is_some() {
-            return Err(Error::Unsupported {
-                what: "attention sinks in a ring".into(),
-                backend: crate::config::Backend::Cpu,
-            });
+        if *with_sinks.get_or_insert(sinks.is_some()) != sinks.is_some() {
+            return Err(Error::InvalidConfig(
+                "attention sinks on some ranks of a ring and not on others".into(),
+            ));
         }
         q.check(Operand::Q)?;
         k.check(Operand::K)?;
@@ -256,7 +260,15 @@ pub fn forward<T: Element>(
                     chunk(&inputs[src].k, per, cj),
                     chunk(&inputs[src].v, per, cj),
                 );
-                let part = crate::forward(&mask, ForwardInputs::new(q, k, v))?;
+                // The sinks join the first part only: the merge adds each part's LSE.
+                let sinks = if parts.is_empty() { own.sinks } else { None };
+                let part = crate::forward(
+                    &mask,
+                    ForwardInputs {
+                        sinks,
+                        ..ForwardInputs::new(q, k, v)
+                    },
+                )?;
                 plan.get_or_insert(part.plan.clone());
                 parts.push(part);
             }
@@ -290,12 +302,14 @@ pub fn forward<T: Element>(
 }
 
 /// One rank's gradients in a ring backward: dQ of its queries, dK and dV of its keys and values
-/// (each summed over every rank's queries), shaped like its shards.
+/// (each summed over every rank's queries), shaped like its shards; with sinks, its queries'
+/// share of the sinks' gradient (heads_q values; the ranks' shares sum to the whole call's).
 #[derive(Debug)]
 pub struct RankGradients<T> {
     pub dq: Vec<T>,
     pub dk: Vec<T>,
     pub dv: Vec<T>,
+    pub dsinks: Option<Vec<f32>>,
 }
 
 /// The backward over a ring: rank r's `inputs[r]` holds its shards of Q, K, V, its O, dO and LSE
@@ -344,6 +358,10 @@ pub fn backward<T: Element>(
     let mut dv: Vec<Vec<f32>> = (0..ranks)
         .map(|_| zeros(batch * rows * heads_kv * d_v))
         .collect::<Result<_>>()?;
+    let mut dsinks: Vec<Option<Vec<f64>>> = inputs
+        .iter()
+        .map(|i| i.sinks.map(|_| vec![0f64; heads]))
+        .collect();
     // `part` (batch, len, h, w) added into chunk `c` of the rank's `acc` (batch, rows, h, w).
     let add = |acc: &mut [f32], part: &[T], c: usize, h: usize, w: usize| {
         for b in 0..batch {
@@ -380,9 +398,14 @@ pub fn backward<T: Element>(
                         out: o,
                         dout,
                         lse: &lse,
-                        sinks: None,
+                        sinks: own.sinks,
                     },
                 )?;
+                if let (Some(acc), Some(part)) = (&mut dsinks[rank], &g.dsinks) {
+                    for (a, &x) in acc.iter_mut().zip(part) {
+                        *a += f64::from(x);
+                    }
+                }
                 add(&mut dq[rank], &g.dq, ci, heads, d);
                 add(&mut dk[src], &g.dk, cj, heads_kv, d);
                 add(&mut dv[src], &g.dv, cj, heads_kv, d_v);
@@ -394,10 +417,12 @@ pub fn backward<T: Element>(
         .into_iter()
         .zip(dk)
         .zip(dv)
-        .map(|((dq, dk), dv)| RankGradients {
+        .zip(dsinks)
+        .map(|(((dq, dk), dv), dsinks)| RankGradients {
             dq: round(dq),
             dk: round(dk),
             dv: round(dv),
+            dsinks: dsinks.map(|s| s.into_iter().map(|x| x as f32).collect()),
         })
         .collect())
 }

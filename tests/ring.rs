@@ -1,7 +1,8 @@
 //! Ring attention over simulated ranks (`flashattn::ring`, CPU): 1 to 4 ranks, causal (zig-zag
 //! shards) and full (contiguous), GQA and V's own head dim: each rank's O, LSE, dQ, dK and dV
 //! are the single call's on its rows (f32, to within f32 rounding of the different summation
-//! order; bf16 O under the reference rule); unsupported masks and inconsistent shards are typed
+//! order; bf16 O under the reference rule), with attention sinks too (the ranks' shares of their
+//! gradient summing to the single call's); unsupported masks and inconsistent shards are typed
 //! errors.
 
 mod harness;
@@ -185,6 +186,93 @@ fn every_rank_gets_the_single_call_s_rows_in_f32() {
     }
 }
 
+/// With attention sinks: each rank's O and LSE are the single call's with them, its dQ, dK and dV
+/// too, and the ranks' shares of the sinks' gradient sum to the single call's (f32).
+#[test]
+fn sinks_join_the_ring_once_and_their_gradient_sums_over_the_ranks() {
+    let sinks: Vec<f32> = (0..HQ).map(|h| 0.8 * h as f32 - 1.5).collect();
+    for (cfg, sharding) in [
+        (AttentionConfig::new().causal(true), Sharding::ZigZag),
+        (AttentionConfig::new(), Sharding::Contiguous),
+    ] {
+        for ranks in 1..=4 {
+            let w = Whole::<f32>::new(40 + ranks as u64);
+            let (q, k, v, dout) = (
+                view(&w.q, S, HQ, D),
+                view(&w.k, S, HK, D),
+                view(&w.v, S, HK, DV),
+                view(&w.dout, S, HQ, DV),
+            );
+            let fwd =
+                flashattn::forward(&cfg, ForwardInputs::new(q, k, v).with_sinks(&sinks)).unwrap();
+            let grads = flashattn::backward(
+                &cfg,
+                BackwardInputs {
+                    q,
+                    k,
+                    v,
+                    out: view(&fwd.out, S, HQ, DV),
+                    dout,
+                    lse: &fwd.lse,
+                    sinks: Some(&sinks),
+                },
+            )
+            .unwrap();
+            let rows = S / ranks;
+            let qkv = qkv_shards(&w, sharding, ranks);
+            let [qs, ks, vs] = &qkv;
+            let ds = shards(&w.dout, HQ, DV, sharding, ranks);
+            let inputs: Vec<_> = rank_inputs(&qkv)
+                .into_iter()
+                .map(|i| i.with_sinks(&sinks))
+                .collect();
+            let outs = ring::forward(&cfg, sharding, &inputs).unwrap();
+            let want_o = shards(&fwd.out, HQ, DV, sharding, ranks);
+            for r in 0..ranks {
+                let what = format!("{cfg:?} ranks {ranks} rank {r} with sinks");
+                close(&outs[r].out, &want_o[r], 2e-6, &format!("{what} O"));
+                let want_lse = lse_shard(&fwd.lse, sharding, ranks, r);
+                close(&outs[r].lse, &want_lse, 2e-6, &format!("{what} LSE"));
+            }
+            let binputs: Vec<_> = (0..ranks)
+                .map(|r| BackwardInputs {
+                    q: view(&qs[r], rows, HQ, D),
+                    k: view(&ks[r], rows, HK, D),
+                    v: view(&vs[r], rows, HK, DV),
+                    out: view(&outs[r].out, rows, HQ, DV),
+                    dout: view(&ds[r], rows, HQ, DV),
+                    lse: &outs[r].lse,
+                    sinks: Some(&sinks),
+                })
+                .collect();
+            let got = ring::backward(&cfg, sharding, &binputs).unwrap();
+            let (want_dq, want_dk, want_dv) = (
+                shards(&grads.dq, HQ, D, sharding, ranks),
+                shards(&grads.dk, HK, D, sharding, ranks),
+                shards(&grads.dv, HK, DV, sharding, ranks),
+            );
+            let mut dsinks = vec![0f32; HQ];
+            for r in 0..ranks {
+                let what = format!("{cfg:?} ranks {ranks} rank {r} with sinks");
+                close(&got[r].dq, &want_dq[r], 2e-5, &format!("{what} dQ"));
+                close(&got[r].dk, &want_dk[r], 2e-5, &format!("{what} dK"));
+                close(&got[r].dv, &want_dv[r], 2e-5, &format!("{what} dV"));
+                for (s, x) in dsinks.iter_mut().zip(got[r].dsinks.as_ref().unwrap()) {
+                    *s += x;
+                }
+            }
+            let want = grads.dsinks.as_ref().unwrap();
+            close(
+                &dsinks,
+                want,
+                2e-5,
+                &format!("{cfg:?} ranks {ranks} dsinks"),
+            );
+            assert!(want.iter().any(|x| x.abs() > 1e-3), "a gradient to compare");
+        }
+    }
+}
+
 #[test]
 fn a_bf16_ring_holds_the_reference_rule() {
     let cfg = AttentionConfig::new().causal(true);
@@ -231,14 +319,19 @@ fn unsupported_rings_are_typed_errors() {
         let e = ring::forward(&cfg, Sharding::ZigZag, &one).unwrap_err();
         assert!(matches!(e, Error::Unsupported { .. }), "{cfg:?}: {e:?}");
     }
+    // Sinks on one rank and not on the other.
     let sinks = [0.0f32; HQ];
+    let u = TensorRef::contiguous(&x[..B * 6 * HQ * D], [B, 6, HQ, D]);
     let e = ring::forward(
         &AttentionConfig::new(),
         Sharding::Contiguous,
-        &[ForwardInputs::new(t, t, t).with_sinks(&sinks)],
+        &[
+            ForwardInputs::new(u, u, u).with_sinks(&sinks),
+            ForwardInputs::new(u, u, u),
+        ],
     )
     .unwrap_err();
-    assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
+    assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
     let u = TensorRef::contiguous(&x[..B * 6 * HQ * D], [B, 6, HQ, D]);
     let e = ring::forward(
         &AttentionConfig::new(),
