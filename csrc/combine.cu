@@ -1,7 +1,7 @@
 // Partial attention results merged by their log-sum-exp (flashattn_combine_t): one thread per
 // element of O, each reading its row's LSE of every part (the same few values for a row's
-// threads, from L1) and its element of every part's O. The host definition it agrees with to
-// within f32 rounding: src/combine.rs (combine_into, which merges in f64).
+// threads, from L1) and its element of every part's O. The host definition it must agree with
+// to within f32 rounding: src/combine.rs (combine_into, which merges in f64).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

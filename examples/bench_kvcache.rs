@@ -213,7 +213,7 @@ fn main() {
             write(&rows);
         }
     }
-    if let Some(path) = args.value("--out") {
+    if let Some(path) = args.value("--out").filter(|_| !rows.is_empty()) {
         println!("wrote {path}");
     }
 }

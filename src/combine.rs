@@ -4,7 +4,7 @@
 //! `LSE = log Σᵢ exp(LSEᵢ)` and `O = Σᵢ exp(LSEᵢ − LSE) · Oᵢ`, row by row.
 //!
 //! A part whose row saw no key (LSE = +inf, this crate's convention, with O = 0) adds nothing to
-//! that row; a row no part saw gets O = 0 and LSE = +inf, as one call over all the keys gives it
+//! that row (its O is weighted by 0, so a NaN there still makes that element NaN); a row no part saw gets O = 0 and LSE = +inf, as one call over all the keys gives it
 //! (whatever the parts' O hold there). Otherwise a part's NaN LSE makes the row NaN, a NaN in its
 //! O that element. Each part's O comes rounded to its type, and that rounding enters the merge
 //! (f32 parts merge to within f32 rounding of a single call); the merge itself runs in f64.

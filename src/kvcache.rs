@@ -580,8 +580,8 @@ pub fn append<T: Element>(
         (k_new, v_new),
         cache_seqlens,
         cache_batch_idx,
-        |x, _| x,
-        |x, _| x,
+        |_, _| Ok(()),
+        (|x, _| x, |x, _| x),
     )
 }
 
@@ -599,42 +599,49 @@ pub fn append_fp8<T: Element>(
     cache_batch_idx: Option<&[i32]>,
     descales: CacheDescales<'_>,
 ) -> Result<()> {
-    k_new.check(Operand::K)?;
-    let [batch, _, heads_kv, _] = k_new.layout.shape;
-    for (name, d) in [("k_descale", descales.k), ("v_descale", descales.v)] {
-        if Some(d.len()) != batch.checked_mul(heads_kv) {
-            return Err(Error::InvalidConfig(format!(
-                "{name} has {} values for {batch} sequences of {heads_kv} KV heads",
-                d.len()
-            )));
-        }
-        if let Some(i) = d.iter().position(|x| !(x.is_normal() && *x > 0.0)) {
-            return Err(Error::InvalidConfig(format!(
-                "{name}[{i}] is {}: an append multiplies by its reciprocal",
-                d[i]
-            )));
-        }
-    }
     let (kd, vd) = (descales.k, descales.v);
+    // The descales once the shapes and counts are known good: `batch × heads_kv` positive
+    // normal numbers each.
+    let check_descales = |batch: usize, heads_kv: usize| {
+        for (name, d) in [("k_descale", kd), ("v_descale", vd)] {
+            if Some(d.len()) != batch.checked_mul(heads_kv) {
+                return Err(Error::InvalidConfig(format!(
+                    "{name} has {} values for {batch} sequences of {heads_kv} KV heads",
+                    d.len()
+                )));
+            }
+            if let Some(i) = d.iter().position(|x| !(x.is_normal() && *x > 0.0)) {
+                return Err(Error::InvalidConfig(format!(
+                    "{name}[{i}] is {}: an append multiplies by its reciprocal",
+                    d[i]
+                )));
+            }
+        }
+        Ok(())
+    };
     append_as(
         cache,
         (k_new, v_new),
         cache_seqlens,
         cache_batch_idx,
-        |x: T, bh| fp8::quantize(x.to_f32(), kd[bh]),
-        |x: T, bh| fp8::quantize(x.to_f32(), vd[bh]),
+        check_descales,
+        (
+            |x: T, bh| fp8::quantize(x.to_f32(), kd[bh]),
+            |x: T, bh| fp8::quantize(x.to_f32(), vd[bh]),
+        ),
     )
 }
 
 /// [`append`] of new rows of `X` into a cache of `C`, each element of sequence `b`, head `h`
-/// stored as `to_k(x, b · heads_kv + h)` (K) or `to_v(...)` (V).
+/// stored as `to_k(x, b · heads_kv + h)` (K) or `to_v(...)` (V), after every check (the caller's
+/// `check(batch, heads_kv)` last) has passed.
 fn append_as<X: Copy, C: Copy>(
     cache: &mut KvCacheMut<'_, C>,
     (k_new, v_new): (TensorRef<'_, X>, TensorRef<'_, X>),
     cache_seqlens: &[i32],
     cache_batch_idx: Option<&[i32]>,
-    to_k: impl Fn(X, usize) -> C,
-    to_v: impl Fn(X, usize) -> C,
+    check: impl FnOnce(usize, usize) -> Result<()>,
+    (to_k, to_v): (impl Fn(X, usize) -> C, impl Fn(X, usize) -> C),
 ) -> Result<()> {
     // The cache as an output (each element reached once), before anything is written.
     match &*cache {
@@ -654,6 +661,7 @@ fn append_as<X: Copy, C: Copy>(
             batch,
         )?;
         check_cache(&view, batch, cache_seqlens, seqlen_new, cache_batch_idx)?;
+        check(batch, view.k().layout.shape[2])?;
         (0..batch)
             .map(|b| {
                 let start = cache_seqlens[b] as usize;

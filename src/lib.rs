@@ -24,7 +24,8 @@
            [`backward_into`](cuda::Device::backward_into), \
            [`forward_fp8`](cuda::Device::forward_fp8), \
            [`quantize_fp8`](cuda::Device::quantize_fp8), \
-           [`fp8_inputs_from_e4m3`](cuda::Device::fp8_inputs_from_e4m3))."
+           [`fp8_inputs_from_e4m3`](cuda::Device::fp8_inputs_from_e4m3), \
+           [`combine_into`](cuda::Device::combine_into))."
 )]
 //!
 //! Packed batches of sequences of different lengths: [`varlen`]. Partial results over disjoint

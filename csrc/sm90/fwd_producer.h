@@ -69,7 +69,7 @@ struct FwdProducer {
     PipelineState<kQStages> st_q;
     WorkTile t;
 #pragma unroll 1
-    for (FwdTileScheduler<Traits, kPartials> walk{params}; walk.next(t);) {
+    for (FwdTileScheduler<Traits, kPartials> tiles{params}; tiles.next(t);) {
       if (t.n_blocks() == 0) continue;  // the consumers zero-fill it alone
       const int head_kv =
           kPartials ? params.kv_head(t.head) : t.head / (params.heads_q / params.heads_kv);

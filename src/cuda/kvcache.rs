@@ -39,7 +39,7 @@ pub struct DeviceKvCacheInputs<'a, T> {
     /// `0..num_pages` (the host does not read them). Pages of any size: on the Hopper forward
     /// pages of whole key blocks of its tile (multiples of 128 rows at head dims 64, 96, 128 and
     /// (192, 128), of 112 at 192 and of 80 at 256) are loaded a block at a time, others row by
-    /// row, each row from its page (docs/PERFORMANCE.md says what each size reads at); the Ampere
+    /// row, each row from its page (docs/PERFORMANCE.md says what each way reads at); the Ampere
     /// forward (`Backend::Sm80`, and `Auto` off Hopper) copies every row from its page. The
     /// forward without intra-warpgroup overlap, and the CPU backend, are `Error::Unsupported`
     /// here (the CPU takes any page size through [`crate::kvcache::forward`]).
