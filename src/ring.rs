@@ -16,7 +16,9 @@
 //! in the backward every part takes them, and its share of the sinks' gradient (which is linear
 //! in each row's `D = Σ_j P·dP` over that part's keys) is summed: each rank returns its queries'
 //! share, which the ranks sum (as any gradient of a parameter every rank holds).
-//! Not here: bounded windows, packed batches. Each pair's dK and dV come back
+//! Packed batches ([`varlen_forward`], [`varlen_backward`], shards cut by [`shard_packed`]): each
+//! sequence, a whole number of chunks long, runs as its own ring. Not here: bounded windows.
+//! Each pair's dK and dV come back
 //! rounded to the inputs' type and are summed in f32, so a 16-bit ring's gradients carry one
 //! rounding per rank they visit.
 //!
@@ -425,4 +427,248 @@ pub fn backward<T: Element>(
             dsinks: dsinks.map(|s| s.into_iter().map(|x| x as f32).collect()),
         })
         .collect())
+}
+
+/// Each sequence's rows on a rank of a packed ring: for sequence b of `cu_seqlens` (self-attention,
+/// its queries' and keys' offsets alike), its length and where its rows start in the rank's
+/// shard (`len / ranks` of them). An error where the offsets describe no packing or a sequence's
+/// length is no whole number of chunks (an empty sequence has none).
+fn packed_rows(
+    cu_seqlens: &[i32],
+    sharding: Sharding,
+    ranks: usize,
+) -> Result<Vec<(usize, usize)>> {
+    let longest = cu_seqlens
+        .windows(2)
+        .map(|w| w[1].saturating_sub(w[0]).max(0) as usize)
+        .max()
+        .unwrap_or(0);
+    crate::varlen::Seqlens::new(cu_seqlens, cu_seqlens, longest, longest)?;
+    let mut start = 0;
+    cu_seqlens
+        .windows(2)
+        .map(|w| {
+            let len = (w[1] - w[0]) as usize;
+            if len > 0 {
+                sharding.rows(len, ranks, 0)?;
+            }
+            let at = start;
+            start += len / ranks;
+            Ok((len, at))
+        })
+        .collect()
+}
+
+/// Rank `rank`'s shard of a packed `x` `(1, total, heads, d)` whose sequences `cu_seqlens`
+/// delimits: each sequence's rows as [`Sharding::rows`] gives them for its length, the sequences
+/// one after another, contiguous `(1, total / ranks, heads, d)`.
+pub fn shard_packed<T: Element>(
+    x: TensorRef<T>,
+    cu_seqlens: &[i32],
+    sharding: Sharding,
+    ranks: usize,
+    rank: usize,
+) -> Result<Vec<T>> {
+    x.check(Operand::Q)?;
+    let [_, total, heads, d] = x.layout.shape;
+    let seqs = packed_rows(cu_seqlens, sharding, ranks)?;
+    if rank >= ranks || seqs.iter().map(|s| s.0).sum::<usize>() != total {
+        return Err(Error::InvalidConfig(format!(
+            "rank {rank} of {ranks}, over {total} rows that cu_seqlens {cu_seqlens:?} packs"
+        )));
+    }
+    let s = x.layout.strides;
+    let mut out = alloc::<T>(total / ranks * heads * d)?;
+    let mut at = 0;
+    for (b, &(len, _)) in seqs.iter().enumerate() {
+        if len == 0 {
+            continue;
+        }
+        let first = cu_seqlens[b] as usize;
+        for r in sharding.rows(len, ranks, rank)?.into_iter().flatten() {
+            for h in 0..heads {
+                let src = (first + r) * s[1] + h * s[2];
+                out[at..at + d].copy_from_slice(&x.data[src..src + d]);
+                at += d;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Rows `at .. at + rows` of a rank's packed `(1, total, heads, d)` shard as one sequence's dense
+/// `(1, rows, heads, d)` view.
+fn sequence_rows<'a, T>(t: &TensorRef<'a, T>, at: usize, rows: usize) -> TensorRef<'a, T> {
+    let [_, _, heads, d] = t.layout.shape;
+    let s = t.layout.strides;
+    TensorRef::new(
+        &t.data[at * s[1]..],
+        Layout::with_strides([1, rows, heads, d], s),
+    )
+}
+
+/// Every rank's packed shards hold `total / ranks` rows, one batch entry.
+fn check_packed_shards<'a, T: 'a>(
+    ranks: impl Iterator<Item = [&'a TensorRef<'a, T>; 3]>,
+    rows: usize,
+) -> Result<()> {
+    for shards in ranks {
+        for (operand, t) in [Operand::Q, Operand::K, Operand::V].into_iter().zip(shards) {
+            let [batch, r, _, _] = t.layout.shape;
+            if batch != 1 || r != rows {
+                return Err(Error::ShapeMismatch {
+                    operand,
+                    expected: [1, rows, t.layout.shape[2], t.layout.shape[3]],
+                    found: t.layout.shape,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// [`forward`] over packed batches (self-attention: `cu_seqlens` delimits the queries and the
+/// keys alike): rank r's `inputs[r]` holds its shard of every sequence ([`shard_packed`]), each
+/// sequence's length a whole number of chunks; each rank gets its rows' O
+/// `(1, total / ranks, heads_q, d_v)` and LSE `(heads_q, total / ranks)` (a packed call's
+/// layouts). Each sequence runs as its own ring.
+pub fn varlen_forward<T: Element>(
+    cfg: &AttentionConfig,
+    sharding: Sharding,
+    cu_seqlens: &[i32],
+    inputs: &[ForwardInputs<'_, T>],
+) -> Result<Vec<ForwardOutput<T>>> {
+    let ranks = inputs.len().max(1);
+    let seqs = packed_rows(cu_seqlens, sharding, ranks)?;
+    let rows = seqs.iter().map(|s| s.0).sum::<usize>() / ranks;
+    check_packed_shards(inputs.iter().map(|i| [&i.q, &i.k, &i.v]), rows)?;
+    let (heads, d_v) = match inputs.first() {
+        Some(i) => (i.q.layout.shape[2], i.v.layout.shape[3]),
+        None => {
+            return Err(Error::InvalidConfig(
+                "a ring needs at least one rank".into(),
+            ))
+        }
+    };
+    let mut outs = Vec::with_capacity(ranks);
+    for _ in 0..ranks {
+        outs.push((
+            alloc::<T>(rows * heads * d_v)?,
+            alloc::<f32>(heads * rows)?,
+            None,
+        ));
+    }
+    for &(len, at) in seqs.iter().filter(|s| s.0 > 0) {
+        let n = len / ranks;
+        let views: Vec<_> = inputs
+            .iter()
+            .map(|i| ForwardInputs {
+                sinks: i.sinks,
+                ..ForwardInputs::new(
+                    sequence_rows(&i.q, at, n),
+                    sequence_rows(&i.k, at, n),
+                    sequence_rows(&i.v, at, n),
+                )
+            })
+            .collect();
+        for (got, (out, lse, plan)) in forward(cfg, sharding, &views)?.into_iter().zip(&mut outs) {
+            out[at * heads * d_v..][..n * heads * d_v].copy_from_slice(&got.out);
+            for h in 0..heads {
+                lse[h * rows + at..][..n].copy_from_slice(&got.lse[h * n..][..n]);
+            }
+            plan.get_or_insert(got.plan);
+        }
+    }
+    outs.into_iter()
+        .map(|(out, lse, plan)| {
+            let plan = plan.ok_or_else(|| Error::InvalidConfig("a ring over no rows".into()))?;
+            Ok(ForwardOutput { out, lse, plan })
+        })
+        .collect()
+}
+
+/// [`backward`] over packed batches, as [`varlen_forward`] shards them: rank r's `inputs[r]`
+/// holds its shards of Q, K, V, O and dO `(1, total / ranks, ·, ·)` and its LSE
+/// `(heads_q, total / ranks)`; each rank gets dQ, dK and dV of its rows (and its share of the
+/// sinks' gradient, summed over the sequences).
+pub fn varlen_backward<T: Element>(
+    cfg: &AttentionConfig,
+    sharding: Sharding,
+    cu_seqlens: &[i32],
+    inputs: &[BackwardInputs<'_, T>],
+) -> Result<Vec<RankGradients<T>>> {
+    let ranks = inputs.len().max(1);
+    let seqs = packed_rows(cu_seqlens, sharding, ranks)?;
+    let rows = seqs.iter().map(|s| s.0).sum::<usize>() / ranks;
+    check_packed_shards(inputs.iter().map(|i| [&i.q, &i.k, &i.v]), rows)?;
+    let Some(first) = inputs.first() else {
+        return Err(Error::InvalidConfig(
+            "a ring needs at least one rank".into(),
+        ));
+    };
+    let ([_, _, heads, d], [_, _, heads_kv, _], d_v) = (
+        first.q.layout.shape,
+        first.k.layout.shape,
+        first.v.layout.shape[3],
+    );
+    for i in inputs {
+        for (operand, t) in [(Operand::Out, &i.out), (Operand::DOut, &i.dout)] {
+            t.check(operand)?;
+            Problem::expect_shape(operand, &t.layout, [1, rows, heads, d_v])?;
+        }
+        if i.lse.len() != heads * rows {
+            return Err(Error::BufferTooSmall {
+                operand: Operand::Lse,
+                needed: heads * rows,
+                len: i.lse.len(),
+            });
+        }
+    }
+    let mut grads = Vec::with_capacity(ranks);
+    for i in inputs {
+        grads.push(RankGradients {
+            dq: alloc::<T>(rows * heads * d)?,
+            dk: alloc::<T>(rows * heads_kv * d)?,
+            dv: alloc::<T>(rows * heads_kv * d_v)?,
+            dsinks: i.sinks.map(|_| vec![0f32; heads]),
+        });
+    }
+    for &(len, at) in seqs.iter().filter(|s| s.0 > 0) {
+        let n = len / ranks;
+        // Each rank's LSE rows of this sequence, (1, heads, n).
+        let lses = inputs
+            .iter()
+            .map(|i| {
+                let mut l = alloc::<f32>(heads * n)?;
+                for h in 0..heads {
+                    l[h * n..][..n].copy_from_slice(&i.lse[h * rows + at..][..n]);
+                }
+                Ok(l)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let views: Vec<_> = inputs
+            .iter()
+            .zip(&lses)
+            .map(|(i, lse)| BackwardInputs {
+                q: sequence_rows(&i.q, at, n),
+                k: sequence_rows(&i.k, at, n),
+                v: sequence_rows(&i.v, at, n),
+                out: sequence_rows(&i.out, at, n),
+                dout: sequence_rows(&i.dout, at, n),
+                lse,
+                sinks: i.sinks,
+            })
+            .collect();
+        for (got, g) in backward(cfg, sharding, &views)?.into_iter().zip(&mut grads) {
+            g.dq[at * heads * d..][..n * heads * d].copy_from_slice(&got.dq);
+            g.dk[at * heads_kv * d..][..n * heads_kv * d].copy_from_slice(&got.dk);
+            g.dv[at * heads_kv * d_v..][..n * heads_kv * d_v].copy_from_slice(&got.dv);
+            if let (Some(acc), Some(part)) = (&mut g.dsinks, &got.dsinks) {
+                for (a, x) in acc.iter_mut().zip(part) {
+                    *a += x;
+                }
+            }
+        }
+    }
+    Ok(grads)
 }

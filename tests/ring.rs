@@ -273,6 +273,162 @@ fn sinks_join_the_ring_once_and_their_gradient_sums_over_the_ranks() {
     }
 }
 
+/// `x`'s first `rows` rows as one packed batch entry `(1, rows, heads, d)`.
+fn packed(x: &[f32], rows: usize, heads: usize, d: usize) -> TensorRef<'_, f32> {
+    TensorRef::contiguous(&x[..rows * heads * d], [1, rows, heads, d])
+}
+
+/// Packed batches (self-attention over sequences of 16, 0, 40 and 8 rows, sinks included): each
+/// rank's O, LSE (a packed call's layout), dQ, dK and dV are the single packed call's on its
+/// rows, and the ranks' shares of the sinks' gradient sum to the single call's (f32).
+#[test]
+fn a_packed_ring_gives_the_single_packed_call_s_rows() {
+    use flashattn::varlen::{self, Seqlens};
+    let cu = [0i32, 16, 16, 56, 64];
+    let total = 64;
+    let sinks: Vec<f32> = (0..HQ).map(|h| 0.5 * h as f32 - 1.0).collect();
+    let mut rng = StdRng::seed_from_u64(77);
+    let q: Vec<f32> = random(total * HQ * D, &mut rng);
+    let k: Vec<f32> = random(total * HK * D, &mut rng);
+    let v: Vec<f32> = random(total * HK * DV, &mut rng);
+    let dout: Vec<f32> = random(total * HQ * DV, &mut rng);
+    let seqs = Seqlens::new(&cu, &cu, 40, 40).unwrap();
+    for (cfg, sharding) in [
+        (AttentionConfig::new().causal(true), Sharding::ZigZag),
+        (AttentionConfig::new(), Sharding::Contiguous),
+    ] {
+        let whole = ForwardInputs::new(
+            packed(&q, total, HQ, D),
+            packed(&k, total, HK, D),
+            packed(&v, total, HK, DV),
+        )
+        .with_sinks(&sinks);
+        let fwd = varlen::forward(&cfg, &seqs, whole).unwrap();
+        let grads = varlen::backward(
+            &cfg,
+            &seqs,
+            BackwardInputs {
+                q: whole.q,
+                k: whole.k,
+                v: whole.v,
+                out: packed(&fwd.out, total, HQ, DV),
+                dout: packed(&dout, total, HQ, DV),
+                lse: &fwd.lse,
+                sinks: Some(&sinks),
+            },
+        )
+        .unwrap();
+        for ranks in [1, 2, 4] {
+            let rows = total / ranks;
+            let shard = |x: &[f32], heads: usize, d: usize, r: usize| {
+                ring::shard_packed(packed(x, total, heads, d), &cu, sharding, ranks, r).unwrap()
+            };
+            let shards = |x: &[f32], heads: usize, d: usize| -> Vec<Vec<f32>> {
+                (0..ranks).map(|r| shard(x, heads, d, r)).collect()
+            };
+            let (qs, ks, vs, ds) = (
+                shards(&q, HQ, D),
+                shards(&k, HK, D),
+                shards(&v, HK, DV),
+                shards(&dout, HQ, DV),
+            );
+            let inputs: Vec<_> = (0..ranks)
+                .map(|r| {
+                    ForwardInputs::new(
+                        packed(&qs[r], rows, HQ, D),
+                        packed(&ks[r], rows, HK, D),
+                        packed(&vs[r], rows, HK, DV),
+                    )
+                    .with_sinks(&sinks)
+                })
+                .collect();
+            let outs = ring::varlen_forward(&cfg, sharding, &cu, &inputs).unwrap();
+            // The single call's LSE (heads, total) as each rank's (heads, rows): its shard of a
+            // (1, total, heads, 1) view of the transposed values.
+            let lse_rows: Vec<f32> = (0..total)
+                .flat_map(|i| (0..HQ).map(move |h| (h, i)))
+                .map(|(h, i)| fwd.lse[h * total + i])
+                .collect();
+            for (r, got) in outs.iter().enumerate() {
+                let what = format!("{cfg:?} ranks {ranks} rank {r} packed");
+                close(
+                    &got.out,
+                    &shard(&fwd.out, HQ, DV, r),
+                    2e-6,
+                    &format!("{what} O"),
+                );
+                let want = shard(&lse_rows, HQ, 1, r);
+                let want: Vec<f32> = (0..HQ)
+                    .flat_map(|h| (0..rows).map(move |i| (h, i)))
+                    .map(|(h, i)| want[i * HQ + h])
+                    .collect();
+                close(&got.lse, &want, 2e-6, &format!("{what} LSE"));
+            }
+            let binputs: Vec<_> = (0..ranks)
+                .map(|r| BackwardInputs {
+                    q: packed(&qs[r], rows, HQ, D),
+                    k: packed(&ks[r], rows, HK, D),
+                    v: packed(&vs[r], rows, HK, DV),
+                    out: packed(&outs[r].out, rows, HQ, DV),
+                    dout: packed(&ds[r], rows, HQ, DV),
+                    lse: &outs[r].lse,
+                    sinks: Some(&sinks),
+                })
+                .collect();
+            let got = ring::varlen_backward(&cfg, sharding, &cu, &binputs).unwrap();
+            let mut dsinks = vec![0f32; HQ];
+            for (r, got) in got.iter().enumerate() {
+                let what = format!("{cfg:?} ranks {ranks} rank {r} packed");
+                close(
+                    &got.dq,
+                    &shard(&grads.dq, HQ, D, r),
+                    2e-5,
+                    &format!("{what} dQ"),
+                );
+                close(
+                    &got.dk,
+                    &shard(&grads.dk, HK, D, r),
+                    2e-5,
+                    &format!("{what} dK"),
+                );
+                close(
+                    &got.dv,
+                    &shard(&grads.dv, HK, DV, r),
+                    2e-5,
+                    &format!("{what} dV"),
+                );
+                for (s, x) in dsinks.iter_mut().zip(got.dsinks.as_ref().unwrap()) {
+                    *s += x;
+                }
+            }
+            let want = grads.dsinks.as_ref().unwrap();
+            close(
+                &dsinks,
+                want,
+                2e-5,
+                &format!("{cfg:?} ranks {ranks} packed dsinks"),
+            );
+        }
+    }
+    // A sequence of no whole number of chunks, and a shard of the wrong length.
+    let bad = [0i32, 16, 18];
+    let e = ring::shard_packed(packed(&q, 18, HQ, D), &bad, Sharding::ZigZag, 2, 0).unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
+    let short = ForwardInputs::new(
+        packed(&q, 30, HQ, D),
+        packed(&k, 30, HK, D),
+        packed(&v, 30, HK, DV),
+    );
+    let e = ring::varlen_forward(
+        &AttentionConfig::new(),
+        Sharding::Contiguous,
+        &cu,
+        &[short, short],
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e:?}");
+}
+
 #[test]
 fn a_bf16_ring_holds_the_reference_rule() {
     let cfg = AttentionConfig::new().causal(true);
