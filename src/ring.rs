@@ -438,6 +438,11 @@ fn packed_rows(
     sharding: Sharding,
     ranks: usize,
 ) -> Result<Vec<(usize, usize)>> {
+    if ranks == 0 {
+        return Err(Error::InvalidConfig(
+            "a ring needs at least one rank".into(),
+        ));
+    }
     let longest = cu_seqlens
         .windows(2)
         .map(|w| w[1].saturating_sub(w[0]).max(0) as usize)
@@ -470,11 +475,12 @@ pub fn shard_packed<T: Element>(
     rank: usize,
 ) -> Result<Vec<T>> {
     x.check(Operand::Q)?;
-    let [_, total, heads, d] = x.layout.shape;
+    let [batch, total, heads, d] = x.layout.shape;
     let seqs = packed_rows(cu_seqlens, sharding, ranks)?;
-    if rank >= ranks || seqs.iter().map(|s| s.0).sum::<usize>() != total {
+    if batch != 1 || rank >= ranks || seqs.iter().map(|s| s.0).sum::<usize>() != total {
         return Err(Error::InvalidConfig(format!(
-            "rank {rank} of {ranks}, over {total} rows that cu_seqlens {cu_seqlens:?} packs"
+            "rank {rank} of {ranks}, over {batch} entries of {total} rows that cu_seqlens \
+             {cu_seqlens:?} packs (one entry)"
         )));
     }
     let s = x.layout.strides;
@@ -507,13 +513,15 @@ fn sequence_rows<'a, T>(t: &TensorRef<'a, T>, at: usize, rows: usize) -> TensorR
     )
 }
 
-/// Every rank's packed shards hold `total / ranks` rows, one batch entry.
+/// Every rank's packed shards lie within their buffers and hold `total / ranks` rows, one batch
+/// entry.
 fn check_packed_shards<'a, T: 'a>(
     ranks: impl Iterator<Item = [&'a TensorRef<'a, T>; 3]>,
     rows: usize,
 ) -> Result<()> {
     for shards in ranks {
         for (operand, t) in [Operand::Q, Operand::K, Operand::V].into_iter().zip(shards) {
+            t.check(operand)?;
             let [batch, r, _, _] = t.layout.shape;
             if batch != 1 || r != rows {
                 return Err(Error::ShapeMismatch {

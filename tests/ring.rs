@@ -408,6 +408,7 @@ fn a_packed_ring_gives_the_single_packed_call_s_rows() {
                 2e-5,
                 &format!("{cfg:?} ranks {ranks} packed dsinks"),
             );
+            assert!(want.iter().any(|x| x.abs() > 1e-3), "a gradient to compare");
         }
     }
     // A sequence of no whole number of chunks, and a shard of the wrong length.
@@ -427,6 +428,23 @@ fn a_packed_ring_gives_the_single_packed_call_s_rows() {
     )
     .unwrap_err();
     assert!(matches!(e, Error::ShapeMismatch { .. }), "{e:?}");
+    // No ranks, and a shard whose rows reach past its buffer (rows 2 apart, one element each):
+    // typed errors, not a division by zero or a slice past the end.
+    let e = ring::shard_packed(packed(&q, 4, 1, 1), &[0, 0, 4], Sharding::Contiguous, 0, 0)
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
+    let spaced = TensorRef::new(
+        &q[..3],
+        flashattn::Layout::with_strides([1, 4, 1, 1], [8, 2, 1, 1]),
+    );
+    let e = ring::varlen_forward(
+        &AttentionConfig::new(),
+        Sharding::Contiguous,
+        &[0, 2, 4],
+        &[ForwardInputs::new(spaced, spaced, spaced)],
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::BufferTooSmall { .. }), "{e:?}");
 }
 
 #[test]
