@@ -11,16 +11,18 @@
 //!
 //! This module runs that schedule on the CPU over simulated ranks (each rank's shards in host
 //! memory, the ring a loop over them): the arithmetic and bookkeeping a multi-GPU ring runs step
-//! by step, and the reference it is tested against. Masks: full or causal; softcap as any call.
-//! Attention sinks join one part of each query chunk's forward (the merged LSE counts them once);
+//! by step, and the reference it is tested against. Masks: any (full, causal, sliding windows:
+//! each pair of chunks takes the mask's band moved by their distance, and a band that misses the
+//! pair's diagonal takes a call over fewer rows or keys); softcap as any call.
+//! Attention sinks join the own-chunk part of each query chunk's forward (the merged LSE counts
+//! them once);
 //! in the backward every part takes them, and its share of the sinks' gradient (which is linear
 //! in each row's `D = Σ_j P·dP` over that part's keys) is summed: each rank returns its queries'
 //! share, which the ranks sum (as any gradient of a parameter every rank holds).
 //! Packed batches ([`varlen_forward`], [`varlen_backward`], shards cut by [`shard_packed`]): each
-//! sequence, a whole number of chunks long, runs as its own ring. Not here: bounded windows.
-//! Each pair's dK and dV come back
-//! rounded to the inputs' type and are summed in f32, so a 16-bit ring's gradients carry one
-//! rounding per rank they visit.
+//! sequence, a whole number of chunks long, runs as its own ring. Each pair's dK and dV come
+//! back rounded to the inputs' type and are summed in f32, so a 16-bit ring's gradients carry
+//! one rounding per rank they visit.
 //!
 //! ```
 //! use flashattn::ring::{self, Sharding};
@@ -45,7 +47,7 @@
 use std::ops::Range;
 
 use crate::combine::{self, LseLayout};
-use crate::config::AttentionConfig;
+use crate::config::{AttentionConfig, AttentionMask};
 use crate::error::{Error, Operand, Result};
 use crate::tensor::{Element, Layout, Problem, TensorRef};
 use crate::{alloc, BackwardInputs, ForwardInputs, ForwardOutput};
@@ -132,16 +134,29 @@ fn chunk<'a, T>(t: &TensorRef<'a, T>, chunks: usize, c: usize) -> TensorRef<'a, 
     )
 }
 
+/// What a query chunk sees of one key chunk: its first `q_rows` rows (the others see none of
+/// the chunk's keys), against the chunk's first `k_rows` keys (no row sees the others), under
+/// `mask`; `own` where the key chunk is the query chunk.
+struct Pair {
+    src: usize,
+    cj: usize,
+    q_rows: usize,
+    k_rows: usize,
+    mask: AttentionConfig,
+    own: bool,
+}
+
 /// The key chunks query chunk `qc` of `rank` meets as the shards go around the ring (its own
-/// first): each chunk's rank, its index there and the pair's mask; the chunks it sees nothing
-/// of are left out.
+/// rank's first), chunks of `len` rows: each one's rank, its index there and what the query
+/// chunk sees of it; the chunks it sees nothing of are left out.
 fn ring_pairs(
     cfg: &AttentionConfig,
     sharding: Sharding,
     ranks: usize,
     rank: usize,
     qc: usize,
-) -> Vec<(usize, usize, AttentionConfig)> {
+    len: usize,
+) -> Vec<Pair> {
     (0..ranks)
         .map(|step| (rank + ranks - step) % ranks)
         .flat_map(|src| {
@@ -150,41 +165,97 @@ fn ring_pairs(
                 .enumerate()
                 .map(move |(cj, kc)| (src, cj, kc))
         })
-        .filter_map(|(src, cj, kc)| pair_mask(cfg, qc, kc).map(|mask| (src, cj, mask)))
+        .filter_map(|(src, cj, kc)| pair_view(cfg, qc, kc, len).map(|v| Pair { src, cj, ..v }))
         .collect()
 }
 
-/// What a query chunk sees of a key chunk: nothing, all of it, or its causal part (the same
-/// chunk).
-fn pair_mask(cfg: &AttentionConfig, q_chunk: usize, k_chunk: usize) -> Option<AttentionConfig> {
-    if !cfg.mask.is_causal() {
-        return Some(cfg.clone());
+/// What query chunk `q_chunk` sees of key chunk `k_chunk` (chunks of `len` rows), or nothing.
+/// Row i of the query chunk sees key j of the key chunk where `lo <= j - i <= hi`, the mask's
+/// band moved by the chunks' distance `delta` (its bounds, None where unbounded). A dense call
+/// of `len` rows over `len` keys takes a band around its diagonal `j = i`; one of `len - u` rows
+/// over `len` keys has its diagonal at `j = i + u` (bottom-right alignment), and one of `len`
+/// rows over `len - e` keys at `j = i - e`: so a band wholly right of the diagonal drops the
+/// `u = lo` last rows (which see none of the chunk), one wholly left of it the `e = -hi` last
+/// keys (which no row sees).
+fn pair_view(cfg: &AttentionConfig, q_chunk: usize, k_chunk: usize, len: usize) -> Option<Pair> {
+    let (left, right) = cfg.mask.bounds();
+    let (n, delta) = (
+        len as i128,
+        (q_chunk as i128 - k_chunk as i128) * len as i128,
+    );
+    // Bounds past the chunk's reach (|j - i| < len) bind no pair: unbounded.
+    let lo = left.map(|l| delta - l as i128).filter(|&lo| lo > -(n - 1));
+    let hi = right.map(|r| delta + r as i128).filter(|&hi| hi < n - 1);
+    if lo.is_some_and(|lo| lo > n - 1) || hi.is_some_and(|hi| hi < -(n - 1)) {
+        return None;
     }
-    match k_chunk.cmp(&q_chunk) {
-        std::cmp::Ordering::Less => Some(cfg.clone().causal(false)),
-        std::cmp::Ordering::Equal => Some(cfg.clone()),
-        std::cmp::Ordering::Greater => None,
+    let (mut q_rows, mut k_rows, mut band) = (len, len, (lo, hi));
+    if let Some(h) = hi.filter(|&h| h < 0) {
+        k_rows = (n + h) as usize;
+        band = (lo.map(|lo| lo - h), Some(0));
+    } else if let Some(l) = lo.filter(|&l| l > 0) {
+        q_rows = (n - l) as usize;
+        band = (Some(0), hi.map(|h| h - l));
     }
+    let mask = match band {
+        (None, None) => AttentionMask::Full,
+        (None, Some(0)) => AttentionMask::Causal,
+        (lo, hi) => AttentionMask::Window {
+            left: lo.map(|lo| (-lo) as usize),
+            right: hi.map(|hi| hi as usize),
+        },
+    };
+    Some(Pair {
+        src: 0,
+        cj: 0,
+        q_rows,
+        k_rows,
+        mask: cfg.clone().mask(mask),
+        own: q_chunk == k_chunk,
+    })
 }
 
-/// Checks a ring's inputs: a full or causal mask, at least one rank, sinks on every rank or on
-/// none, and each rank's shards within their buffers, K with Q's rows (the chunks pair up), V with K's shape but its
+/// A part over a chunk's first rows (`shape`), grown to `len` rows: the others saw no key of it
+/// (O 0, LSE +inf).
+fn keyless_rows<T: Element>(
+    part: ForwardOutput<T>,
+    [batch, rows, heads, d_v]: [usize; 4],
+    len: usize,
+) -> Result<ForwardOutput<T>> {
+    let mut out = alloc::<T>(batch * len * heads * d_v)?;
+    let mut lse = alloc::<f32>(batch * heads * len)?;
+    lse.fill(f32::INFINITY);
+    for b in 0..batch {
+        out[b * len * heads * d_v..][..rows * heads * d_v]
+            .copy_from_slice(&part.out[b * rows * heads * d_v..][..rows * heads * d_v]);
+        for h in 0..heads {
+            lse[(b * heads + h) * len..][..rows]
+                .copy_from_slice(&part.lse[(b * heads + h) * rows..][..rows]);
+        }
+    }
+    Ok(ForwardOutput {
+        out,
+        lse,
+        plan: part.plan,
+    })
+}
+
+/// The first `rows` rows of a `(batch, ·, heads, d)` view.
+fn first_rows<'a, T>(t: &TensorRef<'a, T>, rows: usize) -> TensorRef<'a, T> {
+    let [batch, _, heads, d] = t.layout.shape;
+    TensorRef::new(
+        t.data,
+        Layout::with_strides([batch, rows, heads, d], t.layout.strides),
+    )
+}
+
+/// Checks a ring's inputs: at least one rank, sinks on every rank or on none, and each rank's
+/// shards within their buffers, K with Q's rows (the chunks pair up), V with K's shape but its
 /// head dim, whole chunks, and every rank's shapes the first one's. Returns the number of ranks.
 fn check_ring<'a, T: 'a>(
-    cfg: &AttentionConfig,
     sharding: Sharding,
     ranks: impl Iterator<Item = ForwardInputs<'a, T>>,
 ) -> Result<usize> {
-    // Full or causal: no left bound, and none or the diagonal on the right.
-    if !matches!(cfg.mask.bounds(), (None, None) | (None, Some(0))) {
-        return Err(Error::Unsupported {
-            what: format!(
-                "a ring with the mask {:?} (full and causal are built)",
-                cfg.mask
-            ),
-            backend: crate::config::Backend::Cpu,
-        });
-    }
     let mut count = 0;
     let mut first: Option<[[usize; 4]; 3]> = None;
     let mut with_sinks = None;
@@ -244,7 +315,7 @@ pub fn forward<T: Element>(
     sharding: Sharding,
     inputs: &[ForwardInputs<'_, T>],
 ) -> Result<Vec<ForwardOutput<T>>> {
-    let ranks = check_ring(cfg, sharding, inputs.iter().copied())?;
+    let ranks = check_ring(sharding, inputs.iter().copied())?;
     let per = sharding.chunks_per_rank();
     let mut outs = Vec::with_capacity(ranks);
     for (rank, own) in inputs.iter().enumerate() {
@@ -253,28 +324,36 @@ pub fn forward<T: Element>(
         let mut out = alloc::<T>(batch * rows * heads * d_v)?;
         let mut lse = alloc::<f32>(batch * heads * rows)?;
         let mut plan = None;
+        let len = rows / per;
         for (ci, &qc) in sharding.chunk_ids(ranks, rank).iter().enumerate() {
             let q = chunk(&own.q, per, ci);
             // One part per key chunk this query chunk sees, the shards taken around the ring.
             let mut parts = vec![];
-            for (src, cj, mask) in ring_pairs(cfg, sharding, ranks, rank, qc) {
+            for p in ring_pairs(cfg, sharding, ranks, rank, qc, len) {
                 let (k, v) = (
-                    chunk(&inputs[src].k, per, cj),
-                    chunk(&inputs[src].v, per, cj),
+                    chunk(&inputs[p.src].k, per, p.cj),
+                    chunk(&inputs[p.src].v, per, p.cj),
                 );
-                // The sinks join the first part only: the merge adds each part's LSE.
-                let sinks = if parts.is_empty() { own.sinks } else { None };
-                let part = crate::forward(
-                    &mask,
+                // The sinks join the chunk's own part only (every row sees some of its keys):
+                // the merge adds each part's LSE.
+                let sinks = if p.own { own.sinks } else { None };
+                let mut part = crate::forward(
+                    &p.mask,
                     ForwardInputs {
                         sinks,
-                        ..ForwardInputs::new(q, k, v)
+                        ..ForwardInputs::new(
+                            first_rows(&q, p.q_rows),
+                            first_rows(&k, p.k_rows),
+                            first_rows(&v, p.k_rows),
+                        )
                     },
                 )?;
                 plan.get_or_insert(part.plan.clone());
+                if p.q_rows < len {
+                    part = keyless_rows(part, [batch, p.q_rows, heads, d_v], len)?;
+                }
                 parts.push(part);
             }
-            let len = rows / per;
             let views: Vec<_> = parts
                 .iter()
                 .map(|p| {
@@ -323,7 +402,6 @@ pub fn backward<T: Element>(
     inputs: &[BackwardInputs<'_, T>],
 ) -> Result<Vec<RankGradients<T>>> {
     let ranks = check_ring(
-        cfg,
         sharding,
         inputs.iter().map(|i| ForwardInputs {
             sinks: i.sinks,
@@ -364,11 +442,12 @@ pub fn backward<T: Element>(
         .iter()
         .map(|i| i.sinks.map(|_| vec![0f64; heads]))
         .collect();
-    // `part` (batch, len, h, w) added into chunk `c` of the rank's `acc` (batch, rows, h, w).
-    let add = |acc: &mut [f32], part: &[T], c: usize, h: usize, w: usize| {
+    // `part` (batch, n, h, w) added into the first n rows of chunk `c` of the rank's `acc`
+    // (batch, rows, h, w).
+    let add = |acc: &mut [f32], part: &[T], c: usize, n: usize, h: usize, w: usize| {
         for b in 0..batch {
-            let src = &part[b * len * h * w..][..len * h * w];
-            let dst = &mut acc[(b * rows + c * len) * h * w..][..len * h * w];
+            let src = &part[b * n * h * w..][..n * h * w];
+            let dst = &mut acc[(b * rows + c * len) * h * w..][..n * h * w];
             for (a, x) in dst.iter_mut().zip(src) {
                 *a += x.to_f32();
             }
@@ -386,20 +465,34 @@ pub fn backward<T: Element>(
             for bh in 0..batch * heads {
                 lse[bh * len..][..len].copy_from_slice(&own.lse[bh * rows + ci * len..][..len]);
             }
-            for (src, cj, mask) in ring_pairs(cfg, sharding, ranks, rank, qc) {
+            for p in ring_pairs(cfg, sharding, ranks, rank, qc, len) {
                 let (k, v) = (
-                    chunk(&inputs[src].k, per, cj),
-                    chunk(&inputs[src].v, per, cj),
+                    chunk(&inputs[p.src].k, per, p.cj),
+                    chunk(&inputs[p.src].v, per, p.cj),
                 );
+                // The pair's rows of the chunk's LSE, (batch, heads, q_rows).
+                let part_lse;
+                let lse = if p.q_rows < len {
+                    let mut l = alloc::<f32>(batch * heads * p.q_rows)?;
+                    for bh in 0..batch * heads {
+                        l[bh * p.q_rows..][..p.q_rows]
+                            .copy_from_slice(&lse[bh * len..][..p.q_rows]);
+                    }
+                    part_lse = l;
+                    &part_lse[..]
+                } else {
+                    &lse[..]
+                };
+                let (src, cj) = (p.src, p.cj);
                 let g = crate::backward(
-                    &mask,
+                    &p.mask,
                     BackwardInputs {
-                        q,
-                        k,
-                        v,
-                        out: o,
-                        dout,
-                        lse: &lse,
+                        q: first_rows(&q, p.q_rows),
+                        k: first_rows(&k, p.k_rows),
+                        v: first_rows(&v, p.k_rows),
+                        out: first_rows(&o, p.q_rows),
+                        dout: first_rows(&dout, p.q_rows),
+                        lse,
                         sinks: own.sinks,
                     },
                 )?;
@@ -408,9 +501,9 @@ pub fn backward<T: Element>(
                         *a += f64::from(x);
                     }
                 }
-                add(&mut dq[rank], &g.dq, ci, heads, d);
-                add(&mut dk[src], &g.dk, cj, heads_kv, d);
-                add(&mut dv[src], &g.dv, cj, heads_kv, d_v);
+                add(&mut dq[rank], &g.dq, ci, p.q_rows, heads, d);
+                add(&mut dk[src], &g.dk, cj, p.k_rows, heads_kv, d);
+                add(&mut dv[src], &g.dv, cj, p.k_rows, heads_kv, d_v);
             }
         }
     }
