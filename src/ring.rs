@@ -7,7 +7,8 @@
 //! Causal attention shards the sequence *zig-zag* ([`Sharding::ZigZag`]): cut into `2·ranks`
 //! equal chunks, rank r holds chunks r and `2·ranks − 1 − r`, so that every rank has as much work
 //! (a query chunk sees every earlier chunk whole, its own causally, no later one). Without a mask
-//! the chunks are contiguous ([`Sharding::Contiguous`]).
+//! the chunks are contiguous ([`Sharding::Contiguous`]). Either takes any mask; a sliding window
+//! narrower than a chunk balances under either, since every chunk then sees about as much.
 //!
 //! This module runs that schedule on the CPU over simulated ranks (each rank's shards in host
 //! memory, the ring a loop over them): the arithmetic and bookkeeping a multi-GPU ring runs step

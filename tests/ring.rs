@@ -144,6 +144,11 @@ fn every_rank_gets_the_single_call_s_rows_in_f32() {
             AttentionConfig::new().window(Some(100), Some(100)),
             Sharding::ZigZag,
         ),
+        // Widths of whole chunks (of 12 rows at 2 ranks): bands that end on a pair's diagonal.
+        (
+            AttentionConfig::new().window(Some(12), Some(12)),
+            Sharding::ZigZag,
+        ),
     ] {
         for ranks in 1..=4 {
             let w = Whole::<f32>::new(ranks as u64);
