@@ -14,7 +14,8 @@
 //! The cache holds Q's element type, or FP8 e4m3 (`float8::F8E4M3`) with descales
 //! ([`CacheDescales`], flash-attn's `k_descale` and `v_descale`: one f32 per sequence and KV head
 //! that its stored keys and values are multiplied by): the call attends to the dequantized cache
-//! (the f32 products), O in Q's type; [`append_fp8`] stores new rows into such a cache by the descales.
+//! (the f32 products), O in Q's type; [`append_fp8`] stores new rows into such a cache by the
+//! descales, and [`step`] takes it too.
 //!
 //! O is `(batch, seqlen_q, heads_q, head_dim_v)`; the LSE is f32 `(batch, heads_q, seqlen_q)`, a
 //! dense call's (and `flash_attn_with_kvcache`'s). A sequence
@@ -600,36 +601,37 @@ pub fn append_fp8<T: Element>(
     descales: CacheDescales<'_>,
 ) -> Result<()> {
     let (kd, vd) = (descales.k, descales.v);
-    // The descales once the shapes and counts are known good: `batch × heads_kv` positive
-    // normal numbers each.
-    let check_descales = |batch: usize, heads_kv: usize| {
-        for (name, d) in [("k_descale", kd), ("v_descale", vd)] {
-            if Some(d.len()) != batch.checked_mul(heads_kv) {
-                return Err(Error::InvalidConfig(format!(
-                    "{name} has {} values for {batch} sequences of {heads_kv} KV heads",
-                    d.len()
-                )));
-            }
-            if let Some(i) = d.iter().position(|x| !(x.is_normal() && *x > 0.0)) {
-                return Err(Error::InvalidConfig(format!(
-                    "{name}[{i}] is {}: an append multiplies by its reciprocal",
-                    d[i]
-                )));
-            }
-        }
-        Ok(())
-    };
     append_as(
         cache,
         (k_new, v_new),
         cache_seqlens,
         cache_batch_idx,
-        check_descales,
+        |batch, heads_kv| check_append_descales(descales, batch, heads_kv),
         (
             |x: T, bh| fp8::quantize(x.to_f32(), kd[bh]),
             |x: T, bh| fp8::quantize(x.to_f32(), vd[bh]),
         ),
     )
+}
+
+/// An append's descales, once the shapes and counts are known good: `batch × heads_kv` positive
+/// normal numbers each (the append multiplies by their reciprocals).
+fn check_append_descales(descales: CacheDescales, batch: usize, heads_kv: usize) -> Result<()> {
+    for (name, d) in [("k_descale", descales.k), ("v_descale", descales.v)] {
+        if Some(d.len()) != batch.checked_mul(heads_kv) {
+            return Err(Error::InvalidConfig(format!(
+                "{name} has {} values for {batch} sequences of {heads_kv} KV heads",
+                d.len()
+            )));
+        }
+        if let Some(i) = d.iter().position(|x| !(x.is_normal() && *x > 0.0)) {
+            return Err(Error::InvalidConfig(format!(
+                "{name}[{i}] is {}: an append multiplies by its reciprocal",
+                d[i]
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// [`append`] of new rows of `X` into a cache of `C`, each element of sequence `b`, head `h`
@@ -791,14 +793,18 @@ pub(crate) fn check_new_rows(
 /// values `(batch, seqlen_new, heads_kv, ·)` (optional), each sequence's cached key count before
 /// the step, and optionally rotary embedding, the dense cache's entry per sequence and sinks.
 #[derive(Debug)]
-pub struct KvCacheStep<'a, 'c, T> {
+pub struct KvCacheStep<'a, 'c, T, C = T> {
     pub q: TensorRef<'a, T>,
-    pub cache: &'a mut KvCacheMut<'c, T>,
+    pub cache: &'a mut KvCacheMut<'c, C>,
     pub new: Option<(TensorRef<'a, T>, TensorRef<'a, T>)>,
     pub cache_seqlens: &'a [i32],
     pub rotary: Option<Rotary<'a>>,
     pub cache_batch_idx: Option<&'a [i32]>,
     pub sinks: Option<&'a [f32]>,
+    /// An e4m3 cache's descales (none: 1): the new rows are stored by them as [`append_fp8`]
+    /// stores them, and the forward reads the cache through them. A cache of Q's type takes
+    /// none.
+    pub descales: Option<CacheDescales<'a>>,
 }
 
 /// `x` (batch, rows, heads, d) copied, each head's row `i` of entry `b` rotated to position
@@ -827,9 +833,9 @@ fn rotated<T: Element>(
 /// else every query row at `cache_seqlens[b]`); the new keys and values appended ([`append`]);
 /// then [`forward`] over `cache_seqlens[b] + seqlen_new` keys. Every check runs before the
 /// cache is written.
-pub fn step<T: Element>(
+pub fn step<T: Element, C: Element>(
     cfg: &AttentionConfig,
-    step: KvCacheStep<'_, '_, T>,
+    step: KvCacheStep<'_, '_, T, C>,
 ) -> Result<ForwardOutput<T>> {
     let KvCacheStep {
         q,
@@ -839,7 +845,14 @@ pub fn step<T: Element>(
         rotary,
         cache_batch_idx,
         sinks,
+        descales,
     } = step;
+    let fp8 = C::DTYPE == DType::E4M3;
+    if descales.is_some() && !fp8 {
+        return Err(Error::InvalidConfig(
+            "descales in a step over a cache of Q's type (they are an e4m3 cache's)".into(),
+        ));
+    }
     q.check(Operand::Q)?;
     let [batch, seqlen_q, heads_q, head_dim] = q.layout.shape;
     let seqlen_new = new.map_or(0, |(k, _)| k.layout.shape[1]);
@@ -907,7 +920,7 @@ pub fn step<T: Element>(
             cache_seqlens: &lens,
             cache_batch_idx,
             sinks,
-            descales: None,
+            descales,
         },
     )?;
     if let Some((k_new, v_new)) = new {
@@ -920,7 +933,37 @@ pub fn step<T: Element>(
             }
             None => k_new,
         };
-        append(cache, k_new, v_new, cache_seqlens, cache_batch_idx)?;
+        // Into a cache of Q's type as they are (C is T: exact); into an e4m3 one quantized by
+        // the descales (1 without), as append_fp8 stores them.
+        let ones;
+        let scales = match descales {
+            Some(d) => d,
+            None => {
+                ones = vec![1f32; k_new.layout.shape[0] * k_new.layout.shape[2]];
+                CacheDescales { k: &ones, v: &ones }
+            }
+        };
+        let to_cache = |x: T, s: f32| {
+            let x = x.to_f32();
+            C::from_f32(if fp8 { fp8::quantize(x, s).to_f32() } else { x })
+        };
+        append_as(
+            cache,
+            (k_new, v_new),
+            cache_seqlens,
+            cache_batch_idx,
+            |batch, heads_kv| {
+                if fp8 {
+                    check_append_descales(scales, batch, heads_kv)
+                } else {
+                    Ok(())
+                }
+            },
+            (
+                |x, bh| to_cache(x, scales.k[bh]),
+                |x, bh| to_cache(x, scales.v[bh]),
+            ),
+        )?;
     }
     forward(
         cfg,
@@ -930,7 +973,7 @@ pub fn step<T: Element>(
             cache_seqlens: &lens,
             cache_batch_idx,
             sinks,
-            descales: None,
+            descales,
         },
     )
 }

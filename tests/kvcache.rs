@@ -1024,6 +1024,7 @@ fn a_step_rotates_appends_and_attends() {
                 rotary: Some(rotary),
                 cache_batch_idx: None,
                 sinks: None,
+                descales: None,
             };
             let got = kvcache::step(&cfg, step).unwrap();
             assert_eq!(
@@ -1062,6 +1063,7 @@ fn a_step_rotates_appends_and_attends() {
             }),
             cache_batch_idx: None,
             sinks: None,
+            descales: None,
         };
         let e = kvcache::step(&AttentionConfig::new().causal(true), step).unwrap_err();
         assert!(
@@ -1071,4 +1073,130 @@ fn a_step_rotates_appends_and_attends() {
     }
     assert_eq!(bits(&k), bits(&fx.k), "a refused step wrote K");
     assert_eq!(bits(&v), bits(&fx.v), "a refused step wrote V");
+}
+
+/// A step over an e4m3 cache: the new rows, rotated, stored as the same step over the bf16 cache
+/// stores them but quantized by their descales (byte for byte), and O and the LSE those of a
+/// forward over the grown cache with the descales; without rotary embedding, the step is
+/// `append_fp8` then that forward, bit for bit. Descales over a cache of Q's type are refused.
+#[test]
+fn a_step_over_an_fp8_cache_quantizes_what_it_appends() {
+    let (dim, lens, s_new, seqlen_q) = (32, [0, 17, 90], 2, 2);
+    let angles: (Vec<f32>, Vec<f32>) = (0..CAPACITY)
+        .flat_map(|p| {
+            (0..dim / 2).map(move |i| p as f32 / 10000f32.powf(2.0 * i as f32 / dim as f32))
+        })
+        .map(|t| (t.cos(), t.sin()))
+        .unzip();
+    let rotary = kvcache::Rotary {
+        cos: &angles.0,
+        sin: &angles.1,
+        dim,
+        interleaved: false,
+    };
+    let mut rng = StdRng::seed_from_u64(19);
+    let k_new: Vec<bf16> = random(BATCH * s_new * HK * D, &mut rng);
+    let v_new: Vec<bf16> = random(BATCH * s_new * HK * DV, &mut rng);
+    let new = (
+        TensorRef::contiguous(&k_new, [BATCH, s_new, HK, D]),
+        TensorRef::contiguous(&v_new, [BATCH, s_new, HK, DV]),
+    );
+    let (kd, vd) = (descales(0.2), descales(0.07));
+    let fx = Fixture::new(seqlen_q, 20);
+    let cfg = AttentionConfig::new().causal(true);
+    let raw = |x: &[F8E4M3]| x.iter().map(|v| v.to_bits()).collect::<Vec<u8>>();
+    let grown: Vec<i32> = lens.iter().map(|&l| l + s_new as i32).collect();
+    for with_rotary in [true, false] {
+        // The bf16 step, for the rotated rows it stores.
+        let (mut k16, mut v16) = (fx.k.clone(), fx.v.clone());
+        kvcache::step(
+            &cfg,
+            kvcache::KvCacheStep {
+                q: fx.q(),
+                cache: &mut dense_mut(&mut k16, &mut v16),
+                new: Some(new),
+                cache_seqlens: &lens,
+                rotary: with_rotary.then_some(rotary),
+                cache_batch_idx: None,
+                sinks: None,
+                descales: None,
+            },
+        )
+        .unwrap();
+        let (k8, v8) = (e4m3(&fx.k), e4m3(&fx.v));
+        let (mut k, mut v) = (k8.clone(), v8.clone());
+        let got = kvcache::step(
+            &cfg,
+            kvcache::KvCacheStep {
+                q: fx.q(),
+                cache: &mut KvCacheMut::Dense {
+                    k: TensorMut::contiguous(&mut k, [ENTRIES, CAPACITY, HK, D]),
+                    v: TensorMut::contiguous(&mut v, [ENTRIES, CAPACITY, HK, DV]),
+                },
+                new: Some(new),
+                cache_seqlens: &lens,
+                rotary: with_rotary.then_some(rotary),
+                cache_batch_idx: None,
+                sinks: None,
+                descales: Some(kvcache::CacheDescales { k: &kd, v: &vd }),
+            },
+        )
+        .unwrap();
+        // The appended rows: the bf16 step's, quantized by their sequence's descales.
+        let (mut want_k, mut want_v) = (k8.clone(), v8.clone());
+        for (b, &len) in lens.iter().enumerate() {
+            for i in 0..s_new {
+                let row = len as usize + i;
+                for h in 0..HK {
+                    for (want, x16, d, s) in
+                        [(&mut want_k, &k16, D, &kd), (&mut want_v, &v16, DV, &vd)]
+                    {
+                        let at = ((b * CAPACITY + row) * HK + h) * d;
+                        for j in at..at + d {
+                            want[j] = flashattn::fp8::quantize(x16[j].to_f32(), s[b * HK + h]);
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(raw(&k), raw(&want_k), "K (rotary {with_rotary})");
+        assert_eq!(raw(&v), raw(&want_v), "V (rotary {with_rotary})");
+        // O and the LSE: the forward over the grown cache with the descales (Q rotated as the
+        // bf16 step rotated it: compared through its own forward over the same cache).
+        if !with_rotary {
+            let want = kvcache::forward(
+                &cfg,
+                KvCacheInputs::new(
+                    fx.q(),
+                    KvCache::dense(
+                        TensorRef::contiguous(&want_k, [ENTRIES, CAPACITY, HK, D]),
+                        TensorRef::contiguous(&want_v, [ENTRIES, CAPACITY, HK, DV]),
+                    ),
+                    &grown,
+                )
+                .with_descales(&kd, &vd),
+            )
+            .unwrap();
+            assert_eq!(bits(&got.out), bits(&want.out), "O");
+            assert_eq!(got.lse, want.lse, "LSE");
+        }
+    }
+    // Descales over a bf16 cache: refused before anything is written.
+    let (mut k, mut v) = (fx.k.clone(), fx.v.clone());
+    let e = kvcache::step(
+        &cfg,
+        kvcache::KvCacheStep {
+            q: fx.q(),
+            cache: &mut dense_mut(&mut k, &mut v),
+            new: Some(new),
+            cache_seqlens: &lens,
+            rotary: None,
+            cache_batch_idx: None,
+            sinks: None,
+            descales: Some(kvcache::CacheDescales { k: &kd, v: &vd }),
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
+    assert_eq!(bits(&k), bits(&fx.k), "a refused step wrote K");
 }

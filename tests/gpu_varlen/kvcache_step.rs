@@ -148,6 +148,7 @@ fn step_case(
                 rotary: host_rotary,
                 cache_batch_idx: layout.entries.as_deref(),
                 sinks: None,
+                descales: None,
             },
         )
         .unwrap_or_else(|e| panic!("host step {cfg:?}: {e}"));
@@ -378,6 +379,7 @@ fn f16_append_matches_the_host_step() {
                 }),
                 cache_batch_idx: None,
                 sinks: None,
+                descales: None,
             },
         )
         .unwrap();
