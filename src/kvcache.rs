@@ -802,8 +802,8 @@ pub struct KvCacheStep<'a, 'c, T, C = T> {
     pub cache_batch_idx: Option<&'a [i32]>,
     pub sinks: Option<&'a [f32]>,
     /// An e4m3 cache's descales (none: 1): the new rows are stored by them as [`append_fp8`]
-    /// stores them, and the forward reads the cache through them. A cache of Q's type takes
-    /// none.
+    /// stores them (so they must be positive normal numbers where the step appends), and the
+    /// forward reads the cache through them. A 16-bit cache takes none.
     pub descales: Option<CacheDescales<'a>>,
 }
 
@@ -830,9 +830,9 @@ fn rotated<T: Element>(
 
 /// A whole step: with rotary embedding, Q and the new keys rotated (the new keys to their
 /// positions in the cache, `cache_seqlens[b] + i`; Q likewise under a causal or windowed mask,
-/// else every query row at `cache_seqlens[b]`); the new keys and values appended ([`append`]);
-/// then [`forward`] over `cache_seqlens[b] + seqlen_new` keys. Every check runs before the
-/// cache is written.
+/// else every query row at `cache_seqlens[b]`); the new keys and values appended ([`append`],
+/// or into an e4m3 cache as [`append_fp8`] stores them); then [`forward`] over
+/// `cache_seqlens[b] + seqlen_new` keys. Every check runs before the cache is written.
 pub fn step<T: Element, C: Element>(
     cfg: &AttentionConfig,
     step: KvCacheStep<'_, '_, T, C>,
@@ -850,7 +850,7 @@ pub fn step<T: Element, C: Element>(
     let fp8 = C::DTYPE == DType::E4M3;
     if descales.is_some() && !fp8 {
         return Err(Error::InvalidConfig(
-            "descales in a step over a cache of Q's type (they are an e4m3 cache's)".into(),
+            "descales in a step over a 16-bit cache (they are an e4m3 cache's)".into(),
         ));
     }
     q.check(Operand::Q)?;

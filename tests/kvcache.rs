@@ -1075,10 +1075,11 @@ fn a_step_rotates_appends_and_attends() {
     assert_eq!(bits(&v), bits(&fx.v), "a refused step wrote V");
 }
 
-/// A step over an e4m3 cache: the new rows, rotated, stored as the same step over the bf16 cache
-/// stores them but quantized by their descales (byte for byte), and O and the LSE those of a
-/// forward over the grown cache with the descales; without rotary embedding, the step is
-/// `append_fp8` then that forward, bit for bit. Descales over a cache of Q's type are refused.
+/// A step over an e4m3 cache: the new rows, rotated or not, stored as the same step over the
+/// bf16 cache stores them but quantized by their descales (byte for byte); without rotary
+/// embedding (Q as it is), O and the LSE those of a forward over the expected cache with the
+/// descales, bit for bit. Descales over a bf16 cache, and a zero descale where the step appends,
+/// are refused before anything is written.
 #[test]
 fn a_step_over_an_fp8_cache_quantizes_what_it_appends() {
     let (dim, lens, s_new, seqlen_q) = (32, [0, 17, 90], 2, 2);
@@ -1161,8 +1162,7 @@ fn a_step_over_an_fp8_cache_quantizes_what_it_appends() {
         }
         assert_eq!(raw(&k), raw(&want_k), "K (rotary {with_rotary})");
         assert_eq!(raw(&v), raw(&want_v), "V (rotary {with_rotary})");
-        // O and the LSE: the forward over the grown cache with the descales (Q rotated as the
-        // bf16 step rotated it: compared through its own forward over the same cache).
+        // O and the LSE: the forward over the expected cache with the descales (Q as it is).
         if !with_rotary {
             let want = kvcache::forward(
                 &cfg,
@@ -1199,4 +1199,33 @@ fn a_step_over_an_fp8_cache_quantizes_what_it_appends() {
     .unwrap_err();
     assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
     assert_eq!(bits(&k), bits(&fx.k), "a refused step wrote K");
+    assert_eq!(bits(&v), bits(&fx.v), "a refused step wrote V");
+    // A zero descale where the step appends: refused, the e4m3 cache untouched.
+    let (k8, v8) = (e4m3(&fx.k), e4m3(&fx.v));
+    let (mut k, mut v) = (k8.clone(), v8.clone());
+    let mut zero = vd.clone();
+    zero[3] = 0.0;
+    let e = kvcache::step(
+        &cfg,
+        kvcache::KvCacheStep {
+            q: fx.q(),
+            cache: &mut KvCacheMut::Dense {
+                k: TensorMut::contiguous(&mut k, [ENTRIES, CAPACITY, HK, D]),
+                v: TensorMut::contiguous(&mut v, [ENTRIES, CAPACITY, HK, DV]),
+            },
+            new: Some(new),
+            cache_seqlens: &lens,
+            rotary: None,
+            cache_batch_idx: None,
+            sinks: None,
+            descales: Some(kvcache::CacheDescales { k: &kd, v: &zero }),
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
+    assert_eq!(
+        (raw(&k), raw(&v)),
+        (raw(&k8), raw(&v8)),
+        "a refused step wrote the cache"
+    );
 }
