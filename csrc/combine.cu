@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "combine.h"
+#include "common/half_convert.h"
 #include "common/status.h"
 #include "flash_api.h"
 
@@ -18,13 +19,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-template <class T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ __nv_bfloat16 from_float(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <> __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
 
 template <class T>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant__ flashattn_combine_t p) {

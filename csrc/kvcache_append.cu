@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "common/half_convert.h"
 #include "common/status.h"
 #include "flash_api.h"
 #include "kvcache_append.h"
@@ -20,13 +21,6 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;
 
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-template <class T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ __nv_bfloat16 from_float(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <> __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
 
 __device__ __forceinline__ int clamp(int x, int lo, int hi) { return x < lo ? lo : x > hi ? hi : x; }
 

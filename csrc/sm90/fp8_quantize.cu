@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "../common/half_convert.h"
 #include "../common/sequences.h"
 #include "../common/status.h"
 #include "../flash_api.h"
@@ -26,8 +27,7 @@ namespace {
 constexpr int kWarps = 8;
 constexpr float kE4M3Max = 448.f;
 
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+using flashattn::to_float;
 __device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) { return float(x); }
 
 template <int kBytes> struct Word;
