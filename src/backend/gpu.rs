@@ -16,7 +16,26 @@ pub(crate) struct RawTensor {
     pub layout: Layout,
 }
 
+/// An operand the C ABI call goes without (a null pointer).
+pub(crate) const NO_TENSOR: ffi::flashattn_tensor_t = ffi::flashattn_tensor_t {
+    ptr: std::ptr::null_mut(),
+    batch_stride: 0,
+    row_stride: 0,
+    head_stride: 0,
+};
+
 impl RawTensor {
+    /// [`RawTensor::to_ffi`] once its pointer and strides are checked for the kernels' 16-byte
+    /// accesses ([`check_alignment`]).
+    pub(crate) fn aligned_ffi(
+        self,
+        operand: Operand,
+        elem_bytes: usize,
+    ) -> Result<ffi::flashattn_tensor_t> {
+        check_alignment(operand, &self, elem_bytes)?;
+        Ok(self.to_ffi())
+    }
+
     pub(crate) fn to_ffi(self) -> ffi::flashattn_tensor_t {
         ffi::flashattn_tensor_t {
             ptr: self.ptr as *mut std::ffi::c_void,

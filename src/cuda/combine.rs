@@ -116,17 +116,8 @@ impl Device {
         }
 
         let size = std::mem::size_of::<T>();
-        let raw = |ptr, layout| -> Result<ffi::flashattn_tensor_t> {
-            let t = RawTensor { ptr, layout };
-            gpu::check_alignment(Operand::Out, &t, size)?;
-            Ok(t.to_ffi())
-        };
-        let none = ffi::flashattn_tensor_t {
-            ptr: std::ptr::null_mut(),
-            batch_stride: 0,
-            row_stride: 0,
-            head_stride: 0,
-        };
+        let raw = |ptr, layout| RawTensor { ptr, layout }.aligned_ffi(Operand::Out, size);
+        let none = gpu::NO_TENSOR;
         let mut p = ffi::flashattn_combine_t {
             dtype: gpu::ffi_dtype(T::DTYPE),
             parts: parts.len() as i32,

@@ -801,20 +801,14 @@ impl Device {
         let (cos_ptr, _cos) = rotary.map(|r| r.cos.device_ptr(stream)).unzip();
         let (sin_ptr, _sin) = rotary.map(|r| r.sin.device_ptr(stream)).unzip();
         let (out_ptr, _out) = seqlens_out.map(|s| s.device_ptr_mut(stream)).unzip();
-        let raw = |operand, ptr, layout: &Layout| -> Result<ffi::flashattn_tensor_t> {
-            let t = RawTensor {
+        let raw = |operand, ptr, layout: &Layout| {
+            RawTensor {
                 ptr,
                 layout: *layout,
-            };
-            gpu::check_alignment(operand, &t, size)?;
-            Ok(t.to_ffi())
+            }
+            .aligned_ffi(operand, size)
         };
-        let none = ffi::flashattn_tensor_t {
-            ptr: std::ptr::null_mut(),
-            batch_stride: 0,
-            row_stride: 0,
-            head_stride: 0,
-        };
+        let none = gpu::NO_TENSOR;
         let (mut q_in, mut q_out, mut heads_q, mut same_position) = (none, none, 0, false);
         let mut _q_guards = None;
         if let Some(RotatedQ {
