@@ -39,7 +39,7 @@
 
 use crate::alloc;
 use crate::error::{Error, Operand, Result};
-use crate::tensor::{Element, Layout, TensorMut, TensorRef};
+use crate::tensor::{self, Element, Layout, TensorMut, TensorRef};
 
 /// The order of an LSE's values for O `(batch, seqlen_q, heads, head_dim_v)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,15 +69,20 @@ pub struct Combined<T> {
     pub lse: Vec<f32>,
 }
 
-/// Checks the parts against each other: at least one, every O of the first one's shape, every
-/// LSE of `batch · heads · seqlen_q` values. Returns that shape and that count.
-fn check_parts<T>(parts: &[(TensorRef<'_, T>, &[f32])]) -> Result<([usize; 4], usize)> {
-    let Some((first, _)) = parts.first() else {
+/// Checks the parts against each other (each part O's layout, the elements its buffer holds and
+/// its LSE's length; the host's and the device's alike): at least one, every O within its buffer
+/// and of the first one's shape, every LSE of `batch · heads · seqlen_q` values. Returns that
+/// shape and that count.
+pub(crate) fn check_part_shapes(
+    parts: impl IntoIterator<Item = (Layout, usize, usize)>,
+) -> Result<([usize; 4], usize)> {
+    let mut parts = parts.into_iter().peekable();
+    let Some(&(first, _, _)) = parts.peek() else {
         return Err(Error::InvalidConfig(
             "combine needs at least one part".into(),
         ));
     };
-    let shape = first.layout.shape;
+    let shape = first.shape;
     let [batch, seqlen_q, heads, _] = shape;
     let lse_len = batch
         .checked_mul(seqlen_q)
@@ -86,24 +91,55 @@ fn check_parts<T>(parts: &[(TensorRef<'_, T>, &[f32])]) -> Result<([usize; 4], u
             operand: Operand::Lse,
             detail: format!("{batch} × {seqlen_q} × {heads} rows"),
         })?;
-    for (o, lse) in parts {
-        o.check(Operand::Out)?;
-        if o.layout.shape != shape {
+    for (layout, len, lse) in parts {
+        tensor::check_len(Operand::Out, &layout, len)?;
+        if layout.shape != shape {
             return Err(Error::ShapeMismatch {
                 operand: Operand::Out,
                 expected: shape,
-                found: o.layout.shape,
+                found: layout.shape,
             });
         }
-        if lse.len() != lse_len {
+        if lse != lse_len {
             return Err(Error::BufferTooSmall {
                 operand: Operand::Lse,
                 needed: lse_len,
-                len: lse.len(),
+                len: lse,
             });
         }
     }
     Ok((shape, lse_len))
+}
+
+/// Checks the merged outputs against the parts' `shape` and LSE count: O (over `len` elements)
+/// of that shape, each element reached once, and an LSE at least that long.
+pub(crate) fn check_merged(
+    (shape, lse_len): ([usize; 4], usize),
+    out: &Layout,
+    len: usize,
+    lse: usize,
+) -> Result<()> {
+    tensor::check_output_len(Operand::Out, out, len)?;
+    if out.shape != shape {
+        return Err(Error::ShapeMismatch {
+            operand: Operand::Out,
+            expected: shape,
+            found: out.shape,
+        });
+    }
+    if lse < lse_len {
+        return Err(Error::BufferTooSmall {
+            operand: Operand::Lse,
+            needed: lse_len,
+            len: lse,
+        });
+    }
+    Ok(())
+}
+
+/// [`check_part_shapes`] of host parts.
+fn check_parts<T>(parts: &[(TensorRef<'_, T>, &[f32])]) -> Result<([usize; 4], usize)> {
+    check_part_shapes(parts.iter().map(|(o, l)| (o.layout, o.data.len(), l.len())))
 }
 
 /// Merges `parts` (each an O `(batch, seqlen_q, heads, head_dim_v)` and its LSE in
@@ -117,21 +153,7 @@ pub fn combine_into<T: Element>(
 ) -> Result<()> {
     let (shape, lse_len) = check_parts(parts)?;
     let [batch, seqlen_q, heads, d] = shape;
-    out.check(Operand::Out)?;
-    if out.layout.shape != shape {
-        return Err(Error::ShapeMismatch {
-            operand: Operand::Out,
-            expected: shape,
-            found: out.layout.shape,
-        });
-    }
-    if lse.len() < lse_len {
-        return Err(Error::BufferTooSmall {
-            operand: Operand::Lse,
-            needed: lse_len,
-            len: lse.len(),
-        });
-    }
+    check_merged((shape, lse_len), &out.layout, out.data.len(), lse.len())?;
     // Rows a part saw no key of (+inf) weigh nothing; NaN stays NaN.
     let seen = |l: f32| {
         if l == f32::INFINITY {

@@ -9,11 +9,11 @@ use cudarc::driver::{
 
 use super::{driver_error, CallPart, Device, DeviceTensor, DeviceTensorMut};
 use crate::backend::gpu::{self, RawTensor};
-use crate::combine::LseLayout;
+use crate::combine::{self, LseLayout};
 use crate::config::Backend;
 use crate::error::{Error, Operand, Result};
 use crate::ffi;
-use crate::tensor::{self, DType};
+use crate::tensor::DType;
 use crate::Element;
 
 impl Device {
@@ -39,18 +39,16 @@ impl Device {
             });
         }
         let max_parts = ffi::FLASHATTN_MAX_COMBINE_PARTS as usize;
-        let Some((first, _)) = parts.first() else {
-            return Err(Error::InvalidConfig(
-                "combine needs at least one part".into(),
-            ));
-        };
+        let (shape, rows) = combine::check_part_shapes(
+            parts.iter().map(|(o, l)| (o.layout, o.data.len(), l.len())),
+        )?;
+        combine::check_merged((shape, rows), &out.layout, out.data.len(), lse.len())?;
         if parts.len() > max_parts {
             return Err(Error::InvalidConfig(format!(
                 "{} parts to combine on the GPU (at most {max_parts})",
                 parts.len()
             )));
         }
-        let shape = first.layout.shape;
         let [batch, seqlen_q, heads, head_dim_v] = shape;
         let contexts = parts
             .iter()
@@ -66,52 +64,16 @@ impl Device {
             ])
             .collect::<Vec<_>>();
         self.check_same_context(stream, contexts)?;
-        // Every count the kernel takes in i32, its rows and elements numbered in i64 (a grid of
-        // at most 2^31 − 1 blocks of 256 threads).
+        // Every count the kernel takes in i32, its elements numbered in i64 (a grid of at most
+        // 2^31 − 1 blocks of 256 threads).
         let fits = |n: usize| i32::try_from(n).is_ok();
-        let rows = batch
-            .checked_mul(seqlen_q)
-            .and_then(|n| n.checked_mul(heads));
-        let elements = rows.and_then(|n| n.checked_mul(head_dim_v));
-        let Some((rows, _)) = rows
-            .zip(elements)
-            .filter(|&(_, e)| shape.into_iter().all(fits) && e <= (i32::MAX as usize) * 256)
-        else {
+        let within = rows
+            .checked_mul(head_dim_v)
+            .is_some_and(|e| e <= (i32::MAX as usize) * 256);
+        if !within || !shape.into_iter().all(fits) {
             return Err(Error::IndexOverflow {
                 operand: Operand::Out,
                 detail: format!("a combine over O {shape:?}"),
-            });
-        };
-        for (o, l) in parts {
-            tensor::check_len(Operand::Out, &o.layout, o.data.len())?;
-            if o.layout.shape != shape {
-                return Err(Error::ShapeMismatch {
-                    operand: Operand::Out,
-                    expected: shape,
-                    found: o.layout.shape,
-                });
-            }
-            if l.len() != rows {
-                return Err(Error::BufferTooSmall {
-                    operand: Operand::Lse,
-                    needed: rows,
-                    len: l.len(),
-                });
-            }
-        }
-        tensor::check_output_len(Operand::Out, &out.layout, out.data.len())?;
-        if out.layout.shape != shape {
-            return Err(Error::ShapeMismatch {
-                operand: Operand::Out,
-                expected: shape,
-                found: out.layout.shape,
-            });
-        }
-        if lse.len() < rows {
-            return Err(Error::BufferTooSmall {
-                operand: Operand::Lse,
-                needed: rows,
-                len: lse.len(),
             });
         }
 
