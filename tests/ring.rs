@@ -151,68 +151,7 @@ fn every_rank_gets_the_single_call_s_rows_in_f32() {
         ),
     ] {
         for ranks in 1..=4 {
-            let w = Whole::<f32>::new(ranks as u64);
-            let (q, k, v, dout) = (
-                view(&w.q, S, HQ, D),
-                view(&w.k, S, HK, D),
-                view(&w.v, S, HK, DV),
-                view(&w.dout, S, HQ, DV),
-            );
-            let fwd = flashattn::forward(&cfg, ForwardInputs::new(q, k, v)).unwrap();
-            let grads = flashattn::backward(
-                &cfg,
-                BackwardInputs {
-                    q,
-                    k,
-                    v,
-                    out: view(&fwd.out, S, HQ, DV),
-                    dout,
-                    lse: &fwd.lse,
-                    sinks: None,
-                },
-            )
-            .unwrap();
-
-            let rows = S / ranks;
-            let qkv = qkv_shards(&w, sharding, ranks);
-            let [qs, ks, vs] = &qkv;
-            let ds = shards(&w.dout, HQ, DV, sharding, ranks);
-            let inputs = rank_inputs(&qkv);
-            let outs = ring::forward(&cfg, sharding, &inputs).unwrap();
-            let want_o = shards(&fwd.out, HQ, DV, sharding, ranks);
-            for r in 0..ranks {
-                let what = format!("{cfg:?} ranks {ranks} rank {r}");
-                close(&outs[r].out, &want_o[r], 2e-6, &format!("{what} O"));
-                close(
-                    &outs[r].lse,
-                    &lse_shard(&fwd.lse, sharding, ranks, r),
-                    2e-6,
-                    &format!("{what} LSE"),
-                );
-            }
-            let binputs: Vec<_> = (0..ranks)
-                .map(|r| BackwardInputs {
-                    q: view(&qs[r], rows, HQ, D),
-                    k: view(&ks[r], rows, HK, D),
-                    v: view(&vs[r], rows, HK, DV),
-                    out: view(&outs[r].out, rows, HQ, DV),
-                    dout: view(&ds[r], rows, HQ, DV),
-                    lse: &outs[r].lse,
-                    sinks: None,
-                })
-                .collect();
-            let got = ring::backward(&cfg, sharding, &binputs).unwrap();
-            let (want_dq, want_dk, want_dv) = (
-                shards(&grads.dq, HQ, D, sharding, ranks),
-                shards(&grads.dk, HK, D, sharding, ranks),
-                shards(&grads.dv, HK, DV, sharding, ranks),
-            );
-            for r in 0..ranks {
-                let what = format!("{cfg:?} ranks {ranks} rank {r}");
-                close(&got[r].dq, &want_dq[r], 2e-5, &format!("{what} dQ"));
-                close(&got[r].dk, &want_dk[r], 2e-5, &format!("{what} dK"));
-                close(&got[r].dv, &want_dv[r], 2e-5, &format!("{what} dV"));
-            }
+            ring_matches_the_single_call(&cfg, sharding, ranks, ranks as u64, None);
         }
     }
 }
@@ -231,80 +170,109 @@ fn sinks_join_the_ring_once_and_their_gradient_sums_over_the_ranks() {
         ),
     ] {
         for ranks in 1..=4 {
-            let w = Whole::<f32>::new(40 + ranks as u64);
-            let (q, k, v, dout) = (
-                view(&w.q, S, HQ, D),
-                view(&w.k, S, HK, D),
-                view(&w.v, S, HK, DV),
-                view(&w.dout, S, HQ, DV),
-            );
-            let fwd =
-                flashattn::forward(&cfg, ForwardInputs::new(q, k, v).with_sinks(&sinks)).unwrap();
-            let grads = flashattn::backward(
-                &cfg,
-                BackwardInputs {
-                    q,
-                    k,
-                    v,
-                    out: view(&fwd.out, S, HQ, DV),
-                    dout,
-                    lse: &fwd.lse,
-                    sinks: Some(&sinks),
-                },
-            )
-            .unwrap();
-            let rows = S / ranks;
-            let qkv = qkv_shards(&w, sharding, ranks);
-            let [qs, ks, vs] = &qkv;
-            let ds = shards(&w.dout, HQ, DV, sharding, ranks);
-            let inputs: Vec<_> = rank_inputs(&qkv)
-                .into_iter()
-                .map(|i| i.with_sinks(&sinks))
-                .collect();
-            let outs = ring::forward(&cfg, sharding, &inputs).unwrap();
-            let want_o = shards(&fwd.out, HQ, DV, sharding, ranks);
-            for r in 0..ranks {
-                let what = format!("{cfg:?} ranks {ranks} rank {r} with sinks");
-                close(&outs[r].out, &want_o[r], 2e-6, &format!("{what} O"));
-                let want_lse = lse_shard(&fwd.lse, sharding, ranks, r);
-                close(&outs[r].lse, &want_lse, 2e-6, &format!("{what} LSE"));
-            }
-            let binputs: Vec<_> = (0..ranks)
-                .map(|r| BackwardInputs {
-                    q: view(&qs[r], rows, HQ, D),
-                    k: view(&ks[r], rows, HK, D),
-                    v: view(&vs[r], rows, HK, DV),
-                    out: view(&outs[r].out, rows, HQ, DV),
-                    dout: view(&ds[r], rows, HQ, DV),
-                    lse: &outs[r].lse,
-                    sinks: Some(&sinks),
-                })
-                .collect();
-            let got = ring::backward(&cfg, sharding, &binputs).unwrap();
-            let (want_dq, want_dk, want_dv) = (
-                shards(&grads.dq, HQ, D, sharding, ranks),
-                shards(&grads.dk, HK, D, sharding, ranks),
-                shards(&grads.dv, HK, DV, sharding, ranks),
-            );
-            let mut dsinks = vec![0f32; HQ];
-            for r in 0..ranks {
-                let what = format!("{cfg:?} ranks {ranks} rank {r} with sinks");
-                close(&got[r].dq, &want_dq[r], 2e-5, &format!("{what} dQ"));
-                close(&got[r].dk, &want_dk[r], 2e-5, &format!("{what} dK"));
-                close(&got[r].dv, &want_dv[r], 2e-5, &format!("{what} dV"));
-                for (s, x) in dsinks.iter_mut().zip(got[r].dsinks.as_ref().unwrap()) {
-                    *s += x;
-                }
-            }
-            let want = grads.dsinks.as_ref().unwrap();
-            close(
-                &dsinks,
-                want,
-                2e-5,
-                &format!("{cfg:?} ranks {ranks} dsinks"),
-            );
-            assert!(want.iter().any(|x| x.abs() > 1e-3), "a gradient to compare");
+            ring_matches_the_single_call(&cfg, sharding, ranks, 40 + ranks as u64, Some(&sinks));
         }
+    }
+}
+
+/// The ring of `ranks` over random f32 Q, K, V and dO (`seed`) against the single call, with
+/// `sinks` or without: every rank's O and LSE (within 2e-6), dQ, dK and dV (within 2e-5), and with
+/// sinks the ranks' shares of their gradient summed against the single call's (a gradient that
+/// is not about zero).
+fn ring_matches_the_single_call(
+    cfg: &AttentionConfig,
+    sharding: Sharding,
+    ranks: usize,
+    seed: u64,
+    sinks: Option<&[f32]>,
+) {
+    let w = Whole::<f32>::new(seed);
+    let (q, k, v, dout) = (
+        view(&w.q, S, HQ, D),
+        view(&w.k, S, HK, D),
+        view(&w.v, S, HK, DV),
+        view(&w.dout, S, HQ, DV),
+    );
+    let fwd = flashattn::forward(
+        cfg,
+        ForwardInputs {
+            sinks,
+            ..ForwardInputs::new(q, k, v)
+        },
+    )
+    .unwrap();
+    let grads = flashattn::backward(
+        cfg,
+        BackwardInputs {
+            q,
+            k,
+            v,
+            out: view(&fwd.out, S, HQ, DV),
+            dout,
+            lse: &fwd.lse,
+            sinks,
+        },
+    )
+    .unwrap();
+    let rows = S / ranks;
+    let qkv = qkv_shards(&w, sharding, ranks);
+    let [qs, ks, vs] = &qkv;
+    let ds = shards(&w.dout, HQ, DV, sharding, ranks);
+    let inputs: Vec<_> = rank_inputs(&qkv)
+        .into_iter()
+        .map(|i| ForwardInputs { sinks, ..i })
+        .collect();
+    let outs = ring::forward(cfg, sharding, &inputs).unwrap();
+    let want_o = shards(&fwd.out, HQ, DV, sharding, ranks);
+    let with = if sinks.is_some() { " with sinks" } else { "" };
+    for (r, out) in outs.iter().enumerate() {
+        let what = format!("{cfg:?} ranks {ranks} rank {r}{with}");
+        close(&out.out, &want_o[r], 2e-6, &format!("{what} O"));
+        let want_lse = lse_shard(&fwd.lse, sharding, ranks, r);
+        close(&out.lse, &want_lse, 2e-6, &format!("{what} LSE"));
+    }
+    let binputs: Vec<_> = (0..ranks)
+        .map(|r| BackwardInputs {
+            q: view(&qs[r], rows, HQ, D),
+            k: view(&ks[r], rows, HK, D),
+            v: view(&vs[r], rows, HK, DV),
+            out: view(&outs[r].out, rows, HQ, DV),
+            dout: view(&ds[r], rows, HQ, DV),
+            lse: &outs[r].lse,
+            sinks,
+        })
+        .collect();
+    let got = ring::backward(cfg, sharding, &binputs).unwrap();
+    let (want_dq, want_dk, want_dv) = (
+        shards(&grads.dq, HQ, D, sharding, ranks),
+        shards(&grads.dk, HK, D, sharding, ranks),
+        shards(&grads.dv, HK, DV, sharding, ranks),
+    );
+    let mut dsinks = vec![0f32; HQ];
+    for (r, g) in got.iter().enumerate() {
+        let what = format!("{cfg:?} ranks {ranks} rank {r}{with}");
+        close(&g.dq, &want_dq[r], 2e-5, &format!("{what} dQ"));
+        close(&g.dk, &want_dk[r], 2e-5, &format!("{what} dK"));
+        close(&g.dv, &want_dv[r], 2e-5, &format!("{what} dV"));
+        if let Some(part) = &g.dsinks {
+            for (s, x) in dsinks.iter_mut().zip(part) {
+                *s += x;
+            }
+        }
+        assert_eq!(
+            g.dsinks.is_some(),
+            sinks.is_some(),
+            "{what}: the sinks' gradient"
+        );
+    }
+    if let Some(want) = &grads.dsinks {
+        close(
+            &dsinks,
+            want,
+            2e-5,
+            &format!("{cfg:?} ranks {ranks} dsinks"),
+        );
+        assert!(want.iter().any(|x| x.abs() > 1e-3), "a gradient to compare");
     }
 }
 
