@@ -53,6 +53,22 @@ fn parts(n: usize, seed: u64) -> Vec<(Vec<bf16>, Layout, Vec<f32>)> {
         .collect()
 }
 
+/// Each part's O and LSE on the device.
+fn upload(
+    stream: &std::sync::Arc<flashattn::cuda::CudaStream>,
+    parts: &[(Vec<bf16>, Layout, Vec<f32>)],
+) -> Vec<(CudaSlice<bf16>, CudaSlice<f32>)> {
+    parts
+        .iter()
+        .map(|(o, _, lse)| {
+            (
+                stream.clone_htod(o).unwrap(),
+                stream.clone_htod(lse).unwrap(),
+            )
+        })
+        .collect()
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn device_combine_matches_the_host_merge() {
@@ -79,15 +95,7 @@ fn device_combine_matches_the_host_merge() {
         )
         .unwrap();
 
-        let uploaded: Vec<(CudaSlice<bf16>, CudaSlice<f32>)> = parts
-            .iter()
-            .map(|(o, _, lse)| {
-                (
-                    stream.clone_htod(o).unwrap(),
-                    stream.clone_htod(lse).unwrap(),
-                )
-            })
-            .collect();
+        let uploaded = upload(&stream, &parts);
         let device_parts: Vec<_> = uploaded
             .iter()
             .zip(&parts)
@@ -145,15 +153,7 @@ fn device_combine_matches_the_host_merge() {
 
     // Bad parts: none, too many, of another shape, an LSE of another length.
     let parts = parts(2, 9);
-    let uploaded: Vec<(CudaSlice<bf16>, CudaSlice<f32>)> = parts
-        .iter()
-        .map(|(o, _, lse)| {
-            (
-                stream.clone_htod(o).unwrap(),
-                stream.clone_htod(lse).unwrap(),
-            )
-        })
-        .collect();
+    let uploaded = upload(&stream, &parts);
     let view = |k: usize, layout: Layout| {
         (
             DeviceTensor::new(uploaded[k].0.as_view(), layout),
