@@ -48,6 +48,10 @@ fn entry(k: &Kernel) -> (String, &'static str) {
             format!("run_fwd_fp8_d{d}"),
             "FwdOptions o, cudaStream_t stream",
         ),
+        Family::Sm90Fp8CacheFwd => (
+            format!("run_fwd_fp8_cache_d{d}_{dt}"),
+            "FwdOptions o, cudaStream_t stream",
+        ),
         Family::Sm90Bwd | Family::Sm80Fwd | Family::Sm80Bwd => {
             (format!("run_{}_d{d}_{dt}", pass(k)), "cudaStream_t stream")
         }
@@ -56,7 +60,7 @@ fn entry(k: &Kernel) -> (String, &'static str) {
 
 fn pass(k: &Kernel) -> &'static str {
     match k.family {
-        Family::Sm90Fwd | Family::Sm90Fp8Fwd | Family::Sm80Fwd => "fwd",
+        Family::Sm90Fwd | Family::Sm90Fp8Fwd | Family::Sm90Fp8CacheFwd | Family::Sm80Fwd => "fwd",
         Family::Sm90Bwd | Family::Sm80Bwd => "bwd",
     }
 }
@@ -79,7 +83,7 @@ fn unit_text(kernels: &[&Kernel]) -> String {
         let dims = dims_args(k);
         let (elem, elem_header, _) = element(k.dtype);
         let launcher = match k.family {
-            Family::Sm90Fwd => "\"sm90/fwd_launch.h\"",
+            Family::Sm90Fwd | Family::Sm90Fp8CacheFwd => "\"sm90/fwd_launch.h\"",
             Family::Sm90Fp8Fwd => "\"sm90/fwd_fp8_launch.h\"",
             Family::Sm90Bwd => "\"sm90/bwd_launch.h\"",
             Family::Sm80Fwd => "\"sm80/fwd_launch.h\"",
@@ -88,8 +92,12 @@ fn unit_text(kernels: &[&Kernel]) -> String {
         let atoms = wgmma_atoms(k)
             .into_iter()
             .map(|(_, _, file)| format!("\"{file}\""));
+        // The forward over an e4m3 cache names the cache's element type too.
+        let cache_header =
+            (k.family == Family::Sm90Fp8CacheFwd).then(|| element(KernelDtype::E4m3).1.to_string());
         for header in [elem_header.to_string(), launcher.to_string()]
             .into_iter()
+            .chain(cache_header)
             .chain(atoms)
         {
             if !includes.contains(&header) {
@@ -115,6 +123,9 @@ fn unit_text(kernels: &[&Kernel]) -> String {
                 format!("{ablation}  return run_fwd_tiled<{elem}, {dims}>(p, o, stream);")
             }
             Family::Sm90Fp8Fwd => format!("  return run_fwd_fp8<{d}>(p, o, stream);"),
+            Family::Sm90Fp8CacheFwd => {
+                format!("  return run_fwd_fp8_cache<{elem}, {d}>(p, o, stream);")
+            }
             Family::Sm90Bwd | Family::Sm80Fwd | Family::Sm80Bwd => {
                 format!("  return run_{}<{elem}, {dims}>(p, stream);", pass(k))
             }
@@ -228,6 +239,8 @@ fn tile_structs(k: &Kernel) -> String {
         Family::Sm90Fwd => {
             spec("FwdTile", tile(TileRole::Base)) + &spec("FwdTileMasked", tile(TileRole::Masked))
         }
+        // The 16-bit forward's Base tile (Family::tile_family), in a unit of its own.
+        Family::Sm90Fp8CacheFwd => spec("FwdTile", tile(TileRole::Base)),
         Family::Sm90Fp8Fwd => {
             let t = tile(TileRole::Base);
             spec("Fp8FwdTile", t)
@@ -280,6 +293,7 @@ fn kernels_header(built: &[&Kernel]) -> String {
                 match f {
                     Family::Sm90Fwd => "FLASHATTN_KERNEL_SM90_FWD",
                     Family::Sm90Fp8Fwd => "FLASHATTN_KERNEL_SM90_FP8_FWD",
+                    Family::Sm90Fp8CacheFwd => "FLASHATTN_KERNEL_SM90_FP8_CACHE_FWD",
                     Family::Sm90Bwd => "FLASHATTN_KERNEL_SM90_BWD",
                     Family::Sm80Fwd => "FLASHATTN_KERNEL_SM80_FWD",
                     Family::Sm80Bwd => "FLASHATTN_KERNEL_SM80_BWD",
@@ -306,6 +320,12 @@ fn kernels_header(built: &[&Kernel]) -> String {
         (
             Family::Sm90Fp8Fwd,
             "sm90_fp8_fwd",
+            "sm90::FwdOptions o, cudaStream_t s",
+            "p, o, s",
+        ),
+        (
+            Family::Sm90Fp8CacheFwd,
+            "sm90_fwd_fp8_cache",
             "sm90::FwdOptions o, cudaStream_t s",
             "p, o, s",
         ),
@@ -396,6 +416,15 @@ pub(crate) fn generate_kernels(gen: &Path) -> Vec<Unit> {
     };
     let unit_name = |k: &Kernel| {
         let extended = registry::extended_wgmma(k);
+        // Its own unit: its tile structs are the 16-bit forward's, which a shared unit would
+        // define twice.
+        if k.family == Family::Sm90Fp8CacheFwd {
+            return if per_tile_row {
+                format!("sm90/fwd_fp8_cache_d{}.cu", dims_name(k))
+            } else {
+                "sm90/fwd_fp8_cache.cu".to_string()
+            };
+        }
         if per_tile_row {
             let fp8 = if k.family == Family::Sm90Fp8Fwd {
                 "_fp8"

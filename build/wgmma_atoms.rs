@@ -12,7 +12,7 @@ pub(crate) fn wgmma_atoms(k: &Kernel) -> Vec<(KernelDtype, usize, String)> {
         .map(|n| {
             assert!(
                 matches!(
-                    k.family,
+                    k.family.tile_family(),
                     Family::Sm90Fwd | Family::Sm90Fp8Fwd | Family::Sm90Bwd
                 ) && n != k.head_dim
                     && n != k.head_dim_v

@@ -197,9 +197,15 @@ bool packs_or_splits(const flashattn_params_t& p) { return p.pack_gqa != 0 || p.
 flashattn_result_t validate_fwd(const flashattn_params_t* p) {
   if (flashattn_result_t r = validate_common(p); r.status != FLASHATTN_OK) return r;
   const int e = elem_bytes(p->dtype);
+  // An e4m3 cache: paged, under 16-bit Q, with K's and V's descales alone.
+  if (p->kv_cache_e4m3 != 0 &&
+      (p->kv_cache_e4m3 != 1 || p->dtype == FLASHATTN_E4M3 || p->page_table == nullptr ||
+       p->q_descale != nullptr))
+    return kInvalid;
+  const int kv_e = p->kv_cache_e4m3 ? 1 : e;
   Operands ops;
   ops.read(View::of(p->q, e, tensor_batch(*p), p->seqlen_q, p->heads_q, p->head_dim));
-  ops.read(kv_view(*p, p->k, e, p->head_dim));
+  ops.read(kv_view(*p, p->k, kv_e, p->head_dim));
   if (p->dtype == FLASHATTN_E4M3) {
     const int key_block = flashattn::sm90::fp8_key_block(p->head_dim);
     if (key_block <= 0) return kUnsupported;
@@ -226,8 +232,16 @@ flashattn_result_t validate_fwd(const flashattn_params_t* p) {
     ops.write(View::of(p->o, 2, tensor_batch(*p), p->seqlen_q, p->heads_q, p->head_dim));
   } else {
     const int dv = head_dim_v(*p);
-    ops.read(kv_view(*p, p->v, e, dv));
+    ops.read(kv_view(*p, p->v, kv_e, dv));
     ops.write(View::of(p->o, e, tensor_batch(*p), p->seqlen_q, p->heads_q, dv));
+  }
+  if (p->kv_cache_e4m3) {  // its descales
+    for (const float* descale : {p->k_descale, p->v_descale})
+      if (descale != nullptr)
+        ops.read(View::packed(descale, 4, int64_t(p->batch) * p->heads_kv, 4));
+  } else if (p->dtype != FLASHATTN_E4M3 &&
+             (p->q_descale != nullptr || p->k_descale != nullptr || p->v_descale != nullptr)) {
+    return kInvalid;
   }
   read_sequences(*p, ops);
   read_sinks(*p, ops);
@@ -239,7 +253,7 @@ flashattn_result_t validate_fwd(const flashattn_params_t* p) {
 flashattn_result_t validate_bwd(const flashattn_params_t* p) {
   if (flashattn_result_t r = validate_common(p); r.status != FLASHATTN_OK) return r;
   if (p->dtype == FLASHATTN_E4M3 || p->page_table != nullptr || p->lse_by_sequence ||
-      packs_or_splits(*p))
+      p->kv_cache_e4m3 != 0 || packs_or_splits(*p))
     return kUnsupported;
   const int e = elem_bytes(p->dtype);
   // Q-like and K-like views with head dim d: Q, dQ, K, dK take head_dim; V, dV, O, dO V's.
@@ -311,6 +325,10 @@ extern "C" flashattn_result_t flashattn_fwd_sm90(const flashattn_params_t* param
     if (p.softcap != 0.f || packs_or_splits(p)) return kUnsupported;  // not built for FP8
     return flashattn::kernels::sm90_fp8_fwd(p, o, s);
   }
+  if (p.kv_cache_e4m3) {  // built with intra-warpgroup overlap only
+    if (!o.intra_wg_overlap) return kUnsupported;
+    return flashattn::kernels::sm90_fwd_fp8_cache(p, o, s);
+  }
   return flashattn::kernels::sm90_fwd(p, o, s);
 }
 
@@ -326,7 +344,7 @@ extern "C" flashattn_result_t flashattn_fwd_sm80(const flashattn_params_t* param
                                                  void* stream) {
   flashattn_result_t r = validate_fwd(params);
   if (r.status != FLASHATTN_OK) return r;
-  if (packs_or_splits(*params)) return kUnsupported;
+  if (packs_or_splits(*params) || params->kv_cache_e4m3) return kUnsupported;
   if (!fits_sm80_grid(*params)) return kInvalid;
   const flashattn_params_t p = normalized(*params);
   return flashattn::kernels::sm80_fwd(p, static_cast<cudaStream_t>(stream));

@@ -36,6 +36,7 @@ typedef enum {
   FLASHATTN_KERNEL_SM80_BWD = 8,
   FLASHATTN_KERNEL_SM90_FP8_FWD = 16,
   FLASHATTN_KERNEL_SM90_SELFTEST = 32,
+  FLASHATTN_KERNEL_SM90_FP8_CACHE_FWD = 64,
 } flashattn_kernel_t;
 
 // Scheduling switches of the sm90 forward (0 = the defaults).
@@ -190,6 +191,16 @@ typedef struct {
   // apart and merged by their LSE, the partials in a workspace taken and given back in stream
   // order. Elsewhere 0 or 1 (else FLASHATTN_UNSUPPORTED); outside 0 .. 256 invalid.
   int32_t num_splits;
+  // 1: K and V are an e4m3 paged cache (page_table required, else FLASHATTN_INVALID_ARGUMENT; a
+  // dense cache runs as pages of its entries, the table then naming each sequence's entry),
+  // read by the sm90 16-bit forward (dtype FLASHATTN_F16 or FLASHATTN_BF16: Q and O; head dims
+  // the registry builds it for, else FLASHATTN_UNSUPPORTED, as on every other entry point),
+  // each row widened to dtype in shared memory. k_descale and v_descale are then f32
+  // (batch, heads_kv), sequence b's KV head h at b·heads_kv + h (null: 1): K's multiplies the
+  // scores (before softcap), V's the values, as flash-attn's k_descale and v_descale; q_descale
+  // must be null. Read on the device only: finite and > 0 is the caller's to keep. 0: K and V
+  // are in dtype.
+  int32_t kv_cache_e4m3;
 } flashattn_params_t;
 
 // Where flashattn_fp8_quantize writes: rows like the source, (batch, seqlen, heads, head_dim)

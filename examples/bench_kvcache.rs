@@ -174,6 +174,7 @@ fn main() {
                         cache_seqlens: lens.as_view(),
                         sinks: None,
                         num_splits,
+                        descales: None,
                     };
                     dev.kvcache_forward_into(&stream, &cfg, inputs, &mut o, &mut lse.as_view_mut())
                         .expect("KV-cache forward")

@@ -16,6 +16,9 @@ pub enum Op {
     /// A backward that also returns the attention sinks' gradient (`dsinks`): with softcap it
     /// takes the sm80 kernels, which sum it (the sm90 softcap kernels do not).
     BackwardWithSinkGradient,
+    /// A forward over an e4m3 KV cache, Q and O in 16 bits: on the GPU the Hopper forward that
+    /// widens the cache (`kvcache-fp8`); the CPU takes it too.
+    ForwardOverFp8Cache,
 }
 
 impl Op {
@@ -131,6 +134,14 @@ fn family_of(backend: Backend, op: Op, dtype: DType) -> Option<(Family, KernelDt
         DType::E4M3 => KernelDtype::E4m3,
         DType::F32 => return None,
     };
+    if op == Op::ForwardOverFp8Cache {
+        return match (backend, kernel_dtype) {
+            (Backend::Sm90, KernelDtype::Bf16 | KernelDtype::Fp16) => {
+                Some((Family::Sm90Fp8CacheFwd, kernel_dtype))
+            }
+            _ => None,
+        };
+    }
     let family = match (backend, op.is_backward(), kernel_dtype) {
         (Backend::Sm90, false, KernelDtype::E4m3) => Family::Sm90Fp8Fwd,
         (_, _, KernelDtype::E4m3) => return None,
@@ -201,6 +212,12 @@ pub fn check_backend(
                 dtype: problem.dtype,
                 backend,
             };
+            if op == Op::ForwardOverFp8Cache && backend != Backend::Sm90 {
+                return Err(Error::Unsupported {
+                    what: "an e4m3 KV cache (the Hopper forward takes it, and the CPU)".into(),
+                    backend,
+                });
+            }
             let (family, dtype) =
                 family_of(backend, op, problem.dtype).ok_or(unsupported_dtype.clone())?;
             if family == Family::Sm90Fp8Fwd && cfg.softcap.is_some() {

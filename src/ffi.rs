@@ -61,6 +61,10 @@ mod tests {
         for (family, bit) in [
             (Family::Sm90Fwd, super::FLASHATTN_KERNEL_SM90_FWD),
             (Family::Sm90Fp8Fwd, super::FLASHATTN_KERNEL_SM90_FP8_FWD),
+            (
+                Family::Sm90Fp8CacheFwd,
+                super::FLASHATTN_KERNEL_SM90_FP8_CACHE_FWD,
+            ),
             (Family::Sm90Bwd, super::FLASHATTN_KERNEL_SM90_BWD),
             (Family::Sm80Fwd, super::FLASHATTN_KERNEL_SM80_FWD),
             (Family::Sm80Bwd, super::FLASHATTN_KERNEL_SM80_BWD),

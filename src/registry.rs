@@ -18,6 +18,9 @@ pub enum Family {
     Sm90Fwd,
     /// The FP8 (e4m3) forward on the same pipeline (csrc/sm90/fwd_fp8_launch.h).
     Sm90Fp8Fwd,
+    /// The 16-bit forward over an e4m3 KV cache, each gathered row widened to Q's type in
+    /// shared memory (csrc/sm90/fwd_launch.h, `run_fwd_fp8_cache`): the 16-bit forward's tiles.
+    Sm90Fp8CacheFwd,
     /// FlashAttention-3-style backward (csrc/sm90/bwd_launch.h).
     Sm90Bwd,
     /// FlashAttention-2-style forward (csrc/sm80/fwd_launch.h).
@@ -27,9 +30,10 @@ pub enum Family {
 }
 
 impl Family {
-    pub const ALL: [Family; 5] = [
+    pub const ALL: [Family; 6] = [
         Family::Sm90Fwd,
         Family::Sm90Fp8Fwd,
+        Family::Sm90Fp8CacheFwd,
         Family::Sm90Bwd,
         Family::Sm80Fwd,
         Family::Sm80Bwd,
@@ -40,6 +44,7 @@ impl Family {
         match self {
             Family::Sm90Fwd => "sm90 fwd",
             Family::Sm90Fp8Fwd => "sm90 fp8 fwd",
+            Family::Sm90Fp8CacheFwd => "sm90 fwd over an e4m3 cache",
             Family::Sm90Bwd => "sm90 bwd",
             Family::Sm80Fwd => "sm80 fwd",
             Family::Sm80Bwd => "sm80 bwd",
@@ -51,9 +56,19 @@ impl Family {
         match self {
             Family::Sm90Fwd => &["sm90"],
             Family::Sm90Fp8Fwd => &["sm90", "fp8"],
+            Family::Sm90Fp8CacheFwd => &["sm90", "kvcache-fp8"],
             Family::Sm90Bwd => &["sm90", "backward"],
             Family::Sm80Fwd => &["sm80"],
             Family::Sm80Bwd => &["sm80", "backward"],
+        }
+    }
+
+    /// The family whose rows of the tile table its kernels take: its own, but the forward over
+    /// an e4m3 cache runs the 16-bit forward's tiles (its stages hold the widened rows).
+    pub fn tile_family(self) -> Family {
+        match self {
+            Family::Sm90Fp8CacheFwd => Family::Sm90Fwd,
+            f => f,
         }
     }
 }
@@ -135,6 +150,12 @@ pub const KERNELS: &[Kernel] = &[
     kernel(Sm90Fp8Fwd, 256, E4m3),
     kernel(Sm90Fp8Fwd, 96, E4m3),
     kernel(Sm90Fp8Fwd, 192, E4m3),
+    kernel(Sm90Fp8CacheFwd, 64, Bf16),
+    kernel(Sm90Fp8CacheFwd, 128, Bf16),
+    kernel(Sm90Fp8CacheFwd, 256, Bf16),
+    kernel(Sm90Fp8CacheFwd, 64, Fp16),
+    kernel(Sm90Fp8CacheFwd, 128, Fp16),
+    kernel(Sm90Fp8CacheFwd, 256, Fp16),
     kernel(Sm90Bwd, 64, Bf16),
     kernel(Sm90Bwd, 128, Bf16),
     kernel(Sm90Bwd, 256, Bf16),
@@ -436,7 +457,7 @@ pub fn tile(k: &Kernel, role: TileRole) -> Option<&'static Tile> {
 pub fn tile_row(k: &Kernel, role: TileRole) -> Option<&'static TileRow> {
     let find = |role: TileRole| {
         TILES.iter().find(|r| {
-            r.family == k.family
+            r.family == k.family.tile_family()
                 && r.head_dim == k.head_dim
                 && r.head_dim_v == k.head_dim_v
                 && r.role == role
@@ -462,7 +483,11 @@ pub fn extended_wgmma_n(k: &Kernel) -> Vec<usize> {
     let head_dim = k.head_dim;
     let mut sizes: Vec<usize> = TILES
         .iter()
-        .filter(|r| r.family == k.family && r.head_dim == head_dim && r.head_dim_v == k.head_dim_v)
+        .filter(|r| {
+            r.family == k.family.tile_family()
+                && r.head_dim == head_dim
+                && r.head_dim_v == k.head_dim_v
+        })
         .flat_map(|r| match r.tile {
             Tile::Sm90Fwd { block_n, .. } => vec![block_n, r.head_dim_v],
             Tile::Sm90Bwd {
@@ -537,6 +562,7 @@ pub(crate) fn feature_on(name: &str) -> bool {
         "hdim256" => cfg!(feature = "hdim256"),
         "hdim96" => cfg!(feature = "hdim96"),
         "hdim192" => cfg!(feature = "hdim192"),
+        "kvcache-fp8" => cfg!(feature = "kvcache-fp8"),
         "ablation" => cfg!(feature = "ablation"),
         _ => unreachable!("feature {name} is not one of the registry's"),
     }

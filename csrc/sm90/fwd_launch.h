@@ -116,18 +116,28 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   params.page_table_stride = p.page_table_batch_stride;
   params.num_pages = p.num_pages;
   params.page_size = p.page_size;
-  params.page_blocks = p.page_size % Traits::kBlockN == 0 ? p.page_size / Traits::kBlockN : 0;
+  // An e4m3 cache's pages, of any size, are always gathered (and widened).
+  params.page_blocks = p.page_size % Traits::kBlockN == 0 && !Traits::kWidensCache
+                           ? p.page_size / Traits::kBlockN
+                           : 0;
   if (params.paged() && Traits::kFp8) return status(FLASHATTN_UNSUPPORTED);
+  if (Traits::kWidensCache && !params.paged()) return status(FLASHATTN_INVALID_ARGUMENT);
   params.page_columns = params.paged() ? p.seqlen_k / p.page_size : 0;
   auto paged_rows = [](const flashattn_tensor_t& t) {
-    constexpr int64_t e = sizeof(Element);
+    constexpr int64_t e = sizeof(typename Traits::Cache);
     return PagedRows{static_cast<const char*>(t.ptr), t.batch_stride * e, t.row_stride * e,
                      t.head_stride * e};
   };
   params.k_pages = paged_rows(p.k);
   params.v_pages = paged_rows(p.v);
-  auto k = gmem_tensor<Traits>(static_cast<Element const*>(p.k.ptr), p.k, params.kv_rows(),
-                               p.heads_kv, params.kv_batch());
+  // An e4m3 cache is never loaded by TMA: its K and V descriptors describe Q instead, unused.
+  const flashattn_tensor_t& k_tma = Traits::kWidensCache ? p.q : p.k;
+  const flashattn_tensor_t& v_tma = Traits::kWidensCache ? p.q : p.v;
+  const int kv_tma_rows = Traits::kWidensCache ? p.seqlen_q : params.kv_rows();
+  const int kv_tma_heads = Traits::kWidensCache ? p.heads_q : p.heads_kv;
+  const int kv_tma_batch = Traits::kWidensCache ? batch : params.kv_batch();
+  auto k = gmem_tensor<Traits>(static_cast<Element const*>(k_tma.ptr), k_tma, kv_tma_rows,
+                               kv_tma_heads, kv_tma_batch);
   // FP8: V key-major, (head_dim, keys padded to whole key blocks), as the quantize step wrote it;
   // packed, every sequence's keys from its packed_block on (sequences.h).
   const int num_n_blocks =
@@ -143,9 +153,8 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
                                      tma_stride(p.v.head_stride, p.heads_kv, d),
                                      tma_stride(p.v.batch_stride, batch, d)));
     } else {
-      return gmem_tensor<Traits, Traits::kHeadDimV>(static_cast<Element const*>(p.v.ptr), p.v,
-                                                    params.kv_rows(), p.heads_kv,
-                                                    params.kv_batch());
+      return gmem_tensor<Traits, Traits::kHeadDimV>(static_cast<Element const*>(v_tma.ptr), v_tma,
+                                                    kv_tma_rows, kv_tma_heads, kv_tma_batch);
     }
   }();
   params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, take<0, 2>(typename Traits::SmemLayoutQ{}),
@@ -197,7 +206,10 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
                             : params.num_m_blocks;
   params.o_bf16 = p.out_dtype == FLASHATTN_BF16;
 
-  constexpr auto kernel = &fwd_kernel<Traits>;
+  // An e4m3 cache's kernel is the partial-results one alone (whole tiles too, as it runs them
+  // where there are no pieces, splits or packed heads), which halves its instantiations.
+  constexpr bool kPartialsOnly = Traits::kWidensCache;
+  constexpr auto kernel = &fwd_kernel<Traits, kPartialsOnly>;
   const int smem_bytes = sizeof(typename Traits::SharedStorage);
   FLASHATTN_TRY_CUDA(allow_dynamic_smem<kernel>(smem_bytes));
   // Persistent: one CTA per SM (shared memory allows no more) walking its share of the work
@@ -215,7 +227,7 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   // (decoding, short chunks) under any mask; never a packed batch's (their lengths differ).
   const bool equal_tiles =
       !packed && ((uniform && params.keys.window_left < 0) || params.num_m_blocks == 1);
-  if constexpr (Traits::kTailSplit) {
+  if constexpr (Traits::kTailSplit && !kPartialsOnly) {
     const bool tail_may_split = equal_tiles && params.group == 1 && p.num_splits == 0;
     if (tail_may_split && p.sm_count > 0 && !(p.sm90_flags & FLASHATTN_SM90_NO_SPLIT_TAIL)) {
       int n_min, n_max;
@@ -351,6 +363,18 @@ flashattn_result_t run_fwd_tiled(const flashattn_params_t& p, FwdOptions o, cuda
           p, o.pingpong, stream);
   }
   return run_fwd<FwdTraits<Element, kHeadDim, Tile, Tile::kIntraWGOverlap, kHeadDimV>>(
+      p, o.pingpong, stream);
+}
+
+// The forward over an e4m3 paged KV cache (flash_api.h kv_cache_e4m3) with Q and O in Element:
+// the Base tile, whose stages hold the widened rows.
+template <class Element, int kHeadDim>
+flashattn_result_t run_fwd_fp8_cache(const flashattn_params_t& p, FwdOptions o,
+                                     cudaStream_t stream) {
+  using Tile = FwdTile<kHeadDim>;
+  static_assert(Tile::kIntraWGOverlap && Tile::kTailSplit,
+                "pack-GQA and key splits run on the overlapped partial-results kernel");
+  return run_fwd<FwdTraits<Element, kHeadDim, Tile, true, kHeadDim, cutlass::float_e4m3_t>>(
       p, o.pingpong, stream);
 }
 

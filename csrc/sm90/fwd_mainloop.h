@@ -7,6 +7,10 @@
 // FP8 (Element = e4m3, from the quantize step): Q·Kᵀ and P·V by QGMMA, the Q and K descales
 // folded into each key block's softmax scale, V's descale into O's rescale factor, P converted to
 // e4m3 in registers (V's keys ordered to match, fp8_layout.h).
+//
+// An e4m3 KV cache (Traits::kWidensCache; K and V widened to Element by the producer): its K
+// descale, one per (sequence, KV head) and so per tile, folds into the tile's softmax scale (or
+// softcap's pre-scale), its V descale into O's final rescale.
 #pragma once
 
 #include <utility>
@@ -103,6 +107,8 @@ struct FwdMainloop {
   const float* k_descale = nullptr;
   const float* v_descale = nullptr;
   float v_unit = 1.f;
+  // An e4m3 cache: softcap's pre-scale with the tile's K descale.
+  float tile_softcap_pre;
 
   __device__ FwdMainloop(const FwdParams<Traits>& p, typename Traits::SharedStorage& smem, int wg,
                          int tid_)
@@ -118,7 +124,8 @@ struct FwdMainloop {
         pingpong(give_first_turn(p.pingpong, wg)),
         my_turn(wg == 0 ? FwdBarrier::TurnWG0 : FwdBarrier::TurnWG1),
         their_turn(wg == 0 ? FwdBarrier::TurnWG1 : FwdBarrier::TurnWG0),
-        tile_scale_log2(p.scale_log2) {}
+        tile_scale_log2(p.scale_log2),
+        tile_softcap_pre(p.softcap_pre) {}
   FwdMainloop(const FwdMainloop&) = delete;
 
   __device__ ThrQK thr_qk() { return mma_qk.get_thread_slice(tid); }
@@ -147,7 +154,26 @@ struct FwdMainloop {
       tile_scale_log2 = params.scale_log2 * params.q_descale[q_block + m_block];
       k_descale = params.k_descale + kv_block;
       v_descale = params.v_descale + kv_block;
+    } else if constexpr (Traits::kWidensCache) {
+      // By sequence; a packed schedule's slots past the last sequence (no keys, nothing
+      // stored) read sequence 0's.
+      const int head_kv = group() > 1 ? t.head : t.head / (params.heads_q / params.heads_kv);
+      const int b = t.seq.index < params.batch ? t.seq.index : 0;
+      const int64_t i = int64_t(b) * params.heads_kv + head_kv;
+      const float k_scale = params.k_descale != nullptr ? params.k_descale[i] : 1.f;
+      v_unit = params.v_descale != nullptr ? params.v_descale[i] : 1.f;
+      tile_scale_log2 = params.softcap ? params.scale_log2 : params.scale_log2 * k_scale;
+      tile_softcap_pre = params.softcap_pre * k_scale;
     }
+  }
+
+  // The softmax scale (log2 units) and softcap's pre-scale of the tile's scores: the call's, or
+  // with an e4m3 cache's K descale.
+  __device__ float scale_log2() const {
+    return Traits::kWidensCache ? tile_scale_log2 : params.scale_log2;
+  }
+  __device__ float softcap_pre() const {
+    return Traits::kWidensCache ? tile_softcap_pre : params.softcap_pre;
   }
 
   // Tile rows per query row.
@@ -247,7 +273,7 @@ struct FwdMainloop {
     Tensor rowcol_S = this->rowcol_S();
     if (!kPlain && params.softcap) {
 #pragma unroll
-      for (int i = 0; i < size(tSrS); ++i) tSrS(i) = fast_tanh(tSrS(i) * params.softcap_pre);
+      for (int i = 0; i < size(tSrS); ++i) tSrS(i) = fast_tanh(tSrS(i) * softcap_pre());
     }
     int q_begin, q_end;  // this warpgroup's query rows
     query_rows(group(), row0, row0 + kRowsPerWG, q_begin, q_end);
@@ -283,7 +309,7 @@ struct FwdMainloop {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) factor[r] *= ratio;
     } else {
-      softmax.step(rowcol_S, params.scale_log2, factor);
+      softmax.step(rowcol_S, scale_log2(), factor);
     }
   }
 
@@ -300,7 +326,11 @@ struct FwdMainloop {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) inv_sum[r] *= v_unit;
     } else {
-      softmax.finalize(params.scale_log2, inv_sum, lse);
+      softmax.finalize(scale_log2(), inv_sum, lse);
+      if constexpr (Traits::kWidensCache) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) inv_sum[r] *= v_unit;
+      }
     }
   }
 };

@@ -1,6 +1,7 @@
 // The sm90 forward's producer: warpgroup 0 gives its registers to the consumers, and lane 0 of
-// its first warp issues every TMA load; where a paged cache's pages hold no whole key block, the
-// whole warpgroup copies K's and V's rows (fwd_paged_rows.h). Per tile: the first K block, then
+// its first warp issues every TMA load; where a paged cache's pages hold no whole key block, and
+// for an e4m3 cache, the whole warpgroup copies K's and V's rows (fwd_paged_rows.h), widening an
+// e4m3 cache's. Per tile: the first K block, then
 // Q (with one Q buffer it waits for the last Q·Kᵀ of the tile before), then the first V block
 // and the other K/V blocks, last to first, into the two kStages-deep pipelines. With pack-GQA a
 // tile's Q rows are no TMA box: the consumers gather them (fwd_packed_q.h), and the producer
@@ -22,13 +23,17 @@ struct FwdProducer {
                              typename Traits::SharedStorage& smem) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     // Two walks, each with only its own state in the producer's 24 registers.
-    if constexpr (!Traits::kFp8) {  // FP8 takes no paged cache (flash_api.h)
-      if (params.gathers_pages()) {
-        walk<true>(params, smem);
-        return;
+    if constexpr (Traits::kWidensCache) {
+      walk<true>(params, smem);
+    } else {
+      if constexpr (!Traits::kFp8) {  // FP8 takes no paged cache (flash_api.h)
+        if (params.gathers_pages()) {
+          walk<true>(params, smem);
+          return;
+        }
       }
+      if (threadIdx.x / 32 == 0) walk<false>(params, smem);
     }
-    if (threadIdx.x / 32 == 0) walk<false>(params, smem);
   }
 
   // The tiles' loads. The first warp walks the tiles and waits for the stages; lane 0 arrives
@@ -67,6 +72,23 @@ struct FwdProducer {
 
     PipelineState<kStages> st;
     PipelineState<kQStages> st_q;
+    // An e4m3 cache: the stage of the block whose rows are copied but not yet widened (-1: none),
+    // and its widening, by each thread of its own chunks, once they have landed.
+    int widening = -1;
+    auto widen = [&](auto dim, auto layout, auto& pipe, auto& buffer) {
+      using Gather = PagedRowGather<typename Traits::Element, typename Traits::Cache, kBlockN,
+                                    decltype(dim)::value, decltype(layout)>;
+      Gather::widen(cast_smem_ptr_to_uint(buffer.begin()), widening, threadIdx.x);
+      pipe.producer_commit_written(widening);
+    };
+    auto widen_k = [&] {
+      if constexpr (Traits::kWidensCache)
+        widen(Int<Traits::kHeadDim>{}, typename Traits::SmemLayoutK{}, smem.pipe_k, smem.k);
+    };
+    auto widen_v = [&] {
+      if constexpr (Traits::kWidensCache)
+        widen(Int<Traits::kHeadDimV>{}, typename Traits::SmemLayoutV{}, smem.pipe_v, smem.v);
+    };
     WorkTile t;
 #pragma unroll 1
     for (FwdTileScheduler<Traits, kPartials> tiles{params}; tiles.next(t);) {
@@ -111,23 +133,35 @@ struct FwdProducer {
       };
       BlockPages pages{};
       auto gather_block = [&](auto dim, auto layout, auto& pipe, const PagedRows& rows,
-                              auto& buffer, int n, bool look_up) {
+                              auto& buffer, int n, bool look_up, auto widen_before) {
         if (look_up) {
           pages.first_column = n * kBlockN / params.page_size;
           pages.lane_page = page_at(pages.first_column + threadIdx.x % 32);
         }
         pipe.producer_wait(st);
-        PagedRowGather<typename Traits::Element, kBlockN, decltype(dim)::value,
-                       decltype(layout)>::load(cast_smem_ptr_to_uint(buffer.begin()), st.index,
-                                               rows, head_kv, n * kBlockN, params.page_size,
-                                               pages, page_at, threadIdx.x);
-        pipe.producer_commit_copies(st);
+        PagedRowGather<typename Traits::Element, typename Traits::Cache, kBlockN,
+                       decltype(dim)::value, decltype(layout)>::load(
+            cast_smem_ptr_to_uint(buffer.begin()), st.index, rows, head_kv, n * kBlockN,
+            params.page_size, pages, page_at, threadIdx.x);
+        if constexpr (Traits::kWidensCache) {
+          // The block before is widened once this block's copies are under way: its copies are
+          // the groups before the last two (each block's K, then V). Its K stage must be full
+          // before this block's V stage is free: the consumers release the V stage of two blocks
+          // back only after the Q·Kᵀ of the block before.
+          cp_async_fence();
+          if (widening >= 0) {
+            cp_async_wait<2>();
+            widen_before();
+          }
+        } else {
+          pipe.producer_commit_copies(st);
+        }
       };
       // K's (or V's) block n: by TMA from the tensor or a page of whole blocks, or gathered.
       auto load_k = [&](int n) {
         if constexpr (kGathers) {
           gather_block(Int<Traits::kHeadDim>{}, typename Traits::SmemLayoutK{}, smem.pipe_k,
-                       params.k_pages, smem.k, n, true);
+                       params.k_pages, smem.k, n, true, widen_k);
         } else {
           smem.pipe_k.producer_acquire_by_warp(st, Traits::kBytesK);
           auto tma = params.tma_k.with(smem.pipe_k.full_barrier(st));
@@ -147,7 +181,7 @@ struct FwdProducer {
       auto load_v = [&](int n) {
         if constexpr (kGathers) {
           gather_block(Int<Traits::kHeadDimV>{}, typename Traits::SmemLayoutV{}, smem.pipe_v,
-                       params.v_pages, smem.v, n, false);
+                       params.v_pages, smem.v, n, false, widen_v);
         } else {
           smem.pipe_v.producer_acquire_by_warp(st, Traits::kBytesV);
           auto tma = params.tma_v.with(smem.pipe_v.full_barrier(st));
@@ -180,13 +214,22 @@ struct FwdProducer {
       }
       st_q.advance();
       load_v(t.n_max - 1);
+      if constexpr (Traits::kWidensCache) widening = st.index;
       st.advance();
       // Not unrolled: the producer lives in 24 registers.
 #pragma unroll 1
       for (int n = t.n_max - 2; n >= t.n_min; --n) {
         load_k(n);
         load_v(n);
+        if constexpr (Traits::kWidensCache) widening = st.index;
         st.advance();
+      }
+    }
+    if constexpr (Traits::kWidensCache) {
+      if (widening >= 0) {  // the last block's rows
+        cp_async_wait<0>();
+        widen_k();
+        widen_v();
       }
     }
     // A partial-results launch may start beside the grid before it (the tail's whole waves),

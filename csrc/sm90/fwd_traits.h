@@ -27,11 +27,16 @@ using namespace cute;
 // code-shape choices kUnmaskedLoop, kTailSplit and, FP8 tiles only, kIeeeDescaleRatio.
 // kIntraWGOverlap: the tile's own (Tile::kIntraWGOverlap), or off for the ablation.
 // kHeadDim: of Q and K; kHeadDimV: of V and O (the 16-bit kernels only may take another).
+// Cache: the element type of K and V in global memory where it is not Element: an e4m3 KV cache
+// of the 16-bit kernels, whose producer widens each gathered row to Element in shared memory.
 template <class Element_, int kHeadDim_, class Tile, bool kIntraWGOverlap_,
-          int kHeadDimV_ = kHeadDim_>
+          int kHeadDimV_ = kHeadDim_, class Cache_ = Element_>
 struct FwdTraits {
-  using Element = Element_;  // of Q, K and V
+  using Element = Element_;  // of Q, O, and K and V in shared memory
+  using Cache = Cache_;      // of K and V in global memory
   static constexpr bool kFp8 = sizeof(Element) == 1;
+  static constexpr bool kWidensCache = !kFp8 && sizeof(Cache) == 1;
+  static_assert(sizeof(Cache) == sizeof(Element) || kWidensCache, "an e4m3 cache of 16-bit Q");
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
   static_assert(!kFp8 || kHeadDimV == kHeadDim, "the FP8 forward has one head dim");
@@ -169,7 +174,8 @@ struct FwdParams {
   bool softcap;
   bool pingpong;
   // FP8: descales (batch, heads, blocks), packed (heads, packed blocks): Q per query tile, K and
-  // V per key block.
+  // V per key block. An e4m3 cache (kWidensCache): K's and V's (batch, heads_kv) by sequence, or
+  // null (1).
   const float* q_descale;
   const float* k_descale;
   const float* v_descale;
@@ -214,10 +220,10 @@ struct FwdParams {
   __host__ __device__ int kv_rows() const { return paged() ? page_size : seqlen_k; }
   __host__ __device__ int kv_batch() const { return paged() ? num_pages : tensor_batch(); }
   // Whether the producer gathers K's and V's rows by cp.async: pages of no whole key block (the
-  // 16-bit kernels'; FP8 takes no paged cache). The K and V barriers' arrival counts and the
-  // producer's walk both follow it.
+  // 16-bit kernels'; FP8 takes no paged cache), and an e4m3 cache's pages of any size. The K and
+  // V barriers' arrival counts and the producer's walk both follow it.
   __host__ __device__ bool gathers_pages() const {
-    return !Traits::kFp8 && paged() && page_blocks == 0;
+    return Traits::kWidensCache || (!Traits::kFp8 && paged() && page_blocks == 0);
   }
   // Entry b's page-table entry of column `column`, kept within the columns the call's keys span
   // (page_columns); and a page number as read from it, kept within the cache's pages.

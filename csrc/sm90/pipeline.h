@@ -60,6 +60,13 @@ struct TmaPipeline {
   __device__ void producer_commit_copies(PipelineState<kStages> st) {
     cutlass::arch::cpasync_barrier_arrive_noinc(&full[st.index]);
   }
+  // Producer threads that wrote stage `stage` by plain shared-memory stores (an e4m3 cache
+  // widened): each makes its stores visible to the async proxy, which the consumers' WGMMAs
+  // read through, and arrives.
+  __device__ void producer_commit_written(int stage) {
+    cutlass::arch::fence_view_async_shared();
+    Full::arrive(&full[stage]);
+  }
 
   __device__ void consumer_wait(PipelineState<kStages> st) { Full::wait(&full[st.index], st.phase); }
   // Called by every consumer thread after its warpgroup_wait: the WGMMAs that read the stage

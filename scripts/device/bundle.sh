@@ -11,9 +11,9 @@ export FLASHATTN_SM80_ARCH=90
 # With the toolchain self-test, which run.sh runs first (and under the sanitizers), and the head
 # dims outside the default build (hdim96, hdim192), which the GPU tests then cover.
 {
-  cargo test --release --features selftest,hdim96,hdim192 --no-run --message-format=json
-  cargo bench --features selftest,hdim96,hdim192 --no-run --message-format=json
-  cargo build --release --features selftest,hdim96,hdim192 --examples --message-format=json
+  cargo test --release --features selftest,hdim96,hdim192,kvcache-fp8 --no-run --message-format=json
+  cargo bench --features selftest,hdim96,hdim192,kvcache-fp8 --no-run --message-format=json
+  cargo build --release --features selftest,hdim96,hdim192,kvcache-fp8 --examples --message-format=json
 } 2>/dev/null | python3 scripts/device/executables.py | while read -r name path; do
   # Only what run.sh runs there: the CPU-only tests run in CI, the criterion bench by hand
   # (every binary carries all the kernels, and the carry is limited to 64 MiB).

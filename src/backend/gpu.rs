@@ -192,6 +192,14 @@ pub(crate) fn base_params(
     }
 }
 
+/// A forward's device pointers beside its tensors: the LSE, the attention sinks (0: none), and
+/// for K and V in an e4m3 KV cache its K and V descales (0: none).
+pub(crate) struct ForwardExtras {
+    pub lse: u64,
+    pub sinks: u64,
+    pub e4m3_descales: Option<[u64; 2]>,
+}
+
 /// Launches the forward `plan` chose (its backend, and on sm90 its tile) on `stream` (a
 /// CUstream).
 #[allow(clippy::too_many_arguments)]
@@ -202,8 +210,7 @@ pub(crate) fn forward(
     cfg: &AttentionConfig,
     sm_count: i32,
     [q, k, v, o]: [RawTensor; 4],
-    lse: u64,
-    sinks: u64,
+    extras: ForwardExtras,
     stream: *mut std::ffi::c_void,
 ) -> Result<()> {
     let mut p = base_params(problem, packed, cfg, sm_count);
@@ -211,8 +218,13 @@ pub(crate) fn forward(
     p.k = k.to_ffi();
     p.v = v.to_ffi();
     p.o = o.to_ffi();
-    p.lse = lse as *mut f32;
-    p.sinks = sinks as *const f32;
+    p.lse = extras.lse as *mut f32;
+    p.sinks = extras.sinks as *const f32;
+    if let Some([kd, vd]) = extras.e4m3_descales {
+        p.kv_cache_e4m3 = 1;
+        p.k_descale = kd as *const f32;
+        p.v_descale = vd as *const f32;
+    }
     if plan.tile().is_some_and(|row| row.role == TileRole::Masked) {
         p.sm90_flags |= ffi::FLASHATTN_SM90_MASKED_TILE;
     }

@@ -8,9 +8,8 @@ use cudarc::driver::{
 };
 
 use super::varlen::DevicePages;
-use super::{
-    driver_error, Device, DeviceForwardInputs, DeviceSeqlens, DeviceTensor, DeviceTensorMut,
-};
+use super::views::KeysValues;
+use super::{driver_error, Device, DeviceSeqlens, DeviceTensor, DeviceTensorMut};
 use crate::backend::gpu::{self, CacheTiles, RawTensor};
 use crate::config::{AttentionConfig, Backend};
 use crate::dispatch::Plan;
@@ -28,12 +27,14 @@ use crate::Element;
 /// reading entry `b` (`batch_cache ≥ batch`; with `cache_batch_idx`, entry
 /// `cache_batch_idx[b]`). With one, it is paged: K `(num_pages, page_size, heads_kv, head_dim)`
 /// and V with `head_dim_v`, and sequence `b`'s key `j` lies in row `j % page_size` of page
-/// `block_table[b][j / page_size]`.
+/// `block_table[b][j / page_size]`. The cache holds Q's element type, or e4m3 (`C` =
+/// `float8::F8E4M3`, with the `kvcache-fp8` feature; the Hopper forward alone), which the
+/// kernels widen to Q's type in shared memory, and then optionally its [`DeviceCacheDescales`].
 #[derive(Debug)]
-pub struct DeviceKvCacheInputs<'a, T> {
+pub struct DeviceKvCacheInputs<'a, T, C = T> {
     pub q: &'a DeviceTensor<'a, T>,
-    pub k_cache: &'a DeviceTensor<'a, T>,
-    pub v_cache: &'a DeviceTensor<'a, T>,
+    pub k_cache: &'a DeviceTensor<'a, C>,
+    pub v_cache: &'a DeviceTensor<'a, C>,
     /// The paged cache's `(batch, max_pages)` i32 page numbers, row-major on the device; each
     /// sequence's keys are `max_pages · page_size` rows. The kernels clamp every entry into
     /// `0..num_pages` (the host does not read them). Pages of any size: on the Hopper forward
@@ -69,6 +70,20 @@ pub struct DeviceKvCacheInputs<'a, T> {
     /// `Error::Unsupported`). The Ampere backend runs every tile whole (more than one split
     /// asked of `Backend::Sm80` is `Error::Unsupported`).
     pub num_splits: usize,
+    /// An e4m3 cache's descales (`None`: 1); with a 16-bit cache `Error::Unsupported` (the CPU
+    /// takes them: [`crate::kvcache::forward`]).
+    pub descales: Option<DeviceCacheDescales<'a>>,
+}
+
+/// An e4m3 cache's descales on the device, as [`crate::kvcache::CacheDescales`] on the host:
+/// `batch × heads_kv` f32 values each (else `Error::InvalidConfig`), sequence `b`'s KV head `h`
+/// at `b · heads_kv + h` (by sequence, with `cache_batch_idx` too). K's multiplies the scores
+/// (before softcap), V's the values. Read on the device only: finite and positive is the
+/// caller's to keep (the host does not see them).
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceCacheDescales<'a> {
+    pub k: &'a CudaView<'a, f32>,
+    pub v: &'a CudaView<'a, f32>,
 }
 
 /// Rotary position embedding on the device, as [`crate::kvcache::Rotary`] applies it on the
@@ -477,12 +492,13 @@ impl Device {
     /// only after a call of its shape has run outside the capture. Q, O and a dense cache must
     /// hold their entries' rows one after the other (batch stride = rows × row stride), which
     /// one-row Q and O (a decode step's) need not. Paged caches of any page size run on the Hopper
-    /// and the Ampere forward.
-    pub fn kvcache_forward_into<T: Element + DeviceRepr>(
+    /// and the Ampere forward. An e4m3 cache (`C` = `float8::F8E4M3`) runs on the Hopper forward
+    /// alone, always as pages (a dense one's entries its pages, as with `cache_batch_idx`).
+    pub fn kvcache_forward_into<T: Element + DeviceRepr, C: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
         cfg: &AttentionConfig,
-        inputs: DeviceKvCacheInputs<'_, T>,
+        inputs: DeviceKvCacheInputs<'_, T, C>,
         out: &mut DeviceTensorMut<T>,
         lse: &mut CudaViewMut<f32>,
     ) -> Result<Plan> {
@@ -495,10 +511,52 @@ impl Device {
             cache_seqlens,
             sinks,
             num_splits,
+            descales,
         } = inputs;
         // Before anything is uploaded on it.
         self.check_same_context(stream, [(Operand::Q, q.data.stream().context())])?;
-        let table = cache_table(block_table, cache_batch_idx, q.layout.shape[0])?;
+        let batch = q.layout.shape[0];
+        let e4m3 = C::DTYPE == DType::E4M3 && T::DTYPE != DType::E4M3;
+        if !e4m3 && C::DTYPE != T::DTYPE {
+            return Err(Error::InvalidConfig(format!(
+                "a KV cache of {:?} under Q of {:?} (the cache holds Q's type, or e4m3)",
+                C::DTYPE,
+                T::DTYPE
+            )));
+        }
+        let e4m3_descales = match descales {
+            None => None,
+            Some(_) if !e4m3 => {
+                return Err(Error::Unsupported {
+                    what: "descales of a 16-bit KV cache on the GPU (the CPU takes them: \
+                           kvcache::forward)"
+                        .into(),
+                    backend: cfg.backend,
+                })
+            }
+            Some(DeviceCacheDescales { k, v }) => {
+                let heads_kv = k_cache.layout.shape[2];
+                for (name, d) in [("k_descale", k), ("v_descale", v)] {
+                    if Some(d.len()) != batch.checked_mul(heads_kv) {
+                        return Err(Error::InvalidConfig(format!(
+                            "{name} has {} values for {batch} sequences of {heads_kv} KV heads",
+                            d.len()
+                        )));
+                    }
+                }
+                Some([k, v])
+            }
+        };
+        // An e4m3 cache is read as pages: a dense one's entries, sequence b's entry b (the
+        // first `batch` values of the kept offsets of 1 row each, 0, 1, 2, ...).
+        let identity;
+        let table = match cache_table(block_table, cache_batch_idx, batch)? {
+            None if e4m3 => {
+                identity = self.uniform_offsets(stream, batch, 1)?;
+                Some(identity.slice(..batch))
+            }
+            table => table,
+        };
         let rows = self.cache_rows(
             cfg,
             CacheCall {
@@ -512,7 +570,7 @@ impl Device {
             },
             &out.layout,
         )?;
-        let [batch, seqlen_q, _, _] = q.layout.shape;
+        let seqlen_q = q.layout.shape[1];
         let q_rows = DeviceTensor::new(q.data.slice(..), rows.q);
         let mut o_rows = DeviceTensorMut::new(out.data.slice_mut(..), rows.out);
         let q_offsets = self.uniform_offsets(stream, batch, seqlen_q)?;
@@ -522,11 +580,19 @@ impl Device {
                 let seqs = DeviceSeqlens::paged(cu_q, seqlen_q, pages, cache_seqlens)?
                     .with_lse_by_sequence()
                     .with_cache_tiles(rows.tiles);
-                let inputs = DeviceForwardInputs {
-                    sinks,
-                    ..DeviceForwardInputs::new(&q_rows, k_cache, v_cache)
+                let kv = KeysValues {
+                    k: k_cache,
+                    v: v_cache,
+                    e4m3_descales,
                 };
-                return self.varlen_forward_into(stream, &cfg, &seqs, inputs, &mut o_rows, lse);
+                return self.forward_launch_over(
+                    stream,
+                    &cfg,
+                    Some(&seqs),
+                    (&q_rows, kv, sinks),
+                    &mut o_rows,
+                    lse,
+                );
             }
             CacheKeys::Rows { k, v } => (k, v),
         };
@@ -539,11 +605,19 @@ impl Device {
             .with_seqused_k(cache_seqlens)?
             .with_lse_by_sequence()
             .with_cache_tiles(rows.tiles);
-        let inputs = DeviceForwardInputs {
-            sinks,
-            ..DeviceForwardInputs::new(&q_rows, &k_rows, &v_rows)
+        let kv = KeysValues {
+            k: &k_rows,
+            v: &v_rows,
+            e4m3_descales: None,
         };
-        self.varlen_forward_into(stream, cfg, &seqs, inputs, &mut o_rows, lse)
+        self.forward_launch_over(
+            stream,
+            cfg,
+            Some(&seqs),
+            (&q_rows, kv, sinks),
+            &mut o_rows,
+            lse,
+        )
     }
 }
 
@@ -629,6 +703,7 @@ impl Device {
                 cache_seqlens: seqlens,
                 sinks,
                 num_splits,
+                descales: None,
             };
             dev.kvcache_forward_into(stream, cfg, inputs, out, lse)
         };

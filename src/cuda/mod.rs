@@ -21,7 +21,9 @@ pub use fp8::{
     fp8_key_block, fp8_query_block, v_key_column, v_row_head_dim, Fp8ForwardInputs, Fp8Inputs,
     Fp8Options,
 };
-pub use kvcache::{DeviceKvCacheAppend, DeviceKvCacheInputs, DeviceKvCacheStep, DeviceRotary};
+pub use kvcache::{
+    DeviceCacheDescales, DeviceKvCacheAppend, DeviceKvCacheInputs, DeviceKvCacheStep, DeviceRotary,
+};
 pub use varlen::DeviceSeqlens;
 pub use views::{
     DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut,
@@ -33,6 +35,7 @@ use crate::dispatch::{self, BuiltKernels, DeviceInfo, Memory, Op, Plan};
 use crate::error::{CallPart, Error, Operand, Result};
 use crate::ffi;
 use crate::tensor::{check_backward, check_forward, check_sinks, DType, Element, Problem};
+use views::KeysValues;
 
 /// Is a CUDA driver (libcuda) loadable on this machine? Probed before any driver call, since
 /// cudarc panics when the library is missing. Asked of the dynamic loader itself: cudarc's own
@@ -244,6 +247,43 @@ impl Device {
         lse: &mut CudaViewMut<f32>,
     ) -> Result<Plan> {
         let DeviceForwardInputs { q, k, v, sinks } = inputs;
+        let kv = KeysValues {
+            k,
+            v,
+            e4m3_descales: None,
+        };
+        self.forward_launch_over(stream, cfg, seqs, (q, kv, sinks), out, lse)
+    }
+
+    /// [`Device::forward_launch`] over K and V of element type `C`: Q's, or an e4m3 KV cache
+    /// (a paged packed call's, `seqs`) with its descales, which the Hopper forward widens.
+    pub(super) fn forward_launch_over<T: Element + DeviceRepr, C: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        cfg: &AttentionConfig,
+        seqs: Option<&DeviceSeqlens>,
+        (q, kv, sinks): (
+            &DeviceTensor<'_, T>,
+            KeysValues<'_, C>,
+            Option<&CudaView<'_, f32>>,
+        ),
+        out: &mut DeviceTensorMut<T>,
+        lse: &mut CudaViewMut<f32>,
+    ) -> Result<Plan> {
+        let KeysValues {
+            k,
+            v,
+            e4m3_descales,
+        } = kv;
+        let e4m3_cache = C::DTYPE != T::DTYPE;
+        if e4m3_cache && (C::DTYPE != DType::E4M3 || seqs.and_then(DeviceSeqlens::pages).is_none())
+        {
+            return Err(Error::InvalidConfig(format!(
+                "K and V of {:?} under Q of {:?}: only an e4m3 KV cache's pages differ from Q",
+                C::DTYPE,
+                T::DTYPE
+            )));
+        }
         if T::DTYPE == DType::E4M3 {
             return Err(Error::Unsupported {
                 what: "e4m3 operands in forward_into (the FP8 forward takes them through \
@@ -267,6 +307,15 @@ impl Device {
         }
         if let Some(sinks) = sinks {
             self.check_same_context(stream, [(Operand::Sinks, sinks.stream().context())])?;
+        }
+        if let Some([kd, vd]) = e4m3_descales {
+            self.check_same_context(
+                stream,
+                [
+                    (Operand::K, kd.stream().context()),
+                    (Operand::V, vd.stream().context()),
+                ],
+            )?;
         }
         let inputs = [q.operand(), k.operand(), v.operand()];
         let rows = match seqs {
@@ -294,7 +343,13 @@ impl Device {
         let (lse_ptr, _lse_guard) = lse.device_ptr_mut(stream);
         let (packed, _seqs_guards) = seqs.map(|s| s.rows(stream, &rows)).unzip();
         let (sinks_ptr, _sinks_guard) = sinks.map(|s| s.device_ptr(stream)).unzip();
-        let size = std::mem::size_of::<T>();
+        let ([kd_ptr, vd_ptr], _descale_guards) = match e4m3_descales {
+            Some([kd, vd]) => {
+                let ((k, kg), (v, vg)) = (kd.device_ptr(stream), vd.device_ptr(stream));
+                ([k, v], Some((kg, vg)))
+            }
+            None => ([0, 0], None),
+        };
         let operands = [
             (
                 Operand::Q,
@@ -326,9 +381,18 @@ impl Device {
             ),
         ];
         for (operand, t) in &operands {
+            let size = match operand {
+                Operand::K | Operand::V => std::mem::size_of::<C>(),
+                _ => std::mem::size_of::<T>(),
+            };
             gpu::check_alignment(*operand, t, size)?;
         }
-        let plan = self.plan(Op::Forward, &problem, cfg)?;
+        let op = if e4m3_cache {
+            Op::ForwardOverFp8Cache
+        } else {
+            Op::Forward
+        };
+        let plan = self.plan(op, &problem, cfg)?;
         self.ctx.bind_to_thread().map_err(driver_error)?;
         gpu::forward(
             &plan,
@@ -337,8 +401,11 @@ impl Device {
             cfg,
             self.info.sm_count,
             operands.map(|(_, t)| t),
-            lse_ptr,
-            sinks_ptr.unwrap_or(0),
+            gpu::ForwardExtras {
+                lse: lse_ptr,
+                sinks: sinks_ptr.unwrap_or(0),
+                e4m3_descales: e4m3_cache.then_some([kd_ptr, vd_ptr]),
+            },
             stream.cu_stream() as *mut std::ffi::c_void,
         )?;
         Ok(plan)

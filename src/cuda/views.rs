@@ -46,6 +46,16 @@ impl<'a, T> DeviceTensorMut<'a, T> {
     }
 }
 
+/// A forward's keys and values: of Q's element type, or an e4m3 KV cache's with its K and V
+/// descales (`[k, v]`, `batch × heads_kv` f32 each, by sequence; `None`: an e4m3 cache read as
+/// it is stored, or a 16-bit K and V).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KeysValues<'a, C> {
+    pub(crate) k: &'a DeviceTensor<'a, C>,
+    pub(crate) v: &'a DeviceTensor<'a, C>,
+    pub(crate) e4m3_descales: Option<[&'a CudaView<'a, f32>; 2]>,
+}
+
 /// What a device forward pass reads: Q, K, V and, where the model has them, the attention sinks.
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceForwardInputs<'a, T> {

@@ -24,6 +24,7 @@ mod bad_params;
 mod combine;
 mod fp8;
 mod kvcache_append;
+mod kvcache_fp8;
 
 use ffi::*;
 use std::ffi::c_void;
@@ -97,6 +98,7 @@ fn params() -> flashattn_params_t {
         lse_by_sequence: 0,
         pack_gqa: 0,
         num_splits: 0,
+        kv_cache_e4m3: 0,
     }
 }
 

@@ -77,6 +77,7 @@ fn launch(
             cache_seqlens: lens.as_view(),
             sinks: sinks_view.as_ref(),
             num_splits: c.num_splits,
+            descales: None,
         },
         &mut DeviceTensorMut::contiguous(&mut out, o_shape),
         &mut lse.as_view_mut(),

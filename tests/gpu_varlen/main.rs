@@ -13,6 +13,7 @@ mod fp8;
 #[path = "../harness/mod.rs"]
 mod harness;
 mod kvcache;
+mod kvcache_fp8;
 mod kvcache_step;
 
 use std::sync::Arc;

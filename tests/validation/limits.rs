@@ -74,6 +74,7 @@ fn kernels_left_out_of_the_build_are_refused_by_name() {
     for k in flashattn::registry::KERNELS {
         let (op, backend) = match k.family {
             Family::Sm90Fwd | Family::Sm90Fp8Fwd => (Op::Forward, Backend::Sm90),
+            Family::Sm90Fp8CacheFwd => (Op::ForwardOverFp8Cache, Backend::Sm90),
             Family::Sm90Bwd => (Op::Backward, Backend::Sm90),
             Family::Sm80Fwd => (Op::Forward, Backend::Sm80),
             Family::Sm80Bwd => (Op::Backward, Backend::Sm80),

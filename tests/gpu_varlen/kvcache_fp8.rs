@@ -1,0 +1,276 @@
+//! An e4m3 KV cache on the Hopper forward (`kvcache-fp8`): K and V stored in e4m3, widened to Q's
+//! type in shared memory, each sequence's keys scaled by its descales. Every sequence's O and LSE
+//! against the f64 reference over its dequantized keys and values (the stored values times their
+//! descales), under DESIGN's rule with the baseline of a framework that dequantizes to bf16 and
+//! then attends: paged (pages of 16, 64, 100 and 160 rows, out of order) and dense, GQA with and
+//! without packed query heads, causal and softcap, key splits, with and without descales, the
+//! rows past each length poisoned with e4m3's largest finite values.
+#![cfg(feature = "kvcache-fp8")]
+
+use cudarc::driver::CudaSlice;
+use flashattn::cuda::{DeviceCacheDescales, DeviceKvCacheInputs, DeviceTensor, DeviceTensorMut};
+use flashattn::reference::{self, compare};
+use flashattn::{AttentionConfig, Backend, Element, TensorRef};
+use float8::F8E4M3;
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use super::common::device;
+
+/// One case: head dims, query and KV heads, query rows, page size (0: a dense cache of 320
+/// rows), cached keys per sequence, descales, key splits.
+struct Case {
+    d: usize,
+    heads: (usize, usize),
+    seqlen_q: usize,
+    page_size: usize,
+    lens: &'static [i32],
+    descales: bool,
+    num_splits: usize,
+    cfg: AttentionConfig,
+}
+
+const DENSE_ROWS: usize = 320;
+
+/// The case's failures, each naming it.
+fn run_case(c: &Case, seed: u64) -> Vec<String> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (hq, hk) = c.heads;
+    let (d, batch, seqlen_q) = (c.d, c.lens.len(), c.seqlen_q);
+    let row = hk * d;
+    // The cache: rows of e4m3 values in [-4, 4], pages in shuffled order (or dense entries).
+    let (slots, rows) = if c.page_size == 0 {
+        (batch, DENSE_ROWS)
+    } else {
+        let pages_per_seq = DENSE_ROWS.div_ceil(c.page_size);
+        (batch * pages_per_seq, c.page_size)
+    };
+    let e4m3 = |rng: &mut StdRng| F8E4M3::from_f32(rng.random_range(-4.0f32..4.0));
+    let mut k: Vec<F8E4M3> = (0..slots * rows * row).map(|_| e4m3(&mut rng)).collect();
+    let mut v: Vec<F8E4M3> = (0..slots * rows * row).map(|_| e4m3(&mut rng)).collect();
+    let mut order: Vec<i32> = (0..slots as i32).collect();
+    order.shuffle(&mut rng);
+    let table = (c.page_size > 0).then_some(order);
+    let pages_per_seq = slots / batch;
+    // Where sequence b's key j lies, as a row index into the cache.
+    let at = |b: usize, j: usize| match &table {
+        Some(t) => t[b * pages_per_seq + j / rows] as usize * rows + j % rows,
+        None => b * rows + j,
+    };
+    // Rows past each length: e4m3's largest finite values, which attended to would move O far.
+    for (b, &len) in c.lens.iter().enumerate() {
+        for j in len as usize..pages_per_seq * rows {
+            let r = at(b, j);
+            k[r * row..][..row].fill(F8E4M3::from_f32(448.0));
+            v[r * row..][..row].fill(F8E4M3::from_f32(-448.0));
+        }
+    }
+    let q: Vec<bf16> = (0..batch * seqlen_q * hq * d)
+        .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
+        .collect();
+    let descale = |rng: &mut StdRng| {
+        (0..batch * hk)
+            .map(|_| rng.random_range(0.3f32..1.9))
+            .collect()
+    };
+    let (kd, vd): (Vec<f32>, Vec<f32>) = if c.descales {
+        (descale(&mut rng), descale(&mut rng))
+    } else {
+        (vec![1.0; batch * hk], vec![1.0; batch * hk])
+    };
+
+    let (dev, stream) = device();
+    let up_q = stream.clone_htod(&q).unwrap();
+    let (up_k, up_v): (CudaSlice<F8E4M3>, CudaSlice<F8E4M3>) = (
+        stream.clone_htod(&k).unwrap(),
+        stream.clone_htod(&v).unwrap(),
+    );
+    let (kd_d, vd_d) = (
+        stream.clone_htod(&kd).unwrap(),
+        stream.clone_htod(&vd).unwrap(),
+    );
+    let (kd_v, vd_v) = (kd_d.as_view(), vd_d.as_view());
+    let lens_d = stream.clone_htod(c.lens).unwrap();
+    let table_d = table.as_ref().map(|t| stream.clone_htod(t).unwrap());
+    let o_shape = [batch, seqlen_q, hq, d];
+    let mut out = stream
+        .clone_htod(&vec![bf16::NAN; o_shape.iter().product()])
+        .unwrap();
+    let mut lse = stream
+        .clone_htod(&vec![f32::NAN; batch * hq * seqlen_q])
+        .unwrap();
+    let cache = [slots, rows, hk, d];
+    let (qt, kt, vt) = (
+        DeviceTensor::contiguous(&up_q, [batch, seqlen_q, hq, d]),
+        DeviceTensor::contiguous(&up_k, cache),
+        DeviceTensor::contiguous(&up_v, cache),
+    );
+    let what = format!(
+        "d{d} {hq}/{hk} heads, {seqlen_q} queries, pages of {} (0: dense), lens {:?}, \
+         descales {}, {} splits, {:?}",
+        c.page_size, c.lens, c.descales, c.num_splits, c.cfg.mask
+    );
+    let inputs = DeviceKvCacheInputs {
+        q: &qt,
+        k_cache: &kt,
+        v_cache: &vt,
+        block_table: table_d.as_ref().map(|t| t.as_view()),
+        cache_batch_idx: None,
+        cache_seqlens: lens_d.as_view(),
+        sinks: None,
+        num_splits: c.num_splits,
+        descales: c
+            .descales
+            .then_some(DeviceCacheDescales { k: &kd_v, v: &vd_v }),
+    };
+    let plan = match dev.kvcache_forward_into(
+        &stream,
+        &c.cfg,
+        inputs,
+        &mut DeviceTensorMut::contiguous(&mut out, o_shape),
+        &mut lse.as_view_mut(),
+    ) {
+        Ok(plan) => plan,
+        Err(e) => return vec![format!("{what}: {e}")],
+    };
+    let (out, lse) = (
+        stream.clone_dtoh(&out).unwrap(),
+        stream.clone_dtoh(&lse).unwrap(),
+    );
+    stream.synchronize().unwrap();
+    let mut failures = vec![];
+    if plan.backend != Backend::Sm90 {
+        failures.push(format!("{what}: ran on {:?}", plan.backend));
+    }
+    for (b, &len) in c.lens.iter().enumerate() {
+        let len = len as usize;
+        let o = reference::to_f32(&out[b * seqlen_q * hq * d..][..seqlen_q * hq * d]);
+        let l = &lse[b * hq * seqlen_q..][..hq * seqlen_q];
+        if len == 0 {
+            if !(o.iter().all(|&x| x == 0.0) && l.iter().all(|&x| x == f32::INFINITY)) {
+                failures.push(format!("{what}: sequence {b} has no keys"));
+            }
+            continue;
+        }
+        // Its keys and values dequantized (f32; the reference widens to f64), and as a framework
+        // would hold them, in bf16.
+        let deq = |x: &[F8E4M3], s: &[f32]| -> Vec<f32> {
+            (0..len)
+                .flat_map(|j| {
+                    let r = at(b, j);
+                    (0..row).map(move |i| (r, i))
+                })
+                .map(|(r, i)| x[r * row + i].to_f32() * s[b * hk + i / d])
+                .collect()
+        };
+        let (kf, vf) = (deq(&k, &kd), deq(&v, &vd));
+        let qf = reference::to_f32(&q[b * seqlen_q * hq * d..][..seqlen_q * hq * d]);
+        let (kb, vb): (Vec<bf16>, Vec<bf16>) = (
+            kf.iter().map(|&x| bf16::from_f32(x)).collect(),
+            vf.iter().map(|&x| bf16::from_f32(x)).collect(),
+        );
+        let q_shape = [1, seqlen_q, hq, d];
+        let kv_shape = [1, len, hk, d];
+        let want = reference::reference_forward(
+            &c.cfg,
+            TensorRef::contiguous(&qf, q_shape),
+            TensorRef::contiguous(&kf, kv_shape),
+            TensorRef::contiguous(&vf, kv_shape),
+        );
+        let base = reference::baseline_forward(
+            &c.cfg,
+            TensorRef::contiguous(&q[b * seqlen_q * hq * d..][..seqlen_q * hq * d], q_shape),
+            TensorRef::contiguous(&kb, kv_shape),
+            TensorRef::contiguous(&vb, kv_shape),
+        );
+        for (name, cmp) in [
+            ("O", compare(&o, &want.out, &base.out)),
+            ("LSE", compare(l, &want.lse, &base.lse)),
+        ] {
+            if !cmp.pass {
+                failures.push(format!("{what}: sequence {b} ({len} keys): {name} {cmp}"));
+            }
+        }
+    }
+    failures
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn e4m3_cache_matches_the_reference_over_its_dequantized_keys() {
+    let causal = AttentionConfig::new().causal(true);
+    let cases = [
+        // Decoding, GQA 8:1 (query heads packed), pages of 16 and 64, ragged lengths.
+        Case {
+            d: 128,
+            heads: (16, 2),
+            seqlen_q: 1,
+            page_size: 16,
+            lens: &[1, 300, 17, 0, 160],
+            descales: true,
+            num_splits: 0,
+            cfg: causal.clone(),
+        },
+        Case {
+            d: 128,
+            heads: (16, 2),
+            seqlen_q: 1,
+            page_size: 64,
+            lens: &[320, 129, 64],
+            descales: true,
+            num_splits: 3,
+            cfg: AttentionConfig::new(),
+        },
+        // A chunk of queries over a dense cache (its entries as pages), without descales.
+        Case {
+            d: 64,
+            heads: (4, 4),
+            seqlen_q: 40,
+            page_size: 0,
+            lens: &[300, 40, 193],
+            descales: false,
+            num_splits: 0,
+            cfg: causal.clone(),
+        },
+        // Pages of 100 and 160 rows (160: whole d128 blocks, still gathered and widened),
+        // softcap, and d256.
+        Case {
+            d: 128,
+            heads: (8, 2),
+            seqlen_q: 3,
+            page_size: 100,
+            lens: &[250, 3, 320],
+            descales: true,
+            num_splits: 1,
+            cfg: AttentionConfig::new().softcap(30.0),
+        },
+        Case {
+            d: 128,
+            heads: (4, 1),
+            seqlen_q: 64,
+            page_size: 160,
+            lens: &[320, 70],
+            descales: true,
+            num_splits: 0,
+            cfg: causal,
+        },
+        Case {
+            d: 256,
+            heads: (8, 4),
+            seqlen_q: 2,
+            page_size: 64,
+            lens: &[200, 33],
+            descales: true,
+            num_splits: 2,
+            cfg: AttentionConfig::new().window(Some(100), Some(0)),
+        },
+    ];
+    let failures: Vec<String> = cases
+        .iter()
+        .enumerate()
+        .flat_map(|(i, c)| run_case(c, 90 + i as u64))
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
