@@ -159,7 +159,9 @@ typedef struct {
   // Packed calls: descales and v as flashattn_fp8_quantize writes them for packed sources (with
   // the same offsets: others give wrong rows, never an access outside the buffers).
   // Descales are read on the device only and must be finite and > 0, as flashattn_fp8_quantize
-  // writes them; flashattn_fp8_sanitize_descales turns others into NaN (NaN rows out).
+  // writes them; flashattn_fp8_sanitize_descales turns others into NaN (NaN rows out). Other
+  // calls pass null descales (else FLASHATTN_INVALID_ARGUMENT), but for an e4m3 KV cache's K and
+  // V descales (kv_cache_e4m3 below).
   const float* q_descale;
   const float* k_descale;
   const float* v_descale;

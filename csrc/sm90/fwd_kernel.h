@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto finish_pending = [&]() FLASHATTN_INLINE {
     pv_and_release(ml, smem, st_v);
     float inv_sum[kRows], lse[kRows];
-    ml.finalize(inv_sum, lse);
+    ml.finalize_pending(inv_sum, lse);
     epilogue.store(pending_tile, ml.tOrO, inv_sum, lse);
     pending = false;
   };
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ml.turn_pass();
       warpgroup_wait<1>();
       float inv_sum[kRows], lse[kRows];
-      ml.finalize(inv_sum, lse);  // the tile before: all keys seen
+      ml.finalize_pending(inv_sum, lse);  // the tile before: all keys seen
       release_k_first();
       ml.template softmax_step<false>(t.n_max - 1, row0, first);
       warpgroup_wait<0>();
@@ -217,6 +217,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     pending = true;
     pending_tile = t;
+    ml.hold_pending();
     if constexpr (!Traits::kCrossTileOverlap) finish_pending();
   }
   if (pending) finish_pending();

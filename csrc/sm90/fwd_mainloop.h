@@ -107,8 +107,11 @@ struct FwdMainloop {
   const float* k_descale = nullptr;
   const float* v_descale = nullptr;
   float v_unit = 1.f;
-  // An e4m3 cache: softcap's pre-scale with the tile's K descale.
+  // An e4m3 cache: softcap's pre-scale with the tile's K descale; and the softmax scale and V
+  // descale of the tile whose last P·V is pending (cross-tile overlap), which is finished after
+  // the next tile's begin_tile has replaced them.
   float tile_softcap_pre;
+  float pending_scale_log2 = 0.f, pending_v_unit = 1.f;
 
   __device__ FwdMainloop(const FwdParams<Traits>& p, typename Traits::SharedStorage& smem, int wg,
                          int tid_)
@@ -317,6 +320,24 @@ struct FwdMainloop {
   __device__ FLASHATTN_INLINE void rescale_o() {
     Tensor rowcol_O = this->rowcol_O();
     scale_rows(rowcol_O, factor);
+  }
+
+  // The tile whose last P·V is now pending: its scales, for finalize_pending.
+  __device__ FLASHATTN_INLINE void hold_pending() {
+    if constexpr (Traits::kWidensCache) {
+      pending_scale_log2 = tile_scale_log2;
+      pending_v_unit = v_unit;
+    }
+  }
+  // finalize for the pending tile (hold_pending), once the next tile may have begun.
+  __device__ FLASHATTN_INLINE void finalize_pending(float (&inv_sum)[kRows], float (&lse)[kRows]) {
+    if constexpr (Traits::kWidensCache) {
+      softmax.finalize(pending_scale_log2, inv_sum, lse);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) inv_sum[r] *= pending_v_unit;
+    } else {
+      finalize(inv_sum, lse);
+    }
   }
 
   // All keys seen: what O's rows are multiplied by, and the LSE.

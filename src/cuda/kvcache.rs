@@ -552,6 +552,18 @@ impl Device {
         let identity;
         let table = match cache_table(block_table, cache_batch_idx, batch)? {
             None if e4m3 => {
+                if k_cache.layout.shape[0] < batch {
+                    return Err(Error::ShapeMismatch {
+                        operand: Operand::K,
+                        expected: [
+                            batch,
+                            k_cache.layout.shape[1],
+                            k_cache.layout.shape[2],
+                            k_cache.layout.shape[3],
+                        ],
+                        found: k_cache.layout.shape,
+                    });
+                }
                 identity = self.uniform_offsets(stream, batch, 1)?;
                 Some(identity.slice(..batch))
             }
