@@ -26,7 +26,7 @@ struct Case {
     heads: (usize, usize),
     seqlen_q: usize,
     page_size: usize,
-    lens: &'static [i32],
+    lens: Vec<i32>,
     descales: bool,
     num_splits: usize,
     cfg: AttentionConfig,
@@ -92,7 +92,7 @@ fn run_case(c: &Case, seed: u64) -> Vec<String> {
         stream.clone_htod(&vd).unwrap(),
     );
     let (kd_v, vd_v) = (kd_d.as_view(), vd_d.as_view());
-    let lens_d = stream.clone_htod(c.lens).unwrap();
+    let lens_d = stream.clone_htod(&c.lens).unwrap();
     let table_d = table.as_ref().map(|t| stream.clone_htod(t).unwrap());
     let o_shape = [batch, seqlen_q, hq, d];
     let mut out = stream
@@ -208,7 +208,7 @@ fn e4m3_cache_matches_the_reference_over_its_dequantized_keys() {
             heads: (16, 2),
             seqlen_q: 1,
             page_size: 16,
-            lens: &[1, 300, 17, 0, 160],
+            lens: vec![1, 300, 17, 0, 160],
             descales: true,
             num_splits: 0,
             cfg: causal.clone(),
@@ -218,7 +218,7 @@ fn e4m3_cache_matches_the_reference_over_its_dequantized_keys() {
             heads: (16, 2),
             seqlen_q: 1,
             page_size: 64,
-            lens: &[320, 129, 64],
+            lens: vec![320, 129, 64],
             descales: true,
             num_splits: 3,
             cfg: AttentionConfig::new(),
@@ -229,7 +229,7 @@ fn e4m3_cache_matches_the_reference_over_its_dequantized_keys() {
             heads: (4, 4),
             seqlen_q: 40,
             page_size: 0,
-            lens: &[300, 40, 193],
+            lens: vec![300, 40, 193],
             descales: false,
             num_splits: 0,
             cfg: causal.clone(),
@@ -241,7 +241,7 @@ fn e4m3_cache_matches_the_reference_over_its_dequantized_keys() {
             heads: (8, 2),
             seqlen_q: 3,
             page_size: 100,
-            lens: &[250, 3, 320],
+            lens: vec![250, 3, 320],
             descales: true,
             num_splits: 1,
             cfg: AttentionConfig::new().softcap(30.0),
@@ -251,17 +251,39 @@ fn e4m3_cache_matches_the_reference_over_its_dequantized_keys() {
             heads: (4, 1),
             seqlen_q: 64,
             page_size: 160,
-            lens: &[320, 70],
+            lens: vec![320, 70],
             descales: true,
             num_splits: 0,
             cfg: causal,
+        },
+        // 300 sequences of distinct descales: each persistent CTA runs many tiles, the last P·V
+        // of one beside the first Q·Kᵀ of the next (whose descales differ).
+        Case {
+            d: 64,
+            heads: (8, 2),
+            seqlen_q: 1,
+            page_size: 16,
+            lens: (0..300).map(|i| 1 + (i * 37) % 320).collect(),
+            descales: true,
+            num_splits: 1,
+            cfg: AttentionConfig::new(),
+        },
+        Case {
+            d: 128,
+            heads: (4, 4),
+            seqlen_q: 1,
+            page_size: 0,
+            lens: (0..300).map(|i| 1 + (i * 53) % 320).collect(),
+            descales: true,
+            num_splits: 1,
+            cfg: AttentionConfig::new(),
         },
         Case {
             d: 256,
             heads: (8, 4),
             seqlen_q: 2,
             page_size: 64,
-            lens: &[200, 33],
+            lens: vec![200, 33],
             descales: true,
             num_splits: 2,
             cfg: AttentionConfig::new().window(Some(100), Some(0)),
