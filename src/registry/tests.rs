@@ -53,7 +53,9 @@ fn every_kernel_has_its_tile_and_every_tile_a_kernel() {
     for k in KERNELS {
         let t = tile(k, TileRole::Base).unwrap_or_else(|| panic!("{}: no tile", k.name()));
         let family_of_tile = match t {
-            Tile::Sm90Fwd { .. } => [Family::Sm90Fwd, Family::Sm90Fp8Fwd].contains(&k.family),
+            Tile::Sm90Fwd { .. } => {
+                [Family::Sm90Fwd, Family::Sm90Fp8Fwd].contains(&k.family.tile_family())
+            }
             Tile::Sm90Bwd { .. } => k.family == Family::Sm90Bwd,
             Tile::Sm80Fwd { .. } => k.family == Family::Sm80Fwd,
             Tile::Sm80Bwd { .. } => k.family == Family::Sm80Bwd,
@@ -160,7 +162,9 @@ fn extended_wgmma_sizes_are_key_blocks() {
                     ..
                 })
             );
-            assert!(matches!(k.family, Family::Sm90Fwd | Family::Sm90Fp8Fwd) || keys_as_n);
+            assert!(
+                matches!(k.family.tile_family(), Family::Sm90Fwd | Family::Sm90Fp8Fwd) || keys_as_n
+            );
             assert!(
                 n != k.head_dim && n != k.head_dim_v && n % 8 == 0 && n <= 256,
                 "{}: N {n}",
