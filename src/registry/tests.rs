@@ -171,7 +171,7 @@ fn extended_wgmma_sizes_are_key_blocks() {
                 k.name()
             );
             let key_block = TILES.iter().any(|r| {
-                r.family == k.family
+                r.family == k.family.tile_family()
                     && r.head_dim == k.head_dim
                     && r.head_dim_v == k.head_dim_v
                     && match r.tile {
