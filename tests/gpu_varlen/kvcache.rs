@@ -607,27 +607,37 @@ fn sanitizer_cache_batch_idx_out_of_range_stays_in_bounds() {
         sinks: None,
         num_splits: 0,
     };
+    // Sequence b's results against its entry's first keys (`entry_keys[b]`: the entry and how
+    // many), in a cache of `rows` rows an entry.
+    let check_entries = |cfg: &AttentionConfig,
+                         what: &str,
+                         rows: usize,
+                         (out, lse): (&[bf16], &[f32]),
+                         entry_keys: [(usize, usize); 3]| {
+        let mut failures = vec![];
+        for (b, (entry, len)) in entry_keys.into_iter().enumerate() {
+            let keys = k[entry * rows * hk * d..][..len * hk * d].to_vec();
+            failures.extend(check_sequence(
+                cfg,
+                &format!("{what}, sequence {b}"),
+                Outputs { out, lse },
+                b,
+                (1, hq, hk, d, d),
+                &q,
+                (&keys, &keys),
+            ));
+        }
+        failures
+    };
     let (out, lse, _) = launch(&dev, &stream, &call).unwrap();
     // The values clamped into the entries: 0, 2 and 2.
-    let mut failures = vec![];
-    for (b, (entry, len)) in [(0usize, 100usize), (2, 320), (2, 7)]
-        .into_iter()
-        .enumerate()
-    {
-        let keys = k[entry * 320 * hk * d..][..len * hk * d].to_vec();
-        failures.extend(check_sequence(
-            &call.cfg,
-            &format!("clamped cache_batch_idx, sequence {b}"),
-            Outputs {
-                out: &out,
-                lse: &lse,
-            },
-            b,
-            (1, hq, hk, d, d),
-            &q,
-            (&keys, &keys),
-        ));
-    }
+    let mut failures = check_entries(
+        &call.cfg,
+        "clamped cache_batch_idx",
+        320,
+        (&out, &lse),
+        [(0, 100), (2, 320), (2, 7)],
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     let refused = |call: &Call| launch(&dev, &stream, call).err();
     call.table = Some(&[0, 1, 2]);
@@ -647,24 +657,13 @@ fn sanitizer_cache_batch_idx_out_of_range_stays_in_bounds() {
         call.cache = [slots * 2, rows, hk, d];
         call.cfg = AttentionConfig::new().causal(true).backend(backend);
         let (out, lse, _) = launch(&dev, &stream, &call).unwrap();
-        for (b, (entry, len)) in [(2usize, 100usize), (1, rows), (0, 7)]
-            .into_iter()
-            .enumerate()
-        {
-            let keys = k[entry * rows * hk * d..][..len * hk * d].to_vec();
-            failures.extend(check_sequence(
-                &call.cfg,
-                &format!("entries of {rows} rows on {backend:?}, sequence {b}"),
-                Outputs {
-                    out: &out,
-                    lse: &lse,
-                },
-                b,
-                (1, hq, hk, d, d),
-                &q,
-                (&keys, &keys),
-            ));
-        }
+        failures.extend(check_entries(
+            &call.cfg,
+            &format!("entries of {rows} rows on {backend:?}"),
+            rows,
+            (&out, &lse),
+            [(2, 100), (1, rows), (0, 7)],
+        ));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
