@@ -89,7 +89,7 @@ impl Fixture {
 }
 
 /// A dense cache of the fixture's shape over `k` and `v`, to append to.
-fn dense_mut<'x>(k: &'x mut [bf16], v: &'x mut [bf16]) -> KvCacheMut<'x, bf16> {
+fn dense_mut<'x, C>(k: &'x mut [C], v: &'x mut [C]) -> KvCacheMut<'x, C> {
     KvCacheMut::Dense {
         k: TensorMut::contiguous(k, [ENTRIES, CAPACITY, HK, D]),
         v: TensorMut::contiguous(v, [ENTRIES, CAPACITY, HK, DV]),
@@ -494,10 +494,7 @@ fn an_fp8_append_stores_each_row_by_its_descale() {
     let entries = [4usize, 0, 3];
     let idx = entries.map(|e| e as i32);
     let (mut k, mut v) = (k8.clone(), v8.clone());
-    let mut cache = KvCacheMut::Dense {
-        k: TensorMut::contiguous(&mut k, [ENTRIES, CAPACITY, HK, D]),
-        v: TensorMut::contiguous(&mut v, [ENTRIES, CAPACITY, HK, DV]),
-    };
+    let mut cache = dense_mut(&mut k, &mut v);
     let descaled = kvcache::CacheDescales { k: &kd, v: &vd };
     kvcache::append_fp8(&mut cache, kn, vn, &lens, Some(&idx), descaled).unwrap();
     // The expected cache: the new rows quantized into their entries' rows.
@@ -564,10 +561,7 @@ fn an_fp8_append_stores_each_row_by_its_descale() {
         (&kd[1..], &vd[..]),
         (&kd[..], &vd[..vd.len() - 1]),
     ] {
-        let mut cache = KvCacheMut::Dense {
-            k: TensorMut::contiguous(&mut k, [ENTRIES, CAPACITY, HK, D]),
-            v: TensorMut::contiguous(&mut v, [ENTRIES, CAPACITY, HK, DV]),
-        };
+        let mut cache = dense_mut(&mut k, &mut v);
         let bad = kvcache::CacheDescales { k: bad_k, v: bad_v };
         let e = kvcache::append_fp8(&mut cache, kn, vn, &lens, Some(&idx), bad).unwrap_err();
         assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
@@ -1130,10 +1124,7 @@ fn a_step_over_an_fp8_cache_quantizes_what_it_appends() {
             &cfg,
             kvcache::KvCacheStep {
                 q: fx.q(),
-                cache: &mut KvCacheMut::Dense {
-                    k: TensorMut::contiguous(&mut k, [ENTRIES, CAPACITY, HK, D]),
-                    v: TensorMut::contiguous(&mut v, [ENTRIES, CAPACITY, HK, DV]),
-                },
+                cache: &mut dense_mut(&mut k, &mut v),
                 new: Some(new),
                 cache_seqlens: &lens,
                 rotary: with_rotary.then_some(rotary),
@@ -1209,10 +1200,7 @@ fn a_step_over_an_fp8_cache_quantizes_what_it_appends() {
         &cfg,
         kvcache::KvCacheStep {
             q: fx.q(),
-            cache: &mut KvCacheMut::Dense {
-                k: TensorMut::contiguous(&mut k, [ENTRIES, CAPACITY, HK, D]),
-                v: TensorMut::contiguous(&mut v, [ENTRIES, CAPACITY, HK, DV]),
-            },
+            cache: &mut dense_mut(&mut k, &mut v),
             new: Some(new),
             cache_seqlens: &lens,
             rotary: None,
