@@ -607,14 +607,24 @@ fn sequence_rows<'a, T>(t: &TensorRef<'a, T>, at: usize, rows: usize) -> TensorR
     )
 }
 
-/// Every rank's packed shards lie within their buffers and hold `total / ranks` rows, one batch
-/// entry.
-fn check_packed_shards<'a, T: 'a>(
-    ranks: impl Iterator<Item = [&'a TensorRef<'a, T>; 3]>,
-    rows: usize,
-) -> Result<()> {
-    for shards in ranks {
-        for (operand, t) in [Operand::Q, Operand::K, Operand::V].into_iter().zip(shards) {
+/// A packed ring's sequences ([`packed_rows`]) and each rank's rows (`total / ranks`), once every
+/// rank's shards of Q, K and V (`shards`, one item per rank) are checked to lie within their
+/// buffers and hold those rows, one batch entry; an error for a ring of no rank.
+fn packed_ring<'a, T: 'a>(
+    cu_seqlens: &[i32],
+    sharding: Sharding,
+    shards: impl ExactSizeIterator<Item = [&'a TensorRef<'a, T>; 3]>,
+) -> Result<(Vec<(usize, usize)>, usize)> {
+    let ranks = shards.len();
+    if ranks == 0 {
+        return Err(Error::InvalidConfig(
+            "a ring needs at least one rank".into(),
+        ));
+    }
+    let seqs = packed_rows(cu_seqlens, sharding, ranks)?;
+    let rows = seqs.iter().map(|s| s.0).sum::<usize>() / ranks;
+    for rank in shards {
+        for (operand, t) in [Operand::Q, Operand::K, Operand::V].into_iter().zip(rank) {
             t.check(operand)?;
             let [batch, r, _, _] = t.layout.shape;
             if batch != 1 || r != rows {
@@ -626,7 +636,7 @@ fn check_packed_shards<'a, T: 'a>(
             }
         }
     }
-    Ok(())
+    Ok((seqs, rows))
 }
 
 /// [`forward`] over packed batches (self-attention: `cu_seqlens` delimits the queries and the
@@ -640,18 +650,13 @@ pub fn varlen_forward<T: Element>(
     cu_seqlens: &[i32],
     inputs: &[ForwardInputs<'_, T>],
 ) -> Result<Vec<ForwardOutput<T>>> {
-    let ranks = inputs.len().max(1);
-    let seqs = packed_rows(cu_seqlens, sharding, ranks)?;
-    let rows = seqs.iter().map(|s| s.0).sum::<usize>() / ranks;
-    check_packed_shards(inputs.iter().map(|i| [&i.q, &i.k, &i.v]), rows)?;
-    let (heads, d_v) = match inputs.first() {
-        Some(i) => (i.q.layout.shape[2], i.v.layout.shape[3]),
-        None => {
-            return Err(Error::InvalidConfig(
-                "a ring needs at least one rank".into(),
-            ))
-        }
-    };
+    let (seqs, rows) = packed_ring(
+        cu_seqlens,
+        sharding,
+        inputs.iter().map(|i| [&i.q, &i.k, &i.v]),
+    )?;
+    let ranks = inputs.len();
+    let (heads, d_v) = (inputs[0].q.layout.shape[2], inputs[0].v.layout.shape[3]);
     let mut outs = Vec::with_capacity(ranks);
     for _ in 0..ranks {
         outs.push((
@@ -699,15 +704,13 @@ pub fn varlen_backward<T: Element>(
     cu_seqlens: &[i32],
     inputs: &[BackwardInputs<'_, T>],
 ) -> Result<Vec<RankGradients<T>>> {
-    let ranks = inputs.len().max(1);
-    let seqs = packed_rows(cu_seqlens, sharding, ranks)?;
-    let rows = seqs.iter().map(|s| s.0).sum::<usize>() / ranks;
-    check_packed_shards(inputs.iter().map(|i| [&i.q, &i.k, &i.v]), rows)?;
-    let Some(first) = inputs.first() else {
-        return Err(Error::InvalidConfig(
-            "a ring needs at least one rank".into(),
-        ));
-    };
+    let (seqs, rows) = packed_ring(
+        cu_seqlens,
+        sharding,
+        inputs.iter().map(|i| [&i.q, &i.k, &i.v]),
+    )?;
+    let ranks = inputs.len();
+    let first = &inputs[0];
     let ([_, _, heads, d], [_, _, heads_kv, _], d_v) = (
         first.q.layout.shape,
         first.k.layout.shape,
