@@ -393,13 +393,8 @@ fn plan<T: Element, C: Element>(
         inputs.cache_batch_idx,
     )?;
     if let Some(CacheDescales { k, v }) = inputs.descales {
+        check_descale_counts([k.len(), v.len()], batch, heads_kv)?;
         for (name, d) in [("k_descale", k), ("v_descale", v)] {
-            if Some(d.len()) != batch.checked_mul(heads_kv) {
-                return Err(Error::InvalidConfig(format!(
-                    "{name} has {} values for {batch} sequences of {heads_kv} KV heads",
-                    d.len()
-                )));
-            }
             if let Some(i) = d.iter().position(|x| !x.is_finite()) {
                 return Err(Error::InvalidConfig(format!("{name}[{i}] is {}", d[i])));
             }
@@ -614,16 +609,28 @@ pub fn append_fp8<T: Element>(
     )
 }
 
+/// A cache's K and V descales (their `counts` of values, host or device) hold `batch × heads_kv`
+/// values each.
+pub(crate) fn check_descale_counts(
+    counts: [usize; 2],
+    batch: usize,
+    heads_kv: usize,
+) -> Result<()> {
+    for (name, n) in ["k_descale", "v_descale"].into_iter().zip(counts) {
+        if Some(n) != batch.checked_mul(heads_kv) {
+            return Err(Error::InvalidConfig(format!(
+                "{name} has {n} values for {batch} sequences of {heads_kv} KV heads"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// An append's descales, once the shapes and counts are known good: `batch × heads_kv` positive
 /// normal numbers each (the append multiplies by their reciprocals).
 fn check_append_descales(descales: CacheDescales, batch: usize, heads_kv: usize) -> Result<()> {
+    check_descale_counts([descales.k.len(), descales.v.len()], batch, heads_kv)?;
     for (name, d) in [("k_descale", descales.k), ("v_descale", descales.v)] {
-        if Some(d.len()) != batch.checked_mul(heads_kv) {
-            return Err(Error::InvalidConfig(format!(
-                "{name} has {} values for {batch} sequences of {heads_kv} KV heads",
-                d.len()
-            )));
-        }
         if let Some(i) = d.iter().position(|x| !(x.is_normal() && *x > 0.0)) {
             return Err(Error::InvalidConfig(format!(
                 "{name}[{i}] is {}: an append multiplies by its reciprocal",

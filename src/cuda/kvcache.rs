@@ -535,15 +535,7 @@ impl Device {
                 })
             }
             Some(DeviceCacheDescales { k, v }) => {
-                let heads_kv = k_cache.layout.shape[2];
-                for (name, d) in [("k_descale", k), ("v_descale", v)] {
-                    if Some(d.len()) != batch.checked_mul(heads_kv) {
-                        return Err(Error::InvalidConfig(format!(
-                            "{name} has {} values for {batch} sequences of {heads_kv} KV heads",
-                            d.len()
-                        )));
-                    }
-                }
+                kvcache::check_descale_counts([k.len(), v.len()], batch, k_cache.layout.shape[2])?;
                 Some([k, v])
             }
         };
