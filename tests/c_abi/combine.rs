@@ -4,7 +4,7 @@
 use std::ptr::null_mut;
 
 use crate::ffi::*;
-use crate::{addr, packed, INVALID};
+use crate::{addr, packed};
 
 /// Three parts of (2, 37, 4, 64) bf16 with their LSE in the dense layout, merged into separate
 /// buffers: valid but for what each case breaks.
@@ -68,23 +68,5 @@ fn combine_refuses_what_it_cannot_do_in_bounds() {
             (p.batch, p.seqlen_q, p.heads, p.head_dim_v) = (1 << 16, 1 << 16, 64, 64)
         }),
     ];
-    // The base passes every check: without a driver its launch is what fails (with one it
-    // would launch on these unreal addresses, so that is left to machines without a GPU).
-    if !flashattn::cuda::driver_present() {
-        // SAFETY: the launch fails for want of a driver before any pointer is used.
-        let r = unsafe { flashattn_combine(&base(), null_mut()) };
-        assert_eq!(
-            r.status, FLASHATTN_CUDA_ERROR as i32,
-            "base parameters refused"
-        );
-    }
-    // SAFETY (every call below): the params outlive the call; each is refused before launch.
-    let r = unsafe { flashattn_combine(std::ptr::null(), null_mut()) };
-    assert_eq!(r.status, INVALID, "null params");
-    for (what, edit) in cases {
-        let mut p = base();
-        edit(&mut p);
-        let r = unsafe { flashattn_combine(&p, null_mut()) };
-        assert_eq!((r.status, r.cuda_error), (INVALID, 0), "combine: {what}");
-    }
+    crate::refused_edits("combine", flashattn_combine, base, &cases);
 }

@@ -1,10 +1,9 @@
 //! The KV-cache append entry point: its counts, rotary angles, Q's rotation and the cache as an
 //! output (no input may share an element with it).
 
-use std::ptr::null_mut;
 
 use crate::ffi::*;
-use crate::{addr, packed, INVALID};
+use crate::{addr, packed};
 
 /// Two sequences appending 3 rows of (4 heads, 64) into a dense bf16 cache of 2 entries of 256
 /// rows, with rotary embedding of the keys and of one query row each: valid but for what each
@@ -69,23 +68,5 @@ fn kvcache_append_refuses_what_it_cannot_do_in_bounds() {
             p.entries = 1;
         }),
     ];
-    // The base passes every check: without a driver its launch is what fails (with one it
-    // would launch on these unreal addresses, so that is left to machines without a GPU).
-    if !flashattn::cuda::driver_present() {
-        // SAFETY: the launch fails for want of a driver before any pointer is used.
-        let r = unsafe { flashattn_kvcache_append(&base(), null_mut()) };
-        assert_eq!(
-            r.status, FLASHATTN_CUDA_ERROR as i32,
-            "base parameters refused"
-        );
-    }
-    // SAFETY (every call below): the params outlive the call; each is refused before launch.
-    let r = unsafe { flashattn_kvcache_append(std::ptr::null(), null_mut()) };
-    assert_eq!(r.status, INVALID, "null params");
-    for (what, edit) in cases {
-        let mut p = base();
-        edit(&mut p);
-        let r = unsafe { flashattn_kvcache_append(&p, null_mut()) };
-        assert_eq!((r.status, r.cuda_error), (INVALID, 0), "append: {what}");
-    }
+    crate::refused_edits("append", flashattn_kvcache_append, base, &cases);
 }

@@ -160,6 +160,35 @@ fn expect(name: &str, entry: Entry, p: &flashattn_params_t, status: i32, why: &s
     );
 }
 
+/// An entry point of its own parameter struct `P` (the merge, the KV-cache append): `base()`
+/// passes every check (without a driver its launch is what fails; with one it would launch on
+/// these unreal addresses, so that is left to machines without a GPU), null parameters are
+/// refused, and so is `base()` after each edit of `cases`, before any launch.
+fn refused_edits<P>(
+    name: &str,
+    entry: unsafe extern "C" fn(*const P, *mut c_void) -> flashattn_result_t,
+    base: fn() -> P,
+    cases: &[(&str, fn(&mut P))],
+) {
+    if !flashattn::cuda::driver_present() {
+        // SAFETY: the launch fails for want of a driver before any pointer is used.
+        let r = unsafe { entry(&base(), null_mut()) };
+        assert_eq!(
+            r.status, FLASHATTN_CUDA_ERROR as i32,
+            "{name}: base parameters refused"
+        );
+    }
+    // SAFETY (every call below): the params outlive the call; each is refused before launch.
+    let r = unsafe { entry(std::ptr::null(), null_mut()) };
+    assert_eq!(r.status, INVALID, "{name}: null params");
+    for (what, edit) in cases {
+        let mut p = base();
+        edit(&mut p);
+        let r = unsafe { entry(&p, null_mut()) };
+        assert_eq!((r.status, r.cuda_error), (INVALID, 0), "{name}: {what}");
+    }
+}
+
 /// Every forward and backward entry point refuses `p` with `status`.
 fn refused_everywhere(p: &flashattn_params_t, status: i32, why: &str) {
     for (name, entry) in FORWARDS.iter().chain(&BACKWARDS) {
