@@ -1,7 +1,6 @@
 //! The KV-cache append entry point: its counts, rotary angles, Q's rotation and the cache as an
 //! output (no input may share an element with it).
 
-
 use crate::ffi::*;
 use crate::{addr, packed};
 

@@ -201,92 +201,69 @@ fn run_case(c: &Case, seed: u64) -> Vec<String> {
 #[ignore = "needs a GPU"]
 fn e4m3_cache_matches_the_reference_over_its_dequantized_keys() {
     let causal = AttentionConfig::new().causal(true);
+    // A decode step (one query row) over pages of 16 with descales, no mask, the launcher's
+    // splits: what each case below changes.
+    let decode = |d: usize, heads: (usize, usize), lens: Vec<i32>| Case {
+        d,
+        heads,
+        seqlen_q: 1,
+        page_size: 16,
+        lens,
+        descales: true,
+        num_splits: 0,
+        cfg: AttentionConfig::new(),
+    };
     let cases = [
         // Decoding, GQA 8:1 (query heads packed), pages of 16 and 64, ragged lengths.
         Case {
-            d: 128,
-            heads: (16, 2),
-            seqlen_q: 1,
-            page_size: 16,
-            lens: vec![1, 300, 17, 0, 160],
-            descales: true,
-            num_splits: 0,
             cfg: causal.clone(),
+            ..decode(128, (16, 2), vec![1, 300, 17, 0, 160])
         },
         Case {
-            d: 128,
-            heads: (16, 2),
-            seqlen_q: 1,
             page_size: 64,
-            lens: vec![320, 129, 64],
-            descales: true,
             num_splits: 3,
-            cfg: AttentionConfig::new(),
+            ..decode(128, (16, 2), vec![320, 129, 64])
         },
         // A chunk of queries over a dense cache (its entries as pages), without descales.
         Case {
-            d: 64,
-            heads: (4, 4),
             seqlen_q: 40,
             page_size: 0,
-            lens: vec![300, 40, 193],
             descales: false,
-            num_splits: 0,
             cfg: causal.clone(),
+            ..decode(64, (4, 4), vec![300, 40, 193])
         },
         // Pages of 100 and 160 rows (160: whole d128 blocks, still gathered and widened),
         // softcap, and d256.
         Case {
-            d: 128,
-            heads: (8, 2),
             seqlen_q: 3,
             page_size: 100,
-            lens: vec![250, 3, 320],
-            descales: true,
             num_splits: 1,
             cfg: AttentionConfig::new().softcap(30.0),
+            ..decode(128, (8, 2), vec![250, 3, 320])
         },
         Case {
-            d: 128,
-            heads: (4, 1),
             seqlen_q: 64,
             page_size: 160,
-            lens: vec![320, 70],
-            descales: true,
-            num_splits: 0,
             cfg: causal,
+            ..decode(128, (4, 1), vec![320, 70])
         },
         // 300 sequences of distinct descales: each persistent CTA runs many tiles, the last P·V
         // of one beside the first Q·Kᵀ of the next (whose descales differ).
         Case {
-            d: 64,
-            heads: (8, 2),
-            seqlen_q: 1,
-            page_size: 16,
-            lens: (0..300).map(|i| 1 + (i * 37) % 320).collect(),
-            descales: true,
             num_splits: 1,
-            cfg: AttentionConfig::new(),
+            ..decode(64, (8, 2), (0..300).map(|i| 1 + (i * 37) % 320).collect())
         },
         Case {
-            d: 128,
-            heads: (4, 4),
-            seqlen_q: 1,
             page_size: 0,
-            lens: (0..300).map(|i| 1 + (i * 53) % 320).collect(),
-            descales: true,
             num_splits: 1,
-            cfg: AttentionConfig::new(),
+            ..decode(128, (4, 4), (0..300).map(|i| 1 + (i * 53) % 320).collect())
         },
         Case {
-            d: 256,
-            heads: (8, 4),
             seqlen_q: 2,
             page_size: 64,
-            lens: vec![200, 33],
-            descales: true,
             num_splits: 2,
             cfg: AttentionConfig::new().window(Some(100), Some(0)),
+            ..decode(256, (8, 4), vec![200, 33])
         },
     ];
     let failures: Vec<String> = cases
