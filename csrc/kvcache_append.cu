@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "common/half_convert.h"
+#include "common/page_table.h"
 #include "common/status.h"
 #include "flash_api.h"
 #include "kvcache_append.h"
@@ -81,10 +82,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     const int b = int(r / p.heads_kv / p.seqlen_new);
     const int row = cached(p, b, capacity) + i;
     if (row >= capacity) continue;  // past the cache: not written
-    const int entry =
-        paged ? clamp(p.page_table[int64_t(b) * p.max_pages + row / p.cache_rows], 0,
-                      p.entries - 1)
-              : b;
+    const int entry = paged ? table_page(p.page_table + int64_t(b) * p.max_pages,
+                                         row / p.cache_rows, p.max_pages, p.entries)
+                            : b;
     const int cache_row = paged ? row % p.cache_rows : row;
     const flashattn_tensor_t& in = key ? p.k_new : p.v_new;
     const flashattn_tensor_t& out = key ? p.k_cache : p.v_cache;

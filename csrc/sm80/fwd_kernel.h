@@ -20,6 +20,7 @@
 
 #include "../common/block_range.h"
 #include "../common/online_softmax.h"
+#include "../common/page_table.h"
 #include "../common/sequences.h"
 #include "../common/tile_order.h"
 
@@ -311,8 +312,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       copy_rows(src, dst, tKVc, seq.seqlen_k - n * kBlockN, [&](int row) {
         const int key = n * kBlockN + row;
         const int column = key / params.page_size;
-        int page = table_row[column < params.page_columns ? column : params.page_columns - 1];
-        page = page < 0 ? 0 : (page >= params.num_pages ? params.num_pages - 1 : page);
+        const int page = table_page(table_row, column, params.page_columns, params.num_pages);
         return page * page_stride + int64_t(key - column * params.page_size - row) * row_stride;
       });
     };

@@ -129,7 +129,7 @@ struct FwdProducer {
       // load looks up the block's pages (before it waits for the stage), and V's load of the
       // same block, which always follows it, takes them again.
       auto page_at = [&](int column) {
-        return params.clamp_page(*params.page_entry(t.seq.index, column));
+        return params.page(t.seq.index, column);
       };
       BlockPages pages{};
       auto gather_block = [&](auto dim, auto layout, auto& pipe, const PagedRows& rows,

@@ -8,6 +8,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "../common/block_range.h"
+#include "../common/page_table.h"
 #include "../common/sequences.h"
 #include "fwd_paged_rows.h"
 #include "fwd_tail.h"
@@ -225,19 +226,16 @@ struct FwdParams {
   __host__ __device__ bool gathers_pages() const {
     return Traits::kWidensCache || (!Traits::kFp8 && paged() && page_blocks == 0);
   }
-  // Entry b's page-table entry of column `column`, kept within the columns the call's keys span
-  // (page_columns); and a page number as read from it, kept within the cache's pages.
-  __device__ const int32_t* page_entry(int b, int column) const {
-    return page_table + int64_t(b) * page_table_stride +
-           (column < page_columns ? column : page_columns - 1);
-  }
-  __device__ int clamp_page(int page) const {
-    return page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
+  // Entry b's page of table column `column` (common/page_table.h: within the columns the call's
+  // keys span, page_columns, and the cache's pages).
+  __device__ int page(int b, int column) const {
+    return table_page(page_table + int64_t(b) * page_table_stride, column, page_columns,
+                      num_pages);
   }
   // Entry b's key block n: the page that holds it, and its block there (page_blocks > 0).
   __device__ int page_of(int b, int n, int& block) const {
     block = n % page_blocks;
-    return clamp_page(*page_entry(b, n / page_blocks));
+    return page(b, n / page_blocks);
   }
 };
 
