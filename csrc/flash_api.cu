@@ -412,6 +412,8 @@ extern "C" flashattn_result_t flashattn_kvcache_append(const flashattn_kvcache_a
   if (params == nullptr) return kInvalid;
   const flashattn_kvcache_append_t& p = *params;
   if (p.dtype != FLASHATTN_F16 && p.dtype != FLASHATTN_BF16) return kInvalid;
+  if (p.cache_e4m3 != 0 && p.cache_e4m3 != 1) return kInvalid;
+  if (!p.cache_e4m3 && (p.k_descale != nullptr || p.v_descale != nullptr)) return kInvalid;
   if (p.batch < 1 || p.seqlen_new < 0 || p.seqlen_new > FLASHATTN_MAX_SEQLEN || p.heads_kv < 1 ||
       p.head_dim < 1 || p.head_dim > 512 || p.head_dim_v < 1 || p.head_dim_v > 512 ||
       p.entries < 1 || p.cache_rows < 1)
@@ -456,8 +458,11 @@ extern "C" flashattn_result_t flashattn_kvcache_append(const flashattn_kvcache_a
     ops.read(View::of(p.q, elem, p.batch, p.seqlen_q, p.heads_q, p.head_dim));
     ops.write(View::of(p.q_out, elem, p.batch, p.seqlen_q, p.heads_q, p.head_dim));
   }
-  ops.write(View::of(p.k_cache, elem, p.entries, p.cache_rows, p.heads_kv, p.head_dim));
-  ops.write(View::of(p.v_cache, elem, p.entries, p.cache_rows, p.heads_kv, p.head_dim_v));
+  for (const float* descale : {p.k_descale, p.v_descale})
+    if (descale != nullptr) ops.read(View::packed(descale, 4, int64_t(p.batch) * p.heads_kv, 4));
+  const int cache_elem = p.cache_e4m3 ? 1 : elem;
+  ops.write(View::of(p.k_cache, cache_elem, p.entries, p.cache_rows, p.heads_kv, p.head_dim));
+  ops.write(View::of(p.v_cache, cache_elem, p.entries, p.cache_rows, p.heads_kv, p.head_dim_v));
   if (p.seqlens_out != nullptr) ops.write(View::packed(p.seqlens_out, 4, p.batch, 4));
   if (!ops.valid()) return kInvalid;
   return flashattn::run_kvcache_append(p, static_cast<cudaStream_t>(stream));

@@ -260,6 +260,12 @@ typedef struct {
 // [0, entries) and positions into [0, rotary_positions): a malformed value gives wrong rows,
 // never an access outside a buffer. The tensors are checked as flashattn_tensor_t says; the
 // cache, q_out and seqlens_out are outputs. Any sm_80 or later device.
+// With cache_e4m3 1 the cache holds e4m3 (k_new, v_new and q dtype): each new element x of
+// sequence b's KV head h is stored as x · (1 / k_descale[b * heads_kv + h]) (values by v_descale)
+// rounded to the nearest e4m3, ±448 past its largest finite value, as a forward with
+// kv_cache_e4m3 and the same descales reads it back (the keys rotated first, rounded to dtype).
+// k_descale and v_descale are f32 (batch, heads_kv), or null (1); a descale that is not a
+// positive normal number stores NaN in the rows it scales. With cache_e4m3 0 they must be null.
 typedef struct {
   flashattn_tensor_t k_new, v_new;      // (batch, seqlen_new, heads_kv, head_dim / head_dim_v)
   flashattn_tensor_t k_cache, v_cache;  // (entries, cache_rows, heads_kv, head_dim / head_dim_v)
@@ -278,6 +284,9 @@ typedef struct {
   int32_t rotary_interleaved;
   flashattn_tensor_t q, q_out;   // (batch, seqlen_q, heads_q, head_dim); q.ptr null: none
   int32_t seqlen_q, heads_q, q_same_position;
+  int32_t cache_e4m3;
+  const float* k_descale;
+  const float* v_descale;
 } flashattn_kvcache_append_t;
 
 // Partial attention results merged by their log-sum-exp (flashattn_combine): `parts` outputs

@@ -1,15 +1,18 @@
 // The KV cache's append step: new keys and values copied into each sequence's cache rows after
-// its cached ones, the keys (and Q) optionally rotated by rotary embedding on the way. One warp
-// per (tensor, sequence, row, head) row: a decoding step appends one row per sequence, too few
-// bytes for wide accesses to matter.
+// its cached ones (or quantized into an e4m3 cache by their descales), the keys (and Q)
+// optionally rotated by rotary embedding on the way. One warp per (tensor, sequence, row, head)
+// row: a decoding step appends one row per sequence, too few bytes for wide accesses to matter.
 // The host definition it must agree with, bit for bit but for NaN payloads: src/kvcache.rs
-// (append, Rotary).
+// (append, append_fp8, Rotary).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstdint>
 
+#include "common/e4m3_convert.h"
 #include "common/half_convert.h"
 #include "common/page_table.h"
 #include "common/status.h"
@@ -22,7 +25,6 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;
 
-
 __device__ __forceinline__ int clamp(int x, int lo, int hi) { return x < lo ? lo : x > hi ? hi : x; }
 
 // A sequence's cached keys, clamped into the cache's capacity.
@@ -30,12 +32,49 @@ __device__ __forceinline__ int cached(const flashattn_kvcache_append_t& p, int b
   return clamp(p.cache_seqlens[b], 0, capacity);
 }
 
-// One head's row of `d` elements from `src` to `dst`, its first rotary_dim rotated to `position`
-// when `rotate`: each pair (x0, x1) becomes (x0·cos − x1·sin, x0·sin + x1·cos), every product
-// and sum rounded on its own (no fused multiply-add), as the host computes it.
+// How a row's elements reach their destination: as they are (a cache of their type, or Q's
+// rotated copy).
 template <class T>
-__device__ void copy_row(const flashattn_kvcache_append_t& p, const T* src, T* dst, int d,
-                         bool rotate, int position, int lane) {
+struct StoreAsIs {
+  __device__ __forceinline__ T operator()(T x) const { return x; }
+};
+
+// Into an e4m3 cache: x · (1 / descale), as src/kvcache.rs append_fp8 stores it.
+template <class T>
+struct StoreE4m3 {
+  float inv_scale;
+  __device__ __forceinline__ __nv_fp8_e4m3 operator()(T x) const {
+    __nv_fp8_e4m3 y;
+    y.__x = to_e4m3(to_float(x), inv_scale);
+    return y;
+  }
+};
+
+// The store into a cache of `Cache` for one (sequence, head) row: e4m3 ones by the reciprocal of
+// its descale (null: 1), NaN where that descale is not a positive normal number (the host
+// refuses such descales; the device cannot, so it makes them visible).
+template <class T, class Cache>
+struct CacheStore {
+  using type = StoreAsIs<T>;
+  __device__ static type of(const float*, int64_t) { return {}; }
+};
+template <class T>
+struct CacheStore<T, __nv_fp8_e4m3> {
+  using type = StoreE4m3<T>;
+  __device__ static type of(const float* descales, int64_t at) {
+    if (descales == nullptr) return {1.f};
+    const float d = descales[at];
+    return {d >= FLT_MIN && d <= FLT_MAX ? __fdiv_rn(1.f, d) : __int_as_float(0x7fffffff)};
+  }
+};
+
+// One head's row of `d` elements from `src` to `dst`, each through `store`, its first
+// rotary_dim rotated to `position` when `rotate`: each pair (x0, x1) becomes (x0·cos − x1·sin,
+// x0·sin + x1·cos), every product and sum rounded on its own (no fused multiply-add) and the
+// result to T, as the host computes it.
+template <class T, class Out, class Store>
+__device__ void copy_row(const flashattn_kvcache_append_t& p, const T* src, Out* dst, int d,
+                         bool rotate, int position, int lane, Store store) {
   const int rotated = rotate ? p.rotary_dim : 0;
   if (rotate) {
     const int half = p.rotary_dim / 2;
@@ -44,16 +83,16 @@ __device__ void copy_row(const flashattn_kvcache_append_t& p, const T* src, T* d
       const int a = p.rotary_interleaved ? 2 * j : j, b = p.rotary_interleaved ? 2 * j + 1 : j + half;
       const float x0 = to_float(src[a]), x1 = to_float(src[b]);
       const float c = p.rotary_cos[at + j], s = p.rotary_sin[at + j];
-      dst[a] = from_float<T>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
-      dst[b] = from_float<T>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+      dst[a] = store(from_float<T>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s))));
+      dst[b] = store(from_float<T>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c))));
     }
   }
-  for (int j = rotated + lane; j < d; j += 32) dst[j] = src[j];
+  for (int j = rotated + lane; j < d; j += 32) dst[j] = store(src[j]);
 }
 
 // Rows in order: the new keys, the new values, then Q's, each (sequence, row, head) row-major;
-// a grid-stride loop over warps.
-template <class T>
+// a grid-stride loop over warps. The cache holds `Cache`: T, or e4m3.
+template <class T, class Cache>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     kvcache_append_kernel(const flashattn_kvcache_append_t p) {
   const bool paged = p.page_table != nullptr;
@@ -73,7 +112,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       const int64_t dst =
           b * p.q_out.batch_stride + i * p.q_out.row_stride + h * p.q_out.head_stride;
       copy_row(p, static_cast<const T*>(p.q.ptr) + src, static_cast<T*>(p.q_out.ptr) + dst,
-               p.head_dim, true, position, lane);
+               p.head_dim, true, position, lane, StoreAsIs<T>{});
       continue;
     }
     const bool key = w < kv_rows;
@@ -90,8 +129,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     const flashattn_tensor_t& out = key ? p.k_cache : p.v_cache;
     const int64_t src = b * in.batch_stride + i * in.row_stride + h * in.head_stride;
     const int64_t dst = entry * out.batch_stride + cache_row * out.row_stride + h * out.head_stride;
-    copy_row(p, static_cast<const T*>(in.ptr) + src, static_cast<T*>(out.ptr) + dst,
-             key ? p.head_dim : p.head_dim_v, key && p.rotary_cos != nullptr, row, lane);
+    const auto store = CacheStore<T, Cache>::of(key ? p.k_descale : p.v_descale,
+                                                int64_t(b) * p.heads_kv + h);
+    copy_row(p, static_cast<const T*>(in.ptr) + src, static_cast<Cache*>(out.ptr) + dst,
+             key ? p.head_dim : p.head_dim_v, key && p.rotary_cos != nullptr, row, lane, store);
   }
   // The keys a forward then attends to.
   if (p.seqlens_out != nullptr && blockIdx.x == 0)
@@ -101,14 +142,14 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     }
 }
 
-template <class T>
+template <class T, class Cache>
 flashattn_result_t launch(const flashattn_kvcache_append_t& p, cudaStream_t stream) {
   const int64_t rows = 2 * int64_t(p.batch) * p.seqlen_new * p.heads_kv +
                        (p.q.ptr != nullptr ? int64_t(p.batch) * p.seqlen_q * p.heads_q : 0);
   const int64_t blocks = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
   // At least one block (seqlens_out with no row to write), at most a few waves' worth.
   const int grid = int(blocks < 1 ? 1 : blocks > 4096 ? 4096 : blocks);
-  kvcache_append_kernel<T><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p);
+  kvcache_append_kernel<T, Cache><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p);
   return check_launch();
 }
 
@@ -116,8 +157,12 @@ flashattn_result_t launch(const flashattn_kvcache_append_t& p, cudaStream_t stre
 
 flashattn_result_t run_kvcache_append(const flashattn_kvcache_append_t& p, cudaStream_t stream) {
   switch (p.dtype) {
-    case FLASHATTN_BF16: return launch<__nv_bfloat16>(p, stream);
-    case FLASHATTN_F16: return launch<__half>(p, stream);
+    case FLASHATTN_BF16:
+      return p.cache_e4m3 ? launch<__nv_bfloat16, __nv_fp8_e4m3>(p, stream)
+                          : launch<__nv_bfloat16, __nv_bfloat16>(p, stream);
+    case FLASHATTN_F16:
+      return p.cache_e4m3 ? launch<__half, __nv_fp8_e4m3>(p, stream)
+                          : launch<__half, __half>(p, stream);
     default: return status(FLASHATTN_INVALID_ARGUMENT);
   }
 }

@@ -12,17 +12,24 @@
 //! (`PackGqa::Off`; by default a KV head's 8 query heads share one). `--shape B,C` times batch B
 //! at cache C alone (for profilers). `--step` times whole steps (`Device::kvcache_step_into`):
 //! each appends one key and value per sequence, the last of its cache, with rotary embedding of
-//! the key and the query over the whole head, then attends to the full cache.
+//! the key and the query over the whole head, then attends to the full cache. `--e4m3` holds the
+//! cache in e4m3 with descales (the Hopper forward widens its rows to bf16 in shared memory;
+//! built with the `kvcache-fp8` feature): half the bytes, against the copy ceiling of those.
 //!
-//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--sm80] [--no-pack] [--shape B,C] [--step] --out kvcache.json`
+//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--sm80] [--no-pack] [--shape B,C] [--step] [--e4m3] --out kvcache.json`
 
 mod common;
 
+use std::sync::Arc;
+
+use cudarc::driver::DeviceRepr;
 use flashattn::cuda::{
-    DeviceKvCacheInputs, DeviceKvCacheStep, DeviceRotary, DeviceTensor, DeviceTensorMut,
+    CudaStream, Device, DeviceCacheDescales, DeviceKvCacheInputs, DeviceKvCacheStep, DeviceRotary,
+    DeviceTensor, DeviceTensorMut,
 };
 use flashattn::unstable::{PackGqa, Sm90Schedule};
-use flashattn::{AttentionConfig, Backend};
+use flashattn::{AttentionConfig, Backend, Element};
+use float8::F8E4M3;
 use half::bf16;
 
 const HEADS_Q: usize = 32;
@@ -35,6 +42,18 @@ const PROTOCOL: common::Protocol = common::Protocol {
     target_ms: 200.0,
     cool_ms: 20.0,
 };
+
+/// What every row of a run shares.
+struct Bench {
+    dev: Device,
+    stream: Arc<CudaStream>,
+    protocol: common::Protocol,
+    cfg: AttentionConfig,
+    pack_gqa: PackGqa,
+    page_size: Option<usize>,
+    num_splits: usize,
+    step: bool,
+}
 
 fn main() {
     let args = common::Args::parse();
@@ -58,10 +77,6 @@ fn main() {
     } else {
         (cfg, pack_gqa)
     };
-    let page_size: Option<usize> = args.value("--paged").map(|p| p.parse().expect("--paged P"));
-    let num_splits: usize = args
-        .value("--splits")
-        .map_or(0, |n| n.parse().expect("--splits N"));
     let shape: Option<(usize, usize)> = args.value("--shape").map(|v| {
         let (b, c) = v.split_once(',').expect("--shape B,C");
         (
@@ -69,14 +84,26 @@ fn main() {
             c.parse().expect("--shape B,C"),
         )
     });
-    let step = args.flag("--step");
+    let bench = Bench {
+        dev,
+        stream,
+        protocol,
+        cfg,
+        pack_gqa,
+        page_size: args.value("--paged").map(|p| p.parse().expect("--paged P")),
+        num_splits: args
+            .value("--splits")
+            .map_or(0, |n| n.parse().expect("--splits N")),
+        step: args.flag("--step"),
+    };
+    let e4m3 = args.flag("--e4m3");
     // The JSON is written again after every row, so that a run cut short keeps what it measured.
     let write = |rows: &[String]| {
         if let Some(path) = args.value("--out") {
-            let extra = format!(", \"timing\": {{{}}}", protocol.json_fields());
+            let extra = format!(", \"timing\": {{{}}}", bench.protocol.json_fields());
             common::store_results(
                 &path,
-                &common::describe(dev.info()),
+                &common::describe(bench.dev.info()),
                 &args.commit(),
                 &extra,
                 rows,
@@ -89,133 +116,173 @@ fn main() {
             if batch * cache > 1 << 22 || shape.is_some_and(|s| s != (batch, cache)) {
                 continue;
             }
-            let kv_elems = batch * cache * HEADS_KV * D;
-            // Finite, not zero: a few distinct values.
-            let fill = |n: usize, seed: usize| -> Vec<bf16> {
-                (0..n)
-                    .map(|i| bf16::from_f32((((i * 7 + seed) % 23) as f32 - 11.0) / 11.0))
-                    .collect()
-            };
-            let q = stream.clone_htod(&fill(batch * HEADS_Q * D, 1)).unwrap();
-            let mut k = stream.clone_htod(&fill(kv_elems, 2)).unwrap();
-            let mut v = stream.clone_htod(&fill(kv_elems, 3)).unwrap();
-            // A step appends each sequence's last key: its cache holds one fewer before.
-            let cached = if step { cache - 1 } else { cache };
-            let lens = stream.clone_htod(&vec![cached as i32; batch]).unwrap();
-            let new_kv = stream.clone_htod(&fill(batch * HEADS_KV * D, 4)).unwrap();
-            let half = D / 2;
-            let angle =
-                |i: usize| (i / half) as f32 * 10000f32.powf(-((i % half) as f32) / half as f32);
-            let cos: Vec<f32> = (0..cache * half).map(|i| angle(i).cos()).collect();
-            let sin: Vec<f32> = (0..cache * half).map(|i| angle(i).sin()).collect();
-            let (cos, sin) = (
-                stream.clone_htod(&cos).unwrap(),
-                stream.clone_htod(&sin).unwrap(),
-            );
-            let (cos, sin) = (cos.as_view(), sin.as_view());
-            let mut out = stream.alloc_zeros::<bf16>(batch * HEADS_Q * D).unwrap();
-            let mut lse = stream.alloc_zeros::<f32>(batch * HEADS_Q).unwrap();
-            // Paged: page i of sequence b at (b·pages + i)·stride mod the pages, a stride prime
-            // to their count, so that no two neighbours in a sequence are neighbours in memory.
-            let (cache_shape, table) = match page_size {
-                None => ([batch, cache, HEADS_KV, D], None),
-                Some(p) => {
-                    let (per_seq, pages) = (cache.div_ceil(p), batch * cache.div_ceil(p));
-                    let stride = (2..).find(|s| gcd(*s, pages) == 1 && *s > 7).unwrap();
-                    let table: Vec<i32> = (0..pages).map(|i| (i * stride % pages) as i32).collect();
-                    assert_eq!(per_seq * p, cache, "--paged P divides every cache length");
-                    (
-                        [pages, p, HEADS_KV, D],
-                        Some(stream.clone_htod(&table).unwrap()),
-                    )
-                }
-            };
-            let qt = DeviceTensor::contiguous(&q, [batch, 1, HEADS_Q, D]);
-            let new_t = DeviceTensor::contiguous(&new_kv, [batch, 1, HEADS_KV, D]);
-            let mut plan = None;
-            let (ms, reps) = protocol.median_ms(&stream, || {
-                let mut o = DeviceTensorMut::contiguous(&mut out, [batch, 1, HEADS_Q, D]);
-                let table = table.as_ref().map(|t| t.as_view());
-                plan = Some(if step {
-                    let (mut kt, mut vt) = (
-                        DeviceTensorMut::contiguous(&mut k, cache_shape),
-                        DeviceTensorMut::contiguous(&mut v, cache_shape),
-                    );
-                    let step = DeviceKvCacheStep {
-                        q: &qt,
-                        k_cache: &mut kt,
-                        v_cache: &mut vt,
-                        block_table: table,
-                        cache_batch_idx: None,
-                        cache_seqlens: lens.as_view(),
-                        new: Some((&new_t, &new_t)),
-                        rotary: Some(DeviceRotary {
-                            cos: &cos,
-                            sin: &sin,
-                            dim: D,
-                            interleaved: false,
-                        }),
-                        sinks: None,
-                        num_splits,
-                    };
-                    dev.kvcache_step_into(&stream, &cfg, step, &mut o, &mut lse.as_view_mut())
-                        .expect("KV-cache step")
-                } else {
-                    let (kt, vt) = (
-                        DeviceTensor::contiguous(&k, cache_shape),
-                        DeviceTensor::contiguous(&v, cache_shape),
-                    );
-                    let inputs = DeviceKvCacheInputs {
-                        q: &qt,
-                        k_cache: &kt,
-                        v_cache: &vt,
-                        block_table: table,
-                        cache_batch_idx: None,
-                        cache_seqlens: lens.as_view(),
-                        sinks: None,
-                        num_splits,
-                        descales: None,
-                    };
-                    dev.kvcache_forward_into(&stream, &cfg, inputs, &mut o, &mut lse.as_view_mut())
-                        .expect("KV-cache forward")
-                });
+            rows.push(if e4m3 {
+                bench.row::<F8E4M3>(batch, cache)
+            } else {
+                bench.row::<bf16>(batch, cache)
             });
-            // The copy ceiling at this size: K and V's bytes copied once.
-            let mut dst = stream.alloc_zeros::<bf16>(2 * kv_elems).unwrap();
-            let (copy_ms, _) = protocol.median_ms(&stream, || {
-                stream
-                    .memcpy_dtod(&k, &mut dst.slice_mut(..kv_elems))
-                    .unwrap();
-                stream
-                    .memcpy_dtod(&v, &mut dst.slice_mut(kv_elems..))
-                    .unwrap();
-            });
-            let bytes = (2 * kv_elems * 2) as f64;
-            let gbps = bytes / (ms * 1e-3) / 1e9;
-            let copy_gbps = 2.0 * bytes / (copy_ms * 1e-3) / 1e9;
-            let plan = plan.unwrap();
-            println!(
-                "{}{} b{batch:<3} cache {cache:>5}: {ms:.4} ms {gbps:>6.0} GB/s, copy {copy_gbps:.0} GB/s ({:.2}) ({})",
-                if step { "step" } else { "decode" },
-                page_size.map_or(String::new(), |p| format!(" pages of {p}")),
-                gbps / copy_gbps,
-                plan.explain()
-            );
-            rows.push(format!(
-                "  {{\"impl\": \"flashattn-{}\", \"kind\": \"decode\", \"dtype\": \"bf16\", \"d\": {D}, \
-                 \"batch\": {batch}, \"seqlen_q\": 1, \"seqlen_k\": {cache}, \"heads\": {HEADS_Q}, \
-                 \"heads_kv\": {HEADS_KV}, \"causal\": true, \"fwd_ms\": {ms:.5}, \"fwd_reps\": {reps}, \
-                 \"gbps\": {gbps:.1}, \"copy_gbps\": {copy_gbps:.1}, \"of_copy\": {:.3}, \
-                 \"pack_gqa\": \"{pack_gqa:?}\", \"num_splits\": {num_splits}, \"step\": {step}{}}}",
-                plan.backend.name(),
-                gbps / copy_gbps,
-                page_size.map_or(String::new(), |p| format!(", \"page_size\": {p}"))
-            ));
             write(&rows);
         }
     }
     if let Some(path) = args.value("--out").filter(|_| !rows.is_empty()) {
         println!("wrote {path}");
+    }
+}
+
+impl Bench {
+    /// Batch `batch` decoding over caches of `cache` keys held in `C` (bf16, or e4m3 with
+    /// descales): timed, printed, and its JSON row.
+    fn row<C: Element + DeviceRepr>(&self, batch: usize, cache: usize) -> String {
+        let Bench {
+            dev,
+            stream,
+            protocol,
+            cfg,
+            pack_gqa,
+            page_size,
+            num_splits,
+            step,
+        } = self;
+        let (page_size, num_splits, step) = (*page_size, *num_splits, *step);
+        let kv_elems = batch * cache * HEADS_KV * D;
+        // Finite, not zero: a few distinct values (e4m3 holds them too, to within its rounding).
+        fn fill<E: Element>(n: usize, seed: usize) -> Vec<E> {
+            (0..n)
+                .map(|i| E::from_f32((((i * 7 + seed) % 23) as f32 - 11.0) / 11.0))
+                .collect()
+        }
+        let q = stream
+            .clone_htod(&fill::<bf16>(batch * HEADS_Q * D, 1))
+            .unwrap();
+        let mut k = stream.clone_htod(&fill::<C>(kv_elems, 2)).unwrap();
+        let mut v = stream.clone_htod(&fill::<C>(kv_elems, 3)).unwrap();
+        // An e4m3 cache's descales, one per (sequence, KV head).
+        let e4m3 = C::DTYPE == flashattn::DType::E4M3;
+        let descales = stream.clone_htod(&vec![0.5f32; batch * HEADS_KV]).unwrap();
+        let descales = descales.as_view();
+        let descales = e4m3.then_some(DeviceCacheDescales {
+            k: &descales,
+            v: &descales,
+        });
+        // A step appends each sequence's last key: its cache holds one fewer before.
+        let cached = if step { cache - 1 } else { cache };
+        let lens = stream.clone_htod(&vec![cached as i32; batch]).unwrap();
+        let new_kv = stream
+            .clone_htod(&fill::<bf16>(batch * HEADS_KV * D, 4))
+            .unwrap();
+        let half = D / 2;
+        let angle =
+            |i: usize| (i / half) as f32 * 10000f32.powf(-((i % half) as f32) / half as f32);
+        let cos: Vec<f32> = (0..cache * half).map(|i| angle(i).cos()).collect();
+        let sin: Vec<f32> = (0..cache * half).map(|i| angle(i).sin()).collect();
+        let (cos, sin) = (
+            stream.clone_htod(&cos).unwrap(),
+            stream.clone_htod(&sin).unwrap(),
+        );
+        let (cos, sin) = (cos.as_view(), sin.as_view());
+        let mut out = stream.alloc_zeros::<bf16>(batch * HEADS_Q * D).unwrap();
+        let mut lse = stream.alloc_zeros::<f32>(batch * HEADS_Q).unwrap();
+        // Paged: page i of sequence b at (b·pages + i)·stride mod the pages, a stride prime
+        // to their count, so that no two neighbours in a sequence are neighbours in memory.
+        let (cache_shape, table) = match page_size {
+            None => ([batch, cache, HEADS_KV, D], None),
+            Some(p) => {
+                let (per_seq, pages) = (cache.div_ceil(p), batch * cache.div_ceil(p));
+                let stride = (2..).find(|s| gcd(*s, pages) == 1 && *s > 7).unwrap();
+                let table: Vec<i32> = (0..pages).map(|i| (i * stride % pages) as i32).collect();
+                assert_eq!(per_seq * p, cache, "--paged P divides every cache length");
+                (
+                    [pages, p, HEADS_KV, D],
+                    Some(stream.clone_htod(&table).unwrap()),
+                )
+            }
+        };
+        let qt = DeviceTensor::contiguous(&q, [batch, 1, HEADS_Q, D]);
+        let new_t = DeviceTensor::contiguous(&new_kv, [batch, 1, HEADS_KV, D]);
+        let mut plan = None;
+        let (ms, reps) = protocol.median_ms(stream, || {
+            let mut o = DeviceTensorMut::contiguous(&mut out, [batch, 1, HEADS_Q, D]);
+            let table = table.as_ref().map(|t| t.as_view());
+            plan = Some(if step {
+                let (mut kt, mut vt) = (
+                    DeviceTensorMut::contiguous(&mut k, cache_shape),
+                    DeviceTensorMut::contiguous(&mut v, cache_shape),
+                );
+                let step = DeviceKvCacheStep {
+                    q: &qt,
+                    k_cache: &mut kt,
+                    v_cache: &mut vt,
+                    block_table: table,
+                    cache_batch_idx: None,
+                    cache_seqlens: lens.as_view(),
+                    new: Some((&new_t, &new_t)),
+                    rotary: Some(DeviceRotary {
+                        cos: &cos,
+                        sin: &sin,
+                        dim: D,
+                        interleaved: false,
+                    }),
+                    sinks: None,
+                    num_splits,
+                    descales,
+                };
+                dev.kvcache_step_into(stream, cfg, step, &mut o, &mut lse.as_view_mut())
+                    .expect("KV-cache step")
+            } else {
+                let (kt, vt) = (
+                    DeviceTensor::contiguous(&k, cache_shape),
+                    DeviceTensor::contiguous(&v, cache_shape),
+                );
+                let inputs = DeviceKvCacheInputs {
+                    q: &qt,
+                    k_cache: &kt,
+                    v_cache: &vt,
+                    block_table: table,
+                    cache_batch_idx: None,
+                    cache_seqlens: lens.as_view(),
+                    sinks: None,
+                    num_splits,
+                    descales,
+                };
+                dev.kvcache_forward_into(stream, cfg, inputs, &mut o, &mut lse.as_view_mut())
+                    .expect("KV-cache forward")
+            });
+        });
+        // The copy ceiling at this size: K and V's bytes copied once.
+        // SAFETY: only the copies write it, and nothing reads it.
+        let mut dst = unsafe { stream.alloc::<C>(2 * kv_elems) }.unwrap();
+        let (copy_ms, _) = protocol.median_ms(stream, || {
+            stream
+                .memcpy_dtod(&k, &mut dst.slice_mut(..kv_elems))
+                .unwrap();
+            stream
+                .memcpy_dtod(&v, &mut dst.slice_mut(kv_elems..))
+                .unwrap();
+        });
+        let bytes = (2 * kv_elems * std::mem::size_of::<C>()) as f64;
+        let gbps = bytes / (ms * 1e-3) / 1e9;
+        let copy_gbps = 2.0 * bytes / (copy_ms * 1e-3) / 1e9;
+        let plan = plan.unwrap();
+        println!(
+            "{}{}{} b{batch:<3} cache {cache:>5}: {ms:.4} ms {gbps:>6.0} GB/s, copy {copy_gbps:.0} GB/s ({:.2}) ({})",
+            if step { "step" } else { "decode" },
+            if e4m3 { " e4m3" } else { "" },
+            page_size.map_or(String::new(), |p| format!(" pages of {p}")),
+            gbps / copy_gbps,
+            plan.explain()
+        );
+        format!(
+            "  {{\"impl\": \"flashattn-{}\", \"kind\": \"decode\", \"dtype\": \"bf16\", \
+             \"cache_dtype\": \"{}\", \"d\": {D}, \"batch\": {batch}, \"seqlen_q\": 1, \
+             \"seqlen_k\": {cache}, \"heads\": {HEADS_Q}, \"heads_kv\": {HEADS_KV}, \"causal\": true, \
+             \"fwd_ms\": {ms:.5}, \"fwd_reps\": {reps}, \"gbps\": {gbps:.1}, \"copy_gbps\": {copy_gbps:.1}, \
+             \"of_copy\": {:.3}, \"pack_gqa\": \"{pack_gqa:?}\", \"num_splits\": {num_splits}, \
+             \"step\": {step}{}}}",
+            plan.backend.name(),
+            if e4m3 { "e4m3" } else { "bf16" },
+            gbps / copy_gbps,
+            page_size.map_or(String::new(), |p| format!(", \"page_size\": {p}"))
+        )
     }
 }
 

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "../common/e4m3_convert.h"
 #include "../common/half_convert.h"
 #include "../common/sequences.h"
 #include "../common/status.h"
@@ -105,11 +106,6 @@ __device__ __forceinline__ void hadamard_row(float (&x)[kPerLane], uint32_t lane
 __device__ __forceinline__ float scale_for(float amax) {
   const float s = __fdiv_rn(amax, kE4M3Max);
   return s >= 1.17549435e-38f && s <= 3.40282347e38f ? s : 1.f;
-}
-
-// x · (1/scale), as src/fp8.rs quantize: `inv_scale` is the block's rounded reciprocal.
-__device__ __forceinline__ uint8_t to_e4m3(float x, float inv_scale) {
-  return __nv_cvt_float_to_fp8(__fmul_rn(x, inv_scale), __NV_SATFINITE, __NV_E4M3);
 }
 
 // Where one CTA's block lies: its first row in the source (and rows-layout output), its rows, the

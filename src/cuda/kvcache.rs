@@ -106,11 +106,13 @@ pub struct DeviceRotary<'a> {
 /// `rotary` is given. The counts are read on the device only: each is clamped into the
 /// sequence's capacity (the dense cache's rows, or `max_pages · page_size`), rows past it are
 /// not written, and page numbers are clamped into the cache's pages. Sequences must not share
-/// the rows they append into (nor, with `cache_batch_idx`, an entry).
+/// the rows they append into (nor, with `cache_batch_idx`, an entry). The cache holds the new
+/// rows' type, or e4m3 (`C` = `float8::F8E4M3`, any build), into which each new element is
+/// quantized by its descale as [`crate::kvcache::append_fp8`] quantizes it, bit for bit.
 #[derive(Debug)]
-pub struct DeviceKvCacheAppend<'a, 'c, T> {
-    pub k_cache: &'a mut DeviceTensorMut<'c, T>,
-    pub v_cache: &'a mut DeviceTensorMut<'c, T>,
+pub struct DeviceKvCacheAppend<'a, 'c, T, C = T> {
+    pub k_cache: &'a mut DeviceTensorMut<'c, C>,
+    pub v_cache: &'a mut DeviceTensorMut<'c, C>,
     /// A paged cache's `(batch, max_pages)` i32 page numbers, row-major; `None`: dense.
     pub block_table: Option<CudaView<'a, i32>>,
     /// A dense cache's entry per sequence, as [`DeviceKvCacheInputs::cache_batch_idx`] (values on
@@ -121,18 +123,26 @@ pub struct DeviceKvCacheAppend<'a, 'c, T> {
     pub k_new: &'a DeviceTensor<'a, T>,
     pub v_new: &'a DeviceTensor<'a, T>,
     pub rotary: Option<DeviceRotary<'a>>,
+    /// An e4m3 cache's descales (`None`: 1), as [`DeviceKvCacheInputs::descales`]; a 16-bit
+    /// cache takes none (`Error::InvalidConfig`). New element `x` of sequence `b`'s KV head `h`
+    /// is stored as `x · (1 / descale[b · heads_kv + h])` rounded to the nearest e4m3 (±448 past
+    /// its largest finite value). The host does not read them: a descale that is not a positive
+    /// normal number (which the host append refuses) stores NaN in the rows it scales.
+    pub descales: Option<DeviceCacheDescales<'a>>,
 }
 
 /// One decoding or prefill step over a KV cache on the device, as [`crate::kvcache::step`] runs
 /// it on the host and flash-attn's `flash_attn_with_kvcache` on the GPU: Q and the new keys
 /// rotated (with `rotary`), the new keys and values appended, then the forward over
 /// `cache_seqlens[b] + seqlen_new` keys. `cache_seqlens` keeps its values (the caller advances
-/// them). The rest as [`DeviceKvCacheInputs`] and [`DeviceKvCacheAppend`] say.
+/// them). The rest as [`DeviceKvCacheInputs`] and [`DeviceKvCacheAppend`] say; an e4m3 cache
+/// (`C` = `float8::F8E4M3`) takes its descales for both the append and the forward, which
+/// needs the Hopper forward (`kvcache-fp8`).
 #[derive(Debug)]
-pub struct DeviceKvCacheStep<'a, 'c, T> {
+pub struct DeviceKvCacheStep<'a, 'c, T, C = T> {
     pub q: &'a DeviceTensor<'a, T>,
-    pub k_cache: &'a mut DeviceTensorMut<'c, T>,
-    pub v_cache: &'a mut DeviceTensorMut<'c, T>,
+    pub k_cache: &'a mut DeviceTensorMut<'c, C>,
+    pub v_cache: &'a mut DeviceTensorMut<'c, C>,
     pub block_table: Option<CudaView<'a, i32>>,
     pub cache_batch_idx: Option<CudaView<'a, i32>>,
     pub cache_seqlens: CudaView<'a, i32>,
@@ -142,6 +152,17 @@ pub struct DeviceKvCacheStep<'a, 'c, T> {
     pub sinks: Option<&'a CudaView<'a, f32>>,
     /// As [`DeviceKvCacheInputs::num_splits`].
     pub num_splits: usize,
+    /// As [`DeviceKvCacheAppend::descales`] and [`DeviceKvCacheInputs::descales`].
+    pub descales: Option<DeviceCacheDescales<'a>>,
+}
+
+/// What an append launch takes beside the cache and the new rows: rotary embedding, an e4m3
+/// cache's descales, Q to rotate, and where the step's key counts go.
+struct AppendExtras<'a, 'q, T> {
+    rotary: Option<&'a DeviceRotary<'a>>,
+    descales: Option<DeviceCacheDescales<'a>>,
+    q_rot: Option<RotatedQ<'a, 'q, T>>,
+    seqlens_out: Option<&'a mut CudaSlice<i32>>,
 }
 
 /// Q rotated by an append launch into `out` (contiguous, Q's shape), each row at the sequence's
@@ -323,6 +344,39 @@ fn used(layout: &Layout, batch: usize) -> Layout {
     Layout::with_strides([batch, rows, heads, d], layout.strides)
 }
 
+/// Is a cache of `C` under rows of `T` an e4m3 one? A cache holds `T`, or e4m3 under 16-bit
+/// rows (else `Error::InvalidConfig`).
+fn e4m3_cache<T: Element, C: Element>() -> Result<bool> {
+    let e4m3 = C::DTYPE == DType::E4M3 && T::DTYPE != DType::E4M3;
+    if !e4m3 && C::DTYPE != T::DTYPE {
+        return Err(Error::InvalidConfig(format!(
+            "a KV cache of {:?} under Q of {:?} (the cache holds Q's type, or e4m3)",
+            C::DTYPE,
+            T::DTYPE
+        )));
+    }
+    Ok(e4m3)
+}
+
+/// A call's cache descales as the kernels take them, `[k, v]`: an e4m3 cache's, `batch ×
+/// heads_kv` values each; a 16-bit cache takes none (`refusal`).
+fn cache_descales<'a>(
+    descales: Option<DeviceCacheDescales<'a>>,
+    e4m3: bool,
+    batch: usize,
+    heads_kv: usize,
+    refusal: impl FnOnce() -> Error,
+) -> Result<Option<[&'a CudaView<'a, f32>; 2]>> {
+    match descales {
+        None => Ok(None),
+        Some(_) if !e4m3 => Err(refusal()),
+        Some(DeviceCacheDescales { k, v }) => {
+            kvcache::check_descale_counts([k.len(), v.len()], batch, heads_kv)?;
+            Ok(Some([k, v]))
+        }
+    }
+}
+
 /// A KV-cache forward's shapes, as [`Device::cache_rows`] takes them.
 struct CacheCall<'a> {
     q: &'a Layout,
@@ -332,6 +386,8 @@ struct CacheCall<'a> {
     seqlens: usize,
     num_splits: usize,
     dtype: DType,
+    /// The cache holds e4m3 (which the Hopper forward alone reads).
+    e4m3: bool,
 }
 
 /// How the packed kernels take a KV-cache call: Q's and O's rows, the tiles, and the keys.
@@ -396,6 +452,31 @@ impl Device {
         Ok(uploaded)
     }
 
+    /// The block table a forward over a cache reads by: `table`, or for a dense e4m3 cache (read
+    /// as pages of its entries, sequence `b`'s entry `b`) the kept offsets of one row each,
+    /// `0, 1, 2, ...`, which the caller slices to `batch` values and keeps while they are used.
+    fn identity_pages(
+        &self,
+        stream: &Arc<CudaStream>,
+        table: &Option<CudaView<i32>>,
+        k_cache: &Layout,
+        batch: usize,
+        e4m3: bool,
+    ) -> Result<Option<Arc<CudaSlice<i32>>>> {
+        if table.is_some() || !e4m3 {
+            return Ok(None);
+        }
+        let [entries, rows, heads_kv, head_dim] = k_cache.shape;
+        if entries < batch {
+            return Err(Error::ShapeMismatch {
+                operand: Operand::K,
+                expected: [batch, rows, heads_kv, head_dim],
+                found: k_cache.shape,
+            });
+        }
+        self.uniform_offsets(stream, batch, 1).map(Some)
+    }
+
     /// A KV-cache forward as the packed kernels take it, and every refusal of it that needs no
     /// plan (its shapes, O's, the rows, the page size, the splits): a step runs it before it
     /// writes the cache.
@@ -456,6 +537,12 @@ impl Device {
                         })
                     }
                 };
+                if call.e4m3 && backend != Backend::Sm90 {
+                    return Err(Error::Unsupported {
+                        what: "an e4m3 KV cache (the Hopper forward takes it, and the CPU)".into(),
+                        backend,
+                    });
+                }
                 let (pages, cfg) = pages(call.k_cache, head_dim_v, table, batch, cfg, backend)?;
                 CacheKeys::Pages(pages, cfg)
             }
@@ -516,51 +603,19 @@ impl Device {
         // Before anything is uploaded on it.
         self.check_same_context(stream, [(Operand::Q, q.data.stream().context())])?;
         let batch = q.layout.shape[0];
-        let e4m3 = C::DTYPE == DType::E4M3 && T::DTYPE != DType::E4M3;
-        if !e4m3 && C::DTYPE != T::DTYPE {
-            return Err(Error::InvalidConfig(format!(
-                "a KV cache of {:?} under Q of {:?} (the cache holds Q's type, or e4m3)",
-                C::DTYPE,
-                T::DTYPE
-            )));
-        }
-        let e4m3_descales = match descales {
-            None => None,
-            Some(_) if !e4m3 => {
-                return Err(Error::Unsupported {
-                    what: "descales of a 16-bit KV cache on the GPU (the CPU takes them: \
+        let e4m3 = e4m3_cache::<T, C>()?;
+        let e4m3_descales = cache_descales(descales, e4m3, batch, k_cache.layout.shape[2], || {
+            Error::Unsupported {
+                what: "descales of a 16-bit KV cache on the GPU (the CPU takes them: \
                            kvcache::forward)"
-                        .into(),
-                    backend: cfg.backend,
-                })
+                    .into(),
+                backend: cfg.backend,
             }
-            Some(DeviceCacheDescales { k, v }) => {
-                kvcache::check_descale_counts([k.len(), v.len()], batch, k_cache.layout.shape[2])?;
-                Some([k, v])
-            }
-        };
-        // An e4m3 cache is read as pages: a dense one's entries, sequence b's entry b (the
-        // first `batch` values of the kept offsets of 1 row each, 0, 1, 2, ...).
-        let identity;
-        let table = match cache_table(block_table, cache_batch_idx, batch)? {
-            None if e4m3 => {
-                if k_cache.layout.shape[0] < batch {
-                    return Err(Error::ShapeMismatch {
-                        operand: Operand::K,
-                        expected: [
-                            batch,
-                            k_cache.layout.shape[1],
-                            k_cache.layout.shape[2],
-                            k_cache.layout.shape[3],
-                        ],
-                        found: k_cache.layout.shape,
-                    });
-                }
-                identity = self.uniform_offsets(stream, batch, 1)?;
-                Some(identity.slice(..batch))
-            }
-            table => table,
-        };
+        })?;
+        // An e4m3 cache is read as pages: a dense one's entries.
+        let table = cache_table(block_table, cache_batch_idx, batch)?;
+        let identity = self.identity_pages(stream, &table, &k_cache.layout, batch, e4m3)?;
+        let table = table.or_else(|| identity.as_ref().map(|i| i.slice(..batch)));
         let rows = self.cache_rows(
             cfg,
             CacheCall {
@@ -571,6 +626,7 @@ impl Device {
                 seqlens: cache_seqlens.len(),
                 num_splits,
                 dtype: T::DTYPE,
+                e4m3,
             },
             &out.layout,
         )?;
@@ -628,10 +684,10 @@ impl Device {
 impl Device {
     /// Appends new keys and values to a KV cache on the device, ordered on `stream`
     /// ([`DeviceKvCacheAppend`]).
-    pub fn kvcache_append<T: Element + DeviceRepr>(
+    pub fn kvcache_append<T: Element + DeviceRepr, C: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
-        append: DeviceKvCacheAppend<'_, '_, T>,
+        append: DeviceKvCacheAppend<'_, '_, T, C>,
     ) -> Result<()> {
         let DeviceKvCacheAppend {
             k_cache,
@@ -642,6 +698,7 @@ impl Device {
             k_new,
             v_new,
             rotary,
+            descales,
         } = append;
         let table = cache_table(block_table, cache_batch_idx, k_new.layout.shape[0])?;
         self.launch_append(
@@ -650,9 +707,12 @@ impl Device {
             table.as_ref(),
             &cache_seqlens,
             (k_new, v_new),
-            rotary.as_ref(),
-            None,
-            None,
+            AppendExtras {
+                rotary: rotary.as_ref(),
+                descales,
+                q_rot: None,
+                seqlens_out: None,
+            },
         )
     }
 
@@ -662,11 +722,11 @@ impl Device {
     /// embedding for the rotated Q), given back in stream order. The shapes, the page size and
     /// the splits are checked before the cache is written; the forward's plan (a head dim or
     /// backend this build lacks) after: such an error leaves the new rows in the cache.
-    pub fn kvcache_step_into<T: Element + DeviceRepr>(
+    pub fn kvcache_step_into<T: Element + DeviceRepr, C: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
         cfg: &AttentionConfig,
-        step: DeviceKvCacheStep<'_, '_, T>,
+        step: DeviceKvCacheStep<'_, '_, T, C>,
         out: &mut DeviceTensorMut<T>,
         lse: &mut CudaViewMut<f32>,
     ) -> Result<Plan> {
@@ -681,8 +741,10 @@ impl Device {
             rotary,
             sinks,
             num_splits,
+            descales,
         } = step;
         let [batch, seqlen_q, heads_q, head_dim] = q.layout.shape;
+        let e4m3 = e4m3_cache::<T, C>()?;
         let block_table = cache_table(block_table, cache_batch_idx, batch)?;
         if new.is_none() && rotary.is_some() {
             return Err(Error::InvalidConfig(
@@ -692,8 +754,8 @@ impl Device {
         let forward = |dev: &Self,
                        q: &DeviceTensor<T>,
                        seqlens: CudaView<i32>,
-                       k_cache: &DeviceTensorMut<T>,
-                       v_cache: &DeviceTensorMut<T>,
+                       k_cache: &DeviceTensorMut<C>,
+                       v_cache: &DeviceTensorMut<C>,
                        out: &mut DeviceTensorMut<T>,
                        lse: &mut CudaViewMut<f32>| {
             let k = DeviceTensor::new(k_cache.data.slice(..), k_cache.layout);
@@ -707,7 +769,7 @@ impl Device {
                 cache_seqlens: seqlens,
                 sinks,
                 num_splits,
-                descales: None,
+                descales,
             };
             dev.kvcache_forward_into(stream, cfg, inputs, out, lse)
         };
@@ -716,16 +778,21 @@ impl Device {
         };
         // The forward's refusals that need no plan, before the cache is written.
         tensor::check_len(Operand::Q, &q.layout, q.data.len())?;
+        let identity = self.identity_pages(stream, &block_table, &k_cache.layout, batch, e4m3)?;
         self.cache_rows(
             cfg,
             CacheCall {
                 q: &q.layout,
                 k_cache: &k_cache.layout,
                 v_cache: &v_cache.layout,
-                table: block_table.as_ref().map(|t| t.slice(..)),
+                table: block_table
+                    .as_ref()
+                    .map(|t| t.slice(..))
+                    .or_else(|| identity.as_ref().map(|i| i.slice(..batch))),
                 seqlens: cache_seqlens.len(),
                 num_splits,
                 dtype: T::DTYPE,
+                e4m3,
             },
             &out.layout,
         )?;
@@ -746,13 +813,16 @@ impl Device {
             block_table.as_ref(),
             &cache_seqlens,
             new,
-            rotary.as_ref(),
-            q_rot.as_mut().map(|out| RotatedQ {
-                q,
-                out,
-                same_position,
-            }),
-            Some(&mut lens),
+            AppendExtras {
+                rotary: rotary.as_ref(),
+                descales,
+                q_rot: q_rot.as_mut().map(|out| RotatedQ {
+                    q,
+                    out,
+                    same_position,
+                }),
+                seqlens_out: Some(&mut lens),
+            },
         )?;
         let rotated;
         let q = match &q_rot {
@@ -766,19 +836,24 @@ impl Device {
     }
 
     /// Checks and launches one append step (flashattn_kvcache_append): the new rows into the
-    /// cache, Q rotated into `q_rot`, the step's key counts into `seqlens_out`.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_append<T: Element + DeviceRepr>(
+    /// cache (quantized by the descales into an e4m3 one), Q rotated into `q_rot`, the step's
+    /// key counts into `seqlens_out`.
+    fn launch_append<T: Element + DeviceRepr, C: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
-        [k_cache, v_cache]: [&mut DeviceTensorMut<T>; 2],
+        [k_cache, v_cache]: [&mut DeviceTensorMut<C>; 2],
         block_table: Option<&CudaView<i32>>,
         cache_seqlens: &CudaView<i32>,
         (k_new, v_new): (&DeviceTensor<T>, &DeviceTensor<T>),
-        rotary: Option<&DeviceRotary>,
-        q_rot: Option<RotatedQ<T>>,
-        seqlens_out: Option<&mut CudaSlice<i32>>,
+        extras: AppendExtras<T>,
     ) -> Result<()> {
+        let AppendExtras {
+            rotary,
+            descales,
+            q_rot,
+            seqlens_out,
+        } = extras;
+        let e4m3 = e4m3_cache::<T, C>()?;
         if !matches!(T::DTYPE, DType::F16 | DType::BF16) {
             return Err(Error::Unsupported {
                 what: format!("a KV-cache append of {:?} on the GPU", T::DTYPE),
@@ -797,6 +872,10 @@ impl Device {
         }
         if let Some(r) = &q_rot {
             contexts.push((Operand::Q, r.q.data.stream().context()));
+        }
+        if let Some(DeviceCacheDescales { k, v }) = descales {
+            contexts.push((Operand::K, k.stream().context()));
+            contexts.push((Operand::V, v.stream().context()));
         }
         self.check_same_context(stream, contexts)?;
         let mut seqlens = vec![cache_seqlens.stream().context()];
@@ -818,6 +897,11 @@ impl Device {
             [&k_new.layout, &v_new.layout],
             batch,
         )?;
+        let descales = cache_descales(descales, e4m3, batch, heads_kv, || {
+            Error::InvalidConfig(
+                "descales in an append to a 16-bit cache (they are an e4m3 cache's)".into(),
+            )
+        })?;
         if cache_seqlens.len() != batch {
             return Err(Error::InvalidSeqlens(format!(
                 "cache_seqlens has {} values for {batch} sequences",
@@ -870,7 +954,7 @@ impl Device {
             });
         }
 
-        let size = std::mem::size_of::<T>();
+        let (size, cache_size) = (std::mem::size_of::<T>(), std::mem::size_of::<C>());
         let (kc_ptr, _kc) = k_cache.data.device_ptr_mut(stream);
         let (vc_ptr, _vc) = v_cache.data.device_ptr_mut(stream);
         let (kn_ptr, _kn) = k_new.data.device_ptr(stream);
@@ -880,13 +964,18 @@ impl Device {
         let (cos_ptr, _cos) = rotary.map(|r| r.cos.device_ptr(stream)).unzip();
         let (sin_ptr, _sin) = rotary.map(|r| r.sin.device_ptr(stream)).unzip();
         let (out_ptr, _out) = seqlens_out.map(|s| s.device_ptr_mut(stream)).unzip();
-        let raw = |operand, ptr, layout: &Layout| {
-            RawTensor {
-                ptr,
-                layout: *layout,
+        let (kd_ptr, _kd) = descales.map(|[k, _]| k.device_ptr(stream)).unzip();
+        let (vd_ptr, _vd) = descales.map(|[_, v]| v.device_ptr(stream)).unzip();
+        let raw_of = |size| {
+            move |operand, ptr, layout: &Layout| {
+                RawTensor {
+                    ptr,
+                    layout: *layout,
+                }
+                .aligned_ffi(operand, size)
             }
-            .aligned_ffi(operand, size)
         };
+        let (raw, raw_cache) = (raw_of(size), raw_of(cache_size));
         let none = gpu::NO_TENSOR;
         let (mut q_in, mut q_out, mut heads_q, mut same_position) = (none, none, 0, false);
         let mut _q_guards = None;
@@ -916,8 +1005,8 @@ impl Device {
         let p = ffi::flashattn_kvcache_append_t {
             k_new: raw(Operand::K, kn_ptr, &k_new.layout)?,
             v_new: raw(Operand::V, vn_ptr, &v_new.layout)?,
-            k_cache: raw(Operand::K, kc_ptr, &k_cache.layout)?,
-            v_cache: raw(Operand::V, vc_ptr, &v_cache.layout)?,
+            k_cache: raw_cache(Operand::K, kc_ptr, &k_cache.layout)?,
+            v_cache: raw_cache(Operand::V, vc_ptr, &v_cache.layout)?,
             dtype: gpu::ffi_dtype(T::DTYPE),
             batch: batch as i32,
             seqlen_new: seqlen_new as i32,
@@ -940,6 +1029,9 @@ impl Device {
             seqlen_q: seqlen_q as i32,
             heads_q: heads_q as i32,
             q_same_position: same_position as i32,
+            cache_e4m3: e4m3 as i32,
+            k_descale: kd_ptr.unwrap_or(0) as *const f32,
+            v_descale: vd_ptr.unwrap_or(0) as *const f32,
         };
         self.ctx.bind_to_thread().map_err(driver_error)?;
         // SAFETY: every pointer is a live device buffer of this context whose guard outlives the

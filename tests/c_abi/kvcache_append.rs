@@ -36,14 +36,31 @@ fn base() -> flashattn_kvcache_append_t {
         seqlen_q: 1,
         heads_q: 4 * h as i32,
         q_same_position: 0,
+        cache_e4m3: 0,
+        k_descale: std::ptr::null(),
+        v_descale: std::ptr::null(),
+    }
+}
+
+/// The base append into an e4m3 cache, with descales.
+fn e4m3_base() -> flashattn_kvcache_append_t {
+    flashattn_kvcache_append_t {
+        cache_e4m3: 1,
+        k_descale: addr(11) as *const f32,
+        v_descale: addr(12) as *const f32,
+        ..base()
     }
 }
 
 #[test]
 fn kvcache_append_refuses_what_it_cannot_do_in_bounds() {
     type Edit = fn(&mut flashattn_kvcache_append_t);
-    let cases: [(&str, Edit); 12] = [
+    let cases: [(&str, Edit); 14] = [
         ("e4m3", |p| p.dtype = FLASHATTN_E4M3 as i32),
+        ("cache_e4m3 neither 0 nor 1", |p| p.cache_e4m3 = 2),
+        ("descales of a 16-bit cache", |p| {
+            p.k_descale = addr(11) as *const f32
+        }),
         ("fewer entries than sequences", |p| p.entries = 1),
         ("no cached counts", |p| p.cache_seqlens = std::ptr::null()),
         ("a dense cache with max_pages", |p| p.max_pages = 2),
@@ -68,4 +85,43 @@ fn kvcache_append_refuses_what_it_cannot_do_in_bounds() {
         }),
     ];
     crate::refused_edits("append", flashattn_kvcache_append, base, &cases);
+}
+
+#[test]
+fn an_e4m3_append_refuses_what_it_cannot_do_in_bounds() {
+    type Edit = fn(&mut flashattn_kvcache_append_t);
+    let cases: [(&str, Edit); 3] = [
+        ("e4m3 new rows", |p| p.dtype = FLASHATTN_E4M3 as i32),
+        ("K's descales inside the cache", |p| {
+            p.k_descale = p.k_cache.ptr as *const f32
+        }),
+        ("V's descales inside the rotated Q", |p| {
+            p.v_descale = p.q_out.ptr as *const f32
+        }),
+    ];
+    crate::refused_edits("e4m3 append", flashattn_kvcache_append, e4m3_base, &cases);
+}
+
+/// An e4m3 cache's views are of 1-byte elements: V's cache may begin right after K's bytes,
+/// which would overlap K's were its elements 2 bytes. Left to machines without a driver (with
+/// one the accepted call would launch on these unreal addresses).
+#[test]
+fn an_e4m3_append_writes_bytes() {
+    if flashattn::cuda::driver_present() {
+        return;
+    }
+    let mut p = e4m3_base();
+    let k_bytes = p.entries as usize * p.k_cache.batch_stride as usize;
+    p.v_cache.ptr = (p.k_cache.ptr as usize + k_bytes) as *mut std::ffi::c_void;
+    // SAFETY: the launch fails for want of a driver before any pointer is used.
+    let r = unsafe { flashattn_kvcache_append(&p, std::ptr::null_mut()) };
+    assert_eq!(
+        r.status, FLASHATTN_CUDA_ERROR as i32,
+        "an e4m3 append refused"
+    );
+    p.cache_e4m3 = 0;
+    (p.k_descale, p.v_descale) = (std::ptr::null(), std::ptr::null());
+    // SAFETY: refused by the checks before any pointer is used.
+    let r = unsafe { flashattn_kvcache_append(&p, std::ptr::null_mut()) };
+    assert_eq!(r.status, crate::INVALID, "V's 16-bit cache inside K's");
 }

@@ -132,11 +132,27 @@ pub(super) fn check_sequence(
     what: &str,
     got: Outputs<'_>,
     b: usize,
-    (seqlen_q, hq, hk, d, dv): (usize, usize, usize, usize, usize),
+    shape: (usize, usize, usize, usize, usize),
     q: &[bf16],
     (kb, vb): (&[bf16], &[bf16]),
 ) -> Vec<String> {
-    let len = kb.len() / (hk * d);
+    let (kf, vf) = (reference::to_f32(kb), reference::to_f32(vb));
+    check_sequence_over(cfg, what, got, b, shape, q, (&kf, &vf))
+}
+
+/// [`check_sequence`] over keys and values that bf16 may not hold (an e4m3 cache's times its
+/// descales): the reference over them as they are, the baseline a framework's that rounds them
+/// to bf16 before it attends.
+pub(super) fn check_sequence_over(
+    cfg: &AttentionConfig,
+    what: &str,
+    got: Outputs<'_>,
+    b: usize,
+    (seqlen_q, hq, hk, d, dv): (usize, usize, usize, usize, usize),
+    q: &[bf16],
+    (kf, vf): (&[f32], &[f32]),
+) -> Vec<String> {
+    let len = kf.len() / (hk * d);
     let o = reference::to_f32(&got.out[b * seqlen_q * hq * dv..][..seqlen_q * hq * dv]);
     let l = &got.lse[b * hq * seqlen_q..][..hq * seqlen_q];
     if len == 0 {
@@ -147,14 +163,23 @@ pub(super) fn check_sequence(
             vec![format!("{what}: no keys")]
         };
     }
-    let qv = TensorRef::contiguous(
-        &q[b * seqlen_q * hq * d..][..seqlen_q * hq * d],
-        [1, seqlen_q, hq, d],
+    let q = &q[b * seqlen_q * hq * d..][..seqlen_q * hq * d];
+    let qf = reference::to_f32(q);
+    let bf = |x: &[f32]| -> Vec<bf16> { x.iter().map(|&v| bf16::from_f32(v)).collect() };
+    let (kb, vb) = (bf(kf), bf(vf));
+    let (q_shape, k_shape, v_shape) = ([1, seqlen_q, hq, d], [1, len, hk, d], [1, len, hk, dv]);
+    let want = reference::reference_forward(
+        cfg,
+        TensorRef::contiguous(&qf, q_shape),
+        TensorRef::contiguous(kf, k_shape),
+        TensorRef::contiguous(vf, v_shape),
     );
-    let kv = TensorRef::contiguous(kb, [1, len, hk, d]);
-    let vv = TensorRef::contiguous(vb, [1, len, hk, dv]);
-    let want = reference::reference_forward(cfg, qv, kv, vv);
-    let base = reference::baseline_forward(cfg, qv, kv, vv);
+    let base = reference::baseline_forward(
+        cfg,
+        TensorRef::contiguous(q, q_shape),
+        TensorRef::contiguous(&kb, k_shape),
+        TensorRef::contiguous(&vb, v_shape),
+    );
     [
         ("O", compare(&o, &want.out, &base.out)),
         ("LSE", compare(l, &want.lse, &base.lse)),

@@ -4,13 +4,13 @@
 //! descales), under DESIGN's rule with the baseline of a framework that dequantizes to bf16 and
 //! then attends: paged (pages of 16, 64, 100 and 160 rows, out of order) and dense, GQA with and
 //! without packed query heads, causal and softcap, key splits, with and without descales, the
-//! rows past each length poisoned with e4m3's largest finite values.
+//! rows past each length poisoned with e4m3's largest finite values. Whole steps over such caches
+//! (append quantized by the descales, rotary embedding, forward) against the host step.
 #![cfg(feature = "kvcache-fp8")]
 
 use cudarc::driver::CudaSlice;
 use flashattn::cuda::{DeviceCacheDescales, DeviceKvCacheInputs, DeviceTensor, DeviceTensorMut};
-use flashattn::reference::{self, compare};
-use flashattn::{AttentionConfig, Backend, Element, TensorRef};
+use flashattn::{AttentionConfig, Backend, Element};
 use float8::F8E4M3;
 use half::bf16;
 use rand::rngs::StdRng;
@@ -18,6 +18,8 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
 use super::common::device;
+use super::kvcache::{check_sequence_over, Outputs};
+use super::kvcache_step::{step_case, Layout};
 
 /// One case: head dims, query and KV heads, query rows, page size (0: a dense cache of 320
 /// rows), cached keys per sequence, descales, key splits.
@@ -145,19 +147,9 @@ fn run_case(c: &Case, seed: u64) -> Vec<String> {
         failures.push(format!("{what}: ran on {:?}", plan.backend));
     }
     for (b, &len) in c.lens.iter().enumerate() {
-        let len = len as usize;
-        let o = reference::to_f32(&out[b * seqlen_q * hq * d..][..seqlen_q * hq * d]);
-        let l = &lse[b * hq * seqlen_q..][..hq * seqlen_q];
-        if len == 0 {
-            if !(o.iter().all(|&x| x == 0.0) && l.iter().all(|&x| x == f32::INFINITY)) {
-                failures.push(format!("{what}: sequence {b} has no keys"));
-            }
-            continue;
-        }
-        // Its keys and values dequantized (f32; the reference widens to f64), and as a framework
-        // would hold them, in bf16.
+        // Its keys and values dequantized (f32; the reference widens to f64).
         let deq = |x: &[F8E4M3], s: &[f32]| -> Vec<f32> {
-            (0..len)
+            (0..len as usize)
                 .flat_map(|j| {
                     let r = at(b, j);
                     (0..row).map(move |i| (r, i))
@@ -165,34 +157,18 @@ fn run_case(c: &Case, seed: u64) -> Vec<String> {
                 .map(|(r, i)| x[r * row + i].to_f32() * s[b * hk + i / d])
                 .collect()
         };
-        let (kf, vf) = (deq(&k, &kd), deq(&v, &vd));
-        let qf = reference::to_f32(&q[b * seqlen_q * hq * d..][..seqlen_q * hq * d]);
-        let (kb, vb): (Vec<bf16>, Vec<bf16>) = (
-            kf.iter().map(|&x| bf16::from_f32(x)).collect(),
-            vf.iter().map(|&x| bf16::from_f32(x)).collect(),
-        );
-        let q_shape = [1, seqlen_q, hq, d];
-        let kv_shape = [1, len, hk, d];
-        let want = reference::reference_forward(
+        failures.extend(check_sequence_over(
             &c.cfg,
-            TensorRef::contiguous(&qf, q_shape),
-            TensorRef::contiguous(&kf, kv_shape),
-            TensorRef::contiguous(&vf, kv_shape),
-        );
-        let base = reference::baseline_forward(
-            &c.cfg,
-            TensorRef::contiguous(&q[b * seqlen_q * hq * d..][..seqlen_q * hq * d], q_shape),
-            TensorRef::contiguous(&kb, kv_shape),
-            TensorRef::contiguous(&vb, kv_shape),
-        );
-        for (name, cmp) in [
-            ("O", compare(&o, &want.out, &base.out)),
-            ("LSE", compare(l, &want.lse, &base.lse)),
-        ] {
-            if !cmp.pass {
-                failures.push(format!("{what}: sequence {b} ({len} keys): {name} {cmp}"));
-            }
-        }
+            &format!("{what}, sequence {b}"),
+            Outputs {
+                out: &out,
+                lse: &lse,
+            },
+            b,
+            (seqlen_q, hq, hk, d, d),
+            &q,
+            (&deq(&k, &kd), &deq(&v, &vd)),
+        ));
     }
     failures
 }
@@ -271,5 +247,86 @@ fn e4m3_cache_matches_the_reference_over_its_dequantized_keys() {
         .enumerate()
         .flat_map(|(i, c)| run_case(c, 90 + i as u64))
         .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Whole steps over an e4m3 cache (`Device::kvcache_step_into` with descales): Q and the new keys
+/// rotated, the new rows quantized into the cache by their sequences' descales, then the forward
+/// over the longer caches; the cache the host step leaves, bit for bit, and each sequence against
+/// the reference over its dequantized keys. Pages of 16 (decode, GQA 8:1) and of 64 (a chunk whose
+/// new rows cross a page), a dense cache and one by entry index.
+#[test]
+#[ignore = "needs a GPU"]
+fn e4m3_steps_match_the_host_step_and_the_reference() {
+    let paged = |page: usize, slots: usize, pages_per_seq: usize| Layout {
+        slots,
+        rows: page,
+        // Out of order: page i of the table is slot (7 i + 3) mod slots.
+        table: Some(
+            (0..3 * pages_per_seq)
+                .map(|i| ((7 * i + 3) % slots) as i32)
+                .collect(),
+        ),
+        entries: None,
+        pages_per_seq,
+    };
+    let dense = Layout {
+        slots: 3,
+        rows: 200,
+        table: None,
+        entries: None,
+        pages_per_seq: 1,
+    };
+    let indexed = Layout {
+        slots: 5,
+        rows: 200,
+        table: None,
+        entries: Some(vec![4, 0, 2]),
+        pages_per_seq: 1,
+    };
+    let causal = AttentionConfig::new().causal(true);
+    let cases = [
+        // Decode, GQA 8:1 over pages of 16, rotary over the whole head.
+        (
+            AttentionConfig::new(),
+            paged(16, 40, 13),
+            (16, 2),
+            [0, 17, 190],
+            (1, 1),
+            Some((128, false)),
+        ),
+        // A chunk of 3 queries and 3 new keys over pages of 64 (sequence 1's cross into its
+        // second page), interleaved pairs over half the head.
+        (
+            causal.clone(),
+            paged(64, 13, 4),
+            (8, 2),
+            [5, 62, 130],
+            (3, 3),
+            Some((64, true)),
+        ),
+        (causal, dense, (4, 4), [1, 100, 196], (2, 2), None),
+        (
+            AttentionConfig::new().window(Some(30), Some(0)),
+            indexed,
+            (8, 1),
+            [40, 0, 150],
+            (1, 1),
+            Some((128, false)),
+        ),
+    ];
+    let mut failures = vec![];
+    for (i, (cfg, layout, (hq, hk), lens, rows, rotary)) in cases.into_iter().enumerate() {
+        failures.extend(step_case::<F8E4M3>(
+            &cfg,
+            &layout,
+            (hq, hk, 128),
+            &lens,
+            rows,
+            rotary,
+            true,
+            200 + i as u64,
+        ));
+    }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -4,19 +4,23 @@
 //! the longer caches. The cache afterwards bit-identical to the host step's
 //! (`flashattn::kvcache::step`), each sequence's O and LSE against the f64 reference over its
 //! keys in that cache; the f16 append alike; counts past the capacity and page numbers out of
-//! range written nowhere outside the buffers.
+//! range written nowhere outside the buffers; new rows quantized into e4m3 caches as the host's
+//! `append_fp8` quantizes them (kvcache_fp8.rs runs whole steps over such caches).
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DeviceRepr};
 use flashattn::cuda::{
-    DeviceKvCacheAppend, DeviceKvCacheStep, DeviceRotary, DeviceTensor, DeviceTensorMut,
+    DeviceCacheDescales, DeviceKvCacheAppend, DeviceKvCacheStep, DeviceRotary, DeviceTensor,
+    DeviceTensorMut,
 };
-use flashattn::kvcache::{self, KvCacheMut, KvCacheStep, Rotary};
-use flashattn::{AttentionConfig, Backend, TensorMut, TensorRef};
+use flashattn::kvcache::{self, CacheDescales, KvCacheMut, KvCacheStep, Rotary};
+use flashattn::{AttentionConfig, Backend, Element, TensorMut, TensorRef};
 use half::bf16;
+use rand::rngs::StdRng;
+use rand::Rng;
 
 use super::common::device;
 use super::harness::random;
-use super::kvcache::{check_sequence, Outputs};
+use super::kvcache::{check_sequence_over, Outputs};
 
 /// Angles for `positions` positions of a `dim`-wide rotation: (cos, sin), each
 /// `(positions, dim / 2)`.
@@ -64,12 +68,12 @@ fn rotate_q(
 /// Where a step writes and reads: a dense cache of `slots` entries of `rows` rows (sequence `b`
 /// in entry `entries[b]`, or `b`), or `slots` pages of `rows` rows with a block table of
 /// `pages_per_seq` pages per sequence.
-struct Layout {
-    slots: usize,
-    rows: usize,
-    table: Option<Vec<i32>>,
-    entries: Option<Vec<i32>>,
-    pages_per_seq: usize,
+pub(super) struct Layout {
+    pub(super) slots: usize,
+    pub(super) rows: usize,
+    pub(super) table: Option<Vec<i32>>,
+    pub(super) entries: Option<Vec<i32>>,
+    pub(super) pages_per_seq: usize,
 }
 
 impl Layout {
@@ -88,24 +92,37 @@ impl Layout {
     }
 }
 
-/// One step on the host and on the device from the same cache: the device's cache equal to the
-/// host's bit for bit, and each sequence's O and LSE against the reference. The failures.
+/// One step on the host and on the device from the same cache of `C` (Q's bf16, or e4m3, then
+/// with random descales where `descales`): the device's cache equal to the host's bit for bit
+/// (but for NaN payloads), and each sequence's O and LSE against the reference over its keys
+/// there (dequantized). The failures.
 #[allow(clippy::too_many_arguments)]
-fn step_case(
+pub(super) fn step_case<C: Element + DeviceRepr>(
     cfg: &AttentionConfig,
     layout: &Layout,
     (hq, hk, d): (usize, usize, usize),
     lens: &[i32],
     (seqlen_q, seqlen_new): (usize, usize),
     rotary: Option<(usize, bool)>,
+    descales: bool,
     seed: u64,
 ) -> Vec<String> {
-    let mut rng = rand::SeedableRng::seed_from_u64(seed);
+    let mut rng: StdRng = rand::SeedableRng::seed_from_u64(seed);
     let batch = lens.len();
     let row = hk * d;
     let cache_shape = [layout.slots, layout.rows, hk, d];
-    let k0: Vec<bf16> = random(layout.slots * layout.rows * row, &mut rng);
-    let v0: Vec<bf16> = random(layout.slots * layout.rows * row, &mut rng);
+    let k0: Vec<C> = random(layout.slots * layout.rows * row, &mut rng);
+    let v0: Vec<C> = random(layout.slots * layout.rows * row, &mut rng);
+    let descale = |rng: &mut StdRng| -> Vec<f32> {
+        (0..batch * hk)
+            .map(|_| rng.random_range(0.05f32..1.5))
+            .collect()
+    };
+    let (kd, vd) = if descales {
+        (descale(&mut rng), descale(&mut rng))
+    } else {
+        (vec![1.0; batch * hk], vec![1.0; batch * hk])
+    };
     let q: Vec<bf16> = random(batch * seqlen_q * hq * d, &mut rng);
     let k_new: Vec<bf16> = random(batch * seqlen_new * row, &mut rng);
     let v_new: Vec<bf16> = random(batch * seqlen_new * row, &mut rng);
@@ -148,7 +165,7 @@ fn step_case(
                 rotary: host_rotary,
                 cache_batch_idx: layout.entries.as_deref(),
                 sinks: None,
-                descales: None,
+                descales: descales.then_some(CacheDescales { k: &kd, v: &vd }),
             },
         )
         .unwrap_or_else(|e| panic!("host step {cfg:?}: {e}"));
@@ -157,8 +174,16 @@ fn step_case(
     // The device's, its outputs poisoned first.
     let (dev, stream) = device();
     let up = |x: &[bf16]| stream.clone_htod(x).unwrap();
-    let (mut kc, mut vc) = (up(&k0), up(&v0));
+    let (mut kc, mut vc) = (
+        stream.clone_htod(&k0).unwrap(),
+        stream.clone_htod(&v0).unwrap(),
+    );
     let (qd, knd, vnd) = (up(&q), up(&k_new), up(&v_new));
+    let (kd_d, vd_d) = (
+        stream.clone_htod(&kd).unwrap(),
+        stream.clone_htod(&vd).unwrap(),
+    );
+    let (kd_v, vd_v) = (kd_d.as_view(), vd_d.as_view());
     let lens_d = stream.clone_htod(lens).unwrap();
     let table_d = layout.table.as_ref().map(|t| stream.clone_htod(t).unwrap());
     let entries_d = layout
@@ -204,6 +229,7 @@ fn step_case(
                 }),
                 sinks: None,
                 num_splits: 0,
+                descales: descales.then_some(DeviceCacheDescales { k: &kd_v, v: &vd_v }),
             },
             &mut DeviceTensorMut::contiguous(&mut out, o_shape),
             &mut lse.as_view_mut(),
@@ -221,18 +247,24 @@ fn step_case(
     stream.synchronize().unwrap();
 
     let what = format!(
-        "{cfg:?} ({}), {} cache, lens {lens:?} + {seqlen_new}, {seqlen_q} query rows, \
-         rotary {rotary:?}",
+        "{cfg:?} ({}), {} cache of {:?}, lens {lens:?} + {seqlen_new}, {seqlen_q} query rows, \
+         rotary {rotary:?}, descales {descales}",
         plan.explain(),
         match (&layout.table, &layout.entries) {
             (Some(_), _) => "paged",
             (None, Some(_)) => "dense (cache_batch_idx)",
             (None, None) => "dense",
-        }
+        },
+        C::DTYPE
     );
     let mut failures = vec![];
-    let same_bits =
-        |a: &[bf16], b: &[bf16]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    // Both element types widen to f32 exactly, one value to one f32 (NaN aside).
+    let same_bits = |a: &[C], b: &[C]| {
+        a.iter().zip(b).all(|(x, y)| {
+            let (x, y) = (x.to_f32(), y.to_f32());
+            x.to_bits() == y.to_bits() || x.is_nan() && y.is_nan()
+        })
+    };
     if !same_bits(&gk, &hk_cache) || !same_bits(&gv, &hv_cache) {
         failures.push(format!("{what}: the cache differs from the host step's"));
     }
@@ -244,19 +276,22 @@ fn step_case(
     };
     for (b, &len) in lens.iter().enumerate() {
         let keys = len as usize + seqlen_new;
-        let gather = |x: &[bf16]| -> Vec<bf16> {
+        // Sequence b's keys, each head's times its descale.
+        let gather = |x: &[C], s: &[f32]| -> Vec<f32> {
             (0..keys)
-                .flat_map(|j| x[layout.at(b, j, row)..][..row].to_vec())
+                .flat_map(|j| &x[layout.at(b, j, row)..][..row])
+                .enumerate()
+                .map(|(i, x)| x.to_f32() * s[b * hk + i / d % hk])
                 .collect()
         };
-        failures.extend(check_sequence(
+        failures.extend(check_sequence_over(
             cfg,
             &format!("{what}, sequence {b}"),
             Outputs { out: &go, lse: &gl },
             b,
             (seqlen_q, hq, hk, d, d),
             &q_used,
-            (&gather(&hk_cache), &gather(&hv_cache)),
+            (&gather(&hk_cache, &kd), &gather(&hv_cache, &vd)),
         ));
     }
     failures
@@ -309,13 +344,14 @@ fn device_step_matches_the_host_step_and_the_reference() {
                     (&indexed, [40, 290, 0]),
                 ];
                 for (layout, lens) in layouts {
-                    failures.extend(step_case(
+                    failures.extend(step_case::<bf16>(
                         cfg,
                         layout,
                         (hq, hk, d),
                         &lens,
                         rows,
                         rotary,
+                        false,
                         seed,
                     ));
                 }
@@ -324,13 +360,14 @@ fn device_step_matches_the_host_step_and_the_reference() {
     }
     // The Ampere forward after the same append (dense caches).
     let sm80 = AttentionConfig::new().causal(true).backend(Backend::Sm80);
-    failures.extend(step_case(
+    failures.extend(step_case::<bf16>(
         &sm80,
         &dense,
         (hq, hk, d),
         &[5, 130, 0],
         (3, 3),
         Some((128, false)),
+        false,
         7,
     ));
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -408,6 +445,7 @@ fn f16_append_matches_the_host_step() {
                     dim,
                     interleaved,
                 }),
+                descales: None,
             },
         )
         .unwrap();
@@ -477,6 +515,7 @@ fn sanitizer_kvcache_append_out_of_range_stays_in_bounds() {
                     dim: 32,
                     interleaved: false,
                 }),
+                descales: None,
             },
         )
         .unwrap_or_else(|e| panic!("paged {paged}: {e}"));
@@ -521,6 +560,7 @@ fn sanitizer_kvcache_append_out_of_range_stays_in_bounds() {
                     dim,
                     interleaved: true,
                 }),
+                descales: None,
             },
         );
         let named = match (&r, dim) {
@@ -529,5 +569,238 @@ fn sanitizer_kvcache_append_out_of_range_stays_in_bounds() {
             _ => false,
         };
         assert!(named, "{dim}: {r:?}");
+    }
+}
+
+/// New rows quantized into an e4m3 cache by their descales (`DeviceKvCacheAppend::descales`):
+/// the cache the host's `kvcache::append_fp8` leaves, bit for bit but for NaN payloads, from
+/// bf16 and f16 rows holding values past ±448 · descale (saturating), infinities, NaN and values
+/// below e4m3's smallest normal, into pages out of order and into a dense cache (by entry
+/// index, and without descales); a descale that is not a positive normal number stores NaN in
+/// its rows (the host refuses it).
+#[test]
+#[ignore = "needs a GPU"]
+fn e4m3_append_matches_the_host_append() {
+    e4m3_append_case::<bf16>(21);
+    e4m3_append_case::<half::f16>(22);
+}
+
+fn e4m3_append_case<T: Element + DeviceRepr>(seed: u64) {
+    use float8::F8E4M3;
+    let mut rng: StdRng = rand::SeedableRng::seed_from_u64(seed);
+    let (dev, stream) = device();
+    let (batch, hk, d, seqlen_new) = (3, 2, 64, 5);
+    let lens = [0i32, 27, 61];
+    let new_shape = [batch, seqlen_new, hk, d];
+    let new = |rng: &mut StdRng| -> Vec<T> {
+        let mut x: Vec<f32> = random::<T>(batch * seqlen_new * hk * d, rng)
+            .iter()
+            .map(|v| v.to_f32() * 3.0)
+            .collect();
+        for (i, special) in [
+            1e5,
+            -1e5,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            1e-4,
+            -3e-3,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            x[i * 37 + 5] = special;
+        }
+        x.into_iter().map(T::from_f32).collect()
+    };
+    let (k_new, v_new) = (new(&mut rng), new(&mut rng));
+    let descale = |rng: &mut StdRng| -> Vec<f32> {
+        (0..batch * hk)
+            .map(|_| rng.random_range(0.01f32..2.0))
+            .collect()
+    };
+    let (kd, vd) = (descale(&mut rng), descale(&mut rng));
+    // Pages of 16 rows, 4 a sequence, out of order; a dense cache of 4 entries of 64 rows.
+    let (pages, page) = (12, 16);
+    let table: Vec<i32> = (0..pages as i32)
+        .map(|i| (i * 5 + 3) % pages as i32)
+        .collect();
+    let entries = [3i32, 0, 2];
+    let cases: [(&str, [usize; 4], bool, bool); 3] = [
+        ("paged", [pages, page, hk, d], true, true),
+        ("dense by entry", [4, 64, hk, d], false, true),
+        ("dense without descales", [3, 64, hk, d], false, false),
+    ];
+    let ones = vec![1f32; batch * hk];
+    for (name, cache_shape, paged, with_descales) in cases {
+        let what = format!("{name}, {:?}", T::DTYPE);
+        let cache0: Vec<F8E4M3> = (0..cache_shape.iter().product())
+            .map(|_| F8E4M3::from_f32(rng.random_range(-8.0f32..8.0)))
+            .collect();
+        let (hkd, hvd) = if with_descales {
+            (&kd, &vd)
+        } else {
+            (&ones, &ones)
+        };
+        let by_entry = (!paged && with_descales).then_some(&entries[..]);
+        // The host's append.
+        let (mut hk_cache, mut hv_cache) = (cache0.clone(), cache0.clone());
+        {
+            let (k, v) = (
+                TensorMut::contiguous(&mut hk_cache, cache_shape),
+                TensorMut::contiguous(&mut hv_cache, cache_shape),
+            );
+            let mut cache = if paged {
+                KvCacheMut::Paged {
+                    k,
+                    v,
+                    block_table: &table,
+                    max_pages: pages / batch,
+                }
+            } else {
+                KvCacheMut::Dense { k, v }
+            };
+            kvcache::append_fp8(
+                &mut cache,
+                TensorRef::contiguous(&k_new, new_shape),
+                TensorRef::contiguous(&v_new, new_shape),
+                &lens,
+                by_entry,
+                CacheDescales { k: hkd, v: hvd },
+            )
+            .unwrap_or_else(|e| panic!("{what}: host append: {e}"));
+        }
+        // The device's.
+        let (mut kc, mut vc) = (
+            stream.clone_htod(&cache0).unwrap(),
+            stream.clone_htod(&cache0).unwrap(),
+        );
+        let (knd, vnd) = (
+            stream.clone_htod(&k_new).unwrap(),
+            stream.clone_htod(&v_new).unwrap(),
+        );
+        let (kd_d, vd_d) = (
+            stream.clone_htod(hkd).unwrap(),
+            stream.clone_htod(hvd).unwrap(),
+        );
+        let (kd_v, vd_v) = (kd_d.as_view(), vd_d.as_view());
+        let lens_d = stream.clone_htod(&lens).unwrap();
+        let table_d = stream.clone_htod(&table).unwrap();
+        let entries_d = stream.clone_htod(&entries).unwrap();
+        dev.kvcache_append(
+            &stream,
+            DeviceKvCacheAppend {
+                k_cache: &mut DeviceTensorMut::contiguous(&mut kc, cache_shape),
+                v_cache: &mut DeviceTensorMut::contiguous(&mut vc, cache_shape),
+                block_table: paged.then(|| table_d.as_view()),
+                cache_batch_idx: by_entry.map(|_| entries_d.as_view()),
+                cache_seqlens: lens_d.as_view(),
+                k_new: &DeviceTensor::contiguous(&knd, new_shape),
+                v_new: &DeviceTensor::contiguous(&vnd, new_shape),
+                rotary: None,
+                descales: with_descales.then_some(DeviceCacheDescales { k: &kd_v, v: &vd_v }),
+            },
+        )
+        .unwrap_or_else(|e| panic!("{what}: device append: {e}"));
+        let (gk, gv) = (
+            stream.clone_dtoh(&kc).unwrap(),
+            stream.clone_dtoh(&vc).unwrap(),
+        );
+        stream.synchronize().unwrap();
+        let same = |a: &F8E4M3, b: &F8E4M3| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan();
+        for (tensor, got, want) in [("K", &gk, &hk_cache), ("V", &gv, &hv_cache)] {
+            if let Some(i) = (0..got.len()).find(|&i| !same(&got[i], &want[i])) {
+                panic!(
+                    "{what}: {tensor} cache element {i} is {:#04x}, the host's {:#04x}",
+                    got[i].to_bits(),
+                    want[i].to_bits()
+                );
+            }
+        }
+    }
+
+    // Bad descales: sequence 1's K descale of head 0 is 0, its V descale of head 1 NaN, and
+    // sequence 2's K descale of head 1 infinite, V's of head 0 subnormal. Their rows hold NaN;
+    // every other row as the good descales store it.
+    let mut bad_kd = kd.clone();
+    let mut bad_vd = vd.clone();
+    (bad_kd[hk], bad_vd[hk + 1]) = (0.0, f32::NAN);
+    (bad_kd[2 * hk + 1], bad_vd[2 * hk]) = (f32::INFINITY, 1e-40);
+    let cache_shape = [3, 64, hk, d];
+    let cache0 = vec![F8E4M3::from_f32(1.0); cache_shape.iter().product()];
+    let (mut hk_cache, mut hv_cache) = (cache0.clone(), cache0.clone());
+    kvcache::append_fp8(
+        &mut KvCacheMut::Dense {
+            k: TensorMut::contiguous(&mut hk_cache, cache_shape),
+            v: TensorMut::contiguous(&mut hv_cache, cache_shape),
+        },
+        TensorRef::contiguous(&k_new, new_shape),
+        TensorRef::contiguous(&v_new, new_shape),
+        &lens,
+        None,
+        CacheDescales { k: &kd, v: &vd },
+    )
+    .unwrap();
+    let (mut kc, mut vc) = (
+        stream.clone_htod(&cache0).unwrap(),
+        stream.clone_htod(&cache0).unwrap(),
+    );
+    let (knd, vnd) = (
+        stream.clone_htod(&k_new).unwrap(),
+        stream.clone_htod(&v_new).unwrap(),
+    );
+    let (kd_d, vd_d) = (
+        stream.clone_htod(&bad_kd).unwrap(),
+        stream.clone_htod(&bad_vd).unwrap(),
+    );
+    let (kd_v, vd_v) = (kd_d.as_view(), vd_d.as_view());
+    let lens_d = stream.clone_htod(&lens).unwrap();
+    dev.kvcache_append(
+        &stream,
+        DeviceKvCacheAppend {
+            k_cache: &mut DeviceTensorMut::contiguous(&mut kc, cache_shape),
+            v_cache: &mut DeviceTensorMut::contiguous(&mut vc, cache_shape),
+            block_table: None,
+            cache_batch_idx: None,
+            cache_seqlens: lens_d.as_view(),
+            k_new: &DeviceTensor::contiguous(&knd, new_shape),
+            v_new: &DeviceTensor::contiguous(&vnd, new_shape),
+            rotary: None,
+            descales: Some(DeviceCacheDescales { k: &kd_v, v: &vd_v }),
+        },
+    )
+    .unwrap();
+    let (gk, gv) = (
+        stream.clone_dtoh(&kc).unwrap(),
+        stream.clone_dtoh(&vc).unwrap(),
+    );
+    stream.synchronize().unwrap();
+    for (tensor, got, want, descales) in [
+        ("K", &gk, &hk_cache, &bad_kd),
+        ("V", &gv, &hv_cache, &bad_vd),
+    ] {
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            // Element i's (entry, row, head): entry b's rows from lens[b] are sequence b's new.
+            let (h, row, b) = (i / d % hk, i / (hk * d) % 64, i / (64 * hk * d));
+            let appended = (lens[b] as usize..lens[b] as usize + seqlen_new).contains(&row);
+            let bad = appended && !(descales[b * hk + h].is_normal() && descales[b * hk + h] > 0.0);
+            let ok = if bad {
+                g.is_nan()
+            } else {
+                g.to_bits() == w.to_bits() || g.is_nan() && w.is_nan()
+            };
+            assert!(
+                ok,
+                "{:?}, bad descales: {tensor} element {i} (entry {b}, row {row}, head {h}) is \
+                 {:#04x}, want {}",
+                T::DTYPE,
+                g.to_bits(),
+                if bad {
+                    "NaN".into()
+                } else {
+                    format!("{:#04x}", w.to_bits())
+                }
+            );
+        }
     }
 }
