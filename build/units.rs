@@ -52,6 +52,10 @@ fn entry(k: &Kernel) -> (String, &'static str) {
             format!("run_fwd_fp8_cache_d{d}_{dt}"),
             "FwdOptions o, cudaStream_t stream",
         ),
+        Family::Sm80Fp8CacheFwd => (
+            format!("run_fwd_fp8_cache_d{d}_{dt}"),
+            "cudaStream_t stream",
+        ),
         Family::Sm90Bwd | Family::Sm80Fwd | Family::Sm80Bwd => {
             (format!("run_{}_d{d}_{dt}", pass(k)), "cudaStream_t stream")
         }
@@ -60,14 +64,18 @@ fn entry(k: &Kernel) -> (String, &'static str) {
 
 fn pass(k: &Kernel) -> &'static str {
     match k.family {
-        Family::Sm90Fwd | Family::Sm90Fp8Fwd | Family::Sm90Fp8CacheFwd | Family::Sm80Fwd => "fwd",
+        Family::Sm90Fwd
+        | Family::Sm90Fp8Fwd
+        | Family::Sm90Fp8CacheFwd
+        | Family::Sm80Fwd
+        | Family::Sm80Fp8CacheFwd => "fwd",
         Family::Sm90Bwd | Family::Sm80Bwd => "bwd",
     }
 }
 
 fn arch(k: &Kernel) -> &'static str {
     match k.family {
-        Family::Sm80Fwd | Family::Sm80Bwd => "sm80",
+        Family::Sm80Fwd | Family::Sm80Bwd | Family::Sm80Fp8CacheFwd => "sm80",
         _ => "sm90",
     }
 }
@@ -86,15 +94,17 @@ fn unit_text(kernels: &[&Kernel]) -> String {
             Family::Sm90Fwd | Family::Sm90Fp8CacheFwd => "\"sm90/fwd_launch.h\"",
             Family::Sm90Fp8Fwd => "\"sm90/fwd_fp8_launch.h\"",
             Family::Sm90Bwd => "\"sm90/bwd_launch.h\"",
-            Family::Sm80Fwd => "\"sm80/fwd_launch.h\"",
+            Family::Sm80Fwd | Family::Sm80Fp8CacheFwd => "\"sm80/fwd_launch.h\"",
             Family::Sm80Bwd => "\"sm80/bwd_launch.h\"",
         };
         let atoms = wgmma_atoms(k)
             .into_iter()
             .map(|(_, _, file)| format!("\"{file}\""));
-        // The forward over an e4m3 cache names the cache's element type too.
-        let cache_header =
-            (k.family == Family::Sm90Fp8CacheFwd).then(|| element(KernelDtype::E4m3).1.to_string());
+        // The forwards over an e4m3 cache name the cache's element type too.
+        let cache_header = k
+            .family
+            .reads_e4m3_cache()
+            .then(|| element(KernelDtype::E4m3).1.to_string());
         for header in [elem_header.to_string(), launcher.to_string()]
             .into_iter()
             .chain(cache_header)
@@ -125,6 +135,9 @@ fn unit_text(kernels: &[&Kernel]) -> String {
             Family::Sm90Fp8Fwd => format!("  return run_fwd_fp8<{d}>(p, o, stream);"),
             Family::Sm90Fp8CacheFwd => {
                 format!("  return run_fwd_fp8_cache<{elem}, {d}>(p, o, stream);")
+            }
+            Family::Sm80Fp8CacheFwd => {
+                format!("  return run_fwd_fp8_cache<{elem}, {d}>(p, stream);")
             }
             Family::Sm90Bwd | Family::Sm80Fwd | Family::Sm80Bwd => {
                 format!("  return run_{}<{elem}, {dims}>(p, stream);", pass(k))
@@ -239,8 +252,8 @@ fn tile_structs(k: &Kernel) -> String {
         Family::Sm90Fwd => {
             spec("FwdTile", tile(TileRole::Base)) + &spec("FwdTileMasked", tile(TileRole::Masked))
         }
-        // The 16-bit forward's Base tile (Family::tile_family), in a unit of its own.
-        Family::Sm90Fp8CacheFwd => spec("FwdTile", tile(TileRole::Base)),
+        // The 16-bit forwards' Base tiles (Family::tile_family), in units of their own.
+        Family::Sm90Fp8CacheFwd | Family::Sm80Fp8CacheFwd => spec("FwdTile", tile(TileRole::Base)),
         Family::Sm90Fp8Fwd => {
             let t = tile(TileRole::Base);
             spec("Fp8FwdTile", t)
@@ -297,6 +310,7 @@ fn kernels_header(built: &[&Kernel]) -> String {
                     Family::Sm90Bwd => "FLASHATTN_KERNEL_SM90_BWD",
                     Family::Sm80Fwd => "FLASHATTN_KERNEL_SM80_FWD",
                     Family::Sm80Bwd => "FLASHATTN_KERNEL_SM80_BWD",
+                    Family::Sm80Fp8CacheFwd => "FLASHATTN_KERNEL_SM80_FP8_CACHE_FWD",
                 }
                 .to_string(),
             );
@@ -332,6 +346,12 @@ fn kernels_header(built: &[&Kernel]) -> String {
         (Family::Sm90Bwd, "sm90_bwd", "cudaStream_t s", "p, s"),
         (Family::Sm80Fwd, "sm80_fwd", "cudaStream_t s", "p, s"),
         (Family::Sm80Bwd, "sm80_bwd", "cudaStream_t s", "p, s"),
+        (
+            Family::Sm80Fp8CacheFwd,
+            "sm80_fwd_fp8_cache",
+            "cudaStream_t s",
+            "p, s",
+        ),
     ] {
         h.push_str(&format!(
             "inline flashattn_result_t {func}(const flashattn_params_t& p, {rest}) {{\n"
@@ -418,11 +438,11 @@ pub(crate) fn generate_kernels(gen: &Path) -> Vec<Unit> {
         let extended = registry::extended_wgmma(k);
         // Its own unit: its tile structs are the 16-bit forward's, which a shared unit would
         // define twice.
-        if k.family == Family::Sm90Fp8CacheFwd {
+        if k.family.reads_e4m3_cache() {
             return if per_tile_row {
-                format!("sm90/fwd_fp8_cache_d{}.cu", dims_name(k))
+                format!("{}/fwd_fp8_cache_d{}.cu", arch(k), dims_name(k))
             } else {
-                "sm90/fwd_fp8_cache.cu".to_string()
+                format!("{}/fwd_fp8_cache.cu", arch(k))
             };
         }
         if per_tile_row {

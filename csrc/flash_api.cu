@@ -344,10 +344,12 @@ extern "C" flashattn_result_t flashattn_fwd_sm80(const flashattn_params_t* param
                                                  void* stream) {
   flashattn_result_t r = validate_fwd(params);
   if (r.status != FLASHATTN_OK) return r;
-  if (packs_or_splits(*params) || params->kv_cache_e4m3) return kUnsupported;
+  if (packs_or_splits(*params)) return kUnsupported;
   if (!fits_sm80_grid(*params)) return kInvalid;
   const flashattn_params_t p = normalized(*params);
-  return flashattn::kernels::sm80_fwd(p, static_cast<cudaStream_t>(stream));
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (p.kv_cache_e4m3) return flashattn::kernels::sm80_fwd_fp8_cache(p, s);
+  return flashattn::kernels::sm80_fwd(p, s);
 }
 
 extern "C" flashattn_result_t flashattn_bwd_sm80(const flashattn_params_t* params,

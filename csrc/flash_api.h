@@ -37,6 +37,7 @@ typedef enum {
   FLASHATTN_KERNEL_SM90_FP8_FWD = 16,
   FLASHATTN_KERNEL_SM90_SELFTEST = 32,
   FLASHATTN_KERNEL_SM90_FP8_CACHE_FWD = 64,
+  FLASHATTN_KERNEL_SM80_FP8_CACHE_FWD = 128,
 } flashattn_kernel_t;
 
 // Scheduling switches of the sm90 forward (0 = the defaults).
@@ -195,9 +196,9 @@ typedef struct {
   int32_t num_splits;
   // 1: K and V are an e4m3 paged cache (page_table required, else FLASHATTN_INVALID_ARGUMENT; a
   // dense cache runs as pages of its entries, the table then naming each sequence's entry),
-  // read by the sm90 16-bit forward (dtype FLASHATTN_F16 or FLASHATTN_BF16: Q and O; head dims
-  // the registry builds it for, else FLASHATTN_UNSUPPORTED, as on every other entry point),
-  // each row widened to dtype in shared memory. k_descale and v_descale are then f32
+  // read by the sm90 and sm80 16-bit forwards (dtype FLASHATTN_F16 or FLASHATTN_BF16: Q and
+  // O; head dims the registry builds them for, else FLASHATTN_UNSUPPORTED, which the backwards
+  // answer too), each row widened to dtype in shared memory. k_descale and v_descale are then f32
   // (batch, heads_kv), sequence b's KV head h at b·heads_kv + h (null: 1): K's multiplies the
   // scores (before softcap), V's the values, as flash-attn's k_descale and v_descale; q_descale
   // must be null. Read on the device only: finite and > 0 is the caller's to keep. 0: K and V

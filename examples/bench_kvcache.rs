@@ -13,8 +13,8 @@
 //! at cache C alone (for profilers). `--step` times whole steps (`Device::kvcache_step_into`):
 //! each appends one key and value per sequence, the last of its cache, with rotary embedding of
 //! the key and the query over the whole head, then attends to the full cache. `--e4m3` holds the
-//! cache in e4m3 with descales (the Hopper forward widens its rows to bf16 in shared memory;
-//! built with the `kvcache-fp8` feature): half the bytes, against the copy ceiling of those.
+//! cache in e4m3 with descales (the Hopper or, with `--sm80`, the Ampere forward widens its rows
+//! to bf16 in shared memory; built with the `kvcache-fp8` feature): half the bytes, against the copy ceiling of those.
 //!
 //! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--sm80] [--no-pack] [--shape B,C] [--step] [--e4m3] --out kvcache.json`
 

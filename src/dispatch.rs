@@ -139,6 +139,9 @@ fn family_of(backend: Backend, op: Op, dtype: DType) -> Option<(Family, KernelDt
             (Backend::Sm90, KernelDtype::Bf16 | KernelDtype::Fp16) => {
                 Some((Family::Sm90Fp8CacheFwd, kernel_dtype))
             }
+            (Backend::Sm80, KernelDtype::Bf16 | KernelDtype::Fp16) => {
+                Some((Family::Sm80Fp8CacheFwd, kernel_dtype))
+            }
             _ => None,
         };
     }
@@ -212,12 +215,6 @@ pub fn check_backend(
                 dtype: problem.dtype,
                 backend,
             };
-            if op == Op::ForwardOverFp8Cache && backend != Backend::Sm90 {
-                return Err(Error::Unsupported {
-                    what: "an e4m3 KV cache (the Hopper forward takes it, and the CPU)".into(),
-                    backend,
-                });
-            }
             let (family, dtype) =
                 family_of(backend, op, problem.dtype).ok_or(unsupported_dtype.clone())?;
             if family == Family::Sm90Fp8Fwd && cfg.softcap.is_some() {

@@ -68,6 +68,10 @@ mod tests {
             (Family::Sm90Bwd, super::FLASHATTN_KERNEL_SM90_BWD),
             (Family::Sm80Fwd, super::FLASHATTN_KERNEL_SM80_FWD),
             (Family::Sm80Bwd, super::FLASHATTN_KERNEL_SM80_BWD),
+            (
+                Family::Sm80Fp8CacheFwd,
+                super::FLASHATTN_KERNEL_SM80_FP8_CACHE_FWD,
+            ),
         ] {
             let built = KERNELS.iter().any(|k| k.family == family && k.built());
             assert_eq!(bits & bit != 0, built, "{family:?}");

@@ -27,16 +27,20 @@ pub enum Family {
     Sm80Fwd,
     /// FlashAttention-2-style backward (csrc/sm80/bwd_launch.h).
     Sm80Bwd,
+    /// The FlashAttention-2-style forward over an e4m3 KV cache, each copied row widened to Q's
+    /// type in shared memory (csrc/sm80/fwd_launch.h, `run_fwd_fp8_cache`): the forward's tiles.
+    Sm80Fp8CacheFwd,
 }
 
 impl Family {
-    pub const ALL: [Family; 6] = [
+    pub const ALL: [Family; 7] = [
         Family::Sm90Fwd,
         Family::Sm90Fp8Fwd,
         Family::Sm90Fp8CacheFwd,
         Family::Sm90Bwd,
         Family::Sm80Fwd,
         Family::Sm80Bwd,
+        Family::Sm80Fp8CacheFwd,
     ];
 
     /// Its name in kernel names and messages.
@@ -48,6 +52,7 @@ impl Family {
             Family::Sm90Bwd => "sm90 bwd",
             Family::Sm80Fwd => "sm80 fwd",
             Family::Sm80Bwd => "sm80 bwd",
+            Family::Sm80Fp8CacheFwd => "sm80 fwd over an e4m3 cache",
         }
     }
 
@@ -60,14 +65,21 @@ impl Family {
             Family::Sm90Bwd => &["sm90", "backward"],
             Family::Sm80Fwd => &["sm80"],
             Family::Sm80Bwd => &["sm80", "backward"],
+            Family::Sm80Fp8CacheFwd => &["sm80", "kvcache-fp8"],
         }
     }
 
-    /// The family whose rows of the tile table its kernels take: its own, but the forward over
-    /// an e4m3 cache runs the 16-bit forward's tiles (its stages hold the widened rows).
+    /// Its kernels read K and V from an e4m3 KV cache under 16-bit Q.
+    pub fn reads_e4m3_cache(self) -> bool {
+        matches!(self, Family::Sm90Fp8CacheFwd | Family::Sm80Fp8CacheFwd)
+    }
+
+    /// The family whose rows of the tile table its kernels take: its own, but the forwards over
+    /// an e4m3 cache run the 16-bit forwards' tiles (their stages hold the widened rows).
     pub fn tile_family(self) -> Family {
         match self {
             Family::Sm90Fp8CacheFwd => Family::Sm90Fwd,
+            Family::Sm80Fp8CacheFwd => Family::Sm80Fwd,
             f => f,
         }
     }
@@ -192,6 +204,12 @@ pub const KERNELS: &[Kernel] = &[
     kernel(Sm80Bwd, 192, Fp16),
     kernel_v(Sm80Bwd, 192, 128, Bf16),
     kernel_v(Sm80Bwd, 192, 128, Fp16),
+    kernel(Sm80Fp8CacheFwd, 64, Bf16),
+    kernel(Sm80Fp8CacheFwd, 128, Bf16),
+    kernel(Sm80Fp8CacheFwd, 256, Bf16),
+    kernel(Sm80Fp8CacheFwd, 64, Fp16),
+    kernel(Sm80Fp8CacheFwd, 128, Fp16),
+    kernel(Sm80Fp8CacheFwd, 256, Fp16),
 ];
 
 /// The Cargo feature of each head dim.

@@ -9,16 +9,20 @@
 // shared memory by ldmatrix (transposed for V; Q's once per tile where Traits::kQInRegs).
 // Online softmax with exp2 and one division at the end; LSE straight from registers, O through
 // shared memory. V and O may have another head dim than Q and K (kHeadDimV: V's tiles, P·V's N,
-// O's).
+// O's). K and V may come from a paged e4m3 cache, widened to Q's type in shared memory.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cute/atom/copy_atom.hpp>
 #include <cute/atom/mma_atom.hpp>
+#include <cutlass/float8.h>
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
+#include <type_traits>
+
 #include "../common/block_range.h"
+#include "../common/e4m3_convert.h"
 #include "../common/online_softmax.h"
 #include "../common/page_table.h"
 #include "../common/sequences.h"
@@ -111,6 +115,10 @@ struct FwdParams {
   const int32_t* page_table;
   int64_t page_table_stride;
   int page_size, page_columns, num_pages;
+  // An e4m3 cache's descales (fwd_kernel<Traits, true, float_e4m3_t>): (sequences, heads_kv),
+  // by sequence, or null (1).
+  const float* k_descale;
+  const float* v_descale;
 };
 
 // mma.sync accumulator ((2 cols, 2 rows), MMA_M, MMA_N) -> (rows, cols) = ((2, MMA_M), (2, MMA_N)).
@@ -155,6 +163,44 @@ __device__ void copy_rows(Src const& src, Dst& dst, Coord const& coord, int rows
   copy_rows(src, dst, coord, rows_left, [](int) { return int64_t(0); });
 }
 
+// copy_rows from an e4m3 source: each chunk's 8 e4m3 elements (8 bytes) land in the upper half
+// of the 16 bytes they widen to (widen_rows), rows at and past `rows_left` zero-filled.
+template <class Src, class Dst, class Coord, class Shift>
+__device__ void copy_rows_narrow(Src const& src, Dst& dst, Coord const& coord, int rows_left,
+                                 Shift const& shift) {
+  static_assert(sizeof(typename Src::value_type) == 1 &&
+                decltype(size<0>(dst))::value * sizeof(typename Dst::value_type) == 16);
+#pragma unroll
+  for (int m = 0; m < size<1>(dst); ++m) {
+    const int row = get<0>(coord(0, m, 0));
+    const int64_t row_shift = shift(row);
+#pragma unroll
+    for (int k = 0; k < size<2>(dst); ++k) {
+      SM80_CP_ASYNC_CACHEALWAYS_ZFILL<uint64_t>::copy(
+          *reinterpret_cast<const uint64_t*>(raw_pointer_cast(&src(0, m, k)) + row_shift),
+          reinterpret_cast<uint64_t*>(raw_pointer_cast(&dst(0, m, k)))[1], row < rows_left);
+    }
+  }
+}
+
+// The chunks copy_rows_narrow copied, once landed, widened in place by the thread that copied
+// them: 8 e4m3 elements from each chunk's upper half to 8 of Dst's over the whole chunk.
+template <class Dst>
+__device__ void widen_rows(Dst& dst) {
+  using T = std::conditional_t<std::is_same_v<typename Dst::value_type, cutlass::half_t>, __half,
+                               __nv_bfloat16>;
+#pragma unroll
+  for (int m = 0; m < size<1>(dst); ++m) {
+#pragma unroll
+    for (int k = 0; k < size<2>(dst); ++k) {
+      uint4* chunk = reinterpret_cast<uint4*>(raw_pointer_cast(&dst(0, m, k)));
+      const uint2 narrow = reinterpret_cast<const uint2*>(chunk)[1];
+      const uint2 lo = widen_e4m3x4<T>(narrow.x), hi = widen_e4m3x4<T>(narrow.y);
+      *chunk = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    }
+  }
+}
+
 // acc += A·B over the K extent, B (and A unless kAInRegs: it is there already) from shared
 // memory, the next k slice's ldmatrix issued before the current slice's MMAs.
 template <bool kAInRegs = false, class Mma, class RA, class RB, class SA, class SB, class CopyA,
@@ -191,10 +237,16 @@ __device__ void gemm_reg_smem(Mma& mma, Acc& acc, RA const& rA, RB& rB, SB const
 // kPaged: K and V in a paged cache, each copied row at its key's page (FwdParams::page_table),
 // so that pages of any size serve. A kernel of its own: the dense kernel steps one pointer per
 // copy back a block at a time, and at d128 any other addressing of its copies costs it spills.
-template <class Traits, bool kPaged>
+// Cache: the paged cache's element type, Q's or e4m3; an e4m3 cache's rows are widened in the
+// stages by the threads that copied them, once landed and before the barrier that publishes the
+// block, and its descales (one per CTA: its sequence and KV head) fold into the scores' scale
+// (K's) and O's final scale (V's).
+template <class Traits, bool kPaged, class Cache = typename Traits::Element>
 __global__ void __launch_bounds__(Traits::kThreads)
     fwd_kernel(__grid_constant__ const FwdParams params) {
   using Element = typename Traits::Element;
+  constexpr bool kWidens = !std::is_same_v<Cache, Element>;
+  static_assert(!kWidens || (kPaged && std::is_same_v<Cache, cutlass::float_e4m3_t>));
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -291,6 +343,20 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   OnlineSoftmax<kRows, /*kTreeReduce=*/true> softmax;
   clear(tOrO);
+  // Over an e4m3 cache K's descale multiplies every score (before softcap): the scores' scales
+  // with it folded in. The 16-bit kernels read params' at each use (a copy kept live across the
+  // loop would cost them registers).
+  float cache_scale_log2 = params.scale_log2, cache_softcap_pre = params.softcap_pre;
+  if constexpr (kWidens) {
+    const int64_t at = int64_t(seq.index) * params.heads_kv + head_kv;
+    const float k_descale = params.k_descale != nullptr ? params.k_descale[at] : 1.f;
+    if (params.softcap)
+      cache_softcap_pre *= k_descale;
+    else
+      cache_scale_log2 *= k_descale;
+  }
+  const auto scale_log2 = [&] { return kWidens ? cache_scale_log2 : params.scale_log2; };
+  const auto softcap_pre = [&] { return kWidens ? cache_softcap_pre : params.softcap_pre; };
 
   if (n_max > n_min) {
     copy_rows(tQgQ, tQsQ, tQcQ, seq.seqlen_q - row_begin);
@@ -307,14 +373,31 @@ __global__ void __launch_bounds__(Traits::kThreads)
     auto copy_paged = [&](const void* ptr, int64_t page_stride, int64_t h_stride,
                           int64_t row_stride, int n, auto cols, auto& dst) {
       Tensor src = thr_gmem.partition_S(make_tensor(
-          make_gmem_ptr(static_cast<const Element*>(ptr) + head_kv * h_stride),
+          make_gmem_ptr(static_cast<const Cache*>(ptr) + head_kv * h_stride),
           make_shape(Int<kBlockN>{}, cols), make_stride(row_stride, _1{})));
-      copy_rows(src, dst, tKVc, seq.seqlen_k - n * kBlockN, [&](int row) {
+      auto shift = [&](int row) {
         const int key = n * kBlockN + row;
         const int column = key / params.page_size;
         const int page = table_page(table_row, column, params.page_columns, params.num_pages);
         return page * page_stride + int64_t(key - column * params.page_size - row) * row_stride;
-      });
+      };
+      if constexpr (kWidens)
+        copy_rows_narrow(src, dst, tKVc, seq.seqlen_k - n * kBlockN, shift);
+      else
+        copy_rows(src, dst, tKVc, seq.seqlen_k - n * kBlockN, shift);
+    };
+    // An e4m3 cache's block in stage `stage`, once this thread's copies of it have landed.
+    auto widen_k = [&](int stage) {
+      if constexpr (kWidens) {
+        Tensor dst = thr_gmem.partition_D(stage_k(stage));
+        widen_rows(dst);
+      }
+    };
+    auto widen_v = [&](int stage) {
+      if constexpr (kWidens) {
+        Tensor dst = thr_gmem.partition_D(stage_v(stage));
+        widen_rows(dst);
+      }
     };
     auto load_k = [&](int n, int stage) {
       Tensor dst = thr_gmem.partition_D(stage_k(stage));
@@ -373,12 +456,15 @@ __global__ void __launch_bounds__(Traits::kThreads)
     for (int n = n_max - 1; n >= n_min; --n) {
       if constexpr (kStages == 1) {
         cp_async_wait<0>();
+        widen_k(0);
         __syncthreads();  // K(n) and Q landed; every warp is done with V(n+1)
         load_v(n, 0);
         step_v();
         cp_async_fence();
       } else {
         cp_async_wait<kStages - 2>();
+        widen_k(stage);
+        widen_v(stage);
         __syncthreads();  // K(n), V(n) (and Q) landed; every warp is done with block n+1
         const int n_load = n - (kStages - 1);
         const int stage_load = stage == 0 ? kStages - 1 : stage - 1;  // block n+1's
@@ -392,6 +478,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
                                   copy_q, copy_k);
       if constexpr (kStages == 1) {
         cp_async_wait<0>();
+        widen_v(0);
         __syncthreads();  // V(n) landed; every warp is done with K(n)
         if (n > n_min) {
           step_k();
@@ -404,7 +491,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       auto cap_and_mask = [&]() {
         if (params.softcap) {
 #pragma unroll
-          for (int i = 0; i < size(tSrS); ++i) tSrS(i) = fast_tanh(tSrS(i) * params.softcap_pre);
+          for (int i = 0; i < size(tSrS); ++i) tSrS(i) = fast_tanh(tSrS(i) * softcap_pre());
         }
 #pragma unroll
         for (int r = 0; r < size<0>(rowcol_S); ++r) {
@@ -417,7 +504,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
             if (col < lo || col >= hi) rowcol_S(r, c) = -INFINITY;
           }
         }
-        softmax.step(rowcol_S, params.scale_log2, factor);
+        softmax.step(rowcol_S, scale_log2(), factor);
       };
       float max_before[kRows];
 #pragma unroll
@@ -426,7 +513,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
           keys.template block_needs_mask<kBlockN>(n, row_begin, row_begin + kBlockM)) {
         cap_and_mask();
       } else {
-        softmax.step(rowcol_S, params.scale_log2, factor);
+        softmax.step(rowcol_S, scale_log2(), factor);
       }
       // Most blocks of a long row leave every row max of the warp unchanged (the factor is 1 up
       // to the rounding of exp2(max·c − max·c)): skip the multiply then.
@@ -450,7 +537,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   // ---------------- epilogue: O·(1/sum) and LSE ----------------
   float inv_sum[kRows], lse[kRows];
-  softmax.finalize(params.scale_log2, inv_sum, lse);
+  softmax.finalize(scale_log2(), inv_sum, lse);
+  if constexpr (kWidens) {  // V's descale multiplies every value
+    if (params.v_descale != nullptr) {
+      const float v_descale = params.v_descale[int64_t(seq.index) * params.heads_kv + head_kv];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) inv_sum[r] *= v_descale;
+    }
+  }
   scale_rows(rowcol_O, inv_sum);
   if (tid % 4 == 0) {  // the thread holding column 0 of its rows' quads
     float* lse_head = params.lse + params.seqs.lse_offset(seq, head, params.heads_q, params.seqs.rows_q);

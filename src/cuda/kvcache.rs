@@ -28,8 +28,9 @@ use crate::Element;
 /// `cache_batch_idx[b]`). With one, it is paged: K `(num_pages, page_size, heads_kv, head_dim)`
 /// and V with `head_dim_v`, and sequence `b`'s key `j` lies in row `j % page_size` of page
 /// `block_table[b][j / page_size]`. The cache holds Q's element type, or e4m3 (`C` =
-/// `float8::F8E4M3`, with the `kvcache-fp8` feature; the Hopper forward alone), which the
-/// kernels widen to Q's type in shared memory, and then optionally its [`DeviceCacheDescales`].
+/// `float8::F8E4M3`, with the `kvcache-fp8` feature; the Hopper and the Ampere forwards),
+/// which the kernels widen to Q's type in shared memory, and then optionally its
+/// [`DeviceCacheDescales`].
 #[derive(Debug)]
 pub struct DeviceKvCacheInputs<'a, T, C = T> {
     pub q: &'a DeviceTensor<'a, T>,
@@ -137,7 +138,7 @@ pub struct DeviceKvCacheAppend<'a, 'c, T, C = T> {
 /// `cache_seqlens[b] + seqlen_new` keys. `cache_seqlens` keeps its values (the caller advances
 /// them). The rest as [`DeviceKvCacheInputs`] and [`DeviceKvCacheAppend`] say; an e4m3 cache
 /// (`C` = `float8::F8E4M3`) takes its descales for both the append and the forward, which
-/// needs the Hopper forward (`kvcache-fp8`).
+/// needs the `kvcache-fp8` kernels.
 #[derive(Debug)]
 pub struct DeviceKvCacheStep<'a, 'c, T, C = T> {
     pub q: &'a DeviceTensor<'a, T>,
@@ -386,8 +387,6 @@ struct CacheCall<'a> {
     seqlens: usize,
     num_splits: usize,
     dtype: DType,
-    /// The cache holds e4m3 (which the Hopper forward alone reads).
-    e4m3: bool,
 }
 
 /// How the packed kernels take a KV-cache call: Q's and O's rows, the tiles, and the keys.
@@ -537,12 +536,6 @@ impl Device {
                         })
                     }
                 };
-                if call.e4m3 && backend != Backend::Sm90 {
-                    return Err(Error::Unsupported {
-                        what: "an e4m3 KV cache (the Hopper forward takes it, and the CPU)".into(),
-                        backend,
-                    });
-                }
                 let (pages, cfg) = pages(call.k_cache, head_dim_v, table, batch, cfg, backend)?;
                 CacheKeys::Pages(pages, cfg)
             }
@@ -579,8 +572,8 @@ impl Device {
     /// only after a call of its shape has run outside the capture. Q, O and a dense cache must
     /// hold their entries' rows one after the other (batch stride = rows × row stride), which
     /// one-row Q and O (a decode step's) need not. Paged caches of any page size run on the Hopper
-    /// and the Ampere forward. An e4m3 cache (`C` = `float8::F8E4M3`) runs on the Hopper forward
-    /// alone, always as pages (a dense one's entries its pages, as with `cache_batch_idx`).
+    /// and the Ampere forward. An e4m3 cache (`C` = `float8::F8E4M3`) runs on either, always as
+    /// pages (a dense one's entries its pages, as with `cache_batch_idx`).
     pub fn kvcache_forward_into<T: Element + DeviceRepr, C: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
@@ -626,7 +619,6 @@ impl Device {
                 seqlens: cache_seqlens.len(),
                 num_splits,
                 dtype: T::DTYPE,
-                e4m3,
             },
             &out.layout,
         )?;
@@ -745,6 +737,11 @@ impl Device {
         } = step;
         let [batch, seqlen_q, heads_q, head_dim] = q.layout.shape;
         let e4m3 = e4m3_cache::<T, C>()?;
+        if descales.is_some() && !e4m3 {
+            return Err(Error::InvalidConfig(
+                "descales in a step over a 16-bit cache (they are an e4m3 cache's)".into(),
+            ));
+        }
         let block_table = cache_table(block_table, cache_batch_idx, batch)?;
         if new.is_none() && rotary.is_some() {
             return Err(Error::InvalidConfig(
@@ -792,7 +789,6 @@ impl Device {
                 seqlens: cache_seqlens.len(),
                 num_splits,
                 dtype: T::DTYPE,
-                e4m3,
             },
             &out.layout,
         )?;

@@ -1,6 +1,6 @@
-//! The sm90 forward over an e4m3 KV cache (`kv_cache_e4m3`): paged only, under 16-bit Q, with
-//! per-(sequence, KV head) descales that are inputs like any other; every other entry point
-//! refuses the field.
+//! The sm90 and sm80 forwards over an e4m3 KV cache (`kv_cache_e4m3`): paged only, under 16-bit
+//! Q, with per-(sequence, KV head) descales that are inputs like any other; the backwards refuse
+//! the field.
 
 use std::ptr::null_mut;
 
@@ -41,6 +41,7 @@ fn an_e4m3_cache_is_refused_where_it_is_not_built_for() {
         let mut p = fp8_cache();
         breaks(&mut p);
         expect("fwd_sm90", flashattn_fwd_sm90, &p, INVALID, what);
+        expect("fwd_sm80", flashattn_fwd_sm80, &p, INVALID, what);
     }
     // The FP8 forward takes no paged cache, of any element type.
     let mut p = fp8_cache();
@@ -61,14 +62,6 @@ fn an_e4m3_cache_is_refused_where_it_is_not_built_for() {
         &p,
         UNSUPPORTED,
         "without the overlap",
-    );
-    let p = fp8_cache();
-    expect(
-        "fwd_sm80",
-        flashattn_fwd_sm80,
-        &p,
-        UNSUPPORTED,
-        "the sm80 forward",
     );
     let mut p = params();
     p.kv_cache_e4m3 = 1;
@@ -91,17 +84,27 @@ fn an_e4m3_cache_is_read_in_bytes() {
     let mut p = fp8_cache();
     let k_bytes = p.num_pages as usize * p.k.batch_stride as usize;
     p.o.ptr = (p.k.ptr as usize + k_bytes) as *mut std::ffi::c_void;
-    let built = find(Family::Sm90Fp8CacheFwd, 64, 64, KernelDtype::Bf16)
-        .unwrap()
-        .built();
-    let want = if built {
-        FLASHATTN_CUDA_ERROR
-    } else {
-        FLASHATTN_UNSUPPORTED
-    };
-    // SAFETY: refused by the dispatch or at the first CUDA call, before any pointer is used.
-    let r = unsafe { flashattn_fwd_sm90(&p, null_mut()) };
-    assert_eq!(r.status, want as i32, "an e4m3 cache's call refused");
+    for (name, entry, family) in [
+        (
+            "fwd_sm90",
+            flashattn_fwd_sm90 as crate::Entry,
+            Family::Sm90Fp8CacheFwd,
+        ),
+        ("fwd_sm80", flashattn_fwd_sm80, Family::Sm80Fp8CacheFwd),
+    ] {
+        let built = find(family, 64, 64, KernelDtype::Bf16).unwrap().built();
+        let want = if built {
+            FLASHATTN_CUDA_ERROR
+        } else {
+            FLASHATTN_UNSUPPORTED
+        };
+        // SAFETY: refused by the dispatch or at the first CUDA call, before any pointer is used.
+        let r = unsafe { entry(&p, null_mut()) };
+        assert_eq!(
+            r.status, want as i32,
+            "{name}: an e4m3 cache's call refused"
+        );
+    }
     // The same bytes as a 16-bit cache overlap O.
     p.kv_cache_e4m3 = 0;
     (p.k_descale, p.v_descale) = (std::ptr::null(), std::ptr::null());

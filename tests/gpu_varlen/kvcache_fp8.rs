@@ -1,11 +1,12 @@
-//! An e4m3 KV cache on the Hopper forward (`kvcache-fp8`): K and V stored in e4m3, widened to Q's
-//! type in shared memory, each sequence's keys scaled by its descales. Every sequence's O and LSE
-//! against the f64 reference over its dequantized keys and values (the stored values times their
-//! descales), under DESIGN's rule with the baseline of a framework that dequantizes to bf16 and
-//! then attends: paged (pages of 16, 64, 100 and 160 rows, out of order) and dense, GQA with and
-//! without packed query heads, causal and softcap, key splits, with and without descales, the
-//! rows past each length poisoned with e4m3's largest finite values. Whole steps over such caches
-//! (append quantized by the descales, rotary embedding, forward) against the host step.
+//! An e4m3 KV cache on the Hopper and Ampere forwards (`kvcache-fp8`): K and V stored in e4m3,
+//! widened to Q's type in shared memory, each sequence's keys scaled by its descales. Every
+//! sequence's O and LSE against the f64 reference over its dequantized keys and values (the
+//! stored values times their descales), under DESIGN's rule with the baseline of a framework
+//! that dequantizes to bf16 and then attends: paged (pages of 16, 64, 100 and 160 rows, out of
+//! order) and dense, GQA with and without packed query heads, causal and softcap, key splits,
+//! with and without descales, the rows past each length poisoned with e4m3's largest finite
+//! values. Whole steps over such caches (append quantized by the descales, rotary embedding,
+//! forward) against the host step.
 #![cfg(feature = "kvcache-fp8")]
 
 use cudarc::driver::CudaSlice;
@@ -143,7 +144,11 @@ fn run_case(c: &Case, seed: u64) -> Vec<String> {
     );
     stream.synchronize().unwrap();
     let mut failures = vec![];
-    if plan.backend != Backend::Sm90 {
+    let backend = match c.cfg.backend {
+        Backend::Auto => Backend::Sm90,
+        forced => forced,
+    };
+    if plan.backend != backend {
         failures.push(format!("{what}: ran on {:?}", plan.backend));
     }
     for (b, &len) in c.lens.iter().enumerate() {
@@ -177,6 +182,7 @@ fn run_case(c: &Case, seed: u64) -> Vec<String> {
 #[ignore = "needs a GPU"]
 fn e4m3_cache_matches_the_reference_over_its_dequantized_keys() {
     let causal = AttentionConfig::new().causal(true);
+    let sm80 = AttentionConfig::new().backend(Backend::Sm80);
     // A decode step (one query row) over pages of 16 with descales, no mask, the launcher's
     // splits: what each case below changes.
     let decode = |d: usize, heads: (usize, usize), lens: Vec<i32>| Case {
@@ -240,6 +246,26 @@ fn e4m3_cache_matches_the_reference_over_its_dequantized_keys() {
             num_splits: 2,
             cfg: AttentionConfig::new().window(Some(100), Some(0)),
             ..decode(256, (8, 4), vec![200, 33])
+        },
+        // The Ampere forward: decoding over pages of 16 (d128, two stages), a chunk over a
+        // dense cache with softcap at d256 (one stage: K and V widened at their own barriers),
+        // pages of 100 at d64 (Q's fragments in registers).
+        Case {
+            cfg: sm80.clone(),
+            ..decode(128, (16, 2), vec![1, 300, 17, 0, 160])
+        },
+        Case {
+            seqlen_q: 40,
+            page_size: 0,
+            cfg: sm80.clone().causal(true).softcap(20.0),
+            ..decode(256, (4, 2), vec![300, 40, 193])
+        },
+        Case {
+            seqlen_q: 3,
+            page_size: 100,
+            descales: false,
+            cfg: sm80,
+            ..decode(64, (8, 8), vec![250, 3, 320])
         },
     ];
     let failures: Vec<String> = cases
@@ -314,6 +340,15 @@ fn e4m3_steps_match_the_host_step_and_the_reference() {
             (1, 1),
             Some((128, false)),
         ),
+        // The Ampere forward after the same append.
+        (
+            AttentionConfig::new().causal(true).backend(Backend::Sm80),
+            paged(16, 40, 13),
+            (8, 2),
+            [3, 100, 180],
+            (2, 2),
+            Some((128, false)),
+        ),
     ];
     let mut failures = vec![];
     for (i, (cfg, layout, (hq, hk), lens, rows, rotary)) in cases.into_iter().enumerate() {
@@ -327,6 +362,96 @@ fn e4m3_steps_match_the_host_step_and_the_reference() {
             true,
             200 + i as u64,
         ));
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Every e4m3 code widened exactly, NaN included: one key per sequence, K zero and V's row the
+/// 256 codes (two heads of 128, or one of 256), so that O is V's row as the kernel widened it,
+/// each element the code's value (which bf16 holds exactly) or NaN; on the Hopper forward
+/// and on the Ampere forward's two schedules (d128: two stages; d256: one).
+#[test]
+#[ignore = "needs a GPU"]
+fn every_e4m3_code_widens_exactly() {
+    let (dev, stream) = device();
+    let codes: Vec<F8E4M3> = (0..=255u8).map(F8E4M3::from_bits).collect();
+    let mut failures = vec![];
+    for (backend, d) in [
+        (Backend::Sm90, 128),
+        (Backend::Sm90, 256),
+        (Backend::Sm80, 128),
+        (Backend::Sm80, 256),
+    ] {
+        let (heads, rows) = (256 / d, 16);
+        // Two sequences, dense entries of 16 rows, one key each.
+        let batch = 2;
+        let mut k = vec![F8E4M3::from_f32(0.0); batch * rows * heads * d];
+        let mut v = k.clone();
+        for b in 0..batch {
+            v[b * rows * heads * d..][..heads * d].copy_from_slice(&codes);
+            // Rows past the key: large, which attended to would show.
+            k[(b * rows + 1) * heads * d..(b + 1) * rows * heads * d].fill(F8E4M3::from_f32(448.0));
+        }
+        let q: Vec<bf16> = (0..batch * heads * d)
+            .map(|i| bf16::from_f32(((i % 7) as f32 - 3.0) / 3.0))
+            .collect();
+        let (up_q, up_k, up_v) = (
+            stream.clone_htod(&q).unwrap(),
+            stream.clone_htod(&k).unwrap(),
+            stream.clone_htod(&v).unwrap(),
+        );
+        let lens = stream.clone_htod(&vec![1i32; batch]).unwrap();
+        let mut out = stream
+            .clone_htod(&vec![bf16::from_f32(7.0); batch * heads * d])
+            .unwrap();
+        let mut lse = stream.clone_htod(&vec![f32::NAN; batch * heads]).unwrap();
+        let cache = [batch, rows, heads, d];
+        let (qt, kt, vt) = (
+            DeviceTensor::contiguous(&up_q, [batch, 1, heads, d]),
+            DeviceTensor::contiguous(&up_k, cache),
+            DeviceTensor::contiguous(&up_v, cache),
+        );
+        let cfg = AttentionConfig::new().backend(backend);
+        let inputs = DeviceKvCacheInputs {
+            q: &qt,
+            k_cache: &kt,
+            v_cache: &vt,
+            block_table: None,
+            cache_batch_idx: None,
+            cache_seqlens: lens.as_view(),
+            sinks: None,
+            num_splits: 0,
+            descales: None,
+        };
+        let what = format!("{backend:?} d{d}");
+        if let Err(e) = dev.kvcache_forward_into(
+            &stream,
+            &cfg,
+            inputs,
+            &mut DeviceTensorMut::contiguous(&mut out, [batch, 1, heads, d]),
+            &mut lse.as_view_mut(),
+        ) {
+            failures.push(format!("{what}: {e}"));
+            continue;
+        }
+        let out = stream.clone_dtoh(&out).unwrap();
+        stream.synchronize().unwrap();
+        for (i, o) in out.iter().enumerate() {
+            let want = codes[i % 256].to_f32();
+            // Equal as f32 (exact for these values; -0 sums to +0 in the accumulator).
+            let exact = if want.is_nan() {
+                o.is_nan()
+            } else {
+                o.to_f32() == want
+            };
+            if !exact {
+                failures.push(format!(
+                    "{what}: code {:#04x} ({want}) widened to {o} (sequence {})",
+                    i % 256,
+                    i / 256
+                ));
+            }
+        }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -590,14 +590,22 @@ fn e4m3_append_case<T: Element + DeviceRepr>(seed: u64) {
     let mut rng: StdRng = rand::SeedableRng::seed_from_u64(seed);
     let (dev, stream) = device();
     let (batch, hk, d, seqlen_new) = (3, 2, 64, 5);
-    let lens = [0i32, 27, 61];
+    // Sequence 2's new rows fill its capacity (64 rows) to the last.
+    let lens = [0i32, 27, 59];
     let new_shape = [batch, seqlen_new, hk, d];
     let new = |rng: &mut StdRng| -> Vec<T> {
         let mut x: Vec<f32> = random::<T>(batch * seqlen_new * hk * d, rng)
             .iter()
             .map(|v| v.to_f32() * 3.0)
             .collect();
-        for (i, special) in [
+        // Sequence 0's first row of head 0 (whose descales are 1): around and past e4m3's
+        // largest finite value (448; from 464 on past it) and below its smallest normal; far
+        // past it, infinite, NaN.
+        let specials = [
+            448.5,
+            463.9,
+            464.0,
+            -460.0,
             1e5,
             -1e5,
             f32::INFINITY,
@@ -605,11 +613,9 @@ fn e4m3_append_case<T: Element + DeviceRepr>(seed: u64) {
             f32::NAN,
             1e-4,
             -3e-3,
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            x[i * 37 + 5] = special;
+        ];
+        for (i, special) in specials.into_iter().enumerate() {
+            x[i * 5 + 1] = special;
         }
         x.into_iter().map(T::from_f32).collect()
     };
@@ -619,7 +625,8 @@ fn e4m3_append_case<T: Element + DeviceRepr>(seed: u64) {
             .map(|_| rng.random_range(0.01f32..2.0))
             .collect()
     };
-    let (kd, vd) = (descale(&mut rng), descale(&mut rng));
+    let (mut kd, mut vd) = (descale(&mut rng), descale(&mut rng));
+    (kd[0], vd[0]) = (1.0, 1.0);
     // Pages of 16 rows, 4 a sequence, out of order; a dense cache of 4 entries of 64 rows.
     let (pages, page) = (12, 16);
     let table: Vec<i32> = (0..pages as i32)
@@ -803,4 +810,91 @@ fn e4m3_append_case<T: Element + DeviceRepr>(seed: u64) {
             );
         }
     }
+}
+
+/// Descales belong to e4m3 caches: an append or a step over a 16-bit cache that gives them is
+/// refused (`InvalidConfig`, as the host step refuses them) and leaves the cache as it was.
+#[test]
+#[ignore = "needs a GPU"]
+fn descales_of_a_16_bit_cache_are_refused() {
+    let (dev, stream) = device();
+    let (batch, rows, hk, d) = (2, 32, 2, 64);
+    let mut rng: StdRng = rand::SeedableRng::seed_from_u64(3);
+    let cache: Vec<bf16> = random(batch * rows * hk * d, &mut rng);
+    let new: Vec<bf16> = random(batch * hk * d, &mut rng);
+    let (mut kc, mut vc) = (
+        stream.clone_htod(&cache).unwrap(),
+        stream.clone_htod(&cache).unwrap(),
+    );
+    let (nd, qd) = (
+        stream.clone_htod(&new).unwrap(),
+        stream.clone_htod(&new).unwrap(),
+    );
+    let ones = stream.clone_htod(&vec![1f32; batch * hk]).unwrap();
+    let ones = ones.as_view();
+    let descales = Some(DeviceCacheDescales { k: &ones, v: &ones });
+    let lens = stream.clone_htod(&[3i32, 9]).unwrap();
+    let shape = [batch, rows, hk, d];
+    let nt = DeviceTensor::contiguous(&nd, [batch, 1, hk, d]);
+    let qt = DeviceTensor::contiguous(&qd, [batch, 1, hk, d]);
+    let mut out = stream.clone_htod(&vec![bf16::NAN; batch * hk * d]).unwrap();
+    let mut lse = stream.clone_htod(&vec![f32::NAN; batch * hk]).unwrap();
+    let refused = |r: flashattn::Result<()>, what: &str| {
+        assert!(
+            matches!(&r, Err(flashattn::Error::InvalidConfig(why)) if why.contains("descales")),
+            "{what}: {r:?}"
+        );
+    };
+    {
+        let (mut kt, mut vt) = (
+            DeviceTensorMut::contiguous(&mut kc, shape),
+            DeviceTensorMut::contiguous(&mut vc, shape),
+        );
+        let append = DeviceKvCacheAppend {
+            k_cache: &mut kt,
+            v_cache: &mut vt,
+            block_table: None,
+            cache_batch_idx: None,
+            cache_seqlens: lens.as_view(),
+            k_new: &nt,
+            v_new: &nt,
+            rotary: None,
+            descales,
+        };
+        refused(dev.kvcache_append(&stream, append), "append");
+        for new in [Some((&nt, &nt)), None] {
+            let step = DeviceKvCacheStep {
+                q: &qt,
+                k_cache: &mut kt,
+                v_cache: &mut vt,
+                block_table: None,
+                cache_batch_idx: None,
+                cache_seqlens: lens.as_view(),
+                new,
+                rotary: None,
+                sinks: None,
+                num_splits: 0,
+                descales,
+            };
+            let r = dev.kvcache_step_into(
+                &stream,
+                &AttentionConfig::new(),
+                step,
+                &mut DeviceTensorMut::contiguous(&mut out, [batch, 1, hk, d]),
+                &mut lse.as_view_mut(),
+            );
+            refused(r.map(|_| ()), &format!("step, new rows {}", new.is_some()));
+        }
+    }
+    let (gk, gv) = (
+        stream.clone_dtoh(&kc).unwrap(),
+        stream.clone_dtoh(&vc).unwrap(),
+    );
+    stream.synchronize().unwrap();
+    let same = |x: &[bf16]| {
+        x.iter()
+            .zip(&cache)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+    };
+    assert!(same(&gk) && same(&gv), "a refused call wrote the cache");
 }

@@ -78,6 +78,7 @@ fn kernels_left_out_of_the_build_are_refused_by_name() {
             Family::Sm90Bwd => (Op::Backward, Backend::Sm90),
             Family::Sm80Fwd => (Op::Forward, Backend::Sm80),
             Family::Sm80Bwd => (Op::Backward, Backend::Sm80),
+            Family::Sm80Fp8CacheFwd => (Op::ForwardOverFp8Cache, Backend::Sm80),
         };
         let dtype = match k.dtype {
             KernelDtype::Bf16 => DType::BF16,
