@@ -12,9 +12,11 @@
 //!
 //! This module runs that schedule on the CPU over simulated ranks (each rank's shards in host
 //! memory, the ring a loop over them): the arithmetic and bookkeeping a multi-GPU ring runs step
-//! by step, and the reference it is tested against. Masks: any (full, causal, sliding windows:
-//! each pair of chunks takes the mask's band moved by their distance, and a band that misses the
-//! pair's diagonal takes a call over fewer rows or keys); softcap as any call.
+//! by step, and the reference it is tested against (`cuda::Device::ring_forward_into` runs the
+//! forward's on one GPU, over the pairs of chunks this module plans). Masks: any (full, causal,
+//! sliding windows: each pair of chunks takes the mask's band moved by their distance, and a
+//! band that misses the pair's diagonal takes a call over fewer rows or keys); softcap as any
+//! call.
 //! Attention sinks join the own-chunk part of each query chunk's forward (the merged LSE counts
 //! them once);
 //! in the backward every part takes them, and its share of the sinks' gradient (which is linear
@@ -63,7 +65,7 @@ pub enum Sharding {
 }
 
 impl Sharding {
-    fn chunks_per_rank(self) -> usize {
+    pub(crate) fn chunks_per_rank(self) -> usize {
         match self {
             Sharding::Contiguous => 1,
             Sharding::ZigZag => 2,
@@ -71,7 +73,7 @@ impl Sharding {
     }
 
     /// The global chunk indices rank `rank` holds, in its order.
-    fn chunk_ids(self, ranks: usize, rank: usize) -> Vec<usize> {
+    pub(crate) fn chunk_ids(self, ranks: usize, rank: usize) -> Vec<usize> {
         match self {
             Sharding::Contiguous => vec![rank],
             Sharding::ZigZag => vec![rank, 2 * ranks - 1 - rank],
@@ -138,19 +140,19 @@ fn chunk<'a, T>(t: &TensorRef<'a, T>, chunks: usize, c: usize) -> TensorRef<'a, 
 /// What a query chunk sees of one key chunk: its first `q_rows` rows (the others see none of
 /// the chunk's keys), against the chunk's first `k_rows` keys (no row sees the others), under
 /// `mask`; `own` where the key chunk is the query chunk.
-struct Pair {
-    src: usize,
-    cj: usize,
-    q_rows: usize,
-    k_rows: usize,
-    mask: AttentionConfig,
-    own: bool,
+pub(crate) struct Pair {
+    pub(crate) src: usize,
+    pub(crate) cj: usize,
+    pub(crate) q_rows: usize,
+    pub(crate) k_rows: usize,
+    pub(crate) mask: AttentionConfig,
+    pub(crate) own: bool,
 }
 
 /// The key chunks query chunk `qc` of `rank` meets as the shards go around the ring (its own
 /// rank's first), chunks of `len` rows: each one's rank, its index there and what the query
 /// chunk sees of it; the chunks it sees nothing of are left out.
-fn ring_pairs(
+pub(crate) fn ring_pairs(
     cfg: &AttentionConfig,
     sharding: Sharding,
     ranks: usize,
@@ -250,53 +252,71 @@ fn first_rows<'a, T>(t: &TensorRef<'a, T>, rows: usize) -> TensorRef<'a, T> {
     )
 }
 
-/// Checks a ring's inputs: at least one rank, sinks on every rank or on none, and each rank's
-/// shards within their buffers, K with Q's rows (the chunks pair up), V with K's shape but its
-/// head dim, whole chunks, and every rank's shapes the first one's. Returns the number of ranks.
+/// Checks a ring's inputs: each rank's shards within their buffers, then their shapes
+/// ([`check_ring_shapes`]). Returns the number of ranks.
 fn check_ring<'a, T: 'a>(
     sharding: Sharding,
     ranks: impl Iterator<Item = ForwardInputs<'a, T>>,
 ) -> Result<usize> {
+    let mut shapes = vec![];
+    for ForwardInputs { q, k, v, sinks } in ranks {
+        q.check(Operand::Q)?;
+        k.check(Operand::K)?;
+        v.check(Operand::V)?;
+        shapes.push((
+            [q.layout.shape, k.layout.shape, v.layout.shape],
+            sinks.is_some(),
+        ));
+    }
+    check_ring_shapes(sharding, shapes)
+}
+
+/// A ring's shapes, rank by rank (Q's, K's and V's, and whether it has sinks): at least one
+/// rank, sinks on every rank or on none, K with Q's rows (the chunks pair up), V with K's shape
+/// but its head dim, whole chunks, and every rank's shapes the first one's. Returns the number
+/// of ranks. The host and device rings check them alike.
+pub(crate) fn check_ring_shapes(
+    sharding: Sharding,
+    ranks: impl IntoIterator<Item = ([[usize; 4]; 3], bool)>,
+) -> Result<usize> {
     let mut count = 0;
     let mut first: Option<[[usize; 4]; 3]> = None;
     let mut with_sinks = None;
-    for ForwardInputs { q, k, v, sinks } in ranks {
-        if *with_sinks.get_or_insert(sinks.is_some()) != sinks.is_some() {
+    for (shapes, sinks) in ranks {
+        if *with_sinks.get_or_insert(sinks) != sinks {
             return Err(Error::InvalidConfig(
                 "attention sinks on some ranks of a ring and not on others".into(),
             ));
         }
-        q.check(Operand::Q)?;
-        k.check(Operand::K)?;
-        v.check(Operand::V)?;
-        let [batch, rows, _, _] = q.layout.shape;
-        let [_, _, heads_kv, d] = k.layout.shape;
-        Problem::expect_shape(Operand::K, &k.layout, [batch, rows, heads_kv, d])?;
-        Problem::expect_shape(
-            Operand::V,
-            &v.layout,
-            [batch, rows, heads_kv, v.layout.shape[3]],
-        )?;
+        let [q, k, v] = shapes;
+        let [batch, rows, _, _] = q;
+        let [_, _, heads_kv, d] = k;
+        let expect = |operand, found: [usize; 4], expected: [usize; 4]| {
+            if found == expected {
+                Ok(())
+            } else {
+                Err(Error::ShapeMismatch {
+                    operand,
+                    expected,
+                    found,
+                })
+            }
+        };
+        expect(Operand::K, k, [batch, rows, heads_kv, d])?;
+        expect(Operand::V, v, [batch, rows, heads_kv, v[3]])?;
         if rows % sharding.chunks_per_rank() != 0 {
             return Err(Error::InvalidConfig(format!(
                 "{rows} rows per rank in {} equal chunks ({sharding:?})",
                 sharding.chunks_per_rank()
             )));
         }
-        let shapes = [q.layout.shape, k.layout.shape, v.layout.shape];
         let want = *first.get_or_insert(shapes);
         for (operand, want, got) in [
             (Operand::Q, want[0], shapes[0]),
             (Operand::K, want[1], shapes[1]),
             (Operand::V, want[2], shapes[2]),
         ] {
-            if want != got {
-                return Err(Error::ShapeMismatch {
-                    operand,
-                    expected: want,
-                    found: got,
-                });
-            }
+            expect(operand, got, want)?;
         }
         count += 1;
     }

@@ -6,6 +6,7 @@
 mod combine;
 mod fp8;
 mod kvcache;
+mod ring;
 #[cfg(feature = "selftest")]
 pub(crate) mod selftest;
 mod varlen;
@@ -24,6 +25,7 @@ pub use fp8::{
 pub use kvcache::{
     DeviceCacheDescales, DeviceKvCacheAppend, DeviceKvCacheInputs, DeviceKvCacheStep, DeviceRotary,
 };
+pub use ring::{DeviceRingOutput, DeviceRingRank, RingStreams};
 pub use varlen::DeviceSeqlens;
 pub use views::{
     DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut,

@@ -15,6 +15,7 @@ mod harness;
 mod kvcache;
 mod kvcache_fp8;
 mod kvcache_step;
+mod ring;
 
 use std::sync::Arc;
 

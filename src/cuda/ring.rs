@@ -1,0 +1,504 @@
+//! The ring of [`crate::ring`] on one device: simulated ranks whose shards are buffers of that
+//! device, the K and V shards handed around by a local transport (device-to-device copies on a
+//! stream of their own, overlapped with the attention calls of the step before them), every
+//! query chunk's parts merged by their LSE on the device. The sends and receives are those NCCL
+//! would carry between GPUs, in the same order and under the same events; the arithmetic is the
+//! host ring's, call for call (the same pairs of chunks, masks and rows).
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice,
+};
+
+use super::{driver_error, Device, DeviceForwardInputs, DeviceTensor, DeviceTensorMut};
+use crate::combine::LseLayout;
+use crate::config::AttentionConfig;
+use crate::dispatch::Plan;
+use crate::error::CallPart;
+use crate::error::{Error, Operand, Result};
+use crate::ring::{self, Sharding};
+use crate::tensor::{self, Layout};
+use crate::Element;
+
+/// One simulated rank's shards on the device, as [`crate::ring::shard`] cuts them: Q `(batch,
+/// rows, heads_q, d)`, K `(batch, rows, heads_kv, d)` and V `(batch, rows, heads_kv, d_v)`,
+/// `rows` the sequence's over the ranks. K and V must be contiguous (the transport moves them
+/// whole); Q may have any strides the forward takes. Sinks on every rank or on none.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceRingRank<'a, T> {
+    pub q: &'a DeviceTensor<'a, T>,
+    pub k: &'a DeviceTensor<'a, T>,
+    pub v: &'a DeviceTensor<'a, T>,
+    pub sinks: Option<&'a CudaView<'a, f32>>,
+}
+
+/// Where a rank's results go: O `(batch, rows, heads_q, d_v)` of its queries over the whole
+/// sequence, and their LSE `(batch, heads_q, rows)` f32, contiguous.
+#[derive(Debug)]
+pub struct DeviceRingOutput<'a, 'o, T> {
+    pub out: &'a mut DeviceTensorMut<'o, T>,
+    pub lse: &'a mut CudaViewMut<'o, f32>,
+}
+
+/// The two streams a device ring runs on: the attention calls and merges on `compute`, the
+/// transport's copies on `transport` (another stream of the same device, so that they overlap).
+#[derive(Clone, Copy, Debug)]
+pub struct RingStreams<'s> {
+    pub compute: &'s Arc<CudaStream>,
+    pub transport: &'s Arc<CudaStream>,
+}
+
+/// A rank's K and V shard as the transport holds it: a buffer of each.
+struct Shard<T> {
+    k: CudaSlice<T>,
+    v: CudaSlice<T>,
+}
+
+/// A query chunk's part over one key chunk: its O `(batch, len, heads_q, d_v)` and LSE `(batch,
+/// heads_q, len)`, rows that see no key of the chunk O 0 and LSE +inf.
+struct Part<T> {
+    out: CudaSlice<T>,
+    lse: CudaSlice<f32>,
+}
+
+impl Device {
+    /// [`crate::ring::forward`] on this device over `ranks.len()` simulated ranks, ordered on
+    /// `streams.compute` (the inputs must be ready there, and the outputs are once its work so
+    /// far has run): step `s` runs every rank's pairs over the shard it holds (that of rank
+    /// `(r − s) mod ranks`) while the transport copies each held shard on to the next rank (two
+    /// buffers a rank, so that a copy never writes the one being read). Each query chunk's
+    /// parts (one per key chunk it sees) are kept until the last step and merged by
+    /// [`Device::combine_into`]: at most 64 a chunk (32 ranks zig-zag, 64 contiguous). The
+    /// outputs are each rank's O and LSE over the whole sequence. Takes device memory for the
+    /// transport's buffers (two shards a rank) and the parts, given back in stream order.
+    pub fn ring_forward_into<T: Element + DeviceRepr>(
+        &self,
+        streams: RingStreams<'_>,
+        cfg: &AttentionConfig,
+        sharding: Sharding,
+        ranks: &[DeviceRingRank<'_, T>],
+        outputs: &mut [DeviceRingOutput<'_, '_, T>],
+    ) -> Result<Plan> {
+        let RingStreams { compute, transport } = streams;
+        let count = ring::check_ring_shapes(
+            sharding,
+            ranks.iter().map(|r| {
+                (
+                    [r.q.layout.shape, r.k.layout.shape, r.v.layout.shape],
+                    r.sinks.is_some(),
+                )
+            }),
+        )?;
+        if outputs.len() != count {
+            return Err(Error::InvalidConfig(format!(
+                "{} outputs for a ring of {count} ranks",
+                outputs.len()
+            )));
+        }
+        let per = sharding.chunks_per_rank();
+        let max_parts = crate::ffi::FLASHATTN_MAX_COMBINE_PARTS as usize;
+        if count * per > max_parts {
+            return Err(Error::InvalidConfig(format!(
+                "a ring of {count} ranks ({sharding:?}): a query chunk would merge {} parts on \
+                 the device (at most {max_parts})",
+                count * per
+            )));
+        }
+        let [batch, rows, heads, _] = ranks[0].q.layout.shape;
+        let d_v = ranks[0].v.layout.shape[3];
+        let len = rows / per;
+        for (r, (rank, output)) in ranks.iter().zip(outputs.iter()).enumerate() {
+            tensor::check_len(Operand::Q, &rank.q.layout, rank.q.data.len())?;
+            for (operand, t) in [(Operand::K, rank.k), (Operand::V, rank.v)] {
+                tensor::check_len(operand, &t.layout, t.data.len())?;
+                if t.layout != Layout::contiguous(t.layout.shape) {
+                    return Err(Error::Unsupported {
+                        what: format!(
+                            "rank {r}'s {operand} of strides {:?} in a device ring (the \
+                             transport moves contiguous shards)",
+                            t.layout.strides
+                        ),
+                        backend: crate::Backend::Auto,
+                    });
+                }
+            }
+            tensor::check_output_len(Operand::Out, &output.out.layout, output.out.data.len())?;
+            crate::tensor::Problem::expect_shape(
+                Operand::Out,
+                &output.out.layout,
+                [batch, rows, heads, d_v],
+            )?;
+            if output.lse.len() != batch * heads * rows {
+                return Err(Error::BufferTooSmall {
+                    operand: Operand::Lse,
+                    needed: batch * heads * rows,
+                    len: output.lse.len(),
+                });
+            }
+        }
+        let mut contexts = vec![(CallPart::Stream, transport.context())];
+        for (r, o) in ranks.iter().zip(outputs.iter()) {
+            contexts.push((Operand::Q.into(), r.q.data.stream().context()));
+            contexts.push((Operand::K.into(), r.k.data.stream().context()));
+            contexts.push((Operand::V.into(), r.v.data.stream().context()));
+            contexts.extend(
+                r.sinks
+                    .map(|s| (Operand::Sinks.into(), s.stream().context())),
+            );
+            contexts.push((Operand::Out.into(), o.out.data.stream().context()));
+            contexts.push((Operand::Lse.into(), o.lse.stream().context()));
+        }
+        self.check_same_context(compute, contexts)?;
+
+        // A shard's elements (K and V contiguous: their shapes' products).
+        let elements = |shape: [usize; 4]| shape.iter().product::<usize>();
+        let (k_len, v_len) = (
+            elements(ranks[0].k.layout.shape),
+            elements(ranks[0].v.layout.shape),
+        );
+        // SAFETY: each buffer is written whole by a transport copy before any call reads it.
+        let slot = || -> Result<Shard<T>> {
+            Ok(Shard {
+                k: unsafe { compute.alloc::<T>(k_len) }.map_err(driver_error)?,
+                v: unsafe { compute.alloc::<T>(v_len) }.map_err(driver_error)?,
+            })
+        };
+        // A lone rank sends nothing.
+        let mut slots: Vec<[Shard<T>; 2]> = if count > 1 {
+            (0..count)
+                .map(|_| Ok([slot()?, slot()?]))
+                .collect::<Result<_>>()?
+        } else {
+            vec![]
+        };
+        // Each rank's query chunks' pairs, in ring order, and their parts.
+        let pairs: Vec<Vec<Vec<ring::Pair>>> = (0..count)
+            .map(|r| {
+                sharding
+                    .chunk_ids(count, r)
+                    .into_iter()
+                    .map(|qc| ring::ring_pairs(cfg, sharding, count, r, qc, len))
+                    .collect()
+            })
+            .collect();
+        let mut parts: Vec<Vec<Vec<Part<T>>>> = pairs
+            .iter()
+            .map(|chunks| {
+                chunks
+                    .iter()
+                    .map(|chunk| {
+                        chunk
+                            .iter()
+                            .map(|_| {
+                                self.empty_part(
+                                    compute,
+                                    batch * len * heads * d_v,
+                                    batch * heads * len,
+                                )
+                            })
+                            .collect::<Result<_>>()
+                    })
+                    .collect::<Result<_>>()
+            })
+            .collect::<Result<_>>()?;
+
+        let event = |stream: &Arc<CudaStream>| stream.record_event(None).map_err(driver_error);
+        // The inputs (and the buffers just taken) are ready on `compute`.
+        transport.wait(&event(compute)?).map_err(driver_error)?;
+        let mut plan = None;
+        for step in 0..count {
+            // The transport sends each held shard on, into the next rank's buffer that it read in
+            // the step before (the transport waited for that step's calls): the copies overlap
+            // this step's calls, which read the other buffer.
+            if step + 1 < count {
+                for (r, rank) in ranks.iter().enumerate() {
+                    let next = (r + 1) % count;
+                    let dst_slot = step % 2;
+                    if step == 0 {
+                        let dst = &mut slots[next][dst_slot];
+                        let (k, v) = (rank.k.data.slice(..k_len), rank.v.data.slice(..v_len));
+                        send(transport, (&k, &v), dst)?;
+                    } else {
+                        let (from, to) = two_of(&mut slots, r, next);
+                        let src = &from[(step - 1) % 2];
+                        send(
+                            transport,
+                            (&src.k.slice(..), &src.v.slice(..)),
+                            &mut to[dst_slot],
+                        )?;
+                    }
+                }
+            }
+            let sent = event(transport)?;
+            // This step's calls: rank r's pairs over rank (r − step)'s chunks.
+            for (r, rank) in ranks.iter().enumerate() {
+                let src = (r + count - step) % count;
+                let (k_held, v_held) = held(rank, &slots, r, step);
+                for (ci, chunk_pairs) in pairs[r].iter().enumerate() {
+                    for (pi, p) in chunk_pairs.iter().enumerate() {
+                        if p.src != src {
+                            continue;
+                        }
+                        let part = &mut parts[r][ci][pi];
+                        let done =
+                            self.ring_part(compute, (rank, ci, len), (&k_held, &v_held), p, part)?;
+                        plan.get_or_insert(done);
+                    }
+                }
+            }
+            // The next step reads what the transport sent in this one, and its copies write
+            // the buffers this step read.
+            compute.wait(&sent).map_err(driver_error)?;
+            transport.wait(&event(compute)?).map_err(driver_error)?;
+        }
+        // Each query chunk's parts merged into its rows of the rank's outputs.
+        for (r, output) in outputs.iter_mut().enumerate() {
+            for (ci, chunk_parts) in parts[r].iter().enumerate() {
+                self.merge_chunk(compute, chunk_parts, (ci, per, len), output)?;
+            }
+        }
+        plan.ok_or_else(|| Error::InvalidConfig("a ring step saw no keys".into()))
+    }
+
+    /// A part's buffers, O zeros and LSE +inf (rows the part's call leaves keep them).
+    fn empty_part<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        out: usize,
+        lse: usize,
+    ) -> Result<Part<T>> {
+        // SAFETY: every element is set below, in stream order, before any read.
+        let mut o = unsafe { stream.alloc::<T>(out) }.map_err(driver_error)?;
+        let mut l = unsafe { stream.alloc::<f32>(lse) }.map_err(driver_error)?;
+        self.ctx.bind_to_thread().map_err(driver_error)?;
+        {
+            let (o_ptr, _o) = o.device_ptr_mut(stream);
+            let bytes = out * std::mem::size_of::<T>();
+            // SAFETY: `bytes` bytes of a live buffer of this context, on its stream.
+            unsafe { sys::cuMemsetD8Async(o_ptr, 0, bytes, stream.cu_stream()) }
+                .result()
+                .map_err(driver_error)?;
+            let (l_ptr, _l) = l.device_ptr_mut(stream);
+            // SAFETY: `lse` f32 of a live buffer of this context, on its stream.
+            unsafe {
+                sys::cuMemsetD32Async(l_ptr, f32::INFINITY.to_bits(), lse, stream.cu_stream())
+            }
+            .result()
+            .map_err(driver_error)?;
+        }
+        Ok(Part { out: o, lse: l })
+    }
+
+    /// One pair's call: rank `rank`'s query chunk `ci` (of `len` rows) against key chunk `p.cj`
+    /// of the held shard, into `part` (its first `p.q_rows` rows; the LSE through a buffer of
+    /// those rows where they are fewer than the chunk's).
+    fn ring_part<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        (rank, ci, len): (&DeviceRingRank<'_, T>, usize, usize),
+        (k_held, v_held): (&CudaView<T>, &CudaView<T>),
+        p: &ring::Pair,
+        part: &mut Part<T>,
+    ) -> Result<Plan> {
+        let [batch, _, heads, d] = rank.q.layout.shape;
+        let (k_shape, v_shape) = (rank.k.layout.shape, rank.v.layout.shape);
+        let d_v = v_shape[3];
+        // Rows `first..first + n` of a (batch, rows, h, w) tensor of `strides`.
+        let rows_of = |strides: [usize; 4], h: usize, w: usize, first: usize, n: usize| {
+            (
+                first * strides[1],
+                Layout::with_strides([batch, n, h, w], strides),
+            )
+        };
+        let (q_at, q_layout) = rows_of(rank.q.layout.strides, heads, d, ci * len, p.q_rows);
+        let kv_first = p.cj * len;
+        let (k_at, k_layout) = rows_of(
+            Layout::contiguous(k_shape).strides,
+            k_shape[2],
+            d,
+            kv_first,
+            p.k_rows,
+        );
+        let (v_at, v_layout) = rows_of(
+            Layout::contiguous(v_shape).strides,
+            v_shape[2],
+            d_v,
+            kv_first,
+            p.k_rows,
+        );
+        let q = DeviceTensor::new(rank.q.data.slice(q_at..), q_layout);
+        let k = DeviceTensor::new(k_held.slice(k_at..), k_layout);
+        let v = DeviceTensor::new(v_held.slice(v_at..), v_layout);
+        let out_layout = Layout::with_strides(
+            [batch, p.q_rows, heads, d_v],
+            Layout::contiguous([batch, len, heads, d_v]).strides,
+        );
+        let mut out = DeviceTensorMut::new(part.out.slice_mut(..), out_layout);
+        // The sinks join the chunk's own part only: the merge adds each part's LSE.
+        let inputs = DeviceForwardInputs::new(&q, &k, &v);
+        let inputs = match (p.own, rank.sinks) {
+            (true, Some(sinks)) => inputs.with_sinks(sinks),
+            _ => inputs,
+        };
+        if p.q_rows == len {
+            return self.forward_into(
+                stream,
+                &p.mask,
+                inputs,
+                &mut out,
+                &mut part.lse.slice_mut(..),
+            );
+        }
+        // SAFETY: the call writes every element before the copy reads it, in stream order.
+        let mut rows_lse =
+            unsafe { stream.alloc::<f32>(batch * heads * p.q_rows) }.map_err(driver_error)?;
+        let plan = self.forward_into(
+            stream,
+            &p.mask,
+            inputs,
+            &mut out,
+            &mut rows_lse.slice_mut(..),
+        )?;
+        copy_rows_f32(
+            self,
+            stream,
+            (&rows_lse.slice(..), p.q_rows),
+            (&mut part.lse.slice_mut(..), len),
+            (p.q_rows, batch * heads),
+        )?;
+        Ok(plan)
+    }
+
+    /// Query chunk `ci`'s parts merged into its rows of a rank's outputs (its LSE through a
+    /// buffer of the chunk's rows where the rank holds more than one chunk).
+    fn merge_chunk<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        parts: &[Part<T>],
+        (ci, per, len): (usize, usize, usize),
+        output: &mut DeviceRingOutput<'_, '_, T>,
+    ) -> Result<()> {
+        let [batch, rows, heads, d_v] = output.out.layout.shape;
+        let shape = [batch, len, heads, d_v];
+        let views: Vec<(DeviceTensor<T>, CudaView<f32>)> = parts
+            .iter()
+            .map(|p| (DeviceTensor::contiguous(&p.out, shape), p.lse.slice(..)))
+            .collect();
+        let strides = output.out.layout.strides;
+        let mut out = DeviceTensorMut::new(
+            output.out.data.slice_mut(ci * len * strides[1]..),
+            Layout::with_strides(shape, strides),
+        );
+        if per == 1 {
+            return self.combine_into(stream, &views, LseLayout::Dense, &mut out, output.lse);
+        }
+        // SAFETY: the merge writes every element before the copy reads it, in stream order.
+        let mut lse = unsafe { stream.alloc::<f32>(batch * heads * len) }.map_err(driver_error)?;
+        self.combine_into(
+            stream,
+            &views,
+            LseLayout::Dense,
+            &mut out,
+            &mut lse.slice_mut(..),
+        )?;
+        copy_rows_f32(
+            self,
+            stream,
+            (&lse.slice(..), len),
+            (&mut output.lse.slice_mut(ci * len..), rows),
+            (len, batch * heads),
+        )
+    }
+}
+
+/// The K and V shard rank `r` holds at step `step`: its own, then the buffer the transport
+/// filled in the step before.
+fn held<'s, T>(
+    rank: &'s DeviceRingRank<'_, T>,
+    slots: &'s [[Shard<T>; 2]],
+    r: usize,
+    step: usize,
+) -> (CudaView<'s, T>, CudaView<'s, T>) {
+    if step == 0 {
+        (rank.k.data.slice(..), rank.v.data.slice(..))
+    } else {
+        let s = &slots[r][(step - 1) % 2];
+        (s.k.slice(..), s.v.slice(..))
+    }
+}
+
+/// Element `a` of `v` to read and element `b` to write (`a != b`).
+fn two_of<X>(v: &mut [X], a: usize, b: usize) -> (&X, &mut X) {
+    assert_ne!(a, b);
+    if a < b {
+        let (left, right) = v.split_at_mut(b);
+        (&left[a], &mut right[0])
+    } else {
+        let (left, right) = v.split_at_mut(a);
+        (&right[0], &mut left[b])
+    }
+}
+
+/// One shard, K and V, copied into `dst` on the transport stream.
+fn send<T: DeviceRepr>(
+    transport: &Arc<CudaStream>,
+    (k, v): (&CudaView<T>, &CudaView<T>),
+    dst: &mut Shard<T>,
+) -> Result<()> {
+    transport.memcpy_dtod(k, &mut dst.k).map_err(driver_error)?;
+    transport.memcpy_dtod(v, &mut dst.v).map_err(driver_error)
+}
+
+/// `height` rows of `width` f32 from `src` (rows `src_pitch` elements apart) into `dst` (rows
+/// `dst_pitch` apart), on `stream`: a part's LSE rows into a chunk's, a chunk's into a rank's.
+fn copy_rows_f32(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    (src, src_pitch): (&CudaView<f32>, usize),
+    (dst, dst_pitch): (&mut CudaViewMut<f32>, usize),
+    (width, height): (usize, usize),
+) -> Result<()> {
+    let span = |pitch: usize| (height.max(1) - 1) * pitch + width;
+    if width > src_pitch.min(dst_pitch)
+        || span(src_pitch) > src.len()
+        || span(dst_pitch) > dst.len()
+    {
+        return Err(Error::IndexOverflow {
+            operand: Operand::Lse,
+            detail: format!(
+                "{height} rows of {width} from rows {src_pitch} apart into rows {dst_pitch} apart"
+            ),
+        });
+    }
+    if width == 0 || height == 0 {
+        return Ok(());
+    }
+    let f = std::mem::size_of::<f32>();
+    let (src_ptr, _src) = src.device_ptr(stream);
+    let (dst_ptr, _dst) = dst.device_ptr_mut(stream);
+    let copy = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        srcHost: std::ptr::null(),
+        srcDevice: src_ptr,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: src_pitch * f,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst_ptr,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dst_pitch * f,
+        WidthInBytes: width * f,
+        Height: height,
+    };
+    dev.ctx.bind_to_thread().map_err(driver_error)?;
+    // SAFETY: both spans were checked within their live buffers of this context above.
+    unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()) }
+        .result()
+        .map_err(driver_error)
+}

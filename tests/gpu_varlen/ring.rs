@@ -1,0 +1,227 @@
+//! The ring on one device (`Device::ring_forward_into`): 1 to 8 simulated ranks whose shards are
+//! device buffers, the K and V shards passed around on a transport stream, each rank's O and LSE
+//! against the f64 reference of the whole sequence's single call (its rows of it) under DESIGN's
+//! rule, with the baseline of the same single call: contiguous and zig-zag sharding, full,
+//! causal and windowed masks (a window narrower than a chunk, and one reaching right), GQA,
+//! sinks, chunks of rows no multiple of a key block. Outputs poisoned with NaN before the call.
+
+use std::ops::Range;
+
+use flashattn::cuda::{
+    DeviceRingOutput, DeviceRingRank, DeviceTensor, DeviceTensorMut, RingStreams,
+};
+use flashattn::reference::{self, compare};
+use flashattn::ring::{self, Sharding};
+use flashattn::{AttentionConfig, TensorRef};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use super::common::device;
+use super::harness::random;
+
+/// Rank `rows`' rows of `x` `(batch, seqlen, heads, w)`, in the rank's order.
+fn rank_rows<X: Copy>(
+    x: &[X],
+    [batch, seqlen, heads, w]: [usize; 4],
+    rows: &[Range<usize>],
+) -> Vec<X> {
+    let mut out = vec![];
+    for b in 0..batch {
+        for r in rows.iter().flat_map(|r| r.clone()) {
+            out.extend_from_slice(&x[(b * seqlen + r) * heads * w..][..heads * w]);
+        }
+    }
+    out
+}
+
+/// Rank `rows`' entries of an LSE `(batch, heads, seqlen)`.
+fn rank_lse<X: Copy>(
+    lse: &[X],
+    [batch, seqlen, heads]: [usize; 3],
+    rows: &[Range<usize>],
+) -> Vec<X> {
+    let mut out = vec![];
+    for bh in 0..batch * heads {
+        for r in rows.iter().flat_map(|r| r.clone()) {
+            out.push(lse[bh * seqlen + r]);
+        }
+    }
+    out
+}
+
+/// One ring against the whole call: the failures, each naming the case.
+fn ring_case(
+    cfg: &AttentionConfig,
+    sharding: Sharding,
+    ranks: usize,
+    (batch, seqlen, hq, hk, d): (usize, usize, usize, usize, usize),
+    with_sinks: bool,
+    seed: u64,
+) -> Vec<String> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (q_shape, kv_shape) = ([batch, seqlen, hq, d], [batch, seqlen, hk, d]);
+    let q: Vec<bf16> = random(batch * seqlen * hq * d, &mut rng);
+    let k: Vec<bf16> = random(batch * seqlen * hk * d, &mut rng);
+    let v: Vec<bf16> = random(batch * seqlen * hk * d, &mut rng);
+    let sinks: Vec<f32> = (0..hq).map(|h| 0.5 * h as f32 - 1.0).collect();
+    let (qt, kt, vt) = (
+        TensorRef::contiguous(&q, q_shape),
+        TensorRef::contiguous(&k, kv_shape),
+        TensorRef::contiguous(&v, kv_shape),
+    );
+    let (want, base) = if with_sinks {
+        (
+            reference::reference_forward_sinks(cfg, qt, kt, vt, &sinks),
+            reference::baseline_forward_sinks(cfg, qt, kt, vt, &sinks),
+        )
+    } else {
+        (
+            reference::reference_forward(cfg, qt, kt, vt),
+            reference::baseline_forward(cfg, qt, kt, vt),
+        )
+    };
+
+    let (dev, compute) = device();
+    let transport = dev.new_stream().unwrap();
+    let rows = seqlen / ranks;
+    let shard = |x: TensorRef<bf16>, r| ring::shard(x, sharding, ranks, r).unwrap();
+    let up = |x: &[bf16]| compute.clone_htod(x).unwrap();
+    let shards: Vec<_> = (0..ranks)
+        .map(|r| (up(&shard(qt, r)), up(&shard(kt, r)), up(&shard(vt, r))))
+        .collect();
+    let sinks_d = compute.clone_htod(&sinks).unwrap();
+    let sinks_v = sinks_d.as_view();
+    let views: Vec<_> = shards
+        .iter()
+        .map(|(q, k, v)| {
+            (
+                DeviceTensor::contiguous(q, [batch, rows, hq, d]),
+                DeviceTensor::contiguous(k, [batch, rows, hk, d]),
+                DeviceTensor::contiguous(v, [batch, rows, hk, d]),
+            )
+        })
+        .collect();
+    let rank_inputs: Vec<_> = views
+        .iter()
+        .map(|(q, k, v)| DeviceRingRank {
+            q,
+            k,
+            v,
+            sinks: with_sinks.then_some(&sinks_v),
+        })
+        .collect();
+    let mut outs: Vec<_> = (0..ranks)
+        .map(|_| {
+            (
+                up(&vec![bf16::NAN; batch * rows * hq * d]),
+                compute
+                    .clone_htod(&vec![f32::NAN; batch * hq * rows])
+                    .unwrap(),
+            )
+        })
+        .collect();
+    let what = format!(
+        "{ranks} ranks {sharding:?}, {:?}, ({batch}, {seqlen}, {hq}/{hk}, {d}), sinks {with_sinks}",
+        cfg.mask
+    );
+    {
+        let mut o_views: Vec<_> = outs
+            .iter_mut()
+            .map(|(o, l)| {
+                (
+                    DeviceTensorMut::contiguous(o, [batch, rows, hq, d]),
+                    l.as_view_mut(),
+                )
+            })
+            .collect();
+        let mut outputs: Vec<_> = o_views
+            .iter_mut()
+            .map(|(out, lse)| DeviceRingOutput { out, lse })
+            .collect();
+        if let Err(e) = dev.ring_forward_into(
+            RingStreams {
+                compute: &compute,
+                transport: &transport,
+            },
+            cfg,
+            sharding,
+            &rank_inputs,
+            &mut outputs,
+        ) {
+            return vec![format!("{what}: {e}")];
+        }
+    }
+    let mut failures = vec![];
+    for (r, (o, l)) in outs.iter().enumerate() {
+        let (o, l) = (
+            compute.clone_dtoh(o).unwrap(),
+            compute.clone_dtoh(l).unwrap(),
+        );
+        compute.synchronize().unwrap();
+        let rows_of = sharding.rows(seqlen, ranks, r).unwrap();
+        let o_shape = [batch, seqlen, hq, d];
+        let lse_shape = [batch, seqlen, hq];
+        for (name, cmp) in [
+            (
+                "O",
+                compare(
+                    &reference::to_f32(&o),
+                    &rank_rows(&want.out, o_shape, &rows_of),
+                    &rank_rows(&base.out, o_shape, &rows_of),
+                ),
+            ),
+            (
+                "LSE",
+                compare(
+                    &l,
+                    &rank_lse(&want.lse, lse_shape, &rows_of),
+                    &rank_lse(&base.lse, lse_shape, &rows_of),
+                ),
+            ),
+        ] {
+            if !cmp.pass {
+                failures.push(format!("{what}: rank {r}: {name} {cmp}"));
+            }
+        }
+    }
+    failures
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn device_ring_matches_the_whole_call() {
+    let causal = AttentionConfig::new().causal(true);
+    let mut failures = vec![];
+    let mut seed = 0;
+    let mut run = |cfg: &AttentionConfig, sharding, ranks, shape, sinks| {
+        seed += 1;
+        failures.extend(ring_case(cfg, sharding, ranks, shape, sinks, seed));
+    };
+    for ranks in [1, 2, 3, 4, 8] {
+        // Chunks of 24 rows zig-zag (48 contiguous): no multiple of a key block.
+        let shape = (2, 48 * ranks, 4, 2, 64);
+        run(&causal, Sharding::ZigZag, ranks, shape, false);
+        run(
+            &AttentionConfig::new(),
+            Sharding::Contiguous,
+            ranks,
+            shape,
+            false,
+        );
+    }
+    // A window narrower than a chunk and one that reaches right; sinks; d128, MQA.
+    let window = AttentionConfig::new().window(Some(20), Some(0));
+    let wide = AttentionConfig::new().window(Some(70), Some(30));
+    run(&window, Sharding::ZigZag, 4, (1, 256, 4, 4, 64), false);
+    run(&wide, Sharding::Contiguous, 3, (1, 192, 4, 2, 64), false);
+    run(&causal, Sharding::ZigZag, 2, (2, 256, 8, 1, 128), true);
+    run(
+        &AttentionConfig::new(),
+        Sharding::Contiguous,
+        4,
+        (1, 256, 4, 2, 128),
+        true,
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
