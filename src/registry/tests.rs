@@ -57,7 +57,7 @@ fn every_kernel_has_its_tile_and_every_tile_a_kernel() {
                 [Family::Sm90Fwd, Family::Sm90Fp8Fwd].contains(&k.family.tile_family())
             }
             Tile::Sm90Bwd { .. } => k.family == Family::Sm90Bwd,
-            Tile::Sm80Fwd { .. } => k.family == Family::Sm80Fwd,
+            Tile::Sm80Fwd { .. } => k.family.tile_family() == Family::Sm80Fwd,
             Tile::Sm80Bwd { .. } => k.family == Family::Sm80Bwd,
         };
         assert!(family_of_tile, "{}: a tile of another family", k.name());
