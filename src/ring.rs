@@ -272,8 +272,8 @@ fn check_ring<'a, T: 'a>(
 }
 
 /// A ring's shapes, rank by rank (Q's, K's and V's, and whether it has sinks): at least one
-/// rank, sinks on every rank or on none, K with Q's rows (the chunks pair up), V with K's shape
-/// but its head dim, whole chunks, and every rank's shapes the first one's. Returns the number
+/// rank, sinks on every rank or on none, K with Q's rows (the chunks pair up) and head dim, V
+/// with K's shape but its head dim, whole chunks, and every rank's shapes the first one's. Returns the number
 /// of ranks. The host and device rings check them alike.
 pub(crate) fn check_ring_shapes(
     sharding: Sharding,
@@ -289,8 +289,8 @@ pub(crate) fn check_ring_shapes(
             ));
         }
         let [q, k, v] = shapes;
-        let [batch, rows, _, _] = q;
-        let [_, _, heads_kv, d] = k;
+        let [batch, rows, _, d] = q;
+        let heads_kv = k[2];
         let expect = |operand, found: [usize; 4], expected: [usize; 4]| {
             if found == expected {
                 Ok(())

@@ -91,12 +91,6 @@ impl Device {
                 )
             }),
         )?;
-        if outputs.len() != count {
-            return Err(Error::InvalidConfig(format!(
-                "{} outputs for a ring of {count} ranks",
-                outputs.len()
-            )));
-        }
         let per = sharding.chunks_per_rank();
         let max_parts = crate::ffi::FLASHATTN_MAX_COMBINE_PARTS as usize;
         if count * per > max_parts {
@@ -104,6 +98,12 @@ impl Device {
                 "a ring of {count} ranks ({sharding:?}): a query chunk would merge {} parts on \
                  the device (at most {max_parts})",
                 count * per
+            )));
+        }
+        if outputs.len() != count {
+            return Err(Error::InvalidConfig(format!(
+                "{} outputs for a ring of {count} ranks",
+                outputs.len()
             )));
         }
         let [batch, rows, heads, _] = ranks[0].q.layout.shape;
@@ -191,11 +191,11 @@ impl Device {
                     .map(|chunk| {
                         chunk
                             .iter()
-                            .map(|_| {
-                                self.empty_part(
+                            .map(|p| {
+                                self.part(
                                     compute,
-                                    batch * len * heads * d_v,
-                                    batch * heads * len,
+                                    (batch * len * heads * d_v, batch * heads * len),
+                                    p.q_rows < len,
                                 )
                             })
                             .collect::<Result<_>>()
@@ -207,6 +207,14 @@ impl Device {
         let event = |stream: &Arc<CudaStream>| stream.record_event(None).map_err(driver_error);
         // The inputs (and the buffers just taken) are ready on `compute`.
         transport.wait(&event(compute)?).map_err(driver_error)?;
+        // From here on `compute` waits for the transport before the buffers are given back, an
+        // error included.
+        let joined = TransportJoin {
+            compute,
+            transport,
+            ranks,
+            armed: true,
+        };
         let mut plan = None;
         for step in 0..count {
             // The transport sends each held shard on, into the next rank's buffer that it read in
@@ -253,6 +261,7 @@ impl Device {
             compute.wait(&sent).map_err(driver_error)?;
             transport.wait(&event(compute)?).map_err(driver_error)?;
         }
+        joined.finish()?;
         // Each query chunk's parts merged into its rows of the rank's outputs.
         for (r, output) in outputs.iter_mut().enumerate() {
             for (ci, chunk_parts) in parts[r].iter().enumerate() {
@@ -262,18 +271,20 @@ impl Device {
         plan.ok_or_else(|| Error::InvalidConfig("a ring step saw no keys".into()))
     }
 
-    /// A part's buffers, O zeros and LSE +inf (rows the part's call leaves keep them).
-    fn empty_part<T: Element + DeviceRepr>(
+    /// A part's buffers of `out` and `lse` elements; where its call writes only some rows
+    /// (`truncated`), O zeros and LSE +inf, which the others keep.
+    fn part<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
-        out: usize,
-        lse: usize,
+        (out, lse): (usize, usize),
+        truncated: bool,
     ) -> Result<Part<T>> {
-        // SAFETY: every element is set below, in stream order, before any read.
+        // SAFETY: every element is set in stream order before any read: by the part's call, and
+        // where it writes only some rows, by the fills below first.
         let mut o = unsafe { stream.alloc::<T>(out) }.map_err(driver_error)?;
         let mut l = unsafe { stream.alloc::<f32>(lse) }.map_err(driver_error)?;
-        self.ctx.bind_to_thread().map_err(driver_error)?;
-        {
+        if truncated {
+            self.ctx.bind_to_thread().map_err(driver_error)?;
             let (o_ptr, _o) = o.device_ptr_mut(stream);
             let bytes = out * std::mem::size_of::<T>();
             // SAFETY: `bytes` bytes of a live buffer of this context, on its stream.
@@ -317,7 +328,7 @@ impl Device {
         let (k_at, k_layout) = rows_of(
             Layout::contiguous(k_shape).strides,
             k_shape[2],
-            d,
+            k_shape[3],
             kv_first,
             p.k_rows,
         );
@@ -413,6 +424,43 @@ impl Device {
     }
 }
 
+/// `compute` ordered after all the transport was given, when a ring ends (`finish`) or fails
+/// (drop): the buffers the transport wrote are given back on `compute`, and each rank's K and V,
+/// which the transport read, then count as last read there (cudarc orders a later writer of them
+/// after that).
+struct TransportJoin<'a, 'r, T: DeviceRepr> {
+    compute: &'a Arc<CudaStream>,
+    transport: &'a Arc<CudaStream>,
+    ranks: &'a [DeviceRingRank<'r, T>],
+    armed: bool,
+}
+
+impl<T: DeviceRepr> TransportJoin<'_, '_, T> {
+    fn join(&self) -> Result<()> {
+        self.compute.join(self.transport).map_err(driver_error)?;
+        for r in self.ranks {
+            drop(r.k.data.device_ptr(self.compute));
+            drop(r.v.data.device_ptr(self.compute));
+        }
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<()> {
+        self.armed = false;
+        self.join()
+    }
+}
+
+impl<T: DeviceRepr> Drop for TransportJoin<'_, '_, T> {
+    fn drop(&mut self) {
+        // On the way out of a failed ring, whose error the caller gets: a failure to join here
+        // leaves the frees ordered by cudarc's own events alone.
+        if self.armed {
+            let _ = self.join();
+        }
+    }
+}
+
 /// The K and V shard rank `r` holds at step `step`: its own, then the buffer the transport
 /// filled in the step before.
 fn held<'s, T>(
@@ -498,7 +546,24 @@ fn copy_rows_f32(
     };
     dev.ctx.bind_to_thread().map_err(driver_error)?;
     // SAFETY: both spans were checked within their live buffers of this context above.
-    unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()) }
+    let status = unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()) };
+    if status != sys::CUresult::CUDA_ERROR_INVALID_VALUE {
+        return status.result().map_err(driver_error);
+    }
+    // The driver may refuse device-to-device pitches it did not choose itself: row by row.
+    for row in 0..height {
+        let at = |ptr: sys::CUdeviceptr, pitch: usize| ptr + (row * pitch * f) as u64;
+        // SAFETY: a row of the spans checked above.
+        unsafe {
+            sys::cuMemcpyDtoDAsync_v2(
+                at(dst_ptr, dst_pitch),
+                at(src_ptr, src_pitch),
+                width * f,
+                stream.cu_stream(),
+            )
+        }
         .result()
-        .map_err(driver_error)
+        .map_err(driver_error)?;
+    }
+    Ok(())
 }

@@ -210,18 +210,79 @@ fn device_ring_matches_the_whole_call() {
             false,
         );
     }
-    // A window narrower than a chunk and one that reaches right; sinks; d128, MQA.
+    // A window narrower than a chunk and one that reaches right (pairs over fewer rows or keys
+    // than their chunks, two batch entries); sinks; d128, MQA.
     let window = AttentionConfig::new().window(Some(20), Some(0));
     let wide = AttentionConfig::new().window(Some(70), Some(30));
-    run(&window, Sharding::ZigZag, 4, (1, 256, 4, 4, 64), false);
-    run(&wide, Sharding::Contiguous, 3, (1, 192, 4, 2, 64), false);
+    let full = AttentionConfig::new();
+    run(&window, Sharding::ZigZag, 4, (2, 256, 4, 4, 64), false);
+    run(&wide, Sharding::Contiguous, 3, (2, 192, 4, 2, 64), false);
     run(&causal, Sharding::ZigZag, 2, (2, 256, 8, 1, 128), true);
-    run(
-        &AttentionConfig::new(),
-        Sharding::Contiguous,
-        4,
-        (1, 256, 4, 2, 128),
-        true,
-    );
+    run(&full, Sharding::Contiguous, 4, (1, 256, 4, 2, 128), true);
+    // Shards large enough that the transport's copies take about as long as a step's calls.
+    run(&causal, Sharding::ZigZag, 4, (1, 4096, 4, 2, 64), false);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Rings the device refuses before anything runs: K of another head dim than Q's, K not
+/// contiguous, outputs for another number of ranks, more parts a query chunk than the merge
+/// takes (33 ranks zig-zag).
+#[test]
+#[ignore = "needs a GPU"]
+fn device_ring_refusals_are_typed_errors() {
+    let (dev, compute) = device();
+    let transport = dev.new_stream().unwrap();
+    let streams = RingStreams {
+        compute: &compute,
+        transport: &transport,
+    };
+    let mut rng = StdRng::seed_from_u64(1);
+    let x: Vec<bf16> = random(64 * 4 * 128, &mut rng);
+    let buf = compute.clone_htod(&x).unwrap();
+    let (q, k, k96) = (
+        DeviceTensor::contiguous(&buf, [1, 64, 4, 64]),
+        DeviceTensor::contiguous(&buf, [1, 64, 2, 64]),
+        DeviceTensor::contiguous(&buf, [1, 64, 2, 96]),
+    );
+    // K's rows 256 elements apart: not contiguous.
+    let strided = DeviceTensor::new(
+        buf.slice(..),
+        flashattn::Layout::with_strides([1, 64, 2, 64], [64 * 256, 256, 64, 1]),
+    );
+    let mut o = compute.clone_htod(&vec![bf16::NAN; 64 * 4 * 64]).unwrap();
+    let mut l = compute.clone_htod(&vec![f32::NAN; 4 * 64]).unwrap();
+    let causal = AttentionConfig::new().causal(true);
+    let rank = |k| DeviceRingRank {
+        q: &q,
+        k,
+        v: k,
+        sinks: None,
+    };
+    let cases: Vec<(&str, Vec<DeviceRingRank<bf16>>)> = vec![
+        ("K of head dim 96 under Q's 64", vec![rank(&k96)]),
+        ("K not contiguous", vec![rank(&strided)]),
+        ("two ranks, one output", vec![rank(&k), rank(&k)]),
+        ("33 ranks zig-zag", (0..33).map(|_| rank(&k)).collect()),
+    ];
+    for (what, ranks) in cases {
+        let mut out = DeviceTensorMut::contiguous(&mut o, [1, 64, 4, 64]);
+        let mut lse = l.as_view_mut();
+        let mut outputs = [DeviceRingOutput {
+            out: &mut out,
+            lse: &mut lse,
+        }];
+        let r = dev.ring_forward_into(streams, &causal, Sharding::ZigZag, &ranks, &mut outputs);
+        let typed = match (&r, what) {
+            (Err(flashattn::Error::ShapeMismatch { .. }), "K of head dim 96 under Q's 64") => true,
+            (Err(flashattn::Error::Unsupported { .. }), "K not contiguous") => true,
+            (Err(flashattn::Error::InvalidConfig(why)), "two ranks, one output") => {
+                why.contains("outputs")
+            }
+            (Err(flashattn::Error::InvalidConfig(why)), "33 ranks zig-zag") => {
+                why.contains("parts")
+            }
+            _ => false,
+        };
+        assert!(typed, "{what}: {r:?}");
+    }
 }
