@@ -13,6 +13,7 @@
 #include "flash_api.h"
 #include "kernels.h"
 #include "kvcache_append.h"
+#include "rows.h"
 #include "sm90/fp8_layout.h"
 #include "sm90/fp8_quantize.h"
 
@@ -495,6 +496,33 @@ extern "C" flashattn_result_t flashattn_combine(const flashattn_combine_t* param
         return kInvalid;
   }
   return flashattn::run_combine(p, static_cast<cudaStream_t>(stream));
+}
+
+namespace {
+
+// The rows' sizes, and x and acc as inputs and outputs: `acc` written (add) or x (round).
+bool valid_rows(const flashattn_rows_t& p, bool acc_written) {
+  if (p.dtype != FLASHATTN_F16 && p.dtype != FLASHATTN_BF16) return false;
+  if (p.batch < 1 || p.seqlen < 1 || p.heads < 1 || p.head_dim < 1 || p.head_dim > 4096)
+    return false;
+  const View x = View::of(p.x, elem_bytes(p.dtype), p.batch, p.seqlen, p.heads, p.head_dim);
+  const View acc = View::of(p.acc, 4, p.batch, p.seqlen, p.heads, p.head_dim);
+  Operands ops;
+  ops.read(acc_written ? x : acc);
+  ops.write(acc_written ? acc : x);
+  return ops.valid();
+}
+
+}  // namespace
+
+extern "C" flashattn_result_t flashattn_rows_add(const flashattn_rows_t* params, void* stream) {
+  if (params == nullptr || !valid_rows(*params, true)) return kInvalid;
+  return flashattn::run_rows_add(*params, static_cast<cudaStream_t>(stream));
+}
+
+extern "C" flashattn_result_t flashattn_rows_round(const flashattn_rows_t* params, void* stream) {
+  if (params == nullptr || !valid_rows(*params, false)) return kInvalid;
+  return flashattn::run_rows_round(*params, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" flashattn_result_t flashattn_fp8_sanitize_descales(const float* src, float* dst,

@@ -311,6 +311,19 @@ typedef struct {
   float* lse;
 } flashattn_combine_t;
 
+// Rows of a (batch, seqlen, heads, head_dim) tensor held twice: x in dtype (FLASHATTN_F16 or
+// FLASHATTN_BF16) and acc in f32, each with its strides (unit element stride). flashattn_rows_add
+// adds x into acc element by element (acc += x, in f32); flashattn_rows_round writes acc rounded
+// to the nearest dtype into x: gradients summed over several calls in f32 and rounded once. The
+// views are checked as flashattn_tensor_t says (the output, acc or x, reaching each element once
+// and sharing none with the other).
+typedef struct {
+  int32_t dtype;
+  int32_t batch, seqlen, heads, head_dim;
+  flashattn_tensor_t x;    // dtype
+  flashattn_tensor_t acc;  // f32
+} flashattn_rows_t;
+
 typedef struct {
   int32_t major, minor;
   int32_t sm_count;
@@ -350,6 +363,10 @@ flashattn_result_t flashattn_kvcache_append(const flashattn_kvcache_append_t* pa
 
 // Partial results merged by their LSE on `stream` (flashattn_combine_t).
 flashattn_result_t flashattn_combine(const flashattn_combine_t* params, void* stream);
+
+// acc += x, and x = acc rounded, on `stream` (flashattn_rows_t).
+flashattn_result_t flashattn_rows_add(const flashattn_rows_t* params, void* stream);
+flashattn_result_t flashattn_rows_round(const flashattn_rows_t* params, void* stream);
 
 // `count` FP8 descales from src to dst (in place when equal) on `stream`, every value that is not
 // finite and > 0 replaced by NaN: the FP8 forward then gives NaN in the rows such a descale

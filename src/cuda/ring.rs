@@ -3,7 +3,9 @@
 //! stream of their own, overlapped with the attention calls of the step before them), every
 //! query chunk's parts merged by their LSE on the device. The sends and receives are those NCCL
 //! would carry between GPUs, in the same order and under the same events; the arithmetic is the
-//! host ring's, call for call (the same pairs of chunks, masks and rows).
+//! host ring's, call for call (the same pairs of chunks, masks and rows). In the backward each
+//! shard's dK and dV accumulators (f32) travel with it, every rank adding its queries' part, and
+//! come home after the last step; dQ stays; all three are rounded once at the end.
 
 use std::sync::Arc;
 
@@ -12,7 +14,11 @@ use cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice,
 };
 
-use super::{driver_error, Device, DeviceForwardInputs, DeviceTensor, DeviceTensorMut};
+use super::{
+    driver_error, Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut,
+    DeviceTensor, DeviceTensorMut,
+};
+use crate::backend::gpu::{self, RawTensor};
 use crate::combine::LseLayout;
 use crate::config::AttentionConfig;
 use crate::dispatch::Plan;
@@ -48,6 +54,35 @@ pub struct DeviceRingOutput<'a, 'o, T> {
 pub struct RingStreams<'s> {
     pub compute: &'s Arc<CudaStream>,
     pub transport: &'s Arc<CudaStream>,
+}
+
+/// One simulated rank's backward inputs: its shards of Q, K and V (as [`DeviceRingRank`]; K and V
+/// contiguous), and its O and dO `(batch, rows, heads_q, d_v)` and LSE `(batch, heads_q, rows)`
+/// f32 as [`Device::ring_forward_into`] gave them.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceRingBackwardRank<'a, T> {
+    pub q: &'a DeviceTensor<'a, T>,
+    pub k: &'a DeviceTensor<'a, T>,
+    pub v: &'a DeviceTensor<'a, T>,
+    pub out: &'a DeviceTensor<'a, T>,
+    pub dout: &'a DeviceTensor<'a, T>,
+    pub lse: &'a CudaView<'a, f32>,
+}
+
+/// Where a rank's gradients go: dQ shaped like its Q shard, dK and dV like its K and V shards.
+#[derive(Debug)]
+pub struct DeviceRingGradients<'a, 'g, T> {
+    pub dq: &'a mut DeviceTensorMut<'g, T>,
+    pub dk: &'a mut DeviceTensorMut<'g, T>,
+    pub dv: &'a mut DeviceTensorMut<'g, T>,
+}
+
+/// One pair's gradients, over its rows, and the plan of its call.
+struct BackwardPart<T> {
+    dq: CudaSlice<T>,
+    dk: CudaSlice<T>,
+    dv: CudaSlice<T>,
+    plan: Plan,
 }
 
 /// A rank's K and V shard as the transport holds it: a buffer of each.
@@ -113,16 +148,7 @@ impl Device {
             tensor::check_len(Operand::Q, &rank.q.layout, rank.q.data.len())?;
             for (operand, t) in [(Operand::K, rank.k), (Operand::V, rank.v)] {
                 tensor::check_len(operand, &t.layout, t.data.len())?;
-                if t.layout != Layout::contiguous(t.layout.shape) {
-                    return Err(Error::Unsupported {
-                        what: format!(
-                            "rank {r}'s {operand} of strides {:?} in a device ring (the \
-                             transport moves contiguous shards)",
-                            t.layout.strides
-                        ),
-                        backend: crate::Backend::Auto,
-                    });
-                }
+                check_contiguous(r, operand, &t.layout)?;
             }
             tensor::check_output_len(Operand::Out, &output.out.layout, output.out.data.len())?;
             crate::tensor::Problem::expect_shape(
@@ -212,7 +238,7 @@ impl Device {
         let joined = TransportJoin {
             compute,
             transport,
-            ranks,
+            read: ranks.iter().flat_map(|r| [&r.k.data, &r.v.data]).collect(),
             armed: true,
         };
         let mut plan = None;
@@ -243,7 +269,7 @@ impl Device {
             // This step's calls: rank r's pairs over rank (r − step)'s chunks.
             for (r, rank) in ranks.iter().enumerate() {
                 let src = (r + count - step) % count;
-                let (k_held, v_held) = held(rank, &slots, r, step);
+                let (k_held, v_held) = held((&rank.k.data, &rank.v.data), &slots, r, step);
                 for (ci, chunk_pairs) in pairs[r].iter().enumerate() {
                     for (pi, p) in chunk_pairs.iter().enumerate() {
                         if p.src != src {
@@ -269,6 +295,364 @@ impl Device {
             }
         }
         plan.ok_or_else(|| Error::InvalidConfig("a ring step saw no keys".into()))
+    }
+
+    /// [`crate::ring::backward`] on this device over `ranks.len()` simulated ranks, ordered on
+    /// `streams.compute` as [`Device::ring_forward_into`] is: step `s` runs every rank's pairs
+    /// over the shard it holds (rank `(r − s) mod ranks`'s), each pair's backward into buffers of
+    /// its rows, then adds its dQ into the rank's f32 dQ and its dK and dV into the f32
+    /// accumulators that travel with the shard. The transport hands the K and V shards on as
+    /// in the forward (overlapping the step's calls) and each accumulator on once the step's
+    /// adds into it are done (overlapping the next step's calls, whose adds wait for it); after
+    /// the last step one more hop brings every accumulator home. dQ, dK and dV are rounded to
+    /// `T` once, at the end. The sinks' gradient is not computed here (dQ, dK and dV need only
+    /// the LSE, which holds the sinks). Takes device memory for the transport's buffers, the
+    /// f32 sums and each step's gradient buffers, given back in stream order.
+    pub fn ring_backward_into<T: Element + DeviceRepr>(
+        &self,
+        streams: RingStreams<'_>,
+        cfg: &AttentionConfig,
+        sharding: Sharding,
+        ranks: &[DeviceRingBackwardRank<'_, T>],
+        grads: &mut [DeviceRingGradients<'_, '_, T>],
+    ) -> Result<Plan> {
+        let RingStreams { compute, transport } = streams;
+        let count = ring::check_ring_shapes(
+            sharding,
+            ranks.iter().map(|r| {
+                (
+                    [r.q.layout.shape, r.k.layout.shape, r.v.layout.shape],
+                    false,
+                )
+            }),
+        )?;
+        if grads.len() != count {
+            return Err(Error::InvalidConfig(format!(
+                "{} gradients for a ring of {count} ranks",
+                grads.len()
+            )));
+        }
+        let per = sharding.chunks_per_rank();
+        let [batch, rows, heads, d] = ranks[0].q.layout.shape;
+        let [_, _, heads_kv, _] = ranks[0].k.layout.shape;
+        let d_v = ranks[0].v.layout.shape[3];
+        let len = rows / per;
+        let (q_shape, k_shape, v_shape) = (
+            [batch, rows, heads, d],
+            [batch, rows, heads_kv, d],
+            [batch, rows, heads_kv, d_v],
+        );
+        for (r, (rank, g)) in ranks.iter().zip(grads.iter()).enumerate() {
+            tensor::check_len(Operand::Q, &rank.q.layout, rank.q.data.len())?;
+            for (operand, t) in [(Operand::K, rank.k), (Operand::V, rank.v)] {
+                tensor::check_len(operand, &t.layout, t.data.len())?;
+                check_contiguous(r, operand, &t.layout)?;
+            }
+            for (operand, t) in [(Operand::Out, rank.out), (Operand::DOut, rank.dout)] {
+                crate::tensor::Problem::expect_shape(
+                    operand,
+                    &t.layout,
+                    [batch, rows, heads, d_v],
+                )?;
+                tensor::check_len(operand, &t.layout, t.data.len())?;
+            }
+            // Exactly the rank's rows: a whole sequence's LSE here would read as wrong rows.
+            if rank.lse.len() != batch * heads * rows {
+                return Err(Error::BufferTooSmall {
+                    operand: Operand::Lse,
+                    needed: batch * heads * rows,
+                    len: rank.lse.len(),
+                });
+            }
+            for (operand, t, shape) in [
+                (Operand::DQ, &g.dq, q_shape),
+                (Operand::DK, &g.dk, k_shape),
+                (Operand::DV, &g.dv, v_shape),
+            ] {
+                crate::tensor::Problem::expect_shape(operand, &t.layout, shape)?;
+                tensor::check_output_len(operand, &t.layout, t.data.len())?;
+            }
+        }
+        let mut contexts = vec![(CallPart::Stream, transport.context())];
+        for (r, g) in ranks.iter().zip(grads.iter()) {
+            for (operand, t) in [
+                (Operand::Q, r.q),
+                (Operand::K, r.k),
+                (Operand::V, r.v),
+                (Operand::Out, r.out),
+                (Operand::DOut, r.dout),
+            ] {
+                contexts.push((operand.into(), t.data.stream().context()));
+            }
+            contexts.push((Operand::Lse.into(), r.lse.stream().context()));
+            for (operand, t) in [
+                (Operand::DQ, &g.dq),
+                (Operand::DK, &g.dk),
+                (Operand::DV, &g.dv),
+            ] {
+                contexts.push((operand.into(), t.data.stream().context()));
+            }
+        }
+        self.check_same_context(compute, contexts)?;
+
+        let elements = |shape: [usize; 4]| shape.iter().product::<usize>();
+        let (k_len, v_len) = (elements(k_shape), elements(v_shape));
+        let zeros = |n: usize| compute.alloc_zeros::<f32>(n).map_err(driver_error);
+        // SAFETY (the uninitialized buffers below): each is written whole (a transport copy, or
+        // a call) before anything reads it.
+        let slot = || -> Result<Shard<T>> {
+            Ok(Shard {
+                k: unsafe { compute.alloc::<T>(k_len) }.map_err(driver_error)?,
+                v: unsafe { compute.alloc::<T>(v_len) }.map_err(driver_error)?,
+            })
+        };
+        let mut slots: Vec<[Shard<T>; 2]> = if count > 1 {
+            (0..count)
+                .map(|_| Ok([slot()?, slot()?]))
+                .collect::<Result<_>>()?
+        } else {
+            vec![]
+        };
+        let mut dq_sums: Vec<CudaSlice<f32>> = (0..count)
+            .map(|_| zeros(elements(q_shape)))
+            .collect::<Result<_>>()?;
+        // The travelling dK and dV sums, two a rank (index 2·rank + buffer): at step s rank r adds
+        // into buffer s % 2, zeroed at step 0 and later filled by the hop from rank r − 1.
+        let mut dk_sums: Vec<CudaSlice<f32>> = (0..2 * count)
+            .map(|_| zeros(k_len))
+            .collect::<Result<_>>()?;
+        let mut dv_sums: Vec<CudaSlice<f32>> = (0..2 * count)
+            .map(|_| zeros(v_len))
+            .collect::<Result<_>>()?;
+        let pairs: Vec<Vec<Vec<ring::Pair>>> = (0..count)
+            .map(|r| {
+                sharding
+                    .chunk_ids(count, r)
+                    .into_iter()
+                    .map(|qc| ring::ring_pairs(cfg, sharding, count, r, qc, len))
+                    .collect()
+            })
+            .collect();
+
+        let event = |stream: &Arc<CudaStream>| stream.record_event(None).map_err(driver_error);
+        transport.wait(&event(compute)?).map_err(driver_error)?;
+        let joined = TransportJoin {
+            compute,
+            transport,
+            read: ranks.iter().flat_map(|r| [&r.k.data, &r.v.data]).collect(),
+            armed: true,
+        };
+        let mut plan = None;
+        let mut sums_sent: Option<cudarc::driver::CudaEvent> = None;
+        for step in 0..count {
+            if step + 1 < count {
+                for (r, rank) in ranks.iter().enumerate() {
+                    let next = (r + 1) % count;
+                    if step == 0 {
+                        let (k, v) = (rank.k.data.slice(..k_len), rank.v.data.slice(..v_len));
+                        send(transport, (&k, &v), &mut slots[next][0])?;
+                    } else {
+                        let (from, to) = two_of(&mut slots, r, next);
+                        let src = &from[(step - 1) % 2];
+                        send(
+                            transport,
+                            (&src.k.slice(..), &src.v.slice(..)),
+                            &mut to[step % 2],
+                        )?;
+                    }
+                }
+            }
+            let kv_sent = event(transport)?;
+            // This step's calls, each into gradient buffers of its rows.
+            let mut done = vec![];
+            for (r, rank) in ranks.iter().enumerate() {
+                let src = (r + count - step) % count;
+                let (k_held, v_held) = held((&rank.k.data, &rank.v.data), &slots, r, step);
+                for (ci, chunk_pairs) in pairs[r].iter().enumerate() {
+                    for p in chunk_pairs.iter().filter(|p| p.src == src) {
+                        let part = self.ring_backward_part(
+                            compute,
+                            (rank, ci, len),
+                            (&k_held, &v_held),
+                            p,
+                        )?;
+                        plan.get_or_insert(part.plan.clone());
+                        done.push((r, ci, p, part));
+                    }
+                }
+            }
+            // The sums: dQ at home; dK and dV into the travelling ones, once they have come.
+            if let Some(sent) = &sums_sent {
+                compute.wait(sent).map_err(driver_error)?;
+            }
+            for (r, ci, p, part) in &done {
+                // A part's `n` rows (batch, n, h, w), added into rows `first..` of a sum of
+                // `shape`.
+                let add = |part: &CudaSlice<T>,
+                           sum: &mut CudaSlice<f32>,
+                           shape: [usize; 4],
+                           first: usize,
+                           n: usize| {
+                    let strides = Layout::contiguous(shape).strides;
+                    let rows_shape = [shape[0], n, shape[2], shape[3]];
+                    add_rows(
+                        self,
+                        compute,
+                        (&part.slice(..), Layout::contiguous(rows_shape)),
+                        (
+                            &mut sum.slice_mut(first * strides[1]..),
+                            Layout::with_strides(rows_shape, strides),
+                        ),
+                    )
+                };
+                add(&part.dq, &mut dq_sums[*r], q_shape, ci * len, p.q_rows)?;
+                let sum = 2 * r + step % 2;
+                add(&part.dk, &mut dk_sums[sum], k_shape, p.cj * len, p.k_rows)?;
+                add(&part.dv, &mut dv_sums[sum], v_shape, p.cj * len, p.k_rows)?;
+            }
+            drop(done);
+            // The next step reads the K and V sent in this one; the transport's next copies
+            // write what this step read, and the sums go on once this step's adds are done
+            // (after the last step, home).
+            compute.wait(&kv_sent).map_err(driver_error)?;
+            transport.wait(&event(compute)?).map_err(driver_error)?;
+            for r in 0..count {
+                let (from, to) = (2 * r + step % 2, 2 * ((r + 1) % count) + (step + 1) % 2);
+                for sums in [&mut dk_sums, &mut dv_sums] {
+                    let (src, dst) = two_of(sums, from, to);
+                    transport.memcpy_dtod(src, dst).map_err(driver_error)?;
+                }
+            }
+            sums_sent = Some(event(transport)?);
+        }
+        if let Some(sent) = &sums_sent {
+            compute.wait(sent).map_err(driver_error)?;
+        }
+        joined.finish()?;
+        // Every sum home (rank r's in its buffer count % 2), rounded once.
+        for (r, g) in grads.iter_mut().enumerate() {
+            let home = 2 * r + count % 2;
+            for (sum, out) in [
+                (&dq_sums[r], &mut *g.dq),
+                (&dk_sums[home], &mut *g.dk),
+                (&dv_sums[home], &mut *g.dv),
+            ] {
+                round_rows(self, compute, &sum.slice(..), out)?;
+            }
+        }
+        plan.ok_or_else(|| Error::InvalidConfig("a ring step saw no keys".into()))
+    }
+
+    /// One pair's backward: rank `rank`'s query chunk `ci` (of `len` rows; its first `p.q_rows`,
+    /// with their O, dO and LSE) against key chunk `p.cj` of the held shard (its first
+    /// `p.k_rows`), into buffers of those rows.
+    fn ring_backward_part<T: Element + DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        (rank, ci, len): (&DeviceRingBackwardRank<'_, T>, usize, usize),
+        (k_held, v_held): (&CudaView<T>, &CudaView<T>),
+        p: &ring::Pair,
+    ) -> Result<BackwardPart<T>> {
+        let [batch, rows, heads, d] = rank.q.layout.shape;
+        let [_, _, heads_kv, _] = rank.k.layout.shape;
+        let d_v = rank.v.layout.shape[3];
+        // Rows `first..first + n` of a tensor of `shape` in `data`, in `strides`.
+        fn rows_of<'v, T>(
+            data: &'v CudaView<'_, T>,
+            shape: [usize; 4],
+            strides: [usize; 4],
+            first: usize,
+            n: usize,
+        ) -> DeviceTensor<'v, T> {
+            DeviceTensor::new(
+                data.slice(first * strides[1]..),
+                Layout::with_strides([shape[0], n, shape[2], shape[3]], strides),
+            )
+        }
+        let q_first = ci * len;
+        let (q, out, dout) = (
+            rows_of(
+                &rank.q.data,
+                rank.q.layout.shape,
+                rank.q.layout.strides,
+                q_first,
+                p.q_rows,
+            ),
+            rows_of(
+                &rank.out.data,
+                rank.out.layout.shape,
+                rank.out.layout.strides,
+                q_first,
+                p.q_rows,
+            ),
+            rows_of(
+                &rank.dout.data,
+                rank.dout.layout.shape,
+                rank.dout.layout.strides,
+                q_first,
+                p.q_rows,
+            ),
+        );
+        let (k_shape, v_shape) = (rank.k.layout.shape, rank.v.layout.shape);
+        let k = rows_of(
+            k_held,
+            k_shape,
+            Layout::contiguous(k_shape).strides,
+            p.cj * len,
+            p.k_rows,
+        );
+        let v = rows_of(
+            v_held,
+            v_shape,
+            Layout::contiguous(v_shape).strides,
+            p.cj * len,
+            p.k_rows,
+        );
+        // The rows' LSE, (batch, heads, q_rows): the rank's own where it is exactly that.
+        let lse_rows;
+        let lse = if p.q_rows == rows {
+            rank.lse.slice(..)
+        } else {
+            // SAFETY: the copy writes every element before the call reads it, in stream order.
+            let mut l =
+                unsafe { stream.alloc::<f32>(batch * heads * p.q_rows) }.map_err(driver_error)?;
+            copy_rows_f32(
+                self,
+                stream,
+                (&rank.lse.slice(q_first..), rows),
+                (&mut l.slice_mut(..), p.q_rows),
+                (p.q_rows, batch * heads),
+            )?;
+            lse_rows = l;
+            lse_rows.slice(..)
+        };
+        // SAFETY: the backward writes every element of its gradients.
+        let alloc = |n: usize| unsafe { stream.alloc::<T>(n) }.map_err(driver_error);
+        let (mut dq, mut dk, mut dv) = (
+            alloc(batch * p.q_rows * heads * d)?,
+            alloc(batch * p.k_rows * heads_kv * d)?,
+            alloc(batch * p.k_rows * heads_kv * d_v)?,
+        );
+        let plan = self.backward_into(
+            stream,
+            &p.mask,
+            DeviceBackwardInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                out: &out,
+                dout: &dout,
+                lse: &lse,
+                sinks: None,
+            },
+            DeviceGradientsMut {
+                dq: &mut DeviceTensorMut::contiguous(&mut dq, [batch, p.q_rows, heads, d]),
+                dk: &mut DeviceTensorMut::contiguous(&mut dk, [batch, p.k_rows, heads_kv, d]),
+                dv: &mut DeviceTensorMut::contiguous(&mut dv, [batch, p.k_rows, heads_kv, d_v]),
+                dsinks: None,
+            },
+        )?;
+        Ok(BackwardPart { dq, dk, dv, plan })
     }
 
     /// A part's buffers of `out` and `lse` elements; where its call writes only some rows
@@ -431,16 +815,16 @@ impl Device {
 struct TransportJoin<'a, 'r, T: DeviceRepr> {
     compute: &'a Arc<CudaStream>,
     transport: &'a Arc<CudaStream>,
-    ranks: &'a [DeviceRingRank<'r, T>],
+    /// The ranks' K and V.
+    read: Vec<&'a CudaView<'r, T>>,
     armed: bool,
 }
 
 impl<T: DeviceRepr> TransportJoin<'_, '_, T> {
     fn join(&self) -> Result<()> {
         self.compute.join(self.transport).map_err(driver_error)?;
-        for r in self.ranks {
-            drop(r.k.data.device_ptr(self.compute));
-            drop(r.v.data.device_ptr(self.compute));
+        for view in &self.read {
+            drop(view.device_ptr(self.compute));
         }
         Ok(())
     }
@@ -464,17 +848,131 @@ impl<T: DeviceRepr> Drop for TransportJoin<'_, '_, T> {
 /// The K and V shard rank `r` holds at step `step`: its own, then the buffer the transport
 /// filled in the step before.
 fn held<'s, T>(
-    rank: &'s DeviceRingRank<'_, T>,
+    (k, v): (&'s CudaView<'_, T>, &'s CudaView<'_, T>),
     slots: &'s [[Shard<T>; 2]],
     r: usize,
     step: usize,
 ) -> (CudaView<'s, T>, CudaView<'s, T>) {
     if step == 0 {
-        (rank.k.data.slice(..), rank.v.data.slice(..))
+        (k.slice(..), v.slice(..))
     } else {
         let s = &slots[r][(step - 1) % 2];
         (s.k.slice(..), s.v.slice(..))
     }
+}
+
+/// Rank `r`'s K or V must be contiguous: the transport moves shards whole.
+fn check_contiguous(r: usize, operand: Operand, layout: &Layout) -> Result<()> {
+    if *layout == Layout::contiguous(layout.shape) {
+        return Ok(());
+    }
+    Err(Error::Unsupported {
+        what: format!(
+            "rank {r}'s {operand} of strides {:?} in a device ring (the transport moves \
+             contiguous shards)",
+            layout.strides
+        ),
+        backend: crate::Backend::Auto,
+    })
+}
+
+/// `acc` (f32 rows in `acc_layout`) += `x` (rows in `x_layout`, the same shape):
+/// flashattn_rows_add.
+fn add_rows<T: Element + DeviceRepr>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    (x, x_layout): (&CudaView<T>, Layout),
+    (acc, acc_layout): (&mut CudaViewMut<f32>, Layout),
+) -> Result<()> {
+    tensor::check_len(Operand::DQ, &x_layout, x.len())?;
+    tensor::check_output_len(Operand::DQ, &acc_layout, acc.len())?;
+    let (x_ptr, _x) = x.device_ptr(stream);
+    let (acc_ptr, _acc) = acc.device_ptr_mut(stream);
+    rows_call::<T>(
+        dev,
+        stream,
+        (
+            RawTensor {
+                ptr: x_ptr,
+                layout: x_layout,
+            },
+            RawTensor {
+                ptr: acc_ptr,
+                layout: acc_layout,
+            },
+        ),
+        true,
+    )
+}
+
+/// `out` = `acc` (contiguous f32 of `out`'s shape) rounded to `T`: flashattn_rows_round.
+fn round_rows<T: Element + DeviceRepr>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    acc: &CudaView<f32>,
+    out: &mut DeviceTensorMut<T>,
+) -> Result<()> {
+    let acc_layout = Layout::contiguous(out.layout.shape);
+    tensor::check_len(Operand::DQ, &acc_layout, acc.len())?;
+    tensor::check_output_len(Operand::DQ, &out.layout, out.data.len())?;
+    let (acc_ptr, _acc) = acc.device_ptr(stream);
+    let (out_ptr, _out) = out.data.device_ptr_mut(stream);
+    rows_call::<T>(
+        dev,
+        stream,
+        (
+            RawTensor {
+                ptr: out_ptr,
+                layout: out.layout,
+            },
+            RawTensor {
+                ptr: acc_ptr,
+                layout: acc_layout,
+            },
+        ),
+        false,
+    )
+}
+
+/// One flashattn_rows_add (`add`) or flashattn_rows_round over `x` (T) and `acc` (f32), whose
+/// pointers the caller's guards keep live.
+fn rows_call<T: Element>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    (x, acc): (RawTensor, RawTensor),
+    add: bool,
+) -> Result<()> {
+    let [batch, seqlen, heads, head_dim] = x.layout.shape;
+    let fits = |n: usize| i32::try_from(n).ok();
+    let (Some(batch), Some(seqlen), Some(heads), Some(head_dim)) =
+        (fits(batch), fits(seqlen), fits(heads), fits(head_dim))
+    else {
+        return Err(Error::IndexOverflow {
+            operand: Operand::DQ,
+            detail: format!("rows {:?} pass i32", x.layout.shape),
+        });
+    };
+    let p = crate::ffi::flashattn_rows_t {
+        dtype: gpu::ffi_dtype(T::DTYPE),
+        batch,
+        seqlen,
+        heads,
+        head_dim,
+        x: x.aligned_ffi(Operand::DQ, std::mem::size_of::<T>())?,
+        acc: acc.aligned_ffi(Operand::DQ, std::mem::size_of::<f32>())?,
+    };
+    dev.ctx.bind_to_thread().map_err(driver_error)?;
+    let stream_ptr = stream.cu_stream() as *mut std::ffi::c_void;
+    // SAFETY: both views were checked against their buffers, whose guards the caller holds
+    // until after the launch; the entry point checks them again.
+    let r = unsafe {
+        if add {
+            crate::ffi::flashattn_rows_add(&p, stream_ptr)
+        } else {
+            crate::ffi::flashattn_rows_round(&p, stream_ptr)
+        }
+    };
+    crate::ffi::check(r, crate::Backend::Auto, "gradient sums")
 }
 
 /// Element `a` of `v` to read and element `b` to write (`a != b`).

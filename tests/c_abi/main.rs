@@ -25,6 +25,7 @@ mod combine;
 mod fp8;
 mod kvcache_append;
 mod kvcache_fp8;
+mod rows;
 
 use ffi::*;
 use std::ffi::c_void;

@@ -4,6 +4,8 @@
 //! rule, with the baseline of the same single call: contiguous and zig-zag sharding, full,
 //! causal and windowed masks (a window narrower than a chunk, and one reaching right), GQA,
 //! sinks, chunks of rows no multiple of a key block. Outputs poisoned with NaN before the call.
+//! The backward (`Device::ring_backward_into`) likewise: each rank's dQ, dK and dV against its
+//! rows of the whole call's f64 gradients, O and LSE from the device's whole forward.
 
 use std::ops::Range;
 
@@ -285,4 +287,196 @@ fn device_ring_refusals_are_typed_errors() {
         };
         assert!(typed, "{what}: {r:?}");
     }
+}
+
+/// One ring backward against the whole call's gradients: O and LSE from the device's whole
+/// forward, sharded; each rank's dQ, dK and dV against its rows of the f64 reference's under
+/// DESIGN's gradient rule. The failures, each naming the case.
+fn ring_backward_case(
+    cfg: &AttentionConfig,
+    sharding: Sharding,
+    ranks: usize,
+    (batch, seqlen, hq, hk, d): (usize, usize, usize, usize, usize),
+    seed: u64,
+) -> Vec<String> {
+    use flashattn::cuda::{DeviceForwardInputs, DeviceRingBackwardRank, DeviceRingGradients};
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (q_shape, kv_shape) = ([batch, seqlen, hq, d], [batch, seqlen, hk, d]);
+    let q: Vec<bf16> = random(batch * seqlen * hq * d, &mut rng);
+    let k: Vec<bf16> = random(batch * seqlen * hk * d, &mut rng);
+    let v: Vec<bf16> = random(batch * seqlen * hk * d, &mut rng);
+    let dout: Vec<bf16> = random(batch * seqlen * hq * d, &mut rng);
+    let (qt, kt, vt, dt) = (
+        TensorRef::contiguous(&q, q_shape),
+        TensorRef::contiguous(&k, kv_shape),
+        TensorRef::contiguous(&v, kv_shape),
+        TensorRef::contiguous(&dout, q_shape),
+    );
+    let want = reference::reference_backward(cfg, qt, kt, vt, dt);
+    let base = reference::baseline_backward(cfg, qt, kt, vt, dt);
+    let what = format!(
+        "backward, {ranks} ranks {sharding:?}, {:?}, ({batch}, {seqlen}, {hq}/{hk}, {d})",
+        cfg.mask
+    );
+
+    // The whole call's O and LSE, as the ring's forward would give them.
+    let (dev, compute) = device();
+    let transport = dev.new_stream().unwrap();
+    let up = |x: &[bf16]| compute.clone_htod(x).unwrap();
+    let (qd, kd, vd) = (up(&q), up(&k), up(&v));
+    let mut od = up(&vec![bf16::NAN; q.len()]);
+    let mut lse_d = compute
+        .clone_htod(&vec![f32::NAN; batch * hq * seqlen])
+        .unwrap();
+    if let Err(e) = dev.forward_into(
+        &compute,
+        cfg,
+        DeviceForwardInputs::new(
+            &DeviceTensor::contiguous(&qd, q_shape),
+            &DeviceTensor::contiguous(&kd, kv_shape),
+            &DeviceTensor::contiguous(&vd, kv_shape),
+        ),
+        &mut DeviceTensorMut::contiguous(&mut od, q_shape),
+        &mut lse_d.as_view_mut(),
+    ) {
+        return vec![format!("{what}: the whole forward: {e}")];
+    }
+    let (o, lse) = (
+        compute.clone_dtoh(&od).unwrap(),
+        compute.clone_dtoh(&lse_d).unwrap(),
+    );
+    compute.synchronize().unwrap();
+
+    let rows = seqlen / ranks;
+    let shard = |x: &[bf16], shape, r| {
+        up(&ring::shard(TensorRef::contiguous(x, shape), sharding, ranks, r).unwrap())
+    };
+    let inputs: Vec<_> = (0..ranks)
+        .map(|r| {
+            let rows_of = sharding.rows(seqlen, ranks, r).unwrap();
+            (
+                [
+                    shard(&q, q_shape, r),
+                    shard(&k, kv_shape, r),
+                    shard(&v, kv_shape, r),
+                    shard(&o, q_shape, r),
+                    shard(&dout, q_shape, r),
+                ],
+                compute
+                    .clone_htod(&rank_lse(&lse, [batch, seqlen, hq], &rows_of))
+                    .unwrap(),
+            )
+        })
+        .collect();
+    let (q_rank, kv_rank) = ([batch, rows, hq, d], [batch, rows, hk, d]);
+    let views: Vec<_> = inputs
+        .iter()
+        .map(|([q, k, v, o, g], l)| {
+            (
+                [
+                    DeviceTensor::contiguous(q, q_rank),
+                    DeviceTensor::contiguous(k, kv_rank),
+                    DeviceTensor::contiguous(v, kv_rank),
+                    DeviceTensor::contiguous(o, q_rank),
+                    DeviceTensor::contiguous(g, q_rank),
+                ],
+                l.as_view(),
+            )
+        })
+        .collect();
+    let rank_inputs: Vec<_> = views
+        .iter()
+        .map(|([q, k, v, out, dout], lse)| DeviceRingBackwardRank {
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse,
+        })
+        .collect();
+    let mut grads: Vec<_> = (0..ranks)
+        .map(|_| {
+            (
+                up(&vec![bf16::NAN; batch * rows * hq * d]),
+                up(&vec![bf16::NAN; batch * rows * hk * d]),
+                up(&vec![bf16::NAN; batch * rows * hk * d]),
+            )
+        })
+        .collect();
+    {
+        let mut g_views: Vec<_> = grads
+            .iter_mut()
+            .map(|(dq, dk, dv)| {
+                (
+                    DeviceTensorMut::contiguous(dq, q_rank),
+                    DeviceTensorMut::contiguous(dk, kv_rank),
+                    DeviceTensorMut::contiguous(dv, kv_rank),
+                )
+            })
+            .collect();
+        let mut outputs: Vec<_> = g_views
+            .iter_mut()
+            .map(|(dq, dk, dv)| DeviceRingGradients { dq, dk, dv })
+            .collect();
+        if let Err(e) = dev.ring_backward_into(
+            RingStreams {
+                compute: &compute,
+                transport: &transport,
+            },
+            cfg,
+            sharding,
+            &rank_inputs,
+            &mut outputs,
+        ) {
+            return vec![format!("{what}: {e}")];
+        }
+    }
+    let mut failures = vec![];
+    for (r, (dq, dk, dv)) in grads.iter().enumerate() {
+        let rows_of = sharding.rows(seqlen, ranks, r).unwrap();
+        for (name, got, reference, baseline, shape) in [
+            ("dQ", dq, &want.dq, &base.dq, q_shape),
+            ("dK", dk, &want.dk, &base.dk, kv_shape),
+            ("dV", dv, &want.dv, &base.dv, kv_shape),
+        ] {
+            let got = reference::to_f32(&compute.clone_dtoh(got).unwrap());
+            compute.synchronize().unwrap();
+            let cmp = reference::compare_gradient::<bf16>(
+                &got,
+                &rank_rows(reference, shape, &rows_of),
+                &rank_rows(baseline, shape, &rows_of),
+            );
+            if !cmp.pass {
+                failures.push(format!("{what}: rank {r}: {name} {cmp}"));
+            }
+        }
+    }
+    failures
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn device_ring_backward_matches_the_whole_call() {
+    let causal = AttentionConfig::new().causal(true);
+    let full = AttentionConfig::new();
+    let window = AttentionConfig::new().window(Some(20), Some(0));
+    let wide = AttentionConfig::new().window(Some(70), Some(30));
+    let cases = [
+        (&causal, Sharding::ZigZag, 1, (1, 96, 4, 2, 64)),
+        (&causal, Sharding::ZigZag, 2, (2, 192, 4, 2, 64)),
+        (&causal, Sharding::ZigZag, 4, (1, 384, 4, 4, 64)),
+        (&full, Sharding::Contiguous, 3, (2, 144, 4, 2, 64)),
+        (&window, Sharding::ZigZag, 4, (2, 256, 4, 2, 64)),
+        (&wide, Sharding::Contiguous, 3, (2, 192, 4, 2, 64)),
+        (&causal, Sharding::ZigZag, 2, (1, 256, 8, 1, 128)),
+    ];
+    let failures: Vec<String> = cases
+        .into_iter()
+        .enumerate()
+        .flat_map(|(i, (cfg, sharding, ranks, shape))| {
+            ring_backward_case(cfg, sharding, ranks, shape, 100 + i as u64)
+        })
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
