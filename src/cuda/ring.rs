@@ -307,7 +307,9 @@ impl Device {
     /// the last step one more hop brings every accumulator home. dQ, dK and dV are rounded to
     /// `T` once, at the end. The sinks' gradient is not computed here (dQ, dK and dV need only
     /// the LSE, which holds the sinks). Takes device memory for the transport's buffers, the
-    /// f32 sums and each step's gradient buffers, given back in stream order.
+    /// f32 sums (two dK and dV sums a rank) and each step's gradient buffers (every rank's pairs
+    /// of the step until their adds: at most one whole call's dQ, dK and dV in `T`), given
+    /// back in stream order.
     pub fn ring_backward_into<T: Element + DeviceRepr>(
         &self,
         streams: RingStreams<'_>,
@@ -417,12 +419,42 @@ impl Device {
             .map(|_| zeros(elements(q_shape)))
             .collect::<Result<_>>()?;
         // The travelling dK and dV sums, two a rank (index 2·rank + buffer): at step s rank r adds
-        // into buffer s % 2, zeroed at step 0 and later filled by the hop from rank r − 1.
-        let mut dk_sums: Vec<CudaSlice<f32>> = (0..2 * count)
-            .map(|_| zeros(k_len))
-            .collect::<Result<_>>()?;
-        let mut dv_sums: Vec<CudaSlice<f32>> = (0..2 * count)
-            .map(|_| zeros(v_len))
+        // into buffer s % 2, which is zeros at step 0 and later what the hop from rank r − 1
+        // brought (written whole before the adds: buffer 1 needs no zeros).
+        let sums = |n: usize| -> Result<Vec<CudaSlice<f32>>> {
+            (0..2 * count)
+                .map(|i| match i % 2 {
+                    0 => zeros(n),
+                    // SAFETY: see above.
+                    _ => unsafe { compute.alloc::<f32>(n) }.map_err(driver_error),
+                })
+                .collect()
+        };
+        let (mut dk_sums, mut dv_sums) = (sums(k_len)?, sums(v_len)?);
+        // Each query chunk's LSE rows, (batch, heads, len): a zig-zag rank's copied out of its
+        // LSE once (its chunks' rows are not contiguous there), a contiguous rank's its own.
+        let chunk_lse: Vec<Vec<Option<CudaSlice<f32>>>> = ranks
+            .iter()
+            .map(|rank| {
+                (0..per)
+                    .map(|ci| {
+                        if per == 1 {
+                            return Ok(None);
+                        }
+                        // SAFETY: the copy writes every element before a call reads it.
+                        let mut l = unsafe { compute.alloc::<f32>(batch * heads * len) }
+                            .map_err(driver_error)?;
+                        copy_rows_f32(
+                            self,
+                            compute,
+                            (&rank.lse.slice(ci * len..), rows),
+                            (&mut l.slice_mut(..), len),
+                            (len, batch * heads),
+                        )?;
+                        Ok(Some(l))
+                    })
+                    .collect::<Result<_>>()
+            })
             .collect::<Result<_>>()?;
         let pairs: Vec<Vec<Vec<ring::Pair>>> = (0..count)
             .map(|r| {
@@ -470,9 +502,13 @@ impl Device {
                 let (k_held, v_held) = held((&rank.k.data, &rank.v.data), &slots, r, step);
                 for (ci, chunk_pairs) in pairs[r].iter().enumerate() {
                     for p in chunk_pairs.iter().filter(|p| p.src == src) {
+                        let lse = match &chunk_lse[r][ci] {
+                            Some(l) => l.slice(..),
+                            None => rank.lse.slice(..),
+                        };
                         let part = self.ring_backward_part(
                             compute,
-                            (rank, ci, len),
+                            (rank, ci, len, &lse),
                             (&k_held, &v_held),
                             p,
                         )?;
@@ -488,7 +524,8 @@ impl Device {
             for (r, ci, p, part) in &done {
                 // A part's `n` rows (batch, n, h, w), added into rows `first..` of a sum of
                 // `shape`.
-                let add = |part: &CudaSlice<T>,
+                let add = |operand: Operand,
+                           part: &CudaSlice<T>,
                            sum: &mut CudaSlice<f32>,
                            shape: [usize; 4],
                            first: usize,
@@ -498,6 +535,7 @@ impl Device {
                     add_rows(
                         self,
                         compute,
+                        operand,
                         (&part.slice(..), Layout::contiguous(rows_shape)),
                         (
                             &mut sum.slice_mut(first * strides[1]..),
@@ -505,10 +543,31 @@ impl Device {
                         ),
                     )
                 };
-                add(&part.dq, &mut dq_sums[*r], q_shape, ci * len, p.q_rows)?;
+                add(
+                    Operand::DQ,
+                    &part.dq,
+                    &mut dq_sums[*r],
+                    q_shape,
+                    ci * len,
+                    p.q_rows,
+                )?;
                 let sum = 2 * r + step % 2;
-                add(&part.dk, &mut dk_sums[sum], k_shape, p.cj * len, p.k_rows)?;
-                add(&part.dv, &mut dv_sums[sum], v_shape, p.cj * len, p.k_rows)?;
+                add(
+                    Operand::DK,
+                    &part.dk,
+                    &mut dk_sums[sum],
+                    k_shape,
+                    p.cj * len,
+                    p.k_rows,
+                )?;
+                add(
+                    Operand::DV,
+                    &part.dv,
+                    &mut dv_sums[sum],
+                    v_shape,
+                    p.cj * len,
+                    p.k_rows,
+                )?;
             }
             drop(done);
             // The next step reads the K and V sent in this one; the transport's next copies
@@ -532,28 +591,28 @@ impl Device {
         // Every sum home (rank r's in its buffer count % 2), rounded once.
         for (r, g) in grads.iter_mut().enumerate() {
             let home = 2 * r + count % 2;
-            for (sum, out) in [
-                (&dq_sums[r], &mut *g.dq),
-                (&dk_sums[home], &mut *g.dk),
-                (&dv_sums[home], &mut *g.dv),
+            for (operand, sum, out) in [
+                (Operand::DQ, &dq_sums[r], &mut *g.dq),
+                (Operand::DK, &dk_sums[home], &mut *g.dk),
+                (Operand::DV, &dv_sums[home], &mut *g.dv),
             ] {
-                round_rows(self, compute, &sum.slice(..), out)?;
+                round_rows(self, compute, operand, &sum.slice(..), out)?;
             }
         }
         plan.ok_or_else(|| Error::InvalidConfig("a ring step saw no keys".into()))
     }
 
     /// One pair's backward: rank `rank`'s query chunk `ci` (of `len` rows; its first `p.q_rows`,
-    /// with their O, dO and LSE) against key chunk `p.cj` of the held shard (its first
-    /// `p.k_rows`), into buffers of those rows.
+    /// with their O, dO and LSE, of the chunk's `chunk_lse` (batch, heads, len)) against key
+    /// chunk `p.cj` of the held shard (its first `p.k_rows`), into buffers of those rows.
     fn ring_backward_part<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
-        (rank, ci, len): (&DeviceRingBackwardRank<'_, T>, usize, usize),
+        (rank, ci, len, chunk_lse): (&DeviceRingBackwardRank<'_, T>, usize, usize, &CudaView<f32>),
         (k_held, v_held): (&CudaView<T>, &CudaView<T>),
         p: &ring::Pair,
     ) -> Result<BackwardPart<T>> {
-        let [batch, rows, heads, d] = rank.q.layout.shape;
+        let [batch, _, heads, d] = rank.q.layout.shape;
         let [_, _, heads_kv, _] = rank.k.layout.shape;
         let d_v = rank.v.layout.shape[3];
         // Rows `first..first + n` of a tensor of `shape` in `data`, in `strides`.
@@ -608,10 +667,10 @@ impl Device {
             p.cj * len,
             p.k_rows,
         );
-        // The rows' LSE, (batch, heads, q_rows): the rank's own where it is exactly that.
+        // The rows' LSE, (batch, heads, q_rows): the chunk's where it is all of them.
         let lse_rows;
-        let lse = if p.q_rows == rows {
-            rank.lse.slice(..)
+        let lse = if p.q_rows == len {
+            chunk_lse.slice(..)
         } else {
             // SAFETY: the copy writes every element before the call reads it, in stream order.
             let mut l =
@@ -619,7 +678,7 @@ impl Device {
             copy_rows_f32(
                 self,
                 stream,
-                (&rank.lse.slice(q_first..), rows),
+                (chunk_lse, len),
                 (&mut l.slice_mut(..), p.q_rows),
                 (p.q_rows, batch * heads),
             )?;
@@ -881,16 +940,18 @@ fn check_contiguous(r: usize, operand: Operand, layout: &Layout) -> Result<()> {
 fn add_rows<T: Element + DeviceRepr>(
     dev: &Device,
     stream: &Arc<CudaStream>,
+    operand: Operand,
     (x, x_layout): (&CudaView<T>, Layout),
     (acc, acc_layout): (&mut CudaViewMut<f32>, Layout),
 ) -> Result<()> {
-    tensor::check_len(Operand::DQ, &x_layout, x.len())?;
-    tensor::check_output_len(Operand::DQ, &acc_layout, acc.len())?;
+    tensor::check_len(operand, &x_layout, x.len())?;
+    tensor::check_output_len(operand, &acc_layout, acc.len())?;
     let (x_ptr, _x) = x.device_ptr(stream);
     let (acc_ptr, _acc) = acc.device_ptr_mut(stream);
     rows_call::<T>(
         dev,
         stream,
+        operand,
         (
             RawTensor {
                 ptr: x_ptr,
@@ -909,17 +970,19 @@ fn add_rows<T: Element + DeviceRepr>(
 fn round_rows<T: Element + DeviceRepr>(
     dev: &Device,
     stream: &Arc<CudaStream>,
+    operand: Operand,
     acc: &CudaView<f32>,
     out: &mut DeviceTensorMut<T>,
 ) -> Result<()> {
     let acc_layout = Layout::contiguous(out.layout.shape);
-    tensor::check_len(Operand::DQ, &acc_layout, acc.len())?;
-    tensor::check_output_len(Operand::DQ, &out.layout, out.data.len())?;
+    tensor::check_len(operand, &acc_layout, acc.len())?;
+    tensor::check_output_len(operand, &out.layout, out.data.len())?;
     let (acc_ptr, _acc) = acc.device_ptr(stream);
     let (out_ptr, _out) = out.data.device_ptr_mut(stream);
     rows_call::<T>(
         dev,
         stream,
+        operand,
         (
             RawTensor {
                 ptr: out_ptr,
@@ -939,6 +1002,7 @@ fn round_rows<T: Element + DeviceRepr>(
 fn rows_call<T: Element>(
     dev: &Device,
     stream: &Arc<CudaStream>,
+    operand: Operand,
     (x, acc): (RawTensor, RawTensor),
     add: bool,
 ) -> Result<()> {
@@ -948,7 +1012,7 @@ fn rows_call<T: Element>(
         (fits(batch), fits(seqlen), fits(heads), fits(head_dim))
     else {
         return Err(Error::IndexOverflow {
-            operand: Operand::DQ,
+            operand,
             detail: format!("rows {:?} pass i32", x.layout.shape),
         });
     };
@@ -958,8 +1022,8 @@ fn rows_call<T: Element>(
         seqlen,
         heads,
         head_dim,
-        x: x.aligned_ffi(Operand::DQ, std::mem::size_of::<T>())?,
-        acc: acc.aligned_ffi(Operand::DQ, std::mem::size_of::<f32>())?,
+        x: x.aligned_ffi(operand, std::mem::size_of::<T>())?,
+        acc: acc.aligned_ffi(operand, std::mem::size_of::<f32>())?,
     };
     dev.ctx.bind_to_thread().map_err(driver_error)?;
     let stream_ptr = stream.cu_stream() as *mut std::ffi::c_void;
