@@ -8,7 +8,7 @@
 mod candle_naive;
 
 use candle_core::{DType, Result, Tensor, Var};
-use flashattn::candle::{as_flash_error, flash_attn, flash_attn_varlen};
+use flashattn::candle::{as_flash_error, flash_attn, flash_attn_varlen, flash_attn_with_kvcache};
 use flashattn::{AttentionConfig, Error};
 
 use candle_naive::{naive, naive_packed};
@@ -457,4 +457,143 @@ fn packed_calls_with_bad_offsets_are_errors() {
     let q4 = q.unsqueeze(0).unwrap();
     let cu = Tensor::new(&[0u32, 5, 8], &dev).unwrap();
     assert!(flash_attn_varlen(&q4, &q4, &q4, &cu, &cu, 5, 5, &cfg).is_err());
+}
+
+/// Sequence `b`'s first `len` rows of a cache: its dense entry, or its pages (`table` row `b`
+/// of `max_pages`) laid end to end; `(1, len, heads, d)`.
+fn cache_rows(cache: &Tensor, table: Option<(&[u32], usize)>, b: usize, len: usize) -> Tensor {
+    match table {
+        None => cache.narrow(0, b, 1).unwrap().narrow(1, 0, len).unwrap(),
+        Some((t, max_pages)) => {
+            let pages: Vec<Tensor> = t[b * max_pages..(b + 1) * max_pages]
+                .iter()
+                .map(|&p| cache.narrow(0, p as usize, 1).unwrap())
+                .collect();
+            Tensor::cat(&pages, 1).unwrap().narrow(1, 0, len).unwrap()
+        }
+    }
+}
+
+/// `flash_attn_with_kvcache` over dense and paged caches (pages out of order, of 16 rows) equals,
+/// sequence by sequence, `flash_attn` over that sequence's cached keys (under the same
+/// bottom-right mask); bf16 equals the host KV-cache call bit for bit; u32 and i32 counts agree.
+#[test]
+fn kvcache_attention_equals_attention_over_each_sequences_keys() {
+    let (hq, hk, d, seqlen_q) = (8, 2, 64, 3);
+    let lens = [5u32, 48, 0, 33];
+    let batch = lens.len();
+    let q = randn(&[batch, seqlen_q, hq, d], 60);
+    let dense_k = randn(&[batch, 48, hk, d], 61);
+    let dense_v = randn(&[batch, 48, hk, d], 62);
+    // 16 pages of 16 rows, 3 a sequence, out of order.
+    let (pages, max_pages) = (16usize, 3usize);
+    let table: Vec<u32> = (0..(batch * max_pages) as u32)
+        .map(|i| (i * 5 + 2) % pages as u32)
+        .collect();
+    let paged_k = randn(&[pages, 16, hk, d], 63);
+    let paged_v = randn(&[pages, 16, hk, d], 64);
+    let dev = candle_core::Device::Cpu;
+    let lens_t = Tensor::new(&lens[..], &dev).unwrap();
+    let table_t = Tensor::from_vec(table.clone(), (batch, max_pages), &dev).unwrap();
+    for cfg in [
+        AttentionConfig::new(),
+        AttentionConfig::new().causal(true),
+        AttentionConfig::new().window(Some(7), Some(0)),
+    ] {
+        for (k, v, paged) in [(&dense_k, &dense_v, false), (&paged_k, &paged_v, true)] {
+            let what = format!("{:?}, paged {paged}", cfg.mask);
+            let table_arg = paged.then_some(&table_t);
+            let o = flash_attn_with_kvcache(&q, k, v, &lens_t, table_arg, &cfg).unwrap();
+            assert_eq!(o.dims(), &[batch, seqlen_q, hq, d], "{what}");
+            for (b, &len) in lens.iter().enumerate() {
+                let got = o.narrow(0, b, 1).unwrap();
+                if len == 0 {
+                    assert_eq!(
+                        got.abs()
+                            .unwrap()
+                            .max_all()
+                            .unwrap()
+                            .to_scalar::<f32>()
+                            .unwrap(),
+                        0.0
+                    );
+                    continue;
+                }
+                let t = paged.then_some((&table[..], max_pages));
+                let (kb, vb) = (
+                    cache_rows(k, t, b, len as usize),
+                    cache_rows(v, t, b, len as usize),
+                );
+                let want = flash_attn(&q.narrow(0, b, 1).unwrap(), &kb, &vb, &cfg).unwrap();
+                assert_close(&got, &want, 1e-5, &format!("{what}, sequence {b}"));
+            }
+            // i32 counts and table: the same call.
+            let lens32: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+            let lens32 = Tensor::new(&lens32[..], &dev).unwrap();
+            let again = flash_attn_with_kvcache(&q, k, v, &lens32, table_arg, &cfg).unwrap();
+            assert_eq!(max_abs_diff(&o, &again), 0.0, "{what}: again");
+        }
+    }
+    // bf16: the host call, bit for bit.
+    let bf = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+    let (qb, kb, vb) = (bf(&q), bf(&paged_k), bf(&paged_v));
+    let lens_i32: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+    let table_i32: Vec<i32> = table.iter().map(|&p| p as i32).collect();
+    let lens_i = Tensor::new(&lens_i32[..], &dev).unwrap();
+    let table_i = Tensor::from_vec(table_i32.clone(), (batch, max_pages), &dev).unwrap();
+    let cfg = AttentionConfig::new().causal(true);
+    let got = flash_attn_with_kvcache(&qb, &kb, &vb, &lens_i, Some(&table_i), &cfg).unwrap();
+    let host = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap();
+    let (qh, kh, vh) = (host(&qb), host(&kb), host(&vb));
+    let want = flashattn::kvcache::forward(
+        &cfg,
+        flashattn::kvcache::KvCacheInputs::new(
+            flashattn::TensorRef::contiguous(&qh, [batch, seqlen_q, hq, d]),
+            flashattn::kvcache::KvCache::paged(
+                flashattn::TensorRef::contiguous(&kh, [pages, 16, hk, d]),
+                flashattn::TensorRef::contiguous(&vh, [pages, 16, hk, d]),
+                &table_i32,
+                max_pages,
+            ),
+            &lens_i32,
+        ),
+    )
+    .unwrap();
+    let bits = |x: &[half::bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&host(&got)),
+        bits(&want.out),
+        "bf16 against the host call"
+    );
+}
+
+/// Bad KV-cache calls: counts of another dtype or rank, a block table of rank 1, Q of another
+/// dtype than the cache (refused before the op runs); a page number past the cache and a count
+/// past the capacity (typed errors of the host call).
+#[test]
+fn bad_kvcache_calls_are_errors() {
+    let dev = candle_core::Device::Cpu;
+    let cfg = AttentionConfig::new();
+    let q = randn(&[2, 1, 4, 32], 70);
+    let k = randn(&[4, 16, 2, 32], 71);
+    let lens = Tensor::new(&[3u32, 16], &dev).unwrap();
+    let table = Tensor::new(&[[0u32, 1], [2, 3]], &dev).unwrap();
+    assert!(flash_attn_with_kvcache(&q, &k, &k, &lens, Some(&table), &cfg).is_ok());
+    let f = Tensor::new(&[3f32, 16.], &dev).unwrap();
+    assert!(flash_attn_with_kvcache(&q, &k, &k, &f, Some(&table), &cfg).is_err());
+    let flat = table.flatten_all().unwrap();
+    assert!(flash_attn_with_kvcache(&q, &k, &k, &lens, Some(&flat), &cfg).is_err());
+    let q16 = q.to_dtype(DType::F16).unwrap();
+    assert!(flash_attn_with_kvcache(&q16, &k, &k, &lens, Some(&table), &cfg).is_err());
+    // Sequence 1's keys 16.. on its second page, page 9 of 4.
+    let past = Tensor::new(&[[0u32, 1], [2, 9]], &dev).unwrap();
+    let lens20 = Tensor::new(&[3u32, 20], &dev).unwrap();
+    let e = flash_attn_with_kvcache(&q, &k, &k, &lens20, Some(&past), &cfg).unwrap_err();
+    assert!(
+        matches!(as_flash_error(&e), Some(Error::InvalidPageTable(_))),
+        "{e}"
+    );
+    let long = Tensor::new(&[3u32, 33], &dev).unwrap();
+    let e = flash_attn_with_kvcache(&q, &k, &k, &long, Some(&table), &cfg).unwrap_err();
+    assert!(as_flash_error(&e).is_some(), "{e}");
 }

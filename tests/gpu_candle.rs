@@ -1,4 +1,5 @@
-//! `flashattn::candle::flash_attn` and `flash_attn_varlen` on a candle CUDA device, bf16, against
+//! `flashattn::candle::flash_attn`, `flash_attn_varlen` and `flash_attn_with_kvcache` on a candle
+//! CUDA device, bf16, against
 //! attention written with candle ops on the GPU, under the correctness rule of
 //! docs/ARCHITECTURE.md: the reference is that attention in f32 over the same rounded inputs (and
 //! its autograd for dQ, dK, dV), the baseline the same attention in bf16; O and every gradient
@@ -9,7 +10,7 @@
 mod candle_naive;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use flashattn::candle::{flash_attn, flash_attn_varlen};
+use flashattn::candle::{flash_attn, flash_attn_varlen, flash_attn_with_kvcache};
 use flashattn::reference::compare;
 use flashattn::AttentionConfig;
 
@@ -224,4 +225,74 @@ fn f32_is_refused_with_the_dispatchers_error() {
     let q = randn(&[1, 64, 2, 64], 1, &dev);
     let e = flash_attn(&q, &q, &q, &AttentionConfig::new()).unwrap_err();
     assert!(flashattn::candle::as_flash_error(&e).is_some(), "{e}");
+}
+
+/// `flash_attn_with_kvcache` on the GPU over a dense cache and a paged one (pages of 16 rows, out
+/// of order): each sequence's O against the naive attention over its cached keys (reference in
+/// f32, baseline in bf16, the same bf16-rounded values).
+#[test]
+#[ignore]
+fn bf16_kvcache_attention() {
+    let dev = gpu();
+    let (hq, hk, d, seqlen_q) = (8, 2, 128, 2);
+    let lens = [5u32, 48, 1, 33];
+    let batch = lens.len();
+    let rounded = |shape: &[usize], seed| {
+        randn(shape, seed, &dev)
+            .to_dtype(DType::BF16)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+    };
+    let q = rounded(&[batch, seqlen_q, hq, d], 1);
+    let (pages, max_pages) = (16usize, 3usize);
+    let table: Vec<u32> = (0..(batch * max_pages) as u32)
+        .map(|i| (i * 5 + 2) % pages as u32)
+        .collect();
+    let lens_t = Tensor::new(&lens[..], &dev).unwrap();
+    let table_t = Tensor::from_vec(table.clone(), (batch, max_pages), &dev).unwrap();
+    let cfg = AttentionConfig::new().causal(true);
+    for paged in [false, true] {
+        let shape = if paged {
+            [pages, 16, hk, d]
+        } else {
+            [batch, 48, hk, d]
+        };
+        let (k, v) = (rounded(&shape, 2), rounded(&shape, 3));
+        let bf = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+        let o = flash_attn_with_kvcache(
+            &bf(&q),
+            &bf(&k),
+            &bf(&v),
+            &lens_t,
+            paged.then_some(&table_t),
+            &cfg,
+        )
+        .unwrap();
+        for (b, &len) in lens.iter().enumerate() {
+            let rows = |c: &Tensor| {
+                if paged {
+                    let p: Vec<Tensor> = table[b * max_pages..(b + 1) * max_pages]
+                        .iter()
+                        .map(|&p| c.narrow(0, p as usize, 1).unwrap())
+                        .collect();
+                    Tensor::cat(&p, 1)
+                        .unwrap()
+                        .narrow(1, 0, len as usize)
+                        .unwrap()
+                } else {
+                    c.narrow(0, b, 1)
+                        .unwrap()
+                        .narrow(1, 0, len as usize)
+                        .unwrap()
+                }
+            };
+            let (qb, kb, vb) = (q.narrow(0, b, 1).unwrap(), rows(&k), rows(&v));
+            let want = naive(&qb, &kb, &vb, &cfg).unwrap();
+            let base = naive(&bf(&qb), &bf(&kb), &bf(&vb), &cfg).unwrap();
+            let got = o.narrow(0, b, 1).unwrap();
+            let c = compare(&host_f32(&got), &host_f64(&want), &host_f32(&base));
+            assert!(c.pass, "paged {paged}, sequence {b} ({len} keys): {c}");
+        }
+    }
 }

@@ -4,9 +4,11 @@ use super::*;
 use crate::varlen::Seqlens;
 use candle_core::WithDType;
 
-type Operand<'a> = (&'a CpuStorage, &'a candle_core::Layout);
+pub(super) type Operand<'a> = (&'a CpuStorage, &'a candle_core::Layout);
 
-fn view<'a, T: WithDType>((storage, layout): Operand<'a>) -> candle_core::Result<TensorRef<'a, T>> {
+pub(super) fn view<'a, T: WithDType>(
+    (storage, layout): Operand<'a>,
+) -> candle_core::Result<TensorRef<'a, T>> {
     let data = T::cpu_storage_as_slice(storage)?;
     let data = data
         .get(layout.start_offset()..)

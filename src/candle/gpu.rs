@@ -12,11 +12,11 @@ use crate::cuda::{
 };
 use crate::cuda::{DeviceSeqlens, DeviceTensor, DeviceTensorMut};
 
-type Operand<'a> = (&'a CudaStorage, &'a candle_core::Layout);
+pub(super) type Operand<'a> = (&'a CudaStorage, &'a candle_core::Layout);
 
 /// Our `Device` for candle's: one per ordinal, opened once (it queries the device's
 /// properties), and refused unless candle's context is the primary context it uses.
-fn device(dev: &CudaDevice) -> candle_core::Result<Device> {
+pub(super) fn device(dev: &CudaDevice) -> candle_core::Result<Device> {
     static DEVICES: OnceLock<Mutex<HashMap<usize, Device>>> = OnceLock::new();
     let stream = dev.cuda_stream();
     let ordinal = stream.context().ordinal();
@@ -43,7 +43,7 @@ fn device(dev: &CudaDevice) -> candle_core::Result<Device> {
     Ok(ours)
 }
 
-fn view<'a, T: CudaDType + DeviceRepr>(
+pub(super) fn view<'a, T: CudaDType + DeviceRepr>(
     (storage, layout): Operand<'a>,
 ) -> candle_core::Result<DeviceTensor<'a, T>> {
     let data = storage.as_cuda_slice::<T>()?;
@@ -53,43 +53,47 @@ fn view<'a, T: CudaDType + DeviceRepr>(
     Ok(DeviceTensor::new(data, our_layout(layout)?))
 }
 
-/// A packed call's offsets as the kernels read them, i32 views of the tensors' device memory
-/// (u32 offsets past `i32::MAX` read as negative, which the kernels clamp like any malformed
-/// offset), handed to `f` while candle's storages are held.
+/// A contiguous tensor of u32 or i32 values (offsets, counts, page numbers) as an i32 view of
+/// its device memory (u32 values past `i32::MAX` read as negative, which the kernels clamp like
+/// any malformed value); `what` names it in errors.
+pub(super) fn i32_values<'a>(
+    storage: &'a candle_core::Storage,
+    layout: &candle_core::Layout,
+    what: &str,
+) -> candle_core::Result<CudaView<'a, i32>> {
+    let candle_core::Storage::Cuda(storage) = storage else {
+        candle_core::bail!("flash_attn: {what} is not on the CUDA device");
+    };
+    let range = layout.start_offset()..layout.start_offset() + layout.shape().elem_count();
+    let missing = || candle_core::Error::msg(format!("flash_attn: {what} past its storage"));
+    match storage.dtype() {
+        DType::I32 => storage
+            .as_cuda_slice::<i32>()?
+            .try_slice(range)
+            .ok_or_else(missing),
+        _ => {
+            let n = range.len();
+            let u = storage
+                .as_cuda_slice::<u32>()?
+                .try_slice(range)
+                .ok_or_else(missing)?;
+            // SAFETY: u32 and i32 share size and alignment, and every bit pattern is an i32.
+            unsafe { u.transmute::<i32>(n) }.ok_or_else(missing)
+        }
+    }
+}
+
+/// A packed call's offsets as the kernels read them ([`i32_values`]), handed to `f` while
+/// candle's storages are held.
 fn with_seqlens<R>(
     p: &Packed,
     f: impl FnOnce(&DeviceSeqlens) -> candle_core::Result<R>,
 ) -> candle_core::Result<R> {
-    fn offsets<'a>(
-        storage: &'a candle_core::Storage,
-        layout: &candle_core::Layout,
-    ) -> candle_core::Result<CudaView<'a, i32>> {
-        let candle_core::Storage::Cuda(storage) = storage else {
-            candle_core::bail!("flash_attn_varlen: the offsets are not on the CUDA device");
-        };
-        let range = layout.start_offset()..layout.start_offset() + layout.shape().elem_count();
-        let missing = || candle_core::Error::msg("flash_attn_varlen: offsets past their storage");
-        match storage.dtype() {
-            DType::I32 => storage
-                .as_cuda_slice::<i32>()?
-                .try_slice(range)
-                .ok_or_else(missing),
-            _ => {
-                let n = range.len();
-                let u = storage
-                    .as_cuda_slice::<u32>()?
-                    .try_slice(range)
-                    .ok_or_else(missing)?;
-                // SAFETY: u32 and i32 share size and alignment, and every bit pattern is an i32.
-                unsafe { u.transmute::<i32>(n) }.ok_or_else(missing)
-            }
-        }
-    }
     let (storage_q, layout_q) = p.cu_q.storage_and_layout();
     let (storage_k, layout_k) = p.cu_k.storage_and_layout();
     let seqs = DeviceSeqlens::new(
-        offsets(&storage_q, layout_q)?,
-        offsets(&storage_k, layout_k)?,
+        i32_values(&storage_q, layout_q, "cu_seqlens_q")?,
+        i32_values(&storage_k, layout_k, "cu_seqlens_k")?,
         p.max_q,
         p.max_k,
     )
@@ -191,4 +195,46 @@ pub(super) fn backward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
         };
     }
     Ok(CudaStorage::wrap_cuda_slice(grads, dev.clone()))
+}
+
+/// [`super::flash_attn_with_kvcache`] on candle's stream: the counts (and the block table) as
+/// i32 views of their device memory ([`i32_values`]), O zeroed first (a rows' worth of a
+/// serving step).
+pub(super) fn kvcache_forward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
+    cfg: &AttentionConfig,
+    (cache_seqlens, block_table): (&Tensor, Option<&Tensor>),
+    [q, k, v]: [Operand; 3],
+) -> candle_core::Result<CudaStorage> {
+    let dev = &q.0.device;
+    let ours = device(dev)?;
+    let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
+    let ([b, s, h, _], dv) = (q.layout.shape, v.layout.head_dim());
+    let (lens_storage, lens_layout) = cache_seqlens.storage_and_layout();
+    let lens = i32_values(&lens_storage, lens_layout, "cache_seqlens")?;
+    let table_storage = block_table.map(|t| t.storage_and_layout());
+    let table = match &table_storage {
+        Some((storage, layout)) => Some(i32_values(storage, layout, "block_table")?),
+        None => None,
+    };
+    let mut out = dev.alloc_zeros::<T>(b * s * h * dv)?;
+    let mut lse = dev.alloc_zeros::<f32>(b * h * s)?;
+    ours.kvcache_forward_into(
+        &dev.cuda_stream(),
+        cfg,
+        crate::cuda::DeviceKvCacheInputs {
+            q: &q,
+            k_cache: &k,
+            v_cache: &v,
+            block_table: table,
+            cache_batch_idx: None,
+            cache_seqlens: lens,
+            sinks: None,
+            num_splits: 0,
+            descales: None,
+        },
+        &mut DeviceTensorMut::new(out.as_view_mut(), Layout::contiguous([b, s, h, dv])),
+        &mut lse.as_view_mut(),
+    )
+    .map_err(wrap)?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }

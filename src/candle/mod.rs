@@ -29,7 +29,8 @@
 //! ```
 //!
 //! [`flash_attn_varlen`] takes packed batches of sequences of different lengths, with
-//! candle-flash-attn's shapes and `cu_seqlens` offsets.
+//! candle-flash-attn's shapes and `cu_seqlens` offsets; [`flash_attn_with_kvcache`] a serving
+//! step's queries over a dense or paged KV cache (forward only).
 //!
 //! Errors of this crate reach the caller as a [`candle_core::Error`]; [`as_flash_error`] gives
 //! back the typed [`crate::Error`] inside.
@@ -182,23 +183,27 @@ struct Packed {
 impl Packed {
     /// The offsets of CPU tensors, as i32 (an offset past `i32::MAX` is refused).
     fn host_offsets(&self) -> candle_core::Result<(Vec<i32>, Vec<i32>)> {
-        let read = |t: &Tensor| -> candle_core::Result<Vec<i32>> {
-            match t.dtype() {
-                DType::I32 => t.to_vec1::<i32>(),
-                _ => t
-                    .to_vec1::<u32>()?
-                    .into_iter()
-                    .map(|x| {
-                        i32::try_from(x).map_err(|_| {
-                            wrap(crate::Error::InvalidSeqlens(format!(
-                                "offset {x} is past i32::MAX"
-                            )))
-                        })
-                    })
-                    .collect(),
-            }
-        };
-        Ok((read(&self.cu_q)?, read(&self.cu_k)?))
+        Ok((host_i32(&self.cu_q)?, host_i32(&self.cu_k)?))
+    }
+}
+
+/// A CPU tensor of u32 or i32 values (offsets, counts, page numbers), flattened, as i32 (a
+/// value past `i32::MAX` is refused).
+fn host_i32(t: &Tensor) -> candle_core::Result<Vec<i32>> {
+    let t = t.flatten_all()?;
+    match t.dtype() {
+        DType::I32 => t.to_vec1::<i32>(),
+        _ => t
+            .to_vec1::<u32>()?
+            .into_iter()
+            .map(|x| {
+                i32::try_from(x).map_err(|_| {
+                    wrap(crate::Error::InvalidSeqlens(format!(
+                        "value {x} is past i32::MAX"
+                    )))
+                })
+            })
+            .collect(),
     }
 }
 
@@ -404,6 +409,9 @@ impl CustomOp3 for FlashAttn {
 
 mod backward;
 mod cpu;
+mod kvcache;
+
+pub use kvcache::flash_attn_with_kvcache;
 
 #[cfg(feature = "candle-cuda")]
 mod gpu;
