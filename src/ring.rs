@@ -547,7 +547,7 @@ pub fn backward<T: Element>(
 /// its queries' and keys' offsets alike), its length and where its rows start in the rank's
 /// shard (`len / ranks` of them). An error where the offsets describe no packing or a sequence's
 /// length is no whole number of chunks (an empty sequence has none).
-fn packed_rows(
+pub(crate) fn packed_rows(
     cu_seqlens: &[i32],
     sharding: Sharding,
     ranks: usize,

@@ -714,6 +714,205 @@ impl Device {
         Ok(BackwardPart { dq, dk, dv, plan })
     }
 
+    /// [`crate::ring::varlen_forward`] on this device: packed batches (self-attention,
+    /// `cu_seqlens` on the host delimiting each sequence's rows), rank r's shard of every
+    /// sequence in `ranks[r]` (as [`crate::ring::shard_packed`] cuts them: Q, K and V `(1,
+    /// total / ranks, heads, ·)`), each sequence run as its own ring
+    /// ([`Device::ring_forward_into`]) over its rows of the shards, into the rank's O `(1,
+    /// total / ranks, heads_q, d_v)` and LSE `(heads_q, total / ranks)` (a packed call's
+    /// layouts). Each sequence's length is a whole number of chunks (an empty one has none).
+    pub fn ring_varlen_forward_into<T: Element + DeviceRepr>(
+        &self,
+        streams: RingStreams<'_>,
+        cfg: &AttentionConfig,
+        sharding: Sharding,
+        cu_seqlens: &[i32],
+        ranks: &[DeviceRingRank<'_, T>],
+        outputs: &mut [DeviceRingOutput<'_, '_, T>],
+    ) -> Result<Plan> {
+        let count = ranks.len();
+        let (seqs, rows) = packed_shards(
+            cu_seqlens,
+            sharding,
+            ranks
+                .iter()
+                .map(|r| [r.q.layout.shape, r.k.layout.shape, r.v.layout.shape]),
+        )?;
+        if outputs.len() != count {
+            return Err(Error::InvalidConfig(format!(
+                "{} outputs for a ring of {count} ranks",
+                outputs.len()
+            )));
+        }
+        let heads = ranks[0].q.layout.shape[2];
+        for o in outputs.iter() {
+            if o.lse.len() != heads * rows {
+                return Err(Error::BufferTooSmall {
+                    operand: Operand::Lse,
+                    needed: heads * rows,
+                    len: o.lse.len(),
+                });
+            }
+        }
+        let mut plan = None;
+        for &(len, at) in seqs.iter().filter(|s| s.0 > 0) {
+            let n = len / count;
+            let views: Vec<[DeviceTensor<T>; 3]> = ranks
+                .iter()
+                .map(|r| {
+                    Ok([
+                        sequence_rows(r.q, at, n)?,
+                        sequence_rows(r.k, at, n)?,
+                        sequence_rows(r.v, at, n)?,
+                    ])
+                })
+                .collect::<Result<_>>()?;
+            let seq_ranks: Vec<DeviceRingRank<T>> = views
+                .iter()
+                .zip(ranks)
+                .map(|([q, k, v], r)| DeviceRingRank {
+                    q,
+                    k,
+                    v,
+                    sinks: r.sinks,
+                })
+                .collect();
+            // SAFETY: the ring writes every element before the copy reads it.
+            let mut lse: Vec<CudaSlice<f32>> = (0..count)
+                .map(|_| unsafe { streams.compute.alloc::<f32>(heads * n) }.map_err(driver_error))
+                .collect::<Result<_>>()?;
+            {
+                let mut outs: Vec<DeviceTensorMut<T>> = outputs
+                    .iter_mut()
+                    .map(|o| sequence_rows_mut(o.out, at, n))
+                    .collect::<Result<_>>()?;
+                let mut lse_views: Vec<CudaViewMut<f32>> =
+                    lse.iter_mut().map(|l| l.slice_mut(..)).collect();
+                let mut seq_outputs: Vec<DeviceRingOutput<T>> = outs
+                    .iter_mut()
+                    .zip(lse_views.iter_mut())
+                    .map(|(out, lse)| DeviceRingOutput { out, lse })
+                    .collect();
+                let p =
+                    self.ring_forward_into(streams, cfg, sharding, &seq_ranks, &mut seq_outputs)?;
+                plan.get_or_insert(p);
+            }
+            // The sequence's LSE rows into the rank's, (heads, total / ranks).
+            for (l, o) in lse.iter().zip(outputs.iter_mut()) {
+                copy_rows_f32(
+                    self,
+                    streams.compute,
+                    (&l.slice(..), n),
+                    (&mut o.lse.slice_mut(at..), rows),
+                    (n, heads),
+                )?;
+            }
+        }
+        plan.ok_or_else(|| Error::InvalidConfig("a ring over no rows".into()))
+    }
+
+    /// [`crate::ring::varlen_backward`] on this device, as [`Device::ring_varlen_forward_into`]
+    /// runs the forward: each sequence's ring backward ([`Device::ring_backward_into`]) over its
+    /// rows of every rank's shards, O, dO and LSE `(heads_q, total / ranks)` (the forward's),
+    /// into its rows of the rank's gradients.
+    pub fn ring_varlen_backward_into<T: Element + DeviceRepr>(
+        &self,
+        streams: RingStreams<'_>,
+        cfg: &AttentionConfig,
+        sharding: Sharding,
+        cu_seqlens: &[i32],
+        ranks: &[DeviceRingBackwardRank<'_, T>],
+        grads: &mut [DeviceRingGradients<'_, '_, T>],
+    ) -> Result<Plan> {
+        let count = ranks.len();
+        let (seqs, rows) = packed_shards(
+            cu_seqlens,
+            sharding,
+            ranks
+                .iter()
+                .map(|r| [r.q.layout.shape, r.k.layout.shape, r.v.layout.shape]),
+        )?;
+        if grads.len() != count {
+            return Err(Error::InvalidConfig(format!(
+                "{} gradients for a ring of {count} ranks",
+                grads.len()
+            )));
+        }
+        let heads = ranks[0].q.layout.shape[2];
+        for r in ranks {
+            if r.lse.len() != heads * rows {
+                return Err(Error::BufferTooSmall {
+                    operand: Operand::Lse,
+                    needed: heads * rows,
+                    len: r.lse.len(),
+                });
+            }
+        }
+        let mut plan = None;
+        for &(len, at) in seqs.iter().filter(|s| s.0 > 0) {
+            let n = len / count;
+            // The sequence's LSE rows of each rank, (1, heads, n).
+            let lse: Vec<CudaSlice<f32>> = ranks
+                .iter()
+                .map(|r| {
+                    // SAFETY: the copy writes every element before the ring reads it.
+                    let mut l =
+                        unsafe { streams.compute.alloc::<f32>(heads * n) }.map_err(driver_error)?;
+                    copy_rows_f32(
+                        self,
+                        streams.compute,
+                        (&r.lse.slice(at..), rows),
+                        (&mut l.slice_mut(..), n),
+                        (n, heads),
+                    )?;
+                    Ok(l)
+                })
+                .collect::<Result<_>>()?;
+            let lse_views: Vec<CudaView<f32>> = lse.iter().map(|l| l.slice(..)).collect();
+            let views: Vec<[DeviceTensor<T>; 5]> = ranks
+                .iter()
+                .map(|r| {
+                    Ok([
+                        sequence_rows(r.q, at, n)?,
+                        sequence_rows(r.k, at, n)?,
+                        sequence_rows(r.v, at, n)?,
+                        sequence_rows(r.out, at, n)?,
+                        sequence_rows(r.dout, at, n)?,
+                    ])
+                })
+                .collect::<Result<_>>()?;
+            let seq_ranks: Vec<DeviceRingBackwardRank<T>> = views
+                .iter()
+                .zip(&lse_views)
+                .map(|([q, k, v, out, dout], lse)| DeviceRingBackwardRank {
+                    q,
+                    k,
+                    v,
+                    out,
+                    dout,
+                    lse,
+                })
+                .collect();
+            let mut g_views: Vec<[DeviceTensorMut<T>; 3]> = grads
+                .iter_mut()
+                .map(|g| {
+                    Ok([
+                        sequence_rows_mut(g.dq, at, n)?,
+                        sequence_rows_mut(g.dk, at, n)?,
+                        sequence_rows_mut(g.dv, at, n)?,
+                    ])
+                })
+                .collect::<Result<_>>()?;
+            let mut seq_grads: Vec<DeviceRingGradients<T>> = g_views
+                .iter_mut()
+                .map(|[dq, dk, dv]| DeviceRingGradients { dq, dk, dv })
+                .collect();
+            let p = self.ring_backward_into(streams, cfg, sharding, &seq_ranks, &mut seq_grads)?;
+            plan.get_or_insert(p);
+        }
+        plan.ok_or_else(|| Error::InvalidConfig("a ring over no rows".into()))
+    }
+
     /// A part's buffers of `out` and `lse` elements; where its call writes only some rows
     /// (`truncated`), O zeros and LSE +inf, which the others keep.
     fn part<T: Element + DeviceRepr>(
@@ -918,6 +1117,76 @@ fn held<'s, T>(
         let s = &slots[r][(step - 1) % 2];
         (s.k.slice(..), s.v.slice(..))
     }
+}
+
+/// A packed ring's sequences ([`crate::ring::packed_rows`]: each one's length and first row in
+/// a rank's shard) and the rows of a rank's shard, once every rank's Q, K and V `(1, rows, ·,
+/// ·)` is checked to hold them.
+fn packed_shards(
+    cu_seqlens: &[i32],
+    sharding: Sharding,
+    ranks: impl ExactSizeIterator<Item = [[usize; 4]; 3]>,
+) -> Result<(Vec<(usize, usize)>, usize)> {
+    let count = ranks.len();
+    let seqs = ring::packed_rows(cu_seqlens, sharding, count)?;
+    let rows = seqs.iter().map(|s| s.0).sum::<usize>() / count;
+    for shapes in ranks {
+        for (operand, shape) in [Operand::Q, Operand::K, Operand::V].into_iter().zip(shapes) {
+            if shape[0] != 1 || shape[1] != rows {
+                return Err(Error::ShapeMismatch {
+                    operand,
+                    expected: [1, rows, shape[2], shape[3]],
+                    found: shape,
+                });
+            }
+        }
+    }
+    Ok((seqs, rows))
+}
+
+/// Rows `at..at + n` of a packed shard `(1, rows, h, d)` as a tensor of its own: contiguous
+/// where the shard is (a ring's K and V must be).
+fn sequence_rows<'a, T>(
+    t: &'a DeviceTensor<'_, T>,
+    at: usize,
+    n: usize,
+) -> Result<DeviceTensor<'a, T>> {
+    let layout = sequence_layout(&t.layout, n);
+    let start = at * t.layout.strides[1];
+    let data = t
+        .data
+        .try_slice(start..)
+        .ok_or_else(|| Error::BufferTooSmall {
+            operand: Operand::Q,
+            needed: start,
+            len: t.data.len(),
+        })?;
+    Ok(DeviceTensor::new(data, layout))
+}
+
+/// [`sequence_rows`] of an output.
+fn sequence_rows_mut<'a, T>(
+    t: &'a mut DeviceTensorMut<'_, T>,
+    at: usize,
+    n: usize,
+) -> Result<DeviceTensorMut<'a, T>> {
+    let layout = sequence_layout(&t.layout, n);
+    let start = at * t.layout.strides[1];
+    let len = t.data.len();
+    let data = t.data.try_slice_mut(start..).ok_or(Error::BufferTooSmall {
+        operand: Operand::Out,
+        needed: start,
+        len,
+    })?;
+    Ok(DeviceTensorMut::new(data, layout))
+}
+
+/// `n` rows of a `(1, rows, h, d)` layout: its strides, the batch stride that of `n` rows (one
+/// entry: it is never stepped), so that a contiguous shard's rows are contiguous.
+fn sequence_layout(layout: &Layout, n: usize) -> Layout {
+    let [_, _, h, d] = layout.shape;
+    let s = layout.strides;
+    Layout::with_strides([1, n, h, d], [n * s[1], s[1], s[2], s[3]])
 }
 
 /// Rank `r`'s K or V must be contiguous: the transport moves shards whole.

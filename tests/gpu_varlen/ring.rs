@@ -480,3 +480,217 @@ fn device_ring_backward_matches_the_whole_call() {
         .collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Packed batches over a device ring (`Device::ring_varlen_forward_into` and
+/// `ring_varlen_backward_into`): sequences of different lengths (one empty), each a whole number
+/// of chunks, each running as its own ring; every rank's O, LSE `(heads, rows)`, dQ, dK and dV
+/// against its rows of each sequence's f64 reference.
+#[test]
+#[ignore = "needs a GPU"]
+fn device_varlen_ring_matches_each_sequences_call() {
+    use flashattn::cuda::{DeviceRingBackwardRank, DeviceRingGradients};
+    let (ranks, hq, hk, d) = (2, 4, 2, 64);
+    let sharding = Sharding::ZigZag;
+    let cfg = AttentionConfig::new().causal(true);
+    // Chunks of 24, 16 and 40 rows (four a sequence): 96, 0, 64 and 160 rows.
+    let cu: Vec<i32> = vec![0, 96, 96, 160, 320];
+    let total = 320;
+    let mut rng = StdRng::seed_from_u64(7);
+    let q: Vec<bf16> = random(total * hq * d, &mut rng);
+    let k: Vec<bf16> = random(total * hk * d, &mut rng);
+    let v: Vec<bf16> = random(total * hk * d, &mut rng);
+    let dout: Vec<bf16> = random(total * hq * d, &mut rng);
+    let (q_shape, kv_shape) = ([1, total, hq, d], [1, total, hk, d]);
+    let (dev, compute) = device();
+    let transport = dev.new_stream().unwrap();
+    let streams = RingStreams {
+        compute: &compute,
+        transport: &transport,
+    };
+    let up = |x: &[bf16]| compute.clone_htod(x).unwrap();
+    let shard = |x: &[bf16], shape, r| {
+        ring::shard_packed(TensorRef::contiguous(x, shape), &cu, sharding, ranks, r).unwrap()
+    };
+    let rows = total / ranks;
+    let (q_rank, kv_rank) = ([1, rows, hq, d], [1, rows, hk, d]);
+    let ins: Vec<_> = (0..ranks)
+        .map(|r| {
+            [
+                up(&shard(&q, q_shape, r)),
+                up(&shard(&k, kv_shape, r)),
+                up(&shard(&v, kv_shape, r)),
+                up(&shard(&dout, q_shape, r)),
+            ]
+        })
+        .collect();
+    let views: Vec<_> = ins
+        .iter()
+        .map(|[q, k, v, g]| {
+            [
+                DeviceTensor::contiguous(q, q_rank),
+                DeviceTensor::contiguous(k, kv_rank),
+                DeviceTensor::contiguous(v, kv_rank),
+                DeviceTensor::contiguous(g, q_rank),
+            ]
+        })
+        .collect();
+    // The forward.
+    let mut outs: Vec<_> = (0..ranks)
+        .map(|_| {
+            (
+                up(&vec![bf16::NAN; rows * hq * d]),
+                compute.clone_htod(&vec![f32::NAN; hq * rows]).unwrap(),
+            )
+        })
+        .collect();
+    {
+        let rank_inputs: Vec<_> = views
+            .iter()
+            .map(|[q, k, v, _]| DeviceRingRank {
+                q,
+                k,
+                v,
+                sinks: None,
+            })
+            .collect();
+        let mut o_views: Vec<_> = outs
+            .iter_mut()
+            .map(|(o, l)| (DeviceTensorMut::contiguous(o, q_rank), l.as_view_mut()))
+            .collect();
+        let mut outputs: Vec<_> = o_views
+            .iter_mut()
+            .map(|(out, lse)| DeviceRingOutput { out, lse })
+            .collect();
+        dev.ring_varlen_forward_into(streams, &cfg, sharding, &cu, &rank_inputs, &mut outputs)
+            .unwrap();
+    }
+    // The backward over the forward's O and LSE.
+    let mut grads: Vec<_> = (0..ranks)
+        .map(|_| {
+            (
+                up(&vec![bf16::NAN; rows * hq * d]),
+                up(&vec![bf16::NAN; rows * hk * d]),
+                up(&vec![bf16::NAN; rows * hk * d]),
+            )
+        })
+        .collect();
+    {
+        let o_views: Vec<_> = outs
+            .iter()
+            .map(|(o, l)| (DeviceTensor::contiguous(o, q_rank), l.as_view()))
+            .collect();
+        let rank_inputs: Vec<_> = views
+            .iter()
+            .zip(&o_views)
+            .map(|([q, k, v, dout], (out, lse))| DeviceRingBackwardRank {
+                q,
+                k,
+                v,
+                out,
+                dout,
+                lse,
+            })
+            .collect();
+        let mut g_views: Vec<_> = grads
+            .iter_mut()
+            .map(|(dq, dk, dv)| {
+                (
+                    DeviceTensorMut::contiguous(dq, q_rank),
+                    DeviceTensorMut::contiguous(dk, kv_rank),
+                    DeviceTensorMut::contiguous(dv, kv_rank),
+                )
+            })
+            .collect();
+        let mut outputs: Vec<_> = g_views
+            .iter_mut()
+            .map(|(dq, dk, dv)| DeviceRingGradients { dq, dk, dv })
+            .collect();
+        dev.ring_varlen_backward_into(streams, &cfg, sharding, &cu, &rank_inputs, &mut outputs)
+            .unwrap();
+    }
+
+    // Each sequence's reference, its rows of each rank gathered in the rank's order.
+    let mut want: Vec<[Vec<f64>; 5]> = vec![Default::default(); ranks];
+    let mut base: Vec<[Vec<f32>; 5]> = vec![Default::default(); ranks];
+    let mut lse_want: Vec<Vec<Vec<f64>>> = vec![vec![vec![]; hq]; ranks];
+    let mut lse_base: Vec<Vec<Vec<f32>>> = vec![vec![vec![]; hq]; ranks];
+    for w in cu.windows(2) {
+        let (first, len) = (w[0] as usize, (w[1] - w[0]) as usize);
+        if len == 0 {
+            continue;
+        }
+        let seq = |x: &[bf16], h: usize| x[first * h * d..][..len * h * d].to_vec();
+        let (qs, ks, vs, gs) = (seq(&q, hq), seq(&k, hk), seq(&v, hk), seq(&dout, hq));
+        let (qt, kt, vt, gt) = (
+            TensorRef::contiguous(&qs, [1, len, hq, d]),
+            TensorRef::contiguous(&ks, [1, len, hk, d]),
+            TensorRef::contiguous(&vs, [1, len, hk, d]),
+            TensorRef::contiguous(&gs, [1, len, hq, d]),
+        );
+        let (f, fb) = (
+            reference::reference_forward(&cfg, qt, kt, vt),
+            reference::baseline_forward(&cfg, qt, kt, vt),
+        );
+        let (g, gb) = (
+            reference::reference_backward(&cfg, qt, kt, vt, gt),
+            reference::baseline_backward(&cfg, qt, kt, vt, gt),
+        );
+        for r in 0..ranks {
+            let rows_of = sharding.rows(len, ranks, r).unwrap();
+            let qs_shape = [1, len, hq, d];
+            let kv_s = [1, len, hk, d];
+            for (i, (x, shape)) in [
+                (&f.out, qs_shape),
+                (&g.dq, qs_shape),
+                (&g.dk, kv_s),
+                (&g.dv, kv_s),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                want[r][i].extend(rank_rows(x, shape, &rows_of));
+            }
+            for (i, (x, shape)) in [
+                (&fb.out, qs_shape),
+                (&gb.dq, qs_shape),
+                (&gb.dk, kv_s),
+                (&gb.dv, kv_s),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                base[r][i].extend(rank_rows(x, shape, &rows_of));
+            }
+            for h in 0..hq {
+                let one = |l: &[f64]| rank_lse(&l[h * len..][..len], [1, len, 1], &rows_of);
+                lse_want[r][h].extend(one(&f.lse));
+                lse_base[r][h].extend(rank_lse(&fb.lse[h * len..][..len], [1, len, 1], &rows_of));
+            }
+        }
+    }
+    let mut failures = vec![];
+    for r in 0..ranks {
+        let (o, l) = (&outs[r].0, &outs[r].1);
+        let (dq, dk, dv) = &grads[r];
+        let host = |x: &cudarc::driver::CudaSlice<bf16>| {
+            reference::to_f32(&compute.clone_dtoh(x).unwrap())
+        };
+        let lse = compute.clone_dtoh(l).unwrap();
+        compute.synchronize().unwrap();
+        let c = compare(&host(o), &want[r][0], &base[r][0]);
+        if !c.pass {
+            failures.push(format!("rank {r}: O {c}"));
+        }
+        let c = compare(&lse, &lse_want[r].concat(), &lse_base[r].concat());
+        if !c.pass {
+            failures.push(format!("rank {r}: LSE {c}"));
+        }
+        for (i, (name, g)) in [("dQ", dq), ("dK", dk), ("dV", dv)].into_iter().enumerate() {
+            let c = reference::compare_gradient::<bf16>(&host(g), &want[r][i + 1], &base[r][i + 1]);
+            if !c.pass {
+                failures.push(format!("rank {r}: {name} {c}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
