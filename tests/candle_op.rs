@@ -596,4 +596,28 @@ fn bad_kvcache_calls_are_errors() {
     let long = Tensor::new(&[3u32, 33], &dev).unwrap();
     let e = flash_attn_with_kvcache(&q, &k, &k, &long, Some(&table), &cfg).unwrap_err();
     assert!(as_flash_error(&e).is_some(), "{e}");
+    // A table or counts of other rows than the sequences: refused before the op runs.
+    let three = Tensor::new(&[[0u32, 1], [2, 3], [0, 1]], &dev).unwrap();
+    assert!(flash_attn_with_kvcache(&q, &k, &k, &lens, Some(&three), &cfg).is_err());
+    let lens3 = Tensor::new(&[3u32, 16, 1], &dev).unwrap();
+    assert!(flash_attn_with_kvcache(&q, &k, &k, &lens3, Some(&table), &cfg).is_err());
+}
+
+/// The counts as a narrowed view (an offset into their storage) and Q as a transposed view: the
+/// same results as contiguous copies of them.
+#[test]
+fn kvcache_views_read_as_their_values() {
+    let dev = candle_core::Device::Cpu;
+    let cfg = AttentionConfig::new().causal(true);
+    let k = randn(&[2, 32, 2, 32], 80);
+    let v = randn(&[2, 32, 2, 32], 81);
+    // Q (2, 3, 4, 32) as a transpose of (2, 4, 3, 32).
+    let q_t = randn(&[2, 4, 3, 32], 82).transpose(1, 2).unwrap();
+    let q = q_t.contiguous().unwrap();
+    let all = Tensor::new(&[7u32, 5, 30, 9], &dev).unwrap();
+    let lens_view = all.narrow(0, 1, 2).unwrap();
+    let lens = Tensor::new(&[5u32, 30], &dev).unwrap();
+    let want = flash_attn_with_kvcache(&q, &k, &v, &lens, None, &cfg).unwrap();
+    let got = flash_attn_with_kvcache(&q_t, &k, &v, &lens_view, None, &cfg).unwrap();
+    assert_eq!(max_abs_diff(&got, &want), 0.0);
 }

@@ -18,7 +18,10 @@ use crate::kvcache::{KvCache, KvCacheInputs};
 ///
 /// On the CPU every count and page number is checked (typed errors); on a CUDA device they
 /// stay there and the kernels clamp them, as [`crate::cuda::DeviceKvCacheInputs`] says (rows
-/// past each count in the blocks read must hold finite values).
+/// past each count in the blocks read must hold finite values; a paged cache runs on the Hopper
+/// forward or the Ampere one). There Q and a dense cache are read as one run of rows: views
+/// whose entries do not follow each other (a transposed Q of several rows, a cache narrowed
+/// along its rows) are copied first.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -76,13 +79,39 @@ pub fn flash_attn_with_kvcache(
         if !t.device().same_device(q.device()) {
             candle_core::bail!("flash_attn_with_kvcache: {name} is on another device than q");
         }
+        // One row (one count) per sequence: a table of other rows would read as other pages.
+        if t.dims()[0] != q.dims()[0] {
+            candle_core::bail!(
+                "flash_attn_with_kvcache: {name} has {} rows for {} sequences",
+                t.dims()[0],
+                q.dims()[0]
+            );
+        }
     }
     let op = KvCacheAttn {
         cfg: cfg.clone(),
         cache_seqlens: cache_seqlens.contiguous()?,
-        block_table: block_table.map(Tensor::contiguous).transpose()?,
+        // A copy of its own: the CUDA path holds both storages' read locks at once, which must
+        // not be one lock taken twice.
+        block_table: block_table.map(Tensor::force_contiguous).transpose()?,
     };
-    let (q, k, v) = (readable(q)?, readable(k_cache)?, readable(v_cache)?);
+    // On CUDA, Q and a dense cache are read as one sequence of rows: each entry's rows after
+    // the last's (one-row Q, a decode step's, any way).
+    let in_order = |t: &Tensor| -> candle_core::Result<Tensor> {
+        let t = readable(t)?;
+        let (dims, strides) = (t.dims(), t.layout().stride());
+        if t.device().is_cuda() && dims[0] > 1 && dims[1] > 1 && strides[0] != dims[1] * strides[1]
+        {
+            return t.force_contiguous();
+        }
+        Ok(t)
+    };
+    let dense = block_table.is_none();
+    let (q, k, v) = if dense {
+        (in_order(q)?, in_order(k_cache)?, in_order(v_cache)?)
+    } else {
+        (in_order(q)?, readable(k_cache)?, readable(v_cache)?)
+    };
     q.apply_op3_no_bwd(&k, &v, &op)
 }
 
@@ -104,8 +133,12 @@ impl KvCacheAttn {
         [q, k, v]: [cpu::Operand; 3],
     ) -> candle_core::Result<CpuStorage> {
         let (q, k, v) = (cpu::view::<T>(q)?, cpu::view::<T>(k)?, cpu::view::<T>(v)?);
-        let lens = host_i32(&self.cache_seqlens)?;
-        let table = self.block_table.as_ref().map(host_i32).transpose()?;
+        let lens = host_i32(&self.cache_seqlens, crate::Error::InvalidSeqlens)?;
+        let table = self
+            .block_table
+            .as_ref()
+            .map(|t| host_i32(t, crate::Error::InvalidPageTable))
+            .transpose()?;
         let cache = match &table {
             None => KvCache::dense(k, v),
             Some(t) => KvCache::paged(k, v, t, self.max_pages()),
@@ -157,6 +190,8 @@ impl candle_core::CustomOp3 for KvCacheAttn {
         let out = match q.dtype() {
             DType::BF16 => gpu::kvcache_forward::<half::bf16>(&self.cfg, index, ops)?,
             DType::F16 => gpu::kvcache_forward::<half::f16>(&self.cfg, index, ops)?,
+            // f32 goes to the dispatcher, which refuses it with a typed error.
+            DType::F32 => gpu::kvcache_forward::<f32>(&self.cfg, index, ops)?,
             other => candle_core::bail!(
                 "flash_attn_with_kvcache on CUDA takes bf16 or f16 tensors, got {other:?}"
             ),

@@ -136,7 +136,9 @@ pub fn flash_attn_varlen(
     }
     let packed = Packed {
         cu_q: cu_seqlens_q.contiguous()?,
-        cu_k: cu_seqlens_k.contiguous()?,
+        // A copy of its own: the CUDA path holds both storages' read locks at once, which must
+        // not be one lock taken twice (the same tensor for both offsets, say).
+        cu_k: cu_seqlens_k.force_contiguous()?,
         max_q: max_seqlen_q,
         max_k: max_seqlen_k,
     };
@@ -183,13 +185,17 @@ struct Packed {
 impl Packed {
     /// The offsets of CPU tensors, as i32 (an offset past `i32::MAX` is refused).
     fn host_offsets(&self) -> candle_core::Result<(Vec<i32>, Vec<i32>)> {
-        Ok((host_i32(&self.cu_q)?, host_i32(&self.cu_k)?))
+        let seqlens = crate::Error::InvalidSeqlens;
+        Ok((
+            host_i32(&self.cu_q, seqlens)?,
+            host_i32(&self.cu_k, seqlens)?,
+        ))
     }
 }
 
 /// A CPU tensor of u32 or i32 values (offsets, counts, page numbers), flattened, as i32 (a
-/// value past `i32::MAX` is refused).
-fn host_i32(t: &Tensor) -> candle_core::Result<Vec<i32>> {
+/// value past `i32::MAX` is refused with `error`).
+fn host_i32(t: &Tensor, error: fn(String) -> crate::Error) -> candle_core::Result<Vec<i32>> {
     let t = t.flatten_all()?;
     match t.dtype() {
         DType::I32 => t.to_vec1::<i32>(),
@@ -197,18 +203,14 @@ fn host_i32(t: &Tensor) -> candle_core::Result<Vec<i32>> {
             .to_vec1::<u32>()?
             .into_iter()
             .map(|x| {
-                i32::try_from(x).map_err(|_| {
-                    wrap(crate::Error::InvalidSeqlens(format!(
-                        "value {x} is past i32::MAX"
-                    )))
-                })
+                i32::try_from(x).map_err(|_| wrap(error(format!("value {x} is past i32::MAX"))))
             })
             .collect(),
     }
 }
 
-/// The typed error of this crate inside a [`candle_core::Error`] that [`flash_attn`] or
-/// [`flash_attn_varlen`] (or their backward) returned, looking through candle's backtrace and context wrappers.
+/// The typed error of this crate inside a [`candle_core::Error`] that [`flash_attn`],
+/// [`flash_attn_varlen`] (or their backward) or [`flash_attn_with_kvcache`] returned, looking through candle's backtrace and context wrappers.
 pub fn as_flash_error(e: &candle_core::Error) -> Option<&crate::Error> {
     use candle_core::Error as E;
     match e {
