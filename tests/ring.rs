@@ -486,6 +486,99 @@ fn a_bf16_ring_holds_the_reference_rule() {
     assert!(c.pass, "O: {c}");
 }
 
+/// A bf16 ring's gradients (each pair's rounded to bf16, then summed in f32 and rounded once)
+/// and O (each part rounded to bf16 before the merge) under DESIGN's rule against the f64
+/// reference of the whole call, with up to 8 key chunks a query chunk meets: what the device
+/// ring (the same arithmetic) is held to.
+#[test]
+fn a_bf16_ring_backward_holds_the_gradient_rule() {
+    use flashattn::reference::{baseline_backward, compare_gradient, reference_backward};
+    let cases = [
+        (AttentionConfig::new().causal(true), Sharding::ZigZag, 4),
+        (AttentionConfig::new(), Sharding::Contiguous, 3),
+        (
+            AttentionConfig::new().window(Some(10), Some(0)),
+            Sharding::ZigZag,
+            4,
+        ),
+    ];
+    for (i, (cfg, sharding, ranks)) in cases.into_iter().enumerate() {
+        let w = Whole::<bf16>::new(20 + i as u64);
+        let (q, k, v, dout) = (
+            view(&w.q, S, HQ, D),
+            view(&w.k, S, HK, D),
+            view(&w.v, S, HK, DV),
+            view(&w.dout, S, HQ, DV),
+        );
+        let (want, base) = (
+            reference_backward(&cfg, q, k, v, dout),
+            baseline_backward(&cfg, q, k, v, dout),
+        );
+        let (want_o, base_o) = (
+            reference_forward(&cfg, q, k, v),
+            baseline_forward(&cfg, q, k, v),
+        );
+        let rows = S / ranks;
+        let qkv = qkv_shards(&w, sharding, ranks);
+        let [qs, ks, vs] = &qkv;
+        let ds = shards(&w.dout, HQ, DV, sharding, ranks);
+        let outs = ring::forward(&cfg, sharding, &rank_inputs(&qkv)).unwrap();
+        let binputs: Vec<_> = (0..ranks)
+            .map(|r| BackwardInputs {
+                q: view(&qs[r], rows, HQ, D),
+                k: view(&ks[r], rows, HK, D),
+                v: view(&vs[r], rows, HK, DV),
+                out: view(&outs[r].out, rows, HQ, DV),
+                dout: view(&ds[r], rows, HQ, DV),
+                lse: &outs[r].lse,
+                sinks: None,
+            })
+            .collect();
+        let got = ring::backward(&cfg, sharding, &binputs).unwrap();
+        // Rank r's rows of a whole (B, S, heads, d) tensor, as its shard orders them.
+        let rank_rows = |x: &[f64], heads: usize, d: usize, r: usize| -> Vec<f64> {
+            let ranges = sharding.rows(S, ranks, r).unwrap();
+            (0..B)
+                .flat_map(|b| {
+                    ranges.iter().flat_map(move |range| {
+                        range
+                            .clone()
+                            .flat_map(move |i| x[(b * S + i) * heads * d..][..heads * d].to_vec())
+                    })
+                })
+                .collect()
+        };
+        let rank_rows32 = |x: &[f32], heads, d, r| -> Vec<f32> {
+            let wide: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+            rank_rows(&wide, heads, d, r)
+                .into_iter()
+                .map(|v| v as f32)
+                .collect()
+        };
+        for r in 0..ranks {
+            let what = format!("{cfg:?} {sharding:?} ranks {ranks} rank {r}");
+            let c = compare(
+                &reference::to_f32(&outs[r].out),
+                &rank_rows(&want_o.out, HQ, DV, r),
+                &rank_rows32(&base_o.out, HQ, DV, r),
+            );
+            assert!(c.pass, "{what} O: {c}");
+            for (name, g, want, base, heads, d) in [
+                ("dQ", &got[r].dq, &want.dq, &base.dq, HQ, D),
+                ("dK", &got[r].dk, &want.dk, &base.dk, HK, D),
+                ("dV", &got[r].dv, &want.dv, &base.dv, HK, DV),
+            ] {
+                let c = compare_gradient::<bf16>(
+                    &reference::to_f32(g),
+                    &rank_rows(want, heads, d, r),
+                    &rank_rows32(base, heads, d, r),
+                );
+                assert!(c.pass, "{what} {name}: {c}");
+            }
+        }
+    }
+}
+
 #[test]
 fn inconsistent_rings_are_typed_errors() {
     let x: Vec<f32> = (0..B * 12 * HQ * D)
