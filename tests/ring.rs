@@ -1,7 +1,7 @@
 //! Ring attention over simulated ranks (`flashattn::ring`, CPU): 1 to 4 ranks, causal (zig-zag
 //! shards), full (contiguous) and sliding windows, GQA and V's own head dim: each rank's O, LSE,
 //! dQ, dK and dV are the single call's on its rows (f32, to within f32 rounding of the different
-//! summation order; bf16 O under the reference rule), with attention sinks too (the ranks' shares
+//! summation order; bf16 O and gradients under the reference rule), with attention sinks too (the ranks' shares
 //! of their gradient summing to the single call's), and over packed batches; inconsistent shards
 //! are typed errors.
 
