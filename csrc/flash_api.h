@@ -311,12 +311,12 @@ typedef struct {
   float* lse;
 } flashattn_combine_t;
 
-// Rows of a (batch, seqlen, heads, head_dim) tensor held twice: x in dtype (FLASHATTN_F16 or
-// FLASHATTN_BF16) and acc in f32, each with its strides (unit element stride). flashattn_rows_add
-// adds x into acc element by element (acc += x, in f32); flashattn_rows_round writes acc rounded
-// to the nearest dtype into x: gradients summed over several calls in f32 and rounded once. The
-// views are checked as flashattn_tensor_t says (the output, acc or x, reaching each element once
-// and sharing none with the other).
+// Rows of a (batch, seqlen, heads, head_dim) tensor held twice (head_dim at most 4096): x in
+// dtype (FLASHATTN_F16 or FLASHATTN_BF16) and acc in f32, each with its strides (unit element
+// stride). flashattn_rows_add adds x into acc element by element (acc += x, in f32);
+// flashattn_rows_round writes acc rounded to the nearest dtype into x: gradients summed over
+// several calls in f32 and rounded once. The views are checked as flashattn_tensor_t says (the
+// output, acc or x, reaching each element once and sharing none with the other).
 typedef struct {
   int32_t dtype;
   int32_t batch, seqlen, heads, head_dim;

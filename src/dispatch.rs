@@ -16,8 +16,8 @@ pub enum Op {
     /// A backward that also returns the attention sinks' gradient (`dsinks`): with softcap it
     /// takes the sm80 kernels, which sum it (the sm90 softcap kernels do not).
     BackwardWithSinkGradient,
-    /// A forward over an e4m3 KV cache, Q and O in 16 bits: on the GPU the Hopper forward that
-    /// widens the cache (`kvcache-fp8`); the CPU takes it too.
+    /// A forward over an e4m3 KV cache, Q and O in 16 bits: on the GPU the Hopper or the Ampere
+    /// forward, which widens the cache (`kvcache-fp8`); the CPU takes it too.
     ForwardOverFp8Cache,
 }
 

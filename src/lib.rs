@@ -25,7 +25,11 @@
            [`forward_fp8`](cuda::Device::forward_fp8), \
            [`quantize_fp8`](cuda::Device::quantize_fp8), \
            [`fp8_inputs_from_e4m3`](cuda::Device::fp8_inputs_from_e4m3), \
-           [`combine_into`](cuda::Device::combine_into))."
+           [`kvcache_forward_into`](cuda::Device::kvcache_forward_into), \
+           [`kvcache_step_into`](cuda::Device::kvcache_step_into), \
+           [`combine_into`](cuda::Device::combine_into), \
+           [`ring_forward_into`](cuda::Device::ring_forward_into), \
+           [`ring_backward_into`](cuda::Device::ring_backward_into))."
 )]
 //!
 //! Packed batches of sequences of different lengths: [`varlen`]. Partial results over disjoint
