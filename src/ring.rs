@@ -14,7 +14,7 @@
 //! memory, the ring a loop over them): the arithmetic and bookkeeping a multi-GPU ring runs step
 //! by step, and the reference it is tested against (`cuda::Device::ring_forward_into`,
 //! `ring_backward_into` and their `ring_varlen_*` twins run it on one GPU over the pairs of
-//! chunks this module plans; not yet run on a GPU). Masks: any (full, causal,
+//! chunks this module plans). Masks: any (full, causal,
 //! sliding windows: each pair of chunks takes the mask's band moved by their distance, and a
 //! band that misses the pair's diagonal takes a call over fewer rows or keys); softcap as any
 //! call.

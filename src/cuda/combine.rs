@@ -21,7 +21,7 @@ impl Device {
     /// `(batch, seqlen_q, heads, head_dim_v)` (f16 or bf16) and its f32 LSE in `lse_layout`,
     /// merged into `out` (O's shape, each element reached once) and `lse` (at least as long as a
     /// part's) in f32 arithmetic (the host merges in f64; the two should agree to within f32
-    /// rounding, which tests/gpu_varlen/combine.rs checks on a GPU: not yet run). At most
+    /// rounding, which tests/gpu_varlen/combine.rs checks on a GPU). At most
     /// `FLASHATTN_MAX_COMBINE_PARTS` (64) parts; pointers and strides 16-byte aligned, as every
     /// GPU entry takes them (`Error::Misaligned`).
     pub fn combine_into<T: Element + DeviceRepr>(

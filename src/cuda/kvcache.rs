@@ -111,7 +111,7 @@ pub struct DeviceRotary<'a> {
 /// the rows they append into (nor, with `cache_batch_idx`, an entry). The cache holds the new
 /// rows' type, or e4m3 (`C` = `float8::F8E4M3`, any build), into which each new element is
 /// quantized by its descale as [`crate::kvcache::append_fp8`] quantizes it, bit for bit (the
-/// e4m3 append not yet run on a GPU).
+/// GPU tests check it against the host append).
 #[derive(Debug)]
 pub struct DeviceKvCacheAppend<'a, 'c, T, C = T> {
     pub k_cache: &'a mut DeviceTensorMut<'c, C>,
@@ -140,7 +140,7 @@ pub struct DeviceKvCacheAppend<'a, 'c, T, C = T> {
 /// `cache_seqlens[b] + seqlen_new` keys. `cache_seqlens` keeps its values (the caller advances
 /// them). The rest as [`DeviceKvCacheInputs`] and [`DeviceKvCacheAppend`] say; an e4m3 cache
 /// (`C` = `float8::F8E4M3`) takes its descales for both the append and the forward, which
-/// needs the `kvcache-fp8` kernels (not yet run on a GPU); a step over a 16-bit cache refuses
+/// needs the `kvcache-fp8` kernels; a step over a 16-bit cache refuses
 /// descales (`Error::InvalidConfig`, as the host step) before it writes anything.
 #[derive(Debug)]
 pub struct DeviceKvCacheStep<'a, 'c, T, C = T> {
@@ -576,8 +576,7 @@ impl Device {
     /// hold their entries' rows one after the other (batch stride = rows × row stride), which
     /// one-row Q and O (a decode step's) need not. Paged caches of any page size run on the Hopper
     /// and the Ampere forward. An e4m3 cache (`C` = `float8::F8E4M3`) runs on either, always as
-    /// pages (a dense one's entries its pages, as with `cache_batch_idx`); not yet run on a
-    /// GPU.
+    /// pages (a dense one's entries its pages, as with `cache_batch_idx`).
     pub fn kvcache_forward_into<T: Element + DeviceRepr, C: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,

@@ -6,7 +6,7 @@
 //! the host ring's, call for call (the same pairs of chunks, masks and rows). In the backward
 //! each pair's gradients come in the inputs' type and are summed in f32: each shard's dK and dV
 //! sums travel with it, every rank adding its queries' part, and come home after the last step;
-//! dQ's stay; the sums are rounded once at the end. Not yet run on a GPU.
+//! dQ's stay; the sums are rounded once at the end.
 
 use std::sync::Arc;
 
@@ -108,8 +108,7 @@ impl Device {
     /// parts (one per key chunk it sees) are kept until the last step and merged by
     /// [`Device::combine_into`]: at most 64 a chunk (32 ranks zig-zag, 64 contiguous). The
     /// outputs are each rank's O and LSE over the whole sequence. Takes device memory for the
-    /// transport's buffers (two shards a rank) and the parts, given back in stream order. Not
-    /// yet run on a GPU.
+    /// transport's buffers (two shards a rank) and the parts, given back in stream order.
     pub fn ring_forward_into<T: Element + DeviceRepr>(
         &self,
         streams: RingStreams<'_>,
@@ -311,7 +310,7 @@ impl Device {
     /// the LSE, which holds the sinks). Takes device memory for the transport's buffers, the
     /// f32 sums (two dK and dV sums a rank) and each step's gradient buffers (every rank's pairs
     /// of the step until their adds: at most one whole call's dQ, dK and dV in `T`), given
-    /// back in stream order. Not yet run on a GPU.
+    /// back in stream order.
     pub fn ring_backward_into<T: Element + DeviceRepr>(
         &self,
         streams: RingStreams<'_>,
@@ -722,8 +721,7 @@ impl Device {
     /// total / ranks, heads, ·)`), each sequence run as its own ring
     /// ([`Device::ring_forward_into`]) over its rows of the shards, into the rank's O `(1,
     /// total / ranks, heads_q, d_v)` and LSE `(heads_q, total / ranks)` (a packed call's
-    /// layouts). Each sequence's length is a whole number of chunks (an empty one has none). Not
-    /// yet run on a GPU.
+    /// layouts). Each sequence's length is a whole number of chunks (an empty one has none).
     pub fn ring_varlen_forward_into<T: Element + DeviceRepr>(
         &self,
         streams: RingStreams<'_>,
@@ -817,7 +815,7 @@ impl Device {
     /// [`crate::ring::varlen_backward`] on this device, as [`Device::ring_varlen_forward_into`]
     /// runs the forward: each sequence's ring backward ([`Device::ring_backward_into`]) over its
     /// rows of every rank's shards, O, dO and LSE `(heads_q, total / ranks)` (the forward's),
-    /// into its rows of the rank's gradients. Not yet run on a GPU.
+    /// into its rows of the rank's gradients.
     pub fn ring_varlen_backward_into<T: Element + DeviceRepr>(
         &self,
         streams: RingStreams<'_>,
