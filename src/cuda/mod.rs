@@ -25,9 +25,7 @@ pub use fp8::{
 pub use kvcache::{
     DeviceCacheDescales, DeviceKvCacheAppend, DeviceKvCacheInputs, DeviceKvCacheStep, DeviceRotary,
 };
-pub use ring::{
-    DeviceRingBackwardRank, DeviceRingGradients, DeviceRingOutput, DeviceRingRank, RingStreams,
-};
+pub use ring::{DeviceRingGradients, DeviceRingOutput, RingStreams};
 pub use varlen::DeviceSeqlens;
 pub use views::{
     DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut,

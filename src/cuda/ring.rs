@@ -29,18 +29,6 @@ use crate::ring::{self, Sharding};
 use crate::tensor::{self, Layout};
 use crate::Element;
 
-/// One simulated rank's shards on the device, as [`crate::ring::shard`] cuts them: Q `(batch,
-/// rows, heads_q, d)`, K `(batch, rows, heads_kv, d)` and V `(batch, rows, heads_kv, d_v)`,
-/// `rows` the sequence's over the ranks. K and V must be contiguous (the transport moves them
-/// whole); Q may have any strides the forward takes. Sinks on every rank or on none.
-#[derive(Clone, Copy, Debug)]
-pub struct DeviceRingRank<'a, T> {
-    pub q: &'a DeviceTensor<'a, T>,
-    pub k: &'a DeviceTensor<'a, T>,
-    pub v: &'a DeviceTensor<'a, T>,
-    pub sinks: Option<&'a CudaView<'a, f32>>,
-}
-
 /// Where a rank's results go: O `(batch, rows, heads_q, d_v)` of its queries over the whole
 /// sequence, and their LSE `(batch, heads_q, rows)` f32, contiguous.
 #[derive(Debug)]
@@ -55,19 +43,6 @@ pub struct DeviceRingOutput<'a, 'o, T> {
 pub struct RingStreams<'s> {
     pub compute: &'s Arc<CudaStream>,
     pub transport: &'s Arc<CudaStream>,
-}
-
-/// One simulated rank's backward inputs: its shards of Q, K and V (as [`DeviceRingRank`]; K and V
-/// contiguous), and its O and dO `(batch, rows, heads_q, d_v)` and LSE `(batch, heads_q, rows)`
-/// f32 as [`Device::ring_forward_into`] gave them.
-#[derive(Clone, Copy, Debug)]
-pub struct DeviceRingBackwardRank<'a, T> {
-    pub q: &'a DeviceTensor<'a, T>,
-    pub k: &'a DeviceTensor<'a, T>,
-    pub v: &'a DeviceTensor<'a, T>,
-    pub out: &'a DeviceTensor<'a, T>,
-    pub dout: &'a DeviceTensor<'a, T>,
-    pub lse: &'a CudaView<'a, f32>,
 }
 
 /// Where a rank's gradients go: dQ shaped like its Q shard, dK and dV like its K and V shards.
@@ -100,8 +75,10 @@ struct Part<T> {
 }
 
 impl Device {
-    /// [`crate::ring::forward`] on this device over `ranks.len()` simulated ranks, ordered on
-    /// `streams.compute` (the inputs must be ready there, and the outputs are once its work so
+    /// [`crate::ring::forward`] on this device over `ranks.len()` simulated ranks, rank r's
+    /// shards in `ranks[r]` as [`crate::ring::shard`] cuts them (Q `(batch, rows, heads_q, d)`,
+    /// K and V `(batch, rows, heads_kv, ·)` contiguous: the transport moves them whole; sinks on
+    /// every rank or on none), ordered on `streams.compute` (the inputs must be ready there, and the outputs are once its work so
     /// far has run): step `s` runs every rank's pairs over the shard it holds (that of rank
     /// `(r − s) mod ranks`) while the transport copies each held shard on to the next rank (two
     /// buffers a rank, so that a copy never writes the one being read). Each query chunk's
@@ -114,7 +91,7 @@ impl Device {
         streams: RingStreams<'_>,
         cfg: &AttentionConfig,
         sharding: Sharding,
-        ranks: &[DeviceRingRank<'_, T>],
+        ranks: &[DeviceForwardInputs<'_, T>],
         outputs: &mut [DeviceRingOutput<'_, '_, T>],
     ) -> Result<Plan> {
         let RingStreams { compute, transport } = streams;
@@ -306,7 +283,9 @@ impl Device {
     /// in the forward (overlapping the step's calls) and each accumulator on once the step's
     /// adds into it are done (overlapping the next step's calls, whose adds wait for it); after
     /// the last step one more hop brings every accumulator home. dQ, dK and dV are rounded to
-    /// `T` once, at the end. The sinks' gradient is not computed here (dQ, dK and dV need only
+    /// `T` once, at the end. Each rank's inputs are its shards (as the forward's), O, dO and
+    /// LSE `(batch, heads_q, rows)`; their sinks are not read: the sinks' gradient is not
+    /// computed here (dQ, dK and dV need only
     /// the LSE, which holds the sinks). Takes device memory for the transport's buffers, the
     /// f32 sums (two dK and dV sums a rank) and each step's gradient buffers (every rank's pairs
     /// of the step until their adds: at most one whole call's dQ, dK and dV in `T`), given
@@ -316,7 +295,7 @@ impl Device {
         streams: RingStreams<'_>,
         cfg: &AttentionConfig,
         sharding: Sharding,
-        ranks: &[DeviceRingBackwardRank<'_, T>],
+        ranks: &[DeviceBackwardInputs<'_, T>],
         grads: &mut [DeviceRingGradients<'_, '_, T>],
     ) -> Result<Plan> {
         let RingStreams { compute, transport } = streams;
@@ -609,7 +588,7 @@ impl Device {
     fn ring_backward_part<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
-        (rank, ci, len, chunk_lse): (&DeviceRingBackwardRank<'_, T>, usize, usize, &CudaView<f32>),
+        (rank, ci, len, chunk_lse): (&DeviceBackwardInputs<'_, T>, usize, usize, &CudaView<f32>),
         (k_held, v_held): (&CudaView<T>, &CudaView<T>),
         p: &ring::Pair,
     ) -> Result<BackwardPart<T>> {
@@ -728,7 +707,7 @@ impl Device {
         cfg: &AttentionConfig,
         sharding: Sharding,
         cu_seqlens: &[i32],
-        ranks: &[DeviceRingRank<'_, T>],
+        ranks: &[DeviceForwardInputs<'_, T>],
         outputs: &mut [DeviceRingOutput<'_, '_, T>],
     ) -> Result<Plan> {
         let count = ranks.len();
@@ -768,10 +747,10 @@ impl Device {
                     ])
                 })
                 .collect::<Result<_>>()?;
-            let seq_ranks: Vec<DeviceRingRank<T>> = views
+            let seq_ranks: Vec<DeviceForwardInputs<T>> = views
                 .iter()
                 .zip(ranks)
-                .map(|([q, k, v], r)| DeviceRingRank {
+                .map(|([q, k, v], r)| DeviceForwardInputs {
                     q,
                     k,
                     v,
@@ -822,7 +801,7 @@ impl Device {
         cfg: &AttentionConfig,
         sharding: Sharding,
         cu_seqlens: &[i32],
-        ranks: &[DeviceRingBackwardRank<'_, T>],
+        ranks: &[DeviceBackwardInputs<'_, T>],
         grads: &mut [DeviceRingGradients<'_, '_, T>],
     ) -> Result<Plan> {
         let count = ranks.len();
@@ -882,16 +861,17 @@ impl Device {
                     ])
                 })
                 .collect::<Result<_>>()?;
-            let seq_ranks: Vec<DeviceRingBackwardRank<T>> = views
+            let seq_ranks: Vec<DeviceBackwardInputs<T>> = views
                 .iter()
                 .zip(&lse_views)
-                .map(|([q, k, v, out, dout], lse)| DeviceRingBackwardRank {
+                .map(|([q, k, v, out, dout], lse)| DeviceBackwardInputs {
                     q,
                     k,
                     v,
                     out,
                     dout,
                     lse,
+                    sinks: None,
                 })
                 .collect();
             let mut g_views: Vec<[DeviceTensorMut<T>; 3]> = grads
@@ -951,7 +931,7 @@ impl Device {
     fn ring_part<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
-        (rank, ci, len): (&DeviceRingRank<'_, T>, usize, usize),
+        (rank, ci, len): (&DeviceForwardInputs<'_, T>, usize, usize),
         (k_held, v_held): (&CudaView<T>, &CudaView<T>),
         p: &ring::Pair,
         part: &mut Part<T>,

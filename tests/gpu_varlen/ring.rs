@@ -10,7 +10,7 @@
 use std::ops::Range;
 
 use flashattn::cuda::{
-    DeviceRingOutput, DeviceRingRank, DeviceTensor, DeviceTensorMut, RingStreams,
+    DeviceForwardInputs, DeviceRingOutput, DeviceTensor, DeviceTensorMut, RingStreams,
 };
 use flashattn::reference::{self, compare};
 use flashattn::ring::{self, Sharding};
@@ -106,7 +106,7 @@ fn ring_case(
         .collect();
     let rank_inputs: Vec<_> = views
         .iter()
-        .map(|(q, k, v)| DeviceRingRank {
+        .map(|(q, k, v)| DeviceForwardInputs {
             q,
             k,
             v,
@@ -254,13 +254,13 @@ fn device_ring_refusals_are_typed_errors() {
     let mut o = compute.clone_htod(&vec![bf16::NAN; 64 * 4 * 64]).unwrap();
     let mut l = compute.clone_htod(&vec![f32::NAN; 4 * 64]).unwrap();
     let causal = AttentionConfig::new().causal(true);
-    let rank = |k| DeviceRingRank {
+    let rank = |k| DeviceForwardInputs {
         q: &q,
         k,
         v: k,
         sinks: None,
     };
-    let cases: Vec<(&str, Vec<DeviceRingRank<bf16>>)> = vec![
+    let cases: Vec<(&str, Vec<DeviceForwardInputs<bf16>>)> = vec![
         ("K of head dim 96 under Q's 64", vec![rank(&k96)]),
         ("K not contiguous", vec![rank(&strided)]),
         ("two ranks, one output", vec![rank(&k), rank(&k)]),
@@ -299,7 +299,7 @@ fn ring_backward_case(
     (batch, seqlen, hq, hk, d): (usize, usize, usize, usize, usize),
     seed: u64,
 ) -> Vec<String> {
-    use flashattn::cuda::{DeviceForwardInputs, DeviceRingBackwardRank, DeviceRingGradients};
+    use flashattn::cuda::{DeviceBackwardInputs, DeviceForwardInputs, DeviceRingGradients};
     let mut rng = StdRng::seed_from_u64(seed);
     let (q_shape, kv_shape) = ([batch, seqlen, hq, d], [batch, seqlen, hk, d]);
     let q: Vec<bf16> = random(batch * seqlen * hq * d, &mut rng);
@@ -386,13 +386,14 @@ fn ring_backward_case(
         .collect();
     let rank_inputs: Vec<_> = views
         .iter()
-        .map(|([q, k, v, out, dout], lse)| DeviceRingBackwardRank {
+        .map(|([q, k, v, out, dout], lse)| DeviceBackwardInputs {
             q,
             k,
             v,
             out,
             dout,
             lse,
+            sinks: None,
         })
         .collect();
     let mut grads: Vec<_> = (0..ranks)
@@ -488,7 +489,7 @@ fn device_ring_backward_matches_the_whole_call() {
 #[test]
 #[ignore = "needs a GPU"]
 fn device_varlen_ring_matches_each_sequences_call() {
-    use flashattn::cuda::{DeviceRingBackwardRank, DeviceRingGradients};
+    use flashattn::cuda::{DeviceBackwardInputs, DeviceRingGradients};
     let (ranks, hq, hk, d) = (2, 4, 2, 64);
     let sharding = Sharding::ZigZag;
     let cfg = AttentionConfig::new().causal(true);
@@ -546,7 +547,7 @@ fn device_varlen_ring_matches_each_sequences_call() {
     {
         let rank_inputs: Vec<_> = views
             .iter()
-            .map(|[q, k, v, _]| DeviceRingRank {
+            .map(|[q, k, v, _]| DeviceForwardInputs {
                 q,
                 k,
                 v,
@@ -582,13 +583,14 @@ fn device_varlen_ring_matches_each_sequences_call() {
         let rank_inputs: Vec<_> = views
             .iter()
             .zip(&o_views)
-            .map(|([q, k, v, dout], (out, lse))| DeviceRingBackwardRank {
+            .map(|([q, k, v, dout], (out, lse))| DeviceBackwardInputs {
                 q,
                 k,
                 v,
                 out,
                 dout,
                 lse,
+                sinks: None,
             })
             .collect();
         let mut g_views: Vec<_> = grads
