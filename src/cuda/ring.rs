@@ -280,12 +280,12 @@ impl Device {
     /// over the shard it holds (rank `(r − s) mod ranks`'s), each pair's backward into buffers of
     /// its rows, then adds its dQ into the rank's f32 dQ and its dK and dV into the f32
     /// accumulators that travel with the shard. The transport hands the K and V shards on as
-    /// in the forward (overlapping the step's calls) and each accumulator on once the step's
-    /// adds into it are done (overlapping the next step's calls, whose adds wait for it); after
-    /// the last step one more hop brings every accumulator home. dQ, dK and dV are rounded to
-    /// `T` once, at the end. Each rank's inputs are its shards (as the forward's), O, dO and
-    /// LSE `(batch, heads_q, rows)`; their sinks are not read: the sinks' gradient is not
-    /// computed here (dQ, dK and dV need only
+    /// in the forward (issued to overlap the step's calls) and each accumulator on once the
+    /// step's adds into it are done (issued to overlap the next step's calls, whose adds wait
+    /// for it); after the last step one more hop brings every accumulator home. Each pair's
+    /// gradients come in `T` and the f32 sums are rounded to `T` once, at the end. Each rank's
+    /// inputs are its shards (as the forward's), O, dO and LSE `(batch, heads_q, rows)`; their
+    /// sinks are not read: the sinks' gradient is not computed here (dQ, dK and dV need only
     /// the LSE, which holds the sinks). Takes device memory for the transport's buffers, the
     /// f32 sums (two dK and dV sums a rank) and each step's gradient buffers (every rank's pairs
     /// of the step until their adds: at most one whole call's dQ, dK and dV in `T`), given
@@ -717,23 +717,10 @@ impl Device {
             ranks
                 .iter()
                 .map(|r| [r.q.layout.shape, r.k.layout.shape, r.v.layout.shape]),
+            ("outputs", outputs.len()),
+            outputs.iter().map(|o| o.lse.len()),
         )?;
-        if outputs.len() != count {
-            return Err(Error::InvalidConfig(format!(
-                "{} outputs for a ring of {count} ranks",
-                outputs.len()
-            )));
-        }
         let heads = ranks[0].q.layout.shape[2];
-        for o in outputs.iter() {
-            if o.lse.len() != heads * rows {
-                return Err(Error::BufferTooSmall {
-                    operand: Operand::Lse,
-                    needed: heads * rows,
-                    len: o.lse.len(),
-                });
-            }
-        }
         let mut plan = None;
         for &(len, at) in seqs.iter().filter(|s| s.0 > 0) {
             let n = len / count;
@@ -811,23 +798,10 @@ impl Device {
             ranks
                 .iter()
                 .map(|r| [r.q.layout.shape, r.k.layout.shape, r.v.layout.shape]),
+            ("gradients", grads.len()),
+            ranks.iter().map(|r| r.lse.len()),
         )?;
-        if grads.len() != count {
-            return Err(Error::InvalidConfig(format!(
-                "{} gradients for a ring of {count} ranks",
-                grads.len()
-            )));
-        }
         let heads = ranks[0].q.layout.shape[2];
-        for r in ranks {
-            if r.lse.len() != heads * rows {
-                return Err(Error::BufferTooSmall {
-                    operand: Operand::Lse,
-                    needed: heads * rows,
-                    len: r.lse.len(),
-                });
-            }
-        }
         let mut plan = None;
         for &(len, at) in seqs.iter().filter(|s| s.0 > 0) {
             let n = len / count;
@@ -1102,16 +1076,21 @@ fn held<'s, T>(
 
 /// A packed ring's sequences ([`crate::ring::packed_rows`]: each one's length and first row in
 /// a rank's shard) and the rows of a rank's shard, once every rank's Q, K and V `(1, rows, ·,
-/// ·)` is checked to hold them.
+/// ·)` is checked to hold them, the `(what, count)` outputs or gradients are one a rank, and
+/// each LSE (`lse_lens`, the outputs' or the inputs') holds `(heads_q, rows)`.
 fn packed_shards(
     cu_seqlens: &[i32],
     sharding: Sharding,
     ranks: impl ExactSizeIterator<Item = [[usize; 4]; 3]>,
+    (what, outputs): (&str, usize),
+    lse_lens: impl Iterator<Item = usize>,
 ) -> Result<(Vec<(usize, usize)>, usize)> {
     let count = ranks.len();
     let seqs = ring::packed_rows(cu_seqlens, sharding, count)?;
     let rows = seqs.iter().map(|s| s.0).sum::<usize>() / count;
+    let mut heads = 0;
     for shapes in ranks {
+        heads = shapes[0][2];
         for (operand, shape) in [Operand::Q, Operand::K, Operand::V].into_iter().zip(shapes) {
             if shape[0] != 1 || shape[1] != rows {
                 return Err(Error::ShapeMismatch {
@@ -1121,6 +1100,18 @@ fn packed_shards(
                 });
             }
         }
+    }
+    if outputs != count {
+        return Err(Error::InvalidConfig(format!(
+            "{outputs} {what} for a ring of {count} ranks"
+        )));
+    }
+    if let Some(len) = lse_lens.into_iter().find(|&l| l != heads * rows) {
+        return Err(Error::BufferTooSmall {
+            operand: Operand::Lse,
+            needed: heads * rows,
+            len,
+        });
     }
     Ok((seqs, rows))
 }
