@@ -110,8 +110,8 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   const int batch = params.tensor_batch();
   auto q = gmem_tensor<Traits>(static_cast<Element const*>(p.q.ptr), p.q, p.seqlen_q, p.heads_q,
                                batch);
-  // A paged cache's pages (flash_api.h): whole key blocks loaded by TMA, or pages of any size
-  // whose rows the producer gathers.
+  // A paged cache's pages (flash_api.h): whole key blocks or whole pieces loaded by TMA, or pages
+  // of any size whose rows the producer gathers.
   params.page_table = p.page_table;
   params.page_table_stride = p.page_table_batch_stride;
   params.num_pages = p.num_pages;
@@ -163,6 +163,30 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
                                typename Traits::TileKV{}, _1{});
   params.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutV{}),
                                typename Traits::TileV{}, _1{});
+  params.piece_rows = 0;
+  if constexpr (Traits::kTakesPieces) {
+    if (params.paged() && params.page_blocks == 0 && p.page_size % kPieceRows == 0) {
+      auto piece_tmas = [&](auto rows, auto& tma_k, auto& tma_v) {
+        constexpr int kRows = decltype(rows)::value;
+        using PieceK = typename Traits::template TilePieceK<kRows>;
+        using PieceV = typename Traits::template TilePieceV<kRows>;
+        tma_k = make_tma_copy(SM90_TMA_LOAD{}, k,
+                              tile_to_shape(typename Traits::SmemAtom{}, PieceK{}), PieceK{}, _1{});
+        tma_v = make_tma_copy(
+            SM90_TMA_LOAD{}, v,
+            tile_to_shape(typename Traits::template SmemAtomOf<Traits::kHeadDimV>{}, PieceV{}),
+            PieceV{}, _1{});
+        params.piece_rows = kRows;
+      };
+      // The wide pieces where they divide both the pages and the key block.
+      if constexpr (Traits::kTakesWidePieces) {
+        if (p.page_size % kWidePieceRows == 0)
+          piece_tmas(Int<kWidePieceRows>{}, params.tma_wide_piece_k, params.tma_wide_piece_v);
+      }
+      if (params.piece_rows == 0)
+        piece_tmas(Int<kPieceRows>{}, params.tma_piece_k, params.tma_piece_v);
+    }
+  }
   params.o = p.o.ptr;
   params.o_batch_stride = p.o.batch_stride;
   params.o_row_stride = p.o.row_stride;
@@ -350,14 +374,19 @@ flashattn_result_t run_fwd(const flashattn_params_t& p, bool pingpong, cudaStrea
 
 // The tile table's instantiation the caller chose (FLASHATTN_SM90_MASKED_TILE), where the head
 // dims have a Masked tile; else the Base one. A paged cache takes the Masked tile where only its
-// key block divides the pages (whole blocks by TMA, not rows gathered).
+// key block divides the pages (whole blocks by TMA, not pieces), or where only its block takes
+// wide pieces.
 template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
 flashattn_result_t run_fwd_tiled(const flashattn_params_t& p, FwdOptions o, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim, kHeadDimV>;
   using Masked = FwdTileMasked<kHeadDim, kHeadDimV>;
   if constexpr (Masked::kBlockN != Tile::kBlockN) {
-    const bool pages_need_masked = p.page_table != nullptr && p.page_size % Tile::kBlockN != 0 &&
-                                   p.page_size % Masked::kBlockN == 0;
+    constexpr bool only_masked_takes_wide =
+        Masked::kBlockN % kWidePieceRows == 0 && Tile::kBlockN % kWidePieceRows != 0;
+    const bool pages_need_masked =
+        p.page_table != nullptr && p.page_size % Tile::kBlockN != 0 &&
+        (p.page_size % Masked::kBlockN == 0 ||
+         (only_masked_takes_wide && p.page_size % kWidePieceRows == 0));
     if ((p.sm90_flags & FLASHATTN_SM90_MASKED_TILE) || pages_need_masked)
       return run_fwd<FwdTraits<Element, kHeadDim, Masked, Masked::kIntraWGOverlap, kHeadDimV>>(
           p, o.pingpong, stream);

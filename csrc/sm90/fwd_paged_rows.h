@@ -1,8 +1,8 @@
-// A paged cache whose pages hold no whole key block, loaded by the sm90 forward's producer
-// warpgroup: its 128 threads copy each key block's rows by cp.async, every row from its own
-// page, into the stage's swizzled rows; each thread's arrival on the stage's full barrier
-// completes when its copies have landed (TmaPipeline::producer_commit_copies). One TMA box per
-// page piece would issue a box for every few rows of a block.
+// A paged cache whose pages hold neither whole key blocks nor whole pieces of 16 rows (which TMA
+// boxes load: fwd_traits.h kPieceRows), loaded by the sm90 forward's producer warpgroup: its 128
+// threads copy each key block's rows by cp.async, every row from its own page, into the stage's
+// swizzled rows; each thread's arrival on the stage's full barrier completes when its copies have
+// landed (TmaPipeline::producer_commit_copies).
 // An e4m3 cache (pages of any size) is gathered the same way, each 16-byte chunk of a row landing
 // in the upper half of the 32 bytes it widens to; once its copies have landed each thread widens
 // its own chunks in place (widen) and arrives (TmaPipeline::producer_commit_written). No thread

@@ -1,7 +1,8 @@
 // The sm90 forward's producer: warpgroup 0 gives its registers to the consumers, and lane 0 of
-// its first warp issues every TMA load; where a paged cache's pages hold no whole key block, and
-// for an e4m3 cache, the whole warpgroup copies K's and V's rows (fwd_paged_rows.h), widening an
-// e4m3 cache's. Per tile: the first K block, then
+// its first warp issues every TMA load but the pieces of a paged cache's key blocks, which the
+// warp's lanes issue one each; where a paged cache's pages hold neither whole key blocks nor whole
+// pieces, and for an e4m3 cache, the whole warpgroup copies K's and V's rows (fwd_paged_rows.h),
+// widening an e4m3 cache's. Per tile: the first K block, then
 // Q (with one Q buffer it waits for the last Q·Kᵀ of the tile before), then the first V block
 // and the other K/V blocks, last to first, into the two kStages-deep pipelines. With pack-GQA a
 // tile's Q rows are no TMA box: the consumers gather them (fwd_packed_q.h), and the producer
@@ -125,6 +126,46 @@ struct FwdProducer {
         return group_modes<0, 3>(tma.get_slice(0).partition_S(
             local_tile(m(_, _, head_kv, page), tile, make_coord(_, _0{}))))(_, in_page);
       };
+      // Pages of no whole block but whole pieces: block n's pieces of kRows rows, each from its
+      // page into its rows of the stage, lane i issuing piece i (one thread issuing them all
+      // would wait a load's latency for each piece's page). K's load looks the lane's page up
+      // before it waits for the stage; V's load of the same block, which always follows it,
+      // takes it again.
+      int piece_page = 0;
+      auto look_up_piece = [&](int n) {
+        const int lane = threadIdx.x % 32;
+        if (lane < kBlockN / params.piece_rows)
+          piece_page = params.page(t.seq.index,
+                                   (n * kBlockN + lane * params.piece_rows) / params.page_size);
+      };
+      auto load_pieces = [&](auto rows, auto& tma_piece, auto dim, auto smem_tensor, int n,
+                             uint64_t& barrier, int stage) {
+        constexpr int kRows = decltype(rows)::value;
+        constexpr int kDim = decltype(dim)::value;
+        const int lane = threadIdx.x % 32;
+        if (lane >= kBlockN / kRows) return;
+        const int first_key = n * kBlockN + lane * kRows;
+        auto cta = tma_piece.get_slice(0);
+        Tensor m = tma_piece.get_tma_tensor(
+            make_shape(params.page_size, kDim, params.heads_kv, params.num_pages));
+        Tensor src = cta.partition_S(local_tile(m(_, _, head_kv, piece_page),
+                                                Shape<Int<kRows>, Int<kDim>>{},
+                                                make_coord(_, _0{})));  // (TMA, 1, 1, piece)
+        Tensor dst = cta.partition_D(smem_tensor);                      // (TMA, piece, 1, stage)
+        copy(tma_piece.with(barrier), src(_, _0{}, _0{}, (first_key % params.page_size) / kRows),
+             dst(_, lane, _0{}, stage));
+      };
+      // K's or V's block n in pieces: wide ones where the launcher built them.
+      auto load_in_pieces = [&](auto& piece, auto& wide_piece, auto dim, auto smem_tensor, int n,
+                                uint64_t& barrier, int stage) {
+        if constexpr (Traits::kTakesWidePieces) {
+          if (params.piece_rows == kWidePieceRows) {
+            load_pieces(Int<kWidePieceRows>{}, wide_piece, dim, smem_tensor, n, barrier, stage);
+            return;
+          }
+        }
+        load_pieces(Int<kPieceRows>{}, piece, dim, smem_tensor, n, barrier, stage);
+      };
       // Block n of K or V (its `rows`) into the stage by the whole warpgroup, row by row. K's
       // load looks up the block's pages (before it waits for the stage), and V's load of the
       // same block, which always follows it, takes them again.
@@ -157,16 +198,28 @@ struct FwdProducer {
           pipe.producer_commit_copies(st);
         }
       };
-      // K's (or V's) block n: by TMA from the tensor or a page of whole blocks, or gathered.
+      // K's (or V's) block n: by TMA from the tensor, a page of whole blocks or the block's
+      // pieces, or gathered.
       auto load_k = [&](int n) {
         if constexpr (kGathers) {
           gather_block(Int<Traits::kHeadDim>{}, typename Traits::SmemLayoutK{}, smem.pipe_k,
                        params.k_pages, smem.k, n, true, widen_k);
         } else {
+          if constexpr (Traits::kTakesPieces) {
+            if (params.piece_rows > 0) look_up_piece(n);
+          }
           smem.pipe_k.producer_acquire_by_warp(st, Traits::kBytesK);
           auto tma = params.tma_k.with(smem.pipe_k.full_barrier(st));
           if constexpr (!Traits::kFp8) {
             if (params.paged()) {
+              if constexpr (Traits::kTakesPieces) {
+                if (params.piece_rows > 0) {
+                  load_in_pieces(params.tma_piece_k, params.tma_wide_piece_k,
+                                 Int<Traits::kHeadDim>{}, sK, n, smem.pipe_k.full_barrier(st),
+                                 st.index);
+                  return;
+                }
+              }
               int in_page;
               const int page = params.page_of(t.seq.index, n, in_page);
               if (leader)
@@ -187,6 +240,14 @@ struct FwdProducer {
           auto tma = params.tma_v.with(smem.pipe_v.full_barrier(st));
           if constexpr (!Traits::kFp8) {
             if (params.paged()) {
+              if constexpr (Traits::kTakesPieces) {
+                if (params.piece_rows > 0) {
+                  load_in_pieces(params.tma_piece_v, params.tma_wide_piece_v,
+                                 Int<Traits::kHeadDimV>{}, sV, n, smem.pipe_v.full_barrier(st),
+                                 st.index);
+                  return;
+                }
+              }
               int in_page;
               const int page = params.page_of(t.seq.index, n, in_page);
               if (leader)

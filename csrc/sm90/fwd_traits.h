@@ -20,6 +20,13 @@ namespace flashattn::sm90 {
 
 using namespace cute;
 
+// A paged cache whose pages hold no whole key block but whole pieces of kPieceRows rows is loaded
+// a piece at a time: each piece its own TMA box at its page, landing where the whole block's box
+// would have put it. Pieces of kWidePieceRows where both the pages and the key block are multiples
+// of that (fewer, larger boxes). Pages of other sizes are gathered row by row (fwd_paged_rows.h).
+constexpr int kPieceRows = 16;
+constexpr int kWidePieceRows = 64;
+
 // The consumer's lambdas run at several call sites; an outlined call would put the accumulators
 // on a local-memory stack.
 #define FLASHATTN_INLINE __attribute__((always_inline))
@@ -126,6 +133,24 @@ struct FwdTraits {
                                        take<0, 2>(SmemLayoutK{}), TileKV{}, _1{}));
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}),
                                       TileV{}, _1{}));
+  // Pieces of a paged cache's key blocks (kPieceRows above), for the 16-bit kernels' own caches:
+  // FP8 takes no paged cache and an e4m3 cache is gathered.
+  static constexpr bool kTakesPieces = !kFp8 && !kWidensCache;
+  static constexpr bool kTakesWidePieces = kTakesPieces && kBlockN % kWidePieceRows == 0;
+  static_assert(kBlockN % kPieceRows == 0, "a key block of whole pieces");
+  static_assert(kBlockN / kPieceRows <= 32, "a piece for each lane of a warp at most");
+  template <int kRows>
+  using TilePieceK = Shape<Int<kRows>, Int<kHeadDim>>;
+  template <int kRows>
+  using TilePieceV = Shape<Int<kRows>, Int<kHeadDimV>>;
+  template <int kRows>
+  using TmaPieceK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{},
+                                           tile_to_shape(SmemAtom{}, TilePieceK<kRows>{}),
+                                           TilePieceK<kRows>{}, _1{}));
+  template <int kRows>
+  using TmaPieceV = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, GmemTensor{}, tile_to_shape(SmemAtomOf<kHeadDimV>{}, TilePieceV<kRows>{}),
+      TilePieceV<kRows>{}, _1{}));
   static constexpr uint32_t kBytesQ = kRowsPerWG * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesV = kBlockN * kHeadDimV * sizeof(Element);
@@ -188,13 +213,23 @@ struct FwdParams {
   // A paged KV cache (flash_api.h; page_table null without one): K and V are num_pages pages of
   // page_size rows, and entry b's key j lies in row j % page_size of page
   // page_table[b·page_table_stride + j / page_size]. Pages of page_blocks whole key blocks are
-  // loaded a block at a time (tma_k, tma_v); others (page_blocks 0) row by row from k_pages and
-  // v_pages (fwd_paged_rows.h).
+  // loaded a block at a time (tma_k, tma_v); others (page_blocks 0) in pieces of piece_rows rows
+  // (kPieceRows: tma_piece_k, tma_piece_v; kWidePieceRows: tma_wide_piece_k, tma_wide_piece_v,
+  // which tiles that take no wide pieces do without), or, piece_rows 0, row by row from k_pages
+  // and v_pages (fwd_paged_rows.h).
   const int32_t* page_table;
   int64_t page_table_stride;
-  int num_pages, page_size, page_blocks;
+  int num_pages, page_size, page_blocks, piece_rows;
   int page_columns;  // seqlen_k / page_size: the table columns a sequence's keys span
   PagedRows k_pages, v_pages;
+  template <class Tma>
+  using PieceTma = conditional_t<Traits::kTakesPieces, Tma, tuple<>>;
+  template <class Tma>
+  using WidePieceTma = conditional_t<Traits::kTakesWidePieces, Tma, tuple<>>;
+  PieceTma<typename Traits::template TmaPieceK<kPieceRows>> tma_piece_k;
+  PieceTma<typename Traits::template TmaPieceV<kPieceRows>> tma_piece_v;
+  WidePieceTma<typename Traits::template TmaPieceK<kWidePieceRows>> tma_wide_piece_k;
+  WidePieceTma<typename Traits::template TmaPieceV<kWidePieceRows>> tma_wide_piece_v;
   // Pack-GQA (flash_api.h pack_gqa; the partial-results kernel only): with group > 1 a tile's
   // rows are (query row, query head) pairs, tile row i query row i / group of head
   // head_kv·group + i % group, and the tiles run per KV head; each consumer warpgroup then
@@ -220,11 +255,12 @@ struct FwdParams {
   __host__ __device__ bool paged() const { return page_table != nullptr; }
   __host__ __device__ int kv_rows() const { return paged() ? page_size : seqlen_k; }
   __host__ __device__ int kv_batch() const { return paged() ? num_pages : tensor_batch(); }
-  // Whether the producer gathers K's and V's rows by cp.async: pages of no whole key block (the
-  // 16-bit kernels'; FP8 takes no paged cache), and an e4m3 cache's pages of any size. The K and
-  // V barriers' arrival counts and the producer's walk both follow it.
+  // Whether the producer gathers K's and V's rows by cp.async: pages of neither whole key blocks
+  // nor whole pieces (the 16-bit kernels'; FP8 takes no paged cache), and an e4m3 cache's pages of
+  // any size. The K and V barriers' arrival counts and the producer's walk both follow it.
   __host__ __device__ bool gathers_pages() const {
-    return Traits::kWidensCache || (!Traits::kFp8 && paged() && page_blocks == 0);
+    return Traits::kWidensCache ||
+           (!Traits::kFp8 && paged() && page_blocks == 0 && piece_rows == 0);
   }
   // Entry b's page of table column `column` (common/page_table.h: within the columns the call's
   // keys span, page_columns, and the cache's pages).

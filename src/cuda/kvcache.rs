@@ -40,8 +40,10 @@ pub struct DeviceKvCacheInputs<'a, T, C = T> {
     /// sequence's keys are `max_pages · page_size` rows. The kernels clamp every entry into
     /// `0..num_pages` (the host does not read them). Pages of any size: on the Hopper forward
     /// pages of whole key blocks of its tile (multiples of 128 rows at head dims 64, 96, 128 and
-    /// (192, 128), of 112 at 192 and of 80 at 256) are loaded a block at a time, others row by
-    /// row, each row from its page (docs/PERFORMANCE.md says what each way reads at); the Ampere
+    /// (192, 128), of 112 at 192 and of 80 at 256) are loaded a block at a time, pages of
+    /// multiples of 16 rows a piece of 16 or 64 rows at a time, others row by row, each row from
+    /// its page (docs/PERFORMANCE.md says what each way reads at); e4m3 pages are always copied
+    /// row by row and widened. The Ampere
     /// forward (`Backend::Sm80`, and `Auto` off Hopper) copies every row from its page. The
     /// forward without intra-warpgroup overlap, and the CPU backend, are `Error::Unsupported`
     /// here (the CPU takes any page size through [`crate::kvcache::forward`]).
@@ -238,10 +240,17 @@ fn cache_table<'a>(
     }
 }
 
+/// The Hopper forward loads a paged cache's key blocks, where its pages hold no whole block but
+/// whole pieces of 16 rows, a piece at a time (one TMA box each); in pieces of this many rows
+/// where the pages and the key block are multiples of it (fewer, larger boxes). As
+/// csrc/sm90/fwd_traits.h has it.
+const WIDE_PIECE_ROWS: usize = 64;
+
 /// A paged cache's pages as the kernels of `backend` take them, and the call's configuration for
 /// them: pages of any size. The Hopper forward (`Backend::Sm90`) takes a key block at a time
-/// where a page holds whole blocks of its tile, else row by row; the Ampere forward
-/// (`Backend::Sm80`) copies each row from its page.
+/// where a page holds whole blocks of its tile, else in pieces of 16 or [`WIDE_PIECE_ROWS`] rows
+/// where a page holds whole ones, else row by row; the Ampere forward (`Backend::Sm80`) copies
+/// each row from its page.
 fn pages<'a>(
     k_cache: &Layout,
     head_dim_v: usize,
@@ -301,12 +310,19 @@ fn pages<'a>(
         return Err(unsupported("no Hopper forward at these head dims".into()));
     };
     // The Masked tile where the Base tile's blocks do not fill the pages but its narrower ones do
-    // (whole blocks loading as one box each), as the launcher chooses (run_fwd_tiled).
+    // (whole blocks loading as one box each), or where only its blocks take wide pieces: as the
+    // launcher chooses (run_fwd_tiled).
+    let wide = |block: usize| block % WIDE_PIECE_ROWS == 0 && page_size % WIDE_PIECE_ROWS == 0;
     let schedule = match key_block(Family::Sm90Fwd, TileRole::Masked) {
-        Some(masked) if page_size % base != 0 && page_size % masked == 0 => Sm90Schedule {
-            narrow_key_blocks: true,
-            ..cfg.sm90_schedule
-        },
+        Some(masked)
+            if page_size % base != 0
+                && (page_size % masked == 0 || (wide(masked) && !wide(base))) =>
+        {
+            Sm90Schedule {
+                narrow_key_blocks: true,
+                ..cfg.sm90_schedule
+            }
+        }
         _ => cfg.sm90_schedule,
     };
     checked(cfg.clone().sm90_schedule(schedule))
