@@ -249,11 +249,13 @@ fn tile_structs(k: &Kernel) -> String {
         format!("template <> struct {name}<{dims}> {{\n{members}}};\n")
     };
     match k.family {
-        Family::Sm90Fwd => {
+        // The forward over an e4m3 cache takes the 16-bit forward's tiles (Family::tile_family),
+        // in units of its own: on sm90 the Masked one, whose narrower key blocks leave room for
+        // its staging slots.
+        Family::Sm90Fwd | Family::Sm90Fp8CacheFwd => {
             spec("FwdTile", tile(TileRole::Base)) + &spec("FwdTileMasked", tile(TileRole::Masked))
         }
-        // The 16-bit forwards' Base tiles (Family::tile_family), in units of their own.
-        Family::Sm90Fp8CacheFwd | Family::Sm80Fp8CacheFwd => spec("FwdTile", tile(TileRole::Base)),
+        Family::Sm80Fp8CacheFwd => spec("FwdTile", tile(TileRole::Base)),
         Family::Sm90Fp8Fwd => {
             let t = tile(TileRole::Base);
             spec("Fp8FwdTile", t)

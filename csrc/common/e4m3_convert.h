@@ -54,4 +54,28 @@ __device__ __forceinline__ uint2 widen_e4m3x4(uint32_t w) {
   return {out[0], out[1]};
 }
 
+// widen_e4m3x4 by the conversion instructions of sm_89 and later: each pair to f16x2 in one,
+// and for bf16 through f32 (exact: every e4m3 value is an f16 and a bf16 value). NaN stays NaN.
+template <class T>
+__device__ __forceinline__ uint2 convert_e4m3x4(uint32_t w) {
+  constexpr bool kHalf = std::is_same_v<T, __half>;
+  static_assert(kHalf || std::is_same_v<T, __nv_bfloat16>);
+  uint32_t out[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint16_t pair = uint16_t(w >> (16 * i));
+    uint32_t halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(halves) : "h"(pair));
+    if constexpr (kHalf) {
+      out[i] = halves;
+    } else {
+      float lo, hi;
+      asm("cvt.f32.f16 %0, %1;\n" : "=f"(lo) : "h"(uint16_t(halves)));
+      asm("cvt.f32.f16 %0, %1;\n" : "=f"(hi) : "h"(uint16_t(halves >> 16)));
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out[i]) : "f"(hi), "f"(lo));
+    }
+  }
+  return {out[0], out[1]};
+}
+
 }  // namespace flashattn

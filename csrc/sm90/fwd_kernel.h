@@ -68,11 +68,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     // One arrival per consumer warp releases a stage (see TmaPipeline::consumer_release); one
-    // per producer thread fills a K or V stage whose rows the producer warpgroup gathers.
-    const uint32_t kv_fills = params.gathers_pages() ? kGatherThreads : 1;
+    // per producer thread fills a K or V stage whose rows the producer warpgroup writes.
+    const uint32_t kv_fills = params.threads_fill_stages() ? kGatherThreads : 1;
     smem.pipe_q.init(4 * kConsumerWGs);
     smem.pipe_k.init(4 * kConsumerWGs, kv_fills);
     smem.pipe_v.init(4 * kConsumerWGs, kv_fills);
+    if constexpr (Traits::kStagesCache) smem.staging.init();
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();

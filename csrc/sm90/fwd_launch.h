@@ -116,7 +116,7 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   params.page_table_stride = p.page_table_batch_stride;
   params.num_pages = p.num_pages;
   params.page_size = p.page_size;
-  // An e4m3 cache's pages, of any size, are always gathered (and widened).
+  // An e4m3 cache's pages, of any size, are always staged or gathered (and widened).
   params.page_blocks = p.page_size % Traits::kBlockN == 0 && !Traits::kWidensCache
                            ? p.page_size / Traits::kBlockN
                            : 0;
@@ -130,7 +130,8 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   };
   params.k_pages = paged_rows(p.k);
   params.v_pages = paged_rows(p.v);
-  // An e4m3 cache is never loaded by TMA: its K and V descriptors describe Q instead, unused.
+  // An e4m3 cache is never loaded by these (its pieces are, below): its K and V descriptors
+  // describe Q instead, unused.
   const flashattn_tensor_t& k_tma = Traits::kWidensCache ? p.q : p.k;
   const flashattn_tensor_t& v_tma = Traits::kWidensCache ? p.q : p.v;
   const int kv_tma_rows = Traits::kWidensCache ? p.seqlen_q : params.kv_rows();
@@ -166,19 +167,26 @@ flashattn_result_t run_fwd_kernels(const flashattn_params_t& p, bool pingpong,
   params.piece_rows = 0;
   if constexpr (Traits::kTakesPieces) {
     if (params.paged() && params.page_blocks == 0 && p.page_size % kPieceRows == 0) {
+      // The cache's own pages (an e4m3 cache's too, where K's and V's TMA above describe Q).
+      using Piece = typename Traits::PieceElement;
+      auto k_pages = gmem_tensor<Traits>(static_cast<Piece const*>(p.k.ptr), p.k, p.page_size,
+                                         p.heads_kv, p.num_pages);
+      auto v_pages = gmem_tensor<Traits, Traits::kHeadDimV>(static_cast<Piece const*>(p.v.ptr),
+                                                            p.v, p.page_size, p.heads_kv,
+                                                            p.num_pages);
       auto piece_tmas = [&](auto rows, auto& tma_k, auto& tma_v) {
         constexpr int kRows = decltype(rows)::value;
-        using PieceK = typename Traits::template TilePieceK<kRows>;
-        using PieceV = typename Traits::template TilePieceV<kRows>;
-        tma_k = make_tma_copy(SM90_TMA_LOAD{}, k,
-                              tile_to_shape(typename Traits::SmemAtom{}, PieceK{}), PieceK{}, _1{});
+        tma_k = make_tma_copy(
+            SM90_TMA_LOAD{}, k_pages,
+            typename Traits::template PieceSmemLayout<kRows, Traits::kHeadDim>{},
+            typename Traits::template TilePieceK<kRows>{}, _1{});
         tma_v = make_tma_copy(
-            SM90_TMA_LOAD{}, v,
-            tile_to_shape(typename Traits::template SmemAtomOf<Traits::kHeadDimV>{}, PieceV{}),
-            PieceV{}, _1{});
+            SM90_TMA_LOAD{}, v_pages,
+            typename Traits::template PieceSmemLayout<kRows, Traits::kHeadDimV>{},
+            typename Traits::template TilePieceV<kRows>{}, _1{});
         params.piece_rows = kRows;
       };
-      // The wide pieces where they divide both the pages and the key block.
+      // The wide pieces where they divide both the pages and what the pieces fill.
       if constexpr (Traits::kTakesWidePieces) {
         if (p.page_size % kWidePieceRows == 0)
           piece_tmas(Int<kWidePieceRows>{}, params.tma_wide_piece_k, params.tma_wide_piece_v);
@@ -396,11 +404,12 @@ flashattn_result_t run_fwd_tiled(const flashattn_params_t& p, FwdOptions o, cuda
 }
 
 // The forward over an e4m3 paged KV cache (flash_api.h kv_cache_e4m3) with Q and O in Element:
-// the Base tile, whose stages hold the widened rows.
+// the Masked tile (the Base one where there is none), whose stages hold the widened rows and
+// whose narrower key blocks leave room for the staging slots (fwd_cache_staging.h).
 template <class Element, int kHeadDim>
 flashattn_result_t run_fwd_fp8_cache(const flashattn_params_t& p, FwdOptions o,
                                      cudaStream_t stream) {
-  using Tile = FwdTile<kHeadDim>;
+  using Tile = FwdTileMasked<kHeadDim>;
   static_assert(Tile::kIntraWGOverlap && Tile::kTailSplit,
                 "pack-GQA and key splits run on the overlapped partial-results kernel");
   return run_fwd<FwdTraits<Element, kHeadDim, Tile, true, kHeadDim, cutlass::float_e4m3_t>>(

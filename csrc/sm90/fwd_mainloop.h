@@ -26,21 +26,6 @@
 
 namespace flashattn::sm90 {
 
-// Named barriers (CUTLASS reserves the first ids; NamedBarrier adds that offset).
-enum class FwdBarrier : uint32_t {
-  TurnWG0 = 0,  // ping-pong: consumer WG0 may issue its GEMMs
-  TurnWG1 = 1,  // ping-pong: consumer WG1 may issue its GEMMs
-  QRowsWG0 = 2,  // pack-GQA: consumer WG0's gathered Q rows are in its buffer (fwd_packed_q.h)
-  QRowsWG1 = 3,
-};
-
-__device__ inline void named_sync(FwdBarrier b, uint32_t threads) {
-  cutlass::arch::NamedBarrier::sync(threads, static_cast<uint32_t>(b));
-}
-__device__ inline void named_arrive(FwdBarrier b, uint32_t threads) {
-  cutlass::arch::NamedBarrier::arrive(threads, static_cast<uint32_t>(b));
-}
-
 // The softmax scale and (FP8) V descale of one key block.
 struct BlockScales {
   float c, v;

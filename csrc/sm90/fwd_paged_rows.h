@@ -9,14 +9,23 @@
 // touches another's bytes, so no barrier is needed between the copy and the widening.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cute/tensor.hpp>
-#include <cutlass/numeric_conversion.h>
+#include <cutlass/bfloat16.h>
+#include <cutlass/half.h>
+
+#include "../common/e4m3_convert.h"
 
 namespace flashattn::sm90 {
 
 using namespace cute;
 
 constexpr int kGatherThreads = 128;  // the producer warpgroup
+
+// The CUDA type of a 16-bit Element, which the e4m3 conversions produce.
+template <class Element>
+using CudaHalf = conditional_t<is_same_v<Element, cutlass::bfloat16_t>, __nv_bfloat16, __half>;
 
 // Where a paged cache's K or V rows lie: row r of page p, KV head h at byte
 // p·page_bytes + r·row_bytes + h·head_bytes of base.
@@ -104,9 +113,6 @@ struct PagedRowGather {
   // over the 32 bytes whose upper half holds it.
   __device__ static void widen(uint32_t smem, int stage, int tid) {
     static_assert(kWidens, "only a narrower cache is widened");
-    using Narrow = cutlass::Array<Cache, kChunkElems>;
-    using Wide = cutlass::Array<Element, kChunkElems>;
-    cutlass::NumericArrayConverter<Element, Cache, kChunkElems> convert;
 #pragma unroll 1
     for (int r = first_row(tid); r < first_row(tid) + kRowsPerThread; ++r) {
 #pragma unroll
@@ -117,12 +123,13 @@ struct PagedRowGather {
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(narrow.x), "=r"(narrow.y), "=r"(narrow.z), "=r"(narrow.w)
                      : "r"(hi));
-        const Wide wide = convert(reinterpret_cast<const Narrow&>(narrow));
-        const uint4* w = reinterpret_cast<const uint4*>(&wide);
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(lo), "r"(w[0].x),
-                     "r"(w[0].y), "r"(w[0].z), "r"(w[0].w));
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(hi), "r"(w[1].x),
-                     "r"(w[1].y), "r"(w[1].z), "r"(w[1].w));
+        using Widened = CudaHalf<Element>;
+        const uint2 w0 = convert_e4m3x4<Widened>(narrow.x), w1 = convert_e4m3x4<Widened>(narrow.y);
+        const uint2 w2 = convert_e4m3x4<Widened>(narrow.z), w3 = convert_e4m3x4<Widened>(narrow.w);
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(lo), "r"(w0.x),
+                     "r"(w0.y), "r"(w1.x), "r"(w1.y));
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(hi), "r"(w2.x),
+                     "r"(w2.y), "r"(w3.x), "r"(w3.y));
       }
     }
   }

@@ -18,36 +18,51 @@
 
 namespace flashattn::sm90 {
 
+// How the producer fills the K and V stages: by TMA (the first warp), rows gathered by the
+// warpgroup (fwd_paged_rows.h), or an e4m3 cache's pieces staged by TMA and widened by the
+// warpgroup (fwd_cache_staging.h).
+enum class KvLoad { Tma, Gathered, Staged };
+
 template <class Traits, bool kPartials>
 struct FwdProducer {
   __device__ static void run(const FwdParams<Traits>& params,
                              typename Traits::SharedStorage& smem) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    // Two walks, each with only its own state in the producer's 24 registers.
+    // A walk each, each with only its own state in the producer's 24 registers.
     if constexpr (Traits::kWidensCache) {
-      walk<true>(params, smem);
-    } else {
-      if constexpr (!Traits::kFp8) {  // FP8 takes no paged cache (flash_api.h)
-        if (params.gathers_pages()) {
-          walk<true>(params, smem);
+      if constexpr (Traits::kStagesCache) {
+        if (params.piece_rows > 0) {
+          walk<KvLoad::Staged>(params, smem);
           return;
         }
       }
-      if (threadIdx.x / 32 == 0) walk<false>(params, smem);
+      walk<KvLoad::Gathered>(params, smem);
+    } else {
+      if constexpr (!Traits::kFp8) {  // FP8 takes no paged cache (flash_api.h)
+        if (params.gathers_pages()) {
+          walk<KvLoad::Gathered>(params, smem);
+          return;
+        }
+      }
+      if (threadIdx.x / 32 == 0) walk<KvLoad::Tma>(params, smem);
     }
   }
 
   // The tiles' loads. The first warp walks the tiles and waits for the stages; lane 0 arrives
-  // on them and issues their TMA loads. kGathers: the other warps walk beside it, and the whole
-  // warpgroup copies K's and V's rows.
-  template <bool kGathers>
+  // on them and issues their TMA loads (the lanes one piece each of a paged block). Gathered and
+  // Staged: the other warps walk beside it, and the whole warpgroup writes K's and V's rows.
+  template <KvLoad kLoad>
   __device__ static void walk(const FwdParams<Traits>& params,
                               typename Traits::SharedStorage& smem) {
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kStages = Traits::kStages;
     constexpr int kQStages = Traits::kQStages;
     constexpr int kConsumerWGs = Traits::kConsumerWGs;
-    const bool leader = (kGathers ? threadIdx.x : threadIdx.x % 32) == 0;
+    constexpr bool kGathers = kLoad == KvLoad::Gathered;
+    constexpr bool kWarpgroup = kLoad != KvLoad::Tma;  // the whole warpgroup walks
+    const int lane = threadIdx.x % 32;
+    const bool first_warp = threadIdx.x / 32 == 0;
+    const bool leader = (kWarpgroup ? threadIdx.x : lane) == 0;
 
     const int batch = params.tensor_batch();
     Tensor mQ = params.tma_q.get_tma_tensor(
@@ -73,8 +88,9 @@ struct FwdProducer {
 
     PipelineState<kStages> st;
     PipelineState<kQStages> st_q;
-    // An e4m3 cache: the stage of the block whose rows are copied but not yet widened (-1: none),
-    // and its widening, by each thread of its own chunks, once they have landed.
+    // A gathered e4m3 cache: the stage of the block whose rows are copied but not yet widened
+    // (-1: none), and its widening, by each thread of its own chunks, once they have landed.
+    constexpr bool kWidensGathered = kGathers && Traits::kWidensCache;
     int widening = -1;
     auto widen = [&](auto dim, auto layout, auto& pipe, auto& buffer) {
       using Gather = PagedRowGather<typename Traits::Element, typename Traits::Cache, kBlockN,
@@ -83,13 +99,16 @@ struct FwdProducer {
       pipe.producer_commit_written(widening);
     };
     auto widen_k = [&] {
-      if constexpr (Traits::kWidensCache)
+      if constexpr (kWidensGathered)
         widen(Int<Traits::kHeadDim>{}, typename Traits::SmemLayoutK{}, smem.pipe_k, smem.k);
     };
     auto widen_v = [&] {
-      if constexpr (Traits::kWidensCache)
+      if constexpr (kWidensGathered)
         widen(Int<Traits::kHeadDimV>{}, typename Traits::SmemLayoutV{}, smem.pipe_v, smem.v);
     };
+    // Staged: the items the CTA has widened in the tiles before (its staging slots' ring turns
+    // on across tiles).
+    uint32_t staged = 0;
     WorkTile t;
 #pragma unroll 1
     for (FwdTileScheduler<Traits, kPartials> tiles{params}; tiles.next(t);) {
@@ -126,45 +145,49 @@ struct FwdProducer {
         return group_modes<0, 3>(tma.get_slice(0).partition_S(
             local_tile(m(_, _, head_kv, page), tile, make_coord(_, _0{}))))(_, in_page);
       };
-      // Pages of no whole block but whole pieces: block n's pieces of kRows rows, each from its
-      // page into its rows of the stage, lane i issuing piece i (one thread issuing them all
-      // would wait a load's latency for each piece's page). K's load looks the lane's page up
-      // before it waits for the stage; V's load of the same block, which always follows it,
-      // takes it again.
+      // Pages of no whole block but whole pieces: the pieces of kRows rows from key first_key
+      // on (a block, or a staged half block), each from its page into its rows of the stage (or
+      // staging slot), lane i issuing piece i (one thread issuing them all would wait a load's
+      // latency for each piece's page). TMA walk: K's load looks the lane's page up before it
+      // waits for the stage; V's load of the same block, which always follows it, takes it again.
       int piece_page = 0;
-      auto look_up_piece = [&](int n) {
-        const int lane = threadIdx.x % 32;
-        if (lane < kBlockN / params.piece_rows)
-          piece_page = params.page(t.seq.index,
-                                   (n * kBlockN + lane * params.piece_rows) / params.page_size);
+      auto look_up_piece = [&](int first_key) {
+        if (lane < Traits::kPiecesSpan / params.piece_rows)
+          piece_page =
+              params.page(t.seq.index, (first_key + lane * params.piece_rows) / params.page_size);
       };
-      auto load_pieces = [&](auto rows, auto& tma_piece, auto dim, auto smem_tensor, int n,
-                             uint64_t& barrier, int stage) {
+      // dst_of(cta, lane): where the TMA slice `cta` puts lane's piece.
+      auto load_pieces = [&](auto rows, auto& tma_piece, auto dim, int first_key,
+                             uint64_t& barrier, auto dst_of) {
         constexpr int kRows = decltype(rows)::value;
         constexpr int kDim = decltype(dim)::value;
-        const int lane = threadIdx.x % 32;
-        if (lane >= kBlockN / kRows) return;
-        const int first_key = n * kBlockN + lane * kRows;
+        if (lane >= Traits::kPiecesSpan / kRows) return;
+        const int key = first_key + lane * kRows;
         auto cta = tma_piece.get_slice(0);
         Tensor m = tma_piece.get_tma_tensor(
             make_shape(params.page_size, kDim, params.heads_kv, params.num_pages));
         Tensor src = cta.partition_S(local_tile(m(_, _, head_kv, piece_page),
                                                 Shape<Int<kRows>, Int<kDim>>{},
                                                 make_coord(_, _0{})));  // (TMA, 1, 1, piece)
-        Tensor dst = cta.partition_D(smem_tensor);                      // (TMA, piece, 1, stage)
-        copy(tma_piece.with(barrier), src(_, _0{}, _0{}, (first_key % params.page_size) / kRows),
-             dst(_, lane, _0{}, stage));
+        copy(tma_piece.with(barrier), src(_, _0{}, _0{}, (key % params.page_size) / kRows),
+             dst_of(cta, lane));
       };
-      // K's or V's block n in pieces: wide ones where the launcher built them.
-      auto load_in_pieces = [&](auto& piece, auto& wide_piece, auto dim, auto smem_tensor, int n,
-                                uint64_t& barrier, int stage) {
+      // Pieces from key first_key on: wide ones where the launcher built them.
+      auto load_in_pieces = [&](auto& piece, auto& wide_piece, auto dim, int first_key,
+                                uint64_t& barrier, auto dst_of) {
         if constexpr (Traits::kTakesWidePieces) {
           if (params.piece_rows == kWidePieceRows) {
-            load_pieces(Int<kWidePieceRows>{}, wide_piece, dim, smem_tensor, n, barrier, stage);
+            load_pieces(Int<kWidePieceRows>{}, wide_piece, dim, first_key, barrier, dst_of);
             return;
           }
         }
-        load_pieces(Int<kPieceRows>{}, piece, dim, smem_tensor, n, barrier, stage);
+        load_pieces(Int<kPieceRows>{}, piece, dim, first_key, barrier, dst_of);
+      };
+      // A stage's rows of each piece: (TMA, piece, 1, stage).
+      auto in_stage = [&](auto smem_tensor, int stage) {
+        return [=](auto& cta, int piece) {
+          return cta.partition_D(smem_tensor)(_, piece, _0{}, stage);
+        };
       };
       // Block n of K or V (its `rows`) into the stage by the whole warpgroup, row by row. K's
       // load looks up the block's pages (before it waits for the stage), and V's load of the
@@ -198,15 +221,76 @@ struct FwdProducer {
           pipe.producer_commit_copies(st);
         }
       };
+      // Staged (an e4m3 cache whose pages hold whole pieces): the tile's items j = 0, 1, ... in
+      // the order they are widened: block n_max − 1 − j / 4's K (j / 2 even) or V, its half j % 2.
+      // Item j fills slot (staged + j) % kSlots, issued by the first warp kSlots items ahead,
+      // once the slot's item before is widened.
+      using StagingK = typename Traits::StagingK;
+      constexpr int kSlots = StagingK::kSlots;
+      const int items = 4 * t.n_blocks();
+      auto slot_of = [&](int j) { return int((staged + uint32_t(j)) % kSlots); };
+      auto issue_item = [&](int j) {
+        if constexpr (kLoad == KvLoad::Staged) {
+          const int first_key = (t.n_max - 1 - j / 4) * kBlockN + j % 2 * StagingK::kItemRows;
+          const int slot = slot_of(j);
+          look_up_piece(first_key);
+          uint64_t& full = smem.staging.full[slot];
+          if (lane == 0)
+            cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full,
+                                                                           StagingK::kItemBytes);
+          __syncwarp();
+          Tensor rows = make_tensor(
+              make_smem_ptr(reinterpret_cast<typename Traits::Cache*>(
+                  smem.staging.rows + slot * StagingK::kItemBytes)),
+              typename StagingK::SlotLayout{});
+          auto in_slot = [&](auto& cta, int piece) {
+            return cta.partition_D(rows)(_, piece, _0{});  // (TMA, piece, 1)
+          };
+          if (j / 2 % 2 == 0) {
+            load_in_pieces(params.tma_piece_k, params.tma_wide_piece_k, Int<Traits::kHeadDim>{},
+                           first_key, full, in_slot);
+          } else {
+            load_in_pieces(params.tma_piece_v, params.tma_wide_piece_v,
+                           Int<Traits::kHeadDimV>{}, first_key, full, in_slot);
+          }
+        }
+      };
+      // Item j widened into its half of the stage, which the first half waits for and the second
+      // fills; then its slot takes item j + kSlots.
+      auto widen_item = [&](int j, auto staging, auto& pipe, auto& buffer) {
+        if constexpr (kLoad == KvLoad::Staged) {
+          using Staging = decltype(staging);
+          const int slot = slot_of(j);
+          cutlass::arch::ClusterTransactionBarrier::wait(&smem.staging.full[slot],
+                                                         (staged + uint32_t(j)) / kSlots % 2);
+          if (j % 2 == 0) pipe.producer_wait(st);
+          Staging::widen(cast_smem_ptr_to_uint(smem.staging.rows) + slot * StagingK::kItemBytes,
+                         cast_smem_ptr_to_uint(buffer.begin()), st.index,
+                         j % 2 * Staging::kItemRows, threadIdx.x);
+          if (j % 2 == 1) pipe.producer_commit_written(st.index);
+          named_sync(FwdBarrier::StagingRead, kGatherThreads);
+          if (first_warp && j + kSlots < items) issue_item(j + kSlots);
+        }
+      };
+      if constexpr (kLoad == KvLoad::Staged) {
+        if (first_warp) {
+#pragma unroll 1
+          for (int j = 0; j < kSlots && j < items; ++j) issue_item(j);
+        }
+      }
       // K's (or V's) block n: by TMA from the tensor, a page of whole blocks or the block's
-      // pieces, or gathered.
+      // pieces, staged, or gathered.
       auto load_k = [&](int n) {
-        if constexpr (kGathers) {
+        if constexpr (kLoad == KvLoad::Staged) {
+          const int j = 4 * (t.n_max - 1 - n);
+          widen_item(j, StagingK{}, smem.pipe_k, smem.k);
+          widen_item(j + 1, StagingK{}, smem.pipe_k, smem.k);
+        } else if constexpr (kGathers) {
           gather_block(Int<Traits::kHeadDim>{}, typename Traits::SmemLayoutK{}, smem.pipe_k,
                        params.k_pages, smem.k, n, true, widen_k);
         } else {
           if constexpr (Traits::kTakesPieces) {
-            if (params.piece_rows > 0) look_up_piece(n);
+            if (params.piece_rows > 0) look_up_piece(n * kBlockN);
           }
           smem.pipe_k.producer_acquire_by_warp(st, Traits::kBytesK);
           auto tma = params.tma_k.with(smem.pipe_k.full_barrier(st));
@@ -215,8 +299,8 @@ struct FwdProducer {
               if constexpr (Traits::kTakesPieces) {
                 if (params.piece_rows > 0) {
                   load_in_pieces(params.tma_piece_k, params.tma_wide_piece_k,
-                                 Int<Traits::kHeadDim>{}, sK, n, smem.pipe_k.full_barrier(st),
-                                 st.index);
+                                 Int<Traits::kHeadDim>{}, n * kBlockN,
+                                 smem.pipe_k.full_barrier(st), in_stage(sK, st.index));
                   return;
                 }
               }
@@ -232,7 +316,11 @@ struct FwdProducer {
         }
       };
       auto load_v = [&](int n) {
-        if constexpr (kGathers) {
+        if constexpr (kLoad == KvLoad::Staged) {
+          const int j = 4 * (t.n_max - 1 - n) + 2;
+          widen_item(j, typename Traits::StagingV{}, smem.pipe_v, smem.v);
+          widen_item(j + 1, typename Traits::StagingV{}, smem.pipe_v, smem.v);
+        } else if constexpr (kGathers) {
           gather_block(Int<Traits::kHeadDimV>{}, typename Traits::SmemLayoutV{}, smem.pipe_v,
                        params.v_pages, smem.v, n, false, widen_v);
         } else {
@@ -243,8 +331,8 @@ struct FwdProducer {
               if constexpr (Traits::kTakesPieces) {
                 if (params.piece_rows > 0) {
                   load_in_pieces(params.tma_piece_v, params.tma_wide_piece_v,
-                                 Int<Traits::kHeadDimV>{}, sV, n, smem.pipe_v.full_barrier(st),
-                                 st.index);
+                                 Int<Traits::kHeadDimV>{}, n * kBlockN,
+                                 smem.pipe_v.full_barrier(st), in_stage(sV, st.index));
                   return;
                 }
               }
@@ -262,7 +350,7 @@ struct FwdProducer {
       // The first K block first: with one Q buffer, Q waits for the last Q·Kᵀ of the tile before.
       load_k(t.n_max - 1);
       const bool gathered_q = kPartials && !Traits::kFp8 && params.group > 1;
-      if (!kGathers || threadIdx.x / 32 == 0)
+      if (!kWarpgroup || first_warp)
         smem.pipe_q.producer_acquire_by_warp(st_q, gathered_q ? 0 : Traits::kBytesQ * kConsumerWGs);
 #pragma unroll
       for (int wg = 0; wg < kConsumerWGs && !gathered_q && leader; ++wg) {
@@ -275,18 +363,19 @@ struct FwdProducer {
       }
       st_q.advance();
       load_v(t.n_max - 1);
-      if constexpr (Traits::kWidensCache) widening = st.index;
+      if constexpr (kWidensGathered) widening = st.index;
       st.advance();
       // Not unrolled: the producer lives in 24 registers.
 #pragma unroll 1
       for (int n = t.n_max - 2; n >= t.n_min; --n) {
         load_k(n);
         load_v(n);
-        if constexpr (Traits::kWidensCache) widening = st.index;
+        if constexpr (kWidensGathered) widening = st.index;
         st.advance();
       }
+      staged += uint32_t(items);
     }
-    if constexpr (Traits::kWidensCache) {
+    if constexpr (kWidensGathered) {
       if (widening >= 0) {  // the last block's rows
         cp_async_wait<0>();
         widen_k();

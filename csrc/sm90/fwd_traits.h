@@ -10,6 +10,7 @@
 #include "../common/block_range.h"
 #include "../common/page_table.h"
 #include "../common/sequences.h"
+#include "fwd_cache_staging.h"
 #include "fwd_paged_rows.h"
 #include "fwd_tail.h"
 #include "pipeline.h"
@@ -26,6 +27,22 @@ using namespace cute;
 // of that (fewer, larger boxes). Pages of other sizes are gathered row by row (fwd_paged_rows.h).
 constexpr int kPieceRows = 16;
 constexpr int kWidePieceRows = 64;
+
+// Named barriers (CUTLASS reserves the first ids; NamedBarrier adds that offset).
+enum class FwdBarrier : uint32_t {
+  TurnWG0 = 0,  // ping-pong: consumer WG0 may issue its GEMMs
+  TurnWG1 = 1,  // ping-pong: consumer WG1 may issue its GEMMs
+  QRowsWG0 = 2,  // pack-GQA: consumer WG0's gathered Q rows are in its buffer (fwd_packed_q.h)
+  QRowsWG1 = 3,
+  StagingRead = 4,  // the producer warpgroup has widened a staging slot (fwd_cache_staging.h)
+};
+
+__device__ inline void named_sync(FwdBarrier b, uint32_t threads) {
+  cutlass::arch::NamedBarrier::sync(threads, static_cast<uint32_t>(b));
+}
+__device__ inline void named_arrive(FwdBarrier b, uint32_t threads) {
+  cutlass::arch::NamedBarrier::arrive(threads, static_cast<uint32_t>(b));
+}
 
 // The consumer's lambdas run at several call sites; an outlined call would put the accumulators
 // on a local-memory stack.
@@ -133,37 +150,63 @@ struct FwdTraits {
                                        take<0, 2>(SmemLayoutK{}), TileKV{}, _1{}));
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}),
                                       TileV{}, _1{}));
-  // Pieces of a paged cache's key blocks (kPieceRows above), for the 16-bit kernels' own caches:
-  // FP8 takes no paged cache and an e4m3 cache is gathered.
-  static constexpr bool kTakesPieces = !kFp8 && !kWidensCache;
-  static constexpr bool kTakesWidePieces = kTakesPieces && kBlockN % kWidePieceRows == 0;
-  static_assert(kBlockN % kPieceRows == 0, "a key block of whole pieces");
-  static_assert(kBlockN / kPieceRows <= 32, "a piece for each lane of a warp at most");
-  template <int kRows>
-  using TilePieceK = Shape<Int<kRows>, Int<kHeadDim>>;
-  template <int kRows>
-  using TilePieceV = Shape<Int<kRows>, Int<kHeadDimV>>;
-  template <int kRows>
-  using TmaPieceK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{},
-                                           tile_to_shape(SmemAtom{}, TilePieceK<kRows>{}),
-                                           TilePieceK<kRows>{}, _1{}));
-  template <int kRows>
-  using TmaPieceV = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, GmemTensor{}, tile_to_shape(SmemAtomOf<kHeadDimV>{}, TilePieceV<kRows>{}),
-      TilePieceV<kRows>{}, _1{}));
   static constexpr uint32_t kBytesQ = kRowsPerWG * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesV = kBlockN * kHeadDimV * sizeof(Element);
 
-  struct SharedStorage {
+  // An e4m3 cache whose pages hold whole pieces is staged (fwd_cache_staging.h) where the tile
+  // has room for the staging slots beside its stages; its other pages, and all its pages where
+  // there is no room, are gathered (fwd_paged_rows.h).
+  using StagingK = CacheStaging<Element, kBlockN, kHeadDim, SmemLayoutK>;
+  using StagingV = CacheStaging<Element, kBlockN, kHeadDimV, SmemLayoutV>;
+  struct NoStaging {};
+  template <bool kStaging>
+  struct SharedStorageOf {
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutQ>> q[kConsumerWGs];
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) ArrayEngine<Element, cosize_v<SmemLayoutV>> v;
     TmaPipeline<kQStages> pipe_q;
     TmaPipeline<kStages> pipe_k;
     TmaPipeline<kStages> pipe_v;
+    conditional_t<kStaging, typename StagingK::Storage, NoStaging> staging;
   };
-  static_assert(sizeof(SharedStorage) <= 232448, "227 KiB of shared memory per CTA on sm_90");
+  static constexpr int kSmemBytes = 232448;  // 227 KiB of shared memory per CTA on sm_90
+  static constexpr bool kStagesCache = [] {
+    if constexpr (kWidensCache && kHeadDimV == kHeadDim && kBlockN % (2 * kPieceRows) == 0) {
+      return sizeof(SharedStorageOf<true>) <= kSmemBytes;
+    } else {
+      return false;
+    }
+  }();
+  using SharedStorage = SharedStorageOf<kStagesCache>;
+  static_assert(sizeof(SharedStorage) <= kSmemBytes, "227 KiB of shared memory per CTA on sm_90");
+
+  // Pieces of a paged cache's key blocks (kPieceRows above): the 16-bit kernels' own caches',
+  // each into its rows of a stage, and a staged e4m3 cache's, each into its rows of a staging
+  // slot (half a block). FP8 takes no paged cache.
+  static constexpr bool kTakesPieces = !kFp8 && (!kWidensCache || kStagesCache);
+  static constexpr int kPiecesSpan = kWidensCache ? kBlockN / 2 : kBlockN;  // what pieces fill
+  static constexpr bool kTakesWidePieces = kTakesPieces && kPiecesSpan % kWidePieceRows == 0;
+  static_assert(kBlockN % kPieceRows == 0, "a key block of whole pieces");
+  static_assert(kPiecesSpan / kPieceRows <= 32, "a piece for each lane of a warp at most");
+  using PieceElement = conditional_t<kWidensCache, Cache, Element>;
+  template <int kRows>
+  using TilePieceK = Shape<Int<kRows>, Int<kHeadDim>>;
+  template <int kRows>
+  using TilePieceV = Shape<Int<kRows>, Int<kHeadDimV>>;
+  // Where a piece lands: a stage's swizzled rows, or a staging slot's plain ones.
+  template <int kRows, int kDim>
+  using PieceSmemLayout =
+      conditional_t<kWidensCache, Layout<Shape<Int<kRows>, Int<kDim>>, Stride<Int<kDim>, _1>>,
+                    decltype(tile_to_shape(SmemAtomOf<kDim>{}, Shape<Int<kRows>, Int<kDim>>{}))>;
+  template <int kRows>
+  using TmaPieceK = decltype(make_tma_copy(SM90_TMA_LOAD{}, sm90::GmemTensor<PieceElement>{},
+                                           PieceSmemLayout<kRows, kHeadDim>{},
+                                           TilePieceK<kRows>{}, _1{}));
+  template <int kRows>
+  using TmaPieceV = decltype(make_tma_copy(SM90_TMA_LOAD{}, sm90::GmemTensor<PieceElement>{},
+                                           PieceSmemLayout<kRows, kHeadDimV>{},
+                                           TilePieceV<kRows>{}, _1{}));
 };
 
 // One query slot of a packed call's schedule: its entry, whole (as Sequences::at gives it, so
@@ -216,7 +259,7 @@ struct FwdParams {
   // loaded a block at a time (tma_k, tma_v); others (page_blocks 0) in pieces of piece_rows rows
   // (kPieceRows: tma_piece_k, tma_piece_v; kWidePieceRows: tma_wide_piece_k, tma_wide_piece_v,
   // which tiles that take no wide pieces do without), or, piece_rows 0, row by row from k_pages
-  // and v_pages (fwd_paged_rows.h).
+  // and v_pages (fwd_paged_rows.h). A staged e4m3 cache's pieces land in staging slots.
   const int32_t* page_table;
   int64_t page_table_stride;
   int num_pages, page_size, page_blocks, piece_rows;
@@ -256,11 +299,14 @@ struct FwdParams {
   __host__ __device__ int kv_rows() const { return paged() ? page_size : seqlen_k; }
   __host__ __device__ int kv_batch() const { return paged() ? num_pages : tensor_batch(); }
   // Whether the producer gathers K's and V's rows by cp.async: pages of neither whole key blocks
-  // nor whole pieces (the 16-bit kernels'; FP8 takes no paged cache), and an e4m3 cache's pages of
-  // any size. The K and V barriers' arrival counts and the producer's walk both follow it.
+  // nor whole pieces (FP8 takes no paged cache; an e4m3 cache's pages are never whole blocks).
   __host__ __device__ bool gathers_pages() const {
-    return Traits::kWidensCache ||
-           (!Traits::kFp8 && paged() && page_blocks == 0 && piece_rows == 0);
+    return !Traits::kFp8 && paged() && page_blocks == 0 && piece_rows == 0;
+  }
+  // Whether the producer warpgroup's threads fill the K and V stages, each arriving on a stage's
+  // full barrier (gathered rows, and an e4m3 cache's widened ones); else one TMA arrival.
+  __host__ __device__ bool threads_fill_stages() const {
+    return Traits::kWidensCache || gathers_pages();
   }
   // Entry b's page of table column `column` (common/page_table.h: within the columns the call's
   // keys span, page_columns, and the cache's pages).

@@ -42,8 +42,9 @@ pub struct DeviceKvCacheInputs<'a, T, C = T> {
     /// pages of whole key blocks of its tile (multiples of 128 rows at head dims 64, 96, 128 and
     /// (192, 128), of 112 at 192 and of 80 at 256) are loaded a block at a time, pages of
     /// multiples of 16 rows a piece of 16 or 64 rows at a time, others row by row, each row from
-    /// its page (docs/PERFORMANCE.md says what each way reads at); e4m3 pages are always copied
-    /// row by row and widened. The Ampere
+    /// its page (docs/PERFORMANCE.md says what each way reads at); an e4m3 cache's pages of
+    /// multiples of 16 rows are staged in such pieces and widened at head dims 64 and 128, its
+    /// other pages (and all at d256) copied row by row and widened. The Ampere
     /// forward (`Backend::Sm80`, and `Auto` off Hopper) copies every row from its page. The
     /// forward without intra-warpgroup overlap, and the CPU backend, are `Error::Unsupported`
     /// here (the CPU takes any page size through [`crate::kvcache::forward`]).

@@ -214,8 +214,8 @@ fn e4m3_cache_matches_the_reference_over_its_dequantized_keys() {
             cfg: causal.clone(),
             ..decode(64, (4, 4), vec![300, 40, 193])
         },
-        // Pages of 100 and 160 rows (160: whole d128 blocks, still gathered and widened),
-        // softcap, and d256.
+        // Pages of 100 and 160 rows (100 gathered row by row, 160 staged in pieces of 16 rows),
+        // softcap, and d256 (gathered: its tile leaves no room for staging slots).
         Case {
             seqlen_q: 3,
             page_size: 100,
@@ -369,21 +369,23 @@ fn e4m3_steps_match_the_host_step_and_the_reference() {
 /// Every e4m3 code widened exactly, NaN included: one key per sequence, K zero and V's row the
 /// 256 codes (two heads of 128, or one of 256), so that O is V's row as the kernel widened it,
 /// each element the code's value (which bf16 holds exactly) or NaN; on the Hopper forward
-/// and on the Ampere forward's two schedules (d128: two stages; d256: one).
+/// (entries of 16 rows staged, of 24 gathered; d256 gathered) and on the Ampere forward's two
+/// schedules (d128: two stages; d256: one).
 #[test]
 #[ignore = "needs a GPU"]
 fn every_e4m3_code_widens_exactly() {
     let (dev, stream) = device();
     let codes: Vec<F8E4M3> = (0..=255u8).map(F8E4M3::from_bits).collect();
     let mut failures = vec![];
-    for (backend, d) in [
-        (Backend::Sm90, 128),
-        (Backend::Sm90, 256),
-        (Backend::Sm80, 128),
-        (Backend::Sm80, 256),
+    for (backend, d, rows) in [
+        (Backend::Sm90, 128, 16),
+        (Backend::Sm90, 128, 24),
+        (Backend::Sm90, 256, 16),
+        (Backend::Sm80, 128, 16),
+        (Backend::Sm80, 256, 16),
     ] {
-        let (heads, rows) = (256 / d, 16);
-        // Two sequences, dense entries of 16 rows, one key each.
+        let heads = 256 / d;
+        // Two sequences, dense entries of `rows` rows, one key each.
         let batch = 2;
         let mut k = vec![F8E4M3::from_f32(0.0); batch * rows * heads * d];
         let mut v = k.clone();
@@ -423,7 +425,7 @@ fn every_e4m3_code_widens_exactly() {
             num_splits: 0,
             descales: None,
         };
-        let what = format!("{backend:?} d{d}");
+        let what = format!("{backend:?} d{d}, entries of {rows} rows");
         if let Err(e) = dev.kvcache_forward_into(
             &stream,
             &cfg,
