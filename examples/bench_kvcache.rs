@@ -9,14 +9,15 @@
 //! `--splits N` asks for N key splits (`DeviceKvCacheInputs::num_splits`; default 0, the
 //! launcher's choice), `--sm80` runs the Ampere forward (`Backend::Sm80`: no packing, no
 //! splits; paged, pages of any size), `--no-pack` runs each query head's row in a tile of its own
-//! (`PackGqa::Off`; by default a KV head's 8 query heads share one). `--shape B,C` times batch B
+//! (`PackGqa::Off`; by default a KV head's 8 query heads share one), `--narrow` asks the Hopper
+//! forward for its narrower key blocks (`Sm90Schedule::narrow_key_blocks`). `--shape B,C` times batch B
 //! at cache C alone (for profilers). `--step` times whole steps (`Device::kvcache_step_into`):
 //! each appends one key and value per sequence, the last of its cache, with rotary embedding of
 //! the key and the query over the whole head, then attends to the full cache. `--e4m3` holds the
 //! cache in e4m3 with descales (the Hopper or, with `--sm80`, the Ampere forward widens its rows
 //! to bf16 in shared memory; built with the `kvcache-fp8` feature): half the bytes, against the copy ceiling of those.
 //!
-//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--sm80] [--no-pack] [--shape B,C] [--step] [--e4m3] --out kvcache.json`
+//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--sm80] [--no-pack] [--narrow] [--shape B,C] [--step] [--e4m3] --out kvcache.json`
 
 mod common;
 
@@ -69,6 +70,7 @@ fn main() {
         .causal(true)
         .sm90_schedule(Sm90Schedule {
             pack_gqa,
+            narrow_key_blocks: args.flag("--narrow"),
             ..Sm90Schedule::default()
         });
     // The Ampere forward packs no query heads (its rows say so).
@@ -277,10 +279,11 @@ impl Bench {
              \"seqlen_k\": {cache}, \"heads\": {HEADS_Q}, \"heads_kv\": {HEADS_KV}, \"causal\": true, \
              \"fwd_ms\": {ms:.5}, \"fwd_reps\": {reps}, \"gbps\": {gbps:.1}, \"copy_gbps\": {copy_gbps:.1}, \
              \"of_copy\": {:.3}, \"pack_gqa\": \"{pack_gqa:?}\", \"num_splits\": {num_splits}, \
-             \"step\": {step}{}}}",
+             \"narrow_key_blocks\": {}, \"step\": {step}{}}}",
             plan.backend.name(),
             if e4m3 { "e4m3" } else { "bf16" },
             gbps / copy_gbps,
+            cfg.sm90_schedule.narrow_key_blocks,
             page_size.map_or(String::new(), |p| format!(", \"page_size\": {p}"))
         )
     }
