@@ -145,7 +145,7 @@ typedef struct {
   // whole number of pages, at most page_table_batch_stride of them. Both forwards take
   // pages of any size: the sm90 forward loads pages of whole key blocks of its tile (128 at head
   // dims 64, 96, 128 and (192, 128)) a block at a time, pages of multiples of 16 rows in pieces
-  // of 16 or 64 rows (one TMA box each) and gathers other pages' rows, each from its page (an
+  // of 16 or 64 rows (one TMA copy each) and gathers other pages' rows, each from its page (an
   // e4m3 cache's pieces are staged and widened at head dims 64 and 128, its other pages
   // gathered); the sm80 forward looks up each copied row's page.
   // A dense cache read through a per-sequence entry index (flash-attn's cache_batch_idx) is such

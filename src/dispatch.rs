@@ -360,8 +360,12 @@ const NARROW_KEY_BLOCKS_UP_TO: usize = 1024;
 /// key blocks, where it has one) when a right bound on the keys makes diagonal blocks frequent
 /// (causal; a right window that leaves some row short of the last key), for short keys, or when
 /// the schedule asks for it; its ablation (no intra-warpgroup overlap) and every other family
-/// run the `Base` row.
+/// run the `Base` row. The sm90 forward over an e4m3 cache always takes the `Masked` row (its
+/// narrower key blocks leave room for the staging slots; `Base` where it has none).
 fn tile_role(kernel: &Kernel, problem: &Problem, cfg: &AttentionConfig) -> TileRole {
+    if kernel.family == Family::Sm90Fp8CacheFwd {
+        return TileRole::Masked;
+    }
     // Causal goes to the kernels as their causal flag, which keeps the right bound even where
     // it hides no key (one query row).
     let right_bound = cfg.mask.is_causal()

@@ -18,8 +18,9 @@ pub enum Family {
     Sm90Fwd,
     /// The FP8 (e4m3) forward on the same pipeline (csrc/sm90/fwd_fp8_launch.h).
     Sm90Fp8Fwd,
-    /// The 16-bit forward over an e4m3 KV cache, each gathered row widened to Q's type in
-    /// shared memory (csrc/sm90/fwd_launch.h, `run_fwd_fp8_cache`): the 16-bit forward's tiles.
+    /// The 16-bit forward over an e4m3 KV cache, each row (staged or gathered) widened to Q's
+    /// type in shared memory (csrc/sm90/fwd_launch.h, `run_fwd_fp8_cache`): the 16-bit forward's
+    /// Masked tile.
     Sm90Fp8CacheFwd,
     /// FlashAttention-3-style backward (csrc/sm90/bwd_launch.h).
     Sm90Bwd,

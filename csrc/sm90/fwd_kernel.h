@@ -4,8 +4,10 @@
 //   producer (WG 0, fwd_producer.h): lane 0 of its first warp issues TMA loads — Q into a
 //                    kQStages-deep ring, K and V blocks into two kStages-deep mbarrier
 //                    pipelines (pipeline.h); pages of no whole key block come as pieces, a
-//                    TMA box each, or are copied row by row by the whole warpgroup
-//                    (fwd_paged_rows.h) where they hold no whole pieces — walking key blocks last to
+//                    TMA copy each, or are copied row by row by the whole warpgroup
+//                    (fwd_paged_rows.h) where they hold no whole pieces; an e4m3 cache's
+//                    pieces are staged and widened by the warpgroup (fwd_cache_staging.h)
+//                    — walking key blocks last to
 //                    first so that only the first block visited needs the sequence-end mask;
 //   consumers (WG 1, WG 2): 64 query rows each (fwd_mainloop.h: GEMMs, mask, softmax step;
 //                    fwd_epilogue.h: O and LSE stores).

@@ -3,7 +3,8 @@
 // threads copy each key block's rows by cp.async, every row from its own page, into the stage's
 // swizzled rows; each thread's arrival on the stage's full barrier completes when its copies have
 // landed (TmaPipeline::producer_commit_copies).
-// An e4m3 cache (pages of any size) is gathered the same way, each 16-byte chunk of a row landing
+// An e4m3 cache whose pages are not staged (fwd_cache_staging.h: pages of no whole pieces, and
+// tiles without room for the slots) is gathered the same way, each 16-byte chunk of a row landing
 // in the upper half of the 32 bytes it widens to; once its copies have landed each thread widens
 // its own chunks in place (widen) and arrives (TmaPipeline::producer_commit_written). No thread
 // touches another's bytes, so no barrier is needed between the copy and the widening.

@@ -22,9 +22,10 @@ namespace flashattn::sm90 {
 using namespace cute;
 
 // A paged cache whose pages hold no whole key block but whole pieces of kPieceRows rows is loaded
-// a piece at a time: each piece its own TMA box at its page, landing where the whole block's box
-// would have put it. Pieces of kWidePieceRows where both the pages and the key block are multiples
-// of that (fewer, larger boxes). Pages of other sizes are gathered row by row (fwd_paged_rows.h).
+// a piece at a time: each piece its own TMA copy at its page, landing where the whole block's
+// copy would have put it. Pieces of kWidePieceRows where both the pages and the key block are
+// multiples of that (fewer, larger copies). Pages of other sizes are gathered row by row
+// (fwd_paged_rows.h).
 constexpr int kPieceRows = 16;
 constexpr int kWidePieceRows = 64;
 
@@ -53,7 +54,8 @@ __device__ inline void named_arrive(FwdBarrier b, uint32_t threads) {
 // kIntraWGOverlap: the tile's own (Tile::kIntraWGOverlap), or off for the ablation.
 // kHeadDim: of Q and K; kHeadDimV: of V and O (the 16-bit kernels only may take another).
 // Cache: the element type of K and V in global memory where it is not Element: an e4m3 KV cache
-// of the 16-bit kernels, whose producer widens each gathered row to Element in shared memory.
+// of the 16-bit kernels, whose producer widens its rows (staged or gathered) to Element in
+// shared memory.
 template <class Element_, int kHeadDim_, class Tile, bool kIntraWGOverlap_,
           int kHeadDimV_ = kHeadDim_, class Cache_ = Element_>
 struct FwdTraits {

@@ -242,7 +242,7 @@ fn cache_table<'a>(
 }
 
 /// The Hopper forward loads a paged cache's key blocks, where its pages hold no whole block but
-/// whole pieces of 16 rows, a piece at a time (one TMA box each); in pieces of this many rows
+/// whole pieces of 16 rows, a piece at a time (one TMA copy each); in pieces of this many rows
 /// where the pages and the key block are multiples of it (fewer, larger boxes). As
 /// csrc/sm90/fwd_traits.h has it.
 const WIDE_PIECE_ROWS: usize = 64;
