@@ -231,11 +231,14 @@ struct FwdProducer {
       constexpr int kSlots = StagingK::kSlots;
       const int items = 4 * t.n_blocks();
       auto slot_of = [&](int j) { return int((staged + uint32_t(j)) % kSlots); };
+      auto item_key = [&](int j) {  // its first key
+        return (t.n_max - 1 - j / 4) * kBlockN + j % 2 * StagingK::kItemRows;
+      };
+      // Item j's pieces, whose pages look_up_piece(item_key(j)) has looked up.
       auto issue_item = [&](int j) {
         if constexpr (kLoad == KvLoad::Staged) {
-          const int first_key = (t.n_max - 1 - j / 4) * kBlockN + j % 2 * StagingK::kItemRows;
+          const int first_key = item_key(j);
           const int slot = slot_of(j);
-          look_up_piece(first_key);
           uint64_t& full = smem.staging.full[slot];
           if (lane == 0)
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full,
@@ -258,10 +261,13 @@ struct FwdProducer {
         }
       };
       // Item j widened into its half of the stage, which the first half waits for and the second
-      // fills; then its slot takes item j + kSlots.
+      // fills; then its slot takes item j + kSlots, whose pages the first warp looks up first
+      // (their loads' latency under the widening).
       auto widen_item = [&](int j, auto staging, auto& pipe, auto& buffer) {
         if constexpr (kLoad == KvLoad::Staged) {
           using Staging = decltype(staging);
+          const bool refill = first_warp && j + kSlots < items;
+          if (refill) look_up_piece(item_key(j + kSlots));
           const int slot = slot_of(j);
           cutlass::arch::ClusterTransactionBarrier::wait(&smem.staging.full[slot],
                                                          (staged + uint32_t(j)) / kSlots % 2);
@@ -271,13 +277,16 @@ struct FwdProducer {
                          j % 2 * Staging::kItemRows, threadIdx.x);
           if (j % 2 == 1) pipe.producer_commit_written(st.index);
           named_sync(FwdBarrier::StagingRead, kGatherThreads);
-          if (first_warp && j + kSlots < items) issue_item(j + kSlots);
+          if (refill) issue_item(j + kSlots);
         }
       };
       if constexpr (kLoad == KvLoad::Staged) {
         if (first_warp) {
 #pragma unroll 1
-          for (int j = 0; j < kSlots && j < items; ++j) issue_item(j);
+          for (int j = 0; j < kSlots && j < items; ++j) {
+            look_up_piece(item_key(j));
+            issue_item(j);
+          }
         }
       }
       // K's (or V's) block n: by TMA from the tensor, a page of whole blocks or the block's
