@@ -96,8 +96,12 @@ struct FwdTraits {
   static constexpr bool kCrossTileOverlap = kIntraWGOverlap && kQStages > 1;
   static constexpr int kConsumerWGs = kBlockM / kRowsPerWG;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  // The producer's registers and the consumers' (setmaxnreg: 128·P + 256·C is at most the
+  // launch's 168 × 384). An e4m3 cache's producer widens every row, which in 24 registers spills
+  // its loop's state to local memory on every chunk; 40 leave the consumers 232.
+  static constexpr int kProducerRegs = kWidensCache ? 40 : 24;
+  static constexpr int kConsumerRegs = kWidensCache ? 232 : 240;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 168 * 384, "the launch's registers");
 
   using TileQ = Shape<Int<kRowsPerWG>, Int<kHeadDim>>;
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
