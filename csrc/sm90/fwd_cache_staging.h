@@ -57,7 +57,7 @@ struct CacheStaging {
     static_assert(kDim % 16 == 0 && kThreads % kChunksPerRow == 0, "rows of whole chunks");
     static_assert(kItemRows % kRowsPerPass == 0, "an item of whole passes");
     const int chunk = tid % kChunksPerRow;
-    // Not unrolled: the producer lives in 24 registers.
+    // Not unrolled: the producer lives in few registers (FwdTraits::kProducerRegs).
 #pragma unroll 1
     for (int pass = 0; pass < kItemRows / kRowsPerPass; ++pass) {
       const int r = tid / kChunksPerRow + pass * kRowsPerPass;

@@ -30,7 +30,8 @@ struct FwdProducer {
   __device__ static void run(const FwdParams<Traits>& params,
                              typename Traits::SharedStorage& smem) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    // A walk each, each with only its own state in the producer's 24 registers.
+    // A walk each, each with only its own state in the producer's few registers
+    // (FwdTraits::kProducerRegs).
     if constexpr (Traits::kWidensCache) {
       if constexpr (Traits::kStagesCache) {
         if (params.piece_rows > 0) {
@@ -376,7 +377,7 @@ struct FwdProducer {
       load_v(t.n_max - 1);
       if constexpr (kWidensGathered) widening = st.index;
       st.advance();
-      // Not unrolled: the producer lives in 24 registers.
+      // Not unrolled: the producer lives in few registers.
 #pragma unroll 1
       for (int n = t.n_max - 2; n >= t.n_min; --n) {
         load_k(n);
