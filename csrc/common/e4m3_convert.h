@@ -5,11 +5,19 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#include <cutlass/half.h>
 
 #include <cstdint>
 #include <type_traits>
 
 namespace flashattn {
+
+// The CUDA type the widening conversions below produce for a 16-bit element type, CUDA's or
+// CUTLASS's.
+template <class T>
+using CudaHalfOf =
+    std::conditional_t<std::is_same_v<T, cutlass::half_t> || std::is_same_v<T, __half>, __half,
+                       __nv_bfloat16>;
 
 // x · inv_scale (the scale's reciprocal, rounded once) to the nearest e4m3: ±448 past the
 // largest finite value, NaN kept.

@@ -187,8 +187,7 @@ __device__ void copy_rows_narrow(Src const& src, Dst& dst, Coord const& coord, i
 // them: 8 e4m3 elements from each chunk's upper half to 8 of Dst's over the whole chunk.
 template <class Dst>
 __device__ void widen_rows(Dst& dst) {
-  using T = std::conditional_t<std::is_same_v<typename Dst::value_type, cutlass::half_t>, __half,
-                               __nv_bfloat16>;
+  using T = CudaHalfOf<typename Dst::value_type>;
 #pragma unroll
   for (int m = 0; m < size<1>(dst); ++m) {
 #pragma unroll

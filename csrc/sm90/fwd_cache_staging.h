@@ -11,7 +11,6 @@
 #include <cutlass/arch/barrier.h>
 
 #include "../common/e4m3_convert.h"
-#include "fwd_paged_rows.h"
 
 namespace flashattn::sm90 {
 
@@ -41,7 +40,7 @@ struct CacheStaging {
   static constexpr int kChunksPerRow = kDim / 16;
   static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
 
-  using Widened = CudaHalf<Element>;
+  using Widened = CudaHalfOf<Element>;
 
   // The shared-memory byte address of element (row, col) of stage `stage`.
   __device__ static uint32_t stage_at(uint32_t stages, int row, int col, int stage) {

@@ -10,11 +10,7 @@
 // touches another's bytes, so no barrier is needed between the copy and the widening.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cute/tensor.hpp>
-#include <cutlass/bfloat16.h>
-#include <cutlass/half.h>
 
 #include "../common/e4m3_convert.h"
 
@@ -23,10 +19,6 @@ namespace flashattn::sm90 {
 using namespace cute;
 
 constexpr int kGatherThreads = 128;  // the producer warpgroup
-
-// The CUDA type of a 16-bit Element, which the e4m3 conversions produce.
-template <class Element>
-using CudaHalf = conditional_t<is_same_v<Element, cutlass::bfloat16_t>, __nv_bfloat16, __half>;
 
 // Where a paged cache's K or V rows lie: row r of page p, KV head h at byte
 // p·page_bytes + r·row_bytes + h·head_bytes of base.
@@ -124,7 +116,7 @@ struct PagedRowGather {
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(narrow.x), "=r"(narrow.y), "=r"(narrow.z), "=r"(narrow.w)
                      : "r"(hi));
-        using Widened = CudaHalf<Element>;
+        using Widened = CudaHalfOf<Element>;
         const uint2 w0 = convert_e4m3x4<Widened>(narrow.x), w1 = convert_e4m3x4<Widened>(narrow.y);
         const uint2 w2 = convert_e4m3x4<Widened>(narrow.z), w3 = convert_e4m3x4<Widened>(narrow.w);
         asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(lo), "r"(w0.x),
