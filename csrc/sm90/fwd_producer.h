@@ -290,75 +290,64 @@ struct FwdProducer {
           }
         }
       }
-      // K's (or V's) block n: by TMA from the tensor, a page of whole blocks or the block's
-      // pieces, staged, or gathered.
-      auto load_k = [&](int n) {
-        if constexpr (kLoad == KvLoad::Staged) {
-          const int j = 4 * (t.n_max - 1 - n);
-          widen_item(j, StagingK{}, smem.pipe_k, smem.k);
-          widen_item(j + 1, StagingK{}, smem.pipe_k, smem.k);
-        } else if constexpr (kGathers) {
-          gather_block(Int<Traits::kHeadDim>{}, typename Traits::SmemLayoutK{}, smem.pipe_k,
-                       params.k_pages, smem.k, n, true, widen_k);
+      // K's (kv = _0) or V's (_1) block n: by TMA from the tensor, a page of whole blocks or the
+      // block's pieces, staged, or gathered. K's load looks up the block's pages, and V's load of
+      // the same block, which always follows it, takes them again.
+      auto pick = [](auto kv, auto& k, auto& v) -> auto& {
+        if constexpr (decltype(kv)::value == 0) {
+          return k;
         } else {
-          if constexpr (Traits::kTakesPieces) {
+          return v;
+        }
+      };
+      auto load_block = [&](auto kv, int n) {
+        constexpr bool kIsK = decltype(kv)::value == 0;
+        constexpr int kDim = kIsK ? Traits::kHeadDim : Traits::kHeadDimV;
+        auto& pipe = pick(kv, smem.pipe_k, smem.pipe_v);
+        auto& stages = pick(kv, smem.k, smem.v);
+        if constexpr (kLoad == KvLoad::Staged) {
+          using Staging = conditional_t<kIsK, typename Traits::StagingK, typename Traits::StagingV>;
+          const int j = 4 * (t.n_max - 1 - n) + (kIsK ? 0 : 2);
+          widen_item(j, Staging{}, pipe, stages);
+          widen_item(j + 1, Staging{}, pipe, stages);
+        } else if constexpr (kGathers) {
+          using Layout =
+              conditional_t<kIsK, typename Traits::SmemLayoutK, typename Traits::SmemLayoutV>;
+          gather_block(Int<kDim>{}, Layout{}, pipe, pick(kv, params.k_pages, params.v_pages),
+                       stages, n, kIsK, pick(kv, widen_k, widen_v));
+        } else {
+          if constexpr (kIsK && Traits::kTakesPieces) {
             if (params.piece_rows > 0) look_up_piece(n * kBlockN);
           }
-          smem.pipe_k.producer_acquire_by_warp(st, Traits::kBytesK);
-          auto tma = params.tma_k.with(smem.pipe_k.full_barrier(st));
+          pipe.producer_acquire_by_warp(st, kIsK ? Traits::kBytesK : Traits::kBytesV);
+          auto& tma_block = pick(kv, params.tma_k, params.tma_v);
+          auto tma = tma_block.with(pipe.full_barrier(st));
+          auto& smem_blocks = pick(kv, tKsK, tVsV);  // (TMA, stage)
           if constexpr (!Traits::kFp8) {
             if (params.paged()) {
               if constexpr (Traits::kTakesPieces) {
                 if (params.piece_rows > 0) {
-                  load_in_pieces(params.tma_piece_k, params.tma_wide_piece_k,
-                                 Int<Traits::kHeadDim>{}, n * kBlockN,
-                                 smem.pipe_k.full_barrier(st), in_stage(sK, st.index));
+                  load_in_pieces(pick(kv, params.tma_piece_k, params.tma_piece_v),
+                                 pick(kv, params.tma_wide_piece_k, params.tma_wide_piece_v),
+                                 Int<kDim>{}, n * kBlockN, pipe.full_barrier(st),
+                                 in_stage(pick(kv, sK, sV), st.index));
                   return;
                 }
               }
+              using Tile = conditional_t<kIsK, typename Traits::TileKV, typename Traits::TileV>;
               int in_page;
               const int page = params.page_of(t.seq.index, n, in_page);
               if (leader)
-                copy(tma, page_tile(params.tma_k, mK, typename Traits::TileKV{}, page, in_page),
-                     tKsK(_, st.index));
+                copy(tma, page_tile(tma_block, pick(kv, mK, mV), Tile{}, page, in_page),
+                     smem_blocks(_, st.index));
               return;
             }
           }
-          if (leader) copy(tma, tKgK(_, n), tKsK(_, st.index));
+          if (leader) copy(tma, pick(kv, tKgK, tVgV)(_, n), smem_blocks(_, st.index));
         }
       };
-      auto load_v = [&](int n) {
-        if constexpr (kLoad == KvLoad::Staged) {
-          const int j = 4 * (t.n_max - 1 - n) + 2;
-          widen_item(j, typename Traits::StagingV{}, smem.pipe_v, smem.v);
-          widen_item(j + 1, typename Traits::StagingV{}, smem.pipe_v, smem.v);
-        } else if constexpr (kGathers) {
-          gather_block(Int<Traits::kHeadDimV>{}, typename Traits::SmemLayoutV{}, smem.pipe_v,
-                       params.v_pages, smem.v, n, false, widen_v);
-        } else {
-          smem.pipe_v.producer_acquire_by_warp(st, Traits::kBytesV);
-          auto tma = params.tma_v.with(smem.pipe_v.full_barrier(st));
-          if constexpr (!Traits::kFp8) {
-            if (params.paged()) {
-              if constexpr (Traits::kTakesPieces) {
-                if (params.piece_rows > 0) {
-                  load_in_pieces(params.tma_piece_v, params.tma_wide_piece_v,
-                                 Int<Traits::kHeadDimV>{}, n * kBlockN,
-                                 smem.pipe_v.full_barrier(st), in_stage(sV, st.index));
-                  return;
-                }
-              }
-              int in_page;
-              const int page = params.page_of(t.seq.index, n, in_page);
-              if (leader)
-                copy(tma, page_tile(params.tma_v, mV, typename Traits::TileV{}, page, in_page),
-                     tVsV(_, st.index));
-              return;
-            }
-          }
-          if (leader) copy(tma, tVgV(_, n), tVsV(_, st.index));
-        }
-      };
+      auto load_k = [&](int n) { load_block(_0{}, n); };
+      auto load_v = [&](int n) { load_block(_1{}, n); };
       // The first K block first: with one Q buffer, Q waits for the last Q·Kᵀ of the tile before.
       load_k(t.n_max - 1);
       const bool gathered_q = kPartials && !Traits::kFp8 && params.group > 1;
