@@ -243,7 +243,7 @@ fn cache_table<'a>(
 
 /// The Hopper forward loads a paged cache's key blocks, where its pages hold no whole block but
 /// whole pieces of 16 rows, a piece at a time (one TMA copy each); in pieces of this many rows
-/// where the pages and the key block are multiples of it (fewer, larger boxes). As
+/// where the pages and the key block are multiples of it (fewer, larger copies). As
 /// csrc/sm90/fwd_traits.h has it.
 const WIDE_PIECE_ROWS: usize = 64;
 

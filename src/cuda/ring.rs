@@ -78,8 +78,8 @@ impl Device {
     /// [`crate::ring::forward`] on this device over `ranks.len()` simulated ranks, rank r's
     /// shards in `ranks[r]` as [`crate::ring::shard`] cuts them (Q `(batch, rows, heads_q, d)`,
     /// K and V `(batch, rows, heads_kv, ·)` contiguous: the transport moves them whole; sinks on
-    /// every rank or on none), ordered on `streams.compute` (the inputs must be ready there, and the outputs are once its work so
-    /// far has run): step `s` runs every rank's pairs over the shard it holds (that of rank
+    /// every rank or on none), ordered on `streams.compute` (the inputs must be ready there, and
+    /// the outputs are once its work so far has run): step `s` runs every rank's pairs over the shard it holds (that of rank
     /// `(r − s) mod ranks`) while the transport copies each held shard on to the next rank (two
     /// buffers a rank, so that a copy never writes the one being read). Each query chunk's
     /// parts (one per key chunk it sees) are kept until the last step and merged by
