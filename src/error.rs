@@ -131,6 +131,8 @@ pub enum Error {
     NoDevice(String),
     /// A CUDA call failed: its numeric code and name.
     Cuda { code: i32, name: String },
+    /// The NCCL library is missing, or one of its calls failed: what, and NCCL's own words.
+    Nccl { what: String, detail: String },
 }
 
 impl fmt::Display for Error {
@@ -200,6 +202,7 @@ impl fmt::Display for Error {
             Error::OutOfMemory { bytes } => write!(f, "could not allocate {bytes} bytes"),
             Error::NoDevice(msg) => write!(f, "no CUDA device: {msg}"),
             Error::Cuda { code, name } => write!(f, "CUDA error {code} ({name})"),
+            Error::Nccl { what, detail } => write!(f, "NCCL: {what}: {detail}"),
         }
     }
 }

@@ -6,6 +6,8 @@
 mod combine;
 mod fp8;
 mod kvcache;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod ring;
 #[cfg(feature = "selftest")]
 pub(crate) mod selftest;
@@ -25,6 +27,8 @@ pub use fp8::{
 pub use kvcache::{
     DeviceCacheDescales, DeviceKvCacheAppend, DeviceKvCacheInputs, DeviceKvCacheStep, DeviceRotary,
 };
+#[cfg(feature = "nccl")]
+pub use nccl::{nccl_present, RingComm, RingId};
 pub use ring::{DeviceRingGradients, DeviceRingOutput, RingStreams};
 pub use varlen::DeviceSeqlens;
 pub use views::{

@@ -1,12 +1,13 @@
 //! The ring of [`crate::ring`] on one device: simulated ranks whose shards are buffers of that
 //! device, the K and V shards handed around by a local transport (device-to-device copies on a
 //! stream of their own, issued so as to overlap the step's attention calls), every query
-//! chunk's parts merged by their LSE on the device. The sends and receives are meant to be those
-//! an NCCL ring would carry between GPUs (none is built), in the same order; the arithmetic is
-//! the host ring's, call for call (the same pairs of chunks, masks and rows). In the backward
-//! each pair's gradients come in the inputs' type and are summed in f32: each shard's dK and dV
-//! sums travel with it, every rank adding its queries' part, and come home after the last step;
-//! dQ's stay; the sums are rounded once at the end.
+//! chunk's parts merged by their LSE on the device. The same schedule runs one rank a device
+//! across devices (nccl.rs, feature `nccl`), the copies then NCCL's sends and receives in the
+//! same order ([`Rotation`]). The arithmetic is the host ring's, call for call (the same pairs
+//! of chunks, masks and rows). In the backward each pair's gradients come in the inputs' type
+//! and are summed in f32: each shard's dK and dV sums travel with it, every rank adding its
+//! queries' part, and come home after the last step; dQ's stay; the sums are rounded once at
+//! the end.
 
 use std::sync::Arc;
 
@@ -94,8 +95,23 @@ impl Device {
         ranks: &[DeviceForwardInputs<'_, T>],
         outputs: &mut [DeviceRingOutput<'_, '_, T>],
     ) -> Result<Plan> {
+        let local = Local::of(ranks.len());
+        self.ring_forward_with(&local, streams, cfg, sharding, ranks, outputs)
+    }
+
+    /// The forward's schedule over the ranks held here (`ranks[i]` is ring rank
+    /// `rotation.rank(i)`), the shards handed on by `rotation`.
+    pub(super) fn ring_forward_with<T: Element + DeviceRepr, R: Rotation>(
+        &self,
+        rotation: &R,
+        streams: RingStreams<'_>,
+        cfg: &AttentionConfig,
+        sharding: Sharding,
+        ranks: &[DeviceForwardInputs<'_, T>],
+        outputs: &mut [DeviceRingOutput<'_, '_, T>],
+    ) -> Result<Plan> {
         let RingStreams { compute, transport } = streams;
-        let count = ring::check_ring_shapes(
+        let held_here = ring::check_ring_shapes(
             sharding,
             ranks.iter().map(|r| {
                 (
@@ -104,6 +120,8 @@ impl Device {
                 )
             }),
         )?;
+        rotation.check_held(held_here)?;
+        let count = rotation.count();
         let per = sharding.chunks_per_rank();
         let max_parts = crate::ffi::FLASHATTN_MAX_COMBINE_PARTS as usize;
         if count * per > max_parts {
@@ -113,9 +131,9 @@ impl Device {
                 count * per
             )));
         }
-        if outputs.len() != count {
+        if outputs.len() != held_here {
             return Err(Error::InvalidConfig(format!(
-                "{} outputs for a ring of {count} ranks",
+                "{} outputs for {held_here} ranks",
                 outputs.len()
             )));
         }
@@ -171,22 +189,14 @@ impl Device {
         };
         // A lone rank sends nothing.
         let mut slots: Vec<[Shard<T>; 2]> = if count > 1 {
-            (0..count)
+            (0..held_here)
                 .map(|_| Ok([slot()?, slot()?]))
                 .collect::<Result<_>>()?
         } else {
             vec![]
         };
         // Each rank's query chunks' pairs, in ring order, and their parts.
-        let pairs: Vec<Vec<Vec<ring::Pair>>> = (0..count)
-            .map(|r| {
-                sharding
-                    .chunk_ids(count, r)
-                    .into_iter()
-                    .map(|qc| ring::ring_pairs(cfg, sharding, count, r, qc, len))
-                    .collect()
-            })
-            .collect();
+        let pairs = rank_pairs(rotation, cfg, sharding, held_here, len);
         let mut parts: Vec<Vec<Vec<Part<T>>>> = pairs
             .iter()
             .map(|chunks| {
@@ -221,39 +231,23 @@ impl Device {
         };
         let mut plan = None;
         for step in 0..count {
-            // The transport sends each held shard on, into the next rank's buffer that it read in
+            // The transport hands each held shard on, into the next rank's buffer that it read in
             // the step before (the transport waited for that step's calls): the copies overlap
             // this step's calls, which read the other buffer.
             if step + 1 < count {
-                for (r, rank) in ranks.iter().enumerate() {
-                    let next = (r + 1) % count;
-                    let dst_slot = step % 2;
-                    if step == 0 {
-                        let dst = &mut slots[next][dst_slot];
-                        let (k, v) = (rank.k.data.slice(..k_len), rank.v.data.slice(..v_len));
-                        send(transport, (&k, &v), dst)?;
-                    } else {
-                        let (from, to) = two_of(&mut slots, r, next);
-                        let src = &from[(step - 1) % 2];
-                        send(
-                            transport,
-                            (&src.k.slice(..), &src.v.slice(..)),
-                            &mut to[dst_slot],
-                        )?;
-                    }
-                }
+                rotate_shards(rotation, transport, ranks, &mut slots, step, (k_len, v_len))?;
             }
             let sent = event(transport)?;
             // This step's calls: rank r's pairs over rank (r − step)'s chunks.
-            for (r, rank) in ranks.iter().enumerate() {
-                let src = (r + count - step) % count;
-                let (k_held, v_held) = held((&rank.k.data, &rank.v.data), &slots, r, step);
-                for (ci, chunk_pairs) in pairs[r].iter().enumerate() {
+            for (i, rank) in ranks.iter().enumerate() {
+                let src = (rotation.rank(i) + count - step) % count;
+                let (k_held, v_held) = held((&rank.k.data, &rank.v.data), &slots, i, step);
+                for (ci, chunk_pairs) in pairs[i].iter().enumerate() {
                     for (pi, p) in chunk_pairs.iter().enumerate() {
                         if p.src != src {
                             continue;
                         }
-                        let part = &mut parts[r][ci][pi];
+                        let part = &mut parts[i][ci][pi];
                         let done =
                             self.ring_part(compute, (rank, ci, len), (&k_held, &v_held), p, part)?;
                         plan.get_or_insert(done);
@@ -298,8 +292,23 @@ impl Device {
         ranks: &[DeviceBackwardInputs<'_, T>],
         grads: &mut [DeviceRingGradients<'_, '_, T>],
     ) -> Result<Plan> {
+        let local = Local::of(ranks.len());
+        self.ring_backward_with(&local, streams, cfg, sharding, ranks, grads)
+    }
+
+    /// The backward's schedule over the ranks held here (`ranks[i]` is ring rank
+    /// `rotation.rank(i)`), the shards and the sums handed on by `rotation`.
+    pub(super) fn ring_backward_with<T: Element + DeviceRepr, R: Rotation>(
+        &self,
+        rotation: &R,
+        streams: RingStreams<'_>,
+        cfg: &AttentionConfig,
+        sharding: Sharding,
+        ranks: &[DeviceBackwardInputs<'_, T>],
+        grads: &mut [DeviceRingGradients<'_, '_, T>],
+    ) -> Result<Plan> {
         let RingStreams { compute, transport } = streams;
-        let count = ring::check_ring_shapes(
+        let held_here = ring::check_ring_shapes(
             sharding,
             ranks.iter().map(|r| {
                 (
@@ -308,9 +317,11 @@ impl Device {
                 )
             }),
         )?;
-        if grads.len() != count {
+        rotation.check_held(held_here)?;
+        let count = rotation.count();
+        if grads.len() != held_here {
             return Err(Error::InvalidConfig(format!(
-                "{} gradients for a ring of {count} ranks",
+                "{} gradients for {held_here} ranks",
                 grads.len()
             )));
         }
@@ -389,28 +400,34 @@ impl Device {
             })
         };
         let mut slots: Vec<[Shard<T>; 2]> = if count > 1 {
-            (0..count)
+            (0..held_here)
                 .map(|_| Ok([slot()?, slot()?]))
                 .collect::<Result<_>>()?
         } else {
             vec![]
         };
-        let mut dq_sums: Vec<CudaSlice<f32>> = (0..count)
+        let mut dq_sums: Vec<CudaSlice<f32>> = (0..held_here)
             .map(|_| zeros(elements(q_shape)))
             .collect::<Result<_>>()?;
-        // The travelling dK and dV sums, two a rank (index 2·rank + buffer): at step s rank r adds
-        // into buffer s % 2, which is zeros at step 0 and later what the hop from rank r − 1
-        // brought (written whole before the adds: buffer 1 needs no zeros).
-        let sums = |n: usize| -> Result<Vec<CudaSlice<f32>>> {
-            (0..2 * count)
-                .map(|i| match i % 2 {
-                    0 => zeros(n),
-                    // SAFETY: see above.
-                    _ => unsafe { compute.alloc::<f32>(n) }.map_err(driver_error),
-                })
-                .collect()
-        };
-        let (mut dk_sums, mut dv_sums) = (sums(k_len)?, sums(v_len)?);
+        // The travelling dK and dV sums, two a rank: at step s a rank adds into its buffer
+        // s % 2, which is zeros at step 0 and later what the hop from the rank before brought
+        // (written whole before the adds: buffer 1 needs no zeros).
+        let mut sums: Vec<[Shard<f32>; 2]> = (0..held_here)
+            .map(|_| {
+                // SAFETY: see above.
+                let written = |n: usize| unsafe { compute.alloc::<f32>(n) }.map_err(driver_error);
+                Ok([
+                    Shard {
+                        k: zeros(k_len)?,
+                        v: zeros(v_len)?,
+                    },
+                    Shard {
+                        k: written(k_len)?,
+                        v: written(v_len)?,
+                    },
+                ])
+            })
+            .collect::<Result<_>>()?;
         // Each query chunk's LSE rows, (batch, heads, len): a zig-zag rank's copied out of its
         // LSE once (its chunks' rows are not contiguous there), a contiguous rank's its own.
         let chunk_lse: Vec<Vec<Option<CudaSlice<f32>>>> = ranks
@@ -436,15 +453,7 @@ impl Device {
                     .collect::<Result<_>>()
             })
             .collect::<Result<_>>()?;
-        let pairs: Vec<Vec<Vec<ring::Pair>>> = (0..count)
-            .map(|r| {
-                sharding
-                    .chunk_ids(count, r)
-                    .into_iter()
-                    .map(|qc| ring::ring_pairs(cfg, sharding, count, r, qc, len))
-                    .collect()
-            })
-            .collect();
+        let pairs = rank_pairs(rotation, cfg, sharding, held_here, len);
 
         let event = |stream: &Arc<CudaStream>| stream.record_event(None).map_err(driver_error);
         transport.wait(&event(compute)?).map_err(driver_error)?;
@@ -458,31 +467,17 @@ impl Device {
         let mut sums_sent: Option<cudarc::driver::CudaEvent> = None;
         for step in 0..count {
             if step + 1 < count {
-                for (r, rank) in ranks.iter().enumerate() {
-                    let next = (r + 1) % count;
-                    if step == 0 {
-                        let (k, v) = (rank.k.data.slice(..k_len), rank.v.data.slice(..v_len));
-                        send(transport, (&k, &v), &mut slots[next][0])?;
-                    } else {
-                        let (from, to) = two_of(&mut slots, r, next);
-                        let src = &from[(step - 1) % 2];
-                        send(
-                            transport,
-                            (&src.k.slice(..), &src.v.slice(..)),
-                            &mut to[step % 2],
-                        )?;
-                    }
-                }
+                rotate_shards(rotation, transport, ranks, &mut slots, step, (k_len, v_len))?;
             }
             let kv_sent = event(transport)?;
             // This step's calls, each into gradient buffers of its rows.
             let mut done = vec![];
-            for (r, rank) in ranks.iter().enumerate() {
-                let src = (r + count - step) % count;
-                let (k_held, v_held) = held((&rank.k.data, &rank.v.data), &slots, r, step);
-                for (ci, chunk_pairs) in pairs[r].iter().enumerate() {
+            for (i, rank) in ranks.iter().enumerate() {
+                let src = (rotation.rank(i) + count - step) % count;
+                let (k_held, v_held) = held((&rank.k.data, &rank.v.data), &slots, i, step);
+                for (ci, chunk_pairs) in pairs[i].iter().enumerate() {
                     for p in chunk_pairs.iter().filter(|p| p.src == src) {
-                        let lse = match &chunk_lse[r][ci] {
+                        let lse = match &chunk_lse[i][ci] {
                             Some(l) => l.slice(..),
                             None => rank.lse.slice(..),
                         };
@@ -493,7 +488,7 @@ impl Device {
                             p,
                         )?;
                         plan.get_or_insert(part.plan.clone());
-                        done.push((r, ci, p, part));
+                        done.push((i, ci, p, part));
                     }
                 }
             }
@@ -501,7 +496,7 @@ impl Device {
             if let Some(sent) = &sums_sent {
                 compute.wait(sent).map_err(driver_error)?;
             }
-            for (r, ci, p, part) in &done {
+            for (i, ci, p, part) in &done {
                 // A part's `n` rows (batch, n, h, w), added into rows `first..` of a sum of
                 // `shape`.
                 let add = |operand: Operand,
@@ -526,16 +521,16 @@ impl Device {
                 add(
                     Operand::DQ,
                     &part.dq,
-                    &mut dq_sums[*r],
+                    &mut dq_sums[*i],
                     q_shape,
                     ci * len,
                     p.q_rows,
                 )?;
-                let sum = 2 * r + step % 2;
+                let sum = &mut sums[*i][step % 2];
                 add(
                     Operand::DK,
                     &part.dk,
-                    &mut dk_sums[sum],
+                    &mut sum.k,
                     k_shape,
                     p.cj * len,
                     p.k_rows,
@@ -543,7 +538,7 @@ impl Device {
                 add(
                     Operand::DV,
                     &part.dv,
-                    &mut dv_sums[sum],
+                    &mut sum.v,
                     v_shape,
                     p.cj * len,
                     p.k_rows,
@@ -555,26 +550,30 @@ impl Device {
             // (after the last step, home).
             compute.wait(&kv_sent).map_err(driver_error)?;
             transport.wait(&event(compute)?).map_err(driver_error)?;
-            for r in 0..count {
-                let (from, to) = (2 * r + step % 2, 2 * ((r + 1) % count) + (step + 1) % 2);
-                for sums in [&mut dk_sums, &mut dv_sums] {
-                    let (src, dst) = two_of(sums, from, to);
-                    transport.memcpy_dtod(src, dst).map_err(driver_error)?;
-                }
-            }
+            let (added, mut filled): (Vec<_>, Vec<_>) = sums
+                .iter_mut()
+                .map(|pair| {
+                    let (read, fill) = read_and_fill(pair, step + 1);
+                    (
+                        [read.k.slice(..), read.v.slice(..)],
+                        [fill.k.slice_mut(..), fill.v.slice_mut(..)],
+                    )
+                })
+                .unzip();
+            rotation.rotate(transport, &added, &mut filled)?;
             sums_sent = Some(event(transport)?);
         }
         if let Some(sent) = &sums_sent {
             compute.wait(sent).map_err(driver_error)?;
         }
         joined.finish()?;
-        // Every sum home (rank r's in its buffer count % 2), rounded once.
-        for (r, g) in grads.iter_mut().enumerate() {
-            let home = 2 * r + count % 2;
+        // Every sum home (a rank's in its buffer count % 2), rounded once.
+        for (i, g) in grads.iter_mut().enumerate() {
+            let home = &sums[i][count % 2];
             for (operand, sum, out) in [
-                (Operand::DQ, &dq_sums[r], &mut *g.dq),
-                (Operand::DK, &dk_sums[home], &mut *g.dk),
-                (Operand::DV, &dv_sums[home], &mut *g.dv),
+                (Operand::DQ, &dq_sums[i], &mut *g.dq),
+                (Operand::DK, &home.k, &mut *g.dk),
+                (Operand::DV, &home.v, &mut *g.dv),
             ] {
                 round_rows(self, compute, operand, &sum.slice(..), out)?;
             }
@@ -1058,18 +1057,18 @@ impl<T: DeviceRepr> Drop for TransportJoin<'_, '_, T> {
     }
 }
 
-/// The K and V shard rank `r` holds at step `step`: its own, then the buffer the transport
-/// filled in the step before.
+/// The K and V shard that the i-th rank held here holds at step `step`: its own, then the
+/// buffer the transport filled in the step before.
 fn held<'s, T>(
     (k, v): (&'s CudaView<'_, T>, &'s CudaView<'_, T>),
     slots: &'s [[Shard<T>; 2]],
-    r: usize,
+    i: usize,
     step: usize,
 ) -> (CudaView<'s, T>, CudaView<'s, T>) {
     if step == 0 {
         (k.slice(..), v.slice(..))
     } else {
-        let s = &slots[r][(step - 1) % 2];
+        let s = &slots[i][(step - 1) % 2];
         (s.k.slice(..), s.v.slice(..))
     }
 }
@@ -1280,26 +1279,142 @@ fn rows_call<T: Element>(
     crate::ffi::check(r, crate::Backend::Auto, "gradient sums")
 }
 
-/// Element `a` of `v` to read and element `b` to write (`a != b`).
-fn two_of<X>(v: &mut [X], a: usize, b: usize) -> (&X, &mut X) {
-    assert_ne!(a, b);
-    if a < b {
-        let (left, right) = v.split_at_mut(b);
-        (&left[a], &mut right[0])
-    } else {
-        let (left, right) = v.split_at_mut(a);
-        (&right[0], &mut left[b])
+/// How a ring hands what each rank holds on to the next rank: between ranks simulated on one
+/// device ([`Local`]), or between devices (the NCCL ring, one rank held here). The schedule
+/// runs over the ranks held here, the i-th being ring rank `rank(i)`.
+pub(super) trait Rotation {
+    /// The ring's ranks.
+    fn count(&self) -> usize;
+    /// The ring rank of the i-th rank held here.
+    fn rank(&self, i: usize) -> usize;
+    /// A call's inputs hold `held` ranks: the number this rotation holds, or an error.
+    fn check_held(&self, held: usize) -> Result<()>;
+    /// On `stream`, each rank held here hands its two buffers `from[i]` (K and V, or the dK and
+    /// dV sums) on to the next rank, and receives the rank before's into `into[i]`.
+    fn rotate<E: DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        from: &[[CudaView<E>; 2]],
+        into: &mut [[CudaViewMut<E>; 2]],
+    ) -> Result<()>;
+}
+
+/// Every rank of the ring held here, on one device: a rotation is a copy from each rank's
+/// buffers into the next one's.
+pub(super) struct Local {
+    count: usize,
+}
+
+impl Local {
+    fn of(count: usize) -> Self {
+        Local { count }
     }
 }
 
-/// One shard, K and V, copied into `dst` on the transport stream.
-fn send<T: DeviceRepr>(
+impl Rotation for Local {
+    fn count(&self) -> usize {
+        self.count
+    }
+
+    fn rank(&self, i: usize) -> usize {
+        i
+    }
+
+    fn check_held(&self, held: usize) -> Result<()> {
+        debug_assert_eq!(held, self.count);
+        Ok(())
+    }
+
+    fn rotate<E: DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        from: &[[CudaView<E>; 2]],
+        into: &mut [[CudaViewMut<E>; 2]],
+    ) -> Result<()> {
+        let n = into.len();
+        for (i, [a, b]) in from.iter().enumerate() {
+            let [to_a, to_b] = &mut into[(i + 1) % n];
+            stream.memcpy_dtod(a, to_a).map_err(driver_error)?;
+            stream.memcpy_dtod(b, to_b).map_err(driver_error)?;
+        }
+        Ok(())
+    }
+}
+
+/// The pairs of chunks of each rank held here, query chunk by query chunk, in ring order.
+fn rank_pairs<R: Rotation>(
+    rotation: &R,
+    cfg: &AttentionConfig,
+    sharding: Sharding,
+    held: usize,
+    len: usize,
+) -> Vec<Vec<Vec<ring::Pair>>> {
+    let count = rotation.count();
+    (0..held)
+        .map(|i| {
+            let r = rotation.rank(i);
+            sharding
+                .chunk_ids(count, r)
+                .into_iter()
+                .map(|qc| ring::ring_pairs(cfg, sharding, count, r, qc, len))
+                .collect()
+        })
+        .collect()
+}
+
+/// Of a rank's two buffers at step `step`: the one it reads (filled at step − 1) and the one
+/// the rotation fills (read at step + 1).
+fn read_and_fill<X>(pair: &mut [X; 2], step: usize) -> (&X, &mut X) {
+    let (first, second) = pair.split_at_mut(1);
+    if step % 2 == 0 {
+        (&second[0], &mut first[0])
+    } else {
+        (&first[0], &mut second[0])
+    }
+}
+
+/// Step `step`'s hand-on of the K and V shards: each rank held here sends the shard it holds
+/// (its own at step 0) and receives the next one into its buffer `step % 2`.
+fn rotate_shards<T: DeviceRepr, I: HasKv<T>, R: Rotation>(
+    rotation: &R,
     transport: &Arc<CudaStream>,
-    (k, v): (&CudaView<T>, &CudaView<T>),
-    dst: &mut Shard<T>,
+    ranks: &[I],
+    slots: &mut [[Shard<T>; 2]],
+    step: usize,
+    (k_len, v_len): (usize, usize),
 ) -> Result<()> {
-    transport.memcpy_dtod(k, &mut dst.k).map_err(driver_error)?;
-    transport.memcpy_dtod(v, &mut dst.v).map_err(driver_error)
+    let (from, mut into): (Vec<_>, Vec<_>) = ranks
+        .iter()
+        .zip(slots.iter_mut())
+        .map(|(rank, pair)| {
+            let (read, fill) = read_and_fill(pair, step);
+            let from = if step == 0 {
+                let (k, v) = rank.kv();
+                [k.slice(..k_len), v.slice(..v_len)]
+            } else {
+                [read.k.slice(..), read.v.slice(..)]
+            };
+            (from, [fill.k.slice_mut(..), fill.v.slice_mut(..)])
+        })
+        .unzip();
+    rotation.rotate(transport, &from, &mut into)
+}
+
+/// A rank's K and V shards, of its forward or backward inputs.
+trait HasKv<T> {
+    fn kv(&self) -> (&CudaView<'_, T>, &CudaView<'_, T>);
+}
+
+impl<T> HasKv<T> for DeviceForwardInputs<'_, T> {
+    fn kv(&self) -> (&CudaView<'_, T>, &CudaView<'_, T>) {
+        (&self.k.data, &self.v.data)
+    }
+}
+
+impl<T> HasKv<T> for DeviceBackwardInputs<'_, T> {
+    fn kv(&self) -> (&CudaView<'_, T>, &CudaView<'_, T>) {
+        (&self.k.data, &self.v.data)
+    }
 }
 
 /// `height` rows of `width` f32 from `src` (rows `src_pitch` elements apart) into `dst` (rows

@@ -16,6 +16,8 @@ mod kvcache;
 mod kvcache_fp8;
 mod kvcache_step;
 mod ring;
+#[cfg(feature = "nccl")]
+mod ring_nccl;
 
 use std::sync::Arc;
 

@@ -23,7 +23,7 @@ use super::common::device;
 use super::harness::random;
 
 /// Rank `rows`' rows of `x` `(batch, seqlen, heads, w)`, in the rank's order.
-fn rank_rows<X: Copy>(
+pub(super) fn rank_rows<X: Copy>(
     x: &[X],
     [batch, seqlen, heads, w]: [usize; 4],
     rows: &[Range<usize>],
@@ -38,7 +38,7 @@ fn rank_rows<X: Copy>(
 }
 
 /// Rank `rows`' entries of an LSE `(batch, heads, seqlen)`.
-fn rank_lse<X: Copy>(
+pub(super) fn rank_lse<X: Copy>(
     lse: &[X],
     [batch, seqlen, heads]: [usize; 3],
     rows: &[Range<usize>],

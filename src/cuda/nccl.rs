@@ -1,0 +1,465 @@
+//! The device ring across devices: one rank a device (a thread or process each), the K and V
+//! shards and the backward's dK and dV sums handed on between them by NCCL send and receive
+//! (cudarc's bindings to the library, loaded at run time), on the ring's transport stream. The
+//! schedule is the one-device ring's ([`Device::ring_forward_into`]), call for call; only the
+//! rotation differs: there a copy between simulated ranks' buffers, here a grouped send to
+//! the next rank and receive from the one before.
+//!
+//! Every rank of a ring must make the same call (shapes, type, mask, sharding) at the same step
+//! of its program: a ring call first gathers each rank's account of it and refuses, on every
+//! rank, a call that some rank makes differently (one host synchronization a call), since
+//! NCCL would otherwise wait for a transfer that never comes.
+
+use std::ffi::{c_int, c_void, CStr};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::nccl::{result, sys};
+
+use super::ring::{RingStreams, Rotation};
+use super::{
+    driver_error, Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceRingGradients,
+    DeviceRingOutput,
+};
+use crate::config::AttentionConfig;
+use crate::dispatch::Plan;
+use crate::error::{CallPart, Error, Result};
+use crate::ring::Sharding;
+use crate::Element;
+
+/// The name cudarc loads the library by (its first candidate).
+const LIBRARY: &str = "libnccl.so";
+
+/// Is the NCCL library loadable here under the name cudarc asks for? Probed before any NCCL
+/// call, since cudarc panics when the library is missing. Asked of the dynamic loader itself,
+/// as `driver_present` asks for the driver.
+pub fn nccl_present() -> bool {
+    extern "C" {
+        fn dlopen(filename: *const std::ffi::c_char, flag: c_int) -> *mut c_void;
+        fn dlclose(handle: *mut c_void) -> c_int;
+    }
+    const RTLD_LAZY: c_int = 1;
+    let name = std::ffi::CString::new(LIBRARY).expect("no interior nul");
+    // SAFETY: dlopen of a C string that lives across the call; a handle it returns is closed at
+    // once (the library stays loaded if cudarc opened it too).
+    unsafe {
+        let handle = dlopen(name.as_ptr(), RTLD_LAZY);
+        if handle.is_null() {
+            return false;
+        }
+        dlclose(handle);
+        true
+    }
+}
+
+fn require_library() -> Result<()> {
+    if nccl_present() {
+        return Ok(());
+    }
+    Err(Error::Nccl {
+        what: "the library is not loadable".into(),
+        detail: format!(
+            "{LIBRARY} is not on the library path (NVIDIA's nvidia-nccl wheels ship \
+             libnccl.so.2: link it as {LIBRARY} in a directory of LD_LIBRARY_PATH)"
+        ),
+    })
+}
+
+/// An NCCL failure as the crate's error: what failed, and NCCL's text for its code.
+fn nccl_error(what: &str, e: result::NcclError) -> Error {
+    // SAFETY: ncclGetErrorString returns a static C string for any code.
+    let text = unsafe { CStr::from_ptr(sys::ncclGetErrorString(e.0)) };
+    Error::Nccl {
+        what: what.into(),
+        detail: format!("{:?}: {}", e.0, text.to_string_lossy()),
+    }
+}
+
+/// The identity of a ring's communicator, which one rank makes ([`RingId::new`]) and every
+/// rank passes to [`RingComm::new`]: 128 bytes to carry between processes as the caller's
+/// launcher does (a file, a socket, an environment variable).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingId {
+    bytes: [u8; 128],
+}
+
+impl RingId {
+    /// A new identity (NCCL's unique id: it names this host's bootstrap address).
+    pub fn new() -> Result<RingId> {
+        require_library()?;
+        let id = result::get_uniqueid().map_err(|e| nccl_error("ncclGetUniqueId", e))?;
+        Ok(RingId {
+            bytes: id.internal.map(|c| c as u8),
+        })
+    }
+
+    pub fn from_bytes(bytes: [u8; 128]) -> RingId {
+        RingId { bytes }
+    }
+
+    pub fn as_bytes(&self) -> &[u8; 128] {
+        &self.bytes
+    }
+}
+
+/// One rank's communicator of a ring over devices: its rank, the ring's size and its device.
+/// Calls take it by reference and it is not `Sync`: NCCL takes one caller at a time on a
+/// communicator. Dropping it destroys the communicator (once the work queued on it is done).
+#[derive(Debug)]
+pub struct RingComm {
+    comm: sys::ncclComm_t,
+    rank: usize,
+    count: usize,
+    ordinal: i32,
+}
+
+// SAFETY: the communicator may move to another thread (NCCL allows any thread to use it, one at
+// a time, which `&self` calls of a type that is not `Sync` ensure).
+unsafe impl Send for RingComm {}
+
+impl RingComm {
+    /// Rank `rank` of a ring of `count` ranks named `id`, on `device`. Every rank must call this
+    /// (each in its own thread or process): it returns once all have.
+    pub fn new(device: &Device, rank: usize, count: usize, id: &RingId) -> Result<RingComm> {
+        require_library()?;
+        if rank >= count {
+            return Err(Error::InvalidConfig(format!(
+                "rank {rank} of a ring of {count} ranks"
+            )));
+        }
+        let (Ok(rank_i), Ok(count_i)) = (c_int::try_from(rank), c_int::try_from(count)) else {
+            return Err(Error::InvalidConfig(format!(
+                "a ring of {count} ranks passes NCCL's int"
+            )));
+        };
+        // NCCL takes the thread's current device: this device's primary context.
+        device.ctx.bind_to_thread().map_err(driver_error)?;
+        let id = sys::ncclUniqueId {
+            internal: id.bytes.map(|b| b as std::ffi::c_char),
+        };
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: `comm` is a valid out-pointer for the call.
+        unsafe { result::comm_init_rank(&mut comm, count_i, id, rank_i) }
+            .map_err(|e| nccl_error("ncclCommInitRank", e))?;
+        Ok(RingComm {
+            comm,
+            rank,
+            count,
+            ordinal: device.info.ordinal,
+        })
+    }
+
+    /// One communicator a device, rank i on `devices[i]`, made by this thread (NCCL's
+    /// ncclCommInitAll): for one process driving every device of the ring, a thread a rank
+    /// (ring calls of different ranks wait for one another).
+    pub fn for_devices(devices: &[Device]) -> Result<Vec<RingComm>> {
+        require_library()?;
+        let ordinals: Vec<c_int> = devices.iter().map(|d| d.info.ordinal).collect();
+        let Ok(count) = c_int::try_from(devices.len()) else {
+            return Err(Error::InvalidConfig(format!(
+                "a ring of {} devices passes NCCL's int",
+                devices.len()
+            )));
+        };
+        if count == 0 {
+            return Err(Error::InvalidConfig("a ring of no devices".into()));
+        }
+        let mut comms = vec![std::ptr::null_mut(); devices.len()];
+        // SAFETY: `comms` has room for one communicator a device, `ordinals` one entry a device.
+        unsafe { result::comm_init_all(comms.as_mut_ptr(), count, ordinals.as_ptr()) }
+            .map_err(|e| nccl_error("ncclCommInitAll", e))?;
+        Ok(comms
+            .into_iter()
+            .zip(ordinals)
+            .enumerate()
+            .map(|(rank, (comm, ordinal))| RingComm {
+                comm,
+                rank,
+                count: devices.len(),
+                ordinal,
+            })
+            .collect())
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// The communicator is `device`'s, whose calls it carries.
+    fn check_device(&self, device: &Device) -> Result<()> {
+        if self.ordinal == device.info.ordinal {
+            return Ok(());
+        }
+        Err(Error::WrongDevice {
+            what: CallPart::Stream,
+            detail: format!(
+                "the ring's communicator is device {}'s, the call was made on device {}",
+                self.ordinal, device.info.ordinal
+            ),
+        })
+    }
+
+    /// Runs `issue` between ncclGroupStart and ncclGroupEnd (which ends the group whatever
+    /// `issue` returned).
+    fn grouped(&self, issue: impl FnOnce() -> Result<()>) -> Result<()> {
+        result::group_start().map_err(|e| nccl_error("ncclGroupStart", e))?;
+        let issued = issue();
+        let ended = result::group_end().map_err(|e| nccl_error("ncclGroupEnd", e));
+        issued.and(ended.map(drop))
+    }
+
+    /// Every rank's `words` gathered, rank by rank, on `stream` (which this synchronizes).
+    fn gather_words(&self, stream: &Arc<CudaStream>, words: &[u64]) -> Result<Vec<u64>> {
+        let mine = stream.clone_htod(words).map_err(driver_error)?;
+        let mut all = stream
+            .alloc_zeros::<u64>(words.len() * self.count)
+            .map_err(driver_error)?;
+        {
+            let (send, _send) = mine.device_ptr(stream);
+            let (recv, _recv) = all.device_ptr_mut(stream);
+            // SAFETY: `words.len()` u64 of `mine` to send, `count` times that in `all`, live
+            // until the copy below, which waits for the gather.
+            unsafe {
+                result::all_gather(
+                    send as *const c_void,
+                    recv as *mut c_void,
+                    words.len(),
+                    sys::ncclDataType_t::ncclUint64,
+                    self.comm,
+                    stream.cu_stream() as sys::cudaStream_t,
+                )
+            }
+            .map_err(|e| nccl_error("ncclAllGather", e))?;
+        }
+        stream.clone_dtoh(&all).map_err(driver_error)
+    }
+
+    /// Refuses, on every rank, a call that some rank of the ring makes with other `words` (its
+    /// shapes, type and configuration).
+    fn check_agreement(&self, stream: &Arc<CudaStream>, words: &[u64]) -> Result<()> {
+        let all = self.gather_words(stream, words)?;
+        for (r, theirs) in all.chunks(words.len()).enumerate() {
+            if theirs != words {
+                return Err(Error::InvalidConfig(format!(
+                    "rank {r} of the ring makes another call than rank {} (shapes, type, mask \
+                     or sharding differ)",
+                    self.rank
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RingComm {
+    fn drop(&mut self) {
+        // SAFETY: the communicator is live and used by no other call (&mut self). A failure
+        // here has no caller to report to.
+        let _ = unsafe { result::comm_destroy(self.comm) };
+    }
+}
+
+/// A ring's account of one call that every rank must share: its type, sharding, the Q, K and V
+/// shapes, and a hash of the configuration's description (mask, window, scale, softcap).
+fn call_words(
+    dtype: crate::tensor::DType,
+    sharding: Sharding,
+    shapes: [[usize; 4]; 3],
+    cfg: &AttentionConfig,
+    backward: bool,
+) -> Vec<u64> {
+    // FNV-1a: the same bits on every rank for the same description.
+    let hash = format!("{cfg:?}")
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+    let mut words = vec![
+        dtype as u64,
+        sharding.chunks_per_rank() as u64,
+        u64::from(backward),
+        hash,
+    ];
+    words.extend(shapes.iter().flatten().map(|&n| n as u64));
+    words
+}
+
+/// The NCCL rotation: the one rank held here sends to the next rank and receives from the one
+/// before, both buffers in one group.
+struct NcclRotation<'c> {
+    comm: &'c RingComm,
+}
+
+impl Rotation for NcclRotation<'_> {
+    fn count(&self) -> usize {
+        self.comm.count
+    }
+
+    fn rank(&self, _: usize) -> usize {
+        self.comm.rank
+    }
+
+    fn check_held(&self, held: usize) -> Result<()> {
+        if held == 1 {
+            return Ok(());
+        }
+        Err(Error::InvalidConfig(format!(
+            "{held} ranks held by one rank of an NCCL ring"
+        )))
+    }
+
+    fn rotate<E: DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        from: &[[CudaView<E>; 2]],
+        into: &mut [[CudaViewMut<E>; 2]],
+    ) -> Result<()> {
+        let (count, rank) = (self.comm.count, self.comm.rank);
+        let (next, before) = ((rank + 1) % count, (rank + count - 1) % count);
+        let bytes = |n: usize| n * std::mem::size_of::<E>();
+        let cu_stream = stream.cu_stream() as sys::cudaStream_t;
+        // The buffers' stream guards, dropped once the group has ended: the transfers are
+        // queued on the stream by ncclGroupEnd, and cudarc orders later users after that.
+        let mut guards = vec![];
+        self.comm.grouped(|| {
+            for (send, recv) in from[0].iter().zip(into[0].iter_mut()) {
+                if send.len() != recv.len() {
+                    return Err(Error::InvalidConfig(format!(
+                        "a ring buffer of {} elements sent where {} are received",
+                        send.len(),
+                        recv.len()
+                    )));
+                }
+                let (send_bytes, recv_bytes) = (bytes(send.len()), bytes(recv.len()));
+                let (src, src_guard) = send.device_ptr(stream);
+                let (dst, dst_guard) = recv.device_ptr_mut(stream);
+                guards.extend([src_guard, dst_guard]);
+                // SAFETY: both buffers are live for the whole transfer: the ring keeps them until
+                // its compute stream has waited for the transport's work. The peers' sizes agree
+                // (check_agreement).
+                unsafe {
+                    result::send(
+                        src as *const c_void,
+                        send_bytes,
+                        sys::ncclDataType_t::ncclUint8,
+                        next as c_int,
+                        self.comm.comm,
+                        cu_stream,
+                    )
+                }
+                .map_err(|e| nccl_error("ncclSend", e))?;
+                // SAFETY: as for the send.
+                unsafe {
+                    result::recv(
+                        dst as *mut c_void,
+                        recv_bytes,
+                        sys::ncclDataType_t::ncclUint8,
+                        before as c_int,
+                        self.comm.comm,
+                        cu_stream,
+                    )
+                }
+                .map_err(|e| nccl_error("ncclRecv", e))?;
+            }
+            Ok(())
+        })
+    }
+}
+
+impl Device {
+    /// Both streams of a ring are this device's (before the agreement's gather uses one).
+    fn check_streams(&self, streams: RingStreams<'_>) -> Result<()> {
+        self.check_same_context(
+            streams.compute,
+            [(CallPart::Stream, streams.transport.context())],
+        )
+    }
+
+    /// [`Device::ring_forward_into`] for one rank of a ring across devices: this rank's shards
+    /// (as [`crate::ring::shard`] cuts them for rank `comm.rank()` of `comm.count()`) and its
+    /// outputs; K and V travel by NCCL on `streams.transport`. Every rank of the ring makes the
+    /// same call at once (the first thing it does is check that they agree).
+    pub fn ring_forward_nccl<T: Element + DeviceRepr>(
+        &self,
+        comm: &RingComm,
+        streams: RingStreams<'_>,
+        cfg: &AttentionConfig,
+        sharding: Sharding,
+        rank: DeviceForwardInputs<'_, T>,
+        output: &mut DeviceRingOutput<'_, '_, T>,
+    ) -> Result<Plan> {
+        comm.check_device(self)?;
+        self.check_streams(streams)?;
+        let shapes = [
+            rank.q.layout.shape,
+            rank.k.layout.shape,
+            rank.v.layout.shape,
+        ];
+        let words = call_words(T::DTYPE, sharding, shapes, cfg, false);
+        comm.check_agreement(streams.transport, &words)?;
+        self.ring_forward_with(
+            &NcclRotation { comm },
+            streams,
+            cfg,
+            sharding,
+            std::slice::from_ref(&rank),
+            std::slice::from_mut(output),
+        )
+    }
+
+    /// [`Device::ring_backward_into`] for one rank of a ring across devices, as
+    /// [`Device::ring_forward_nccl`] runs the forward: the dK and dV sums travel by NCCL with
+    /// the shards and come home to their rank after the last step.
+    pub fn ring_backward_nccl<T: Element + DeviceRepr>(
+        &self,
+        comm: &RingComm,
+        streams: RingStreams<'_>,
+        cfg: &AttentionConfig,
+        sharding: Sharding,
+        rank: DeviceBackwardInputs<'_, T>,
+        grads: &mut DeviceRingGradients<'_, '_, T>,
+    ) -> Result<Plan> {
+        comm.check_device(self)?;
+        self.check_streams(streams)?;
+        let shapes = [
+            rank.q.layout.shape,
+            rank.k.layout.shape,
+            rank.v.layout.shape,
+        ];
+        let words = call_words(T::DTYPE, sharding, shapes, cfg, true);
+        comm.check_agreement(streams.transport, &words)?;
+        self.ring_backward_with(
+            &NcclRotation { comm },
+            streams,
+            cfg,
+            sharding,
+            std::slice::from_ref(&rank),
+            std::slice::from_mut(grads),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where libnccl.so is not loadable (CI's machines), asking for a ring is a typed error
+    /// naming the library, not cudarc's panic; where it is, the GPU tests take over.
+    #[test]
+    fn a_missing_library_is_a_typed_error() {
+        if nccl_present() {
+            return;
+        }
+        match RingId::new() {
+            Err(Error::Nccl { what, detail }) => {
+                assert!(what.contains("not loadable"), "{what}");
+                assert!(detail.contains(LIBRARY), "{detail}");
+            }
+            other => panic!("expected a typed NCCL error, got {other:?}"),
+        }
+    }
+}

@@ -1,0 +1,341 @@
+//! The ring across devices over NCCL (`Device::ring_forward_nccl`, `ring_backward_nccl`): one
+//! rank a device, each driven by its own thread, every rank's O, LSE, dQ, dK and dV against its
+//! rows of the whole call's f64 reference under DESIGN's rule (outputs poisoned with NaN). On
+//! one device a ring of one rank (the backward's sums still travel: to the rank itself, through
+//! NCCL); on two or more, the real ring. Needs libnccl.so on the library path.
+
+use std::thread;
+
+use flashattn::cuda::{
+    Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceRingGradients, DeviceRingOutput,
+    DeviceTensor, DeviceTensorMut, RingComm, RingStreams,
+};
+use flashattn::reference::{self, compare};
+use flashattn::ring::{self, Sharding};
+use flashattn::{AttentionConfig, TensorRef};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use super::harness::random;
+use super::ring::{rank_lse, rank_rows};
+
+/// What one rank brings home: O, LSE, dQ, dK and dV of its rows.
+struct RankResults {
+    o: Vec<bf16>,
+    lse: Vec<f32>,
+    grads: [Vec<bf16>; 3],
+}
+
+/// One rank's forward and backward over NCCL on `dev`: its shards of the inputs, and of the
+/// whole call's O and LSE for the backward.
+fn run_rank(
+    dev: &Device,
+    comm: &RingComm,
+    cfg: &AttentionConfig,
+    sharding: Sharding,
+    [q, k, v, o, dout]: [Vec<bf16>; 5],
+    lse: Vec<f32>,
+    [q_rank, kv_rank]: [[usize; 4]; 2],
+) -> Result<RankResults, String> {
+    let compute = dev.new_stream().map_err(|e| e.to_string())?;
+    let transport = dev.new_stream().map_err(|e| e.to_string())?;
+    let streams = RingStreams {
+        compute: &compute,
+        transport: &transport,
+    };
+    let up = |x: &[bf16]| compute.clone_htod(x).unwrap();
+    let [qd, kd, vd, od, gd] = [&q, &k, &v, &o, &dout].map(|x| up(x));
+    let lse_d = compute.clone_htod(&lse).unwrap();
+    let [qt, kt, vt, ot, gt] = [
+        (&qd, q_rank),
+        (&kd, kv_rank),
+        (&vd, kv_rank),
+        (&od, q_rank),
+        (&gd, q_rank),
+    ]
+    .map(|(x, shape)| DeviceTensor::contiguous(x, shape));
+
+    let mut out = up(&vec![bf16::NAN; q.len()]);
+    let mut out_lse = compute.clone_htod(&vec![f32::NAN; lse.len()]).unwrap();
+    dev.ring_forward_nccl(
+        comm,
+        streams,
+        cfg,
+        sharding,
+        DeviceForwardInputs::new(&qt, &kt, &vt),
+        &mut DeviceRingOutput {
+            out: &mut DeviceTensorMut::contiguous(&mut out, q_rank),
+            lse: &mut out_lse.as_view_mut(),
+        },
+    )
+    .map_err(|e| format!("forward: {e}"))?;
+
+    let [mut dq, mut dk, mut dv] = [q.len(), k.len(), v.len()].map(|n| up(&vec![bf16::NAN; n]));
+    let lse_v = lse_d.as_view();
+    dev.ring_backward_nccl(
+        comm,
+        streams,
+        cfg,
+        sharding,
+        DeviceBackwardInputs {
+            q: &qt,
+            k: &kt,
+            v: &vt,
+            out: &ot,
+            dout: &gt,
+            lse: &lse_v,
+            sinks: None,
+        },
+        &mut DeviceRingGradients {
+            dq: &mut DeviceTensorMut::contiguous(&mut dq, q_rank),
+            dk: &mut DeviceTensorMut::contiguous(&mut dk, kv_rank),
+            dv: &mut DeviceTensorMut::contiguous(&mut dv, kv_rank),
+        },
+    )
+    .map_err(|e| format!("backward: {e}"))?;
+    let down = |x| compute.clone_dtoh(x).unwrap();
+    let results = RankResults {
+        o: down(&out),
+        lse: compute.clone_dtoh(&out_lse).unwrap(),
+        grads: [down(&dq), down(&dk), down(&dv)],
+    };
+    compute.synchronize().map_err(|e| e.to_string())?;
+    Ok(results)
+}
+
+/// A ring of one rank a device over `devices` devices against the whole call: the failures.
+fn nccl_case(
+    cfg: &AttentionConfig,
+    sharding: Sharding,
+    devices: usize,
+    (batch, seqlen, hq, hk, d): (usize, usize, usize, usize, usize),
+    seed: u64,
+) -> Vec<String> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (q_shape, kv_shape) = ([batch, seqlen, hq, d], [batch, seqlen, hk, d]);
+    let q: Vec<bf16> = random(batch * seqlen * hq * d, &mut rng);
+    let k: Vec<bf16> = random(batch * seqlen * hk * d, &mut rng);
+    let v: Vec<bf16> = random(batch * seqlen * hk * d, &mut rng);
+    let dout: Vec<bf16> = random(batch * seqlen * hq * d, &mut rng);
+    let (qt, kt, vt, dt) = (
+        TensorRef::contiguous(&q, q_shape),
+        TensorRef::contiguous(&k, kv_shape),
+        TensorRef::contiguous(&v, kv_shape),
+        TensorRef::contiguous(&dout, q_shape),
+    );
+    let (want, base) = (
+        reference::reference_forward(cfg, qt, kt, vt),
+        reference::baseline_forward(cfg, qt, kt, vt),
+    );
+    let (want_grads, base_grads) = (
+        reference::reference_backward(cfg, qt, kt, vt, dt),
+        reference::baseline_backward(cfg, qt, kt, vt, dt),
+    );
+    let what = format!(
+        "NCCL, {devices} devices {sharding:?}, {:?}, ({batch}, {seqlen}, {hq}/{hk}, {d})",
+        cfg.mask
+    );
+    let devs: Vec<Device> = (0..devices)
+        .map(|r| Device::new(r).expect("a CUDA device per rank"))
+        .collect();
+    // The backward's O and LSE: the whole call's, rounded as the forward gives them.
+    let o: Vec<bf16> = want.out.iter().map(|&x| bf16::from_f64(x)).collect();
+    let lse: Vec<f32> = want.lse.iter().map(|&x| x as f32).collect();
+    let comms = match RingComm::for_devices(&devs) {
+        Ok(c) => c,
+        Err(e) => return vec![format!("{what}: {e}")],
+    };
+    let rows = seqlen / devices;
+    let shard = |x: &[bf16], shape, r| {
+        ring::shard(TensorRef::contiguous(x, shape), sharding, devices, r).unwrap()
+    };
+    let results: Vec<Result<RankResults, String>> = thread::scope(|s| {
+        let handles: Vec<_> = devs
+            .iter()
+            .zip(comms)
+            .enumerate()
+            .map(|(r, (dev, comm))| {
+                let rows_of = sharding.rows(seqlen, devices, r).unwrap();
+                let inputs = [
+                    shard(&q, q_shape, r),
+                    shard(&k, kv_shape, r),
+                    shard(&v, kv_shape, r),
+                    shard(&o, q_shape, r),
+                    shard(&dout, q_shape, r),
+                ];
+                let lse = rank_lse(&lse, [batch, seqlen, hq], &rows_of);
+                let shapes = [[batch, rows, hq, d], [batch, rows, hk, d]];
+                s.spawn(move || run_rank(dev, &comm, cfg, sharding, inputs, lse, shapes))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut failures = vec![];
+    for (r, result) in results.into_iter().enumerate() {
+        let got = match result {
+            Ok(got) => got,
+            Err(e) => {
+                failures.push(format!("{what}: rank {r}: {e}"));
+                continue;
+            }
+        };
+        let rows_of = sharding.rows(seqlen, devices, r).unwrap();
+        let lse_shape = [batch, seqlen, hq];
+        let mut checks = vec![
+            (
+                "O",
+                compare(
+                    &reference::to_f32(&got.o),
+                    &rank_rows(&want.out, q_shape, &rows_of),
+                    &rank_rows(&base.out, q_shape, &rows_of),
+                ),
+            ),
+            (
+                "LSE",
+                compare(
+                    &got.lse,
+                    &rank_lse(&want.lse, lse_shape, &rows_of),
+                    &rank_lse(&base.lse, lse_shape, &rows_of),
+                ),
+            ),
+        ];
+        for (name, got, reference, baseline, shape) in [
+            ("dQ", &got.grads[0], &want_grads.dq, &base_grads.dq, q_shape),
+            (
+                "dK",
+                &got.grads[1],
+                &want_grads.dk,
+                &base_grads.dk,
+                kv_shape,
+            ),
+            (
+                "dV",
+                &got.grads[2],
+                &want_grads.dv,
+                &base_grads.dv,
+                kv_shape,
+            ),
+        ] {
+            checks.push((
+                name,
+                reference::compare_gradient::<bf16>(
+                    &reference::to_f32(got),
+                    &rank_rows(reference, shape, &rows_of),
+                    &rank_rows(baseline, shape, &rows_of),
+                ),
+            ));
+        }
+        for (name, cmp) in checks {
+            if !cmp.pass {
+                failures.push(format!("{what}: rank {r}: {name} {cmp}"));
+            }
+        }
+    }
+    failures
+}
+
+#[test]
+#[ignore = "needs a GPU and libnccl.so"]
+fn nccl_ring_of_one_device_matches_the_whole_call() {
+    let causal = AttentionConfig::new().causal(true);
+    let mut failures = nccl_case(&causal, Sharding::ZigZag, 1, (2, 192, 4, 2, 64), 300);
+    failures.extend(nccl_case(
+        &AttentionConfig::new(),
+        Sharding::Contiguous,
+        1,
+        (1, 256, 8, 1, 128),
+        301,
+    ));
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Every device of the machine a rank (two at least): run where two GPUs are lent (the device
+/// scripts skip `two_devices` on one).
+#[test]
+#[ignore = "needs two GPUs and libnccl.so"]
+fn nccl_two_devices_or_more_ring_matches_the_whole_call() {
+    let devices = flashattn::cuda::device_count().expect("a CUDA driver");
+    assert!(devices >= 2, "{devices} device(s): this test needs two");
+    let causal = AttentionConfig::new().causal(true);
+    let window = AttentionConfig::new().window(Some(20), Some(0));
+    let mut failures = nccl_case(
+        &causal,
+        Sharding::ZigZag,
+        devices,
+        (2, 96 * devices, 4, 2, 64),
+        310,
+    );
+    failures.extend(nccl_case(
+        &AttentionConfig::new(),
+        Sharding::Contiguous,
+        devices,
+        (1, 128 * devices, 8, 1, 128),
+        311,
+    ));
+    failures.extend(nccl_case(
+        &window,
+        Sharding::ZigZag,
+        devices,
+        (2, 128 * devices, 4, 4, 64),
+        312,
+    ));
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A ring whose ranks make different calls (rank 1 holds twice rank 0's rows) is refused on
+/// every rank, not left waiting for a transfer that never comes.
+#[test]
+#[ignore = "needs two GPUs and libnccl.so"]
+fn nccl_two_devices_refuse_ranks_that_disagree() {
+    let devices = flashattn::cuda::device_count().expect("a CUDA driver");
+    assert!(devices >= 2, "{devices} device(s): this test needs two");
+    let devs: Vec<Device> = (0..2).map(|r| Device::new(r).unwrap()).collect();
+    let comms = RingComm::for_devices(&devs).unwrap();
+    let (batch, hq, d) = (1, 2, 64);
+    let errors: Vec<String> = thread::scope(|s| {
+        let handles: Vec<_> = devs
+            .iter()
+            .zip(comms)
+            .enumerate()
+            .map(|(r, (dev, comm))| {
+                s.spawn(move || {
+                    // Rank 1 holds twice rank 0's rows.
+                    let rows = 64 * (r + 1);
+                    let shape = [batch, rows, hq, d];
+                    let compute = dev.new_stream().unwrap();
+                    let transport = dev.new_stream().unwrap();
+                    let x: Vec<bf16> = (0..batch * rows * hq * d)
+                        .map(|i| bf16::from_f32((i as f32 * 0.37).sin()))
+                        .collect();
+                    let xd = compute.clone_htod(&x).unwrap();
+                    let t = DeviceTensor::contiguous(&xd, shape);
+                    let mut out = compute.clone_htod(&x).unwrap();
+                    let mut lse = compute.alloc_zeros::<f32>(batch * hq * rows).unwrap();
+                    let result = dev.ring_forward_nccl(
+                        &comm,
+                        RingStreams {
+                            compute: &compute,
+                            transport: &transport,
+                        },
+                        &AttentionConfig::new(),
+                        Sharding::Contiguous,
+                        DeviceForwardInputs::new(&t, &t, &t),
+                        &mut DeviceRingOutput {
+                            out: &mut DeviceTensorMut::contiguous(&mut out, shape),
+                            lse: &mut lse.as_view_mut(),
+                        },
+                    );
+                    match result {
+                        Err(e) => e.to_string(),
+                        Ok(_) => "accepted".into(),
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, e) in errors.iter().enumerate() {
+        assert!(e.contains("makes another call"), "rank {r}: {e}");
+    }
+}
