@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 #[cfg(feature = "candle-cuda")]
 use candle_core::CudaStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Shape, Tensor};
 
 #[cfg(feature = "candle-cuda")]
 use super::gpu;
@@ -109,14 +109,11 @@ impl CustomOp2 for WithOutputs<'_, CpuStorage> {
         let [q, k, v] = self.qkv;
         let ops = [q, k, v, (out, lo), (dout, ldo)];
         let (cfg, packed) = (self.bwd.cfg, self.bwd.packed);
-        let grads = match q.0.dtype() {
-            DType::F32 => cpu::backward::<f32>(cfg, packed, ops, lse)?,
-            DType::F16 => cpu::backward::<half::f16>(cfg, packed, ops, lse)?,
-            DType::BF16 => cpu::backward::<half::bf16>(cfg, packed, ops, lse)?,
-            other => candle_core::bail!(
-                "flash_attn on the CPU takes f32, f16 or bf16 tensors, got {other:?}"
-            ),
-        };
+        let grads = with_element!(
+            q.0.dtype(),
+            "flash_attn on the CPU takes f32, f16 or bf16 tensors",
+            |T| cpu::backward::<T>(cfg, packed, ops, lse)
+        )?;
         *self.grads.lock().map_err(lock_error)? = Some(grads);
         Ok((CpuStorage::F32(Vec::new()), Shape::from(0)))
     }
@@ -149,14 +146,11 @@ impl CustomOp2 for WithOutputs<'_, CudaStorage> {
         let [q, k, v] = self.qkv;
         let ops = [q, k, v, (out, lo), (dout, ldo)];
         let (cfg, packed) = (self.bwd.cfg, self.bwd.packed);
-        let grads = match q.0.dtype() {
-            DType::BF16 => gpu::backward::<half::bf16>(cfg, packed, ops, lse)?,
-            DType::F16 => gpu::backward::<half::f16>(cfg, packed, ops, lse)?,
-            DType::F32 => gpu::backward::<f32>(cfg, packed, ops, lse)?,
-            other => {
-                candle_core::bail!("flash_attn on CUDA takes bf16 or f16 tensors, got {other:?}")
-            }
-        };
+        let grads = with_element!(
+            q.0.dtype(),
+            "flash_attn on CUDA takes bf16 or f16 tensors",
+            |T| gpu::backward::<T>(cfg, packed, ops, lse)
+        )?;
         let placeholder = out.device.alloc_zeros::<f32>(1)?;
         *self.grads.lock().map_err(lock_error)? = Some(grads);
         Ok((

@@ -164,14 +164,11 @@ impl candle_core::CustomOp3 for KvCacheAttn {
         lv: &candle_core::Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let ops = [(q, lq), (k, lk), (v, lv)];
-        let out = match q.dtype() {
-            DType::F32 => self.cpu_forward::<f32>(ops)?,
-            DType::F16 => self.cpu_forward::<half::f16>(ops)?,
-            DType::BF16 => self.cpu_forward::<half::bf16>(ops)?,
-            other => candle_core::bail!(
-                "flash_attn_with_kvcache on the CPU takes f32, f16 or bf16 tensors, got {other:?}"
-            ),
-        };
+        let out = with_element!(
+            q.dtype(),
+            "flash_attn_with_kvcache on the CPU takes f32, f16 or bf16 tensors",
+            |T| self.cpu_forward::<T>(ops)
+        )?;
         Ok((out, out_shape(lq, lv)))
     }
 
@@ -187,15 +184,11 @@ impl candle_core::CustomOp3 for KvCacheAttn {
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let ops = [(q, lq), (k, lk), (v, lv)];
         let index = (&self.cache_seqlens, self.block_table.as_ref());
-        let out = match q.dtype() {
-            DType::BF16 => gpu::kvcache_forward::<half::bf16>(&self.cfg, index, ops)?,
-            DType::F16 => gpu::kvcache_forward::<half::f16>(&self.cfg, index, ops)?,
-            // f32 goes to the dispatcher, which refuses it with a typed error.
-            DType::F32 => gpu::kvcache_forward::<f32>(&self.cfg, index, ops)?,
-            other => candle_core::bail!(
-                "flash_attn_with_kvcache on CUDA takes bf16 or f16 tensors, got {other:?}"
-            ),
-        };
+        let out = with_element!(
+            q.dtype(),
+            "flash_attn_with_kvcache on CUDA takes bf16 or f16 tensors",
+            |T| gpu::kvcache_forward::<T>(&self.cfg, index, ops)
+        )?;
         Ok((out, out_shape(lq, lv)))
     }
 }

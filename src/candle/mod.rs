@@ -311,6 +311,36 @@ impl Lse {
     }
 }
 
+/// Evaluates `$call` (a `candle_core::Result`) with `$t` the element type for candle's `$dtype`:
+/// f32, f16 or bf16. Any other dtype is refused with `"{$refusal}, got {dtype:?}"`, where
+/// `$refusal` says what the op takes on its device. All three types go through on every device,
+/// so that one a device cannot run is refused by the dispatcher with a typed error (f32 on CUDA,
+/// which that device's `$refusal` therefore does not list). A macro, not a function: each op
+/// calls a function generic over the element type, under its device's bounds, and closures
+/// cannot be generic.
+macro_rules! with_element {
+    ($dtype:expr, $refusal:literal, |$t:ident| $call:expr) => {
+        match $dtype {
+            candle_core::DType::F32 => {
+                type $t = f32;
+                $call
+            }
+            candle_core::DType::F16 => {
+                type $t = half::f16;
+                $call
+            }
+            candle_core::DType::BF16 => {
+                type $t = half::bf16;
+                $call
+            }
+            other => Err(candle_core::Error::msg(format!(
+                "{}, got {other:?}",
+                $refusal
+            ))),
+        }
+    };
+}
+
 /// The op candle records in the graph: one per [`flash_attn`] call, so the LSE it keeps is that
 /// call's (candle hands the same instance to `bwd`).
 struct FlashAttn {
@@ -338,14 +368,11 @@ impl CustomOp3 for FlashAttn {
         lv: &candle_core::Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let ops = [(q, lq), (k, lk), (v, lv)];
-        let (out, lse) = match q.dtype() {
-            DType::F32 => cpu::forward::<f32>(&self.cfg, self.packed.as_ref(), ops)?,
-            DType::F16 => cpu::forward::<half::f16>(&self.cfg, self.packed.as_ref(), ops)?,
-            DType::BF16 => cpu::forward::<half::bf16>(&self.cfg, self.packed.as_ref(), ops)?,
-            other => candle_core::bail!(
-                "flash_attn on the CPU takes f32, f16 or bf16 tensors, got {other:?}"
-            ),
-        };
+        let (out, lse) = with_element!(
+            q.dtype(),
+            "flash_attn on the CPU takes f32, f16 or bf16 tensors",
+            |T| cpu::forward::<T>(&self.cfg, self.packed.as_ref(), ops)
+        )?;
         *self.lse.lock().map_err(lock_error)? = Some(Lse::Cpu(lse));
         Ok((out, out_shape(lq, lv)))
     }
@@ -361,15 +388,11 @@ impl CustomOp3 for FlashAttn {
         lv: &candle_core::Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let ops = [(q, lq), (k, lk), (v, lv)];
-        let (out, lse) = match q.dtype() {
-            DType::BF16 => gpu::forward::<half::bf16>(&self.cfg, self.packed.as_ref(), ops)?,
-            DType::F16 => gpu::forward::<half::f16>(&self.cfg, self.packed.as_ref(), ops)?,
-            // f32 goes to the dispatcher, which refuses it with a typed error.
-            DType::F32 => gpu::forward::<f32>(&self.cfg, self.packed.as_ref(), ops)?,
-            other => {
-                candle_core::bail!("flash_attn on CUDA takes bf16 or f16 tensors, got {other:?}")
-            }
-        };
+        let (out, lse) = with_element!(
+            q.dtype(),
+            "flash_attn on CUDA takes bf16 or f16 tensors",
+            |T| gpu::forward::<T>(&self.cfg, self.packed.as_ref(), ops)
+        )?;
         *self.lse.lock().map_err(lock_error)? = Some(Lse::Cuda(lse));
         Ok((out, out_shape(lq, lv)))
     }
