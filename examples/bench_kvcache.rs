@@ -5,7 +5,8 @@
 //! the bytes of K and V read over the time (GB/s) beside a device-to-device copy of as many bytes
 //! timed the same way (the copy ceiling of that size: read and written, counted once each), and
 //! their ratio. Timed as bench_table (`common::Protocol`: its flags). `--paged P` holds the same
-//! cache in pages of P rows, each sequence's pages scattered over the cache by its block table.
+//! cache in pages of P rows, each sequence's pages scattered over the cache by its block table
+//! (P need not divide the cache: each sequence's last page is then partly used).
 //! `--splits N` asks for N key splits (`DeviceKvCacheInputs::num_splits`; default 0, the
 //! launcher's choice), `--sm80` runs the Ampere forward (`Backend::Sm80`: no packing, no
 //! splits; paged, pages of any size), `--no-pack` runs each query head's row in a tile of its own
@@ -147,6 +148,10 @@ impl Bench {
         } = self;
         let (page_size, num_splits, step) = (*page_size, *num_splits, *step);
         let kv_elems = batch * cache * HEADS_KV * D;
+        // Paged, each sequence's last page partly used where P does not divide the cache: the
+        // buffers hold whole pages (the bytes read and copied stay the cache's).
+        let held_elems =
+            page_size.map_or(kv_elems, |p| batch * cache.div_ceil(p) * p * HEADS_KV * D);
         // Finite, not zero: a few distinct values (e4m3 holds them too, to within its rounding).
         fn fill<E: Element>(n: usize, seed: usize) -> Vec<E> {
             (0..n)
@@ -156,8 +161,8 @@ impl Bench {
         let q = stream
             .clone_htod(&fill::<bf16>(batch * HEADS_Q * D, 1))
             .unwrap();
-        let mut k = stream.clone_htod(&fill::<C>(kv_elems, 2)).unwrap();
-        let mut v = stream.clone_htod(&fill::<C>(kv_elems, 3)).unwrap();
+        let mut k = stream.clone_htod(&fill::<C>(held_elems, 2)).unwrap();
+        let mut v = stream.clone_htod(&fill::<C>(held_elems, 3)).unwrap();
         // An e4m3 cache's descales, one per (sequence, KV head).
         let e4m3 = C::DTYPE == flashattn::DType::E4M3;
         let descales = stream.clone_htod(&vec![0.5f32; batch * HEADS_KV]).unwrap();
@@ -189,10 +194,9 @@ impl Bench {
         let (cache_shape, table) = match page_size {
             None => ([batch, cache, HEADS_KV, D], None),
             Some(p) => {
-                let (per_seq, pages) = (cache.div_ceil(p), batch * cache.div_ceil(p));
+                let pages = batch * cache.div_ceil(p);
                 let stride = (2..).find(|s| gcd(*s, pages) == 1 && *s > 7).unwrap();
                 let table: Vec<i32> = (0..pages).map(|i| (i * stride % pages) as i32).collect();
-                assert_eq!(per_seq * p, cache, "--paged P divides every cache length");
                 (
                     [pages, p, HEADS_KV, D],
                     Some(stream.clone_htod(&table).unwrap()),
