@@ -3,10 +3,13 @@
 //! (`Device::ring_forward_into`, `ring_backward_into`) against the single call over the whole
 //! sequence, the ring's cost on one GPU. With `--nccl` (feature `nccl`): one rank a device
 //! over every device there is, a thread each (`ring_forward_nccl`, `ring_backward_nccl`),
-//! against one device's single call over one rank's rows: the scaling of a sequence N times as
-//! long over N devices (1.0: N times one device's FLOP rate). `--rows L` (default 16384): rows
-//! per rank. CUDA events on each rank's compute stream around each call, 3 warm-up calls, the
-//! median of `--reps` (default 20); with NCCL the slowest rank's median.
+//! against one device's single call over one rank's rows: the weak scaling of a sequence N
+//! times as long over N devices (1.0: N times one device's causal FLOP rate at L rows, whose
+//! diagonal share is larger, so above 1.0 can be). `--rows L` (default 16384): rows per rank.
+//! CUDA events on each rank's compute stream around each call (over NCCL the call's agreement
+//! included: a host synchronization, and the wait for the slowest rank), 3 warm-up calls, the
+//! median of `--reps` (default 20); with NCCL the slowest rank's median. A rank that fails
+//! leaves the others waiting: bound the run with a timeout.
 //!
 //! `cargo run --release --example bench_ring -- --ranks 4 --out ring.json`
 

@@ -5,11 +5,16 @@
 //! rotation differs: there a copy between simulated ranks' buffers, here a grouped send to
 //! the next rank and receive from the one before.
 //!
-//! Every rank of a ring must make the same call (shapes, type, mask, sharding) at the same step
-//! of its program: a ring call first gathers each rank's account of it and refuses, on every
-//! rank, a call that some rank makes differently (one host synchronization a call), since
-//! NCCL would otherwise wait for a transfer that never comes.
+//! Every rank of a ring must make the same call (shapes, type, mask, sharding, sinks) at the
+//! same step of its program. Each call first checks its own part and takes its buffers, then the
+//! ranks gather, on the communicator's own stream, each one's account of the call and whether
+//! it can go on (one host synchronization a call): a call that some rank makes differently, or
+//! cannot make, is refused on every rank, rather than left waiting for a transfer that never
+//! comes. An error after that (a launch that fails mid-ring) leaves the other ranks waiting, as
+//! any failed NCCL collective does: the failing rank's communicator is then broken (aborted,
+//! not finalized, when dropped), and the application ends the others.
 
+use std::cell::Cell;
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::Arc;
 
@@ -75,6 +80,18 @@ fn nccl_error(what: &str, e: result::NcclError) -> Error {
     }
 }
 
+/// A communicator is ready when its init returns: a non-blocking one (NCCL_COMM_BLOCKING=0)
+/// would still be connecting.
+fn require_ready(status: result::NcclStatus) -> Result<()> {
+    match status {
+        result::NcclStatus::Success => Ok(()),
+        _ => Err(Error::Nccl {
+            what: "the communicator's init has not completed".into(),
+            detail: "non-blocking communicators (NCCL_COMM_BLOCKING=0) are not supported".into(),
+        }),
+    }
+}
+
 /// The identity of a ring's communicator, which one rank makes ([`RingId::new`]) and every
 /// rank passes to [`RingComm::new`]: 128 bytes to carry between processes as the caller's
 /// launcher does (a file, a socket, an environment variable).
@@ -104,13 +121,18 @@ impl RingId {
 
 /// One rank's communicator of a ring over devices: its rank, the ring's size and its device.
 /// Calls take it by reference and it is not `Sync`: NCCL takes one caller at a time on a
-/// communicator. Dropping it destroys the communicator (once the work queued on it is done).
+/// communicator. Dropping it destroys the communicator once the work queued on it is done, or
+/// aborts it if a ring call failed after the ranks agreed to run it (see the module's
+/// documentation).
 #[derive(Debug)]
 pub struct RingComm {
     comm: sys::ncclComm_t,
     rank: usize,
     count: usize,
     ordinal: i32,
+    /// The device's stream on which the ranks agree on each call, apart from the caller's.
+    agreement: Arc<CudaStream>,
+    broken: Cell<bool>,
 }
 
 // SAFETY: the communicator may move to another thread (NCCL allows any thread to use it, one at
@@ -137,15 +159,19 @@ impl RingComm {
         let id = sys::ncclUniqueId {
             internal: id.bytes.map(|b| b as std::ffi::c_char),
         };
+        let agreement = device.new_stream()?;
         let mut comm = std::ptr::null_mut();
         // SAFETY: `comm` is a valid out-pointer for the call.
-        unsafe { result::comm_init_rank(&mut comm, count_i, id, rank_i) }
+        let status = unsafe { result::comm_init_rank(&mut comm, count_i, id, rank_i) }
             .map_err(|e| nccl_error("ncclCommInitRank", e))?;
+        require_ready(status)?;
         Ok(RingComm {
             comm,
             rank,
             count,
             ordinal: device.info.ordinal,
+            agreement,
+            broken: Cell::new(false),
         })
     }
 
@@ -164,19 +190,26 @@ impl RingComm {
         if count == 0 {
             return Err(Error::InvalidConfig("a ring of no devices".into()));
         }
+        let streams: Vec<Arc<CudaStream>> = devices
+            .iter()
+            .map(Device::new_stream)
+            .collect::<Result<_>>()?;
         let mut comms = vec![std::ptr::null_mut(); devices.len()];
         // SAFETY: `comms` has room for one communicator a device, `ordinals` one entry a device.
-        unsafe { result::comm_init_all(comms.as_mut_ptr(), count, ordinals.as_ptr()) }
+        let status = unsafe { result::comm_init_all(comms.as_mut_ptr(), count, ordinals.as_ptr()) }
             .map_err(|e| nccl_error("ncclCommInitAll", e))?;
+        require_ready(status)?;
         Ok(comms
             .into_iter()
-            .zip(ordinals)
+            .zip(ordinals.into_iter().zip(streams))
             .enumerate()
-            .map(|(rank, (comm, ordinal))| RingComm {
+            .map(|(rank, (comm, (ordinal, agreement)))| RingComm {
                 comm,
                 rank,
                 count: devices.len(),
                 ordinal,
+                agreement,
+                broken: Cell::new(false),
             })
             .collect())
     }
@@ -212,8 +245,10 @@ impl RingComm {
         issued.and(ended.map(drop))
     }
 
-    /// Every rank's `words` gathered, rank by rank, on `stream` (which this synchronizes).
-    fn gather_words(&self, stream: &Arc<CudaStream>, words: &[u64]) -> Result<Vec<u64>> {
+    /// Every rank's `words` gathered, rank by rank, on the agreement stream (which this
+    /// synchronizes).
+    fn gather_words(&self, words: &[u64]) -> Result<Vec<u64>> {
+        let stream = &self.agreement;
         let mine = stream.clone_htod(words).map_err(driver_error)?;
         let mut all = stream
             .alloc_zeros::<u64>(words.len() * self.count)
@@ -238,15 +273,28 @@ impl RingComm {
         stream.clone_dtoh(&all).map_err(driver_error)
     }
 
-    /// Refuses, on every rank, a call that some rank of the ring makes with other `words` (its
-    /// shapes, type and configuration).
-    fn check_agreement(&self, stream: &Arc<CudaStream>, words: &[u64]) -> Result<()> {
-        let all = self.gather_words(stream, words)?;
-        for (r, theirs) in all.chunks(words.len()).enumerate() {
-            if theirs != words {
+    /// Whether every rank goes on with a call it describes by `words` (its shapes, type and
+    /// configuration): each rank's words and whether it `refused` the call are gathered, and a
+    /// call that some rank refused or describes differently is refused on every rank (the
+    /// refusing rank's own error on that rank).
+    fn agree(&self, words: &[u64], refused: Option<&Error>) -> Result<()> {
+        let mut mine = vec![u64::from(refused.is_some())];
+        mine.extend_from_slice(words);
+        let all = self.gather_words(&mine)?;
+        if let Some(e) = refused {
+            return Err(e.clone());
+        }
+        for (r, theirs) in all.chunks(mine.len()).enumerate() {
+            if theirs[0] != 0 {
                 return Err(Error::InvalidConfig(format!(
-                    "rank {r} of the ring makes another call than rank {} (shapes, type, mask \
-                     or sharding differ)",
+                    "rank {r} of the ring cannot make this call, so rank {} does not either",
+                    self.rank
+                )));
+            }
+            if theirs[1..] != *words {
+                return Err(Error::InvalidConfig(format!(
+                    "rank {r} of the ring makes another call than rank {} (shapes, type, mask, \
+                     sinks or sharding differ)",
                     self.rank
                 )));
             }
@@ -258,19 +306,28 @@ impl RingComm {
 impl Drop for RingComm {
     fn drop(&mut self) {
         // SAFETY: the communicator is live and used by no other call (&mut self). A failure
-        // here has no caller to report to.
-        let _ = unsafe { result::comm_destroy(self.comm) };
+        // here has no caller to report to. Destroying finalizes first, which waits for every
+        // transfer queued; a ring that failed midway has some that will never complete.
+        let _ = unsafe {
+            if self.broken.get() {
+                result::comm_abort(self.comm)
+            } else {
+                result::comm_destroy(self.comm)
+            }
+        };
     }
 }
 
-/// A ring's account of one call that every rank must share: its type, sharding, the Q, K and V
-/// shapes, and a hash of the configuration's description (mask, window, scale, softcap).
+/// A ring's account of one call that every rank must share: its type, sharding, direction,
+/// whether it has sinks, the Q, K and V shapes, and a hash of the configuration's description
+/// (mask, window, scale, softcap: calls that mean the same but are configured apart, a causal
+/// mask against the window it amounts to, are refused, never run apart).
 fn call_words(
     dtype: crate::tensor::DType,
     sharding: Sharding,
     shapes: [[usize; 4]; 3],
     cfg: &AttentionConfig,
-    backward: bool,
+    (backward, sinks): (bool, bool),
 ) -> Vec<u64> {
     // FNV-1a: the same bits on every rank for the same description.
     let hash = format!("{cfg:?}")
@@ -282,6 +339,7 @@ fn call_words(
         dtype as u64,
         sharding.chunks_per_rank() as u64,
         u64::from(backward),
+        u64::from(sinks),
         hash,
     ];
     words.extend(shapes.iter().flatten().map(|&n| n as u64));
@@ -289,9 +347,14 @@ fn call_words(
 }
 
 /// The NCCL rotation: the one rank held here sends to the next rank and receives from the one
-/// before, both buffers in one group.
+/// before, both buffers in one group. `words` describe the call (call_words); `refused` is an
+/// error met before the schedule's own checks (the communicator of another device); `agreed`
+/// says whether the ranks have agreed to run it.
 struct NcclRotation<'c> {
     comm: &'c RingComm,
+    words: Vec<u64>,
+    refused: Option<Error>,
+    agreed: Cell<bool>,
 }
 
 impl Rotation for NcclRotation<'_> {
@@ -312,6 +375,13 @@ impl Rotation for NcclRotation<'_> {
         )))
     }
 
+    fn agree(&self, refused: Option<&Error>) -> Result<()> {
+        self.comm
+            .agree(&self.words, self.refused.as_ref().or(refused))?;
+        self.agreed.set(true);
+        Ok(())
+    }
+
     fn rotate<E: DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
@@ -324,23 +394,27 @@ impl Rotation for NcclRotation<'_> {
         let cu_stream = stream.cu_stream() as sys::cudaStream_t;
         // The buffers' stream guards, dropped once the group has ended: the transfers are
         // queued on the stream by ncclGroupEnd, and cudarc orders later users after that.
+        if let Some((send, recv)) = from[0]
+            .iter()
+            .zip(into[0].iter())
+            .find(|(send, recv)| send.len() != recv.len())
+        {
+            return Err(Error::InvalidConfig(format!(
+                "a ring buffer of {} elements sent where {} are received",
+                send.len(),
+                recv.len()
+            )));
+        }
         let mut guards = vec![];
         self.comm.grouped(|| {
             for (send, recv) in from[0].iter().zip(into[0].iter_mut()) {
-                if send.len() != recv.len() {
-                    return Err(Error::InvalidConfig(format!(
-                        "a ring buffer of {} elements sent where {} are received",
-                        send.len(),
-                        recv.len()
-                    )));
-                }
                 let (send_bytes, recv_bytes) = (bytes(send.len()), bytes(recv.len()));
                 let (src, src_guard) = send.device_ptr(stream);
                 let (dst, dst_guard) = recv.device_ptr_mut(stream);
                 guards.extend([src_guard, dst_guard]);
                 // SAFETY: both buffers are live for the whole transfer: the ring keeps them until
                 // its compute stream has waited for the transport's work. The peers' sizes agree
-                // (check_agreement).
+                // (RingComm::agree).
                 unsafe {
                     result::send(
                         src as *const c_void,
@@ -371,18 +445,10 @@ impl Rotation for NcclRotation<'_> {
 }
 
 impl Device {
-    /// Both streams of a ring are this device's (before the agreement's gather uses one).
-    fn check_streams(&self, streams: RingStreams<'_>) -> Result<()> {
-        self.check_same_context(
-            streams.compute,
-            [(CallPart::Stream, streams.transport.context())],
-        )
-    }
-
     /// [`Device::ring_forward_into`] for one rank of a ring across devices: this rank's shards
     /// (as [`crate::ring::shard`] cuts them for rank `comm.rank()` of `comm.count()`) and its
     /// outputs; K and V travel by NCCL on `streams.transport`. Every rank of the ring makes the
-    /// same call at once (the first thing it does is check that they agree).
+    /// same call at once (see the module's documentation for what is checked).
     pub fn ring_forward_nccl<T: Element + DeviceRepr>(
         &self,
         comm: &RingComm,
@@ -392,23 +458,34 @@ impl Device {
         rank: DeviceForwardInputs<'_, T>,
         output: &mut DeviceRingOutput<'_, '_, T>,
     ) -> Result<Plan> {
-        comm.check_device(self)?;
-        self.check_streams(streams)?;
         let shapes = [
             rank.q.layout.shape,
             rank.k.layout.shape,
             rank.v.layout.shape,
         ];
-        let words = call_words(T::DTYPE, sharding, shapes, cfg, false);
-        comm.check_agreement(streams.transport, &words)?;
-        self.ring_forward_with(
-            &NcclRotation { comm },
+        let words = call_words(
+            T::DTYPE,
+            sharding,
+            shapes,
+            cfg,
+            (false, rank.sinks.is_some()),
+        );
+        let rotation = NcclRotation {
+            comm,
+            words,
+            refused: comm.check_device(self).err(),
+            agreed: Cell::new(false),
+        };
+        let result = self.ring_forward_with(
+            &rotation,
             streams,
             cfg,
             sharding,
             std::slice::from_ref(&rank),
             std::slice::from_mut(output),
-        )
+        );
+        comm.note_failure(&rotation, &result);
+        result
     }
 
     /// [`Device::ring_backward_into`] for one rank of a ring across devices, as
@@ -423,23 +500,37 @@ impl Device {
         rank: DeviceBackwardInputs<'_, T>,
         grads: &mut DeviceRingGradients<'_, '_, T>,
     ) -> Result<Plan> {
-        comm.check_device(self)?;
-        self.check_streams(streams)?;
         let shapes = [
             rank.q.layout.shape,
             rank.k.layout.shape,
             rank.v.layout.shape,
         ];
-        let words = call_words(T::DTYPE, sharding, shapes, cfg, true);
-        comm.check_agreement(streams.transport, &words)?;
-        self.ring_backward_with(
-            &NcclRotation { comm },
+        let words = call_words(T::DTYPE, sharding, shapes, cfg, (true, false));
+        let rotation = NcclRotation {
+            comm,
+            words,
+            refused: comm.check_device(self).err(),
+            agreed: Cell::new(false),
+        };
+        let result = self.ring_backward_with(
+            &rotation,
             streams,
             cfg,
             sharding,
             std::slice::from_ref(&rank),
             std::slice::from_mut(grads),
-        )
+        );
+        comm.note_failure(&rotation, &result);
+        result
+    }
+}
+
+impl RingComm {
+    /// A ring call that failed after the ranks agreed to run it breaks the communicator.
+    fn note_failure<X>(&self, rotation: &NcclRotation<'_>, result: &Result<X>) {
+        if result.is_err() && rotation.agreed.get() {
+            self.broken.set(true);
+        }
     }
 }
 

@@ -111,112 +111,118 @@ impl Device {
         outputs: &mut [DeviceRingOutput<'_, '_, T>],
     ) -> Result<Plan> {
         let RingStreams { compute, transport } = streams;
-        let held_here = ring::check_ring_shapes(
-            sharding,
-            ranks.iter().map(|r| {
-                (
-                    [r.q.layout.shape, r.k.layout.shape, r.v.layout.shape],
-                    r.sinks.is_some(),
-                )
-            }),
-        )?;
-        rotation.check_held(held_here)?;
-        let count = rotation.count();
-        let per = sharding.chunks_per_rank();
-        let max_parts = crate::ffi::FLASHATTN_MAX_COMBINE_PARTS as usize;
-        if count * per > max_parts {
-            return Err(Error::InvalidConfig(format!(
+        // Every check and allocation before the ranks agree to go on (Rotation::agree).
+        let setup = (|| -> Result<_> {
+            let held_here = ring::check_ring_shapes(
+                sharding,
+                ranks.iter().map(|r| {
+                    (
+                        [r.q.layout.shape, r.k.layout.shape, r.v.layout.shape],
+                        r.sinks.is_some(),
+                    )
+                }),
+            )?;
+            rotation.check_held(held_here)?;
+            let count = rotation.count();
+            let per = sharding.chunks_per_rank();
+            let max_parts = crate::ffi::FLASHATTN_MAX_COMBINE_PARTS as usize;
+            if count * per > max_parts {
+                return Err(Error::InvalidConfig(format!(
                 "a ring of {count} ranks ({sharding:?}): a query chunk would merge {} parts on \
                  the device (at most {max_parts})",
                 count * per
             )));
-        }
-        if outputs.len() != held_here {
-            return Err(Error::InvalidConfig(format!(
-                "{} outputs for {held_here} ranks",
-                outputs.len()
-            )));
-        }
-        let [batch, rows, heads, _] = ranks[0].q.layout.shape;
-        let d_v = ranks[0].v.layout.shape[3];
-        let len = rows / per;
-        for (r, (rank, output)) in ranks.iter().zip(outputs.iter()).enumerate() {
-            tensor::check_len(Operand::Q, &rank.q.layout, rank.q.data.len())?;
-            for (operand, t) in [(Operand::K, rank.k), (Operand::V, rank.v)] {
-                tensor::check_len(operand, &t.layout, t.data.len())?;
-                check_contiguous(r, operand, &t.layout)?;
             }
-            tensor::check_output_len(Operand::Out, &output.out.layout, output.out.data.len())?;
-            crate::tensor::Problem::expect_shape(
-                Operand::Out,
-                &output.out.layout,
-                [batch, rows, heads, d_v],
-            )?;
-            if output.lse.len() != batch * heads * rows {
-                return Err(Error::BufferTooSmall {
-                    operand: Operand::Lse,
-                    needed: batch * heads * rows,
-                    len: output.lse.len(),
-                });
+            if outputs.len() != held_here {
+                return Err(Error::InvalidConfig(format!(
+                    "{} outputs for {held_here} ranks",
+                    outputs.len()
+                )));
             }
-        }
-        let mut contexts = vec![(CallPart::Stream, transport.context())];
-        for (r, o) in ranks.iter().zip(outputs.iter()) {
-            contexts.push((Operand::Q.into(), r.q.data.stream().context()));
-            contexts.push((Operand::K.into(), r.k.data.stream().context()));
-            contexts.push((Operand::V.into(), r.v.data.stream().context()));
-            contexts.extend(
-                r.sinks
-                    .map(|s| (Operand::Sinks.into(), s.stream().context())),
-            );
-            contexts.push((Operand::Out.into(), o.out.data.stream().context()));
-            contexts.push((Operand::Lse.into(), o.lse.stream().context()));
-        }
-        self.check_same_context(compute, contexts)?;
+            let [batch, rows, heads, _] = ranks[0].q.layout.shape;
+            let d_v = ranks[0].v.layout.shape[3];
+            let len = rows / per;
+            for (r, (rank, output)) in ranks.iter().zip(outputs.iter()).enumerate() {
+                tensor::check_len(Operand::Q, &rank.q.layout, rank.q.data.len())?;
+                for (operand, t) in [(Operand::K, rank.k), (Operand::V, rank.v)] {
+                    tensor::check_len(operand, &t.layout, t.data.len())?;
+                    check_contiguous(r, operand, &t.layout)?;
+                }
+                tensor::check_output_len(Operand::Out, &output.out.layout, output.out.data.len())?;
+                crate::tensor::Problem::expect_shape(
+                    Operand::Out,
+                    &output.out.layout,
+                    [batch, rows, heads, d_v],
+                )?;
+                if output.lse.len() != batch * heads * rows {
+                    return Err(Error::BufferTooSmall {
+                        operand: Operand::Lse,
+                        needed: batch * heads * rows,
+                        len: output.lse.len(),
+                    });
+                }
+            }
+            let mut contexts = vec![(CallPart::Stream, transport.context())];
+            for (r, o) in ranks.iter().zip(outputs.iter()) {
+                contexts.push((Operand::Q.into(), r.q.data.stream().context()));
+                contexts.push((Operand::K.into(), r.k.data.stream().context()));
+                contexts.push((Operand::V.into(), r.v.data.stream().context()));
+                contexts.extend(
+                    r.sinks
+                        .map(|s| (Operand::Sinks.into(), s.stream().context())),
+                );
+                contexts.push((Operand::Out.into(), o.out.data.stream().context()));
+                contexts.push((Operand::Lse.into(), o.lse.stream().context()));
+            }
+            self.check_same_context(compute, contexts)?;
 
-        // A shard's elements (K and V contiguous: their shapes' products).
-        let elements = |shape: [usize; 4]| shape.iter().product::<usize>();
-        let (k_len, v_len) = (
-            elements(ranks[0].k.layout.shape),
-            elements(ranks[0].v.layout.shape),
-        );
-        // SAFETY: each buffer is written whole by a transport copy before any call reads it.
-        let slot = || -> Result<Shard<T>> {
-            Ok(Shard {
-                k: unsafe { compute.alloc::<T>(k_len) }.map_err(driver_error)?,
-                v: unsafe { compute.alloc::<T>(v_len) }.map_err(driver_error)?,
-            })
-        };
-        // A lone rank sends nothing.
-        let mut slots: Vec<[Shard<T>; 2]> = if count > 1 {
-            (0..held_here)
-                .map(|_| Ok([slot()?, slot()?]))
-                .collect::<Result<_>>()?
-        } else {
-            vec![]
-        };
-        // Each rank's query chunks' pairs, in ring order, and their parts.
-        let pairs = rank_pairs(rotation, cfg, sharding, held_here, len);
-        let mut parts: Vec<Vec<Vec<Part<T>>>> = pairs
-            .iter()
-            .map(|chunks| {
-                chunks
-                    .iter()
-                    .map(|chunk| {
-                        chunk
-                            .iter()
-                            .map(|p| {
-                                self.part(
-                                    compute,
-                                    (batch * len * heads * d_v, batch * heads * len),
-                                    p.q_rows < len,
-                                )
-                            })
-                            .collect::<Result<_>>()
-                    })
-                    .collect::<Result<_>>()
-            })
-            .collect::<Result<_>>()?;
+            // A shard's elements (K and V contiguous: their shapes' products).
+            let elements = |shape: [usize; 4]| shape.iter().product::<usize>();
+            let (k_len, v_len) = (
+                elements(ranks[0].k.layout.shape),
+                elements(ranks[0].v.layout.shape),
+            );
+            // SAFETY: each buffer is written whole by a transport copy before any call reads it.
+            let slot = || -> Result<Shard<T>> {
+                Ok(Shard {
+                    k: unsafe { compute.alloc::<T>(k_len) }.map_err(driver_error)?,
+                    v: unsafe { compute.alloc::<T>(v_len) }.map_err(driver_error)?,
+                })
+            };
+            // A lone rank sends nothing.
+            let slots: Vec<[Shard<T>; 2]> = if count > 1 {
+                (0..held_here)
+                    .map(|_| Ok([slot()?, slot()?]))
+                    .collect::<Result<_>>()?
+            } else {
+                vec![]
+            };
+            // Each rank's query chunks' pairs, in ring order, and their parts.
+            let pairs = rank_pairs(rotation, cfg, sharding, held_here, len);
+            let parts: Vec<Vec<Vec<Part<T>>>> = pairs
+                .iter()
+                .map(|chunks| {
+                    chunks
+                        .iter()
+                        .map(|chunk| {
+                            chunk
+                                .iter()
+                                .map(|p| {
+                                    self.part(
+                                        compute,
+                                        (batch * len * heads * d_v, batch * heads * len),
+                                        p.q_rows < len,
+                                    )
+                                })
+                                .collect::<Result<_>>()
+                        })
+                        .collect::<Result<_>>()
+                })
+                .collect::<Result<_>>()?;
+            Ok((count, per, len, (k_len, v_len), slots, pairs, parts))
+        })();
+        rotation.agree(setup.as_ref().err())?;
+        let (count, per, len, (k_len, v_len), mut slots, pairs, mut parts) = setup?;
 
         let event = |stream: &Arc<CudaStream>| stream.record_event(None).map_err(driver_error);
         // The inputs (and the buffers just taken) are ready on `compute`.
@@ -308,152 +314,179 @@ impl Device {
         grads: &mut [DeviceRingGradients<'_, '_, T>],
     ) -> Result<Plan> {
         let RingStreams { compute, transport } = streams;
-        let held_here = ring::check_ring_shapes(
-            sharding,
-            ranks.iter().map(|r| {
-                (
-                    [r.q.layout.shape, r.k.layout.shape, r.v.layout.shape],
-                    false,
-                )
-            }),
-        )?;
-        rotation.check_held(held_here)?;
-        let count = rotation.count();
-        if grads.len() != held_here {
-            return Err(Error::InvalidConfig(format!(
-                "{} gradients for {held_here} ranks",
-                grads.len()
-            )));
-        }
-        let per = sharding.chunks_per_rank();
-        let [batch, rows, heads, d] = ranks[0].q.layout.shape;
-        let [_, _, heads_kv, _] = ranks[0].k.layout.shape;
-        let d_v = ranks[0].v.layout.shape[3];
-        let len = rows / per;
-        let (q_shape, k_shape, v_shape) = (
-            [batch, rows, heads, d],
-            [batch, rows, heads_kv, d],
-            [batch, rows, heads_kv, d_v],
-        );
-        for (r, (rank, g)) in ranks.iter().zip(grads.iter()).enumerate() {
-            tensor::check_len(Operand::Q, &rank.q.layout, rank.q.data.len())?;
-            for (operand, t) in [(Operand::K, rank.k), (Operand::V, rank.v)] {
-                tensor::check_len(operand, &t.layout, t.data.len())?;
-                check_contiguous(r, operand, &t.layout)?;
+        // Every check and allocation before the ranks agree to go on (Rotation::agree).
+        let setup = (|| -> Result<_> {
+            let held_here = ring::check_ring_shapes(
+                sharding,
+                ranks.iter().map(|r| {
+                    (
+                        [r.q.layout.shape, r.k.layout.shape, r.v.layout.shape],
+                        false,
+                    )
+                }),
+            )?;
+            rotation.check_held(held_here)?;
+            let count = rotation.count();
+            if grads.len() != held_here {
+                return Err(Error::InvalidConfig(format!(
+                    "{} gradients for {held_here} ranks",
+                    grads.len()
+                )));
             }
-            for (operand, t) in [(Operand::Out, rank.out), (Operand::DOut, rank.dout)] {
-                crate::tensor::Problem::expect_shape(
-                    operand,
-                    &t.layout,
-                    [batch, rows, heads, d_v],
-                )?;
-                tensor::check_len(operand, &t.layout, t.data.len())?;
+            let per = sharding.chunks_per_rank();
+            let [batch, rows, heads, d] = ranks[0].q.layout.shape;
+            let [_, _, heads_kv, _] = ranks[0].k.layout.shape;
+            let d_v = ranks[0].v.layout.shape[3];
+            let len = rows / per;
+            let (q_shape, k_shape, v_shape) = (
+                [batch, rows, heads, d],
+                [batch, rows, heads_kv, d],
+                [batch, rows, heads_kv, d_v],
+            );
+            for (r, (rank, g)) in ranks.iter().zip(grads.iter()).enumerate() {
+                tensor::check_len(Operand::Q, &rank.q.layout, rank.q.data.len())?;
+                for (operand, t) in [(Operand::K, rank.k), (Operand::V, rank.v)] {
+                    tensor::check_len(operand, &t.layout, t.data.len())?;
+                    check_contiguous(r, operand, &t.layout)?;
+                }
+                for (operand, t) in [(Operand::Out, rank.out), (Operand::DOut, rank.dout)] {
+                    crate::tensor::Problem::expect_shape(
+                        operand,
+                        &t.layout,
+                        [batch, rows, heads, d_v],
+                    )?;
+                    tensor::check_len(operand, &t.layout, t.data.len())?;
+                }
+                // Exactly the rank's rows: a whole sequence's LSE here would read as wrong rows.
+                if rank.lse.len() != batch * heads * rows {
+                    return Err(Error::BufferTooSmall {
+                        operand: Operand::Lse,
+                        needed: batch * heads * rows,
+                        len: rank.lse.len(),
+                    });
+                }
+                for (operand, t, shape) in [
+                    (Operand::DQ, &g.dq, q_shape),
+                    (Operand::DK, &g.dk, k_shape),
+                    (Operand::DV, &g.dv, v_shape),
+                ] {
+                    crate::tensor::Problem::expect_shape(operand, &t.layout, shape)?;
+                    tensor::check_output_len(operand, &t.layout, t.data.len())?;
+                }
             }
-            // Exactly the rank's rows: a whole sequence's LSE here would read as wrong rows.
-            if rank.lse.len() != batch * heads * rows {
-                return Err(Error::BufferTooSmall {
-                    operand: Operand::Lse,
-                    needed: batch * heads * rows,
-                    len: rank.lse.len(),
-                });
+            let mut contexts = vec![(CallPart::Stream, transport.context())];
+            for (r, g) in ranks.iter().zip(grads.iter()) {
+                for (operand, t) in [
+                    (Operand::Q, r.q),
+                    (Operand::K, r.k),
+                    (Operand::V, r.v),
+                    (Operand::Out, r.out),
+                    (Operand::DOut, r.dout),
+                ] {
+                    contexts.push((operand.into(), t.data.stream().context()));
+                }
+                contexts.push((Operand::Lse.into(), r.lse.stream().context()));
+                for (operand, t) in [
+                    (Operand::DQ, &g.dq),
+                    (Operand::DK, &g.dk),
+                    (Operand::DV, &g.dv),
+                ] {
+                    contexts.push((operand.into(), t.data.stream().context()));
+                }
             }
-            for (operand, t, shape) in [
-                (Operand::DQ, &g.dq, q_shape),
-                (Operand::DK, &g.dk, k_shape),
-                (Operand::DV, &g.dv, v_shape),
-            ] {
-                crate::tensor::Problem::expect_shape(operand, &t.layout, shape)?;
-                tensor::check_output_len(operand, &t.layout, t.data.len())?;
-            }
-        }
-        let mut contexts = vec![(CallPart::Stream, transport.context())];
-        for (r, g) in ranks.iter().zip(grads.iter()) {
-            for (operand, t) in [
-                (Operand::Q, r.q),
-                (Operand::K, r.k),
-                (Operand::V, r.v),
-                (Operand::Out, r.out),
-                (Operand::DOut, r.dout),
-            ] {
-                contexts.push((operand.into(), t.data.stream().context()));
-            }
-            contexts.push((Operand::Lse.into(), r.lse.stream().context()));
-            for (operand, t) in [
-                (Operand::DQ, &g.dq),
-                (Operand::DK, &g.dk),
-                (Operand::DV, &g.dv),
-            ] {
-                contexts.push((operand.into(), t.data.stream().context()));
-            }
-        }
-        self.check_same_context(compute, contexts)?;
+            self.check_same_context(compute, contexts)?;
 
-        let elements = |shape: [usize; 4]| shape.iter().product::<usize>();
-        let (k_len, v_len) = (elements(k_shape), elements(v_shape));
-        let zeros = |n: usize| compute.alloc_zeros::<f32>(n).map_err(driver_error);
-        // SAFETY (the uninitialized buffers below): each is written whole (a transport copy, or
-        // a call) before anything reads it.
-        let slot = || -> Result<Shard<T>> {
-            Ok(Shard {
-                k: unsafe { compute.alloc::<T>(k_len) }.map_err(driver_error)?,
-                v: unsafe { compute.alloc::<T>(v_len) }.map_err(driver_error)?,
-            })
-        };
-        let mut slots: Vec<[Shard<T>; 2]> = if count > 1 {
-            (0..held_here)
-                .map(|_| Ok([slot()?, slot()?]))
-                .collect::<Result<_>>()?
-        } else {
-            vec![]
-        };
-        let mut dq_sums: Vec<CudaSlice<f32>> = (0..held_here)
-            .map(|_| zeros(elements(q_shape)))
-            .collect::<Result<_>>()?;
-        // The travelling dK and dV sums, two a rank: at step s a rank adds into its buffer
-        // s % 2, which is zeros at step 0 and later what the hop from the rank before brought
-        // (written whole before the adds: buffer 1 needs no zeros).
-        let mut sums: Vec<[Shard<f32>; 2]> = (0..held_here)
-            .map(|_| {
-                // SAFETY: see above.
-                let written = |n: usize| unsafe { compute.alloc::<f32>(n) }.map_err(driver_error);
-                Ok([
-                    Shard {
-                        k: zeros(k_len)?,
-                        v: zeros(v_len)?,
-                    },
-                    Shard {
-                        k: written(k_len)?,
-                        v: written(v_len)?,
-                    },
-                ])
-            })
-            .collect::<Result<_>>()?;
-        // Each query chunk's LSE rows, (batch, heads, len): a zig-zag rank's copied out of its
-        // LSE once (its chunks' rows are not contiguous there), a contiguous rank's its own.
-        let chunk_lse: Vec<Vec<Option<CudaSlice<f32>>>> = ranks
-            .iter()
-            .map(|rank| {
-                (0..per)
-                    .map(|ci| {
-                        if per == 1 {
-                            return Ok(None);
-                        }
-                        // SAFETY: the copy writes every element before a call reads it.
-                        let mut l = unsafe { compute.alloc::<f32>(batch * heads * len) }
-                            .map_err(driver_error)?;
-                        copy_rows_f32(
-                            self,
-                            compute,
-                            (&rank.lse.slice(ci * len..), rows),
-                            (&mut l.slice_mut(..), len),
-                            (len, batch * heads),
-                        )?;
-                        Ok(Some(l))
-                    })
-                    .collect::<Result<_>>()
-            })
-            .collect::<Result<_>>()?;
-        let pairs = rank_pairs(rotation, cfg, sharding, held_here, len);
+            let elements = |shape: [usize; 4]| shape.iter().product::<usize>();
+            let (k_len, v_len) = (elements(k_shape), elements(v_shape));
+            let zeros = |n: usize| compute.alloc_zeros::<f32>(n).map_err(driver_error);
+            // SAFETY (the uninitialized buffers below): each is written whole (a transport copy, or
+            // a call) before anything reads it.
+            let slot = || -> Result<Shard<T>> {
+                Ok(Shard {
+                    k: unsafe { compute.alloc::<T>(k_len) }.map_err(driver_error)?,
+                    v: unsafe { compute.alloc::<T>(v_len) }.map_err(driver_error)?,
+                })
+            };
+            let slots: Vec<[Shard<T>; 2]> = if count > 1 {
+                (0..held_here)
+                    .map(|_| Ok([slot()?, slot()?]))
+                    .collect::<Result<_>>()?
+            } else {
+                vec![]
+            };
+            let dq_sums: Vec<CudaSlice<f32>> = (0..held_here)
+                .map(|_| zeros(elements(q_shape)))
+                .collect::<Result<_>>()?;
+            // The travelling dK and dV sums, two a rank: at step s a rank adds into its buffer
+            // s % 2, which is zeros at step 0 and later what the hop from the rank before brought
+            // (written whole before the adds: buffer 1 needs no zeros).
+            let sums: Vec<[Shard<f32>; 2]> = (0..held_here)
+                .map(|_| {
+                    // SAFETY: see above.
+                    let written =
+                        |n: usize| unsafe { compute.alloc::<f32>(n) }.map_err(driver_error);
+                    Ok([
+                        Shard {
+                            k: zeros(k_len)?,
+                            v: zeros(v_len)?,
+                        },
+                        Shard {
+                            k: written(k_len)?,
+                            v: written(v_len)?,
+                        },
+                    ])
+                })
+                .collect::<Result<_>>()?;
+            // Each query chunk's LSE rows, (batch, heads, len): a zig-zag rank's copied out of its
+            // LSE once (its chunks' rows are not contiguous there), a contiguous rank's its own.
+            let chunk_lse: Vec<Vec<Option<CudaSlice<f32>>>> = ranks
+                .iter()
+                .map(|rank| {
+                    (0..per)
+                        .map(|ci| {
+                            if per == 1 {
+                                return Ok(None);
+                            }
+                            // SAFETY: the copy writes every element before a call reads it.
+                            let mut l = unsafe { compute.alloc::<f32>(batch * heads * len) }
+                                .map_err(driver_error)?;
+                            copy_rows_f32(
+                                self,
+                                compute,
+                                (&rank.lse.slice(ci * len..), rows),
+                                (&mut l.slice_mut(..), len),
+                                (len, batch * heads),
+                            )?;
+                            Ok(Some(l))
+                        })
+                        .collect::<Result<_>>()
+                })
+                .collect::<Result<_>>()?;
+            let pairs = rank_pairs(rotation, cfg, sharding, held_here, len);
+            Ok((
+                count,
+                len,
+                (q_shape, k_shape, v_shape),
+                (k_len, v_len),
+                slots,
+                dq_sums,
+                sums,
+                chunk_lse,
+                pairs,
+            ))
+        })();
+        rotation.agree(setup.as_ref().err())?;
+        let (
+            count,
+            len,
+            (q_shape, k_shape, v_shape),
+            (k_len, v_len),
+            mut slots,
+            mut dq_sums,
+            mut sums,
+            chunk_lse,
+            pairs,
+        ) = setup?;
 
         let event = |stream: &Arc<CudaStream>| stream.record_event(None).map_err(driver_error);
         transport.wait(&event(compute)?).map_err(driver_error)?;
@@ -1289,6 +1322,11 @@ pub(super) trait Rotation {
     fn rank(&self, i: usize) -> usize;
     /// A call's inputs hold `held` ranks: the number this rotation holds, or an error.
     fn check_held(&self, held: usize) -> Result<()>;
+    /// Whether the ring goes on, once each rank held here has checked its part of the call and
+    /// taken its buffers (`refused`: the error it met, if any): across devices, every rank
+    /// learns whether every other one can go on, so that none waits for a transfer that a
+    /// refusing rank will never make.
+    fn agree(&self, refused: Option<&Error>) -> Result<()>;
     /// On `stream`, each rank held here hands its two buffers `from[i]` (K and V, or the dK and
     /// dV sums) on to the next rank, and receives the rank before's into `into[i]`.
     fn rotate<E: DeviceRepr>(
@@ -1323,6 +1361,10 @@ impl Rotation for Local {
     fn check_held(&self, held: usize) -> Result<()> {
         debug_assert_eq!(held, self.count);
         Ok(())
+    }
+
+    fn agree(&self, refused: Option<&Error>) -> Result<()> {
+        refused.map_or(Ok(()), |e| Err(e.clone()))
     }
 
     fn rotate<E: DeviceRepr>(

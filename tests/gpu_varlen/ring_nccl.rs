@@ -2,13 +2,17 @@
 //! rank a device, each driven by its own thread, every rank's O, LSE, dQ, dK and dV against its
 //! rows of the whole call's f64 reference under DESIGN's rule (outputs poisoned with NaN). On
 //! one device a ring of one rank (the backward's sums still travel: to the rank itself, through
-//! NCCL); on two or more, the real ring. Needs libnccl.so on the library path.
+//! NCCL); on two or more, the real ring. Communicators made both ways (`RingComm::for_devices`,
+//! and `RingComm::new` in each rank's thread from one `RingId`). Needs libnccl.so on the library
+//! path. A rank that fails before its ring call leaves the others waiting: the device scripts
+//! bound the run with a timeout.
 
+use std::sync::Mutex;
 use std::thread;
 
 use flashattn::cuda::{
     Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceRingGradients, DeviceRingOutput,
-    DeviceTensor, DeviceTensorMut, RingComm, RingStreams,
+    DeviceTensor, DeviceTensorMut, RingComm, RingId, RingStreams,
 };
 use flashattn::reference::{self, compare};
 use flashattn::ring::{self, Sharding};
@@ -19,6 +23,18 @@ use rand::SeedableRng;
 
 use super::harness::random;
 use super::ring::{rank_lse, rank_rows};
+
+/// One ring's communicators at a time: NCCL takes no two sets of them driving the same devices
+/// at once (the test harness runs tests in parallel).
+static ONE_RING: Mutex<()> = Mutex::new(());
+
+/// How a ring's communicators are made: by one thread for every device, or each rank its own
+/// from one identity (in its thread).
+#[derive(Clone, Copy, Debug)]
+enum Init {
+    AllDevices,
+    EachRank,
+}
 
 /// What one rank brings home: O, LSE, dQ, dK and dV of its rows.
 struct RankResults {
@@ -108,7 +124,7 @@ fn run_rank(
 fn nccl_case(
     cfg: &AttentionConfig,
     sharding: Sharding,
-    devices: usize,
+    (devices, init): (usize, Init),
     (batch, seqlen, hq, hk, d): (usize, usize, usize, usize, usize),
     seed: u64,
 ) -> Vec<String> {
@@ -133,7 +149,7 @@ fn nccl_case(
         reference::baseline_backward(cfg, qt, kt, vt, dt),
     );
     let what = format!(
-        "NCCL, {devices} devices {sharding:?}, {:?}, ({batch}, {seqlen}, {hq}/{hk}, {d})",
+        "NCCL ({init:?}), {devices} devices {sharding:?}, {:?}, ({batch}, {seqlen}, {hq}/{hk}, {d})",
         cfg.mask
     );
     let devs: Vec<Device> = (0..devices)
@@ -142,9 +158,17 @@ fn nccl_case(
     // The backward's O and LSE: the whole call's, rounded as the forward gives them.
     let o: Vec<bf16> = want.out.iter().map(|&x| bf16::from_f64(x)).collect();
     let lse: Vec<f32> = want.lse.iter().map(|&x| x as f32).collect();
-    let comms = match RingComm::for_devices(&devs) {
-        Ok(c) => c,
-        Err(e) => return vec![format!("{what}: {e}")],
+    let _one_ring = ONE_RING.lock().unwrap_or_else(|e| e.into_inner());
+    // Made here, or by each rank's thread from one identity.
+    let (mut comms, id) = match init {
+        Init::AllDevices => match RingComm::for_devices(&devs) {
+            Ok(c) => (c.into_iter().map(Some).collect(), None),
+            Err(e) => return vec![format!("{what}: {e}")],
+        },
+        Init::EachRank => match RingId::new() {
+            Ok(id) => ((0..devices).map(|_| None).collect::<Vec<_>>(), Some(id)),
+            Err(e) => return vec![format!("{what}: {e}")],
+        },
     };
     let rows = seqlen / devices;
     let shard = |x: &[bf16], shape, r| {
@@ -153,7 +177,7 @@ fn nccl_case(
     let results: Vec<Result<RankResults, String>> = thread::scope(|s| {
         let handles: Vec<_> = devs
             .iter()
-            .zip(comms)
+            .zip(comms.drain(..))
             .enumerate()
             .map(|(r, (dev, comm))| {
                 let rows_of = sharding.rows(seqlen, devices, r).unwrap();
@@ -166,7 +190,15 @@ fn nccl_case(
                 ];
                 let lse = rank_lse(&lse, [batch, seqlen, hq], &rows_of);
                 let shapes = [[batch, rows, hq, d], [batch, rows, hk, d]];
-                s.spawn(move || run_rank(dev, &comm, cfg, sharding, inputs, lse, shapes))
+                s.spawn(move || {
+                    let comm = match (comm, id) {
+                        (Some(comm), _) => comm,
+                        (None, Some(id)) => RingComm::new(dev, r, devices, &id)
+                            .map_err(|e| format!("RingComm::new: {e}"))?,
+                        (None, None) => unreachable!("a communicator or an identity"),
+                    };
+                    run_rank(dev, &comm, cfg, sharding, inputs, lse, shapes)
+                })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -239,11 +271,17 @@ fn nccl_case(
 #[ignore = "needs a GPU and libnccl.so"]
 fn nccl_ring_of_one_device_matches_the_whole_call() {
     let causal = AttentionConfig::new().causal(true);
-    let mut failures = nccl_case(&causal, Sharding::ZigZag, 1, (2, 192, 4, 2, 64), 300);
+    let mut failures = nccl_case(
+        &causal,
+        Sharding::ZigZag,
+        (1, Init::EachRank),
+        (2, 192, 4, 2, 64),
+        300,
+    );
     failures.extend(nccl_case(
         &AttentionConfig::new(),
         Sharding::Contiguous,
-        1,
+        (1, Init::AllDevices),
         (1, 256, 8, 1, 128),
         301,
     ));
@@ -262,21 +300,21 @@ fn nccl_two_devices_or_more_ring_matches_the_whole_call() {
     let mut failures = nccl_case(
         &causal,
         Sharding::ZigZag,
-        devices,
+        (devices, Init::AllDevices),
         (2, 96 * devices, 4, 2, 64),
         310,
     );
     failures.extend(nccl_case(
         &AttentionConfig::new(),
         Sharding::Contiguous,
-        devices,
+        (devices, Init::EachRank),
         (1, 128 * devices, 8, 1, 128),
         311,
     ));
     failures.extend(nccl_case(
         &window,
         Sharding::ZigZag,
-        devices,
+        (devices, Init::AllDevices),
         (2, 128 * devices, 4, 4, 64),
         312,
     ));
@@ -290,6 +328,7 @@ fn nccl_two_devices_or_more_ring_matches_the_whole_call() {
 fn nccl_two_devices_refuse_ranks_that_disagree() {
     let devices = flashattn::cuda::device_count().expect("a CUDA driver");
     assert!(devices >= 2, "{devices} device(s): this test needs two");
+    let _one_ring = ONE_RING.lock().unwrap_or_else(|e| e.into_inner());
     let devs: Vec<Device> = (0..2).map(|r| Device::new(r).unwrap()).collect();
     let comms = RingComm::for_devices(&devs).unwrap();
     let (batch, hq, d) = (1, 2, 64);
