@@ -12,6 +12,11 @@ if [ -n "$nccl_so" ]; then
   ln -sf "$nccl_so" "$nccl_link/libnccl.so"
   export LD_LIBRARY_PATH="$nccl_link${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
+# The devices the tests see: CUDA_VISIBLE_DEVICES's, where it is set.
+if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
+  gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
+else
+  gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+fi
 SKIP_TWO_DEVICES=""
-[ "$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)" -ge 2 ] ||
-  SKIP_TWO_DEVICES="--skip two_devices"
+[ "$gpus" -ge 2 ] || SKIP_TWO_DEVICES="--skip two_devices"

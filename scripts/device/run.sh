@@ -25,11 +25,12 @@ step() {  # step NAME CMD...: run, log, remember failure
 . "$here/nccl_env.sh"
 step nvidia-smi nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
 for t in "$here"/bin/test-*; do
-  # A ring over NCCL whose rank fails early leaves the others waiting: each binary is bounded.
-  # shellcheck disable=SC2086  # SKIP_TWO_DEVICES: two words or none
-  step "$(basename "$t")" timeout 1200 "$t" --include-ignored --show-output --test-threads=4 \
-    $SKIP_TWO_DEVICES
+  step "$(basename "$t")" "$t" --include-ignored --show-output --test-threads=4 --skip nccl
 done
+# The rings over NCCL on their own: a rank that fails early leaves the others waiting.
+# shellcheck disable=SC2086  # SKIP_TWO_DEVICES: two words or none
+step nccl timeout -k 10 240 "$here/bin/test-gpu_varlen" --include-ignored --show-output \
+  --test-threads=1 nccl $SKIP_TWO_DEVICES
 # The self-test steps below run it only in a bundle built with the `selftest` feature.
 "$here/bin/test-gpu" --list --include-ignored 2>/dev/null | grep -q '^selftest_tma_wgmma_matches_cpu: test' ||
   failures+=("selftest-missing (bundle built without --features selftest)")

@@ -6,19 +6,24 @@
 //! the next rank and receive from the one before.
 //!
 //! Every rank of a ring must make the same call (shapes, type, mask, sharding, sinks) at the
-//! same step of its program. Each call first checks its own part and takes its buffers, then the
-//! ranks gather, on the communicator's own stream, each one's account of the call and whether
-//! it can go on (one host synchronization a call): a call that some rank makes differently, or
-//! cannot make, is refused on every rank, rather than left waiting for a transfer that never
-//! comes. An error after that (a launch that fails mid-ring) leaves the other ranks waiting, as
-//! any failed NCCL collective does: the failing rank's communicator is then broken (aborted,
-//! not finalized, when dropped), and the application ends the others.
+//! same step of its program. Each call first checks its own part (its tensors, their alignment,
+//! every pair's plan) and takes its buffers, then the ranks gather, on the communicator's own
+//! stream and buffers, each one's account of the call and whether it can go on (one host
+//! synchronization a call): a call that some rank makes differently, or cannot make, is refused
+//! on every rank, rather than left waiting for a transfer that never comes. An error after that,
+//! while the transfers are issued (a launch that fails, device memory running out for a pair's
+//! buffers), leaves the other ranks waiting, as a failed NCCL collective does: the failing rank's
+//! communicator is then broken (it takes no more calls and is aborted, not finalized, when
+//! dropped), and the application ends the ring's processes. NCCL's destroy and abort wait for
+//! every rank of the node: each rank drops its own communicator, in its own thread.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr,
+};
 use cudarc::nccl::{result, sys};
 
 use super::ring::{RingStreams, Rotation};
@@ -31,6 +36,11 @@ use crate::dispatch::Plan;
 use crate::error::{CallPart, Error, Result};
 use crate::ring::Sharding;
 use crate::Element;
+
+/// A call's account (call_words): its type, sharding, direction, sinks, configuration and the
+/// Q, K and V shapes; the agreement adds whether the rank refused it.
+const CALL_WORDS: usize = 5 + 12;
+const AGREEMENT_WORDS: usize = 1 + CALL_WORDS;
 
 /// The name cudarc loads the library by (its first candidate).
 const LIBRARY: &str = "libnccl.so";
@@ -80,16 +90,20 @@ fn nccl_error(what: &str, e: result::NcclError) -> Error {
     }
 }
 
-/// A communicator is ready when its init returns: a non-blocking one (NCCL_COMM_BLOCKING=0)
-/// would still be connecting.
-fn require_ready(status: result::NcclStatus) -> Result<()> {
-    match status {
-        result::NcclStatus::Success => Ok(()),
-        _ => Err(Error::Nccl {
-            what: "the communicator's init has not completed".into(),
-            detail: "non-blocking communicators (NCCL_COMM_BLOCKING=0) are not supported".into(),
-        }),
+/// Communicators are ready when their init returns: non-blocking ones (NCCL_COMM_BLOCKING=0)
+/// would still be connecting, and are aborted.
+fn require_ready(status: result::NcclStatus, comms: &[sys::ncclComm_t]) -> Result<()> {
+    if status == result::NcclStatus::Success {
+        return Ok(());
     }
+    for &comm in comms {
+        // SAFETY: communicators just made, which nothing else holds.
+        let _ = unsafe { result::comm_abort(comm) };
+    }
+    Err(Error::Nccl {
+        what: "the communicator's init has not completed".into(),
+        detail: "non-blocking communicators (NCCL_COMM_BLOCKING=0) are not supported".into(),
+    })
 }
 
 /// The identity of a ring's communicator, which one rank makes ([`RingId::new`]) and every
@@ -122,17 +136,37 @@ impl RingId {
 /// One rank's communicator of a ring over devices: its rank, the ring's size and its device.
 /// Calls take it by reference and it is not `Sync`: NCCL takes one caller at a time on a
 /// communicator. Dropping it destroys the communicator once the work queued on it is done, or
-/// aborts it if a ring call failed after the ranks agreed to run it (see the module's
-/// documentation).
+/// aborts it if a ring call failed midway (see the module's documentation); either waits for
+/// the other ranks of the node to drop theirs, so each rank drops its own in its own thread.
 #[derive(Debug)]
 pub struct RingComm {
     comm: sys::ncclComm_t,
     rank: usize,
     count: usize,
     ordinal: i32,
-    /// The device's stream on which the ranks agree on each call, apart from the caller's.
-    agreement: Arc<CudaStream>,
+    agreement: Agreement,
     broken: Cell<bool>,
+}
+
+/// Where the ranks agree on each call: a stream of the device apart from the caller's, and
+/// buffers taken with the communicator (so that a rank short of memory still joins the gather).
+#[derive(Debug)]
+struct Agreement {
+    stream: Arc<CudaStream>,
+    mine: RefCell<CudaSlice<u64>>,
+    all: RefCell<CudaSlice<u64>>,
+}
+
+impl Agreement {
+    fn new(device: &Device, count: usize) -> Result<Agreement> {
+        let stream = device.new_stream()?;
+        let zeros = |n: usize| stream.alloc_zeros::<u64>(n).map_err(driver_error);
+        Ok(Agreement {
+            mine: RefCell::new(zeros(AGREEMENT_WORDS)?),
+            all: RefCell::new(zeros(AGREEMENT_WORDS * count)?),
+            stream,
+        })
+    }
 }
 
 // SAFETY: the communicator may move to another thread (NCCL allows any thread to use it, one at
@@ -159,12 +193,12 @@ impl RingComm {
         let id = sys::ncclUniqueId {
             internal: id.bytes.map(|b| b as std::ffi::c_char),
         };
-        let agreement = device.new_stream()?;
+        let agreement = Agreement::new(device, count)?;
         let mut comm = std::ptr::null_mut();
         // SAFETY: `comm` is a valid out-pointer for the call.
         let status = unsafe { result::comm_init_rank(&mut comm, count_i, id, rank_i) }
             .map_err(|e| nccl_error("ncclCommInitRank", e))?;
-        require_ready(status)?;
+        require_ready(status, &[comm])?;
         Ok(RingComm {
             comm,
             rank,
@@ -176,8 +210,9 @@ impl RingComm {
     }
 
     /// One communicator a device, rank i on `devices[i]`, made by this thread (NCCL's
-    /// ncclCommInitAll): for one process driving every device of the ring, a thread a rank
-    /// (ring calls of different ranks wait for one another).
+    /// ncclCommInitAll): for one process driving every device of the ring, each moved to a
+    /// thread of its own, which makes the rank's calls and drops it (ring calls and drops of
+    /// different ranks wait for one another).
     pub fn for_devices(devices: &[Device]) -> Result<Vec<RingComm>> {
         require_library()?;
         let ordinals: Vec<c_int> = devices.iter().map(|d| d.info.ordinal).collect();
@@ -190,18 +225,18 @@ impl RingComm {
         if count == 0 {
             return Err(Error::InvalidConfig("a ring of no devices".into()));
         }
-        let streams: Vec<Arc<CudaStream>> = devices
+        let agreements: Vec<Agreement> = devices
             .iter()
-            .map(Device::new_stream)
+            .map(|d| Agreement::new(d, devices.len()))
             .collect::<Result<_>>()?;
         let mut comms = vec![std::ptr::null_mut(); devices.len()];
         // SAFETY: `comms` has room for one communicator a device, `ordinals` one entry a device.
         let status = unsafe { result::comm_init_all(comms.as_mut_ptr(), count, ordinals.as_ptr()) }
             .map_err(|e| nccl_error("ncclCommInitAll", e))?;
-        require_ready(status)?;
+        require_ready(status, &comms)?;
         Ok(comms
             .into_iter()
-            .zip(ordinals.into_iter().zip(streams))
+            .zip(ordinals.into_iter().zip(agreements))
             .enumerate()
             .map(|(rank, (comm, (ordinal, agreement)))| RingComm {
                 comm,
@@ -245,24 +280,33 @@ impl RingComm {
         issued.and(ended.map(drop))
     }
 
-    /// Every rank's `words` gathered, rank by rank, on the agreement stream (which this
-    /// synchronizes).
-    fn gather_words(&self, words: &[u64]) -> Result<Vec<u64>> {
-        let stream = &self.agreement;
-        let mine = stream.clone_htod(words).map_err(driver_error)?;
-        let mut all = stream
-            .alloc_zeros::<u64>(words.len() * self.count)
+    /// Whether every rank goes on with a call it describes by `words`: each rank's words and
+    /// whether it `refused` the call are gathered (on the agreement's stream, which this
+    /// synchronizes), and a call that some rank refused or describes differently is refused on
+    /// every rank (the refusing rank's own error on that rank).
+    fn agree(&self, words: &[u64; CALL_WORDS], refused: Option<&Error>) -> Result<()> {
+        let mut mine = [0; AGREEMENT_WORDS];
+        mine[0] = u64::from(refused.is_some());
+        mine[1..].copy_from_slice(words);
+        let Agreement {
+            stream,
+            mine: sent,
+            all,
+        } = &self.agreement;
+        let (mut sent, mut all) = (sent.borrow_mut(), all.borrow_mut());
+        stream
+            .memcpy_htod(&mine, &mut *sent)
             .map_err(driver_error)?;
         {
-            let (send, _send) = mine.device_ptr(stream);
+            let (send, _send) = sent.device_ptr(stream);
             let (recv, _recv) = all.device_ptr_mut(stream);
-            // SAFETY: `words.len()` u64 of `mine` to send, `count` times that in `all`, live
-            // until the copy below, which waits for the gather.
+            // SAFETY: AGREEMENT_WORDS u64 to send, `count` times that to receive, in buffers
+            // the communicator owns; the copy below waits for the gather.
             unsafe {
                 result::all_gather(
                     send as *const c_void,
                     recv as *mut c_void,
-                    words.len(),
+                    AGREEMENT_WORDS,
                     sys::ncclDataType_t::ncclUint64,
                     self.comm,
                     stream.cu_stream() as sys::cudaStream_t,
@@ -270,21 +314,14 @@ impl RingComm {
             }
             .map_err(|e| nccl_error("ncclAllGather", e))?;
         }
-        stream.clone_dtoh(&all).map_err(driver_error)
-    }
-
-    /// Whether every rank goes on with a call it describes by `words` (its shapes, type and
-    /// configuration): each rank's words and whether it `refused` the call are gathered, and a
-    /// call that some rank refused or describes differently is refused on every rank (the
-    /// refusing rank's own error on that rank).
-    fn agree(&self, words: &[u64], refused: Option<&Error>) -> Result<()> {
-        let mut mine = vec![u64::from(refused.is_some())];
-        mine.extend_from_slice(words);
-        let all = self.gather_words(&mine)?;
+        let mut gathered = vec![0; AGREEMENT_WORDS * self.count];
+        stream
+            .memcpy_dtoh(&*all, &mut gathered)
+            .map_err(driver_error)?;
         if let Some(e) = refused {
             return Err(e.clone());
         }
-        for (r, theirs) in all.chunks(mine.len()).enumerate() {
+        for (r, theirs) in gathered.chunks(AGREEMENT_WORDS).enumerate() {
             if theirs[0] != 0 {
                 return Err(Error::InvalidConfig(format!(
                     "rank {r} of the ring cannot make this call, so rank {} does not either",
@@ -328,33 +365,37 @@ fn call_words(
     shapes: [[usize; 4]; 3],
     cfg: &AttentionConfig,
     (backward, sinks): (bool, bool),
-) -> Vec<u64> {
+) -> [u64; CALL_WORDS] {
     // FNV-1a: the same bits on every rank for the same description.
     let hash = format!("{cfg:?}")
         .bytes()
         .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
             (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
         });
-    let mut words = vec![
+    let mut words = [0; CALL_WORDS];
+    words[..5].copy_from_slice(&[
         dtype as u64,
         sharding.chunks_per_rank() as u64,
         u64::from(backward),
         u64::from(sinks),
         hash,
-    ];
-    words.extend(shapes.iter().flatten().map(|&n| n as u64));
+    ]);
+    for (w, &n) in words[5..].iter_mut().zip(shapes.iter().flatten()) {
+        *w = n as u64;
+    }
     words
 }
 
 /// The NCCL rotation: the one rank held here sends to the next rank and receives from the one
 /// before, both buffers in one group. `words` describe the call (call_words); `refused` is an
-/// error met before the schedule's own checks (the communicator of another device); `agreed`
-/// says whether the ranks have agreed to run it.
+/// error met before the schedule's own checks (the communicator of another device);
+/// `transferring` says whether the ranks have agreed to run the call and not all its transfers
+/// are issued yet (an error then leaves the other ranks waiting).
 struct NcclRotation<'c> {
     comm: &'c RingComm,
-    words: Vec<u64>,
+    words: [u64; CALL_WORDS],
     refused: Option<Error>,
-    agreed: Cell<bool>,
+    transferring: Cell<bool>,
 }
 
 impl Rotation for NcclRotation<'_> {
@@ -378,8 +419,12 @@ impl Rotation for NcclRotation<'_> {
     fn agree(&self, refused: Option<&Error>) -> Result<()> {
         self.comm
             .agree(&self.words, self.refused.as_ref().or(refused))?;
-        self.agreed.set(true);
+        self.transferring.set(true);
         Ok(())
+    }
+
+    fn settled(&self) {
+        self.transferring.set(false);
     }
 
     fn rotate<E: DeviceRepr>(
@@ -458,6 +503,7 @@ impl Device {
         rank: DeviceForwardInputs<'_, T>,
         output: &mut DeviceRingOutput<'_, '_, T>,
     ) -> Result<Plan> {
+        comm.check_usable()?;
         let shapes = [
             rank.q.layout.shape,
             rank.k.layout.shape,
@@ -474,7 +520,7 @@ impl Device {
             comm,
             words,
             refused: comm.check_device(self).err(),
-            agreed: Cell::new(false),
+            transferring: Cell::new(false),
         };
         let result = self.ring_forward_with(
             &rotation,
@@ -500,6 +546,7 @@ impl Device {
         rank: DeviceBackwardInputs<'_, T>,
         grads: &mut DeviceRingGradients<'_, '_, T>,
     ) -> Result<Plan> {
+        comm.check_usable()?;
         let shapes = [
             rank.q.layout.shape,
             rank.k.layout.shape,
@@ -510,7 +557,7 @@ impl Device {
             comm,
             words,
             refused: comm.check_device(self).err(),
-            agreed: Cell::new(false),
+            transferring: Cell::new(false),
         };
         let result = self.ring_backward_with(
             &rotation,
@@ -526,11 +573,23 @@ impl Device {
 }
 
 impl RingComm {
-    /// A ring call that failed after the ranks agreed to run it breaks the communicator.
+    /// A ring call that failed while its transfers were being issued breaks the communicator.
     fn note_failure<X>(&self, rotation: &NcclRotation<'_>, result: &Result<X>) {
-        if result.is_err() && rotation.agreed.get() {
+        if result.is_err() && rotation.transferring.get() {
             self.broken.set(true);
         }
+    }
+
+    /// A broken communicator takes no more calls: its peers wait on transfers of the call that
+    /// broke it.
+    fn check_usable(&self) -> Result<()> {
+        if !self.broken.get() {
+            return Ok(());
+        }
+        Err(Error::Nccl {
+            what: "the communicator is broken".into(),
+            detail: "a ring call failed midway on it: drop it and end the ring's processes".into(),
+        })
     }
 }
 

@@ -23,11 +23,11 @@ use super::{
 use crate::backend::gpu::{self, RawTensor};
 use crate::combine::LseLayout;
 use crate::config::AttentionConfig;
-use crate::dispatch::Plan;
+use crate::dispatch::{Op, Plan};
 use crate::error::CallPart;
 use crate::error::{Error, Operand, Result};
 use crate::ring::{self, Sharding};
-use crate::tensor::{self, Layout};
+use crate::tensor::{self, Layout, Problem};
 use crate::Element;
 
 /// Where a rank's results go: O `(batch, rows, heads_q, d_v)` of its queries over the whole
@@ -199,6 +199,28 @@ impl Device {
             };
             // Each rank's query chunks' pairs, in ring order, and their parts.
             let pairs = rank_pairs(rotation, cfg, sharding, held_here, len);
+            // What the pairs' calls would refuse, refused now (before any rank sends).
+            for (rank, out) in ranks.iter().zip(outputs.iter()) {
+                if let Some(sinks) = rank.sinks {
+                    if sinks.len() < heads {
+                        return Err(Error::BufferTooSmall {
+                            operand: Operand::Sinks,
+                            needed: heads,
+                            len: sinks.len(),
+                        });
+                    }
+                }
+                check_aligned::<T>(
+                    compute,
+                    &[
+                        (Operand::Q, rank.q),
+                        (Operand::K, rank.k),
+                        (Operand::V, rank.v),
+                    ],
+                )?;
+                check_aligned_out::<T>(compute, Operand::Out, out.out)?;
+            }
+            self.plan_pairs::<T>(Op::Forward, &pairs, rank_dims(&ranks[0]))?;
             let parts: Vec<Vec<Vec<Part<T>>>> = pairs
                 .iter()
                 .map(|chunks| {
@@ -265,6 +287,7 @@ impl Device {
             compute.wait(&sent).map_err(driver_error)?;
             transport.wait(&event(compute)?).map_err(driver_error)?;
         }
+        rotation.settled();
         joined.finish()?;
         // Each query chunk's parts merged into its rows of the rank's outputs.
         for (r, output) in outputs.iter_mut().enumerate() {
@@ -463,6 +486,20 @@ impl Device {
                 })
                 .collect::<Result<_>>()?;
             let pairs = rank_pairs(rotation, cfg, sharding, held_here, len);
+            // What the pairs' calls would refuse, refused now (before any rank sends).
+            for rank in ranks {
+                check_aligned::<T>(
+                    compute,
+                    &[
+                        (Operand::Q, rank.q),
+                        (Operand::K, rank.k),
+                        (Operand::V, rank.v),
+                        (Operand::Out, rank.out),
+                        (Operand::DOut, rank.dout),
+                    ],
+                )?;
+            }
+            self.plan_pairs::<T>(Op::Backward, &pairs, rank_dims(&ranks[0]))?;
             Ok((
                 count,
                 len,
@@ -596,6 +633,7 @@ impl Device {
             rotation.rotate(transport, &added, &mut filled)?;
             sums_sent = Some(event(transport)?);
         }
+        rotation.settled();
         if let Some(sent) = &sums_sent {
             compute.wait(sent).map_err(driver_error)?;
         }
@@ -1327,6 +1365,9 @@ pub(super) trait Rotation {
     /// learns whether every other one can go on, so that none waits for a transfer that a
     /// refusing rank will never make.
     fn agree(&self, refused: Option<&Error>) -> Result<()>;
+    /// Every transfer of the call is issued, and matched by the other ranks' (what is left is
+    /// local: the merges, the sums' rounding).
+    fn settled(&self) {}
     /// On `stream`, each rank held here hands its two buffers `from[i]` (K and V, or the dK and
     /// dV sums) on to the next rank, and receives the rank before's into `into[i]`.
     fn rotate<E: DeviceRepr>(
@@ -1402,6 +1443,94 @@ fn rank_pairs<R: Rotation>(
                 .collect()
         })
         .collect()
+}
+
+/// A rank's batch, query heads, KV heads and head dims (Q's, V's): what its pairs' problems
+/// share.
+fn rank_dims<I: HasQkv>(rank: &I) -> [usize; 5] {
+    let (q, k, v) = rank.qkv();
+    [q.shape[0], q.shape[2], k.shape[2], q.shape[3], v.shape[3]]
+}
+
+impl Device {
+    /// Plans each distinct pair's call (its rows, keys and mask) without running it: a pair the
+    /// dispatcher would refuse is refused before the ring starts.
+    fn plan_pairs<T: Element>(
+        &self,
+        op: Op,
+        pairs: &[Vec<Vec<ring::Pair>>],
+        [batch, heads_q, heads_kv, head_dim, head_dim_v]: [usize; 5],
+    ) -> Result<()> {
+        let mut planned: Vec<(usize, usize, &AttentionConfig)> = vec![];
+        for p in pairs.iter().flatten().flatten() {
+            let key = (p.q_rows, p.k_rows, &p.mask);
+            if planned.contains(&key) {
+                continue;
+            }
+            let problem = Problem {
+                batch,
+                seqlen_q: p.q_rows,
+                seqlen_k: p.k_rows,
+                heads_q,
+                heads_kv,
+                head_dim,
+                head_dim_v,
+                dtype: T::DTYPE,
+                packed: false,
+            };
+            self.plan(op, &problem, &p.mask)?;
+            planned.push(key);
+        }
+        Ok(())
+    }
+}
+
+/// A rank's inputs' Q, K and V layouts, of its forward or backward inputs.
+trait HasQkv {
+    fn qkv(&self) -> (&Layout, &Layout, &Layout);
+}
+
+impl<T> HasQkv for DeviceForwardInputs<'_, T> {
+    fn qkv(&self) -> (&Layout, &Layout, &Layout) {
+        (&self.q.layout, &self.k.layout, &self.v.layout)
+    }
+}
+
+impl<T> HasQkv for DeviceBackwardInputs<'_, T> {
+    fn qkv(&self) -> (&Layout, &Layout, &Layout) {
+        (&self.q.layout, &self.k.layout, &self.v.layout)
+    }
+}
+
+/// The kernels' alignment (16-byte base pointers and strides) of a rank's tensors, as each
+/// pair's call checks its views of them.
+fn check_aligned<T: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    tensors: &[(Operand, &DeviceTensor<'_, T>)],
+) -> Result<()> {
+    for &(operand, t) in tensors {
+        let (ptr, _guard) = t.data.device_ptr(stream);
+        let raw = RawTensor {
+            ptr,
+            layout: t.layout,
+        };
+        gpu::check_alignment(operand, &raw, std::mem::size_of::<T>())?;
+    }
+    Ok(())
+}
+
+/// [`check_aligned`] of an output.
+fn check_aligned_out<T: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    operand: Operand,
+    t: &DeviceTensorMut<'_, T>,
+) -> Result<()> {
+    let (ptr, _guard) = t.data.device_ptr(stream);
+    let raw = RawTensor {
+        ptr,
+        layout: t.layout,
+    };
+    gpu::check_alignment(operand, &raw, std::mem::size_of::<T>())
 }
 
 /// Of a rank's two buffers at step `step`: the one it reads (filled at step − 1) and the one

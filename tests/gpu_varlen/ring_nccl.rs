@@ -321,50 +321,93 @@ fn nccl_two_devices_or_more_ring_matches_the_whole_call() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// A ring whose ranks make different calls (rank 1 holds twice rank 0's rows) is refused on
-/// every rank, not left waiting for a transfer that never comes.
-#[test]
-#[ignore = "needs two GPUs and libnccl.so"]
-fn nccl_two_devices_refuse_ranks_that_disagree() {
-    let devices = flashattn::cuda::device_count().expect("a CUDA driver");
-    assert!(devices >= 2, "{devices} device(s): this test needs two");
-    let _one_ring = ONE_RING.lock().unwrap_or_else(|e| e.into_inner());
+/// How one rank's call of a refusal case differs: rank 1 holds twice rank 0's rows, or has
+/// sinks where rank 0 has none, or (in the backward) an LSE too short.
+#[derive(Clone, Copy, Debug)]
+enum Differs {
+    Rows,
+    Sinks,
+    ShortLse,
+}
+
+/// Both ranks' errors (or "accepted") of a two-device ring whose rank 1 calls as `differs` says.
+fn refusal_case(differs: Differs) -> Vec<String> {
     let devs: Vec<Device> = (0..2).map(|r| Device::new(r).unwrap()).collect();
     let comms = RingComm::for_devices(&devs).unwrap();
     let (batch, hq, d) = (1, 2, 64);
-    let errors: Vec<String> = thread::scope(|s| {
+    thread::scope(|s| {
         let handles: Vec<_> = devs
             .iter()
             .zip(comms)
             .enumerate()
             .map(|(r, (dev, comm))| {
                 s.spawn(move || {
-                    // Rank 1 holds twice rank 0's rows.
-                    let rows = 64 * (r + 1);
+                    let odd = r == 1;
+                    let rows = if odd && matches!(differs, Differs::Rows) {
+                        128
+                    } else {
+                        64
+                    };
                     let shape = [batch, rows, hq, d];
                     let compute = dev.new_stream().unwrap();
                     let transport = dev.new_stream().unwrap();
+                    let streams = RingStreams {
+                        compute: &compute,
+                        transport: &transport,
+                    };
                     let x: Vec<bf16> = (0..batch * rows * hq * d)
                         .map(|i| bf16::from_f32((i as f32 * 0.37).sin()))
                         .collect();
                     let xd = compute.clone_htod(&x).unwrap();
                     let t = DeviceTensor::contiguous(&xd, shape);
-                    let mut out = compute.clone_htod(&x).unwrap();
-                    let mut lse = compute.alloc_zeros::<f32>(batch * hq * rows).unwrap();
-                    let result = dev.ring_forward_nccl(
-                        &comm,
-                        RingStreams {
-                            compute: &compute,
-                            transport: &transport,
-                        },
-                        &AttentionConfig::new(),
-                        Sharding::Contiguous,
-                        DeviceForwardInputs::new(&t, &t, &t),
-                        &mut DeviceRingOutput {
-                            out: &mut DeviceTensorMut::contiguous(&mut out, shape),
-                            lse: &mut lse.as_view_mut(),
-                        },
-                    );
+                    let sinks = compute.clone_htod(&vec![0.5f32; hq]).unwrap();
+                    let sinks = sinks.as_view();
+                    let [mut out, mut dq, mut dk, mut dv] =
+                        std::array::from_fn(|_| compute.clone_htod(&x).unwrap());
+                    let short = odd && matches!(differs, Differs::ShortLse);
+                    let lse_len = batch * hq * rows - usize::from(short);
+                    let mut lse = compute.alloc_zeros::<f32>(lse_len).unwrap();
+                    let result = if let Differs::ShortLse = differs {
+                        let lse = lse.as_view();
+                        dev.ring_backward_nccl(
+                            &comm,
+                            streams,
+                            &AttentionConfig::new(),
+                            Sharding::Contiguous,
+                            DeviceBackwardInputs {
+                                q: &t,
+                                k: &t,
+                                v: &t,
+                                out: &t,
+                                dout: &t,
+                                lse: &lse,
+                                sinks: None,
+                            },
+                            &mut DeviceRingGradients {
+                                dq: &mut DeviceTensorMut::contiguous(&mut dq, shape),
+                                dk: &mut DeviceTensorMut::contiguous(&mut dk, shape),
+                                dv: &mut DeviceTensorMut::contiguous(&mut dv, shape),
+                            },
+                        )
+                    } else {
+                        let inputs = DeviceForwardInputs::new(&t, &t, &t);
+                        let with_sinks = odd && matches!(differs, Differs::Sinks);
+                        dev.ring_forward_nccl(
+                            &comm,
+                            streams,
+                            &AttentionConfig::new(),
+                            Sharding::Contiguous,
+                            if with_sinks {
+                                inputs.with_sinks(&sinks)
+                            } else {
+                                inputs
+                            },
+                            &mut DeviceRingOutput {
+                                out: &mut DeviceTensorMut::contiguous(&mut out, shape),
+                                lse: &mut lse.as_view_mut(),
+                            },
+                        )
+                    };
                     match result {
                         Err(e) => e.to_string(),
                         Ok(_) => "accepted".into(),
@@ -373,8 +416,31 @@ fn nccl_two_devices_refuse_ranks_that_disagree() {
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for (r, e) in errors.iter().enumerate() {
-        assert!(e.contains("makes another call"), "rank {r}: {e}");
+    })
+}
+
+/// A ring whose ranks make different calls (other rows, sinks on one rank only), or one that a
+/// rank cannot make (its LSE too short), is refused on every rank, not left waiting for a
+/// transfer that never comes; the refusing rank gives its own error.
+#[test]
+#[ignore = "needs two GPUs and libnccl.so"]
+fn nccl_two_devices_refuse_ranks_that_disagree() {
+    let devices = flashattn::cuda::device_count().expect("a CUDA driver");
+    assert!(devices >= 2, "{devices} device(s): this test needs two");
+    let _one_ring = ONE_RING.lock().unwrap_or_else(|e| e.into_inner());
+    for differs in [Differs::Rows, Differs::Sinks] {
+        for (r, e) in refusal_case(differs).iter().enumerate() {
+            assert!(
+                e.contains("makes another call"),
+                "{differs:?}: rank {r}: {e}"
+            );
+        }
     }
+    let errors = refusal_case(Differs::ShortLse);
+    assert!(
+        errors[0].contains("rank 1 of the ring cannot make this call"),
+        "rank 0: {}",
+        errors[0]
+    );
+    assert!(errors[1].contains("lse"), "rank 1: {}", errors[1]);
 }
