@@ -259,10 +259,10 @@ impl Bench {
         let mut dst = unsafe { stream.alloc::<C>(2 * kv_elems) }.unwrap();
         let (copy_ms, _) = protocol.median_ms(stream, || {
             stream
-                .memcpy_dtod(&k, &mut dst.slice_mut(..kv_elems))
+                .memcpy_dtod(&k.slice(..kv_elems), &mut dst.slice_mut(..kv_elems))
                 .unwrap();
             stream
-                .memcpy_dtod(&v, &mut dst.slice_mut(kv_elems..))
+                .memcpy_dtod(&v.slice(..kv_elems), &mut dst.slice_mut(kv_elems..))
                 .unwrap();
         });
         let bytes = (2 * kv_elems * std::mem::size_of::<C>()) as f64;

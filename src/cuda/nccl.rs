@@ -96,10 +96,14 @@ fn require_ready(status: result::NcclStatus, comms: &[sys::ncclComm_t]) -> Resul
     if status == result::NcclStatus::Success {
         return Ok(());
     }
-    for &comm in comms {
-        // SAFETY: communicators just made, which nothing else holds.
-        let _ = unsafe { result::comm_abort(comm) };
-    }
+    // Each in a thread of its own: an abort waits for the node's other ranks to abort theirs.
+    let comms: Vec<usize> = comms.iter().map(|&c| c as usize).collect();
+    std::thread::scope(|s| {
+        for &comm in &comms {
+            // SAFETY: communicators just made, which nothing else holds.
+            s.spawn(move || unsafe { result::comm_abort(comm as sys::ncclComm_t) });
+        }
+    });
     Err(Error::Nccl {
         what: "the communicator's init has not completed".into(),
         detail: "non-blocking communicators (NCCL_COMM_BLOCKING=0) are not supported".into(),
@@ -175,7 +179,8 @@ unsafe impl Send for RingComm {}
 
 impl RingComm {
     /// Rank `rank` of a ring of `count` ranks named `id`, on `device`. Every rank must call this
-    /// (each in its own thread or process): it returns once all have.
+    /// (each in its own thread or process): it returns once all have (a rank that fails before
+    /// it joins, short of device memory, leaves the others waiting).
     pub fn new(device: &Device, rank: usize, count: usize, id: &RingId) -> Result<RingComm> {
         require_library()?;
         if rank >= count {
@@ -280,23 +285,16 @@ impl RingComm {
         issued.and(ended.map(drop))
     }
 
-    /// Whether every rank goes on with a call it describes by `words`: each rank's words and
-    /// whether it `refused` the call are gathered (on the agreement's stream, which this
-    /// synchronizes), and a call that some rank refused or describes differently is refused on
-    /// every rank (the refusing rank's own error on that rank).
-    fn agree(&self, words: &[u64; CALL_WORDS], refused: Option<&Error>) -> Result<()> {
-        let mut mine = [0; AGREEMENT_WORDS];
-        mine[0] = u64::from(refused.is_some());
-        mine[1..].copy_from_slice(words);
+    /// Every rank's `mine` gathered, rank by rank, on the agreement's stream (which this
+    /// synchronizes).
+    fn gather(&self, mine: &[u64; AGREEMENT_WORDS]) -> Result<Vec<u64>> {
         let Agreement {
             stream,
             mine: sent,
             all,
         } = &self.agreement;
         let (mut sent, mut all) = (sent.borrow_mut(), all.borrow_mut());
-        stream
-            .memcpy_htod(&mine, &mut *sent)
-            .map_err(driver_error)?;
+        stream.memcpy_htod(mine, &mut *sent).map_err(driver_error)?;
         {
             let (send, _send) = sent.device_ptr(stream);
             let (recv, _recv) = all.device_ptr_mut(stream);
@@ -318,6 +316,21 @@ impl RingComm {
         stream
             .memcpy_dtoh(&*all, &mut gathered)
             .map_err(driver_error)?;
+        Ok(gathered)
+    }
+
+    /// Whether every rank goes on with a call it describes by `words`: each rank's words and
+    /// whether it `refused` the call are gathered, and a call that some rank refused or
+    /// describes differently is refused on every rank (the refusing rank's own error on that
+    /// rank). A gather that fails breaks the communicator.
+    fn agree(&self, words: &[u64; CALL_WORDS], refused: Option<&Error>) -> Result<()> {
+        let mut mine = [0; AGREEMENT_WORDS];
+        mine[0] = u64::from(refused.is_some());
+        mine[1..].copy_from_slice(words);
+        let gathered = self.gather(&mine).inspect_err(|_| {
+            // The other ranks may be waiting in this gather, or line up their next one with it.
+            self.broken.set(true);
+        })?;
         if let Some(e) = refused {
             return Err(e.clone());
         }

@@ -27,7 +27,7 @@ use crate::dispatch::{Op, Plan};
 use crate::error::CallPart;
 use crate::error::{Error, Operand, Result};
 use crate::ring::{self, Sharding};
-use crate::tensor::{self, Layout, Problem};
+use crate::tensor::{self, DType, Layout, Problem};
 use crate::Element;
 
 /// Where a rank's results go: O `(batch, rows, heads_q, d_v)` of its queries over the whole
@@ -123,6 +123,7 @@ impl Device {
                 }),
             )?;
             rotation.check_held(held_here)?;
+            check_ring_dtype::<T>()?;
             let count = rotation.count();
             let per = sharding.chunks_per_rank();
             let max_parts = crate::ffi::FLASHATTN_MAX_COMBINE_PARTS as usize;
@@ -349,6 +350,7 @@ impl Device {
                 }),
             )?;
             rotation.check_held(held_here)?;
+            check_ring_dtype::<T>()?;
             let count = rotation.count();
             if grads.len() != held_here {
                 return Err(Error::InvalidConfig(format!(
@@ -487,7 +489,7 @@ impl Device {
                 .collect::<Result<_>>()?;
             let pairs = rank_pairs(rotation, cfg, sharding, held_here, len);
             // What the pairs' calls would refuse, refused now (before any rank sends).
-            for rank in ranks {
+            for (rank, g) in ranks.iter().zip(grads.iter()) {
                 check_aligned::<T>(
                     compute,
                     &[
@@ -498,6 +500,13 @@ impl Device {
                         (Operand::DOut, rank.dout),
                     ],
                 )?;
+                for (operand, t) in [
+                    (Operand::DQ, &g.dq),
+                    (Operand::DK, &g.dk),
+                    (Operand::DV, &g.dv),
+                ] {
+                    check_aligned_out::<T>(compute, operand, t)?;
+                }
             }
             self.plan_pairs::<T>(Op::Backward, &pairs, rank_dims(&ranks[0]))?;
             Ok((
@@ -1499,6 +1508,18 @@ impl<T> HasQkv for DeviceForwardInputs<'_, T> {
 impl<T> HasQkv for DeviceBackwardInputs<'_, T> {
     fn qkv(&self) -> (&Layout, &Layout, &Layout) {
         (&self.q.layout, &self.k.layout, &self.v.layout)
+    }
+}
+
+/// The element types a ring takes: the 16-bit ones (its merges' and its calls'); an FP8 ring
+/// would pass the dispatcher's plan and fail at its first call.
+fn check_ring_dtype<T: Element>() -> Result<()> {
+    match T::DTYPE {
+        DType::F16 | DType::BF16 => Ok(()),
+        dtype => Err(Error::UnsupportedDtype {
+            dtype,
+            backend: crate::Backend::Auto,
+        }),
     }
 }
 
