@@ -16,9 +16,11 @@
 //! each appends one key and value per sequence, the last of its cache, with rotary embedding of
 //! the key and the query over the whole head, then attends to the full cache. `--e4m3` holds the
 //! cache in e4m3 with descales (the Hopper or, with `--sm80`, the Ampere forward widens its rows
-//! to bf16 in shared memory; built with the `kvcache-fp8` feature): half the bytes, against the copy ceiling of those.
+//! to the queries' type in shared memory; built with the `kvcache-fp8` feature): half the bytes,
+//! against the copy ceiling of those. `--f16` takes queries, O and a 16-bit cache in fp16
+//! instead of bf16 (an e4m3 cache's widening to fp16 is one conversion a pair, to bf16 more).
 //!
-//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--sm80] [--no-pack] [--narrow] [--shape B,C] [--step] [--e4m3] --out kvcache.json`
+//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--sm80] [--no-pack] [--narrow] [--shape B,C] [--step] [--e4m3] [--f16] --out kvcache.json`
 
 mod common;
 
@@ -30,9 +32,10 @@ use flashattn::cuda::{
     DeviceTensor, DeviceTensorMut,
 };
 use flashattn::unstable::{PackGqa, Sm90Schedule};
+use flashattn::DType;
 use flashattn::{AttentionConfig, Backend, Element};
 use float8::F8E4M3;
-use half::bf16;
+use half::{bf16, f16};
 
 const HEADS_Q: usize = 32;
 const HEADS_KV: usize = 4;
@@ -100,6 +103,7 @@ fn main() {
         step: args.flag("--step"),
     };
     let e4m3 = args.flag("--e4m3");
+    let f16_queries = args.flag("--f16");
     // The JSON is written again after every row, so that a run cut short keeps what it measured.
     let write = |rows: &[String]| {
         if let Some(path) = args.value("--out") {
@@ -119,10 +123,11 @@ fn main() {
             if batch * cache > 1 << 22 || shape.is_some_and(|s| s != (batch, cache)) {
                 continue;
             }
-            rows.push(if e4m3 {
-                bench.row::<F8E4M3>(batch, cache)
-            } else {
-                bench.row::<bf16>(batch, cache)
+            rows.push(match (e4m3, f16_queries) {
+                (true, false) => bench.row::<bf16, F8E4M3>(batch, cache),
+                (true, true) => bench.row::<f16, F8E4M3>(batch, cache),
+                (false, false) => bench.row::<bf16, bf16>(batch, cache),
+                (false, true) => bench.row::<f16, f16>(batch, cache),
             });
             write(&rows);
         }
@@ -133,9 +138,14 @@ fn main() {
 }
 
 impl Bench {
-    /// Batch `batch` decoding over caches of `cache` keys held in `C` (bf16, or e4m3 with
+    /// Batch `batch` decoding, queries and O in `Q`, over caches of `cache` keys held in `C`
+    /// (`Q`, or e4m3 with
     /// descales): timed, printed, and its JSON row.
-    fn row<C: Element + DeviceRepr>(&self, batch: usize, cache: usize) -> String {
+    fn row<Q: Element + DeviceRepr, C: Element + DeviceRepr>(
+        &self,
+        batch: usize,
+        cache: usize,
+    ) -> String {
         let Bench {
             dev,
             stream,
@@ -159,7 +169,7 @@ impl Bench {
                 .collect()
         }
         let q = stream
-            .clone_htod(&fill::<bf16>(batch * HEADS_Q * D, 1))
+            .clone_htod(&fill::<Q>(batch * HEADS_Q * D, 1))
             .unwrap();
         let mut k = stream.clone_htod(&fill::<C>(held_elems, 2)).unwrap();
         let mut v = stream.clone_htod(&fill::<C>(held_elems, 3)).unwrap();
@@ -175,7 +185,7 @@ impl Bench {
         let cached = if step { cache - 1 } else { cache };
         let lens = stream.clone_htod(&vec![cached as i32; batch]).unwrap();
         let new_kv = stream
-            .clone_htod(&fill::<bf16>(batch * HEADS_KV * D, 4))
+            .clone_htod(&fill::<Q>(batch * HEADS_KV * D, 4))
             .unwrap();
         let half = D / 2;
         let angle =
@@ -187,7 +197,9 @@ impl Bench {
             stream.clone_htod(&sin).unwrap(),
         );
         let (cos, sin) = (cos.as_view(), sin.as_view());
-        let mut out = stream.alloc_zeros::<bf16>(batch * HEADS_Q * D).unwrap();
+        let mut out = stream
+            .clone_htod(&fill::<Q>(batch * HEADS_Q * D, 5))
+            .unwrap();
         let mut lse = stream.alloc_zeros::<f32>(batch * HEADS_Q).unwrap();
         // Paged: page i of sequence b at (b·pages + i)·stride mod the pages, a stride prime
         // to their count, so that no two neighbours in a sequence are neighbours in memory.
@@ -270,26 +282,38 @@ impl Bench {
         let copy_gbps = 2.0 * bytes / (copy_ms * 1e-3) / 1e9;
         let plan = plan.unwrap();
         println!(
-            "{}{}{} b{batch:<3} cache {cache:>5}: {ms:.4} ms {gbps:>6.0} GB/s, copy {copy_gbps:.0} GB/s ({:.2}) ({})",
+            "{}{}{}{} b{batch:<3} cache {cache:>5}: {ms:.4} ms {gbps:>6.0} GB/s, copy {copy_gbps:.0} GB/s ({:.2}) ({})",
             if step { "step" } else { "decode" },
             if e4m3 { " e4m3" } else { "" },
+            if Q::DTYPE == DType::F16 { " f16" } else { "" },
             page_size.map_or(String::new(), |p| format!(" pages of {p}")),
             gbps / copy_gbps,
             plan.explain()
         );
         format!(
-            "  {{\"impl\": \"flashattn-{}\", \"kind\": \"decode\", \"dtype\": \"bf16\", \
+            "  {{\"impl\": \"flashattn-{}\", \"kind\": \"decode\", \"dtype\": \"{}\", \
              \"cache_dtype\": \"{}\", \"d\": {D}, \"batch\": {batch}, \"seqlen_q\": 1, \
              \"seqlen_k\": {cache}, \"heads\": {HEADS_Q}, \"heads_kv\": {HEADS_KV}, \"causal\": true, \
              \"fwd_ms\": {ms:.5}, \"fwd_reps\": {reps}, \"gbps\": {gbps:.1}, \"copy_gbps\": {copy_gbps:.1}, \
              \"of_copy\": {:.3}, \"pack_gqa\": \"{pack_gqa:?}\", \"num_splits\": {num_splits}, \
              \"narrow_key_blocks\": {}, \"step\": {step}{}}}",
             plan.backend.name(),
-            if e4m3 { "e4m3" } else { "bf16" },
+            dtype_name(Q::DTYPE),
+            if e4m3 { "e4m3" } else { dtype_name(Q::DTYPE) },
             gbps / copy_gbps,
             cfg.sm90_schedule.narrow_key_blocks,
             page_size.map_or(String::new(), |p| format!(", \"page_size\": {p}"))
         )
+    }
+}
+
+/// As results files name the element types.
+fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F32 => "f32",
+        DType::E4M3 => "e4m3",
     }
 }
 
