@@ -1677,3 +1677,72 @@ fn copy_rows_f32(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::read_and_fill;
+
+    /// The schedule's buffer bookkeeping on the host, with labels for buffers: each step's
+    /// rotation hands what every rank read (its own shard at step 0) into the next rank's buffer
+    /// `read_and_fill` fills, as `Local::rotate` does; then rank i must hold rank (i − step)'s
+    /// shard where `held` looks (its buffer (step − 1) % 2), add into the sum that travels with
+    /// that shard (buffer step % 2), and after the last hop find its own shard's sum, with every
+    /// rank's part, in buffer count % 2.
+    #[test]
+    fn shards_and_sums_go_around_the_ring_as_the_schedule_reads_them() {
+        for count in 1..=8usize {
+            // Shard labels in the K/V slots; (shard, ranks that added) in the sums.
+            let mut slots = vec![[usize::MAX; 2]; count];
+            let mut sums: Vec<[(usize, u32); 2]> =
+                (0..count).map(|i| [(i, 0), (usize::MAX, 0)]).collect();
+            for step in 0..count {
+                if step + 1 < count {
+                    let sent: Vec<usize> = (0..count)
+                        .map(|i| {
+                            if step == 0 {
+                                i
+                            } else {
+                                *read_and_fill(&mut slots[i], step).0
+                            }
+                        })
+                        .collect();
+                    for (i, shard) in sent.into_iter().enumerate() {
+                        *read_and_fill(&mut slots[(i + 1) % count], step).1 = shard;
+                    }
+                }
+                for i in 0..count {
+                    let held = if step == 0 {
+                        i
+                    } else {
+                        slots[i][(step - 1) % 2]
+                    };
+                    assert_eq!(
+                        held,
+                        (i + count - step) % count,
+                        "{count} ranks, step {step}"
+                    );
+                    let sum = &mut sums[i][step % 2];
+                    assert_eq!(
+                        sum.0, held,
+                        "{count} ranks, step {step}: the sum of another shard"
+                    );
+                    sum.1 |= 1 << i;
+                }
+                let sent: Vec<(usize, u32)> = sums
+                    .iter_mut()
+                    .map(|pair| *read_and_fill(pair, step + 1).0)
+                    .collect();
+                for (i, sum) in sent.into_iter().enumerate() {
+                    *read_and_fill(&mut sums[(i + 1) % count], step + 1).1 = sum;
+                }
+            }
+            for (i, pair) in sums.iter().enumerate() {
+                assert_eq!(
+                    pair[count % 2],
+                    (i, (1u32 << count) - 1),
+                    "{count} ranks, rank {i}"
+                );
+            }
+        }
+    }
+}
