@@ -609,6 +609,85 @@ impl RingComm {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tensor::DType;
+
+    /// A call's account is the same for the same call, made anew (as on another rank), and
+    /// differs with each thing the ranks must share: type, sharding, direction, sinks, mask,
+    /// any shape.
+    #[test]
+    fn a_calls_account_tells_calls_apart() {
+        let shapes = [[1, 64, 4, 64], [1, 64, 2, 64], [1, 64, 2, 64]];
+        let causal = AttentionConfig::new().causal(true);
+        let account = |dtype, sharding, shapes, cfg: &AttentionConfig, dir| {
+            call_words(dtype, sharding, shapes, cfg, dir)
+        };
+        let base = account(
+            DType::BF16,
+            Sharding::ZigZag,
+            shapes,
+            &causal,
+            (false, false),
+        );
+        let again = AttentionConfig::new().causal(true);
+        assert_eq!(
+            base,
+            account(
+                DType::BF16,
+                Sharding::ZigZag,
+                shapes,
+                &again,
+                (false, false)
+            )
+        );
+        let mut other_shape = shapes;
+        other_shape[2][3] = 128;
+        for other in [
+            account(
+                DType::F16,
+                Sharding::ZigZag,
+                shapes,
+                &causal,
+                (false, false),
+            ),
+            account(
+                DType::BF16,
+                Sharding::Contiguous,
+                shapes,
+                &causal,
+                (false, false),
+            ),
+            account(
+                DType::BF16,
+                Sharding::ZigZag,
+                shapes,
+                &causal,
+                (true, false),
+            ),
+            account(
+                DType::BF16,
+                Sharding::ZigZag,
+                shapes,
+                &causal,
+                (false, true),
+            ),
+            account(
+                DType::BF16,
+                Sharding::ZigZag,
+                shapes,
+                &AttentionConfig::new(),
+                (false, false),
+            ),
+            account(
+                DType::BF16,
+                Sharding::ZigZag,
+                other_shape,
+                &causal,
+                (false, false),
+            ),
+        ] {
+            assert_ne!(base, other);
+        }
+    }
 
     /// Where libnccl.so is not loadable (CI's machines), asking for a ring is a typed error
     /// naming the library, not cudarc's panic; where it is, the GPU tests take over.
