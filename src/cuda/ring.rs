@@ -54,12 +54,15 @@ pub struct DeviceRingGradients<'a, 'g, T> {
     pub dv: &'a mut DeviceTensorMut<'g, T>,
 }
 
-/// One pair's gradients, over its rows, and the plan of its call.
-struct BackwardPart<T> {
+/// The buffers of one pair's backward call, for a whole chunk's rows (the call writes the first
+/// of them): its dQ, dK and dV, and its LSE rows where it covers fewer than the chunk's. A rank
+/// holds one set for each pair of chunks a step can run (query chunk `ci`, key chunk `cj` of
+/// the held shard), taken before the ring starts and reused step after step in stream order.
+struct PairGrads<T> {
     dq: CudaSlice<T>,
     dk: CudaSlice<T>,
     dv: CudaSlice<T>,
-    plan: Plan,
+    lse: CudaSlice<f32>,
 }
 
 /// A rank's K and V shard as the transport holds it: a buffer of each.
@@ -69,10 +72,12 @@ struct Shard<T> {
 }
 
 /// A query chunk's part over one key chunk: its O `(batch, len, heads_q, d_v)` and LSE `(batch,
-/// heads_q, len)`, rows that see no key of the chunk O 0 and LSE +inf.
+/// heads_q, len)`, rows that see no key of the chunk O 0 and LSE +inf; where its call covers
+/// only some rows, the LSE of those `(batch, heads_q, rows)` that the call writes.
 struct Part<T> {
     out: CudaSlice<T>,
     lse: CudaSlice<f32>,
+    call_lse: Option<CudaSlice<f32>>,
 }
 
 impl Device {
@@ -234,7 +239,7 @@ impl Device {
                                     self.part(
                                         compute,
                                         (batch * len * heads * d_v, batch * heads * len),
-                                        p.q_rows < len,
+                                        (p.q_rows < len).then_some(batch * heads * p.q_rows),
                                     )
                                 })
                                 .collect::<Result<_>>()
@@ -310,10 +315,10 @@ impl Device {
     /// gradients come in `T` and the f32 sums are rounded to `T` once, at the end. Each rank's
     /// inputs are its shards (as the forward's), O, dO and LSE `(batch, heads_q, rows)`; their
     /// sinks are not read: the sinks' gradient is not computed here (dQ, dK and dV need only
-    /// the LSE, which holds the sinks). Takes device memory for the transport's buffers, the
-    /// f32 sums (two dK and dV sums a rank) and each step's gradient buffers (every rank's pairs
-    /// of the step until their adds: at most one whole call's dQ, dK and dV in `T`), given
-    /// back in stream order.
+    /// the LSE, which holds the sinks). Takes device memory, all of it before the first step, for
+    /// the transport's buffers, the f32 sums (two dK and dV sums a rank) and the pairs'
+    /// gradients (a chunk's dQ, dK and dV in `T` for each pair of chunks a step can run: one
+    /// a rank contiguous, four zig-zag), given back in stream order.
     pub fn ring_backward_into<T: Element + DeviceRepr>(
         &self,
         streams: RingStreams<'_>,
@@ -487,6 +492,31 @@ impl Device {
                         .collect::<Result<_>>()
                 })
                 .collect::<Result<_>>()?;
+            let (q_chunk, k_chunk, v_chunk) = (
+                [batch, len, heads, d],
+                [batch, len, heads_kv, d],
+                [batch, len, heads_kv, d_v],
+            );
+            // SAFETY: each pair's call writes its rows of them, and the LSE copy its rows,
+            // before anything reads them, in stream order.
+            let pair_grads: Vec<Vec<PairGrads<T>>> = (0..held_here)
+                .map(|_| {
+                    (0..per * per)
+                        .map(|_| {
+                            Ok(PairGrads {
+                                dq: unsafe { compute.alloc::<T>(elements(q_chunk)) }
+                                    .map_err(driver_error)?,
+                                dk: unsafe { compute.alloc::<T>(elements(k_chunk)) }
+                                    .map_err(driver_error)?,
+                                dv: unsafe { compute.alloc::<T>(elements(v_chunk)) }
+                                    .map_err(driver_error)?,
+                                lse: unsafe { compute.alloc::<f32>(batch * heads * len) }
+                                    .map_err(driver_error)?,
+                            })
+                        })
+                        .collect::<Result<_>>()
+                })
+                .collect::<Result<_>>()?;
             let pairs = rank_pairs(rotation, cfg, sharding, held_here, len);
             // What the pairs' calls would refuse, refused now (before any rank sends).
             for (rank, g) in ranks.iter().zip(grads.iter()) {
@@ -510,8 +540,7 @@ impl Device {
             }
             self.plan_pairs::<T>(Op::Backward, &pairs, rank_dims(&ranks[0]))?;
             Ok((
-                count,
-                len,
+                (count, per, len),
                 (q_shape, k_shape, v_shape),
                 (k_len, v_len),
                 slots,
@@ -519,12 +548,12 @@ impl Device {
                 sums,
                 chunk_lse,
                 pairs,
+                pair_grads,
             ))
         })();
         rotation.agree(setup.as_ref().err())?;
         let (
-            count,
-            len,
+            (count, per, len),
             (q_shape, k_shape, v_shape),
             (k_len, v_len),
             mut slots,
@@ -532,6 +561,7 @@ impl Device {
             mut sums,
             chunk_lse,
             pairs,
+            mut pair_grads,
         ) = setup?;
 
         let event = |stream: &Arc<CudaStream>| stream.record_event(None).map_err(driver_error);
@@ -560,14 +590,15 @@ impl Device {
                             Some(l) => l.slice(..),
                             None => rank.lse.slice(..),
                         };
-                        let part = self.ring_backward_part(
+                        let done_plan = self.ring_backward_part(
                             compute,
                             (rank, ci, len, &lse),
                             (&k_held, &v_held),
                             p,
+                            &mut pair_grads[i][ci * per + p.cj],
                         )?;
-                        plan.get_or_insert(part.plan.clone());
-                        done.push((i, ci, p, part));
+                        plan.get_or_insert(done_plan);
+                        done.push((i, ci, p));
                     }
                 }
             }
@@ -575,7 +606,8 @@ impl Device {
             if let Some(sent) = &sums_sent {
                 compute.wait(sent).map_err(driver_error)?;
             }
-            for (i, ci, p, part) in &done {
+            for &(i, ci, p) in &done {
+                let part = &pair_grads[i][ci * per + p.cj];
                 // A part's `n` rows (batch, n, h, w), added into rows `first..` of a sum of
                 // `shape`.
                 let add = |operand: Operand,
@@ -600,12 +632,12 @@ impl Device {
                 add(
                     Operand::DQ,
                     &part.dq,
-                    &mut dq_sums[*i],
+                    &mut dq_sums[i],
                     q_shape,
                     ci * len,
                     p.q_rows,
                 )?;
-                let sum = &mut sums[*i][step % 2];
+                let sum = &mut sums[i][step % 2];
                 add(
                     Operand::DK,
                     &part.dk,
@@ -663,14 +695,15 @@ impl Device {
 
     /// One pair's backward: rank `rank`'s query chunk `ci` (of `len` rows; its first `p.q_rows`,
     /// with their O, dO and LSE, of the chunk's `chunk_lse` (batch, heads, len)) against key
-    /// chunk `p.cj` of the held shard (its first `p.k_rows`), into buffers of those rows.
+    /// chunk `p.cj` of the held shard (its first `p.k_rows`), into the first rows of `grads`.
     fn ring_backward_part<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
         (rank, ci, len, chunk_lse): (&DeviceBackwardInputs<'_, T>, usize, usize, &CudaView<f32>),
         (k_held, v_held): (&CudaView<T>, &CudaView<T>),
         p: &ring::Pair,
-    ) -> Result<BackwardPart<T>> {
+        grads: &mut PairGrads<T>,
+    ) -> Result<Plan> {
         let [batch, _, heads, d] = rank.q.layout.shape;
         let [_, _, heads_kv, _] = rank.k.layout.shape;
         let d_v = rank.v.layout.shape[3];
@@ -727,31 +760,20 @@ impl Device {
             p.k_rows,
         );
         // The rows' LSE, (batch, heads, q_rows): the chunk's where it is all of them.
-        let lse_rows;
         let lse = if p.q_rows == len {
             chunk_lse.slice(..)
         } else {
-            // SAFETY: the copy writes every element before the call reads it, in stream order.
-            let mut l =
-                unsafe { stream.alloc::<f32>(batch * heads * p.q_rows) }.map_err(driver_error)?;
             copy_rows_f32(
                 self,
                 stream,
                 (chunk_lse, len),
-                (&mut l.slice_mut(..), p.q_rows),
+                (&mut grads.lse.slice_mut(..), p.q_rows),
                 (p.q_rows, batch * heads),
             )?;
-            lse_rows = l;
-            lse_rows.slice(..)
+            grads.lse.slice(..batch * heads * p.q_rows)
         };
-        // SAFETY: the backward writes every element of its gradients.
-        let alloc = |n: usize| unsafe { stream.alloc::<T>(n) }.map_err(driver_error);
-        let (mut dq, mut dk, mut dv) = (
-            alloc(batch * p.q_rows * heads * d)?,
-            alloc(batch * p.k_rows * heads_kv * d)?,
-            alloc(batch * p.k_rows * heads_kv * d_v)?,
-        );
-        let plan = self.backward_into(
+        let (q_n, k_n) = (batch * p.q_rows * heads, batch * p.k_rows * heads_kv);
+        self.backward_into(
             stream,
             &p.mask,
             DeviceBackwardInputs {
@@ -764,13 +786,21 @@ impl Device {
                 sinks: None,
             },
             DeviceGradientsMut {
-                dq: &mut DeviceTensorMut::contiguous(&mut dq, [batch, p.q_rows, heads, d]),
-                dk: &mut DeviceTensorMut::contiguous(&mut dk, [batch, p.k_rows, heads_kv, d]),
-                dv: &mut DeviceTensorMut::contiguous(&mut dv, [batch, p.k_rows, heads_kv, d_v]),
+                dq: &mut DeviceTensorMut::new(
+                    grads.dq.slice_mut(..q_n * d),
+                    Layout::contiguous([batch, p.q_rows, heads, d]),
+                ),
+                dk: &mut DeviceTensorMut::new(
+                    grads.dk.slice_mut(..k_n * d),
+                    Layout::contiguous([batch, p.k_rows, heads_kv, d]),
+                ),
+                dv: &mut DeviceTensorMut::new(
+                    grads.dv.slice_mut(..k_n * d_v),
+                    Layout::contiguous([batch, p.k_rows, heads_kv, d_v]),
+                ),
                 dsinks: None,
             },
-        )?;
-        Ok(BackwardPart { dq, dk, dv, plan })
+        )
     }
 
     /// [`crate::ring::varlen_forward`] on this device: packed batches (self-attention,
@@ -948,18 +978,22 @@ impl Device {
     }
 
     /// A part's buffers of `out` and `lse` elements; where its call writes only some rows
-    /// (`truncated`), O zeros and LSE +inf, which the others keep.
+    /// (`call_lse`: its LSE's elements), O zeros and LSE +inf, which the others keep, and the
+    /// call's own LSE. Taken before the ring starts, so that no step allocates.
     fn part<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
         (out, lse): (usize, usize),
-        truncated: bool,
+        call_lse: Option<usize>,
     ) -> Result<Part<T>> {
         // SAFETY: every element is set in stream order before any read: by the part's call, and
-        // where it writes only some rows, by the fills below first.
+        // where it writes only some rows, by the fills below first (the call's LSE by the call).
         let mut o = unsafe { stream.alloc::<T>(out) }.map_err(driver_error)?;
         let mut l = unsafe { stream.alloc::<f32>(lse) }.map_err(driver_error)?;
-        if truncated {
+        let call_lse = call_lse
+            .map(|n| unsafe { stream.alloc::<f32>(n) }.map_err(driver_error))
+            .transpose()?;
+        if call_lse.is_some() {
             self.ctx.bind_to_thread().map_err(driver_error)?;
             let (o_ptr, _o) = o.device_ptr_mut(stream);
             let bytes = out * std::mem::size_of::<T>();
@@ -975,12 +1009,16 @@ impl Device {
             .result()
             .map_err(driver_error)?;
         }
-        Ok(Part { out: o, lse: l })
+        Ok(Part {
+            out: o,
+            lse: l,
+            call_lse,
+        })
     }
 
     /// One pair's call: rank `rank`'s query chunk `ci` (of `len` rows) against key chunk `p.cj`
-    /// of the held shard, into `part` (its first `p.q_rows` rows; the LSE through a buffer of
-    /// those rows where they are fewer than the chunk's).
+    /// of the held shard, into `part` (its first `p.q_rows` rows; the LSE through the part's
+    /// buffer of those rows where they are fewer than the chunk's).
     fn ring_part<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
@@ -1029,7 +1067,7 @@ impl Device {
             (true, Some(sinks)) => inputs.with_sinks(sinks),
             _ => inputs,
         };
-        if p.q_rows == len {
+        let Some(call_lse) = part.call_lse.as_mut() else {
             return self.forward_into(
                 stream,
                 &p.mask,
@@ -1037,21 +1075,18 @@ impl Device {
                 &mut out,
                 &mut part.lse.slice_mut(..),
             );
-        }
-        // SAFETY: the call writes every element before the copy reads it, in stream order.
-        let mut rows_lse =
-            unsafe { stream.alloc::<f32>(batch * heads * p.q_rows) }.map_err(driver_error)?;
+        };
         let plan = self.forward_into(
             stream,
             &p.mask,
             inputs,
             &mut out,
-            &mut rows_lse.slice_mut(..),
+            &mut call_lse.slice_mut(..),
         )?;
         copy_rows_f32(
             self,
             stream,
-            (&rows_lse.slice(..), p.q_rows),
+            (&call_lse.slice(..), p.q_rows),
             (&mut part.lse.slice_mut(..), len),
             (p.q_rows, batch * heads),
         )?;
