@@ -465,11 +465,12 @@ impl Device {
         inputs: DeviceBackwardInputs<'_, T>,
         grads: DeviceGradientsMut<'_, '_, T>,
     ) -> Result<Plan> {
-        self.backward_launch(stream, cfg, None, inputs, grads)
+        self.backward_launch(stream, cfg, None, inputs, grads, None)
     }
 
     /// The backward of a dense batch, or of a packed one (`seqs`), with or without sinks (and
-    /// their gradient's buffer).
+    /// their gradient's buffer), its workspace in `workspace` where that holds enough (a caller
+    /// that must not allocate once it has begun, as a ring's step), else taken on `stream`.
     fn backward_launch<T: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
@@ -477,6 +478,7 @@ impl Device {
         seqs: Option<&DeviceSeqlens>,
         inputs: DeviceBackwardInputs<'_, T>,
         grads: DeviceGradientsMut<'_, '_, T>,
+        workspace: Option<&mut CudaSlice<u8>>,
     ) -> Result<Plan> {
         let DeviceBackwardInputs {
             q,
@@ -559,7 +561,14 @@ impl Device {
             dsinks.is_some(),
         );
         // SAFETY: the kernels zero what they accumulate into and write the rest before reading.
-        let mut workspace = unsafe { stream.alloc::<u8>(workspace_bytes) }.map_err(driver_error)?;
+        let mut taken;
+        let mut workspace = match workspace {
+            Some(held) if held.len() >= workspace_bytes => held.slice_mut(..workspace_bytes),
+            _ => {
+                taken = unsafe { stream.alloc::<u8>(workspace_bytes) }.map_err(driver_error)?;
+                taken.slice_mut(..)
+            }
+        };
 
         let (q_ptr, _q_guard) = q.data.device_ptr(stream);
         let (k_ptr, _k_guard) = k.data.device_ptr(stream);

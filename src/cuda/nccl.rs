@@ -11,7 +11,7 @@
 //! stream and buffers, each one's account of the call and whether it can go on (one host
 //! synchronization a call): a call that some rank makes differently, or cannot make, is refused
 //! on every rank, rather than left waiting for a transfer that never comes (every buffer the
-//! call needs is taken before then). An error after that, while the transfers are issued (a
+//! steps need, the backward's workspace included, is taken before then). An error after that, while the transfers are issued (a
 //! launch that fails), leaves the other ranks waiting, as a failed NCCL collective does: the failing rank's
 //! communicator is then broken (it takes no more calls and is aborted, not finalized, when
 //! dropped), and the application ends the ring's processes. NCCL's destroy and abort wait for

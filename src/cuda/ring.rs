@@ -56,13 +56,13 @@ pub struct DeviceRingGradients<'a, 'g, T> {
 
 /// The buffers of one pair's backward call, for a whole chunk's rows (the call writes the first
 /// of them): its dQ, dK and dV, and its LSE rows where it covers fewer than the chunk's. A rank
-/// holds one set for each pair of chunks a step can run (query chunk `ci`, key chunk `cj` of
+/// holds one set for each pair of chunks its steps run (query chunk `ci`, key chunk `cj` of
 /// the held shard), taken before the ring starts and reused step after step in stream order.
 struct PairGrads<T> {
     dq: CudaSlice<T>,
     dk: CudaSlice<T>,
     dv: CudaSlice<T>,
-    lse: CudaSlice<f32>,
+    lse: Option<CudaSlice<f32>>,
 }
 
 /// A rank's K and V shard as the transport holds it: a buffer of each.
@@ -316,9 +316,10 @@ impl Device {
     /// inputs are its shards (as the forward's), O, dO and LSE `(batch, heads_q, rows)`; their
     /// sinks are not read: the sinks' gradient is not computed here (dQ, dK and dV need only
     /// the LSE, which holds the sinks). Takes device memory, all of it before the first step, for
-    /// the transport's buffers, the f32 sums (two dK and dV sums a rank) and the pairs'
-    /// gradients (a chunk's dQ, dK and dV in `T` for each pair of chunks a step can run: one
-    /// a rank contiguous, four zig-zag), given back in stream order.
+    /// the transport's buffers, the f32 sums (two dK and dV sums a rank), the pairs'
+    /// gradients (a chunk's dQ, dK and dV in `T` for each pair of chunks its steps run: one a
+    /// rank contiguous, at most four zig-zag, three causal) and one backward workspace (the
+    /// largest a pair's call takes), given back in stream order.
     pub fn ring_backward_into<T: Element + DeviceRepr>(
         &self,
         streams: RingStreams<'_>,
@@ -492,32 +493,48 @@ impl Device {
                         .collect::<Result<_>>()
                 })
                 .collect::<Result<_>>()?;
+            let pairs = rank_pairs(rotation, cfg, sharding, held_here, len);
             let (q_chunk, k_chunk, v_chunk) = (
                 [batch, len, heads, d],
                 [batch, len, heads_kv, d],
                 [batch, len, heads_kv, d_v],
             );
+            // A set for each pair of chunks some step runs (a causal zig-zag ring never pairs a
+            // rank's first query chunk with a shard's second key chunk), its LSE rows where the
+            // pair covers fewer rows than the chunk.
             // SAFETY: each pair's call writes its rows of them, and the LSE copy its rows,
             // before anything reads them, in stream order.
-            let pair_grads: Vec<Vec<PairGrads<T>>> = (0..held_here)
-                .map(|_| {
+            let take = |n: usize| unsafe { compute.alloc::<T>(n) }.map_err(driver_error);
+            let pair_grads: Vec<Vec<Option<PairGrads<T>>>> = pairs
+                .iter()
+                .map(|chunks| {
                     (0..per * per)
-                        .map(|_| {
-                            Ok(PairGrads {
-                                dq: unsafe { compute.alloc::<T>(elements(q_chunk)) }
-                                    .map_err(driver_error)?,
-                                dk: unsafe { compute.alloc::<T>(elements(k_chunk)) }
-                                    .map_err(driver_error)?,
-                                dv: unsafe { compute.alloc::<T>(elements(v_chunk)) }
-                                    .map_err(driver_error)?,
-                                lse: unsafe { compute.alloc::<f32>(batch * heads * len) }
-                                    .map_err(driver_error)?,
-                            })
+                        .map(|slot| {
+                            let mut run = chunks
+                                .iter()
+                                .enumerate()
+                                .flat_map(|(ci, ps)| ps.iter().map(move |p| (ci, p)))
+                                .filter(|(ci, p)| ci * per + p.cj == slot)
+                                .peekable();
+                            if run.peek().is_none() {
+                                return Ok(None);
+                            }
+                            let truncated = run.any(|(_, p)| p.q_rows < len);
+                            Ok(Some(PairGrads {
+                                dq: take(elements(q_chunk))?,
+                                dk: take(elements(k_chunk))?,
+                                dv: take(elements(v_chunk))?,
+                                lse: truncated
+                                    .then(|| {
+                                        unsafe { compute.alloc::<f32>(batch * heads * len) }
+                                            .map_err(driver_error)
+                                    })
+                                    .transpose()?,
+                            }))
                         })
                         .collect::<Result<_>>()
                 })
                 .collect::<Result<_>>()?;
-            let pairs = rank_pairs(rotation, cfg, sharding, held_here, len);
             // What the pairs' calls would refuse, refused now (before any rank sends).
             for (rank, g) in ranks.iter().zip(grads.iter()) {
                 check_aligned::<T>(
@@ -538,7 +555,12 @@ impl Device {
                     check_aligned_out::<T>(compute, operand, t)?;
                 }
             }
-            self.plan_pairs::<T>(Op::Backward, &pairs, rank_dims(&ranks[0]))?;
+            let workspace_bytes =
+                self.plan_pairs::<T>(Op::Backward, &pairs, rank_dims(&ranks[0]))?;
+            // SAFETY: the kernels zero what they accumulate into and write the rest before
+            // reading it (as a call's own workspace); the pairs' calls use it one after another.
+            let workspace =
+                unsafe { compute.alloc::<u8>(workspace_bytes) }.map_err(driver_error)?;
             Ok((
                 (count, per, len),
                 (q_shape, k_shape, v_shape),
@@ -548,7 +570,7 @@ impl Device {
                 sums,
                 chunk_lse,
                 pairs,
-                pair_grads,
+                (pair_grads, workspace),
             ))
         })();
         rotation.agree(setup.as_ref().err())?;
@@ -561,7 +583,7 @@ impl Device {
             mut sums,
             chunk_lse,
             pairs,
-            mut pair_grads,
+            (mut pair_grads, mut workspace),
         ) = setup?;
 
         let event = |stream: &Arc<CudaStream>| stream.record_event(None).map_err(driver_error);
@@ -595,7 +617,12 @@ impl Device {
                             (rank, ci, len, &lse),
                             (&k_held, &v_held),
                             p,
-                            &mut pair_grads[i][ci * per + p.cj],
+                            (
+                                pair_grads[i][ci * per + p.cj]
+                                    .as_mut()
+                                    .ok_or_else(missing_pair_grads)?,
+                                &mut workspace,
+                            ),
                         )?;
                         plan.get_or_insert(done_plan);
                         done.push((i, ci, p));
@@ -607,7 +634,9 @@ impl Device {
                 compute.wait(sent).map_err(driver_error)?;
             }
             for &(i, ci, p) in &done {
-                let part = &pair_grads[i][ci * per + p.cj];
+                let part = pair_grads[i][ci * per + p.cj]
+                    .as_ref()
+                    .ok_or_else(missing_pair_grads)?;
                 // A part's `n` rows (batch, n, h, w), added into rows `first..` of a sum of
                 // `shape`.
                 let add = |operand: Operand,
@@ -702,7 +731,7 @@ impl Device {
         (rank, ci, len, chunk_lse): (&DeviceBackwardInputs<'_, T>, usize, usize, &CudaView<f32>),
         (k_held, v_held): (&CudaView<T>, &CudaView<T>),
         p: &ring::Pair,
-        grads: &mut PairGrads<T>,
+        (grads, workspace): (&mut PairGrads<T>, &mut CudaSlice<u8>),
     ) -> Result<Plan> {
         let [batch, _, heads, d] = rank.q.layout.shape;
         let [_, _, heads_kv, _] = rank.k.layout.shape;
@@ -763,19 +792,21 @@ impl Device {
         let lse = if p.q_rows == len {
             chunk_lse.slice(..)
         } else {
+            let rows = grads.lse.as_mut().ok_or_else(missing_pair_grads)?;
             copy_rows_f32(
                 self,
                 stream,
                 (chunk_lse, len),
-                (&mut grads.lse.slice_mut(..), p.q_rows),
+                (&mut rows.slice_mut(..), p.q_rows),
                 (p.q_rows, batch * heads),
             )?;
-            grads.lse.slice(..batch * heads * p.q_rows)
+            rows.slice(..batch * heads * p.q_rows)
         };
         let (q_n, k_n) = (batch * p.q_rows * heads, batch * p.k_rows * heads_kv);
-        self.backward_into(
+        self.backward_launch(
             stream,
             &p.mask,
+            None,
             DeviceBackwardInputs {
                 q: &q,
                 k: &k,
@@ -800,6 +831,7 @@ impl Device {
                 ),
                 dsinks: None,
             },
+            Some(workspace),
         )
     }
 
@@ -1498,13 +1530,15 @@ fn rank_dims<I: HasQkv>(rank: &I) -> [usize; 5] {
 
 impl Device {
     /// Plans each distinct pair's call (its rows, keys and mask) without running it: a pair the
-    /// dispatcher would refuse is refused before the ring starts.
+    /// dispatcher would refuse is refused before the ring starts. Returns the most workspace a
+    /// pair's backward takes (0 for the forward), which the ring takes beforehand.
     fn plan_pairs<T: Element>(
         &self,
         op: Op,
         pairs: &[Vec<Vec<ring::Pair>>],
         [batch, heads_q, heads_kv, head_dim, head_dim_v]: [usize; 5],
-    ) -> Result<()> {
+    ) -> Result<usize> {
+        let mut workspace = 0;
         let mut planned: Vec<(usize, usize, &AttentionConfig)> = vec![];
         for p in pairs.iter().flatten().flatten() {
             let key = (p.q_rows, p.k_rows, &p.mask);
@@ -1522,11 +1556,26 @@ impl Device {
                 dtype: T::DTYPE,
                 packed: false,
             };
-            self.plan(op, &problem, &p.mask)?;
+            let plan = self.plan(op, &problem, &p.mask)?;
+            if op == Op::Backward {
+                workspace = workspace.max(gpu::bwd_workspace_bytes(
+                    &problem,
+                    None,
+                    plan.backend,
+                    p.mask.deterministic,
+                    self.info.sm_count,
+                    false,
+                ));
+            }
             planned.push(key);
         }
-        Ok(())
+        Ok(workspace)
     }
+}
+
+/// A pair without the buffers the ring took for it: the two disagree on the pairs (not expected).
+fn missing_pair_grads() -> Error {
+    Error::InvalidConfig("a ring pair without its gradient buffers".into())
 }
 
 /// A rank's inputs' Q, K and V layouts, of its forward or backward inputs.

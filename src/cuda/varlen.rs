@@ -356,6 +356,6 @@ impl Device {
         inputs: DeviceBackwardInputs<'_, T>,
         grads: DeviceGradientsMut<'_, '_, T>,
     ) -> Result<Plan> {
-        self.backward_launch(stream, cfg, Some(seqs), inputs, grads)
+        self.backward_launch(stream, cfg, Some(seqs), inputs, grads, None)
     }
 }
