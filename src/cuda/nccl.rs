@@ -7,15 +7,16 @@
 //!
 //! Every rank of a ring must make the same call (shapes, type, mask, sharding, sinks) at the
 //! same step of its program. Each call first checks its own part (its tensors, their alignment,
-//! every pair's plan) and takes its buffers, then the ranks gather, on the communicator's own
-//! stream and buffers, each one's account of the call and whether it can go on (one host
-//! synchronization a call): a call that some rank makes differently, or cannot make, is refused
-//! on every rank, rather than left waiting for a transfer that never comes (every buffer the
-//! steps need, the backward's workspace included, is taken before then). An error after that, while the transfers are issued (a
-//! launch that fails), leaves the other ranks waiting, as a failed NCCL collective does: the failing rank's
-//! communicator is then broken (it takes no more calls and is aborted, not finalized, when
-//! dropped), and the application ends the ring's processes. NCCL's destroy and abort wait for
-//! every rank of the node: each rank drops its own communicator, in its own thread.
+//! every pair's plan) and takes every buffer its steps need (the backward's workspace
+//! included), then the ranks gather, on the communicator's own stream and buffers, each one's
+//! account of the call and whether it can go on (one host synchronization a call): a call that
+//! some rank makes differently, or cannot make, is refused on every rank, rather than left
+//! waiting for a transfer that never comes. An error after that, while the transfers are issued
+//! (a launch that fails), leaves the other ranks waiting, as a failed NCCL collective does: the
+//! failing rank's communicator is then broken (it takes no more calls and is aborted, not
+//! finalized, when dropped), and the application ends the ring's processes. NCCL's destroy and
+//! abort wait for every rank of the node: each rank drops its own communicator, in its own
+//! thread.
 
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_int, c_void, CStr};

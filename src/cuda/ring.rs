@@ -318,7 +318,8 @@ impl Device {
     /// the LSE, which holds the sinks). Takes device memory, all of it before the first step, for
     /// the transport's buffers, the f32 sums (two dK and dV sums a rank), the pairs'
     /// gradients (a chunk's dQ, dK and dV in `T` for each pair of chunks its steps run: one a
-    /// rank contiguous, at most four zig-zag, three causal) and one backward workspace (the
+    /// rank contiguous, at most four zig-zag, three causal; and their LSE rows where a pair covers
+    /// fewer rows than its chunk), the zig-zag chunks' LSE rows, and one backward workspace (the
     /// largest a pair's call takes), given back in stream order.
     pub fn ring_backward_into<T: Element + DeviceRepr>(
         &self,
