@@ -48,15 +48,21 @@ use views::KeysValues;
 /// probe exists only where it loads the driver at run time, and beside a crate that links the
 /// driver (candle-core) it links it instead.
 pub fn driver_present() -> bool {
+    library_loads(&["libcuda.so.1", "libcuda.so"])
+}
+
+/// Does the dynamic loader find a library under one of `names`? A handle it returns is closed at
+/// once (the library stays loaded where cudarc opened it too).
+fn library_loads(names: &[&str]) -> bool {
     extern "C" {
         fn dlopen(filename: *const std::ffi::c_char, flag: std::ffi::c_int) -> *mut c_void;
         fn dlclose(handle: *mut c_void) -> std::ffi::c_int;
     }
     const RTLD_LAZY: std::ffi::c_int = 1;
-    ["libcuda.so.1", "libcuda.so"].iter().any(|name| {
+    names.iter().any(|name| {
         let name = std::ffi::CString::new(*name).expect("no interior nul");
         // SAFETY: dlopen of a C string that lives across the call; a handle it returns is
-        // closed at once (the driver stays loaded if cudarc opened it too).
+        // closed at once.
         unsafe {
             let handle = dlopen(name.as_ptr(), RTLD_LAZY);
             if handle.is_null() {

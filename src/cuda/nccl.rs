@@ -47,25 +47,9 @@ const AGREEMENT_WORDS: usize = 1 + CALL_WORDS;
 const LIBRARY: &str = "libnccl.so";
 
 /// Is the NCCL library loadable here under the name cudarc asks for? Probed before any NCCL
-/// call, since cudarc panics when the library is missing. Asked of the dynamic loader itself,
-/// as `driver_present` asks for the driver.
+/// call, since cudarc panics when the library is missing, as `driver_present` probes the driver.
 pub fn nccl_present() -> bool {
-    extern "C" {
-        fn dlopen(filename: *const std::ffi::c_char, flag: c_int) -> *mut c_void;
-        fn dlclose(handle: *mut c_void) -> c_int;
-    }
-    const RTLD_LAZY: c_int = 1;
-    let name = std::ffi::CString::new(LIBRARY).expect("no interior nul");
-    // SAFETY: dlopen of a C string that lives across the call; a handle it returns is closed at
-    // once (the library stays loaded if cudarc opened it too).
-    unsafe {
-        let handle = dlopen(name.as_ptr(), RTLD_LAZY);
-        if handle.is_null() {
-            return false;
-        }
-        dlclose(handle);
-        true
-    }
+    super::library_loads(&[LIBRARY])
 }
 
 fn require_library() -> Result<()> {
