@@ -501,7 +501,6 @@ impl Device {
         rank: DeviceForwardInputs<'_, T>,
         output: &mut DeviceRingOutput<'_, '_, T>,
     ) -> Result<Plan> {
-        comm.check_usable()?;
         let shapes = [
             rank.q.layout.shape,
             rank.k.layout.shape,
@@ -514,22 +513,16 @@ impl Device {
             cfg,
             (false, rank.sinks.is_some()),
         );
-        let rotation = NcclRotation {
-            comm,
-            words,
-            refused: comm.check_device(self).err(),
-            transferring: Cell::new(false),
-        };
-        let result = self.ring_forward_with(
-            &rotation,
-            streams,
-            cfg,
-            sharding,
-            std::slice::from_ref(&rank),
-            std::slice::from_mut(output),
-        );
-        comm.note_failure(&rotation, &result);
-        result
+        comm.run(self, words, |rotation| {
+            self.ring_forward_with(
+                rotation,
+                streams,
+                cfg,
+                sharding,
+                std::slice::from_ref(&rank),
+                std::slice::from_mut(output),
+            )
+        })
     }
 
     /// [`Device::ring_backward_into`] for one rank of a ring across devices, as
@@ -544,50 +537,54 @@ impl Device {
         rank: DeviceBackwardInputs<'_, T>,
         grads: &mut DeviceRingGradients<'_, '_, T>,
     ) -> Result<Plan> {
-        comm.check_usable()?;
         let shapes = [
             rank.q.layout.shape,
             rank.k.layout.shape,
             rank.v.layout.shape,
         ];
         let words = call_words(T::DTYPE, sharding, shapes, cfg, (true, false));
-        let rotation = NcclRotation {
-            comm,
-            words,
-            refused: comm.check_device(self).err(),
-            transferring: Cell::new(false),
-        };
-        let result = self.ring_backward_with(
-            &rotation,
-            streams,
-            cfg,
-            sharding,
-            std::slice::from_ref(&rank),
-            std::slice::from_mut(grads),
-        );
-        comm.note_failure(&rotation, &result);
-        result
+        comm.run(self, words, |rotation| {
+            self.ring_backward_with(
+                rotation,
+                streams,
+                cfg,
+                sharding,
+                std::slice::from_ref(&rank),
+                std::slice::from_mut(grads),
+            )
+        })
     }
 }
 
 impl RingComm {
-    /// A ring call that failed while its transfers were being issued breaks the communicator.
-    fn note_failure<X>(&self, rotation: &NcclRotation<'_>, result: &Result<X>) {
+    /// One ring call on `device`, described by `words` (call_words), run by `schedule` over this
+    /// communicator's rotation. A broken communicator takes no more calls (its peers wait on
+    /// transfers of the call that broke it); a call that fails while its transfers are issued
+    /// breaks it.
+    fn run<X>(
+        &self,
+        device: &Device,
+        words: [u64; CALL_WORDS],
+        schedule: impl FnOnce(&NcclRotation<'_>) -> Result<X>,
+    ) -> Result<X> {
+        if self.broken.get() {
+            return Err(Error::Nccl {
+                what: "the communicator is broken".into(),
+                detail: "a ring call failed midway on it: drop it and end the ring's processes"
+                    .into(),
+            });
+        }
+        let rotation = NcclRotation {
+            comm: self,
+            words,
+            refused: self.check_device(device).err(),
+            transferring: Cell::new(false),
+        };
+        let result = schedule(&rotation);
         if result.is_err() && rotation.transferring.get() {
             self.broken.set(true);
         }
-    }
-
-    /// A broken communicator takes no more calls: its peers wait on transfers of the call that
-    /// broke it.
-    fn check_usable(&self) -> Result<()> {
-        if !self.broken.get() {
-            return Ok(());
-        }
-        Err(Error::Nccl {
-            what: "the communicator is broken".into(),
-            detail: "a ring call failed midway on it: drop it and end the ring's processes".into(),
-        })
+        result
     }
 }
 
