@@ -27,7 +27,7 @@ use cudarc::driver::{
 };
 use cudarc::nccl::{result, sys};
 
-use super::ring::{RingStreams, Rotation};
+use super::ring::{RingRank, RingStreams, Rotation};
 use super::{
     driver_error, Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceRingGradients,
     DeviceRingOutput,
@@ -501,17 +501,12 @@ impl Device {
         rank: DeviceForwardInputs<'_, T>,
         output: &mut DeviceRingOutput<'_, '_, T>,
     ) -> Result<Plan> {
-        let shapes = [
-            rank.q.layout.shape,
-            rank.k.layout.shape,
-            rank.v.layout.shape,
-        ];
         let words = call_words(
             T::DTYPE,
             sharding,
-            shapes,
+            rank.shapes(),
             cfg,
-            (false, rank.sinks.is_some()),
+            (false, rank.ring_sinks()),
         );
         comm.run(self, words, |rotation| {
             self.ring_forward_with(
@@ -537,12 +532,13 @@ impl Device {
         rank: DeviceBackwardInputs<'_, T>,
         grads: &mut DeviceRingGradients<'_, '_, T>,
     ) -> Result<Plan> {
-        let shapes = [
-            rank.q.layout.shape,
-            rank.k.layout.shape,
-            rank.v.layout.shape,
-        ];
-        let words = call_words(T::DTYPE, sharding, shapes, cfg, (true, false));
+        let words = call_words(
+            T::DTYPE,
+            sharding,
+            rank.shapes(),
+            cfg,
+            (true, rank.ring_sinks()),
+        );
         comm.run(self, words, |rotation| {
             self.ring_backward_with(
                 rotation,

@@ -118,17 +118,7 @@ impl Device {
         let RingStreams { compute, transport } = streams;
         // Every check and allocation before the ranks agree to go on (Rotation::agree).
         let setup = (|| -> Result<_> {
-            let held_here = ring::check_ring_shapes(
-                sharding,
-                ranks.iter().map(|r| {
-                    (
-                        [r.q.layout.shape, r.k.layout.shape, r.v.layout.shape],
-                        r.sinks.is_some(),
-                    )
-                }),
-            )?;
-            rotation.check_held(held_here)?;
-            check_ring_dtype::<T>()?;
+            let held_here = check_held_ranks(rotation, sharding, ranks)?;
             let count = rotation.count();
             let per = sharding.chunks_per_rank();
             let max_parts = crate::ffi::FLASHATTN_MAX_COMBINE_PARTS as usize;
@@ -347,17 +337,7 @@ impl Device {
         let RingStreams { compute, transport } = streams;
         // Every check and allocation before the ranks agree to go on (Rotation::agree).
         let setup = (|| -> Result<_> {
-            let held_here = ring::check_ring_shapes(
-                sharding,
-                ranks.iter().map(|r| {
-                    (
-                        [r.q.layout.shape, r.k.layout.shape, r.v.layout.shape],
-                        false,
-                    )
-                }),
-            )?;
-            rotation.check_held(held_here)?;
-            check_ring_dtype::<T>()?;
+            let held_here = check_held_ranks(rotation, sharding, ranks)?;
             let count = rotation.count();
             if grads.len() != held_here {
                 return Err(Error::InvalidConfig(format!(
@@ -1524,9 +1504,9 @@ fn rank_pairs<R: Rotation>(
 
 /// A rank's batch, query heads, KV heads and head dims (Q's, V's): what its pairs' problems
 /// share.
-fn rank_dims<I: HasQkv>(rank: &I) -> [usize; 5] {
-    let (q, k, v) = rank.qkv();
-    [q.shape[0], q.shape[2], k.shape[2], q.shape[3], v.shape[3]]
+fn rank_dims<T, I: RingRank<T>>(rank: &I) -> [usize; 5] {
+    let [q, k, v] = rank.shapes();
+    [q[0], q[2], k[2], q[3], v[3]]
 }
 
 impl Device {
@@ -1574,26 +1554,55 @@ impl Device {
     }
 }
 
+/// A rank's inputs to a ring call, forward or backward: its Q, K and V shards, and whether the
+/// call has sinks (the backward reads none: the LSE holds them).
+pub(super) trait RingRank<T> {
+    fn qkv(&self) -> [&DeviceTensor<'_, T>; 3];
+    fn ring_sinks(&self) -> bool;
+
+    fn shapes(&self) -> [[usize; 4]; 3] {
+        self.qkv().map(|t| t.layout.shape)
+    }
+}
+
+impl<T> RingRank<T> for DeviceForwardInputs<'_, T> {
+    fn qkv(&self) -> [&DeviceTensor<'_, T>; 3] {
+        [self.q, self.k, self.v]
+    }
+
+    fn ring_sinks(&self) -> bool {
+        self.sinks.is_some()
+    }
+}
+
+impl<T> RingRank<T> for DeviceBackwardInputs<'_, T> {
+    fn qkv(&self) -> [&DeviceTensor<'_, T>; 3] {
+        [self.q, self.k, self.v]
+    }
+
+    fn ring_sinks(&self) -> bool {
+        false
+    }
+}
+
 /// A pair without the buffers the ring took for it: the two disagree on the pairs (not expected).
 fn missing_pair_grads() -> Error {
     Error::InvalidConfig("a ring pair without its gradient buffers".into())
 }
 
-/// A rank's inputs' Q, K and V layouts, of its forward or backward inputs.
-trait HasQkv {
-    fn qkv(&self) -> (&Layout, &Layout, &Layout);
-}
-
-impl<T> HasQkv for DeviceForwardInputs<'_, T> {
-    fn qkv(&self) -> (&Layout, &Layout, &Layout) {
-        (&self.q.layout, &self.k.layout, &self.v.layout)
-    }
-}
-
-impl<T> HasQkv for DeviceBackwardInputs<'_, T> {
-    fn qkv(&self) -> (&Layout, &Layout, &Layout) {
-        (&self.q.layout, &self.k.layout, &self.v.layout)
-    }
+/// The ranks held here, as every ring call first checks them: their shapes
+/// ([`ring::check_ring_shapes`]), as many as the rotation holds, an element type the ring takes.
+/// Returns how many are held.
+fn check_held_ranks<T: Element, I: RingRank<T>, R: Rotation>(
+    rotation: &R,
+    sharding: Sharding,
+    ranks: &[I],
+) -> Result<usize> {
+    let held =
+        ring::check_ring_shapes(sharding, ranks.iter().map(|r| (r.shapes(), r.ring_sinks())))?;
+    rotation.check_held(held)?;
+    check_ring_dtype::<T>()?;
+    Ok(held)
 }
 
 /// The element types a ring takes: the 16-bit ones (its merges' and its calls'); an FP8 ring
@@ -1652,7 +1661,7 @@ fn read_and_fill<X>(pair: &mut [X; 2], step: usize) -> (&X, &mut X) {
 
 /// Step `step`'s hand-on of the K and V shards: each rank held here sends the shard it holds
 /// (its own at step 0) and receives the next one into its buffer `step % 2`.
-fn rotate_shards<T: DeviceRepr, I: HasKv<T>, R: Rotation>(
+fn rotate_shards<T: DeviceRepr, I: RingRank<T>, R: Rotation>(
     rotation: &R,
     transport: &Arc<CudaStream>,
     ranks: &[I],
@@ -1666,8 +1675,8 @@ fn rotate_shards<T: DeviceRepr, I: HasKv<T>, R: Rotation>(
         .map(|(rank, pair)| {
             let (read, fill) = read_and_fill(pair, step);
             let from = if step == 0 {
-                let (k, v) = rank.kv();
-                [k.slice(..k_len), v.slice(..v_len)]
+                let [_, k, v] = rank.qkv();
+                [k.data.slice(..k_len), v.data.slice(..v_len)]
             } else {
                 [read.k.slice(..), read.v.slice(..)]
             };
@@ -1675,23 +1684,6 @@ fn rotate_shards<T: DeviceRepr, I: HasKv<T>, R: Rotation>(
         })
         .unzip();
     rotation.rotate(transport, &from, &mut into)
-}
-
-/// A rank's K and V shards, of its forward or backward inputs.
-trait HasKv<T> {
-    fn kv(&self) -> (&CudaView<'_, T>, &CudaView<'_, T>);
-}
-
-impl<T> HasKv<T> for DeviceForwardInputs<'_, T> {
-    fn kv(&self) -> (&CudaView<'_, T>, &CudaView<'_, T>) {
-        (&self.k.data, &self.v.data)
-    }
-}
-
-impl<T> HasKv<T> for DeviceBackwardInputs<'_, T> {
-    fn kv(&self) -> (&CudaView<'_, T>, &CudaView<'_, T>) {
-        (&self.k.data, &self.v.data)
-    }
 }
 
 /// `height` rows of `width` f32 from `src` (rows `src_pitch` elements apart) into `dst` (rows
