@@ -6,10 +6,11 @@
 //! against one device's single call over one rank's rows: the weak scaling of a sequence N
 //! times as long over N devices (1.0: N times one device's causal FLOP rate at L rows, whose
 //! diagonal share is larger, so above 1.0 can be). `--rows L` (default 16384): rows per rank.
-//! CUDA events on each rank's compute stream around each call (over NCCL the call's agreement
-//! included: a host synchronization, and the wait for the slowest rank), 3 warm-up calls, the
-//! median of `--reps` (default 20); with NCCL the slowest rank's median. A rank that fails
-//! leaves the others waiting: bound the run with a timeout.
+//! Timed as bench_table (`common::Protocol`: CUDA events on each rank's compute stream around
+//! each call, 3 warm-up calls, the median of about 200 ms of calls, 20 to 100; its flags). Over
+//! NCCL each call includes its agreement (a host synchronization, and the wait for the slowest
+//! rank), every rank makes the protocol's fewest calls, and the row is the slowest rank's
+//! median. A rank that fails leaves the others waiting: bound the run with a timeout.
 //!
 //! `cargo run --release --example bench_ring -- --ranks 4 --out ring.json`
 
@@ -28,7 +29,14 @@ use half::bf16;
 
 const HEADS: usize = 16;
 const D: usize = 128;
-const WARMUP: usize = 3;
+/// Timed as the other benches (`common::Protocol`: its flags).
+const PROTOCOL: common::Protocol = common::Protocol {
+    warmup: 3,
+    min_reps: 20,
+    max_reps: 100,
+    target_ms: 200.0,
+    cool_ms: 20.0,
+};
 
 /// One rank's buffers: Q, K, V, O, dO, the gradients (rows × HEADS × D each) and the LSE.
 struct Rank {
@@ -55,35 +63,29 @@ fn view(x: &CudaSlice<bf16>, shape: [usize; 4]) -> DeviceTensor<'_, bf16> {
     DeviceTensor::contiguous(x, shape)
 }
 
-/// Median milliseconds of `reps` calls on `stream`, after the warm-up.
-fn median_ms(stream: &Arc<CudaStream>, reps: usize, mut call: impl FnMut()) -> f64 {
-    (0..WARMUP).for_each(|_| call());
-    let mut ms: Vec<f64> = (0..reps)
-        .map(|_| {
-            let start = common::timing_event(stream);
-            call();
-            let end = common::timing_event(stream);
-            stream.synchronize().unwrap();
-            start.elapsed_ms(&end).unwrap() as f64
-        })
-        .collect();
-    ms.sort_by(f64::total_cmp);
-    common::percentile(&ms, 50.0)
+/// The median milliseconds of `call` on `stream` under `protocol`.
+fn median_ms(stream: &Arc<CudaStream>, protocol: &common::Protocol, call: impl FnMut()) -> f64 {
+    protocol.median_ms(stream, call).0
 }
 
 /// Forward and backward milliseconds of one call over `rows` rows (the whole sequence's).
-fn single_call_ms(dev: &Device, cfg: &AttentionConfig, rows: usize, reps: usize) -> (f64, f64) {
+fn single_call_ms(
+    dev: &Device,
+    cfg: &AttentionConfig,
+    rows: usize,
+    protocol: &common::Protocol,
+) -> (f64, f64) {
     let stream = dev.new_stream().unwrap();
     let mut r = Rank::new(&stream, rows, 0);
     let shape = [1, rows, HEADS, D];
     let [q, k, v, o, g, dq, dk, dv] = &mut r.x;
     let (qt, kt, vt, gt) = (
-        DeviceTensor::contiguous(q, shape),
-        DeviceTensor::contiguous(k, shape),
-        DeviceTensor::contiguous(v, shape),
-        DeviceTensor::contiguous(g, shape),
+        view(q, shape),
+        view(k, shape),
+        view(v, shape),
+        view(g, shape),
     );
-    let fwd = median_ms(&stream, reps, || {
+    let fwd = median_ms(&stream, protocol, || {
         dev.forward_into(
             &stream,
             cfg,
@@ -93,9 +95,9 @@ fn single_call_ms(dev: &Device, cfg: &AttentionConfig, rows: usize, reps: usize)
         )
         .unwrap();
     });
-    let ot = DeviceTensor::contiguous(o, shape);
+    let ot = view(o, shape);
     let lse = r.lse.as_view();
-    let bwd = median_ms(&stream, reps, || {
+    let bwd = median_ms(&stream, protocol, || {
         dev.backward_into(
             &stream,
             cfg,
@@ -126,7 +128,7 @@ fn local_ring_ms(
     cfg: &AttentionConfig,
     ranks: usize,
     rows: usize,
-    reps: usize,
+    protocol: &common::Protocol,
 ) -> (f64, f64) {
     let compute = dev.new_stream().unwrap();
     let transport = dev.new_stream().unwrap();
@@ -156,7 +158,7 @@ fn local_ring_ms(
             .iter_mut()
             .map(|(out, lse)| DeviceRingOutput { out, lse })
             .collect();
-        median_ms(&compute, reps, || {
+        median_ms(&compute, protocol, || {
             dev.ring_forward_into(streams, cfg, Sharding::ZigZag, &inputs, &mut outs)
                 .unwrap();
         })
@@ -189,7 +191,7 @@ fn local_ring_ms(
         .iter_mut()
         .map(|[dq, dk, dv]| DeviceRingGradients { dq, dk, dv })
         .collect();
-    let bwd = median_ms(&compute, reps, || {
+    let bwd = median_ms(&compute, protocol, || {
         dev.ring_backward_into(streams, cfg, Sharding::ZigZag, &inputs, &mut g)
             .unwrap();
     });
@@ -199,7 +201,18 @@ fn local_ring_ms(
 /// Forward and backward milliseconds of the ring over NCCL, one rank a device: each rank's
 /// median, the slowest.
 #[cfg(feature = "nccl")]
-fn nccl_ring_ms(devs: &[Device], cfg: &AttentionConfig, rows: usize, reps: usize) -> (f64, f64) {
+fn nccl_ring_ms(
+    devs: &[Device],
+    cfg: &AttentionConfig,
+    rows: usize,
+    protocol: &common::Protocol,
+) -> (f64, f64) {
+    // Every rank makes as many calls (a rank that made fewer would leave the others waiting):
+    // the protocol's count with no time target, its fewest runs.
+    let protocol = &common::Protocol {
+        target_ms: 0.0,
+        ..*protocol
+    };
     use flashattn::cuda::RingComm;
     let comms = RingComm::for_devices(devs).unwrap();
     let shape = [1, rows, HEADS, D];
@@ -220,7 +233,7 @@ fn nccl_ring_ms(devs: &[Device], cfg: &AttentionConfig, rows: usize, reps: usize
                     let [q, k, v, o, g, dq, dk, dv] = &mut r.x;
                     let t = |x| view(x, shape);
                     let (qt, kt, vt, gt) = (t(q), t(k), t(v), t(g));
-                    let fwd = median_ms(&compute, reps, || {
+                    let fwd = median_ms(&compute, protocol, || {
                         dev.ring_forward_nccl(
                             &comm,
                             streams,
@@ -236,7 +249,7 @@ fn nccl_ring_ms(devs: &[Device], cfg: &AttentionConfig, rows: usize, reps: usize
                     });
                     let ot = t(o);
                     let lse = r.lse.as_view();
-                    let bwd = median_ms(&compute, reps, || {
+                    let bwd = median_ms(&compute, protocol, || {
                         dev.ring_backward_nccl(
                             &comm,
                             streams,
@@ -278,7 +291,8 @@ fn main() {
             .map(|v| v.parse::<usize>().expect("a number"))
             .unwrap_or(default)
     };
-    let (rows, reps) = (num("--rows", 16384), num("--reps", 20));
+    let rows = num("--rows", 16384);
+    let protocol = &common::Protocol::from_args(&args, PROTOCOL);
     let cfg = AttentionConfig::new().causal(true);
     // Causal forward FLOPs over `n` rows; the backward 2.5 times them.
     let flops = |n: usize| 2.0 * (n * n) as f64 * (HEADS * D) as f64;
@@ -289,8 +303,8 @@ fn main() {
         {
             let count = flashattn::cuda::device_count().unwrap();
             let devs: Vec<Device> = (0..count).map(|i| Device::new(i).unwrap()).collect();
-            let (one_fwd, one_bwd) = single_call_ms(&dev, &cfg, rows, reps);
-            let (fwd, bwd) = nccl_ring_ms(&devs, &cfg, rows, reps);
+            let (one_fwd, one_bwd) = single_call_ms(&dev, &cfg, rows, protocol);
+            let (fwd, bwd) = nccl_ring_ms(&devs, &cfg, rows, protocol);
             let total = rows * count;
             let scaling = |ring_ms: f64, one_ms: f64| {
                 (flops(total) / ring_ms) / (count as f64 * flops(rows) / one_ms)
@@ -322,8 +336,8 @@ fn main() {
     } else {
         let ranks = num("--ranks", 2);
         let total = rows * ranks;
-        let (one_fwd, one_bwd) = single_call_ms(&dev, &cfg, total, reps);
-        let (fwd, bwd) = local_ring_ms(&dev, &cfg, ranks, rows, reps);
+        let (one_fwd, one_bwd) = single_call_ms(&dev, &cfg, total, protocol);
+        let (fwd, bwd) = local_ring_ms(&dev, &cfg, ranks, rows, protocol);
         println!(
             "ring of {ranks} simulated ranks, {rows} rows each, one device: fwd {fwd:.3} ms \
              ({:.0} TFLOP/s, {:.3} of the single call's {one_fwd:.3} ms), bwd {bwd:.3} ms ({:.0} \
@@ -342,6 +356,7 @@ fn main() {
     }
     if let Some(path) = args.value("--out") {
         let device = common::describe(dev.info());
-        common::write_results(&path, &device, &args.commit(), "", &rows_json);
+        let timing = format!(", \"timing\": {{{}}}", protocol.json_fields());
+        common::write_results(&path, &device, &args.commit(), &timing, &rows_json);
     }
 }
