@@ -52,6 +52,80 @@ pub(super) fn rank_lse<X: Copy>(
     out
 }
 
+/// The whole sequence's inputs of a ring case, drawn in one order (Q, K, V, then dO) so that
+/// every case of a seed sees the same values: Q `(batch, seqlen, hq, d)`, K and V `(batch,
+/// seqlen, hk, d)`, dO like Q.
+pub(super) struct WholeCall {
+    pub q: Vec<bf16>,
+    pub k: Vec<bf16>,
+    pub v: Vec<bf16>,
+    pub dout: Vec<bf16>,
+    pub q_shape: [usize; 4],
+    pub kv_shape: [usize; 4],
+}
+
+impl WholeCall {
+    pub(super) fn random(
+        (batch, seqlen, hq, hk, d): (usize, usize, usize, usize, usize),
+        seed: u64,
+    ) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let (q_shape, kv_shape) = ([batch, seqlen, hq, d], [batch, seqlen, hk, d]);
+        let q = random(batch * seqlen * hq * d, &mut rng);
+        let k = random(batch * seqlen * hk * d, &mut rng);
+        let v = random(batch * seqlen * hk * d, &mut rng);
+        let dout = random(batch * seqlen * hq * d, &mut rng);
+        WholeCall {
+            q,
+            k,
+            v,
+            dout,
+            q_shape,
+            kv_shape,
+        }
+    }
+
+    /// Q, K, V and dO as tensors.
+    pub(super) fn refs(&self) -> [TensorRef<'_, bf16>; 4] {
+        [
+            TensorRef::contiguous(&self.q, self.q_shape),
+            TensorRef::contiguous(&self.k, self.kv_shape),
+            TensorRef::contiguous(&self.v, self.kv_shape),
+            TensorRef::contiguous(&self.dout, self.q_shape),
+        ]
+    }
+}
+
+/// Rank `r`'s dQ, dK and dV (`got`, f32) against its rows (`rows_of`) of the whole call's f64
+/// gradients under the rule: a line for each that fails, naming `what`.
+pub(super) fn rank_gradient_failures(
+    what: &str,
+    r: usize,
+    got: [Vec<f32>; 3],
+    (want, base): (&reference::ReferenceGrads, &reference::BaselineGrads),
+    whole: &WholeCall,
+    rows_of: &[Range<usize>],
+) -> Vec<String> {
+    let mut failures = vec![];
+    for ((name, got), (reference, baseline, shape)) in
+        ["dQ", "dK", "dV"].into_iter().zip(got).zip([
+            (&want.dq, &base.dq, whole.q_shape),
+            (&want.dk, &base.dk, whole.kv_shape),
+            (&want.dv, &base.dv, whole.kv_shape),
+        ])
+    {
+        let cmp = reference::compare_gradient::<bf16>(
+            &got,
+            &rank_rows(reference, shape, rows_of),
+            &rank_rows(baseline, shape, rows_of),
+        );
+        if !cmp.pass {
+            failures.push(format!("{what}: rank {r}: {name} {cmp}"));
+        }
+    }
+    failures
+}
+
 /// One ring against the whole call: the failures, each naming the case.
 fn ring_case(
     cfg: &AttentionConfig,
@@ -61,17 +135,9 @@ fn ring_case(
     with_sinks: bool,
     seed: u64,
 ) -> Vec<String> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let (q_shape, kv_shape) = ([batch, seqlen, hq, d], [batch, seqlen, hk, d]);
-    let q: Vec<bf16> = random(batch * seqlen * hq * d, &mut rng);
-    let k: Vec<bf16> = random(batch * seqlen * hk * d, &mut rng);
-    let v: Vec<bf16> = random(batch * seqlen * hk * d, &mut rng);
+    let whole = WholeCall::random((batch, seqlen, hq, hk, d), seed);
     let sinks: Vec<f32> = (0..hq).map(|h| 0.5 * h as f32 - 1.0).collect();
-    let (qt, kt, vt) = (
-        TensorRef::contiguous(&q, q_shape),
-        TensorRef::contiguous(&k, kv_shape),
-        TensorRef::contiguous(&v, kv_shape),
-    );
+    let [qt, kt, vt, _] = whole.refs();
     let (want, base) = if with_sinks {
         (
             reference::reference_forward_sinks(cfg, qt, kt, vt, &sinks),
@@ -300,18 +366,10 @@ fn ring_backward_case(
     seed: u64,
 ) -> Vec<String> {
     use flashattn::cuda::{DeviceBackwardInputs, DeviceForwardInputs, DeviceRingGradients};
-    let mut rng = StdRng::seed_from_u64(seed);
-    let (q_shape, kv_shape) = ([batch, seqlen, hq, d], [batch, seqlen, hk, d]);
-    let q: Vec<bf16> = random(batch * seqlen * hq * d, &mut rng);
-    let k: Vec<bf16> = random(batch * seqlen * hk * d, &mut rng);
-    let v: Vec<bf16> = random(batch * seqlen * hk * d, &mut rng);
-    let dout: Vec<bf16> = random(batch * seqlen * hq * d, &mut rng);
-    let (qt, kt, vt, dt) = (
-        TensorRef::contiguous(&q, q_shape),
-        TensorRef::contiguous(&k, kv_shape),
-        TensorRef::contiguous(&v, kv_shape),
-        TensorRef::contiguous(&dout, q_shape),
-    );
+    let whole = WholeCall::random((batch, seqlen, hq, hk, d), seed);
+    let (q_shape, kv_shape) = (whole.q_shape, whole.kv_shape);
+    let (q, k, v, dout) = (&whole.q[..], &whole.k[..], &whole.v[..], &whole.dout[..]);
+    let [qt, kt, vt, dt] = whole.refs();
     let want = reference::reference_backward(cfg, qt, kt, vt, dt);
     let base = reference::baseline_backward(cfg, qt, kt, vt, dt);
     let what = format!(
@@ -323,7 +381,7 @@ fn ring_backward_case(
     let (dev, compute) = device();
     let transport = dev.new_stream().unwrap();
     let up = |x: &[bf16]| compute.clone_htod(x).unwrap();
-    let (qd, kd, vd) = (up(&q), up(&k), up(&v));
+    let (qd, kd, vd) = (up(q), up(k), up(v));
     let mut od = up(&vec![bf16::NAN; q.len()]);
     let mut lse_d = compute
         .clone_htod(&vec![f32::NAN; batch * hq * seqlen])
@@ -356,11 +414,11 @@ fn ring_backward_case(
             let rows_of = sharding.rows(seqlen, ranks, r).unwrap();
             (
                 [
-                    shard(&q, q_shape, r),
-                    shard(&k, kv_shape, r),
-                    shard(&v, kv_shape, r),
+                    shard(q, q_shape, r),
+                    shard(k, kv_shape, r),
+                    shard(v, kv_shape, r),
                     shard(&o, q_shape, r),
-                    shard(&dout, q_shape, r),
+                    shard(dout, q_shape, r),
                 ],
                 compute
                     .clone_htod(&rank_lse(&lse, [batch, seqlen, hq], &rows_of))
@@ -436,22 +494,16 @@ fn ring_backward_case(
     let mut failures = vec![];
     for (r, (dq, dk, dv)) in grads.iter().enumerate() {
         let rows_of = sharding.rows(seqlen, ranks, r).unwrap();
-        for (name, got, reference, baseline, shape) in [
-            ("dQ", dq, &want.dq, &base.dq, q_shape),
-            ("dK", dk, &want.dk, &base.dk, kv_shape),
-            ("dV", dv, &want.dv, &base.dv, kv_shape),
-        ] {
-            let got = reference::to_f32(&compute.clone_dtoh(got).unwrap());
-            compute.synchronize().unwrap();
-            let cmp = reference::compare_gradient::<bf16>(
-                &got,
-                &rank_rows(reference, shape, &rows_of),
-                &rank_rows(baseline, shape, &rows_of),
-            );
-            if !cmp.pass {
-                failures.push(format!("{what}: rank {r}: {name} {cmp}"));
-            }
-        }
+        let got = [dq, dk, dv].map(|g| reference::to_f32(&compute.clone_dtoh(g).unwrap()));
+        compute.synchronize().unwrap();
+        failures.extend(rank_gradient_failures(
+            &what,
+            r,
+            got,
+            (&want, &base),
+            &whole,
+            &rows_of,
+        ));
     }
     failures
 }

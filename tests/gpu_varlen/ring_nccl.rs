@@ -18,11 +18,8 @@ use flashattn::reference::{self, compare};
 use flashattn::ring::{self, Sharding};
 use flashattn::{AttentionConfig, TensorRef};
 use half::bf16;
-use rand::rngs::StdRng;
-use rand::SeedableRng;
 
-use super::harness::random;
-use super::ring::{rank_lse, rank_rows};
+use super::ring::{rank_gradient_failures, rank_lse, rank_rows, WholeCall};
 
 /// One ring's communicators at a time: NCCL takes no two sets of them driving the same devices
 /// at once (the test harness runs tests in parallel).
@@ -128,18 +125,10 @@ fn nccl_case(
     (batch, seqlen, hq, hk, d): (usize, usize, usize, usize, usize),
     seed: u64,
 ) -> Vec<String> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let (q_shape, kv_shape) = ([batch, seqlen, hq, d], [batch, seqlen, hk, d]);
-    let q: Vec<bf16> = random(batch * seqlen * hq * d, &mut rng);
-    let k: Vec<bf16> = random(batch * seqlen * hk * d, &mut rng);
-    let v: Vec<bf16> = random(batch * seqlen * hk * d, &mut rng);
-    let dout: Vec<bf16> = random(batch * seqlen * hq * d, &mut rng);
-    let (qt, kt, vt, dt) = (
-        TensorRef::contiguous(&q, q_shape),
-        TensorRef::contiguous(&k, kv_shape),
-        TensorRef::contiguous(&v, kv_shape),
-        TensorRef::contiguous(&dout, q_shape),
-    );
+    let whole = WholeCall::random((batch, seqlen, hq, hk, d), seed);
+    let (q_shape, kv_shape) = (whole.q_shape, whole.kv_shape);
+    let (q, k, v, dout) = (&whole.q, &whole.k, &whole.v, &whole.dout);
+    let [qt, kt, vt, dt] = whole.refs();
     let (want, base) = (
         reference::reference_forward(cfg, qt, kt, vt),
         reference::baseline_forward(cfg, qt, kt, vt),
@@ -182,11 +171,11 @@ fn nccl_case(
             .map(|(r, (dev, comm))| {
                 let rows_of = sharding.rows(seqlen, devices, r).unwrap();
                 let inputs = [
-                    shard(&q, q_shape, r),
-                    shard(&k, kv_shape, r),
-                    shard(&v, kv_shape, r),
+                    shard(q, q_shape, r),
+                    shard(k, kv_shape, r),
+                    shard(v, kv_shape, r),
                     shard(&o, q_shape, r),
-                    shard(&dout, q_shape, r),
+                    shard(dout, q_shape, r),
                 ];
                 let lse = rank_lse(&lse, [batch, seqlen, hq], &rows_of);
                 let shapes = [[batch, rows, hq, d], [batch, rows, hk, d]];
@@ -214,7 +203,7 @@ fn nccl_case(
         };
         let rows_of = sharding.rows(seqlen, devices, r).unwrap();
         let lse_shape = [batch, seqlen, hq];
-        let mut checks = vec![
+        let checks = [
             (
                 "O",
                 compare(
@@ -232,37 +221,20 @@ fn nccl_case(
                 ),
             ),
         ];
-        for (name, got, reference, baseline, shape) in [
-            ("dQ", &got.grads[0], &want_grads.dq, &base_grads.dq, q_shape),
-            (
-                "dK",
-                &got.grads[1],
-                &want_grads.dk,
-                &base_grads.dk,
-                kv_shape,
-            ),
-            (
-                "dV",
-                &got.grads[2],
-                &want_grads.dv,
-                &base_grads.dv,
-                kv_shape,
-            ),
-        ] {
-            checks.push((
-                name,
-                reference::compare_gradient::<bf16>(
-                    &reference::to_f32(got),
-                    &rank_rows(reference, shape, &rows_of),
-                    &rank_rows(baseline, shape, &rows_of),
-                ),
-            ));
-        }
         for (name, cmp) in checks {
             if !cmp.pass {
                 failures.push(format!("{what}: rank {r}: {name} {cmp}"));
             }
         }
+        let grads = got.grads.map(|g| reference::to_f32(&g));
+        failures.extend(rank_gradient_failures(
+            &what,
+            r,
+            grads,
+            (&want_grads, &base_grads),
+            &whole,
+            &rows_of,
+        ));
     }
     failures
 }
