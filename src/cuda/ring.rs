@@ -71,6 +71,27 @@ struct Shard<T> {
     v: CudaSlice<T>,
 }
 
+/// The transport's buffers: two shards (K and V of `k_len` and `v_len` elements) for each of
+/// the `held` ranks, none where the ring has one rank (a lone rank sends nothing).
+fn shard_slots<T: DeviceRepr>(
+    compute: &Arc<CudaStream>,
+    count: usize,
+    held: usize,
+    (k_len, v_len): (usize, usize),
+) -> Result<Vec<[Shard<T>; 2]>> {
+    // SAFETY: each buffer is written whole by a transport copy before any call reads it.
+    let slot = || -> Result<Shard<T>> {
+        Ok(Shard {
+            k: unsafe { compute.alloc::<T>(k_len) }.map_err(driver_error)?,
+            v: unsafe { compute.alloc::<T>(v_len) }.map_err(driver_error)?,
+        })
+    };
+    if count <= 1 {
+        return Ok(vec![]);
+    }
+    (0..held).map(|_| Ok([slot()?, slot()?])).collect()
+}
+
 /// A query chunk's part over one key chunk: its O `(batch, len, heads_q, d_v)` and LSE `(batch,
 /// heads_q, len)`, rows that see no key of the chunk O 0 and LSE +inf; where its call covers
 /// only some rows, the LSE of those `(batch, heads_q, rows)` that the call writes.
@@ -178,21 +199,7 @@ impl Device {
                 elements(ranks[0].k.layout.shape),
                 elements(ranks[0].v.layout.shape),
             );
-            // SAFETY: each buffer is written whole by a transport copy before any call reads it.
-            let slot = || -> Result<Shard<T>> {
-                Ok(Shard {
-                    k: unsafe { compute.alloc::<T>(k_len) }.map_err(driver_error)?,
-                    v: unsafe { compute.alloc::<T>(v_len) }.map_err(driver_error)?,
-                })
-            };
-            // A lone rank sends nothing.
-            let slots: Vec<[Shard<T>; 2]> = if count > 1 {
-                (0..held_here)
-                    .map(|_| Ok([slot()?, slot()?]))
-                    .collect::<Result<_>>()?
-            } else {
-                vec![]
-            };
+            let slots = shard_slots::<T>(compute, count, held_here, (k_len, v_len))?;
             // Each rank's query chunks' pairs, in ring order, and their parts.
             let pairs = rank_pairs(rotation, cfg, sharding, held_here, len);
             // What the pairs' calls would refuse, refused now (before any rank sends).
@@ -413,19 +420,7 @@ impl Device {
             let zeros = |n: usize| compute.alloc_zeros::<f32>(n).map_err(driver_error);
             // SAFETY (the uninitialized buffers below): each is written whole (a transport copy, or
             // a call) before anything reads it.
-            let slot = || -> Result<Shard<T>> {
-                Ok(Shard {
-                    k: unsafe { compute.alloc::<T>(k_len) }.map_err(driver_error)?,
-                    v: unsafe { compute.alloc::<T>(v_len) }.map_err(driver_error)?,
-                })
-            };
-            let slots: Vec<[Shard<T>; 2]> = if count > 1 {
-                (0..held_here)
-                    .map(|_| Ok([slot()?, slot()?]))
-                    .collect::<Result<_>>()?
-            } else {
-                vec![]
-            };
+            let slots = shard_slots::<T>(compute, count, held_here, (k_len, v_len))?;
             let dq_sums: Vec<CudaSlice<f32>> = (0..held_here)
                 .map(|_| zeros(elements(q_shape)))
                 .collect::<Result<_>>()?;
