@@ -9,11 +9,14 @@ use cudarc::driver::{
 
 use super::varlen::DevicePages;
 use super::views::KeysValues;
-use super::{driver_error, Device, DeviceSeqlens, DeviceTensor, DeviceTensorMut};
+use super::{
+    check_aligned, check_aligned_out, driver_error, Device, DeviceSeqlens, DeviceTensor,
+    DeviceTensorMut,
+};
 use crate::backend::gpu::{self, CacheTiles, RawTensor};
 use crate::config::{AttentionConfig, Backend};
 use crate::dispatch::Plan;
-use crate::error::{Error, Operand, Result};
+use crate::error::{CallPart, Error, Operand, Result};
 use crate::ffi;
 use crate::kvcache;
 use crate::registry::{self, Family, TileRole};
@@ -409,6 +412,15 @@ struct CacheCall<'a> {
     dtype: DType,
 }
 
+/// What a KV-cache forward writes, and its sinks, as [`Device::cache_rows`] checks them: O's
+/// layout and length, the LSE's length, the sinks' count.
+struct CacheOutputs<'a> {
+    out: &'a Layout,
+    out_len: usize,
+    lse_len: usize,
+    sinks: Option<usize>,
+}
+
 /// How the packed kernels take a KV-cache call: Q's and O's rows, the tiles, and the keys.
 struct CacheRows<'a> {
     q: Layout,
@@ -497,14 +509,20 @@ impl Device {
     }
 
     /// A KV-cache forward as the packed kernels take it, and every refusal of it that needs no
-    /// plan (its shapes, O's, the rows, the page size, the splits): a step runs it before it
-    /// writes the cache.
+    /// plan (its shapes, O's and the LSE's, the sinks' count, the rows, the page size, the
+    /// splits): a step runs it before it writes the cache.
     fn cache_rows<'a>(
         &self,
         cfg: &AttentionConfig,
         call: CacheCall<'a>,
-        out: &Layout,
+        outputs: CacheOutputs<'_>,
     ) -> Result<CacheRows<'a>> {
+        let CacheOutputs {
+            out,
+            out_len,
+            lse_len,
+            sinks,
+        } = outputs;
         let [batch, seqlen_q, heads_q, head_dim] = call.q.shape;
         let [entries, cache_rows, heads_kv, _] = call.k_cache.shape;
         let head_dim_v = call.v_cache.shape[3];
@@ -525,7 +543,7 @@ impl Device {
             [entries, cache_rows, heads_kv, head_dim_v],
         )?;
         // Sizes and the GQA group, as the forward's problem has them.
-        Problem {
+        let problem = Problem {
             batch,
             seqlen_q,
             seqlen_k: cache_rows,
@@ -535,9 +553,12 @@ impl Device {
             head_dim_v,
             dtype: call.dtype,
             packed: false,
-        }
-        .validate()?;
+        };
+        problem.validate()?;
         Problem::expect_shape(Operand::Out, out, [batch, seqlen_q, heads_q, head_dim_v])?;
+        tensor::check_output_len(Operand::Out, out, out_len)?;
+        problem.check_lse_len(lse_len)?;
+        tensor::check_sinks(&problem, sinks, None)?;
         let keys = match call.table {
             Some(table) => {
                 let hopper = (self.info.major, self.info.minor) == (9, 0);
@@ -640,7 +661,12 @@ impl Device {
                 num_splits,
                 dtype: T::DTYPE,
             },
-            &out.layout,
+            CacheOutputs {
+                out: &out.layout,
+                out_len: out.data.len(),
+                lse_len: lse.len(),
+                sinks: sinks.map(|s| s.len()),
+            },
         )?;
         let seqlen_q = q.layout.shape[1];
         let q_rows = DeviceTensor::new(q.data.slice(..), rows.q);
@@ -731,9 +757,10 @@ impl Device {
     /// One step over a KV cache on the device into caller-owned outputs, ordered on `stream`
     /// ([`DeviceKvCacheStep`]; O and the LSE as [`Device::kvcache_forward_into`] writes them).
     /// With new keys it takes device memory for the step's key counts (and with rotary
-    /// embedding for the rotated Q), given back in stream order. The shapes, the page size and
-    /// the splits are checked before the cache is written; the forward's plan (a head dim or
-    /// backend this build lacks) after: such an error leaves the new rows in the cache.
+    /// embedding for the rotated Q), given back in stream order. Everything the forward checks
+    /// (shapes, lengths, devices, alignment, the sinks' count, the page size, the splits) is
+    /// checked before the cache is written or anything uploaded, but the forward's plan (a head
+    /// dim or backend this build lacks): such an error leaves the new rows in the cache.
     pub fn kvcache_step_into<T: Element + DeviceRepr, C: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
@@ -756,6 +783,28 @@ impl Device {
             descales,
         } = step;
         let [batch, seqlen_q, heads_q, head_dim] = q.layout.shape;
+        // Before anything is uploaded on `stream` or the cache written: the devices of what the
+        // step's forward reads beside the cache (the append checks the cache's and the new
+        // rows') and of what it writes, and the alignment of Q (unless the forward reads a
+        // rotated copy of it) and of O.
+        let mut contexts = vec![
+            (CallPart::from(Operand::Q), q.data.stream().context()),
+            (Operand::Out.into(), out.data.stream().context()),
+            (Operand::Lse.into(), lse.stream().context()),
+            (CallPart::Seqlens, cache_seqlens.stream().context()),
+        ];
+        contexts.extend(sinks.map(|s| (Operand::Sinks.into(), s.stream().context())));
+        contexts.extend(
+            [&block_table, &cache_batch_idx]
+                .into_iter()
+                .flatten()
+                .map(|t| (CallPart::Seqlens, t.stream().context())),
+        );
+        self.check_same_context(stream, contexts)?;
+        if rotary.is_none() {
+            check_aligned(stream, &[(Operand::Q, q)])?;
+        }
+        check_aligned_out(stream, Operand::Out, out)?;
         let e4m3 = e4m3_cache::<T, C>()?;
         if descales.is_some() && !e4m3 {
             return Err(Error::InvalidConfig(
@@ -810,7 +859,12 @@ impl Device {
                 num_splits,
                 dtype: T::DTYPE,
             },
-            &out.layout,
+            CacheOutputs {
+                out: &out.layout,
+                out_len: out.data.len(),
+                lse_len: lse.len(),
+                sinks: sinks.map(|s| s.len()),
+            },
         )?;
         let mut lens = stream.alloc_zeros::<i32>(batch).map_err(driver_error)?;
         let mut q_rot = match rotary {

@@ -629,3 +629,34 @@ impl Device {
         Ok(plan)
     }
 }
+
+/// The kernels' alignment (16-byte base pointers and strides) of tensors, as a call checks them:
+/// for callers that refuse a misaligned one before work the call would follow.
+pub(super) fn check_aligned<T: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    tensors: &[(Operand, &DeviceTensor<'_, T>)],
+) -> Result<()> {
+    for &(operand, t) in tensors {
+        let (ptr, _guard) = t.data.device_ptr(stream);
+        let raw = RawTensor {
+            ptr,
+            layout: t.layout,
+        };
+        gpu::check_alignment(operand, &raw, std::mem::size_of::<T>())?;
+    }
+    Ok(())
+}
+
+/// [`check_aligned`] of an output.
+pub(super) fn check_aligned_out<T: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    operand: Operand,
+    t: &DeviceTensorMut<'_, T>,
+) -> Result<()> {
+    let (ptr, _guard) = t.data.device_ptr(stream);
+    let raw = RawTensor {
+        ptr,
+        layout: t.layout,
+    };
+    gpu::check_alignment(operand, &raw, std::mem::size_of::<T>())
+}

@@ -17,8 +17,8 @@ use cudarc::driver::{
 };
 
 use super::{
-    driver_error, Device, DeviceBackwardInputs, DeviceForwardInputs, DeviceGradientsMut,
-    DeviceTensor, DeviceTensorMut,
+    check_aligned, check_aligned_out, driver_error, Device, DeviceBackwardInputs,
+    DeviceForwardInputs, DeviceGradientsMut, DeviceTensor, DeviceTensorMut,
 };
 use crate::backend::gpu::{self, RawTensor};
 use crate::combine::LseLayout;
@@ -1610,37 +1610,6 @@ fn check_ring_dtype<T: Element>() -> Result<()> {
             backend: crate::Backend::Auto,
         }),
     }
-}
-
-/// The kernels' alignment (16-byte base pointers and strides) of a rank's tensors, as each
-/// pair's call checks its views of them.
-fn check_aligned<T: DeviceRepr>(
-    stream: &Arc<CudaStream>,
-    tensors: &[(Operand, &DeviceTensor<'_, T>)],
-) -> Result<()> {
-    for &(operand, t) in tensors {
-        let (ptr, _guard) = t.data.device_ptr(stream);
-        let raw = RawTensor {
-            ptr,
-            layout: t.layout,
-        };
-        gpu::check_alignment(operand, &raw, std::mem::size_of::<T>())?;
-    }
-    Ok(())
-}
-
-/// [`check_aligned`] of an output.
-fn check_aligned_out<T: DeviceRepr>(
-    stream: &Arc<CudaStream>,
-    operand: Operand,
-    t: &DeviceTensorMut<'_, T>,
-) -> Result<()> {
-    let (ptr, _guard) = t.data.device_ptr(stream);
-    let raw = RawTensor {
-        ptr,
-        layout: t.layout,
-    };
-    gpu::check_alignment(operand, &raw, std::mem::size_of::<T>())
 }
 
 /// Of a rank's two buffers at step `step`: the one it reads (filled at step − 1) and the one

@@ -5,7 +5,8 @@
 //! (`flashattn::kvcache::step`), each sequence's O and LSE against the f64 reference over its
 //! keys in that cache; the f16 append alike; counts past the capacity and page numbers out of
 //! range written nowhere outside the buffers; new rows quantized into e4m3 caches as the host's
-//! `append_fp8` quantizes them (kvcache_fp8.rs runs whole steps over such caches).
+//! `append_fp8` quantizes them (kvcache_fp8.rs runs whole steps over such caches); a step its
+//! forward would refuse refused before it writes the cache.
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use flashattn::cuda::{
@@ -13,7 +14,7 @@ use flashattn::cuda::{
     DeviceTensorMut,
 };
 use flashattn::kvcache::{self, CacheDescales, KvCacheMut, KvCacheStep, Rotary};
-use flashattn::{AttentionConfig, Backend, Element, TensorMut, TensorRef};
+use flashattn::{AttentionConfig, Backend, Element, Operand, TensorMut, TensorRef};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -897,4 +898,107 @@ fn descales_of_a_16_bit_cache_are_refused() {
             .all(|(a, b)| a.to_bits() == b.to_bits())
     };
     assert!(same(&gk) && same(&gv), "a refused call wrote the cache");
+}
+
+/// A step with new rows that its forward would refuse (a short LSE, too few sinks, a short or
+/// misaligned O) is refused before it writes the cache: the cache is as it was.
+#[test]
+#[ignore = "needs a GPU"]
+fn refused_steps_leave_the_cache_unwritten() {
+    let (dev, stream) = device();
+    let (batch, rows, hq, hk, d) = (2, 32, 4, 2, 64);
+    let mut rng: StdRng = rand::SeedableRng::seed_from_u64(11);
+    let cache: Vec<bf16> = random(batch * rows * hk * d, &mut rng);
+    let new: Vec<bf16> = random(batch * hk * d, &mut rng);
+    let q: Vec<bf16> = random(batch * hq * d, &mut rng);
+    let (mut kc, mut vc) = (
+        stream.clone_htod(&cache).unwrap(),
+        stream.clone_htod(&cache).unwrap(),
+    );
+    let (nd, qd) = (
+        stream.clone_htod(&new).unwrap(),
+        stream.clone_htod(&q).unwrap(),
+    );
+    let sinks = stream.clone_htod(&vec![0.5f32; hq]).unwrap();
+    let lens = stream.clone_htod(&[3i32, 9]).unwrap();
+    let shape = [batch, rows, hk, d];
+    let o_shape = [batch, 1, hq, d];
+    let nt = DeviceTensor::contiguous(&nd, [batch, 1, hk, d]);
+    let qt = DeviceTensor::contiguous(&qd, o_shape);
+    // One element more than O, so that O can start one element in (misaligned).
+    let o_len = batch * hq * d;
+    let mut out = stream.clone_htod(&vec![bf16::NAN; o_len + 1]).unwrap();
+    let mut lse = stream.clone_htod(&vec![f32::NAN; batch * hq]).unwrap();
+    #[derive(Debug, PartialEq)]
+    enum Case {
+        ShortLse,
+        FewSinks,
+        ShortO,
+        MisalignedO,
+    }
+    for case in [
+        Case::ShortLse,
+        Case::FewSinks,
+        Case::ShortO,
+        Case::MisalignedO,
+    ] {
+        let (mut kt, mut vt) = (
+            DeviceTensorMut::contiguous(&mut kc, shape),
+            DeviceTensorMut::contiguous(&mut vc, shape),
+        );
+        let sinks_view = if case == Case::FewSinks {
+            sinks.slice(..hq - 1)
+        } else {
+            sinks.slice(..)
+        };
+        let step = DeviceKvCacheStep {
+            q: &qt,
+            k_cache: &mut kt,
+            v_cache: &mut vt,
+            block_table: None,
+            cache_batch_idx: None,
+            cache_seqlens: lens.as_view(),
+            new: Some((&nt, &nt)),
+            rotary: None,
+            sinks: Some(&sinks_view),
+            num_splits: 0,
+            descales: None,
+        };
+        let o_view = match case {
+            Case::ShortO => out.slice_mut(..o_len - 1),
+            Case::MisalignedO => out.slice_mut(1..),
+            _ => out.slice_mut(..o_len),
+        };
+        let lse_len = if case == Case::ShortLse {
+            batch * hq - 1
+        } else {
+            batch * hq
+        };
+        let r = dev.kvcache_step_into(
+            &stream,
+            &AttentionConfig::new(),
+            step,
+            &mut DeviceTensorMut::new(o_view, flashattn::Layout::contiguous(o_shape)),
+            &mut lse.slice_mut(..lse_len),
+        );
+        let too_small = |which: Operand| matches!(&r, Err(flashattn::Error::BufferTooSmall { operand, .. }) if *operand == which);
+        let expected = match case {
+            Case::ShortLse => too_small(Operand::Lse),
+            Case::FewSinks => too_small(Operand::Sinks),
+            Case::ShortO => too_small(Operand::Out),
+            Case::MisalignedO => matches!(&r, Err(flashattn::Error::Misaligned { .. })),
+        };
+        assert!(expected, "{case:?}: {r:?}");
+    }
+    let (gk, gv) = (
+        stream.clone_dtoh(&kc).unwrap(),
+        stream.clone_dtoh(&vc).unwrap(),
+    );
+    stream.synchronize().unwrap();
+    let same = |x: &[bf16]| {
+        x.iter()
+            .zip(&cache)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+    };
+    assert!(same(&gk) && same(&gv), "a refused step wrote the cache");
 }
