@@ -253,7 +253,8 @@ typedef struct {
 // cache_rows] at row (row % cache_rows) of a paged one; with rotary_cos (not null) the new keys'
 // first rotary_dim elements rotated to that position first, and q (where q.ptr is not null)
 // rotated into q_out, row i at position cache_seqlens[b] + i (or cache_seqlens[b] for every row
-// with q_same_position: calls without a causal or windowed mask). Rotary embedding as
+// with q_same_position: calls whose mask bounds no key of the cache, a window side of the
+// capacity or more counting as none, as flash-attn has it). Rotary embedding as
 // flash-attn applies it: pairs (2j, 2j + 1) with rotary_interleaved, else (j, j + rotary_dim /
 // 2); the angles rotary_cos and rotary_sin f32 (rotary_positions, rotary_dim / 2), row-major.
 // seqlens_out (optional, batch i32) gets cache_seqlens[b] + seqlen_new: the keys a forward over

@@ -49,7 +49,7 @@
 use float8::F8E4M3;
 
 use crate::backend;
-use crate::config::AttentionConfig;
+use crate::config::{AttentionConfig, AttentionMask};
 use crate::dispatch::{self, BuiltKernels, Memory, Op};
 use crate::error::{Error, Operand, Result};
 use crate::fp8;
@@ -814,6 +814,17 @@ pub struct KvCacheStep<'a, 'c, T, C = T> {
     pub descales: Option<CacheDescales<'a>>,
 }
 
+/// Whether rotary embedding puts all of a sequence's query rows at one position (its cached
+/// count) rather than each at its own (the count plus its row), as flash-attn decides it: where
+/// the mask bounds no key of a cache of `capacity` keys a sequence. A window side of `capacity`
+/// or more bounds none, so a window as wide as the cache counts as no mask (flash-attn drops
+/// such sides before it chooses).
+pub fn queries_at_one_position(mask: AttentionMask, capacity: usize) -> bool {
+    let (left, right) = mask.bounds();
+    let bounds = |side: Option<usize>| side.is_some_and(|w| w < capacity);
+    !bounds(left) && !bounds(right)
+}
+
 /// `x` (batch, rows, heads, d) copied, each head's row `i` of entry `b` rotated to position
 /// `start[b] + i`, or `start[b]` for every row when `same_position`.
 fn rotated<T: Element>(
@@ -836,8 +847,8 @@ fn rotated<T: Element>(
 }
 
 /// A whole step: with rotary embedding, Q and the new keys rotated (the new keys to their
-/// positions in the cache, `cache_seqlens[b] + i`; Q likewise under a causal or windowed mask,
-/// else every query row at `cache_seqlens[b]`); the new keys and values appended ([`append`],
+/// positions in the cache, `cache_seqlens[b] + i`; Q likewise under a mask that bounds some key
+/// of the cache, else every query row at `cache_seqlens[b]`: [`queries_at_one_position`]); the new keys and values appended ([`append`],
 /// or into an e4m3 cache as [`append_fp8`] stores them); then [`forward`] over
 /// `cache_seqlens[b] + seqlen_new` keys. Every check runs before the cache is written.
 pub fn step<T: Element, C: Element>(
@@ -885,9 +896,7 @@ pub fn step<T: Element, C: Element>(
         seqlen_new,
         cache_batch_idx,
     )?;
-    // FlashAttention's convention: without a causal or windowed mask every query row sits at the
-    // first new position.
-    let same_position = matches!(cfg.mask.bounds(), (None, None));
+    let same_position = queries_at_one_position(cfg.mask, cache.as_ref().capacity()?);
     if let Some(r) = &rotary {
         r.check(head_dim)?;
         // One past the last position a row takes: an appended key's or a query row's.

@@ -939,8 +939,8 @@ fn rotate_by_hand(
 
 /// `step` = rotate Q and the new keys, append, attend: against the same done by hand (the rows
 /// rotated by the test's own code at their positions, written into a copy of the cache), bit for
-/// bit; causal (queries at their own positions) and full (every query at the first new
-/// position), halves and interleaved pairs, a rotary dim below the head dim; bad rotary inputs
+/// bit; causal and windowed (queries at their own positions), full and windows as wide as the
+/// cache (every query at the first new position), halves and interleaved pairs, a rotary dim below the head dim; bad rotary inputs
 /// refused with the cache untouched.
 #[test]
 fn a_step_rotates_appends_and_attends() {
@@ -959,7 +959,18 @@ fn a_step_rotates_appends_and_attends() {
     for (s_new, seqlen_q, interleaved) in [(2, 2, false), (2, 2, true), (3, 1, false)] {
         let k_new: Vec<bf16> = random(BATCH * s_new * HK * D, &mut rng);
         let v_new: Vec<bf16> = random(BATCH * s_new * HK * DV, &mut rng);
-        for cfg in [AttentionConfig::new().causal(true), AttentionConfig::new()] {
+        // flash-attn's rule: each query row at its own position under a mask that bounds some
+        // key of the cache, every row at the first new position otherwise; a window side as
+        // wide as the cache (CAPACITY keys) bounds none.
+        let wide = |left, right| AttentionConfig::new().window(left, right);
+        for (cfg, same) in [
+            (AttentionConfig::new().causal(true), false),
+            (AttentionConfig::new(), true),
+            (wide(Some(CAPACITY - 1), None), false),
+            (wide(Some(CAPACITY), None), true),
+            (wide(None, Some(CAPACITY)), true),
+            (wide(Some(CAPACITY), Some(CAPACITY - 1)), false),
+        ] {
             let fx = Fixture::new(seqlen_q, 10);
             let rotary = kvcache::Rotary {
                 cos: &angles.0,
@@ -969,7 +980,6 @@ fn a_step_rotates_appends_and_attends() {
             };
             // By hand.
             let mut want = Fixture::new(seqlen_q, 10);
-            let same = !cfg.mask.is_causal();
             for (b, &len) in lens.iter().enumerate() {
                 for i in 0..seqlen_q {
                     for h in 0..HQ {

@@ -876,7 +876,13 @@ impl Device {
             ),
             None => None,
         };
-        let same_position = matches!(cfg.mask.bounds(), (None, None));
+        // A sequence's capacity: the dense cache's rows, or its pages' (a dense cache with
+        // cache_batch_idx: one page, an entry, a sequence).
+        let pages_per_seq = block_table
+            .as_ref()
+            .map_or(1, |t| t.len().checked_div(batch).unwrap_or(1));
+        let capacity = k_cache.layout.shape[1].saturating_mul(pages_per_seq);
+        let same_position = kvcache::queries_at_one_position(cfg.mask, capacity);
         self.launch_append(
             stream,
             [&mut *k_cache, &mut *v_cache],
