@@ -298,7 +298,7 @@ fn check_cache<T>(
     match (cache, cache_batch_idx) {
         (KvCache::Dense { .. }, Some(idx)) => {
             if idx.len() != batch {
-                return Err(Error::InvalidConfig(format!(
+                return Err(Error::InvalidSeqlens(format!(
                     "cache_batch_idx has {} values for {batch} sequences",
                     idx.len()
                 )));
@@ -308,7 +308,7 @@ fn check_cache<T>(
                 .enumerate()
                 .find(|(_, &e)| e < 0 || e as u64 >= slots as u64)
             {
-                return Err(Error::InvalidConfig(format!(
+                return Err(Error::InvalidPageTable(format!(
                     "cache_batch_idx[{b}] is {e}, outside the cache's {slots} entries"
                 )));
             }
@@ -322,7 +322,7 @@ fn check_cache<T>(
         }
         (KvCache::Dense { .. }, None) => {}
         (KvCache::Paged { .. }, Some(_)) => {
-            return Err(Error::InvalidConfig(
+            return Err(Error::InvalidPageTable(
                 "cache_batch_idx with a paged cache: the block table names each sequence's pages"
                     .into(),
             ));

@@ -331,6 +331,23 @@ fn check_f32_sequence(
     assert_eq!(lse, &dense.lse[..], "{what}: sequence {b} LSE ({cfg:?})");
 }
 
+/// The first `len` keys of dense entry `e` of an e4m3 cache, each head's times its descale of
+/// sequence `b` (none: 1).
+fn dequantized(
+    x: &[F8E4M3],
+    e: usize,
+    len: usize,
+    d: usize,
+    s: Option<&[f32]>,
+    b: usize,
+) -> Vec<f32> {
+    x[e * CAPACITY * HK * d..][..len * HK * d]
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v.to_f32() * s.map_or(1.0, |s| s[b * HK + i / d % HK]))
+        .collect()
+}
+
 /// An e4m3 cache with descales (one per sequence and KV head, by sequence also through
 /// `cache_batch_idx`) is the f32 call over Q and its dequantized keys and values, O rounded to
 /// bf16 once, bit for bit: dense, through `cache_batch_idx`, and paged (which then agree); an
@@ -346,14 +363,6 @@ fn an_fp8_cache_is_the_call_over_its_dequantized_keys() {
         TensorRef::contiguous(&k8, [ENTRIES, CAPACITY, HK, D]),
         TensorRef::contiguous(&v8, [ENTRIES, CAPACITY, HK, DV]),
     );
-    // The first `len` keys of entry e, each head's times its descale of sequence b.
-    let dequantized = |x: &[F8E4M3], e: usize, len: usize, d: usize, s: Option<&[f32]>, b| {
-        x[e * CAPACITY * HK * d..][..len * HK * d]
-            .iter()
-            .enumerate()
-            .map(|(i, v)| v.to_f32() * s.map_or(1.0, |s| s[b * HK + i / d % HK]))
-            .collect::<Vec<f32>>()
-    };
     for cfg in configs() {
         let entries = [4usize, 0, 3];
         let idx = entries.map(|e| e as i32);
@@ -436,11 +445,17 @@ fn bad_descales_and_cache_types_are_typed_errors() {
     let good = descales(0.5);
     let mut odd = good.clone();
     (odd[0], odd[1]) = (0.0, -2.0);
-    kvcache::forward(
+    let got = kvcache::forward(
         &cfg,
         KvCacheInputs::new(fx.q(), cache, &lens).with_descales(&odd, &good),
     )
     .unwrap();
+    // Sequence 0's K descales are 0 (scores all 0) and −2 (scores negated and doubled).
+    let (k, v) = (
+        dequantized(&k8, 0, 5, D, Some(&odd), 0),
+        dequantized(&v8, 0, 5, DV, Some(&good), 0),
+    );
+    check_f32_sequence(&fx, &cfg, 0, (&k, &v), &got, "zero and negative descales");
     let mut nan = good.clone();
     nan[3] = f32::NAN;
     let mut inf = good.clone();
@@ -584,10 +599,14 @@ fn inconsistent_inputs_are_typed_errors() {
         assert!(matches!(e, Error::InvalidSeqlens(_)), "{lens:?}: {e:?}");
     }
     let lens = [5, 5, 5];
-    for idx in [&[0, 5, 1][..], &[0, -1, 1], &[0, 1]] {
+    // Entries out of range are the dense cache's table's (as the device names them); a count
+    // of them other than the sequences' is about the sequences.
+    for idx in [&[0, 5, 1][..], &[0, -1, 1]] {
         let e = run(KvCacheInputs::new(fx.q(), fx.dense(), &lens).with_cache_batch_idx(idx));
-        assert!(matches!(e, Error::InvalidConfig(_)), "{idx:?}: {e:?}");
+        assert!(matches!(e, Error::InvalidPageTable(_)), "{idx:?}: {e:?}");
     }
+    let e = run(KvCacheInputs::new(fx.q(), fx.dense(), &lens).with_cache_batch_idx(&[0, 1]));
+    assert!(matches!(e, Error::InvalidSeqlens(_)), "{e:?}");
     // V's entries or keys apart from K's.
     let v = TensorRef::contiguous(&fx.v[..4 * CAPACITY * HK * DV], [4, CAPACITY, HK, DV]);
     let k = TensorRef::contiguous(&fx.k, [ENTRIES, CAPACITY, HK, D]);
@@ -643,7 +662,68 @@ fn inconsistent_inputs_are_typed_errors() {
     // cache_batch_idx beside a block table.
     let table: &'static [i32] = Box::leak(table.into_boxed_slice());
     let e = run(KvCacheInputs::new(fx.q(), paged(table), &lens).with_cache_batch_idx(&[0, 1, 2]));
-    assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
+    assert!(matches!(e, Error::InvalidPageTable(_)), "{e:?}");
+}
+
+/// What a call over a paged cache must refuse, by the kind of error (several where its input is
+/// wrong in several ways; none where it must succeed): cached counts outside
+/// `0..=capacity − extra` (`extra` the rows an append adds), pages a sequence uses (those of its
+/// first `len + extra` rows) outside the pool of `pages`, and what `also` adds.
+#[derive(Debug, PartialEq)]
+enum Refusal {
+    Seqlens,
+    PageTable,
+    Config,
+}
+
+fn paged_refusals(
+    (table, max_pages, page_size, pages): (&[i32], usize, usize, usize),
+    lens: &[i32],
+    extra: usize,
+    also: Option<Refusal>,
+) -> Vec<Refusal> {
+    let capacity = max_pages * page_size;
+    let mut refusals = vec![];
+    if lens.iter().any(|&l| l < 0 || l as usize + extra > capacity) {
+        refusals.push(Refusal::Seqlens);
+    }
+    let page_out = lens.iter().enumerate().any(|(b, &l)| {
+        let used = (l.max(0) as usize + extra)
+            .div_ceil(page_size)
+            .min(max_pages);
+        table[b * max_pages..][..used]
+            .iter()
+            .any(|&p| p < 0 || p as usize >= pages)
+    });
+    if page_out {
+        refusals.push(Refusal::PageTable);
+    }
+    refusals.extend(also);
+    refusals
+}
+
+/// `result` is what `refusals` says: success where it is empty, else an error of one of its
+/// kinds.
+fn check_refusals<T>(result: &Result<T, Error>, refusals: &[Refusal]) -> Result<(), TestCaseError> {
+    let as_expected = match result {
+        Ok(_) => refusals.is_empty(),
+        Err(e) => {
+            let kind = match e {
+                Error::InvalidSeqlens(_) => Some(Refusal::Seqlens),
+                Error::InvalidPageTable(_) => Some(Refusal::PageTable),
+                Error::InvalidConfig(_) => Some(Refusal::Config),
+                _ => None,
+            };
+            kind.is_some_and(|k| refusals.contains(&k))
+        }
+    };
+    if as_expected {
+        return Ok(());
+    }
+    let got = result.as_ref().map(|_| "accepted");
+    Err(TestCaseError::fail(format!(
+        "{got:?}; expected {refusals:?}"
+    )))
 }
 
 proptest! {
@@ -667,8 +747,9 @@ proptest! {
         let cache = KvCache::paged(kt, kt, table, max_pages);
         let cfg = AttentionConfig::new().causal(true);
         let inputs = KvCacheInputs::new(TensorRef::contiguous(&q, [2, 1, heads, d]), cache, &lens);
-        match kvcache::forward(&cfg, inputs) {
-            Ok(f) => {
+        let result = kvcache::forward(&cfg, inputs);
+        check_refusals(&result, &paged_refusals((table, max_pages, page_size, pages), &lens, 0, None))?;
+        if let Ok(f) = result {
                 for (b, &len) in lens.iter().enumerate() {
                     let len = len as usize;
                     let keys: Vec<f32> = (0..len)
@@ -690,12 +771,6 @@ proptest! {
                     prop_assert_eq!(&lse[..], &want.lse[..]);
                     prop_assert!(f.out[b * heads * d..(b + 1) * heads * d].iter().all(|x| x.is_finite()));
                 }
-            }
-            Err(e) => prop_assert!(
-                matches!(e, Error::InvalidPageTable(_) | Error::InvalidSeqlens(_)),
-                "{:?}",
-                e
-            ),
         }
     }
 
@@ -738,8 +813,15 @@ proptest! {
                 .with_descales(&k_descale, &v_descale);
             kvcache::forward(&cfg, inputs)
         };
-        match result {
-            Ok(f) => {
+        // The forward reads descales of the right count and finite (zero and negative ones
+        // included); an append stores by positive normal ones.
+        let counts_ok = k_descale.len() == 4;
+        let finite = k_descale.iter().chain(&v_descale).all(|x| x.is_finite());
+        let positive_normal = k_descale.iter().chain(&v_descale).all(|x| x.is_normal() && *x > 0.0);
+        let config = |ok: bool| (!ok).then_some(Refusal::Config);
+        let cache_of = (&table[..], max_pages, page_size, pages);
+        check_refusals(&result, &paged_refusals(cache_of, &lens, 0, config(counts_ok && finite)))?;
+        if let Ok(f) = result {
                 for (b, &len) in lens.iter().enumerate().filter(|(_, &l)| l > 0) {
                     let len = len as usize;
                     let dequantized = |s: &[f32]| -> Vec<f32> {
@@ -769,15 +851,6 @@ proptest! {
                         want.out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
                     );
                 }
-            }
-            Err(e) => prop_assert!(
-                matches!(
-                    e,
-                    Error::InvalidPageTable(_) | Error::InvalidSeqlens(_) | Error::InvalidConfig(_)
-                ),
-                "{:?}",
-                e
-            ),
         }
         // One new row per sequence appended after its keys, by the same descales.
         let new: Vec<f32> = (0..2 * heads * d).map(|i| (i as f32 * 0.11).sin()).collect();
@@ -794,6 +867,8 @@ proptest! {
             let descales = kvcache::CacheDescales { k: &k_descale, v: &v_descale };
             kvcache::append_fp8(&mut cache, nt, nt, &lens, None, descales)
         };
+        let refusals = paged_refusals(cache_of, &lens, 1, config(counts_ok && positive_normal));
+        check_refusals(&appended, &refusals)?;
         match appended {
             Ok(()) => {
                 for (b, &len) in lens.iter().enumerate() {
@@ -801,29 +876,26 @@ proptest! {
                     let p = table[b * max_pages + j / page_size] as usize;
                     for h in 0..heads {
                         let at = (p * page_size + j % page_size) * heads * d + h * d;
-                        let want: Vec<u8> = new[(b * heads + h) * d..][..d]
-                            .iter()
-                            .map(|&x| flashattn::fp8::quantize(x, k_descale[b * heads + h]).to_bits())
-                            .collect();
+                        let want = |descale: &[f32]| -> Vec<u8> {
+                            new[(b * heads + h) * d..][..d]
+                                .iter()
+                                .map(|&x| flashattn::fp8::quantize(x, descale[b * heads + h]).to_bits())
+                                .collect()
+                        };
+                        let stored = |c: &[F8E4M3]| c[at..at + d].iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                         // The two sequences may share a page: the later one's row wins there.
                         let shared = b == 0 && table[max_pages + (lens[1] as usize) / page_size] as usize == p
                             && (lens[1] as usize) % page_size == j % page_size;
                         if !shared {
-                            prop_assert_eq!(k[at..at + d].iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want);
+                            prop_assert_eq!(stored(&k), want(&k_descale));
+                            prop_assert_eq!(stored(&v), want(&v_descale));
                         }
                     }
                 }
             }
-            Err(e) => {
-                prop_assert!(
-                    matches!(
-                        e,
-                        Error::InvalidPageTable(_) | Error::InvalidSeqlens(_) | Error::InvalidConfig(_)
-                    ),
-                    "{:?}",
-                    e
-                );
-                prop_assert_eq!(k.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), before);
+            Err(_) => {
+                prop_assert_eq!(&k.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), &before);
+                prop_assert_eq!(&v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), &before);
             }
         }
     }
