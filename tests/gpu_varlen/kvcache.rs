@@ -277,25 +277,38 @@ fn dense_cache_matches_the_reference_per_sequence() {
 }
 
 /// Cached key counts past the cache, or negative: the kernels clamp them (into
-/// `0..=seqlen_cache`) and every access stays inside the buffers (run under memcheck).
+/// `0..=seqlen_cache`), so that each sequence's O and LSE are those over its clamped count of
+/// keys (none: O 0, LSE +inf), and every access stays inside the buffers (run under memcheck).
 #[test]
 #[ignore = "needs a GPU"]
 fn sanitizer_kvcache_lengths_out_of_range_stay_in_bounds() {
-    let (hq, hk, d, entries, batch) = (4, 4, 64, 3, 3);
+    let (hq, hk, d, entries, batch, seqlen_q) = (4, 4, 64, 3, 3, 2);
     let mut rng = rand::SeedableRng::seed_from_u64(37);
-    let q: Vec<bf16> = random(batch * 2 * hq * d, &mut rng);
+    let q: Vec<bf16> = random(batch * seqlen_q * hq * d, &mut rng);
     let k: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
     let cfg = AttentionConfig::new().causal(true);
     let (out, lse, _) = run(
         &cfg,
         (&q, &k, &k),
-        (batch, 2, entries),
+        (batch, seqlen_q, entries),
         (hq, hk, d),
         &[-5, SEQLEN_CACHE as i32 + 1000, i32::MAX],
         0,
     );
-    assert!(out.iter().all(|x| x.is_finite()), "O");
-    assert!(lse.iter().all(|x| !x.is_nan()), "LSE");
+    let clamped = [0, SEQLEN_CACHE as i32, SEQLEN_CACHE as i32];
+    let failures = check_dense_cache(
+        &cfg,
+        "clamped counts",
+        Outputs {
+            out: &out,
+            lse: &lse,
+        },
+        &clamped,
+        (seqlen_q, hq, hk, d),
+        &q,
+        (&k, &k),
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// A paged cache of `num_pages` pages of `page_size` rows, V's head dim `dv`, on a fresh device
@@ -694,7 +707,8 @@ fn sanitizer_cache_batch_idx_out_of_range_stays_in_bounds() {
 }
 
 /// Page numbers and cache lengths out of range: the kernels clamp them (pages into
-/// `0..num_pages`, lengths into the keys a table row addresses) and every access stays inside
+/// `0..num_pages`, lengths into the keys a table row addresses), so that each sequence's O and
+/// LSE are those over the keys of its clamped pages and count, and every access stays inside
 /// the buffers (run under memcheck), pages of whole key blocks and pages gathered row by row
 /// alike, on both forwards; a table that is no whole number of rows is a typed error.
 #[test]
@@ -717,10 +731,25 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
         (&odd, 24, [40, 47, i32::MAX]),
     ];
     let runs = [(Backend::Auto, 0), (Backend::Auto, 5), (Backend::Sm80, 0)];
+    let mut failures = vec![];
     for (cache, rows, lens) in page_sizes {
+        // Each sequence's keys as the clamped table and count give them.
+        let row = hk * d;
+        let clamped_keys = |b: usize| -> Vec<bf16> {
+            let len = (lens[b].max(0) as usize).min(2 * rows);
+            (0..len)
+                .flat_map(|j| {
+                    let page = table[b * 2 + j / rows].clamp(0, num_pages as i32 - 1) as usize;
+                    cache[(page * rows + j % rows) * row..][..row]
+                        .iter()
+                        .copied()
+                })
+                .collect()
+        };
         for (backend, splits) in runs {
+            let cfg = cfg.clone().backend(backend);
             let (out, lse, _) = run_paged(
-                &cfg.clone().backend(backend),
+                &cfg,
                 (&q, cache, cache),
                 (batch, 2),
                 (num_pages, rows),
@@ -730,10 +759,24 @@ fn sanitizer_paged_cache_out_of_range_stays_in_bounds() {
             )
             .unwrap();
             let what = format!("{backend:?}, pages of {rows}, {splits} splits");
-            assert!(out.iter().all(|x| x.is_finite()), "O, {what}");
-            assert!(lse.iter().all(|x| !x.is_nan()), "LSE, {what}");
+            for b in 0..batch {
+                let keys = clamped_keys(b);
+                failures.extend(check_sequence(
+                    &cfg,
+                    &format!("{what}, sequence {b}"),
+                    Outputs {
+                        out: &out,
+                        lse: &lse,
+                    },
+                    b,
+                    (2, hq, hk, d, d),
+                    &q,
+                    (&keys, &keys),
+                ));
+            }
         }
     }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
     let refused = run_paged(
         &cfg,
         (&q, &k, &k),
@@ -825,7 +868,8 @@ fn kept_offsets_serve_later_calls_on_other_streams() {
 }
 
 /// Sinks over the LSE by sequence: each row's LSE with sinks is log(e^sink + e^LSE) of the call
-/// without, and a sequence without keys gets its head's sink.
+/// without and its O that call's times e^(LSE − LSE with sinks) (two bf16 roundings apart), and
+/// a sequence without keys gets its head's sink and O 0.
 #[test]
 #[ignore = "needs a GPU"]
 fn sinks_rescale_each_sequence_by_its_heads() {
@@ -836,8 +880,8 @@ fn sinks_rescale_each_sequence_by_its_heads() {
     let sinks: Vec<f32> = (0..hq).map(|h| h as f32 - 1.5).collect();
     let lens = [0, 120, 300];
     let dims = (seqlen_q, hq, d);
-    let (_, plain) = dense_call(&dev, &stream, (&k, hk), &lens, dims, 43, None);
-    let (_, with) = dense_call(&dev, &stream, (&k, hk), &lens, dims, 43, Some(&sinks));
+    let (o_plain, plain) = dense_call(&dev, &stream, (&k, hk), &lens, dims, 43, None);
+    let (o_with, with) = dense_call(&dev, &stream, (&k, hk), &lens, dims, 43, Some(&sinks));
     for (b, &len) in lens.iter().enumerate() {
         for (h, &sink) in sinks.iter().enumerate() {
             for i in 0..seqlen_q {
@@ -853,6 +897,23 @@ fn sinks_rescale_each_sequence_by_its_heads() {
                     "sequence {b} head {h} row {i}: {} vs {want}",
                     with[at]
                 );
+                let scale = if len == 0 {
+                    0.0
+                } else {
+                    (plain[at] as f64 - with[at] as f64).exp()
+                };
+                let o = ((b * seqlen_q + i) * hq + h) * d;
+                for j in o..o + d {
+                    let (got, want) = (
+                        o_with[j].to_f32() as f64,
+                        o_plain[j].to_f32() as f64 * scale,
+                    );
+                    assert!(
+                        (got - want).abs() <= 8e-3 * want.abs() + 1e-3,
+                        "sequence {b} head {h} row {i}, O[{}]: {got} vs {want}",
+                        j - o
+                    );
+                }
             }
         }
     }
@@ -949,8 +1010,9 @@ fn packed_case(d: usize) -> Vec<String> {
     failures
 }
 
-/// Pack-GQA with key splits over cached key counts out of range (clamped): every access stays
-/// inside the buffers (run under memcheck), and too many splits are a typed error.
+/// Pack-GQA with key splits over cached key counts out of range (clamped): each sequence's O
+/// and LSE those over its clamped count of keys, every access inside the buffers (run under
+/// memcheck), and too many splits a typed error.
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn sanitizer_kvcache_packed_and_split_stay_in_bounds() {
@@ -979,8 +1041,19 @@ fn sanitizer_kvcache_packed_and_split_stay_in_bounds() {
         num_splits: 7,
     };
     let (out, lse, _) = launch(&dev, &stream, &call).unwrap();
-    assert!(out.iter().all(|x| x.is_finite()), "O");
-    assert!(lse.iter().all(|x| !x.is_nan()), "LSE");
+    let failures = check_dense_cache(
+        &call.cfg,
+        "packed, 7 splits, clamped counts",
+        Outputs {
+            out: &out,
+            lse: &lse,
+        },
+        &[0, SEQLEN_CACHE as i32, SEQLEN_CACHE as i32],
+        (seqlen_q, hq, hk, d),
+        &q,
+        (&k, &k),
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
     call.num_splits = 257;
     assert!(
         matches!(

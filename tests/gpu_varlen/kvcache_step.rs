@@ -524,22 +524,47 @@ fn sanitizer_kvcache_append_out_of_range_stays_in_bounds() {
             },
         )
         .unwrap_or_else(|e| panic!("paged {paged}: {e}"));
-        // V's rows are copied unrotated: sequence 0's 4 new rows at rows 0..4 of entry (page)
-        // 0 either way; paged, sequence 2's first two at rows 126, 127 of page 3 (its second
-        // page clamped), its last two past the capacity; every other row as it was.
-        let got = stream.clone_dtoh(&vc).unwrap();
+        // Sequence 0's 4 new rows at rows 0..4 of entry (page) 0 either way; paged, sequence
+        // 2's first two at rows 126, 127 of page 3 (its second page clamped), its last two past
+        // the capacity; every other row as it was. V's rows are copied as they are, K's rotated
+        // to their positions (0..4; 254 and 255 clamped to the angles' last, 7).
+        let (got_k, got_v) = (
+            stream.clone_dtoh(&kc).unwrap(),
+            stream.clone_dtoh(&vc).unwrap(),
+        );
         stream.synchronize().unwrap();
-        let mut want = cache.clone();
-        want[..4 * hk * d].copy_from_slice(&new[..4 * hk * d]);
-        if paged {
-            let seq2 = &new[2 * 4 * hk * d..][..2 * hk * d];
-            want[3 * entry + 126 * hk * d..][..2 * hk * d].copy_from_slice(seq2);
+        let row = hk * d;
+        let host_rotary = Rotary {
+            cos: &cos,
+            sin: &sin,
+            dim: 32,
+            interleaved: false,
+        };
+        let rotated =
+            |x: &[bf16], pos: i32| rotate_q(x, [1, 1, hk, d], &host_rotary, &[pos], false);
+        let (mut want_k, mut want_v) = (cache.clone(), cache.clone());
+        for i in 0..4 {
+            let x = &new[i * row..][..row];
+            want_v[i * row..][..row].copy_from_slice(x);
+            want_k[i * row..][..row].copy_from_slice(&rotated(x, i as i32));
         }
+        if paged {
+            for i in 0..2 {
+                let x = &new[(2 * 4 + i) * row..][..row];
+                let at = 3 * entry + (126 + i) * row;
+                want_v[at..][..row].copy_from_slice(x);
+                want_k[at..][..row].copy_from_slice(&rotated(x, 7));
+            }
+        }
+        let same =
+            |a: &[bf16], b: &[bf16]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
         assert!(
-            got.iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            same(&got_v, &want_v),
             "paged {paged}: the V cache holds other rows than the clamped counts name"
+        );
+        assert!(
+            same(&got_k, &want_k),
+            "paged {paged}: the K cache holds other rows than the clamped counts and positions name"
         );
     }
     // A new-keys tensor of another head count, and a rotary dim past the head: typed errors.
