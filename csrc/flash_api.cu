@@ -47,8 +47,7 @@ bool sizes_fit(const flashattn_params_t& p) {
   const bool packed = p.cu_seqlens_q != nullptr;
   const int entry_q = packed ? p.max_seqlen_q : p.seqlen_q;
   const int entry_k = packed ? p.max_seqlen_k : p.seqlen_k;
-  // Work items (block of 64 or more rows, batch · head) are numbered with ints (each factor
-  // below 2^31, so that no product here passes int64) ...
+  // Work items (block of 64 or more rows, batch · head) are numbered with ints ...
   const int64_t heads = int64_t(p.batch) * p.heads_q;
   if (heads > INT32_MAX || widest > 256) return false;
   const int64_t longest = entry_q > entry_k ? entry_q : entry_k;
@@ -58,7 +57,11 @@ bool sizes_fit(const flashattn_params_t& p) {
   const int64_t rows = packed ? (p.seqlen_q > p.seqlen_k ? p.seqlen_q : p.seqlen_k) +
                                     int64_t(128) * p.batch
                               : int64_t(p.batch) * longest;
-  if (rows * p.heads_q * widest > (int64_t(1) << 42)) return false;
+  // (A packed call's rows are not bounded by its entries' lengths: the product is checked.)
+  int64_t elements = 0;
+  if (__builtin_mul_overflow(rows, int64_t(p.heads_q) * widest, &elements) ||
+      elements > (int64_t(1) << 42))
+    return false;
   // Grids sized by the SM count, whose products with each other stay in int.
   return p.sm_count >= 1 && p.sm_count <= 4096;
 }

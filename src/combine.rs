@@ -71,8 +71,8 @@ pub struct Combined<T> {
 
 /// Checks the parts against each other (each part O's layout, the elements its buffer holds and
 /// its LSE's length; the host's and the device's alike): at least one, every O within its buffer
-/// and of the first one's shape, every LSE of `batch · heads · seqlen_q` values. Returns that
-/// shape and that count.
+/// and of the first one's shape, every LSE at least `batch · heads · seqlen_q` values long (the
+/// first that many are read, as of the merged LSE). Returns that shape and that count.
 pub(crate) fn check_part_shapes(
     parts: impl IntoIterator<Item = (Layout, usize, usize)>,
 ) -> Result<([usize; 4], usize)> {
@@ -100,7 +100,7 @@ pub(crate) fn check_part_shapes(
                 found: layout.shape,
             });
         }
-        if lse != lse_len {
+        if lse < lse_len {
             return Err(Error::BufferTooSmall {
                 operand: Operand::Lse,
                 needed: lse_len,

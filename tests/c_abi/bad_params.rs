@@ -96,7 +96,7 @@ fn bad_strides_and_pointers() {
 #[test]
 fn sizes_and_options_out_of_range() {
     type Edit = fn(&mut flashattn_params_t);
-    let invalid: [(&str, Edit); 37] = [
+    let invalid: [(&str, Edit); 38] = [
         ("zero batch", |p| p.batch = 0),
         ("negative heads", |p| p.heads_q = -4),
         ("heads_q not a multiple of heads_kv", |p| p.heads_kv = 3),
@@ -114,7 +114,18 @@ fn sizes_and_options_out_of_range() {
             },
         ),
         ("2^31 work items", |p| {
-            (p.batch, p.heads_q, p.heads_kv) = (1 << 16, 1 << 15, 1 << 15)
+            // 2^30 (batch, head) pairs of two 64-row blocks each (64 keys, one query row), of
+            // well-formed operands (head dim 8, one KV head): within every other bound, the
+            // elements' 2^42 included.
+            let (batch, heads) = (1i64 << 14, 1i64 << 16);
+            for t in [&mut p.q, &mut p.o, &mut p.dout, &mut p.dq] {
+                *t = packed(t.ptr, 1, heads, 8);
+            }
+            for t in [&mut p.k, &mut p.v, &mut p.dk, &mut p.dv] {
+                *t = packed(t.ptr, 64, 1, 8);
+            }
+            (p.batch, p.heads_q, p.heads_kv) = (batch as i32, heads as i32, 1);
+            (p.seqlen_q, p.seqlen_k, p.head_dim) = (1, 64, 8);
         }),
         ("a left window that passes int beside seqlen_k", |p| {
             (p.seqlen_k, p.window_left) = (FLASHATTN_MAX_SEQLEN as i32, (1 << 30) - 16)
@@ -193,6 +204,22 @@ fn sizes_and_options_out_of_range() {
             }
             (p.pack_gqa, p.heads_q, p.heads_kv) = (1, 8, 1);
             (p.seqlen_q, p.seqlen_k) = (rows as i32, 64);
+        }),
+        ("packed, rows · heads · head dim past int64", |p| {
+            // 2^28 heads over 2^30 − 128 rows of keys that broadcast (zero strides), one query
+            // row, entries of one row each: every bound on the entries holds, and the rows'
+            // elements wrap int64 to 0 unless the product is checked.
+            *p = packed_params();
+            let heads = 1i64 << 28;
+            for t in [&mut p.q, &mut p.o, &mut p.dout, &mut p.dq] {
+                *t = packed(t.ptr, 1, heads, 64);
+            }
+            for t in [&mut p.k, &mut p.v, &mut p.dk, &mut p.dv] {
+                (t.batch_stride, t.row_stride, t.head_stride) = (0, 0, 0);
+            }
+            (p.batch, p.heads_q, p.heads_kv) = (1, heads as i32, heads as i32);
+            (p.seqlen_q, p.seqlen_k) = (1, (1 << 30) - 128);
+            (p.max_seqlen_q, p.max_seqlen_k) = (1, 1);
         }),
         ("negative num_splits", |p| p.num_splits = -1),
         ("257 splits", |p| p.num_splits = 257),

@@ -197,7 +197,7 @@ fn refused_everywhere(p: &flashattn_params_t, status: i32, why: &str) {
     }
 }
 
-/// The base parameters pass every check: where no driver can be loaded, the FlashAttention-2
+/// The base parameters, dense and packed, pass every check: where no driver can be loaded, the FlashAttention-2
 /// entry points (whose first CUDA call is a plain runtime query) get as far as that call and
 /// report its error, or, in a build without those kernels, as far as the dispatch, which says
 /// unsupported. (With a GPU present this would launch on these unreal addresses, so it is left
@@ -208,20 +208,25 @@ fn the_base_parameters_are_valid() {
     if flashattn::cuda::driver_present() {
         return;
     }
-    let p = params();
-    for (family, entry) in [
-        (Family::Sm80Fwd, flashattn_fwd_sm80 as Entry),
-        (Family::Sm80Bwd, flashattn_bwd_sm80),
-    ] {
-        let built = find(family, 64, 64, KernelDtype::Bf16).unwrap().built();
-        let want = if built {
-            FLASHATTN_CUDA_ERROR
-        } else {
-            FLASHATTN_UNSUPPORTED
-        };
-        // SAFETY: refused at the first CUDA call, or by the dispatch, before any pointer is used.
-        let r = unsafe { entry(&p, null_mut()) };
-        assert_eq!(r.status, want as i32, "{family:?}: base parameters refused");
+    for (what, p) in [("dense", params()), ("packed", packed_params())] {
+        for (family, entry) in [
+            (Family::Sm80Fwd, flashattn_fwd_sm80 as Entry),
+            (Family::Sm80Bwd, flashattn_bwd_sm80),
+        ] {
+            let built = find(family, 64, 64, KernelDtype::Bf16).unwrap().built();
+            let want = if built {
+                FLASHATTN_CUDA_ERROR
+            } else {
+                FLASHATTN_UNSUPPORTED
+            };
+            // SAFETY: refused at the first CUDA call, or by the dispatch, before any pointer
+            // is used.
+            let r = unsafe { entry(&p, null_mut()) };
+            assert_eq!(
+                r.status, want as i32,
+                "{family:?}: {what} base parameters refused"
+            );
+        }
     }
 }
 
