@@ -861,6 +861,7 @@ fn kept_offsets_serve_later_calls_on_other_streams() {
         once.0[..],
         "the first two of three, O"
     );
+    assert_eq!(three.1[..2 * hq], once.1[..], "the first two of three, LSE");
     let one = call(&first, &lens[..1], 1);
     assert_eq!(one.0[..], once.0[..hq * d], "the first alone, O");
     assert_eq!(one.1[..], once.1[..hq], "the first alone, LSE");
