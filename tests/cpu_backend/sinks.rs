@@ -363,14 +363,15 @@ fn allocating_calls_with_sinks_match_the_calls_into_buffers() {
     );
 }
 
-/// A NaN or +inf sink makes its head's LSE (and O) NaN, as the math says, and nothing panics;
-/// the other heads are as with finite sinks alone.
+/// A NaN or +inf sink makes its head's LSE (and O) NaN, as the math says, and its gradients
+/// NaN (dQ of its rows, dK and dV of its KV head, as the GPU's), and nothing panics; the other
+/// heads' LSE and sinks' gradient are as with finite sinks alone.
 #[test]
 fn non_finite_sinks_propagate_without_panics() {
     let c = case(1, 24, 16, 4, 2, 32, F32).causal(true);
     let mut rng = StdRng::seed_from_u64(23);
     let ops = c.random_operands::<f32>(&mut rng);
-    let [lq, ..] = ops.layouts;
+    let [lq, lk, lv, _] = ops.layouts;
     let tensors = ops.tensors();
     let finite = [0.5, -1.0, 2.0, 0.25];
     let bad = [0.5, f32::NAN, 2.0, f32::INFINITY];
@@ -388,6 +389,22 @@ fn non_finite_sinks_propagate_without_panics() {
             for i in 0..sq {
                 let off = lq.offset(0, i, h, 0);
                 assert!(got.out[off..off + c.head_dim].iter().all(|x| x.is_nan()));
+                assert!(
+                    got.dq[off..off + c.head_dim].iter().all(|x| x.is_nan()),
+                    "head {h} dQ"
+                );
+            }
+            let hk = h / (c.heads_q / c.heads_kv);
+            for j in 0..c.seqlen_k {
+                let (ok, ov) = (lk.offset(0, j, hk, 0), lv.offset(0, j, hk, 0));
+                assert!(
+                    got.dk[ok..ok + c.head_dim].iter().all(|x| x.is_nan()),
+                    "head {h} dK"
+                );
+                assert!(
+                    got.dv[ov..ov + c.head_dim_v].iter().all(|x| x.is_nan()),
+                    "head {h} dV"
+                );
             }
         }
     }

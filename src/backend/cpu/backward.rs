@@ -117,8 +117,9 @@ impl<'a, T: Element> BwdCtx<'a, T> {
         let mult = c.scores::<A>(&qs.q, self.kt.get(b, hk, t), &ranges, &mut sc.p, th);
         for (r, &(lo, hi)) in ranges.iter().enumerate() {
             let row = &mut sc.p[r * bc..(r + 1) * bc];
-            // A row with LSE = +inf is fully masked (or had no keys): it contributes nothing.
-            if lo >= hi || !qs.lse2[r].is_finite() {
+            // A row with LSE = +inf is fully masked (or had no keys): it contributes nothing. A
+            // NaN LSE (a NaN input or sink) makes its probabilities NaN, as on the GPU.
+            if lo >= hi || qs.lse2[r] == f32::INFINITY {
                 row.fill(0.0);
             } else {
                 probs_row(row, (lo, hi), mult, qs.lse2[r]);
