@@ -161,8 +161,8 @@ typedef struct {
   // flashattn_fp8_key_block(head_dim) keys; o in out_dtype (FLASHATTN_BF16 or FLASHATTN_F16).
   // Packed calls: descales and v as flashattn_fp8_quantize writes them for packed sources (with
   // the same offsets: others give wrong rows, never an access outside the buffers).
-  // Descales are read on the device only and must be finite and > 0, as flashattn_fp8_quantize
-  // writes them; flashattn_fp8_sanitize_descales turns others into NaN (NaN rows out). Other
+  // Descales are read on the device only and must be normal numbers from 2^-126 to 2^126, as
+  // flashattn_fp8_quantize writes them; flashattn_fp8_sanitize_descales turns others into NaN (NaN rows out). Other
   // calls pass null descales (else FLASHATTN_INVALID_ARGUMENT), but for an e4m3 KV cache's K and
   // V descales (kv_cache_e4m3 below).
   const float* q_descale;
@@ -372,8 +372,8 @@ flashattn_result_t flashattn_rows_add(const flashattn_rows_t* params, void* stre
 flashattn_result_t flashattn_rows_round(const flashattn_rows_t* params, void* stream);
 
 // `count` FP8 descales from src to dst (in place when equal) on `stream`, every value that is not
-// finite and > 0 replaced by NaN: the FP8 forward then gives NaN in the rows such a descale
-// touches, instead of silently wrong numbers.
+// a normal number from 2^-126 to 2^126 replaced by NaN: the FP8 forward then gives NaN in the
+// rows such a descale touches, instead of silently wrong numbers.
 flashattn_result_t flashattn_fp8_sanitize_descales(const float* src, float* dst, int64_t count,
                                                    void* stream);
 

@@ -261,14 +261,15 @@ flashattn_result_t launch_dim(const flashattn_fp8_quantize_t& p, cudaStream_t st
   }
 }
 
-// Descales the FP8 forward can use are finite and > 0 (its row maxima assume a positive score
-// scale, and V's enters as a divisor); any other becomes NaN, so that the rows it touches are NaN
-// rather than silently wrong.
+// Descales the FP8 forward can use are normal numbers from 2^-126 to 2^126 (its row maxima
+// assume a positive score scale; V's enters as a divisor, whose fast form returns 0 for one past
+// 2^126, and a subnormal one makes the ratio of two blocks' infinite); any other becomes NaN, so
+// that the rows it touches are NaN rather than silently wrong. The quantize step's are within.
 __global__ void sanitize_descales_kernel(const float* src, float* dst, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const float x = src[i];
-    dst[i] = x > 0.f && x <= FLT_MAX ? x : __int_as_float(0x7fffffff);
+    dst[i] = x >= FLT_MIN && x <= 0x1p126f ? x : __int_as_float(0x7fffffff);
   }
 }
 

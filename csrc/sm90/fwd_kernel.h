@@ -117,6 +117,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (pending) finish_pending();
       if (!has_rows<Traits>(t)) continue;  // a packed entry's tiles past its end
       ml.softmax = typename Mainloop::Softmax();
+      // FP8: O is 0 in any units, not in the last tile's V descale's (a bad one is NaN).
+      if constexpr (Traits::kFp8) ml.v_unit = 1.f;
       clear(ml.tOrO);
       float inv_sum[kRows], lse[kRows];
       ml.finalize(inv_sum, lse);

@@ -365,8 +365,10 @@ impl Device {
     /// Q, K, V quantized elsewhere: e4m3 (batch, seqlen, heads, head_dim) with their descales,
     /// f32 (batch, heads, blocks) packed — Q per [`fp8_query_block`] rows, K and V per
     /// [`fp8_key_block`](super::fp8_key_block) keys — copied on `stream` into the layouts the FP8 forward reads.
-    /// Descales must be finite and > 0 (they are read on the device only, never synchronized
-    /// to the host): any other value is copied as NaN, so that the rows it touches are NaN.
+    /// Descales must be normal numbers from 2^-126 to 2^126 (the quantize step's are; they are
+    /// read on the device only, never synchronized to the host): any other value (zero,
+    /// negative, subnormal, larger, not finite) is copied as NaN, so that the rows it touches
+    /// are NaN rather than wrong (the forward divides by V's and keeps O in their units).
     #[allow(clippy::too_many_arguments)]
     pub fn fp8_inputs_from_e4m3(
         &self,
