@@ -13,12 +13,34 @@ use super::gpu;
 use super::{cpu, lock_error, Lse, Packed};
 use crate::AttentionConfig;
 
-/// Where dK and dV start in the packed gradient buffer (dQ at 0), from dQ's and dK's element
-/// counts: on 128-element boundaries, so that on the GPU each gradient starts as aligned as the
-/// buffer. dV (V's element count) follows from the second.
-pub(super) fn grad_offsets(nq: usize, nk: usize) -> (usize, usize) {
-    let round = |n: usize| n.div_ceil(128) * 128;
-    (round(nq), round(nq) + round(nk))
+/// The packed gradient buffer of dQ, dK and dV (`counts`: Q's, K's and V's elements): where dK
+/// and dV start (dQ at 0), on 128-element boundaries so that on the GPU each gradient starts as
+/// aligned as the buffer, and its length. An error where that passes usize (a broadcast
+/// operand's logical shape may be huge), not an overflow.
+pub(super) fn grad_offsets([nq, nk, nv]: [usize; 3]) -> candle_core::Result<GradOffsets> {
+    let round = |n: usize| n.checked_next_multiple_of(128);
+    let offsets = (|| {
+        let kv_start = round(nq)?;
+        let v_start = kv_start.checked_add(round(nk)?)?;
+        Some(GradOffsets {
+            kv_start,
+            v_start,
+            len: v_start.checked_add(nv)?,
+        })
+    })();
+    offsets.ok_or_else(|| {
+        candle_core::Error::msg(format!(
+            "flash_attn: gradients of {nq}, {nk} and {nv} elements pass usize"
+        ))
+    })
+}
+
+/// Where dK and dV start in the packed gradient buffer, and its length ([`grad_offsets`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct GradOffsets {
+    pub(super) kv_start: usize,
+    pub(super) v_start: usize,
+    pub(super) len: usize,
 }
 
 /// The backward as a candle op over Q, K and V (no gradient of its own): its output is dQ, dK
@@ -57,8 +79,8 @@ impl Backward<'_> {
         let Some(grads) = grads else {
             candle_core::bail!("flash_attn: the backward produced no gradients");
         };
-        let [nq, nk, nv] = qkv.map(|(_, l)| l.shape().elem_count());
-        Ok((grads, Shape::from(grad_offsets(nq, nk).1 + nv)))
+        let counts = qkv.map(|(_, l)| l.shape().elem_count());
+        Ok((grads, Shape::from(grad_offsets(counts)?.len)))
     }
 }
 

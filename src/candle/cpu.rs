@@ -29,17 +29,9 @@ pub(super) fn forward<T: Element + WithDType>(
             crate::varlen::forward(cfg, &seqs, crate::ForwardInputs::new(q, k, v)).map_err(wrap)?;
         return Ok((T::to_cpu_storage_owned(fwd.out), fwd.lse));
     }
-    let ([b, s, h, _], dv) = (q.layout.shape, v.layout.head_dim());
-    let mut out = vec![T::default(); b * s * h * dv];
-    let mut lse = vec![0f32; b * h * s];
-    crate::forward_into(
-        cfg,
-        ForwardInputs::new(q, k, v),
-        TensorMut::contiguous(&mut out, [b, s, h, dv]),
-        &mut lse,
-    )
-    .map_err(wrap)?;
-    Ok((T::to_cpu_storage_owned(out), lse))
+    // The library's own allocation: a typed error for sizes past memory, never an abort.
+    let fwd = crate::forward(cfg, ForwardInputs::new(q, k, v)).map_err(wrap)?;
+    Ok((T::to_cpu_storage_owned(fwd.out), fwd.lse))
 }
 
 pub(super) fn backward<T: Element + WithDType>(
@@ -50,9 +42,20 @@ pub(super) fn backward<T: Element + WithDType>(
 ) -> candle_core::Result<CpuStorage> {
     let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
     let (out, dout) = (view::<T>(out)?, view::<T>(dout)?);
-    let [nq, nk, nv] = [&q, &k, &v].map(|t| t.layout.shape.iter().product());
-    let (kv_start, v_start) = grad_offsets(nq, nk);
-    let mut grads = vec![T::default(); v_start + nv];
+    // Sizes checked and the buffer taken as the library takes its own: typed errors for sizes
+    // past usize or memory (a broadcast operand's logical shape may be huge), never an abort.
+    let numel = |t: &TensorRef<T>| Layout::contiguous(t.layout.shape).numel(crate::Operand::DQ);
+    let (nq, nk, nv) = (
+        numel(&q).map_err(wrap)?,
+        numel(&k).map_err(wrap)?,
+        numel(&v).map_err(wrap)?,
+    );
+    let GradOffsets {
+        kv_start,
+        v_start,
+        len,
+    } = grad_offsets([nq, nk, nv])?;
+    let mut grads = crate::alloc::<T>(len).map_err(wrap)?;
     if let Some(p) = packed {
         let (cu_q, cu_k) = p.host_offsets()?;
         let seqs = Seqlens::new(&cu_q, &cu_k, p.max_q, p.max_k).map_err(wrap)?;

@@ -155,15 +155,24 @@ pub(super) fn backward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
     let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
     let (out, dout) = (view::<T>(out)?, view::<T>(dout)?);
     let (q_shape, kv_shape, v_shape) = (q.layout.shape, k.layout.shape, v.layout.shape);
-    let [nq, nk, nv] = [q_shape, kv_shape, v_shape].map(|s| s.iter().product());
-    let (kv_start, v_start) = grad_offsets(nq, nk);
+    let numel = |s: [usize; 4]| {
+        Layout::contiguous(s)
+            .numel(crate::Operand::DQ)
+            .map_err(wrap)
+    };
+    let (nq, nk, nv) = (numel(q_shape)?, numel(kv_shape)?, numel(v_shape)?);
+    let GradOffsets {
+        kv_start,
+        v_start,
+        len,
+    } = grad_offsets([nq, nk, nv])?;
     let mut grads = match packed {
         // Zeroed: rows that no sequence names are not written.
-        Some(_) => dev.alloc_zeros::<T>(v_start + nv)?,
+        Some(_) => dev.alloc_zeros::<T>(len)?,
         // SAFETY: the backward writes every element of dQ, dK and dV (poisoned and checked
         // whole in the GPU tests); the padding between them is never part of a tensor and never
         // read.
-        None => unsafe { dev.alloc::<T>(v_start + nv) }?,
+        None => unsafe { dev.alloc::<T>(len) }?,
     };
     {
         let (mut dq, mut rest) = grads.split_at_mut(kv_start);

@@ -42,7 +42,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Shape, Tensor};
 
-use backward::{grad_offsets, Backward};
+use backward::{grad_offsets, Backward, GradOffsets};
 
 use crate::{
     AttentionConfig, BackwardInputs, Element, ForwardInputs, GradientsMut, Layout, TensorMut,
@@ -424,7 +424,9 @@ impl CustomOp3 for FlashAttn {
             },
         )?;
         let (nq, nk, nv) = (q.elem_count(), k.elem_count(), v.elem_count());
-        let (kv_start, v_start) = grad_offsets(nq, nk);
+        let GradOffsets {
+            kv_start, v_start, ..
+        } = grad_offsets([nq, nk, nv])?;
         let dq = packed.narrow(0, 0, nq)?.reshape(q.shape())?;
         let dk = packed.narrow(0, kv_start, nk)?.reshape(k.shape())?;
         let dv = packed.narrow(0, v_start, nv)?.reshape(v.shape())?;
