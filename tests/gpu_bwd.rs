@@ -424,11 +424,25 @@ fn check_deterministic(dims: &[usize], backend: Backend, extra: Vec<Case>) {
 }
 
 /// sm80: dQ in per-CTA slices, GQA dK/dV per query head, fixed summation order; at shapes where
-/// each CTA walks several key blocks (few heads, so the dQ slices outnumber one).
+/// the dQ slices outnumber one (few heads), and where each CTA walks several key blocks (64
+/// batch · head pairs leave two slices a pair on 132 SMs, over 8 key blocks), with GQA and a
+/// window.
 #[test]
 #[ignore = "needs a GPU"]
 fn sm80_bwd_deterministic() {
-    check_deterministic(&[64, 128, 256], Backend::Sm80, vec![]);
+    let many_heads = [64, 128]
+        .into_iter()
+        .flat_map(|d| {
+            let case = || {
+                Case::new(1000, 1000, d)
+                    .batch(4)
+                    .heads(16, 4)
+                    .deterministic(true)
+            };
+            [case(), case().window(Some(300), Some(0))]
+        })
+        .collect();
+    check_deterministic(&[64, 128, 256], Backend::Sm80, many_heads);
 }
 
 /// sm90: each query block's dQ slab is added key block after key block (semaphores), GQA dK/dV
