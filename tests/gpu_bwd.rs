@@ -434,7 +434,7 @@ fn sm80_bwd_deterministic() {
         .into_iter()
         .flat_map(|d| {
             let case = || {
-                Case::new(1000, 1000, d)
+                Case::new(400, 1000, d)
                     .batch(4)
                     .heads(16, 4)
                     .deterministic(true)
