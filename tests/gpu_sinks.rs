@@ -242,12 +242,19 @@ fn sm80_sinks() {
 fn sink_gradient_repeats_bit_for_bit() {
     let (dev, stream) = device();
     for backend in [Backend::Sm90, Backend::Sm80] {
-        let case = Case::new(2000, 2000, 128).heads(4, 2).batch(3).causal(true);
-        let cfg = case.cfg(backend);
-        let first = run_case::<bf16>(&dev, &stream, &case, &cfg, 77);
-        let second = run_case::<bf16>(&dev, &stream, &case, &cfg, 77);
-        assert!(first.pass(), "{backend:?}: {}", first.dsinks);
-        assert_eq!(first.dsink_bits, second.dsink_bits, "{backend:?}");
+        for deterministic in [false, true] {
+            let case = Case::new(2000, 2000, 128)
+                .heads(4, 2)
+                .batch(3)
+                .causal(true)
+                .deterministic(deterministic);
+            let cfg = case.cfg(backend);
+            let what = format!("{backend:?}, deterministic {deterministic}");
+            let first = run_case::<bf16>(&dev, &stream, &case, &cfg, 77);
+            let second = run_case::<bf16>(&dev, &stream, &case, &cfg, 77);
+            assert!(first.pass(), "{what}: {}", first.dsinks);
+            assert_eq!(first.dsink_bits, second.dsink_bits, "{what}");
+        }
     }
 }
 
