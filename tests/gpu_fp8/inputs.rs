@@ -10,11 +10,10 @@ fn check_quantize_case<T: Element + DeviceRepr>(
     stream: &Arc<CudaStream>,
     case: &Case,
     options: Fp8Options,
-    seed: u64,
+    x: &Inputs<T>,
 ) {
-    let x = inputs::<T>(case, seed);
-    let gpu = quantize_on_device(dev, stream, case, &x, options);
-    let [hq, hk, hv] = quantize_on_host(case, &x, options);
+    let gpu = quantize_on_device(dev, stream, case, x, options);
+    let [hq, hk, hv] = quantize_on_host(case, x, options);
     let [q, k] = gpu.q_k();
     let [qd, kd, vd] = gpu.descales();
     let (v, keys) = gpu.v_key_major();
@@ -71,13 +70,70 @@ fn quantize_matches_the_host_definition() {
                 let options = Fp8Options {
                     hadamard_seed: seed,
                 };
-                check_quantize_case::<bf16>(&dev, &stream, &case, options, n);
-                check_quantize_case::<f16>(&dev, &stream, &case, options, n + 1000);
+                check_quantize_case(&dev, &stream, &case, options, &inputs::<bf16>(&case, n));
+                let x = inputs::<f16>(&case, n + 1000);
+                check_quantize_case(&dev, &stream, &case, options, &x);
                 n += 1;
             }
         }
     }
     println!("quantize: {n} cases × bf16/fp16 match the host bit for bit");
+}
+
+/// Special values through the quantize step, against the host definition bit for bit: a block
+/// of zeros only (scale 1), a block of non-finite values only (scale 1, ±inf saturating to ±448,
+/// NaN of either sign to 0x7F), and scattered through every tensor NaN of either sign, ±inf, −0
+/// and ± the smallest subnormal; bf16 and fp16, with and without Hadamard.
+#[test]
+#[ignore = "needs an sm_90 GPU"]
+fn quantize_of_special_values_matches_the_host_definition() {
+    let (dev, stream) = device();
+    let case = Case::new(300, 517, 128).batch(2).heads(4, 2);
+    for seed in [None, Some(5)] {
+        let options = Fp8Options {
+            hadamard_seed: seed,
+        };
+        check_quantize_case(&dev, &stream, &case, options, &special::<bf16>(&case, 31));
+        check_quantize_case(&dev, &stream, &case, options, &special::<f16>(&case, 32));
+    }
+}
+
+/// [`inputs`] with the special values of `quantize_of_special_values_matches_the_host_definition`.
+fn special<T: Element>(case: &Case, seed: u64) -> Inputs<T> {
+    let mut x = inputs::<T>(case, seed);
+    let (d, hq, hk) = (case.head_dim, case.heads_q, case.heads_kv);
+    // (batch 0, head 0)'s first query block: zeros only.
+    for r in 0..flashattn::cuda::fp8_query_block().min(case.seqlen_q) {
+        x.q[r * hq * d..][..d].fill(T::from_f32(0.0));
+    }
+    // (batch 0, KV head 1)'s first key block: non-finite values only.
+    let non_finite = [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY];
+    let key_block = flashattn::cuda::fp8_key_block(d).unwrap();
+    for r in 0..key_block.min(case.seqlen_k) {
+        for (j, v) in x.k[(r * hk + 1) * d..][..d].iter_mut().enumerate() {
+            *v = T::from_f32(non_finite[(r + j) % 4]);
+        }
+    }
+    // The type's smallest subnormal: bf16's 2^-133, fp16's 2^-24.
+    let tiny = [2f32.powi(-133), 2f32.powi(-24)]
+        .into_iter()
+        .find(|&t| T::from_f32(t).to_f32() == t)
+        .unwrap();
+    let scattered = [
+        f32::NAN,
+        -f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        -0.0,
+        tiny,
+        -tiny,
+    ];
+    for t in [&mut x.q, &mut x.k, &mut x.v] {
+        for (n, i) in (0..t.len()).step_by(101).enumerate() {
+            t[i] = T::from_f32(scattered[n % scattered.len()]);
+        }
+    }
+    x
 }
 
 /// E4M3 tensors quantized on the host, handed over with their descales, give the same O as the
