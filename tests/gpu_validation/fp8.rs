@@ -246,6 +246,25 @@ fn fp8_quantize_refuses_sizes_before_allocating() {
         )
         .unwrap_err();
     assert!(matches!(e, Error::BufferTooSmall { .. }), "{e:?}");
+    // A Hadamard seed at a head dim that is no power of two, over a buffer that holds it: the
+    // transform's own refusal.
+    let d96 = Layout::contiguous([1, 8, 1, 96]);
+    let t = DeviceTensor::new(x.as_view(), d96);
+    let e = dev
+        .quantize_fp8(
+            &stream,
+            &t,
+            &t,
+            &t,
+            Fp8Options {
+                hadamard_seed: Some(1),
+            },
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::Unsupported { what, .. } if what.contains("Hadamard")),
+        "{e:?}"
+    );
     // 65536 batch entries (broadcast, so that memory stays small): past the quantize grid.
     let many = Layout::with_strides([65536, 1, 1, 64], [0, 64, 64, 1]);
     let t = DeviceTensor::new(x.slice(0..64), many);
