@@ -162,9 +162,9 @@ typedef struct {
   // Packed calls: descales and v as flashattn_fp8_quantize writes them for packed sources (with
   // the same offsets: others give wrong rows, never an access outside the buffers).
   // Descales are read on the device only and must be normal numbers from 2^-126 to 2^126, as
-  // flashattn_fp8_quantize writes them; flashattn_fp8_sanitize_descales turns others into NaN (NaN rows out). Other
-  // calls pass null descales (else FLASHATTN_INVALID_ARGUMENT), but for an e4m3 KV cache's K and
-  // V descales (kv_cache_e4m3 below).
+  // flashattn_fp8_quantize writes them; flashattn_fp8_sanitize_descales turns others into NaN
+  // (NaN rows out). Other calls pass null descales (else FLASHATTN_INVALID_ARGUMENT), but for an
+  // e4m3 KV cache's K and V descales (kv_cache_e4m3 below).
   const float* q_descale;
   const float* k_descale;
   const float* v_descale;
@@ -253,10 +253,11 @@ typedef struct {
 // cache_rows] at row (row % cache_rows) of a paged one; with rotary_cos (not null) the new keys'
 // first rotary_dim elements rotated to that position first, and q (where q.ptr is not null)
 // rotated into q_out, row i at position cache_seqlens[b] + i (or cache_seqlens[b] for every row
-// with q_same_position: calls whose mask bounds no key of the cache, a window side of the
-// capacity or more counting as none, as flash-attn has it). Rotary embedding as
-// flash-attn applies it: pairs (2j, 2j + 1) with rotary_interleaved, else (j, j + rotary_dim /
-// 2); the angles rotary_cos and rotary_sin f32 (rotary_positions, rotary_dim / 2), row-major.
+// with q_same_position: calls whose mask bounds no key, a left window of capacity - 1 or more
+// and a right one of seqlen_q - 1 or more counting as none, as FlashAttention-3 has it). Rotary
+// embedding as flash-attn applies it: pairs (2j, 2j + 1) with rotary_interleaved, else
+// (j, j + rotary_dim / 2); the angles rotary_cos and rotary_sin f32 (rotary_positions,
+// rotary_dim / 2), row-major.
 // seqlens_out (optional, batch i32) gets cache_seqlens[b] + seqlen_new: the keys a forward over
 // the cache then attends to. cache_seqlens is read on the device only: each value is clamped
 // into [0, capacity] (capacity: cache_rows, or max_pages · cache_rows paged), rows past the

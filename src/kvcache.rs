@@ -814,15 +814,17 @@ pub struct KvCacheStep<'a, 'c, T, C = T> {
     pub descales: Option<CacheDescales<'a>>,
 }
 
-/// Whether rotary embedding puts all of a sequence's query rows at one position (its cached
-/// count) rather than each at its own (the count plus its row), as flash-attn decides it: where
-/// the mask bounds no key of a cache of `capacity` keys a sequence. A window side of `capacity`
-/// or more bounds none, so a window as wide as the cache counts as no mask (flash-attn drops
-/// such sides before it chooses).
-pub fn queries_at_one_position(mask: AttentionMask, capacity: usize) -> bool {
+/// Whether rotary embedding puts all of a sequence's `seqlen_q` query rows at one position (its
+/// cached count) rather than each at its own (the count plus its row), as FlashAttention-3
+/// decides it: where the mask, its windows normalized as FlashAttention-3 normalizes them (and
+/// as this crate's kernels do), bounds nothing. A left side of `capacity − 1` or more (the keys
+/// a sequence's cache holds) and a right side of `seqlen_q − 1` or more bound nothing; `Causal`
+/// is a right side of 0. (FlashAttention-2 drops only sides of the capacity or more.)
+pub fn queries_at_one_position(mask: AttentionMask, capacity: usize, seqlen_q: usize) -> bool {
     let (left, right) = mask.bounds();
-    let bounds = |side: Option<usize>| side.is_some_and(|w| w < capacity);
-    !bounds(left) && !bounds(right)
+    let left_bounds = left.is_some_and(|l| l.saturating_add(1) < capacity);
+    let right_bounds = right.is_some_and(|r| r.saturating_add(1) < seqlen_q);
+    !left_bounds && !right_bounds
 }
 
 /// `x` (batch, rows, heads, d) copied, each head's row `i` of entry `b` rotated to position
@@ -847,10 +849,11 @@ fn rotated<T: Element>(
 }
 
 /// A whole step: with rotary embedding, Q and the new keys rotated (the new keys to their
-/// positions in the cache, `cache_seqlens[b] + i`; Q likewise under a mask that bounds some key
-/// of the cache, else every query row at `cache_seqlens[b]`: [`queries_at_one_position`]); the new keys and values appended ([`append`],
-/// or into an e4m3 cache as [`append_fp8`] stores them); then [`forward`] over
-/// `cache_seqlens[b] + seqlen_new` keys. Every check runs before the cache is written.
+/// positions in the cache, `cache_seqlens[b] + i`; Q likewise under a mask that bounds some
+/// key, else every query row at `cache_seqlens[b]`: [`queries_at_one_position`]); the new keys
+/// and values appended ([`append`], or into an e4m3 cache as [`append_fp8`] stores them); then
+/// [`forward`] over `cache_seqlens[b] + seqlen_new` keys. Every check runs before the cache is
+/// written.
 pub fn step<T: Element, C: Element>(
     cfg: &AttentionConfig,
     step: KvCacheStep<'_, '_, T, C>,
@@ -896,7 +899,7 @@ pub fn step<T: Element, C: Element>(
         seqlen_new,
         cache_batch_idx,
     )?;
-    let same_position = queries_at_one_position(cfg.mask, cache.as_ref().capacity()?);
+    let same_position = queries_at_one_position(cfg.mask, cache.as_ref().capacity()?, seqlen_q);
     if let Some(r) = &rotary {
         r.check(head_dim)?;
         // One past the last position a row takes: an appended key's or a query row's.

@@ -665,10 +665,7 @@ fn inconsistent_inputs_are_typed_errors() {
     assert!(matches!(e, Error::InvalidPageTable(_)), "{e:?}");
 }
 
-/// What a call over a paged cache must refuse, by the kind of error (several where its input is
-/// wrong in several ways; none where it must succeed): cached counts outside
-/// `0..=capacity − extra` (`extra` the rows an append adds), pages a sequence uses (those of its
-/// first `len + extra` rows) outside the pool of `pages`, and what `also` adds.
+/// A kind of refusal: the error a call gives for one kind of bad input.
 #[derive(Debug, PartialEq)]
 enum Refusal {
     Seqlens,
@@ -676,6 +673,10 @@ enum Refusal {
     Config,
 }
 
+/// What a call over a paged cache must refuse, by the kind of error (several where its input is
+/// wrong in several ways; none where it must succeed): cached counts outside
+/// `0..=capacity − extra` (`extra` the rows an append adds), pages a sequence uses (those of its
+/// first `len + extra` rows) outside the pool of `pages`, and what `also` adds.
 fn paged_refusals(
     (table, max_pages, page_size, pages): (&[i32], usize, usize, usize),
     lens: &[i32],
@@ -1028,20 +1029,22 @@ fn a_step_rotates_appends_and_attends() {
     let mut rng = StdRng::seed_from_u64(9);
     // As many new keys as queries, and more new keys than queries (so that the queries'
     // positions, len + i, are not the bottom-right ones).
-    for (s_new, seqlen_q, interleaved) in [(2, 2, false), (2, 2, true), (3, 1, false)] {
+    for (s_new, seqlen_q, interleaved) in [(2, 2, false), (2, 2, true), (3, 1usize, false)] {
         let k_new: Vec<bf16> = random(BATCH * s_new * HK * D, &mut rng);
         let v_new: Vec<bf16> = random(BATCH * s_new * HK * DV, &mut rng);
-        // flash-attn's rule: each query row at its own position under a mask that bounds some
-        // key of the cache, every row at the first new position otherwise; a window side as
-        // wide as the cache (CAPACITY keys) bounds none.
+        // FlashAttention-3's rule: each query row at its own position under a mask that bounds
+        // some key, every row at the first new position otherwise; a left side of CAPACITY − 1
+        // or more and a right side of seqlen_q − 1 or more bound none (with one query row the
+        // two are the same).
         let wide = |left, right| AttentionConfig::new().window(left, right);
         for (cfg, same) in [
             (AttentionConfig::new().causal(true), false),
             (AttentionConfig::new(), true),
-            (wide(Some(CAPACITY - 1), None), false),
-            (wide(Some(CAPACITY), None), true),
-            (wide(None, Some(CAPACITY)), true),
-            (wide(Some(CAPACITY), Some(CAPACITY - 1)), false),
+            (wide(Some(CAPACITY - 2), None), false),
+            (wide(Some(CAPACITY - 1), None), true),
+            (wide(None, Some(0)), false),
+            (wide(None, Some(seqlen_q - 1)), true),
+            (wide(Some(CAPACITY), Some(CAPACITY)), true),
         ] {
             let fx = Fixture::new(seqlen_q, 10);
             let rotary = kvcache::Rotary {

@@ -44,11 +44,11 @@ pub(super) fn backward<T: Element + WithDType>(
     let (out, dout) = (view::<T>(out)?, view::<T>(dout)?);
     // Sizes checked and the buffer taken as the library takes its own: typed errors for sizes
     // past usize or memory (a broadcast operand's logical shape may be huge), never an abort.
-    let numel = |t: &TensorRef<T>| Layout::contiguous(t.layout.shape).numel(crate::Operand::DQ);
+    let numel = |t: &TensorRef<T>, operand| Layout::contiguous(t.layout.shape).numel(operand);
     let (nq, nk, nv) = (
-        numel(&q).map_err(wrap)?,
-        numel(&k).map_err(wrap)?,
-        numel(&v).map_err(wrap)?,
+        numel(&q, crate::Operand::DQ).map_err(wrap)?,
+        numel(&k, crate::Operand::DK).map_err(wrap)?,
+        numel(&v, crate::Operand::DV).map_err(wrap)?,
     );
     let GradOffsets {
         kv_start,

@@ -155,12 +155,12 @@ pub(super) fn backward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
     let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
     let (out, dout) = (view::<T>(out)?, view::<T>(dout)?);
     let (q_shape, kv_shape, v_shape) = (q.layout.shape, k.layout.shape, v.layout.shape);
-    let numel = |s: [usize; 4]| {
-        Layout::contiguous(s)
-            .numel(crate::Operand::DQ)
-            .map_err(wrap)
-    };
-    let (nq, nk, nv) = (numel(q_shape)?, numel(kv_shape)?, numel(v_shape)?);
+    let numel = |s: [usize; 4], operand| Layout::contiguous(s).numel(operand).map_err(wrap);
+    let (nq, nk, nv) = (
+        numel(q_shape, crate::Operand::DQ)?,
+        numel(kv_shape, crate::Operand::DK)?,
+        numel(v_shape, crate::Operand::DV)?,
+    );
     let GradOffsets {
         kv_start,
         v_start,

@@ -759,8 +759,9 @@ impl Device {
     /// With new keys it takes device memory for the step's key counts (and with rotary
     /// embedding for the rotated Q), given back in stream order. Everything the forward checks
     /// (shapes, lengths, devices, alignment, the sinks' count, the page size, the splits) is
-    /// checked before the cache is written or anything uploaded, but the forward's plan (a head
-    /// dim or backend this build lacks): such an error leaves the new rows in the cache.
+    /// checked before the cache is written (the devices before anything is uploaded), but the
+    /// forward's plan (a head dim or backend this build lacks): such an error leaves the new
+    /// rows in the cache.
     pub fn kvcache_step_into<T: Element + DeviceRepr, C: Element + DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,
@@ -878,11 +879,12 @@ impl Device {
         };
         // A sequence's capacity: the dense cache's rows, or its pages' (a dense cache with
         // cache_batch_idx: one page, an entry, a sequence).
-        let pages_per_seq = block_table
-            .as_ref()
-            .map_or(1, |t| t.len().checked_div(batch).unwrap_or(1));
-        let capacity = k_cache.layout.shape[1].saturating_mul(pages_per_seq);
-        let same_position = kvcache::queries_at_one_position(cfg.mask, capacity);
+        let pages = match &block_table {
+            Some(t) => pages_per_seq(t.len(), batch)?,
+            None => 1,
+        };
+        let capacity = k_cache.layout.shape[1].saturating_mul(pages);
+        let same_position = kvcache::queries_at_one_position(cfg.mask, capacity, seqlen_q);
         self.launch_append(
             stream,
             [&mut *k_cache, &mut *v_cache],

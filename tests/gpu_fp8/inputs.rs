@@ -102,18 +102,6 @@ fn quantize_of_special_values_matches_the_host_definition() {
 fn special<T: Element>(case: &Case, seed: u64) -> Inputs<T> {
     let mut x = inputs::<T>(case, seed);
     let (d, hq, hk) = (case.head_dim, case.heads_q, case.heads_kv);
-    // (batch 0, head 0)'s first query block: zeros only.
-    for r in 0..flashattn::cuda::fp8_query_block().min(case.seqlen_q) {
-        x.q[r * hq * d..][..d].fill(T::from_f32(0.0));
-    }
-    // (batch 0, KV head 1)'s first key block: non-finite values only.
-    let non_finite = [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY];
-    let key_block = flashattn::cuda::fp8_key_block(d).unwrap();
-    for r in 0..key_block.min(case.seqlen_k) {
-        for (j, v) in x.k[(r * hk + 1) * d..][..d].iter_mut().enumerate() {
-            *v = T::from_f32(non_finite[(r + j) % 4]);
-        }
-    }
     // The type's smallest subnormal: bf16's 2^-133, fp16's 2^-24.
     let tiny = [2f32.powi(-133), 2f32.powi(-24)]
         .into_iter()
@@ -131,6 +119,18 @@ fn special<T: Element>(case: &Case, seed: u64) -> Inputs<T> {
     for t in [&mut x.q, &mut x.k, &mut x.v] {
         for (n, i) in (0..t.len()).step_by(101).enumerate() {
             t[i] = T::from_f32(scattered[n % scattered.len()]);
+        }
+    }
+    // Then, over what was scattered there: (batch 0, head 0)'s first query block zeros only,
+    // and (batch 0, KV head 1)'s first key block non-finite values only.
+    for r in 0..flashattn::cuda::fp8_query_block().min(case.seqlen_q) {
+        x.q[r * hq * d..][..d].fill(T::from_f32(0.0));
+    }
+    let non_finite = [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY];
+    let key_block = flashattn::cuda::fp8_key_block(d).unwrap();
+    for r in 0..key_block.min(case.seqlen_k) {
+        for (j, v) in x.k[(r * hk + 1) * d..][..d].iter_mut().enumerate() {
+            *v = T::from_f32(non_finite[(r + j) % 4]);
         }
     }
     x

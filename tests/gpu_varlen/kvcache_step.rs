@@ -270,8 +270,8 @@ pub(super) fn step_case<C: Element + DeviceRepr>(
         failures.push(format!("{what}: the cache differs from the host step's"));
     }
     // The appended rows hold the new values (not the old cache's): the host step wrote them.
-    // flash-attn's rule (tests/kvcache.rs states it case by case on the host).
-    let same_position = kvcache::queries_at_one_position(cfg.mask, capacity);
+    // FlashAttention-3's rule (tests/kvcache.rs states it case by case on the host).
+    let same_position = kvcache::queries_at_one_position(cfg.mask, capacity, seqlen_q);
     let q_used = match &host_rotary {
         Some(r) => rotate_q(&q, [batch, seqlen_q, hq, d], r, lens, same_position),
         None => q.clone(),
@@ -331,8 +331,9 @@ fn device_step_matches_the_host_step_and_the_reference() {
         AttentionConfig::new(),
         AttentionConfig::new().causal(true),
         AttentionConfig::new().window(Some(40), Some(0)),
-        // As wide as the dense cache (300 rows): no mask there, a window on the others (304
-        // rows, and three pages of 128), which rotary tells apart.
+        // As wide as the dense cache (300 rows, a left side of 299 or more bounds nothing): no
+        // mask there, a window on the others (304 rows, and three pages of 128), which rotary
+        // tells apart.
         AttentionConfig::new().window(Some(300), None),
     ];
     let rotaries = [None, Some((128, false)), Some((64, true))];

@@ -409,9 +409,9 @@ impl Device {
     /// moves nor shrinks a sequence's K and V blocks, which cover every key its offsets give it
     /// (the forward reads those of its used keys).
     ///
-    /// Descales must be finite and > 0 (they are read on the device only, never synchronized
-    /// to the host): any other value is copied as NaN, so that the rows it touches are NaN. A
-    /// view of another length than its `heads · blocks` is refused ([`Error::BufferTooSmall`]).
+    /// Descales as [`Device::fp8_inputs_from_e4m3`] takes them (normal numbers from 2^-126 to
+    /// 2^126; any other copied as NaN, so that the rows it touches are NaN). A view of another
+    /// length than its `heads · blocks` is refused ([`Error::BufferTooSmall`]).
     #[allow(clippy::too_many_arguments)]
     pub fn varlen_fp8_inputs_from_e4m3(
         &self,
