@@ -72,6 +72,15 @@ int main() {
          "the stride of a dimension of extent 1 is never used");
   expect(View::of({at(0), (int64_t(1) << 62), 16, d}, 1, 3, 1, 1, d).addressable(), false,
          "a span past int64");
+  // Spans past int64 of strides within TMA's limit: offsets that overflow, and offsets that
+  // fit but bytes that do not; and a large span that fits.
+  expect(View::of({at(0), int64_t(1) << 39, 16, d}, 1, int64_t(1) << 25, 1, 1, d).addressable(),
+         false, "offsets past int64 (a 2^39-byte stride, 2^25 entries)");
+  expect(View::of({at(0), int64_t(1) << 38, 16, d}, 2, (int64_t(1) << 24) + 1, 1, 1, d)
+             .addressable(),
+         false, "bytes past int64 (offsets up to 2^62 of 2 bytes)");
+  expect(View::of({at(0), int64_t(1) << 39, 16, d}, 1, int64_t(1) << 20, 1, 1, d).addressable(),
+         true, "a 2^59-byte span");
   expect(View::packed(at(2), 4, 8, 4).addressable(), false, "f32 misaligned");
   expect(View::packed(nullptr, 4, 8, 4).addressable(), false, "null");
   if (failures == 0) std::printf("operand checks: all cases as expected\n");
