@@ -4,7 +4,7 @@
 //! before they are rounded to 3 mantissa bits.
 //!
 //! This is the host definition of the quantize step: the GPU step (csrc/sm90/fp8_quantize.cu,
-//! `Device::quantize_fp8`) agrees with it bit for bit (tests/gpu_fp8.rs), and the accuracy tests
+//! `Device::quantize_fp8`) agrees with it bit for bit (tests/gpu_fp8/inputs.rs), and the accuracy tests
 //! build their FP8 baselines from it.
 // The cuda module exists with its feature only: a link to it there.
 #![cfg_attr(
