@@ -232,35 +232,18 @@ fn fp8_quantize_refuses_sizes_before_allocating() {
     let (dev, stream) = device();
     let x = stream.clone_htod(&vec![bf16::from_f32(0.5); 4096]).unwrap();
     // A head dim of 2^40 with a Hadamard seed: refused before a matrix of that size is built.
-    let wide = Layout::with_strides([1, 1, 1, 1 << 40], [0, 0, 0, 1]);
-    let t = DeviceTensor::new(x.as_view(), wide);
-    let e = dev
-        .quantize_fp8(
-            &stream,
-            &t,
-            &t,
-            &t,
-            Fp8Options {
-                hadamard_seed: Some(1),
-            },
-        )
-        .unwrap_err();
+    let with_hadamard = |layout: Layout| {
+        let t = DeviceTensor::new(x.as_view(), layout);
+        let options = Fp8Options {
+            hadamard_seed: Some(1),
+        };
+        dev.quantize_fp8(&stream, &t, &t, &t, options).unwrap_err()
+    };
+    let e = with_hadamard(Layout::with_strides([1, 1, 1, 1 << 40], [0, 0, 0, 1]));
     assert!(matches!(e, Error::BufferTooSmall { .. }), "{e:?}");
     // A Hadamard seed at a head dim that is no power of two, over a buffer that holds it: the
     // transform's own refusal.
-    let d96 = Layout::contiguous([1, 8, 1, 96]);
-    let t = DeviceTensor::new(x.as_view(), d96);
-    let e = dev
-        .quantize_fp8(
-            &stream,
-            &t,
-            &t,
-            &t,
-            Fp8Options {
-                hadamard_seed: Some(1),
-            },
-        )
-        .unwrap_err();
+    let e = with_hadamard(Layout::contiguous([1, 8, 1, 96]));
     assert!(
         matches!(&e, Error::Unsupported { what, .. } if what.contains("Hadamard")),
         "{e:?}"
