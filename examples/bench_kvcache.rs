@@ -19,8 +19,11 @@
 //! to the queries' type in shared memory; built with the `kvcache-fp8` feature): half the bytes,
 //! against the copy ceiling of those. `--f16` takes queries, O and a 16-bit cache in fp16
 //! instead of bf16 (an e4m3 cache's widening to fp16 is one conversion a pair, to bf16 more).
+//! `--ragged` fills each sequence's cache part way: sequence b holds C − 1 − (53·b mod 127) keys,
+//! so that its last key block ends inside a tile (the rows past the count are read and
+//! discarded); GB/s then counts the keys held, and the copy ceiling copies as many bytes.
 //!
-//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--sm80] [--no-pack] [--narrow] [--shape B,C] [--step] [--e4m3] [--f16] --out kvcache.json`
+//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--sm80] [--no-pack] [--narrow] [--shape B,C] [--step] [--e4m3] [--f16] [--ragged] --out kvcache.json`
 
 mod common;
 
@@ -58,6 +61,7 @@ struct Bench {
     page_size: Option<usize>,
     num_splits: usize,
     step: bool,
+    ragged: bool,
 }
 
 fn main() {
@@ -101,6 +105,7 @@ fn main() {
             .value("--splits")
             .map_or(0, |n| n.parse().expect("--splits N")),
         step: args.flag("--step"),
+        ragged: args.flag("--ragged"),
     };
     let e4m3 = args.flag("--e4m3");
     let f16_queries = args.flag("--f16");
@@ -155,11 +160,21 @@ impl Bench {
             page_size,
             num_splits,
             step,
+            ragged,
         } = self;
         let (page_size, num_splits, step) = (*page_size, *num_splits, *step);
+        // Each sequence's keys after the call (a step appends one).
+        let held = |b: usize| {
+            if *ragged {
+                cache - 1 - (53 * b) % 127
+            } else {
+                cache
+            }
+        };
         let kv_elems = batch * cache * HEADS_KV * D;
+        let read_elems = (0..batch).map(held).sum::<usize>() * HEADS_KV * D;
         // Paged, each sequence's last page partly used where P does not divide the cache: the
-        // buffers hold whole pages (the bytes read and copied stay the cache's).
+        // buffers hold whole pages (the bytes read and copied stay the keys held).
         let held_elems =
             page_size.map_or(kv_elems, |p| batch * cache.div_ceil(p) * p * HEADS_KV * D);
         // Finite, not zero: a few distinct values (e4m3 holds them too, to within its rounding).
@@ -182,8 +197,10 @@ impl Bench {
             v: &descales,
         });
         // A step appends each sequence's last key: its cache holds one fewer before.
-        let cached = if step { cache - 1 } else { cache };
-        let lens = stream.clone_htod(&vec![cached as i32; batch]).unwrap();
+        let lens: Vec<i32> = (0..batch)
+            .map(|b| (held(b) - usize::from(step)) as i32)
+            .collect();
+        let lens = stream.clone_htod(&lens).unwrap();
         let new_kv = stream
             .clone_htod(&fill::<Q>(batch * HEADS_KV * D, 4))
             .unwrap();
@@ -266,27 +283,28 @@ impl Bench {
                     .expect("KV-cache forward")
             });
         });
-        // The copy ceiling at this size: K and V's bytes copied once.
+        // The copy ceiling at this size: the keys' and values' bytes read, copied once.
         // SAFETY: only the copies write it, and nothing reads it.
-        let mut dst = unsafe { stream.alloc::<C>(2 * kv_elems) }.unwrap();
+        let mut dst = unsafe { stream.alloc::<C>(2 * read_elems) }.unwrap();
         let (copy_ms, _) = protocol.median_ms(stream, || {
             stream
-                .memcpy_dtod(&k.slice(..kv_elems), &mut dst.slice_mut(..kv_elems))
+                .memcpy_dtod(&k.slice(..read_elems), &mut dst.slice_mut(..read_elems))
                 .unwrap();
             stream
-                .memcpy_dtod(&v.slice(..kv_elems), &mut dst.slice_mut(kv_elems..))
+                .memcpy_dtod(&v.slice(..read_elems), &mut dst.slice_mut(read_elems..))
                 .unwrap();
         });
-        let bytes = (2 * kv_elems * std::mem::size_of::<C>()) as f64;
+        let bytes = (2 * read_elems * std::mem::size_of::<C>()) as f64;
         let gbps = bytes / (ms * 1e-3) / 1e9;
         let copy_gbps = 2.0 * bytes / (copy_ms * 1e-3) / 1e9;
         let plan = plan.unwrap();
         println!(
-            "{}{}{}{} b{batch:<3} cache {cache:>5}: {ms:.4} ms {gbps:>6.0} GB/s, copy {copy_gbps:.0} GB/s ({:.2}) ({})",
+            "{}{}{}{}{} b{batch:<3} cache {cache:>5}: {ms:.4} ms {gbps:>6.0} GB/s, copy {copy_gbps:.0} GB/s ({:.2}) ({})",
             if step { "step" } else { "decode" },
             if e4m3 { " e4m3" } else { "" },
             if Q::DTYPE == DType::F16 { " f16" } else { "" },
             page_size.map_or(String::new(), |p| format!(" pages of {p}")),
+            if *ragged { " ragged" } else { "" },
             gbps / copy_gbps,
             plan.explain()
         );
@@ -296,7 +314,7 @@ impl Bench {
              \"seqlen_k\": {cache}, \"heads\": {HEADS_Q}, \"heads_kv\": {HEADS_KV}, \"causal\": true, \
              \"fwd_ms\": {ms:.5}, \"fwd_reps\": {reps}, \"gbps\": {gbps:.1}, \"copy_gbps\": {copy_gbps:.1}, \
              \"of_copy\": {:.3}, \"pack_gqa\": \"{pack_gqa:?}\", \"num_splits\": {num_splits}, \
-             \"narrow_key_blocks\": {}, \"step\": {step}{}}}",
+             \"narrow_key_blocks\": {}, \"step\": {step}, \"ragged\": {ragged}{}}}",
             plan.backend.name(),
             dtype_name(Q::DTYPE),
             if e4m3 { "e4m3" } else { dtype_name(Q::DTYPE) },
