@@ -149,6 +149,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     smem.pipe_k.consumer_wait(st_k);
     if (pending) {
       smem.pipe_v.consumer_wait(st_v);
+      ml.zero_v_tail(smem, st_v.index);  // the tile before's, where it had one block
       ml.turn_wait();
       ml.gemm_qk(st_q.index, st_k.index);
       ml.gemm_pv(st_v.index);
@@ -171,6 +172,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       release_k_first();
       ml.template softmax_step<false>(t.n_max - 1, row0, first);
     }
+    ml.mark_v_tail(t);
     clear(ml.tOrO);
     ml.convert_p();
     // One key block after the first. kPlain: a block that needs no mask (and no softcap, and is
@@ -180,6 +182,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const BlockScales scales = ml.block_scales(n);
       smem.pipe_k.consumer_wait(st_k);
       smem.pipe_v.consumer_wait(st_v);
+      ml.zero_v_tail(smem, st_v.index);
       ml.turn_wait();
       ml.gemm_qk(st_q.index, st_k.index);
       ml.gemm_pv(st_v.index);

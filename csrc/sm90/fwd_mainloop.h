@@ -82,7 +82,7 @@ struct FwdMainloop {
   // alternation runs on across tiles. WG1 gives WG0 the first turn as it starts; WG0 takes
   // WG1's last hand-over at the end (take_last_turn), so no arrival is left pending at exit.
   const bool pingpong;
-  const FwdBarrier my_turn, their_turn;
+  const FwdBarrier my_turn, their_turn, v_tail_done;
   Softmax softmax;
   float factor[kRows];  // what O is rescaled by after a softmax step
   KeyRange keys;        // the tile's (its entry's lengths)
@@ -97,6 +97,11 @@ struct FwdMainloop {
   // the next tile's begin_tile has replaced them.
   float tile_softcap_pre;
   float pending_scale_log2 = 0.f, pending_v_unit = 1.f;
+  // Of the next V stage this warpgroup multiplies by, the rows that hold its entry's keys: a
+  // tile's first-visited block may end past them, where a KV cache holds whatever it holds, and
+  // P·V would make a NaN there every row's NaN (0·NaN); the rest are zeroed first (both
+  // warpgroups write the same zeros). 16-bit V only (the FP8 forward reads no cache).
+  int v_rows_with_keys = kBlockN;
 
   __device__ FwdMainloop(const FwdParams<Traits>& p, typename Traits::SharedStorage& smem, int wg,
                          int tid_)
@@ -112,6 +117,7 @@ struct FwdMainloop {
         pingpong(give_first_turn(p.pingpong, wg)),
         my_turn(wg == 0 ? FwdBarrier::TurnWG0 : FwdBarrier::TurnWG1),
         their_turn(wg == 0 ? FwdBarrier::TurnWG1 : FwdBarrier::TurnWG0),
+        v_tail_done(wg == 0 ? FwdBarrier::VTailWG0 : FwdBarrier::VTailWG1),
         tile_scale_log2(p.scale_log2),
         tile_softcap_pre(p.softcap_pre) {}
   FwdMainloop(const FwdMainloop&) = delete;
@@ -120,6 +126,31 @@ struct FwdMainloop {
   __device__ ThrPV thr_pv() { return mma_pv.get_thread_slice(tid); }
   __device__ auto rowcol_S() { return make_tensor(tSrS.data(), acc_rowcol(tSrS.layout())); }
   __device__ auto rowcol_O() { return make_tensor(tOrO.data(), acc_rowcol(tOrO.layout())); }
+
+  // The tile's first-visited key block: its V rows past the entry's keys, to zero (zero_v_tail)
+  // before its P·V, where the entry owns rows past its keys (a KV cache, seqused_k; a dense
+  // call's TMA box reads zeros past its rows, and a packed one's rows are the next sequence's).
+  // Called once the last tile's pending P·V has waited for its V.
+  __device__ FLASHATTN_INLINE void mark_v_tail(const WorkTile& t) {
+    if constexpr (!Traits::kFp8) {
+      const int rows = t.seq.seqlen_k - (t.n_max - 1) * kBlockN;
+      if (t.seq.keys_owned > t.seq.seqlen_k && rows < kBlockN) v_rows_with_keys = rows;
+    }
+  }
+  // After the wait for V stage `stage`: its rows past the keys zeroed where mark_v_tail says so.
+  __device__ FLASHATTN_INLINE void zero_v_tail(typename Traits::SharedStorage& smem, int stage) {
+    if constexpr (!Traits::kFp8) {
+      if (v_rows_with_keys < kBlockN) {
+        constexpr int kDim = Traits::kHeadDimV;
+        Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutV{});
+        for (int i = v_rows_with_keys * kDim + tid; i < kBlockN * kDim; i += 128)
+          sV(i / kDim, i % kDim, stage) = Element(0);
+        cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA reads
+        named_sync(v_tail_done, 128);
+        v_rows_with_keys = kBlockN;
+      }
+    }
+  }
 
   // The tile's key range and (FP8) descales.
   __device__ FLASHATTN_INLINE void begin_tile(const WorkTile& t) {

@@ -17,6 +17,7 @@ namespace flashattn::sm90 {
 template <class Mainloop, class SharedStorage, class State>
 __device__ __forceinline__ void pv_and_release(Mainloop& ml, SharedStorage& smem, State& st_v) {
   smem.pipe_v.consumer_wait(st_v);
+  ml.zero_v_tail(smem, st_v.index);
   ml.turn_wait();
   ml.gemm_pv(st_v.index);
   ml.turn_pass();

@@ -36,6 +36,8 @@ enum class FwdBarrier : uint32_t {
   QRowsWG0 = 2,  // pack-GQA: consumer WG0's gathered Q rows are in its buffer (fwd_packed_q.h)
   QRowsWG1 = 3,
   StagingRead = 4,  // the producer warpgroup has widened a staging slot (fwd_cache_staging.h)
+  VTailWG0 = 5,     // consumer WG0 has zeroed a V stage's rows past its entry's keys
+  VTailWG1 = 6,
 };
 
 __device__ inline void named_sync(FwdBarrier b, uint32_t threads) {

@@ -64,8 +64,8 @@ pub struct DeviceKvCacheInputs<'a, T, C = T> {
     /// Each sequence's cached keys, `batch` i32 values on the device. The kernels clamp them into
     /// `0..=seqlen_cache` (paged: `0..=max_pages · page_size`; the host does not read them: that
     /// would synchronize the stream). The cache's rows past them in the blocks read (of the
-    /// sequence's entry or pages) are read by whole-block loads and take weight 0: they must
-    /// hold finite values (a zero-initialized cache, say), or O may be NaN.
+    /// sequence's entry or pages) are read by whole-block loads and take weight 0, their values
+    /// zeroed before P·V: they may hold anything (an uninitialized cache's NaN included).
     pub cache_seqlens: CudaView<'a, i32>,
     pub sinks: Option<&'a CudaView<'a, f32>>,
     /// Key splits (split-KV) of the Hopper forward: each tile's keys cut into this many ranges

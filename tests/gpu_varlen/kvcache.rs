@@ -190,14 +190,16 @@ pub(super) fn check_sequence_over(
     .collect()
 }
 
-/// Rows past each sequence's length in a dense cache of `SEQLEN_CACHE` rows of `row` elements
-/// (K and V alike): large finite keys, which attended to would move O far from the reference (the
-/// kernels' block loads read them, finite as the contract asks, and weigh them 0).
-fn poison_past_lengths(cache: [&mut Vec<bf16>; 2], lens: &[i32], row: usize) {
+/// Rows past each sequence's length in a dense cache of `SEQLEN_CACHE` rows of `row` elements:
+/// large finite keys, which attended to would move O far from the reference, and NaN values, as
+/// an uninitialized cache may hold (the kernels' block loads read them and weigh them 0; 0·NaN
+/// would be NaN, so the Hopper forward zeroes them in shared memory, the Ampere one never loads
+/// them).
+fn poison_past_lengths([k, v]: [&mut Vec<bf16>; 2], lens: &[i32], row: usize) {
     let entry = SEQLEN_CACHE * row;
-    for x in cache {
+    for (x, poison) in [(k, 30.0), (v, f32::NAN)] {
         for (b, &len) in lens.iter().enumerate() {
-            x[b * entry + len as usize * row..(b + 1) * entry].fill(bf16::from_f32(30.0));
+            x[b * entry + len as usize * row..(b + 1) * entry].fill(bf16::from_f32(poison));
         }
     }
 }
@@ -481,12 +483,13 @@ fn paged_case(
         let page = table[b * pages_per_seq + j / page_size] as usize;
         (page * page_size + j % page_size) * hk * width
     };
-    // Rows past the first two sequences' lengths (in pages no other sequence reads): attended
-    // to, they would move O far from the reference.
+    // Rows past the first two sequences' lengths (in pages no other sequence reads): large
+    // keys, which attended to would move O far from the reference, and NaN values, as an
+    // uninitialized cache may hold (weighed 0, and zeroed before P·V on the Hopper forward).
     for (b, &len) in lens.iter().enumerate().take(2) {
         for j in len as usize..capacity {
             k[at(b, j, d)..][..hk * d].fill(bf16::from_f32(30.0));
-            v[at(b, j, dv)..][..hk * dv].fill(bf16::from_f32(30.0));
+            v[at(b, j, dv)..][..hk * dv].fill(bf16::NAN);
         }
     }
     let cfgs = [

@@ -4,8 +4,8 @@
 //! stored values times their descales), under DESIGN's rule with the baseline of a framework
 //! that dequantizes to bf16 and then attends: paged (pages of 16, 64, 100 and 160 rows, out of
 //! order) and dense, GQA with and without packed query heads, causal and softcap, key splits,
-//! with and without descales, the rows past each length poisoned with e4m3's largest finite
-//! values. Whole steps over such caches (append quantized by the descales, rotary embedding,
+//! with and without descales, the rows past each length poisoned (keys of e4m3's largest
+//! finite value, values NaN, as an uninitialized cache may hold). Whole steps over such caches (append quantized by the descales, rotary embedding,
 //! forward) against the host step.
 #![cfg(feature = "kvcache-fp8")]
 
@@ -62,12 +62,13 @@ fn run_case(c: &Case, seed: u64) -> Vec<String> {
         Some(t) => t[b * pages_per_seq + j / rows] as usize * rows + j % rows,
         None => b * rows + j,
     };
-    // Rows past each length: e4m3's largest finite values, which attended to would move O far.
+    // Rows past each length: keys of e4m3's largest finite value, which attended to would move
+    // O far, and NaN values, which would make O NaN if multiplied by their weight of 0.
     for (b, &len) in c.lens.iter().enumerate() {
         for j in len as usize..pages_per_seq * rows {
             let r = at(b, j);
             k[r * row..][..row].fill(F8E4M3::from_f32(448.0));
-            v[r * row..][..row].fill(F8E4M3::from_f32(-448.0));
+            v[r * row..][..row].fill(F8E4M3::NAN);
         }
     }
     let q: Vec<bf16> = (0..batch * seqlen_q * hq * d)
