@@ -1,6 +1,6 @@
 //! `flashattn::candle::flash_attn` on the CPU against attention written with candle ops: the
 //! forward in f64, and the gradients of candle's autograd through that f64 attention against
-//! those of our op (its fused backward) in f32, under every mask, GQA, softcap, odd lengths,
+//! those of our op (its fused backward) in f32, under every mask (rows that see no key too), GQA, softcap, odd lengths,
 //! V's head dim apart from Q's, and strided or offset views; f16 and bf16 against f32 with their
 //! rounding's tolerance.
 #![cfg(feature = "candle")]
@@ -156,6 +156,23 @@ fn v_head_dim_apart_from_q() {
     );
     let out = flash_attn(&q, &k, &v, &AttentionConfig::new()).unwrap();
     assert_eq!(out.dims(), &[1, 5, 2, 8]);
+}
+
+/// Causal with more queries than keys: bottom-right aligned, the first rows see no key. Their O
+/// is 0 and they give no gradient; the other rows are the attention of those rows alone (the
+/// reference: the naive attention over them, 0 rows before).
+#[test]
+fn rows_that_see_no_key() {
+    let (b, s_q, s_k, h, d) = (2, 9, 5, 2, 16);
+    let seen = s_k; // the last s_k rows see keys
+    let cfg = AttentionConfig::new().causal(true);
+    let ours = |q: &Tensor, k: &Tensor, v: &Tensor| flash_attn(q, k, v, &cfg);
+    let reference = |q: &Tensor, k: &Tensor, v: &Tensor| {
+        let o = naive(&q.narrow(1, s_q - seen, seen)?, k, v, &cfg)?;
+        let none = Tensor::zeros((b, s_q - seen, h, d), o.dtype(), o.device())?;
+        Tensor::cat(&[&none, &o], 1)
+    };
+    grad_check_of(&Case::packed(b, s_q, s_k, h, h, d), &ours, &reference);
 }
 
 #[test]
