@@ -1,8 +1,8 @@
 //! `flashattn::candle::flash_attn` on the CPU against attention written with candle ops: the
 //! forward in f64, and the gradients of candle's autograd through that f64 attention against
-//! those of our op (its fused backward) in f32, under every mask (rows that see no key too), GQA, softcap, odd lengths,
-//! V's head dim apart from Q's, and strided or offset views; f16 and bf16 against f32 with their
-//! rounding's tolerance.
+//! those of our op (its fused backward) in f32, under every mask (rows that see no key too),
+//! GQA, softcap, odd lengths, V's head dim apart from Q's, and strided or offset views; f16 and
+//! bf16 against f32 with their rounding's tolerance.
 #![cfg(feature = "candle")]
 
 mod candle_naive;
