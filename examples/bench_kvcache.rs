@@ -1,5 +1,6 @@
 //! Decoding over a dense KV cache on the device (`Device::kvcache_forward_into`): one query per
-//! sequence, GQA 8:1 (32 query heads, 4 KV heads), d128, bf16, every sequence's cache full;
+//! sequence, GQA 8:1 (32 query heads, 4 KV heads), d128, bf16, every sequence's cache full
+//! (but with `--ragged`);
 //! batch 1 to 128, cache 1k to 128k keys (the longest where batch × cache ≤ 4M keys). Decode is
 //! bound by reading the cache, so each row gives
 //! the bytes of K and V read over the time (GB/s) beside a device-to-device copy of as many bytes
@@ -23,7 +24,8 @@
 //! so that its last key block ends inside a tile (the rows past the count are read and
 //! discarded); GB/s then counts the keys held, and the copy ceiling copies as many bytes.
 //!
-//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--sm80] [--no-pack] [--narrow] [--shape B,C] [--step] [--e4m3] [--f16] [--ragged] --out kvcache.json`
+//! `cargo run --release --example bench_kvcache -- [--paged P] [--splits N] [--sm80] [--no-pack]
+//! [--narrow] [--shape B,C] [--step] [--e4m3] [--f16] [--ragged] --out kvcache.json`
 
 mod common;
 

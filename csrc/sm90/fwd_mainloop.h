@@ -128,13 +128,15 @@ struct FwdMainloop {
   __device__ auto rowcol_O() { return make_tensor(tOrO.data(), acc_rowcol(tOrO.layout())); }
 
   // The tile's first-visited key block: its V rows past the entry's keys, to zero (zero_v_tail)
-  // before its P·V, where the entry owns rows past its keys (a KV cache, seqused_k; a dense
-  // call's TMA box reads zeros past its rows, and a packed one's rows are the next sequence's).
-  // Called once the last tile's pending P·V has waited for its V.
+  // before its P·V, where they are not the TMA box's zero fill past the tensor: an entry's own
+  // rows past its keys (a KV cache's, seqused_k's) or, packed, the next entry's rows (a dense
+  // KV cache's next entry may hold no keys at all). Called once the last tile's pending P·V has
+  // waited for its V.
   __device__ FLASHATTN_INLINE void mark_v_tail(const WorkTile& t) {
     if constexpr (!Traits::kFp8) {
       const int rows = t.seq.seqlen_k - (t.n_max - 1) * kBlockN;
-      if (t.seq.keys_owned > t.seq.seqlen_k && rows < kBlockN) v_rows_with_keys = rows;
+      const bool rows_past_keys = t.seq.keys_owned > t.seq.seqlen_k || params.seqs.packed();
+      if (rows_past_keys && rows < kBlockN) v_rows_with_keys = rows;
     }
   }
   // After the wait for V stage `stage`: its rows past the keys zeroed where mark_v_tail says so.

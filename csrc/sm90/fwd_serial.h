@@ -41,6 +41,7 @@ __device__ __forceinline__ void fwd_serial_tile(Mainloop& ml, Epilogue& epilogue
   // FP8: O's units start afresh, so that the first block's rescale of the clear O is by 0 (by the
   // last tile's V descale, NaN say, it would be NaN).
   if constexpr (Traits::kFp8) ml.v_unit = 1.f;
+  ml.mark_v_tail(t);  // the first block's P·V, in the loop's first pv_and_release
 #pragma unroll 1
   for (int n = t.n_max - 1; n >= t.n_min; --n) {
     const BlockScales scales = ml.block_scales(n);

@@ -238,7 +238,9 @@ fn dense_cache_matches_the_reference_per_sequence() {
     let (hq, hk, d, entries) = (8, 2, 128, 4);
     let mut rng = rand::SeedableRng::seed_from_u64(36);
     let mut failures = vec![];
-    for (seqlen_q, lens) in [(1, [0, 1, 257]), (4, [300, 129, 4])] {
+    // [300, 0, 17]: a full entry whose last key block runs into the next entry's rows, which
+    // hold no key (NaN values).
+    for (seqlen_q, lens) in [(1, [0, 1, 257]), (4, [300, 129, 4]), (1, [300, 0, 17])] {
         let batch = lens.len();
         let q: Vec<bf16> = random(batch * seqlen_q * hq * d, &mut rng);
         let mut k: Vec<bf16> = random(entries * SEQLEN_CACHE * hk * d, &mut rng);
@@ -346,8 +348,9 @@ fn run_paged(
 /// sizes no multiple of 16 (1, 24, 100): no whole number of blocks, so gathered row by row, each
 /// row from its page (past 1k keys without a mask the Base tiles run: d64's 192-key blocks over
 /// three pages of 64, or over exactly 32 pages of 6 (a page for each lane of a warp) and 64 of 3
-/// (a lookup a row), d128's 160-key ones over 32 pages of 5 and 40 of 4), out of order, one page shared by two sequences, the rows past each length
-/// poisoned with large finite keys: each sequence's O and LSE against the reference over its
+/// (a lookup a row), d128's 160-key ones over 32 pages of 5 and 40 of 4), out of order, one page
+/// shared by two sequences, the rows past the first two sequences' lengths poisoned (large keys,
+/// NaN values): each sequence's O and LSE against the reference over its
 /// keys gathered from its pages, with the launcher's key splits and with 3.
 #[test]
 #[ignore = "needs a GPU"]

@@ -5,8 +5,8 @@
 //! that dequantizes to bf16 and then attends: paged (pages of 16, 64, 100 and 160 rows, out of
 //! order) and dense, GQA with and without packed query heads, causal and softcap, key splits,
 //! with and without descales, the rows past each length poisoned (keys of e4m3's largest
-//! finite value, values NaN, as an uninitialized cache may hold). Whole steps over such caches (append quantized by the descales, rotary embedding,
-//! forward) against the host step.
+//! finite value, values NaN, as an uninitialized cache may hold). Whole steps over such caches
+//! (append quantized by the descales, rotary embedding, forward) against the host step.
 #![cfg(feature = "kvcache-fp8")]
 
 use cudarc::driver::CudaSlice;
