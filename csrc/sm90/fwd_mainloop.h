@@ -128,15 +128,16 @@ struct FwdMainloop {
   __device__ auto rowcol_O() { return make_tensor(tOrO.data(), acc_rowcol(tOrO.layout())); }
 
   // The tile's first-visited key block: its V rows past the entry's keys, to zero (zero_v_tail)
-  // before its P·V, where they are not the TMA box's zero fill past the tensor: an entry's own
-  // rows past its keys (a KV cache's, seqused_k's) or, packed, the next entry's rows (a dense
-  // KV cache's next entry may hold no keys at all). Called once the last tile's pending P·V has
-  // waited for its V.
+  // before its P·V, where a call with used-key counts (a KV cache's cache_seqlens, seqused_k)
+  // may hold anything there: the entry's own rows past its count, or a dense cache's next
+  // entry's rows, which may hold no key at all. Elsewhere they are the TMA box's zero fill past
+  // the tensor or the next packed sequence's rows, which the caller keeps finite. Called once
+  // the last tile's pending P·V has waited for its V.
   __device__ FLASHATTN_INLINE void mark_v_tail(const WorkTile& t) {
     if constexpr (!Traits::kFp8) {
       const int rows = t.seq.seqlen_k - (t.n_max - 1) * kBlockN;
-      const bool rows_past_keys = t.seq.keys_owned > t.seq.seqlen_k || params.seqs.packed();
-      if (rows_past_keys && rows < kBlockN) v_rows_with_keys = rows;
+      const bool counts_keys = params.seqs.used_k != nullptr || t.seq.keys_owned > t.seq.seqlen_k;
+      if (counts_keys && rows < kBlockN) v_rows_with_keys = rows;
     }
   }
   // After the wait for V stage `stage`: its rows past the keys zeroed where mark_v_tail says so.
