@@ -18,10 +18,10 @@ use crate::kvcache::{KvCache, KvCacheInputs};
 ///
 /// On the CPU every count and page number is checked (typed errors); on a CUDA device they
 /// stay there and the kernels clamp them, as [`crate::cuda::DeviceKvCacheInputs`] says (rows
-/// past each count in the blocks read must hold finite values; a paged cache runs on the Hopper
-/// forward or the Ampere one; the CUDA path not yet run on a GPU). There Q and a dense cache are read as one run of rows: views
-/// whose entries do not follow each other (a transposed Q of several rows, a cache narrowed
-/// along its rows) are copied first.
+/// past each count may hold anything, NaN included; a paged cache runs on the Hopper forward or
+/// the Ampere one; the CUDA path not yet run on a GPU). There Q and a dense cache are read as one
+/// run of rows: views whose entries do not follow each other (a transposed Q of several rows, a
+/// cache narrowed along its rows) are copied first.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
