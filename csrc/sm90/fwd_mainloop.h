@@ -135,9 +135,9 @@ struct FwdMainloop {
   // the last tile's pending P·V has waited for its V.
   __device__ FLASHATTN_INLINE void mark_v_tail(const WorkTile& t) {
     if constexpr (!Traits::kFp8) {
+      // An entry owns rows past its keys only with used-key counts (Sequences::at).
       const int rows = t.seq.seqlen_k - (t.n_max - 1) * kBlockN;
-      const bool counts_keys = params.seqs.used_k != nullptr || t.seq.keys_owned > t.seq.seqlen_k;
-      if (counts_keys && rows < kBlockN) v_rows_with_keys = rows;
+      if (params.seqs.used_k != nullptr && rows < kBlockN) v_rows_with_keys = rows > 0 ? rows : 0;
     }
   }
   // After the wait for V stage `stage`: its rows past the keys zeroed where mark_v_tail says so.
