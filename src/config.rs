@@ -217,6 +217,13 @@ impl KeyRule {
         self.right
             .is_some_and(|r| r.saturating_add(1) < self.seqlen_q)
     }
+
+    /// Whether the left bound hides a key from some row: the last row sees keys from
+    /// `seqlen_k − 1 − left`, so a left window of `seqlen_k − 1` or more hides none.
+    pub fn bounds_some_row_on_the_left(&self) -> bool {
+        self.left
+            .is_some_and(|l| l.saturating_add(1) < self.seqlen_k)
+    }
 }
 
 #[cfg(test)]
@@ -237,6 +244,24 @@ mod tests {
                 r.key_range(0).1 < 50,
                 r.bounds_some_row_on_the_right(),
                 "{right}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_left_window_of_seqlen_k_minus_1_hides_no_key() {
+        let rule = |sk, left| AttentionMask::Window { left, right: None }.key_rule(8, sk);
+        assert!(rule(50, Some(48)).bounds_some_row_on_the_left());
+        assert!(!rule(50, Some(49)).bounds_some_row_on_the_left());
+        assert!(!rule(50, Some(usize::MAX)).bounds_some_row_on_the_left());
+        assert!(!rule(50, None).bounds_some_row_on_the_left());
+        // What the rule says, row by row: the last row misses key 0 exactly when bounded.
+        for left in 0..60 {
+            let r = rule(50, Some(left));
+            assert_eq!(
+                r.key_range(7).0 > 0,
+                r.bounds_some_row_on_the_left(),
+                "{left}"
             );
         }
     }

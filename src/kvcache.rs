@@ -822,8 +822,7 @@ pub struct KvCacheStep<'a, 'c, T, C = T> {
 /// is a right side of 0. (FlashAttention-2 drops only sides of the capacity or more.)
 pub fn queries_at_one_position(mask: AttentionMask, capacity: usize, seqlen_q: usize) -> bool {
     let rule = mask.key_rule(seqlen_q, capacity);
-    let left_bounds = rule.left.is_some_and(|l| l.saturating_add(1) < capacity);
-    !left_bounds && !rule.bounds_some_row_on_the_right()
+    !rule.bounds_some_row_on_the_left() && !rule.bounds_some_row_on_the_right()
 }
 
 /// `x` (batch, rows, heads, d) copied, each head's row `i` of entry `b` rotated to position
