@@ -10,8 +10,8 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Shape, Tensor};
 
 #[cfg(feature = "candle-cuda")]
 use super::gpu;
-use super::{cpu, lock_error, Lse, Packed};
-use crate::AttentionConfig;
+use super::{cpu, lock_error, wrap, Lse, Packed};
+use crate::{AttentionConfig, Layout, Operand};
 
 /// The packed gradient buffer of dQ, dK and dV (`counts`: Q's, K's and V's elements): where dK
 /// and dV start (dQ at 0), on 128-element boundaries so that on the GPU each gradient starts as
@@ -23,6 +23,7 @@ pub(super) fn grad_offsets([nq, nk, nv]: [usize; 3]) -> candle_core::Result<Grad
         let kv_start = round(nq)?;
         let v_start = kv_start.checked_add(round(nk)?)?;
         Some(GradOffsets {
+            counts: [nq, nk, nv],
             kv_start,
             v_start,
             len: v_start.checked_add(nv)?,
@@ -35,9 +36,22 @@ pub(super) fn grad_offsets([nq, nk, nv]: [usize; 3]) -> candle_core::Result<Grad
     })
 }
 
-/// Where dK and dV start in the packed gradient buffer, and its length ([`grad_offsets`]).
+/// [`grad_offsets`] of gradients shaped as Q, K and V (`shapes`), their element counts checked
+/// as the library checks its own tensors' (a typed error past usize, never an overflow).
+pub(super) fn grad_buffer(shapes: [[usize; 4]; 3]) -> candle_core::Result<GradOffsets> {
+    let operands = [Operand::DQ, Operand::DK, Operand::DV];
+    let mut counts = [0; 3];
+    for ((n, shape), operand) in counts.iter_mut().zip(shapes).zip(operands) {
+        *n = Layout::contiguous(shape).numel(operand).map_err(wrap)?;
+    }
+    grad_offsets(counts)
+}
+
+/// The packed gradient buffer ([`grad_offsets`]): dQ's, dK's and dV's element counts, where dK
+/// and dV start, and its length.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct GradOffsets {
+    pub(super) counts: [usize; 3],
     pub(super) kv_start: usize,
     pub(super) v_start: usize,
     pub(super) len: usize,

@@ -44,17 +44,12 @@ pub(super) fn backward<T: Element + WithDType>(
     let (out, dout) = (view::<T>(out)?, view::<T>(dout)?);
     // Sizes checked and the buffer taken as the library takes its own: typed errors for sizes
     // past usize or memory (a broadcast operand's logical shape may be huge), never an abort.
-    let numel = |t: &TensorRef<T>, operand| Layout::contiguous(t.layout.shape).numel(operand);
-    let (nq, nk, nv) = (
-        numel(&q, crate::Operand::DQ).map_err(wrap)?,
-        numel(&k, crate::Operand::DK).map_err(wrap)?,
-        numel(&v, crate::Operand::DV).map_err(wrap)?,
-    );
     let GradOffsets {
+        counts: [nq, nk, nv],
         kv_start,
         v_start,
         len,
-    } = grad_offsets([nq, nk, nv])?;
+    } = grad_buffer([q.layout.shape, k.layout.shape, v.layout.shape])?;
     let mut grads = crate::alloc::<T>(len).map_err(wrap)?;
     if let Some(p) = packed {
         let (cu_q, cu_k) = p.host_offsets()?;

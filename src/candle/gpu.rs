@@ -155,17 +155,12 @@ pub(super) fn backward<T: Element + CudaDType + DeviceRepr + ValidAsZeroBits>(
     let (q, k, v) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
     let (out, dout) = (view::<T>(out)?, view::<T>(dout)?);
     let (q_shape, kv_shape, v_shape) = (q.layout.shape, k.layout.shape, v.layout.shape);
-    let numel = |s: [usize; 4], operand| Layout::contiguous(s).numel(operand).map_err(wrap);
-    let (nq, nk, nv) = (
-        numel(q_shape, crate::Operand::DQ)?,
-        numel(kv_shape, crate::Operand::DK)?,
-        numel(v_shape, crate::Operand::DV)?,
-    );
     let GradOffsets {
+        counts: [nq, nk, nv],
         kv_start,
         v_start,
         len,
-    } = grad_offsets([nq, nk, nv])?;
+    } = grad_buffer([q_shape, kv_shape, v_shape])?;
     let mut grads = match packed {
         // Zeroed: rows that no sequence names are not written.
         Some(_) => dev.alloc_zeros::<T>(len)?,

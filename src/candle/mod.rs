@@ -42,7 +42,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Shape, Tensor};
 
-use backward::{grad_offsets, Backward, GradOffsets};
+use backward::{grad_buffer, grad_offsets, Backward, GradOffsets};
 
 use crate::{
     AttentionConfig, BackwardInputs, Element, ForwardInputs, GradientsMut, Layout, TensorMut,
