@@ -348,8 +348,9 @@ fn run_paged(
 /// sizes no multiple of 16 (1, 24, 100): no whole number of blocks, so gathered row by row, each
 /// row from its page (past 1k keys without a mask the Base tiles run: d64's 192-key blocks over
 /// three pages of 64, or over exactly 32 pages of 6 (a page for each lane of a warp) and 64 of 3
-/// (a lookup a row), d128's 160-key ones over 32 pages of 5 and 40 of 4), out of order, one page
-/// shared by two sequences, the rows past the first two sequences' lengths poisoned (large keys,
+/// (a lookup a row), d128's 160-key ones over 32 pages of 5 and 40 of 4; over pages of 16 they
+/// take their blocks in 16-row pieces, 12 and 10 to a block), out of order, one page shared by
+/// two sequences, the rows past the first two sequences' lengths poisoned (large keys,
 /// NaN values): each sequence's O and LSE against the reference over its
 /// keys gathered from its pages, with the launcher's key splits and with 3.
 #[test]
@@ -372,6 +373,8 @@ fn paged_cache_matches_the_reference_per_sequence() {
         ((64, 64), (3, 400), 1, [1199, 1200, 5, 640]),
         ((128, 128), (5, 240), 2, [1200, 161, 2, 1119]),
         ((128, 128), (4, 300), 1, [7, 1200, 1000, 321]),
+        ((64, 64), (16, 72), 2, [1152, 5, 1030, 300]),
+        ((128, 128), (16, 72), 1, [1100, 17, 1152, 600]),
     ];
     assert_paged_cases(Backend::Auto, &cases);
 }
