@@ -401,8 +401,9 @@ fn paged_rows_at_96_and_192_128() {
 }
 
 /// DeepSeek's (192, 128) over pages of its tile's 128-key blocks (the Base tile: it has no
-/// Masked one), and over pages of 32 and 320 rows (gathered); d192 (112-key blocks) over pages
-/// of 16 and 112; d256 over pages of 16 and 24.
+/// Masked one), and over pages of 32 and 320 rows (in pieces of 16 and of 64 rows); d192
+/// (112-key blocks) over pages of 16 (pieces) and 112 (whole blocks); d256 over pages of 16
+/// (pieces) and 24 (gathered).
 #[test]
 #[ignore = "needs a Hopper GPU"]
 #[cfg(feature = "hdim192")]
