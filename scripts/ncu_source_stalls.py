@@ -7,6 +7,8 @@ instructions that collect the most samples, each with its leading reasons and ex
     ncu -i REPORT.ncu-rep --page source --print-source sass --csv > REPORT.csv
     python3 scripts/ncu_source_stalls.py [--top N] [--range LO:HI] A.csv [B.csv]
 
+(scripts/device/profile.sh --source writes such CSVs for the forward benchmarks.)
+
 --range keeps the instructions whose index (their row in the CSV, from 0) lies in [LO, HI): a
 region such as a producer's loop, found from a first look at the top instructions. A warp that
 is never sampled waiting (say, a producer issuing all the time) shows that by its samples'
