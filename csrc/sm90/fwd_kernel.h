@@ -23,8 +23,8 @@
 // Ping-pong (run-time flag): two named barriers hand the tensor cores back and forth between
 // the consumer warpgroups, so that one warpgroup's softmax hides under the other's GEMMs. Key
 // blocks that need no mask may run a copy of the loop without the mask and softcap tests
-// (Tile::kUnmaskedLoop). setmaxnreg moves registers from the producer (24; 40 over an e4m3
-// cache) to the consumers (240; 232), FwdTraits::kProducerRegs. Without intra-warpgroup overlap (a tile's choice, or the FlashAttention-3 paper's
+// (Tile::kUnmaskedLoop). setmaxnreg moves registers from the producer (24; 56 over an e4m3
+// cache) to the consumers (240; 224), FwdTraits::kProducerRegs. Without intra-warpgroup overlap (a tile's choice, or the FlashAttention-3 paper's
 // ablation) each tile runs fwd_serial.h's loop.
 // The partial-results instantiation (kPartials) also runs pack-GQA tiles, whose rows are
 // (query row, query head) pairs of one KV head (fwd_packed_q.h gathers their Q), and key splits,

@@ -226,8 +226,11 @@ struct FwdProducer {
       };
       // Staged (an e4m3 cache whose pages hold whole pieces): the tile's items j = 0, 1, ... in
       // the order they are widened: block n_max − 1 − j / 4's K (j / 2 even) or V, its half j % 2.
-      // Item j fills slot (staged + j) % kSlots, issued by the first warp kSlots items ahead,
-      // once the slot's item before is widened.
+      // Item j fills slot (staged + j) % kSlots, issued once every warp has widened the slot's
+      // item before: the tile's first kSlots items by the first warp, item j + kSlots by warp
+      // j % kWarps after it has widened item j + 1 (by then the other warps are done with item
+      // j, so it seldom waits for them), so that the warps take turns at the lookups and copies
+      // and widen at their own pace in between.
       using StagingK = typename Traits::StagingK;
       constexpr int kSlots = StagingK::kSlots;
       const int items = 4 * t.n_blocks();
@@ -240,6 +243,10 @@ struct FwdProducer {
         if constexpr (kLoad == KvLoad::Staged) {
           const int first_key = item_key(j);
           const int slot = slot_of(j);
+          const uint32_t item = staged + uint32_t(j);  // the CTA's count
+          if (item >= uint32_t(kSlots))  // the slot's item before, read by every warp
+            cutlass::arch::ClusterBarrier::wait(&smem.staging.read[slot],
+                                                (item / kSlots - 1) % 2);
           uint64_t& full = smem.staging.full[slot];
           if (lane == 0)
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full,
@@ -262,13 +269,15 @@ struct FwdProducer {
         }
       };
       // Item j widened into its half of the stage, which the first half waits for and the second
-      // fills; then its slot takes item j + kSlots, whose pages the first warp looks up first
-      // (their loads' latency under the widening).
+      // fills; then item j − 1's slot takes item j − 1 + kSlots, whose pages its refilling warp
+      // looked up before it widened item j − 1 (their loads' latency under the widening).
+      auto refills = [&](int j) {
+        return j >= 0 && threadIdx.x / 32 == j % StagingK::kWarps && j + kSlots < items;
+      };
       auto widen_item = [&](int j, auto staging, auto& pipe, auto& buffer) {
         if constexpr (kLoad == KvLoad::Staged) {
           using Staging = decltype(staging);
-          const bool refill = first_warp && j + kSlots < items;
-          if (refill) look_up_piece(item_key(j + kSlots));
+          if (refills(j)) look_up_piece(item_key(j + kSlots));
           const int slot = slot_of(j);
           cutlass::arch::ClusterTransactionBarrier::wait(&smem.staging.full[slot],
                                                          (staged + uint32_t(j)) / kSlots % 2);
@@ -277,8 +286,8 @@ struct FwdProducer {
                          cast_smem_ptr_to_uint(buffer.begin()), st.index,
                          j % 2 * Staging::kItemRows, threadIdx.x);
           if (j % 2 == 1) pipe.producer_commit_written(st.index);
-          named_sync(FwdBarrier::StagingRead, kGatherThreads);
-          if (refill) issue_item(j + kSlots);
+          smem.staging.mark_read(slot);
+          if (refills(j - 1)) issue_item(j - 1 + kSlots);
         }
       };
       if constexpr (kLoad == KvLoad::Staged) {

@@ -35,9 +35,8 @@ enum class FwdBarrier : uint32_t {
   TurnWG1 = 1,  // ping-pong: consumer WG1 may issue its GEMMs
   QRowsWG0 = 2,  // pack-GQA: consumer WG0's gathered Q rows are in its buffer (fwd_packed_q.h)
   QRowsWG1 = 3,
-  StagingRead = 4,  // the producer warpgroup has widened a staging slot (fwd_cache_staging.h)
-  VTailWG0 = 5,     // consumer WG0 has zeroed a V stage's rows past its entry's keys
-  VTailWG1 = 6,
+  VTailWG0 = 4,  // consumer WG0 has zeroed a V stage's rows past its entry's keys
+  VTailWG1 = 5,
 };
 
 __device__ inline void named_sync(FwdBarrier b, uint32_t threads) {
@@ -100,9 +99,10 @@ struct FwdTraits {
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   // The producer's registers and the consumers' (setmaxnreg: 128·P + 256·C is at most the
   // launch's 168 × 384). An e4m3 cache's producer widens every row, which in 24 registers spills
-  // its loop's state to local memory on every chunk; 40 leave the consumers 232.
-  static constexpr int kProducerRegs = kWidensCache ? 40 : 24;
-  static constexpr int kConsumerRegs = kWidensCache ? 232 : 240;
+  // its loop's state to local memory on every chunk; 56 hold two chunks' widening at once
+  // (CacheStaging::kPassesAtOnce) and leave the consumers 224, whose loop spills nothing.
+  static constexpr int kProducerRegs = kWidensCache ? 56 : 24;
+  static constexpr int kConsumerRegs = kWidensCache ? 224 : 240;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 168 * 384, "the launch's registers");
 
   using TileQ = Shape<Int<kRowsPerWG>, Int<kHeadDim>>;
