@@ -129,6 +129,41 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     smem.pipe_q.consumer_wait(st_q);
     if constexpr (kPackable) {
       if (params.group > 1) gather_packed_q(params, t, smem, wg, tid, st_q.index);
+      // A warpgroup holding none of the tile's rows (the second of a decode step's pack-GQA
+      // tile, whose rows the first holds) computes nothing: it releases the stages and takes
+      // the ping-pong turns as the loop below does, a turn a key block, and leaves the tile
+      // pending as it does (its last P·V then multiplies nothing that is stored). A P·V pending
+      // from the tile before goes out first, on a turn that stands for this tile's first. No
+      // GEMM here but finish_pending's: a GEMM under a branch of its own in the loop below
+      // would have ptxas serialize every WGMMA of the kernel. (The overlapped loop's rhythm:
+      // the serial one takes two turns a block.)
+      if (Traits::kIntraWGOverlap && row0 >= t.rows) {
+        const bool turn_taken = pending;
+        if (pending) finish_pending();
+#pragma unroll 1
+        for (int n = t.n_max - 1; n >= t.n_min; --n) {
+          const bool first = n == t.n_max - 1;
+          smem.pipe_k.consumer_wait(st_k);
+          if (!first) smem.pipe_v.consumer_wait(st_v);  // the block before's
+          if (!first || !turn_taken) {
+            ml.turn_wait();
+            ml.turn_pass();
+          }
+          smem.pipe_k.consumer_release(st_k);
+          st_k.advance();
+          if (!first) {
+            smem.pipe_v.consumer_release(st_v);
+            st_v.advance();
+          }
+        }
+        smem.pipe_q.consumer_release(st_q);
+        st_q.advance();
+        pending = true;
+        pending_tile = t;
+        ml.hold_pending();
+        if constexpr (!Traits::kCrossTileOverlap) finish_pending();
+        continue;
+      }
     }
     if constexpr (!Traits::kIntraWGOverlap) {
       fwd_serial_tile<Traits>(ml, epilogue, smem, st_q, st_k, st_v, t, row0);
