@@ -234,16 +234,27 @@ pub(crate) fn compile_all(
                     started.elapsed().as_secs_f64()
                 ));
                 fs::write(&log, &text).unwrap();
-                if out.status.success() {
+                // ptxas's C7515 remark: it serialized a kernel's WGMMAs (a GEMM issued under a
+                // branch of its own, or its accumulators written between issue and wait), which
+                // costs a Hopper kernel a quarter of its speed or more. Such an object is
+                // refused, not cached.
+                let serialized = text.contains("(C7515)");
+                if out.status.success() && !serialized {
                     fs::rename(&tmp, &obj).unwrap();
                     if verbose {
                         print_log(&log);
                     }
                 } else {
+                    let _ = fs::remove_file(&tmp);
+                    let why = if serialized {
+                        "ptxas serialized WGMMAs (C7515): a kernel would run far below its speed\n"
+                    } else {
+                        ""
+                    };
                     failures
                         .lock()
                         .unwrap()
-                        .push(format!("{}:\n{cmd:?}\n{text}", src.display()));
+                        .push(format!("{}:\n{why}{cmd:?}\n{text}", src.display()));
                 }
             })
         })
