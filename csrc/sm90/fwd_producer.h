@@ -1,7 +1,8 @@
 // The sm90 forward's producer: warpgroup 0 gives its registers to the consumers, and lane 0 of
 // its first warp issues every TMA load but the pieces of a paged cache's key blocks, which the
-// warp's lanes issue one each. An e4m3 cache's pieces land in staging slots, from which the whole
-// warpgroup widens them into the stages (fwd_cache_staging.h); where a paged cache's pages hold
+// warp's lanes issue one each. An e4m3 cache's pieces land in staging slots, whose refills the
+// four warps issue in turn and from which the whole warpgroup widens them into the stages
+// (fwd_cache_staging.h); where a paged cache's pages hold
 // neither whole key blocks nor whole pieces (and an e4m3 cache's at d256), the whole warpgroup
 // copies K's and V's rows (fwd_paged_rows.h), widening an e4m3 cache's. Per tile: the first K
 // block, then
@@ -53,7 +54,9 @@ struct FwdProducer {
 
   // The tiles' loads. The first warp walks the tiles and waits for the stages; lane 0 arrives
   // on them and issues their TMA loads (the lanes one piece each of a paged block). Gathered and
-  // Staged: the other warps walk beside it, and the whole warpgroup writes K's and V's rows.
+  // Staged: the other warps walk beside it, and the whole warpgroup writes K's and V's rows;
+  // Staged, each warp in turn also refills a staging slot (its lane 0 arrives, its lanes issue
+  // the pieces).
   template <KvLoad kLoad>
   __device__ static void walk(const FwdParams<Traits>& params,
                               typename Traits::SharedStorage& smem) {
