@@ -55,6 +55,7 @@ fn build_kernels() {
     for var in [
         "CUDA_HOME",
         "CUDA_PATH",
+        "FLASHATTN_ALLOW_SERIALIZED_WGMMA",
         "FLASHATTN_CACHE_DIR",
         "FLASHATTN_NVCC_JOBS",
         "FLASHATTN_PTXAS_VERBOSE",

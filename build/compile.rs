@@ -197,6 +197,8 @@ pub(crate) fn compile_all(
         jobs.push((src.clone(), cmd, obj, log));
     }
 
+    // An experiment may build serialized kernels on purpose, to time them.
+    let allow_serialized = env::var_os("FLASHATTN_ALLOW_SERIALIZED_WGMMA").is_some();
     let jobs_n: usize = env::var("FLASHATTN_NVCC_JOBS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -215,7 +217,10 @@ pub(crate) fn compile_all(
                     return;
                 };
                 if obj.exists() {
-                    if verbose {
+                    let text = fs::read_to_string(&log).unwrap_or_default();
+                    if serializes_wgmma(&text) && !allow_serialized {
+                        failures.lock().unwrap().push(refusal(&src, &text));
+                    } else if verbose {
                         print_log(&log);
                     }
                     continue;
@@ -234,27 +239,20 @@ pub(crate) fn compile_all(
                     started.elapsed().as_secs_f64()
                 ));
                 fs::write(&log, &text).unwrap();
-                // ptxas's C7515 remark: it serialized a kernel's WGMMAs (a GEMM issued under a
-                // branch of its own, or its accumulators written between issue and wait), which
-                // costs a Hopper kernel a quarter of its speed or more. Such an object is
-                // refused, not cached.
-                let serialized = text.contains("(C7515)");
-                if out.status.success() && !serialized {
+                if !out.status.success() {
+                    let _ = fs::remove_file(&tmp);
+                    failures
+                        .lock()
+                        .unwrap()
+                        .push(format!("{}:\n{cmd:?}\n{text}", src.display()));
+                } else if serializes_wgmma(&text) && !allow_serialized {
+                    let _ = fs::remove_file(&tmp);
+                    failures.lock().unwrap().push(refusal(&src, &text));
+                } else {
                     fs::rename(&tmp, &obj).unwrap();
                     if verbose {
                         print_log(&log);
                     }
-                } else {
-                    let _ = fs::remove_file(&tmp);
-                    let why = if serialized {
-                        "ptxas serialized WGMMAs (C7515): a kernel would run far below its speed\n"
-                    } else {
-                        ""
-                    };
-                    failures
-                        .lock()
-                        .unwrap()
-                        .push(format!("{}:\n{why}{cmd:?}\n{text}", src.display()));
                 }
             })
         })
@@ -264,9 +262,30 @@ pub(crate) fn compile_all(
     }
     let failures = failures.lock().unwrap();
     if !failures.is_empty() {
-        panic!("flashattn: nvcc failed\n{}", failures.join("\n\n"));
+        panic!("flashattn: kernel build failed\n{}", failures.join("\n\n"));
     }
     objects
+}
+
+/// Whether ptxas serialized a kernel's WGMMAs (its remarks C7512, C7514, C7515 and C7520 among
+/// others say so in these words: a GEMM under a branch of its own, accumulators touched between
+/// issue and wait, too few registers), which leaves a Hopper kernel far below its speed: such an
+/// object is refused, whether just built or found in the cache (unless
+/// FLASHATTN_ALLOW_SERIALIZED_WGMMA is set).
+fn serializes_wgmma(nvcc_output: &str) -> bool {
+    nvcc_output.contains("wgmma.mma_async instructions are serialized")
+}
+
+fn refusal(src: &Path, nvcc_output: &str) -> String {
+    let remarks: Vec<&str> = nvcc_output
+        .lines()
+        .filter(|l| serializes_wgmma(l))
+        .collect();
+    format!(
+        "{}: ptxas serialized WGMMAs (set FLASHATTN_ALLOW_SERIALIZED_WGMMA to build it anyway)\n{}",
+        src.display(),
+        remarks.join("\n")
+    )
 }
 
 /// `arg` with the repository's path replaced by a placeholder.

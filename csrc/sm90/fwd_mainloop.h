@@ -100,7 +100,8 @@ struct FwdMainloop {
   // Of the next V stage this warpgroup multiplies by, the rows that hold its entry's keys: a
   // tile's first-visited block may end past them, where a KV cache holds whatever it holds, and
   // P·V would make a NaN there every row's NaN (0·NaN); the rest are zeroed first (by each
-  // warpgroup that holds rows of the tile, writing the same zeros). 16-bit V only (the FP8 forward reads no cache).
+  // warpgroup that holds rows of the tile, writing the same zeros). 16-bit V only (the FP8
+  // forward reads no cache).
   int v_rows_with_keys = kBlockN;
 
   __device__ FwdMainloop(const FwdParams<Traits>& p, typename Traits::SharedStorage& smem, int wg,

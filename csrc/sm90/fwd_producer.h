@@ -1,15 +1,14 @@
 // The sm90 forward's producer: warpgroup 0 gives its registers to the consumers, and lane 0 of
 // its first warp issues every TMA load but the pieces of a paged cache's key blocks, which the
-// warp's lanes issue one each. An e4m3 cache's pieces land in staging slots, whose refills the
-// four warps issue in turn and from which the whole warpgroup widens them into the stages
-// (fwd_cache_staging.h); where a paged cache's pages hold
+// warp's lanes issue one each. An e4m3 cache's pieces land in staging slots (a tile's first ones
+// issued by the first warp, the refills by the four warps in turn), from which the whole
+// warpgroup widens them into the stages (fwd_cache_staging.h); where a paged cache's pages hold
 // neither whole key blocks nor whole pieces (and an e4m3 cache's at d256), the whole warpgroup
 // copies K's and V's rows (fwd_paged_rows.h), widening an e4m3 cache's. Per tile: the first K
-// block, then
-// Q (with one Q buffer it waits for the last Q·Kᵀ of the tile before), then the first V block
-// and the other K/V blocks, last to first, into the two kStages-deep pipelines. With pack-GQA a
-// tile's Q rows are no TMA box: the consumers gather them (fwd_packed_q.h), and the producer
-// only passes the Q buffer on (a Q stage that brings no bytes).
+// block, then Q (with one Q buffer it waits for the last Q·Kᵀ of the tile before), then the
+// first V block and the other K/V blocks, last to first, into the two kStages-deep pipelines.
+// With pack-GQA a tile's Q rows are no TMA box: the consumers gather them (fwd_packed_q.h), and
+// the producer only passes the Q buffer on (a Q stage that brings no bytes).
 #pragma once
 
 #include <cute/arch/copy_sm80.hpp>
