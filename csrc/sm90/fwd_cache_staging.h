@@ -39,7 +39,8 @@ struct CacheStaging {
     alignas(128) uint8_t rows[kSlots * kItemBytes];
     uint64_t full[kSlots];  // a slot's TMA bytes have landed
     uint64_t read[kSlots];  // every warp has widened the slot's item (one arrival a warp)
-    // One thread initializes (one arrival, with the bytes); the caller fences and syncs.
+    // One thread initializes (full: one arrival, with the bytes; read: one a warp); the caller
+    // fences and syncs.
     __device__ void init() {
       for (int s = 0; s < kSlots; ++s) {
         cutlass::arch::ClusterTransactionBarrier::init(&full[s], 1);

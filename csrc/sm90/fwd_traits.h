@@ -99,8 +99,9 @@ struct FwdTraits {
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   // The producer's registers and the consumers' (setmaxnreg: 128·P + 256·C is at most the
   // launch's 168 × 384). An e4m3 cache's producer widens every row, which in 24 registers spills
-  // its loop's state to local memory on every chunk; 56 hold two chunks' widening at once
-  // (CacheStaging::kPassesAtOnce) and leave the consumers 224, whose loop spills nothing.
+  // its loop's state to local memory on every chunk; 56 take most of its other spills away
+  // beside two chunks' widening at once (CacheStaging::kPassesAtOnce; four at once spill in the
+  // loop again) and leave the consumers 224, whose key-block loop spills nothing.
   static constexpr int kProducerRegs = kWidensCache ? 56 : 24;
   static constexpr int kConsumerRegs = kWidensCache ? 224 : 240;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 168 * 384, "the launch's registers");
